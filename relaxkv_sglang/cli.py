@@ -1,0 +1,116 @@
+"""``relaxkv-sglang``: serve, and prepare the offline model and data.
+
+    relaxkv-sglang serve [--model smollm2-135m|tiny-llama|PATH] [--port N]
+                         [--max-total-tokens N] [-- extra sglang args]
+    relaxkv-sglang model smollm2-135m|tiny-llama
+    relaxkv-sglang data hotpotqa|squad|essays
+
+Every failure the user can fix ends in one line, ``relaxkv-sglang: error: ...``,
+and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from relaxkv_sglang import assets
+from relaxkv_sglang.server import SGLangServer, ServerConfig, ServerError
+
+
+def _resolve_model(name_or_path: str) -> str:
+    if name_or_path in assets.MODELS:
+        return str(assets.model_path(name_or_path))
+    return name_or_path
+
+
+def cmd_serve(args, extra: list[str]) -> int:
+    config = ServerConfig(
+        model_path=_resolve_model(args.model),
+        host=args.host,
+        port=args.port,
+        max_total_tokens=args.max_total_tokens,
+        device=args.device,
+        extra_args=extra,
+        log_path=args.log,
+        startup_timeout_s=args.startup_timeout,
+    )
+    server = SGLangServer(config)
+    print(f"starting sglang on {config.host}:{config.port or '(free port)'} "
+          f"with {config.model_path} (log: {args.log or 'a temp file'})", file=sys.stderr, flush=True)
+    server.start()
+    print(f"ready: {server.url}  (log: {server.log_path}; Ctrl-C stops it)", flush=True)
+    stop = {"now": False}
+
+    def _stop(*_):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        while not stop["now"] and server.proc.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        code = server.proc.poll()
+        server.stop()
+    if code not in (None, 0):
+        print(f"relaxkv-sglang: error: the server exited with code {code}: {server.last_error_line()}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_model(args, extra) -> int:
+    print(assets.model_path(args.name, verify=not args.no_verify))
+    return 0
+
+
+def cmd_data(args, extra) -> int:
+    print(assets.data_path(args.name))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="relaxkv-sglang", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the SGLang server with the plugin and CPU defaults")
+    s.add_argument("--model", default="smollm2-135m", help="model name (%s) or a model folder" % ", ".join(assets.MODELS))
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=30000)
+    s.add_argument("--max-total-tokens", type=int, default=32768, help="KV pool size in tokens (not sized from RAM)")
+    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    s.add_argument("--log", default=None, help="server log file (default: a temp file)")
+    s.add_argument("--startup-timeout", type=float, default=300.0)
+    s.set_defaults(func=cmd_serve)
+
+    m = sub.add_parser("model", help="prepare a model offline and print its folder")
+    m.add_argument("name", choices=assets.MODELS)
+    m.add_argument("--no-verify", action="store_true", help="skip the greedy-generation check")
+    m.set_defaults(func=cmd_model)
+
+    d = sub.add_parser("data", help="prepare a data set offline and print its path")
+    d.add_argument("name", choices=list(assets.DATA_MEMBERS))
+    d.set_defaults(func=cmd_data)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:  # everything after -- goes to sglang.launch_server unchanged
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args, extra)
+    except (assets.AssetError, ServerError) as exc:
+        print(f"relaxkv-sglang: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

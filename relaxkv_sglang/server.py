@@ -1,0 +1,172 @@
+"""Start, wait for and stop a real SGLang server process.
+
+Used by ``relaxkv-sglang serve``, ``make demo``, the benchmarks and the
+end-to-end test fixture, so every caller launches SGLang the same way: in its
+own process group (so stopping it also stops the scheduler and detokenizer
+children), on a port checked to be free, with the log in a file, ready only
+once ``/health_generate`` has generated a token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import requests
+
+CPU_DEFAULTS = {
+    "--device": "cpu",
+    "--attention-backend": "torch_native",
+    "--dtype": "float32",
+}
+
+
+class ServerError(RuntimeError):
+    """The server could not be started; the message is one line for the user."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def check_model_path(model_path: str) -> None:
+    path = pathlib.Path(model_path)
+    if not path.is_dir():
+        raise ServerError(f"--model-path {model_path}: no such directory")
+    if not (path / "config.json").is_file():
+        raise ServerError(f"--model-path {model_path}: not a model folder (no config.json)")
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port
+    max_total_tokens: int = 16384
+    device: str = "cpu"
+    extra_args: list[str] = dataclasses.field(default_factory=list)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    log_path: str | None = None
+    startup_timeout_s: float = 300.0
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", self.model_path,
+            "--host", self.host, "--port", str(self.port),
+            "--max-total-tokens", str(self.max_total_tokens),
+        ]
+        if self.device == "cpu":
+            for flag, value in CPU_DEFAULTS.items():
+                if flag not in self.extra_args:
+                    cmd += [flag, value]
+        return cmd + list(self.extra_args)
+
+
+class SGLangServer:
+    """A running ``sglang.launch_server`` process group. Use as a context manager."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.proc: subprocess.Popen | None = None
+        self._log_file = None
+        self.log_path: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def start(self) -> "SGLangServer":
+        cfg = self.config
+        check_model_path(cfg.model_path)
+        if cfg.port == 0:
+            cfg.port = free_port()
+        elif port_in_use(cfg.host, cfg.port):
+            raise ServerError(f"port {cfg.port} on {cfg.host} is in use; pick another with --port")
+        if cfg.log_path is None:
+            fd, cfg.log_path = tempfile.mkstemp(prefix="relaxkv-sglang-server-", suffix=".log")
+            os.close(fd)
+        self.log_path = cfg.log_path
+        self._log_file = open(cfg.log_path, "w")
+        env = dict(os.environ, **cfg.env)
+        self.proc = subprocess.Popen(
+            cfg.command(), stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,  # own process group: stop() reaches the children
+        )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(
+                    f"sglang server exited with code {self.proc.returncode} during startup: "
+                    f"{self.last_error_line()} (log: {self.log_path})"
+                )
+            try:
+                r = requests.get(self.url + "/health_generate", timeout=10)
+                if r.status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise ServerError(f"sglang server not ready after {self.config.startup_timeout_s:.0f} s (log: {self.log_path})")
+
+    def last_error_line(self) -> str:
+        try:
+            lines = pathlib.Path(self.log_path).read_text(errors="replace").splitlines()
+        except OSError:
+            return "no log"
+        for line in reversed(lines):
+            if "Error" in line or "error:" in line:
+                return line.strip()[-300:]
+        return lines[-1].strip()[-300:] if lines else "empty log"
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=timeout_s)
+            except ProcessLookupError:
+                pass
+        if self.proc is not None:
+            try:  # children that outlived the leader (same group)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> "SGLangServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,39 @@
+"""Shared fixtures: the tiny model, and one real SGLang server per test session."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+
+import pytest
+
+from relaxkv_sglang import assets
+from relaxkv_sglang.server import SGLangServer, ServerConfig
+
+TINY_POOL_TOKENS = 8192
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> str:
+    return str(assets.model_path("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def shim_report_path() -> pathlib.Path:
+    fd, path = tempfile.mkstemp(prefix="relaxkv-shims-", suffix=".jsonl")
+    os.close(fd)
+    return pathlib.Path(path)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_path, shim_report_path):
+    """A real ``sglang.launch_server`` on the tiny model, shared by the e2e tests."""
+    config = ServerConfig(
+        model_path=tiny_model_path,
+        max_total_tokens=TINY_POOL_TOKENS,
+        env={"RELAXKV_SHIM_REPORT": str(shim_report_path)},
+        extra_args=["--context-length", "4096"],
+    )
+    with SGLangServer(config) as srv:
+        yield srv

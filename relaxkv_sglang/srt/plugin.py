@@ -1,14 +1,36 @@
 """SGLang plugin entry point (group ``sglang.srt.plugins``, name ``relaxkv``).
 
 SGLang calls :func:`register` in the launching process and again in every
-scheduler process it spawns. It only registers things; the adapters
-themselves live in the sibling modules and import sglang lazily.
+scheduler process it spawns. It only registers things; the adapters live in
+the sibling modules. Every SGLang function hooked here is listed in
+:data:`HOOKS` with the parameters the hook relies on; a release that changes
+one stops the server at startup with a message naming it, instead of letting
+a hook misbehave.
+
+Registered:
+* attention backend ``relaxkv`` (``attention_backend.py``),
+* tree cache backend ``relaxkv`` (``tree_cache.py``),
+* hooks: request preparation (``api.py``), batch folding (``forward.py``).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+import pkgutil
 import sys
+
+SGLANG_VERSION = "0.5.23"
+
+# target -> (hook "module:function", parameters the hook relies on)
+HOOKS = {
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request": (
+        "relaxkv_sglang.srt.api:around_generate_request", ("self", "obj", "request")),
+    "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation": (
+        "relaxkv_sglang.srt.forward:around_forward_batch_generation", ("self", "batch")),
+    "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (
+        "relaxkv_sglang.srt.forward:around_forward_batch_init_new", ("cls", "batch", "model_runner")),
+}
 
 
 def announce(message: str) -> None:
@@ -30,6 +52,50 @@ def _check_cpu_shims() -> None:
     announce(f"CPU shims active in pid {os.getpid()}: {', '.join(relaxkv_patches.activated())}")
 
 
+def _check_target(target: str, params: tuple[str, ...]) -> None:
+    owner, _, attr = target.rpartition(".")
+    try:
+        fn = inspect.getattr_static(pkgutil.resolve_name(owner), attr)
+    except (ImportError, AttributeError) as exc:
+        raise SystemExit(f"relaxkv-sglang: hook target {target} is gone ({exc}); written for sglang {SGLANG_VERSION}")
+    fn = getattr(fn, "__func__", fn)
+    names = list(inspect.signature(fn).parameters)
+    if names[: len(params)] != list(params):
+        raise SystemExit(
+            f"relaxkv-sglang: {target} now takes {names}, the hook expects {list(params)} first; "
+            f"written for sglang {SGLANG_VERSION}"
+        )
+
+
+def _register_hooks() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, (hook_path, params) in HOOKS.items():
+        _check_target(target, params)
+        HookRegistry.register(target, pkgutil.resolve_name(hook_path), HookType.AROUND)
+
+
+def _register_backends() -> None:
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+
+    from relaxkv_sglang.srt.attention_backend import build_backend_class
+    from relaxkv_sglang.srt.tree_cache import make_tree_cache
+
+    if "relaxkv" not in ATTENTION_BACKENDS:
+        register_attention_backend("relaxkv")(lambda runner: build_backend_class()(runner))
+    if "relaxkv" not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices(["relaxkv"])
+    if get_radix_cache_factory("relaxkv") is None:
+        register_radix_cache_backend("relaxkv", make_tree_cache)
+
+
 def register() -> None:
     """Called by ``sglang.srt.plugins.load_plugins`` in each SGLang process."""
     _check_cpu_shims()
+    from relaxkv_sglang.srt.api import default_policy
+
+    default_policy()  # a bad RELAXKV_DEFAULT_POLICY stops the server here
+    _register_backends()
+    _register_hooks()

@@ -1,0 +1,376 @@
+"""Relaxed recomputation context of the anchors as a block-sparse (BSR) layout, in plain torch.
+
+Coordinates: keys are the request's context tokens in prompt order, key j at position j;
+pages are ``page_size`` consecutive tokens aligned to the prompt (page i = tokens
+``[i*page_size, (i+1)*page_size)``, the last one clipped to ``n_keys``).
+
+Layout (``BlockSparseLayout``):
+
+* rows = the anchors of one layer, sorted by position (``q_pos``);
+* row blocks = runs of rows that share one key-page list.  ``build_relaxed_layout`` makes one
+  row block per (page, chunk) of the anchors, so a block's anchors share their own-chunk pages
+  and their diagonal page;
+* ``indptr`` [n_row_blocks+1] int32 / ``indices`` [nnz] int32: the key pages of each row block,
+  ascending (CSR over pages, SciPy ``bsr_matrix`` style);
+* intra-block causal rule: row at position t sees key j iff ``page(j)`` is listed for its block
+  **and** ``j <= t``.  In relaxed layouts every listed page except the row block's own page lies
+  strictly before all its rows, so the rule only bites on that one diagonal page.
+
+Relaxed context of anchor t at layer l (``build_relaxed_layout``), page granular:
+
+* the sink: the pages holding the first ``sink_tokens`` tokens of the prompt;
+* t's own chunk up to t: pages ``page(chunk_start) .. page(t)``;
+* the most query-relevant other pages: pages ranked by ``sum of s_l`` over their tokens
+  (ties: earlier page first), taken until the budget is met.
+* Budget: ``ceil(context_ratio * (page(t) + 1))`` pages, i.e. a fraction of the anchor's causal
+  prefix counted in pages, **including** the sink and own-chunk pages (they are spent first;
+  when they alone exceed the budget they are still kept, so small ratios floor at
+  sink + own chunk).  ``context_ratio = 1`` selects every page ``<= page(t)``, i.e. exactly the
+  full causal prefix.  Rounding up to whole pages means a page that straddles a chunk boundary
+  brings a few extra tokens of the previous chunk, never fewer.
+* The achieved ratio is reported in tokens: ``kv_pairs() / full_kv_pairs()``.
+* Because the page ranking is shared and the budget grows with the ratio, the selected page
+  sets are nested in ``context_ratio``, so the work is monotone in it.
+* ``mode='random'`` (the ablation): same mandatory pages and the same page count per row
+  block, the optional pages taken in one seeded random order per layer; ``mode='full'``:
+  every causal page (independent of ``context_ratio``).
+
+FlashInfer mapping (``to_flashinfer_variable_block``; FlashInfer is not imported here).
+``VariableBlockSparseAttentionWrapper.plan(block_mask_map, block_row_sz, block_col_sz,
+num_qo_heads, num_kv_heads, head_dim, causal=False, ...)`` takes an HND ``q`` of the rows
+``[n_heads, n_rows, d]`` and ``k, v = K[:n_keys].transpose(0, 1)`` ``[n_kv_heads, n_keys, d]``:
+
+* ``block_row_sz[h, r]`` = rows in row block r (``diff(row_indptr)``), same for every kv head;
+* ``block_col_sz[h, c]`` = ``page_size`` (the last page clipped): column blocks are pages;
+* ``block_mask_map[h, r, c]`` = page c is listed for row block r **and** lies entirely before
+  the block's first row (fully visible to all its rows, so no mask is needed);
+* that wrapper has no position-wise causal mask, so each row's visible keys on partially
+  visible pages (the diagonal page) go to a second, ragged call: ``diag_kv_indptr``
+  [n_rows+1] / ``diag_kv_indices`` [nnz] list, per row, the key tokens ``j <= t`` of those
+  pages.  That is a FlashInfer paged prefill with page_size 1 (SGLang's KV pool layout), one
+  query per request, ``causal=False``;
+* the two partial results are merged with their LSEs (``attention.merge_attention_states``,
+  FlashInfer ``merge_state``).  ``attention.variable_block_sparse_reference`` +
+  ``attention.ragged_attention`` reproduce both calls in torch, and the tests check the merge
+  equals ``block_sparse_attention`` on the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+Span = tuple[int, int]
+
+__all__ = [
+    "BlockSparseLayout",
+    "FlashInferVariableBlockPlan",
+    "page_scores",
+    "build_relaxed_layout",
+    "full_causal_layout",
+    "to_flashinfer_variable_block",
+]
+
+
+def _n_pages(n_keys: int, page_size: int) -> int:
+    return (n_keys + page_size - 1) // page_size
+
+
+@dataclass
+class BlockSparseLayout:
+    """Block-sparse attention pattern of a set of query rows over prompt-ordered keys.
+
+    Attributes:
+        q_pos: int64 [n_rows] position of each query row, ascending within each row block.
+        row_indptr: int32 [n_row_blocks + 1]; rows of block b are ``row_indptr[b]:row_indptr[b+1]``.
+        indptr: int32 [n_row_blocks + 1]; pages of block b are ``indices[indptr[b]:indptr[b+1]]``.
+        indices: int32 [nnz] key page ids, ascending within each block.
+        page_size: tokens per page.
+        n_keys: keys live in ``[0, n_keys)``.
+    Rule: row at position t sees key j iff page(j) is listed for its block and j <= t.
+    """
+
+    q_pos: torch.Tensor
+    row_indptr: torch.Tensor
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    page_size: int
+    n_keys: int
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.q_pos.numel())
+
+    @property
+    def n_row_blocks(self) -> int:
+        return int(self.row_indptr.numel()) - 1
+
+    @property
+    def n_pages(self) -> int:
+        return _n_pages(self.n_keys, self.page_size)
+
+    @property
+    def nnz(self) -> int:
+        return int(self.indices.numel())
+
+    def block_pages(self, b: int) -> torch.Tensor:
+        """int64 [n_pages_b] page ids of row block b."""
+        return self.indices[int(self.indptr[b]):int(self.indptr[b + 1])].long()
+
+    def block_key_index(self, b: int) -> torch.Tensor:
+        """int64 [n_keys_b] ascending key tokens covered by the pages of row block b."""
+        pages = self.block_pages(b)
+        tok = (pages[:, None] * self.page_size + torch.arange(self.page_size)[None, :]).flatten()
+        return tok[tok < self.n_keys]
+
+    def kv_pairs(self) -> int:
+        """Work: number of (row, key) pairs attended, after the causal rule."""
+        total = 0
+        for b in range(self.n_row_blocks):
+            r0, r1 = int(self.row_indptr[b]), int(self.row_indptr[b + 1])
+            keys = self.block_key_index(b)
+            total += int(torch.searchsorted(keys, self.q_pos[r0:r1], right=True).sum())
+        return total
+
+    def full_kv_pairs(self) -> int:
+        """Pairs the same rows would attend with the full causal prefix: sum of min(t+1, n_keys)."""
+        return int((self.q_pos + 1).clamp(max=self.n_keys).sum())
+
+    def context_ratio(self) -> float:
+        """Achieved context ratio in tokens (1.0 for an empty layout)."""
+        full = self.full_kv_pairs()
+        return self.kv_pairs() / full if full else 1.0
+
+    def to_dense_mask(self) -> torch.Tensor:
+        """bool [n_rows, n_keys]: the visible pairs.  For tests and debugging only."""
+        mask = torch.zeros(self.n_rows, self.n_keys, dtype=torch.bool)
+        keys_all = torch.arange(self.n_keys)
+        for b in range(self.n_row_blocks):
+            r0, r1 = int(self.row_indptr[b]), int(self.row_indptr[b + 1])
+            listed = torch.zeros(self.n_keys, dtype=torch.bool)
+            listed[self.block_key_index(b)] = True
+            mask[r0:r1] = listed[None, :] & (keys_all[None, :] <= self.q_pos[r0:r1, None])
+        return mask
+
+    @staticmethod
+    def from_page_mask(
+        q_pos: torch.Tensor,
+        row_indptr: torch.Tensor,
+        page_mask: torch.Tensor,
+        page_size: int,
+        n_keys: int,
+    ) -> "BlockSparseLayout":
+        """Build from a boolean page mask.
+
+        Args:
+            q_pos: int64 [n_rows]; row_indptr: int [n_row_blocks + 1];
+            page_mask: bool [n_row_blocks, n_pages], block b lists page c iff page_mask[b, c].
+        """
+        counts = page_mask.sum(dim=1)
+        indptr = torch.zeros(page_mask.shape[0] + 1, dtype=torch.int32)
+        indptr[1:] = counts.cumsum(0).to(torch.int32)
+        # nonzero() walks row-major, so pages come out ascending within each block.
+        indices = page_mask.nonzero()[:, 1].to(torch.int32)
+        return BlockSparseLayout(
+            q_pos=q_pos.to(torch.long),
+            row_indptr=row_indptr.to(torch.int32),
+            indptr=indptr,
+            indices=indices,
+            page_size=int(page_size),
+            n_keys=int(n_keys),
+        )
+
+
+def page_scores(scores: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Query relevance of each page: the sum of s_l over its tokens.
+
+    Args:
+        scores: float [n_keys] s_l(t) of one layer.
+    Returns:
+        float32 [ceil(n_keys / page_size)].
+    """
+    n = scores.numel()
+    pad = _n_pages(n, page_size) * page_size - n
+    padded = torch.cat([scores.float(), scores.new_zeros(pad, dtype=torch.float32)])
+    return padded.view(-1, page_size).sum(dim=1)
+
+
+def _row_blocks(anchors: torch.Tensor, chunk_of: torch.Tensor, page_size: int):
+    """Group sorted anchors into runs sharing (page, chunk).
+
+    Returns row_indptr int32 [n_rb+1], block page int64 [n_rb], block chunk int64 [n_rb].
+    """
+    page = anchors // page_size
+    chunk = chunk_of[anchors]
+    if anchors.numel() == 0:
+        z = torch.zeros(0, dtype=torch.long)
+        return torch.zeros(1, dtype=torch.int32), z, z
+    new = torch.ones(anchors.numel(), dtype=torch.bool)
+    new[1:] = (page[1:] != page[:-1]) | (chunk[1:] != chunk[:-1])
+    starts = new.nonzero().squeeze(1)
+    row_indptr = torch.cat([starts, torch.tensor([anchors.numel()])]).to(torch.int32)
+    return row_indptr, page[starts], chunk[starts]
+
+
+def build_relaxed_layout(
+    anchors: torch.Tensor,
+    scores: Optional[torch.Tensor],
+    chunk_spans: Sequence[Span],
+    n_context: int,
+    context_ratio: float,
+    page_size: int = 16,
+    sink_tokens: int = 4,
+    mode: str = "topk",
+    generator: Optional[torch.Generator] = None,
+) -> BlockSparseLayout:
+    """The relaxed context R_l(t) of every anchor of one layer, as a BSR layout (module doc).
+
+    Args:
+        anchors: int64 [n_anchors] sorted anchor tokens of layer l, all < n_context.
+        scores: float [n_context] s_l (query relevance); may be None for mode 'full'/'random'.
+        chunk_spans: chunk spans inside the context (a token outside every chunk has no
+            own-chunk pages beyond its diagonal page).
+        n_context: number of context tokens (= n_keys of the layout).
+        context_ratio: fraction of each anchor's causal prefix, in pages, in [0, 1].
+        page_size: tokens per page (aligned to the prompt).
+        sink_tokens: the first tokens of the prompt always attended.
+        mode: 'topk' (query-relevant pages), 'random' (seeded random pages, same count),
+            'full' (every causal page).
+        generator: torch.Generator for mode 'random'.
+    Returns:
+        BlockSparseLayout whose rows are ``anchors`` in order.
+    """
+    if mode not in ("topk", "random", "full"):
+        raise ValueError(f"unknown context mode {mode!r}")
+    if not 0.0 <= context_ratio <= 1.0:
+        raise ValueError(f"context_ratio must be in [0, 1], got {context_ratio}")
+    anchors = anchors.to(torch.long)
+    if anchors.numel() and (bool((anchors[1:] <= anchors[:-1]).any()) or int(anchors[-1]) >= n_context):
+        raise ValueError("anchors must be strictly increasing and < n_context")
+    P = _n_pages(n_context, page_size)
+    chunk_of = torch.full((n_context,), -1, dtype=torch.long)
+    chunk_start = torch.arange(n_context)  # non-chunk tokens: own "chunk" is just themselves
+    for i, (s, e) in enumerate(chunk_spans):
+        chunk_of[s:e] = i
+        chunk_start[s:e] = s
+    row_indptr, blk_page, _ = _row_blocks(anchors, chunk_of, page_size)
+    n_rb = blk_page.numel()
+    if n_rb == 0:
+        return BlockSparseLayout.from_page_mask(
+            anchors, row_indptr, torch.zeros(0, P, dtype=torch.bool), page_size, n_context
+        )
+    first_rows = anchors[row_indptr[:-1].long()]
+    own_first = chunk_start[first_rows] // page_size  # [n_rb]
+    cols = torch.arange(P)[None, :]
+    causal = cols <= blk_page[:, None]
+    n_sink_pages = _n_pages(min(sink_tokens, n_context), page_size)
+    mandatory = causal & ((cols < n_sink_pages) | (cols >= own_first[:, None]))
+    if mode == "full":
+        mask = causal
+    else:
+        budget = torch.ceil(context_ratio * (blk_page + 1).double() - 1e-9).long()
+        extra = (budget - mandatory.sum(dim=1)).clamp(min=0)  # [n_rb]
+        cand = causal & ~mandatory
+        if mode == "topk":
+            if scores is None:
+                raise ValueError("mode 'topk' needs scores")
+            order = torch.sort(page_scores(scores[:n_context], page_size), descending=True, stable=True).indices
+        else:
+            order = torch.randperm(P, generator=generator)
+        # Walk candidates in rank order; a block keeps its first `extra` ones.  Shared order
+        # across blocks and ratios makes the chosen sets nested in the ratio.
+        cand_sorted = cand[:, order]
+        rank = cand_sorted.to(torch.int32).cumsum(dim=1)
+        take = torch.zeros_like(cand)
+        take[:, order] = cand_sorted & (rank <= extra[:, None])
+        mask = mandatory | take
+    return BlockSparseLayout.from_page_mask(anchors, row_indptr, mask, page_size, n_context)
+
+
+def full_causal_layout(
+    anchors: torch.Tensor,
+    chunk_spans: Sequence[Span],
+    n_context: int,
+    page_size: int = 16,
+) -> BlockSparseLayout:
+    """Layout of the full causal prefix for every anchor (the peers' context).
+
+    Args: as ``build_relaxed_layout``.  Returns: BlockSparseLayout.
+    """
+    return build_relaxed_layout(anchors, None, chunk_spans, n_context, 1.0, page_size, mode="full")
+
+
+@dataclass
+class FlashInferVariableBlockPlan:
+    """Arguments for FlashInfer's variable block-sparse call plus the ragged diagonal call.
+
+    Attributes:
+        block_mask_map: bool [n_kv_heads, n_row_blocks, n_pages] fully visible pages.
+        block_row_sz: int32 [n_kv_heads, n_row_blocks] rows per block (sum = n_rows).
+        block_col_sz: int32 [n_kv_heads, n_pages] tokens per page (sum = n_keys).
+        diag_kv_indptr: int32 [n_rows + 1] per-row offsets into diag_kv_indices.
+        diag_kv_indices: int32 [nnz_diag] key tokens of partially visible pages, j <= t.
+        q_pos: int64 [n_rows] row positions (order of q's rows in both calls).
+    """
+
+    block_mask_map: torch.Tensor
+    block_row_sz: torch.Tensor
+    block_col_sz: torch.Tensor
+    diag_kv_indptr: torch.Tensor
+    diag_kv_indices: torch.Tensor
+    q_pos: torch.Tensor
+
+
+def to_flashinfer_variable_block(layout: BlockSparseLayout, num_kv_heads: int) -> FlashInferVariableBlockPlan:
+    """Split a layout into FlashInfer's non-causal variable-block call + a ragged diagonal call.
+
+    See the module doc ("FlashInfer mapping").  A listed page goes to the block-sparse part
+    when its last token is < the block's first (smallest) row position (fully visible to
+    every row); otherwise its keys ``j <= t`` go to the ragged part of each row t, which thus
+    always holds at least the row itself.  Pages entirely after a row add
+    nothing to it.  Both parts together are exactly the layout's visible pairs.
+
+    Args:
+        layout: BlockSparseLayout.
+        num_kv_heads: kv heads (FlashInfer takes the same pattern per kv head).
+    Returns:
+        FlashInferVariableBlockPlan.
+    """
+    P, ps = layout.n_pages, layout.page_size
+    R = layout.n_row_blocks
+    page_last = torch.clamp((torch.arange(P) + 1) * ps, max=layout.n_keys) - 1  # [P]
+    col_sz = (page_last - torch.arange(P) * ps + 1).to(torch.int32)
+    row_sz = (layout.row_indptr[1:] - layout.row_indptr[:-1]).to(torch.int32)
+    mask = torch.zeros(R, P, dtype=torch.bool)
+    diag_lists: list[torch.Tensor] = []
+    for b in range(R):
+        r0, r1 = int(layout.row_indptr[b]), int(layout.row_indptr[b + 1])
+        pages = layout.block_pages(b)
+        if r0 == r1:
+            continue
+        first = int(layout.q_pos[r0:r1].min())
+        # Strictly before the first row: the row's own page always lands in the ragged part,
+        # so no row reaches the ragged kernel with zero keys.
+        full = pages[page_last[pages] < first]
+        mask[b, full] = True
+        partial = pages[page_last[pages] >= first]
+        ptok = (partial[:, None] * ps + torch.arange(ps)[None, :]).flatten()
+        ptok = ptok[ptok < layout.n_keys]
+        for t in layout.q_pos[r0:r1].tolist():
+            diag_lists.append(ptok[ptok <= t])
+    lens = torch.tensor([d.numel() for d in diag_lists], dtype=torch.long)
+    diag_indptr = torch.zeros(layout.n_rows + 1, dtype=torch.int32)
+    if lens.numel():
+        diag_indptr[1:] = lens.cumsum(0).to(torch.int32)
+    diag_indices = torch.cat(diag_lists).to(torch.int32) if diag_lists else torch.zeros(0, dtype=torch.int32)
+    rep = lambda x: x[None].expand(num_kv_heads, *x.shape).contiguous()  # noqa: E731
+    return FlashInferVariableBlockPlan(
+        block_mask_map=rep(mask),
+        block_row_sz=rep(row_sz),
+        block_col_sz=rep(col_sz),
+        diag_kv_indptr=diag_indptr,
+        diag_kv_indices=diag_indices,
+        q_pos=layout.q_pos.clone(),
+    )

@@ -1,0 +1,470 @@
+"""Layer-by-layer Llama-family reference executor for one request, for every repair policy.
+
+The model: RMSNorm, GQA attention with neox-style RoPE (optional q/k/v biases as in Qwen2,
+optional per-head q/k RMSNorm as in Qwen3), SwiGLU MLP; weights are plain tensors.  Everything
+runs in float32 on the CPU and is written for clarity, not speed: it is the numerical
+reference the SGLang integration is checked against.
+
+Request: ``input_ids = [prefix][chunk_1]...[chunk_n][query]``; ``chunk_spans`` are the chunks'
+half-open token spans, contiguous from the end of the prefix to ``query_start``.
+
+``reference_prefill`` follows the brief's algorithm:
+
+1. stale KV: the prefix by ordinary causal prefill (exact); each chunk alone at positions
+   ``0..len-1``, its K then re-rotated by the chunk's start (RoPE rotations compose);
+2. query pass over the stale KV (layer by layer; gives ``pic``'s logits and s_l);
+3. anchors per layer (selection.py), nested over depth;
+4. repair pass: at layer l only the tokens of ``A_l`` and the query are computed: q/k/v at
+   their true positions, the anchors' stale K/V overwritten, anchors attend to their context
+   (``block_sparse_attention`` over a layout: full causal, relaxed, or random), the query
+   attends densely and causally over the repaired KV, then o_proj + MLP for those tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from .attention import block_sparse_attention, dense_causal_attention
+from .layout import build_relaxed_layout
+from .selection import (
+    RepairPolicy,
+    anchor_ratio_achieved,
+    eligible_tokens,
+    kv_deviation,
+    query_attention_scores,
+    select_anchors,
+)
+
+Span = tuple[int, int]
+
+__all__ = [
+    "LlamaWeights",
+    "from_hf_state_dict",
+    "apply_neox_rope",
+    "RepairReport",
+    "Result",
+    "build_stale_kv",
+    "reference_prefill",
+]
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+@dataclass
+class LlamaWeights:
+    """Plain-tensor Llama weights (float32 unless built otherwise).
+
+    Attributes:
+        embed: [vocab, hidden].
+        layers: per layer a dict: ``attn_norm`` [hidden], ``q`` [n_heads*head_dim, hidden],
+            ``k``/``v`` [n_kv_heads*head_dim, hidden], ``o`` [hidden, n_heads*head_dim],
+            ``mlp_norm`` [hidden], ``gate``/``up`` [inter, hidden], ``down`` [hidden, inter];
+            optional ``q_bias``/``k_bias``/``v_bias`` and ``q_norm``/``k_norm`` [head_dim].
+        norm: [hidden] final RMSNorm weight.
+        lm_head: [vocab, hidden].
+        n_heads, n_kv_heads, head_dim, rope_theta, rms_eps: config.
+        rotary_dim: leading dims of each head that RoPE rotates (default head_dim).
+        inv_freq: optional float32 [rotary_dim/2] override (e.g. llama3-scaled frequencies).
+        attention_scaling: multiplier on cos/sin (YaRN's mscale; 1.0 otherwise).
+    """
+
+    embed: torch.Tensor
+    layers: list[dict[str, torch.Tensor]]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    rotary_dim: Optional[int] = None
+    inv_freq: Optional[torch.Tensor] = None
+    attention_scaling: float = 1.0
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def rot_dim(self) -> int:
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        """float32 [rot_dim/2] RoPE frequencies."""
+        if self.inv_freq is not None:
+            return self.inv_freq.float()
+        r = self.rot_dim
+        return 1.0 / (self.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
+
+
+_HF_LAYER_KEYS = {
+    "attn_norm": "input_layernorm.weight",
+    "q": "self_attn.q_proj.weight",
+    "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "gate": "mlp.gate_proj.weight",
+    "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight",
+}
+_HF_OPTIONAL_KEYS = {
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+}
+
+
+def from_hf_state_dict(
+    sd: Mapping[str, torch.Tensor],
+    config_dict: Mapping[str, Any],
+    dtype: torch.dtype = torch.float32,
+) -> LlamaWeights:
+    """Build ``LlamaWeights`` from a HF Llama/Qwen2/Qwen3-style state dict and config dict.
+
+    Args:
+        sd: ``model.state_dict()`` (``model.layers.{i}...``, ``model.embed_tokens.weight``,
+            ``model.norm.weight``, ``lm_head.weight`` unless embeddings are tied).
+        config_dict: ``config.to_dict()``; RoPE parameters from ``rope_parameters`` (transformers
+            5) or the legacy ``rope_theta`` / ``rope_scaling``.  Only the default RoPE type is
+            derived here; for scaled variants pass ``inv_freq`` to ``LlamaWeights`` yourself.
+        dtype: dtype of the returned tensors.
+    """
+    cfg = dict(config_dict)
+    n_heads = int(cfg["num_attention_heads"])
+    n_kv = int(cfg.get("num_key_value_heads") or n_heads)
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // n_heads)
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise NotImplementedError(f"rope_type {rope_type!r}: pass inv_freq to LlamaWeights")
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+    n_layers = int(cfg["num_hidden_layers"])
+    conv = lambda t: t.detach().to(dtype).clone()  # noqa: E731
+    layers = []
+    for i in range(n_layers):
+        pre = f"model.layers.{i}."
+        layer = {name: conv(sd[pre + key]) for name, key in _HF_LAYER_KEYS.items()}
+        layer.update({name: conv(sd[pre + key]) for name, key in _HF_OPTIONAL_KEYS.items() if pre + key in sd})
+        layers.append(layer)
+    embed = conv(sd["model.embed_tokens.weight"])
+    lm_head = conv(sd["lm_head.weight"]) if "lm_head.weight" in sd else embed
+    return LlamaWeights(
+        embed=embed,
+        layers=layers,
+        norm=conv(sd["model.norm.weight"]),
+        lm_head=lm_head,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        rope_theta=theta,
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
+    )
+
+
+# ----------------------------------------------------------------------------- model pieces
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)) * w.float()
+
+
+def apply_neox_rope(
+    x: torch.Tensor,
+    pos: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rotary_dim: Optional[int] = None,
+    scaling: float = 1.0,
+) -> torch.Tensor:
+    """Neox-style RoPE (rotate halves of the first ``rotary_dim`` dims) at positions ``pos``.
+
+    Args:
+        x: [n, heads, head_dim] float.
+        pos: int64 [n] (or a delta, to re-rotate an already rotated K: rotations compose).
+        inv_freq: float32 [rotary_dim/2].
+        rotary_dim: rotated leading dims, default head_dim.
+        scaling: cos/sin multiplier (YaRN mscale).  Use 1.0 for a delta re-rotation, or the
+            multiplier would be applied twice.
+    Returns:
+        [n, heads, head_dim] float32.
+    """
+    r = x.shape[-1] if rotary_dim is None else rotary_dim
+    ang = pos.float()[:, None] * inv_freq.float()[None, :]  # [n, r/2]
+    cos, sin = (ang.cos() * scaling)[:, None, :], (ang.sin() * scaling)[:, None, :]
+    xf = x.float()
+    x1, x2, rest = xf[..., : r // 2], xf[..., r // 2: r], xf[..., r:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+def _project_qkv(w: LlamaWeights, layer: dict, h: torch.Tensor, pos: torch.Tensor):
+    """h [n, hidden] residual stream -> q [n, H, hd], k/v [n, Hkv, hd], RoPE'd at pos."""
+    x = _rms_norm(h, layer["attn_norm"], w.rms_eps)
+    n = x.shape[0]
+    q = torch.nn.functional.linear(x, layer["q"], layer.get("q_bias")).view(n, w.n_heads, w.head_dim)
+    k = torch.nn.functional.linear(x, layer["k"], layer.get("k_bias")).view(n, w.n_kv_heads, w.head_dim)
+    v = torch.nn.functional.linear(x, layer["v"], layer.get("v_bias")).view(n, w.n_kv_heads, w.head_dim)
+    if "q_norm" in layer:
+        q = _rms_norm(q, layer["q_norm"], w.rms_eps)
+        k = _rms_norm(k, layer["k_norm"], w.rms_eps)
+    inv = w.rope_inv_freq()
+    q = apply_neox_rope(q, pos, inv, w.rotary_dim, w.attention_scaling)
+    k = apply_neox_rope(k, pos, inv, w.rotary_dim, w.attention_scaling)
+    return q, k, v
+
+
+def _finish_layer(w: LlamaWeights, layer: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """Residual + o_proj, then residual + SwiGLU MLP.  h [n, hidden], attn [n, H, hd]."""
+    h = h + torch.nn.functional.linear(attn.flatten(1), layer["o"])
+    x = _rms_norm(h, layer["mlp_norm"], w.rms_eps)
+    gate = torch.nn.functional.silu(torch.nn.functional.linear(x, layer["gate"]))
+    return h + torch.nn.functional.linear(gate * torch.nn.functional.linear(x, layer["up"]), layer["down"])
+
+
+def _logits(w: LlamaWeights, h_last: torch.Tensor) -> torch.Tensor:
+    """h_last [hidden] -> float32 [vocab]."""
+    return torch.nn.functional.linear(_rms_norm(h_last, w.norm, w.rms_eps), w.lm_head.float()).float()
+
+
+def _causal_prefill(w: LlamaWeights, ids: torch.Tensor, pos: torch.Tensor):
+    """Ordinary causal prefill of ``ids`` at positions ``pos``.
+
+    Returns (kv: list of (k [n, Hkv, hd], v [n, Hkv, hd]) per layer, final residual [n, hidden]).
+    """
+    h = w.embed[ids].float()
+    kv = []
+    for layer in w.layers:
+        q, k, v = _project_qkv(w, layer, h, pos)
+        kv.append((k, v))
+        h = _finish_layer(w, layer, h, dense_causal_attention(q, k, v, pos, pos))
+    return kv, h
+
+
+# ----------------------------------------------------------------------------- request
+
+
+@dataclass
+class RepairReport:
+    """What one request's repair did.
+
+    anchor_ratio: achieved mean over layers of |A_l| / n_eligible (selection.py).
+    context_ratio: achieved repair_kv_pairs / full_kv_pairs (1.0 when nothing is repaired).
+    repair_kv_pairs: (anchor, key) pairs attended by the repair, summed over layers.
+    full_kv_pairs: the same anchors with the full causal prefix.
+    query_kv_pairs: (query token, key) pairs attended by the query tokens, summed over layers.
+    recomputed_token_layers: sum over layers of |A_l|.
+    """
+
+    policy: str
+    n_context: int
+    n_eligible: int
+    anchors_per_layer: list[int] = field(default_factory=list)
+    anchor_ratio: float = 0.0
+    context_ratio: float = 1.0
+    repair_kv_pairs: int = 0
+    full_kv_pairs: int = 0
+    query_kv_pairs: int = 0
+    recomputed_token_layers: int = 0
+
+
+@dataclass
+class Result:
+    """Output of ``reference_prefill``.
+
+    last_logits: float32 [vocab] logits of the last prompt token.
+    kv: per layer (k [n_tokens, n_kv_heads, head_dim] post-RoPE, v [same]) float32, the KV
+        the request decodes from (repaired context + query).
+    report: RepairReport.
+    anchors: per layer int64 sorted anchor tokens (empty for full/pic).
+    scores: float32 [n_layers, n_context] query scores s_l, or None if not computed.
+    """
+
+    last_logits: torch.Tensor
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    report: RepairReport
+    anchors: list[torch.Tensor]
+    scores: Optional[torch.Tensor] = None
+
+
+def _check_request(input_ids: torch.Tensor, chunk_spans: Sequence[Span], query_start: int) -> list[Span]:
+    n = input_ids.numel()
+    if not 0 <= query_start < n:
+        raise ValueError("need at least one query token: 0 <= query_start < len(input_ids)")
+    spans = [(int(s), int(e)) for s, e in chunk_spans]
+    if spans:
+        for (s0, e0), (s1, _) in zip(spans, spans[1:]):
+            if e0 != s1:
+                raise ValueError(f"chunk spans must be contiguous: {spans}")
+        if spans[-1][1] != query_start or any(s >= e for s, e in spans) or spans[0][0] < 0:
+            raise ValueError(f"chunk spans must be non-empty and end at query_start: {spans}")
+    return spans
+
+
+def build_stale_kv(
+    weights: LlamaWeights,
+    input_ids: torch.Tensor,
+    chunk_spans: Sequence[Span],
+    query_start: int,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Position-independent KV of the context, as reused from a chunk cache.
+
+    The prefix ``[0, chunk_spans[0][0])`` is prefilled causally (exact).  Each chunk is
+    prefilled alone at positions ``0..len-1`` and its K re-rotated by the chunk's start.
+
+    Args:
+        weights: model.
+        input_ids: int64 [n_tokens].
+        chunk_spans: contiguous chunk spans ending at ``query_start``.
+        query_start: first query token.
+    Returns:
+        per layer (k [query_start, n_kv_heads, head_dim], v [same]) float32.
+    """
+    spans = _check_request(input_ids, chunk_spans, query_start)
+    prefix_len = spans[0][0] if spans else query_start
+    pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    if prefix_len:
+        pieces.append(_causal_prefill(weights, input_ids[:prefix_len], torch.arange(prefix_len))[0])
+    inv = weights.rope_inv_freq()
+    for s, e in spans:
+        kv, _ = _causal_prefill(weights, input_ids[s:e], torch.arange(e - s))
+        delta = torch.full((e - s,), s, dtype=torch.long)
+        pieces.append([(apply_neox_rope(k, delta, inv, weights.rotary_dim), v) for k, v in kv])
+    return [
+        (torch.cat([p[l][0] for p in pieces]), torch.cat([p[l][1] for p in pieces]))
+        for l in range(weights.n_layers)
+    ]
+
+
+def _query_pass(w: LlamaWeights, input_ids: torch.Tensor, query_start: int, stale, want_scores: bool):
+    """Query tokens over the stale KV.  Returns (logits [vocab], kv per layer, scores or None)."""
+    n = input_ids.numel()
+    pos = torch.arange(query_start, n)
+    h = w.embed[input_ids[query_start:]].float()
+    kv, scores = [], []
+    for l, layer in enumerate(w.layers):
+        q, k, v = _project_qkv(w, layer, h, pos)
+        keys = torch.cat([stale[l][0], k])
+        vals = torch.cat([stale[l][1], v])
+        if want_scores:
+            scores.append(query_attention_scores(q, keys, query_start))
+        kv.append((keys, vals))
+        h = _finish_layer(w, layer, h, dense_causal_attention(q, keys, vals))
+    return _logits(w, h[-1]), kv, (torch.stack(scores) if want_scores else None)
+
+
+def reference_prefill(
+    weights: LlamaWeights,
+    input_ids: torch.Tensor,
+    chunk_spans: Sequence[Span],
+    query_start: int,
+    policy: RepairPolicy | str,
+    anchor_ratio: float = 0.15,
+    context_ratio: float = 1.0,
+    *,
+    page_size: int = 16,
+    sink_tokens: int = 4,
+    chunk_sink_tokens: int = 4,
+    check_layer: int = 1,
+    cacheblend_use_k: bool = False,
+    seed: int = 0,
+) -> Result:
+    """Prefill one request under ``policy`` and return the last token's logits and the KV.
+
+    Args:
+        weights: model.
+        input_ids: int64 [n_tokens] = prefix + chunks + query.
+        chunk_spans: contiguous chunk spans ``[(start, end), ...]`` ending at ``query_start``.
+        query_start: index of the first query token (>= 1 query token required).
+        policy: RepairPolicy or its value.
+        anchor_ratio: r, see selection.py (ignored by full/pic).
+        context_ratio: relaxed-context budget (relaxkv, relaxkv_randctx), see layout.py.
+        page_size: key page size of the layouts.
+        sink_tokens: first prompt tokens every anchor attends to.
+        chunk_sink_tokens: favoured first tokens of each chunk (relaxkv targets).
+        check_layer: cacheblend's check layer.
+        cacheblend_use_k: cacheblend deviation also counts K.
+        seed: seeds the random policy / random context.
+    Returns:
+        Result.
+    """
+    policy = RepairPolicy(policy)
+    input_ids = input_ids.to(torch.long).flatten()
+    spans = _check_request(input_ids, chunk_spans, query_start)
+    n, L, Q0 = input_ids.numel(), weights.n_layers, query_start
+    n_q = n - Q0
+    elig = eligible_tokens(spans, Q0)
+    report = RepairReport(policy=policy.value, n_context=Q0, n_eligible=int(elig.numel()))
+    query_pairs_per_layer = n_q * Q0 + n_q * (n_q + 1) // 2
+
+    if policy is RepairPolicy.FULL:
+        kv, h = _causal_prefill(weights, input_ids, torch.arange(n))
+        report.query_kv_pairs = query_pairs_per_layer * L
+        return Result(_logits(weights, h[-1]), kv, report, [torch.zeros(0, dtype=torch.long)] * L)
+
+    stale = build_stale_kv(weights, input_ids, spans, Q0)
+    scores = None
+    if policy is RepairPolicy.PIC or policy.needs_query_scores:
+        logits, q_kv, scores = _query_pass(weights, input_ids, Q0, stale, policy.needs_query_scores)
+        if policy is RepairPolicy.PIC:
+            report.query_kv_pairs = query_pairs_per_layer * L
+            return Result(logits, q_kv, report, [torch.zeros(0, dtype=torch.long)] * L, scores)
+
+    gen = torch.Generator().manual_seed(seed)
+    sets = select_anchors(
+        policy, scores, spans, Q0, anchor_ratio, gen,
+        n_layers=L, check_layer=check_layer, chunk_sink_tokens=chunk_sink_tokens,
+    )
+    mode = policy.context_mode
+    ctx_ratio = context_ratio if mode != "full" else 1.0
+
+    pos_q = torch.arange(Q0, n)
+    h_q = weights.embed[input_ids[Q0:]].float()
+    cur_tok = elig  # tokens whose residual stream we carry (A_{l-1}; all eligible before layer 0)
+    h_cur = weights.embed[input_ids[elig]].float()
+    kv_out = []
+    for l, layer in enumerate(weights.layers):
+        anchors = sets[l]
+        # Nesting guarantees anchors ⊆ cur_tok; take their carried residual rows.
+        rows = torch.searchsorted(cur_tok, anchors)
+        if anchors.numel() and not bool((cur_tok[rows.clamp(max=cur_tok.numel() - 1)] == anchors).all()):
+            raise AssertionError("anchor sets are not nested")
+        h_a = h_cur[rows]
+        n_a = anchors.numel()
+        q, k, v = _project_qkv(weights, layer, torch.cat([h_a, h_q]), torch.cat([anchors, pos_q]))
+        K, V = stale[l][0].clone(), stale[l][1].clone()
+        K[anchors], V[anchors] = k[:n_a], v[:n_a]
+        if policy is RepairPolicy.CACHEBLEND and l == min(check_layer, L - 1) and len(sets) < L:
+            dev = kv_deviation(k[:n_a], v[:n_a], stale[l][0][anchors], stale[l][1][anchors], cacheblend_use_k)
+            full_dev = torch.zeros(Q0)
+            full_dev[anchors] = dev
+            sets = select_anchors(
+                policy, None, spans, Q0, anchor_ratio, gen,
+                n_layers=L, deviation=full_dev, check_layer=check_layer,
+            )
+        layout = build_relaxed_layout(
+            anchors, scores[l] if scores is not None else None, spans, Q0, ctx_ratio,
+            page_size=page_size, sink_tokens=sink_tokens, mode=mode, generator=gen,
+        )
+        o_a = block_sparse_attention(q[:n_a], K, V, layout)
+        keys, vals = torch.cat([K, k[n_a:]]), torch.cat([V, v[n_a:]])
+        o_q = dense_causal_attention(q[n_a:], keys, vals)
+        h = _finish_layer(weights, layer, torch.cat([h_a, h_q]), torch.cat([o_a, o_q]))
+        h_cur, h_q, cur_tok = h[:n_a], h[n_a:], anchors
+        kv_out.append((keys, vals))
+        report.repair_kv_pairs += layout.kv_pairs()
+        report.full_kv_pairs += layout.full_kv_pairs()
+        report.query_kv_pairs += query_pairs_per_layer
+
+    report.anchors_per_layer = [int(a.numel()) for a in sets]
+    report.recomputed_token_layers = sum(report.anchors_per_layer)
+    report.anchor_ratio = anchor_ratio_achieved(sets, int(elig.numel()))
+    report.context_ratio = report.repair_kv_pairs / report.full_kv_pairs if report.full_kv_pairs else 1.0
+    return Result(_logits(weights, h_q[-1]), kv_out, report, list(sets), scores)

@@ -1,0 +1,451 @@
+"""Repair targets: query attention scores and per-layer anchor sets for every policy.
+
+Vocabulary (token indices are absolute prompt positions):
+
+* ``n_context``: tokens before ``query_start`` (prefix + chunks).
+* ``chunk_spans``: ``[(start, end), ...]`` half-open spans of the reused chunks, sorted and
+  non-overlapping, inside ``[0, n_context)``.
+* *eligible* tokens: tokens of chunks that do **not** start at position 0.  Prefix tokens are
+  exact and never anchors; a chunk that starts at position 0 was computed alone at positions
+  ``0..len-1``, which is exactly what full prefill computes for it, so its cached KV is exact
+  too and recomputing it would waste budget.
+* anchor ratio ``r = mean over layers of |A_l| / n_eligible``.  The denominator is the number
+  of repairable (eligible) tokens, not all context tokens: the exact prefix can never be
+  repaired, so counting it would make ``r = 1`` unreachable.  With no prefix and no chunk at
+  position 0 the two definitions coincide.
+
+Nesting: a token recomputed at layer ``l`` needs its input hidden state at layer ``l``, which
+exists only if it was recomputed at layer ``l-1``.  Every policy therefore returns
+``A_0 ⊇ A_1 ⊇ ...``, equivalently each token ``t`` has an *exit layer* ``e(t)`` in
+``0..n_layers`` and ``t ∈ A_l  <=>  l < e(t)``.  The cost of a token is ``e(t)``
+token-layers, so the budget ``B = round(r * n_layers * n_eligible)`` is a sum of exit layers.
+
+RelaxKV exit-layer rule (``relaxkv_exit_layers``): a token recomputed at layer ``l`` is worth
+``u_l(t) = s_l(t) / sum_eligible s_l`` (the query's attention mass at that layer, normalised per
+layer so that each layer weighs the same).  Keeping ``t`` until ``e`` is worth
+``C_t(e) = sum_{l<e} u_l(t)`` and costs ``e``.  We maximise ``sum_t C_t(e(t))`` subject to
+``sum_t e(t) = B``: per token take the upper concave hull of ``(e, C_t(e))``, then spend the
+budget on whole hull segments in decreasing slope order (the LP optimum up to the one segment
+that does not fit; that remainder goes to the single extension with the largest real gain).
+A token needed only at a deep layer is thus kept at all shallower layers iff its average value
+per token-layer is high enough.  The budget is met exactly, so mean_l |A_l| is within
+``0.5 / n_layers`` tokens of ``r * n_eligible`` (well within one token per layer).
+
+Chunk sinks: each independently computed chunk grows its own attention sink on its first
+tokens (EPIC's finding; StreamingLLM found ~4 initial tokens carry the sink).  In the full
+prompt those tokens are ordinary mid-sequence tokens, so their stale KV is among the most wrong
+and the query's stale attention is drawn to them.  RelaxKV policies therefore give the first
+``chunk_sink_tokens`` (default 4, the StreamingLLM sink size; EPIC reports most of its gain
+from a handful of initial tokens) of each eligible chunk every layer first, as long as the
+budget allows, then run the hull allocation on the rest.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Optional, Sequence
+
+import torch
+
+Span = tuple[int, int]
+
+__all__ = [
+    "RepairPolicy",
+    "query_attention_scores",
+    "eligible_tokens",
+    "chunk_ids",
+    "relaxkv_exit_layers",
+    "exits_to_anchor_sets",
+    "kv_deviation",
+    "select_anchors",
+    "anchor_ratio_achieved",
+]
+
+
+class RepairPolicy(str, enum.Enum):
+    """How a request with reused chunks is prefilled.
+
+    full             ordinary causal prefill, no reuse.
+    pic              chunks' independent (re-rotated) KV, no repair.
+    epic             first k tokens of each chunk, every layer, full causal context.
+    cacheblend       all tokens up to a check layer, then top-r by K/V deviation, full context.
+    prophetkv        top-r by layer-averaged query attention, every layer, full context.
+    relaxkv          per-layer nested targets from s_l, relaxed (query-relevant) context.
+    relaxkv_fullctx  relaxkv targets, full causal context (ablation).
+    relaxkv_randctx  relaxkv targets, random context of the same budget (ablation).
+    random           uniformly random targets, every layer, full context (control).
+    """
+
+    FULL = "full"
+    PIC = "pic"
+    EPIC = "epic"
+    CACHEBLEND = "cacheblend"
+    PROPHETKV = "prophetkv"
+    RELAXKV = "relaxkv"
+    RELAXKV_FULLCTX = "relaxkv_fullctx"
+    RELAXKV_RANDCTX = "relaxkv_randctx"
+    RANDOM = "random"
+
+    @property
+    def needs_query_scores(self) -> bool:
+        """True when targets (or context) are chosen from the stale query pass s_l."""
+        return self in (
+            RepairPolicy.PROPHETKV,
+            RepairPolicy.RELAXKV,
+            RepairPolicy.RELAXKV_FULLCTX,
+            RepairPolicy.RELAXKV_RANDCTX,
+        )
+
+    @property
+    def context_mode(self) -> str:
+        """Context of the anchors: 'full' (causal prefix), 'topk' (relaxed) or 'random'."""
+        if self is RepairPolicy.RELAXKV:
+            return "topk"
+        if self is RepairPolicy.RELAXKV_RANDCTX:
+            return "random"
+        return "full"
+
+    @property
+    def repairs(self) -> bool:
+        """False for the two policies that never recompute reused tokens."""
+        return self not in (RepairPolicy.FULL, RepairPolicy.PIC)
+
+
+# ----------------------------------------------------------------------------- scores
+
+
+def query_attention_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    n_context: int,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Query attention mass per context token: ``s(t) = sum_{q, heads} softmax(q K^T)[t]``.
+
+    Args:
+        q: [n_q, n_heads, d] (or [n_layers, n_q, n_heads, d]) float; the query tokens' queries,
+           post-RoPE.  Query token i sits at key index ``n_context + i``.
+        k: [n_context + n_q, n_kv_heads, d] (or with a leading n_layers dim) float; the stale
+           context keys followed by the query tokens' own keys, post-RoPE.
+        n_context: number of context keys (columns kept in the result).
+        scale: softmax scale, default ``d ** -0.5``.
+
+    GQA: head h reads kv head ``h // (n_heads // n_kv_heads)``.  The softmax runs over all keys
+    a query token can see (context + query keys up to itself, causal), so mass spent on the
+    query's own tokens is not handed to the context; only context columns are returned.
+
+    Returns:
+        float32 [n_context] (or [n_layers, n_context]).
+    """
+    if q.dim() == 4:
+        return torch.stack(
+            [query_attention_scores(q[i], k[i], n_context, scale) for i in range(q.shape[0])]
+        )
+    n_q, n_heads, d = q.shape
+    n_keys, n_kv, _ = k.shape
+    if n_keys != n_context + n_q:
+        raise ValueError(f"k has {n_keys} keys, expected n_context + n_q = {n_context + n_q}")
+    if n_heads % n_kv:
+        raise ValueError("n_heads must be a multiple of n_kv_heads")
+    scale = d ** -0.5 if scale is None else scale
+    kf = k.float().repeat_interleave(n_heads // n_kv, dim=1)  # [n_keys, H, d]
+    logits = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale  # [H, n_q, n_keys]
+    # Query i sees every context key and query keys 0..i.
+    key_idx = torch.arange(n_keys, device=q.device)
+    visible = key_idx[None, :] <= (n_context + torch.arange(n_q, device=q.device))[:, None]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return probs[:, :, :n_context].sum(dim=(0, 1)).to(torch.float32)
+
+
+# ----------------------------------------------------------------------------- token sets
+
+
+def _check_spans(chunk_spans: Sequence[Span], n_context: int) -> list[Span]:
+    spans = [(int(s), int(e)) for s, e in chunk_spans]
+    prev = 0
+    for s, e in spans:
+        if not (prev <= s < e <= n_context):
+            raise ValueError(f"chunk spans must be sorted, non-empty, inside [0, {n_context}): {spans}")
+        prev = e
+    return spans
+
+
+def chunk_ids(chunk_spans: Sequence[Span], n_context: int) -> torch.Tensor:
+    """Chunk index of every context token.
+
+    Returns: int64 [n_context], -1 for tokens outside every chunk (the prefix).
+    """
+    ids = torch.full((n_context,), -1, dtype=torch.long)
+    for i, (s, e) in enumerate(_check_spans(chunk_spans, n_context)):
+        ids[s:e] = i
+    return ids
+
+
+def eligible_tokens(chunk_spans: Sequence[Span], n_context: int) -> torch.Tensor:
+    """Tokens that may be repaired: chunk tokens, except a chunk starting at position 0.
+
+    Returns: int64 [n_eligible], sorted.
+    """
+    parts = [
+        torch.arange(s, e) for s, e in _check_spans(chunk_spans, n_context) if s > 0
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def _chunk_offsets(chunk_spans: Sequence[Span], elig: torch.Tensor, n_context: int):
+    """(offset inside own chunk [n_elig], chunk index [n_elig]) of each eligible token."""
+    starts = torch.zeros(n_context, dtype=torch.long)
+    for s, e in _check_spans(chunk_spans, n_context):
+        starts[s:e] = s
+    return elig - starts[elig], chunk_ids(chunk_spans, n_context)[elig]
+
+
+def _budget(ratio: float, units: int) -> int:
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"anchor_ratio must be in [0, 1], got {ratio}")
+    return int(math.floor(ratio * units + 0.5))
+
+
+# ----------------------------------------------------------------------------- relaxkv
+
+
+def _hull_exit_allocation(util: torch.Tensor, budget: int) -> torch.Tensor:
+    """Exit layers for sum_t C_t(e_t) under sum_t e_t == budget: hull greedy (module doc).
+
+    Args:
+        util: float [n_tok, L] non-negative value of keeping token t at layer l.
+        budget: total token-layers to hand out, 0 <= budget <= n_tok * L.
+    Returns:
+        int64 [n_tok] exit layers in 0..L.
+    """
+    n_tok, L = util.shape
+    exits = torch.zeros(n_tok, dtype=torch.long)
+    if budget <= 0 or n_tok == 0:
+        return exits
+    util = util.double()  # hull slopes compare sums; double keeps ties stable
+    cum = torch.cat([torch.zeros(n_tok, 1, dtype=util.dtype), util.cumsum(dim=1)], dim=1)
+    e_grid = torch.arange(L + 1)
+    cur = torch.zeros(n_tok, dtype=torch.long)
+    seg_tok, seg_len, seg_slope = [], [], []
+    rows = torch.arange(n_tok)
+    for _ in range(L):  # every hull step advances by >= 1 layer
+        active = cur < L
+        if not bool(active.any()):
+            break
+        dx = (e_grid[None, :] - cur[:, None]).to(util.dtype)  # [n_tok, L+1]
+        dy = cum - cum[rows, cur][:, None]
+        slope = torch.where(dx > 0, dy / dx.clamp(min=1), torch.full_like(dy, -math.inf))
+        best = slope.max(dim=1).values
+        # Farthest vertex among ties, so consecutive hull slopes strictly decrease.
+        at_best = slope >= best[:, None]
+        nxt = L - torch.flip(at_best, dims=[1]).to(torch.int8).argmax(dim=1)
+        idx = active.nonzero().squeeze(1)
+        seg_tok.append(idx)
+        seg_len.append((nxt - cur)[idx])
+        seg_slope.append(best[idx])
+        cur = torch.where(active, nxt, cur)
+    tok = torch.cat(seg_tok)
+    length = torch.cat(seg_len)
+    slope = torch.cat(seg_slope)
+    # Stable sort keeps each token's own segments in hull order even on equal slopes.
+    order = torch.sort(slope, descending=True, stable=True).indices
+    tok, length = tok[order], length[order]
+    # Whole segments while they fit: a prefix of the slope order, hence a prefix of every
+    # token's own hull (nesting-consistent).
+    fits = length.cumsum(0) <= budget
+    exits.index_add_(0, tok[fits], length[fits])
+    rest = budget - int(exits.sum())
+    if rest > 0:
+        # The first segment that does not fit would be cut, and a cut hull segment can be
+        # worth nothing (value may sit at its far end).  Spend the remainder where it gains
+        # most in real value instead; the cut token itself is always a candidate.
+        room = exits + rest <= L
+        gain = cum[rows, (exits + rest).clamp(max=L)] - cum[rows, exits]
+        gain = torch.where(room, gain, torch.full_like(gain, -math.inf))
+        exits[int(torch.argmax(gain))] += rest
+    return exits
+
+
+def relaxkv_exit_layers(
+    scores: torch.Tensor,
+    chunk_spans: Sequence[Span],
+    anchor_ratio: float,
+    chunk_sink_tokens: int = 4,
+) -> torch.Tensor:
+    """RelaxKV exit layer of every context token (module doc: "RelaxKV exit-layer rule").
+
+    Args:
+        scores: float [n_layers, n_context], s_l(t) from ``query_attention_scores``.
+        chunk_spans: chunk spans inside the context.
+        anchor_ratio: r in [0, 1]; sum of exit layers == round(r * n_layers * n_eligible).
+        chunk_sink_tokens: first tokens of each eligible chunk that get every layer first.
+    Returns:
+        int64 [n_context]; 0 for non-eligible tokens.
+    """
+    L, n_context = scores.shape
+    elig = eligible_tokens(chunk_spans, n_context)
+    exits = torch.zeros(n_context, dtype=torch.long)
+    budget = _budget(anchor_ratio, L * elig.numel())
+    if budget == 0:
+        return exits
+    offs, cid = _chunk_offsets(chunk_spans, elig, n_context)
+    sink_mask = offs < chunk_sink_tokens
+    sinks = elig[sink_mask]
+    # Sinks in EPIC order (offset, then chunk) so a short budget spreads over chunks.
+    sinks = sinks[torch.argsort(offs[sink_mask] * (int(cid.max()) + 1) + cid[sink_mask], stable=True)]
+    n_full = min(sinks.numel(), budget // L)
+    exits[sinks[:n_full]] = L
+    budget -= n_full * L
+    rest = elig[exits[elig] == 0]
+    if budget > 0 and rest.numel():
+        s = scores[:, elig].double().clamp(min=0)  # [L, n_elig]
+        tot = s.sum(dim=1, keepdim=True)
+        # A layer whose mass on eligible tokens is zero carries no preference: uniform.
+        norm = torch.where(tot > 0, s / tot.clamp(min=1e-300), torch.full_like(s, 1.0 / elig.numel()))
+        pos_in_elig = torch.searchsorted(elig, rest)
+        exits[rest] = _hull_exit_allocation(norm[:, pos_in_elig].T.contiguous(), budget)
+    return exits
+
+
+def exits_to_anchor_sets(exits: torch.Tensor, n_layers: int) -> list[torch.Tensor]:
+    """Nested anchor sets from exit layers.
+
+    Args:
+        exits: int64 [n_context], token t is an anchor at layers 0..exits[t]-1.
+    Returns:
+        n_layers int64 tensors, sorted token indices, A_0 ⊇ A_1 ⊇ ...
+    """
+    return [(exits > l).nonzero().squeeze(1) for l in range(n_layers)]
+
+
+# ----------------------------------------------------------------------------- cacheblend
+
+
+def kv_deviation(
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_old: torch.Tensor,
+    v_old: torch.Tensor,
+    use_k: bool = False,
+) -> torch.Tensor:
+    """CacheBlend's per-token deviation between recomputed and cached KV at the check layer.
+
+    Args:
+        k_new, k_old: [n, n_kv_heads, d] float (post-RoPE, same positions).
+        v_new, v_old: [n, n_kv_heads, d] float.
+        use_k: also add the L2 deviation of K.
+    Returns:
+        float32 [n]: ||v_new - v_old||_2 over heads and dims (+ the same for K).
+    """
+    dev = (v_new.float() - v_old.float()).flatten(1).norm(dim=1)
+    if use_k:
+        dev = dev + (k_new.float() - k_old.float()).flatten(1).norm(dim=1)
+    return dev
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def _same_every_layer(tokens: torch.Tensor, n_layers: int) -> list[torch.Tensor]:
+    tokens = torch.sort(tokens).values
+    return [tokens.clone() for _ in range(n_layers)]
+
+
+def _top(values: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+    # Stable descending sort: equal scores prefer the earlier token (deterministic).
+    order = torch.sort(values[candidates], descending=True, stable=True).indices
+    return candidates[order[:k]]
+
+
+def select_anchors(
+    policy: RepairPolicy | str,
+    scores: Optional[torch.Tensor],
+    chunk_spans: Sequence[Span],
+    n_context: int,
+    anchor_ratio: float,
+    rng: Optional[torch.Generator] = None,
+    *,
+    n_layers: Optional[int] = None,
+    deviation: Optional[torch.Tensor] = None,
+    check_layer: int = 1,
+    chunk_sink_tokens: int = 4,
+) -> list[torch.Tensor]:
+    """Anchor set of every layer for one request.
+
+    Args:
+        policy: a ``RepairPolicy`` or its string value.
+        scores: float [n_layers, n_context] query scores s_l; required by prophetkv and the
+            relaxkv policies, ignored otherwise.
+        chunk_spans: chunk spans (see module doc); anchors come only from eligible tokens.
+        n_context: number of context tokens.
+        anchor_ratio: r in [0, 1] (module doc).  epic / prophetkv / random /
+            relaxkv*: ratio met within one token per layer.  cacheblend: layers
+            0..check_layer recompute every eligible token (the method's check pass, so its
+            mean ratio is higher than r); later layers keep round(r * n_eligible) tokens.
+        rng: generator for the ``random`` policy.
+        n_layers: needed when ``scores`` is None.
+        deviation: float [n_context] (or [n_eligible] aligned with ``eligible_tokens``),
+            cacheblend's K/V deviation at the check layer.  Without it cacheblend returns only
+            the full layers 0..check_layer (the executor calls again once it has it).
+        check_layer: cacheblend's check layer.
+        chunk_sink_tokens: relaxkv's favoured first tokens of each chunk.
+
+    Returns:
+        n_layers int64 tensors of sorted token indices, nested (A_0 ⊇ A_1 ⊇ ...).
+        full: every eligible token; pic: empty sets.
+    """
+    policy = RepairPolicy(policy)
+    if scores is not None:
+        if scores.dim() != 2 or scores.shape[1] != n_context:
+            raise ValueError(f"scores must be [n_layers, {n_context}], got {tuple(scores.shape)}")
+        n_layers = scores.shape[0] if n_layers is None else n_layers
+    if n_layers is None:
+        raise ValueError("n_layers is required when scores is None")
+    elig = eligible_tokens(chunk_spans, n_context)
+    n_elig = elig.numel()
+    per_layer = _budget(anchor_ratio, n_elig)
+    empty = torch.zeros(0, dtype=torch.long)
+
+    if policy is RepairPolicy.FULL:
+        return _same_every_layer(elig, n_layers)
+    if policy is RepairPolicy.PIC:
+        return [empty.clone() for _ in range(n_layers)]
+    if policy is RepairPolicy.EPIC:
+        # First k tokens of each chunk; the last partial round goes to the earlier chunks,
+        # so exactly round(r * n_eligible) tokens are taken.
+        offs, cid = _chunk_offsets(chunk_spans, elig, n_context)
+        key = offs * (int(cid.max()) + 1 if n_elig else 1) + cid
+        return _same_every_layer(elig[torch.argsort(key, stable=True)[:per_layer]], n_layers)
+    if policy is RepairPolicy.RANDOM:
+        perm = torch.randperm(n_elig, generator=rng)
+        return _same_every_layer(elig[perm[:per_layer]], n_layers)
+    if policy is RepairPolicy.PROPHETKV:
+        if scores is None:
+            raise ValueError("prophetkv needs query scores")
+        return _same_every_layer(_top(scores.float().mean(dim=0), elig, per_layer), n_layers)
+    if policy is RepairPolicy.CACHEBLEND:
+        n_full = min(check_layer + 1, n_layers)
+        sets = [elig.clone() for _ in range(n_full)]
+        if deviation is None:
+            return sets
+        dev = deviation.float()
+        if dev.numel() == n_elig and n_elig != n_context:
+            full = torch.zeros(n_context)
+            full[elig] = dev
+            dev = full
+        chosen = torch.sort(_top(dev, elig, per_layer)).values
+        return sets + [chosen.clone() for _ in range(n_layers - n_full)]
+    # relaxkv and its two ablations share the targets.
+    if scores is None:
+        raise ValueError(f"{policy.value} needs query scores")
+    exits = relaxkv_exit_layers(scores, chunk_spans, anchor_ratio, chunk_sink_tokens)
+    return exits_to_anchor_sets(exits, n_layers)
+
+
+def anchor_ratio_achieved(anchor_sets: Sequence[torch.Tensor], n_eligible: int) -> float:
+    """mean over layers of |A_l| / n_eligible (0.0 when nothing is eligible)."""
+    if n_eligible == 0 or not anchor_sets:
+        return 0.0
+    return sum(int(a.numel()) for a in anchor_sets) / (len(anchor_sets) * n_eligible)

@@ -1,0 +1,135 @@
+"""The ``relaxkv`` tree cache: SGLang's radix tree plus a position-independent chunk tree.
+
+Selected with ``--radix-cache-backend relaxkv``. The radix tree (SGLang's own
+legacy ``RadixCache``, subclassed) still serves exact prefixes: system prompts,
+multi-turn history, any request without chunks. Beside it a
+:class:`~relaxkv_sglang.core.chunk_store.ChunkStore` holds each document
+chunk's KV once, keyed by its token ids and tenant namespace, reused at any
+position by :mod:`relaxkv_sglang.srt.forward`.
+
+What this class changes in the radix tree's behaviour:
+
+* ``match_prefix``: a ``full`` request matches nothing (no reuse at all).
+* ``checkpoint`` (publishing a request's KV when it finishes): a request whose
+  chunks were reused or computed position-independently publishes only its
+  exact part (the tokens before its first chunk); its chunk KV is not the exact
+  causal KV and must never answer an exact prefix match.
+* ``evictable_size`` / ``evict`` / ``reset`` cover both trees, so the
+  scheduler's memory accounting (free + evictable) sees every chunk slot, and
+  an idle server with a flushed cache has every slot back in the free list.
+  Eviction takes radix leaves first (LRU), then unlocked chunks (LRU).
+
+SGLang file touched: ``sglang/srt/mem_cache/radix_cache.py`` (subclassed),
+registered through ``mem_cache/registry.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from relaxkv_sglang.core.chunk_store import ChunkStore
+from relaxkv_sglang.srt.plan import request_plan
+
+logger = logging.getLogger(__name__)
+
+_ACTIVE_CACHE = None
+
+
+def active_cache():
+    """The relaxkv tree cache of this scheduler process, or None if not selected."""
+    return _ACTIVE_CACHE
+
+
+def build_cache_class():
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    class RelaxKVTreeCache(RadixCache):
+        def __init__(self, params, copier):
+            self.chunks: Optional[ChunkStore] = None
+            super().__init__(params)  # calls reset()
+            self.chunks = ChunkStore(free_slots=self.token_to_kv_pool_allocator.free)
+            self.copier = copier
+
+        def reset(self):
+            super().reset()
+            if self.chunks is not None:
+                self.chunks.reset()
+
+        def match_prefix(self, params):
+            req = params.req
+            plan = request_plan(req) if req is not None else None
+            if plan is not None and plan.policy == "full":
+                return self._empty_match_result
+            return super().match_prefix(params)
+
+        def checkpoint(self, req, *, up_to: int):
+            plan = request_plan(req)
+            if plan is not None and plan.reuses_chunks:
+                up_to = min(up_to, max(plan.exact_len, req.kv.cache_protected_len))
+            return super().checkpoint(req, up_to=up_to)
+
+        def evictable_size(self):
+            return super().evictable_size() + (self.chunks.evictable_tokens() if self.chunks else 0)
+
+        def evict(self, params):
+            result = super().evict(params)
+            short = params.num_tokens - result.num_tokens_evicted
+            if short > 0 and self.chunks is not None:
+                result = EvictResult(num_tokens_evicted=result.num_tokens_evicted + self.chunks.evict(short))
+            return result
+
+        def total_size(self):
+            return super().total_size() + (self.chunks.total_tokens() if self.chunks else 0)
+
+        def alloc_chunk_slots(self, n: int) -> Optional[torch.Tensor]:
+            """n free KV slots for a new chunk, evicting if needed; None if none."""
+            allocator = self.token_to_kv_pool_allocator
+            if allocator.available_size() < n:
+                self.evict(EvictParams(num_tokens=n - allocator.available_size()))
+            if allocator.available_size() < n:
+                return None
+            slots = allocator.alloc(n)
+            return None if slots is None else slots.to(torch.int64)
+
+    return RelaxKVTreeCache
+
+
+def make_tree_cache(ctx):
+    """Factory for ``register_radix_cache_backend('relaxkv', ...)``."""
+    global _ACTIVE_CACHE
+    from relaxkv_sglang.core.rope import UnsupportedRopeError, rope_spec_from_hf_config
+    from relaxkv_sglang.srt.forward import KVCopier
+
+    server_args = ctx.server_args
+    if server_args.attention_backend != "relaxkv":
+        raise SystemExit(
+            "relaxkv-sglang: --radix-cache-backend relaxkv needs --attention-backend relaxkv "
+            f"(got {server_args.attention_backend!r})"
+        )
+    if ctx.params.page_size != 1:
+        raise SystemExit(f"relaxkv-sglang: chunk reuse needs --page-size 1 (got {ctx.params.page_size})")
+    if ctx.enable_hierarchical_cache or ctx.is_hybrid_swa or ctx.is_hybrid_ssm:
+        raise SystemExit("relaxkv-sglang: hierarchical, sliding-window and hybrid caches are not supported")
+    hf_config = ctx.model_config.hf_config.to_dict()
+    try:
+        rope = rope_spec_from_hf_config(hf_config, is_neox_style=_is_neox_style(ctx))
+    except UnsupportedRopeError as exc:
+        raise SystemExit(f"relaxkv-sglang: {exc}") from exc
+    kv_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
+    cache = build_cache_class()(ctx.params, KVCopier(kv_pool, rope))
+    _ACTIVE_CACHE = cache
+    logger.info("relaxkv tree cache ready: rope=%s", rope)
+    return cache
+
+
+def _is_neox_style(ctx) -> bool:
+    """Llama/Qwen/Mistral in SGLang use the neox rotation; read it off the model if exposed."""
+    model = getattr(getattr(ctx.tp_worker, "model_runner", None), "model", None)
+    for module in (model.modules() if model is not None else ()):
+        if hasattr(module, "is_neox_style") and hasattr(module, "cos_sin_cache"):
+            return bool(module.is_neox_style)
+    return True

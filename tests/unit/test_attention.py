@@ -1,0 +1,180 @@
+"""Torch attention references: dense, gathered, ragged, block-sparse, FlashInfer-form split."""
+
+import math
+
+import pytest
+import torch
+
+from relaxkv_sglang.core.attention import (
+    block_sparse_attention,
+    dense_causal_attention,
+    gathered_attention,
+    merge_attention_states,
+    ragged_attention,
+    variable_block_sparse_reference,
+)
+from relaxkv_sglang.core.layout import (
+    BlockSparseLayout,
+    build_relaxed_layout,
+    full_causal_layout,
+    to_flashinfer_variable_block,
+)
+
+H, HKV, D = 4, 2, 8
+
+
+def _qkv(n_q, n_k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(n_q, H, D, generator=g),
+        torch.randn(n_k, HKV, D, generator=g),
+        torch.randn(n_k, HKV, D, generator=g),
+    )
+
+
+def _masked_dense(q, k, v, mask):
+    """Loop reference: row i attends keys where mask[i]; returns out and natural-log lse."""
+    out = torch.zeros(q.shape[0], H, D, dtype=torch.float64)
+    lse = torch.full((q.shape[0], H), -math.inf, dtype=torch.float64)
+    for i in range(q.shape[0]):
+        idx = mask[i].nonzero().squeeze(1)
+        if idx.numel() == 0:
+            continue
+        for h in range(H):
+            logit = k[idx, h // (H // HKV)].double() @ q[i, h].double() / math.sqrt(D)
+            lse[i, h] = torch.logsumexp(logit, 0)
+            out[i, h] = torch.softmax(logit, 0) @ v[idx, h // (H // HKV)].double()
+    return out, lse
+
+
+def test_dense_causal_matches_loop_reference():
+    q, k, v = _qkv(5, 12)
+    out, lse = dense_causal_attention(q, k, v, return_lse=True)  # queries = last 5 keys
+    mask = torch.arange(12)[None, :] <= torch.arange(7, 12)[:, None]
+    ro, rl = _masked_dense(q, k, v, mask)
+    torch.testing.assert_close(out.double(), ro, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), rl, atol=1e-5, rtol=1e-5)
+    assert out.shape == (5, H, D) and lse.dtype == torch.float32
+
+
+def test_full_layout_equals_dense_causal():
+    n = 53
+    q_all, k, v = _qkv(n, n, seed=1)
+    anchors = torch.tensor([3, 4, 17, 18, 19, 31, 40, 52])
+    spans = [(2, 20), (20, 41), (41, 53)]
+    lay = full_causal_layout(anchors, spans, n, page_size=8)
+    out, lse = block_sparse_attention(q_all[anchors], k, v, lay, return_lse=True)
+    ref, ref_lse = dense_causal_attention(q_all, k, v, return_lse=True)
+    torch.testing.assert_close(out, ref[anchors], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse[anchors], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_layouts_equal_masked_dense(seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    n_keys, ps = 45, 4
+    n_pages = math.ceil(n_keys / ps)
+    q_pos = torch.sort(torch.randperm(n_keys, generator=g)[:14]).values
+    cuts = torch.sort(torch.randperm(13, generator=g)[:4] + 1).values
+    row_indptr = torch.cat([torch.tensor([0]), cuts, torch.tensor([14])])
+    page_mask = torch.rand(5, n_pages, generator=g) < 0.45
+    lay = BlockSparseLayout.from_page_mask(q_pos, row_indptr, page_mask, ps, n_keys)
+    q, k, v = _qkv(14, n_keys, seed=seed)
+    out, lse = block_sparse_attention(q, k, v, lay, return_lse=True)
+    mask = lay.to_dense_mask()
+    ro, rl = _masked_dense(q, k, v, mask)
+    torch.testing.assert_close(out.double(), ro, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isinf(lse), torch.isinf(rl))  # rows that see nothing
+    fin = ~torch.isinf(rl)
+    torch.testing.assert_close(lse.double()[fin], rl[fin], atol=1e-5, rtol=1e-5)
+    assert lay.kv_pairs() == int(mask.sum())
+
+
+def test_gathered_attention_reads_only_the_gathered_rows():
+    q, k, v = _qkv(3, 30, seed=2)
+    key_idx = torch.tensor([0, 1, 5, 9, 12, 20])
+    q_pos = torch.tensor([6, 12, 25])
+    # Poison every row outside the gathered set: any dense-then-mask path turns NaN.
+    poison = torch.ones(30, dtype=torch.bool)
+    poison[key_idx] = False
+    kp, vp = k.clone(), v.clone()
+    kp[poison], vp[poison] = float("nan"), float("nan")
+    out = gathered_attention(q, kp, vp, q_pos, key_idx)
+    assert torch.isfinite(out).all()
+    mask = torch.zeros(3, 30, dtype=torch.bool)
+    mask[:, key_idx] = True
+    mask &= torch.arange(30)[None, :] <= q_pos[:, None]
+    ro, _ = _masked_dense(q, k, v, mask)
+    torch.testing.assert_close(out.double(), ro, atol=1e-5, rtol=1e-5)
+
+
+def test_block_sparse_reads_only_listed_pages():
+    n = 40
+    q_all, k, v = _qkv(n, n, seed=3)
+    anchors = torch.tensor([21, 22, 35])
+    s = torch.zeros(n)
+    s[9] = 1.0
+    lay = build_relaxed_layout(anchors, s, [(4, 20), (20, 40)], n, 0.3, page_size=4)
+    listed = lay.to_dense_mask().any(0)
+    kp, vp = k.clone(), v.clone()
+    kp[~listed], vp[~listed] = float("nan"), float("nan")
+    # Keys after the last anchor are never needed either.
+    out = block_sparse_attention(q_all[anchors], kp, vp, lay)
+    assert torch.isfinite(out).all()
+    ro, _ = _masked_dense(q_all[anchors], k, v, lay.to_dense_mask())
+    torch.testing.assert_close(out.double(), ro, atol=1e-5, rtol=1e-5)
+    assert lay.kv_pairs() < lay.full_kv_pairs()
+
+
+def test_ragged_and_merge():
+    q, k, v = _qkv(4, 25, seed=4)
+    lists = [[0, 3, 7], [1], [2, 4, 6, 8, 24], [10, 11]]
+    indptr = torch.tensor([0, 3, 4, 9, 11], dtype=torch.int32)
+    indices = torch.tensor(sum(lists, []), dtype=torch.int32)
+    out, lse = ragged_attention(q, k, v, indptr, indices, return_lse=True)
+    mask = torch.zeros(4, 25, dtype=torch.bool)
+    for i, l in enumerate(lists):
+        mask[i, l] = True
+    ro, rl = _masked_dense(q, k, v, mask)
+    torch.testing.assert_close(out.double(), ro, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), rl, atol=1e-5, rtol=1e-5)
+    # Two disjoint halves merged == attention over their union; an empty half is neutral.
+    other = [[12, 13], [14, 15, 16], [], [17]]
+    ip2 = torch.tensor([0, 2, 5, 5, 6], dtype=torch.int32)
+    ix2 = torch.tensor(sum(other, []), dtype=torch.int32)
+    o2, l2 = ragged_attention(q, k, v, ip2, ix2, return_lse=True)
+    assert torch.isinf(l2[2]).all() and (o2[2] == 0).all()
+    mo, ml = merge_attention_states(out, lse, o2, l2)
+    for i, l in enumerate(other):
+        mask[i, l] = True
+    ro, rl = _masked_dense(q, k, v, mask)
+    torch.testing.assert_close(mo.double(), ro, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ml.double(), rl, atol=1e-5, rtol=1e-5)
+
+
+def test_flashinfer_form_split_reproduces_block_sparse():
+    n = 70
+    spans = [(6, 27), (27, 45), (45, 70)]
+    q_all, k, v = _qkv(n, n, seed=5)
+    anchors = torch.tensor([6, 7, 13, 26, 27, 30, 44, 46, 52, 53, 69])
+    s = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    lay = build_relaxed_layout(anchors, s, spans, n, 0.4, page_size=4)
+    q = q_all[anchors]
+    ref, ref_lse = block_sparse_attention(q, k, v, lay, return_lse=True)
+    plan = to_flashinfer_variable_block(lay, HKV)
+    # FlashInfer's wrapper takes HND tensors.
+    o1, l1 = variable_block_sparse_reference(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        plan.block_mask_map, plan.block_row_sz, plan.block_col_sz, return_lse=True,
+    )
+    o2, l2 = ragged_attention(q, k, v, plan.diag_kv_indptr, plan.diag_kv_indices, return_lse=True)
+    mo, ml = merge_attention_states(o1.transpose(0, 1), l1.transpose(0, 1), o2, l2)
+    torch.testing.assert_close(mo, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ml, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_fully_masked_row_is_zero_not_nan():
+    q, k, v = _qkv(2, 6, seed=6)
+    out, lse = gathered_attention(q, k, v, torch.tensor([1, 5]), torch.tensor([3, 4]), return_lse=True)
+    assert (out[0] == 0).all() and torch.isinf(lse[0]).all()
+    assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all()

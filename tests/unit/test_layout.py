@@ -1,0 +1,166 @@
+"""Relaxed-context layouts: contents, budget, causality, nesting in the ratio, FlashInfer form."""
+
+import math
+
+import pytest
+import torch
+
+from relaxkv_sglang.core.layout import (
+    BlockSparseLayout,
+    build_relaxed_layout,
+    full_causal_layout,
+    page_scores,
+    to_flashinfer_variable_block,
+)
+
+PS = 4
+SPANS = [(6, 27), (27, 45), (45, 70)]  # prefix 0..5; pages straddle chunk boundaries
+N_CTX = 70
+
+
+def _anchors():
+    return torch.tensor([6, 7, 13, 26, 27, 30, 44, 46, 52, 53, 69])
+
+
+def _scores():
+    s = torch.full((N_CTX,), 0.01)
+    s[[9, 10]] = 1.0  # page 2
+    s[36] = 3.0  # page 9
+    s[21] = 2.0  # page 5
+    s[58] = 0.5  # page 14
+    return s
+
+
+def test_page_scores_sum_tokens():
+    s = torch.arange(10, dtype=torch.float32)
+    assert page_scores(s, 4).tolist() == [6.0, 22.0, 17.0]
+
+
+def test_full_ratio_is_exactly_the_causal_prefix():
+    a = _anchors()
+    for lay in (
+        build_relaxed_layout(a, _scores(), SPANS, N_CTX, 1.0, page_size=PS),
+        full_causal_layout(a, SPANS, N_CTX, page_size=PS),
+    ):
+        expect = torch.arange(N_CTX)[None, :] <= a[:, None]
+        assert torch.equal(lay.to_dense_mask(), expect)
+        assert lay.kv_pairs() == int((a + 1).sum()) == lay.full_kv_pairs()
+        assert lay.context_ratio() == 1.0
+
+
+def test_row_blocks_group_by_page_and_chunk():
+    lay = build_relaxed_layout(_anchors(), _scores(), SPANS, N_CTX, 0.5, page_size=PS)
+    # 26 (chunk 0) and 27 (chunk 1) share page 6 but not a chunk: two row blocks.
+    groups = [lay.q_pos[lay.row_indptr[b]:lay.row_indptr[b + 1]].tolist() for b in range(lay.n_row_blocks)]
+    assert groups == [[6, 7], [13], [26], [27], [30], [44], [46], [52, 53], [69]]
+    assert lay.indptr.dtype == torch.int32 and lay.indices.dtype == torch.int32
+    assert torch.equal(lay.q_pos, _anchors())
+
+
+def test_relaxed_context_contents_and_budget():
+    # Page ranking by summed score: 9 (3.03) > 5 (2.03) > 2 (2.02) > 14 (0.53) > ties (0.04).
+    lay = build_relaxed_layout(_anchors(), _scores(), SPANS, N_CTX, 0.5, page_size=PS, sink_tokens=4)
+    by_first_row = {int(lay.q_pos[lay.row_indptr[b]]): lay.block_pages(b).tolist() for b in range(lay.n_row_blocks)}
+    # Anchor 69 (page 17, chunk 2 starts at 45 = page 11): sink page 0 + own pages 11..17 = 8,
+    # budget ceil(0.5 * 18) = 9 -> one more page: the best scored, page 9.
+    assert by_first_row[69] == [0, 9, 11, 12, 13, 14, 15, 16, 17]
+    # Anchor 46 (page 11): sink + own page 11 = 2, budget 6 -> pages 9, 5, 2, then the
+    # lowest-index page of the tied rest (1).
+    assert by_first_row[46] == [0, 1, 2, 5, 9, 11]
+    # Anchor 30 (page 7, chunk 1 starts at page 6): budget 4 = sink, 6, 7 + best of 1..5 (5).
+    assert by_first_row[30] == [0, 5, 6, 7]
+    # Budgets round up to whole pages: 0.4 * 12 = 4.8 -> 5 pages for anchor 46.
+    lay4 = build_relaxed_layout(_anchors(), _scores(), SPANS, N_CTX, 0.4, page_size=PS)
+    b46 = int((lay4.q_pos[lay4.row_indptr[:-1].long()] == 46).nonzero())
+    assert lay4.block_pages(b46).tolist() == [0, 2, 5, 9, 11]
+    # Mandatory pages exceed a tiny budget: still kept (floor = sink + own chunk).
+    tiny = build_relaxed_layout(_anchors(), _scores(), SPANS, N_CTX, 0.01, page_size=PS)
+    pages = {int(tiny.q_pos[tiny.row_indptr[b]]): tiny.block_pages(b).tolist() for b in range(tiny.n_row_blocks)}
+    assert pages[69] == [0, 11, 12, 13, 14, 15, 16, 17]
+    # Causal: nothing after the anchor.
+    mask = lay.to_dense_mask()
+    assert not (mask & (torch.arange(N_CTX)[None, :] > lay.q_pos[:, None])).any()
+    # The anchor always sees itself and the sink.
+    assert mask[torch.arange(lay.n_rows), lay.q_pos].all() and mask[:, 0].all()
+
+
+def test_work_shrinks_monotonically_and_sets_nest():
+    a = torch.arange(6, 70, 3)
+    masks, pairs = [], []
+    for ratio in (1.0, 0.5, 0.25):
+        lay = build_relaxed_layout(a, _scores(), SPANS, N_CTX, ratio, page_size=PS)
+        masks.append(lay.to_dense_mask())
+        pairs.append(lay.kv_pairs())
+        assert lay.kv_pairs() == int(masks[-1].sum())
+    assert pairs[0] > pairs[1] > pairs[2]
+    assert not (masks[1] & ~masks[0]).any() and not (masks[2] & ~masks[1]).any()
+
+
+def test_random_context_same_budget_seeded():
+    a = _anchors()
+    top = build_relaxed_layout(a, _scores(), SPANS, N_CTX, 0.5, page_size=PS)
+    r1 = build_relaxed_layout(a, None, SPANS, N_CTX, 0.5, PS, mode="random", generator=torch.Generator().manual_seed(1))
+    r2 = build_relaxed_layout(a, None, SPANS, N_CTX, 0.5, PS, mode="random", generator=torch.Generator().manual_seed(1))
+    assert torch.equal(r1.indices, r2.indices)
+    assert torch.equal(top.indptr, r1.indptr)  # same page count per row block
+    assert not torch.equal(top.indices, r1.indices)
+    full = full_causal_layout(a, SPANS, N_CTX, PS)
+    for b in range(r1.n_row_blocks):
+        pages = set(r1.block_pages(b).tolist())
+        p = int(r1.q_pos[r1.row_indptr[b]]) // PS
+        assert 0 in pages and p in pages and max(pages) == p
+        assert pages <= set(full.block_pages(b).tolist())
+
+
+def test_kv_pairs_hand_count_and_from_page_mask():
+    q_pos = torch.tensor([5, 9, 10])
+    row_indptr = torch.tensor([0, 1, 3])
+    pm = torch.tensor([[True, True, False], [True, False, True]])
+    lay = BlockSparseLayout.from_page_mask(q_pos, row_indptr, pm, page_size=4, n_keys=11)
+    # row 5: pages 0,1 -> keys 0..5 = 6; row 9: pages 0,2 -> 0..3 + 8,9 = 6; row 10: 4 + 3 = 7.
+    assert lay.kv_pairs() == 19
+    assert lay.full_kv_pairs() == 6 + 10 + 11
+    assert lay.block_key_index(1).tolist() == [0, 1, 2, 3, 8, 9, 10]
+    assert math.isclose(lay.context_ratio(), 19 / 27)
+
+
+def test_empty_anchor_set():
+    lay = build_relaxed_layout(torch.zeros(0, dtype=torch.long), _scores(), SPANS, N_CTX, 0.5, PS)
+    assert lay.n_rows == 0 and lay.n_row_blocks == 0 and lay.kv_pairs() == 0
+
+
+def test_flashinfer_plan_covers_exactly_the_visible_pairs():
+    a = _anchors()
+    lay = build_relaxed_layout(a, _scores(), SPANS, N_CTX, 0.5, page_size=PS)
+    plan = to_flashinfer_variable_block(lay, num_kv_heads=2)
+    R, P = lay.n_row_blocks, math.ceil(N_CTX / PS)
+    assert plan.block_mask_map.shape == (2, R, P) and plan.block_mask_map.dtype == torch.bool
+    assert plan.block_row_sz.shape == (2, R) and int(plan.block_row_sz[0].sum()) == lay.n_rows
+    assert plan.block_col_sz.shape == (2, P) and int(plan.block_col_sz[1].sum()) == N_CTX
+    assert torch.equal(plan.block_mask_map[0], plan.block_mask_map[1])
+    # Rebuild the dense visible mask from the two parts; they must be disjoint and exact.
+    dense = torch.zeros(lay.n_rows, N_CTX, dtype=torch.int32)
+    col_start = torch.cumsum(plan.block_col_sz[0], 0) - plan.block_col_sz[0]
+    row = 0
+    for r in range(R):
+        for _ in range(int(plan.block_row_sz[0, r])):
+            for c in plan.block_mask_map[0, r].nonzero().squeeze(1).tolist():
+                dense[row, col_start[c]:col_start[c] + plan.block_col_sz[0, c]] += 1
+            row += 1
+    for i in range(lay.n_rows):
+        seg = plan.diag_kv_indices[plan.diag_kv_indptr[i]:plan.diag_kv_indptr[i + 1]].long()
+        dense[i, seg] += 1
+    assert dense.max() == 1
+    assert torch.equal(dense.bool(), lay.to_dense_mask())
+    # In a relaxed layout only the anchor's own page is partial: <= page_size ragged keys each.
+    lens = plan.diag_kv_indptr[1:] - plan.diag_kv_indptr[:-1]
+    assert int(lens.max()) <= PS and int(lens.min()) >= 1
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        build_relaxed_layout(torch.tensor([9, 7]), _scores(), SPANS, N_CTX, 0.5, PS)
+    with pytest.raises(ValueError):
+        build_relaxed_layout(_anchors(), _scores(), SPANS, N_CTX, 1.2, PS)
+    with pytest.raises(ValueError):
+        build_relaxed_layout(_anchors(), None, SPANS, N_CTX, 0.5, PS, mode="topk")

@@ -1,0 +1,233 @@
+"""Query scores and anchor selection: values, nesting, ratio accounting, per-policy rules."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from relaxkv_sglang.core.selection import (
+    RepairPolicy,
+    _hull_exit_allocation,
+    anchor_ratio_achieved,
+    chunk_ids,
+    eligible_tokens,
+    exits_to_anchor_sets,
+    kv_deviation,
+    query_attention_scores,
+    relaxkv_exit_layers,
+    select_anchors,
+)
+
+PREFIX = 6
+SPANS = [(6, 26), (26, 40), (40, 71), (71, 90)]
+N_CTX = 90
+L = 4
+
+
+def _naive_scores(q, k, n_context, scale):
+    """Loop-by-loop definition of s(t) = sum_{query i, head h} softmax_i,h[t]."""
+    n_q, H, _ = q.shape
+    g = H // k.shape[1]
+    s = torch.zeros(n_context, dtype=torch.float64)
+    for i in range(n_q):
+        for h in range(H):
+            keys = k[: n_context + i + 1, h // g].double()
+            p = torch.softmax(keys @ q[i, h].double() * scale, dim=0)
+            s += p[:n_context]
+    return s
+
+
+def test_query_scores_match_loop_definition_gqa_causal():
+    g = torch.Generator().manual_seed(0)
+    n_ctx, n_q, H, Hkv, d = 11, 4, 4, 2, 8
+    q = torch.randn(n_q, H, d, generator=g)
+    k = torch.randn(n_ctx + n_q, Hkv, d, generator=g)
+    # A large key on the last query token: only the last query may see it (causality), so
+    # an implementation that lets earlier queries see it disagrees with the loop below.
+    k[-1] = 5.0
+    s = query_attention_scores(q, k, n_ctx)
+    assert s.dtype == torch.float32 and s.shape == (n_ctx,)
+    ref = _naive_scores(q, k, n_ctx, d ** -0.5)
+    torch.testing.assert_close(s.double(), ref, atol=1e-5, rtol=1e-5)
+    # Mass on the query's own keys is not handed to the context.
+    assert float(s.sum()) < n_q * H - 1e-3
+
+
+def test_query_scores_batched_over_layers():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 2, 4, 8, generator=g)
+    k = torch.randn(3, 9 + 2, 2, 8, generator=g)
+    s = query_attention_scores(q, k, 9)
+    assert s.shape == (3, 9)
+    for l in range(3):
+        torch.testing.assert_close(s[l], query_attention_scores(q[l], k[l], 9))
+
+
+def test_eligible_excludes_prefix_and_chunk_at_zero():
+    el = eligible_tokens(SPANS, N_CTX)
+    assert el.tolist() == list(range(6, 90))
+    # No prefix: the first chunk's cached KV is exact, so it is not eligible.
+    el0 = eligible_tokens([(0, 10), (10, 25)], 25)
+    assert el0.tolist() == list(range(10, 25))
+    ids = chunk_ids(SPANS, N_CTX)
+    assert ids[:6].tolist() == [-1] * 6 and ids[26].item() == 1 and ids[89].item() == 3
+
+
+def _scores(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(L, N_CTX, generator=g) ** 4
+
+
+@pytest.mark.parametrize("policy", ["epic", "prophetkv", "relaxkv", "relaxkv_fullctx", "relaxkv_randctx", "random"])
+@pytest.mark.parametrize("ratio", [0.0, 0.03, 0.15, 0.37, 1.0])
+def test_sets_nested_sorted_eligible_and_ratio_met(policy, ratio):
+    sets = select_anchors(policy, _scores(), SPANS, N_CTX, ratio, torch.Generator().manual_seed(3))
+    el = set(eligible_tokens(SPANS, N_CTX).tolist())
+    n_el = len(el)
+    assert len(sets) == L
+    for l, a in enumerate(sets):
+        assert a.dtype == torch.long
+        assert torch.equal(a, torch.sort(a).values) and a.unique().numel() == a.numel()
+        assert set(a.tolist()) <= el  # never prefix tokens
+        if l:
+            assert set(a.tolist()) <= set(sets[l - 1].tolist())  # nested over depth
+    mean_per_layer = sum(a.numel() for a in sets) / L
+    assert abs(mean_per_layer - ratio * n_el) <= 1.0  # within one token per layer
+    assert abs(anchor_ratio_achieved(sets, n_el) - ratio) <= 1.0 / n_el
+    if ratio == 0.0:
+        assert all(a.numel() == 0 for a in sets)
+    if ratio == 1.0:
+        assert all(a.tolist() == sorted(el) for a in sets)
+
+
+def test_full_and_pic_sets():
+    full = select_anchors("full", None, SPANS, N_CTX, 0.3, n_layers=L)
+    pic = select_anchors(RepairPolicy.PIC, None, SPANS, N_CTX, 0.3, n_layers=L)
+    assert all(a.tolist() == list(range(6, 90)) for a in full)
+    assert all(a.numel() == 0 for a in pic)
+
+
+def test_epic_takes_first_tokens_of_each_chunk():
+    spans = [(5, 15), (15, 25), (25, 35), (35, 45)]
+    sets = select_anchors("epic", None, spans, 45, 0.3, n_layers=2)  # 12 tokens = 3 per chunk
+    assert sets[0].tolist() == [5, 6, 7, 15, 16, 17, 25, 26, 27, 35, 36, 37]
+    assert torch.equal(sets[0], sets[1])
+    # 14 tokens: the extra round goes to the earlier chunks.
+    sets = select_anchors("epic", None, spans, 45, 0.35, n_layers=1)
+    assert sets[0].tolist() == [5, 6, 7, 8, 15, 16, 17, 18, 25, 26, 27, 35, 36, 37]
+
+
+def test_prophetkv_top_mean_score():
+    s = torch.zeros(3, 20)
+    s[0, 12] = 9.0  # high at one layer only, but highest mean
+    s[:, 15] = 2.0
+    s[:, 3] = 100.0  # prefix: never an anchor
+    s[2, 18] = 3.0
+    sets = select_anchors("prophetkv", s, [(10, 20)], 20, 0.3)
+    assert all(a.tolist() == [12, 15, 18] for a in sets)
+
+
+def test_cacheblend_full_check_layers_then_top_deviation():
+    dev = torch.zeros(N_CTX)
+    dev[[7, 30, 50, 88]] = torch.tensor([4.0, 3.0, 2.0, 1.0])
+    dev[2] = 100.0  # prefix deviation is ignored
+    sets = select_anchors("cacheblend", None, SPANS, N_CTX, 3 / 84, n_layers=5, deviation=dev, check_layer=1)
+    el = list(range(6, 90))
+    assert sets[0].tolist() == el and sets[1].tolist() == el
+    assert all(a.tolist() == [7, 30, 50] for a in sets[2:])
+    # Without the deviation only the check layers are known.
+    assert len(select_anchors("cacheblend", None, SPANS, N_CTX, 0.1, n_layers=5)) == 2
+
+
+def test_kv_deviation_values():
+    k_old = torch.zeros(3, 2, 4)
+    v_old = torch.zeros(3, 2, 4)
+    k_new = torch.zeros(3, 2, 4)
+    v_new = torch.zeros(3, 2, 4)
+    v_new[1, 0, 0] = 3.0
+    v_new[1, 1, 0] = 4.0
+    k_new[2, 0, 0] = 2.0
+    assert kv_deviation(k_new, v_new, k_old, v_old).tolist() == [0.0, 5.0, 0.0]
+    assert kv_deviation(k_new, v_new, k_old, v_old, use_k=True).tolist() == [0.0, 5.0, 2.0]
+
+
+def test_random_policy_seeded():
+    a = select_anchors("random", None, SPANS, N_CTX, 0.2, torch.Generator().manual_seed(5), n_layers=2)
+    b = select_anchors("random", None, SPANS, N_CTX, 0.2, torch.Generator().manual_seed(5), n_layers=2)
+    c = select_anchors("random", None, SPANS, N_CTX, 0.2, torch.Generator().manual_seed(6), n_layers=2)
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
+
+
+# ----------------------------------------------------------------------------- relaxkv rule
+
+
+def test_hull_keeps_deep_token_through_all_layers_when_worth_it():
+    util = torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.1, 0.0, 0.0, 0.0], [0.05, 0.05, 0.0, 0.0]])
+    assert _hull_exit_allocation(util, 4).tolist() == [4, 0, 0]
+    # A deep value too small per token-layer loses to shallow values.
+    util[0, 3] = 0.3
+    assert _hull_exit_allocation(util, 3).tolist() == [0, 1, 2]
+
+
+def test_hull_remainder_goes_to_real_gain_not_to_a_worthless_cut():
+    # Greedy by slope takes token 1 (0.3/layer), then token 0's segment (0.25/layer over 4
+    # layers) does not fit: cutting it would buy nothing; token 2's two layers buy 0.4.
+    util = torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.3, 0.0, 0.0, 0.0], [0.2, 0.2, 0.0, 0.0]])
+    ex = _hull_exit_allocation(util, 4)
+    assert int(ex.sum()) == 4
+    assert ex[1].item() == 1 and ex[2].item() >= 2
+
+
+def _value(util, exits):
+    cum = torch.cat([torch.zeros(util.shape[0], 1, dtype=util.dtype), util.cumsum(1)], 1)
+    return float(cum[torch.arange(util.shape[0]), exits].sum())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_hull_is_optimal_for_concave_utilities(seed):
+    g = torch.Generator().manual_seed(seed)
+    util = torch.sort(torch.rand(4, 3, generator=g, dtype=torch.float64), dim=1, descending=True).values
+    for budget in range(0, 13):
+        ex = _hull_exit_allocation(util, budget)
+        assert int(ex.sum()) == budget and int(ex.max()) <= 3
+        best = max(
+            _value(util, torch.tensor(e))
+            for e in itertools.product(range(4), repeat=4)
+            if sum(e) == budget
+        )
+        assert _value(util, ex) == pytest.approx(best, abs=1e-12)
+
+
+def test_relaxkv_layer_specific_targets():
+    spans = [(4, 24), (24, 44)]
+    s = torch.full((4, 44), 1e-3)
+    s[0, 10] = 5.0  # wanted only at layer 0
+    s[3, 30] = 5.0  # wanted at the last layer: must be kept through 0..3
+    ex = relaxkv_exit_layers(s, spans, anchor_ratio=5 / 40, chunk_sink_tokens=0)  # 20 token-layers
+    assert ex[30].item() == 4
+    assert ex[10].item() >= 1
+    assert int(ex.sum()) == 20 and int(ex[:4].sum()) == 0
+    sets = exits_to_anchor_sets(ex, 4)
+    assert 30 in sets[3].tolist() and 10 in sets[0].tolist()
+
+
+def test_relaxkv_chunk_sinks_favoured():
+    spans = [(4, 24), (24, 44)]
+    s = torch.zeros(4, 44)
+    s[:, 15] = 1.0
+    ex = relaxkv_exit_layers(s, spans, anchor_ratio=0.25, chunk_sink_tokens=2)  # 40 token-layers
+    assert [ex[t].item() for t in (4, 5, 24, 25)] == [4, 4, 4, 4]
+    assert ex[15].item() == 4 and int(ex.sum()) == 40
+    # Budget smaller than all sinks: sinks spread over chunks first (offset 0 of each chunk).
+    ex = relaxkv_exit_layers(s, spans, anchor_ratio=0.075, chunk_sink_tokens=2)  # 12 token-layers
+    assert [ex[t].item() for t in (4, 24, 5, 25)] == [4, 4, 4, 0]
+    assert int(ex.sum()) == 12
+
+
+def test_ratio_is_validated():
+    with pytest.raises(ValueError):
+        select_anchors("relaxkv", _scores(), SPANS, N_CTX, 1.5)
+    with pytest.raises(ValueError):
+        select_anchors("prophetkv", None, SPANS, N_CTX, 0.5, n_layers=2)
+    assert math.isclose(anchor_ratio_achieved([], 10), 0.0)

@@ -1,0 +1,289 @@
+"""Unit tests for relaxkv_sglang.workloads, relaxkv_sglang.metrics and the demo's client side.
+
+No server and no model: the workload tests use synthetic HotpotQA-shaped
+examples (one test reads the real file when it is already prepared), and the
+demo tests run the real frontend program against an in-process fake backend.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import numpy as np
+import pytest
+
+from relaxkv_sglang import assets, metrics
+from relaxkv_sglang.workloads import (
+    SEPARATOR,
+    SYSTEM_PROMPTS,
+    RagRequest,
+    format_paragraph,
+    hotpotqa_requests,
+    prompt_parts,
+    question_text,
+    render_prompt,
+)
+
+
+def _example(k: int, n_paragraphs: int = 10) -> dict:
+    """A HotpotQA-shaped example whose paragraph titles are unique to it."""
+    context = [[f"T{k}-{j}", [f"Sentence {j} of {k}.", f" More about {j}."]] for j in range(n_paragraphs)]
+    return {
+        "_id": f"id{k}",
+        "question": f"What is {k}?",
+        "answer": f"answer {k}",
+        "supporting_facts": [[f"T{k}-7", 0], [f"T{k}-2", 1]],
+        "context": context,
+    }
+
+
+DATA = [_example(k) for k in range(40)] + [_example(100 + k, n_paragraphs=4) for k in range(5)]
+
+
+# ------------------------------------------------------------------- workloads
+
+
+def test_prompt_layout_is_exact():
+    req = RagRequest(system="Sys.", documents=["A: one.", "B: two."], question="Who? ", answers=["x"], example_id="e")
+    assert render_prompt(req) == "Sys.\n\nA: one.\n\nB: two.\n\nQuestion: Who?\nAnswer:"
+    system, docs, question = prompt_parts(req)
+    assert (system, docs, question) == ("Sys.", ["A: one.", "B: two."], question_text("Who? "))
+    assert SEPARATOR.join([system, *docs, question]) == render_prompt(req)
+    docs.append("mutating the returned list")
+    assert req.documents == ["A: one.", "B: two."]
+
+
+def test_format_paragraph_joins_sentences_as_written():
+    assert format_paragraph("Ed Wood", ["Ed Wood is a film.", " It is American."]) == "Ed Wood: Ed Wood is a film. It is American."
+
+
+def test_trace_is_seeded_and_shaped():
+    a = hotpotqa_requests(24, seed=3, data=DATA)
+    b = hotpotqa_requests(24, seed=3, data=DATA)
+    c = hotpotqa_requests(24, seed=4, data=DATA)
+    assert [render_prompt(r) for r in a] == [render_prompt(r) for r in b]
+    assert [render_prompt(r) for r in a] != [render_prompt(r) for r in c]
+    assert len(a) == 24
+    for req in a:
+        assert len(req.documents) == 10
+        assert req.system in SYSTEM_PROMPTS
+        assert req.answers == [f"answer {req.example_id[2:]}"]
+        assert req.example_id.startswith("id") and int(req.example_id[2:]) < 40  # short examples never drawn
+
+
+def test_pool_repeats_documents_in_new_orders():
+    trace = hotpotqa_requests(24, seed=0, data=DATA)
+    by_example = collections.defaultdict(list)
+    for req in trace:
+        by_example[req.example_id].append(req)
+    assert len(by_example) == 8  # default pool = n // 3
+    assert all(len(reqs) == 3 for reqs in by_example.values())
+    orders_differ = 0
+    for reqs in by_example.values():
+        assert len({frozenset(r.documents) for r in reqs}) == 1  # same documents every time
+        orders_differ += len({tuple(r.documents) for r in reqs}) > 1
+    assert orders_differ == len(by_example)
+    # Repeats are spread through the trace, not back to back in pool order.
+    assert [r.example_id for r in trace[:8]] != [r.example_id for r in trace[8:16]]
+    assert len({r.system for r in trace}) > 1
+
+
+def test_uneven_pool_and_explicit_pool():
+    trace = hotpotqa_requests(7, seed=1, data=DATA)
+    counts = collections.Counter(r.example_id for r in trace)
+    assert len(counts) == 2 and sorted(counts.values()) == [3, 4]
+    one = hotpotqa_requests(5, pool=1, data=DATA)
+    assert len({r.example_id for r in one}) == 1
+    assert len(hotpotqa_requests(1, data=DATA)) == 1
+
+
+def test_fewer_documents_keep_the_gold_paragraphs():
+    for req in hotpotqa_requests(6, docs_per_request=3, seed=2, data=DATA):
+        k = req.example_id[2:]
+        titles = {d.split(":")[0] for d in req.documents}
+        assert len(req.documents) == 3
+        assert {f"T{k}-7", f"T{k}-2"} <= titles
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"n": 0}, {"n": 3, "pool": 4}, {"n": 3, "pool": 0}, {"n": 3, "docs_per_request": 11},
+    {"n": 3, "docs_per_request": 0},
+])
+def test_bad_arguments_are_refused(kwargs):
+    n = kwargs.pop("n")
+    with pytest.raises(ValueError):
+        hotpotqa_requests(n, data=DATA, **kwargs)
+
+
+def test_too_few_eligible_examples():
+    with pytest.raises(ValueError, match="only 0 examples"):
+        hotpotqa_requests(3, data=DATA[40:])
+
+
+def test_real_hotpotqa_when_prepared():
+    folder = assets.cache_root() / "data" / "hotpotqa"
+    if not folder.exists() or assets.manifest_problem(folder) is not None:
+        pytest.skip("hotpotqa not prepared (relaxkv-sglang data hotpotqa)")
+    trace = hotpotqa_requests(24, seed=0)
+    assert len(trace) == 24 and len({r.example_id for r in trace}) == 8
+    assert all(len(r.documents) == 10 and r.answers[0] for r in trace)
+    assert hotpotqa_requests(24, seed=0)[5].documents == trace[5].documents
+
+
+# --------------------------------------------------------------------- metrics
+
+
+def test_normalize_answer():
+    assert metrics.normalize_answer("The Theater, an  Anthem!") == "theater anthem"
+    assert metrics.normalize_answer("  A.B.C. ") == "abc"
+    assert metrics.normalize_answer("") == ""
+
+
+@pytest.mark.parametrize("pred, refs, expected", [
+    ("The Eiffel Tower", "eiffel tower", 1.0),
+    ("Paris, France", "Paris", 2 / 3),
+    ("in 1995 and 1996", ["1996", "1995 and 1996"], 6 / 7),  # max over references
+    ("yes yes", "yes", 2 / 3),  # token multiset, not set
+    ("", "x", 0.0),
+    ("the", "a", 0.0),  # both normalise to nothing: 0, as LongBench scores it
+    ("totally wrong", "right", 0.0),
+])
+def test_qa_f1(pred, refs, expected):
+    assert metrics.qa_f1(pred, refs) == pytest.approx(expected)
+
+
+def test_exact_agreement():
+    assert metrics.exact_agreement(" The Beatles.", "beatles") == 1.0
+    assert metrics.exact_agreement("Beatles band", "beatles") == 0.0
+    assert metrics.exact_agreement("no", ["yes", "No"]) == 1.0
+    with pytest.raises(ValueError):
+        metrics.qa_f1("x", [])
+
+
+def test_percentile_matches_numpy():
+    values = [0.9, 0.1, 0.5, 2.0, 0.3, 0.3, 7.5]
+    for q in (0, 1, 10, 25, 50, 77.7, 90, 99, 100):
+        assert metrics.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert metrics.percentile([4.0], 90) == 4.0
+    with pytest.raises(ValueError):
+        metrics.percentile([], 50)
+    with pytest.raises(ValueError):
+        metrics.percentile([1.0], 101)
+
+
+def test_latency_summary():
+    s = metrics.latency_summary(x / 10 for x in range(1, 11))
+    assert set(s) == {"mean", "p50", "p90", "p99"}
+    assert s["mean"] == pytest.approx(0.55)
+    assert s["p50"] == pytest.approx(0.55)
+    assert s["p90"] == pytest.approx(0.91)
+    assert s["p99"] == pytest.approx(0.991)
+    empty = metrics.latency_summary([])
+    assert empty == {"mean": None, "p50": None, "p90": None, "p99": None}
+    json.dumps(empty)  # JSON-safe: no NaN
+
+
+def test_hit_rate():
+    assert metrics.hit_rate(25, 100) == 0.25
+    assert metrics.hit_rate(0, 0) == 0.0
+    with pytest.raises(ValueError):
+        metrics.hit_rate(-1, 10)
+
+
+def test_reusable_tokens_counts_repeats_after_first_sight():
+    trace = [
+        [("a", 10), ("b", 20)],
+        [("b", 20), ("c", 5)],   # b repeats: 20
+        [("c", 5), ("a", 10), ("a", 10)],  # c, a, and a again in the same request: 25
+    ]
+    assert metrics.reusable_tokens(trace) == 45
+    assert metrics.reusable_tokens([]) == 0
+    assert metrics.reusable_tokens(iter([iter([("x", 3)]), iter([("x", 3)])])) == 3
+
+
+# ----------------------------------------------------- demo client (no server)
+
+
+class _FakeBackend:
+    """Streams a canned answer in chunks, like RuntimeEndpoint.generate_stream, and records the prompt."""
+
+    def __init__(self, chunks):
+        from sglang.lang.backend.base_backend import BaseBackend
+
+        self._base = BaseBackend()
+        self.chunks = chunks
+        self.prompts = []
+        self.sampling = []
+
+    def __getattr__(self, name):
+        return getattr(self._base, name)
+
+    def generate_stream(self, s, sampling_params):
+        self.prompts.append(s.text_)
+        self.sampling.append(sampling_params)
+        n = len(self.chunks)
+        for i, text in enumerate(self.chunks):
+            yield text, {"prompt_tokens": 100, "cached_tokens": 40, "completion_tokens": i + 1,
+                         "finish_reason": {"type": "stop"} if i == n - 1 else None}
+
+
+def _request():
+    return RagRequest(system="Sys.", documents=["A: one.", "B: two."], question="Which?", answers=["Paris"],
+                      example_id="e1")
+
+
+def test_demo_program_sends_exactly_the_rendered_prompt():
+    from relaxkv_sglang import demo
+
+    fake = _FakeBackend(["", " Paris", " France"])  # first event has empty text, as a stop-string start can
+    backend = demo.TimedBackend(fake)
+    rec = demo.serve_one(demo.MODES["prefix"], backend, _request(), max_new_tokens=7)
+    assert fake.prompts == [render_prompt(_request())]
+    params = fake.sampling[0]
+    assert params.max_new_tokens == 7 and params.temperature == 0 and "\n" in params.stop
+    assert rec["answer"] == " Paris France"
+    assert (rec["prompt_tokens"], rec["cached_tokens"], rec["completion_tokens"]) == (100, 40, 3)
+    assert 0 <= rec["client_overhead_s"] <= rec["ttft_s"] <= rec["latency_s"]
+    assert rec["f1"] == pytest.approx(2 / 3)
+    assert backend.times == {}  # popped once recorded
+
+
+def test_demo_table_and_summary():
+    from relaxkv_sglang import demo
+
+    records = [
+        {"prompt_tokens": 100, "cached_tokens": 10, "completion_tokens": 4, "ttft_s": 0.5, "latency_s": 1.0,
+         "answer": "Paris", "f1": 1.0, "exact_match": 1.0},
+        {"prompt_tokens": 300, "cached_tokens": 90, "completion_tokens": 4, "ttft_s": 1.5, "latency_s": 2.0,
+         "answer": "Rome", "f1": 0.0, "exact_match": 0.0},
+    ]
+    mode = demo.MODES["prefix"]
+    summary = demo.summarize(mode, {"records": records, "wall_s": 4.0}, None)
+    assert summary["hit_rate"] == pytest.approx(0.25)
+    assert summary["ttft_s"]["mean"] == pytest.approx(1.0)
+    assert summary["answer_f1"] == pytest.approx(0.5)
+    assert summary["requests_per_s"] == pytest.approx(0.5)
+    assert "agreement_with_first_mode" not in summary
+    other = demo.summarize(mode, {"records": records[::-1], "wall_s": 4.0}, records)
+    assert other["agreement_with_first_mode"] == 0.0
+    workload = {"best_possible_hit_rate": 0.6, "reusable_document_tokens": 240, "prompt_tokens": 400,
+                "best_possible_hit_rate_with_system_prompts": 0.65}
+    table = demo.format_table({"prefix": summary}, workload)
+    lines = table.splitlines()
+    assert lines[0].split()[:5] == ["mode", "requests", "prompt", "tok", "cached"]
+    assert lines[2].split() == ["prefix", "2", "400", "100", "25.0%", "1.00", "1.00", "1.40", "0.500", "4.0"]
+    assert "best possible hit rate: 60.0%" in lines[3]
+    assert "agree" in demo.format_table({"prefix": summary, "b": other}, workload).splitlines()[0]
+
+
+def test_demo_cli_errors_are_one_line(capsys):
+    from relaxkv_sglang import demo
+
+    assert demo.main(["--modes", "nope"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("relaxkv-sglang demo: error: --modes: unknown mode nope") and "\n" not in err
+    assert demo.main(["--requests", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "relaxkv-sglang demo: error: --requests must be at least 1, got 0"
+    assert demo.main(["--model", "/nonexistent/model", "--modes", "prefix", "--output", "/tmp/x-demo.json"]) == 1
+    assert "neither" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """``relaxkv-sglang``: serve, and prepare the offline model and data.
 
-    relaxkv-sglang serve [--model smollm2-135m|tiny-llama|PATH] [--port N]
-                         [--max-total-tokens N] [-- extra sglang args]
+    relaxkv-sglang serve [--model smollm2-135m|tiny-llama|PATH] [--port N] [--policy P]
+                         [--max-total-tokens N] [--stock] [-- extra sglang args]
     relaxkv-sglang model smollm2-135m|tiny-llama
     relaxkv-sglang data hotpotqa|squad|essays
 
@@ -18,6 +18,7 @@ import time
 
 from relaxkv_sglang import assets
 from relaxkv_sglang.server import SGLangServer, ServerConfig, ServerError
+from relaxkv_sglang.srt.plan import SERVER_POLICIES
 
 
 def _resolve_model(name_or_path: str) -> str:
@@ -33,6 +34,8 @@ def cmd_serve(args, extra: list[str]) -> int:
         port=args.port,
         max_total_tokens=args.max_total_tokens,
         device=args.device,
+        relaxkv=not args.stock,
+        policy=args.policy,
         extra_args=extra,
         log_path=args.log,
         startup_timeout_s=args.startup_timeout,
@@ -83,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=30000)
     s.add_argument("--max-total-tokens", type=int, default=32768, help="KV pool size in tokens (not sized from RAM)")
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    s.add_argument("--policy", default="pic", choices=list(SERVER_POLICIES),
+                   help="default reuse policy for requests that do not set relaxkv_policy")
+    s.add_argument("--stock", action="store_true", help="plain SGLang: no chunk tree, torch_native attention")
     s.add_argument("--log", default=None, help="server log file (default: a temp file)")
     s.add_argument("--startup-timeout", type=float, default=300.0)
     s.set_defaults(func=cmd_serve)

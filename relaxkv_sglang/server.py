@@ -26,6 +26,9 @@ CPU_DEFAULTS = {
     "--attention-backend": "torch_native",
     "--dtype": "float32",
 }
+# The plugin's cache and attention backend; the overlap scheduler is off because
+# chunk reuse folds the batch right before its forward pass.
+RELAXKV_FLAGS = ["--attention-backend", "relaxkv", "--radix-cache-backend", "relaxkv", "--disable-overlap-schedule"]
 
 
 class ServerError(RuntimeError):
@@ -63,6 +66,8 @@ class ServerConfig:
     port: int = 0  # 0: pick a free port
     max_total_tokens: int = 16384
     device: str = "cpu"
+    relaxkv: bool = True  # False: stock SGLang (the plugin loads but stays inert)
+    policy: str | None = None  # server default policy (RELAXKV_DEFAULT_POLICY)
     extra_args: list[str] = dataclasses.field(default_factory=list)
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     log_path: str | None = None
@@ -75,9 +80,13 @@ class ServerConfig:
             "--host", self.host, "--port", str(self.port),
             "--max-total-tokens", str(self.max_total_tokens),
         ]
+        given = set(self.extra_args)
+        if self.relaxkv:
+            cmd += RELAXKV_FLAGS
+            given |= set(RELAXKV_FLAGS[::2])
         if self.device == "cpu":
             for flag, value in CPU_DEFAULTS.items():
-                if flag not in self.extra_args:
+                if flag not in given:
                     cmd += [flag, value]
         return cmd + list(self.extra_args)
 
@@ -108,6 +117,8 @@ class SGLangServer:
         self.log_path = cfg.log_path
         self._log_file = open(cfg.log_path, "w")
         env = dict(os.environ, **cfg.env)
+        if cfg.policy is not None:
+            env["RELAXKV_DEFAULT_POLICY"] = cfg.policy
         self.proc = subprocess.Popen(
             cfg.command(), stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,  # own process group: stop() reaches the children

@@ -28,11 +28,25 @@ def shim_report_path() -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def server(tiny_model_path, shim_report_path):
-    """A real ``sglang.launch_server`` on the tiny model, shared by the e2e tests."""
+    """Stock SGLang (torch_native attention, its own radix cache) on the tiny model."""
     config = ServerConfig(
         model_path=tiny_model_path,
         max_total_tokens=TINY_POOL_TOKENS,
+        relaxkv=False,
         env={"RELAXKV_SHIM_REPORT": str(shim_report_path)},
+        extra_args=["--context-length", "4096"],
+    )
+    with SGLangServer(config) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def relaxkv_server(tiny_model_path):
+    """SGLang with the plugin's chunk tree and attention backend, default policy ``prefix``."""
+    config = ServerConfig(
+        model_path=tiny_model_path,
+        max_total_tokens=TINY_POOL_TOKENS,
+        policy="prefix",
         extra_args=["--context-length", "4096"],
     )
     with SGLangServer(config) as srv:

@@ -169,10 +169,10 @@ def _fold_one(cache, req, rp: int, pre: int, n: int, logprob_start: int | None) 
 
 
 def plan_fold(cache, batch) -> Optional[Fold]:
-    """Decide, copy reused KV, and build the folded batch; None if nothing to fold."""
+    """Decide, copy reused KV, and build the folded batch; None if no request has a plan."""
     if batch is None or not batch.forward_mode.is_extend() or batch.forward_mode.is_mixed():
         return None
-    if not any(request_plan(r) is not None and request_plan(r).reuses_chunks for r in batch.reqs):
+    if all(request_plan(r) is None for r in batch.reqs):
         return None
     logprob_starts = batch.extend_logprob_start_lens if batch.return_logprob else None
     pool_idx = batch.req_pool_indices_cpu.tolist()
@@ -181,10 +181,8 @@ def plan_fold(cache, batch) -> Optional[Fold]:
                   logprob_starts[i] if logprob_starts is not None else None)
         for i, req in enumerate(batch.reqs)
     ]
-    if all(r.keep.shape[0] == batch.extend_lens[i] and not bool(r.scope_start.any())
-           for i, r in enumerate(requests)):
-        return Fold(batch, batch, requests) if any(r.chunks_seen for r in requests) else None
-    return Fold(batch, _folded_copy(batch, requests), requests)
+    unchanged = all(r.keep.shape[0] == n for r, n in zip(requests, batch.extend_lens))
+    return Fold(batch, batch if unchanged else _folded_copy(batch, requests), requests)
 
 
 def _folded_copy(batch, requests: list[RequestFold]):
@@ -225,17 +223,41 @@ def finish_fold(cache, fold: Fold) -> None:
             cache.chunks.insert(r.plan.namespace, tokens, slots, canonical_start=cs)
         if r.hit_tokens:
             r.req.cached_tokens += r.hit_tokens
-        record = getattr(r.req, "relaxkv_record", None)
-        r.req.relaxkv_record = _merge_reports(record, r.report())
+        if r.plan is not None:
+            _publish_record(r.req, r.report())
 
 
-def _merge_reports(old: dict | None, new: dict) -> dict:
-    if old is None:
-        return new
-    merged = dict(old)
-    for key in ("chunks_seen", "chunks_hit", "chunk_tokens_reused", "tokens_computed"):
-        merged[key] = old.get(key, 0) + new.get(key, 0)
-    return merged
+RECORD_KEY = "relaxkv"
+
+
+def _publish_record(req, step: dict) -> None:
+    """Merge this prefill step's report into the request's ``meta_info.relaxkv``.
+
+    SGLang carries ``req.customized_info`` to the HTTP process; the key is
+    declared request-level (see :func:`around_is_request_level_key`), so the
+    record is sent once, not sliced per output token.
+    """
+    info = req.customized_info if req.customized_info is not None else {}
+    old = info.get(RECORD_KEY, [None])[-1]
+    if old is not None:
+        for key in ("chunks_seen", "chunks_hit", "chunk_tokens_reused", "tokens_computed"):
+            step[key] += old[key]
+    info[RECORD_KEY] = [step]
+    req.customized_info = info
+
+
+def around_is_request_level_key(original, streamer, key: str) -> bool:
+    """Hook on ``SchedulerOutputStreamer.is_request_level_customized_info_key``."""
+    return key == RECORD_KEY or original(streamer, key)
+
+
+def around_update_request_meta_info(original, tokenizer_manager, meta_info, *args, **kwargs):
+    """Hook on ``TokenizerManager.update_request_meta_info``: one record, not a list."""
+    result = original(tokenizer_manager, meta_info, *args, **kwargs)
+    records = meta_info.get(RECORD_KEY)
+    if isinstance(records, list):
+        meta_info[RECORD_KEY] = records[-1] if records else None
+    return result
 
 
 # ------------------------------------------------------------------ the hooks

@@ -30,6 +30,13 @@ HOOKS = {
         "relaxkv_sglang.srt.forward:around_forward_batch_generation", ("self", "batch")),
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (
         "relaxkv_sglang.srt.forward:around_forward_batch_init_new", ("cls", "batch", "model_runner")),
+    "sglang.srt.managers.scheduler.Scheduler.get_internal_state": (
+        "relaxkv_sglang.srt.tree_cache:around_get_internal_state", ("self", "recv_req")),
+    "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
+    ".is_request_level_customized_info_key": (
+        "relaxkv_sglang.srt.forward:around_is_request_level_key", ("self", "key")),
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info": (
+        "relaxkv_sglang.srt.forward:around_update_request_meta_info", ("self", "meta_info")),
 }
 
 

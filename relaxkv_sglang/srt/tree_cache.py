@@ -85,6 +85,20 @@ def build_cache_class():
         def total_size(self):
             return super().total_size() + (self.chunks.total_tokens() if self.chunks else 0)
 
+        def stats(self) -> dict:
+            """Chunk tree counters and KV pool occupancy, for /get_server_info."""
+            chunk = self.chunks.stats()
+            return {
+                "chunk_lookups": chunk.lookups, "chunk_hits": chunk.hits, "chunk_misses": chunk.misses,
+                "chunk_hit_tokens": chunk.hit_tokens, "chunk_inserts": chunk.inserts,
+                "chunk_evictions": chunk.evictions, "chunk_evicted_tokens": chunk.evicted_tokens,
+                "chunk_entries": chunk.entries, "chunk_tokens_held": chunk.tokens_held,
+                "chunk_locked_tokens": chunk.locked_tokens,
+                "radix_evictable_tokens": RadixCache.evictable_size(self),
+                "radix_protected_tokens": self.protected_size(),
+                "kv_available_tokens": int(self.token_to_kv_pool_allocator.available_size()),
+            }
+
         def alloc_chunk_slots(self, n: int) -> Optional[torch.Tensor]:
             """n free KV slots for a new chunk, evicting if needed; None if none."""
             allocator = self.token_to_kv_pool_allocator
@@ -124,6 +138,16 @@ def make_tree_cache(ctx):
     _ACTIVE_CACHE = cache
     logger.info("relaxkv tree cache ready: rope=%s", rope)
     return cache
+
+
+def around_get_internal_state(original, scheduler, recv_req):
+    """Hook on ``Scheduler.get_internal_state``: add ``relaxkv`` to /get_server_info."""
+    output = original(scheduler, recv_req)
+    cache = active_cache()
+    if cache is not None:
+        state = dict(cache.stats(), kv_total_tokens=int(scheduler.max_total_num_tokens))
+        output.internal_state["relaxkv"] = state
+    return output
 
 
 def _is_neox_style(ctx) -> bool:

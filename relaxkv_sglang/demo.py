@@ -1,0 +1,545 @@
+"""``make demo``: a multi-request RAG workload served by SGLang, one table row per cache mode.
+
+    python -m relaxkv_sglang.demo [--requests 24] [--clients 4] [--max-new-tokens 16]
+                                  [--model smollm2-135m|tiny-llama|PATH] [--seed 0]
+                                  [--max-total-tokens 32768] [--modes prefix]
+                                  [--output results/demo-<UTC>.json] [--url http://HOST:PORT]
+
+It prepares the model and HotpotQA offline (:mod:`relaxkv_sglang.assets`),
+starts one SGLang server (or uses ``--url``), and for each *mode* flushes the
+cache and serves the same seeded trace (:func:`workloads.hotpotqa_requests`)
+from ``--clients`` concurrent client threads. Each request is an SGLang
+frontend program (``@sgl.function``) run against ``sgl.RuntimeEndpoint`` with
+streaming on. It prints one row per mode -- requests, prompt tokens, tokens
+served from cache (``meta_info.cached_tokens``), hit rate, time to first token
+(mean/p50/p90), answer F1 -- then the workload's best possible hit rate, and
+writes the same figures with per-request records to a JSON file.
+
+Modes are the extension point: a :class:`Mode` is a name plus how a request is
+sent (the frontend program, and the backend it runs against). Today there is
+one, ``prefix`` (plain SGLang; only its radix prefix cache can hit). Later
+modes (``pic``, ``relaxkv``) are added to :data:`MODES` with a program that
+marks the documents and a backend that passes their policy in
+``sampling_params.custom_params``; every mode runs against the same server in
+the same run, so the rows compare like with like.
+
+Every failure the user can fix ends in one line, ``relaxkv-sglang demo:
+error: ...``, and a non-zero exit; the server is stopped on any exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform
+import queue
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+# Nothing in the demo may reach a model hub; the tokenizer is read from the model folder.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import requests as http  # noqa: E402
+import sglang as sgl  # noqa: E402
+
+from relaxkv_sglang import assets, metrics  # noqa: E402
+from relaxkv_sglang.server import SGLangServer, ServerConfig, ServerError  # noqa: E402
+from relaxkv_sglang.workloads import SEPARATOR, RagRequest, hotpotqa_requests, prompt_parts, render_prompt  # noqa: E402
+
+PROG = "relaxkv-sglang demo"
+
+
+class DemoError(RuntimeError):
+    """A failure the user can act on; the message is one line."""
+
+
+def _log(msg: str) -> None:
+    print(f"[demo] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------- modes
+
+
+@sgl.function
+def plain_rag_program(s, system, documents, question):
+    """The RAG request as plain text: what an unmodified SGLang user writes.
+
+    Produces exactly :func:`workloads.render_prompt`'s text (the unit tests
+    check it); the answer is greedy and stops at the end of the line. Its
+    length cap comes from ``run(max_new_tokens=...)`` (a program argument of
+    that name would be swallowed by ``run``'s own sampling keyword).
+    """
+    s += system
+    for doc in documents:
+        s += SEPARATOR + doc
+    s += SEPARATOR + question
+    s += sgl.gen("answer", temperature=0, stop="\n")
+
+
+def runtime_endpoint(url: str):
+    """The stock frontend backend: ``sgl.RuntimeEndpoint``."""
+    return sgl.RuntimeEndpoint(url)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One row of the table: a name and how its requests are sent.
+
+    ``program`` is an ``@sgl.function`` taking ``(s, system, documents,
+    question)`` (the pieces of :func:`workloads.prompt_parts`) that generates
+    into a variable named ``answer`` (its length cap is passed to ``run``); a mode that reuses
+    document chunks marks them there (``document(text)``). ``make_backend``
+    builds the frontend backend from the server URL; a mode that needs request
+    fields the stock frontend does not send (``sampling_params.custom_params``
+    with a ``relaxkv_policy``) supplies a backend that adds them.
+    """
+
+    name: str
+    description: str
+    program: Any
+    make_backend: Callable[[str], Any] = runtime_endpoint
+
+
+MODES: dict[str, Mode] = {
+    "prefix": Mode("prefix", "plain SGLang: only the radix prefix cache can hit", plain_rag_program),
+}
+
+
+# --------------------------------------------------------------- the requests
+
+
+class TimedBackend:
+    """Wraps a frontend backend and timestamps each program's streamed generation.
+
+    The frontend's own streaming API (``state.text_iter``) only yields
+    non-empty text, so an answer whose first token decodes to nothing (a stop
+    string, a partial UTF-8 byte) would have no "first chunk". Timing at the
+    backend's ``generate_stream`` instead sees every server-sent event: the
+    first one carries the first generated token, whatever its text. Everything
+    else is delegated to the wrapped backend unchanged.
+
+    Times are ``time.perf_counter()`` values keyed by the stream executor's
+    ``sid``: ``sent`` (just before the HTTP request), ``first_chunk``,
+    ``done`` (stream ended). One ``gen`` per program is assumed.
+    """
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.times: dict[str, dict[str, float]] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def generate_stream(self, s, sampling_params):
+        rec = self.times.setdefault(s.sid, {})
+        rec["sent"] = time.perf_counter()
+        for text, meta in self._inner.generate_stream(s, sampling_params):
+            rec.setdefault("first_chunk", time.perf_counter())
+            yield text, meta
+        rec["done"] = time.perf_counter()
+
+
+def serve_one(mode: Mode, backend: TimedBackend, req: RagRequest, max_new_tokens: int) -> dict:
+    """Run one request as ``mode``'s program with streaming; return its record.
+
+    ``ttft_s`` is measured on the client, from the call to ``program.run``
+    to the arrival of the first streamed event of the answer (the first
+    generated token). It therefore includes the frontend's own work
+    (microseconds), the HTTP round trip, tokenization, *waiting in the server
+    queue behind the other clients' requests*, prefill of the uncached part of
+    the prompt, the first decode step, detokenization and streaming. It does
+    not include this client's earlier requests. ``latency_s`` runs to the end
+    of the stream.
+    """
+    system, documents, question = prompt_parts(req)
+    t0 = time.perf_counter()
+    state = mode.program.run(
+        system=system, documents=documents, question=question,
+        max_new_tokens=max_new_tokens, temperature=0, stream=True, backend=backend,
+    )
+    meta = state.get_meta_info("answer")  # blocks until the answer's stream has ended
+    error = state.error()
+    if error is not None:
+        raise error
+    times = backend.times.pop(state.stream_executor.sid, {})
+    if meta is None:
+        # The program itself raised (in the frontend's thread, which prints
+        # the traceback but records nothing) before its gen ran.
+        raise DemoError("the mode's program produced no 'answer' (see the traceback above)")
+    if "first_chunk" not in times:
+        raise DemoError("the server streamed no tokens for a request")
+    answer = state["answer"]
+    return {
+        "prompt_tokens": int(meta["prompt_tokens"]),
+        "cached_tokens": int(meta.get("cached_tokens", 0)),
+        "completion_tokens": int(meta.get("completion_tokens", 0)),
+        "finish_reason": meta.get("finish_reason"),
+        "ttft_s": times["first_chunk"] - t0,
+        "latency_s": times.get("done", time.perf_counter()) - t0,
+        "client_overhead_s": times["sent"] - t0,
+        "answer": answer,
+        "f1": metrics.qa_f1(answer, req.answers),
+        "exact_match": metrics.exact_agreement(answer, req.answers),
+    }
+
+
+def run_mode(mode: Mode, url: str, trace: list[RagRequest], clients: int, max_new_tokens: int) -> dict:
+    """Serve the whole trace as ``mode`` from ``clients`` threads; return records and wall time.
+
+    The clients pull request indices from one shared queue, so requests start
+    in trace order (which is what the reuse bound assumes) and each client
+    has at most one request in flight.
+    """
+    try:
+        backend = TimedBackend(mode.make_backend(url))
+    except Exception as exc:  # the frontend raises bare exceptions on connection failures
+        raise DemoError(f"mode {mode.name}: cannot reach the server at {url}: {_one_line(exc)}") from exc
+    todo: queue.Queue[int] = queue.Queue()
+    for i in range(len(trace)):
+        todo.put(i)
+    records: list[dict | None] = [None] * len(trace)
+    failures: list[str] = []
+    done = [0]
+    lock = threading.Lock()
+    start = time.perf_counter()
+
+    def client(cid: int) -> None:
+        while not failures:
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            began = time.perf_counter() - start
+            try:
+                rec = serve_one(mode, backend, trace[i], max_new_tokens)
+            except Exception as exc:
+                failures.append(f"request {i}: {_one_line(exc)}")
+                return
+            rec.update(mode=mode.name, index=i, client=cid, example_id=trace[i].example_id,
+                       start_s=began, gold=trace[i].answers)
+            records[i] = rec
+            with lock:
+                done[0] += 1
+                _log(f"{mode.name} {done[0]:>3}/{len(trace)}  ttft {rec['ttft_s']:6.2f} s  "
+                     f"cached {rec['cached_tokens']:>5}/{rec['prompt_tokens']:<5} answer {rec['answer'].strip()[:40]!r}")
+
+    threads = [threading.Thread(target=client, args=(c,), name=f"client-{c}", daemon=True) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    if failures:
+        raise DemoError(f"mode {mode.name}: {failures[0]}")
+    return {"records": records, "wall_s": wall}
+
+
+def summarize(mode: Mode, run: dict, baseline: list[dict] | None) -> dict:
+    """Per-mode figures from its request records (and agreement with the first mode's answers)."""
+    recs = run["records"]
+    prompt = sum(r["prompt_tokens"] for r in recs)
+    cached = sum(r["cached_tokens"] for r in recs)
+    completion = sum(r["completion_tokens"] for r in recs)
+    out = {
+        "description": mode.description,
+        "requests": len(recs),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": metrics.hit_rate(cached, prompt),
+        "completion_tokens": completion,
+        "ttft_s": metrics.latency_summary(r["ttft_s"] for r in recs),
+        "latency_s": metrics.latency_summary(r["latency_s"] for r in recs),
+        "wall_s": run["wall_s"],
+        "requests_per_s": len(recs) / run["wall_s"],
+        "output_tokens_per_s": completion / run["wall_s"],
+        "answer_f1": metrics.mean(r["f1"] for r in recs),
+        "exact_match": metrics.mean(r["exact_match"] for r in recs),
+    }
+    if baseline is not None:
+        # Fidelity to the first mode (later: to plain prefill), request by request.
+        out["agreement_with_first_mode"] = metrics.mean(
+            metrics.exact_agreement(r["answer"], b["answer"]) for r, b in zip(recs, baseline))
+        out["f1_vs_first_mode"] = metrics.mean(
+            metrics.qa_f1(r["answer"], b["answer"]) if b["answer"].strip() else float(not r["answer"].strip())
+            for r, b in zip(recs, baseline))
+    return out
+
+
+# ------------------------------------------------------------------ workload
+
+
+def workload_figures(trace: list[RagRequest], model_dir: pathlib.Path) -> dict:
+    """Token counts of the trace with the model's own tokenizer, and its best possible hit rate.
+
+    The bound counts every document token after that document's first
+    appearance in the trace (any position, any system prompt in front), over
+    all prompt tokens. Documents are tokenized on their own, so tokens that
+    merge across a document boundary are off by a few; the prompt totals are
+    whole-prompt counts, as the server tokenizes them.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:
+        raise DemoError(f"cannot load the tokenizer from {model_dir}: {_one_line(exc)}") from exc
+
+    def count(text: str, special: bool = False) -> int:
+        return len(tok(text, add_special_tokens=special)["input_ids"])
+
+    doc_tokens = {d: count(d) for req in trace for d in req.documents}
+    sys_tokens = {req.system: count(req.system) for req in trace}
+    prompt_tokens = [count(render_prompt(req), special=True) for req in trace]
+    reusable_docs = metrics.reusable_tokens([(d, doc_tokens[d]) for d in req.documents] for req in trace)
+    reusable_sys = metrics.reusable_tokens([[(req.system, sys_tokens[req.system])] for req in trace])
+    total = sum(prompt_tokens)
+    return {
+        "requests": len(trace),
+        "distinct_examples": len({r.example_id for r in trace}),
+        "distinct_documents": len(doc_tokens),
+        "prompt_tokens": total,
+        "max_prompt_tokens": max(prompt_tokens),
+        "document_tokens": sum(doc_tokens[d] for r in trace for d in r.documents),
+        "reusable_document_tokens": reusable_docs,
+        "best_possible_hit_rate": metrics.hit_rate(reusable_docs, total),
+        "reusable_system_prompt_tokens": reusable_sys,
+        "best_possible_hit_rate_with_system_prompts": metrics.hit_rate(reusable_docs + reusable_sys, total),
+    }
+
+
+# ------------------------------------------------------------------- output
+
+
+def _fmt_s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def format_table(summaries: dict[str, dict], workload: dict) -> str:
+    """The plain-text table: one row per mode, then the workload's best possible hit rate."""
+    agree = any("agreement_with_first_mode" in s for s in summaries.values())
+    head = ["mode", "requests", "prompt tok", "cached tok", "hit rate",
+            "TTFT mean s", "p50 s", "p90 s", "answer F1", "wall s"] + (["agree"] if agree else [])
+    rows = []
+    for name, s in summaries.items():
+        row = [name, str(s["requests"]), str(s["prompt_tokens"]), str(s["cached_tokens"]),
+               f"{100 * s['hit_rate']:.1f}%", _fmt_s(s["ttft_s"]["mean"]), _fmt_s(s["ttft_s"]["p50"]),
+               _fmt_s(s["ttft_s"]["p90"]), f"{s['answer_f1']:.3f}", f"{s['wall_s']:.1f}"]
+        if agree:
+            a = s.get("agreement_with_first_mode")
+            row.append("-" if a is None else f"{100 * a:.0f}%")
+        rows.append(row)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
+    out.append(
+        f"best possible hit rate: {100 * workload['best_possible_hit_rate']:.1f}% "
+        f"({workload['reusable_document_tokens']} of {workload['prompt_tokens']} prompt tokens are documents "
+        f"seen earlier in the trace; {100 * workload['best_possible_hit_rate_with_system_prompts']:.1f}% "
+        f"counting repeated system prompts too)"
+    )
+    return "\n".join(out)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[:300]
+
+
+def _default_output() -> str:
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return f"results/demo-{stamp}.json"
+
+
+# ---------------------------------------------------------------------- main
+
+
+def _resolve_model(name_or_path: str) -> pathlib.Path:
+    if name_or_path in assets.MODELS:
+        return assets.model_path(name_or_path)
+    path = pathlib.Path(name_or_path)
+    if not (path / "config.json").is_file():
+        raise DemoError(f"--model {name_or_path}: neither {' nor '.join(assets.MODELS)} nor a model folder")
+    return path
+
+
+def _served_model_dir(url: str, fallback: str) -> pathlib.Path:
+    """The served model's folder (for the tokenizer): the server's own ``model_path`` if local."""
+    try:
+        info = http.get(url.rstrip("/") + "/get_model_info", timeout=10).json()
+    except (http.RequestException, ValueError) as exc:
+        raise DemoError(f"--url {url}: no SGLang server answers there ({_one_line(exc)})") from exc
+    path = pathlib.Path(str(info.get("model_path", "")))
+    if (path / "config.json").is_file():
+        return path
+    return _resolve_model(fallback)
+
+
+def _context_length(model_dir: pathlib.Path) -> int | None:
+    try:
+        return int(json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings"))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def flush_cache(url: str) -> None:
+    """Empty the server's caches so each mode starts cold (waits up to 60 s for idle)."""
+    try:
+        r = http.post(url.rstrip("/") + "/flush_cache", params={"timeout": 60}, timeout=90)
+    except http.RequestException as exc:
+        raise DemoError(f"cannot flush the server's cache: {_one_line(exc)}") from exc
+    if r.status_code != 200:
+        raise DemoError(f"the server refused to flush its cache: {_one_line(Exception(r.text))}")
+
+
+def warm_up(url: str) -> None:
+    """One short request so no mode pays the server's first-request costs in its TTFT."""
+    body = {"text": "Warm-up: the quick brown fox", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    try:
+        r = http.post(url.rstrip("/") + "/generate", json=body, timeout=300)
+    except http.RequestException as exc:
+        raise DemoError(f"warm-up request failed: {_one_line(exc)}") from exc
+    if r.status_code != 200:
+        raise DemoError(f"warm-up request failed with HTTP {r.status_code}: {_one_line(Exception(r.text))}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=24, help="requests in the trace (default 24)")
+    p.add_argument("--clients", type=int, default=4, help="concurrent client threads (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="answer length cap (default 16)")
+    p.add_argument("--model", default="smollm2-135m",
+                   help=f"model: {', '.join(assets.MODELS)} (tiny-llama: a quick smoke run) or a folder")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--max-total-tokens", type=int, default=32768, help="server KV pool size in tokens")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated modes, one table row each (available: {', '.join(MODES)})")
+    p.add_argument("--output", default=None, help="JSON results file (default results/demo-<UTC time>.json)")
+    p.add_argument("--url", default=None, help="use this already-running server instead of starting one")
+    return p
+
+
+def run(args) -> int:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise DemoError(f"--modes: unknown mode {', '.join(unknown) or '(none)'}; available: {', '.join(MODES)}")
+    output = pathlib.Path(args.output or _default_output())
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DemoError(f"--output {output}: cannot create its folder ({exc.strerror})") from exc
+
+    if args.url:
+        url = args.url.rstrip("/")
+        model_dir = _served_model_dir(url, args.model)
+    else:
+        url = None
+        model_dir = _resolve_model(args.model)
+    _log(f"model {model_dir}")
+    trace = hotpotqa_requests(args.requests, seed=args.seed)
+    workload = workload_figures(trace, model_dir)
+    _log(f"workload: {workload['requests']} requests over {workload['distinct_examples']} HotpotQA examples, "
+         f"{workload['distinct_documents']} distinct documents, {workload['prompt_tokens']} prompt tokens")
+    ctx = _context_length(model_dir)
+    if ctx is not None and workload["max_prompt_tokens"] + args.max_new_tokens > ctx:
+        raise DemoError(f"the longest prompt has {workload['max_prompt_tokens']} tokens; "
+                        f"with --max-new-tokens {args.max_new_tokens} it exceeds the model's context of {ctx}")
+
+    log_path = output.with_suffix(".server.log")
+    if url is None:
+        config = ServerConfig(
+            model_path=str(model_dir), max_total_tokens=args.max_total_tokens,
+            env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}, log_path=str(log_path),
+        )
+        server_cm = SGLangServer(config)
+        _log(f"starting the SGLang server (log: {log_path})")
+    else:
+        server_cm = contextlib.nullcontext()
+        _log(f"using the server at {url}")
+
+    summaries: dict[str, dict] = {}
+    records: list[dict] = []
+    started = time.perf_counter()
+    with server_cm as server:
+        if server is not None:
+            url = server.url
+            _log(f"server ready at {url} after {time.perf_counter() - started:.1f} s")
+        warm_up(url)
+        baseline = None
+        for name in modes:
+            mode = MODES[name]
+            flush_cache(url)
+            _log(f"mode {name}: {len(trace)} requests from {args.clients} clients")
+            try:
+                result = run_mode(mode, url, trace, args.clients, args.max_new_tokens)
+            except DemoError as exc:
+                if server is not None and server.proc.poll() is not None:
+                    raise DemoError(f"the server exited with code {server.proc.returncode} during mode {name}: "
+                                    f"{server.last_error_line()} (log: {server.log_path})") from exc
+                raise
+            summaries[name] = summarize(mode, result, baseline)
+            records += result["records"]
+            baseline = baseline or result["records"]
+
+    report = {
+        "config": {
+            "model": args.model,
+            "model_path": str(model_dir),
+            "requests": args.requests,
+            "clients": args.clients,
+            "max_new_tokens": args.max_new_tokens,
+            "seed": args.seed,
+            "max_total_tokens": args.max_total_tokens if args.url is None else None,
+            "modes": modes,
+            "server": "external " + url if args.url else "started by the demo",
+            "server_log": str(log_path) if args.url is None else None,
+            "workload": "hotpotqa dev distractor; pool of requests//3 examples, 10 shuffled paragraphs each",
+            "ttft": "client-side: program.run() call to the first streamed event of the answer",
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu_count": os.cpu_count(),
+            "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "sglang": getattr(sgl, "__version__", None),
+        },
+        "workload": workload,
+        "modes": summaries,
+        "requests": records,
+    }
+    try:
+        output.write_text(json.dumps(report, indent=1) + "\n")
+    except OSError as exc:
+        raise DemoError(f"--output {output}: cannot write it ({exc.strerror})") from exc
+
+    print(format_table(summaries, workload))
+    print(f"results: {output}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for flag, value in (("--requests", args.requests), ("--clients", args.clients),
+                        ("--max-new-tokens", args.max_new_tokens), ("--max-total-tokens", args.max_total_tokens)):
+        if value < 1:
+            print(f"{PROG}: error: {flag} must be at least 1, got {value}", file=sys.stderr)
+            return 2
+    try:
+        return run(args)
+    except (DemoError, assets.AssetError, ServerError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; the server was stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

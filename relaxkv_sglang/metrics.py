@@ -1,0 +1,128 @@
+"""Scoring and latency statistics for the demo and the benchmarks.
+
+Pure Python, no server and no model: everything here is unit-tested on
+hand-computed cases.
+
+- Answer quality: LongBench's QA F1 (the scorer LongBench uses for HotpotQA:
+  lowercase, strip punctuation and the articles a/an/the, split on whitespace,
+  token-multiset F1, max over the references) and exact agreement of two
+  answers after the same normalisation (the fidelity figure: does a cache mode
+  answer what full prefill answers?).
+- Latency: percentiles with linear interpolation (numpy's default), and a
+  ``mean/p50/p90/p99`` summary.
+- Cache: hit rate = cached prompt tokens / prompt tokens, and the reuse bound
+  of a trace (every chunk token after the chunk's first appearance).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+import string
+from typing import Hashable, Iterable, Sequence
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = frozenset(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """LongBench/SQuAD normalisation: lowercase, drop punctuation, drop a/an/the, squeeze whitespace."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in _PUNCTUATION)
+    text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())
+
+
+def _token_f1(prediction: list[str], reference: list[str]) -> float:
+    common = collections.Counter(prediction) & collections.Counter(reference)
+    same = sum(common.values())
+    if same == 0:  # also the empty-vs-empty case, as in LongBench
+        return 0.0
+    precision = same / len(prediction)
+    recall = same / len(reference)
+    return 2 * precision * recall / (precision + recall)
+
+
+def _references(references: str | Sequence[str]) -> list[str]:
+    refs = [references] if isinstance(references, str) else list(references)
+    if not refs:
+        raise ValueError("at least one reference answer is needed")
+    return refs
+
+
+def qa_f1(prediction: str, references: str | Sequence[str]) -> float:
+    """LongBench-style QA F1 of ``prediction`` against one or more references (max over them), in [0, 1]."""
+    pred = normalize_answer(prediction).split()
+    return max(_token_f1(pred, normalize_answer(ref).split()) for ref in _references(references))
+
+
+def exact_agreement(prediction: str, references: str | Sequence[str]) -> float:
+    """1.0 if ``prediction`` equals a reference after :func:`normalize_answer`, else 0.0.
+
+    Returned as a float so that a mean over requests is the agreement rate.
+    """
+    pred = normalize_answer(prediction)
+    return 1.0 if any(pred == normalize_answer(ref) for ref in _references(references)) else 0.0
+
+
+def mean(values: Iterable[float]) -> float | None:
+    """Arithmetic mean, or None for no values (JSON has no NaN)."""
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) with linear interpolation between order statistics.
+
+    Same definition as ``numpy.percentile(values, q)`` (method ``linear``).
+    """
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be within 0..100, got {q}")
+    rank = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def latency_summary(values: Iterable[float]) -> dict:
+    """``{"mean", "p50", "p90", "p99"}`` of ``values`` (seconds in, seconds out); all None when empty."""
+    values = list(values)
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    return {
+        "mean": mean(values),
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+    }
+
+
+def hit_rate(cached_tokens: int, prompt_tokens: int) -> float:
+    """Fraction of prompt tokens served from cache (0.0 for an empty prompt)."""
+    if cached_tokens < 0 or prompt_tokens < 0:
+        raise ValueError("token counts must be non-negative")
+    return cached_tokens / prompt_tokens if prompt_tokens else 0.0
+
+
+def reusable_tokens(trace: Iterable[Iterable[tuple[Hashable, int]]]) -> int:
+    """Tokens a perfect chunk cache could serve: every chunk token after that chunk's first appearance.
+
+    ``trace`` is the requests in order, each a sequence of ``(chunk key,
+    token count)``; a chunk counts as reusable from its second appearance on,
+    whatever its position, and including a repeat inside the same request.
+    This is the workload's best possible cached-token count (capacity and
+    eviction ignored).
+    """
+    seen: set = set()
+    total = 0
+    for request in trace:
+        for key, n_tokens in request:
+            if key in seen:
+                total += n_tokens
+            else:
+                seen.add(key)
+    return total

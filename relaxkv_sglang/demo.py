@@ -3,7 +3,7 @@
     python -m relaxkv_sglang.demo [--requests 24] [--clients 4] [--max-new-tokens 16]
                                   [--model smollm2-135m|tiny-llama|PATH] [--seed 0]
                                   [--max-total-tokens 32768] [--modes prefix]
-                                  [--output results/demo-<UTC>.json] [--url http://HOST:PORT]
+                                  [--output results/demo-<UTC>.json] [--url http://HOST:PORT] [--stock]
 
 It prepares the model and HotpotQA offline (:mod:`relaxkv_sglang.assets`),
 starts one SGLang server (or uses ``--url``), and for each *mode* flushes the
@@ -17,10 +17,11 @@ writes the same figures with per-request records to a JSON file.
 
 Modes are the extension point: a :class:`Mode` is a name plus how a request is
 sent (the frontend program, and the backend it runs against). Today there is
-one, ``prefix`` (plain SGLang; only its radix prefix cache can hit). Later
-modes (``pic``, ``relaxkv``) are added to :data:`MODES` with a program that
-marks the documents and a backend that passes their policy in
-``sampling_params.custom_params``; every mode runs against the same server in
+one, ``prefix``: a plain SGLang program whose requests pin
+``relaxkv_policy=prefix``, so only the radix prefix cache can hit. Later modes
+(``pic``, ``relaxkv``) are added to :data:`MODES` with a program that marks the
+documents and their policy in ``Mode.custom_params`` (sent as
+``sampling_params.custom_params``); every mode runs against the same server in
 the same run, so the rows compare like with like.
 
 Every failure the user can fix ends in one line, ``relaxkv-sglang demo:
@@ -49,6 +50,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import requests as http  # noqa: E402
 import sglang as sgl  # noqa: E402
+from sglang.lang.ir import SglSamplingParams  # noqa: E402
 
 from relaxkv_sglang import assets, metrics  # noqa: E402
 from relaxkv_sglang.server import SGLangServer, ServerConfig, ServerError  # noqa: E402
@@ -95,59 +97,92 @@ class Mode:
 
     ``program`` is an ``@sgl.function`` taking ``(s, system, documents,
     question)`` (the pieces of :func:`workloads.prompt_parts`) that generates
-    into a variable named ``answer`` (its length cap is passed to ``run``); a mode that reuses
-    document chunks marks them there (``document(text)``). ``make_backend``
-    builds the frontend backend from the server URL; a mode that needs request
-    fields the stock frontend does not send (``sampling_params.custom_params``
-    with a ``relaxkv_policy``) supplies a backend that adds them.
+    into a variable named ``answer`` (its length cap is passed to ``run``); a
+    mode that reuses document chunks marks them there (``document(text)``).
+    ``custom_params`` are added to every generation request's
+    ``sampling_params.custom_params`` (the stock frontend cannot send them):
+    this is where a mode names its ``relaxkv_policy``. ``make_backend`` builds
+    the frontend backend from the server URL, for a mode that needs more than
+    that.
     """
 
     name: str
     description: str
     program: Any
+    custom_params: dict | None = None
     make_backend: Callable[[str], Any] = runtime_endpoint
 
 
 MODES: dict[str, Mode] = {
-    "prefix": Mode("prefix", "plain SGLang: only the radix prefix cache can hit", plain_rag_program),
+    # The policy is pinned rather than left to the server's default, so this
+    # row is SGLang's prefix cache whatever default the server was started
+    # with (a stock server ignores the field).
+    "prefix": Mode("prefix", "plain SGLang program; only the radix prefix cache can hit",
+                   plain_rag_program, custom_params={"relaxkv_policy": "prefix"}),
 }
 
 
 # --------------------------------------------------------------- the requests
 
 
-class TimedBackend:
-    """Wraps a frontend backend and timestamps each program's streamed generation.
+@dataclasses.dataclass
+class _SamplingParamsWithCustom(SglSamplingParams):
+    """The frontend's sampling params plus ``custom_params``, which ``to_srt_kwargs`` then sends."""
 
-    The frontend's own streaming API (``state.text_iter``) only yields
-    non-empty text, so an answer whose first token decodes to nothing (a stop
-    string, a partial UTF-8 byte) would have no "first chunk". Timing at the
-    backend's ``generate_stream`` instead sees every server-sent event: the
-    first one carries the first generated token, whatever its text. Everything
-    else is delegated to the wrapped backend unchanged.
+    custom_params: dict | None = None
+
+    def to_srt_kwargs(self):
+        out = super().to_srt_kwargs()
+        if self.custom_params:
+            out["custom_params"] = dict(self.custom_params)
+        return out
+
+
+def with_custom_params(sampling_params: SglSamplingParams, custom_params: dict | None) -> SglSamplingParams:
+    """A copy of ``sampling_params`` whose request also carries ``custom_params`` (unchanged if none)."""
+    if not custom_params:
+        return sampling_params
+    fields = {f.name: getattr(sampling_params, f.name) for f in dataclasses.fields(SglSamplingParams)}
+    return _SamplingParamsWithCustom(**fields, custom_params=dict(custom_params))
+
+
+class ModeBackend:
+    """Wraps a frontend backend for one mode: adds its custom params and times each streamed answer.
+
+    Timing: the frontend's own streaming API (``state.text_iter``) only yields
+    non-empty text, so an answer whose first token decodes to nothing (EOS, a
+    stop string, a partial UTF-8 byte) would have no "first chunk". Timing at
+    the backend's ``generate_stream`` instead sees every server-sent event:
+    the first one carries the first generated token, whatever its text.
 
     Times are ``time.perf_counter()`` values keyed by the stream executor's
     ``sid``: ``sent`` (just before the HTTP request), ``first_chunk``,
-    ``done`` (stream ended). One ``gen`` per program is assumed.
+    ``done`` (stream ended). One ``gen`` per program is assumed; ``select``
+    is passed through untouched (no custom params). Everything else is
+    delegated to the wrapped backend.
     """
 
-    def __init__(self, inner):
+    def __init__(self, inner, custom_params: dict | None = None):
         self._inner = inner
+        self.custom_params = dict(custom_params or {})
         self.times: dict[str, dict[str, float]] = {}
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
+    def generate(self, s, sampling_params):
+        return self._inner.generate(s, with_custom_params(sampling_params, self.custom_params))
+
     def generate_stream(self, s, sampling_params):
         rec = self.times.setdefault(s.sid, {})
         rec["sent"] = time.perf_counter()
-        for text, meta in self._inner.generate_stream(s, sampling_params):
+        for text, meta in self._inner.generate_stream(s, with_custom_params(sampling_params, self.custom_params)):
             rec.setdefault("first_chunk", time.perf_counter())
             yield text, meta
         rec["done"] = time.perf_counter()
 
 
-def serve_one(mode: Mode, backend: TimedBackend, req: RagRequest, max_new_tokens: int) -> dict:
+def serve_one(mode: Mode, backend: ModeBackend, req: RagRequest, max_new_tokens: int) -> dict:
     """Run one request as ``mode``'s program with streaming; return its record.
 
     ``ttft_s`` is measured on the client, from the call to ``program.run``
@@ -199,7 +234,7 @@ def run_mode(mode: Mode, url: str, trace: list[RagRequest], clients: int, max_ne
     has at most one request in flight.
     """
     try:
-        backend = TimedBackend(mode.make_backend(url))
+        backend = ModeBackend(mode.make_backend(url), mode.custom_params)
     except Exception as exc:  # the frontend raises bare exceptions on connection failures
         raise DemoError(f"mode {mode.name}: cannot reach the server at {url}: {_one_line(exc)}") from exc
     todo: queue.Queue[int] = queue.Queue()
@@ -374,6 +409,8 @@ def _served_model_dir(url: str, fallback: str) -> pathlib.Path:
     """The served model's folder (for the tokenizer): the server's own ``model_path`` if local."""
     try:
         info = http.get(url.rstrip("/") + "/get_model_info", timeout=10).json()
+    except http.ConnectionError as exc:
+        raise DemoError(f"--url {url}: cannot connect (is the server running?)") from exc
     except (http.RequestException, ValueError) as exc:
         raise DemoError(f"--url {url}: no SGLang server answers there ({_one_line(exc)})") from exc
     path = pathlib.Path(str(info.get("model_path", "")))
@@ -423,6 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated modes, one table row each (available: {', '.join(MODES)})")
     p.add_argument("--output", default=None, help="JSON results file (default results/demo-<UTC time>.json)")
     p.add_argument("--url", default=None, help="use this already-running server instead of starting one")
+    p.add_argument("--stock", action="store_true",
+                   help="start unmodified SGLang instead of the plugin's server (the prefix row only)")
     return p
 
 
@@ -455,12 +494,15 @@ def run(args) -> int:
 
     log_path = output.with_suffix(".server.log")
     if url is None:
+        # One server for every mode: with the plugin (chunk cache and attention
+        # backend), each request picks its policy; --stock runs unmodified
+        # SGLang, to check the prefix row against it.
         config = ServerConfig(
-            model_path=str(model_dir), max_total_tokens=args.max_total_tokens,
+            model_path=str(model_dir), max_total_tokens=args.max_total_tokens, relaxkv=not args.stock,
             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}, log_path=str(log_path),
         )
         server_cm = SGLangServer(config)
-        _log(f"starting the SGLang server (log: {log_path})")
+        _log(f"starting the {'stock ' if args.stock else ''}SGLang server (log: {log_path})")
     else:
         server_cm = contextlib.nullcontext()
         _log(f"using the server at {url}")
@@ -499,7 +541,7 @@ def run(args) -> int:
             "seed": args.seed,
             "max_total_tokens": args.max_total_tokens if args.url is None else None,
             "modes": modes,
-            "server": "external " + url if args.url else "started by the demo",
+            "server": ("external " + url) if args.url else ("stock sglang" if args.stock else "sglang with the relaxkv plugin"),
             "server_log": str(log_path) if args.url is None else None,
             "workload": "hotpotqa dev distractor; pool of requests//3 examples, 10 shuffled paragraphs each",
             "ttft": "client-side: program.run() call to the first streamed event of the answer",

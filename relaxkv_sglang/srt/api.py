@@ -143,10 +143,13 @@ def prepare_generate(tokenizer_manager, obj) -> None:
 
 
 def _wants_plan(sampling_params: dict) -> bool:
+    """Whether the item must go through plan_item (which also rejects reserved keys)."""
     cp = sampling_params.get("custom_params")
-    return isinstance(cp, dict) and any(k in cp for k in USER_FIELDS) or (
-        cp is not None and not isinstance(cp, dict)
-    )
+    if cp is None:
+        return False
+    if not isinstance(cp, dict):
+        return True
+    return any(k in cp for k in USER_FIELDS + (PLAN_POLICY_KEY, PLAN_SPANS_KEY))
 
 
 def _is_batch_ids(input_ids) -> bool:

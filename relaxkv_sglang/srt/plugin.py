@@ -37,6 +37,10 @@ HOOKS = {
         "relaxkv_sglang.srt.forward:around_is_request_level_key", ("self", "key")),
     "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info": (
         "relaxkv_sglang.srt.forward:around_update_request_meta_info", ("self", "meta_info")),
+    "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request": (
+        "relaxkv_sglang.srt.chat:around_convert_to_internal_request", ("self", "request", "raw_request")),
+    "sglang.srt.entrypoints.http_server.serve_generate_request": (
+        "relaxkv_sglang.srt.parallel_encoding:around_serve_generate_request", ("obj", "request")),
 }
 
 
@@ -106,3 +110,6 @@ def register() -> None:
     default_policy()  # a bad RELAXKV_DEFAULT_POLICY stops the server here
     _register_backends()
     _register_hooks()
+    from relaxkv_sglang.srt.parallel_encoding import register_http_routes
+
+    register_http_routes()  # POST /concate_and_append_request on SGLang's FastAPI app

@@ -237,16 +237,33 @@ def test_demo_program_sends_exactly_the_rendered_prompt():
     from relaxkv_sglang import demo
 
     fake = _FakeBackend(["", " Paris", " France"])  # first event has empty text, as a stop-string start can
-    backend = demo.TimedBackend(fake)
+    backend = demo.ModeBackend(fake, {"relaxkv_policy": "prefix"})
     rec = demo.serve_one(demo.MODES["prefix"], backend, _request(), max_new_tokens=7)
     assert fake.prompts == [render_prompt(_request())]
     params = fake.sampling[0]
     assert params.max_new_tokens == 7 and params.temperature == 0 and "\n" in params.stop
+    # The mode's policy travels in the request body, as RuntimeEndpoint builds it.
+    body = params.to_srt_kwargs()
+    assert body["custom_params"] == {"relaxkv_policy": "prefix"} and body["max_new_tokens"] == 7
     assert rec["answer"] == " Paris France"
     assert (rec["prompt_tokens"], rec["cached_tokens"], rec["completion_tokens"]) == (100, 40, 3)
     assert 0 <= rec["client_overhead_s"] <= rec["ttft_s"] <= rec["latency_s"]
     assert rec["f1"] == pytest.approx(2 / 3)
     assert backend.times == {}  # popped once recorded
+
+
+def test_with_custom_params_copies_and_leaves_plain_params_alone():
+    from sglang.lang.ir import SglSamplingParams
+
+    from relaxkv_sglang import demo
+
+    plain = SglSamplingParams(max_new_tokens=5, stop=["\n"])
+    assert demo.with_custom_params(plain, None) is plain
+    assert "custom_params" not in plain.to_srt_kwargs()
+    custom = {"relaxkv_policy": "pic"}
+    wrapped = demo.with_custom_params(plain, custom)
+    custom["relaxkv_policy"] = "changed later"
+    assert wrapped.to_srt_kwargs() == dict(plain.to_srt_kwargs(), custom_params={"relaxkv_policy": "pic"})
 
 
 def test_demo_table_and_summary():

@@ -1,0 +1,213 @@
+"""Marking documents in SGLang frontend programs (``@sgl.function``).
+
+Usage::
+
+    import sglang as sgl
+    from relaxkv_sglang.lang import RelaxKVEndpoint, document
+
+    @sgl.function
+    def rag(s, docs, question):
+        s += "You answer from the documents.\\n"
+        for d in docs:
+            s += document(d) + "\\n"
+        s += "Question: " + question + "\\nAnswer:" + sgl.gen("answer", max_tokens=32)
+
+    sgl.set_default_backend(RelaxKVEndpoint("http://127.0.0.1:30000", policy="pic"))
+    state = rag.run(docs=[...], question="...")
+    state.get_meta_info("answer")["cached_tokens"]
+
+How it works: :func:`document` returns the text between two Unicode
+*noncharacters* (U+FDD0 before, U+FDD1 after; code points the Unicode
+standard reserves for a program's internal use, never assigned to a
+character). The marks travel inside the program's text through everything the
+interpreter does with it (``fork``, ``join``, roles, ``select``,
+``run_batch``'s prefix tracing). :class:`RelaxKVEndpoint` removes them from
+every ``/generate`` request it sends and turns each marked span into a
+``relaxkv_chunks`` offset pair of the text actually sent, together with its
+``relaxkv_policy``.
+
+Consequences, by design:
+
+* ``state.text()`` and variables captured with ``var_scope`` keep the marks;
+  :func:`strip_marks` removes them.
+* Only :class:`RelaxKVEndpoint` understands the marks. A plain
+  ``sgl.RuntimeEndpoint`` (or another backend) would send them to the model as
+  text, so do not mix ``document()`` with other backends. Programs without
+  ``document()`` run on either endpoint exactly as before.
+* A malformed mark (a lone U+FDD0 / U+FDD1, e.g. in generated text) is
+  dropped from the text sent and marks nothing.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Optional
+
+from sglang.lang.backend import runtime_endpoint as _runtime_endpoint
+from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
+
+from relaxkv_sglang.srt.plan import SERVER_POLICIES
+
+__all__ = ["DOC_START", "DOC_END", "document", "strip_marks", "split_marks", "RelaxKVEndpoint"]
+
+DOC_START = "\ufdd0"
+DOC_END = "\ufdd1"
+_MARKS = str.maketrans("", "", DOC_START + DOC_END)
+
+CHUNKS_FIELD = "relaxkv_chunks"  # same names as relaxkv_sglang.srt.api (kept import-light)
+POLICY_FIELD = "relaxkv_policy"
+
+
+def document(text: str) -> str:
+    """``text`` marked as one document chunk, for ``s += document(text)``.
+
+    The result is a ``str`` and can be concatenated like one (``document(d) +
+    "\\n"``, inside ``sgl.user(...)``). Raises ``TypeError`` for a non-string
+    (which also ends ``run_batch``'s prefix tracing at this point, as SGLang
+    expects) and ``ValueError`` for an empty text or one that already holds a
+    mark.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"document() takes a str, got {type(text).__name__}")
+    if not text:
+        raise ValueError("document() needs a non-empty text")
+    if DOC_START in text or DOC_END in text:
+        raise ValueError("document() text must not contain U+FDD0 / U+FDD1 (the document marks)")
+    return DOC_START + text + DOC_END
+
+
+def strip_marks(text: str) -> str:
+    """``text`` without document marks (e.g. ``strip_marks(state.text())``)."""
+    return text.translate(_MARKS)
+
+
+def split_marks(text: str) -> tuple[str, list[tuple[int, int]]]:
+    """``(text without marks, [(start, end), ...])``: the documents' spans in
+    the returned text, in order. Lone or nested marks are dropped and mark
+    nothing; an empty document marks nothing."""
+    if DOC_START not in text and DOC_END not in text:
+        return text, []
+    out: list[str] = []
+    spans: list[tuple[int, int]] = []
+    n = 0  # characters written so far
+    start: Optional[int] = None
+    pos = 0
+    for i, ch in enumerate(text):
+        if ch != DOC_START and ch != DOC_END:
+            continue
+        out.append(text[pos:i])
+        n += i - pos
+        pos = i + 1
+        if ch == DOC_START:
+            start = n  # a second start before an end restarts the document
+        elif start is not None:
+            if n > start:
+                spans.append((start, n))
+            start = None
+    out.append(text[pos:])
+    return "".join(out), spans
+
+
+def mark_payload(data: dict, policy: Optional[str]) -> dict:
+    """A ``/generate`` JSON body with marks turned into ``relaxkv_chunks``.
+
+    ``text`` may be one string or a batch (``select`` sends one per choice);
+    for a batch, ``sampling_params`` becomes one dict per item so each item
+    carries its own offsets. Requests by ``input_ids`` are left as they are.
+    """
+    texts = data.get("text")
+    if texts is None:
+        return data
+    single = isinstance(texts, str)
+    items = [texts] if single else list(texts)
+    split = [split_marks(t) if isinstance(t, str) else (t, []) for t in items]
+    if policy is None and not any(spans for _, spans in split):
+        if any(t != s for t, (s, _) in zip(items, split)):  # lone marks only
+            data = dict(data, text=split[0][0] if single else [s for s, _ in split])
+        return data
+    sps = data.get("sampling_params")
+    if isinstance(sps, list):
+        sp_items = [dict(sp or {}) for sp in sps]
+    else:
+        sp_items = [dict(sps or {}) for _ in items]
+    for sp, (_, spans) in zip(sp_items, split):
+        cp = dict(sp.get("custom_params") or {})
+        if spans:
+            cp[CHUNKS_FIELD] = [x for span in spans for x in span]
+        if policy is not None:
+            cp.setdefault(POLICY_FIELD, policy)
+        if cp:
+            sp["custom_params"] = cp
+    out = dict(data)
+    out["text"] = split[0][0] if single else [s for s, _ in split]
+    out["sampling_params"] = sp_items[0] if single else sp_items
+    return out
+
+
+def _rebind(fn: types.FunctionType, namespace: dict) -> types.FunctionType:
+    new = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__doc__ = fn.__doc__
+    new.__qualname__ = fn.__qualname__
+    return new
+
+
+# RuntimeEndpoint methods that post to the server (every one that sends text
+# among them). Each runs unchanged, except that its `http_request` is
+# :meth:`RelaxKVEndpoint._http_request`.
+_POSTING_METHODS = tuple(
+    name
+    for name, fn in vars(RuntimeEndpoint).items()
+    if isinstance(fn, types.FunctionType) and name != "__init__" and fn.__closure__ is None
+    and "http_request" in fn.__code__.co_names
+)
+# A release that adds a `/generate` call elsewhere (or renames these) must be
+# looked at: fail at import rather than send unmarked text silently.
+_EXPECTED = {"cache_prefix", "commit_lazy_operations", "fill_image", "generate", "generate_stream",
+             "_generate_http_request", "concatenate_and_append"}
+if not _EXPECTED <= set(_POSTING_METHODS):
+    raise ImportError(
+        f"relaxkv_sglang.lang: sglang's RuntimeEndpoint changed (posting methods {sorted(_POSTING_METHODS)}, "
+        f"expected {sorted(_EXPECTED)}); written for sglang 0.5.23"
+    )
+
+
+class RelaxKVEndpoint(RuntimeEndpoint):
+    """``sgl.RuntimeEndpoint`` that sends :func:`document` marks as ``relaxkv_chunks``.
+
+    Args:
+        base_url: the server, e.g. ``"http://127.0.0.1:30000"``.
+        policy: ``relaxkv_policy`` sent with every text request (``"pic"``:
+            reuse chunks; ``"prefix"``; ``"full"``), or None to send none
+            (the server default, ``RELAXKV_DEFAULT_POLICY``, applies).
+        api_key, verify, chat_template_name: as for ``RuntimeEndpoint``.
+
+    Every request the stock endpoint makes goes out the same, except that a
+    ``/generate`` body with ``text`` has its marks removed and gets
+    ``sampling_params.custom_params`` = ``{"relaxkv_chunks": [...],
+    "relaxkv_policy": policy}`` (``relaxkv_chunks`` only when the text holds
+    documents). That covers ``gen`` (also streamed), ``select`` (one item per
+    choice), ``fork``/``join`` commits, images and ``run_batch``'s prefix
+    caching.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        policy: Optional[str] = "pic",
+        api_key: Optional[str] = None,
+        verify: Optional[str] = None,
+        chat_template_name: Optional[str] = None,
+    ):
+        if policy is not None and policy not in SERVER_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(SERVER_POLICIES)} or None, got {policy!r}")
+        self.policy = policy
+        super().__init__(base_url, api_key=api_key, verify=verify, chat_template_name=chat_template_name)
+        namespace = dict(vars(_runtime_endpoint), http_request=self._http_request)
+        for name in _POSTING_METHODS:
+            setattr(self, name, types.MethodType(_rebind(vars(RuntimeEndpoint)[name], namespace), self))
+
+    def _http_request(self, url, json=None, **kwargs):
+        if json is not None and url == self.base_url + "/generate":
+            json = mark_payload(json, self.policy)
+        return _runtime_endpoint.http_request(url, json=json, **kwargs)

@@ -1,0 +1,199 @@
+"""Documents in OpenAI ``/v1/chat/completions`` requests become chunks.
+
+Rule: in a message whose ``content`` is a list of parts, every text part
+(``{"type": "text", "text": ...}``) except the message's last text part is a
+document. Messages with string content, the last text part of each message
+(the question or instruction), and non-text parts are never documents::
+
+    {"role": "user", "content": [
+        {"type": "text", "text": DOC_1},         # document
+        {"type": "text", "text": DOC_2},         # document
+        {"type": "text", "text": "Question: ..."}  # not a document
+    ]}
+
+The rule is applied only when the request's effective policy reuses chunks:
+``custom_params.relaxkv_policy`` ``"pic"`` in the request body (``extra_body``
+with the OpenAI client), or no policy and the server default
+(``RELAXKV_DEFAULT_POLICY``) ``"pic"``. Any other request is left exactly as
+SGLang builds it.
+
+How: SGLang's ``OpenAIServingChat._convert_to_internal_request`` renders the
+chat template and tokenizes it into a ``GenerateReqInput``. This hook renders
+the template again with a placeholder in place of each document, puts the
+documents back, and records where each one lies in the rendered text. If that
+text tokenizes (the way SGLang's chat path tokenizes it) to exactly the ids
+SGLang produced, the request is rewritten to ``text`` = the rendered prompt
+plus ``custom_params.relaxkv_chunks`` = the documents' offsets, and the
+native path (:mod:`relaxkv_sglang.srt.api`) does the rest: it tokenizes the
+text before the first document with the tokenizer's special tokens (as
+``/generate`` does for ``text``) and every other part without. So a BOS that
+the template renders as text is removed from the text first, not doubled; a
+tokenizer that adds a BOS the template does not render (rare: the project's
+tiny test model) gets it once at the start. When the check fails (tool
+calls, ``--chat-template NAME`` conversation templates, multimodal models,
+``continue_final_message``, a template that alters document text), the
+request is served unchanged, without chunk reuse, and the reason is logged.
+
+A request that sets ``custom_params.relaxkv_chunks`` itself is not touched (its
+offsets cannot point into a prompt the client never sees, and the native path
+answers 400 for offsets without ``text``).
+
+SGLang file touched: ``sglang/srt/entrypoints/openai/serving_chat.py``
+(``OpenAIServingChat._convert_to_internal_request``, wrapped).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Optional
+
+from relaxkv_sglang.srt.plan import CHUNK_POLICIES
+
+logger = logging.getLogger(__name__)
+
+CHUNKS_FIELD = "relaxkv_chunks"
+POLICY_FIELD = "relaxkv_policy"
+_PH_START = "\ufdd0"  # Unicode noncharacters: never in real text
+_PH_END = "\ufdd1"
+_PLACEHOLDER = re.compile(f"{_PH_START}(\\d+){_PH_END}")
+
+
+def document_parts(messages) -> list[tuple[int, int]]:
+    """``(message index, part index)`` of every document, in prompt order."""
+    found = []
+    for mi, msg in enumerate(messages):
+        content = getattr(msg, "content", None)
+        if not isinstance(content, list):
+            continue
+        texts = [pi for pi, part in enumerate(content) if getattr(part, "type", None) == "text"]
+        found.extend((mi, pi) for pi in texts[:-1])
+    return found
+
+
+class _Skip(Exception):
+    """This request keeps SGLang's own prompt (no chunk marks)."""
+
+
+def _render(serving, request, messages: list[dict]) -> str:
+    from sglang.srt.entrypoints.openai.serving_chat import normalize_tool_content
+    from sglang.srt.parser.jinja_template_utils import process_content_for_template_format
+
+    fmt = serving.template_manager.jinja_template_content_format
+    processed = []
+    for msg in messages:
+        if msg.get("content") is None:
+            msg["content"] = ""
+        out = process_content_for_template_format(msg, fmt, [], [], [], [])
+        out["content"] = normalize_tool_content(out["role"], out.get("content"))
+        processed.append(out)
+    add_generation_prompt = getattr(request, "_format_add_generation_prompt", None)
+    if add_generation_prompt is None or request.continue_final_message:
+        processed, assistant_prefix = serving._handle_last_assistant_message(processed, request)
+        if assistant_prefix:
+            raise _Skip("continue_final_message")
+    kwargs = {}
+    if request.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = request.reasoning_effort
+    kwargs.update(request.chat_template_kwargs or {})
+    return serving.tokenizer_manager.tokenizer.apply_chat_template(
+        processed, tokenize=False, add_generation_prompt=add_generation_prompt is not False,
+        return_dict=False, **kwargs,
+    )
+
+
+def marked_prompt(serving, request, stock_ids: list[int]) -> tuple[str, list[int]]:
+    """The rendered prompt and its documents' flat character offsets; raises _Skip."""
+    docs = document_parts(request.messages)
+    messages = [m.model_dump() for m in request.messages]
+    texts = []
+    for k, (mi, pi) in enumerate(docs):
+        part = messages[mi]["content"][pi]
+        texts.append(part["text"])
+        part["text"] = f"{_PH_START}{k}{_PH_END}"
+    for m in request.messages:
+        content = m.content if isinstance(m.content, str) else "".join(
+            getattr(p, "text", None) or "" for p in (m.content or []))
+        if _PH_START in content or _PH_END in content:
+            raise _Skip("the messages contain U+FDD0/U+FDD1")
+    rendered = _render(serving, request, messages)
+    pieces, offsets, pos, length = [], [], 0, 0
+    expected = 0
+    for match in _PLACEHOLDER.finditer(rendered):
+        k = int(match.group(1))
+        if k != expected:
+            raise _Skip("the template reorders or repeats message content")
+        glue = rendered[pos : match.start()]
+        length += len(glue)
+        pieces += [glue, texts[k]]
+        offsets += [length, length + len(texts[k])]
+        length += len(texts[k])
+        pos = match.end()
+        expected += 1
+    if expected != len(texts):
+        raise _Skip("the template drops message content")
+    pieces.append(rendered[pos:])
+    text = "".join(pieces)
+
+    tokenizer = serving.tokenizer_manager.tokenizer
+    if tokenizer.encode(text, add_special_tokens=False) == stock_ids:
+        specials = tokenizer.encode("", add_special_tokens=True)
+        if specials and stock_ids[: len(specials)] == specials:
+            # The template rendered the tokenizer's own leading specials (a
+            # BOS) as text; the native path adds them to the prefix itself.
+            lead = tokenizer.decode(specials)
+            if not (text.startswith(lead) and offsets and offsets[0] >= len(lead)
+                    and tokenizer.encode(text[len(lead):], add_special_tokens=True) == stock_ids):
+                raise _Skip("cannot place the template's leading special tokens")
+            text = text[len(lead):]
+            offsets = [o - len(lead) for o in offsets]
+    elif tokenizer.encode(text, add_special_tokens=True) != stock_ids:
+        raise _Skip("the re-rendered template does not match SGLang's prompt")
+    return text, offsets
+
+
+def mark_documents(serving, request, adapted) -> bool:
+    """Rewrite ``adapted`` (a ``GenerateReqInput``) to text + ``relaxkv_chunks``
+    when ``request`` holds documents and reuses chunks. Returns whether it did."""
+    if not document_parts(request.messages):
+        return False
+    if serving.tokenizer_manager.server_args.radix_cache_backend != "relaxkv":
+        return False
+    sp = adapted.sampling_params
+    if not isinstance(sp, dict):
+        return False
+    cp = sp.get("custom_params")
+    if cp is not None and not isinstance(cp, dict):
+        return False  # the native path reports it
+    cp = cp or {}
+    if CHUNKS_FIELD in cp:
+        return False
+    from relaxkv_sglang.srt.api import default_policy
+
+    if cp.get(POLICY_FIELD, default_policy()) not in CHUNK_POLICIES:
+        return False
+    try:
+        if adapted.text is not None or not isinstance(adapted.input_ids, list) or not adapted.input_ids:
+            raise _Skip("SGLang built this prompt as text (multimodal model)")
+        if any(getattr(adapted, f, None) for f in ("image_data", "video_data", "audio_data")):
+            raise _Skip("media content")
+        if request.tools and request.tool_choice != "none":
+            raise _Skip("tools")
+        if serving.template_manager.chat_template_name is not None:
+            raise _Skip(f"conversation template {serving.template_manager.chat_template_name!r}")
+        text, offsets = marked_prompt(serving, request, list(adapted.input_ids))
+    except _Skip as why:
+        logger.info("relaxkv: chat documents served without chunk reuse: %s", why)
+        return False
+    adapted.text = text
+    adapted.input_ids = None
+    adapted.sampling_params = dict(sp, custom_params=dict(cp, **{CHUNKS_FIELD: offsets}))
+    return True
+
+
+def around_convert_to_internal_request(original, serving, request, raw_request=None, *args, **kwargs):
+    """Hook on ``OpenAIServingChat._convert_to_internal_request``."""
+    result = original(serving, request, raw_request, *args, **kwargs)
+    adapted, _ = result
+    mark_documents(serving, request, adapted)
+    return result

@@ -1,0 +1,361 @@
+"""SGLang's parallel encoding, served as chunk reuse.
+
+A frontend program ::
+
+    forks = s.fork(3)
+    forks += lambda i: contexts[i]
+    forks.join(mode="concate_and_append")
+    s += "Question: ..." + sgl.gen("answer")
+
+makes ``sgl.RuntimeEndpoint`` send, in order:
+
+1. ``POST /generate`` with the fork point's text ``P`` and ``max_new_tokens``
+   0 (when ``P`` is not empty): a *commit*;
+2. one commit per branch, text ``P + b_i``;
+3. ``POST /concate_and_append_request {"src_rids": [...], "dst_rid": ...}``
+   with the frontend's own session ids, which no server request ever carried
+   (stock SGLang 0.5.23 has no such route: 404);
+4. requests whose text is ``P + b_0 + b_1 + ... + b_{n-1} + more``.
+
+The ids cannot tie 3 to anything, so this module ties the branches to the
+joined request by content, in the HTTP process:
+
+* every single-text ``/generate`` with ``max_new_tokens`` 0 (not streamed) is
+  remembered as a commit, linked to the longest remembered commit that is a
+  proper prefix of it (its fork point; ``""`` when none is);
+* the route answers 200 and records a *pending join* of ``n = len(src_rids)``
+  branches;
+* while a join is pending, each ``/generate`` text ``T`` is tried as
+  ``P + b_0 + ... + b_{n-1} + rest`` with ``P`` a remembered fork point and
+  every ``P + b_i`` a remembered commit of it (branches in any order, one may
+  repeat). The first text that matches consumes the join, and ``T``'s prefix
+  ``P + b_0 + ... + b_{n-1}`` becomes a *joined prefix*;
+* every ``/generate`` text that starts with a joined prefix (the matching
+  request and every later one of the program: more ``gen`` calls, ``select``,
+  later forks) gets each branch ``b_i`` marked as a chunk in
+  ``sampling_params.custom_params.relaxkv_chunks``, plus ``relaxkv_policy``
+  ``"pic"`` when the request names no policy. The native path
+  (:mod:`relaxkv_sglang.srt.api`) then serves the branches from the chunk tree.
+
+Not marked: requests that name ``relaxkv_policy`` ``"full"`` or ``"prefix"``,
+and any request when the server default policy (``RELAXKV_DEFAULT_POLICY``) is
+``"full"``. Explicit ``relaxkv_chunks`` are kept; a branch overlapping one of
+them is not added. On a server without ``--radix-cache-backend relaxkv`` the
+route still answers 200 and nothing is marked (the joined text is computed
+like any prompt, which is what the join means for the text).
+
+Bounded state (memory does not grow with traffic): at most
+:data:`MAX_COMMITS` commits / :data:`MAX_COMMIT_CHARS` characters (least
+recently used dropped first), :data:`MAX_PENDING` pending joins, each dropped
+after :data:`PENDING_TTL_S`, :data:`MAX_JOINED` joined prefixes /
+:data:`MAX_JOINED_CHARS` characters (LRU). Matching is by content only, so
+concurrent programs cannot take each other's branches unless those have the
+same text, in which case marking them is the same thing. The state lives in
+one HTTP process: with ``--tokenizer-worker-num`` > 1 the commits and the join
+of one program may reach different workers and are then not matched.
+
+SGLang files touched: ``sglang/srt/entrypoints/http_server.py``: the route is
+added to its FastAPI ``app``, and ``serve_generate_request`` (what ``POST
+/generate`` calls after its contract check) is wrapped (hook in ``plugin.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable, Iterable, Optional
+
+from fastapi import Request
+
+ROUTE = "/concate_and_append_request"
+CHUNKS_FIELD = "relaxkv_chunks"
+POLICY_FIELD = "relaxkv_policy"
+JOIN_POLICY = "pic"
+
+MAX_COMMITS = 512
+MAX_COMMIT_CHARS = 8_000_000
+MAX_PENDING = 64
+PENDING_TTL_S = 300.0
+MAX_JOINED = 256
+MAX_JOINED_CHARS = 4_000_000
+MAX_MATCH_STEPS = 20_000  # branch comparisons one request may cost while joins are pending
+
+
+class JoinRegistry:
+    """Commits, pending joins and joined prefixes, matched by content. Thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        max_commits: int = MAX_COMMITS,
+        max_commit_chars: int = MAX_COMMIT_CHARS,
+        max_pending: int = MAX_PENDING,
+        pending_ttl_s: float = PENDING_TTL_S,
+        max_joined: int = MAX_JOINED,
+        max_joined_chars: int = MAX_JOINED_CHARS,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.max_commits = max_commits
+        self.max_commit_chars = max_commit_chars
+        self.max_pending = max_pending
+        self.pending_ttl_s = pending_ttl_s
+        self.max_joined = max_joined
+        self.max_joined_chars = max_joined_chars
+        self._clock = clock
+        self._lock = threading.Lock()
+        # commit text -> its fork point (the same str object as that commit's key, or "")
+        self._commits: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._commit_chars = 0
+        # fork point -> its branch commits (insertion ordered)
+        self._children: dict[str, dict[str, None]] = {}
+        self._pending: collections.deque[tuple[int, float]] = collections.deque()
+        # joined prefix -> branch spans inside it
+        self._joined: collections.OrderedDict[str, tuple[tuple[int, int], ...]] = collections.OrderedDict()
+        self._joined_chars = 0
+
+    # ---------------------------------------------------------------- commits
+
+    def commit(self, text: str) -> None:
+        """Remember a committed text (a fork point or a branch)."""
+        if not text or len(text) > self.max_commit_chars:
+            return
+        with self._lock:
+            if text in self._commits:
+                self._commits.move_to_end(text)
+                parent = self._commits[text]
+            else:
+                parent = ""
+                for key in self._commits:
+                    if len(parent) < len(key) < len(text) and text.startswith(key):
+                        parent = key
+                self._commits[text] = parent
+                self._commit_chars += len(text)
+                self._children.setdefault(parent, {})[text] = None
+            if parent:
+                self._commits.move_to_end(parent)  # a fork point outlives its branches
+            while len(self._commits) > self.max_commits or self._commit_chars > self.max_commit_chars:
+                self._drop_oldest_commit()
+
+    def _drop_oldest_commit(self) -> None:
+        text, parent = self._commits.popitem(last=False)
+        self._commit_chars -= len(text)
+        siblings = self._children.get(parent)
+        if siblings is not None:
+            siblings.pop(text, None)
+            if not siblings:
+                del self._children[parent]
+        for child in self._children.pop(text, {}):  # its branches lose their fork point
+            if child in self._commits:
+                self._commits[child] = ""
+                self._children.setdefault("", {})[child] = None
+
+    # ------------------------------------------------------------------ joins
+
+    def join(self, n_branches: int) -> None:
+        """Record a pending join of ``n_branches`` branches (the route)."""
+        if n_branches < 1:
+            return
+        with self._lock:
+            self._expire(self._clock())
+            self._pending.append((n_branches, self._clock() + self.pending_ttl_s))
+            while len(self._pending) > self.max_pending:
+                self._pending.popleft()
+
+    def _expire(self, now: float) -> None:
+        self._pending = collections.deque(p for p in self._pending if p[1] > now)
+
+    def spans_for(self, text: str) -> list[tuple[int, int]]:
+        """Character spans of the joined branches at the start of ``text``, or []."""
+        if not text:
+            return []
+        with self._lock:
+            for key in reversed(self._joined):
+                if text.startswith(key):
+                    self._joined.move_to_end(key)
+                    return list(self._joined[key])
+            if not self._pending:
+                return []
+            self._expire(self._clock())
+            counts = sorted({n for n, _ in self._pending})
+            if not counts:
+                return []
+            found = self._match(text, counts)
+            if found is None:
+                return []
+            n, spans = found
+            for i, (m, _) in enumerate(self._pending):
+                if m == n:
+                    del self._pending[i]
+                    break
+            key = text[: spans[-1][1]]
+            if key not in self._joined and len(key) <= self.max_joined_chars:
+                self._joined[key] = tuple(spans)
+                self._joined_chars += len(key)
+                while len(self._joined) > self.max_joined or self._joined_chars > self.max_joined_chars:
+                    old, _ = self._joined.popitem(last=False)
+                    self._joined_chars -= len(old)
+            return spans
+
+    def _match(self, text: str, counts: list[int]) -> Optional[tuple[int, list[tuple[int, int]]]]:
+        budget = [MAX_MATCH_STEPS]
+        parents = sorted((p for p in self._children if text.startswith(p)), key=len, reverse=True)
+        for parent in parents:
+            branches = [c[len(parent):] for c in reversed(self._children[parent])]
+            for n in reversed(counts):
+                spans = _match_branches(text, len(parent), branches, n, budget)
+                if spans is not None:
+                    return n, spans
+                if budget[0] <= 0:
+                    return None
+        return None
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "commits": len(self._commits), "commit_chars": self._commit_chars,
+                "pending_joins": len(self._pending), "joined_prefixes": len(self._joined),
+                "joined_chars": self._joined_chars,
+            }
+
+
+def _match_branches(text: str, pos: int, branches: list[str], n: int, budget: list[int]):
+    """Spans of ``n`` consecutive branches in ``text`` from ``pos`` (depth-first,
+    most recent branch first), or None."""
+    if n == 0:
+        return []
+    for b in branches:
+        budget[0] -= 1
+        if budget[0] < 0:
+            return None
+        if text.startswith(b, pos):
+            rest = _match_branches(text, pos + len(b), branches, n - 1, budget)
+            if rest is not None:
+                return [(pos, pos + len(b))] + rest
+    return None
+
+
+REGISTRY = JoinRegistry()
+
+
+# ----------------------------------------------------------- request rewriting
+
+
+def _merge_chunks(existing, extra: Iterable[tuple[int, int]]):
+    """``existing`` flat offsets plus the ``extra`` spans that overlap none of
+    them, sorted; None if ``existing`` is malformed (the native path reports it)."""
+    if existing is None:
+        pairs: list[tuple[int, int]] = []
+    elif isinstance(existing, (list, tuple)) and len(existing) % 2 == 0 and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in existing
+    ):
+        pairs = [(existing[i], existing[i + 1]) for i in range(0, len(existing), 2)]
+    else:
+        return None
+    merged = list(pairs)
+    for s, e in extra:
+        if all(e <= ps or s >= pe for ps, pe in pairs):
+            merged.append((s, e))
+    merged.sort()
+    return [x for pair in merged for x in pair]
+
+
+def apply_to_request(obj, registry: JoinRegistry = REGISTRY, default_policy: Optional[str] = None) -> bool:
+    """Record commits and mark joined branches in a ``GenerateReqInput`` (in place).
+
+    Returns whether ``obj.sampling_params`` was changed.
+    """
+    texts = obj.text
+    if texts is None:
+        return False
+    single = isinstance(texts, str)
+    items = [texts] if single else list(texts)
+    sps = obj.sampling_params
+    if isinstance(sps, list):
+        if len(sps) != len(items):
+            return False  # SGLang's own validation reports it
+        sp_items = [sp if isinstance(sp, dict) else {} for sp in sps]
+    else:
+        sp_items = [sps if isinstance(sps, dict) else {} for _ in items]
+    if default_policy is None:
+        from relaxkv_sglang.srt.api import default_policy as _default
+
+        default_policy = _default()
+    changed = False
+    new_items = []
+    for text, sp in zip(items, sp_items):
+        new_sp = sp
+        cp = sp.get("custom_params")
+        if isinstance(text, str) and (cp is None or isinstance(cp, dict)):
+            policy = (cp or {}).get(POLICY_FIELD)
+            allowed = policy == JOIN_POLICY if policy is not None else default_policy != "full"
+            spans = registry.spans_for(text) if allowed else []
+            if spans:
+                chunks = _merge_chunks((cp or {}).get(CHUNKS_FIELD), spans)
+                if chunks is not None:
+                    new_cp = dict(cp or {}, **{CHUNKS_FIELD: chunks})
+                    new_cp.setdefault(POLICY_FIELD, JOIN_POLICY)
+                    new_sp = dict(sp, custom_params=new_cp)
+                    changed = True
+        new_items.append(new_sp)
+    if single and isinstance(texts, str) and not obj.stream and sp_items[0].get("max_new_tokens") == 0:
+        registry.commit(texts)
+    if changed:
+        obj.sampling_params = new_items[0] if single else new_items
+    return changed
+
+
+def _relaxkv_served() -> bool:
+    from sglang.srt.entrypoints import http_server
+
+    state = http_server.get_global_state()
+    server_args = getattr(getattr(state, "tokenizer_manager", None), "server_args", None)
+    return getattr(server_args, "radix_cache_backend", None) == "relaxkv"
+
+
+async def around_serve_generate_request(original, obj, request=None, *args, **kwargs):
+    """Hook on ``http_server.serve_generate_request`` (``POST /generate``)."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    if isinstance(obj, GenerateReqInput) and _relaxkv_served():
+        apply_to_request(obj)
+    return await original(obj, request, *args, **kwargs)
+
+
+# -------------------------------------------------------------------- the route
+
+
+async def concate_and_append_request(request: Request):
+    """``POST /concate_and_append_request {"src_rids": [str, ...], "dst_rid": str}``."""
+    from fastapi.responses import ORJSONResponse
+
+    def bad(field: str, message: str):
+        return ORJSONResponse({"error": {"message": f"invalid {field}: {message}"}}, status_code=400)
+
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        return bad("body", f"not JSON ({exc})")
+    if not isinstance(body, dict):
+        return bad("body", "must be a JSON object")
+    src = body.get("src_rids")
+    if not isinstance(src, list) or not all(isinstance(r, str) for r in src):
+        return bad("src_rids", "must be a list of strings")
+    if not isinstance(body.get("dst_rid"), str):
+        return bad("dst_rid", "must be a string")
+    if _relaxkv_served():
+        REGISTRY.join(len(src))
+    return ORJSONResponse({"success": True, "branches": len(src)})
+
+
+def register_http_routes() -> None:
+    """Add :data:`ROUTE` to SGLang's FastAPI app (idempotent).
+
+    ``register()`` runs in every SGLang process; the app is only served by the
+    HTTP process (importing the module elsewhere costs ~0.15 s and serves nothing).
+    """
+    from sglang.srt.entrypoints.http_server import app
+
+    if any(getattr(route, "path", None) == ROUTE for route in app.router.routes):
+        return
+    app.add_api_route(ROUTE, concate_and_append_request, methods=["POST"])

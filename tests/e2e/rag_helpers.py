@@ -1,0 +1,83 @@
+"""Building chunk-marked prompts and talking to a server, for the e2e tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+
+import requests
+
+from relaxkv_sglang import assets
+from relaxkv_sglang.core.segments import split_text, tokenize_parts
+
+
+@dataclasses.dataclass
+class MarkedPrompt:
+    text: str
+    offsets: list[int]  # relaxkv_chunks: [s0, e0, s1, e1, ...]
+
+    def spans(self) -> list[tuple[int, int]]:
+        return list(zip(self.offsets[::2], self.offsets[1::2]))
+
+
+def marked_prompt(system: str, documents: list[str], question: str, *, glue: bool = True) -> MarkedPrompt:
+    """System prompt, documents separated by blank lines, question.
+
+    glue=True: the blank lines are text between chunks (computed, not cached);
+    glue=False: each chunk includes its trailing blank line, so chunks are contiguous.
+    """
+    text, offsets = (system + "\n\n") if system else "", []
+    for doc in documents:
+        chunk = doc if glue else doc + "\n\n"
+        offsets += [len(text), len(text) + len(chunk)]
+        text += chunk if not glue else chunk + "\n\n"
+    return MarkedPrompt(text + question, offsets)
+
+
+@functools.lru_cache(maxsize=1)
+def essay_paragraphs() -> tuple[str, ...]:
+    """Real paragraphs (the Paul Graham essays), long enough to be chunks."""
+    text = assets.load_data("essays")["text"]
+    paragraphs = [p.strip() for p in text.split("\n\n")]
+    return tuple(p for p in paragraphs if 200 <= len(p) <= 600)
+
+
+def documents(n: int, seed: int) -> list[str]:
+    return random.Random(seed).sample(essay_paragraphs(), n)
+
+
+def generate(url: str, prompt: MarkedPrompt | str, *, policy: str | None = None, max_new_tokens: int = 8,
+             logprobs: bool = False, timeout: float = 120, **extra) -> dict:
+    text = prompt.text if isinstance(prompt, MarkedPrompt) else prompt
+    custom = {}
+    if isinstance(prompt, MarkedPrompt):
+        custom["relaxkv_chunks"] = prompt.offsets
+    if policy is not None:
+        custom["relaxkv_policy"] = policy
+    body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}, **extra}
+    if custom:
+        body["sampling_params"]["custom_params"] = custom
+    if logprobs:
+        body.update(return_logprob=True, top_logprobs_num=5)
+    response = requests.post(url + "/generate", json=body, timeout=timeout)
+    response.raise_for_status()
+    return response.json()
+
+
+def part_token_ids(tokenizer, prompt: MarkedPrompt):
+    """The token layout the server builds: each part tokenized on its own."""
+
+    def encode(text: str, special: bool) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=special)
+
+    return tokenize_parts(split_text(prompt.text, prompt.spans()), encode)
+
+
+def relaxkv_state(url: str) -> dict:
+    info = requests.get(url + "/get_server_info", timeout=30).json()
+    return info["internal_states"][0]["relaxkv"]
+
+
+def flush(url: str) -> None:
+    requests.post(url + "/flush_cache", timeout=30).raise_for_status()

@@ -1,0 +1,167 @@
+"""The position-independent chunk tree, end to end against real SGLang servers (tiny model)."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+import torch
+from rag_helpers import documents, flush, generate, marked_prompt, part_token_ids, relaxkv_state
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def reference_weights(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    from relaxkv_sglang.core.reference import from_hf_state_dict
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    return from_hf_state_dict(model.state_dict(), model.config.to_dict())
+
+
+def _top_logprobs(response: dict, step: int = 0) -> dict[int, float]:
+    return {tok: lp for lp, tok, _ in response["meta_info"]["output_top_logprobs"][step]}
+
+
+def test_full_policy_equals_stock_sglang(server, relaxkv_server, tokenizer):
+    prompt = marked_prompt("Answer from the documents.", documents(3, seed=1), "Question: what is this about?")
+    ours = generate(relaxkv_server.url, prompt, policy="full", logprobs=True)
+    layout = part_token_ids(tokenizer, prompt)
+    body = {"input_ids": layout.input_ids, "return_logprob": True, "top_logprobs_num": 5,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    stock = requests.post(server.url + "/generate", json=body, timeout=120).json()
+    assert ours["output_ids"] == stock["output_ids"]
+    assert ours["meta_info"]["cached_tokens"] == 0
+    ours_lp = [lp for lp, _, _ in ours["meta_info"]["output_token_logprobs"]]
+    stock_lp = [lp for lp, _, _ in stock["meta_info"]["output_token_logprobs"]]
+    assert ours_lp == pytest.approx(stock_lp, abs=1e-4)
+
+
+def test_pic_all_misses_equals_independent_chunk_reference(relaxkv_server, tokenizer, reference_weights):
+    from relaxkv_sglang.core.reference import reference_prefill
+
+    prompt = marked_prompt("", documents(3, seed=2), "Question: summarize.", glue=False)
+    assert prompt.offsets[0] == 0  # empty prefix
+    response = generate(relaxkv_server.url, prompt, policy="pic", logprobs=True)
+    record = response["meta_info"]["relaxkv"]
+    assert (record["chunks_seen"], record["chunks_hit"]) == (3, 0)
+
+    layout = part_token_ids(tokenizer, prompt)
+    ids = torch.tensor(layout.input_ids)
+    pic = reference_prefill(reference_weights, ids, layout.chunk_spans, layout.query_start, "pic")
+    full = reference_prefill(reference_weights, ids, layout.chunk_spans, layout.query_start, "full")
+    pic_lp = torch.log_softmax(pic.last_logits.float(), -1)
+    full_lp = torch.log_softmax(full.last_logits.float(), -1)
+    served = _top_logprobs(response)
+    assert response["output_ids"][0] == int(pic_lp.argmax())
+    for token, logprob in served.items():
+        assert logprob == pytest.approx(float(pic_lp[token]), abs=2e-3)
+    # Non-vacuous: the independent-chunk KV really differs from full prefill here.
+    assert float((pic_lp - full_lp).abs().max()) > 1e-2
+
+
+def test_documents_hit_in_another_order_after_another_system_prompt(relaxkv_server, tokenizer):
+    docs = documents(3, seed=3)
+    first = generate(relaxkv_server.url, marked_prompt("You are a helpful assistant.", docs, "Q: who?"), policy="pic")
+    assert first["meta_info"]["relaxkv"]["chunks_hit"] == 0
+    second_prompt = marked_prompt("Answer briefly.", [docs[2], docs[0], docs[1]], "Q: when?")
+    second = generate(relaxkv_server.url, second_prompt, policy="pic")
+    record = second["meta_info"]["relaxkv"]
+    chunk_tokens = sum(e - s for s, e in part_token_ids(tokenizer, second_prompt).chunk_spans)
+    assert (record["chunks_seen"], record["chunks_hit"]) == (3, 3)
+    assert record["chunk_tokens_reused"] == chunk_tokens
+    assert second["meta_info"]["cached_tokens"] >= chunk_tokens
+
+
+def test_prefix_policy_misses_what_pic_hits(relaxkv_server, tokenizer):
+    docs = documents(3, seed=4)
+    generate(relaxkv_server.url, marked_prompt("System one.", docs, "Q?"), policy="prefix")
+    reordered = marked_prompt("System two.", docs[::-1], "Q?")
+    prefix = generate(relaxkv_server.url, reordered, policy="prefix")
+    chunk_tokens = sum(e - s for s, e in part_token_ids(tokenizer, reordered).chunk_spans)
+    # Only the shared head of the system prompt ("<bos>System") can hit.
+    assert prefix["meta_info"]["cached_tokens"] < 0.05 * chunk_tokens
+
+
+def test_tenants_never_share_chunks(relaxkv_server):
+    docs = documents(2, seed=5)
+    prompt = marked_prompt("Sys.", docs, "Q?")
+    generate(relaxkv_server.url, prompt, policy="pic", extra_key="tenant-a")
+    other = generate(relaxkv_server.url, prompt, policy="pic", extra_key="tenant-b")
+    assert other["meta_info"]["relaxkv"]["chunks_hit"] == 0
+    same = generate(relaxkv_server.url, marked_prompt("Other sys.", docs, "Q2?"), policy="pic", extra_key="tenant-a")
+    assert same["meta_info"]["relaxkv"]["chunks_hit"] == 2
+
+
+def test_unmarked_prompt_is_chunked_by_content(relaxkv_server):
+    docs = documents(3, seed=6)
+    first = "You are helpful.\n\n" + "\n\n".join(docs) + "\n\nQuestion: one?"
+    second = "Be brief.\n\n" + "\n\n".join([docs[1], docs[2], docs[0]]) + "\n\nQuestion: two?"
+    generate(relaxkv_server.url, first, policy="pic")
+    record = generate(relaxkv_server.url, second, policy="pic")["meta_info"]["relaxkv"]
+    # Each document is found again wherever it sits (an essay paragraph may hold
+    # a blank line of spaces, which the content-defined rule also cuts at).
+    assert record["chunks_seen"] >= 3
+    assert record["chunks_hit"] == record["chunks_seen"]
+
+
+def test_flush_returns_every_slot(relaxkv_server):
+    generate(relaxkv_server.url, marked_prompt("S.", documents(4, seed=7), "Q?"), policy="pic")
+    state = relaxkv_state(relaxkv_server.url)
+    assert state["chunk_tokens_held"] > 0
+    flush(relaxkv_server.url)
+    state = relaxkv_state(relaxkv_server.url)
+    assert state["chunk_tokens_held"] == 0
+    assert state["kv_available_tokens"] == state["kv_total_tokens"]
+
+
+BAD_CUSTOM_PARAMS = [
+    ({"relaxkv_chunks": [0, 5, 3]}, "relaxkv_chunks"),  # odd length
+    ({"relaxkv_chunks": [10, 5]}, "relaxkv_chunks"),  # start after end
+    ({"relaxkv_chunks": [0, 5, 3, 8]}, "relaxkv_chunks"),  # overlapping
+    ({"relaxkv_chunks": [6, 9, 0, 5]}, "relaxkv_chunks"),  # unsorted
+    ({"relaxkv_chunks": [0, 100000]}, "relaxkv_chunks"),  # out of range
+    ({"relaxkv_chunks": [-1, 4]}, "relaxkv_chunks"),  # negative
+    ({"relaxkv_chunks": [3, 3]}, "relaxkv_chunks"),  # empty chunk
+    ({"relaxkv_chunks": [0, 2.5]}, "relaxkv_chunks"),  # non-integer
+    ({"relaxkv_chunks": "0,5"}, "relaxkv_chunks"),  # not a list
+    ({"relaxkv_policy": "magic"}, "relaxkv_policy"),  # unknown policy
+    ({"_relaxkv_policy": "pic"}, "_relaxkv_policy"),  # reserved
+]
+
+
+@pytest.mark.parametrize("custom_params,field", BAD_CUSTOM_PARAMS)
+def test_bad_input_gets_400_naming_the_field(relaxkv_server, custom_params, field):
+    body = {"text": "Hello there, general Kenobi. Question: hi?", "sampling_params": {
+        "max_new_tokens": 2, "custom_params": custom_params}}
+    response = requests.post(relaxkv_server.url + "/generate", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert field in response.text
+
+
+def test_chunk_longer_than_context_is_refused(relaxkv_server):
+    doc = " ".join(documents(40, seed=8))  # far over the 4096-token context
+    prompt = marked_prompt("S.", [doc], "Q?")
+    body = {"text": prompt.text, "sampling_params": {"max_new_tokens": 2, "custom_params": {"relaxkv_chunks": prompt.offsets}}}
+    response = requests.post(relaxkv_server.url + "/generate", json=body, timeout=60)
+    assert response.status_code == 400
+    assert "relaxkv_chunks" in response.text and "context length" in response.text
+
+
+def test_server_keeps_serving_and_leaks_nothing_after_bad_input(relaxkv_server):
+    for custom_params, _ in BAD_CUSTOM_PARAMS:
+        requests.post(relaxkv_server.url + "/generate", json={"text": "abc def", "sampling_params": {
+            "max_new_tokens": 2, "custom_params": custom_params}}, timeout=60)
+    ok = generate(relaxkv_server.url, marked_prompt("S.", documents(2, seed=9), "Q?"), policy="pic")
+    assert ok["meta_info"]["completion_tokens"] == 8
+    flush(relaxkv_server.url)
+    state = relaxkv_state(relaxkv_server.url)
+    assert state["kv_available_tokens"] == state["kv_total_tokens"]

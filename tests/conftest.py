@@ -12,6 +12,9 @@ from relaxkv_sglang import assets
 from relaxkv_sglang.server import SGLangServer, ServerConfig
 
 TINY_POOL_TOKENS = 8192
+# SGLang checks its KV accounting whenever the scheduler idles; with this set a
+# leaked or double-freed slot stops the server instead of logging a warning.
+STRICT_MEMORY_CHECK = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
 
 
 @pytest.fixture(scope="session")
@@ -47,6 +50,7 @@ def relaxkv_server(tiny_model_path):
         model_path=tiny_model_path,
         max_total_tokens=TINY_POOL_TOKENS,
         policy="prefix",
+        env=STRICT_MEMORY_CHECK,
         extra_args=["--context-length", "4096"],
     )
     with SGLangServer(config) as srv:

@@ -252,6 +252,34 @@ def test_demo_program_sends_exactly_the_rendered_prompt():
     assert backend.times == {}  # popped once recorded
 
 
+def test_demo_request_waits_for_the_answer_every_time():
+    from relaxkv_sglang import demo
+
+    # run(stream=True) returns before the program has submitted its gen; each
+    # of these must still come back with the whole answer and its meta info.
+    backend = demo.ModeBackend(_FakeBackend([" a", " b"]))
+    for _ in range(30):
+        rec = demo.serve_one(demo.MODES["prefix"], backend, _request(), max_new_tokens=2)
+        assert rec["answer"] == " a b" and rec["completion_tokens"] == 2
+
+
+class _FailingBackend(_FakeBackend):
+    def generate_stream(self, s, sampling_params):
+        raise RuntimeError({"error": "invalid relaxkv_policy: unknown policy"})
+        yield  # a generator, like the real one
+
+
+@pytest.mark.filterwarnings("ignore:Error in stream_executor")
+def test_demo_request_failure_is_raised_and_reported_in_one_line():
+    from relaxkv_sglang import demo
+
+    with pytest.raises(RuntimeError, match="invalid relaxkv_policy"):
+        demo.serve_one(demo.MODES["prefix"], demo.ModeBackend(_FailingBackend([])), _request(), max_new_tokens=2)
+    mode = demo.Mode("failing", "test", demo.plain_rag_program, make_backend=lambda url: _FailingBackend([]))
+    with pytest.raises(demo.DemoError, match=r"^mode failing: request \d: .*invalid relaxkv_policy"):
+        demo.run_mode(mode, "http://unused", [_request(), _request()], clients=2, max_new_tokens=2)
+
+
 def test_with_custom_params_copies_and_leaves_plain_params_alone():
     from sglang.lang.ir import SglSamplingParams
 

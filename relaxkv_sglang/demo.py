@@ -42,6 +42,7 @@ import queue
 import sys
 import threading
 import time
+import warnings
 from typing import Any, Callable
 
 # Nothing in the demo may reach a model hub; the tokenizer is read from the model folder.
@@ -57,6 +58,10 @@ from relaxkv_sglang.server import SGLangServer, ServerConfig, ServerError  # noq
 from relaxkv_sglang.workloads import SEPARATOR, RagRequest, hotpotqa_requests, prompt_parts, render_prompt  # noqa: E402
 
 PROG = "relaxkv-sglang demo"
+
+# The frontend's worker thread reports a failed request as a warning with a
+# full traceback before recording it; the demo reports it itself, in one line.
+warnings.filterwarnings("ignore", message="Error in stream_executor")
 
 
 class DemoError(RuntimeError):
@@ -200,7 +205,13 @@ def serve_one(mode: Mode, backend: ModeBackend, req: RagRequest, max_new_tokens:
         system=system, documents=documents, question=question,
         max_new_tokens=max_new_tokens, temperature=0, stream=True, backend=backend,
     )
-    meta = state.get_meta_info("answer")  # blocks until the answer's stream has ended
+    # With stream=True, run() returns before the program has even submitted
+    # its gen, so get_meta_info() right away could find no "answer" yet and
+    # return None. Draining the answer's own text stream waits for the gen to
+    # be submitted and to finish (or for the program to fail).
+    for _ in state.text_iter("answer"):
+        pass
+    meta = state.get_meta_info("answer")
     error = state.error()
     if error is not None:
         raise error

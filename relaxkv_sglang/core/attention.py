@@ -169,6 +169,7 @@ def block_sparse_attention(
     layout,
     scale: Optional[float] = None,
     return_lse: bool = False,
+    key_rows: Optional[torch.Tensor] = None,
 ):
     """Execute a ``BlockSparseLayout`` (see layout.py) block by block.
 
@@ -183,6 +184,8 @@ def block_sparse_attention(
         k: [n_k >= layout.n_keys, n_kv_heads, d]; v: [n_k, n_kv_heads, dv] prompt-ordered KV.
         layout: BlockSparseLayout.
         scale: softmax scale, default ``d ** -0.5``.
+        key_rows: int64 [>= layout.n_keys], the row of k/v holding the key at each prompt
+            position (e.g. a request's KV-pool slots); default: position j is row j.
     Returns:
         out [n_rows, n_heads, dv], and lse float32 [n_rows, n_heads] if return_lse.
         Work = ``layout.kv_pairs()`` visible pairs (+ the masked part of diagonal pages).
@@ -200,7 +203,8 @@ def block_sparse_attention(
         key_idx = layout.block_key_index(b)
         if key_idx.numel() == 0:
             continue
-        o, s = gathered_attention(q[r0:r1], k, v, layout.q_pos[r0:r1], key_idx, None, scale, True)
+        rows = key_idx if key_rows is None else key_rows[key_idx]
+        o, s = gathered_attention(q[r0:r1], k, v, layout.q_pos[r0:r1], rows, key_idx, scale, True)
         out[r0:r1], lse[r0:r1] = o, s
     return (out, lse) if return_lse else out
 

@@ -7,9 +7,14 @@ A request opts in through ``sampling_params.custom_params``:
     pair is one document. Text before the first chunk is the prefix, after the
     last the query.
 ``relaxkv_policy``
-    ``full`` (no reuse), ``prefix`` (SGLang's radix cache only) or ``pic``
-    (chunk reuse, no repair); default: the server's (``RELAXKV_DEFAULT_POLICY``,
-    ``prefix`` unless set).
+    ``full`` (no reuse), ``prefix`` (SGLang's radix cache only), ``pic``
+    (chunk reuse, no repair), or a repair policy: ``epic``, ``cacheblend``,
+    ``prophetkv``, ``relaxkv``, ``relaxkv_fullctx``, ``relaxkv_randctx``;
+    default: the server's (``RELAXKV_DEFAULT_POLICY``, ``prefix`` unless set).
+``relaxkv_anchor_ratio`` / ``relaxkv_context_ratio``
+    Repair knobs, numbers in [0, 1]: the mean share of reusable chunk tokens
+    recomputed per layer (default 0.15), and the share of each anchor's causal
+    prefix it attends to under ``relaxkv`` (default 0.25).
 
 Without ``relaxkv_chunks``, a request whose policy reuses chunks is chunked
 automatically (:func:`~relaxkv_sglang.core.segments.auto_chunk`). Each part is
@@ -27,11 +32,21 @@ from __future__ import annotations
 import os
 
 from relaxkv_sglang.core.segments import ChunkSpecError, auto_chunk, parse_chunk_offsets, split_text, tokenize_parts
-from relaxkv_sglang.srt.plan import CHUNK_POLICIES, PLAN_POLICY_KEY, PLAN_SPANS_KEY, SERVER_POLICIES
+from relaxkv_sglang.srt.plan import (
+    CHUNK_POLICIES,
+    PLAN_ANCHOR_KEY,
+    PLAN_CONTEXT_KEY,
+    PLAN_KEYS,
+    PLAN_POLICY_KEY,
+    PLAN_SPANS_KEY,
+    SERVER_POLICIES,
+)
 
 CHUNKS_FIELD = "relaxkv_chunks"
 POLICY_FIELD = "relaxkv_policy"
-USER_FIELDS = (CHUNKS_FIELD, POLICY_FIELD)
+ANCHOR_FIELD = "relaxkv_anchor_ratio"
+CONTEXT_FIELD = "relaxkv_context_ratio"
+USER_FIELDS = (CHUNKS_FIELD, POLICY_FIELD, ANCHOR_FIELD, CONTEXT_FIELD)
 DEFAULT_POLICY_ENV = "RELAXKV_DEFAULT_POLICY"
 
 
@@ -56,7 +71,7 @@ def _custom_params(sampling_params: dict) -> dict:
         return {}
     if not isinstance(cp, dict):
         raise RequestError("sampling_params.custom_params", f"must be an object, got {type(cp).__name__}")
-    for key in (PLAN_POLICY_KEY, PLAN_SPANS_KEY):
+    for key in PLAN_KEYS:
         if key in cp:
             raise RequestError(f"custom_params.{key}", "is reserved for the server")
     return cp
@@ -71,6 +86,8 @@ def plan_item(text: str | None, sampling_params: dict, encode, context_len: int,
     policy = cp.get(POLICY_FIELD, policy_default)
     if not isinstance(policy, str) or policy not in SERVER_POLICIES:
         raise RequestError(POLICY_FIELD, f"unknown policy {policy!r}; choose one of {', '.join(SERVER_POLICIES)}")
+    knobs = {key: _ratio(cp, field) for key, field in ((PLAN_ANCHOR_KEY, ANCHOR_FIELD), (PLAN_CONTEXT_KEY, CONTEXT_FIELD))
+             if field in cp}
     chunks = cp.get(CHUNKS_FIELD)
     if chunks is not None and text is None:
         raise RequestError(CHUNKS_FIELD, "character offsets need the prompt as `text`, not `input_ids`")
@@ -100,7 +117,14 @@ def plan_item(text: str | None, sampling_params: dict, encode, context_len: int,
         if e - s > context_len:
             raise RequestError(CHUNKS_FIELD, f"chunk {i} has {e - s} tokens, more than the context length {context_len}")
     flat = [x for span in layout.chunk_spans for x in span]
-    return layout.input_ids, dict(cp, **{PLAN_POLICY_KEY: policy, PLAN_SPANS_KEY: flat})
+    return layout.input_ids, dict(cp, **{PLAN_POLICY_KEY: policy, PLAN_SPANS_KEY: flat}, **knobs)
+
+
+def _ratio(cp: dict, field: str) -> float:
+    value = cp[field]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise RequestError(field, f"must be a number in [0, 1], got {value!r}")
+    return float(value)
 
 
 def prepare_generate(tokenizer_manager, obj) -> None:
@@ -149,7 +173,7 @@ def _wants_plan(sampling_params: dict) -> bool:
         return False
     if not isinstance(cp, dict):
         return True
-    return any(k in cp for k in USER_FIELDS + (PLAN_POLICY_KEY, PLAN_SPANS_KEY))
+    return any(k in cp for k in USER_FIELDS + PLAN_KEYS)
 
 
 def _is_batch_ids(input_ids) -> bool:

@@ -61,26 +61,36 @@ class RequestFold:
     req: object
     req_pool_idx: int
     window_start: int
+    window_len: int
     keep: torch.Tensor
     scope_start: torch.Tensor
     plan: RequestPlan | None
+    logprob_start: int | None = None
     hit_tokens: int = 0
     chunks_seen: int = 0
     chunks_hit: int = 0
     inserts: list = dataclasses.field(default_factory=list)
+    repair_rows: object = None  # repair.RequestRows of the repair pass, if repaired
+    n_eligible: int = 0
 
     @property
     def positions(self) -> torch.Tensor:
         return self.keep + self.window_start
 
     def report(self) -> dict:
-        return {
+        record = {
             "policy": self.plan.policy if self.plan else "prefix",
             "chunks_seen": self.chunks_seen,
             "chunks_hit": self.chunks_hit,
             "chunk_tokens_reused": self.hit_tokens,
             "tokens_computed": int(self.keep.shape[0]),
+            "repaired": self.repair_rows is not None,
         }
+        if self.repair_rows is not None:
+            from relaxkv_sglang.srt.repair import repair_report
+
+            record.update(repair_report(self))
+        return record
 
 
 @dataclasses.dataclass
@@ -130,7 +140,7 @@ def _fold_one(cache, req, rp: int, pre: int, n: int, logprob_start: int | None) 
     plan = request_plan(req)
     keep = torch.ones(n, dtype=torch.bool)
     scope = torch.zeros(n, dtype=torch.int64)
-    fold = RequestFold(req, rp, pre, keep, scope, plan)
+    fold = RequestFold(req, rp, pre, n, keep, scope, plan, logprob_start)
     if plan is None or not plan.reuses_chunks:
         fold.keep = torch.arange(n, dtype=torch.int64)
         return fold
@@ -209,18 +219,24 @@ def _folded_copy(batch, requests: list[RequestFold]):
     return folded
 
 
+def publish_misses(cache, r: RequestFold) -> None:
+    """Copy the request's freshly computed miss chunks into slots the chunk tree owns."""
+    req_to_token = cache.req_to_token_pool.req_to_token
+    for tokens, cs, ce in r.inserts:
+        if cache.chunks.peek(r.plan.namespace, tokens) is not None:
+            continue  # another request in this batch published it first
+        slots = cache.alloc_chunk_slots(ce - cs)
+        if slots is None:
+            continue  # no room even after eviction: a cache may skip an insert
+        cache.copier.copy(req_to_token[r.req_pool_idx, cs:ce].to(torch.int64), slots, 0)
+        cache.chunks.insert(r.plan.namespace, tokens, slots, canonical_start=cs)
+    r.inserts = []
+
+
 def finish_fold(cache, fold: Fold) -> None:
     """After the forward: publish miss chunks to the chunk tree, count reuse."""
-    req_to_token = cache.req_to_token_pool.req_to_token
     for r in fold.requests:
-        for tokens, cs, ce in r.inserts:
-            if cache.chunks.peek(r.plan.namespace, tokens) is not None:
-                continue  # another request in this batch published it first
-            slots = cache.alloc_chunk_slots(ce - cs)
-            if slots is None:
-                continue  # no room even after eviction: a cache may skip an insert
-            cache.copier.copy(req_to_token[r.req_pool_idx, cs:ce].to(torch.int64), slots, 0)
-            cache.chunks.insert(r.plan.namespace, tokens, slots, canonical_start=cs)
+        publish_misses(cache, r)
         if r.hit_tokens:
             r.req.cached_tokens += r.hit_tokens
         if r.plan is not None:
@@ -266,17 +282,23 @@ def around_update_request_meta_info(original, tokenizer_manager, meta_info, *arg
 def around_forward_batch_generation(original, worker, batch=None, *args, **kwargs):
     """Hook on ``TpModelWorker.forward_batch_generation``: fold, forward, finish."""
     global _ACTIVE_FOLD
+    from relaxkv_sglang.srt import repair
     from relaxkv_sglang.srt.tree_cache import active_cache
 
     cache = active_cache()
     fold = plan_fold(cache, batch) if cache is not None else None
     if fold is None:
         return original(worker, batch, *args, **kwargs)
+    repair_rows = repair.prepare_repair(cache, worker.model_runner, fold)
+    if repair_rows is not None:
+        fold.batch = _folded_copy(batch, fold.requests)
     _ACTIVE_FOLD = fold
+    repair.set_active_pass(repair_rows)
     try:
         result = original(worker, batch, *args, **kwargs)
     finally:
         _ACTIVE_FOLD = None
+        repair.set_active_pass(None)
     finish_fold(cache, fold)
     return result
 

@@ -24,12 +24,17 @@ joined request by content, in the HTTP process:
   remembered as a commit, linked to the longest remembered commit that is a
   proper prefix of it (its fork point; ``""`` when none is);
 * the route answers 200 and records a *pending join* of ``n = len(src_rids)``
-  branches;
+  branches, whose candidate branches are the last :data:`RECENT_COMMITS`
+  commits made before it (the interpreter posts the join right after its
+  branch commits);
 * while a join is pending, each ``/generate`` text ``T`` is tried as
-  ``P + b_0 + ... + b_{n-1} + rest`` with ``P`` a remembered fork point and
-  every ``P + b_i`` a remembered commit of it (branches in any order, one may
-  repeat). The first text that matches consumes the join, and ``T``'s prefix
-  ``P + b_0 + ... + b_{n-1}`` becomes a *joined prefix*;
+  ``P + b_0 + ... + b_{n-1} + rest`` where every ``P + b_i`` is one of the
+  join's candidates (branches in any order, one may repeat). ``P`` is the
+  recorded fork point, or, since the interpreter often has not written the
+  program's text yet when ``fork()`` decides whether to commit it, inferred
+  from two candidates (:func:`_fork_points`). The first text that matches
+  consumes the join, and ``T``'s prefix ``P + b_0 + ... + b_{n-1}`` becomes a
+  *joined prefix*;
 * every ``/generate`` text that starts with a joined prefix (the matching
   request and every later one of the program: more ``gen`` calls, ``select``,
   later forks) gets each branch ``b_i`` marked as a chunk in
@@ -62,6 +67,7 @@ added to its FastAPI ``app``, and ``serve_generate_request`` (what ``POST
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from typing import Callable, Iterable, Optional
@@ -75,11 +81,19 @@ JOIN_POLICY = "pic"
 
 MAX_COMMITS = 512
 MAX_COMMIT_CHARS = 8_000_000
+RECENT_COMMITS = 64  # commits a join may take its branches from (the last ones before it)
 MAX_PENDING = 64
 PENDING_TTL_S = 300.0
 MAX_JOINED = 256
 MAX_JOINED_CHARS = 4_000_000
 MAX_MATCH_STEPS = 20_000  # branch comparisons one request may cost while joins are pending
+
+
+@dataclasses.dataclass(eq=False)
+class _PendingJoin:
+    n: int
+    deadline: float
+    candidates: list[tuple[str, str]]  # (branch commit, its fork point), most recent first
 
 
 class JoinRegistry:
@@ -90,6 +104,7 @@ class JoinRegistry:
         *,
         max_commits: int = MAX_COMMITS,
         max_commit_chars: int = MAX_COMMIT_CHARS,
+        recent_commits: int = RECENT_COMMITS,
         max_pending: int = MAX_PENDING,
         pending_ttl_s: float = PENDING_TTL_S,
         max_joined: int = MAX_JOINED,
@@ -107,9 +122,8 @@ class JoinRegistry:
         # commit text -> its fork point (the same str object as that commit's key, or "")
         self._commits: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._commit_chars = 0
-        # fork point -> its branch commits (insertion ordered)
-        self._children: dict[str, dict[str, None]] = {}
-        self._pending: collections.deque[tuple[int, float]] = collections.deque()
+        self._recent: collections.deque[str] = collections.deque(maxlen=recent_commits)
+        self._pending: collections.deque[_PendingJoin] = collections.deque()
         # joined prefix -> branch spans inside it
         self._joined: collections.OrderedDict[str, tuple[tuple[int, int], ...]] = collections.OrderedDict()
         self._joined_chars = 0
@@ -131,24 +145,14 @@ class JoinRegistry:
                         parent = key
                 self._commits[text] = parent
                 self._commit_chars += len(text)
-                self._children.setdefault(parent, {})[text] = None
-            if parent:
+            if parent in self._commits:
                 self._commits.move_to_end(parent)  # a fork point outlives its branches
+            self._recent.append(text)
             while len(self._commits) > self.max_commits or self._commit_chars > self.max_commit_chars:
-                self._drop_oldest_commit()
-
-    def _drop_oldest_commit(self) -> None:
-        text, parent = self._commits.popitem(last=False)
-        self._commit_chars -= len(text)
-        siblings = self._children.get(parent)
-        if siblings is not None:
-            siblings.pop(text, None)
-            if not siblings:
-                del self._children[parent]
-        for child in self._children.pop(text, {}):  # its branches lose their fork point
-            if child in self._commits:
-                self._commits[child] = ""
-                self._children.setdefault("", {})[child] = None
+                old, _ = self._commits.popitem(last=False)
+                self._commit_chars -= len(old)
+                for join in self._pending:  # hold no text the LRU has dropped
+                    join.candidates = [c for c in join.candidates if c[0] is not old and c[1] is not old]
 
     # ------------------------------------------------------------------ joins
 
@@ -157,58 +161,61 @@ class JoinRegistry:
         if n_branches < 1:
             return
         with self._lock:
-            self._expire(self._clock())
-            self._pending.append((n_branches, self._clock() + self.pending_ttl_s))
+            now = self._clock()
+            self._expire(now)
+            seen: set[str] = set()
+            candidates = []
+            for text in reversed(self._recent):
+                if text not in seen and text in self._commits:
+                    seen.add(text)
+                    candidates.append((text, self._commits[text]))
+            self._pending.append(_PendingJoin(n_branches, now + self.pending_ttl_s, candidates))
             while len(self._pending) > self.max_pending:
                 self._pending.popleft()
 
     def _expire(self, now: float) -> None:
-        self._pending = collections.deque(p for p in self._pending if p[1] > now)
+        if any(p.deadline <= now for p in self._pending):
+            self._pending = collections.deque(p for p in self._pending if p.deadline > now)
 
     def spans_for(self, text: str) -> list[tuple[int, int]]:
         """Character spans of the joined branches at the start of ``text``, or []."""
         if not text:
             return []
         with self._lock:
+            if self._pending:
+                self._expire(self._clock())
+                spans = self._match_pending(text)
+                if spans:
+                    return spans
             for key in reversed(self._joined):
                 if text.startswith(key):
                     self._joined.move_to_end(key)
                     return list(self._joined[key])
-            if not self._pending:
-                return []
-            self._expire(self._clock())
-            counts = sorted({n for n, _ in self._pending})
-            if not counts:
-                return []
-            found = self._match(text, counts)
-            if found is None:
-                return []
-            n, spans = found
-            for i, (m, _) in enumerate(self._pending):
-                if m == n:
-                    del self._pending[i]
-                    break
-            key = text[: spans[-1][1]]
-            if key not in self._joined and len(key) <= self.max_joined_chars:
-                self._joined[key] = tuple(spans)
-                self._joined_chars += len(key)
-                while len(self._joined) > self.max_joined or self._joined_chars > self.max_joined_chars:
-                    old, _ = self._joined.popitem(last=False)
-                    self._joined_chars -= len(old)
-            return spans
+            return []
 
-    def _match(self, text: str, counts: list[int]) -> Optional[tuple[int, list[tuple[int, int]]]]:
+    def _match_pending(self, text: str) -> list[tuple[int, int]]:
         budget = [MAX_MATCH_STEPS]
-        parents = sorted((p for p in self._children if text.startswith(p)), key=len, reverse=True)
-        for parent in parents:
-            branches = [c[len(parent):] for c in reversed(self._children[parent])]
-            for n in reversed(counts):
-                spans = _match_branches(text, len(parent), branches, n, budget)
-                if spans is not None:
-                    return n, spans
-                if budget[0] <= 0:
-                    return None
-        return None
+        for join in reversed(self._pending):  # the most recent join first
+            spans = _match_join(text, join, budget)
+            if spans:
+                self._pending.remove(join)
+                self._remember_joined(text[: spans[-1][1]], spans)
+                return spans
+            if budget[0] <= 0:
+                break
+        return []
+
+    def _remember_joined(self, key: str, spans: list[tuple[int, int]]) -> None:
+        if key in self._joined:
+            self._joined.move_to_end(key)
+            return
+        if len(key) > self.max_joined_chars:
+            return
+        self._joined[key] = tuple(spans)
+        self._joined_chars += len(key)
+        while len(self._joined) > self.max_joined or self._joined_chars > self.max_joined_chars:
+            old, _ = self._joined.popitem(last=False)
+            self._joined_chars -= len(old)
 
     def stats(self) -> dict:
         with self._lock:
@@ -217,6 +224,66 @@ class JoinRegistry:
                 "pending_joins": len(self._pending), "joined_prefixes": len(self._joined),
                 "joined_chars": self._joined_chars,
             }
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a.startswith(b[:mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _fork_points(text: str, first: str, parent: str, candidates: list[str], n: int, budget: list[int]):
+    """Lengths of the fork point ``P`` to try when ``first`` (= ``P + b_0``) starts ``text``.
+
+    The recorded fork point first. The interpreter commits it only when the
+    program's text is already written at ``fork()`` time (often it is still in
+    the worker's queue), so ``P`` is also inferred from a second branch ``D``:
+    ``P`` is a common prefix of ``first`` and ``D`` (at most their longest
+    one, which also holds any text every branch starts with) such that
+    ``text`` continues after ``first`` with ``D[len(P):]``.
+    """
+    if parent:
+        yield len(parent)
+    if n < 2:
+        return
+    pos = len(first)
+    for other in candidates:
+        common = _common_prefix_len(first, other)
+        if common >= len(other) or common >= len(first):
+            continue  # the same text, or one a prefix of the other: no sibling of `first`
+        for plen in range(common, -1, -1):
+            budget[0] -= 1
+            if budget[0] < 0:
+                return
+            if text.startswith(other[plen : plen + 16], pos) and text.startswith(other[plen:], pos):
+                yield plen
+                break
+
+
+def _match_join(text: str, join: _PendingJoin, budget: list[int]) -> list[tuple[int, int]]:
+    """Spans of ``join.n`` branches at the start of ``text`` (after their fork point), or []."""
+    candidates = [c for c, _ in join.candidates]
+    for first, parent in join.candidates:
+        if not text.startswith(first):
+            continue
+        tried: set[int] = set()
+        for plen in _fork_points(text, first, parent, candidates, join.n, budget):
+            if plen in tried or plen >= len(first):
+                continue
+            tried.add(plen)
+            fork_point = first[:plen]
+            branches = [c[plen:] for c in candidates if len(c) > plen and c.startswith(fork_point)]
+            rest = _match_branches(text, len(first), branches, join.n - 1, budget)
+            if rest is not None:
+                return [(plen, len(first))] + rest
+            if budget[0] <= 0:
+                return []
+    return []
 
 
 def _match_branches(text: str, pos: int, branches: list[str], n: int, budget: list[int]):

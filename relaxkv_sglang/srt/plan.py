@@ -1,10 +1,10 @@
 """A request's reuse plan, as the scheduler process sees it.
 
 The HTTP side (:mod:`relaxkv_sglang.srt.api`) validates what the user sent,
-tokenizes each part on its own, and hands the scheduler two internal entries
-of ``sampling_params.custom_params``: the policy and the chunks' token spans
-(a flat list ``[s0, e0, s1, e1, ...]``, since custom params carry only flat
-lists). This module reads them back once per request.
+tokenizes each part on its own, and hands the scheduler internal entries of
+``sampling_params.custom_params``: the policy, the chunks' token spans (a flat
+list ``[s0, e0, s1, e1, ...]``, since custom params carry only flat lists) and
+the repair knobs. This module reads them back once per request.
 """
 
 from __future__ import annotations
@@ -13,10 +13,17 @@ import dataclasses
 
 PLAN_POLICY_KEY = "_relaxkv_policy"
 PLAN_SPANS_KEY = "_relaxkv_token_spans"
+PLAN_ANCHOR_KEY = "_relaxkv_anchor_ratio"
+PLAN_CONTEXT_KEY = "_relaxkv_context_ratio"
+PLAN_KEYS = (PLAN_POLICY_KEY, PLAN_SPANS_KEY, PLAN_ANCHOR_KEY, PLAN_CONTEXT_KEY)
 
-# Policies the server accepts; those in CHUNK_POLICIES reuse chunk KV.
-SERVER_POLICIES = ("full", "prefix", "pic")
-CHUNK_POLICIES = frozenset({"pic"})
+# Policies the server accepts. CHUNK_POLICIES reuse chunk KV; REPAIR_POLICIES
+# also recompute anchors (see relaxkv_sglang.core.selection.RepairPolicy).
+REPAIR_POLICIES = ("epic", "cacheblend", "prophetkv", "relaxkv", "relaxkv_fullctx", "relaxkv_randctx")
+SERVER_POLICIES = ("full", "prefix", "pic") + REPAIR_POLICIES
+CHUNK_POLICIES = frozenset(("pic",) + REPAIR_POLICIES)
+DEFAULT_ANCHOR_RATIO = 0.15
+DEFAULT_CONTEXT_RATIO = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,10 +34,16 @@ class RequestPlan:
     policy: str
     chunk_spans: tuple[tuple[int, int], ...]
     namespace: str | None
+    anchor_ratio: float = DEFAULT_ANCHOR_RATIO
+    context_ratio: float = DEFAULT_CONTEXT_RATIO
 
     @property
     def reuses_chunks(self) -> bool:
         return self.policy in CHUNK_POLICIES and bool(self.chunk_spans)
+
+    @property
+    def repairs(self) -> bool:
+        return self.policy in REPAIR_POLICIES and bool(self.chunk_spans)
 
     @property
     def exact_len(self) -> int | None:
@@ -55,6 +68,10 @@ def request_plan(req) -> RequestPlan | None:
     if PLAN_POLICY_KEY in params:
         flat = list(params.get(PLAN_SPANS_KEY) or [])
         spans = tuple((int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2))
-        plan = RequestPlan(str(params[PLAN_POLICY_KEY]), spans, request_namespace(req))
+        plan = RequestPlan(
+            str(params[PLAN_POLICY_KEY]), spans, request_namespace(req),
+            float(params.get(PLAN_ANCHOR_KEY, DEFAULT_ANCHOR_RATIO)),
+            float(params.get(PLAN_CONTEXT_KEY, DEFAULT_CONTEXT_RATIO)),
+        )
     req.__dict__["_relaxkv_plan"] = plan
     return plan

@@ -10,7 +10,8 @@ a hook misbehave.
 Registered:
 * attention backend ``relaxkv`` (``attention_backend.py``),
 * tree cache backend ``relaxkv`` (``tree_cache.py``),
-* hooks: request preparation (``api.py``), batch folding (``forward.py``).
+* hooks: request preparation (``api.py``), batch folding (``forward.py``),
+  the repair pass's layer loop (``repair.py``), reporting.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ HOOKS = {
         "relaxkv_sglang.srt.forward:around_forward_batch_generation", ("self", "batch")),
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (
         "relaxkv_sglang.srt.forward:around_forward_batch_init_new", ("cls", "batch", "model_runner")),
+    "sglang.srt.models.llama.LlamaModel.forward": (
+        "relaxkv_sglang.srt.repair:around_model_forward", ("self", "input_ids", "positions", "forward_batch")),
+    "sglang.srt.models.qwen2.Qwen2Model.forward": (
+        "relaxkv_sglang.srt.repair:around_model_forward", ("self", "input_ids", "positions", "forward_batch")),
     "sglang.srt.managers.scheduler.Scheduler.get_internal_state": (
         "relaxkv_sglang.srt.tree_cache:around_get_internal_state", ("self", "recv_req")),
     "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"

@@ -9,7 +9,8 @@ position by :mod:`relaxkv_sglang.srt.forward`.
 
 What this class changes in the radix tree's behaviour:
 
-* ``match_prefix``: a ``full`` request matches nothing (no reuse at all).
+* ``match_prefix``: a ``full`` request matches nothing (no reuse at all); a
+  request that reuses chunks matches at most its prefix before the first chunk.
 * ``checkpoint`` (publishing a request's KV when it finishes): a request whose
   chunks were reused or computed position-independently publishes only its
   exact part (the tokens before its first chunk); its chunk KV is not the exact
@@ -25,6 +26,7 @@ registered through ``mem_cache/registry.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
@@ -64,6 +66,11 @@ def build_cache_class():
             plan = request_plan(req) if req is not None else None
             if plan is not None and plan.policy == "full":
                 return self._empty_match_result
+            if plan is not None and plan.reuses_chunks:
+                # The radix tree serves only the exact prefix before the first
+                # chunk; chunks always come from the chunk tree, so a policy
+                # means the same thing whatever else is cached.
+                params = dataclasses.replace(params, key=params.key[: plan.exact_len])
             return super().match_prefix(params)
 
         def checkpoint(self, req, *, up_to: int):

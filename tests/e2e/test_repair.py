@@ -1,0 +1,89 @@
+"""Repair policies inside SGLang's prefill: the invariants, end to end (tiny model)."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+from rag_helpers import documents, flush, marked_prompt
+
+pytestmark = pytest.mark.e2e
+
+
+def _run(url, prompt, policy, anchor=None, context=None):
+    custom = {"relaxkv_chunks": prompt.offsets, "relaxkv_policy": policy}
+    if anchor is not None:
+        custom["relaxkv_anchor_ratio"] = anchor
+    if context is not None:
+        custom["relaxkv_context_ratio"] = context
+    body = {"text": prompt.text, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "custom_params": custom}}
+    response = requests.post(url + "/generate", json=body, timeout=120)
+    response.raise_for_status()
+    out = response.json()
+    return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]], out["meta_info"]["relaxkv"]
+
+
+@pytest.fixture(scope="module")
+def warm_prompt(relaxkv_server):
+    """Chunks cached by a first request; the measured prompt reorders them after another system prompt."""
+    flush(relaxkv_server.url)
+    docs = documents(3, seed=31)
+    _run(relaxkv_server.url, marked_prompt("You are a helpful assistant.", docs, "Question: first?"), "pic")
+    return marked_prompt("Answer from the documents.", [docs[1], docs[2], docs[0]], "Question: which?")
+
+
+def test_full_repair_reproduces_full_prefill(relaxkv_server, warm_prompt):
+    full_ids, full_lp, _ = _run(relaxkv_server.url, warm_prompt, "full")
+    for policy in ("relaxkv", "prophetkv", "epic", "cacheblend", "relaxkv_randctx"):
+        ids, lp, record = _run(relaxkv_server.url, warm_prompt, policy, anchor=1.0, context=1.0)
+        assert record["repaired"] and record["chunks_hit"] == 3, (policy, record)
+        assert record["anchor_ratio"] == pytest.approx(1.0)
+        assert ids == full_ids, policy
+        assert lp == pytest.approx(full_lp, abs=1e-4), policy
+
+
+def test_zero_anchors_reproduce_pic(relaxkv_server, warm_prompt):
+    pic_ids, pic_lp, _ = _run(relaxkv_server.url, warm_prompt, "pic")
+    full_ids, full_lp, _ = _run(relaxkv_server.url, warm_prompt, "full")
+    assert pic_lp != pytest.approx(full_lp, abs=1e-3)  # the repair has something to fix
+    for policy in ("relaxkv", "prophetkv", "epic"):
+        ids, lp, record = _run(relaxkv_server.url, warm_prompt, policy, anchor=0.0, context=0.5)
+        assert record["anchors_per_layer"] == 0 and record["repair_kv_pairs"] == 0
+        assert ids == pic_ids and lp == pytest.approx(pic_lp, abs=1e-5), policy
+
+
+def test_full_context_reproduces_the_same_targets_with_full_context(relaxkv_server, warm_prompt):
+    relaxed = _run(relaxkv_server.url, warm_prompt, "relaxkv", anchor=0.15, context=1.0)
+    fullctx = _run(relaxkv_server.url, warm_prompt, "relaxkv_fullctx", anchor=0.15)
+    assert relaxed[0] == fullctx[0]
+    assert relaxed[1] == pytest.approx(fullctx[1], abs=1e-5)
+    assert relaxed[2]["repair_kv_pairs"] == fullctx[2]["repair_kv_pairs"]
+
+
+def test_repair_work_shrinks_with_the_context_ratio(relaxkv_server, warm_prompt):
+    pairs = []
+    for ratio in (1.0, 0.5, 0.25):
+        _, _, record = _run(relaxkv_server.url, warm_prompt, "relaxkv", anchor=0.15, context=ratio)
+        assert record["anchor_ratio"] == pytest.approx(0.15, abs=0.01)
+        pairs.append(record["repair_kv_pairs"])
+    assert pairs[0] > pairs[1] > pairs[2] > 0
+
+
+def test_partial_repair_moves_toward_full(relaxkv_server, warm_prompt):
+    _, full_lp, _ = _run(relaxkv_server.url, warm_prompt, "full")
+    _, pic_lp, _ = _run(relaxkv_server.url, warm_prompt, "pic")
+    _, half_lp, _ = _run(relaxkv_server.url, warm_prompt, "relaxkv_fullctx", anchor=0.5)
+    pic_err = abs(pic_lp[0] - full_lp[0])
+    assert abs(half_lp[0] - full_lp[0]) < pic_err
+
+
+@pytest.mark.parametrize("field,value", [
+    ("relaxkv_anchor_ratio", 1.5), ("relaxkv_anchor_ratio", -0.1), ("relaxkv_anchor_ratio", "0.1"),
+    ("relaxkv_context_ratio", 2), ("relaxkv_context_ratio", True),
+])
+def test_bad_knobs_get_400(relaxkv_server, field, value):
+    prompt = marked_prompt("S.", documents(2, seed=32), "Q?")
+    body = {"text": prompt.text, "sampling_params": {"max_new_tokens": 2, "custom_params": {
+        "relaxkv_chunks": prompt.offsets, "relaxkv_policy": "relaxkv", field: value}}}
+    response = requests.post(relaxkv_server.url + "/generate", json=body, timeout=60)
+    assert response.status_code == 400 and field in response.text

@@ -3,7 +3,8 @@
     python -m relaxkv_sglang.demo [--requests 24] [--clients 4] [--max-new-tokens 16]
                                   [--model smollm2-135m|tiny-llama|PATH] [--seed 0]
                                   [--max-total-tokens 32768] [--modes prefix]
-                                  [--output results/demo-<UTC>.json] [--url http://HOST:PORT] [--stock]
+                                  [--output results/demo-<UTC>.json] [--url http://HOST:PORT]
+                                  [--server auto|stock|relaxkv]
 
 It prepares the model and HotpotQA offline (:mod:`relaxkv_sglang.assets`),
 starts one SGLang server (or uses ``--url``), and for each *mode* flushes the
@@ -21,8 +22,10 @@ one, ``prefix``: a plain SGLang program whose requests pin
 ``relaxkv_policy=prefix``, so only the radix prefix cache can hit. Later modes
 (``pic``, ``relaxkv``) are added to :data:`MODES` with a program that marks the
 documents and their policy in ``Mode.custom_params`` (sent as
-``sampling_params.custom_params``); every mode runs against the same server in
-the same run, so the rows compare like with like.
+``sampling_params.custom_params``) and ``needs_plugin=True``; every mode runs
+against the same server in the same run, so the rows compare like with like.
+That server is SGLang with the relaxkv plugin's cache and attention backend
+when a selected mode needs it, and stock SGLang otherwise (``--server``).
 
 Every failure the user can fix ends in one line, ``relaxkv-sglang demo:
 error: ...``, and a non-zero exit; the server is stopped on any exit.
@@ -108,7 +111,8 @@ class Mode:
     ``sampling_params.custom_params`` (the stock frontend cannot send them):
     this is where a mode names its ``relaxkv_policy``. ``make_backend`` builds
     the frontend backend from the server URL, for a mode that needs more than
-    that.
+    that. ``needs_plugin``: the mode only means something on a server
+    started with the relaxkv plugin's cache and attention backend.
     """
 
     name: str
@@ -116,6 +120,7 @@ class Mode:
     program: Any
     custom_params: dict | None = None
     make_backend: Callable[[str], Any] = runtime_endpoint
+    needs_plugin: bool = False
 
 
 MODES: dict[str, Mode] = {
@@ -471,8 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated modes, one table row each (available: {', '.join(MODES)})")
     p.add_argument("--output", default=None, help="JSON results file (default results/demo-<UTC time>.json)")
     p.add_argument("--url", default=None, help="use this already-running server instead of starting one")
-    p.add_argument("--stock", action="store_true",
-                   help="start unmodified SGLang instead of the plugin's server (the prefix row only)")
+    p.add_argument("--server", choices=("auto", "stock", "relaxkv"), default="auto",
+                   help="which server to start: stock SGLang, or SGLang with the relaxkv plugin's cache and "
+                        "attention backend; auto (default): the plugin only if a selected mode needs it")
     return p
 
 
@@ -505,16 +511,23 @@ def run(args) -> int:
 
     log_path = output.with_suffix(".server.log")
     if url is None:
-        # One server for every mode: with the plugin (chunk cache and attention
-        # backend), each request picks its policy; --stock runs unmodified
-        # SGLang, to check the prefix row against it.
+        # One server for every mode, each request naming its policy. The
+        # plugin's backends are started only when a selected mode needs them:
+        # the prefix row is then unmodified SGLang, and the demo does not pay
+        # for the plugin's slower CPU attention path when nothing uses it.
+        if args.server == "auto":
+            use_plugin = any(MODES[m].needs_plugin for m in modes)
+        else:
+            use_plugin = args.server == "relaxkv"
+        server_kind = "sglang with the relaxkv plugin" if use_plugin else "stock sglang"
         config = ServerConfig(
-            model_path=str(model_dir), max_total_tokens=args.max_total_tokens, relaxkv=not args.stock,
+            model_path=str(model_dir), max_total_tokens=args.max_total_tokens, relaxkv=use_plugin,
             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}, log_path=str(log_path),
         )
         server_cm = SGLangServer(config)
-        _log(f"starting the {'stock ' if args.stock else ''}SGLang server (log: {log_path})")
+        _log(f"starting {server_kind} (log: {log_path})")
     else:
+        server_kind = "external " + url
         server_cm = contextlib.nullcontext()
         _log(f"using the server at {url}")
 
@@ -552,7 +565,7 @@ def run(args) -> int:
             "seed": args.seed,
             "max_total_tokens": args.max_total_tokens if args.url is None else None,
             "modes": modes,
-            "server": ("external " + url) if args.url else ("stock sglang" if args.stock else "sglang with the relaxkv plugin"),
+            "server": server_kind,
             "server_log": str(log_path) if args.url is None else None,
             "workload": "hotpotqa dev distractor; pool of requests//3 examples, 10 shuffled paragraphs each",
             "ttft": "client-side: program.run() call to the first streamed event of the answer",

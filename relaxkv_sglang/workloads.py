@@ -150,3 +150,17 @@ def hotpotqa_requests(
         ))
     rng.shuffle(requests)
     return requests
+
+
+def marked_text(system: str, documents: Sequence[str], question: str) -> tuple[str, list[int]]:
+    """The rendered prompt and its ``relaxkv_chunks`` offsets: one ``[start, end)`` pair per document.
+
+    The text is exactly :func:`render_prompt`'s layout (parts joined by
+    :data:`SEPARATOR`); the separators stay outside the chunks.
+    """
+    text, offsets = system, []
+    for doc in documents:
+        text += SEPARATOR
+        offsets += [len(text), len(text) + len(doc)]
+        text += doc
+    return text + SEPARATOR + question, offsets

@@ -123,8 +123,21 @@ def gathered_attention(
     key_pos = key_idx if key_pos is None else key_pos.to(torch.long)
     kg, vg = k.index_select(0, key_idx), v.index_select(0, key_idx)
     visible = key_pos[None, :] <= q_pos.to(torch.long)[:, None]
+    if not return_lse and bool(visible.any(dim=1).all()):
+        # The serving path: torch's fused SDPA kernel on the gathered set (the
+        # einsum path below materialises [H, n_q, n_sel] logits and is far slower).
+        return _sdpa(q, kg, vg, visible, _default_scale(q, scale))
     out, lse = _masked_softmax_attend(q[None], kg[None], vg[None], visible[None], _default_scale(q, scale))
     return (out[0], lse[0]) if return_lse else out[0]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n_q, H, d], k/v [n_k, H_kv, d], visible bool [n_q, n_k] (every row sees a key) -> [n_q, H, dv]."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype),
+        attn_mask=visible, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[0].transpose(0, 1)
 
 
 def ragged_attention(

@@ -27,8 +27,9 @@ import random
 
 from tqdm import tqdm
 
-from benchmarks.common import Client, add_server_args, fail, server_url, write_result
+from benchmarks.common import add_server_args, fail, server_url, write_result
 from relaxkv_sglang import assets, metrics, workloads
+from relaxkv_sglang.client import ServerClient
 
 BENCH = "bench_quality"
 POLICIES = ("full", "pic", "epic", "cacheblend", "prophetkv", "relaxkv", "relaxkv_fullctx", "relaxkv_randctx")
@@ -70,7 +71,7 @@ def run(args) -> dict:
     data = assets.load_data("hotpotqa")[args.offset: args.offset + args.examples]
     rows = {p: [] for p in args.policies}
     with server_url(args, BENCH) as url:
-        client = Client(url)
+        client = ServerClient(url)
         for example in tqdm(data, desc=BENCH, unit="example"):
             client.flush()
             warm_text, warm_offsets = example_prompt(example, WARM_SYSTEM, question="?", reverse=True)

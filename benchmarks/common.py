@@ -14,9 +14,6 @@ import os
 import pathlib
 import platform
 import sys
-import time
-
-import requests
 
 from relaxkv_sglang import assets
 from relaxkv_sglang.server import SGLangServer, ServerConfig
@@ -68,46 +65,3 @@ def write_result(bench: str, args, payload: dict) -> pathlib.Path:
     path.write_text(json.dumps(payload, indent=1))
     print(f"{bench}: results written to {path}")
     return path
-
-
-class Client:
-    """The native API with the project's fields."""
-
-    def __init__(self, url: str, timeout: float = 600):
-        self.url = url
-        self.timeout = timeout
-        self.session = requests.Session()
-
-    def generate(self, text: str, offsets: list[int] | None, policy: str, *, max_new_tokens: int = 16,
-                 anchor_ratio: float | None = None, context_ratio: float | None = None, stop=None,
-                 top_logprobs: int = 0, token_ids_logprob: list[int] | None = None) -> dict:
-        custom = {"relaxkv_policy": policy}
-        if offsets is not None:
-            custom["relaxkv_chunks"] = offsets
-        if anchor_ratio is not None:
-            custom["relaxkv_anchor_ratio"] = anchor_ratio
-        if context_ratio is not None:
-            custom["relaxkv_context_ratio"] = context_ratio
-        sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, "custom_params": custom}
-        if stop is not None:
-            sampling["stop"] = stop
-        body = {"text": text, "sampling_params": sampling}
-        if top_logprobs or token_ids_logprob:
-            body.update(return_logprob=True, top_logprobs_num=top_logprobs)
-            if token_ids_logprob:
-                body["token_ids_logprob"] = token_ids_logprob
-        start = time.perf_counter()
-        response = self.session.post(self.url + "/generate", json=body, timeout=self.timeout)
-        elapsed = time.perf_counter() - start
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-        out = response.json()
-        out["client_latency_s"] = elapsed
-        return out
-
-    def flush(self) -> None:
-        self.session.post(self.url + "/flush_cache", timeout=60).raise_for_status()
-
-    def relaxkv_state(self) -> dict:
-        info = self.session.get(self.url + "/get_server_info", timeout=60).json()
-        return info["internal_states"][0].get("relaxkv", {})

@@ -108,12 +108,14 @@ def split_marks(text: str) -> tuple[str, list[tuple[int, int]]]:
     return "".join(out), spans
 
 
-def mark_payload(data: dict, policy: Optional[str]) -> dict:
+def mark_payload(data: dict, policy: Optional[str], custom_params: Optional[dict] = None) -> dict:
     """A ``/generate`` JSON body with marks turned into ``relaxkv_chunks``.
 
     ``text`` may be one string or a batch (``select`` sends one per choice);
     for a batch, ``sampling_params`` becomes one dict per item so each item
-    carries its own offsets. Requests by ``input_ids`` are left as they are.
+    carries its own offsets. ``policy`` and ``custom_params`` are added to
+    every text item (without overriding what the body already has). Requests
+    by ``input_ids`` are left as they are.
     """
     texts = data.get("text")
     if texts is None:
@@ -121,7 +123,7 @@ def mark_payload(data: dict, policy: Optional[str]) -> dict:
     single = isinstance(texts, str)
     items = [texts] if single else list(texts)
     split = [split_marks(t) if isinstance(t, str) else (t, []) for t in items]
-    if policy is None and not any(spans for _, spans in split):
+    if policy is None and not custom_params and not any(spans for _, spans in split):
         if any(t != s for t, (s, _) in zip(items, split)):  # lone marks only
             data = dict(data, text=split[0][0] if single else [s for s, _ in split])
         return data
@@ -131,7 +133,7 @@ def mark_payload(data: dict, policy: Optional[str]) -> dict:
     else:
         sp_items = [dict(sps or {}) for _ in items]
     for sp, (_, spans) in zip(sp_items, split):
-        cp = dict(sp.get("custom_params") or {})
+        cp = dict(custom_params or {}, **(sp.get("custom_params") or {}))
         if spans:
             cp[CHUNKS_FIELD] = [x for span in spans for x in span]
         if policy is not None:
@@ -178,15 +180,17 @@ class RelaxKVEndpoint(RuntimeEndpoint):
     Args:
         base_url: the server, e.g. ``"http://127.0.0.1:30000"``.
         policy: ``relaxkv_policy`` sent with every text request (``"pic"``:
-            reuse chunks; ``"prefix"``; ``"full"``), or None to send none
-            (the server default, ``RELAXKV_DEFAULT_POLICY``, applies).
+            reuse chunks; a repair policy; ``"prefix"``; ``"full"``), or None
+            to send none (the server default, ``RELAXKV_DEFAULT_POLICY``, applies).
+        custom_params: more ``custom_params`` entries for every text request,
+            e.g. ``{"relaxkv_anchor_ratio": 0.2}``.
         api_key, verify, chat_template_name: as for ``RuntimeEndpoint``.
 
     Every request the stock endpoint makes goes out the same, except that a
     ``/generate`` body with ``text`` has its marks removed and gets
     ``sampling_params.custom_params`` = ``{"relaxkv_chunks": [...],
-    "relaxkv_policy": policy}`` (``relaxkv_chunks`` only when the text holds
-    documents). That covers ``gen`` (also streamed), ``select`` (one item per
+    "relaxkv_policy": policy, **custom_params}`` (``relaxkv_chunks`` only when
+    the text holds documents). That covers ``gen`` (also streamed), ``select`` (one item per
     choice), ``fork``/``join`` commits, images and ``run_batch``'s prefix
     caching.
     """
@@ -195,6 +199,7 @@ class RelaxKVEndpoint(RuntimeEndpoint):
         self,
         base_url: str,
         policy: Optional[str] = "pic",
+        custom_params: Optional[dict] = None,
         api_key: Optional[str] = None,
         verify: Optional[str] = None,
         chat_template_name: Optional[str] = None,
@@ -202,6 +207,10 @@ class RelaxKVEndpoint(RuntimeEndpoint):
         if policy is not None and policy not in SERVER_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(SERVER_POLICIES)} or None, got {policy!r}")
         self.policy = policy
+        self.custom_params = dict(custom_params or {})
+        for key in (CHUNKS_FIELD, POLICY_FIELD):
+            if key in self.custom_params:
+                raise ValueError(f"custom_params must not hold {key} (use document() / policy=)")
         super().__init__(base_url, api_key=api_key, verify=verify, chat_template_name=chat_template_name)
         namespace = dict(vars(_runtime_endpoint), http_request=self._http_request)
         for name in _POSTING_METHODS:
@@ -209,5 +218,5 @@ class RelaxKVEndpoint(RuntimeEndpoint):
 
     def _http_request(self, url, json=None, **kwargs):
         if json is not None and url == self.base_url + "/generate":
-            json = mark_payload(json, self.policy)
+            json = mark_payload(json, self.policy, self.custom_params)
         return _runtime_endpoint.http_request(url, json=json, **kwargs)

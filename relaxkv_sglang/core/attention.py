@@ -206,6 +206,8 @@ def block_sparse_attention(
     n_rows, H = q.shape[0], q.shape[1]
     if n_rows != layout.n_rows:
         raise ValueError(f"q has {n_rows} rows, layout has {layout.n_rows}")
+    if not return_lse:
+        return _block_sparse_batched(q, k, v, layout, _default_scale(q, scale), key_rows)
     out = q.new_zeros(n_rows, H, v.shape[-1])
     lse = torch.full((n_rows, H), float("-inf"), dtype=torch.float32, device=q.device)
     row_indptr = layout.row_indptr.tolist()
@@ -220,6 +222,43 @@ def block_sparse_attention(
         o, s = gathered_attention(q[r0:r1], k, v, layout.q_pos[r0:r1], rows, key_idx, scale, True)
         out[r0:r1], lse[r0:r1] = o, s
     return (out, lse) if return_lse else out
+
+
+def _block_sparse_batched(q, k, v, layout, scale: float, key_rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """All row blocks in one padded SDPA call: [blocks, rows_max] x [blocks, keys_max].
+
+    Each block still reads only its own gathered keys; padding (to the largest
+    block) is the only extra work, and one fused call replaces a Python loop of
+    small ones. Every real row sees at least its own key, so no row is empty.
+    """
+    n_rows, H, d = q.shape
+    row_indptr = layout.row_indptr.long()
+    n_blocks = layout.n_row_blocks
+    if n_rows == 0 or n_blocks == 0:
+        return q.new_zeros(n_rows, H, v.shape[-1])
+    keys = [layout.block_key_index(b) for b in range(n_blocks)]
+    n_keys = torch.tensor([kb.numel() for kb in keys])
+    rows_per = row_indptr[1:] - row_indptr[:-1]
+    R, M = int(rows_per.max()), int(n_keys.max())
+    key_pos = torch.zeros(n_blocks, M, dtype=torch.long)
+    key_ok = torch.arange(M)[None, :] < n_keys[:, None]
+    for b, kb in enumerate(keys):
+        key_pos[b, : kb.numel()] = kb
+    slot = key_pos if key_rows is None else key_rows[key_pos]
+    block_of_row = torch.repeat_interleave(torch.arange(n_blocks), rows_per)
+    row_in_block = torch.arange(n_rows) - row_indptr[block_of_row]
+    qb = q.new_zeros(n_blocks, R, H, d)
+    qb[block_of_row, row_in_block] = q
+    q_pos = torch.full((n_blocks, R), -1, dtype=torch.long)
+    q_pos[block_of_row, row_in_block] = layout.q_pos.long()
+    visible = key_ok[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None])  # [B, R, M]
+    visible[:, :, 0] |= q_pos < 0  # padded rows see one key, so no row is all -inf
+    kb_ = k[slot.flatten()].view(n_blocks, M, *k.shape[1:]).transpose(1, 2).to(q.dtype)
+    vb_ = v[slot.flatten()].view(n_blocks, M, *v.shape[1:]).transpose(1, 2).to(q.dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qb.transpose(1, 2), kb_, vb_, attn_mask=visible[:, None], scale=scale, enable_gqa=H != k.shape[1],
+    )  # [B, H, R, dv]
+    return out.transpose(1, 2)[block_of_row, row_in_block]
 
 
 def merge_attention_states(

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Optional
 
 from relaxkv_sglang.srt.plan import CHUNK_POLICIES
 

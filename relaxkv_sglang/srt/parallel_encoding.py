@@ -38,14 +38,16 @@ joined request by content, in the HTTP process:
 * every ``/generate`` text that starts with a joined prefix (the matching
   request and every later one of the program: more ``gen`` calls, ``select``,
   later forks) gets each branch ``b_i`` marked as a chunk in
-  ``sampling_params.custom_params.relaxkv_chunks``, plus ``relaxkv_policy``
-  ``"pic"`` when the request names no policy. The native path
+  ``sampling_params.custom_params.relaxkv_chunks``. The native path
   (:mod:`relaxkv_sglang.srt.api`) then serves the branches from the chunk tree.
 
-Not marked: requests that name ``relaxkv_policy`` ``"full"`` or ``"prefix"``,
-and any request when the server default policy (``RELAXKV_DEFAULT_POLICY``) is
-``"full"``. Explicit ``relaxkv_chunks`` are kept; a branch overlapping one of
-them is not added. On a server without ``--radix-cache-backend relaxkv`` the
+Policy: a request naming a chunk policy (``pic`` or a repair policy) keeps it;
+a request naming none gets the server default (``RELAXKV_DEFAULT_POLICY``)
+when that reuses chunks, else ``relaxkv_policy`` ``"pic"`` (the join asked
+for the branches to be reused). Not marked: requests that name ``"full"`` or
+``"prefix"``, and every request when the server default is ``"full"``.
+Explicit ``relaxkv_chunks`` are kept; a branch overlapping one of them is not
+added. On a server without ``--radix-cache-backend relaxkv`` the
 route still answers 200 and nothing is marked (the joined text is computed
 like any prompt, which is what the join means for the text).
 
@@ -73,6 +75,8 @@ import time
 from typing import Callable, Iterable, Optional
 
 from fastapi import Request
+
+from relaxkv_sglang.srt.plan import CHUNK_POLICIES
 
 ROUTE = "/concate_and_append_request"
 CHUNKS_FIELD = "relaxkv_chunks"
@@ -355,13 +359,18 @@ def apply_to_request(obj, registry: JoinRegistry = REGISTRY, default_policy: Opt
         cp = sp.get("custom_params")
         if isinstance(text, str) and (cp is None or isinstance(cp, dict)):
             policy = (cp or {}).get(POLICY_FIELD)
-            allowed = policy == JOIN_POLICY if policy is not None else default_policy != "full"
+            if policy is None:
+                add_policy = None if default_policy in CHUNK_POLICIES else JOIN_POLICY
+                allowed = default_policy != "full"
+            else:
+                add_policy, allowed = None, policy in CHUNK_POLICIES
             spans = registry.spans_for(text) if allowed else []
             if spans:
                 chunks = _merge_chunks((cp or {}).get(CHUNKS_FIELD), spans)
                 if chunks is not None:
                     new_cp = dict(cp or {}, **{CHUNKS_FIELD: chunks})
-                    new_cp.setdefault(POLICY_FIELD, JOIN_POLICY)
+                    if add_policy is not None:
+                        new_cp[POLICY_FIELD] = add_policy
                     new_sp = dict(sp, custom_params=new_cp)
                     changed = True
         new_items.append(new_sp)

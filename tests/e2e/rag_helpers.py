@@ -6,9 +6,8 @@ import dataclasses
 import functools
 import random
 
-import requests
-
 from relaxkv_sglang import assets
+from relaxkv_sglang.client import ServerClient
 from relaxkv_sglang.core.segments import split_text, tokenize_parts
 
 
@@ -49,20 +48,10 @@ def documents(n: int, seed: int) -> list[str]:
 
 def generate(url: str, prompt: MarkedPrompt | str, *, policy: str | None = None, max_new_tokens: int = 8,
              logprobs: bool = False, timeout: float = 120, **extra) -> dict:
-    text = prompt.text if isinstance(prompt, MarkedPrompt) else prompt
-    custom = {}
-    if isinstance(prompt, MarkedPrompt):
-        custom["relaxkv_chunks"] = prompt.offsets
-    if policy is not None:
-        custom["relaxkv_policy"] = policy
-    body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}, **extra}
-    if custom:
-        body["sampling_params"]["custom_params"] = custom
-    if logprobs:
-        body.update(return_logprob=True, top_logprobs_num=5)
-    response = requests.post(url + "/generate", json=body, timeout=timeout)
-    response.raise_for_status()
-    return response.json()
+    marked = isinstance(prompt, MarkedPrompt)
+    return ServerClient(url, timeout).generate(
+        prompt.text if marked else prompt, prompt.offsets if marked else None, policy,
+        max_new_tokens=max_new_tokens, top_logprobs=5 if logprobs else 0, **extra)
 
 
 def part_token_ids(tokenizer, prompt: MarkedPrompt):
@@ -75,9 +64,8 @@ def part_token_ids(tokenizer, prompt: MarkedPrompt):
 
 
 def relaxkv_state(url: str) -> dict:
-    info = requests.get(url + "/get_server_info", timeout=30).json()
-    return info["internal_states"][0]["relaxkv"]
+    return ServerClient(url).relaxkv_state()
 
 
 def flush(url: str) -> None:
-    requests.post(url + "/flush_cache", timeout=30).raise_for_status()
+    ServerClient(url).flush()

@@ -178,3 +178,29 @@ def test_fully_masked_row_is_zero_not_nan():
     out, lse = gathered_attention(q, k, v, torch.tensor([1, 5]), torch.tensor([3, 4]), return_lse=True)
     assert (out[0] == 0).all() and torch.isinf(lse[0]).all()
     assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all()
+
+
+def test_batched_block_sparse_equals_the_block_loop():
+    """The serving path (one padded SDPA call) equals the per-block reference loop."""
+    from relaxkv_sglang.core.layout import build_relaxed_layout
+
+    g = torch.Generator().manual_seed(7)
+    n_ctx, H, Hkv, d = 200, 4, 2, 16
+    q_all = torch.randn(n_ctx, H, d, generator=g)
+    k = torch.randn(n_ctx, Hkv, d, generator=g)
+    v = torch.randn(n_ctx, Hkv, d, generator=g)
+    spans = [(10, 70), (70, 150), (150, 200)]
+    anchors = torch.tensor([12, 13, 40, 71, 72, 99, 120, 151, 170, 199])
+    scores = torch.rand(n_ctx, generator=g)
+    for ratio in (0.0, 0.3, 1.0):
+        layout = build_relaxed_layout(anchors, scores, spans, n_ctx, ratio, page_size=8)
+        q = q_all[anchors]
+        batched = block_sparse_attention(q, k, v, layout)
+        looped, _ = block_sparse_attention(q, k, v, layout, return_lse=True)
+        assert torch.allclose(batched, looped, atol=1e-5)
+        # Through a slot map (as in the server's KV pool) the result is the same.
+        perm = torch.randperm(n_ctx, generator=g)
+        k_pool, v_pool = torch.empty_like(k), torch.empty_like(v)
+        k_pool[perm], v_pool[perm] = k, v
+        mapped = block_sparse_attention(q, k_pool, v_pool, layout, key_rows=perm)
+        assert torch.allclose(mapped, batched, atol=1e-5)

@@ -12,11 +12,13 @@ runs two passes of :class:`LayerLoop` over SGLang's own model modules:
    loop through a hook on ``LlamaModel.forward`` / ``Qwen2Model.forward``):
    at layer ``l`` only the rows in ``A_l`` (the anchors), the glue and the
    query are computed: projections, attention, MLP. Anchors overwrite their
-   stale K/V in the request's private slots and attend either to their full
-   causal prefix or, for ``relaxkv``, to the relaxed context of
-   :func:`~relaxkv_sglang.core.layout.build_relaxed_layout`, executed by
-   :func:`~relaxkv_sglang.core.attention.block_sparse_attention` over gathered
-   K/V, so the attention work shrinks with the context ratio. The query then
+   stale K/V in the request's private slots and attend through a block-sparse
+   layout: their full causal prefix for the peers
+   (:func:`~relaxkv_sglang.core.layout.full_causal_layout`) or, for ``relaxkv``,
+   the relaxed context of :func:`~relaxkv_sglang.core.layout.build_relaxed_layout`.
+   Both run through the same executor
+   (:func:`~relaxkv_sglang.core.attention.block_sparse_attention`, gathered K/V),
+   so policies differ only in the keys chosen and the work follows the context. The query then
    attends densely over the repaired KV, and SGLang samples as usual.
 
 Which rows are anchors comes from :func:`~relaxkv_sglang.core.selection.select_anchors`;
@@ -32,7 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
-from relaxkv_sglang.core.attention import block_sparse_attention, gathered_attention
+from relaxkv_sglang.core.attention import block_sparse_attention, executed_kv_pairs, gathered_attention
 from relaxkv_sglang.core.layout import BlockSparseLayout
 from relaxkv_sglang.core.selection import query_attention_scores
 
@@ -104,12 +106,11 @@ class RequestRows:
             request's ``req_to_token`` row).
         positions: int64 [n] position of each row, ascending.
         exits: int64 [n] a row takes part in layers ``[0, exits[i])``.
-        scope: int64 [n] first key position a non-relaxed row attends to
+        scope: int64 [n] first key position a non-anchor row attends to
             (0: its causal prefix; a chunk's start: that chunk only).
-        relaxed: bool [n] rows attending through ``layouts`` instead.
-        anchor: bool [n] rows that are repair targets (counted as repair work).
-        layouts: per layer, the layout of the relaxed rows active at it (rows in
-            position order), or None.
+        anchor: bool [n] repair targets: they attend through ``layouts``.
+        layouts: per layer, the layout of the anchors active at it (rows in
+            position order).
         n_context: positions ``>= n_context`` are the query (for scores).
         want_scores: record s_l during this pass.
         on_kv: optional callback(l, rows_active_mask, k_new, v_new, k_cache, v_cache)
@@ -120,7 +121,6 @@ class RequestRows:
     positions: torch.Tensor
     exits: torch.Tensor
     scope: torch.Tensor
-    relaxed: torch.Tensor
     anchor: torch.Tensor
     layouts: list = dataclasses.field(default_factory=list)
     n_context: int = 0
@@ -129,6 +129,7 @@ class RequestRows:
     scores: list = dataclasses.field(default_factory=list)
     kv_pairs: int = 0
     full_kv_pairs: int = 0
+    executed_kv_pairs: int = 0
 
     @property
     def n_rows(self) -> int:
@@ -182,29 +183,24 @@ class LayerLoop:
         return model.norm(hidden)
 
     def _attend(self, r: RequestRows, l: int, mask, q, k_cache, v_cache, scale) -> torch.Tensor:
-        pos, scope = r.positions[mask], r.scope[mask]
-        relaxed, anchor = r.relaxed[mask], r.anchor[mask]
+        pos, scope, anchor = r.positions[mask], r.scope[mask], r.anchor[mask]
         out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
-        plain = ~relaxed
+        plain = ~anchor
         for s in torch.unique(scope[plain]).tolist():
             sel = (plain & (scope == s)).nonzero().flatten()
             q_pos = pos[sel]
             key_pos = torch.arange(s, int(q_pos.max()) + 1, dtype=torch.int64)
             out[sel] = gathered_attention(q[sel], k_cache, v_cache, q_pos, key_idx=r.slots[key_pos],
                                           key_pos=key_pos, scale=scale)
-            full_anchor = anchor[sel]
-            if bool(full_anchor.any()):
-                pairs = int((q_pos[full_anchor] + 1 - s).sum())
-                r.kv_pairs += pairs
-                r.full_kv_pairs += pairs
-        if bool(relaxed.any()):
+        if bool(anchor.any()):
             layout: BlockSparseLayout = r.layouts[l]
-            sel = relaxed.nonzero().flatten()
+            sel = anchor.nonzero().flatten()
             if not torch.equal(layout.q_pos, pos[sel]):
-                raise RuntimeError("relaxkv: layout rows do not match the layer's relaxed anchors")
+                raise RuntimeError("relaxkv: layout rows do not match the layer's anchors")
             out[sel] = block_sparse_attention(q[sel], k_cache, v_cache, layout, scale=scale, key_rows=r.slots)
             r.kv_pairs += layout.kv_pairs()
             r.full_kv_pairs += layout.full_kv_pairs()
+            r.executed_kv_pairs += executed_kv_pairs(layout)
         if r.want_scores:
             is_query = pos >= r.n_context
             end = int(pos.max()) + 1
@@ -260,7 +256,7 @@ def _rows(slots, positions, n_layers, scope=None) -> RequestRows:
     return RequestRows(
         slots=slots, positions=positions, exits=torch.full((n,), n_layers, dtype=torch.int64),
         scope=torch.zeros(n, dtype=torch.int64) if scope is None else scope,
-        relaxed=torch.zeros(n, dtype=torch.bool), anchor=torch.zeros(n, dtype=torch.bool),
+        anchor=torch.zeros(n, dtype=torch.bool),
     )
 
 
@@ -311,7 +307,6 @@ def prepare_repair(cache, model_runner, fold) -> Optional[list[RequestRows]]:
 
 
 def _plan_request(r, query_rows: RequestRows, n_layers: int) -> RequestRows:
-    from relaxkv_sglang.core.layout import build_relaxed_layout
     from relaxkv_sglang.core.selection import RepairPolicy, eligible_tokens, select_anchors
 
     plan, pre = r.plan, r.window_start
@@ -337,18 +332,11 @@ def _plan_request(r, query_rows: RequestRows, n_layers: int) -> RequestRows:
     n_anchor = anchors.shape[0]
     is_anchor = (order < n_anchor)
     exits = torch.where(is_anchor, exit_of[positions.clamp(max=n_context - 1)], torch.tensor(n_layers))
-    relaxed_mode = policy.context_mode != "full"
     rows = RequestRows(
         slots=query_rows.slots, positions=positions, exits=exits, scope=torch.zeros_like(positions),
-        relaxed=is_anchor & relaxed_mode, anchor=is_anchor, n_context=n_context,
+        anchor=is_anchor, n_context=n_context,
     )
-    if relaxed_mode:
-        gen = torch.Generator().manual_seed(1)
-        rows.layouts = [
-            build_relaxed_layout(a, scores[l], spans, n_context, plan.context_ratio, PAGE_SIZE, SINK_TOKENS,
-                                 mode=policy.context_mode, generator=gen)
-            for l, a in enumerate(sets)
-        ]
+    rows.layouts = _layouts(policy, sets, scores, spans, n_context, plan.context_ratio)
     if policy is RepairPolicy.CACHEBLEND:
         rows.on_kv = _cacheblend_check(rows, spans, n_context, plan.anchor_ratio, n_layers)
     r.keep = positions - pre
@@ -357,9 +345,23 @@ def _plan_request(r, query_rows: RequestRows, n_layers: int) -> RequestRows:
     return rows
 
 
+def _layouts(policy, sets, scores, spans, n_context: int, context_ratio: float) -> list:
+    """Each layer's anchors' context: relaxed for relaxkv (and its random ablation), else causal."""
+    from relaxkv_sglang.core.layout import build_relaxed_layout, full_causal_layout
+
+    if policy.context_mode == "full":
+        return [full_causal_layout(a, spans, n_context, PAGE_SIZE) for a in sets]
+    gen = torch.Generator().manual_seed(1)
+    return [
+        build_relaxed_layout(a, scores[l], spans, n_context, context_ratio, PAGE_SIZE, SINK_TOKENS,
+                             mode=policy.context_mode, generator=gen)
+        for l, a in enumerate(sets)
+    ]
+
+
 def _cacheblend_check(rows: RequestRows, spans, n_context: int, ratio: float, n_layers: int):
     """CacheBlend: at the check layer keep the anchors whose K/V deviate most."""
-    from relaxkv_sglang.core.selection import kv_deviation, select_anchors
+    from relaxkv_sglang.core.selection import RepairPolicy, kv_deviation, select_anchors
 
     def on_kv(l, mask, k_new, v_new, k_cache, v_cache):
         if l != CACHEBLEND_CHECK_LAYER:
@@ -375,6 +377,7 @@ def _cacheblend_check(rows: RequestRows, spans, n_context: int, ratio: float, n_
         for layer, anchors in enumerate(sets):
             exit_of[anchors] = layer + 1
         rows.exits[rows.anchor] = exit_of[rows.positions[rows.anchor]]
+        rows.layouts = rows.layouts[: l + 1] + _layouts(RepairPolicy.CACHEBLEND, sets[l + 1:], None, spans, n_context, 1.0)
 
     return on_kv
 
@@ -390,4 +393,5 @@ def repair_report(r) -> dict:
         "anchors_per_layer": anchor_layers / n_layers,
         "context_ratio": rows.kv_pairs / rows.full_kv_pairs if rows.full_kv_pairs else 1.0,
         "repair_kv_pairs": rows.kv_pairs,
+        "repair_kv_pairs_executed": rows.executed_kv_pairs,
     }

@@ -12,7 +12,7 @@ HAVE_CUDA   := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 INPUT_HASH  := $(shell cat $(REQS) | sha256sum | cut -c1-16)-cuda$(HAVE_CUDA)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-unit demo bench clean-venv
+.PHONY: install test test-unit demo bench bench-quick clean-venv
 
 install:
 	@if [ -f $(STAMP) ] && [ "$$(cat $(STAMP))" = "$(INPUT_HASH)" ] && $(PY) -c "import relaxkv_sglang, relaxkv_patches" 2>/dev/null; then \
@@ -49,6 +49,9 @@ demo: install
 
 bench: install
 	$(PY) -m benchmarks.run_all
+
+bench-quick: install
+	$(PY) -m benchmarks.run_all --quick
 
 clean-venv:
 	rm -rf $(VENV)

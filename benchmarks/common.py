@@ -65,3 +65,8 @@ def write_result(bench: str, args, payload: dict) -> pathlib.Path:
     path.write_text(json.dumps(payload, indent=1))
     print(f"{bench}: results written to {path}")
     return path
+
+
+def save_plot(fig, path) -> None:
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")

@@ -7,6 +7,7 @@ to the server the same way any other client would: ``/generate``,
 
 from __future__ import annotations
 
+import json
 import time
 
 import requests
@@ -23,6 +24,42 @@ class ServerClient:
                  stop=None, top_logprobs: int = 0, token_ids_logprob: list[int] | None = None,
                  return_logprob: bool = False, **extra) -> dict:
         """POST /generate, greedy; ``client_latency_s`` is added to the response."""
+        body = self._body(text, offsets, policy, max_new_tokens=max_new_tokens, anchor_ratio=anchor_ratio,
+                          context_ratio=context_ratio, stop=stop, top_logprobs=top_logprobs,
+                          token_ids_logprob=token_ids_logprob, return_logprob=return_logprob, **extra)
+        start = time.perf_counter()
+        response = self.session.post(self.url + "/generate", json=body, timeout=self.timeout)
+        elapsed = time.perf_counter() - start
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+        out = response.json()
+        out["client_latency_s"] = elapsed
+        return out
+
+    def generate_stream(self, text: str, offsets: list[int] | None = None, policy: str | None = None, *,
+                        max_new_tokens: int = 16, **extra) -> dict:
+        """Streamed /generate: the final response plus ``ttft_s`` (first streamed event) and ``latency_s``."""
+        body = self._body(text, offsets, policy, max_new_tokens=max_new_tokens, **extra)
+        body["stream"] = True
+        start = time.perf_counter()
+        ttft, last = None, None
+        with self.session.post(self.url + "/generate", json=body, timeout=self.timeout, stream=True) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+            for line in response.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                last = json.loads(line[len(b"data: "):])
+        if last is None or "error" in last:
+            raise RuntimeError(f"stream ended without a result: {last}")
+        last["ttft_s"], last["latency_s"] = ttft, time.perf_counter() - start
+        return last
+
+    @staticmethod
+    def _body(text, offsets, policy, *, max_new_tokens, anchor_ratio=None, context_ratio=None, stop=None,
+              top_logprobs=0, token_ids_logprob=None, return_logprob=False, **extra) -> dict:
         custom = {}
         if policy is not None:
             custom["relaxkv_policy"] = policy
@@ -42,14 +79,7 @@ class ServerClient:
             body.update(return_logprob=True, top_logprobs_num=top_logprobs)
             if token_ids_logprob:
                 body["token_ids_logprob"] = token_ids_logprob
-        start = time.perf_counter()
-        response = self.session.post(self.url + "/generate", json=body, timeout=self.timeout)
-        elapsed = time.perf_counter() - start
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-        out = response.json()
-        out["client_latency_s"] = elapsed
-        return out
+        return body
 
     def flush(self, wait_s: float = 60) -> None:
         """Empty the server's caches; SGLang waits up to ``wait_s`` for running requests to end."""

@@ -2,30 +2,44 @@
 
     python -m relaxkv_sglang.demo [--requests 24] [--clients 4] [--max-new-tokens 16]
                                   [--model smollm2-135m|tiny-llama|PATH] [--seed 0]
-                                  [--max-total-tokens 32768] [--modes prefix]
+                                  [--max-total-tokens 32768] [--modes full,prefix,pic,relaxkv]
                                   [--output results/demo-<UTC>.json] [--url http://HOST:PORT]
-                                  [--server auto|stock|relaxkv]
+                                  [--server plugin|stock]
 
 It prepares the model and HotpotQA offline (:mod:`relaxkv_sglang.assets`),
-starts one SGLang server (or uses ``--url``), and for each *mode* flushes the
-cache and serves the same seeded trace (:func:`workloads.hotpotqa_requests`)
-from ``--clients`` concurrent client threads. Each request is an SGLang
-frontend program (``@sgl.function``) run against ``sgl.RuntimeEndpoint`` with
-streaming on. It prints one row per mode -- requests, prompt tokens, tokens
-served from cache (``meta_info.cached_tokens``), hit rate, time to first token
-(mean/p50/p90), answer F1 -- then the workload's best possible hit rate, and
-writes the same figures with per-request records to a JSON file.
+starts ONE SGLang server with the relaxkv plugin's cache and attention backend
+(or uses ``--url``), and for each *mode* flushes the cache and serves the same
+seeded trace (:func:`workloads.hotpotqa_requests`) from ``--clients``
+concurrent client threads. Each request is an SGLang frontend program
+(``@sgl.function``) run with streaming on; the request's own
+``relaxkv_policy`` selects the mode, so every row comes from the same server
+in the same run. The modes (:data:`MODES`):
 
-Modes are the extension point: a :class:`Mode` is a name plus how a request is
-sent (the frontend program, and the backend it runs against). Today there is
-one, ``prefix``: a plain SGLang program whose requests pin
-``relaxkv_policy=prefix``, so only the radix prefix cache can hit. Later modes
-(``pic``, ``relaxkv``) are added to :data:`MODES` with a program that marks the
-documents and their policy in ``Mode.custom_params`` (sent as
-``sampling_params.custom_params``) and ``needs_plugin=True``; every mode runs
-against the same server in the same run, so the rows compare like with like.
-That server is SGLang with the relaxkv plugin's cache and attention backend
-when a selected mode needs it, and stock SGLang otherwise (``--server``).
+* ``full``: the plain program, ``relaxkv_policy=full`` (no reuse at all). The
+  reference row: the other rows' "fidelity to full" is the answer F1 of each
+  request's answer against ``full``'s answer to the same request.
+* ``prefix``: the plain program, ``relaxkv_policy=prefix``: SGLang's radix
+  prefix cache only, as stock SGLang.
+* ``pic``: a program that marks each document with ``document(doc)``, run
+  against ``RelaxKVEndpoint(url, policy="pic")``: chunk reuse, no repair.
+* ``relaxkv``: the same program against ``RelaxKVEndpoint(url,
+  policy="relaxkv", custom_params={"relaxkv_anchor_ratio": 0.15,
+  "relaxkv_context_ratio": 0.25})``: chunk reuse plus RelaxKV repair.
+
+The marking modes send the same text as the plain ones, but the server
+tokenizes a marked prompt part by part (docs/api.md, section 1); with some
+tokenizers (SmolLM2's: 10 fewer tokens per prompt, at the blank lines before
+the documents) that is not the token sequence ``full`` prefilled, so their
+fidelity also measures that difference.
+
+It prints one row per mode -- requests, prompt tokens, tokens served from
+cache (``meta_info.cached_tokens``), hit rate, time to first token
+(mean/p50/p90), answer F1 against the gold answer, fidelity to full, wall
+time -- then the workload's best possible hit rate, and writes the same
+figures with per-request records to a JSON file.
+
+``--server stock`` starts stock SGLang instead (torch_native attention, its
+own radix cache) for comparison; it serves only ``prefix``.
 
 Every failure the user can fix ends in one line, ``relaxkv-sglang demo:
 error: ...``, and a non-zero exit; the server is stopped on any exit.
@@ -37,6 +51,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import pathlib
@@ -57,6 +72,7 @@ import sglang as sgl  # noqa: E402
 from sglang.lang.ir import SglSamplingParams  # noqa: E402
 
 from relaxkv_sglang import assets, metrics  # noqa: E402
+from relaxkv_sglang.lang import RelaxKVEndpoint, document  # noqa: E402
 from relaxkv_sglang.server import SGLangServer, ServerConfig, ServerError  # noqa: E402
 from relaxkv_sglang.workloads import SEPARATOR, RagRequest, hotpotqa_requests, prompt_parts, render_prompt  # noqa: E402
 
@@ -94,9 +110,30 @@ def plain_rag_program(s, system, documents, question):
     s += sgl.gen("answer", temperature=0, stop="\n")
 
 
+@sgl.function
+def marked_rag_program(s, system, documents, question):
+    """:func:`plain_rag_program` with each document marked by ``document(doc)``.
+
+    Run against :class:`~relaxkv_sglang.lang.RelaxKVEndpoint`, the text sent is
+    exactly :func:`plain_rag_program`'s and each document becomes one
+    ``relaxkv_chunks`` pair (the separators stay outside the chunks, as in
+    :func:`workloads.marked_text`).
+    """
+    s += system
+    for doc in documents:
+        s += SEPARATOR + document(doc)
+    s += SEPARATOR + question
+    s += sgl.gen("answer", temperature=0, stop="\n")
+
+
 def runtime_endpoint(url: str):
     """The stock frontend backend: ``sgl.RuntimeEndpoint``."""
     return sgl.RuntimeEndpoint(url)
+
+
+def relaxkv_endpoint(url: str, *, policy: str, custom_params: dict | None = None):
+    """The plugin's frontend backend: ``RelaxKVEndpoint(url, policy=..., custom_params=...)``."""
+    return RelaxKVEndpoint(url, policy=policy, custom_params=custom_params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,10 +146,11 @@ class Mode:
     mode that reuses document chunks marks them there (``document(text)``).
     ``custom_params`` are added to every generation request's
     ``sampling_params.custom_params`` (the stock frontend cannot send them):
-    this is where a mode names its ``relaxkv_policy``. ``make_backend`` builds
-    the frontend backend from the server URL, for a mode that needs more than
-    that. ``needs_plugin``: the mode only means something on a server
-    started with the relaxkv plugin's cache and attention backend.
+    this is where a plain-program mode names its ``relaxkv_policy``.
+    ``make_backend`` builds the frontend backend from the server URL (a
+    marking mode's ``RelaxKVEndpoint``, which sends its policy and repair
+    knobs itself). ``needs_plugin``: the mode only means something on a
+    server started with the relaxkv plugin's cache and attention backend.
     """
 
     name: str
@@ -123,12 +161,27 @@ class Mode:
     needs_plugin: bool = False
 
 
+# The repair knobs of the relaxkv row (the paper's operating point).
+RELAXKV_PARAMS = {"relaxkv_anchor_ratio": 0.15, "relaxkv_context_ratio": 0.25}
+
+# The mode every other row's "fidelity to full" is measured against.
+REFERENCE_MODE = "full"
+
 MODES: dict[str, Mode] = {
-    # The policy is pinned rather than left to the server's default, so this
-    # row is SGLang's prefix cache whatever default the server was started
-    # with (a stock server ignores the field).
-    "prefix": Mode("prefix", "plain SGLang program; only the radix prefix cache can hit",
+    # Policies are pinned rather than left to the server's default, so each
+    # row means the same whatever default the server was started with.
+    "full": Mode("full", "plain SGLang program, relaxkv_policy=full: no reuse (the fidelity reference)",
+                 plain_rag_program, custom_params={"relaxkv_policy": "full"}, needs_plugin=True),
+    "prefix": Mode("prefix", "plain SGLang program, relaxkv_policy=prefix: only the radix prefix cache can hit",
                    plain_rag_program, custom_params={"relaxkv_policy": "prefix"}),
+    "pic": Mode("pic", "documents marked with document(), RelaxKVEndpoint(policy='pic'): chunk reuse, no repair",
+                marked_rag_program, make_backend=functools.partial(relaxkv_endpoint, policy="pic"),
+                needs_plugin=True),
+    "relaxkv": Mode("relaxkv", "documents marked with document(), RelaxKVEndpoint(policy='relaxkv', "
+                    "anchor ratio 0.15, context ratio 0.25): chunk reuse with RelaxKV repair",
+                    marked_rag_program,
+                    make_backend=functools.partial(relaxkv_endpoint, policy="relaxkv", custom_params=RELAXKV_PARAMS),
+                    needs_plugin=True),
 }
 
 
@@ -239,6 +292,8 @@ def serve_one(mode: Mode, backend: ModeBackend, req: RagRequest, max_new_tokens:
         "answer": answer,
         "f1": metrics.qa_f1(answer, req.answers),
         "exact_match": metrics.exact_agreement(answer, req.answers),
+        # The plugin's per-request report (policy, chunks hit, repair figures); None on a stock server.
+        "relaxkv": meta.get("relaxkv"),
     }
 
 
@@ -293,8 +348,28 @@ def run_mode(mode: Mode, url: str, trace: list[RagRequest], clients: int, max_ne
     return {"records": records, "wall_s": wall}
 
 
-def summarize(mode: Mode, run: dict, baseline: list[dict] | None) -> dict:
-    """Per-mode figures from its request records (and agreement with the first mode's answers)."""
+def fidelity_f1(answer: str, reference: str) -> float:
+    """Answer F1 of ``answer`` against the reference mode's answer to the same request.
+
+    As :func:`metrics.qa_f1`, except that two answers that both normalise to
+    nothing agree (1.0): the reference said nothing and so did the mode.
+    """
+    if not metrics.normalize_answer(reference).split():
+        return float(not metrics.normalize_answer(answer).split())
+    return metrics.qa_f1(answer, reference)
+
+
+def _mean_report(recs: list[dict], key: str) -> float | None:
+    return metrics.mean(r["relaxkv"][key] for r in recs if isinstance(r.get("relaxkv"), dict) and key in r["relaxkv"])
+
+
+def summarize(mode: Mode, run: dict, reference: list[dict] | None) -> dict:
+    """Per-mode figures from its request records, and its fidelity to the reference mode's answers.
+
+    ``reference``: the :data:`REFERENCE_MODE` pass's records for the same
+    trace (same order), or None when it did not run; the reference mode
+    itself gets fidelity 1.0 by definition and ``is_reference``.
+    """
     recs = run["records"]
     prompt = sum(r["prompt_tokens"] for r in recs)
     cached = sum(r["cached_tokens"] for r in recs)
@@ -313,18 +388,32 @@ def summarize(mode: Mode, run: dict, baseline: list[dict] | None) -> dict:
         "output_tokens_per_s": completion / run["wall_s"],
         "answer_f1": metrics.mean(r["f1"] for r in recs),
         "exact_match": metrics.mean(r["exact_match"] for r in recs),
+        "is_reference": mode.name == REFERENCE_MODE,
     }
-    if baseline is not None:
-        # Fidelity to the first mode (later: to plain prefill), request by request.
-        out["agreement_with_first_mode"] = metrics.mean(
-            metrics.exact_agreement(r["answer"], b["answer"]) for r, b in zip(recs, baseline))
-        out["f1_vs_first_mode"] = metrics.mean(
-            metrics.qa_f1(r["answer"], b["answer"]) if b["answer"].strip() else float(not r["answer"].strip())
-            for r, b in zip(recs, baseline))
+    if reference is not None:
+        # Fidelity to full prefill, request by request (the same trace, the same order).
+        out["fidelity_to_full_f1"] = metrics.mean(
+            fidelity_f1(r["answer"], b["answer"]) for r, b in zip(recs, reference))
+        out["agreement_with_full"] = metrics.mean(
+            metrics.exact_agreement(r["answer"], b["answer"]) for r, b in zip(recs, reference))
+    # What the plugin reported (repair policies): the knobs as achieved, averaged over requests.
+    for key in ("anchor_ratio", "context_ratio", "anchors_per_layer"):
+        value = _mean_report(recs, key)
+        if value is not None:
+            out[f"repair_{key}_mean"] = value
     return out
 
 
 # ------------------------------------------------------------------ workload
+
+
+def _common_prefix_len(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def workload_figures(trace: list[RagRequest], model_dir: pathlib.Path) -> dict:
@@ -334,7 +423,11 @@ def workload_figures(trace: list[RagRequest], model_dir: pathlib.Path) -> dict:
     appearance in the trace (any position, any system prompt in front), over
     all prompt tokens. Documents are tokenized on their own, so tokens that
     merge across a document boundary are off by a few; the prompt totals are
-    whole-prompt counts, as the server tokenizes them.
+    whole-prompt counts, as the server tokenizes a plain prompt. The "with
+    system prompts" bound adds what the radix cache can serve of the part
+    before the first document (special tokens, system prompt, separator):
+    its longest common token prefix with that part of any earlier request
+    (system prompts that begin alike share their first tokens).
     """
     from transformers import AutoTokenizer
 
@@ -346,11 +439,17 @@ def workload_figures(trace: list[RagRequest], model_dir: pathlib.Path) -> dict:
     def count(text: str, special: bool = False) -> int:
         return len(tok(text, add_special_tokens=special)["input_ids"])
 
+    def ids(text: str, special: bool = False) -> list[int]:
+        return list(tok(text, add_special_tokens=special)["input_ids"])
+
     doc_tokens = {d: count(d) for req in trace for d in req.documents}
-    sys_tokens = {req.system: count(req.system) for req in trace}
     prompt_tokens = [count(render_prompt(req), special=True) for req in trace]
     reusable_docs = metrics.reusable_tokens([(d, doc_tokens[d]) for d in req.documents] for req in trace)
-    reusable_sys = metrics.reusable_tokens([[(req.system, sys_tokens[req.system])] for req in trace])
+    reusable_sys, seen_prefixes = 0, []
+    for req in trace:
+        prefix = ids(req.system + SEPARATOR, special=True)
+        reusable_sys += max((_common_prefix_len(prefix, p) for p in seen_prefixes), default=0)
+        seen_prefixes.append(prefix)
     total = sum(prompt_tokens)
     return {
         "requests": len(trace),
@@ -374,19 +473,25 @@ def _fmt_s(value: float | None) -> str:
 
 
 def format_table(summaries: dict[str, dict], workload: dict) -> str:
-    """The plain-text table: one row per mode, then the workload's best possible hit rate."""
-    agree = any("agreement_with_first_mode" in s for s in summaries.values())
+    """The plain-text table: one row per mode, then the workload's best possible hit rate.
+
+    "fidelity to full" is the mean answer F1 against the ``full`` row's
+    answer to the same request; the ``full`` row is that reference ("ref"),
+    and the column reads "-" everywhere when no ``full`` pass ran.
+    """
     head = ["mode", "requests", "prompt tok", "cached tok", "hit rate",
-            "TTFT mean s", "p50 s", "p90 s", "answer F1", "wall s"] + (["agree"] if agree else [])
+            "TTFT mean s", "p50 s", "p90 s", "F1 vs gold", "fidelity to full", "wall s"]
     rows = []
     for name, s in summaries.items():
-        row = [name, str(s["requests"]), str(s["prompt_tokens"]), str(s["cached_tokens"]),
-               f"{100 * s['hit_rate']:.1f}%", _fmt_s(s["ttft_s"]["mean"]), _fmt_s(s["ttft_s"]["p50"]),
-               _fmt_s(s["ttft_s"]["p90"]), f"{s['answer_f1']:.3f}", f"{s['wall_s']:.1f}"]
-        if agree:
-            a = s.get("agreement_with_first_mode")
-            row.append("-" if a is None else f"{100 * a:.0f}%")
-        rows.append(row)
+        if s.get("is_reference"):
+            fidelity = "ref"
+        elif s.get("fidelity_to_full_f1") is not None:
+            fidelity = f"{s['fidelity_to_full_f1']:.3f}"
+        else:
+            fidelity = "-"
+        rows.append([name, str(s["requests"]), str(s["prompt_tokens"]), str(s["cached_tokens"]),
+                     f"{100 * s['hit_rate']:.1f}%", _fmt_s(s["ttft_s"]["mean"]), _fmt_s(s["ttft_s"]["p50"]),
+                     _fmt_s(s["ttft_s"]["p90"]), f"{s['answer_f1']:.3f}", fidelity, f"{s['wall_s']:.1f}"])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
     out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
@@ -396,6 +501,11 @@ def format_table(summaries: dict[str, dict], workload: dict) -> str:
         f"seen earlier in the trace; {100 * workload['best_possible_hit_rate_with_system_prompts']:.1f}% "
         f"counting repeated system prompts too)"
     )
+    if any(s.get("is_reference") for s in summaries.values()):
+        out.append(f"fidelity to full: mean answer F1 of each request's answer against the answer of the "
+                   f"'{REFERENCE_MODE}' row (full prefill, shown as the reference row) to the same request")
+    else:
+        out.append(f"fidelity to full: not measured (no '{REFERENCE_MODE}' pass in this run)")
     return "\n".join(out)
 
 
@@ -463,6 +573,18 @@ def warm_up(url: str) -> None:
         raise DemoError(f"warm-up request failed with HTTP {r.status_code}: {_one_line(Exception(r.text))}")
 
 
+def server_has_plugin(url: str) -> bool:
+    """Whether the server at ``url`` runs the relaxkv plugin's cache (``--radix-cache-backend relaxkv``)."""
+    try:
+        info = http.get(url.rstrip("/") + "/server_info", timeout=60).json()
+    except (http.RequestException, ValueError) as exc:
+        raise DemoError(f"--url {url}: cannot read /server_info ({_one_line(exc)})") from exc
+    if "radix_cache_backend" in info:
+        return info["radix_cache_backend"] == "relaxkv"
+    states = info.get("internal_states") or [{}]
+    return bool(states[0].get("relaxkv"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=24, help="requests in the trace (default 24)")
@@ -472,21 +594,43 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"model: {', '.join(assets.MODELS)} (tiny-llama: a quick smoke run) or a folder")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--max-total-tokens", type=int, default=32768, help="server KV pool size in tokens")
-    p.add_argument("--modes", default=",".join(MODES),
-                   help=f"comma-separated modes, one table row each (available: {', '.join(MODES)})")
+    p.add_argument("--modes", default=None,
+                   help=f"comma-separated modes, one table row each, run in this order (available: "
+                        f"{', '.join(MODES)}; default: all of them, or only prefix with --server stock); "
+                        f"'{REFERENCE_MODE}' is the reference of the fidelity column")
     p.add_argument("--output", default=None, help="JSON results file (default results/demo-<UTC time>.json)")
     p.add_argument("--url", default=None, help="use this already-running server instead of starting one")
-    p.add_argument("--server", choices=("auto", "stock", "relaxkv"), default="auto",
-                   help="which server to start: stock SGLang, or SGLang with the relaxkv plugin's cache and "
-                        "attention backend; auto (default): the plugin only if a selected mode needs it")
+    p.add_argument("--server", choices=("plugin", "stock"), default="plugin",
+                   help="which server to start: SGLang with the relaxkv plugin's cache and attention backend "
+                        "(default; serves every mode), or stock SGLang for comparison (serves prefix only)")
     return p
 
 
-def run(args) -> int:
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+def select_modes(spec: str | None, plugin: bool) -> list[str]:
+    """The modes to run, in order: ``spec`` (comma-separated) or the default for the server."""
+    if spec is None:
+        return [m for m in MODES if plugin or not MODES[m].needs_plugin]
+    modes = [m.strip() for m in spec.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise DemoError(f"--modes: unknown mode {', '.join(unknown) or '(none)'}; available: {', '.join(MODES)}")
+    if len(set(modes)) != len(modes):
+        raise DemoError(f"--modes: a mode is listed twice ({spec})")
+    return modes
+
+
+def _refuse_plugin_modes(modes: list[str], where: str) -> None:
+    need = [m for m in modes if MODES[m].needs_plugin]
+    if need:
+        raise DemoError(f"mode {', '.join(need)} needs the relaxkv plugin, and {where} does not run it "
+                        f"(stock SGLang serves only: {', '.join(m for m in MODES if not MODES[m].needs_plugin)})")
+
+
+def run(args) -> int:
+    plugin = args.url is not None or args.server == "plugin"  # an external server is checked below
+    modes = select_modes(args.modes, plugin)
+    if args.url is None and not plugin:
+        _refuse_plugin_modes(modes, "--server stock")
     output = pathlib.Path(args.output or _default_output())
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -496,6 +640,8 @@ def run(args) -> int:
     if args.url:
         url = args.url.rstrip("/")
         model_dir = _served_model_dir(url, args.model)
+        if not server_has_plugin(url):
+            _refuse_plugin_modes(modes, f"the server at {url}")
     else:
         url = None
         model_dir = _resolve_model(args.model)
@@ -511,17 +657,10 @@ def run(args) -> int:
 
     log_path = output.with_suffix(".server.log")
     if url is None:
-        # One server for every mode, each request naming its policy. The
-        # plugin's backends are started only when a selected mode needs them:
-        # the prefix row is then unmodified SGLang, and the demo does not pay
-        # for the plugin's slower CPU attention path when nothing uses it.
-        if args.server == "auto":
-            use_plugin = any(MODES[m].needs_plugin for m in modes)
-        else:
-            use_plugin = args.server == "relaxkv"
-        server_kind = "sglang with the relaxkv plugin" if use_plugin else "stock sglang"
+        # One server for every mode; each request names its policy.
+        server_kind = "sglang with the relaxkv plugin" if plugin else "stock sglang"
         config = ServerConfig(
-            model_path=str(model_dir), max_total_tokens=args.max_total_tokens, relaxkv=use_plugin,
+            model_path=str(model_dir), max_total_tokens=args.max_total_tokens, relaxkv=plugin,
             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}, log_path=str(log_path),
         )
         server_cm = SGLangServer(config)
@@ -531,30 +670,31 @@ def run(args) -> int:
         server_cm = contextlib.nullcontext()
         _log(f"using the server at {url}")
 
-    summaries: dict[str, dict] = {}
-    records: list[dict] = []
+    results: dict[str, dict] = {}
     started = time.perf_counter()
+    server_ready_s = None
     with server_cm as server:
         if server is not None:
             url = server.url
-            _log(f"server ready at {url} after {time.perf_counter() - started:.1f} s")
+            server_ready_s = time.perf_counter() - started
+            _log(f"server ready at {url} after {server_ready_s:.1f} s")
         warm_up(url)
-        baseline = None
         for name in modes:
             mode = MODES[name]
             flush_cache(url)
             _log(f"mode {name}: {len(trace)} requests from {args.clients} clients")
             try:
-                result = run_mode(mode, url, trace, args.clients, args.max_new_tokens)
+                results[name] = run_mode(mode, url, trace, args.clients, args.max_new_tokens)
             except DemoError as exc:
                 if server is not None and server.proc.poll() is not None:
                     raise DemoError(f"the server exited with code {server.proc.returncode} during mode {name}: "
                                     f"{server.last_error_line()} (log: {server.log_path})") from exc
                 raise
-            summaries[name] = summarize(mode, result, baseline)
-            records += result["records"]
-            baseline = baseline or result["records"]
+    total_wall = time.perf_counter() - started
 
+    reference = results[REFERENCE_MODE]["records"] if REFERENCE_MODE in results else None
+    summaries = {name: summarize(MODES[name], result, reference) for name, result in results.items()}
+    records = [rec for result in results.values() for rec in result["records"]]
     report = {
         "config": {
             "model": args.model,
@@ -565,8 +705,12 @@ def run(args) -> int:
             "seed": args.seed,
             "max_total_tokens": args.max_total_tokens if args.url is None else None,
             "modes": modes,
+            "relaxkv_params": RELAXKV_PARAMS,
+            "fidelity_reference": REFERENCE_MODE if reference is not None else None,
             "server": server_kind,
             "server_log": str(log_path) if args.url is None else None,
+            "server_ready_s": server_ready_s,
+            "total_wall_s": total_wall,
             "workload": "hotpotqa dev distractor; pool of requests//3 examples, 10 shuffled paragraphs each",
             "ttft": "client-side: program.run() call to the first streamed event of the answer",
             "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -586,6 +730,9 @@ def run(args) -> int:
         raise DemoError(f"--output {output}: cannot write it ({exc.strerror})") from exc
 
     print(format_table(summaries, workload))
+    startup = "" if server_ready_s is None else f", server start {server_ready_s:.1f} s"
+    print(f"server: {server_kind}; {args.requests} requests x {len(modes)} modes from {args.clients} clients; "
+          f"total wall {total_wall:.1f} s{startup}")
     print(f"results: {output}")
     return 0
 

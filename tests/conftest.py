@@ -51,7 +51,7 @@ def relaxkv_server(tiny_model_path):
         max_total_tokens=TINY_POOL_TOKENS,
         policy="prefix",
         env=STRICT_MEMORY_CHECK,
-        extra_args=["--context-length", "4096"],
+        extra_args=["--context-length", "4096", "--enable-metrics"],
     )
     with SGLangServer(config) as srv:
         yield srv

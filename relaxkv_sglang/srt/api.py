@@ -187,4 +187,14 @@ async def around_generate_request(original, tokenizer_manager, obj, request=None
     if isinstance(obj, GenerateReqInput) and tokenizer_manager.server_args.radix_cache_backend == "relaxkv":
         prepare_generate(tokenizer_manager, obj)
     async for out in original(tokenizer_manager, obj, request, *args, **kwargs):
-        yield out
+        yield _one_record(out)
+
+
+def _one_record(out):
+    """``meta_info.relaxkv`` as one record: SGLang carries it as a list (customized_info)."""
+    for item in out if isinstance(out, list) else [out]:
+        meta = item.get("meta_info") if isinstance(item, dict) else None
+        records = meta.get("relaxkv") if meta else None
+        if isinstance(records, list):
+            meta["relaxkv"] = records[-1] if records else None
+    return out

@@ -241,6 +241,15 @@ def finish_fold(cache, fold: Fold) -> None:
             r.req.cached_tokens += r.hit_tokens
         if r.plan is not None:
             _publish_record(r.req, r.report())
+    # SGLang's prefill log line and /metrics sglang:cache_hit_rate read these
+    # after the forward; admission counted reused chunk tokens as new input.
+    stats = getattr(fold.source, "prefill_stats", None)
+    hits = sum(r.hit_tokens for r in fold.requests)
+    if stats is not None and hits:
+        stats.log_hit_tokens += hits
+        stats.log_device_hit_tokens += hits
+        stats.log_input_tokens -= hits
+    cache.publish_metrics()
 
 
 RECORD_KEY = "relaxkv"
@@ -265,15 +274,6 @@ def _publish_record(req, step: dict) -> None:
 def around_is_request_level_key(original, streamer, key: str) -> bool:
     """Hook on ``SchedulerOutputStreamer.is_request_level_customized_info_key``."""
     return key == RECORD_KEY or original(streamer, key)
-
-
-def around_update_request_meta_info(original, tokenizer_manager, meta_info, *args, **kwargs):
-    """Hook on ``TokenizerManager.update_request_meta_info``: one record, not a list."""
-    result = original(tokenizer_manager, meta_info, *args, **kwargs)
-    records = meta_info.get(RECORD_KEY)
-    if isinstance(records, list):
-        meta_info[RECORD_KEY] = records[-1] if records else None
-    return result
 
 
 # ------------------------------------------------------------------ the hooks

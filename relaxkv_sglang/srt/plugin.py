@@ -40,8 +40,6 @@ HOOKS = {
     "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
     ".is_request_level_customized_info_key": (
         "relaxkv_sglang.srt.forward:around_is_request_level_key", ("self", "key")),
-    "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info": (
-        "relaxkv_sglang.srt.forward:around_update_request_meta_info", ("self", "meta_info")),
     "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request": (
         "relaxkv_sglang.srt.chat:around_convert_to_internal_request", ("self", "request", "raw_request")),
     "sglang.srt.entrypoints.http_server.serve_generate_request": (

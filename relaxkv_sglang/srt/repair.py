@@ -210,6 +210,22 @@ class LayerLoop:
         return out
 
 
+def supports_repair(causal_lm) -> bool:
+    """Whether the model's layer stack runs through the hooked forward (Llama/Qwen2 family).
+
+    A model class that overrides ``forward`` itself would bypass the repair
+    pass, so its requests are served as ``pic`` (and ``repaired`` is false).
+    """
+    inner = getattr(causal_lm, "model", None)
+    if inner is None or getattr(type(inner).forward, "__wrapped__", None) is None:
+        return False
+    try:
+        ModelLayers(inner)
+    except UnsupportedModelError:
+        return False
+    return True
+
+
 # --------------------------------------------------------------- the model hook
 
 _ACTIVE_PASS: Optional[list[RequestRows]] = None
@@ -270,7 +286,7 @@ def prepare_repair(cache, model_runner, fold) -> Optional[list[RequestRows]]:
     from relaxkv_sglang.core.selection import RepairPolicy
 
     targets = [r for r in fold.requests if _repairable(r)]
-    if not targets:
+    if not targets or not supports_repair(model_runner.model):
         return None
     layers = ModelLayers(model_runner.model.model)
     loop = LayerLoop(layers, cache.copier.kv_pool)

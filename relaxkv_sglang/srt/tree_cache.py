@@ -50,11 +50,12 @@ def build_cache_class():
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
     class RelaxKVTreeCache(RadixCache):
-        def __init__(self, params, copier):
+        def __init__(self, params, copier, metrics=None):
             self.chunks: Optional[ChunkStore] = None
             super().__init__(params)  # calls reset()
             self.chunks = ChunkStore(free_slots=self.token_to_kv_pool_allocator.free)
             self.copier = copier
+            self.metrics = metrics
 
         def reset(self):
             super().reset()
@@ -87,10 +88,15 @@ def build_cache_class():
             short = params.num_tokens - result.num_tokens_evicted
             if short > 0 and self.chunks is not None:
                 result = EvictResult(num_tokens_evicted=result.num_tokens_evicted + self.chunks.evict(short))
+                self.publish_metrics()
             return result
 
         def total_size(self):
             return super().total_size() + (self.chunks.total_tokens() if self.chunks else 0)
+
+        def publish_metrics(self) -> None:
+            if self.metrics is not None:
+                self.metrics.publish(self.chunks.stats())
 
         def stats(self) -> dict:
             """Chunk tree counters and KV pool occupancy, for /get_server_info."""
@@ -119,6 +125,35 @@ def build_cache_class():
     return RelaxKVTreeCache
 
 
+class ChunkMetrics:
+    """Chunk-tree counters on SGLang's /metrics (``--enable-metrics``).
+
+    Created in the scheduler process, where SGLang's prometheus client runs in
+    multiprocess mode, so /metrics in the HTTP process collects them.
+    """
+
+    COUNTERS = ("lookups", "hits", "misses", "hit_tokens", "inserts", "evictions", "evicted_tokens")
+
+    def __init__(self):
+        from prometheus_client import Counter, Gauge
+
+        self.counters = {
+            name: Counter(f"relaxkv:chunk_{name}", f"Chunk tree {name.replace('_', ' ')} since start.")
+            for name in self.COUNTERS
+        }
+        self.tokens_held = Gauge("relaxkv:chunk_tokens_held", "KV tokens held by the chunk tree.",
+                                 multiprocess_mode="mostrecent")
+        self.last = dict.fromkeys(self.COUNTERS, 0)
+
+    def publish(self, stats) -> None:
+        for name, counter in self.counters.items():
+            value = getattr(stats, name)
+            if value > self.last[name]:
+                counter.inc(value - self.last[name])
+            self.last[name] = value
+        self.tokens_held.set(stats.tokens_held)
+
+
 def make_tree_cache(ctx):
     """Factory for ``register_radix_cache_backend('relaxkv', ...)``."""
     global _ACTIVE_CACHE
@@ -141,8 +176,15 @@ def make_tree_cache(ctx):
     except UnsupportedRopeError as exc:
         raise SystemExit(f"relaxkv-sglang: {exc}") from exc
     kv_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
-    cache = build_cache_class()(ctx.params, KVCopier(kv_pool, rope))
+    metrics = ChunkMetrics() if server_args.enable_metrics else None
+    cache = build_cache_class()(ctx.params, KVCopier(kv_pool, rope), metrics)
     _ACTIVE_CACHE = cache
+    from relaxkv_sglang.srt.repair import supports_repair
+
+    model = getattr(getattr(ctx.tp_worker, "model_runner", None), "model", None)
+    if model is not None and not supports_repair(model):
+        logger.warning("relaxkv: %s does not run through the repair pass; repair policies are served as pic",
+                       type(model).__name__)
     logger.info("relaxkv tree cache ready: rope=%s", rope)
     return cache
 

@@ -81,6 +81,25 @@ def test_documents_hit_in_another_order_after_another_system_prompt(relaxkv_serv
     assert second["meta_info"]["cached_tokens"] >= chunk_tokens
 
 
+def _metric(url: str, name: str) -> float:
+    text = requests.get(url + "/metrics", timeout=30).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name) and not line.startswith("#")]
+    assert values, f"{name} not on /metrics"
+    return sum(values)
+
+
+def test_metrics_see_chunk_hits(relaxkv_server):
+    docs = documents(3, seed=12)
+    generate(relaxkv_server.url, marked_prompt("One.", docs, "Q1?"), policy="pic")
+    hits_before = _metric(relaxkv_server.url, "relaxkv:chunk_hits_total")
+    generate(relaxkv_server.url, marked_prompt("Two.", docs[::-1], "Q2?"), policy="pic")
+    assert _metric(relaxkv_server.url, "relaxkv:chunk_hits_total") == hits_before + 3
+    assert _metric(relaxkv_server.url, "relaxkv:chunk_tokens_held") > 0
+    # SGLang's own gauge of the last prefill counts the reused chunk tokens.
+    assert _metric(relaxkv_server.url, "sglang:cache_hit_rate") > 0.5
+
+
 def test_prefix_policy_misses_what_pic_hits(relaxkv_server, tokenizer):
     docs = documents(3, seed=4)
     generate(relaxkv_server.url, marked_prompt("System one.", docs, "Q?"), policy="prefix")

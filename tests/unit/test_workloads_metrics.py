@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -294,32 +295,132 @@ def test_with_custom_params_copies_and_leaves_plain_params_alone():
     assert wrapped.to_srt_kwargs() == dict(plain.to_srt_kwargs(), custom_params={"relaxkv_policy": "pic"})
 
 
+def test_demo_marked_program_sends_the_rendered_prompt_with_each_document_as_a_chunk():
+    from relaxkv_sglang import demo, lang
+    from relaxkv_sglang.workloads import marked_text
+
+    fake = _FakeBackend([" Paris"])
+    rec = demo.serve_one(demo.MODES["relaxkv"], demo.ModeBackend(fake), _request(), max_new_tokens=4)
+    assert rec["answer"] == " Paris"
+    sent = fake.prompts[0]
+    assert lang.strip_marks(sent) == render_prompt(_request())
+    text, offsets = marked_text(*prompt_parts(_request()))
+    # What RelaxKVEndpoint turns the program's request into (RuntimeEndpoint's body, then its marks).
+    body = {"text": sent, "sampling_params": fake.sampling[0].to_srt_kwargs()}
+    assert "custom_params" not in body["sampling_params"]  # the endpoint, not ModeBackend, adds them
+    out = lang.mark_payload(body, "relaxkv", demo.RELAXKV_PARAMS)
+    assert out["text"] == text
+    assert out["sampling_params"]["custom_params"] == {
+        "relaxkv_chunks": offsets, "relaxkv_policy": "relaxkv",
+        "relaxkv_anchor_ratio": 0.15, "relaxkv_context_ratio": 0.25}
+    assert [text[s:e] for s, e in zip(offsets[::2], offsets[1::2])] == _request().documents
+
+
+def test_demo_modes_are_the_policies_of_one_plugin_server():
+    from relaxkv_sglang import demo
+
+    assert list(demo.MODES) == ["full", "prefix", "pic", "relaxkv"]
+    assert demo.REFERENCE_MODE == "full"
+    for name in ("full", "prefix"):
+        mode = demo.MODES[name]
+        assert mode.program is demo.plain_rag_program and mode.make_backend is demo.runtime_endpoint
+        assert mode.custom_params == {"relaxkv_policy": name}
+    for name, params in (("pic", None), ("relaxkv", {"relaxkv_anchor_ratio": 0.15, "relaxkv_context_ratio": 0.25})):
+        mode = demo.MODES[name]
+        assert mode.program is demo.marked_rag_program and mode.custom_params is None and mode.needs_plugin
+        assert mode.make_backend.func is demo.relaxkv_endpoint
+        assert mode.make_backend.keywords == {"policy": name, **({"custom_params": params} if params else {})}
+    assert not demo.MODES["prefix"].needs_plugin and demo.MODES["full"].needs_plugin
+    assert demo.select_modes(None, plugin=True) == ["full", "prefix", "pic", "relaxkv"]
+    assert demo.select_modes(None, plugin=False) == ["prefix"]
+    assert demo.select_modes(" relaxkv, full ", plugin=True) == ["relaxkv", "full"]
+    with pytest.raises(demo.DemoError, match="listed twice"):
+        demo.select_modes("pic,pic", plugin=True)
+
+
+def test_fidelity_f1():
+    from relaxkv_sglang import demo
+
+    assert demo.fidelity_f1("The Eiffel Tower", "eiffel tower") == 1.0
+    assert demo.fidelity_f1("Paris, France", "Paris") == pytest.approx(2 / 3)
+    assert demo.fidelity_f1("", " the ") == 1.0  # both answers empty: they agree
+    assert demo.fidelity_f1("Paris", "") == 0.0
+    assert demo.fidelity_f1("", "Paris") == 0.0
+
+
+def _records():
+    return [
+        {"prompt_tokens": 100, "cached_tokens": 10, "completion_tokens": 4, "ttft_s": 0.5, "latency_s": 1.0,
+         "answer": "Paris", "f1": 1.0, "exact_match": 1.0, "relaxkv": None},
+        {"prompt_tokens": 300, "cached_tokens": 90, "completion_tokens": 4, "ttft_s": 1.5, "latency_s": 2.0,
+         "answer": "Rome", "f1": 0.0, "exact_match": 0.0,
+         "relaxkv": {"policy": "relaxkv", "anchor_ratio": 0.15, "context_ratio": 0.25, "anchors_per_layer": 30.0}},
+    ]
+
+
 def test_demo_table_and_summary():
     from relaxkv_sglang import demo
 
-    records = [
-        {"prompt_tokens": 100, "cached_tokens": 10, "completion_tokens": 4, "ttft_s": 0.5, "latency_s": 1.0,
-         "answer": "Paris", "f1": 1.0, "exact_match": 1.0},
-        {"prompt_tokens": 300, "cached_tokens": 90, "completion_tokens": 4, "ttft_s": 1.5, "latency_s": 2.0,
-         "answer": "Rome", "f1": 0.0, "exact_match": 0.0},
-    ]
-    mode = demo.MODES["prefix"]
-    summary = demo.summarize(mode, {"records": records, "wall_s": 4.0}, None)
+    records = _records()
+    summary = demo.summarize(demo.MODES["prefix"], {"records": records, "wall_s": 4.0}, None)
     assert summary["hit_rate"] == pytest.approx(0.25)
     assert summary["ttft_s"]["mean"] == pytest.approx(1.0)
     assert summary["answer_f1"] == pytest.approx(0.5)
     assert summary["requests_per_s"] == pytest.approx(0.5)
-    assert "agreement_with_first_mode" not in summary
-    other = demo.summarize(mode, {"records": records[::-1], "wall_s": 4.0}, records)
-    assert other["agreement_with_first_mode"] == 0.0
+    assert summary["repair_anchor_ratio_mean"] == 0.15 and summary["repair_context_ratio_mean"] == 0.25
+    assert "fidelity_to_full_f1" not in summary and not summary["is_reference"]
     workload = {"best_possible_hit_rate": 0.6, "reusable_document_tokens": 240, "prompt_tokens": 400,
                 "best_possible_hit_rate_with_system_prompts": 0.65}
-    table = demo.format_table({"prefix": summary}, workload)
-    lines = table.splitlines()
-    assert lines[0].split()[:5] == ["mode", "requests", "prompt", "tok", "cached"]
-    assert lines[2].split() == ["prefix", "2", "400", "100", "25.0%", "1.00", "1.00", "1.40", "0.500", "4.0"]
+    lines = demo.format_table({"prefix": summary}, workload).splitlines()
+    assert lines[0].split() == ["mode", "requests", "prompt", "tok", "cached", "tok", "hit", "rate", "TTFT", "mean",
+                                "s", "p50", "s", "p90", "s", "F1", "vs", "gold", "fidelity", "to", "full", "wall", "s"]
+    assert lines[2].split() == ["prefix", "2", "400", "100", "25.0%", "1.00", "1.00", "1.40", "0.500", "-", "4.0"]
     assert "best possible hit rate: 60.0%" in lines[3]
-    assert "agree" in demo.format_table({"prefix": summary, "b": other}, workload).splitlines()[0]
+    assert "not measured" in lines[4]
+
+    # With the full pass as reference: its own row reads "ref", the others their F1 against its answers.
+    reference = [dict(records[0], answer="Paris"), dict(records[1], answer="in Rome")]
+    summaries = {
+        "full": demo.summarize(demo.MODES["full"], {"records": reference, "wall_s": 5.0}, reference),
+        "relaxkv": demo.summarize(demo.MODES["relaxkv"], {"records": records, "wall_s": 4.0}, reference),
+    }
+    assert summaries["full"]["is_reference"] and summaries["full"]["fidelity_to_full_f1"] == 1.0
+    assert summaries["relaxkv"]["fidelity_to_full_f1"] == pytest.approx((1.0 + 2 / 3) / 2)
+    assert summaries["relaxkv"]["agreement_with_full"] == 0.5
+    lines = demo.format_table(summaries, workload).splitlines()
+    assert lines[2].split()[0] == "full" and lines[2].split()[-2] == "ref"
+    assert lines[3].split()[0] == "relaxkv" and lines[3].split()[-2] == "0.833"
+    assert "reference row" in lines[5]
+    json.dumps(summaries)
+
+
+class _CharTokenizer:
+    """One token per character, plus a BOS (id 1) with special tokens."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": ([1] if add_special_tokens else []) + [ord(c) for c in text]}
+
+
+def test_demo_workload_bound_counts_repeated_documents_and_shared_prompt_beginnings(monkeypatch, tmp_path):
+    import types
+
+    from relaxkv_sglang import demo
+
+    fake = types.SimpleNamespace(AutoTokenizer=types.SimpleNamespace(from_pretrained=lambda path: _CharTokenizer()))
+    monkeypatch.setitem(sys.modules, "transformers", fake)  # no real tokenizer needed (nor its import time)
+    trace = [
+        RagRequest(system="Sys A", documents=["doc one", "doc two"], question="Q?", answers=["x"], example_id="e"),
+        RagRequest(system="Sys B", documents=["doc two", "doc one"], question="Q?", answers=["x"], example_id="e"),
+        RagRequest(system="Sys A", documents=["doc one", "doc 3"], question="Q?", answers=["x"], example_id="f"),
+    ]
+    w = demo.workload_figures(trace, tmp_path)
+    assert w["prompt_tokens"] == sum(1 + len(render_prompt(r)) for r in trace)
+    assert w["reusable_document_tokens"] == 7 + 7 + 7  # both docs again, then "doc one" again
+    # BOS + "Sys " shared with request 1; then all of BOS + "Sys A" + separator.
+    assert w["reusable_system_prompt_tokens"] == 5 + 8
+    assert w["best_possible_hit_rate"] == pytest.approx(21 / w["prompt_tokens"])
+    assert w["best_possible_hit_rate_with_system_prompts"] == pytest.approx(34 / w["prompt_tokens"])
+    assert (w["distinct_documents"], w["distinct_examples"]) == (3, 2)
 
 
 def test_demo_cli_errors_are_one_line(capsys):
@@ -332,3 +433,7 @@ def test_demo_cli_errors_are_one_line(capsys):
     assert capsys.readouterr().err.strip() == "relaxkv-sglang demo: error: --requests must be at least 1, got 0"
     assert demo.main(["--model", "/nonexistent/model", "--modes", "prefix", "--output", "/tmp/x-demo.json"]) == 1
     assert "neither" in capsys.readouterr().err
+    # The stock server serves only prefix; refused before anything starts.
+    assert demo.main(["--server", "stock", "--modes", "prefix,relaxkv", "--output", "/tmp/x-demo.json"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("relaxkv-sglang demo: error: mode relaxkv needs the relaxkv plugin") and "\n" not in err

@@ -7,6 +7,7 @@ import pathlib
 import tempfile
 
 import pytest
+import torch
 
 from relaxkv_sglang import assets
 from relaxkv_sglang.server import SGLangServer, ServerConfig
@@ -55,3 +56,20 @@ def relaxkv_server(tiny_model_path):
     )
     with SGLangServer(config) as srv:
         yield srv
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def reference_weights(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    from relaxkv_sglang.core.reference import from_hf_state_dict
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    return from_hf_state_dict(model.state_dict(), model.config.to_dict())

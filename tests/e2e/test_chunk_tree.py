@@ -10,23 +10,6 @@ from rag_helpers import documents, flush, generate, marked_prompt, part_token_id
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
-def reference_weights(tiny_model_path):
-    from transformers import AutoModelForCausalLM
-
-    from relaxkv_sglang.core.reference import from_hf_state_dict
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    return from_hf_state_dict(model.state_dict(), model.config.to_dict())
-
-
 def _top_logprobs(response: dict, step: int = 0) -> dict[int, float]:
     return {tok: lp for lp, tok, _ in response["meta_info"]["output_top_logprobs"][step]}
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import requests
-from rag_helpers import documents, flush, marked_prompt
+import torch
+from rag_helpers import documents, flush, marked_prompt, part_token_ids
 
 pytestmark = pytest.mark.e2e
 
@@ -87,3 +88,37 @@ def test_bad_knobs_get_400(relaxkv_server, field, value):
         "relaxkv_chunks": prompt.offsets, "relaxkv_policy": "relaxkv", field: value}}}
     response = requests.post(relaxkv_server.url + "/generate", json=body, timeout=60)
     assert response.status_code == 400 and field in response.text
+
+
+def _reference_logprobs(weights, tokenizer, prompt, policy, anchor, context):
+    from relaxkv_sglang.core.reference import reference_prefill
+
+    layout = part_token_ids(tokenizer, prompt)
+    result = reference_prefill(weights, torch.tensor(layout.input_ids), layout.chunk_spans, layout.query_start,
+                               policy, anchor, context)
+    return torch.log_softmax(result.last_logits.float(), -1), result.report
+
+
+@pytest.mark.parametrize("policy,anchor,context", [
+    ("pic", 0.0, 1.0), ("epic", 0.3, 1.0), ("prophetkv", 0.3, 1.0), ("relaxkv", 0.3, 0.25),
+    ("relaxkv_fullctx", 0.3, 1.0),
+])
+def test_server_repair_matches_the_torch_reference(relaxkv_server, tokenizer, reference_weights, policy, anchor, context):
+    """The server's repair (folded batch, own layer loop, pool slots) equals core.reference on the same tokens."""
+    flush(relaxkv_server.url)
+    docs = documents(3, seed=33)
+    warm = marked_prompt("Warm-up system prompt.", docs[::-1], "Q?", glue=False)
+    _run(relaxkv_server.url, warm, "pic")
+    prompt = marked_prompt("You answer questions.", docs, "Question: what?", glue=False)
+    body = {"text": prompt.text, "return_logprob": True, "top_logprobs_num": 5, "sampling_params": {
+        "max_new_tokens": 1, "temperature": 0, "custom_params": {
+            "relaxkv_chunks": prompt.offsets, "relaxkv_policy": policy,
+            "relaxkv_anchor_ratio": anchor, "relaxkv_context_ratio": context}}}
+    served = requests.post(relaxkv_server.url + "/generate", json=body, timeout=120).json()
+    ref_lp, report = _reference_logprobs(reference_weights, tokenizer, prompt, policy, anchor, context)
+    top = served["meta_info"]["output_top_logprobs"][0]
+    assert served["output_ids"][0] == int(ref_lp.argmax())
+    for logprob, token, _ in top:
+        assert logprob == pytest.approx(float(ref_lp[token]), abs=2e-3), (policy, token)
+    if policy != "pic":
+        assert served["meta_info"]["relaxkv"]["repair_kv_pairs"] == report.repair_kv_pairs

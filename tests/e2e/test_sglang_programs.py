@@ -3,34 +3,44 @@
 Every program function of that module is listed in :data:`PROGRAMS`
 (:func:`test_every_program_of_sglang_is_listed` keeps the list complete when
 SGLang changes). Each one that can run against a ``RuntimeEndpoint`` on the
-tiny CPU model is run, unmodified, once against the stock server and once
-against the plugin's server (policy ``prefix``: nothing is chunked), through a
+tiny CPU model is run once against the stock server and once against the
+plugin's server (policy ``prefix``: nothing is chunked), through a
 :class:`RecordingEndpoint` that
 
 * forces greedy decoding (several programs ask for temperature 0.1-0.7) and
-  caps ``max_new_tokens`` to keep the file fast (the same requests go to both
-  servers, so the cap changes nothing about the comparison);
+  caps ``max_new_tokens`` to keep the file fast (never below a program's
+  ``min_new_tokens``; the same requests go to both servers, so the cap changes
+  nothing about the comparison);
 * records every ``gen`` / streamed ``gen`` / ``select`` with the text it was
   asked on and what it got back. A program's later prompts contain its earlier
-  outputs, so the records are all of its outputs; they are compared as a
-  multiset (forks and batches send in no fixed order).
+  outputs, so the records hold all of its outputs; they are compared as a
+  multiset (forks and batches send in no fixed order). Any failed request, or
+  error inside a program's executor, fails the test.
 
-The programs with answer checks are compared without them: the ones with a
-``check_answer`` flag run with ``check_answer=False``; the others (no flag)
-run as they are and the exception their check raises on the random model's
-answer is recorded and must be the same on both servers. Each answer check
-keeps its own case (``test_program_answer_check``), skipped because the tiny
-random model cannot answer.
+Answer checks a random-weight model cannot pass are not run in the
+comparison, and are not deleted either:
+
+* programs with a ``check_answer`` flag run with ``check_answer=False``;
+* programs without one run from :data:`UNCHECKED`, the same source compiled
+  with its ``assert`` statements removed (what ``python -O`` does). A check
+  that is not an ``assert`` (``json.loads`` of a string that never closed,
+  ``eval`` of a random expression) still raises: the exception is compared
+  between the servers like an output;
+* ``test_program_answer_check`` keeps each checked program, as SGLang runs it,
+  in its own case, skipped with the reason it cannot pass here.
 
 ``test_parallel_encoding`` runs on the plugin's server with a plain
 ``sgl.RuntimeEndpoint``; its three statements are served as chunks
-(``meta_info.relaxkv`` of the joined request and the chunk tree counters).
+(``meta_info.relaxkv`` of the joined request, and the chunk tree counters of
+``/get_server_info``).
 """
 
 from __future__ import annotations
 
 import re
 import threading
+import types
+import warnings
 from typing import Callable, NamedTuple, Optional
 
 import pytest
@@ -40,52 +50,75 @@ from rag_helpers import flush, relaxkv_state
 
 pytestmark = pytest.mark.e2e
 
-MAX_NEW_TOKENS = 12  # per gen; test_gen_min_new_tokens runs uncapped (it checks a minimum length)
+MAX_NEW_TOKENS = 8  # per gen (raised to a gen's min_new_tokens: test_gen_min_new_tokens checks its length)
 PROGRAM_TIMEOUT_S = 120  # a hung program fails its test instead of the session
 CANNOT_ANSWER = "tiny random model cannot answer"
+STREAMED_LOGPROBS = ("fails on stock SGLang 0.5.23 too: without --incremental-streaming-output a streamed "
+                     "chunk's output_token_logprobs are cumulative, the program expects per-chunk ones")
+
+
+def _without_asserts() -> types.ModuleType:
+    """sglang.test.test_programs compiled with optimize=1: the programs, minus their assert statements."""
+    with open(tp.__file__, encoding="utf-8") as f:
+        source = f.read()
+    module = types.ModuleType("sglang_test_programs_unchecked")
+    module.__file__ = tp.__file__
+    exec(compile(source, tp.__file__, "exec", optimize=1), module.__dict__)
+    return module
+
+
+UNCHECKED = _without_asserts()
 
 
 class Program(NamedTuple):
-    run: Optional[Callable[[], object]]  # None: cannot run here
-    answer_checked: bool = False  # its unflagged assertions need a real model's answer
-    checked_run: Optional[Callable[[], object]] = None  # the program with its answer check on
+    run: Optional[Callable[[], object]] = None  # for the comparison; None: cannot run here
+    checked: Optional[Callable[[], object]] = None  # the program with its checks, as SGLang runs it
+    check_skip: str = CANNOT_ANSWER  # why ``checked`` is skipped here
+    may_raise: bool = False  # a check that is not an assert fails on the model's output (same on both)
     cap: Optional[int] = MAX_NEW_TOKENS
     cannot_run: str = ""
 
 
 PROGRAMS: dict[str, Program] = {
-    "test_few_shot_qa": Program(tp.test_few_shot_qa, answer_checked=True, checked_run=tp.test_few_shot_qa),
+    "test_few_shot_qa": Program(UNCHECKED.test_few_shot_qa, tp.test_few_shot_qa),
     "test_mt_bench": Program(tp.test_mt_bench),
-    "test_select": Program(lambda: tp.test_select(check_answer=False),
-                           checked_run=lambda: tp.test_select(check_answer=True)),
-    "test_decode_int": Program(tp.test_decode_int, answer_checked=True, checked_run=tp.test_decode_int),
-    "test_decode_json_regex": Program(tp.test_decode_json_regex, answer_checked=True,
-                                      checked_run=tp.test_decode_json_regex),
-    "test_decode_json": Program(tp.test_decode_json, answer_checked=True, checked_run=tp.test_decode_json),
+    "test_select": Program(lambda: tp.test_select(check_answer=False), lambda: tp.test_select(check_answer=True)),
+    "test_decode_int": Program(UNCHECKED.test_decode_int, tp.test_decode_int),
+    # its strings must close before the gen's end: uncapped, they do
+    "test_decode_json_regex": Program(tp.test_decode_json_regex, cap=None),
+    "test_decode_json": Program(
+        UNCHECKED.test_decode_json, tp.test_decode_json, may_raise=True,
+        check_skip=CANNOT_ANSWER + ": its strings run to max_new_tokens=64 without a closing quote, "
+                                   "so json.loads fails"),
     "test_expert_answer": Program(lambda: tp.test_expert_answer(check_answer=False),
-                                  checked_run=lambda: tp.test_expert_answer(check_answer=True)),
-    "test_tool_use": Program(tp.test_tool_use, answer_checked=True, checked_run=tp.test_tool_use),
-    "test_react": Program(tp.test_react, answer_checked=True, checked_run=tp.test_react),
+                                  lambda: tp.test_expert_answer(check_answer=True)),
+    "test_tool_use": Program(UNCHECKED.test_tool_use, tp.test_tool_use, may_raise=True,
+                             check_skip=CANNOT_ANSWER + ": its expression is not Python, eval fails"),
+    "test_react": Program(UNCHECKED.test_react, tp.test_react),
     "test_parallel_decoding": Program(tp.test_parallel_decoding),
-    # run on the plugin only, below: its statements become chunks, so its output is not stock's
-    "test_parallel_encoding": Program(None, checked_run=lambda: tp.test_parallel_encoding(check_answer=True),
-                                      cannot_run="compared in test_parallel_encoding_statements_are_chunks"),
-    "test_image_qa": Program(None, cannot_run="needs a vision model and its example_image.png; "
-                                              "the tiny model is text-only"),
+    # on the plugin only: its statements become chunks, so its output is not stock's
+    "test_parallel_encoding": Program(checked=lambda: tp.test_parallel_encoding(check_answer=True),
+                                      cannot_run="run in test_parallel_encoding_statements_are_chunks"),
+    "test_image_qa": Program(cannot_run="needs a vision model and its example_image.png; the tiny model is "
+                                        "text-only"),
     "test_stream": Program(tp.test_stream),
-    "test_stream_logprobs": Program(tp.test_stream_logprobs),
-    "test_regex": Program(tp.test_regex, answer_checked=True, checked_run=tp.test_regex),
-    "test_dtype_gen": Program(tp.test_dtype_gen, answer_checked=True, checked_run=tp.test_dtype_gen),
+    "test_stream_logprobs": Program(UNCHECKED.test_stream_logprobs, tp.test_stream_logprobs,
+                                    check_skip=STREAMED_LOGPROBS),
+    "test_regex": Program(tp.test_regex, cap=None),
+    "test_dtype_gen": Program(tp.test_dtype_gen),
     "test_completion_speculative": Program(
-        None, cannot_run="needs sglang's OpenAI backend (it reads backend.token_usage, which RuntimeEndpoint "
-                         "lacks); SGLang runs it only against OpenAI"),
-    "test_chat_completion_speculative": Program(tp.test_chat_completion_speculative),
-    "test_gen_min_new_tokens": Program(tp.test_gen_min_new_tokens, cap=None),
+        cannot_run="needs sglang's OpenAI backend: it reads backend.token_usage, which RuntimeEndpoint lacks "
+                   "(SGLang runs it only against OpenAI)"),
+    "test_chat_completion_speculative": Program(
+        cannot_run="needs sglang's OpenAI backend: with num_api_spec_tokens the interpreter reads "
+                   "backend.is_chat_model, which RuntimeEndpoint lacks (SGLang runs it only against OpenAI)"),
+    "test_gen_min_new_tokens": Program(tp.test_gen_min_new_tokens),
 }
 
 COMPARED = [name for name, p in PROGRAMS.items() if p.run is not None]
 CANNOT_RUN = [name for name, p in PROGRAMS.items() if p.run is None]
-ANSWER_CHECKS = [name for name, p in PROGRAMS.items() if p.checked_run is not None]
+CHECKS = [pytest.param(name, marks=pytest.mark.skip(reason=p.check_skip))
+          for name, p in PROGRAMS.items() if p.checked is not None]
 
 
 class RecordingEndpoint(sgl.RuntimeEndpoint):
@@ -154,7 +187,10 @@ class RecordingEndpoint(sgl.RuntimeEndpoint):
 
 
 def run_with_timeout(fn: Callable[[], object], backend) -> Optional[BaseException]:
-    """Run fn with ``backend`` as SGLang's default backend; the exception it raised, if any."""
+    """Run fn with ``backend`` as SGLang's default backend; the exception it raised, if any.
+
+    Fails if fn hangs, or if a program's executor thread hit an error (the
+    interpreter only warns about those, and some programs never look)."""
     box: dict = {}
 
     def target():
@@ -165,12 +201,16 @@ def run_with_timeout(fn: Callable[[], object], backend) -> Optional[BaseExceptio
 
     sgl.set_default_backend(backend)
     try:
-        thread = threading.Thread(target=target, daemon=True)
-        thread.start()
-        thread.join(PROGRAM_TIMEOUT_S)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            thread = threading.Thread(target=target, daemon=True)
+            thread.start()
+            thread.join(PROGRAM_TIMEOUT_S)
         assert not thread.is_alive(), f"the program did not finish in {PROGRAM_TIMEOUT_S} s (hung?)"
     finally:
         sgl.global_config.default_backend = None
+    executor_errors = [str(w.message) for w in caught if "Error in stream_executor" in str(w.message)]
+    assert not executor_errors, executor_errors[0]
     return box.get("error")
 
 
@@ -184,7 +224,7 @@ def run_on(srv, program: Program) -> tuple[list[tuple], Optional[str], Recording
     backend = RecordingEndpoint(srv.url, program.cap)
     exc = run_with_timeout(program.run, backend)
     assert not backend.errors, f"{srv.url}: requests failed: {backend.errors}"
-    if exc is not None and not program.answer_checked:
+    if exc is not None and not program.may_raise:
         raise exc
     return sorted(backend.records, key=repr), outcome(exc), backend
 
@@ -201,7 +241,7 @@ def test_program_matches_stock_sglang(name, server, relaxkv_server):
     ours_records, ours_outcome, ours = run_on(relaxkv_server, program)
     assert stock_records, "the program sent nothing"
     assert not ours.chunk_metas, f"no chunk is involved, yet the plugin served chunks: {ours.chunk_metas[:1]}"
-    assert ours_outcome == stock_outcome  # the answer check (if any) fails the same way
+    assert ours_outcome == stock_outcome  # a check on the model's output (if any) fails the same way
     assert ours_records == stock_records
 
 
@@ -210,10 +250,10 @@ def test_program_cannot_run_here(name):
     pytest.skip(PROGRAMS[name].cannot_run)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.skip(reason=CANNOT_ANSWER)) for n in ANSWER_CHECKS])
+@pytest.mark.parametrize("name", CHECKS)
 def test_program_answer_check(name, relaxkv_server):
-    """The program with its answer check, as SGLang runs it; needs a model that knows the answers."""
-    exc = run_with_timeout(PROGRAMS[name].checked_run, sgl.RuntimeEndpoint(relaxkv_server.url))
+    """The program with its checks, as SGLang runs it; needs a model that knows the answers."""
+    exc = run_with_timeout(PROGRAMS[name].checked, sgl.RuntimeEndpoint(relaxkv_server.url))
     if exc is not None:
         raise exc
 

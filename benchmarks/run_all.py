@@ -19,7 +19,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
-BENCHES = ("bench_cache_hit", "bench_ttft", "bench_quality")
+BENCHES = ("bench_cache_hit", "bench_ttft", "bench_quality", "bench_scaling")
 
 
 def run_benchmarks(quick: bool, url: str | None) -> None:
@@ -29,7 +29,7 @@ def run_benchmarks(quick: bool, url: str | None) -> None:
         cmd = [sys.executable, "-m", f"benchmarks.{bench}", "--output", str(RESULTS / f"{bench}.json")]
         if quick:
             cmd.append("--quick")
-        if url:
+        if url and bench != "bench_scaling":
             cmd += ["--url", url]
         print("$", " ".join(cmd[2:]), flush=True)
         subprocess.run(cmd, check=True, cwd=ROOT, env=env)
@@ -95,10 +95,23 @@ def quality_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def scaling_table(result: dict) -> str:
+    lines = [f"**Cost scaling** (core API on SmolLM2-shaped KV: 30 layers, 3 KV heads; 15% anchors; medians). "
+             f"{_caption(result)}", "",
+             "| prompt tokens | chunks | lookup ms | re-rotation ms | selection ms | repair attn relaxed 25% ms "
+             "| repair attn full ctx ms | KV pairs relaxed / full |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["results"]:
+        lines.append(f"| {r['prompt_tokens']} | {r['chunks']} | {r['lookup_s'] * 1e3:.2f} | {r['rerotation_s'] * 1e3:.1f} | "
+                     f"{r['selection_s'] * 1e3:.1f} | {r['repair_attention_relaxed_s'] * 1e3:.1f} | "
+                     f"{r['repair_attention_full_s'] * 1e3:.1f} | {r['kv_pairs_relaxed'] / r['kv_pairs_full']:.2f} |")
+    return "\n".join(lines)
+
+
 def tables() -> str:
     parts = []
     for bench, render in (("bench_cache_hit", cache_hit_table), ("bench_ttft", ttft_table),
-                          ("bench_quality", quality_table)):
+                          ("bench_quality", quality_table), ("bench_scaling", scaling_table)):
         result = _load(bench)
         if result is not None:
             parts.append(render(result))

@@ -241,12 +241,7 @@ def _block_sparse_batched(q, k, v, layout, scale: float, key_rows: Optional[torc
     n_rows, H, _ = q.shape
     out = q.new_zeros(n_rows, H, v.shape[-1])
     row_indptr = layout.row_indptr.tolist()
-    n_blocks = layout.n_row_blocks
-    b0 = 0
-    while b0 < n_blocks:
-        b1 = b0 + 1
-        while b1 < n_blocks and row_indptr[b1] - row_indptr[b0] < GROUP_ROWS:
-            b1 += 1
+    for b0, b1 in _block_groups(row_indptr):
         r0, r1 = row_indptr[b0], row_indptr[b1]
         if r1 > r0:
             block_pages = [layout.block_pages(b) for b in range(b0, b1)]
@@ -264,22 +259,28 @@ def _block_sparse_batched(q, k, v, layout, scale: float, key_rows: Optional[torc
             visible = member[block_of_row][:, key_page] & (key_pos[None, :] <= q_pos[:, None])
             slots = key_pos if key_rows is None else key_rows[key_pos]
             out[r0:r1] = _sdpa(q[r0:r1], k.index_select(0, slots), v.index_select(0, slots), visible, scale)
-        b0 = b1
     return out
+
+
+def _block_groups(row_indptr: list[int]):
+    """(first, end) row-block ranges of about GROUP_ROWS rows each, in order."""
+    n_blocks, b0 = len(row_indptr) - 1, 0
+    while b0 < n_blocks:
+        b1 = b0 + 1
+        while b1 < n_blocks and row_indptr[b1] - row_indptr[b0] < GROUP_ROWS:
+            b1 += 1
+        yield b0, b1
+        b0 = b1
 
 
 def executed_kv_pairs(layout) -> int:
     """(row, key) pairs the CPU executor computes for ``layout`` (masked ones included)."""
     row_indptr = layout.row_indptr.tolist()
-    total, b0 = 0, 0
-    while b0 < layout.n_row_blocks:
-        b1 = b0 + 1
-        while b1 < layout.n_row_blocks and row_indptr[b1] - row_indptr[b0] < GROUP_ROWS:
-            b1 += 1
+    total = 0
+    for b0, b1 in _block_groups(row_indptr):
         union = torch.unique(torch.cat([layout.block_pages(b) for b in range(b0, b1)]))
         n_keys = int(((union[:, None] * layout.page_size + torch.arange(layout.page_size)) < layout.n_keys).sum())
         total += (row_indptr[b1] - row_indptr[b0]) * n_keys
-        b0 = b1
     return total
 
 

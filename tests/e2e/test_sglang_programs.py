@@ -21,11 +21,12 @@ Answer checks a random-weight model cannot pass are not run in the
 comparison, and are not deleted either:
 
 * programs with a ``check_answer`` flag run with ``check_answer=False``;
-* programs without one run from :data:`UNCHECKED`, the same source compiled
-  with its ``assert`` statements removed (what ``python -O`` does). A check
-  that is not an ``assert`` (``json.loads`` of a string that never closed,
-  ``eval`` of a random expression) still raises: the exception is compared
-  between the servers like an output;
+* programs without one run from :data:`UNCHECKED`, the same source with each
+  ``assert c, msg`` turned into the bare expression ``c`` (so they still read,
+  and wait for, their results where they check them). A check that is not an
+  ``assert`` (``json.loads`` of a string that never closed, ``eval`` of a
+  random expression) still raises: the exception is compared between the
+  servers like an output;
 * ``test_program_answer_check`` keeps each checked program, as SGLang runs it,
   in its own case, skipped with the reason it cannot pass here.
 
@@ -37,8 +38,10 @@ comparison, and are not deleted either:
 
 from __future__ import annotations
 
+import ast
 import re
 import threading
+import time
 import types
 import warnings
 from typing import Callable, NamedTuple, Optional
@@ -57,13 +60,23 @@ STREAMED_LOGPROBS = ("fails on stock SGLang 0.5.23 too: without --incremental-st
                      "chunk's output_token_logprobs are cumulative, the program expects per-chunk ones")
 
 
+class _AssertsToExpressions(ast.NodeTransformer):
+    def visit_Assert(self, node: ast.Assert) -> ast.Expr:
+        return ast.copy_location(ast.Expr(value=node.test), node)
+
+
 def _without_asserts() -> types.ModuleType:
-    """sglang.test.test_programs compiled with optimize=1: the programs, minus their assert statements."""
+    """sglang.test.test_programs with each ``assert c, msg`` turned into the expression ``c``.
+
+    The programs run as written, reading their results where their checks
+    read them (which is also where they wait for them), but a check that
+    does not hold no longer raises."""
     with open(tp.__file__, encoding="utf-8") as f:
-        source = f.read()
+        tree = ast.parse(f.read(), tp.__file__)
+    tree = ast.fix_missing_locations(_AssertsToExpressions().visit(tree))
     module = types.ModuleType("sglang_test_programs_unchecked")
     module.__file__ = tp.__file__
-    exec(compile(source, tp.__file__, "exec", optimize=1), module.__dict__)
+    exec(compile(tree, tp.__file__, "exec"), module.__dict__)
     return module
 
 
@@ -133,7 +146,28 @@ class RecordingEndpoint(sgl.RuntimeEndpoint):
         self.records: list[tuple] = []
         self.errors: list[str] = []
         self.chunk_metas: list[dict] = []  # meta_info that mentions relaxkv (there should be none)
+        self.executors: list = []
         self._lock = threading.Lock()
+
+    def end_program(self, s):
+        super().end_program(s)
+        with self._lock:
+            self.executors.extend(s if isinstance(s, list) else [s])
+
+    def wait_idle(self, timeout_s: float) -> None:
+        """Wait for the programs that ended to finish running: a program that
+        never reads its results (test_expert_answer(check_answer=False))
+        returns while its gens are still being sent."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                workers = [getattr(ex, "worker", None) for ex in self.executors]
+            workers = [w for w in workers if w is not None and w.is_alive()]
+            if not workers:
+                return
+            workers[0].join(max(0.0, deadline - time.monotonic()))
+            if time.monotonic() >= deadline:
+                return
 
     def _prepare(self, sampling_params) -> None:
         sampling_params.temperature = 0.0
@@ -198,6 +232,8 @@ def run_with_timeout(fn: Callable[[], object], backend) -> Optional[BaseExceptio
             fn()
         except BaseException as exc:  # returned to the test's thread
             box["error"] = exc
+        if isinstance(backend, RecordingEndpoint):
+            backend.wait_idle(PROGRAM_TIMEOUT_S)
 
     sgl.set_default_backend(backend)
     try:

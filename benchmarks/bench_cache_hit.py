@@ -9,7 +9,9 @@ policy: the hit rate SGLang itself reports (``meta_info.cached_tokens`` over
 prompt tokens), split into the radix prefix part and the chunk part, beside
 the workload's best possible hit rate (every document token after the
 document's first appearance, unlimited memory), requests/s, tokens/s, TTFT
-mean/p50/p90/p99, and chunk evictions. ``total_cached_tokens`` and
+mean/p50/p90/p99, and chunk evictions. ``pic-auto`` replays the same prompts
+unmarked, so the server finds the documents by content-defined chunking: how
+close it comes to explicit marking is its hit rate against ``pic``'s. ``total_cached_tokens`` and
 ``cache_hit_rate_pct`` have the meaning of ``python -m sglang.benchmark.serving``.
 
     python -m benchmarks.bench_cache_hit --quick
@@ -73,9 +75,13 @@ def replay(client: ServerClient, trace: list[TraceRequest], policy: str, clients
     client.flush()
     before = client.relaxkv_state()
 
+    # "<policy>-auto": the same prompts sent unmarked, chunked by content on the server.
+    server_policy, auto = policy.removesuffix("-auto"), policy.endswith("-auto")
+
     def one(req: TraceRequest) -> dict:
-        return client.generate_stream(req.text, req.offsets, policy, max_new_tokens=args.max_new_tokens,
-                                      anchor_ratio=args.anchor_ratio if policy not in ("prefix", "pic") else None)
+        return client.generate_stream(
+            req.text, None if auto else req.offsets, server_policy, max_new_tokens=args.max_new_tokens,
+            anchor_ratio=args.anchor_ratio if server_policy not in ("prefix", "pic") else None)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -158,7 +164,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--anchor-ratio", type=float, default=0.15)
-    parser.add_argument("--policies", nargs="+", default=["prefix", "pic", "relaxkv"])
+    parser.add_argument("--policies", nargs="+", default=["prefix", "pic", "pic-auto", "relaxkv"],
+                        help="server policies; '<policy>-auto' sends the prompts unmarked (content-defined chunking)")
     parser.add_argument("--quick", action="store_true", help="40 requests, 2 clients")
     args = parser.parse_args(argv)
     if args.quick:

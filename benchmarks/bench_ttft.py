@@ -138,10 +138,10 @@ def main(argv=None) -> None:
     parser.add_argument("--anchor-ratios", type=float, nargs="+", default=[0.05, 0.15, 0.30])
     parser.add_argument("--context-ratio", type=float, default=0.25)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="1.5K and 3K tokens, 15%% anchors, 2 rounds")
+    parser.add_argument("--quick", action="store_true", help="1.5K and 6K tokens, 15%% anchors, 2 rounds")
     args = parser.parse_args(argv)
     if args.quick:
-        args.lengths, args.anchor_ratios, args.rounds = [1500, 3000], [0.15], 2
+        args.lengths, args.anchor_ratios, args.rounds = [1500, 6000], [0.15], 2
     try:
         result = run(args)
     except (RuntimeError, assets.AssetError) as exc:

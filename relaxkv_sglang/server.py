@@ -26,6 +26,9 @@ CPU_DEFAULTS = {
     "--attention-backend": "torch_native",
     "--dtype": "float32",
 }
+# SGLang's scheduler polls in a busy loop when idle unless told to sleep; on a
+# shared CPU machine that steals a core from the clients it serves.
+CPU_FLAGS = ["--sleep-on-idle"]
 # The plugin's cache and attention backend; the overlap scheduler is off because
 # chunk reuse folds the batch right before its forward pass.
 RELAXKV_FLAGS = ["--attention-backend", "relaxkv", "--radix-cache-backend", "relaxkv", "--disable-overlap-schedule"]
@@ -88,6 +91,7 @@ class ServerConfig:
             for flag, value in CPU_DEFAULTS.items():
                 if flag not in given:
                     cmd += [flag, value]
+            cmd += [flag for flag in CPU_FLAGS if flag not in given]
         return cmd + list(self.extra_args)
 
 

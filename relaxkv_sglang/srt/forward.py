@@ -72,6 +72,7 @@ class RequestFold:
     inserts: list = dataclasses.field(default_factory=list)
     repair_rows: object = None  # repair.RequestRows of the repair pass, if repaired
     n_eligible: int = 0
+    query_pass_rows: int = 0  # rows the repair's query pass computed before the forward
 
     @property
     def positions(self) -> torch.Tensor:
@@ -83,7 +84,7 @@ class RequestFold:
             "chunks_seen": self.chunks_seen,
             "chunks_hit": self.chunks_hit,
             "chunk_tokens_reused": self.hit_tokens,
-            "tokens_computed": int(self.keep.shape[0]),
+            "tokens_computed": int(self.keep.shape[0]) + self.query_pass_rows,
             "repaired": self.repair_rows is not None,
         }
         if self.repair_rows is not None:

@@ -313,6 +313,7 @@ def prepare_repair(cache, model_runner, fold) -> Optional[list[RequestRows]]:
 
     # 3. Targets, relaxed contexts, and the repair pass's rows.
     for r, query_rows in zip(targets, passes):
+        r.query_pass_rows = query_rows.n_rows
         r.repair_rows = _plan_request(r, query_rows, n_layers)
     return [
         r.repair_rows if getattr(r, "repair_rows", None) is not None

@@ -21,6 +21,7 @@ import torch
 __all__ = [
     "dense_causal_attention",
     "gathered_attention",
+    "scoped_causal_attention",
     "ragged_attention",
     "block_sparse_attention",
     "merge_attention_states",
@@ -129,6 +130,39 @@ def gathered_attention(
         return _sdpa(q, kg, vg, visible, _default_scale(q, scale))
     out, lse = _masked_softmax_attend(q[None], kg[None], vg[None], visible[None], _default_scale(q, scale))
     return (out[0], lse[0]) if return_lse else out[0]
+
+
+def scoped_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    scope_start: torch.Tensor,
+    key_rows: torch.Tensor,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Each row attends causally to the keys from its scope start up to its own position.
+
+    Scope start 0 is the ordinary causal prefix; a chunk's first position makes
+    the chunk attend only to itself (position-independent computation). Rows
+    sharing a scope start gather their key range once.
+
+    Args:
+        q: [n, n_heads, d]; k/v: [n_k, n_kv_heads, d] (e.g. a KV pool).
+        q_pos: int64 [n] row positions; scope_start: int64 [n].
+        key_rows: int [>= max(q_pos) + 1] row of k/v holding the key at each position
+            (e.g. a request's ``req_to_token`` row).
+        scale: softmax scale, default ``d ** -0.5``.
+    Returns:
+        [n, n_heads, dv] in q's dtype.
+    """
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    for scope in torch.unique(scope_start).tolist():
+        sel = (scope_start == scope).nonzero().flatten()
+        pos = q_pos[sel]
+        key_pos = torch.arange(scope, int(pos.max()) + 1, dtype=torch.int64)
+        out[sel] = gathered_attention(q[sel], k, v, pos, key_idx=key_rows[key_pos], key_pos=key_pos, scale=scale)
+    return out
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from relaxkv_sglang.core.attention import gathered_attention
+from relaxkv_sglang.core.attention import scoped_causal_attention
 from relaxkv_sglang.srt import forward as fold_state
 
 
@@ -92,17 +92,9 @@ def build_backend_class():
             v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
             req_to_token = self.req_to_token_pool.req_to_token
             for rows in self.extend_rows:
-                for scope in torch.unique(rows.scope_start).tolist():
-                    sel = (rows.scope_start == scope).nonzero().flatten()
-                    q_pos = rows.positions[sel]
-                    last = int(q_pos.max())
-                    key_pos = torch.arange(scope, last + 1, dtype=torch.int64)
-                    slots = req_to_token[rows.req_pool_idx, scope : last + 1].to(torch.int64)
-                    row_idx = rows.row_start + sel
-                    o[row_idx] = gathered_attention(
-                        q_[row_idx], k_cache, v_cache, q_pos, key_idx=slots, key_pos=key_pos,
-                        scale=layer.scaling,
-                    )
+                r = slice(rows.row_start, rows.row_start + rows.n_rows)
+                o[r] = scoped_causal_attention(q_[r], k_cache, v_cache, rows.positions, rows.scope_start,
+                                               req_to_token[rows.req_pool_idx], scale=layer.scaling)
             return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     return RelaxKVAttnBackend

@@ -204,3 +204,23 @@ def test_batched_block_sparse_equals_the_block_loop():
         k_pool[perm], v_pool[perm] = k, v
         mapped = block_sparse_attention(q, k_pool, v_pool, layout, key_rows=perm)
         assert torch.allclose(mapped, batched, atol=1e-5)
+
+
+def test_scoped_causal_attention_sees_exactly_its_scope():
+    """Rows see keys [scope start, own position], read through a slot map."""
+    from relaxkv_sglang.core.attention import scoped_causal_attention
+
+    g = torch.Generator().manual_seed(3)
+    n, H, Hkv, d = 40, 4, 2, 8
+    q = torch.randn(n, H, d, generator=g)
+    k, v = torch.randn(n, Hkv, d, generator=g), torch.randn(n, Hkv, d, generator=g)
+    slots = torch.randperm(n, generator=g)
+    k_pool, v_pool = torch.empty_like(k), torch.empty_like(v)
+    k_pool[slots], v_pool[slots] = k, v
+    pos = torch.arange(n)
+    scope = torch.where((pos >= 10) & (pos < 25), torch.tensor(10), torch.tensor(0))  # a chunk at 10..24
+    out = scoped_causal_attention(q, k_pool, v_pool, pos, scope, slots)
+    for t in (0, 9, 10, 17, 24, 25, 39):
+        keys = torch.arange(int(scope[t]), t + 1)
+        expect = gathered_attention(q[t:t + 1], k, v, pos[t:t + 1], keys)
+        assert torch.allclose(out[t:t + 1], expect, atol=1e-6), t

@@ -39,7 +39,9 @@ from relaxkv_sglang.srt.plan import (
     PLAN_KEYS,
     PLAN_POLICY_KEY,
     PLAN_SPANS_KEY,
+    RECORD_KEY,
     SERVER_POLICIES,
+    chunk_tree_served,
 )
 
 CHUNKS_FIELD = "relaxkv_chunks"
@@ -140,7 +142,8 @@ def prepare_generate(tokenizer_manager, obj) -> None:
     else:
         sp_items = [dict(sps or {}) for _ in range(n)]
     text_items = [texts] if single else (list(texts) if texts is not None else [None] * n)
-    if not any(_wants_plan(sp) for sp in sp_items) and default_policy() == "prefix":
+    policy = default_policy()
+    if not any(_wants_plan(sp) for sp in sp_items) and policy == "prefix":
         return
     tokenizer = tokenizer_manager.tokenizer
 
@@ -148,7 +151,6 @@ def prepare_generate(tokenizer_manager, obj) -> None:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     context_len = int(getattr(tokenizer_manager, "context_len", 1 << 30))
-    policy = default_policy()
     planned = [plan_item(t, sp, encode, context_len, policy) for t, sp in zip(text_items, sp_items)]
     if all(p is None for p in planned):
         return
@@ -184,7 +186,7 @@ async def around_generate_request(original, tokenizer_manager, obj, request=None
     """Hook on ``TokenizerManager.generate_request`` (an async generator)."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
-    if isinstance(obj, GenerateReqInput) and tokenizer_manager.server_args.radix_cache_backend == "relaxkv":
+    if isinstance(obj, GenerateReqInput) and chunk_tree_served(tokenizer_manager.server_args):
         prepare_generate(tokenizer_manager, obj)
     async for out in original(tokenizer_manager, obj, request, *args, **kwargs):
         yield _one_record(out)
@@ -194,7 +196,7 @@ def _one_record(out):
     """``meta_info.relaxkv`` as one record: SGLang carries it as a list (customized_info)."""
     for item in out if isinstance(out, list) else [out]:
         meta = item.get("meta_info") if isinstance(item, dict) else None
-        records = meta.get("relaxkv") if meta else None
+        records = meta.get(RECORD_KEY) if meta else None
         if isinstance(records, list):
-            meta["relaxkv"] = records[-1] if records else None
+            meta[RECORD_KEY] = records[-1] if records else None
     return out

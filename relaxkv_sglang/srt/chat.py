@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 import re
 
-from relaxkv_sglang.srt.plan import CHUNK_POLICIES
+from relaxkv_sglang.srt.plan import CHUNK_POLICIES, chunk_tree_served
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def mark_documents(serving, request, adapted) -> bool:
     when ``request`` holds documents and reuses chunks. Returns whether it did."""
     if not document_parts(request.messages):
         return False
-    if serving.tokenizer_manager.server_args.radix_cache_backend != "relaxkv":
+    if not chunk_tree_served(serving.tokenizer_manager.server_args):
         return False
     sp = adapted.sampling_params
     if not isinstance(sp, dict):

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
-from relaxkv_sglang.srt.plan import RequestPlan, request_plan
+from relaxkv_sglang.srt.plan import RECORD_KEY, RequestPlan, request_plan
 
 _ACTIVE_FOLD: Optional["Fold"] = None
 
@@ -114,9 +114,6 @@ class Fold:
             rows.append(ExtendRows(r.req_pool_idx, start, r.positions, r.scope_start))
             start += r.keep.shape[0]
         return rows
-
-    def reports(self) -> list[dict]:
-        return [r.report() for r in self.requests]
 
 
 class KVCopier:
@@ -251,9 +248,6 @@ def finish_fold(cache, fold: Fold) -> None:
         stats.log_device_hit_tokens += hits
         stats.log_input_tokens -= hits
     cache.publish_metrics()
-
-
-RECORD_KEY = "relaxkv"
 
 
 def _publish_record(req, step: dict) -> None:

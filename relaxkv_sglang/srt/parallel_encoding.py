@@ -76,7 +76,7 @@ from typing import Callable, Iterable, Optional
 
 from fastapi import Request
 
-from relaxkv_sglang.srt.plan import CHUNK_POLICIES
+from relaxkv_sglang.srt.plan import CHUNK_POLICIES, chunk_tree_served
 
 ROUTE = "/concate_and_append_request"
 CHUNKS_FIELD = "relaxkv_chunks"
@@ -386,7 +386,7 @@ def _relaxkv_served() -> bool:
 
     state = http_server.get_global_state()
     server_args = getattr(getattr(state, "tokenizer_manager", None), "server_args", None)
-    return getattr(server_args, "radix_cache_backend", None) == "relaxkv"
+    return chunk_tree_served(server_args)
 
 
 async def around_serve_generate_request(original, obj, request=None, *args, **kwargs):

@@ -22,6 +22,17 @@ PLAN_KEYS = (PLAN_POLICY_KEY, PLAN_SPANS_KEY, PLAN_ANCHOR_KEY, PLAN_CONTEXT_KEY)
 REPAIR_POLICIES = ("epic", "cacheblend", "prophetkv", "relaxkv", "relaxkv_fullctx", "relaxkv_randctx")
 SERVER_POLICIES = ("full", "prefix", "pic") + REPAIR_POLICIES
 CHUNK_POLICIES = frozenset(("pic",) + REPAIR_POLICIES)
+# The name the plugin registers its tree cache and attention backend under.
+BACKEND_NAME = "relaxkv"
+
+
+def chunk_tree_served(server_args) -> bool:
+    """Whether the server runs the plugin's chunk tree (else the plugin leaves requests alone)."""
+    return getattr(server_args, "radix_cache_backend", None) == BACKEND_NAME
+
+
+# meta_info key of the per-request report (SGLang carries it as customized_info).
+RECORD_KEY = "relaxkv"
 DEFAULT_ANCHOR_RATIO = 0.15
 DEFAULT_CONTEXT_RATIO = 0.25
 
@@ -44,6 +55,11 @@ class RequestPlan:
     @property
     def repairs(self) -> bool:
         return self.policy in REPAIR_POLICIES and bool(self.chunk_spans)
+
+    @property
+    def query_start(self) -> int:
+        """First token after the last chunk (the API keeps the query non-empty)."""
+        return self.chunk_spans[-1][1]
 
     @property
     def exact_len(self) -> int | None:

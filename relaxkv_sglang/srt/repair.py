@@ -34,9 +34,15 @@ from typing import Callable, Optional
 
 import torch
 
-from relaxkv_sglang.core.attention import block_sparse_attention, executed_kv_pairs, gathered_attention
-from relaxkv_sglang.core.layout import BlockSparseLayout
-from relaxkv_sglang.core.selection import query_attention_scores
+from relaxkv_sglang.core.attention import block_sparse_attention, executed_kv_pairs, scoped_causal_attention
+from relaxkv_sglang.core.layout import BlockSparseLayout, build_relaxed_layout, full_causal_layout
+from relaxkv_sglang.core.selection import (
+    RepairPolicy,
+    eligible_tokens,
+    kv_deviation,
+    query_attention_scores,
+    select_anchors,
+)
 
 
 class UnsupportedModelError(RuntimeError):
@@ -186,12 +192,8 @@ class LayerLoop:
         pos, scope, anchor = r.positions[mask], r.scope[mask], r.anchor[mask]
         out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
         plain = ~anchor
-        for s in torch.unique(scope[plain]).tolist():
-            sel = (plain & (scope == s)).nonzero().flatten()
-            q_pos = pos[sel]
-            key_pos = torch.arange(s, int(q_pos.max()) + 1, dtype=torch.int64)
-            out[sel] = gathered_attention(q[sel], k_cache, v_cache, q_pos, key_idx=r.slots[key_pos],
-                                          key_pos=key_pos, scale=scale)
+        if bool(plain.any()):
+            out[plain] = scoped_causal_attention(q[plain], k_cache, v_cache, pos[plain], scope[plain], r.slots, scale)
         if bool(anchor.any()):
             layout: BlockSparseLayout = r.layouts[l]
             sel = anchor.nonzero().flatten()
@@ -261,18 +263,18 @@ def _repairable(r) -> bool:
     if plan is None or not plan.repairs:
         return False
     end = r.window_start + r.window_len
-    query_start = plan.chunk_spans[-1][1]
     in_window = [s for s in plan.chunk_spans if s[0] >= r.window_start]
-    logprobs_ok = r.logprob_start is None or r.window_start + r.logprob_start >= query_start
+    logprobs_ok = r.logprob_start is None or r.window_start + r.logprob_start >= plan.query_start
     return end == len(r.req.origin_input_ids) and bool(in_window) and logprobs_ok
 
 
-def _rows(slots, positions, n_layers, scope=None) -> RequestRows:
-    n = positions.shape[0]
+def _rows(req_to_token, r, n_layers: int) -> RequestRows:
+    """The request's folded rows, each at every layer with its own scope (no anchors)."""
+    n = r.positions.shape[0]
     return RequestRows(
-        slots=slots, positions=positions, exits=torch.full((n,), n_layers, dtype=torch.int64),
-        scope=torch.zeros(n, dtype=torch.int64) if scope is None else scope,
-        anchor=torch.zeros(n, dtype=torch.bool),
+        slots=req_to_token[r.req_pool_idx, : r.window_start + r.window_len].to(torch.int64),
+        positions=r.positions, exits=torch.full((n,), n_layers, dtype=torch.int64),
+        scope=r.scope_start.clone(), anchor=torch.zeros(n, dtype=torch.bool),
     )
 
 
@@ -283,8 +285,6 @@ def prepare_repair(cache, model_runner, fold) -> Optional[list[RequestRows]]:
     anchors) and returns the repair pass's rows for every request of the
     batch, or None when no request can be repaired in this window.
     """
-    from relaxkv_sglang.core.selection import RepairPolicy
-
     targets = [r for r in fold.requests if _repairable(r)]
     if not targets or not supports_repair(model_runner.model):
         return None
@@ -296,9 +296,8 @@ def prepare_repair(cache, model_runner, fold) -> Optional[list[RequestRows]]:
     # 1. Query pass over the stale context (also computes misses and exact rows).
     passes, ids = [], []
     for r in targets:
-        end = r.window_start + r.window_len
-        rows = _rows(req_to_token[r.req_pool_idx, :end].to(torch.int64), r.positions, n_layers, r.scope_start.clone())
-        rows.n_context = r.plan.chunk_spans[-1][1]
+        rows = _rows(req_to_token, r, n_layers)
+        rows.n_context = r.plan.query_start
         rows.want_scores = RepairPolicy(r.plan.policy).needs_query_scores
         passes.append(rows)
         ids.append(torch.tensor(r.req.origin_input_ids)[r.positions])
@@ -315,20 +314,13 @@ def prepare_repair(cache, model_runner, fold) -> Optional[list[RequestRows]]:
     for r, query_rows in zip(targets, passes):
         r.query_pass_rows = query_rows.n_rows
         r.repair_rows = _plan_request(r, query_rows, n_layers)
-    return [
-        r.repair_rows if getattr(r, "repair_rows", None) is not None
-        else _rows(req_to_token[r.req_pool_idx, : r.window_start + r.window_len].to(torch.int64),
-                   r.positions, n_layers, r.scope_start)
-        for r in fold.requests
-    ]
+    return [r.repair_rows if r.repair_rows is not None else _rows(req_to_token, r, n_layers) for r in fold.requests]
 
 
 def _plan_request(r, query_rows: RequestRows, n_layers: int) -> RequestRows:
-    from relaxkv_sglang.core.selection import RepairPolicy, eligible_tokens, select_anchors
-
     plan, pre = r.plan, r.window_start
     policy = RepairPolicy(plan.policy)
-    n_context = plan.chunk_spans[-1][1]
+    n_context = plan.query_start
     end = pre + r.window_len
     spans = [s for s in plan.chunk_spans if s[0] >= pre]
     scores = torch.stack(query_rows.scores) if policy.needs_query_scores else None
@@ -364,8 +356,6 @@ def _plan_request(r, query_rows: RequestRows, n_layers: int) -> RequestRows:
 
 def _layouts(policy, sets, scores, spans, n_context: int, context_ratio: float) -> list:
     """Each layer's anchors' context: relaxed for relaxkv (and its random ablation), else causal."""
-    from relaxkv_sglang.core.layout import build_relaxed_layout, full_causal_layout
-
     if policy.context_mode == "full":
         return [full_causal_layout(a, spans, n_context, PAGE_SIZE) for a in sets]
     gen = torch.Generator().manual_seed(1)
@@ -378,8 +368,6 @@ def _layouts(policy, sets, scores, spans, n_context: int, context_ratio: float) 
 
 def _cacheblend_check(rows: RequestRows, spans, n_context: int, ratio: float, n_layers: int):
     """CacheBlend: at the check layer keep the anchors whose K/V deviate most."""
-    from relaxkv_sglang.core.selection import RepairPolicy, kv_deviation, select_anchors
-
     def on_kv(l, mask, k_new, v_new, k_cache, v_cache):
         if l != CACHEBLEND_CHECK_LAYER:
             return

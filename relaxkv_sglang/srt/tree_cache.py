@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from relaxkv_sglang.core.chunk_store import ChunkStore
-from relaxkv_sglang.srt.plan import request_plan
+from relaxkv_sglang.srt.plan import BACKEND_NAME, request_plan
 
 logger = logging.getLogger(__name__)
 
@@ -100,13 +100,9 @@ def build_cache_class():
 
         def stats(self) -> dict:
             """Chunk tree counters and KV pool occupancy, for /get_server_info."""
-            chunk = self.chunks.stats()
+            chunk = {f"chunk_{name}": value for name, value in dataclasses.asdict(self.chunks.stats()).items()}
             return {
-                "chunk_lookups": chunk.lookups, "chunk_hits": chunk.hits, "chunk_misses": chunk.misses,
-                "chunk_hit_tokens": chunk.hit_tokens, "chunk_inserts": chunk.inserts,
-                "chunk_evictions": chunk.evictions, "chunk_evicted_tokens": chunk.evicted_tokens,
-                "chunk_entries": chunk.entries, "chunk_tokens_held": chunk.tokens_held,
-                "chunk_locked_tokens": chunk.locked_tokens,
+                **chunk,
                 "radix_evictable_tokens": RadixCache.evictable_size(self),
                 "radix_protected_tokens": self.protected_size(),
                 "kv_available_tokens": int(self.token_to_kv_pool_allocator.available_size()),
@@ -161,7 +157,7 @@ def make_tree_cache(ctx):
     from relaxkv_sglang.srt.forward import KVCopier
 
     server_args = ctx.server_args
-    if server_args.attention_backend != "relaxkv":
+    if server_args.attention_backend != BACKEND_NAME:
         raise SystemExit(
             "relaxkv-sglang: --radix-cache-backend relaxkv needs --attention-backend relaxkv "
             f"(got {server_args.attention_backend!r})"

@@ -108,12 +108,12 @@ def replay(client: ServerClient, trace: list[TraceRequest], policy: str, clients
 
 def best_possible_pct(trace: list[TraceRequest], tokenizer, prompt_tokens: int) -> float:
     """Every document token after its first appearance in the trace, over all prompt tokens."""
-    seen, reusable = set(), 0
+    doc_tokens = {}
     for req in trace:
         for i, (s, e) in zip(req.doc_ids, zip(req.offsets[::2], req.offsets[1::2])):
-            if i in seen:
-                reusable += len(tokenizer.encode(req.text[s:e], add_special_tokens=False))
-            seen.add(i)
+            if i not in doc_tokens:
+                doc_tokens[i] = len(tokenizer.encode(req.text[s:e], add_special_tokens=False))
+    reusable = metrics.reusable_tokens([(i, doc_tokens[i]) for i in req.doc_ids] for req in trace)
     return 100.0 * reusable / prompt_tokens
 
 

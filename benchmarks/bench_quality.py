@@ -58,13 +58,6 @@ def first_token_kl(full: dict, other: dict) -> float:
     return max(kl, 0.0)
 
 
-def fidelity_f1(answer: str, full_answer: str) -> float:
-    """QA F1 of an answer against full prefill's; two answers that normalise to nothing agree."""
-    if not metrics.normalize_answer(answer) and not metrics.normalize_answer(full_answer):
-        return 1.0
-    return metrics.qa_f1(answer, full_answer)
-
-
 def first_line(text: str) -> str:
     """The short answer the prompt asks for: the continuation up to its first line break."""
     return text.strip().split("\n", 1)[0]
@@ -98,7 +91,7 @@ def run(args) -> dict:
                 record = out["meta_info"].get("relaxkv") or {}
                 rows[policy].append({
                     "answer": out["text"],
-                    "f1_to_full": fidelity_f1(out["text"], full["text"]),
+                    "f1_to_full": metrics.fidelity_f1(out["text"], full["text"]),
                     "exact_to_full": metrics.exact_agreement(out["text"], full["text"]),
                     "kl_first_token": 0.0 if policy == "full" else first_token_kl(full, out),
                     "gold_f1": metrics.qa_f1(first_line(out["text"]), example["answer"]),

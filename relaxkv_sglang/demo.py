@@ -72,6 +72,7 @@ import sglang as sgl  # noqa: E402
 from sglang.lang.ir import SglSamplingParams  # noqa: E402
 
 from relaxkv_sglang import assets, metrics  # noqa: E402
+from relaxkv_sglang.client import ServerClient  # noqa: E402
 from relaxkv_sglang.lang import RelaxKVEndpoint, document  # noqa: E402
 from relaxkv_sglang.server import SGLangServer, ServerConfig, ServerError  # noqa: E402
 from relaxkv_sglang.workloads import SEPARATOR, RagRequest, hotpotqa_requests, prompt_parts, render_prompt  # noqa: E402
@@ -348,17 +349,6 @@ def run_mode(mode: Mode, url: str, trace: list[RagRequest], clients: int, max_ne
     return {"records": records, "wall_s": wall}
 
 
-def fidelity_f1(answer: str, reference: str) -> float:
-    """Answer F1 of ``answer`` against the reference mode's answer to the same request.
-
-    As :func:`metrics.qa_f1`, except that two answers that both normalise to
-    nothing agree (1.0): the reference said nothing and so did the mode.
-    """
-    if not metrics.normalize_answer(reference).split():
-        return float(not metrics.normalize_answer(answer).split())
-    return metrics.qa_f1(answer, reference)
-
-
 def _mean_report(recs: list[dict], key: str) -> float | None:
     return metrics.mean(r["relaxkv"][key] for r in recs if isinstance(r.get("relaxkv"), dict) and key in r["relaxkv"])
 
@@ -393,7 +383,7 @@ def summarize(mode: Mode, run: dict, reference: list[dict] | None) -> dict:
     if reference is not None:
         # Fidelity to full prefill, request by request (the same trace, the same order).
         out["fidelity_to_full_f1"] = metrics.mean(
-            fidelity_f1(r["answer"], b["answer"]) for r, b in zip(recs, reference))
+            metrics.fidelity_f1(r["answer"], b["answer"]) for r, b in zip(recs, reference))
         out["agreement_with_full"] = metrics.mean(
             metrics.exact_agreement(r["answer"], b["answer"]) for r, b in zip(recs, reference))
     # What the plugin reported (repair policies): the knobs as achieved, averaged over requests.
@@ -555,11 +545,9 @@ def _context_length(model_dir: pathlib.Path) -> int | None:
 def flush_cache(url: str) -> None:
     """Empty the server's caches so each mode starts cold (waits up to 60 s for idle)."""
     try:
-        r = http.post(url.rstrip("/") + "/flush_cache", params={"timeout": 60}, timeout=90)
-    except http.RequestException as exc:
+        ServerClient(url).flush()
+    except (http.RequestException, RuntimeError) as exc:
         raise DemoError(f"cannot flush the server's cache: {_one_line(exc)}") from exc
-    if r.status_code != 200:
-        raise DemoError(f"the server refused to flush its cache: {_one_line(Exception(r.text))}")
 
 
 def warm_up(url: str) -> None:

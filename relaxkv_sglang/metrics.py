@@ -66,6 +66,17 @@ def exact_agreement(prediction: str, references: str | Sequence[str]) -> float:
     return 1.0 if any(pred == normalize_answer(ref) for ref in _references(references)) else 0.0
 
 
+def fidelity_f1(answer: str, reference: str) -> float:
+    """Answer F1 of ``answer`` against another policy's answer to the same prompt (e.g. full prefill's).
+
+    As :func:`qa_f1`, except that two answers that both normalise to nothing
+    agree (1.0): the reference said nothing and so did the answer.
+    """
+    if not normalize_answer(reference).split():
+        return float(not normalize_answer(answer).split())
+    return qa_f1(answer, reference)
+
+
 def mean(values: Iterable[float]) -> float | None:
     """Arithmetic mean, or None for no values (JSON has no NaN)."""
     values = list(values)

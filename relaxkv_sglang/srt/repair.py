@@ -16,8 +16,9 @@ runs two passes of :class:`LayerLoop` over SGLang's own model modules:
    layout: their full causal prefix for the peers
    (:func:`~relaxkv_sglang.core.layout.full_causal_layout`) or, for ``relaxkv``,
    the relaxed context of :func:`~relaxkv_sglang.core.layout.build_relaxed_layout`.
-   Both run through the same executor
-   (:func:`~relaxkv_sglang.core.attention.block_sparse_attention`, gathered K/V),
+   Both run through the same executor (:func:`anchor_attention`: on a CPU
+   :func:`~relaxkv_sglang.core.attention.block_sparse_attention`, gathered K/V;
+   on a GPU FlashInfer's block-sparse wrappers),
    so policies differ only in the keys chosen and the work follows the context. The query then
    attends densely over the repaired KV, and SGLang samples as usual.
 
@@ -142,6 +143,18 @@ class RequestRows:
         return int(self.positions.shape[0])
 
 
+def anchor_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BlockSparseLayout,
+                     scale: float, key_rows: torch.Tensor) -> torch.Tensor:
+    """The anchors' block-sparse attention over the layer's KV pool: FlashInfer on a GPU
+    (half precision, :mod:`relaxkv_sglang.gpu.flashinfer_attention`), the torch executor
+    otherwise. Both execute the same layout; ``python -m relaxkv_sglang.gpu.check`` compares them."""
+    if k_cache.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        from relaxkv_sglang.gpu.flashinfer_attention import relaxed_attention
+
+        return relaxed_attention(q, k_cache, v_cache, layout, scale, key_rows)
+    return block_sparse_attention(q, k_cache, v_cache, layout, scale=scale, key_rows=key_rows)
+
+
 class LayerLoop:
     """Runs the model layer by layer over rows that may leave at any layer."""
 
@@ -199,7 +212,7 @@ class LayerLoop:
             sel = anchor.nonzero().flatten()
             if not torch.equal(layout.q_pos, pos[sel]):
                 raise RuntimeError("relaxkv: layout rows do not match the layer's anchors")
-            out[sel] = block_sparse_attention(q[sel], k_cache, v_cache, layout, scale=scale, key_rows=r.slots)
+            out[sel] = anchor_attention(q[sel], k_cache, v_cache, layout, scale, r.slots)
             r.kv_pairs += layout.kv_pairs()
             r.full_kv_pairs += layout.full_kv_pairs()
             r.executed_kv_pairs += executed_kv_pairs(layout)

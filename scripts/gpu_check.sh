@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Runs on the lent GPU machine (docs/gpu.md): unpack the bundle built here by
+# `make gpu-bundle` (.gpu/, carried), then compare FlashInfer's relaxed anchor
+# attention with the torch reference. Results go to $OUT (or ./gpu-check-out).
+#   run: bash scripts/gpu_check.sh [--quick]      carry: [".gpu"]
+set -euo pipefail
+OUT=${OUT:-gpu-check-out}
+mkdir -p "$OUT"
+SITE=/tmp/relaxkv-gpu-site
+test -d .gpu || { echo "gpu_check: .gpu/ is missing; run 'make gpu-bundle' and carry .gpu" >&2; exit 2; }
+rm -rf "$SITE" && mkdir -p "$SITE"
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .gpu/apache_tvm_ffi-*.whl
+tar -xJf .gpu/flashinfer-*-prefill.tar.xz -C "$SITE"
+export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
+export MAX_JOBS=$(nproc) FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
+nvidia-smi -L | tee "$OUT/device.txt"
+python3 -c "import torch, flashinfer; print('torch', torch.__version__, '| flashinfer', flashinfer.__version__)" | tee -a "$OUT/device.txt"
+python3 -m relaxkv_sglang.gpu.check --out "$OUT/gpu_check.json" "$@" 2>&1 | tee "$OUT/gpu_check.log"

@@ -207,6 +207,8 @@ class RelaxKVEndpoint(RuntimeEndpoint):
         if policy is not None and policy not in SERVER_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(SERVER_POLICIES)} or None, got {policy!r}")
         self.policy = policy
+        if custom_params is not None and not isinstance(custom_params, dict):
+            raise TypeError(f"custom_params must be a dict or None, got {type(custom_params).__name__}")
         self.custom_params = dict(custom_params or {})
         for key in (CHUNKS_FIELD, POLICY_FIELD):
             if key in self.custom_params:

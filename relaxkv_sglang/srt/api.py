@@ -36,7 +36,6 @@ from relaxkv_sglang.srt.plan import (
     CHUNK_POLICIES,
     PLAN_ANCHOR_KEY,
     PLAN_CONTEXT_KEY,
-    PLAN_KEYS,
     PLAN_POLICY_KEY,
     PLAN_SPANS_KEY,
     RECORD_KEY,
@@ -49,6 +48,8 @@ POLICY_FIELD = "relaxkv_policy"
 ANCHOR_FIELD = "relaxkv_anchor_ratio"
 CONTEXT_FIELD = "relaxkv_context_ratio"
 USER_FIELDS = (CHUNKS_FIELD, POLICY_FIELD, ANCHOR_FIELD, CONTEXT_FIELD)
+USER_PREFIX = "relaxkv_"  # a custom_params key with this prefix must be one of USER_FIELDS (typos are errors)
+RESERVED_PREFIX = "_relaxkv_"  # the server's internal plan entries (plan.PLAN_KEYS and any future ones)
 DEFAULT_POLICY_ENV = "RELAXKV_DEFAULT_POLICY"
 
 
@@ -65,6 +66,7 @@ class RequestError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"invalid {field}: {message}")
         self.field = field
+        self.message = message
 
 
 def _custom_params(sampling_params: dict) -> dict:
@@ -73,9 +75,14 @@ def _custom_params(sampling_params: dict) -> dict:
         return {}
     if not isinstance(cp, dict):
         raise RequestError("sampling_params.custom_params", f"must be an object, got {type(cp).__name__}")
-    for key in PLAN_KEYS:
-        if key in cp:
+    for key in cp:
+        if not isinstance(key, str):
+            continue
+        if key.startswith(RESERVED_PREFIX):
             raise RequestError(f"custom_params.{key}", "is reserved for the server")
+        if key.startswith(USER_PREFIX) and key not in USER_FIELDS:
+            # A misspelt field would otherwise be ignored and the request served without reuse.
+            raise RequestError(f"custom_params.{key}", f"unknown field; the relaxkv fields are {', '.join(USER_FIELDS)}")
     return cp
 
 
@@ -90,15 +97,15 @@ def plan_item(text: str | None, sampling_params: dict, encode, context_len: int,
         raise RequestError(POLICY_FIELD, f"unknown policy {policy!r}; choose one of {', '.join(SERVER_POLICIES)}")
     knobs = {key: _ratio(cp, field) for key, field in ((PLAN_ANCHOR_KEY, ANCHOR_FIELD), (PLAN_CONTEXT_KEY, CONTEXT_FIELD))
              if field in cp}
-    chunks = cp.get(CHUNKS_FIELD)
-    if chunks is not None and text is None:
+    has_chunks = CHUNKS_FIELD in cp  # null is not "absent": like every field, it must be a valid value
+    if has_chunks and text is None:
         raise RequestError(CHUNKS_FIELD, "character offsets need the prompt as `text`, not `input_ids`")
     if text is None:
         if policy == "full":
             return None, dict(cp, **{PLAN_POLICY_KEY: policy, PLAN_SPANS_KEY: []})
         return None
     try:
-        spans = parse_chunk_offsets(text, chunks, field=CHUNKS_FIELD) if chunks is not None else (
+        spans = parse_chunk_offsets(text, cp[CHUNKS_FIELD], field=CHUNKS_FIELD) if has_chunks else (
             auto_chunk(text) if policy in CHUNK_POLICIES else []
         )
     except ChunkSpecError as exc:
@@ -136,8 +143,11 @@ def prepare_generate(tokenizer_manager, obj) -> None:
     n = 1 if single else len(texts if texts is not None else obj.input_ids)
     sps = obj.sampling_params
     if isinstance(sps, list):
+        if len(sps) < n:
+            # SGLang 0.5.23 fails with an IndexError (HTTP 500) on a short list.
+            raise RequestError("sampling_params", f"a list needs one object per prompt ({n}), got {len(sps)}")
         if len(sps) != n:
-            return  # SGLang's own validation reports the mismatch
+            return  # longer: SGLang's own handling
         sp_items = [dict(sp or {}) for sp in sps]
     else:
         sp_items = [dict(sps or {}) for _ in range(n)]
@@ -145,13 +155,23 @@ def prepare_generate(tokenizer_manager, obj) -> None:
     policy = default_policy()
     if not any(_wants_plan(sp) for sp in sp_items) and policy == "prefix":
         return
+    if obj.text is not None and obj.input_ids is not None:
+        # SGLang would serve input_ids and the plan would be built from text: refuse the ambiguity.
+        raise RequestError("input_ids", "give the prompt as `text` or as `input_ids`, not both")
     tokenizer = tokenizer_manager.tokenizer
 
     def encode(text: str, add_special_tokens: bool) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     context_len = int(getattr(tokenizer_manager, "context_len", 1 << 30))
-    planned = [plan_item(t, sp, encode, context_len, policy) for t, sp in zip(text_items, sp_items)]
+    planned = []
+    for i, (t, sp) in enumerate(zip(text_items, sp_items)):
+        try:
+            planned.append(plan_item(t, sp, encode, context_len, policy))
+        except RequestError as exc:
+            if single:
+                raise
+            raise RequestError(exc.field, f"batch item {i}: {exc.message}") from exc
     if all(p is None for p in planned):
         return
     ids = []
@@ -175,7 +195,7 @@ def _wants_plan(sampling_params: dict) -> bool:
         return False
     if not isinstance(cp, dict):
         return True
-    return any(k in cp for k in USER_FIELDS + PLAN_KEYS)
+    return any(isinstance(k, str) and k.startswith((USER_PREFIX, RESERVED_PREFIX)) for k in cp)
 
 
 def _is_batch_ids(input_ids) -> bool:

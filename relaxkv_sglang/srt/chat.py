@@ -70,6 +70,19 @@ def document_parts(messages) -> list[tuple[int, int]]:
     return found
 
 
+def check_documents(messages) -> None:
+    """Reject an empty document part (HTTP 400), as ``document("")`` and an empty
+    ``relaxkv_chunks`` pair are rejected: it would be a chunk of no text."""
+    from relaxkv_sglang.srt.api import RequestError
+
+    for mi, pi in document_parts(messages):
+        if not getattr(messages[mi].content[pi], "text", None):
+            raise RequestError(
+                f"messages[{mi}].content[{pi}].text",
+                "a document (a text part before the message's last text part) must not be empty",
+            )
+
+
 class _Skip(Exception):
     """This request keeps SGLang's own prompt (no chunk marks)."""
 
@@ -169,8 +182,10 @@ def mark_documents(serving, request, adapted) -> bool:
         return False
     from relaxkv_sglang.srt.api import default_policy
 
-    if cp.get(POLICY_FIELD, default_policy()) not in CHUNK_POLICIES:
-        return False
+    policy = cp.get(POLICY_FIELD, default_policy())
+    if not isinstance(policy, str) or policy not in CHUNK_POLICIES:
+        return False  # a malformed policy is reported by the native path
+    check_documents(request.messages)
     try:
         if adapted.text is not None or not isinstance(adapted.input_ids, list) or not adapted.input_ids:
             raise _Skip("SGLang built this prompt as text (multimodal model)")

@@ -91,6 +91,7 @@ PENDING_TTL_S = 300.0
 MAX_JOINED = 256
 MAX_JOINED_CHARS = 4_000_000
 MAX_MATCH_STEPS = 20_000  # branch comparisons one request may cost while joins are pending
+MAX_BRANCHES = 1024  # a join's branches become chunks, and a request holds at most 1024 (api)
 
 
 @dataclasses.dataclass(eq=False)
@@ -292,17 +293,31 @@ def _match_join(text: str, join: _PendingJoin, budget: list[int]) -> list[tuple[
 
 def _match_branches(text: str, pos: int, branches: list[str], n: int, budget: list[int]):
     """Spans of ``n`` consecutive branches in ``text`` from ``pos`` (depth-first,
-    most recent branch first), or None."""
+    most recent branch first), or None.
+
+    Iterative (an explicit stack, not recursion): ``n`` comes from the client
+    and a deep join must not exhaust Python's recursion limit."""
     if n == 0:
         return []
-    for b in branches:
+    spans: list[tuple[int, int]] = []  # the branches matched so far, one per level below the top
+    stack = [0]  # per level: index of the next branch to try
+    while stack:
+        i = stack[-1]
+        if i == len(branches):  # this level is exhausted: backtrack
+            stack.pop()
+            if spans:
+                spans.pop()
+            continue
+        stack[-1] = i + 1
         budget[0] -= 1
         if budget[0] < 0:
             return None
-        if text.startswith(b, pos):
-            rest = _match_branches(text, pos + len(b), branches, n - 1, budget)
-            if rest is not None:
-                return [(pos, pos + len(b))] + rest
+        start = spans[-1][1] if spans else pos
+        if text.startswith(branches[i], start):
+            spans.append((start, start + len(branches[i])))
+            if len(spans) == n:
+                return spans
+            stack.append(0)
     return None
 
 
@@ -362,8 +377,8 @@ def apply_to_request(obj, registry: JoinRegistry = REGISTRY, default_policy: Opt
             if policy is None:
                 add_policy = None if default_policy in CHUNK_POLICIES else JOIN_POLICY
                 allowed = default_policy != "full"
-            else:
-                add_policy, allowed = None, policy in CHUNK_POLICIES
+            else:  # a malformed policy is left to the native path, which reports it
+                add_policy, allowed = None, isinstance(policy, str) and policy in CHUNK_POLICIES
             spans = registry.spans_for(text) if allowed else []
             if spans:
                 chunks = _merge_chunks((cp or {}).get(CHUNKS_FIELD), spans)
@@ -417,6 +432,8 @@ async def concate_and_append_request(request: Request):
     src = body.get("src_rids")
     if not isinstance(src, list) or not all(isinstance(r, str) for r in src):
         return bad("src_rids", "must be a list of strings")
+    if len(src) > MAX_BRANCHES:
+        return bad("src_rids", f"at most {MAX_BRANCHES} branches, got {len(src)}")
     if not isinstance(body.get("dst_rid"), str):
         return bad("dst_rid", "must be a string")
     if _relaxkv_served():

@@ -68,10 +68,14 @@ class RequestPlan:
 
 
 def request_namespace(req) -> str | None:
-    """Chunks are shared only between requests with the same extra_key and cache_salt."""
+    """Chunks are shared only between requests with the same extra_key and cache_salt.
+
+    The key is unambiguous (extra_key's length first): both are client strings,
+    and with a bare separator an extra_key ending in it and a salt starting with
+    it would name the same namespace as another pair."""
     extra = getattr(req, "extra_key", None) or ""
     salt = getattr(req, "cache_salt", None) or ""
-    return f"{extra}\x1f{salt}" if (extra or salt) else None
+    return f"{len(extra)}:{extra}\x1f{salt}" if (extra or salt) else None
 
 
 def request_plan(req) -> RequestPlan | None:

@@ -93,16 +93,6 @@ def test_prefix_policy_misses_what_pic_hits(relaxkv_server, tokenizer):
     assert prefix["meta_info"]["cached_tokens"] < 0.05 * chunk_tokens
 
 
-def test_tenants_never_share_chunks(relaxkv_server):
-    docs = documents(2, seed=5)
-    prompt = marked_prompt("Sys.", docs, "Q?")
-    generate(relaxkv_server.url, prompt, policy="pic", extra_key="tenant-a")
-    other = generate(relaxkv_server.url, prompt, policy="pic", extra_key="tenant-b")
-    assert other["meta_info"]["relaxkv"]["chunks_hit"] == 0
-    same = generate(relaxkv_server.url, marked_prompt("Other sys.", docs, "Q2?"), policy="pic", extra_key="tenant-a")
-    assert same["meta_info"]["relaxkv"]["chunks_hit"] == 2
-
-
 def test_unmarked_prompt_is_chunked_by_content(relaxkv_server):
     docs = documents(3, seed=6)
     first = "You are helpful.\n\n" + "\n\n".join(docs) + "\n\nQuestion: one?"
@@ -122,48 +112,4 @@ def test_flush_returns_every_slot(relaxkv_server):
     flush(relaxkv_server.url)
     state = relaxkv_state(relaxkv_server.url)
     assert state["chunk_tokens_held"] == 0
-    assert state["kv_available_tokens"] == state["kv_total_tokens"]
-
-
-BAD_CUSTOM_PARAMS = [
-    ({"relaxkv_chunks": [0, 5, 3]}, "relaxkv_chunks"),  # odd length
-    ({"relaxkv_chunks": [10, 5]}, "relaxkv_chunks"),  # start after end
-    ({"relaxkv_chunks": [0, 5, 3, 8]}, "relaxkv_chunks"),  # overlapping
-    ({"relaxkv_chunks": [6, 9, 0, 5]}, "relaxkv_chunks"),  # unsorted
-    ({"relaxkv_chunks": [0, 100000]}, "relaxkv_chunks"),  # out of range
-    ({"relaxkv_chunks": [-1, 4]}, "relaxkv_chunks"),  # negative
-    ({"relaxkv_chunks": [3, 3]}, "relaxkv_chunks"),  # empty chunk
-    ({"relaxkv_chunks": [0, 2.5]}, "relaxkv_chunks"),  # non-integer
-    ({"relaxkv_chunks": "0,5"}, "relaxkv_chunks"),  # not a list
-    ({"relaxkv_policy": "magic"}, "relaxkv_policy"),  # unknown policy
-    ({"_relaxkv_policy": "pic"}, "_relaxkv_policy"),  # reserved
-]
-
-
-@pytest.mark.parametrize("custom_params,field", BAD_CUSTOM_PARAMS)
-def test_bad_input_gets_400_naming_the_field(relaxkv_server, custom_params, field):
-    body = {"text": "Hello there, general Kenobi. Question: hi?", "sampling_params": {
-        "max_new_tokens": 2, "custom_params": custom_params}}
-    response = requests.post(relaxkv_server.url + "/generate", json=body, timeout=60)
-    assert response.status_code == 400, response.text
-    assert field in response.text
-
-
-def test_chunk_longer_than_context_is_refused(relaxkv_server):
-    doc = " ".join(documents(40, seed=8))  # far over the 4096-token context
-    prompt = marked_prompt("S.", [doc], "Q?")
-    body = {"text": prompt.text, "sampling_params": {"max_new_tokens": 2, "custom_params": {"relaxkv_chunks": prompt.offsets}}}
-    response = requests.post(relaxkv_server.url + "/generate", json=body, timeout=60)
-    assert response.status_code == 400
-    assert "relaxkv_chunks" in response.text and "context length" in response.text
-
-
-def test_server_keeps_serving_and_leaks_nothing_after_bad_input(relaxkv_server):
-    for custom_params, _ in BAD_CUSTOM_PARAMS:
-        requests.post(relaxkv_server.url + "/generate", json={"text": "abc def", "sampling_params": {
-            "max_new_tokens": 2, "custom_params": custom_params}}, timeout=60)
-    ok = generate(relaxkv_server.url, marked_prompt("S.", documents(2, seed=9), "Q?"), policy="pic")
-    assert ok["meta_info"]["completion_tokens"] == 8
-    flush(relaxkv_server.url)
-    state = relaxkv_state(relaxkv_server.url)
     assert state["kv_available_tokens"] == state["kv_total_tokens"]

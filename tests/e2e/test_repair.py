@@ -78,18 +78,6 @@ def test_partial_repair_moves_toward_full(relaxkv_server, warm_prompt):
     assert abs(half_lp[0] - full_lp[0]) < pic_err
 
 
-@pytest.mark.parametrize("field,value", [
-    ("relaxkv_anchor_ratio", 1.5), ("relaxkv_anchor_ratio", -0.1), ("relaxkv_anchor_ratio", "0.1"),
-    ("relaxkv_context_ratio", 2), ("relaxkv_context_ratio", True),
-])
-def test_bad_knobs_get_400(relaxkv_server, field, value):
-    prompt = marked_prompt("S.", documents(2, seed=32), "Q?")
-    body = {"text": prompt.text, "sampling_params": {"max_new_tokens": 2, "custom_params": {
-        "relaxkv_chunks": prompt.offsets, "relaxkv_policy": "relaxkv", field: value}}}
-    response = requests.post(relaxkv_server.url + "/generate", json=body, timeout=60)
-    assert response.status_code == 400 and field in response.text
-
-
 def _reference_logprobs(weights, tokenizer, prompt, policy, anchor, context):
     from relaxkv_sglang.core.reference import reference_prefill
 

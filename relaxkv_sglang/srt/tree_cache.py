@@ -58,9 +58,12 @@ def build_cache_class():
             self.metrics = metrics
 
         def reset(self):
-            super().reset()
+            # Chunks first: ChunkStore.reset refuses (changing nothing) while an
+            # entry is locked, and the radix tree must then stay intact too, or
+            # its slots would belong to nobody.
             if self.chunks is not None:
                 self.chunks.reset()
+            super().reset()
 
         def match_prefix(self, params):
             req = params.req

@@ -14,8 +14,20 @@ unmarked, so the server finds the documents by content-defined chunking: how
 close it comes to explicit marking is its hit rate against ``pic``'s. ``total_cached_tokens`` and
 ``cache_hit_rate_pct`` have the meaning of ``python -m sglang.benchmark.serving``.
 
+Under a KV pool smaller than the working set (``--max-total-tokens``), chunks
+are evicted and later repeats miss. For the chunk policies the hit rate lost
+(best possible minus the chunk hit rate) is split as far as the trace allows:
+*lost to evictions* counts, per request, the tokens of its documents that an
+earlier request had already computed (its first token reached the client
+before this request was sent, so its chunks had been stored, if there was
+room) minus the chunk tokens the request reused: at least that many
+seen-before tokens missed (evicted, or never stored for lack of room). The
+rest is *lost in flight*: repeats sent while the document's first request was
+still being prefilled (concurrency), which no cache size recovers.
+
     python -m benchmarks.bench_cache_hit --quick
     python -m benchmarks.bench_cache_hit --requests 200 --clients 8
+    python -m benchmarks.bench_cache_hit --quick --max-total-tokens 4096 --policies pic relaxkv  # evictions
 """
 
 from __future__ import annotations
@@ -79,9 +91,12 @@ def replay(client: ServerClient, trace: list[TraceRequest], policy: str, clients
     server_policy, auto = policy.removesuffix("-auto"), policy.endswith("-auto")
 
     def one(req: TraceRequest) -> dict:
-        return client.generate_stream(
+        sent = time.perf_counter()
+        out = client.generate_stream(
             req.text, None if auto else req.offsets, server_policy, max_new_tokens=args.max_new_tokens,
             anchor_ratio=args.anchor_ratio if server_policy not in ("prefix", "pic") else None)
+        out["sent_at"], out["first_token_at"] = sent - start, sent - start + out["ttft_s"]
+        return out
 
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -102,19 +117,49 @@ def replay(client: ServerClient, trace: list[TraceRequest], policy: str, clients
         "chunk_evictions": after.get("chunk_evictions", 0) - before.get("chunk_evictions", 0),
         "chunk_evicted_tokens": after.get("chunk_evicted_tokens", 0) - before.get("chunk_evicted_tokens", 0),
         "per_request": [{"prompt_tokens": r["meta_info"]["prompt_tokens"], "cached_tokens": r["meta_info"]["cached_tokens"],
+                         "chunk_tokens_reused": (r["meta_info"].get("relaxkv") or {}).get("chunk_tokens_reused", 0),
+                         "sent_at": r["sent_at"], "first_token_at": r["first_token_at"],
                          "ttft_s": r["ttft_s"], "latency_s": r["latency_s"]} for r in results],
     }
 
 
-def best_possible_pct(trace: list[TraceRequest], tokenizer, prompt_tokens: int) -> float:
-    """Every document token after its first appearance in the trace, over all prompt tokens."""
+def document_tokens(trace: list[TraceRequest], tokenizer) -> dict[int, int]:
+    """Tokens of each document of the trace, tokenized on its own as the server tokenizes a chunk."""
     doc_tokens = {}
     for req in trace:
         for i, (s, e) in zip(req.doc_ids, zip(req.offsets[::2], req.offsets[1::2])):
             if i not in doc_tokens:
                 doc_tokens[i] = len(tokenizer.encode(req.text[s:e], add_special_tokens=False))
+    return doc_tokens
+
+
+def best_possible_pct(trace: list[TraceRequest], doc_tokens: dict[int, int], prompt_tokens: int) -> float:
+    """Every document token after its first appearance in the trace, over all prompt tokens."""
     reusable = metrics.reusable_tokens([(i, doc_tokens[i]) for i in req.doc_ids] for req in trace)
     return 100.0 * reusable / prompt_tokens
+
+
+def seen_before_missed_tokens(doc_ids: list[list[int]], per_request: list[dict], doc_tokens: dict[int, int]) -> int:
+    """Document tokens computed by an earlier request that a later one still did not reuse (a lower bound).
+
+    ``per_request[i]`` (for the request with documents ``doc_ids[i]``) has
+    ``sent_at``, ``first_token_at`` (client clock) and ``chunk_tokens_reused``.
+    A document counts as seen before a request when a request holding it had
+    its first token back before this one was sent: its prefill, which stores
+    the chunk when there is room, was over. The server reports how many chunk
+    tokens a request reused, not which chunks, so a request contributes
+    ``max(0, seen-before tokens - reused tokens)``: exact when its other
+    documents all missed, a lower bound otherwise.
+    """
+    done = sorted(range(len(per_request)), key=lambda i: per_request[i]["first_token_at"])
+    missed, seen, k = 0, set(), 0
+    for i in sorted(range(len(per_request)), key=lambda i: per_request[i]["sent_at"]):
+        while k < len(done) and per_request[done[k]]["first_token_at"] < per_request[i]["sent_at"]:
+            seen.update(doc_ids[done[k]])
+            k += 1
+        expected = sum(doc_tokens[d] for d in set(doc_ids[i]) & seen)
+        missed += max(0, expected - per_request[i]["chunk_tokens_reused"])
+    return missed
 
 
 def run(args) -> dict:
@@ -128,28 +173,47 @@ def run(args) -> dict:
         client = ServerClient(url)
         for policy in args.policies:
             rows.append(replay(client, trace, policy, args.clients, args))
-    best = best_possible_pct(trace, tokenizer, rows[0]["prompt_tokens"])
+    doc_tokens = document_tokens(trace, tokenizer)
+    best = best_possible_pct(trace, doc_tokens, rows[0]["prompt_tokens"])
+    doc_ids = [req.doc_ids for req in trace]
     for row in rows:
         row["best_possible_hit_rate_pct"] = best
-        row["hit_rate_lost_pct"] = best - row["chunk_hit_rate_pct"] if row["policy"] != "prefix" else None
+        chunk_policy = row["policy"] != "prefix"
+        row["hit_rate_lost_pct"] = best - row["chunk_hit_rate_pct"] if chunk_policy else None
+        if chunk_policy:
+            missed = seen_before_missed_tokens(doc_ids, row["per_request"], doc_tokens)
+            row["lost_to_evictions_pct"] = 100.0 * missed / row["prompt_tokens"]
+            row["lost_in_flight_pct"] = row["hit_rate_lost_pct"] - row["lost_to_evictions_pct"]
+        else:
+            row["lost_to_evictions_pct"] = row["lost_in_flight_pct"] = None
     return {"workload": {"source": args.source, "pool": args.pool, "zipf": args.zipf, "k": args.docs_per_request,
-                         "requests": args.requests, "clients": args.clients, "seed": args.seed},
+                         "requests": args.requests, "clients": args.clients, "seed": args.seed,
+                         "kv_pool_tokens": None if args.url else args.max_total_tokens,
+                         "distinct_document_tokens": sum(doc_tokens.values())},
             "results": rows}
 
 
 def print_table(result: dict) -> None:
     w = result["workload"]
+    pool = f"KV pool {w['kv_pool_tokens']} tokens" if w.get("kv_pool_tokens") else "KV pool of the given server"
     print(f"\n{w['requests']} requests, {w['clients']} clients, {w['k']} of {w['pool']} {w['source']} documents "
-          f"per request (Zipf s={w['zipf']}), seed {w['seed']}")
+          f"per request (Zipf s={w['zipf']}), seed {w['seed']}; {w['distinct_document_tokens']} distinct document "
+          f"tokens, {pool}")
     head = (f"{'policy':<10}{'hit rate':>9}{'prefix':>8}{'chunk':>8}{'best':>8}{'req/s':>7}{'tok/s':>8}"
-            f"{'TTFT mean':>10}{'p50':>7}{'p90':>7}{'p99':>7}{'evicted':>9}")
+            f"{'TTFT mean':>10}{'p50':>7}{'p90':>7}{'p99':>7}{'evicted':>9}"
+            f"{'lost':>8}{'evictions':>10}{'in flight':>10}")
     print(head)
     print("-" * len(head))
     for r in result["results"]:
         t = r["ttft_s"]
         print(f"{r['policy']:<10}{r['cache_hit_rate_pct']:>8.1f}%{r['prefix_hit_rate_pct']:>7.1f}%{r['chunk_hit_rate_pct']:>7.1f}%"
               f"{r['best_possible_hit_rate_pct']:>7.1f}%{r['requests_per_s']:>7.2f}{r['tokens_per_s']:>8.0f}"
-              f"{t['mean']:>10.2f}{t['p50']:>7.2f}{t['p90']:>7.2f}{t['p99']:>7.2f}{r['chunk_evictions']:>9}")
+              f"{t['mean']:>10.2f}{t['p50']:>7.2f}{t['p90']:>7.2f}{t['p99']:>7.2f}{r['chunk_evictions']:>9}"
+              + "".join(f"{r[k]:>{width}.1f}%" if r[k] is not None else f"{'-':>{width + 1}}"
+                        for k, width in (("hit_rate_lost_pct", 7), ("lost_to_evictions_pct", 9),
+                                         ("lost_in_flight_pct", 9))))
+    print("lost = best possible - chunk hit rate; evictions = seen-before document tokens missed (at least); "
+          "in flight = the rest")
 
 
 def main(argv=None) -> None:
@@ -167,6 +231,8 @@ def main(argv=None) -> None:
     parser.add_argument("--policies", nargs="+", default=["prefix", "pic", "pic-auto", "relaxkv"],
                         help="server policies; '<policy>-auto' sends the prompts unmarked (content-defined chunking)")
     parser.add_argument("--quick", action="store_true", help="40 requests, 2 clients")
+    parser.epilog = ("A KV pool smaller than the working set shows evictions and the hit rate they cost, e.g. "
+                     "--quick --max-total-tokens 4096 --policies pic relaxkv")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.clients = 40, 2

@@ -22,7 +22,7 @@ import statistics
 
 from tqdm import tqdm
 
-from benchmarks.common import add_server_args, fail, save_plot, server_url, write_result
+from benchmarks.common import add_server_args, fail, pyplot, save_plot, server_url, write_result
 from relaxkv_sglang import assets, workloads
 from relaxkv_sglang.client import ServerClient
 
@@ -107,11 +107,7 @@ def print_table(results: list[dict]) -> None:
 
 
 def plot(results: list[dict], path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     lengths = sorted({r["prompt_tokens"] for r in results})
     fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
     for ax, length in zip(axes[0], lengths):

@@ -67,6 +67,16 @@ def write_result(bench: str, args, payload: dict) -> pathlib.Path:
     return path
 
 
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (benchmarks run headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def save_plot(fig, path) -> None:
     fig.savefig(path, dpi=110)
     print(f"plot written to {path}")

@@ -4,7 +4,11 @@ Results (JSON + PNG) go to ``docs/results/``; the tables between the
 ``<!-- bench:results -->`` markers of README.md and docs/performance.md are
 regenerated from those files, so the documents show exactly what the run
 printed. ``--quick`` uses each benchmark's quick size; ``--tables-only``
-rewrites the tables from the JSON files already there.
+rewrites the tables from the JSON files already there. Each benchmark's wall
+time (its whole command, server start included) is written into its JSON
+(``wall_s``, shown in the table caption) and into ``run_times.json``, which
+keeps the latest quick and full run of each, so the documents show both sizes'
+run times.
 """
 
 from __future__ import annotations
@@ -16,23 +20,38 @@ import pathlib
 import re
 import subprocess
 import sys
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 BENCHES = ("bench_cache_hit", "bench_ttft", "bench_quality", "bench_scaling")
+RUN_TIMES = RESULTS / "run_times.json"
 
 
-def run_benchmarks(quick: bool, url: str | None) -> None:
+def run_benchmarks(quick: bool, url: str | None, benches=BENCHES) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, RELAXKV_RESULTS=str(RESULTS))
-    for bench in BENCHES:
+    for bench in benches:
         cmd = [sys.executable, "-m", f"benchmarks.{bench}", "--output", str(RESULTS / f"{bench}.json")]
         if quick:
             cmd.append("--quick")
         if url and bench != "bench_scaling":
             cmd += ["--url", url]
         print("$", " ".join(cmd[2:]), flush=True)
+        start = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=ROOT, env=env)
+        record_wall_time(bench, time.perf_counter() - start, quick)
+
+
+def record_wall_time(bench: str, wall_s: float, quick: bool) -> None:
+    """Write a finished benchmark's wall time into its JSON and into ``run_times.json`` (per size)."""
+    path = RESULTS / f"{bench}.json"
+    result = json.loads(path.read_text())
+    result["wall_s"] = wall_s
+    path.write_text(json.dumps(result, indent=1))
+    times = json.loads(RUN_TIMES.read_text()) if RUN_TIMES.is_file() else {}
+    times.setdefault(bench, {})["quick" if quick else "full"] = {"wall_s": wall_s, "date": result["machine"]["date"]}
+    RUN_TIMES.write_text(json.dumps(times, indent=1))
 
 
 def _load(bench: str) -> dict | None:
@@ -46,21 +65,31 @@ def _command(result: dict) -> str:
     return f"python -m benchmarks.{result['bench']}{flags}"
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
 def _caption(result: dict) -> str:
     m = result["machine"]
+    ran = f" · ran in {_duration(result['wall_s'])}" if result.get("wall_s") is not None else ""
     return (f"`{_command(result)}` · model {result['args']['model']} · {m['cpus']} CPU cores, "
-            f"{m['platform'].split('-with-')[0]} · {m['date'][:10]}")
+            f"{m['platform'].split('-with-')[0]} · {m['date'][:10]}{ran}")
 
 
 def cache_hit_table(result: dict) -> str:
     w = result["workload"]
+    pool = f", KV pool {w['kv_pool_tokens']} tokens" if w.get("kv_pool_tokens") else ""
     lines = [f"**Cache hit rate** ({w['requests']} requests, {w['clients']} concurrent clients, {w['k']} of "
-             f"{w['pool']} {w['source']} documents per request, Zipf s={w['zipf']}). {_caption(result)}", "",
-             "| policy | hit rate | from radix prefix | from chunks | best possible | TTFT mean s | TTFT p90 s | req/s |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"{w['pool']} {w['source']} documents per request, Zipf s={w['zipf']}{pool}). Lost to evictions: "
+             f"document tokens computed by an earlier request but missed (a lower bound). {_caption(result)}", "",
+             "| policy | hit rate | from radix prefix | from chunks | best possible | evictions | lost to evictions "
+             "| TTFT mean s | TTFT p90 s | req/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["results"]:
+        lost = f"{r['lost_to_evictions_pct']:.1f}%" if r.get("lost_to_evictions_pct") is not None else "-"
         lines.append(f"| {r['policy']} | {r['cache_hit_rate_pct']:.1f}% | {r['prefix_hit_rate_pct']:.1f}% | "
                      f"{r['chunk_hit_rate_pct']:.1f}% | {r['best_possible_hit_rate_pct']:.1f}% | "
+                     f"{r['chunk_evictions']} | {lost} | "
                      f"{r['ttft_s']['mean']:.2f} | {r['ttft_s']['p90']:.2f} | {r['requests_per_s']:.2f} |")
     return "\n".join(lines)
 
@@ -78,7 +107,51 @@ def ttft_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+TASK_LABELS = {"hotpotqa": "HotpotQA", "squad": "SQuAD multi-doc", "niah_multivalue": "NIAH multi-value",
+               "variable_tracking": "variable tracking"}
+
+
 def quality_table(result: dict) -> str:
+    if isinstance(result["summary"], dict):  # a JSON from before the task sweep: HotpotQA at one ratio
+        return _quality_table_hotpotqa_only(result)
+    a = result["args"]
+    ratios = sorted({s["anchor_ratio"] for s in result["summary"] if s["anchor_ratio"] is not None})
+    head = min(ratios, key=lambda r: abs(r - 0.15)) if ratios else None
+    tasks = list(result["tasks"])
+    cell = {(s["task"], s["policy"], s["anchor_ratio"]): s for s in result["summary"]}
+    policies = list(dict.fromkeys(s["policy"] for s in result["summary"]))
+    what = ", ".join(f"{TASK_LABELS.get(t, t)} {i['examples']}" for t, i in result["tasks"].items())
+    at = f" at {head:.0%} anchors," if head is not None else ""
+    lines = [f"**Quality and fidelity to full prefill**{at} relaxkv context ratio "
+             f"{a['context_ratio']}; examples per task: {what} (HotpotQA dev from {a['offset']}, the others "
+             f"seed {a['seed']}); 10 chunks each. Pooled: mean over all examples [95% bootstrap CI]; per task: "
+             f"first-token KL to full (lower is better) / task score (QA F1 or RULER string match). "
+             f"{_caption(result)}", "",
+             "| policy | KL to full, pooled | agreement with full | "
+             + " | ".join(TASK_LABELS.get(t, t) for t in tasks) + " | TTFT median s |",
+             "|---" * (len(tasks) + 4) + "|"]
+    for policy in policies:
+        ratio = None if cell.get(("all", policy, None)) else head
+        pooled = cell[("all", policy, ratio)]
+        lo, hi = pooled["kl_first_token_ci95"]
+        per_task = " | ".join(f"{c['kl_first_token']:.3f} / {c['score']:.2f}"
+                              for c in (cell[(t, policy, ratio)] for t in tasks))
+        lines.append(f"| {policy} | {pooled['kl_first_token']:.3f} [{lo:.2f}, {hi:.2f}] | "
+                     f"{pooled['exact_to_full']:.3f} | {per_task} | {pooled['ttft_median_s']:.2f} |")
+    if len(ratios) > 1:
+        lines += ["", "**Anchor-ratio sweep**, all tasks pooled: first-token KL to full / TTFT median s. "
+                  + "; ".join(f"{p}: {cell[('all', p, None)]['kl_first_token']:.3f} / "
+                              f"{cell[('all', p, None)]['ttft_median_s']:.2f}"
+                              for p in policies if ("all", p, None) in cell) + ".", "",
+                  "| policy | " + " | ".join(f"{r:.0%}" for r in ratios) + " |", "|---" * (len(ratios) + 1) + "|"]
+        for policy in (p for p in policies if ("all", p, None) not in cell):
+            lines.append(f"| {policy} | " + " | ".join(
+                f"{cell[('all', policy, r)]['kl_first_token']:.3f} / {cell[('all', policy, r)]['ttft_median_s']:.2f}"
+                for r in ratios) + " |")
+    return "\n".join(lines)
+
+
+def _quality_table_hotpotqa_only(result: dict) -> str:
     a = result["args"]
     lines = [f"**Fidelity to full prefill** on HotpotQA dev {a['offset']}-{a['offset'] + a['examples'] - 1} "
              f"(10 paragraphs as chunks), anchor ratio {a['anchor_ratio']}, relaxkv context ratio "
@@ -118,7 +191,21 @@ def tables() -> str:
             png = RESULTS / f"{bench}.png"
             if png.is_file():
                 parts.append(f"![{bench}](docs/results/{bench}.png)")
+    if RUN_TIMES.is_file():
+        parts.append(run_times_table(json.loads(RUN_TIMES.read_text())))
     return "\n\n".join(parts) if parts else "(no benchmark run recorded yet)"
+
+
+def run_times_table(times: dict) -> str:
+    """The latest recorded wall time of each benchmark at each size (whole command, server start included)."""
+    lines = ["**Run times** (`make bench-quick` / `make bench`, whole command including the server's start):", "",
+             "| benchmark | quick size | full size |", "|---|---|---|"]
+    for bench in BENCHES:
+        sizes = times.get(bench, {})
+        lines.append(f"| {bench} | " + " | ".join(
+            f"{_duration(sizes[size]['wall_s'])} ({sizes[size]['date'][:10]})" if size in sizes else "not run yet"
+            for size in ("quick", "full")) + " |")
+    return "\n".join(lines)
 
 
 def rewrite(path: pathlib.Path, body: str, link_prefix: str = "") -> None:
@@ -135,9 +222,11 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--url", default=None, help="measure a running server instead of starting one per benchmark")
     parser.add_argument("--tables-only", action="store_true")
+    parser.add_argument("--benches", nargs="+", choices=BENCHES, default=list(BENCHES),
+                        help="run only these (the tables still show every recorded result)")
     args = parser.parse_args(argv)
     if not args.tables_only:
-        run_benchmarks(args.quick, args.url)
+        run_benchmarks(args.quick, args.url, args.benches)
     body = tables()
     rewrite(ROOT / "README.md", body)
     rewrite(ROOT / "docs" / "performance.md", body, link_prefix="./")

@@ -7,7 +7,8 @@ hand-computed cases.
   lowercase, strip punctuation and the articles a/an/the, split on whitespace,
   token-multiset F1, max over the references) and exact agreement of two
   answers after the same normalisation (the fidelity figure: does a cache mode
-  answer what full prefill answers?).
+  answer what full prefill answers?); RULER's ``string_match_all`` (share of
+  the references found in the answer) for the synthetic tasks.
 - Latency: percentiles with linear interpolation (numpy's default), and a
   ``mean/p50/p90/p99`` summary.
 - Cache: hit rate = cached prompt tokens / prompt tokens, and the reuse bound
@@ -75,6 +76,28 @@ def fidelity_f1(answer: str, reference: str) -> float:
     if not normalize_answer(reference).split():
         return float(not normalize_answer(answer).split())
     return qa_f1(answer, reference)
+
+
+def string_match_all(prediction: str, references: str | Sequence[str]) -> float:
+    """RULER's ``string_match_all``: the fraction of references found (case-insensitively) in ``prediction``.
+
+    In [0, 1] (RULER reports it x100). Every reference counts alike, so an
+    answer listing 3 of 4 needle values scores 0.75.
+    """
+    refs = _references(references)
+    text = prediction.lower()
+    return sum(ref.lower() in text for ref in refs) / len(refs)
+
+
+# Scorer names used by the quality tasks (workloads.TaskExample.scorer).
+SCORERS = {"qa_f1": qa_f1, "string_match_all": string_match_all}
+
+
+def score(scorer: str, prediction: str, references: str | Sequence[str]) -> float:
+    """The task score of ``prediction`` under the scorer named ``scorer`` (a key of :data:`SCORERS`)."""
+    if scorer not in SCORERS:
+        raise ValueError(f"unknown scorer {scorer!r}; choose one of {', '.join(SCORERS)}")
+    return SCORERS[scorer](prediction, references)
 
 
 def mean(values: Iterable[float]) -> float | None:

@@ -1,4 +1,4 @@
-"""RAG workloads built from real data (HotpotQA dev distractor).
+"""RAG workloads built from real data (HotpotQA dev distractor), and the quality benchmark's tasks.
 
 A RAG request is ``[system prompt] [doc 1] ... [doc n] [question]``. What a
 RAG KV cache can exploit is that the *same documents* come back in later
@@ -13,12 +13,18 @@ same on every machine.
 The prompt text is built in one place, :func:`prompt_parts` /
 :func:`render_prompt`, so that frontend programs which mark the documents
 (``document(text)``) produce exactly the same text as the plain rendering.
+
+The quality tasks (:func:`task_examples`: HotpotQA, multi-document SQuAD,
+RULER-style multi-value needle and variable tracking over the essays) are
+:class:`TaskExample` lists, each example's documents the chunks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
+import re
+import string
 from typing import Sequence
 
 from relaxkv_sglang import assets
@@ -164,3 +170,222 @@ def marked_text(system: str, documents: Sequence[str], question: str) -> tuple[s
         offsets += [len(text), len(text) + len(doc)]
         text += doc
     return text + SEPARATOR + question, offsets
+
+
+# ------------------------------------------------------------ quality tasks
+#
+# The quality benchmark's four tasks, each a list of :class:`TaskExample`
+# with its documents as chunks. All are seeded (HotpotQA by its offset), so an
+# example is the same on every machine. At the defaults, each prompt is about
+# 1.5K SmolLM2 tokens over 10 chunks, like a HotpotQA example.
+
+QUALITY_TASKS = ("hotpotqa", "squad", "niah_multivalue", "variable_tracking")
+
+# Words for NIAH keys ("adjective-noun"); any fixed list works, it only has to
+# name something the essays never mention.
+_KEY_ADJECTIVES = ("amber", "brisk", "cobalt", "dusty", "eager", "frozen", "gentle", "hollow", "ivory", "jolly",
+                   "kind", "lunar", "mellow", "narrow", "olive", "proud", "quiet", "rapid", "silent", "tidy")
+_KEY_NOUNS = ("anchor", "badger", "canyon", "dolphin", "ember", "falcon", "garden", "harbor", "island", "jacket",
+              "kettle", "lantern", "meadow", "needle", "orchard", "pebble", "quarry", "ribbon", "saddle", "tulip")
+
+NIAH_SYSTEM = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
+               "I will quiz you about the numbers afterwards.")
+VARIABLE_TRACKING_SYSTEM = "Memorize and track the chain of variable assignments hidden in the following text."
+
+
+@dataclasses.dataclass
+class TaskExample:
+    """One example of a quality task, ready to render with :func:`marked_text`.
+
+    ``documents`` are the chunk texts in prompt order; ``question`` is the
+    whole text after the last document (it ends where the answer starts);
+    ``answers`` are the references; ``scorer`` names the entry of
+    :data:`relaxkv_sglang.metrics.SCORERS` that scores an answer against them
+    (``qa_f1``: LongBench QA F1 of the answer's first line; ``string_match_all``:
+    RULER's fraction of the references found in the answer); ``max_new_tokens``
+    is enough for a complete answer.
+    """
+
+    task: str
+    example_id: str
+    system: str
+    documents: list[str]
+    question: str
+    answers: list[str]
+    scorer: str
+    max_new_tokens: int
+
+    def marked(self) -> tuple[str, list[int]]:
+        """The prompt text and its ``relaxkv_chunks`` offsets (one pair per document)."""
+        return marked_text(self.system, self.documents, self.question)
+
+
+def hotpotqa_examples(n: int, *, offset: int = 0, data: list[dict] | None = None) -> list[TaskExample]:
+    """HotpotQA dev examples ``offset .. offset + n - 1``: the 10 paragraphs in file order as chunks."""
+    data = assets.load_data("hotpotqa") if data is None else data
+    chosen = data[offset: offset + n]
+    if len(chosen) < n:
+        raise ValueError(f"HotpotQA has {len(data)} examples; offset {offset} + {n} is past the end")
+    return [TaskExample(
+        task="hotpotqa", example_id=str(ex.get("_id", offset + i)), system=SYSTEM_PROMPTS[0],
+        documents=[format_paragraph(title, sentences) for title, sentences in ex["context"]],
+        question=question_text(ex["question"]), answers=[ex["answer"]], scorer="qa_f1", max_new_tokens=16,
+    ) for i, ex in enumerate(chosen)]
+
+
+def squad_multidoc(n: int, *, seed: int = 0, distractors: int = 9, max_chars: int = 800,
+                   data: dict | None = None) -> list[TaskExample]:
+    """Multi-document SQuAD: each question's gold paragraph among ``distractors`` from other articles.
+
+    Questions are answerable SQuAD v2 dev questions, one per paragraph,
+    drawn with ``seed``; the gold paragraph lands at a seeded position.
+    Paragraphs (gold and distractors) have at most ``max_chars`` characters, so
+    10 of them are about 1.5K tokens. A document is ``"Article title: paragraph"``.
+    """
+    data = assets.load_data("squad") if data is None else data
+    rng = random.Random(seed)
+    paragraphs = [(a, format_paragraph(art["title"].replace("_", " "), [par["context"]]), par["qas"])
+                  for a, art in enumerate(data["data"]) for par in art["paragraphs"]
+                  if len(par["context"]) <= max_chars]
+    candidates = [(i, q) for i, (_, _, qas) in enumerate(paragraphs) for q in qas
+                  if not q.get("is_impossible") and q["answers"]]
+    rng.shuffle(candidates)
+    examples, used = [], set()
+    for i, qa in candidates:
+        if len(examples) == n:
+            break
+        if i in used:  # one question per paragraph, so examples differ in their gold document
+            continue
+        used.add(i)
+        article, gold, _ = paragraphs[i]
+        others = [text for a, text, _ in paragraphs if a != article]
+        if len(others) < distractors:
+            raise ValueError(f"only {len(others)} paragraphs outside article {article}; "
+                             f"{distractors} distractors asked")
+        docs = rng.sample(others, distractors)
+        docs.insert(rng.randrange(distractors + 1), gold)
+        answers = list(dict.fromkeys(a["text"] for a in qa["answers"]))  # unique, in order
+        examples.append(TaskExample(
+            task="squad", example_id=str(qa["id"]), system=SYSTEM_PROMPTS[0], documents=docs,
+            question=question_text(qa["question"]), answers=answers, scorer="qa_f1", max_new_tokens=16))
+    if len(examples) < n:
+        raise ValueError(f"SQuAD has only {len(examples)} answerable paragraphs of at most {max_chars} characters")
+    return examples
+
+
+def _essay_documents(haystack: str, n_docs: int, doc_chars: int, rng: random.Random) -> list[list[str]]:
+    """``n_docs`` consecutive pieces of essay text from a seeded start, each a list of whole sentences.
+
+    Each piece takes sentences until it has at least ``doc_chars`` characters.
+    """
+    need = 3 * n_docs * doc_chars + 2000
+    if len(haystack) <= need:
+        raise ValueError(f"haystack has {len(haystack)} characters; {need} needed for {n_docs} x {doc_chars}")
+    start = rng.randrange(len(haystack) - need)
+    text = " ".join(haystack[start: start + need].split())
+    # The essays' paragraphs are run together ("mistakes.If you"): split those too.
+    text = re.sub(r"([.!?])([A-Z])", r"\1 \2", text)
+    sentences = re.split(r"(?<=[.!?])\s+", text)[1:-1]  # the first and last are cut by the window
+    docs, current, size = [], [], 0
+    for sentence in sentences:
+        current.append(sentence)
+        size += len(sentence) + 1
+        if size >= doc_chars:
+            docs.append(current)
+            current, size = [], 0
+            if len(docs) == n_docs:
+                return docs
+    raise ValueError("the essay window ran out of sentences")  # only with pathologically long sentences
+
+
+def _fresh(rng: random.Random, draw, taken: set, text: str) -> str:
+    """A value from ``draw(rng)`` that is neither in ``taken`` nor anywhere in ``text``."""
+    while True:
+        value = draw(rng)
+        if value not in taken and value not in text:
+            taken.add(value)
+            return value
+
+
+def niah_multivalue(n: int, *, seed: int = 0, n_docs: int = 10, doc_chars: int = 560, n_values: int = 4,
+                    haystack: str | None = None) -> list[TaskExample]:
+    """RULER-style multi-value needle in a haystack over essay chunks.
+
+    The haystack is ``n_docs`` consecutive pieces of the Paul Graham essays
+    (a seeded start), each a document. One key (``"quiet-lantern"``) gets
+    ``n_values`` 7-digit values, each in a RULER needle sentence ("One of the
+    special magic numbers for KEY is: VALUE.") inserted at a seeded sentence
+    boundary of a different, seeded document. The answer is all the values,
+    scored by RULER's ``string_match_all``.
+    """
+    if not 1 <= n_values <= n_docs:
+        raise ValueError(f"n_values must be between 1 and n_docs={n_docs}, got {n_values}")
+    haystack = assets.load_data("essays")["text"] if haystack is None else haystack
+    rng = random.Random(seed)
+    examples = []
+    for i in range(n):
+        pieces = _essay_documents(haystack, n_docs, doc_chars, rng)
+        plain = " ".join(s for piece in pieces for s in piece)
+        taken: set = set()
+        key = _fresh(rng, lambda r: f"{r.choice(_KEY_ADJECTIVES)}-{r.choice(_KEY_NOUNS)}", taken, plain)
+        values = []
+        for d in sorted(rng.sample(range(n_docs), n_values)):
+            value = _fresh(rng, lambda r: str(r.randint(1_000_000, 9_999_999)), taken, plain)
+            pieces[d].insert(rng.randint(0, len(pieces[d])), f"One of the special magic numbers for {key} is: {value}.")
+            values.append(value)
+        examples.append(TaskExample(
+            task="niah_multivalue", example_id=f"niah-s{seed}-{i}", system=NIAH_SYSTEM,
+            documents=[" ".join(piece) for piece in pieces],
+            question=(f"Question: What are all the special magic numbers for {key} mentioned in the provided text?\n"
+                      f"Answer: The special magic numbers for {key} mentioned in the provided text are"),
+            answers=values, scorer="string_match_all", max_new_tokens=10 * n_values))
+    return examples
+
+
+def variable_tracking(n: int, *, seed: int = 0, n_docs: int = 10, doc_chars: int = 560, n_hops: int = 4,
+                      haystack: str | None = None) -> list[TaskExample]:
+    """RULER-style variable tracking over essay chunks.
+
+    A chain ``VAR A = 12345.``, ``VAR B = VAR A.``, ... (``n_hops`` hops,
+    5-letter names, a 5-digit value) is spread over ``n_hops + 1`` seeded
+    documents in order, one statement each at a seeded sentence boundary,
+    among essay text as in :func:`niah_multivalue`. The question asks which
+    variables equal the value; the answer is every name in the chain, scored
+    by RULER's ``string_match_all``.
+    """
+    if not 1 <= n_hops + 1 <= n_docs:
+        raise ValueError(f"a chain of {n_hops} hops needs {n_hops + 1} documents; n_docs={n_docs}")
+    haystack = assets.load_data("essays")["text"] if haystack is None else haystack
+    rng = random.Random(seed)
+    examples = []
+    for i in range(n):
+        pieces = _essay_documents(haystack, n_docs, doc_chars, rng)
+        plain = " ".join(s for piece in pieces for s in piece)
+        taken: set = set()
+        value = _fresh(rng, lambda r: str(r.randint(10_000, 99_999)), taken, plain)
+        names = [_fresh(rng, lambda r: "".join(r.choices(string.ascii_uppercase, k=5)), taken, plain)
+                 for _ in range(n_hops + 1)]
+        statements = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
+        for d, statement in zip(sorted(rng.sample(range(n_docs), n_hops + 1)), statements):
+            pieces[d].insert(rng.randint(0, len(pieces[d])), statement)
+        examples.append(TaskExample(
+            task="variable_tracking", example_id=f"vt-s{seed}-{i}", system=VARIABLE_TRACKING_SYSTEM,
+            documents=[" ".join(piece) for piece in pieces],
+            question=(f"Question: Find all variables that are assigned the value {value} in the text above.\n"
+                      f"Answer: According to the chain of variable assignments in the text above, {n_hops + 1} "
+                      f"variables are assigned the value {value}, they are:"),
+            answers=names, scorer="string_match_all", max_new_tokens=6 * (n_hops + 1) + 2))
+    return examples
+
+
+def task_examples(task: str, n: int, *, seed: int = 0, offset: int = 0) -> list[TaskExample]:
+    """``n`` examples of a quality task (:data:`QUALITY_TASKS`); ``offset`` is HotpotQA's, ``seed`` the others'."""
+    if task == "hotpotqa":
+        return hotpotqa_examples(n, offset=offset)
+    if task == "squad":
+        return squad_multidoc(n, seed=seed)
+    if task == "niah_multivalue":
+        return niah_multivalue(n, seed=seed)
+    if task == "variable_tracking":
+        return variable_tracking(n, seed=seed)
+    raise ValueError(f"unknown task {task!r}; choose one of {', '.join(QUALITY_TASKS)}")

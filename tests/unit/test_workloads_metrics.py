@@ -435,3 +435,155 @@ def test_demo_cli_errors_are_one_line(capsys):
     assert demo.main(["--server", "stock", "--modes", "prefix,relaxkv", "--output", "/tmp/x-demo.json"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("relaxkv-sglang demo: error: mode relaxkv needs the relaxkv plugin") and "\n" not in err
+
+
+# --------------------------------------------------------------- quality tasks
+
+
+def _squad(n_articles: int = 6, per_article: int = 4) -> dict:
+    """A SQuAD-v2-shaped file: each paragraph has one answerable and one impossible question."""
+    articles = []
+    for a in range(n_articles):
+        paragraphs = []
+        for p in range(per_article):
+            context = f"Paragraph {p} of article {a} says the code is K{a}x{p}."
+            paragraphs.append({"context": context, "qas": [
+                {"id": f"q{a}-{p}", "question": f"What is the code of {a}/{p}?", "is_impossible": False,
+                 "answers": [{"text": f"K{a}x{p}", "answer_start": 0}, {"text": f"K{a}x{p}", "answer_start": 0},
+                             {"text": f"code K{a}x{p}", "answer_start": 0}]},
+                {"id": f"imp{a}-{p}", "question": "Unanswerable?", "is_impossible": True, "answers": []}]})
+        articles.append({"title": f"Article_{a}", "paragraphs": paragraphs})
+    return {"version": "v2.0", "data": articles}
+
+
+# Essay-like text: sentences of varied length, some run together as in the real file ("end.Next").
+HAYSTACK = " ".join(f"Sentence number {i} talks about {'startups' if i % 3 else 'essays'} and more."
+                    + ("" if i % 7 else "Then") for i in range(3000))
+
+
+def test_squad_multidoc_is_seeded_and_hides_the_gold_paragraph_among_other_articles():
+    from relaxkv_sglang.workloads import squad_multidoc
+
+    data = _squad()
+    a = squad_multidoc(5, seed=1, distractors=6, data=data)
+    assert [e.documents for e in a] == [e.documents for e in squad_multidoc(5, seed=1, distractors=6, data=data)]
+    assert [e.example_id for e in a] != [e.example_id for e in squad_multidoc(5, seed=2, distractors=6, data=data)]
+    positions = set()
+    for ex in a:
+        assert ex.example_id.startswith("q") and ex.scorer == "qa_f1" and len(ex.documents) == 7
+        art, par = ex.example_id[1:].split("-")
+        assert ex.answers == [f"K{art}x{par}", f"code K{art}x{par}"]  # unique, in order
+        gold = [i for i, d in enumerate(ex.documents) if f"K{art}x{par}" in d]
+        assert len(gold) == 1  # the answer is in exactly the gold document
+        positions.add(gold[0])
+        assert ex.documents[gold[0]].startswith(f"Article {art}: Paragraph {par}")
+        assert all(not d.startswith(f"Article {art}:") for i, d in enumerate(ex.documents) if i != gold[0])
+        text, offsets = ex.marked()
+        assert [text[s:e] for s, e in zip(offsets[::2], offsets[1::2])] == ex.documents
+        assert text.endswith(question_text(f"What is the code of {art}/{par}?"))
+    assert len(positions) > 1  # the gold position is drawn, not fixed
+    assert len({e.example_id.split("-")[0] + e.example_id.split("-")[1] for e in a}) == 5  # one question per paragraph
+    with pytest.raises(ValueError, match="answerable"):
+        squad_multidoc(30, data=data)  # only 24 paragraphs
+
+
+def test_niah_multivalue_puts_every_value_in_a_different_document():
+    from relaxkv_sglang.workloads import niah_multivalue
+
+    a = niah_multivalue(4, seed=5, n_docs=8, doc_chars=300, n_values=3, haystack=HAYSTACK)
+    assert [e.documents for e in a] == [e.documents for e in niah_multivalue(4, seed=5, n_docs=8, doc_chars=300,
+                                                                                n_values=3, haystack=HAYSTACK)]
+    assert a[0].documents != niah_multivalue(1, seed=6, n_docs=8, doc_chars=300, n_values=3,
+                                             haystack=HAYSTACK)[0].documents
+    for ex in a:
+        assert len(ex.documents) == 8 and len(ex.answers) == 3 and ex.scorer == "string_match_all"
+        assert all(len(d) >= 300 for d in ex.documents)
+        key = ex.question.split(" for ")[1].split(" mentioned")[0]
+        holders = []
+        for value in ex.answers:
+            assert len(value) == 7 and value.isdigit()
+            needle = f"One of the special magic numbers for {key} is: {value}."
+            holders += [i for i, d in enumerate(ex.documents) if needle in d]
+        assert len(set(holders)) == 3  # each value once, each in its own document
+        assert sum(d.count(key) for d in ex.documents) == 3
+        assert ex.marked()[0].startswith(ex.system + SEPARATOR)
+        assert metrics.score(ex.scorer, ", ".join(ex.answers), ex.answers) == 1.0
+    with pytest.raises(ValueError):
+        niah_multivalue(1, n_docs=3, n_values=4, haystack=HAYSTACK)
+    with pytest.raises(ValueError, match="haystack"):
+        niah_multivalue(1, haystack="Too short.")
+
+
+def test_variable_tracking_chain_is_in_order_across_documents():
+    from relaxkv_sglang.workloads import variable_tracking
+
+    a = variable_tracking(3, seed=2, n_docs=10, doc_chars=250, n_hops=4, haystack=HAYSTACK)
+    assert [e.documents for e in a] == [e.documents for e in variable_tracking(3, seed=2, n_docs=10, doc_chars=250,
+                                                                                  n_hops=4, haystack=HAYSTACK)]
+    for ex in a:
+        names = ex.answers
+        assert len(names) == 5 and all(len(n) == 5 and n.isupper() for n in names)
+        value = ex.question.split("assigned the value ")[1].split(" ")[0]
+        text = ex.marked()[0]
+        statements = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
+        where = [text.index(s) for s in statements]
+        assert where == sorted(where)  # the chain reads in order
+        docs_with = [[i for i, d in enumerate(ex.documents) if s in d] for s in statements]
+        assert all(len(d) == 1 for d in docs_with) and len({d[0] for d in docs_with}) == 5
+        assert text.count(value) == 3  # the assignment, and twice in the question block
+        assert ex.max_new_tokens >= 6 * 5
+    with pytest.raises(ValueError):
+        variable_tracking(1, n_docs=4, n_hops=4, haystack=HAYSTACK)
+
+
+def test_hotpotqa_examples_keep_the_file_order_and_dispatch():
+    from relaxkv_sglang.workloads import hotpotqa_examples, task_examples
+
+    ex = hotpotqa_examples(3, offset=2, data=DATA)
+    assert [e.example_id for e in ex] == ["id2", "id3", "id4"]
+    assert ex[0].documents == [format_paragraph(t, s) for t, s in DATA[2]["context"]]
+    assert ex[0].question == question_text("What is 2?") and ex[0].answers == ["answer 2"]
+    assert ex[0].system == SYSTEM_PROMPTS[0] and ex[0].scorer == "qa_f1"
+    with pytest.raises(ValueError, match="past the end"):
+        hotpotqa_examples(5, offset=len(DATA) - 2, data=DATA)
+    with pytest.raises(ValueError, match="unknown task"):
+        task_examples("longbench", 1)
+
+
+def test_real_task_data_when_prepared():
+    from relaxkv_sglang.workloads import QUALITY_TASKS, task_examples
+
+    for name in ("hotpotqa", "squad", "essays"):
+        folder = assets.cache_root() / "data" / name
+        if not folder.exists() or assets.manifest_problem(folder) is not None:
+            pytest.skip(f"{name} not prepared (relaxkv-sglang data {name})")
+    for task in QUALITY_TASKS:
+        examples = task_examples(task, 3, seed=0)
+        assert len(examples) == 3 and all(len(e.documents) == 10 for e in examples)
+        text = examples[0].marked()[0]
+        assert 4000 < len(text) < 9000  # about 1.5K tokens
+        # The references occur in the documents (HotpotQA's yes/no answers need not).
+        for e in examples:
+            joined = " ".join(e.documents)
+            found = [ref in joined for ref in e.answers]
+            assert task == "hotpotqa" or (any(found) if e.scorer == "qa_f1" else all(found))
+
+
+@pytest.mark.parametrize("pred, refs, expected", [
+    ("The numbers are 1234567, 7654321.", ["1234567", "7654321"], 1.0),
+    ("1234567 and 999", ["1234567", "7654321", "1111111", "2222222"], 0.25),
+    ("vars: abcde, XYZQW", ["ABCDE", "XYZQW", "QQQQQ"], 2 / 3),  # case-insensitive, as RULER
+    ("", ["x"], 0.0),
+    ("anything", "anything", 1.0),
+])
+def test_string_match_all(pred, refs, expected):
+    assert metrics.string_match_all(pred, refs) == pytest.approx(expected)
+
+
+def test_score_dispatches_by_name():
+    assert metrics.score("qa_f1", "Paris, France", ["Paris"]) == pytest.approx(2 / 3)
+    assert metrics.score("string_match_all", "Paris, France", ["Paris", "Rome"]) == 0.5
+    with pytest.raises(ValueError, match="unknown scorer"):
+        metrics.score("rouge", "a", ["a"])
+    with pytest.raises(ValueError):
+        metrics.string_match_all("a", [])

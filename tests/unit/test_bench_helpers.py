@@ -1,0 +1,77 @@
+"""Unit tests of the benchmarks' pure helpers: eviction accounting, quality scoring and tables (no server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import bench_cache_hit, bench_quality, run_all
+
+
+def _req(sent: float, first: float, reused: int) -> dict:
+    return {"sent_at": sent, "first_token_at": first, "chunk_tokens_reused": reused}
+
+
+def test_seen_before_missed_tokens_counts_only_documents_already_computed():
+    tokens = {1: 10, 2: 20, 3: 30}
+    doc_ids = [[1, 2], [2, 3], [1, 3], [1, 2]]
+    per_request = [
+        _req(0.0, 1.0, 0),   # first sight of 1 and 2
+        _req(0.5, 2.0, 0),   # sent while request 0 was in flight: 2 was not computed yet, nothing expected
+        _req(2.5, 3.0, 10),  # 1 (request 0) and 3 (request 1) were computed: 40 expected, 10 reused -> 30 missed
+        _req(3.5, 4.0, 30),  # 1 and 2 computed: 30 expected, all reused
+    ]
+    assert bench_cache_hit.seen_before_missed_tokens(doc_ids, per_request, tokens) == 30
+    # Hits beyond the seen-before documents never make the count negative.
+    per_request[1]["chunk_tokens_reused"] = 20
+    assert bench_cache_hit.seen_before_missed_tokens(doc_ids, per_request, tokens) == 30
+    # Everything sequential and everything reused: nothing lost to evictions.
+    sequential = [_req(i, i + 0.5, r) for i, r in enumerate([0, 20, 40, 30])]
+    assert bench_cache_hit.seen_before_missed_tokens(doc_ids, sequential, tokens) == 0
+    sequential[3]["chunk_tokens_reused"] = 0  # all of request 3's documents evicted
+    assert bench_cache_hit.seen_before_missed_tokens(doc_ids, sequential, tokens) == 30
+
+
+def test_task_score_uses_the_first_line_for_qa_and_all_text_for_ruler():
+    from relaxkv_sglang.workloads import TaskExample
+
+    qa = TaskExample("squad", "q", "S", ["d"], "Q", ["Paris"], "qa_f1", 16)
+    assert bench_quality.task_score(qa, " Paris\nRome Rome") == 1.0
+    ruler = TaskExample("niah_multivalue", "n", "S", ["d"], "Q", ["1234567", "7654321"], "string_match_all", 40)
+    assert bench_quality.task_score(ruler, " 1234567,\n 7654321") == 1.0
+    assert bench_quality.task_score(ruler, " 1234567") == 0.5
+
+
+def test_configs_answer_baselines_once_and_repairs_per_ratio():
+    cfgs = bench_quality.configs(["full", "pic", "relaxkv", "epic"], [0.05, 0.3])
+    assert cfgs == [("full", None), ("pic", None), ("relaxkv", 0.05), ("epic", 0.05), ("relaxkv", 0.3), ("epic", 0.3)]
+    assert bench_quality.headline_ratio([0.05, 0.3]) == 0.05 and bench_quality.headline_ratio([0.3, 0.15]) == 0.15
+
+
+def _row(task, policy, ratio, kl, score, ttft):
+    return {"task": task, "example_id": "e", "policy": policy, "anchor_ratio": ratio, "score": score,
+            "f1_to_full": 1.0 - kl, "exact_to_full": float(kl == 0), "kl_first_token": kl, "ttft_s": ttft,
+            "latency_s": ttft + 1, "prompt_tokens": 100, "relaxkv": {}}
+
+
+def test_quality_summary_and_table():
+    rows = []
+    for task, k in (("hotpotqa", 1.0), ("niah_multivalue", 2.0)):
+        rows += [_row(task, "full", None, 0.0, 0.5, 3.0), _row(task, "pic", None, 0.4 * k, 0.25, 0.2)]
+        rows += [_row(task, "relaxkv", r, 0.1 * k / r, 0.5, 1 + r) for r in (0.05, 0.3)]
+    cfgs = bench_quality.configs(["full", "pic", "relaxkv"], [0.05, 0.3])
+    summary = bench_quality.summarize_all(rows, ["hotpotqa", "niah_multivalue"], cfgs)
+    cell = {(s["task"], s["policy"], s["anchor_ratio"]): s for s in summary}
+    assert len(summary) == 3 * 4
+    assert cell[("all", "pic", None)]["kl_first_token"] == pytest.approx(0.6)  # mean of 0.4 and 0.8
+    assert cell[("niah_multivalue", "relaxkv", 0.3)]["kl_first_token"] == pytest.approx(0.2 / 0.3)
+    assert cell[("all", "relaxkv", 0.05)]["ttft_median_s"] == pytest.approx(1.05)
+    result = {"args": {"context_ratio": 0.25, "offset": 0, "seed": 0, "model": "m", "quick": False},
+              "machine": {"cpus": 2, "platform": "Linux-x", "date": "2026-11-29T00:00:00"}, "bench": "bench_quality",
+              "wall_s": 150.0, "tasks": {"hotpotqa": {"examples": 1}, "niah_multivalue": {"examples": 1}},
+              "summary": summary}
+    table = run_all.quality_table(result)
+    assert "at 5% anchors" in table and "ran in 2.5 min" in table
+    assert "| pic | 0.600 [0.40, 0.80] | 0.000 | 0.400 / 0.25 | 0.800 / 0.25 | 0.20 |" in table
+    assert "| relaxkv | 3.000 [2.00, 4.00] | 0.000 | 2.000 / 0.50 | 4.000 / 0.50 | 1.05 |" in table  # at 5%
+    assert "full: 0.000 / 3.00; pic: 0.600 / 0.20." in table
+    assert "| relaxkv | 3.000 / 1.05 | 0.500 / 1.30 |" in table  # the sweep: KL / TTFT per ratio

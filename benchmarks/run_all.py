@@ -112,8 +112,6 @@ TASK_LABELS = {"hotpotqa": "HotpotQA", "squad": "SQuAD multi-doc", "niah_multiva
 
 
 def quality_table(result: dict) -> str:
-    if isinstance(result["summary"], dict):  # a JSON from before the task sweep: HotpotQA at one ratio
-        return _quality_table_hotpotqa_only(result)
     a = result["args"]
     ratios = sorted({s["anchor_ratio"] for s in result["summary"] if s["anchor_ratio"] is not None})
     head = min(ratios, key=lambda r: abs(r - 0.15)) if ratios else None
@@ -148,23 +146,6 @@ def quality_table(result: dict) -> str:
             lines.append(f"| {policy} | " + " | ".join(
                 f"{cell[('all', policy, r)]['kl_first_token']:.3f} / {cell[('all', policy, r)]['ttft_median_s']:.2f}"
                 for r in ratios) + " |")
-    return "\n".join(lines)
-
-
-def _quality_table_hotpotqa_only(result: dict) -> str:
-    a = result["args"]
-    lines = [f"**Fidelity to full prefill** on HotpotQA dev {a['offset']}-{a['offset'] + a['examples'] - 1} "
-             f"(10 paragraphs as chunks), anchor ratio {a['anchor_ratio']}, relaxkv context ratio "
-             f"{a['context_ratio']}; [95% bootstrap CI]. {_caption(result)}", "",
-             "| policy | answer F1 to full | exact agreement | first-token KL | gold F1 | anchor ratio | context ratio |",
-             "|---|---|---|---|---|---|---|"]
-    for policy, s in result["summary"].items():
-        f1_lo, f1_hi = s["f1_to_full_ci95"]
-        kl_lo, kl_hi = s["kl_first_token_ci95"]
-        anchors = f"{s['anchor_ratio']:.3f}" if s["anchor_ratio"] is not None else "-"
-        ctx = f"{s['context_ratio']:.2f}" if s["context_ratio"] is not None else "-"
-        lines.append(f"| {policy} | {s['f1_to_full']:.3f} [{f1_lo:.2f}, {f1_hi:.2f}] | {s['exact_to_full']:.3f} | "
-                     f"{s['kl_first_token']:.3f} [{kl_lo:.2f}, {kl_hi:.2f}] | {s['gold_f1']:.3f} | {anchors} | {ctx} |")
     return "\n".join(lines)
 
 
@@ -203,7 +184,7 @@ def run_times_table(times: dict) -> str:
     for bench in BENCHES:
         sizes = times.get(bench, {})
         lines.append(f"| {bench} | " + " | ".join(
-            f"{_duration(sizes[size]['wall_s'])} ({sizes[size]['date'][:10]})" if size in sizes else "not run yet"
+            f"{_duration(sizes[size]['wall_s'])} ({sizes[size]['date'][:10]})" if size in sizes else "not recorded"
             for size in ("quick", "full")) + " |")
     return "\n".join(lines)
 

@@ -307,6 +307,17 @@ def _fresh(rng: random.Random, draw, taken: set, text: str) -> str:
             return value
 
 
+def _essay_windows(n: int, seed: int, n_docs: int, doc_chars: int, haystack: str | None):
+    """Per example ``i``: ``(i, rng, pieces, plain, taken)``: ``n_docs`` essay pieces (sentence
+    lists, :func:`_essay_documents`) from a window drawn with the one seeded ``rng`` the caller
+    keeps drawing from, their plain text, and an empty set of values already used."""
+    haystack = assets.load_data("essays")["text"] if haystack is None else haystack
+    rng = random.Random(seed)
+    for i in range(n):
+        pieces = _essay_documents(haystack, n_docs, doc_chars, rng)
+        yield i, rng, pieces, " ".join(s for piece in pieces for s in piece), set()
+
+
 def niah_multivalue(n: int, *, seed: int = 0, n_docs: int = 10, doc_chars: int = 560, n_values: int = 4,
                     haystack: str | None = None) -> list[TaskExample]:
     """RULER-style multi-value needle in a haystack over essay chunks.
@@ -320,13 +331,8 @@ def niah_multivalue(n: int, *, seed: int = 0, n_docs: int = 10, doc_chars: int =
     """
     if not 1 <= n_values <= n_docs:
         raise ValueError(f"n_values must be between 1 and n_docs={n_docs}, got {n_values}")
-    haystack = assets.load_data("essays")["text"] if haystack is None else haystack
-    rng = random.Random(seed)
     examples = []
-    for i in range(n):
-        pieces = _essay_documents(haystack, n_docs, doc_chars, rng)
-        plain = " ".join(s for piece in pieces for s in piece)
-        taken: set = set()
+    for i, rng, pieces, plain, taken in _essay_windows(n, seed, n_docs, doc_chars, haystack):
         key = _fresh(rng, lambda r: f"{r.choice(_KEY_ADJECTIVES)}-{r.choice(_KEY_NOUNS)}", taken, plain)
         values = []
         for d in sorted(rng.sample(range(n_docs), n_values)):
@@ -355,13 +361,8 @@ def variable_tracking(n: int, *, seed: int = 0, n_docs: int = 10, doc_chars: int
     """
     if not 1 <= n_hops + 1 <= n_docs:
         raise ValueError(f"a chain of {n_hops} hops needs {n_hops + 1} documents; n_docs={n_docs}")
-    haystack = assets.load_data("essays")["text"] if haystack is None else haystack
-    rng = random.Random(seed)
     examples = []
-    for i in range(n):
-        pieces = _essay_documents(haystack, n_docs, doc_chars, rng)
-        plain = " ".join(s for piece in pieces for s in piece)
-        taken: set = set()
+    for i, rng, pieces, plain, taken in _essay_windows(n, seed, n_docs, doc_chars, haystack):
         value = _fresh(rng, lambda r: str(r.randint(10_000, 99_999)), taken, plain)
         names = [_fresh(rng, lambda r: "".join(r.choices(string.ascii_uppercase, k=5)), taken, plain)
                  for _ in range(n_hops + 1)]

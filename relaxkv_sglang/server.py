@@ -32,6 +32,10 @@ CPU_FLAGS = ["--sleep-on-idle"]
 # The plugin's cache and attention backend; the overlap scheduler is off because
 # chunk reuse folds the batch right before its forward pass.
 RELAXKV_FLAGS = ["--attention-backend", "relaxkv", "--radix-cache-backend", "relaxkv", "--disable-overlap-schedule"]
+# Environment for tests: SGLang checks its KV accounting whenever the scheduler
+# idles, and with this set a leaked or double-freed slot stops the server
+# instead of logging a warning.
+STRICT_MEMORY_CHECK = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
 
 
 class ServerError(RuntimeError):

@@ -10,12 +10,9 @@ import pytest
 import torch
 
 from relaxkv_sglang import assets
-from relaxkv_sglang.server import SGLangServer, ServerConfig
+from relaxkv_sglang.server import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
 
 TINY_POOL_TOKENS = 8192
-# SGLang checks its KV accounting whenever the scheduler idles; with this set a
-# leaked or double-freed slot stops the server instead of logging a warning.
-STRICT_MEMORY_CHECK = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
 
 
 @pytest.fixture(scope="session")

@@ -56,7 +56,8 @@ import requests
 from relaxkv_sglang import assets
 from relaxkv_sglang.client import ServerClient
 from relaxkv_sglang.metrics import latency_summary
-from relaxkv_sglang.server import SGLangServer, ServerConfig
+from relaxkv_sglang.server import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
+from relaxkv_sglang.srt.plan import CHUNK_POLICIES, REPAIR_POLICIES, SERVER_POLICIES
 from relaxkv_sglang.workloads import SYSTEM_PROMPTS
 
 if __package__:  # python -m tests.e2e.soak
@@ -64,12 +65,6 @@ if __package__:  # python -m tests.e2e.soak
 else:  # imported by the tests, which run with tests/e2e on sys.path
     from rag_helpers import MarkedPrompt, essay_paragraphs, marked_prompt
 
-POLICIES = ("full", "prefix", "pic", "epic", "cacheblend", "prophetkv", "relaxkv", "relaxkv_fullctx",
-            "relaxkv_randctx")
-REPAIR_POLICIES = frozenset(POLICIES[3:])
-CHUNK_POLICIES = REPAIR_POLICIES | {"pic"}
-# The same variable as tests/conftest.py STRICT_MEMORY_CHECK: a leaked slot stops the server.
-STRICT_MEMORY_CHECK = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +226,7 @@ class Workload:
         # Mostly the fixed system prompts (their KV is shared through the radix cache), sometimes a fresh one.
         system = rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.8 else f"Request {i}. Answer from the documents."
         prompt = marked_prompt(system, docs, f"Question {i}: which document mentions money?\nAnswer:")
-        policy = rng.choice(POLICIES)
+        policy = rng.choice(SERVER_POLICIES)
         anchor = rng.choice([0.0, 1.0, round(rng.uniform(0.01, 0.5), 3), round(rng.uniform(0.01, 0.5), 3)])
         context = rng.choice([0.0, 1.0, round(rng.uniform(0.05, 1.0), 3), round(rng.uniform(0.05, 1.0), 3)])
         job = Job(i, "normal", prompt, policy, size.max_new_tokens, anchor, context, stream=rng.random() < 0.3)

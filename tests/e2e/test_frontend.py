@@ -19,7 +19,7 @@ import sglang as sgl
 from rag_helpers import documents
 
 from relaxkv_sglang.lang import DOC_END, DOC_START, RelaxKVEndpoint, document, mark_payload, split_marks, strip_marks
-from relaxkv_sglang.server import SGLangServer, ServerConfig
+from relaxkv_sglang.server import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
 from relaxkv_sglang.srt.parallel_encoding import JoinRegistry
 
 pytestmark = pytest.mark.e2e
@@ -34,7 +34,7 @@ def relaxkv_frontend_server(tiny_model_path):
     config = ServerConfig(
         model_path=tiny_model_path,
         max_total_tokens=POOL_TOKENS,
-        env={"RELAXKV_DEFAULT_POLICY": "prefix", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"},
+        env={"RELAXKV_DEFAULT_POLICY": "prefix", **STRICT_MEMORY_CHECK},
         extra_args=["--context-length", "4096"],
     )
     command = " ".join(config.command())

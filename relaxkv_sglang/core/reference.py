@@ -13,7 +13,7 @@ half-open token spans, contiguous from the end of the prefix to ``query_start``.
 1. stale KV: the prefix by ordinary causal prefill (exact); each chunk alone at positions
    ``0..len-1``, its K then re-rotated by the chunk's start (RoPE rotations compose);
 2. query pass over the stale KV (layer by layer; gives ``pic``'s logits and s_l);
-3. anchors per layer (selection.py), nested over depth;
+3. anchors per layer and their contexts from the planner the server uses (repair_plan.py);
 4. repair pass: at layer l only the tokens of ``A_l`` and the query are computed: q/k/v at
    their true positions, the anchors' stale K/V overwritten, anchors attend to their context
    (``block_sparse_attention`` over a layout: full causal, relaxed, or random), the query
@@ -28,15 +28,9 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from .attention import block_sparse_attention, dense_causal_attention
-from .layout import build_relaxed_layout
-from .selection import (
-    RepairPolicy,
-    anchor_ratio_achieved,
-    eligible_tokens,
-    kv_deviation,
-    query_attention_scores,
-    select_anchors,
-)
+from .policies import Policy
+from .repair_plan import RepairConfig, plan_anchors
+from .selection import eligible_tokens, kv_deviation, query_attention_scores
 
 Span = tuple[int, int]
 
@@ -365,37 +359,25 @@ def reference_prefill(
     input_ids: torch.Tensor,
     chunk_spans: Sequence[Span],
     query_start: int,
-    policy: RepairPolicy | str,
-    anchor_ratio: float = 0.15,
-    context_ratio: float = 1.0,
-    *,
-    page_size: int = 16,
-    sink_tokens: int = 4,
-    chunk_sink_tokens: int = 4,
-    check_layer: int = 1,
-    cacheblend_use_k: bool = False,
-    seed: int = 0,
+    policy: Policy | str,
+    config: RepairConfig = RepairConfig(),
 ) -> Result:
     """Prefill one request under ``policy`` and return the last token's logits and the KV.
+
+    The decisions come from :func:`.repair_plan.plan_anchors`, the planner the server uses,
+    so the reference and the server differ only in how they execute.
 
     Args:
         weights: model.
         input_ids: int64 [n_tokens] = prefix + chunks + query.
         chunk_spans: contiguous chunk spans ``[(start, end), ...]`` ending at ``query_start``.
         query_start: index of the first query token (>= 1 query token required).
-        policy: RepairPolicy or its value.
-        anchor_ratio: r, see selection.py (ignored by full/pic).
-        context_ratio: relaxed-context budget (relaxkv, relaxkv_randctx), see layout.py.
-        page_size: key page size of the layouts.
-        sink_tokens: first prompt tokens every anchor attends to.
-        chunk_sink_tokens: favoured first tokens of each chunk (relaxkv targets).
-        check_layer: cacheblend's check layer.
-        cacheblend_use_k: cacheblend deviation also counts K.
-        seed: seeds the random policy / random context.
+        policy: Policy or its value (full, pic, or a repair policy; ``random`` included).
+        config: the repair's knobs (ignored by full/pic).
     Returns:
         Result.
     """
-    policy = RepairPolicy(policy)
+    policy = Policy(policy)
     input_ids = input_ids.to(torch.long).flatten()
     spans = _check_request(input_ids, chunk_spans, query_start)
     n, L, Q0 = input_ids.numel(), weights.n_layers, query_start
@@ -404,34 +386,27 @@ def reference_prefill(
     report = RepairReport(policy=policy.value, n_context=Q0, n_eligible=int(elig.numel()))
     query_pairs_per_layer = n_q * Q0 + n_q * (n_q + 1) // 2
 
-    if policy is RepairPolicy.FULL:
+    if not policy.reuses_chunks:
         kv, h = _causal_prefill(weights, input_ids, torch.arange(n))
         report.query_kv_pairs = query_pairs_per_layer * L
         return Result(_logits(weights, h[-1]), kv, report, [torch.zeros(0, dtype=torch.long)] * L)
 
     stale = build_stale_kv(weights, input_ids, spans, Q0)
     scores = None
-    if policy is RepairPolicy.PIC or policy.needs_query_scores:
+    if policy is Policy.PIC or policy.needs_query_scores:
         logits, q_kv, scores = _query_pass(weights, input_ids, Q0, stale, policy.needs_query_scores)
-        if policy is RepairPolicy.PIC:
+        if policy is Policy.PIC:
             report.query_kv_pairs = query_pairs_per_layer * L
             return Result(logits, q_kv, report, [torch.zeros(0, dtype=torch.long)] * L, scores)
 
-    gen = torch.Generator().manual_seed(seed)
-    sets = select_anchors(
-        policy, scores, spans, Q0, anchor_ratio, gen,
-        n_layers=L, check_layer=check_layer, chunk_sink_tokens=chunk_sink_tokens,
-    )
-    mode = policy.context_mode
-    ctx_ratio = context_ratio if mode != "full" else 1.0
-
+    plan = plan_anchors(policy, scores, spans, Q0, L, config)
     pos_q = torch.arange(Q0, n)
     h_q = weights.embed[input_ids[Q0:]].float()
     cur_tok = elig  # tokens whose residual stream we carry (A_{l-1}; all eligible before layer 0)
     h_cur = weights.embed[input_ids[elig]].float()
     kv_out = []
     for l, layer in enumerate(weights.layers):
-        anchors = sets[l]
+        anchors = plan.anchor_sets[l]
         # Nesting guarantees anchors ⊆ cur_tok; take their carried residual rows.
         rows = torch.searchsorted(cur_tok, anchors)
         if anchors.numel() and not bool((cur_tok[rows.clamp(max=cur_tok.numel() - 1)] == anchors).all()):
@@ -441,18 +416,12 @@ def reference_prefill(
         q, k, v = _project_qkv(weights, layer, torch.cat([h_a, h_q]), torch.cat([anchors, pos_q]))
         K, V = stale[l][0].clone(), stale[l][1].clone()
         K[anchors], V[anchors] = k[:n_a], v[:n_a]
-        if policy is RepairPolicy.CACHEBLEND and l == min(check_layer, L - 1) and len(sets) < L:
-            dev = kv_deviation(k[:n_a], v[:n_a], stale[l][0][anchors], stale[l][1][anchors], cacheblend_use_k)
-            full_dev = torch.zeros(Q0)
-            full_dev[anchors] = dev
-            sets = select_anchors(
-                policy, None, spans, Q0, anchor_ratio, gen,
-                n_layers=L, deviation=full_dev, check_layer=check_layer,
-            )
-        layout = build_relaxed_layout(
-            anchors, scores[l] if scores is not None else None, spans, Q0, ctx_ratio,
-            page_size=page_size, sink_tokens=sink_tokens, mode=mode, generator=gen,
-        )
+        if plan.awaits_check_layer and l == config.check_layer:
+            deviation = torch.zeros(Q0)
+            deviation[anchors] = kv_deviation(k[:n_a], v[:n_a], stale[l][0][anchors], stale[l][1][anchors],
+                                              config.cacheblend_use_k)
+            plan = plan.after_check_layer(deviation)
+        layout = plan.layouts[l]
         o_a = block_sparse_attention(q[:n_a], K, V, layout)
         keys, vals = torch.cat([K, k[n_a:]]), torch.cat([V, v[n_a:]])
         o_q = dense_causal_attention(q[n_a:], keys, vals)
@@ -463,8 +432,8 @@ def reference_prefill(
         report.full_kv_pairs += layout.full_kv_pairs()
         report.query_kv_pairs += query_pairs_per_layer
 
-    report.anchors_per_layer = [int(a.numel()) for a in sets]
+    report.anchors_per_layer = [int(a.numel()) for a in plan.anchor_sets]
     report.recomputed_token_layers = sum(report.anchors_per_layer)
-    report.anchor_ratio = anchor_ratio_achieved(sets, int(elig.numel()))
+    report.anchor_ratio = plan.achieved_anchor_ratio()
     report.context_ratio = report.repair_kv_pairs / report.full_kv_pairs if report.full_kv_pairs else 1.0
-    return Result(_logits(weights, h_q[-1]), kv_out, report, list(sets), scores)
+    return Result(_logits(weights, h_q[-1]), kv_out, report, list(plan.anchor_sets), scores)

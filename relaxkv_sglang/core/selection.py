@@ -42,16 +42,16 @@ budget allows, then run the hull allocation on the rest.
 
 from __future__ import annotations
 
-import enum
 import math
 from typing import Optional, Sequence
 
 import torch
 
+from .policies import Policy
+
 Span = tuple[int, int]
 
 __all__ = [
-    "RepairPolicy",
     "query_attention_scores",
     "eligible_tokens",
     "chunk_ids",
@@ -61,55 +61,6 @@ __all__ = [
     "select_anchors",
     "anchor_ratio_achieved",
 ]
-
-
-class RepairPolicy(str, enum.Enum):
-    """How a request with reused chunks is prefilled.
-
-    full             ordinary causal prefill, no reuse.
-    pic              chunks' independent (re-rotated) KV, no repair.
-    epic             first k tokens of each chunk, every layer, full causal context.
-    cacheblend       all tokens up to a check layer, then top-r by K/V deviation, full context.
-    prophetkv        top-r by layer-averaged query attention, every layer, full context.
-    relaxkv          per-layer nested targets from s_l, relaxed (query-relevant) context.
-    relaxkv_fullctx  relaxkv targets, full causal context (ablation).
-    relaxkv_randctx  relaxkv targets, random context of the same budget (ablation).
-    random           uniformly random targets, every layer, full context (control).
-    """
-
-    FULL = "full"
-    PIC = "pic"
-    EPIC = "epic"
-    CACHEBLEND = "cacheblend"
-    PROPHETKV = "prophetkv"
-    RELAXKV = "relaxkv"
-    RELAXKV_FULLCTX = "relaxkv_fullctx"
-    RELAXKV_RANDCTX = "relaxkv_randctx"
-    RANDOM = "random"
-
-    @property
-    def needs_query_scores(self) -> bool:
-        """True when targets (or context) are chosen from the stale query pass s_l."""
-        return self in (
-            RepairPolicy.PROPHETKV,
-            RepairPolicy.RELAXKV,
-            RepairPolicy.RELAXKV_FULLCTX,
-            RepairPolicy.RELAXKV_RANDCTX,
-        )
-
-    @property
-    def context_mode(self) -> str:
-        """Context of the anchors: 'full' (causal prefix), 'topk' (relaxed) or 'random'."""
-        if self is RepairPolicy.RELAXKV:
-            return "topk"
-        if self is RepairPolicy.RELAXKV_RANDCTX:
-            return "random"
-        return "full"
-
-    @property
-    def repairs(self) -> bool:
-        """False for the two policies that never recompute reused tokens."""
-        return self not in (RepairPolicy.FULL, RepairPolicy.PIC)
 
 
 # ----------------------------------------------------------------------------- scores
@@ -360,7 +311,7 @@ def _top(values: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor
 
 
 def select_anchors(
-    policy: RepairPolicy | str,
+    policy: Policy | str,
     scores: Optional[torch.Tensor],
     chunk_spans: Sequence[Span],
     n_context: int,
@@ -375,7 +326,7 @@ def select_anchors(
     """Anchor set of every layer for one request.
 
     Args:
-        policy: a ``RepairPolicy`` or its string value.
+        policy: a ``Policy`` or its string value.
         scores: float [n_layers, n_context] query scores s_l; required by prophetkv and the
             relaxkv policies, ignored otherwise.
         chunk_spans: chunk spans (see module doc); anchors come only from eligible tokens.
@@ -396,7 +347,7 @@ def select_anchors(
         n_layers int64 tensors of sorted token indices, nested (A_0 ⊇ A_1 ⊇ ...).
         full: every eligible token; pic: empty sets.
     """
-    policy = RepairPolicy(policy)
+    policy = Policy(policy)
     if scores is not None:
         if scores.dim() != 2 or scores.shape[1] != n_context:
             raise ValueError(f"scores must be [n_layers, {n_context}], got {tuple(scores.shape)}")
@@ -408,24 +359,24 @@ def select_anchors(
     per_layer = _budget(anchor_ratio, n_elig)
     empty = torch.zeros(0, dtype=torch.long)
 
-    if policy is RepairPolicy.FULL:
+    if not policy.reuses_chunks:  # full, prefix: every eligible token is computed
         return _same_every_layer(elig, n_layers)
-    if policy is RepairPolicy.PIC:
+    if policy is Policy.PIC:
         return [empty.clone() for _ in range(n_layers)]
-    if policy is RepairPolicy.EPIC:
+    if policy is Policy.EPIC:
         # First k tokens of each chunk; the last partial round goes to the earlier chunks,
         # so exactly round(r * n_eligible) tokens are taken.
         offs, cid = _chunk_offsets(chunk_spans, elig, n_context)
         key = offs * (int(cid.max()) + 1 if n_elig else 1) + cid
         return _same_every_layer(elig[torch.argsort(key, stable=True)[:per_layer]], n_layers)
-    if policy is RepairPolicy.RANDOM:
+    if policy is Policy.RANDOM:
         perm = torch.randperm(n_elig, generator=rng)
         return _same_every_layer(elig[perm[:per_layer]], n_layers)
-    if policy is RepairPolicy.PROPHETKV:
+    if policy is Policy.PROPHETKV:
         if scores is None:
             raise ValueError("prophetkv needs query scores")
         return _same_every_layer(_top(scores.float().mean(dim=0), elig, per_layer), n_layers)
-    if policy is RepairPolicy.CACHEBLEND:
+    if policy is Policy.CACHEBLEND:
         n_full = min(check_layer + 1, n_layers)
         sets = [elig.clone() for _ in range(n_full)]
         if deviation is None:

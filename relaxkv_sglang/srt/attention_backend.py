@@ -11,7 +11,7 @@ own position, and lets a row see only keys from its *scope start* on:
   start = the chunk's first position, so the chunk attends only to itself.
 
 Which rows a folded batch carries comes from :mod:`relaxkv_sglang.srt.forward`
-(through :func:`active_fold`); without a fold every request is the ordinary
+(through :func:`~relaxkv_sglang.srt.context.forward_context`); without a fold every request is the ordinary
 contiguous case. Decode is inherited unchanged from ``torch_native``.
 
 SGLang file touched: ``sglang/srt/layers/attention/torch_native_backend.py``
@@ -20,36 +20,19 @@ SGLang file touched: ``sglang/srt/layers/attention/torch_native_backend.py``
 
 from __future__ import annotations
 
-import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from relaxkv_sglang.core.attention import scoped_causal_attention
-from relaxkv_sglang.srt import forward as fold_state
+from relaxkv_sglang.srt.context import ExtendRows, forward_context
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
-@dataclasses.dataclass
-class ExtendRows:
-    """One request's rows in an extend batch.
-
-    Attributes:
-        req_pool_idx: the request's row in ``req_to_token``.
-        row_start: first row of this request in the batch's q/k/v.
-        positions: int64 [n_rows] absolute position of each row.
-        scope_start: int64 [n_rows] first key position each row may attend to.
-    """
-
-    req_pool_idx: int
-    row_start: int
-    positions: torch.Tensor
-    scope_start: torch.Tensor
-
-    @property
-    def n_rows(self) -> int:
-        return int(self.positions.shape[0])
-
-
-def contiguous_rows(forward_batch) -> list[ExtendRows]:
+def contiguous_rows(forward_batch: "ForwardBatch") -> list[ExtendRows]:
     """Rows of an ordinary extend batch: each request's tail, scope start 0."""
     rows, start = [], 0
     pool_idx = forward_batch.req_pool_indices.tolist()
@@ -62,24 +45,29 @@ def contiguous_rows(forward_batch) -> list[ExtendRows]:
     return rows
 
 
-def build_backend_class():
+def build_backend_class() -> type:
     """The backend class, built lazily so this module imports without sglang."""
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
     class RelaxKVAttnBackend(TorchNativeAttnBackend):
-        def __init__(self, model_runner):
+        """``torch_native`` with extend rows at explicit positions and scopes (module doc)."""
+
+        def __init__(self, model_runner: Any) -> None:
             super().__init__(model_runner)
             self.extend_rows: list[ExtendRows] | None = None
 
-        def init_forward_metadata(self, forward_batch):
+        def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+            """Read the batch's rows: the fold's, or each request's contiguous tail."""
             super().init_forward_metadata(forward_batch)
             self.extend_rows = None
             if forward_batch.forward_mode.is_extend():
-                fold = fold_state.active_fold()
-                self.extend_rows = fold.extend_rows() if fold is not None else contiguous_rows(forward_batch)
+                context = forward_context(forward_batch)
+                self.extend_rows = context.extend_rows if context is not None else contiguous_rows(forward_batch)
 
-        def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
+                           forward_batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
+            """Write the rows' K/V, then attend each row from its scope start to its position."""
             if layer.is_cross_attention or self.extend_rows is None:
                 return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
             if save_kv_cache and k is not None and v is not None:

@@ -10,8 +10,9 @@ a hook misbehave.
 Registered:
 * attention backend ``relaxkv`` (``attention_backend.py``),
 * tree cache backend ``relaxkv`` (``tree_cache.py``),
-* hooks: request preparation (``api.py``), batch folding (``forward.py``),
-  the repair pass's layer loop (``repair.py``), reporting.
+* hooks: request preparation (``api.py``, ``chat.py``, ``parallel_encoding.py``),
+  the forward pipeline (``forward.py``: fold, repair, finish), the repair pass's
+  layer loop (``layer_loop.py``), reporting (``report.py``, ``tree_cache.py``).
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ HOOKS = {
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (
         "relaxkv_sglang.srt.forward:around_forward_batch_init_new", ("cls", "batch", "model_runner")),
     "sglang.srt.models.llama.LlamaModel.forward": (
-        "relaxkv_sglang.srt.repair:around_model_forward", ("self", "input_ids", "positions", "forward_batch")),
+        "relaxkv_sglang.srt.layer_loop:around_model_forward", ("self", "input_ids", "positions", "forward_batch")),
     "sglang.srt.models.qwen2.Qwen2Model.forward": (
-        "relaxkv_sglang.srt.repair:around_model_forward", ("self", "input_ids", "positions", "forward_batch")),
+        "relaxkv_sglang.srt.layer_loop:around_model_forward", ("self", "input_ids", "positions", "forward_batch")),
     "sglang.srt.managers.scheduler.Scheduler.get_internal_state": (
         "relaxkv_sglang.srt.tree_cache:around_get_internal_state", ("self", "recv_req")),
     "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
     ".is_request_level_customized_info_key": (
-        "relaxkv_sglang.srt.forward:around_is_request_level_key", ("self", "key")),
+        "relaxkv_sglang.srt.report:around_is_request_level_key", ("self", "key")),
     "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request": (
         "relaxkv_sglang.srt.chat:around_convert_to_internal_request", ("self", "request", "raw_request")),
     "sglang.srt.entrypoints.http_server.serve_generate_request": (

@@ -4,8 +4,14 @@ Selected with ``--radix-cache-backend relaxkv``. The radix tree (SGLang's own
 legacy ``RadixCache``, subclassed) still serves exact prefixes: system prompts,
 multi-turn history, any request without chunks. Beside it a
 :class:`~relaxkv_sglang.core.chunk_store.ChunkStore` holds each document
-chunk's KV once, keyed by its token ids and tenant namespace, reused at any
-position by :mod:`relaxkv_sglang.srt.forward`.
+chunk's KV once, keyed by its token ids and tenant namespace.
+
+The cache owns every operation on chunk KV; the fold (:mod:`.fold`) only asks:
+
+* :meth:`reuse_chunk`: look a chunk up, pin it, copy it into a request's slots
+  with K re-rotated to where it now sits, unpin;
+* :meth:`publish_chunk`: copy a freshly computed chunk into slots the chunk
+  store owns (evicting if needed) and index it.
 
 What this class changes in the radix tree's behaviour:
 
@@ -20,84 +26,157 @@ What this class changes in the radix tree's behaviour:
   an idle server with a flushed cache has every slot back in the free list.
   Eviction takes radix leaves first (LRU), then unlocked chunks (LRU).
 
-SGLang file touched: ``sglang/srt/mem_cache/radix_cache.py`` (subclassed),
-registered through ``mem_cache/registry.py``.
+The scheduler's worker finds its cache through :func:`worker_cache` (the
+factory attaches it to ``TreeCacheBuildContext.tp_worker``), so no module
+holds a process-wide reference.
+
+SGLang files touched: ``sglang/srt/mem_cache/radix_cache.py`` (subclassed),
+registered through ``mem_cache/registry.py``; ``managers/scheduler.py``
+``Scheduler.get_internal_state`` (around, for /get_server_info).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
 import torch
 
-from relaxkv_sglang.core.chunk_store import ChunkStore
+from relaxkv_sglang.core.chunk_store import ChunkStore, ChunkStoreStats
+from relaxkv_sglang.core.rope import RopeSpec, UnsupportedRopeError, rope_spec_from_hf_config, rotate_keys
+from relaxkv_sglang.srt.layer_loop import supports_repair
 from relaxkv_sglang.srt.plan import BACKEND_NAME, request_plan
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchPrefixParams, MatchResult
+    from sglang.srt.mem_cache.memory_pool import KVCache
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 logger = logging.getLogger(__name__)
 
-_ACTIVE_CACHE = None
+# Attribute of SGLang's TpModelWorker that holds its relaxkv tree cache.
+_WORKER_ATTR = "relaxkv_cache"
 
 
-def active_cache():
-    """The relaxkv tree cache of this scheduler process, or None if not selected."""
-    return _ACTIVE_CACHE
+class ChunkCache(Protocol):
+    """The surface of the tree cache the fold and the repair use."""
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        """int32 [max_requests, max_context] each request's KV slot per position."""
+
+    @property
+    def kv_pool(self) -> "KVCache":
+        """SGLang's KV pool (per-layer K and V buffers)."""
+
+    def reuse_chunk(self, namespace: Optional[str], tokens: Sequence[int], dst: torch.Tensor, position: int) -> bool:
+        """Copy a cached chunk into ``dst`` re-rotated to ``position``; False on a miss."""
+
+    def publish_chunk(self, namespace: Optional[str], tokens: Sequence[int], src: torch.Tensor, position: int) -> bool:
+        """Store a chunk computed at ``position`` in slots ``src``; False if not stored."""
+
+    def publish_metrics(self) -> None:
+        """Push the chunk counters to /metrics."""
 
 
-def build_cache_class():
+def worker_cache(worker: Any) -> Optional["ChunkCache"]:
+    """The relaxkv tree cache of this scheduler's worker, or None if not selected."""
+    return getattr(worker, _WORKER_ATTR, None)
+
+
+class KVCopier:
+    """Copies K/V rows between pool slots for every layer, re-rotating K."""
+
+    def __init__(self, kv_pool: "KVCache", rope: RopeSpec) -> None:
+        self.kv_pool = kv_pool
+        self.rope = rope
+        self.layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, delta: int) -> None:
+        """src, dst: int64 [n] slots; K is rotated by ``delta`` positions, V copied."""
+        for layer in self.layers:
+            k_buf = self.kv_pool.get_key_buffer(layer)
+            v_buf = self.kv_pool.get_value_buffer(layer)
+            k = k_buf[src]
+            k_buf[dst] = rotate_keys(k, delta, self.rope) if delta else k
+            v_buf[dst] = v_buf[src]
+
+
+def build_cache_class() -> type:
+    """The cache class, built lazily so this module imports without sglang."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
     class RelaxKVTreeCache(RadixCache):
-        def __init__(self, params, copier, metrics=None):
+        """SGLang's radix tree plus the chunk store, with one memory account (module doc)."""
+
+        def __init__(self, params: Any, copier: KVCopier, metrics: Optional["ChunkMetrics"] = None) -> None:
             self.chunks: Optional[ChunkStore] = None
             super().__init__(params)  # calls reset()
             self.chunks = ChunkStore(free_slots=self.token_to_kv_pool_allocator.free)
             self.copier = copier
             self.metrics = metrics
 
-        def reset(self):
-            # Chunks first: ChunkStore.reset refuses (changing nothing) while an
-            # entry is locked, and the radix tree must then stay intact too, or
-            # its slots would belong to nobody.
-            if self.chunks is not None:
-                self.chunks.reset()
-            super().reset()
+        # -------------------------------------------------- chunk operations (ChunkCache)
 
-        def match_prefix(self, params):
-            req = params.req
-            plan = request_plan(req) if req is not None else None
-            if plan is not None and plan.policy == "full":
-                return self._empty_match_result
-            if plan is not None and plan.reuses_chunks:
-                # The radix tree serves only the exact prefix before the first
-                # chunk; chunks always come from the chunk tree, so a policy
-                # means the same thing whatever else is cached.
-                params = dataclasses.replace(params, key=params.key[: plan.exact_len])
-            return super().match_prefix(params)
+        @property
+        def req_to_token(self) -> torch.Tensor:
+            """int32 [max_requests, max_context] each request's KV slot per position."""
+            return self.req_to_token_pool.req_to_token
 
-        def checkpoint(self, req, *, up_to: int):
-            plan = request_plan(req)
-            if plan is not None and plan.reuses_chunks:
-                up_to = min(up_to, max(plan.exact_len, req.kv.cache_protected_len))
-            return super().checkpoint(req, up_to=up_to)
+        @property
+        def kv_pool(self) -> "KVCache":
+            """SGLang's KV pool (per-layer K and V buffers)."""
+            return self.copier.kv_pool
 
-        def evictable_size(self):
-            return super().evictable_size() + (self.chunks.evictable_tokens() if self.chunks else 0)
+        def reuse_chunk(self, namespace: Optional[str], tokens: Sequence[int], dst: torch.Tensor,
+                        position: int) -> bool:
+            """Copy a cached chunk into a request's slots, K re-rotated to ``position``.
 
-        def evict(self, params):
-            result = super().evict(params)
-            short = params.num_tokens - result.num_tokens_evicted
-            if short > 0 and self.chunks is not None:
-                result = EvictResult(num_tokens_evicted=result.num_tokens_evicted + self.chunks.evict(short))
-                self.publish_metrics()
-            return result
+            Args:
+                namespace: the tenant namespace (see ``plan.request_namespace``).
+                tokens: the chunk's token ids (counted as a lookup).
+                dst: int64 [len(tokens)] the request's slots for the chunk.
+                position: where the chunk's first token sits in the request.
+            Returns:
+                True on a hit (``dst`` now holds the chunk's KV), False on a miss.
+            """
+            entry = self.chunks.lookup(namespace, tokens)
+            if entry is None:
+                return False
+            self.chunks.lock(entry)  # nothing may evict it while it is read
+            try:
+                self.copier.copy(entry.slots, dst, position - entry.canonical_start)
+            finally:
+                self.chunks.unlock(entry)
+            return True
 
-        def total_size(self):
-            return super().total_size() + (self.chunks.total_tokens() if self.chunks else 0)
+        def publish_chunk(self, namespace: Optional[str], tokens: Sequence[int], src: torch.Tensor,
+                          position: int) -> bool:
+            """Copy a chunk computed position-independently into slots the chunk store owns.
+
+            Args:
+                namespace: the tenant namespace.
+                tokens: the chunk's token ids.
+                src: int64 [len(tokens)] the request's slots holding its KV.
+                position: where it was computed (its canonical start).
+            Returns:
+                True if stored now; False if already held (another request of the batch
+                published it) or no room even after eviction (a cache may skip an insert).
+            """
+            if self.chunks.peek(namespace, tokens) is not None:
+                return False
+            slots = self._alloc_chunk_slots(len(tokens))
+            if slots is None:
+                return False
+            self.copier.copy(src, slots, 0)
+            self.chunks.insert(namespace, tokens, slots, canonical_start=position)
+            return True
 
         def publish_metrics(self) -> None:
+            """Push the chunk counters to /metrics (when ``--enable-metrics``)."""
             if self.metrics is not None:
                 self.metrics.publish(self.chunks.stats())
 
@@ -111,7 +190,7 @@ def build_cache_class():
                 "kv_available_tokens": int(self.token_to_kv_pool_allocator.available_size()),
             }
 
-        def alloc_chunk_slots(self, n: int) -> Optional[torch.Tensor]:
+        def _alloc_chunk_slots(self, n: int) -> Optional[torch.Tensor]:
             """n free KV slots for a new chunk, evicting if needed; None if none."""
             allocator = self.token_to_kv_pool_allocator
             if allocator.available_size() < n:
@@ -120,6 +199,54 @@ def build_cache_class():
                 return None
             slots = allocator.alloc(n)
             return None if slots is None else slots.to(torch.int64)
+
+        # -------------------------------------------------- RadixCache overrides
+
+        def reset(self) -> None:
+            """Empty both trees (SGLang's /flush_cache)."""
+            # Chunks first: ChunkStore.reset refuses (changing nothing) while an
+            # entry is locked, and the radix tree must then stay intact too, or
+            # its slots would belong to nobody.
+            if self.chunks is not None:
+                self.chunks.reset()
+            super().reset()
+
+        def match_prefix(self, params: "MatchPrefixParams") -> "MatchResult":
+            """The radix match, limited by the request's policy (module doc)."""
+            req = params.req
+            plan = request_plan(req) if req is not None else None
+            if plan is not None and plan.policy == "full":
+                return self._empty_match_result
+            if plan is not None and plan.reuses_chunks:
+                # The radix tree serves only the exact prefix before the first
+                # chunk; chunks always come from the chunk tree, so a policy
+                # means the same thing whatever else is cached.
+                params = dataclasses.replace(params, key=params.key[: plan.exact_len])
+            return super().match_prefix(params)
+
+        def checkpoint(self, req: Any, *, up_to: int) -> Any:
+            """Publish at most the request's exact prefix to the radix tree."""
+            plan = request_plan(req)
+            if plan is not None and plan.reuses_chunks:
+                up_to = min(up_to, max(plan.exact_len, req.kv.cache_protected_len))
+            return super().checkpoint(req, up_to=up_to)
+
+        def evictable_size(self) -> int:
+            """Evictable tokens of both trees."""
+            return super().evictable_size() + (self.chunks.evictable_tokens() if self.chunks else 0)
+
+        def evict(self, params: "EvictParams") -> "EvictResult":
+            """Radix leaves first (LRU), then unlocked chunks (LRU)."""
+            result = super().evict(params)
+            short = params.num_tokens - result.num_tokens_evicted
+            if short > 0 and self.chunks is not None:
+                result = EvictResult(num_tokens_evicted=result.num_tokens_evicted + self.chunks.evict(short))
+                self.publish_metrics()
+            return result
+
+        def total_size(self) -> int:
+            """Tokens held by both trees."""
+            return super().total_size() + (self.chunks.total_tokens() if self.chunks else 0)
 
     return RelaxKVTreeCache
 
@@ -133,7 +260,7 @@ class ChunkMetrics:
 
     COUNTERS = ("lookups", "hits", "misses", "hit_tokens", "inserts", "evictions", "evicted_tokens")
 
-    def __init__(self):
+    def __init__(self) -> None:
         from prometheus_client import Counter, Gauge
 
         self.counters = {
@@ -144,7 +271,8 @@ class ChunkMetrics:
                                  multiprocess_mode="mostrecent")
         self.last = dict.fromkeys(self.COUNTERS, 0)
 
-    def publish(self, stats) -> None:
+    def publish(self, stats: ChunkStoreStats) -> None:
+        """Advance the counters to the store's totals."""
         for name, counter in self.counters.items():
             value = getattr(stats, name)
             if value > self.last[name]:
@@ -153,12 +281,8 @@ class ChunkMetrics:
         self.tokens_held.set(stats.tokens_held)
 
 
-def make_tree_cache(ctx):
+def make_tree_cache(ctx: "TreeCacheBuildContext") -> Any:
     """Factory for ``register_radix_cache_backend('relaxkv', ...)``."""
-    global _ACTIVE_CACHE
-    from relaxkv_sglang.core.rope import UnsupportedRopeError, rope_spec_from_hf_config
-    from relaxkv_sglang.srt.forward import KVCopier
-
     server_args = ctx.server_args
     if server_args.attention_backend != BACKEND_NAME:
         raise SystemExit(
@@ -169,18 +293,16 @@ def make_tree_cache(ctx):
         raise SystemExit(f"relaxkv-sglang: chunk reuse needs --page-size 1 (got {ctx.params.page_size})")
     if ctx.enable_hierarchical_cache or ctx.is_hybrid_swa or ctx.is_hybrid_ssm:
         raise SystemExit("relaxkv-sglang: hierarchical, sliding-window and hybrid caches are not supported")
+    model = getattr(getattr(ctx.tp_worker, "model_runner", None), "model", None)
     hf_config = ctx.model_config.hf_config.to_dict()
     try:
-        rope = rope_spec_from_hf_config(hf_config, is_neox_style=_is_neox_style(ctx))
+        rope = rope_spec_from_hf_config(hf_config, is_neox_style=_is_neox_style(model))
     except UnsupportedRopeError as exc:
         raise SystemExit(f"relaxkv-sglang: {exc}") from exc
     kv_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
     metrics = ChunkMetrics() if server_args.enable_metrics else None
     cache = build_cache_class()(ctx.params, KVCopier(kv_pool, rope), metrics)
-    _ACTIVE_CACHE = cache
-    from relaxkv_sglang.srt.repair import supports_repair
-
-    model = getattr(getattr(ctx.tp_worker, "model_runner", None), "model", None)
+    setattr(ctx.tp_worker, _WORKER_ATTR, cache)
     if model is not None and not supports_repair(model):
         logger.warning("relaxkv: %s does not run through the repair pass; repair policies are served as pic",
                        type(model).__name__)
@@ -188,19 +310,18 @@ def make_tree_cache(ctx):
     return cache
 
 
-def around_get_internal_state(original, scheduler, recv_req):
+def around_get_internal_state(original: Any, scheduler: "Scheduler", recv_req: Any) -> Any:
     """Hook on ``Scheduler.get_internal_state``: add ``relaxkv`` to /get_server_info."""
     output = original(scheduler, recv_req)
-    cache = active_cache()
+    cache = worker_cache(scheduler.tp_worker)
     if cache is not None:
         state = dict(cache.stats(), kv_total_tokens=int(scheduler.max_total_num_tokens))
         output.internal_state["relaxkv"] = state
     return output
 
 
-def _is_neox_style(ctx) -> bool:
+def _is_neox_style(model: Any) -> bool:
     """Llama/Qwen/Mistral in SGLang use the neox rotation; read it off the model if exposed."""
-    model = getattr(getattr(ctx.tp_worker, "model_runner", None), "model", None)
     for module in (model.modules() if model is not None else ()):
         if hasattr(module, "is_neox_style") and hasattr(module, "cos_sin_cache"):
             return bool(module.is_neox_style)

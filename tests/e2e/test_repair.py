@@ -80,10 +80,11 @@ def test_partial_repair_moves_toward_full(relaxkv_server, warm_prompt):
 
 def _reference_logprobs(weights, tokenizer, prompt, policy, anchor, context):
     from relaxkv_sglang.core.reference import reference_prefill
+    from relaxkv_sglang.core.repair_plan import RepairConfig
 
     layout = part_token_ids(tokenizer, prompt)
     result = reference_prefill(weights, torch.tensor(layout.input_ids), layout.chunk_spans, layout.query_start,
-                               policy, anchor, context)
+                               policy, RepairConfig(anchor_ratio=anchor, context_ratio=context))
     return torch.log_softmax(result.last_logits.float(), -1), result.report
 
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from relaxkv_sglang.core.repair_plan import RepairConfig
 from relaxkv_sglang.core.reference import (
     apply_neox_rope,
     build_stale_kv,
@@ -45,7 +46,8 @@ def full(model, ids):
 
 
 def run(model, ids, policy, r=0.15, c=1.0, **kw):
-    return reference_prefill(model[1], ids, SPANS, Q0, policy, r, c, page_size=PS, **kw)
+    config = RepairConfig(anchor_ratio=r, context_ratio=c, page_size=PS, **kw)
+    return reference_prefill(model[1], ids, SPANS, Q0, policy, config)
 
 
 def close(a, b, tol=1e-4):

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
+from relaxkv_sglang.core.policies import Policy
 from relaxkv_sglang.core.selection import (
-    RepairPolicy,
     _hull_exit_allocation,
     anchor_ratio_achieved,
     chunk_ids,
@@ -103,7 +103,7 @@ def test_sets_nested_sorted_eligible_and_ratio_met(policy, ratio):
 
 def test_full_and_pic_sets():
     full = select_anchors("full", None, SPANS, N_CTX, 0.3, n_layers=L)
-    pic = select_anchors(RepairPolicy.PIC, None, SPANS, N_CTX, 0.3, n_layers=L)
+    pic = select_anchors(Policy.PIC, None, SPANS, N_CTX, 0.3, n_layers=L)
     assert all(a.tolist() == list(range(6, 90)) for a in full)
     assert all(a.numel() == 0 for a in pic)
 

@@ -5,7 +5,7 @@ A hypothesis state machine drives a real ``RelaxKVTreeCache`` built on SGLang's
 32-slot pool on the CPU) the way the scheduler does: requests are matched
 (``Req.init_next_round_input``), locked, given slots (evicting through
 ``evict_from_tree_cache``), folded and published by the project's own
-``plan_fold`` / ``finish_fold`` around a fake forward, decoded, and released
+``fold_batch`` / ``finish_fold`` around a fake forward, decoded, and released
 with SGLang's ``release_kv_cache``; beside that come explicit evictions, chunk
 pins (lookup + lock held across steps) and flushes (the scheduler's
 ``flush_cache`` sequence).
@@ -116,8 +116,7 @@ class TreeCacheMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        from relaxkv_sglang.srt.forward import KVCopier
-        from relaxkv_sglang.srt.tree_cache import build_cache_class
+        from relaxkv_sglang.srt.tree_cache import KVCopier, build_cache_class
 
         sg = self.sg = _sglang()
         self.kv = sg.MHATokenToKVPool(size=POOL, page_size=1, dtype=torch.float32, head_num=1, head_dim=2,
@@ -250,14 +249,14 @@ class TreeCacheMachine(RuleBasedStateMachine):
         self._forward([x for x in self.live if not x.forwarded][:k])
 
     def _forward(self, todo: list[Live]) -> None:
-        """The project's plan_fold, a fake forward of the kept rows, finish_fold."""
-        from relaxkv_sglang.srt.forward import finish_fold, plan_fold
+        """The project's fold_batch, a fake forward of the kept rows, finish_fold."""
+        from relaxkv_sglang.srt.fold import finish_fold, fold_batch
 
         if not todo:
             return
         reqs = [x.req for x in todo]
         extend = [len(r.origin_input_ids) - r.prefix_len for r in reqs]
-        # A stand-in for SGLang's ScheduleBatch with the fields plan_fold and its
+        # A stand-in for SGLang's ScheduleBatch with the fields fold_batch and its
         # folded copy read; the fold itself runs unchanged.
         batch = SimpleNamespace(
             forward_mode=self.sg.ForwardMode.EXTEND, reqs=reqs, return_logprob=False,
@@ -275,8 +274,9 @@ class TreeCacheMachine(RuleBasedStateMachine):
             if (plan := request_plan(r)) is not None and plan.reuses_chunks else 0
             for r in reqs
         ]
-        fold = plan_fold(self.cache, batch)
+        fold = fold_batch(self.cache, batch)
         assert (fold is None) == all(request_plan(r) is None for r in reqs)
+        folded = fold.batch() if fold is not None else None
         start = 0
         for i, r in enumerate(reqs):
             row, tokens, plan = self._row(r), list(r.origin_input_ids), request_plan(r)
@@ -292,8 +292,8 @@ class TreeCacheMachine(RuleBasedStateMachine):
                 self.hits += expect_hits[i]
                 # The folded batch carries exactly the kept rows, in order.
                 rows = slice(start, start + len(keep))
-                assert torch.equal(fold.batch.out_cache_loc[rows], row[r.prefix_len + keep])
-                assert fold.batch.input_ids[rows].tolist() == [tokens[r.prefix_len + j] for j in keep.tolist()]
+                assert torch.equal(folded.out_cache_loc[rows], row[r.prefix_len + keep])
+                assert folded.input_ids[rows].tolist() == [tokens[r.prefix_len + j] for j in keep.tolist()]
                 start += len(keep)
                 # Reused chunk rows were copied before the forward: the chunk's
                 # own KV, K re-rotated to where it now sits.

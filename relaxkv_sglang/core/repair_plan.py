@@ -1,0 +1,198 @@
+"""The repair planner: one request's decisions (anchors per layer, their contexts), made once.
+
+Planning and execution are separate. The planner turns what the query pass measured into an
+:class:`AnchorPlan`; an executor (the torch reference in :mod:`.reference`, the server's layer
+loop in ``srt/layer_loop.py``) only runs it. Both use this module, so the server and the
+reference make the same decisions from the same inputs.
+
+Inputs (token indices are absolute prompt positions, as in :mod:`.selection`):
+
+* ``policy``: a :class:`~.policies.Policy` that repairs;
+* ``scores``: float [n_layers, n_context] the query's stale attention mass s_l (policies with
+  ``needs_query_scores``), else None;
+* ``chunk_spans``: the reused chunks, sorted, inside ``[0, n_context)``;
+* a :class:`RepairConfig`: every knob of the repair.
+
+Decisions:
+
+* targets ``A_0 ⊇ A_1 ⊇ ...`` from :func:`~.selection.select_anchors`; equivalently an exit
+  layer ``e(t)`` per context token (``t ∈ A_l  <=>  l < e(t)``);
+* each layer's context: the anchors' block-sparse layout
+  (:func:`~.layout.build_relaxed_layout`; the full causal prefix for the peers and
+  ``relaxkv_fullctx``).
+
+CacheBlend decides in two steps: layers ``0..check_layer`` recompute every eligible token; at
+the check layer the executor measures the K/V deviation and asks
+:meth:`AnchorPlan.after_check_layer` for the rest.
+
+Randomness (the ``random`` control's targets, ``relaxkv_randctx``'s pages) comes from two
+generators seeded from ``RepairConfig.seed``: targets from ``seed``, contexts from ``seed + 1``,
+so a policy's decisions are a function of its inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+
+from .layout import BlockSparseLayout, build_relaxed_layout
+from .policies import Policy
+from .selection import anchor_ratio_achieved, eligible_tokens, select_anchors
+
+Span = tuple[int, int]
+
+__all__ = ["RepairConfig", "AnchorPlan", "plan_anchors", "anchor_layouts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RepairConfig:
+    """Every knob of a repair, for the server and the torch reference alike.
+
+    Attributes:
+        anchor_ratio: r, mean over layers of |A_l| / n_eligible (see selection.py).
+        context_ratio: relaxed-context budget, a fraction of each anchor's causal prefix in
+            pages (``relaxkv`` and ``relaxkv_randctx``; the others attend to their full prefix).
+        page_size: key page of the layouts, in tokens.
+        sink_tokens: first prompt tokens every anchor attends to.
+        chunk_sink_tokens: first tokens of each chunk favoured as relaxkv targets.
+        check_layer: CacheBlend's check layer.
+        cacheblend_use_k: CacheBlend's deviation also counts K (else V only).
+        seed: seeds the random control and the random-context ablation.
+    """
+
+    anchor_ratio: float = 0.15
+    context_ratio: float = 0.25
+    page_size: int = 16
+    sink_tokens: int = 4
+    chunk_sink_tokens: int = 4
+    check_layer: int = 1
+    cacheblend_use_k: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("anchor_ratio", "context_ratio"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+
+
+@dataclasses.dataclass
+class AnchorPlan:
+    """One request's repair decisions.
+
+    Attributes:
+        policy: the repair policy.
+        chunk_spans: the reused chunks.
+        n_context: context tokens (the query starts here).
+        n_layers: layers of the model.
+        config: the knobs it was planned with.
+        scores: float [n_layers, n_context] s_l, or None.
+        anchor_sets: per planned layer, int64 [|A_l|] sorted anchors (nested). CacheBlend's
+            plan holds only layers ``0..check_layer`` until :meth:`after_check_layer`.
+        layouts: per planned layer, the anchors' layout (rows = ``anchor_sets[l]``).
+    """
+
+    policy: Policy
+    chunk_spans: tuple[Span, ...]
+    n_context: int
+    n_layers: int
+    config: RepairConfig
+    scores: Optional[torch.Tensor]
+    anchor_sets: list[torch.Tensor]
+    layouts: list[BlockSparseLayout]
+
+    @property
+    def n_eligible(self) -> int:
+        return int(eligible_tokens(self.chunk_spans, self.n_context).numel())
+
+    @property
+    def awaits_check_layer(self) -> bool:
+        """CacheBlend before its check layer has run: later layers are not decided yet."""
+        return len(self.anchor_sets) < self.n_layers
+
+    def exit_layers(self) -> torch.Tensor:
+        """int64 [n_context]: e(t), the layers ``[0, e(t))`` token t is recomputed at (0: never)."""
+        exits = torch.zeros(self.n_context, dtype=torch.int64)
+        for l, anchors in enumerate(self.anchor_sets):
+            exits[anchors] = l + 1
+        return exits
+
+    def achieved_anchor_ratio(self) -> float:
+        return anchor_ratio_achieved(self.anchor_sets, self.n_eligible)
+
+    def after_check_layer(self, deviation: torch.Tensor) -> "AnchorPlan":
+        """CacheBlend: the full plan once the check layer's K/V deviation is known.
+
+        Args:
+            deviation: float [n_context] deviation of each token recomputed at the check layer
+                (0 elsewhere).
+        Returns:
+            a new plan with every layer decided; layers ``0..check_layer`` unchanged.
+        """
+        sets = select_anchors(self.policy, None, self.chunk_spans, self.n_context, self.config.anchor_ratio,
+                              n_layers=self.n_layers, deviation=deviation, check_layer=self.config.check_layer)
+        done = len(self.layouts)
+        layouts = self.layouts + anchor_layouts(self.policy, sets[done:], None, self.chunk_spans, self.n_context,
+                                                self.config, first_layer=done)
+        return dataclasses.replace(self, anchor_sets=sets, layouts=layouts)
+
+
+def plan_anchors(
+    policy: Policy | str,
+    scores: Optional[torch.Tensor],
+    chunk_spans: Sequence[Span],
+    n_context: int,
+    n_layers: int,
+    config: RepairConfig,
+) -> AnchorPlan:
+    """Targets and contexts of one request (module doc).
+
+    Args:
+        policy: a repairing Policy or its value.
+        scores: float [n_layers, n_context] s_l, required when ``policy.needs_query_scores``.
+        chunk_spans: the reused chunks inside ``[0, n_context)``.
+        n_context: context tokens.
+        n_layers: layers of the model.
+        config: the knobs.
+    Returns:
+        AnchorPlan.
+    """
+    policy = Policy(policy)
+    spans = tuple((int(s), int(e)) for s, e in chunk_spans)
+    targets_rng = torch.Generator().manual_seed(config.seed)
+    sets = select_anchors(policy, scores, spans, n_context, config.anchor_ratio, targets_rng, n_layers=n_layers,
+                          check_layer=config.check_layer, chunk_sink_tokens=config.chunk_sink_tokens)
+    layouts = anchor_layouts(policy, sets, scores, spans, n_context, config)
+    return AnchorPlan(policy, spans, n_context, n_layers, config, scores, sets, layouts)
+
+
+def anchor_layouts(
+    policy: Policy,
+    anchor_sets: Sequence[torch.Tensor],
+    scores: Optional[torch.Tensor],
+    chunk_spans: Sequence[Span],
+    n_context: int,
+    config: RepairConfig,
+    first_layer: int = 0,
+) -> list[BlockSparseLayout]:
+    """Each layer's anchors' context: relaxed for relaxkv (and its random ablation), else causal.
+
+    Args:
+        anchor_sets: the sets of layers ``first_layer, first_layer + 1, ...``.
+        scores: float [n_layers, n_context] or None (needed by the 'topk' context).
+    Returns:
+        one layout per set.
+    """
+    mode = policy.context_mode
+    ratio = config.context_ratio if mode != "full" else 1.0
+    context_rng = torch.Generator().manual_seed(config.seed + 1)
+    return [
+        build_relaxed_layout(anchors, scores[first_layer + i] if scores is not None and mode == "topk" else None,
+                             chunk_spans, n_context, ratio, config.page_size, config.sink_tokens, mode=mode,
+                             generator=context_rng)
+        for i, anchors in enumerate(anchor_sets)
+    ]

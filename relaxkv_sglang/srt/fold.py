@@ -1,0 +1,228 @@
+"""Folding chunk reuse into SGLang's extend batch.
+
+The scheduler plans a request with chunks like any other: its extend covers
+every token after the exact radix prefix, and it allocates a KV slot for each
+(so the memory budget counts the request's private copy of every chunk). Just
+before the forward pass, :func:`fold_batch` decides per request, for each chunk
+inside the extend window:
+
+* **hit** (the chunk tree holds it): the cache copies its canonical K/V into the
+  request's slots, re-rotating K to where the chunk now sits
+  (:meth:`~.tree_cache.ChunkCache.reuse_chunk`), and its tokens are dropped from
+  the batch, so they cost no projection, attention or MLP;
+* **miss**: its tokens stay, computed position-independently (each attends only
+  to its own chunk, see ``attention_backend``), and after the forward the cache
+  copies their K/V into slots the chunk tree owns (:meth:`RequestFold.publish_misses`).
+
+Prefix, glue and query tokens are computed as usual, attending to everything
+before them. The last token of each request's window, and any token whose
+input logprob was asked for, are always computed normally (SGLang needs their
+logits). The folded batch is a shallow copy of the scheduled one with fewer
+rows, the same pattern as SGLang's ``model_executor/encoder_swa_replay.py``.
+
+This module decides and keeps the books; the hooks that call it are in
+:mod:`.forward`, the repair that may replace a request's rows in :mod:`.repair`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from copy import copy
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from relaxkv_sglang.srt.context import ExtendRows, ForwardContext
+from relaxkv_sglang.srt.plan import RequestPlan, request_plan
+from relaxkv_sglang.srt.report import publish_record, request_record
+
+if TYPE_CHECKING:
+    from relaxkv_sglang.srt.layer_loop import LoopRows
+    from relaxkv_sglang.srt.tree_cache import ChunkCache
+
+
+@dataclasses.dataclass
+class RequestFold:
+    """What the fold does to one request of the batch.
+
+    Attributes:
+        req: SGLang's ``Req``.
+        req_pool_idx: its row in ``req_to_token``.
+        window_start: first position of this extend window (SGLang's prefix length).
+        window_len: tokens in this extend window.
+        keep: int64 [n_kept] window offsets of the tokens computed in this forward.
+        scope_start: int64 [n_kept] first key position each kept token may attend to.
+        plan: the request's plan (None: a plain request in a folded batch).
+        logprob_start: window offset input logprobs start at, if asked.
+        hit_tokens / chunks_seen / chunks_hit: reuse counted for this window.
+        inserts: miss chunks to publish after they are computed,
+            as (token ids, start position, end position).
+        repair: the repair pass's rows, if this request is repaired.
+        query_pass_rows: rows the repair's query pass computed before the forward.
+    """
+
+    req: Any
+    req_pool_idx: int
+    window_start: int
+    window_len: int
+    keep: torch.Tensor
+    scope_start: torch.Tensor
+    plan: Optional[RequestPlan]
+    logprob_start: Optional[int] = None
+    hit_tokens: int = 0
+    chunks_seen: int = 0
+    chunks_hit: int = 0
+    inserts: list[tuple[tuple[int, ...], int, int]] = dataclasses.field(default_factory=list)
+    repair: Optional["LoopRows"] = None
+    query_pass_rows: int = 0
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """int64 [n_kept] absolute positions of the kept tokens."""
+        return self.keep + self.window_start
+
+    @property
+    def window_end(self) -> int:
+        return self.window_start + self.window_len
+
+    def use_repair(self, repair: "LoopRows", query_pass_rows: int) -> None:
+        """Replace the kept rows by the repair pass's (anchors, glue, query; all scope 0)."""
+        self.repair = repair
+        self.query_pass_rows = query_pass_rows
+        self.keep = repair.positions - self.window_start
+        self.scope_start = torch.zeros_like(repair.positions)
+
+    def publish_misses(self, cache: "ChunkCache") -> None:
+        """Once the miss chunks' KV is computed: hand each to the chunk tree (at most once)."""
+        row = cache.req_to_token[self.req_pool_idx]
+        for tokens, cs, ce in self.inserts:
+            cache.publish_chunk(self.plan.namespace, tokens, row[cs:ce].to(torch.int64), cs)
+        self.inserts = []
+
+
+@dataclasses.dataclass
+class Fold:
+    """A folded extend batch: the scheduled batch minus the reused chunk tokens."""
+
+    source: Any  # the ScheduleBatch the scheduler built
+    requests: list[RequestFold]
+
+    @property
+    def unchanged(self) -> bool:
+        """No request dropped a row (the batch can run as scheduled)."""
+        return all(r.keep.shape[0] == n for r, n in zip(self.requests, self.source.extend_lens))
+
+    def positions(self) -> torch.Tensor:
+        """int64 [n_rows] absolute position of every row of the folded batch."""
+        return torch.cat([r.positions for r in self.requests])
+
+    def extend_rows(self) -> list[ExtendRows]:
+        """Each request's rows, in batch order, for the attention backend."""
+        rows, start = [], 0
+        for r in self.requests:
+            rows.append(ExtendRows(r.req_pool_idx, start, r.positions, r.scope_start))
+            start += r.keep.shape[0]
+        return rows
+
+    def context(self, repair_pass: Optional[list["LoopRows"]]) -> ForwardContext:
+        """What the attention backend and the model hook read during the forward."""
+        return ForwardContext(self.positions(), self.extend_rows(), repair_pass)
+
+    def batch(self) -> Any:
+        """The batch to build the ForwardBatch from: the source, or its copy with the kept rows."""
+        return self.source if self.unchanged else _folded_copy(self.source, self.requests)
+
+
+def fold_batch(cache: "ChunkCache", batch: Any) -> Optional[Fold]:
+    """Decide, copy reused KV; None if the batch is not an extend or no request has a plan."""
+    if batch is None or not batch.forward_mode.is_extend() or batch.forward_mode.is_mixed():
+        return None
+    if all(request_plan(r) is None for r in batch.reqs):
+        return None
+    logprob_starts = batch.extend_logprob_start_lens if batch.return_logprob else None
+    pool_idx = batch.req_pool_indices_cpu.tolist()
+    requests = [
+        _fold_request(cache, req, pool_idx[i], batch.prefix_lens[i], batch.extend_lens[i],
+                      logprob_starts[i] if logprob_starts is not None else None)
+        for i, req in enumerate(batch.reqs)
+    ]
+    return Fold(batch, requests)
+
+
+def _fold_request(cache: "ChunkCache", req: Any, rp: int, pre: int, n: int,
+                  logprob_start: Optional[int]) -> RequestFold:
+    plan = request_plan(req)
+    keep = torch.ones(n, dtype=torch.bool)
+    scope = torch.zeros(n, dtype=torch.int64)
+    fold = RequestFold(req, rp, pre, n, keep, scope, plan, logprob_start)
+    if plan is None or not plan.reuses_chunks:
+        fold.keep = torch.arange(n, dtype=torch.int64)
+        return fold
+    row = cache.req_to_token[rp]
+    for cs, ce in plan.chunk_spans:
+        if cs < pre or ce > pre + n:
+            continue  # partly before or after this window: computed normally (exact)
+        fold.chunks_seen += 1
+        tokens = req.origin_input_ids[cs:ce]
+        if cache.reuse_chunk(plan.namespace, tokens, row[cs:ce].to(torch.int64), cs):
+            keep[cs - pre : ce - pre] = False
+            fold.chunks_hit += 1
+            fold.hit_tokens += ce - cs
+        else:
+            scope[cs - pre : ce - pre] = cs
+            fold.inserts.append((tuple(tokens), cs, ce))
+    # SGLang reads logits at the window's last row and input logprobs from
+    # `logprob_start` on; those rows must be computed, normally.
+    must = n - 1 if logprob_start is None else min(logprob_start, n - 1)
+    for i in range(must, n):
+        if not keep[i]:
+            keep[i] = True
+            scope[i] = 0
+            fold.hit_tokens -= 1
+    fold.keep = keep.nonzero().flatten()
+    fold.scope_start = scope[fold.keep]
+    return fold
+
+
+def _folded_copy(batch: Any, requests: list[RequestFold]) -> Any:
+    """A shallow copy of the ScheduleBatch holding only the kept rows."""
+    if getattr(batch, "global_num_tokens", None) is not None:
+        raise RuntimeError("relaxkv: data-parallel attention is not supported with chunk reuse")
+    offsets, start = [], 0
+    for r, n in zip(requests, batch.extend_lens):
+        offsets.append(r.keep + start)
+        start += n
+    rows = torch.cat(offsets)
+    folded = copy(batch)
+    folded.input_ids = batch.input_ids[rows.to(batch.input_ids.device)]
+    folded.out_cache_loc = batch.out_cache_loc[rows.to(batch.out_cache_loc.device)]
+    if batch.prefill_input_ids_cpu is not None:
+        folded.prefill_input_ids_cpu = batch.prefill_input_ids_cpu[rows]
+    new_lens = [int(r.keep.shape[0]) for r in requests]
+    if batch.extend_logprob_start_lens is not None:
+        # Input-logprob rows were all kept, so their count is unchanged.
+        folded.extend_logprob_start_lens = [
+            new - (old - start) for new, old, start in zip(new_lens, batch.extend_lens, batch.extend_logprob_start_lens)
+        ]
+    folded.extend_lens = new_lens
+    folded.extend_num_tokens = sum(new_lens)
+    return folded
+
+
+def finish_fold(cache: "ChunkCache", fold: Fold) -> None:
+    """After the forward: publish miss chunks to the chunk tree, count reuse, attach reports."""
+    for r in fold.requests:
+        r.publish_misses(cache)
+        if r.hit_tokens:
+            r.req.cached_tokens += r.hit_tokens
+        if r.plan is not None:
+            publish_record(r.req, request_record(r))
+    # SGLang's prefill log line and /metrics sglang:cache_hit_rate read these
+    # after the forward; admission counted reused chunk tokens as new input.
+    stats = getattr(fold.source, "prefill_stats", None)
+    hits = sum(r.hit_tokens for r in fold.requests)
+    if stats is not None and hits:
+        stats.log_hit_tokens += hits
+        stats.log_device_hit_tokens += hits
+        stats.log_input_tokens -= hits
+    cache.publish_metrics()

@@ -1,0 +1,268 @@
+"""The repair's executor: SGLang's model modules run layer by layer over rows that change per layer.
+
+:class:`LayerLoop` runs the embedding, every decoder layer and the final norm of an SGLang
+Llama/Qwen2 model over a set of rows, each row taking part in layers ``[0, exit)``. It writes
+each active row's K/V into the KV pool before attending (rows see each other's new KV), then
+attends:
+
+* an ordinary row (``anchor`` false) to its causal prefix from its scope start on
+  (:func:`~relaxkv_sglang.core.attention.scoped_causal_attention`);
+* an anchor through its layer's block-sparse layout (:func:`anchor_attention`: FlashInfer on a
+  GPU, the torch executor on a CPU), so the work follows the chosen context.
+
+It executes decisions; it makes none. The rows and layouts come from the repair planner
+(:mod:`.repair` over :mod:`relaxkv_sglang.core.repair_plan`). The one decision that needs the
+forward's own values, CacheBlend's check layer, is asked of the plan
+(:meth:`~relaxkv_sglang.core.repair_plan.AnchorPlan.after_check_layer`) when that layer has
+computed its K/V.
+
+SGLang modules used (names checked by :class:`ModelLayers`): ``embed_tokens``,
+``layers[i].{input_layernorm, self_attn.{qkv_proj,rotary_emb,o_proj,attn}, post_attention_layernorm,
+mlp}``, ``norm``. SGLang files touched: ``models/llama.py`` ``LlamaModel.forward`` and
+``models/qwen2.py`` ``Qwen2Model.forward`` (around: :func:`around_model_forward`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from relaxkv_sglang.core.attention import block_sparse_attention, scoped_causal_attention
+from relaxkv_sglang.core.layout import BlockSparseLayout
+from relaxkv_sglang.core.repair_plan import AnchorPlan
+from relaxkv_sglang.core.selection import kv_deviation, query_attention_scores
+from relaxkv_sglang.srt.context import forward_context
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import KVCache
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+
+class UnsupportedModelError(RuntimeError):
+    """The model's layer stack is not the Llama shape the loop calls into."""
+
+
+class ModelLayers:
+    """The pieces of an SGLang Llama/Qwen2/Qwen3/Mistral model the loop calls."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        for name in ("embed_tokens", "layers", "norm"):
+            if not hasattr(model, name):
+                raise UnsupportedModelError(f"{type(model).__name__} has no `{name}`; repair policies need a Llama-style model")
+        first = model.layers[getattr(model, "start_layer", 0)]
+        for path in ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn.qkv_proj",
+                     "self_attn.rotary_emb", "self_attn.o_proj", "self_attn.attn", "self_attn.q_size",
+                     "self_attn.kv_size"):
+            obj = first
+            for part in path.split("."):
+                if not hasattr(obj, part):
+                    raise UnsupportedModelError(f"{type(first).__name__} has no `{path}`; repair policies need a Llama-style layer")
+                obj = getattr(obj, part)
+        self.start = getattr(model, "start_layer", 0)
+        self.end = getattr(model, "end_layer", len(model.layers))
+
+    @property
+    def n_layers(self) -> int:
+        return self.end - self.start
+
+    def layer(self, l: int) -> torch.nn.Module:
+        """The l-th decoder layer of this rank."""
+        return self.model.layers[self.start + l]
+
+    def qkv(self, l: int, positions: torch.Tensor,
+            hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [n, hidden] (pre-norm) -> q [n, H, d], k [n, Hkv, d], v [n, Hkv, d] post-RoPE."""
+        layer = self.layer(l)
+        attn = layer.self_attn
+        qkv, _ = attn.qkv_proj(layer.input_layernorm(hidden))
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        radix = attn.attn
+        if hasattr(attn, "q_norm") and hasattr(attn, "k_norm"):  # Qwen3: per-head norms before RoPE
+            q = attn.q_norm(q.reshape(-1, radix.head_dim)).view(q.shape)
+            k = attn.k_norm(k.reshape(-1, radix.head_dim)).view(k.shape)
+        q, k = attn.rotary_emb(positions, q, k)
+        n = hidden.shape[0]
+        return (q.reshape(n, radix.tp_q_head_num, radix.head_dim), k.reshape(n, radix.tp_k_head_num, radix.head_dim),
+                v.reshape(n, radix.tp_v_head_num, radix.head_dim))
+
+    def finish(self, l: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual adds around o_proj and the MLP; hidden [n, hidden], attn_out [n, H, dv]."""
+        layer = self.layer(l)
+        out, _ = layer.self_attn.o_proj(attn_out.reshape(hidden.shape[0], -1))
+        hidden = hidden + out
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def attention_params(self, l: int) -> tuple[int, float]:
+        """(KV-pool layer id, softmax scale) of layer l."""
+        radix = self.layer(l).self_attn.attn
+        return radix.layer_id, radix.scaling
+
+
+@dataclasses.dataclass
+class LoopRows:
+    """One request's rows in a pass of the layer loop.
+
+    Attributes:
+        slots: int64 [>= max position + 1] KV-pool slot of every position (the
+            request's ``req_to_token`` row).
+        positions: int64 [n] position of each row, ascending.
+        exits: int64 [n] a row takes part in layers ``[0, exits[i])``.
+        scope: int64 [n] first key position a non-anchor row attends to
+            (0: its causal prefix; a chunk's start: that chunk only).
+        anchor: bool [n] repair targets: they attend through ``anchor_plan.layouts``.
+        anchor_plan: the planner's decisions (None: no anchors in this pass).
+        n_context: positions ``>= n_context`` are the query (for scores).
+        want_scores: record s_l during this pass (the query pass).
+        scores: per layer, float [n_context] s_l, filled when ``want_scores``.
+    """
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    exits: torch.Tensor
+    scope: torch.Tensor
+    anchor: torch.Tensor
+    anchor_plan: Optional[AnchorPlan] = None
+    n_context: int = 0
+    want_scores: bool = False
+    scores: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.positions.shape[0])
+
+
+def anchor_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BlockSparseLayout,
+                     scale: float, key_rows: torch.Tensor) -> torch.Tensor:
+    """The anchors' block-sparse attention over the layer's KV pool.
+
+    FlashInfer on a GPU (half precision, :mod:`relaxkv_sglang.gpu.flashinfer_attention`), the
+    torch executor otherwise. Both execute the same layout; ``python -m relaxkv_sglang.gpu.check``
+    compares them.
+
+    Args:
+        q: [n_rows, H, d] the anchors' queries, rows in ``layout.q_pos`` order.
+        k_cache, v_cache: [pool_size, Hkv, d] the layer's KV pool.
+        layout: the anchors' context.
+        scale: softmax scale.
+        key_rows: int64 [>= layout.n_keys] pool slot of each key position.
+    Returns:
+        [n_rows, H, dv].
+    """
+    if k_cache.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        from relaxkv_sglang.gpu.flashinfer_attention import relaxed_attention
+
+        return relaxed_attention(q, k_cache, v_cache, layout, scale, key_rows)
+    return block_sparse_attention(q, k_cache, v_cache, layout, scale=scale, key_rows=key_rows)
+
+
+class LayerLoop:
+    """Runs the model layer by layer over rows that may leave at any layer."""
+
+    def __init__(self, layers: ModelLayers, kv_pool: "KVCache") -> None:
+        self.layers = layers
+        self.kv_pool = kv_pool
+
+    def run(self, requests: list[LoopRows], input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids int64 [sum n_rows] (requests' rows in order) -> final-normed hidden [sum n_rows, hidden]."""
+        model = self.layers.model
+        positions = torch.cat([r.positions for r in requests])
+        offsets = [0]
+        for r in requests:
+            offsets.append(offsets[-1] + r.n_rows)
+        hidden = model.embed_tokens(input_ids)
+        for l in range(self.layers.n_layers):
+            # Recomputed every layer: CacheBlend's check layer may shorten exits.
+            active = torch.cat([(r.exits > l).nonzero().flatten() + off for r, off in zip(requests, offsets)])
+            if active.numel() == 0:
+                break
+            h = hidden[active]
+            q, k, v = self.layers.qkv(l, positions[active], h)
+            layer_id, scale = self.layers.attention_params(l)
+            k_cache = self.kv_pool.get_key_buffer(layer_id)
+            v_cache = self.kv_pool.get_value_buffer(layer_id)
+            out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+            # Write every active row's K/V first: rows attend to each other's new KV.
+            spans = []
+            start = 0
+            for r in requests:
+                mask = r.exits > l
+                n = int(mask.sum())
+                spans.append((start, start + n, mask))
+                if n:
+                    _decide_after_check_layer(r, l, mask, k[start:start + n], v[start:start + n], k_cache, v_cache)
+                    slots = r.slots[r.positions[mask]]
+                    k_cache[slots] = k[start:start + n].to(k_cache.dtype)
+                    v_cache[slots] = v[start:start + n].to(v_cache.dtype)
+                start += n
+            for r, (s0, s1, mask) in zip(requests, spans):
+                if s1 > s0:
+                    out[s0:s1] = self._attend(r, l, mask, q[s0:s1], k_cache, v_cache, scale)
+            hidden[active] = self.layers.finish(l, h, out)
+        return model.norm(hidden)
+
+    def _attend(self, r: LoopRows, l: int, mask: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        pos, scope, anchor = r.positions[mask], r.scope[mask], r.anchor[mask]
+        out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
+        plain = ~anchor
+        if bool(plain.any()):
+            out[plain] = scoped_causal_attention(q[plain], k_cache, v_cache, pos[plain], scope[plain], r.slots, scale)
+        if bool(anchor.any()):
+            layout = r.anchor_plan.layouts[l]
+            sel = anchor.nonzero().flatten()
+            if not torch.equal(layout.q_pos, pos[sel]):
+                raise RuntimeError("relaxkv: layout rows do not match the layer's anchors")
+            out[sel] = anchor_attention(q[sel], k_cache, v_cache, layout, scale, r.slots)
+        if r.want_scores:
+            is_query = pos >= r.n_context
+            end = int(pos.max()) + 1
+            keys = r.slots[:end]
+            if int(is_query.sum()) == end - r.n_context:  # the whole query is in this pass
+                r.scores.append(query_attention_scores(q[is_query], k_cache[keys], r.n_context, scale))
+        return out
+
+
+def _decide_after_check_layer(r: LoopRows, l: int, mask: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                              k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """CacheBlend: at the check layer, before its K/V are written, measure how far the
+    recomputed K/V are from the cached ones and let the plan choose the later layers."""
+    plan = r.anchor_plan
+    if plan is None or not plan.awaits_check_layer or l != plan.config.check_layer:
+        return
+    active_anchor = r.anchor[mask]
+    pos = r.positions[mask][active_anchor]
+    slots = r.slots[pos]
+    deviation = torch.zeros(plan.n_context)
+    deviation[pos] = kv_deviation(k_new[active_anchor], v_new[active_anchor], k_cache[slots], v_cache[slots],
+                                  plan.config.cacheblend_use_k)
+    r.anchor_plan = plan.after_check_layer(deviation)
+    r.exits[r.anchor] = r.anchor_plan.exit_layers()[r.positions[r.anchor]]
+
+
+def supports_repair(causal_lm: torch.nn.Module) -> bool:
+    """Whether the model's layer stack runs through the hooked forward (Llama/Qwen2 family).
+
+    A model class that overrides ``forward`` itself would bypass the repair
+    pass, so its requests are served as ``pic`` (and ``repaired`` is false).
+    """
+    inner = getattr(causal_lm, "model", None)
+    if inner is None or getattr(type(inner).forward, "__wrapped__", None) is None:
+        return False
+    try:
+        ModelLayers(inner)
+    except UnsupportedModelError:
+        return False
+    return True
+
+
+def around_model_forward(original: Callable, model: torch.nn.Module, input_ids: torch.Tensor,
+                         positions: torch.Tensor, forward_batch: "ForwardBatch", *args: Any, **kwargs: Any) -> Any:
+    """Hook on ``LlamaModel.forward`` / ``Qwen2Model.forward``: run the repair pass instead."""
+    context = forward_context(forward_batch)
+    if context is None or context.repair_pass is None or not forward_batch.forward_mode.is_extend():
+        return original(model, input_ids, positions, forward_batch, *args, **kwargs)
+    loop = LayerLoop(ModelLayers(model), forward_batch.token_to_kv_pool)
+    return loop.run(context.repair_pass, input_ids)

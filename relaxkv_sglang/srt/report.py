@@ -1,0 +1,75 @@
+"""The per-request report, ``meta_info.relaxkv``: what the fold and the repair did.
+
+Fields (documented for users in ``docs/api.md``): ``policy``, ``chunks_seen``, ``chunks_hit``,
+``chunk_tokens_reused``, ``tokens_computed`` (rows computed, the repair's query pass included),
+``repaired``; and for a repaired request ``anchor_ratio`` (achieved), ``anchors_per_layer``,
+``context_ratio`` (visible key pairs over the full causal prefix's), ``repair_kv_pairs``
+(visible) and ``repair_kv_pairs_executed`` (what the executor computes, whole pages included).
+
+SGLang carries ``req.customized_info`` to the HTTP process; the key is declared request-level
+(:func:`around_is_request_level_key`), so the record is sent once, not sliced per output token.
+SGLang file touched: ``managers/scheduler_components/output_streamer.py``
+``SchedulerOutputStreamer.is_request_level_customized_info_key`` (around).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from relaxkv_sglang.core.attention import executed_kv_pairs
+from relaxkv_sglang.srt.plan import RECORD_KEY
+
+if TYPE_CHECKING:
+    from relaxkv_sglang.srt.fold import RequestFold
+    from relaxkv_sglang.srt.layer_loop import LoopRows
+
+# Counters summed over the prefill steps of one request (chunked prefill, retraction).
+_ADDITIVE = ("chunks_seen", "chunks_hit", "chunk_tokens_reused", "tokens_computed")
+
+
+def request_record(r: "RequestFold") -> dict:
+    """This prefill step's report for one request."""
+    record = {
+        "policy": r.plan.policy if r.plan else "prefix",
+        "chunks_seen": r.chunks_seen,
+        "chunks_hit": r.chunks_hit,
+        "chunk_tokens_reused": r.hit_tokens,
+        "tokens_computed": int(r.keep.shape[0]) + r.query_pass_rows,
+        "repaired": r.repair is not None,
+    }
+    if r.repair is not None:
+        record.update(repair_record(r.repair))
+    return record
+
+
+def repair_record(rows: "LoopRows") -> dict:
+    """The repair fields of the report, from the repair pass's rows and its plan."""
+    plan = rows.anchor_plan
+    n_layers = max(int(rows.exits.max()) if rows.n_rows else 0, 1)
+    anchor_layers = int(rows.exits[rows.anchor].sum())
+    n_eligible = plan.n_eligible
+    visible = sum(layout.kv_pairs() for layout in plan.layouts)
+    full = sum(layout.full_kv_pairs() for layout in plan.layouts)
+    return {
+        "anchor_ratio": anchor_layers / (n_layers * n_eligible) if n_eligible else 0.0,
+        "anchors_per_layer": anchor_layers / n_layers,
+        "context_ratio": visible / full if full else 1.0,
+        "repair_kv_pairs": visible,
+        "repair_kv_pairs_executed": sum(executed_kv_pairs(layout) for layout in plan.layouts),
+    }
+
+
+def publish_record(req: Any, step: dict) -> None:
+    """Merge this prefill step's report into the request's ``meta_info.relaxkv``."""
+    info = req.customized_info if req.customized_info is not None else {}
+    old = info.get(RECORD_KEY, [None])[-1]
+    if old is not None:
+        for key in _ADDITIVE:
+            step[key] += old[key]
+    info[RECORD_KEY] = [step]
+    req.customized_info = info
+
+
+def around_is_request_level_key(original: Callable, streamer: Any, key: str) -> bool:
+    """Hook on ``SchedulerOutputStreamer.is_request_level_customized_info_key``."""
+    return key == RECORD_KEY or original(streamer, key)

@@ -34,7 +34,7 @@ import torch
 
 from relaxkv_sglang.srt.context import ExtendRows, ForwardContext
 from relaxkv_sglang.srt.plan import RequestPlan, request_plan
-from relaxkv_sglang.srt.report import publish_record, request_record
+from relaxkv_sglang.srt.report import merge_record, request_record
 
 if TYPE_CHECKING:
     from relaxkv_sglang.srt.layer_loop import LoopRows
@@ -216,7 +216,7 @@ def finish_fold(cache: "ChunkCache", fold: Fold) -> None:
         if r.hit_tokens:
             r.req.cached_tokens += r.hit_tokens
         if r.plan is not None:
-            publish_record(r.req, request_record(r))
+            merge_record(r.req, request_record(r))
     # SGLang's prefill log line and /metrics sglang:cache_hit_rate read these
     # after the forward; admission counted reused chunk tokens as new input.
     stats = getattr(fold.source, "prefill_stats", None)
@@ -225,4 +225,4 @@ def finish_fold(cache: "ChunkCache", fold: Fold) -> None:
         stats.log_hit_tokens += hits
         stats.log_device_hit_tokens += hits
         stats.log_input_tokens -= hits
-    cache.publish_metrics()
+    cache.update_metrics()

@@ -59,7 +59,7 @@ def repair_record(rows: "LoopRows") -> dict:
     }
 
 
-def publish_record(req: Any, step: dict) -> None:
+def merge_record(req: Any, step: dict) -> None:
     """Merge this prefill step's report into the request's ``meta_info.relaxkv``."""
     info = req.customized_info if req.customized_info is not None else {}
     old = info.get(RECORD_KEY, [None])[-1]

@@ -77,7 +77,7 @@ class ChunkCache(Protocol):
     def publish_chunk(self, namespace: Optional[str], tokens: Sequence[int], src: torch.Tensor, position: int) -> bool:
         """Store a chunk computed at ``position`` in slots ``src``; False if not stored."""
 
-    def publish_metrics(self) -> None:
+    def update_metrics(self) -> None:
         """Push the chunk counters to /metrics."""
 
 
@@ -175,7 +175,7 @@ def build_cache_class() -> type:
             self.chunks.insert(namespace, tokens, slots, canonical_start=position)
             return True
 
-        def publish_metrics(self) -> None:
+        def update_metrics(self) -> None:
             """Push the chunk counters to /metrics (when ``--enable-metrics``)."""
             if self.metrics is not None:
                 self.metrics.publish(self.chunks.stats())
@@ -241,7 +241,7 @@ def build_cache_class() -> type:
             short = params.num_tokens - result.num_tokens_evicted
             if short > 0 and self.chunks is not None:
                 result = EvictResult(num_tokens_evicted=result.num_tokens_evicted + self.chunks.evict(short))
-                self.publish_metrics()
+                self.update_metrics()
             return result
 
         def total_size(self) -> int:

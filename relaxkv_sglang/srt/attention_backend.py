@@ -55,20 +55,25 @@ def build_backend_class() -> type:
 
         def __init__(self, model_runner: Any) -> None:
             super().__init__(model_runner)
-            self.extend_rows: list[ExtendRows] | None = None
+            self._rows_batch: Any = None
+            self._rows: list[ExtendRows] = []
 
-        def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
-            """Read the batch's rows: the fold's, or each request's contiguous tail."""
-            super().init_forward_metadata(forward_batch)
-            self.extend_rows = None
-            if forward_batch.forward_mode.is_extend():
+        def extend_rows(self, forward_batch: "ForwardBatch") -> list[ExtendRows]:
+            """The batch's rows: the fold's, or each request's contiguous tail (read once per batch).
+
+            Read at the first layer, not in ``init_forward_metadata``: SGLang plans the backend
+            inside ``ForwardBatch.init_new``, before the fold's context is attached to the batch.
+            """
+            if self._rows_batch is not forward_batch:
                 context = forward_context(forward_batch)
-                self.extend_rows = context.extend_rows if context is not None else contiguous_rows(forward_batch)
+                self._rows = context.extend_rows if context is not None else contiguous_rows(forward_batch)
+                self._rows_batch = forward_batch
+            return self._rows
 
         def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
                            forward_batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
             """Write the rows' K/V, then attend each row from its scope start to its position."""
-            if layer.is_cross_attention or self.extend_rows is None:
+            if layer.is_cross_attention:
                 return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
             if save_kv_cache and k is not None and v is not None:
                 self.token_to_kv_pool.set_kv_buffer(
@@ -79,7 +84,7 @@ def build_backend_class() -> type:
             k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
             v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
             req_to_token = self.req_to_token_pool.req_to_token
-            for rows in self.extend_rows:
+            for rows in self.extend_rows(forward_batch):
                 r = slice(rows.row_start, rows.row_start + rows.n_rows)
                 o[r] = scoped_causal_attention(q_[r], k_cache, v_cache, rows.positions, rows.scope_start,
                                                req_to_token[rows.req_pool_idx], scale=layer.scaling)

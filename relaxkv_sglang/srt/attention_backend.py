@@ -65,7 +65,7 @@ def build_backend_class() -> type:
             inside ``ForwardBatch.init_new``, before the fold's context is attached to the batch.
             """
             if self._rows_batch is not forward_batch:
-                context = forward_context(forward_batch)
+                context = forward_context(self)
                 self._rows = context.extend_rows if context is not None else contiguous_rows(forward_batch)
                 self._rows_batch = forward_batch
             return self._rows

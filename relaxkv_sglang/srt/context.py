@@ -9,10 +9,12 @@ repair pass's layer loop). Neither imports the fold: the decision travels as a
 1. :func:`attach_pending` puts the folded batch and its context on the ``ScheduleBatch`` the
    scheduler hands to ``TpModelWorker.forward_batch_generation``;
 2. the ``ForwardBatch.init_new`` hook (:mod:`.forward`) builds the ``ForwardBatch`` from the
-   folded batch and moves the context onto it (:func:`attach_context`);
-3. the backend and the model hook read it back with :func:`forward_context`.
+   folded batch; the context is attached to the worker's attention backend for the duration
+   of the forward (:func:`attach_context`);
+3. the backend (itself) and the model hook (``forward_batch.attn_backend``) read it back with
+   :func:`forward_context`.
 
-Nothing here is module-level state: a context lives exactly as long as the batch it is on.
+Nothing here is module-level state: a context lives exactly as long as the forward it is for.
 """
 
 from __future__ import annotations
@@ -88,11 +90,12 @@ def pending_forward(schedule_batch: Any) -> Optional[PendingForward]:
     return getattr(schedule_batch, _PENDING_ATTR, None)
 
 
-def attach_context(forward_batch: Any, context: ForwardContext) -> None:
-    """Attach the fold's decision to the ``ForwardBatch`` SGLang runs."""
-    setattr(forward_batch, _CONTEXT_ATTR, context)
+def attach_context(attn_backend: Any, context: Optional[ForwardContext]) -> None:
+    """Attach (or, with None, remove) the fold's decision on the worker's attention backend
+    for the duration of one forward."""
+    setattr(attn_backend, _CONTEXT_ATTR, context)
 
 
-def forward_context(forward_batch: Any) -> Optional[ForwardContext]:
-    """The fold's decision for this ``ForwardBatch``, or None for an unfolded batch."""
-    return getattr(forward_batch, _CONTEXT_ATTR, None)
+def forward_context(attn_backend: Any) -> Optional[ForwardContext]:
+    """The fold's decision for the forward running on this attention backend, if any."""
+    return getattr(attn_backend, _CONTEXT_ATTR, None)

@@ -7,9 +7,10 @@
 2. :func:`~.repair.prepare_repair`: for repair policies, the query pass and the planner's
    anchors; the repaired requests' rows become the repair pass's;
 3. the folded batch and its :class:`~.context.ForwardContext` are attached to the scheduled
-   batch; SGLang's own forward runs, building its ``ForwardBatch`` through
-   :func:`around_forward_batch_init_new` (real positions, the context attached), then the
-   ``relaxkv`` attention backend and, for a repair, the model hook read the context;
+   batch and the context to the worker's attention backend; SGLang's own forward runs,
+   building its ``ForwardBatch`` through :func:`around_forward_batch_init_new` (folded rows,
+   real positions), then the ``relaxkv`` attention backend and, for a repair, the model hook
+   (through ``forward_batch.attn_backend``) read the context;
 4. :func:`~.fold.finish_fold`: misses published to the chunk tree, reuse counted, reports.
 
 SGLang files touched (hooks registered in ``plugin.py``): ``managers/tp_worker.py``
@@ -35,11 +36,14 @@ def around_forward_batch_generation(original: Callable, worker: Any, batch: Opti
     if fold is None:
         return original(worker, batch, *args, **kwargs)
     repair_pass = prepare_repair(cache, worker.model_runner, fold)
-    attach_pending(batch, PendingForward(fold.batch(), fold.context(repair_pass)))
+    context = fold.context(repair_pass)
+    attach_pending(batch, PendingForward(fold.batch(), context))
+    attach_context(worker.model_runner.attn_backend, context)
     try:
         result = original(worker, batch, *args, **kwargs)
     finally:
         attach_pending(batch, None)
+        attach_context(worker.model_runner.attn_backend, None)
     finish_fold(cache, fold)
     return result
 
@@ -53,5 +57,4 @@ def around_forward_batch_init_new(original: Callable, cls: type, batch: Any, mod
     forward_batch = original(cls, pending.batch, model_runner, *args, **kwargs)
     positions = pending.context.positions
     forward_batch.positions = positions.to(forward_batch.positions.dtype).to(forward_batch.positions.device)
-    attach_context(forward_batch, pending.context)
     return forward_batch

@@ -9,9 +9,9 @@ repair pass's layer loop). Neither imports the fold: the decision travels as a
 1. :func:`attach_pending` puts the folded batch and its context on the ``ScheduleBatch`` the
    scheduler hands to ``TpModelWorker.forward_batch_generation``;
 2. the ``ForwardBatch.init_new`` hook (:mod:`.forward`) builds the ``ForwardBatch`` from the
-   folded batch; the context is attached to the worker's attention backend for the duration
-   of the forward (:func:`attach_context`);
-3. the backend (itself) and the model hook (``forward_batch.attn_backend``) read it back with
+   folded batch; the context is attached to the worker's attention backend and the model's
+   decoder stack for the duration of the forward (:func:`attach_context`);
+3. the backend (on itself) and the model hook (on the decoder stack) read it back with
    :func:`forward_context`.
 
 Nothing here is module-level state: a context lives exactly as long as the forward it is for.
@@ -90,12 +90,12 @@ def pending_forward(schedule_batch: Any) -> Optional[PendingForward]:
     return getattr(schedule_batch, _PENDING_ATTR, None)
 
 
-def attach_context(attn_backend: Any, context: Optional[ForwardContext]) -> None:
-    """Attach (or, with None, remove) the fold's decision on the worker's attention backend
-    for the duration of one forward."""
-    setattr(attn_backend, _CONTEXT_ATTR, context)
+def attach_context(reader: Any, context: Optional[ForwardContext]) -> None:
+    """Attach (or, with None, remove) the fold's decision on an object that reads it during
+    one forward (the worker's attention backend, the model's decoder stack)."""
+    setattr(reader, _CONTEXT_ATTR, context)
 
 
-def forward_context(attn_backend: Any) -> Optional[ForwardContext]:
-    """The fold's decision for the forward running on this attention backend, if any."""
-    return getattr(attn_backend, _CONTEXT_ATTR, None)
+def forward_context(reader: Any) -> Optional[ForwardContext]:
+    """The fold's decision for the forward running now on this object, if any."""
+    return getattr(reader, _CONTEXT_ATTR, None)

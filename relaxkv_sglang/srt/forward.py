@@ -7,10 +7,10 @@
 2. :func:`~.repair.prepare_repair`: for repair policies, the query pass and the planner's
    anchors; the repaired requests' rows become the repair pass's;
 3. the folded batch and its :class:`~.context.ForwardContext` are attached to the scheduled
-   batch and the context to the worker's attention backend; SGLang's own forward runs,
+   batch and the context to the worker's attention backend and decoder stack; SGLang's own forward runs,
    building its ``ForwardBatch`` through :func:`around_forward_batch_init_new` (folded rows,
    real positions), then the ``relaxkv`` attention backend and, for a repair, the model hook
-   (through ``forward_batch.attn_backend``) read the context;
+   (on the decoder stack it replaces) read the context;
 4. :func:`~.fold.finish_fold`: misses published to the chunk tree, reuse counted, reports.
 
 SGLang files touched (hooks registered in ``plugin.py``): ``managers/tp_worker.py``
@@ -38,14 +38,25 @@ def around_forward_batch_generation(original: Callable, worker: Any, batch: Opti
     repair_pass = prepare_repair(cache, worker.model_runner, fold)
     context = fold.context(repair_pass)
     attach_pending(batch, PendingForward(fold.batch(), context))
-    attach_context(worker.model_runner.attn_backend, context)
+    readers = _context_readers(worker)
+    for reader in readers:
+        attach_context(reader, context)
     try:
         result = original(worker, batch, *args, **kwargs)
     finally:
         attach_pending(batch, None)
-        attach_context(worker.model_runner.attn_backend, None)
+        for reader in readers:
+            attach_context(reader, None)
     finish_fold(cache, fold)
     return result
+
+
+def _context_readers(worker: Any) -> list[Any]:
+    """The objects that read the context during the forward: the attention backend, and the
+    decoder stack whose ``forward`` the repair hook replaces."""
+    runner = worker.model_runner
+    inner = getattr(runner.model, "model", None)
+    return [runner.attn_backend] + ([inner] if inner is not None else [])
 
 
 def around_forward_batch_init_new(original: Callable, cls: type, batch: Any, model_runner: Any,

@@ -261,7 +261,7 @@ def supports_repair(causal_lm: torch.nn.Module) -> bool:
 def around_model_forward(original: Callable, model: torch.nn.Module, input_ids: torch.Tensor,
                          positions: torch.Tensor, forward_batch: "ForwardBatch", *args: Any, **kwargs: Any) -> Any:
     """Hook on ``LlamaModel.forward`` / ``Qwen2Model.forward``: run the repair pass instead."""
-    context = forward_context(forward_batch.attn_backend)
+    context = forward_context(model)
     if context is None or context.repair_pass is None or not forward_batch.forward_mode.is_extend():
         return original(model, input_ids, positions, forward_batch, *args, **kwargs)
     loop = LayerLoop(ModelLayers(model), forward_batch.token_to_kv_pool)

@@ -62,11 +62,13 @@ class ForwardContext:
         extend_rows: per request, its rows (positions and scopes) for the attention backend.
         repair_pass: per request, the repair pass's rows, when the model's layer loop is
             replaced by the repair pass; None for an ordinary (possibly folded) forward.
+        kv_pool: SGLang's KV pool the repair pass reads and writes.
     """
 
     positions: torch.Tensor
     extend_rows: list[ExtendRows]
     repair_pass: Optional[list["LoopRows"]] = None
+    kv_pool: Any = None
 
 
 @dataclasses.dataclass

@@ -124,9 +124,9 @@ class Fold:
             start += r.keep.shape[0]
         return rows
 
-    def context(self, repair_pass: Optional[list["LoopRows"]]) -> ForwardContext:
+    def context(self, repair_pass: Optional[list["LoopRows"]], kv_pool: Any) -> ForwardContext:
         """What the attention backend and the model hook read during the forward."""
-        return ForwardContext(self.positions(), self.extend_rows(), repair_pass)
+        return ForwardContext(self.positions(), self.extend_rows(), repair_pass, kv_pool)
 
     def batch(self) -> Any:
         """The batch to build the ForwardBatch from: the source, or its copy with the kept rows."""

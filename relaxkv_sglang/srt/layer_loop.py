@@ -264,5 +264,5 @@ def around_model_forward(original: Callable, model: torch.nn.Module, input_ids: 
     context = forward_context(model)
     if context is None or context.repair_pass is None or not forward_batch.forward_mode.is_extend():
         return original(model, input_ids, positions, forward_batch, *args, **kwargs)
-    loop = LayerLoop(ModelLayers(model), forward_batch.token_to_kv_pool)
+    loop = LayerLoop(ModelLayers(model), context.kv_pool)
     return loop.run(context.repair_pass, input_ids)

@@ -168,7 +168,7 @@ def build_cache_class() -> type:
             """
             if self.chunks.peek(namespace, tokens) is not None:
                 return False
-            slots = self._alloc_chunk_slots(len(tokens))
+            slots = self.alloc_chunk_slots(len(tokens))
             if slots is None:
                 return False
             self.copier.copy(src, slots, 0)
@@ -190,7 +190,7 @@ def build_cache_class() -> type:
                 "kv_available_tokens": int(self.token_to_kv_pool_allocator.available_size()),
             }
 
-        def _alloc_chunk_slots(self, n: int) -> Optional[torch.Tensor]:
+        def alloc_chunk_slots(self, n: int) -> Optional[torch.Tensor]:
             """n free KV slots for a new chunk, evicting if needed; None if none."""
             allocator = self.token_to_kv_pool_allocator
             if allocator.available_size() < n:

@@ -30,7 +30,7 @@ import torch
 from .attention import block_sparse_attention, dense_causal_attention
 from .policies import Policy
 from .repair_plan import RepairConfig, plan_anchors
-from .selection import eligible_tokens, kv_deviation, query_attention_scores
+from .selection import eligible_tokens, query_attention_scores
 
 Span = tuple[int, int]
 
@@ -416,11 +416,8 @@ def reference_prefill(
         q, k, v = _project_qkv(weights, layer, torch.cat([h_a, h_q]), torch.cat([anchors, pos_q]))
         K, V = stale[l][0].clone(), stale[l][1].clone()
         K[anchors], V[anchors] = k[:n_a], v[:n_a]
-        if plan.awaits_check_layer and l == config.check_layer:
-            deviation = torch.zeros(Q0)
-            deviation[anchors] = kv_deviation(k[:n_a], v[:n_a], stale[l][0][anchors], stale[l][1][anchors],
-                                              config.cacheblend_use_k)
-            plan = plan.after_check_layer(deviation)
+        if plan.decides_at(l):
+            plan = plan.after_check_layer(anchors, k[:n_a], v[:n_a], stale[l][0][anchors], stale[l][1][anchors])
         layout = plan.layouts[l]
         o_a = block_sparse_attention(q[:n_a], K, V, layout)
         keys, vals = torch.cat([K, k[n_a:]]), torch.cat([V, v[n_a:]])

@@ -22,8 +22,8 @@ Decisions:
   ``relaxkv_fullctx``).
 
 CacheBlend decides in two steps: layers ``0..check_layer`` recompute every eligible token; at
-the check layer the executor measures the K/V deviation and asks
-:meth:`AnchorPlan.after_check_layer` for the rest.
+the check layer the executor hands the recomputed and the cached K/V to
+:meth:`AnchorPlan.after_check_layer`, which measures the deviation and decides the rest.
 
 Randomness (the ``random`` control's targets, ``relaxkv_randctx``'s pages) comes from two
 generators seeded from ``RepairConfig.seed``: targets from ``seed``, contexts from ``seed + 1``,
@@ -39,7 +39,7 @@ import torch
 
 from .layout import BlockSparseLayout, build_relaxed_layout
 from .policies import Policy
-from .selection import anchor_ratio_achieved, eligible_tokens, select_anchors
+from .selection import anchor_ratio_achieved, eligible_tokens, kv_deviation, select_anchors
 
 Span = tuple[int, int]
 
@@ -124,15 +124,23 @@ class AnchorPlan:
     def achieved_anchor_ratio(self) -> float:
         return anchor_ratio_achieved(self.anchor_sets, self.n_eligible)
 
-    def after_check_layer(self, deviation: torch.Tensor) -> "AnchorPlan":
-        """CacheBlend: the full plan once the check layer's K/V deviation is known.
+    def decides_at(self, layer: int) -> bool:
+        """True at CacheBlend's check layer while the later layers are undecided."""
+        return self.awaits_check_layer and layer == self.config.check_layer
+
+    def after_check_layer(self, tokens: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                          k_stale: torch.Tensor, v_stale: torch.Tensor) -> "AnchorPlan":
+        """CacheBlend: the full plan once the check layer has recomputed its tokens' K/V.
 
         Args:
-            deviation: float [n_context] deviation of each token recomputed at the check layer
-                (0 elsewhere).
+            tokens: int64 [n] the tokens recomputed at the check layer.
+            k_new, v_new: [n, Hkv, d] their recomputed K/V.
+            k_stale, v_stale: [n, Hkv, d] their cached (stale) K/V.
         Returns:
             a new plan with every layer decided; layers ``0..check_layer`` unchanged.
         """
+        deviation = torch.zeros(self.n_context)
+        deviation[tokens] = kv_deviation(k_new, v_new, k_stale, v_stale, self.config.cacheblend_use_k)
         sets = select_anchors(self.policy, None, self.chunk_spans, self.n_context, self.config.anchor_ratio,
                               n_layers=self.n_layers, deviation=deviation, check_layer=self.config.check_layer)
         done = len(self.layouts)

@@ -32,7 +32,7 @@ import torch
 from relaxkv_sglang.core.attention import block_sparse_attention, scoped_causal_attention
 from relaxkv_sglang.core.layout import BlockSparseLayout
 from relaxkv_sglang.core.repair_plan import AnchorPlan
-from relaxkv_sglang.core.selection import kv_deviation, query_attention_scores
+from relaxkv_sglang.core.selection import query_attention_scores
 from relaxkv_sglang.srt.context import forward_context
 
 if TYPE_CHECKING:
@@ -227,18 +227,16 @@ class LayerLoop:
 
 def _decide_after_check_layer(r: LoopRows, l: int, mask: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                               k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """CacheBlend: at the check layer, before its K/V are written, measure how far the
-    recomputed K/V are from the cached ones and let the plan choose the later layers."""
+    """CacheBlend: at the check layer, before its K/V are written, hand the recomputed and the
+    cached K/V to the plan, which chooses the later layers."""
     plan = r.anchor_plan
-    if plan is None or not plan.awaits_check_layer or l != plan.config.check_layer:
+    if plan is None or not plan.decides_at(l):
         return
     active_anchor = r.anchor[mask]
     pos = r.positions[mask][active_anchor]
     slots = r.slots[pos]
-    deviation = torch.zeros(plan.n_context)
-    deviation[pos] = kv_deviation(k_new[active_anchor], v_new[active_anchor], k_cache[slots], v_cache[slots],
-                                  plan.config.cacheblend_use_k)
-    r.anchor_plan = plan.after_check_layer(deviation)
+    r.anchor_plan = plan.after_check_layer(pos, k_new[active_anchor], v_new[active_anchor], k_cache[slots],
+                                           v_cache[slots])
     r.exits[r.anchor] = r.anchor_plan.exit_layers()[r.positions[r.anchor]]
 
 

@@ -37,11 +37,12 @@ import dataclasses
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.common import add_server_args, fail, server_url, write_result
-from relaxkv_sglang import assets, metrics, workloads
+from benchmarks import common
+from relaxkv_sglang import metrics, workloads
 from relaxkv_sglang.client import ServerClient
 
 BENCH = "bench_cache_hit"
@@ -49,24 +50,16 @@ BENCH = "bench_cache_hit"
 
 @dataclasses.dataclass
 class TraceRequest:
+    """One request of the trace: its prompt, its ``relaxkv_chunks`` offsets and which pool documents it holds."""
+
     text: str
     offsets: list[int]
     doc_ids: list[int]
 
 
-def document_pool(source: str, n: int, seed: int) -> list[str]:
-    data = assets.load_data(source)
-    rng = random.Random(seed)
-    if source == "hotpotqa":
-        paragraphs = [workloads.format_paragraph(t, s) for ex in data[:2000] for t, s in ex["context"]]
-    else:  # SQuAD v2 dev: {"data": [{"paragraphs": [{"context": ...}]}]}
-        paragraphs = [p["context"] for art in data["data"] for p in art["paragraphs"]]
-    return rng.sample(sorted(set(paragraphs)), n)
-
-
-def make_trace(args) -> list[TraceRequest]:
+def make_trace(args: argparse.Namespace) -> list[TraceRequest]:
     """A seeded trace: Zipf(s) document popularity, k documents per request, random order."""
-    docs = document_pool(args.source, args.pool, args.seed)
+    docs = workloads.document_pool(args.source, args.pool, args.seed)
     rng = random.Random(args.seed)
     weights = [1.0 / (rank + 1) ** args.zipf for rank in range(len(docs))]
     questions = ["What do these documents have in common?", "Summarize the key fact.", "Who is mentioned first?"]
@@ -83,7 +76,9 @@ def make_trace(args) -> list[TraceRequest]:
     return trace
 
 
-def replay(client: ServerClient, trace: list[TraceRequest], policy: str, clients: int, args) -> dict:
+def replay(client: ServerClient, trace: list[TraceRequest], policy: str, clients: int,
+           args: argparse.Namespace) -> dict:
+    """Send the whole trace under ``policy`` from ``clients`` threads on a flushed cache; the policy's row."""
     client.flush()
     before = client.relaxkv_state()
 
@@ -105,38 +100,39 @@ def replay(client: ServerClient, trace: list[TraceRequest], policy: str, clients
     after = client.relaxkv_state()
     prompt = sum(r["meta_info"]["prompt_tokens"] for r in results)
     cached = sum(r["meta_info"]["cached_tokens"] for r in results)
-    chunk = sum((r["meta_info"].get("relaxkv") or {}).get("chunk_tokens_reused", 0) for r in results)
+    chunk = sum(common.relaxkv_report(r).get("chunk_tokens_reused", 0) for r in results)
     completion = sum(r["meta_info"]["completion_tokens"] for r in results)
     ttft = metrics.latency_summary(r["ttft_s"] for r in results)
     return {
         "policy": policy, "requests": len(results), "prompt_tokens": prompt,
-        "total_cached_tokens": cached, "cache_hit_rate_pct": 100.0 * cached / prompt,
-        "prefix_hit_rate_pct": 100.0 * (cached - chunk) / prompt, "chunk_hit_rate_pct": 100.0 * chunk / prompt,
+        "total_cached_tokens": cached, "cache_hit_rate_pct": 100.0 * metrics.hit_rate(cached, prompt),
+        "prefix_hit_rate_pct": 100.0 * metrics.hit_rate(cached - chunk, prompt),
+        "chunk_hit_rate_pct": 100.0 * metrics.hit_rate(chunk, prompt),
         "requests_per_s": len(results) / wall, "tokens_per_s": (prompt + completion) / wall, "wall_s": wall,
         "ttft_s": ttft,
         "chunk_evictions": after.get("chunk_evictions", 0) - before.get("chunk_evictions", 0),
         "chunk_evicted_tokens": after.get("chunk_evicted_tokens", 0) - before.get("chunk_evicted_tokens", 0),
         "per_request": [{"prompt_tokens": r["meta_info"]["prompt_tokens"], "cached_tokens": r["meta_info"]["cached_tokens"],
-                         "chunk_tokens_reused": (r["meta_info"].get("relaxkv") or {}).get("chunk_tokens_reused", 0),
+                         "chunk_tokens_reused": common.relaxkv_report(r).get("chunk_tokens_reused", 0),
                          "sent_at": r["sent_at"], "first_token_at": r["first_token_at"],
                          "ttft_s": r["ttft_s"], "latency_s": r["latency_s"]} for r in results],
     }
 
 
-def document_tokens(trace: list[TraceRequest], tokenizer) -> dict[int, int]:
+def document_tokens(trace: list[TraceRequest], tokenizer: Any) -> dict[int, int]:
     """Tokens of each document of the trace, tokenized on its own as the server tokenizes a chunk."""
-    doc_tokens = {}
+    doc_tokens: dict[int, int] = {}
     for req in trace:
-        for i, (s, e) in zip(req.doc_ids, zip(req.offsets[::2], req.offsets[1::2])):
+        for i, doc in zip(req.doc_ids, workloads.chunk_texts(req.text, req.offsets)):
             if i not in doc_tokens:
-                doc_tokens[i] = len(tokenizer.encode(req.text[s:e], add_special_tokens=False))
+                doc_tokens[i] = workloads.token_count(tokenizer, doc)
     return doc_tokens
 
 
 def best_possible_pct(trace: list[TraceRequest], doc_tokens: dict[int, int], prompt_tokens: int) -> float:
     """Every document token after its first appearance in the trace, over all prompt tokens."""
     reusable = metrics.reusable_tokens([(i, doc_tokens[i]) for i in req.doc_ids] for req in trace)
-    return 100.0 * reusable / prompt_tokens
+    return 100.0 * metrics.hit_rate(reusable, prompt_tokens)
 
 
 def seen_before_missed_tokens(doc_ids: list[list[int]], per_request: list[dict], doc_tokens: dict[int, int]) -> int:
@@ -162,17 +158,12 @@ def seen_before_missed_tokens(doc_ids: list[list[int]], per_request: list[dict],
     return missed
 
 
-def run(args) -> dict:
-    from transformers import AutoTokenizer
-
+def run(args: argparse.Namespace) -> dict:
+    """Replay one trace under every policy against one server; rows with their hit rate lost, and the workload."""
     trace = make_trace(args)
-    model = str(assets.model_path(args.model)) if args.model in assets.MODELS else args.model
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    rows = []
-    with server_url(args, BENCH) as url:
-        client = ServerClient(url)
-        for policy in args.policies:
-            rows.append(replay(client, trace, policy, args.clients, args))
+    tokenizer = common.tokenizer(args)
+    with common.bench_client(args, BENCH) as client:
+        rows = [replay(client, trace, policy, args.clients, args) for policy in args.policies]
     doc_tokens = document_tokens(trace, tokenizer)
     best = best_possible_pct(trace, doc_tokens, rows[0]["prompt_tokens"])
     doc_ids = [req.doc_ids for req in trace]
@@ -194,6 +185,7 @@ def run(args) -> dict:
 
 
 def print_table(result: dict) -> None:
+    """The result as a plain-text table, one row per policy."""
     w = result["workload"]
     pool = f"KV pool {w['kv_pool_tokens']} tokens" if w.get("kv_pool_tokens") else "KV pool of the given server"
     print(f"\n{w['requests']} requests, {w['clients']} clients, {w['k']} of {w['pool']} {w['source']} documents "
@@ -216,9 +208,9 @@ def print_table(result: dict) -> None:
           "in flight = the rest")
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_cache_hit", description=__doc__.split("\n\n")[0])
-    add_server_args(parser)
+def main(argv: list[str] | None = None) -> None:
+    """``python -m benchmarks.bench_cache_hit``: parse the flags, measure, print, write the JSON."""
+    parser = common.bench_parser(BENCH, __doc__, quick_help="40 requests, 2 clients")
     parser.add_argument("--source", choices=["hotpotqa", "squad"], default="hotpotqa")
     parser.add_argument("--pool", type=int, default=60, help="distinct documents")
     parser.add_argument("--zipf", type=float, default=1.0, help="popularity exponent s")
@@ -230,18 +222,10 @@ def main(argv=None) -> None:
     parser.add_argument("--anchor-ratio", type=float, default=0.15)
     parser.add_argument("--policies", nargs="+", default=["prefix", "pic", "pic-auto", "relaxkv"],
                         help="server policies; '<policy>-auto' sends the prompts unmarked (content-defined chunking)")
-    parser.add_argument("--quick", action="store_true", help="40 requests, 2 clients")
     parser.epilog = ("A KV pool smaller than the working set shows evictions and the hit rate they cost, e.g. "
                      "--quick --max-total-tokens 4096 --policies pic relaxkv")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.requests, args.clients = 40, 2
-    try:
-        result = run(args)
-    except (RuntimeError, assets.AssetError) as exc:
-        fail(BENCH, str(exc))
-    print_table(result)
-    write_result(BENCH, args, result)
+    args = common.parse_args(parser, argv, quick={"requests": 40, "clients": 2})
+    common.run_bench(BENCH, args, run, report=print_table)
 
 
 if __name__ == "__main__":

@@ -34,13 +34,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import pathlib
 import random
 import statistics
 
 from tqdm import tqdm
 
-from benchmarks.common import add_server_args, fail, pyplot, save_plot, server_url, write_result
-from relaxkv_sglang import assets, metrics, workloads
+from benchmarks import common
+from relaxkv_sglang import metrics, workloads
+from relaxkv_sglang.client import ServerClient
 
 BENCH = "bench_quality"
 TASKS = workloads.QUALITY_TASKS
@@ -91,16 +93,11 @@ def configs(policies: list[str], ratios: list[float]) -> list[tuple[str, float |
             + [(p, r) for r in ratios for p in policies if p not in BASELINES])
 
 
-def warm(client, example: workloads.TaskExample) -> None:
-    """Cache the example's chunks through a request with another system prompt, reversed order, no question."""
-    text, offsets = workloads.marked_text(WARM_SYSTEM, example.documents[::-1], workloads.question_text("?"))
-    client.generate(text, offsets, "pic", max_new_tokens=1)
-
-
-def answer_example(client, example: workloads.TaskExample, cfgs, args, rng: random.Random) -> list[dict]:
+def answer_example(client: ServerClient, example: workloads.TaskExample, cfgs: list[tuple[str, float | None]],
+                   args: argparse.Namespace, rng: random.Random) -> list[dict]:
     """One example under every config: ``full`` first (its top tokens are the KL support), the rest shuffled."""
     client.flush()
-    warm(client, example)
+    common.warm_chunks(client, example.documents, WARM_SYSTEM)
     text, offsets = example.marked()
     max_new = args.max_new_tokens or example.max_new_tokens
     full = client.generate_stream(text, offsets, "full", max_new_tokens=max_new, top_logprobs=TOP_K)
@@ -125,14 +122,13 @@ def answer_example(client, example: workloads.TaskExample, cfgs, args, rng: rand
             "ttft_s": out["ttft_s"], "latency_s": out["latency_s"],
             "prompt_tokens": out["meta_info"]["prompt_tokens"],
             "cached_tokens": out["meta_info"]["cached_tokens"],
-            "relaxkv": out["meta_info"].get("relaxkv") or {},
+            "relaxkv": common.relaxkv_report(out),
         })
     return rows
 
 
-def run(args) -> dict:
-    from relaxkv_sglang.client import ServerClient
-
+def run(args: argparse.Namespace) -> dict:
+    """Every example of every task under every config against one server; per-example rows and summaries."""
     try:
         examples = {t: workloads.task_examples(t, args.examples, seed=args.seed, offset=args.offset)
                     for t in args.tasks}
@@ -141,8 +137,7 @@ def run(args) -> dict:
     cfgs = configs(args.policies, args.anchor_ratios)
     rng = random.Random(args.seed)
     rows: list[dict] = []
-    with server_url(args, BENCH) as url:
-        client = ServerClient(url)
+    with common.bench_client(args, BENCH) as client:
         for task, exs in examples.items():
             for example in tqdm(exs, desc=f"{BENCH} {task}", unit="example"):
                 rows += answer_example(client, example, cfgs, args, rng)
@@ -168,7 +163,7 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-def summarize_all(rows: list[dict], tasks: list[str], cfgs) -> list[dict]:
+def summarize_all(rows: list[dict], tasks: list[str], cfgs: list[tuple[str, float | None]]) -> list[dict]:
     """One summary per (task, policy, ratio), task ``"all"`` pooling every task's examples."""
     out = []
     for task in [*tasks, "all"]:
@@ -184,7 +179,8 @@ def headline_ratio(ratios: list[float]) -> float:
     return min(ratios, key=lambda r: abs(r - HEADLINE_RATIO))
 
 
-def print_table(result: dict, args) -> None:
+def print_table(result: dict, args: argparse.Namespace) -> None:
+    """The summaries as plain-text tables: one per task, then all tasks pooled."""
     for task in [*args.tasks, "all"]:
         info = result["tasks"].get(task)
         what = (f"{info['examples']} examples, score = {info['scorer']}" if info
@@ -197,18 +193,16 @@ def print_table(result: dict, args) -> None:
         for s in (s for s in result["summary"] if s["task"] == task):
             f1_lo, f1_hi = s["f1_to_full_ci95"]
             kl_lo, kl_hi = s["kl_first_token_ci95"]
-            ratio = f"{s['anchor_ratio']:.0%}" if s["anchor_ratio"] is not None else "-"
-            achieved = f"{s['anchor_ratio_achieved']:.3f}" if s["anchor_ratio_achieved"] is not None else "-"
-            ctx = f"{s['context_ratio']:.2f}" if s["context_ratio"] is not None else "-"
-            work = f"{s['repair_kv_pairs']:.0f}" if s["repair_kv_pairs"] is not None else "-"
+            ratio, achieved = common.fmt(s["anchor_ratio"], ".0%"), common.fmt(s["anchor_ratio_achieved"], ".3f")
+            ctx, work = common.fmt(s["context_ratio"], ".2f"), common.fmt(s["repair_kv_pairs"], ".0f")
             print(f"{s['policy']:<16}{ratio:>8}{s['score']:>7.3f}{s['f1_to_full']:>6.3f} [{f1_lo:.2f},{f1_hi:.2f}]"
                   f"{s['exact_to_full']:>7.3f}{s['kl_first_token']:>7.3f} [{kl_lo:.2f},{kl_hi:.2f}]"
                   f"{s['ttft_median_s']:>8.2f}s{achieved:>9}{ctx:>6}{work:>11}")
 
 
-def plot(summary: list[dict], tasks: list[str], path) -> None:
+def plot(summary: list[dict], tasks: list[str], path: pathlib.Path) -> None:
     """First-token KL against median TTFT: all tasks pooled (top left), then one panel per task."""
-    plt = pyplot()
+    plt = common.pyplot()
     panels = ["all", *tasks] if len(tasks) > 1 else list(tasks)
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
@@ -244,34 +238,26 @@ def plot(summary: list[dict], tasks: list[str], path) -> None:
     else:
         fig.tight_layout(rect=(0, 0, 0.83, 1))
         fig.legend(handles, labels, loc="center right", title="policy\n(labels: anchor ratio)", fontsize=8)
-    save_plot(fig, path)
+    common.save_plot(fig, path)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_quality", description=__doc__.split("\n\n")[0])
-    add_server_args(parser)
+def main(argv: list[str] | None = None) -> None:
+    """``python -m benchmarks.bench_quality``: parse the flags, measure, print, write the JSON and the plot."""
+    parser = common.bench_parser(BENCH, __doc__, quick_help=f"{QUICK_EXAMPLES} examples per task, 15%% anchors only")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     parser.add_argument("--examples", type=int, default=10, help="examples per task")
     parser.add_argument("--offset", type=int, default=0, help="first HotpotQA dev example")
     parser.add_argument("--seed", type=int, default=0, help="seed of the SQuAD and RULER-style examples")
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK_EXAMPLES} examples per task, 15%% anchors only")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--anchor-ratios", type=float, nargs="+", default=[0.05, 0.15, 0.30])
     parser.add_argument("--context-ratio", type=float, default=0.25)
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="answer length (default: each task's own: 16 for QA, 40 needle, 32 variable tracking)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.examples, args.anchor_ratios = QUICK_EXAMPLES, [HEADLINE_RATIO]
+    args = common.parse_args(parser, argv, quick={"examples": QUICK_EXAMPLES, "anchor_ratios": [HEADLINE_RATIO]})
     if "full" not in args.policies:
         args.policies = ["full"] + args.policies
-    try:
-        result = run(args)
-    except (RuntimeError, assets.AssetError) as exc:
-        fail(BENCH, str(exc))
-    print_table(result, args)
-    path = write_result(BENCH, args, result)
-    plot(result["summary"], args.tasks, path.with_suffix(".png"))
+    common.run_bench(BENCH, args, run, report=lambda result: print_table(result, args),
+                     plot=lambda result, path: plot(result["summary"], args.tasks, path))
 
 
 if __name__ == "__main__":

@@ -18,12 +18,13 @@ Medians of several repetitions; the machine is shared, so read ratios.
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
 import time
 
 import torch
 
-from benchmarks.common import add_server_args, save_plot, write_result
+from benchmarks import common
 from relaxkv_sglang.core.attention import block_sparse_attention
 from relaxkv_sglang.core.chunk_store import ChunkStore
 from relaxkv_sglang.core.layout import build_relaxed_layout, full_causal_layout
@@ -84,12 +85,9 @@ def measure(n_tokens: int, n_chunks: int, repeats: int) -> dict:
     }
 
 
-def plot(rows: list[dict], path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    """Each cost against prompt length at 10 chunks, log scale."""
+    plt = common.pyplot()
     by_len = [r for r in rows if r["chunks"] == 10]
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, label in (("lookup_s", "chunk lookup"), ("rerotation_s", "K re-rotation (30 layers)"),
@@ -102,29 +100,36 @@ def plot(rows: list[dict], path) -> None:
     ax.set_yscale("log")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    save_plot(fig, path)
+    common.save_plot(fig, path)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_scaling", description=__doc__.split("\n\n")[0])
-    add_server_args(parser)  # only --output is used: this benchmark needs no server
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1500, 3000, 6000, 12000])
-    parser.add_argument("--chunk-counts", type=int, nargs="+", default=[5, 10, 20, 40])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.lengths, args.chunk_counts, args.repeats = [1500, 3000, 6000], [10, 40], 2
+def run(args: argparse.Namespace) -> dict:
+    """Every prompt length at 10 chunks, then every chunk count at 6000 tokens."""
     rows = [measure(n, 10, args.repeats) for n in args.lengths]
     rows += [measure(6000, c, args.repeats) for c in args.chunk_counts if c != 10]
+    return {"results": rows}
+
+
+def print_table(result: dict) -> None:
+    """The rows as a plain-text table, in milliseconds."""
+    rows = result["results"]
     head = f"{'tokens':>7}{'chunks':>7}{'lookup ms':>11}{'rotate ms':>11}{'select ms':>11}{'relaxed ms':>12}{'full ms':>10}"
     print(head)
     for r in rows:
         print(f"{r['prompt_tokens']:>7}{r['chunks']:>7}{r['lookup_s'] * 1e3:>11.2f}{r['rerotation_s'] * 1e3:>11.1f}"
               f"{r['selection_s'] * 1e3:>11.1f}{r['repair_attention_relaxed_s'] * 1e3:>12.1f}"
               f"{r['repair_attention_full_s'] * 1e3:>10.1f}")
-    path = write_result(BENCH, args, {"results": rows})
-    plot(rows, path.with_suffix(".png"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m benchmarks.bench_scaling``: parse the flags, measure, print, write the JSON and the plot."""
+    parser = common.bench_parser(BENCH, __doc__, server=False, quick_help="3 lengths x 10/40 chunks, 2 repeats")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1500, 3000, 6000, 12000])
+    parser.add_argument("--chunk-counts", type=int, nargs="+", default=[5, 10, 20, 40])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = common.parse_args(parser, argv,
+                             quick={"lengths": [1500, 3000, 6000], "chunk_counts": [10, 40], "repeats": 2})
+    common.run_bench(BENCH, args, run, report=print_table, plot=lambda result, path: plot(result["results"], path))
 
 
 if __name__ == "__main__":

@@ -17,30 +17,33 @@ sampling step), measured at the client.
 from __future__ import annotations
 
 import argparse
+import pathlib
 import random
 import statistics
+from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.common import add_server_args, fail, pyplot, save_plot, server_url, write_result
+from benchmarks import common
 from relaxkv_sglang import assets, workloads
-from relaxkv_sglang.client import ServerClient
 
 BENCH = "bench_ttft"
 REPAIR_POLICIES = ("epic", "cacheblend", "prophetkv", "relaxkv")
+# The warm-up request's system prompt: not the measured one (SYSTEM_PROMPTS[0]).
+WARM_SYSTEM = workloads.SYSTEM_PROMPTS[2]
 
 
-def packed_prompt(tokenizer, target_tokens: int, seed: int):
+def packed_prompt(tokenizer: Any, target_tokens: int, seed: int) -> tuple[str, list[int], int]:
     """(text, offsets, n_tokens): paragraphs of consecutive HotpotQA examples up to ``target_tokens``."""
     data = assets.load_data("hotpotqa")
     rng = random.Random(seed)
     start = rng.randrange(len(data) - 200)
     system, question = workloads.SYSTEM_PROMPTS[0], workloads.question_text(data[start]["question"])
-    docs, used = [], len(tokenizer.encode(system + question))
+    docs: list[str] = []
+    used = workloads.token_count(tokenizer, system + question, special=True)
     for example in data[start:]:
-        for title, sentences in example["context"]:
-            doc = workloads.format_paragraph(title, sentences)
-            n = len(tokenizer.encode(doc, add_special_tokens=False)) + 1
+        for doc in workloads.hotpotqa_paragraphs(example):
+            n = workloads.token_count(tokenizer, doc) + 1
             if used + n > target_tokens:
                 text, offsets = workloads.marked_text(system, docs, question)
                 return text, offsets, used
@@ -49,26 +52,16 @@ def packed_prompt(tokenizer, target_tokens: int, seed: int):
     raise RuntimeError("ran out of HotpotQA paragraphs")
 
 
-def warm(client: ServerClient, text: str, offsets: list[int]) -> None:
-    """Cache the prompt's chunks through a request with another system prompt and order."""
-    docs = [text[s:e] for s, e in zip(offsets[::2], offsets[1::2])]
-    w_text, w_offsets = workloads.marked_text(workloads.SYSTEM_PROMPTS[2], docs[::-1], "Question: ?")
-    client.generate(w_text, w_offsets, "pic", max_new_tokens=1)
-
-
-def run(args) -> dict:
-    from transformers import AutoTokenizer
-
-    model = str(assets.model_path(args.model)) if args.model in assets.MODELS else args.model
-    tokenizer = AutoTokenizer.from_pretrained(model)
+def run(args: argparse.Namespace) -> dict:
+    """Every (policy, anchor ratio) on warm chunks at each prompt length, interleaved over rounds."""
+    tokenizer = common.tokenizer(args)
     configs = [("full", None), ("pic", None)] + [(p, r) for p in REPAIR_POLICIES for r in args.anchor_ratios]
     results = []
-    with server_url(args, BENCH) as url:
-        client = ServerClient(url)
+    with common.bench_client(args, BENCH) as client:
         for length in args.lengths:
             text, offsets, n_tokens = packed_prompt(tokenizer, length, seed=length)
             client.flush()
-            warm(client, text, offsets)
+            common.warm_chunks(client, workloads.chunk_texts(text, offsets), WARM_SYSTEM)
             samples = {c: [] for c in configs}
             records = {}
             order = list(configs)
@@ -79,7 +72,7 @@ def run(args) -> dict:
                     out = client.generate(text, offsets, policy, max_new_tokens=1, anchor_ratio=ratio,
                                           context_ratio=args.context_ratio)
                     samples[(policy, ratio)].append(out["client_latency_s"])
-                    records[(policy, ratio)] = out["meta_info"].get("relaxkv") or {}
+                    records[(policy, ratio)] = common.relaxkv_report(out)
             full_median = statistics.median(samples[("full", None)])
             for (policy, ratio), values in samples.items():
                 rec = records[(policy, ratio)]
@@ -96,18 +89,19 @@ def run(args) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
+    """The results as a plain-text table, one row per (prompt length, policy, anchor ratio)."""
     head = f"{'tokens':>7} {'policy':<11}{'anchors':>8}{'TTFT p50 s':>12}{'vs full':>9}{'repair KV pairs':>17}"
     print("\n" + head)
     print("-" * len(head))
     for r in results:
-        ratio = f"{r['anchor_ratio']:.0%}" if r["anchor_ratio"] is not None else "-"
-        work = f"{r['repair_kv_pairs']:,}" if r["repair_kv_pairs"] is not None else "-"
+        ratio, work = common.fmt(r["anchor_ratio"], ".0%"), common.fmt(r["repair_kv_pairs"], ",")
         print(f"{r['prompt_tokens']:>7} {r['policy']:<11}{ratio:>8}{r['ttft_median_s']:>12.3f}"
               f"{r['speedup_vs_full']:>8.1f}x{work:>17}")
 
 
-def plot(results: list[dict], path) -> None:
-    plt = pyplot()
+def plot(results: list[dict], path: pathlib.Path) -> None:
+    """TTFT median against anchor ratio, one panel per prompt length, full and pic as lines."""
+    plt = common.pyplot()
     lengths = sorted({r["prompt_tokens"] for r in results})
     fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
     for ax, length in zip(axes[0], lengths):
@@ -124,27 +118,19 @@ def plot(results: list[dict], path) -> None:
         ax.set_ylim(bottom=0)
     axes[0][0].legend()
     fig.tight_layout()
-    save_plot(fig, path)
+    common.save_plot(fig, path)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_ttft", description=__doc__.split("\n\n")[0])
-    add_server_args(parser)
+def main(argv: list[str] | None = None) -> None:
+    """``python -m benchmarks.bench_ttft``: parse the flags, measure, print, write the JSON and the plot."""
+    parser = common.bench_parser(BENCH, __doc__, quick_help="1.5K and 6K tokens, 15%% anchors, 2 rounds")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1500, 3000, 6000])
     parser.add_argument("--anchor-ratios", type=float, nargs="+", default=[0.05, 0.15, 0.30])
     parser.add_argument("--context-ratio", type=float, default=0.25)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="1.5K and 6K tokens, 15%% anchors, 2 rounds")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.lengths, args.anchor_ratios, args.rounds = [1500, 6000], [0.15], 2
-    try:
-        result = run(args)
-    except (RuntimeError, assets.AssetError) as exc:
-        fail(BENCH, str(exc))
-    print_table(result["results"])
-    path = write_result(BENCH, args, result)
-    plot(result["results"], path.with_suffix(".png"))
+    args = common.parse_args(parser, argv, quick={"lengths": [1500, 6000], "anchor_ratios": [0.15], "rounds": 2})
+    common.run_bench(BENCH, args, run, report=lambda result: print_table(result["results"]),
+                     plot=lambda result, path: plot(result["results"], path))
 
 
 if __name__ == "__main__":

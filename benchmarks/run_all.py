@@ -1,4 +1,4 @@
-"""``make bench``: run the three benchmarks against one server and rewrite the result tables.
+"""``make bench``: run the four benchmarks (each starts its server, or all use ``--url``) and rewrite the tables.
 
 Results (JSON + PNG) go to ``docs/results/``; the tables between the
 ``<!-- bench:results -->`` markers of README.md and docs/performance.md are
@@ -21,6 +21,8 @@ import re
 import subprocess
 import sys
 import time
+
+from benchmarks.common import fmt
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
@@ -72,7 +74,8 @@ def _duration(seconds: float) -> str:
 def _caption(result: dict) -> str:
     m = result["machine"]
     ran = f" · ran in {_duration(result['wall_s'])}" if result.get("wall_s") is not None else ""
-    return (f"`{_command(result)}` · model {result['args']['model']} · {m['cpus']} CPU cores, "
+    model = f" · model {result['args']['model']}" if result["args"].get("model") else ""  # bench_scaling has none
+    return (f"`{_command(result)}`{model} · {m['cpus']} CPU cores, "
             f"{m['platform'].split('-with-')[0]} · {m['date'][:10]}{ran}")
 
 
@@ -100,8 +103,7 @@ def ttft_table(result: dict) -> str:
              "| prompt tokens | policy | anchors | TTFT median s | speed-up vs full | repair KV pairs |",
              "|---|---|---|---|---|---|"]
     for r in result["results"]:
-        ratio = f"{r['anchor_ratio']:.0%}" if r["anchor_ratio"] is not None else "-"
-        work = f"{r['repair_kv_pairs']:,}" if r["repair_kv_pairs"] is not None else "-"
+        ratio, work = fmt(r["anchor_ratio"], ".0%"), fmt(r["repair_kv_pairs"], ",")
         lines.append(f"| {r['prompt_tokens']} | {r['policy']} | {ratio} | {r['ttft_median_s']:.3f} | "
                      f"{r['speedup_vs_full']:.1f}x | {work} |")
     return "\n".join(lines)

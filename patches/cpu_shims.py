@@ -42,21 +42,17 @@ from relaxkv_patches.import_hooks import hook_finder
 SHIMS = ("triton_stub", "torchvision_ops", "rotary_is_cpu")
 SGLANG_VERSION = "0.5.23"
 
-_activated: list[str] = []
-_armed = False
-
-
 class ShimError(ImportError):
     """A shimmed file no longer looks the way the shim expects."""
 
 
 def activated() -> list[str]:
     """Names of the shims that acted in this process, in order."""
-    return list(_activated)
+    return list(hook_finder().acted)
 
 
 def _record(name: str) -> None:
-    _activated.append(name)
+    hook_finder().acted.append(name)
     path = os.environ.get("RELAXKV_SHIM_REPORT")
     if path:
         with open(path, "a", encoding="utf-8") as f:
@@ -149,18 +145,16 @@ def _arm_triton() -> None:
 
 # ---------------------------------------------------------------------- torchvision
 
-_torchvision_lib = None  # keeps the op definitions alive
-
-
 def _define_torchvision_ops(extension_module) -> None:
     if extension_module._has_ops():
         return  # torchvision's own kernels loaded: the schemas exist
     import torch
 
-    global _torchvision_lib
-    _torchvision_lib = torch.library.Library("torchvision", "FRAGMENT")
+    library = torch.library.Library("torchvision", "FRAGMENT")
     for op in ("nms", "qnms"):
-        _torchvision_lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        library.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    # The definitions live as long as the Library object: the module keeps it.
+    extension_module._relaxkv_op_schemas = library
     _record("torchvision_ops")
 
 
@@ -215,10 +209,10 @@ def _arm_rotary() -> None:
 
 def arm() -> None:
     """Install the import hooks (idempotent). Called from ``relaxkv_patches.pth``."""
-    global _armed
-    if _armed or os.environ.get("RELAXKV_DISABLE_SHIMS") == "1":
+    if os.environ.get("RELAXKV_DISABLE_SHIMS") == "1":
         return
-    _armed = True
+    if hook_finder().watches(ROTARY_MODULE):
+        return  # armed already (the hooks live on sys.meta_path)
     _arm_triton()
     _arm_torchvision()
     _arm_rotary()

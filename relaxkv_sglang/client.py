@@ -12,6 +12,8 @@ import time
 
 import requests
 
+from relaxkv_sglang.schema import ANCHOR_RATIO, CHUNKS, CONTEXT_RATIO, POLICY
+
 
 class ServerClient:
     def __init__(self, url: str, timeout: float = 600):
@@ -60,15 +62,8 @@ class ServerClient:
     @staticmethod
     def _body(text, offsets, policy, *, max_new_tokens, anchor_ratio=None, context_ratio=None, stop=None,
               top_logprobs=0, token_ids_logprob=None, return_logprob=False, **extra) -> dict:
-        custom = {}
-        if policy is not None:
-            custom["relaxkv_policy"] = policy
-        if offsets is not None:
-            custom["relaxkv_chunks"] = offsets
-        if anchor_ratio is not None:
-            custom["relaxkv_anchor_ratio"] = anchor_ratio
-        if context_ratio is not None:
-            custom["relaxkv_context_ratio"] = context_ratio
+        fields = ((POLICY, policy), (CHUNKS, offsets), (ANCHOR_RATIO, anchor_ratio), (CONTEXT_RATIO, context_ratio))
+        custom = {field.name: value for field, value in fields if value is not None}
         sampling = {"max_new_tokens": max_new_tokens, "temperature": 0}
         if custom:
             sampling["custom_params"] = custom

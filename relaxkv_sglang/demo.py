@@ -48,7 +48,6 @@ error: ...``, and a non-zero exit; the server is stopped on any exit.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import functools
@@ -74,8 +73,9 @@ from sglang.lang.ir import SglSamplingParams  # noqa: E402
 from relaxkv_sglang import assets, metrics  # noqa: E402
 from relaxkv_sglang.client import ServerClient  # noqa: E402
 from relaxkv_sglang.lang import RelaxKVEndpoint, document  # noqa: E402
-from relaxkv_sglang.server import SGLangServer, ServerConfig, ServerError  # noqa: E402
-from relaxkv_sglang.workloads import SEPARATOR, RagRequest, hotpotqa_requests, prompt_parts, render_prompt  # noqa: E402
+from relaxkv_sglang.server import SGLangServer, ServerConfig, ServerError, running_server  # noqa: E402
+from relaxkv_sglang.workloads import (  # noqa: E402
+    SEPARATOR, RagRequest, hotpotqa_requests, prompt_parts, render_prompt, token_count, token_ids)
 
 PROG = "relaxkv-sglang demo"
 
@@ -419,25 +419,17 @@ def workload_figures(trace: list[RagRequest], model_dir: pathlib.Path) -> dict:
     its longest common token prefix with that part of any earlier request
     (system prompts that begin alike share their first tokens).
     """
-    from transformers import AutoTokenizer
-
     try:
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        tok = assets.load_tokenizer(model_dir)
     except Exception as exc:
         raise DemoError(f"cannot load the tokenizer from {model_dir}: {_one_line(exc)}") from exc
 
-    def count(text: str, special: bool = False) -> int:
-        return len(tok(text, add_special_tokens=special)["input_ids"])
-
-    def ids(text: str, special: bool = False) -> list[int]:
-        return list(tok(text, add_special_tokens=special)["input_ids"])
-
-    doc_tokens = {d: count(d) for req in trace for d in req.documents}
-    prompt_tokens = [count(render_prompt(req), special=True) for req in trace]
+    doc_tokens = {d: token_count(tok, d) for req in trace for d in req.documents}
+    prompt_tokens = [token_count(tok, render_prompt(req), special=True) for req in trace]
     reusable_docs = metrics.reusable_tokens([(d, doc_tokens[d]) for d in req.documents] for req in trace)
     reusable_sys, seen_prefixes = 0, []
     for req in trace:
-        prefix = ids(req.system + SEPARATOR, special=True)
+        prefix = token_ids(tok, req.system + SEPARATOR, special=True)
         reusable_sys += max((_common_prefix_len(prefix, p) for p in seen_prefixes), default=0)
         seen_prefixes.append(prefix)
     total = sum(prompt_tokens)
@@ -513,9 +505,8 @@ def _default_output() -> str:
 
 
 def _resolve_model(name_or_path: str) -> pathlib.Path:
-    if name_or_path in assets.MODELS:
-        return assets.model_path(name_or_path)
-    path = pathlib.Path(name_or_path)
+    """The folder of ``--model``: a prepared model of :data:`assets.MODELS`, or a model folder."""
+    path = assets.resolve_model(name_or_path)
     if not (path / "config.json").is_file():
         raise DemoError(f"--model {name_or_path}: neither {' nor '.join(assets.MODELS)} nor a model folder")
     return path
@@ -552,13 +543,10 @@ def flush_cache(url: str) -> None:
 
 def warm_up(url: str) -> None:
     """One short request so no mode pays the server's first-request costs in its TTFT."""
-    body = {"text": "Warm-up: the quick brown fox", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
     try:
-        r = http.post(url.rstrip("/") + "/generate", json=body, timeout=300)
-    except http.RequestException as exc:
+        ServerClient(url, timeout=300).generate("Warm-up: the quick brown fox", max_new_tokens=2)
+    except (http.RequestException, RuntimeError) as exc:
         raise DemoError(f"warm-up request failed: {_one_line(exc)}") from exc
-    if r.status_code != 200:
-        raise DemoError(f"warm-up request failed with HTTP {r.status_code}: {_one_line(Exception(r.text))}")
 
 
 def server_has_plugin(url: str) -> bool:
@@ -614,26 +602,41 @@ def _refuse_plugin_modes(modes: list[str], where: str) -> None:
                         f"(stock SGLang serves only: {', '.join(m for m in MODES if not MODES[m].needs_plugin)})")
 
 
-def run(args) -> int:
-    plugin = args.url is not None or args.server == "plugin"  # an external server is checked below
-    modes = select_modes(args.modes, plugin)
-    if args.url is None and not plugin:
-        _refuse_plugin_modes(modes, "--server stock")
-    output = pathlib.Path(args.output or _default_output())
+@dataclasses.dataclass
+class ServedModes:
+    """What :func:`serve_modes` hands back: each mode's records and wall time, and how the server ran."""
+
+    results: dict[str, dict]
+    server_kind: str
+    server_ready_s: float | None
+    total_wall_s: float
+
+
+def prepare_output(path: str | None) -> pathlib.Path:
+    """The JSON results path (``--output`` or a dated default), its folder created."""
+    output = pathlib.Path(path or _default_output())
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DemoError(f"--output {output}: cannot create its folder ({exc.strerror})") from exc
+    return output
 
+
+def locate_model(args: argparse.Namespace, modes: list[str]) -> pathlib.Path:
+    """The served model's folder; with ``--url``, also refuse plugin modes on a server without the plugin."""
     if args.url:
         url = args.url.rstrip("/")
         model_dir = _served_model_dir(url, args.model)
         if not server_has_plugin(url):
             _refuse_plugin_modes(modes, f"the server at {url}")
     else:
-        url = None
         model_dir = _resolve_model(args.model)
     _log(f"model {model_dir}")
+    return model_dir
+
+
+def prepare_workload(args: argparse.Namespace, model_dir: pathlib.Path) -> tuple[list[RagRequest], dict]:
+    """The seeded HotpotQA trace and its token figures; refuse a prompt longer than the model's context."""
     trace = hotpotqa_requests(args.requests, seed=args.seed)
     workload = workload_figures(trace, model_dir)
     _log(f"workload: {workload['requests']} requests over {workload['distinct_examples']} HotpotQA examples, "
@@ -642,48 +645,62 @@ def run(args) -> int:
     if ctx is not None and workload["max_prompt_tokens"] + args.max_new_tokens > ctx:
         raise DemoError(f"the longest prompt has {workload['max_prompt_tokens']} tokens; "
                         f"with --max-new-tokens {args.max_new_tokens} it exceeds the model's context of {ctx}")
+    return trace, workload
 
-    log_path = output.with_suffix(".server.log")
-    if url is None:
-        # One server for every mode; each request names its policy.
+
+def _serve_mode(server: SGLangServer | None, url: str, name: str, trace: list[RagRequest],
+                args: argparse.Namespace) -> dict:
+    """One mode on a flushed cache; a failure while the started server died names the server's error."""
+    flush_cache(url)
+    _log(f"mode {name}: {len(trace)} requests from {args.clients} clients")
+    try:
+        return run_mode(MODES[name], url, trace, args.clients, args.max_new_tokens)
+    except DemoError as exc:
+        if server is not None and server.proc.poll() is not None:
+            raise DemoError(f"the server exited with code {server.proc.returncode} during mode {name}: "
+                            f"{server.last_error_line()} (log: {server.log_path})") from exc
+        raise
+
+
+def serve_modes(args: argparse.Namespace, modes: list[str], trace: list[RagRequest], model_dir: pathlib.Path,
+                plugin: bool, log_path: pathlib.Path) -> ServedModes:
+    """Serve the trace once per mode from ONE server (``--url``, or one started here and stopped after).
+
+    Each request names its policy, so every mode runs on the same server; the
+    cache is flushed before each mode and one warm-up request precedes them.
+    """
+    if args.url is None:
         server_kind = "sglang with the relaxkv plugin" if plugin else "stock sglang"
-        config = ServerConfig(
+    else:
+        server_kind = "external " + args.url.rstrip("/")
+        _log(f"using the server at {args.url.rstrip('/')}")
+
+    def make_config() -> ServerConfig:
+        _log(f"starting {server_kind} (log: {log_path})")
+        return ServerConfig(
             model_path=str(model_dir), max_total_tokens=args.max_total_tokens, relaxkv=plugin,
             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}, log_path=str(log_path),
         )
-        server_cm = SGLangServer(config)
-        _log(f"starting {server_kind} (log: {log_path})")
-    else:
-        server_kind = "external " + url
-        server_cm = contextlib.nullcontext()
-        _log(f"using the server at {url}")
 
     results: dict[str, dict] = {}
     started = time.perf_counter()
     server_ready_s = None
-    with server_cm as server:
+    with running_server(args.url, make_config) as (url, server):
         if server is not None:
-            url = server.url
             server_ready_s = time.perf_counter() - started
             _log(f"server ready at {url} after {server_ready_s:.1f} s")
         warm_up(url)
         for name in modes:
-            mode = MODES[name]
-            flush_cache(url)
-            _log(f"mode {name}: {len(trace)} requests from {args.clients} clients")
-            try:
-                results[name] = run_mode(mode, url, trace, args.clients, args.max_new_tokens)
-            except DemoError as exc:
-                if server is not None and server.proc.poll() is not None:
-                    raise DemoError(f"the server exited with code {server.proc.returncode} during mode {name}: "
-                                    f"{server.last_error_line()} (log: {server.log_path})") from exc
-                raise
-    total_wall = time.perf_counter() - started
+            results[name] = _serve_mode(server, url, name, trace, args)
+    return ServedModes(results, server_kind, server_ready_s, time.perf_counter() - started)
 
+
+def build_report(args: argparse.Namespace, modes: list[str], model_dir: pathlib.Path, workload: dict,
+                 served: ServedModes, log_path: pathlib.Path) -> dict:
+    """The JSON report: the run's configuration and machine, the workload, each mode's summary, every request."""
+    results = served.results
     reference = results[REFERENCE_MODE]["records"] if REFERENCE_MODE in results else None
-    summaries = {name: summarize(MODES[name], result, reference) for name, result in results.items()}
-    records = [rec for result in results.values() for rec in result["records"]]
-    report = {
+    return {
         "config": {
             "model": args.model,
             "model_path": str(model_dir),
@@ -695,10 +712,10 @@ def run(args) -> int:
             "modes": modes,
             "relaxkv_params": RELAXKV_PARAMS,
             "fidelity_reference": REFERENCE_MODE if reference is not None else None,
-            "server": server_kind,
+            "server": served.server_kind,
             "server_log": str(log_path) if args.url is None else None,
-            "server_ready_s": server_ready_s,
-            "total_wall_s": total_wall,
+            "server_ready_s": served.server_ready_s,
+            "total_wall_s": served.total_wall_s,
             "workload": "hotpotqa dev distractor; pool of requests//3 examples, 10 shuffled paragraphs each",
             "ttft": "client-side: program.run() call to the first streamed event of the answer",
             "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -709,19 +726,42 @@ def run(args) -> int:
             "sglang": getattr(sgl, "__version__", None),
         },
         "workload": workload,
-        "modes": summaries,
-        "requests": records,
+        "modes": {name: summarize(MODES[name], result, reference) for name, result in results.items()},
+        "requests": [rec for result in results.values() for rec in result["records"]],
     }
+
+
+def write_report(output: pathlib.Path, report: dict) -> None:
+    """Write the JSON report to ``output``."""
     try:
         output.write_text(json.dumps(report, indent=1) + "\n")
     except OSError as exc:
         raise DemoError(f"--output {output}: cannot write it ({exc.strerror})") from exc
 
-    print(format_table(summaries, workload))
-    startup = "" if server_ready_s is None else f", server start {server_ready_s:.1f} s"
-    print(f"server: {server_kind}; {args.requests} requests x {len(modes)} modes from {args.clients} clients; "
-          f"total wall {total_wall:.1f} s{startup}")
+
+def print_results(args: argparse.Namespace, report: dict, served: ServedModes, output: pathlib.Path) -> None:
+    """The table, one line on the server and the run, and where the JSON went."""
+    print(format_table(report["modes"], report["workload"]))
+    startup = "" if served.server_ready_s is None else f", server start {served.server_ready_s:.1f} s"
+    print(f"server: {served.server_kind}; {args.requests} requests x {len(report['config']['modes'])} modes from "
+          f"{args.clients} clients; total wall {served.total_wall_s:.1f} s{startup}")
     print(f"results: {output}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """The whole demo: check the flags, prepare model and trace, serve every mode, report; 0 on success."""
+    plugin = args.url is not None or args.server == "plugin"  # an external server is checked in locate_model
+    modes = select_modes(args.modes, plugin)
+    if args.url is None and not plugin:
+        _refuse_plugin_modes(modes, "--server stock")
+    output = prepare_output(args.output)
+    model_dir = locate_model(args, modes)
+    trace, workload = prepare_workload(args, model_dir)
+    log_path = output.with_suffix(".server.log")
+    served = serve_modes(args, modes, trace, model_dir, plugin, log_path)
+    report = build_report(args, modes, model_dir, workload, served, log_path)
+    write_report(output, report)
+    print_results(args, report, served, output)
     return 0
 
 

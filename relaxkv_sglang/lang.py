@@ -46,16 +46,14 @@ from typing import Optional
 from sglang.lang.backend import runtime_endpoint as _runtime_endpoint
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 
-from relaxkv_sglang.srt.plan import SERVER_POLICIES
+from relaxkv_sglang.core.policies import Policy
+from relaxkv_sglang.schema import CHUNKS, POLICY
 
 __all__ = ["DOC_START", "DOC_END", "document", "strip_marks", "split_marks", "RelaxKVEndpoint"]
 
 DOC_START = "\ufdd0"
 DOC_END = "\ufdd1"
 _MARKS = str.maketrans("", "", DOC_START + DOC_END)
-
-CHUNKS_FIELD = "relaxkv_chunks"  # same names as relaxkv_sglang.srt.api (kept import-light)
-POLICY_FIELD = "relaxkv_policy"
 
 
 def document(text: str) -> str:
@@ -135,9 +133,9 @@ def mark_payload(data: dict, policy: Optional[str], custom_params: Optional[dict
     for sp, (_, spans) in zip(sp_items, split):
         cp = dict(custom_params or {}, **(sp.get("custom_params") or {}))
         if spans:
-            cp[CHUNKS_FIELD] = [x for span in spans for x in span]
+            cp[CHUNKS.name] = [x for span in spans for x in span]
         if policy is not None:
-            cp.setdefault(POLICY_FIELD, policy)
+            cp.setdefault(POLICY.name, policy)
         if cp:
             sp["custom_params"] = cp
     out = dict(data)
@@ -198,19 +196,19 @@ class RelaxKVEndpoint(RuntimeEndpoint):
     def __init__(
         self,
         base_url: str,
-        policy: Optional[str] = "pic",
+        policy: Optional[str] = Policy.PIC.value,
         custom_params: Optional[dict] = None,
         api_key: Optional[str] = None,
         verify: Optional[str] = None,
         chat_template_name: Optional[str] = None,
     ):
-        if policy is not None and policy not in SERVER_POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(SERVER_POLICIES)} or None, got {policy!r}")
+        if policy is not None and not POLICY.is_valid(policy):
+            raise ValueError(f"policy must be one of {', '.join(POLICY.choices)} or None, got {policy!r}")
         self.policy = policy
         if custom_params is not None and not isinstance(custom_params, dict):
             raise TypeError(f"custom_params must be a dict or None, got {type(custom_params).__name__}")
         self.custom_params = dict(custom_params or {})
-        for key in (CHUNKS_FIELD, POLICY_FIELD):
+        for key in (CHUNKS.name, POLICY.name):
             if key in self.custom_params:
                 raise ValueError(f"custom_params must not hold {key} (use document() / policy=)")
         super().__init__(base_url, api_key=api_key, verify=verify, chat_template_name=chat_template_name)

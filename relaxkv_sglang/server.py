@@ -9,6 +9,7 @@ once ``/health_generate`` has generated a token.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable, Iterator
 
 import requests
 
@@ -189,3 +191,18 @@ class SGLangServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def running_server(url: str | None,
+                   make_config: Callable[[], ServerConfig]) -> Iterator[tuple[str, SGLangServer | None]]:
+    """``(url, None)`` for a server already running at ``url``, else ``(its url, the server)``.
+
+    Without ``url`` a server is started from ``make_config()`` (called only
+    then) and stopped on exit: how the demo and the benchmarks get theirs.
+    """
+    if url:
+        yield url.rstrip("/"), None
+        return
+    with SGLangServer(make_config()) as server:
+        yield server.url, server

@@ -25,7 +25,7 @@ import dataclasses
 import random
 import re
 import string
-from typing import Sequence
+from typing import Any, Sequence
 
 from relaxkv_sglang import assets
 
@@ -70,6 +70,27 @@ def format_paragraph(title: str, sentences: Sequence[str]) -> str:
     so they are joined without one.
     """
     return f"{title}: {''.join(sentences)}".strip()
+
+
+def hotpotqa_paragraphs(example: dict) -> list[str]:
+    """Every paragraph of a HotpotQA example, in file order, as documents (:func:`format_paragraph`)."""
+    return [format_paragraph(title, sentences) for title, sentences in example["context"]]
+
+
+def document_pool(source: str, n: int, seed: int, *, data: Any = None) -> list[str]:
+    """``n`` distinct documents drawn (seeded) from HotpotQA's first 2000 examples' paragraphs or SQuAD's.
+
+    ``source`` is ``"hotpotqa"`` or ``"squad"`` (SQuAD v2 dev: every paragraph's
+    context as written); ``data`` replaces the data file (for tests).
+    """
+    if source not in ("hotpotqa", "squad"):
+        raise ValueError(f"unknown document source {source!r}; choose hotpotqa or squad")
+    data = assets.load_data(source) if data is None else data
+    if source == "hotpotqa":
+        paragraphs = [doc for ex in data[:2000] for doc in hotpotqa_paragraphs(ex)]
+    else:  # {"data": [{"paragraphs": [{"context": ...}]}]}
+        paragraphs = [p["context"] for art in data["data"] for p in art["paragraphs"]]
+    return random.Random(seed).sample(sorted(set(paragraphs)), n)
 
 
 def question_text(question: str) -> str:
@@ -172,6 +193,31 @@ def marked_text(system: str, documents: Sequence[str], question: str) -> tuple[s
     return text + SEPARATOR + question, offsets
 
 
+def chunk_spans(offsets: Sequence[int]) -> list[tuple[int, int]]:
+    """The ``[start, end)`` pairs of a flat ``relaxkv_chunks`` list (``[s0, e0, s1, e1, ...]``)."""
+    return list(zip(offsets[::2], offsets[1::2]))
+
+
+def chunk_texts(text: str, offsets: Sequence[int]) -> list[str]:
+    """The documents a ``relaxkv_chunks`` list marks in ``text``, in prompt order."""
+    return [text[s:e] for s, e in chunk_spans(offsets)]
+
+
+def token_ids(tokenizer: Any, text: str, *, special: bool = False) -> list[int]:
+    """``text``'s token ids on its own (with the tokenizer's special tokens, e.g. BOS, if ``special``).
+
+    A document tokenized this way is what the server computes for it as a
+    chunk (each marked part is tokenized on its own); a whole prompt with
+    ``special=True`` is what it prefills for an unmarked prompt.
+    """
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def token_count(tokenizer: Any, text: str, *, special: bool = False) -> int:
+    """How many tokens :func:`token_ids` gives ``text``."""
+    return len(token_ids(tokenizer, text, special=special))
+
+
 # ------------------------------------------------------------ quality tasks
 #
 # The quality benchmark's four tasks, each a list of :class:`TaskExample`
@@ -228,7 +274,7 @@ def hotpotqa_examples(n: int, *, offset: int = 0, data: list[dict] | None = None
         raise ValueError(f"HotpotQA has {len(data)} examples; offset {offset} + {n} is past the end")
     return [TaskExample(
         task="hotpotqa", example_id=str(ex.get("_id", offset + i)), system=SYSTEM_PROMPTS[0],
-        documents=[format_paragraph(title, sentences) for title, sentences in ex["context"]],
+        documents=hotpotqa_paragraphs(ex),
         question=question_text(ex["question"]), answers=[ex["answer"]], scorer="qa_f1", max_new_tokens=16,
     ) for i, ex in enumerate(chosen)]
 

@@ -1,6 +1,6 @@
 """Torch attention over gathered KV and block-sparse layouts.
 
-This is the numerical reference every accelerated path (FlashInfer on GPU) must match.  All
+This is the numerical reference every accelerated executor must match.  All
 functions take token-major tensors ``[tokens, heads, head_dim]`` (SGLang's layout), support
 GQA (query head ``h`` reads kv head ``h // (n_heads // n_kv_heads)``, as HF's ``repeat_kv``),
 compute the softmax in float32 and return outputs in the query dtype.  The LSE they return is
@@ -22,10 +22,8 @@ __all__ = [
     "dense_causal_attention",
     "gathered_attention",
     "scoped_causal_attention",
-    "ragged_attention",
     "block_sparse_attention",
-    "merge_attention_states",
-    "variable_block_sparse_reference",
+    "masked_attention",
 ]
 
 
@@ -37,17 +35,28 @@ def _expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     return x if n_kv == n_heads else x.repeat_interleave(n_heads // n_kv, dim=1)
 
 
-def _masked_softmax_attend(
+def _default_scale(q: torch.Tensor, scale: Optional[float]) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else float(scale)
+
+
+def masked_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     visible: Optional[torch.Tensor],
-    scale: float,
+    scale: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Core: q [B, n_q, H, d], k/v [B, n_k, H_kv, d], visible [B, n_q, n_k] bool or None.
+    """Batched attention under an explicit mask, with its LSE: what the other functions build on.
 
-    Returns out [B, n_q, H, dv] (q dtype) and lse [B, n_q, H] float32.
+    Args:
+        q: [B, n_q, H, d]; k: [B, n_k, H_kv, d]; v: [B, n_k, H_kv, dv].
+        visible: bool [B, n_q, n_k] or None (every key visible).
+        scale: softmax scale, default ``d ** -0.5``.
+    Returns:
+        out [B, n_q, H, dv] (q dtype; 0 for a query that sees no key) and lse float32
+        [B, n_q, H] (natural log, -inf for such a query).
     """
+    scale = _default_scale(q, scale)
     H = q.shape[2]
     kf = _expand_kv(k.flatten(0, 1), H).unflatten(0, k.shape[:2]).float()  # [B, n_k, H, d]
     vf = _expand_kv(v.flatten(0, 1), H).unflatten(0, v.shape[:2]).float()
@@ -60,10 +69,6 @@ def _masked_softmax_attend(
     probs = torch.where(torch.isinf(lse)[..., None], torch.zeros_like(probs), probs)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
     return out.to(q.dtype), lse.transpose(1, 2).contiguous()
-
-
-def _default_scale(q: torch.Tensor, scale: Optional[float]) -> float:
-    return q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
 def dense_causal_attention(
@@ -92,7 +97,7 @@ def dense_causal_attention(
     if q_pos is None:
         q_pos = torch.arange(n_k - n_q, n_k, device=q.device)
     visible = k_pos[None, :] <= q_pos[:, None]
-    out, lse = _masked_softmax_attend(q[None], k[None], v[None], visible[None], _default_scale(q, scale))
+    out, lse = masked_attention(q[None], k[None], v[None], visible[None], scale)
     return (out[0], lse[0]) if return_lse else out[0]
 
 
@@ -128,7 +133,7 @@ def gathered_attention(
         # The serving path: torch's fused SDPA kernel on the gathered set (the
         # einsum path below materialises [H, n_q, n_sel] logits and is far slower).
         return _sdpa(q, kg, vg, visible, _default_scale(q, scale))
-    out, lse = _masked_softmax_attend(q[None], kg[None], vg[None], visible[None], _default_scale(q, scale))
+    out, lse = masked_attention(q[None], kg[None], vg[None], visible[None], scale)
     return (out[0], lse[0]) if return_lse else out[0]
 
 
@@ -172,41 +177,6 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tens
         attn_mask=visible.to(q.device), scale=scale, enable_gqa=q.shape[1] != k.shape[1],
     )
     return out[0].transpose(0, 1)
-
-
-def ragged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    scale: Optional[float] = None,
-    return_lse: bool = False,
-):
-    """Each query attends (non-causally) to its own list of key rows.
-
-    The torch twin of a FlashInfer paged prefill with page_size 1 and one query per request
-    (SGLang's KV-pool layout): query i reads ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``.
-
-    Args:
-        q: [n_q, n_heads, d]; k/v: [n_k, n_kv_heads, d|dv].
-        kv_indptr: int [n_q + 1]; kv_indices: int [nnz] rows of k/v.
-    Returns:
-        out [n_q, n_heads, dv], and lse float32 [n_q, n_heads] if return_lse.
-        Cost is O(n_q * max_row_len) (rows padded to the longest).
-    """
-    n_q = q.shape[0]
-    kv_indptr = kv_indptr.to(torch.long)
-    lens = kv_indptr[1:] - kv_indptr[:-1]
-    width = int(lens.max()) if n_q else 0
-    slot = torch.arange(width, device=q.device)
-    valid = slot[None, :] < lens[:, None]  # [n_q, width]
-    flat = (kv_indptr[:-1, None] + slot[None, :]).clamp(max=max(kv_indices.numel() - 1, 0))
-    rows = kv_indices.to(torch.long)[flat] if kv_indices.numel() else torch.zeros_like(flat)
-    kg, vg = k[rows], v[rows]  # [n_q, width, n_kv, d]
-    out, lse = _masked_softmax_attend(q[:, None], kg, vg, valid[:, None, :], _default_scale(q, scale))
-    out, lse = out[:, 0], lse[:, 0]
-    return (out, lse) if return_lse else out
 
 
 def block_sparse_attention(
@@ -316,71 +286,3 @@ def executed_kv_pairs(layout) -> int:
         n_keys = int(((union[:, None] * layout.page_size + torch.arange(layout.page_size)) < layout.n_keys).sum())
         total += (row_indptr[b1] - row_indptr[b0]) * n_keys
     return total
-
-
-def merge_attention_states(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine attention over two disjoint key sets into attention over their union.
-
-    Args:
-        out_a, out_b: [n, H, dv]; lse_a, lse_b: float32 [n, H] (natural log, -inf = empty).
-    Returns:
-        (out [n, H, dv] in out_a's dtype, lse float32 [n, H]).
-    """
-    lse = torch.logaddexp(lse_a, lse_b)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    wa = torch.where(torch.isinf(lse_a), torch.zeros_like(lse_a), torch.exp(lse_a - safe))
-    wb = torch.where(torch.isinf(lse_b), torch.zeros_like(lse_b), torch.exp(lse_b - safe))
-    out = out_a.float() * wa[..., None] + out_b.float() * wb[..., None]
-    return out.to(out_a.dtype), lse
-
-
-def variable_block_sparse_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_mask_map: torch.Tensor,
-    block_row_sz: torch.Tensor,
-    block_col_sz: torch.Tensor,
-    scale: Optional[float] = None,
-    return_lse: bool = False,
-):
-    """Torch model of FlashInfer ``VariableBlockSparseAttentionWrapper`` (causal=False).
-
-    Same argument convention as that wrapper's ``plan`` + ``run`` (HND layout):
-
-    Args:
-        q: [n_heads, qo_len, d]; k/v: [n_kv_heads, kv_len, d|dv].
-        block_mask_map: bool [n_kv_heads, R, C]: row block r of kv head h attends column
-            block c (all of it, no causal mask).
-        block_row_sz: int [n_kv_heads, R], sums to qo_len.
-        block_col_sz: int [n_kv_heads, C], sums to kv_len.
-    Returns:
-        out [n_heads, qo_len, dv], and lse float32 [n_heads, qo_len] if return_lse.
-    """
-    Hq, qo_len, _ = q.shape
-    Hkv = k.shape[0]
-    g = Hq // Hkv
-    sc = _default_scale(q, scale)
-    out = q.new_zeros(Hq, qo_len, v.shape[-1])
-    lse = torch.full((Hq, qo_len), float("-inf"), dtype=torch.float32, device=q.device)
-    for h in range(Hkv):
-        row_start = torch.cumsum(block_row_sz[h].long(), 0) - block_row_sz[h].long()
-        col_start = torch.cumsum(block_col_sz[h].long(), 0) - block_col_sz[h].long()
-        for r in range(block_row_sz.shape[1]):
-            cols = block_mask_map[h, r].nonzero().squeeze(1)
-            n_r = int(block_row_sz[h, r])
-            if cols.numel() == 0 or n_r == 0:
-                continue
-            key_idx = torch.cat(
-                [torch.arange(int(col_start[c]), int(col_start[c] + block_col_sz[h, c])) for c in cols.tolist()]
-            )
-            rs = slice(int(row_start[r]), int(row_start[r]) + n_r)
-            qh = q[h * g:(h + 1) * g, rs].transpose(0, 1)  # [n_r, g, d]
-            kh = k[h, key_idx][:, None]  # [n_sel, 1, d]
-            vh = v[h, key_idx][:, None]
-            o, s = _masked_softmax_attend(qh[None], kh[None], vh[None], None, sc)
-            out[h * g:(h + 1) * g, rs] = o[0].transpose(0, 1)
-            lse[h * g:(h + 1) * g, rs] = s[0].transpose(0, 1)
-    return (out, lse) if return_lse else out

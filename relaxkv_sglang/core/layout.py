@@ -35,24 +35,8 @@ Relaxed context of anchor t at layer l (``build_relaxed_layout``), page granular
   block, the optional pages taken in one seeded random order per layer; ``mode='full'``:
   every causal page (independent of ``context_ratio``).
 
-FlashInfer mapping (``to_flashinfer_variable_block``; FlashInfer is not imported here).
-``VariableBlockSparseAttentionWrapper.plan(block_mask_map, block_row_sz, block_col_sz,
-num_qo_heads, num_kv_heads, head_dim, causal=False, ...)`` takes an HND ``q`` of the rows
-``[n_heads, n_rows, d]`` and ``k, v = K[:n_keys].transpose(0, 1)`` ``[n_kv_heads, n_keys, d]``:
-
-* ``block_row_sz[h, r]`` = rows in row block r (``diff(row_indptr)``), same for every kv head;
-* ``block_col_sz[h, c]`` = ``page_size`` (the last page clipped): column blocks are pages;
-* ``block_mask_map[h, r, c]`` = page c is listed for row block r **and** lies entirely before
-  the block's first row (fully visible to all its rows, so no mask is needed);
-* that wrapper has no position-wise causal mask, so each row's visible keys on partially
-  visible pages (the diagonal page) go to a second, ragged call: ``diag_kv_indptr``
-  [n_rows+1] / ``diag_kv_indices`` [nnz] list, per row, the key tokens ``j <= t`` of those
-  pages.  That is a FlashInfer paged prefill with page_size 1 (SGLang's KV pool layout), one
-  query per request, ``causal=False``;
-* the two partial results are merged with their LSEs (``attention.merge_attention_states``,
-  FlashInfer ``merge_state``).  ``attention.variable_block_sparse_reference`` +
-  ``attention.ragged_attention`` reproduce both calls in torch, and the tests check the merge
-  equals ``block_sparse_attention`` on the layout.
+Executors: ``core.attention.block_sparse_attention`` (torch); accelerated executors map the
+layout onto their kernels outside the core.
 """
 
 from __future__ import annotations
@@ -66,11 +50,9 @@ Span = tuple[int, int]
 
 __all__ = [
     "BlockSparseLayout",
-    "FlashInferVariableBlockPlan",
     "page_scores",
     "build_relaxed_layout",
     "full_causal_layout",
-    "to_flashinfer_variable_block",
 ]
 
 
@@ -300,77 +282,3 @@ def full_causal_layout(
     Args: as ``build_relaxed_layout``.  Returns: BlockSparseLayout.
     """
     return build_relaxed_layout(anchors, None, chunk_spans, n_context, 1.0, page_size, mode="full")
-
-
-@dataclass
-class FlashInferVariableBlockPlan:
-    """Arguments for FlashInfer's variable block-sparse call plus the ragged diagonal call.
-
-    Attributes:
-        block_mask_map: bool [n_kv_heads, n_row_blocks, n_pages] fully visible pages.
-        block_row_sz: int32 [n_kv_heads, n_row_blocks] rows per block (sum = n_rows).
-        block_col_sz: int32 [n_kv_heads, n_pages] tokens per page (sum = n_keys).
-        diag_kv_indptr: int32 [n_rows + 1] per-row offsets into diag_kv_indices.
-        diag_kv_indices: int32 [nnz_diag] key tokens of partially visible pages, j <= t.
-        q_pos: int64 [n_rows] row positions (order of q's rows in both calls).
-    """
-
-    block_mask_map: torch.Tensor
-    block_row_sz: torch.Tensor
-    block_col_sz: torch.Tensor
-    diag_kv_indptr: torch.Tensor
-    diag_kv_indices: torch.Tensor
-    q_pos: torch.Tensor
-
-
-def to_flashinfer_variable_block(layout: BlockSparseLayout, num_kv_heads: int) -> FlashInferVariableBlockPlan:
-    """Split a layout into FlashInfer's non-causal variable-block call + a ragged diagonal call.
-
-    See the module doc ("FlashInfer mapping").  A listed page goes to the block-sparse part
-    when its last token is < the block's first (smallest) row position (fully visible to
-    every row); otherwise its keys ``j <= t`` go to the ragged part of each row t, which thus
-    always holds at least the row itself.  Pages entirely after a row add
-    nothing to it.  Both parts together are exactly the layout's visible pairs.
-
-    Args:
-        layout: BlockSparseLayout.
-        num_kv_heads: kv heads (FlashInfer takes the same pattern per kv head).
-    Returns:
-        FlashInferVariableBlockPlan.
-    """
-    P, ps = layout.n_pages, layout.page_size
-    R = layout.n_row_blocks
-    page_last = torch.clamp((torch.arange(P) + 1) * ps, max=layout.n_keys) - 1  # [P]
-    col_sz = (page_last - torch.arange(P) * ps + 1).to(torch.int32)
-    row_sz = (layout.row_indptr[1:] - layout.row_indptr[:-1]).to(torch.int32)
-    mask = torch.zeros(R, P, dtype=torch.bool)
-    diag_lists: list[torch.Tensor] = []
-    for b in range(R):
-        r0, r1 = int(layout.row_indptr[b]), int(layout.row_indptr[b + 1])
-        pages = layout.block_pages(b)
-        if r0 == r1:
-            continue
-        first = int(layout.q_pos[r0:r1].min())
-        # Strictly before the first row: the row's own page always lands in the ragged part,
-        # so no row reaches the ragged kernel with zero keys.
-        full = pages[page_last[pages] < first]
-        mask[b, full] = True
-        partial = pages[page_last[pages] >= first]
-        ptok = (partial[:, None] * ps + torch.arange(ps)[None, :]).flatten()
-        ptok = ptok[ptok < layout.n_keys]
-        for t in layout.q_pos[r0:r1].tolist():
-            diag_lists.append(ptok[ptok <= t])
-    lens = torch.tensor([d.numel() for d in diag_lists], dtype=torch.long)
-    diag_indptr = torch.zeros(layout.n_rows + 1, dtype=torch.int32)
-    if lens.numel():
-        diag_indptr[1:] = lens.cumsum(0).to(torch.int32)
-    diag_indices = torch.cat(diag_lists).to(torch.int32) if diag_lists else torch.zeros(0, dtype=torch.int32)
-    rep = lambda x: x[None].expand(num_kv_heads, *x.shape).contiguous()  # noqa: E731
-    return FlashInferVariableBlockPlan(
-        block_mask_map=rep(mask),
-        block_row_sz=rep(row_sz),
-        block_col_sz=rep(col_sz),
-        diag_kv_indptr=diag_indptr,
-        diag_kv_indices=diag_indices,
-        q_pos=layout.q_pos.clone(),
-    )

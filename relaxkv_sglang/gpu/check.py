@@ -16,6 +16,10 @@ context ratio. Prints a table, writes JSON, exits 1 if any case is off.
 
     python -m relaxkv_sglang.gpu.check --out /tmp/gpu-check.json
 
+``--time-split`` (any machine, no GPU needed) instead times
+:func:`~relaxkv_sglang.gpu.variable_block.to_flashinfer_variable_block` over
+every layer's layout of one 6K-token, 30-layer request (:func:`time_split`).
+
 On the lent H200 this runs from ``scripts/gpu_check.sh`` (see docs/gpu.md).
 """
 
@@ -28,12 +32,14 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable, Optional
 
 import torch
 
 from relaxkv_sglang.core.attention import block_sparse_attention
-from relaxkv_sglang.core.layout import build_relaxed_layout, full_causal_layout
+from relaxkv_sglang.core.layout import BlockSparseLayout, Span, build_relaxed_layout, full_causal_layout
 from relaxkv_sglang.core.selection import select_anchors
+from relaxkv_sglang.gpu.variable_block import FlashInferVariableBlockPlan, to_flashinfer_variable_block
 
 TOLERANCE = 2e-2  # max |out - ref| for bfloat16 inputs, outputs of O(1)
 
@@ -65,13 +71,24 @@ def default_cases() -> list[Case]:
     return cases
 
 
+def request_anchors(n_context: int, n_layers: int, anchor_ratio: float, n_chunks: int,
+                    g: torch.Generator) -> tuple[list[Span], torch.Tensor, list[torch.Tensor]]:
+    """One request as the server sees it: 8 prefix tokens then ``n_chunks`` equal chunks, peaked
+    random query scores (like a query's attention) and ``select_anchors('relaxkv', ...)``.
+
+    Returns (chunk spans, scores float [n_layers, n_context], anchors of every layer).
+    """
+    bounds = torch.linspace(8, n_context, n_chunks + 1).long().tolist()
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    scores = torch.rand(n_layers, n_context, generator=g) ** 4
+    return spans, scores, select_anchors("relaxkv", scores, spans, n_context, anchor_ratio)
+
+
 def _inputs(case: Case, device: torch.device, seed: int):
     g = torch.Generator().manual_seed(seed)
     n = case.n_context
-    bounds = torch.linspace(8, n, case.n_chunks + 1).long().tolist()  # 8 prefix tokens, then the chunks
-    spans = list(zip(bounds[:-1], bounds[1:]))
-    scores = torch.rand(1, n, generator=g) ** 4  # peaked, like a query's attention
-    anchors = select_anchors("relaxkv", scores, spans, n, case.anchor_ratio)[0]
+    spans, scores, anchor_sets = request_anchors(n, 1, case.anchor_ratio, case.n_chunks, g)
+    anchors = anchor_sets[0]
     layout = build_relaxed_layout(anchors, scores[0], spans, n, case.context_ratio, case.page_size)
     full = full_causal_layout(anchors, spans, n, case.page_size)
     pool = 2 * n + 64
@@ -121,13 +138,48 @@ def run_case(case: Case, attn, device: torch.device, repeats: int, seed: int) ->
             "relaxed_ms": relaxed_ms, "full_context_ms": full_ms, "plan_ms": plan_ms, "ok": ok}
 
 
+def time_split(
+    split: Optional[Callable[[BlockSparseLayout, int], FlashInferVariableBlockPlan]] = None,
+    n_context: int = 6144,
+    n_layers: int = 30,
+    anchor_ratio: float = 0.15,
+    context_ratio: float = 0.25,
+    page_size: int = 16,
+    num_kv_heads: int = 3,
+    repeats: int = 7,
+    seed: int = 0,
+) -> float:
+    """Median wall time in ms (of ``repeats`` runs) of splitting every layer's relaxed layout of
+    one request (:func:`request_anchors`, ``build_relaxed_layout``) with ``split``, by default
+    :func:`~relaxkv_sglang.gpu.variable_block.to_flashinfer_variable_block`: the CPU work that
+    :meth:`~relaxkv_sglang.gpu.flashinfer_attention.FlashInferRelaxedAttention.plan` adds per layer."""
+    split = to_flashinfer_variable_block if split is None else split
+    spans, scores, anchor_sets = request_anchors(n_context, n_layers, anchor_ratio, 10,
+                                                 torch.Generator().manual_seed(seed))
+    layouts = [build_relaxed_layout(a, scores[l], spans, n_context, context_ratio, page_size)
+               for l, a in enumerate(anchor_sets)]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for layout in layouts:
+            split(layout, num_kv_heads)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m relaxkv_sglang.gpu.check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="gpu-check.json", help="result JSON path")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="the SmolLM2 shape at 1.5K and 6K tokens only")
+    parser.add_argument("--time-split", action="store_true",
+                        help="only time the layout split of one 6K-token 30-layer request (CPU is enough)")
     args = parser.parse_args(argv)
+    if args.time_split:
+        print(f"split of one 6K-token 30-layer request (15% anchors, 25% context): "
+              f"{time_split(repeats=args.repeats, seed=args.seed):.2f} ms, median of {args.repeats}")
+        return 0
     if not torch.cuda.is_available():
         print("relaxkv gpu check: no CUDA device; this check runs only on a GPU", file=sys.stderr)
         return 2

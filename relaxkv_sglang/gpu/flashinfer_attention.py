@@ -2,9 +2,9 @@
 
 Every decision is made in torch by the core, shared with the CPU path:
 :func:`~relaxkv_sglang.core.layout.build_relaxed_layout` says which keys each
-anchor sees, and :func:`~relaxkv_sglang.core.layout.to_flashinfer_variable_block`
-splits that layout into FlashInfer's two calls. This module only hands those
-tensors to FlashInfer and merges the results:
+anchor sees. :func:`~relaxkv_sglang.gpu.variable_block.to_flashinfer_variable_block`
+(plain torch) splits that layout into FlashInfer's two calls. This module only
+hands those tensors to FlashInfer and merges the results:
 
 1. ``flashinfer.sparse.VariableBlockSparseAttentionWrapper`` (non-causal): each
    row block attends to the pages lying entirely before its first row. Only the
@@ -34,12 +34,12 @@ from typing import Optional
 
 import torch
 
-from relaxkv_sglang.core.attention import merge_attention_states
-from relaxkv_sglang.core.layout import BlockSparseLayout, to_flashinfer_variable_block
+from relaxkv_sglang.core.layout import BlockSparseLayout
+from relaxkv_sglang.gpu.variable_block import merge_attention_states, to_flashinfer_variable_block
 
 FLASHINFER_VERSION = "0.7.2"
 WORKSPACE_BYTES = 128 * 1024 * 1024
-# FlashInfer reports log-sum-exp in base 2; the core's merge takes natural logs.
+# FlashInfer reports log-sum-exp in base 2; the merge takes natural logs.
 _LN2 = math.log(2.0)
 
 
@@ -140,21 +140,3 @@ class FlashInferRelaxedAttention:
         lse_b = torch.where(p["rows_with_block"][:, None], lse_b * _LN2, float("-inf"))
         out, _ = merge_attention_states(out_b, lse_b, out_d, lse_d.float() * _LN2)
         return out
-
-
-_PER_DEVICE: dict[torch.device, FlashInferRelaxedAttention] = {}
-
-
-def relaxed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BlockSparseLayout,
-                      scale: Optional[float], key_rows: torch.Tensor) -> torch.Tensor:
-    """Plan and run one layout on the pool's device (one FlashInfer instance per device).
-
-    Same arguments as :func:`~relaxkv_sglang.core.attention.block_sparse_attention` with
-    ``key_rows``; k_cache / v_cache are the layer's pool tensors.
-    """
-    attn = _PER_DEVICE.get(k_cache.device)
-    if attn is None:
-        attn = _PER_DEVICE[k_cache.device] = FlashInferRelaxedAttention(k_cache.device)
-    attn.plan(layout, num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[1], head_dim=q.shape[2],
-              dtype=q.dtype, scale=scale, key_rows=key_rows)
-    return attn.run(q, k_cache, v_cache)

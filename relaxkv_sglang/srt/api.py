@@ -1,27 +1,16 @@
 """Request fields of the native API, validated and tokenized in the HTTP process.
 
-A request opts in through ``sampling_params.custom_params``:
+A request opts in through ``sampling_params.custom_params``; the fields (chunk
+offsets, policy, repair knobs), their types, ranges and defaults are declared in
+:mod:`relaxkv_sglang.schema` and documented in ``docs/api.md``.
 
-``relaxkv_chunks``
-    Flat list of character offsets ``[s0, e0, s1, e1, ...]`` into ``text``; each
-    pair is one document. Text before the first chunk is the prefix, after the
-    last the query.
-``relaxkv_policy``
-    ``full`` (no reuse), ``prefix`` (SGLang's radix cache only), ``pic``
-    (chunk reuse, no repair), or a repair policy: ``epic``, ``cacheblend``,
-    ``prophetkv``, ``relaxkv``, ``relaxkv_fullctx``, ``relaxkv_randctx``;
-    default: the server's (``RELAXKV_DEFAULT_POLICY``, ``prefix`` unless set).
-``relaxkv_anchor_ratio`` / ``relaxkv_context_ratio``
-    Repair knobs, numbers in [0, 1]: the mean share of reusable chunk tokens
-    recomputed per layer (default 0.15), and the share of each anchor's causal
-    prefix it attends to under ``relaxkv`` (default 0.25).
-
-Without ``relaxkv_chunks``, a request whose policy reuses chunks is chunked
+Without chunk offsets, a request whose policy reuses chunks is chunked
 automatically (:func:`~relaxkv_sglang.core.segments.auto_chunk`). Each part is
 tokenized on its own, so a document always gets the same token ids, and the
 request reaches the scheduler as ``input_ids`` plus the internal plan entries
 read by :mod:`relaxkv_sglang.srt.plan`. Invalid input raises ``ValueError``
-naming the field, which SGLang's HTTP server answers with status 400.
+(:class:`~relaxkv_sglang.schema.RequestError`) naming the field, which SGLang's
+HTTP server answers with status 400.
 
 SGLang file touched: ``sglang/srt/managers/tokenizer_manager.py``
 (``TokenizerManager.generate_request``, wrapped).
@@ -29,44 +18,29 @@ SGLang file touched: ``sglang/srt/managers/tokenizer_manager.py``
 
 from __future__ import annotations
 
-import os
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
 
-from relaxkv_sglang.core.segments import ChunkSpecError, auto_chunk, parse_chunk_offsets, split_text, tokenize_parts
-from relaxkv_sglang.srt.plan import (
-    CHUNK_POLICIES,
-    PLAN_ANCHOR_KEY,
-    PLAN_CONTEXT_KEY,
-    PLAN_POLICY_KEY,
-    PLAN_SPANS_KEY,
+from relaxkv_sglang.core.policies import CHUNK_POLICIES, Policy
+from relaxkv_sglang.core.segments import auto_chunk, split_text, tokenize_parts
+from relaxkv_sglang.schema import (
+    CHUNKS,
+    POLICY,
     RECORD_KEY,
-    SERVER_POLICIES,
-    chunk_tree_served,
+    REPAIR_KNOBS,
+    RequestError,
+    check_keys,
+    default_policy,
+    mentions_fields,
 )
+from relaxkv_sglang.srt.plan import chunk_tree_served
 
-CHUNKS_FIELD = "relaxkv_chunks"
-POLICY_FIELD = "relaxkv_policy"
-ANCHOR_FIELD = "relaxkv_anchor_ratio"
-CONTEXT_FIELD = "relaxkv_context_ratio"
-USER_FIELDS = (CHUNKS_FIELD, POLICY_FIELD, ANCHOR_FIELD, CONTEXT_FIELD)
-USER_PREFIX = "relaxkv_"  # a custom_params key with this prefix must be one of USER_FIELDS (typos are errors)
-RESERVED_PREFIX = "_relaxkv_"  # the server's internal plan entries (plan.PLAN_KEYS and any future ones)
-DEFAULT_POLICY_ENV = "RELAXKV_DEFAULT_POLICY"
+if TYPE_CHECKING:
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
+__all__ = ["RequestError", "plan_item", "prepare_generate", "around_generate_request"]
 
-def default_policy() -> str:
-    policy = os.environ.get(DEFAULT_POLICY_ENV, "prefix")
-    if policy not in SERVER_POLICIES:
-        raise SystemExit(f"relaxkv-sglang: {DEFAULT_POLICY_ENV}={policy!r} is not one of {', '.join(SERVER_POLICIES)}")
-    return policy
-
-
-class RequestError(ValueError):
-    """A client error; SGLang's HTTP layer answers ValueError with status 400."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"invalid {field}: {message}")
-        self.field = field
-        self.message = message
+Encode = Callable[[str, bool], list[int]]  # (text, add_special_tokens) -> token ids
 
 
 def _custom_params(sampling_params: dict) -> dict:
@@ -75,42 +49,29 @@ def _custom_params(sampling_params: dict) -> dict:
         return {}
     if not isinstance(cp, dict):
         raise RequestError("sampling_params.custom_params", f"must be an object, got {type(cp).__name__}")
-    for key in cp:
-        if not isinstance(key, str):
-            continue
-        if key.startswith(RESERVED_PREFIX):
-            raise RequestError(f"custom_params.{key}", "is reserved for the server")
-        if key.startswith(USER_PREFIX) and key not in USER_FIELDS:
-            # A misspelt field would otherwise be ignored and the request served without reuse.
-            raise RequestError(f"custom_params.{key}", f"unknown field; the relaxkv fields are {', '.join(USER_FIELDS)}")
+    check_keys(cp)
     return cp
 
 
-def plan_item(text: str | None, sampling_params: dict, encode, context_len: int, policy_default: str):
+def plan_item(
+    text: Optional[str], sampling_params: dict, encode: Encode, context_len: int, policy_default: str,
+) -> Optional[tuple[Optional[list[int]], dict]]:
     """Validate one request item; return (input_ids, custom_params) or None to leave it as is.
 
     encode(text, add_special_tokens) -> list[int] is the server's tokenizer.
     """
     cp = _custom_params(sampling_params)
-    policy = cp.get(POLICY_FIELD, policy_default)
-    if not isinstance(policy, str) or policy not in SERVER_POLICIES:
-        raise RequestError(POLICY_FIELD, f"unknown policy {policy!r}; choose one of {', '.join(SERVER_POLICIES)}")
-    knobs = {key: _ratio(cp, field) for key, field in ((PLAN_ANCHOR_KEY, ANCHOR_FIELD), (PLAN_CONTEXT_KEY, CONTEXT_FIELD))
-             if field in cp}
-    has_chunks = CHUNKS_FIELD in cp  # null is not "absent": like every field, it must be a valid value
-    if has_chunks and text is None:
-        raise RequestError(CHUNKS_FIELD, "character offsets need the prompt as `text`, not `input_ids`")
+    policy = POLICY.validate(cp.get(POLICY.name, policy_default))
+    knobs = {f.plan_key: f.validate(cp[f.name]) for f in REPAIR_KNOBS if f.name in cp}
+    # null is not "absent": like every field, a present one must be a valid value
+    spans = CHUNKS.validate(cp[CHUNKS.name], text=text) if CHUNKS.name in cp else None
     if text is None:
-        if policy == "full":
-            return None, dict(cp, **{PLAN_POLICY_KEY: policy, PLAN_SPANS_KEY: []})
+        if policy == Policy.FULL:
+            return None, dict(cp, **{POLICY.plan_key: policy, CHUNKS.plan_key: []})
         return None
-    try:
-        spans = parse_chunk_offsets(text, cp[CHUNKS_FIELD], field=CHUNKS_FIELD) if has_chunks else (
-            auto_chunk(text) if policy in CHUNK_POLICIES else []
-        )
-    except ChunkSpecError as exc:
-        raise RequestError(exc.field, exc.message) from exc
-    if not spans and policy == "prefix":
+    if spans is None:
+        spans = auto_chunk(text) if policy in CHUNK_POLICIES else []
+    if not spans and policy == Policy.PREFIX:
         return None
     segments = split_text(text, spans)
     if spans and not segments.query:
@@ -121,22 +82,15 @@ def plan_item(text: str | None, sampling_params: dict, encode, context_len: int,
     try:
         layout = tokenize_parts(segments, encode)
     except ValueError as exc:
-        raise RequestError(CHUNKS_FIELD, str(exc)) from exc
+        raise CHUNKS.error(str(exc)) from exc
     for i, (s, e) in enumerate(layout.chunk_spans):
         if e - s > context_len:
-            raise RequestError(CHUNKS_FIELD, f"chunk {i} has {e - s} tokens, more than the context length {context_len}")
+            raise CHUNKS.error(f"chunk {i} has {e - s} tokens, more than the context length {context_len}")
     flat = [x for span in layout.chunk_spans for x in span]
-    return layout.input_ids, dict(cp, **{PLAN_POLICY_KEY: policy, PLAN_SPANS_KEY: flat}, **knobs)
+    return layout.input_ids, dict(cp, **{POLICY.plan_key: policy, CHUNKS.plan_key: flat}, **knobs)
 
 
-def _ratio(cp: dict, field: str) -> float:
-    value = cp[field]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise RequestError(field, f"must be a number in [0, 1], got {value!r}")
-    return float(value)
-
-
-def prepare_generate(tokenizer_manager, obj) -> None:
+def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput) -> None:
     """Rewrite a ``GenerateReqInput`` in place: chunked items become input_ids + plan."""
     texts = obj.text
     single = isinstance(texts, str) or (texts is None and not _is_batch_ids(obj.input_ids))
@@ -153,7 +107,7 @@ def prepare_generate(tokenizer_manager, obj) -> None:
         sp_items = [dict(sps or {}) for _ in range(n)]
     text_items = [texts] if single else (list(texts) if texts is not None else [None] * n)
     policy = default_policy()
-    if not any(_wants_plan(sp) for sp in sp_items) and policy == "prefix":
+    if not any(_wants_plan(sp) for sp in sp_items) and policy == Policy.PREFIX:
         return
     if obj.text is not None and obj.input_ids is not None:
         # SGLang would serve input_ids and the plan would be built from text: refuse the ambiguity.
@@ -161,6 +115,7 @@ def prepare_generate(tokenizer_manager, obj) -> None:
     tokenizer = tokenizer_manager.tokenizer
 
     def encode(text: str, add_special_tokens: bool) -> list[int]:
+        """The server's tokenizer, as :func:`plan_item` calls it."""
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     context_len = int(getattr(tokenizer_manager, "context_len", 1 << 30))
@@ -195,14 +150,17 @@ def _wants_plan(sampling_params: dict) -> bool:
         return False
     if not isinstance(cp, dict):
         return True
-    return any(isinstance(k, str) and k.startswith((USER_PREFIX, RESERVED_PREFIX)) for k in cp)
+    return mentions_fields(cp)
 
 
-def _is_batch_ids(input_ids) -> bool:
+def _is_batch_ids(input_ids: Any) -> bool:
     return isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
 
 
-async def around_generate_request(original, tokenizer_manager, obj, request=None, *args, **kwargs):
+async def around_generate_request(
+    original: Callable[..., AsyncIterator[Any]], tokenizer_manager: TokenizerManager, obj: Any,
+    request: Any = None, *args: Any, **kwargs: Any,
+) -> AsyncIterator[Any]:
     """Hook on ``TokenizerManager.generate_request`` (an async generator)."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
@@ -212,7 +170,7 @@ async def around_generate_request(original, tokenizer_manager, obj, request=None
         yield _one_record(out)
 
 
-def _one_record(out):
+def _one_record(out: Any) -> Any:
     """``meta_info.relaxkv`` as one record: SGLang carries it as a list (customized_info)."""
     for item in out if isinstance(out, list) else [out]:
         meta = item.get("meta_info") if isinstance(item, dict) else None

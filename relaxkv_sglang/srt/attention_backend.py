@@ -26,6 +26,7 @@ import torch
 
 from relaxkv_sglang.core.attention import scoped_causal_attention
 from relaxkv_sglang.srt.context import ExtendRows, forward_context
+from relaxkv_sglang.srt.layer_loop import AnchorAttention
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -57,6 +58,7 @@ def build_backend_class() -> type:
             super().__init__(model_runner)
             self._rows_batch: Any = None
             self._rows: list[ExtendRows] = []
+            self.anchor_attention = AnchorAttention()  # the repair pass's anchors (layer_loop)
 
         def extend_rows(self, forward_batch: "ForwardBatch") -> list[ExtendRows]:
             """The batch's rows: the fold's, or each request's contiguous tail (read once per batch).

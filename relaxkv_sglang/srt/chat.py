@@ -11,10 +11,10 @@ document. Messages with string content, the last text part of each message
         {"type": "text", "text": "Question: ..."}  # not a document
     ]}
 
-The rule is applied only when the request's effective policy reuses chunks:
-``custom_params.relaxkv_policy`` ``"pic"`` in the request body (``extra_body``
-with the OpenAI client), or no policy and the server default
-(``RELAXKV_DEFAULT_POLICY``) ``"pic"``. Any other request is left exactly as
+The rule is applied only when the request's effective policy reuses chunks
+(``pic`` or a repair policy): ``custom_params.relaxkv_policy`` in the request
+body (``extra_body`` with the OpenAI client), or, without one, the server
+default (``RELAXKV_DEFAULT_POLICY``). Any other request is left exactly as
 SGLang builds it.
 
 How: SGLang's ``OpenAIServingChat._convert_to_internal_request`` renders the
@@ -46,19 +46,24 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from relaxkv_sglang.srt.plan import CHUNK_POLICIES, chunk_tree_served
+from relaxkv_sglang.schema import CHUNKS, POLICY, RequestError, default_policy
+from relaxkv_sglang.srt.plan import chunk_tree_served
+
+if TYPE_CHECKING:
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionMessageParam, ChatCompletionRequest
+    from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+    from sglang.srt.managers.io_struct import GenerateReqInput
 
 logger = logging.getLogger(__name__)
 
-CHUNKS_FIELD = "relaxkv_chunks"
-POLICY_FIELD = "relaxkv_policy"
 _PH_START = "\ufdd0"  # Unicode noncharacters: never in real text
 _PH_END = "\ufdd1"
 _PLACEHOLDER = re.compile(f"{_PH_START}(\\d+){_PH_END}")
 
 
-def document_parts(messages) -> list[tuple[int, int]]:
+def document_parts(messages: Sequence[ChatCompletionMessageParam]) -> list[tuple[int, int]]:
     """``(message index, part index)`` of every document, in prompt order."""
     found = []
     for mi, msg in enumerate(messages):
@@ -70,11 +75,9 @@ def document_parts(messages) -> list[tuple[int, int]]:
     return found
 
 
-def check_documents(messages) -> None:
+def check_documents(messages: Sequence[ChatCompletionMessageParam]) -> None:
     """Reject an empty document part (HTTP 400), as ``document("")`` and an empty
     ``relaxkv_chunks`` pair are rejected: it would be a chunk of no text."""
-    from relaxkv_sglang.srt.api import RequestError
-
     for mi, pi in document_parts(messages):
         if not getattr(messages[mi].content[pi], "text", None):
             raise RequestError(
@@ -87,7 +90,7 @@ class _Skip(Exception):
     """This request keeps SGLang's own prompt (no chunk marks)."""
 
 
-def _render(serving, request, messages: list[dict]) -> str:
+def _render(serving: OpenAIServingChat, request: ChatCompletionRequest, messages: list[dict]) -> str:
     from sglang.srt.entrypoints.openai.serving_chat import normalize_tool_content
     from sglang.srt.parser.jinja_template_utils import process_content_for_template_format
 
@@ -114,7 +117,9 @@ def _render(serving, request, messages: list[dict]) -> str:
     )
 
 
-def marked_prompt(serving, request, stock_ids: list[int]) -> tuple[str, list[int]]:
+def marked_prompt(
+    serving: OpenAIServingChat, request: ChatCompletionRequest, stock_ids: list[int],
+) -> tuple[str, list[int]]:
     """The rendered prompt and its documents' flat character offsets; raises _Skip."""
     docs = document_parts(request.messages)
     messages = [m.model_dump() for m in request.messages]
@@ -164,7 +169,7 @@ def marked_prompt(serving, request, stock_ids: list[int]) -> tuple[str, list[int
     return text, offsets
 
 
-def mark_documents(serving, request, adapted) -> bool:
+def mark_documents(serving: OpenAIServingChat, request: ChatCompletionRequest, adapted: GenerateReqInput) -> bool:
     """Rewrite ``adapted`` (a ``GenerateReqInput``) to text + ``relaxkv_chunks``
     when ``request`` holds documents and reuses chunks. Returns whether it did."""
     if not document_parts(request.messages):
@@ -178,12 +183,9 @@ def mark_documents(serving, request, adapted) -> bool:
     if cp is not None and not isinstance(cp, dict):
         return False  # the native path reports it
     cp = cp or {}
-    if CHUNKS_FIELD in cp:
+    if CHUNKS.name in cp:
         return False
-    from relaxkv_sglang.srt.api import default_policy
-
-    policy = cp.get(POLICY_FIELD, default_policy())
-    if not isinstance(policy, str) or policy not in CHUNK_POLICIES:
+    if not POLICY.reuses_chunks(cp.get(POLICY.name, default_policy())):
         return False  # a malformed policy is reported by the native path
     check_documents(request.messages)
     try:
@@ -201,11 +203,14 @@ def mark_documents(serving, request, adapted) -> bool:
         return False
     adapted.text = text
     adapted.input_ids = None
-    adapted.sampling_params = dict(sp, custom_params=dict(cp, **{CHUNKS_FIELD: offsets}))
+    adapted.sampling_params = dict(sp, custom_params=dict(cp, **{CHUNKS.name: offsets}))
     return True
 
 
-def around_convert_to_internal_request(original, serving, request, raw_request=None, *args, **kwargs):
+def around_convert_to_internal_request(
+    original: Callable[..., Any], serving: OpenAIServingChat, request: ChatCompletionRequest,
+    raw_request: Any = None, *args: Any, **kwargs: Any,
+) -> Any:
     """Hook on ``OpenAIServingChat._convert_to_internal_request``."""
     result = original(serving, request, raw_request, *args, **kwargs)
     adapted, _ = result

@@ -50,6 +50,7 @@ class ExtendRows:
 
     @property
     def n_rows(self) -> int:
+        """Rows of this request in the batch."""
         return int(self.positions.shape[0])
 
 
@@ -63,12 +64,15 @@ class ForwardContext:
         repair_pass: per request, the repair pass's rows, when the model's layer loop is
             replaced by the repair pass; None for an ordinary (possibly folded) forward.
         kv_pool: SGLang's KV pool the repair pass reads and writes.
+        anchor_attention: the worker's anchor attention executor
+            (:class:`~relaxkv_sglang.srt.layer_loop.AnchorAttention`).
     """
 
     positions: torch.Tensor
     extend_rows: list[ExtendRows]
     repair_pass: Optional[list["LoopRows"]] = None
     kv_pool: Any = None
+    anchor_attention: Any = None
 
 
 @dataclasses.dataclass

@@ -83,6 +83,7 @@ class RequestFold:
 
     @property
     def window_end(self) -> int:
+        """One past the last prompt position this extend window covers."""
         return self.window_start + self.window_len
 
     def use_repair(self, repair: "LoopRows", query_pass_rows: int) -> None:
@@ -124,9 +125,9 @@ class Fold:
             start += r.keep.shape[0]
         return rows
 
-    def context(self, repair_pass: Optional[list["LoopRows"]], kv_pool: Any) -> ForwardContext:
+    def context(self, repair_pass: Optional[list["LoopRows"]], kv_pool: Any, anchor_attention: Any) -> ForwardContext:
         """What the attention backend and the model hook read during the forward."""
-        return ForwardContext(self.positions(), self.extend_rows(), repair_pass, kv_pool)
+        return ForwardContext(self.positions(), self.extend_rows(), repair_pass, kv_pool, anchor_attention)
 
     def batch(self) -> Any:
         """The batch to build the ForwardBatch from: the source, or its copy with the kept rows."""

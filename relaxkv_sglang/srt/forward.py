@@ -36,7 +36,7 @@ def around_forward_batch_generation(original: Callable, worker: Any, batch: Opti
     if fold is None:
         return original(worker, batch, *args, **kwargs)
     repair_pass = prepare_repair(cache, worker.model_runner, fold)
-    context = fold.context(repair_pass, cache.kv_pool)
+    context = fold.context(repair_pass, cache.kv_pool, worker.model_runner.attn_backend.anchor_attention)
     attach_pending(batch, PendingForward(fold.batch(), context))
     readers = _context_readers(worker)
     for reader in readers:

@@ -7,7 +7,7 @@ attends:
 
 * an ordinary row (``anchor`` false) to its causal prefix from its scope start on
   (:func:`~relaxkv_sglang.core.attention.scoped_causal_attention`);
-* an anchor through its layer's block-sparse layout (:func:`anchor_attention`: FlashInfer on a
+* an anchor through its layer's block-sparse layout (:class:`AnchorAttention`: FlashInfer on a
   GPU, the torch executor on a CPU), so the work follows the chosen context.
 
 It executes decisions; it makes none. The rows and layouts come from the repair planner
@@ -66,6 +66,7 @@ class ModelLayers:
 
     @property
     def n_layers(self) -> int:
+        """Decoder layers this worker runs (its pipeline stage's share)."""
         return self.end - self.start
 
     def layer(self, l: int) -> torch.nn.Module:
@@ -131,39 +132,53 @@ class LoopRows:
 
     @property
     def n_rows(self) -> int:
+        """Rows of this request in the pass."""
         return int(self.positions.shape[0])
 
 
-def anchor_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BlockSparseLayout,
-                     scale: float, key_rows: torch.Tensor) -> torch.Tensor:
-    """The anchors' block-sparse attention over the layer's KV pool.
+class AnchorAttention:
+    """The anchors' block-sparse attention over a layer's KV pool, one executor per worker.
 
-    FlashInfer on a GPU (half precision, :mod:`relaxkv_sglang.gpu.flashinfer_attention`), the
-    torch executor otherwise. Both execute the same layout; ``python -m relaxkv_sglang.gpu.check``
-    compares them.
-
-    Args:
-        q: [n_rows, H, d] the anchors' queries, rows in ``layout.q_pos`` order.
-        k_cache, v_cache: [pool_size, Hkv, d] the layer's KV pool.
-        layout: the anchors' context.
-        scale: softmax scale.
-        key_rows: int64 [>= layout.n_keys] pool slot of each key position.
-    Returns:
-        [n_rows, H, dv].
+    FlashInfer on a GPU (half precision, :mod:`relaxkv_sglang.gpu.flashinfer_attention`; its
+    wrappers and workspace are built on first use and kept), the torch executor otherwise. Both
+    execute the same layout; ``python -m relaxkv_sglang.gpu.check`` compares them. The
+    ``relaxkv`` attention backend owns the worker's instance.
     """
-    if k_cache.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        from relaxkv_sglang.gpu.flashinfer_attention import relaxed_attention
 
-        return relaxed_attention(q, k_cache, v_cache, layout, scale, key_rows)
-    return block_sparse_attention(q, k_cache, v_cache, layout, scale=scale, key_rows=key_rows)
+    def __init__(self) -> None:
+        self._flashinfer: Any = None  # FlashInferRelaxedAttention, once a GPU pool is seen
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BlockSparseLayout,
+                 scale: float, key_rows: torch.Tensor) -> torch.Tensor:
+        """Attend the anchors of one layer.
+
+        Args:
+            q: [n_rows, H, d] the anchors' queries, rows in ``layout.q_pos`` order.
+            k_cache, v_cache: [pool_size, Hkv, d] the layer's KV pool.
+            layout: the anchors' context.
+            scale: softmax scale.
+            key_rows: int64 [>= layout.n_keys] pool slot of each key position.
+        Returns:
+            [n_rows, H, dv].
+        """
+        if not (k_cache.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+            return block_sparse_attention(q, k_cache, v_cache, layout, scale=scale, key_rows=key_rows)
+        if self._flashinfer is None:
+            from relaxkv_sglang.gpu.flashinfer_attention import FlashInferRelaxedAttention
+
+            self._flashinfer = FlashInferRelaxedAttention(k_cache.device)
+        self._flashinfer.plan(layout, num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[1], head_dim=q.shape[2],
+                              dtype=q.dtype, scale=scale, key_rows=key_rows)
+        return self._flashinfer.run(q, k_cache, v_cache)
 
 
 class LayerLoop:
     """Runs the model layer by layer over rows that may leave at any layer."""
 
-    def __init__(self, layers: ModelLayers, kv_pool: "KVCache") -> None:
+    def __init__(self, layers: ModelLayers, kv_pool: "KVCache", anchor_attention: AnchorAttention) -> None:
         self.layers = layers
         self.kv_pool = kv_pool
+        self.anchor_attention = anchor_attention
 
     def run(self, requests: list[LoopRows], input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids int64 [sum n_rows] (requests' rows in order) -> final-normed hidden [sum n_rows, hidden]."""
@@ -215,7 +230,7 @@ class LayerLoop:
             sel = anchor.nonzero().flatten()
             if not torch.equal(layout.q_pos, pos[sel]):
                 raise RuntimeError("relaxkv: layout rows do not match the layer's anchors")
-            out[sel] = anchor_attention(q[sel], k_cache, v_cache, layout, scale, r.slots)
+            out[sel] = self.anchor_attention(q[sel], k_cache, v_cache, layout, scale, r.slots)
         if r.want_scores:
             is_query = pos >= r.n_context
             end = int(pos.max()) + 1
@@ -262,5 +277,5 @@ def around_model_forward(original: Callable, model: torch.nn.Module, input_ids: 
     context = forward_context(model)
     if context is None or context.repair_pass is None or not forward_batch.forward_mode.is_extend():
         return original(model, input_ids, positions, forward_batch, *args, **kwargs)
-    loop = LayerLoop(ModelLayers(model), context.kv_pool)
+    loop = LayerLoop(ModelLayers(model), context.kv_pool, context.anchor_attention)
     return loop.run(context.repair_pass, input_ids)

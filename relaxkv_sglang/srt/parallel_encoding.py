@@ -72,16 +72,20 @@ import collections
 import dataclasses
 import threading
 import time
-from typing import Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Iterator, Optional
 
 from fastapi import Request
 
-from relaxkv_sglang.srt.plan import CHUNK_POLICIES, chunk_tree_served
+from relaxkv_sglang.core.policies import Policy
+from relaxkv_sglang.schema import CHUNKS, POLICY, default_policy as server_default_policy
+from relaxkv_sglang.srt.plan import chunk_tree_served
+
+if TYPE_CHECKING:
+    from fastapi.responses import ORJSONResponse
+    from sglang.srt.managers.io_struct import GenerateReqInput
 
 ROUTE = "/concate_and_append_request"
-CHUNKS_FIELD = "relaxkv_chunks"
-POLICY_FIELD = "relaxkv_policy"
-JOIN_POLICY = "pic"
+JOIN_POLICY = Policy.PIC.value  # what a joined request naming no policy gets when the server default reuses nothing
 
 MAX_COMMITS = 512
 MAX_COMMIT_CHARS = 8_000_000
@@ -91,7 +95,7 @@ PENDING_TTL_S = 300.0
 MAX_JOINED = 256
 MAX_JOINED_CHARS = 4_000_000
 MAX_MATCH_STEPS = 20_000  # branch comparisons one request may cost while joins are pending
-MAX_BRANCHES = 1024  # a join's branches become chunks, and a request holds at most 1024 (api)
+MAX_BRANCHES = CHUNKS.max_chunks  # a join's branches become chunks, and a request holds at most that many
 
 
 @dataclasses.dataclass(eq=False)
@@ -115,7 +119,7 @@ class JoinRegistry:
         max_joined: int = MAX_JOINED,
         max_joined_chars: int = MAX_JOINED_CHARS,
         clock: Callable[[], float] = time.monotonic,
-    ):
+    ) -> None:
         self.max_commits = max_commits
         self.max_commit_chars = max_commit_chars
         self.max_pending = max_pending
@@ -223,6 +227,7 @@ class JoinRegistry:
             self._joined_chars -= len(old)
 
     def stats(self) -> dict:
+        """Sizes of the registry's state (commits, pending joins, joined prefixes)."""
         with self._lock:
             return {
                 "commits": len(self._commits), "commit_chars": self._commit_chars,
@@ -242,7 +247,9 @@ def _common_prefix_len(a: str, b: str) -> int:
     return lo
 
 
-def _fork_points(text: str, first: str, parent: str, candidates: list[str], n: int, budget: list[int]):
+def _fork_points(
+    text: str, first: str, parent: str, candidates: list[str], n: int, budget: list[int],
+) -> Iterator[int]:
     """Lengths of the fork point ``P`` to try when ``first`` (= ``P + b_0``) starts ``text``.
 
     The recorded fork point first. The interpreter commits it only when the
@@ -291,7 +298,9 @@ def _match_join(text: str, join: _PendingJoin, budget: list[int]) -> list[tuple[
     return []
 
 
-def _match_branches(text: str, pos: int, branches: list[str], n: int, budget: list[int]):
+def _match_branches(
+    text: str, pos: int, branches: list[str], n: int, budget: list[int],
+) -> Optional[list[tuple[int, int]]]:
     """Spans of ``n`` consecutive branches in ``text`` from ``pos`` (depth-first,
     most recent branch first), or None.
 
@@ -327,7 +336,7 @@ REGISTRY = JoinRegistry()
 # ----------------------------------------------------------- request rewriting
 
 
-def _merge_chunks(existing, extra: Iterable[tuple[int, int]]):
+def _merge_chunks(existing: Any, extra: Iterable[tuple[int, int]]) -> Optional[list[int]]:
     """``existing`` flat offsets plus the ``extra`` spans that overlap none of
     them, sorted; None if ``existing`` is malformed (the native path reports it)."""
     if existing is None:
@@ -346,7 +355,9 @@ def _merge_chunks(existing, extra: Iterable[tuple[int, int]]):
     return [x for pair in merged for x in pair]
 
 
-def apply_to_request(obj, registry: JoinRegistry = REGISTRY, default_policy: Optional[str] = None) -> bool:
+def apply_to_request(
+    obj: GenerateReqInput, registry: JoinRegistry = REGISTRY, default_policy: Optional[str] = None,
+) -> bool:
     """Record commits and mark joined branches in a ``GenerateReqInput`` (in place).
 
     Returns whether ``obj.sampling_params`` was changed.
@@ -364,28 +375,26 @@ def apply_to_request(obj, registry: JoinRegistry = REGISTRY, default_policy: Opt
     else:
         sp_items = [sps if isinstance(sps, dict) else {} for _ in items]
     if default_policy is None:
-        from relaxkv_sglang.srt.api import default_policy as _default
-
-        default_policy = _default()
+        default_policy = server_default_policy()
     changed = False
     new_items = []
     for text, sp in zip(items, sp_items):
         new_sp = sp
         cp = sp.get("custom_params")
         if isinstance(text, str) and (cp is None or isinstance(cp, dict)):
-            policy = (cp or {}).get(POLICY_FIELD)
+            policy = (cp or {}).get(POLICY.name)
             if policy is None:
-                add_policy = None if default_policy in CHUNK_POLICIES else JOIN_POLICY
-                allowed = default_policy != "full"
+                add_policy = None if POLICY.reuses_chunks(default_policy) else JOIN_POLICY
+                allowed = default_policy != Policy.FULL
             else:  # a malformed policy is left to the native path, which reports it
-                add_policy, allowed = None, isinstance(policy, str) and policy in CHUNK_POLICIES
+                add_policy, allowed = None, POLICY.reuses_chunks(policy)
             spans = registry.spans_for(text) if allowed else []
             if spans:
-                chunks = _merge_chunks((cp or {}).get(CHUNKS_FIELD), spans)
+                chunks = _merge_chunks((cp or {}).get(CHUNKS.name), spans)
                 if chunks is not None:
-                    new_cp = dict(cp or {}, **{CHUNKS_FIELD: chunks})
+                    new_cp = dict(cp or {}, **{CHUNKS.name: chunks})
                     if add_policy is not None:
-                        new_cp[POLICY_FIELD] = add_policy
+                        new_cp[POLICY.name] = add_policy
                     new_sp = dict(sp, custom_params=new_cp)
                     changed = True
         new_items.append(new_sp)
@@ -404,7 +413,9 @@ def _relaxkv_served() -> bool:
     return chunk_tree_served(server_args)
 
 
-async def around_serve_generate_request(original, obj, request=None, *args, **kwargs):
+async def around_serve_generate_request(
+    original: Callable[..., Awaitable[Any]], obj: Any, request: Any = None, *args: Any, **kwargs: Any,
+) -> Any:
     """Hook on ``http_server.serve_generate_request`` (``POST /generate``)."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
@@ -416,11 +427,12 @@ async def around_serve_generate_request(original, obj, request=None, *args, **kw
 # -------------------------------------------------------------------- the route
 
 
-async def concate_and_append_request(request: Request):
+async def concate_and_append_request(request: Request) -> ORJSONResponse:
     """``POST /concate_and_append_request {"src_rids": [str, ...], "dst_rid": str}``."""
     from fastapi.responses import ORJSONResponse
 
-    def bad(field: str, message: str):
+    def bad(field: str, message: str) -> ORJSONResponse:
+        """A 400 naming ``field``, in /generate's error format."""
         return ORJSONResponse({"error": {"message": f"invalid {field}: {message}"}}, status_code=400)
 
     try:

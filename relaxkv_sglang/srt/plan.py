@@ -2,58 +2,57 @@
 
 The HTTP side (:mod:`relaxkv_sglang.srt.api`) validates what the user sent,
 tokenizes each part on its own, and hands the scheduler internal entries of
-``sampling_params.custom_params``: the policy, the chunks' token spans (a flat
-list ``[s0, e0, s1, e1, ...]``, since custom params carry only flat lists) and
-the repair knobs. This module reads them back once per request.
+``sampling_params.custom_params`` (the plan keys of :mod:`relaxkv_sglang.schema`):
+the policy, the chunks' token spans (a flat list ``[s0, e0, s1, e1, ...]``,
+since custom params carry only flat lists) and the repair knobs. This module
+reads them back once per request.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Any
 
-PLAN_POLICY_KEY = "_relaxkv_policy"
-PLAN_SPANS_KEY = "_relaxkv_token_spans"
-PLAN_ANCHOR_KEY = "_relaxkv_anchor_ratio"
-PLAN_CONTEXT_KEY = "_relaxkv_context_ratio"
-PLAN_KEYS = (PLAN_POLICY_KEY, PLAN_SPANS_KEY, PLAN_ANCHOR_KEY, PLAN_CONTEXT_KEY)
+from relaxkv_sglang.core.policies import CHUNK_POLICIES, REPAIR_POLICIES
+from relaxkv_sglang.schema import ANCHOR_RATIO, CHUNKS, CONTEXT_RATIO, POLICY, RECORD_KEY, REPAIR_KNOBS
 
-# Policies the server accepts. CHUNK_POLICIES reuse chunk KV; REPAIR_POLICIES
-# also recompute anchors (see relaxkv_sglang.core.selection.RepairPolicy).
-REPAIR_POLICIES = ("epic", "cacheblend", "prophetkv", "relaxkv", "relaxkv_fullctx", "relaxkv_randctx")
-SERVER_POLICIES = ("full", "prefix", "pic") + REPAIR_POLICIES
-CHUNK_POLICIES = frozenset(("pic",) + REPAIR_POLICIES)
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
+__all__ = ["BACKEND_NAME", "RECORD_KEY", "RequestPlan", "chunk_tree_served", "request_namespace", "request_plan"]
+
 # The name the plugin registers its tree cache and attention backend under.
 BACKEND_NAME = "relaxkv"
 
 
-def chunk_tree_served(server_args) -> bool:
-    """Whether the server runs the plugin's chunk tree (else the plugin leaves requests alone)."""
+def chunk_tree_served(server_args: Any) -> bool:
+    """Whether the server runs the plugin's chunk tree (else the plugin leaves requests alone).
+
+    ``server_args`` is SGLang's ``ServerArgs`` (or None).
+    """
     return getattr(server_args, "radix_cache_backend", None) == BACKEND_NAME
-
-
-# meta_info key of the per-request report (SGLang carries it as customized_info).
-RECORD_KEY = "relaxkv"
-DEFAULT_ANCHOR_RATIO = 0.15
-DEFAULT_CONTEXT_RATIO = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
 class RequestPlan:
-    """policy: one of SERVER_POLICIES; chunk_spans: token spans [start, end) in
-    prompt order; namespace: the tenant key chunks are stored under."""
+    """policy: one of core.policies.SERVER_POLICIES; chunk_spans: token spans [start, end) in
+    prompt order; namespace: the tenant key chunks are stored under; anchor_ratio and
+    context_ratio: the repair knobs (defaults: the schema's, i.e. RepairConfig's)."""
 
     policy: str
     chunk_spans: tuple[tuple[int, int], ...]
     namespace: str | None
-    anchor_ratio: float = DEFAULT_ANCHOR_RATIO
-    context_ratio: float = DEFAULT_CONTEXT_RATIO
+    anchor_ratio: float = ANCHOR_RATIO.default
+    context_ratio: float = CONTEXT_RATIO.default
 
     @property
     def reuses_chunks(self) -> bool:
+        """Chunk KV comes from the chunk tree: a chunk policy and at least one chunk."""
         return self.policy in CHUNK_POLICIES and bool(self.chunk_spans)
 
     @property
     def repairs(self) -> bool:
+        """Anchors are recomputed: a repair policy and at least one chunk."""
         return self.policy in REPAIR_POLICIES and bool(self.chunk_spans)
 
     @property
@@ -67,7 +66,7 @@ class RequestPlan:
         return self.chunk_spans[0][0] if self.reuses_chunks else None
 
 
-def request_namespace(req) -> str | None:
+def request_namespace(req: Req) -> str | None:
     """Chunks are shared only between requests with the same extra_key and cache_salt.
 
     The key is unambiguous (extra_key's length first): both are client strings,
@@ -78,20 +77,17 @@ def request_namespace(req) -> str | None:
     return f"{len(extra)}:{extra}\x1f{salt}" if (extra or salt) else None
 
 
-def request_plan(req) -> RequestPlan | None:
+def request_plan(req: Req) -> RequestPlan | None:
     """The plan of an SGLang ``Req`` (cached on it), or None for a plain request."""
     cached = req.__dict__.get("_relaxkv_plan", False)
     if cached is not False:
         return cached
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
     plan = None
-    if PLAN_POLICY_KEY in params:
-        flat = list(params.get(PLAN_SPANS_KEY) or [])
+    if POLICY.plan_key in params:
+        flat = list(params.get(CHUNKS.plan_key) or [])
         spans = tuple((int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2))
-        plan = RequestPlan(
-            str(params[PLAN_POLICY_KEY]), spans, request_namespace(req),
-            float(params.get(PLAN_ANCHOR_KEY, DEFAULT_ANCHOR_RATIO)),
-            float(params.get(PLAN_CONTEXT_KEY, DEFAULT_CONTEXT_RATIO)),
-        )
+        knobs = {f.config_attr: float(params.get(f.plan_key, f.default)) for f in REPAIR_KNOBS}
+        plan = RequestPlan(str(params[POLICY.plan_key]), spans, request_namespace(req), **knobs)
     req.__dict__["_relaxkv_plan"] = plan
     return plan

@@ -110,7 +110,7 @@ def _register_backends() -> None:
 def register() -> None:
     """Called by ``sglang.srt.plugins.load_plugins`` in each SGLang process."""
     _check_cpu_shims()
-    from relaxkv_sglang.srt.api import default_policy
+    from relaxkv_sglang.schema import default_policy
 
     default_policy()  # a bad RELAXKV_DEFAULT_POLICY stops the server here
     _register_backends()

@@ -61,7 +61,7 @@ def prepare_repair(cache: "ChunkCache", model_runner: "ModelRunner", fold: "Fold
     if not targets or not supports_repair(model_runner.model):
         return None
     layers = ModelLayers(model_runner.model.model)
-    loop = LayerLoop(layers, cache.kv_pool)
+    loop = LayerLoop(layers, cache.kv_pool, model_runner.attn_backend.anchor_attention)
     n_layers = layers.n_layers
 
     passes = []

@@ -57,7 +57,7 @@ from relaxkv_sglang import assets
 from relaxkv_sglang.client import ServerClient
 from relaxkv_sglang.metrics import latency_summary
 from relaxkv_sglang.server import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
-from relaxkv_sglang.srt.plan import CHUNK_POLICIES, REPAIR_POLICIES, SERVER_POLICIES
+from relaxkv_sglang.core.policies import CHUNK_POLICIES, REPAIR_POLICIES, SERVER_POLICIES
 from relaxkv_sglang.workloads import SYSTEM_PROMPTS
 
 if __package__:  # python -m tests.e2e.soak
@@ -126,7 +126,7 @@ class Probe:
 #   delta 0, an exact copy (core.rope.rotate_keys);
 # * a request retracted under memory pressure is prefilled again with its
 #   generated tokens, and the repair does not run on that pass
-#   (srt.repair._repairable needs the window to end at the prompt's end). full,
+#   (srt.repair.is_repairable needs the window to end at the prompt's end). full,
 #   prefix and pic compute the same KV either way (causal, or stale chunk KV
 #   in both passes); the repair policies do not, so their probes ask for one
 #   token, which leaves no decode step to retract. Each probe also compares the

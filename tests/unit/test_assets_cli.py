@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pathlib
 import shutil
 import socket
 import subprocess
@@ -71,6 +72,25 @@ def test_failed_build_leaves_no_partial_folder(cache, monkeypatch):
         assets.model_path("tiny-llama")
     assert not (cache / "models" / "tiny-llama").exists()
     assert list((cache / "models").iterdir()) == []
+
+
+def test_resolve_model_prepares_known_names_and_passes_paths_through(monkeypatch, tmp_path):
+    built = []
+    monkeypatch.setattr(assets, "model_path", lambda name: built.append(name) or tmp_path / name)
+    assert assets.resolve_model("tiny-llama") == tmp_path / "tiny-llama" and built == ["tiny-llama"]
+    assert assets.resolve_model(str(tmp_path / "mine")) == tmp_path / "mine"
+    assert assets.resolve_model("/nonexistent/model") == pathlib.Path("/nonexistent/model")  # checked by the launcher
+    assert built == ["tiny-llama"]
+
+
+def test_running_server_uses_a_given_url_and_starts_nothing():
+    from relaxkv_sglang.server import running_server
+
+    def no_config():
+        raise AssertionError("a server was started although a URL was given")
+
+    with running_server("http://127.0.0.1:30000/", no_config) as (url, server):
+        assert (url, server) == ("http://127.0.0.1:30000", None)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

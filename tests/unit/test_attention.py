@@ -1,4 +1,4 @@
-"""Torch attention references: dense, gathered, ragged, block-sparse, FlashInfer-form split."""
+"""Torch attention references: dense, gathered, scoped, block-sparse."""
 
 import math
 
@@ -9,16 +9,8 @@ from relaxkv_sglang.core.attention import (
     block_sparse_attention,
     dense_causal_attention,
     gathered_attention,
-    merge_attention_states,
-    ragged_attention,
-    variable_block_sparse_reference,
 )
-from relaxkv_sglang.core.layout import (
-    BlockSparseLayout,
-    build_relaxed_layout,
-    full_causal_layout,
-    to_flashinfer_variable_block,
-)
+from relaxkv_sglang.core.layout import BlockSparseLayout, build_relaxed_layout, full_causal_layout
 
 H, HKV, D = 4, 2, 8
 
@@ -124,53 +116,6 @@ def test_block_sparse_reads_only_listed_pages():
     ro, _ = _masked_dense(q_all[anchors], k, v, lay.to_dense_mask())
     torch.testing.assert_close(out.double(), ro, atol=1e-5, rtol=1e-5)
     assert lay.kv_pairs() < lay.full_kv_pairs()
-
-
-def test_ragged_and_merge():
-    q, k, v = _qkv(4, 25, seed=4)
-    lists = [[0, 3, 7], [1], [2, 4, 6, 8, 24], [10, 11]]
-    indptr = torch.tensor([0, 3, 4, 9, 11], dtype=torch.int32)
-    indices = torch.tensor(sum(lists, []), dtype=torch.int32)
-    out, lse = ragged_attention(q, k, v, indptr, indices, return_lse=True)
-    mask = torch.zeros(4, 25, dtype=torch.bool)
-    for i, l in enumerate(lists):
-        mask[i, l] = True
-    ro, rl = _masked_dense(q, k, v, mask)
-    torch.testing.assert_close(out.double(), ro, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse.double(), rl, atol=1e-5, rtol=1e-5)
-    # Two disjoint halves merged == attention over their union; an empty half is neutral.
-    other = [[12, 13], [14, 15, 16], [], [17]]
-    ip2 = torch.tensor([0, 2, 5, 5, 6], dtype=torch.int32)
-    ix2 = torch.tensor(sum(other, []), dtype=torch.int32)
-    o2, l2 = ragged_attention(q, k, v, ip2, ix2, return_lse=True)
-    assert torch.isinf(l2[2]).all() and (o2[2] == 0).all()
-    mo, ml = merge_attention_states(out, lse, o2, l2)
-    for i, l in enumerate(other):
-        mask[i, l] = True
-    ro, rl = _masked_dense(q, k, v, mask)
-    torch.testing.assert_close(mo.double(), ro, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ml.double(), rl, atol=1e-5, rtol=1e-5)
-
-
-def test_flashinfer_form_split_reproduces_block_sparse():
-    n = 70
-    spans = [(6, 27), (27, 45), (45, 70)]
-    q_all, k, v = _qkv(n, n, seed=5)
-    anchors = torch.tensor([6, 7, 13, 26, 27, 30, 44, 46, 52, 53, 69])
-    s = torch.rand(n, generator=torch.Generator().manual_seed(0))
-    lay = build_relaxed_layout(anchors, s, spans, n, 0.4, page_size=4)
-    q = q_all[anchors]
-    ref, ref_lse = block_sparse_attention(q, k, v, lay, return_lse=True)
-    plan = to_flashinfer_variable_block(lay, HKV)
-    # FlashInfer's wrapper takes HND tensors.
-    o1, l1 = variable_block_sparse_reference(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        plan.block_mask_map, plan.block_row_sz, plan.block_col_sz, return_lse=True,
-    )
-    o2, l2 = ragged_attention(q, k, v, plan.diag_kv_indptr, plan.diag_kv_indices, return_lse=True)
-    mo, ml = merge_attention_states(o1.transpose(0, 1), l1.transpose(0, 1), o2, l2)
-    torch.testing.assert_close(mo, ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ml, ref_lse, atol=1e-5, rtol=1e-5)
 
 
 def test_fully_masked_row_is_zero_not_nan():

@@ -75,3 +75,94 @@ def test_quality_summary_and_table():
     assert "| relaxkv | 3.000 [2.00, 4.00] | 0.000 | 2.000 / 0.50 | 4.000 / 0.50 | 1.05 |" in table  # at 5%
     assert "full: 0.000 / 3.00; pic: 0.600 / 0.20." in table
     assert "| relaxkv | 3.000 / 1.05 | 0.500 / 1.30 |" in table  # the sweep: KL / TTFT per ratio
+
+
+# ------------------------------------------------------------- benchmarks/common
+
+
+class _RecordingClient:
+    """Records what a benchmark sends, like ServerClient.generate (no server)."""
+
+    def __init__(self):
+        self.sent = []
+
+    def generate(self, text, offsets=None, policy=None, **kwargs):
+        self.sent.append((text, offsets, policy, kwargs))
+        return {"meta_info": {"relaxkv": None}}
+
+
+def test_parse_args_applies_the_quick_sizes_only_with_quick():
+    from benchmarks import common
+
+    parser = common.bench_parser("bench_x", "Title line.\n\nMore.", quick_help="small")
+    parser.add_argument("--requests", type=int, default=100)
+    assert common.parse_args(parser, [], quick={"requests": 4}).requests == 100
+    args = common.parse_args(parser, ["--quick", "--requests", "7"], quick={"requests": 4})
+    assert args.requests == 4 and args.quick
+    assert (args.model, args.url, args.max_total_tokens, args.output) == ("smollm2-135m", None, 65536, None)
+    assert parser.prog == "python -m benchmarks.bench_x" and parser.description == "Title line."
+    # A benchmark without a server has no server flags.
+    bare = common.parse_args(common.bench_parser("bench_y", "Y.", server=False), ["--output", "o.json"])
+    assert vars(bare) == {"output": "o.json", "quick": False}
+
+
+def test_warm_chunks_sends_the_documents_reversed_behind_another_system_prompt():
+    from benchmarks import common
+    from relaxkv_sglang import workloads
+
+    client = _RecordingClient()
+    common.warm_chunks(client, ["doc A", "doc B"], "Other system.")
+    (text, offsets, policy, kwargs), = client.sent
+    assert workloads.chunk_texts(text, offsets) == ["doc B", "doc A"] and text.startswith("Other system.")
+    assert policy == "pic" and kwargs == {"max_new_tokens": 1}
+    assert common.relaxkv_report({"meta_info": {"relaxkv": None}}) == {}
+    assert common.relaxkv_report({"meta_info": {"relaxkv": {"chunks_hit": 2}}}) == {"chunks_hit": 2}
+
+
+def test_run_bench_writes_the_result_and_fails_in_one_line(tmp_path, capsys):
+    import json
+
+    from benchmarks import common
+
+    parser = common.bench_parser("bench_x", "X.", server=False)
+    args = common.parse_args(parser, ["--output", str(tmp_path / "x.json")])
+    shown, plotted = [], []
+    path = common.run_bench("bench_x", args, lambda a: {"results": [1, 2]}, report=shown.append,
+                            plot=lambda result, png: plotted.append(png))
+    written = json.loads(path.read_text())
+    assert written["bench"] == "bench_x" and written["results"] == [1, 2] and written["args"]["output"] == str(path)
+    assert shown == [{"results": [1, 2]}] and plotted == [tmp_path / "x.png"]
+
+    def broken(a):
+        raise RuntimeError("no server")
+
+    with pytest.raises(SystemExit) as exc:
+        common.run_bench("bench_x", args, broken)
+    assert exc.value.code == 1
+    assert capsys.readouterr().err == "bench_x: error: no server\n"
+
+
+def test_bench_client_uses_the_given_url_without_starting_a_server():
+    import argparse
+
+    from benchmarks import common
+
+    args = argparse.Namespace(url="http://127.0.0.1:1/", model="/nonexistent", max_total_tokens=1)
+    with common.bench_client(args, "bench_x") as client:
+        assert client.url == "http://127.0.0.1:1"
+
+
+def test_document_tokens_counts_each_document_once_as_a_chunk():
+    class CharTokenizer:
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": ([0] if add_special_tokens else []) + [ord(c) for c in text]}
+
+    from relaxkv_sglang import workloads
+
+    reqs = []
+    for ids, docs in (([3, 1], ["ccc", "a"]), ([1, 2], ["a", "bb"])):
+        text, offsets = workloads.marked_text("S", docs, "Q")
+        reqs.append(bench_cache_hit.TraceRequest(text, offsets, ids))
+    tokens = bench_cache_hit.document_tokens(reqs, CharTokenizer())
+    assert tokens == {3: 3, 1: 1, 2: 2}
+    assert bench_cache_hit.best_possible_pct(reqs, tokens, prompt_tokens=10) == pytest.approx(10.0)

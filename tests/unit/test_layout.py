@@ -1,4 +1,4 @@
-"""Relaxed-context layouts: contents, budget, causality, nesting in the ratio, FlashInfer form."""
+"""Relaxed-context layouts: contents, budget, causality, nesting in the ratio."""
 
 import math
 
@@ -10,7 +10,6 @@ from relaxkv_sglang.core.layout import (
     build_relaxed_layout,
     full_causal_layout,
     page_scores,
-    to_flashinfer_variable_block,
 )
 
 PS = 4
@@ -127,34 +126,6 @@ def test_kv_pairs_hand_count_and_from_page_mask():
 def test_empty_anchor_set():
     lay = build_relaxed_layout(torch.zeros(0, dtype=torch.long), _scores(), SPANS, N_CTX, 0.5, PS)
     assert lay.n_rows == 0 and lay.n_row_blocks == 0 and lay.kv_pairs() == 0
-
-
-def test_flashinfer_plan_covers_exactly_the_visible_pairs():
-    a = _anchors()
-    lay = build_relaxed_layout(a, _scores(), SPANS, N_CTX, 0.5, page_size=PS)
-    plan = to_flashinfer_variable_block(lay, num_kv_heads=2)
-    R, P = lay.n_row_blocks, math.ceil(N_CTX / PS)
-    assert plan.block_mask_map.shape == (2, R, P) and plan.block_mask_map.dtype == torch.bool
-    assert plan.block_row_sz.shape == (2, R) and int(plan.block_row_sz[0].sum()) == lay.n_rows
-    assert plan.block_col_sz.shape == (2, P) and int(plan.block_col_sz[1].sum()) == N_CTX
-    assert torch.equal(plan.block_mask_map[0], plan.block_mask_map[1])
-    # Rebuild the dense visible mask from the two parts; they must be disjoint and exact.
-    dense = torch.zeros(lay.n_rows, N_CTX, dtype=torch.int32)
-    col_start = torch.cumsum(plan.block_col_sz[0], 0) - plan.block_col_sz[0]
-    row = 0
-    for r in range(R):
-        for _ in range(int(plan.block_row_sz[0, r])):
-            for c in plan.block_mask_map[0, r].nonzero().squeeze(1).tolist():
-                dense[row, col_start[c]:col_start[c] + plan.block_col_sz[0, c]] += 1
-            row += 1
-    for i in range(lay.n_rows):
-        seg = plan.diag_kv_indices[plan.diag_kv_indptr[i]:plan.diag_kv_indptr[i + 1]].long()
-        dense[i, seg] += 1
-    assert dense.max() == 1
-    assert torch.equal(dense.bool(), lay.to_dense_mask())
-    # In a relaxed layout only the anchor's own page is partial: <= page_size ragged keys each.
-    lens = plan.diag_kv_indptr[1:] - plan.diag_kv_indptr[:-1]
-    assert int(lens.max()) <= PS and int(lens.min()) >= 1
 
 
 def test_bad_arguments():

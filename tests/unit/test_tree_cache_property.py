@@ -42,7 +42,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
-from relaxkv_sglang.srt.plan import PLAN_POLICY_KEY, PLAN_SPANS_KEY, request_namespace, request_plan
+from relaxkv_sglang.schema import CHUNKS, POLICY
+from relaxkv_sglang.srt.plan import request_namespace, request_plan
 
 POOL = 32  # KV slots 1..POOL (slot 0 is SGLang's padding slot)
 MAX_LIVE = 4  # requests holding KV at once
@@ -183,7 +184,7 @@ class TreeCacheMachine(RuleBasedStateMachine):
 
     def _make_req(self, spec: RequestSpec):
         tokens, spans = spec.tokens_and_spans()
-        custom = None if spec.policy is None else {PLAN_POLICY_KEY: spec.policy, PLAN_SPANS_KEY: spans}
+        custom = None if spec.policy is None else {POLICY.plan_key: spec.policy, CHUNKS.plan_key: spans}
         sp = self.sg.SamplingParams(temperature=0, max_new_tokens=8, custom_params=custom)
         return self.sg.Req(rid=f"r{next(self.rids)}", origin_input_text="", origin_input_ids=array("q", tokens),
                            sampling_params=sp, extra_key=spec.extra_key)

@@ -59,6 +59,36 @@ def test_format_paragraph_joins_sentences_as_written():
     assert format_paragraph("Ed Wood", ["Ed Wood is a film.", " It is American."]) == "Ed Wood: Ed Wood is a film. It is American."
 
 
+def test_chunk_spans_and_texts_split_a_marked_prompt():
+    from relaxkv_sglang.workloads import chunk_spans, chunk_texts, marked_text
+
+    text, offsets = marked_text("Sys.", ["A: one.", "B: two."], question_text("Q?"))
+    assert chunk_spans(offsets) == [(6, 13), (15, 22)]
+    assert chunk_texts(text, offsets) == ["A: one.", "B: two."]
+    assert chunk_spans([]) == [] and chunk_texts("no chunks", []) == []
+
+
+def test_token_ids_and_count_leave_special_tokens_to_the_caller():
+    from relaxkv_sglang.workloads import token_count, token_ids
+
+    tok = _CharTokenizer()
+    assert token_ids(tok, "ab") == [97, 98] and token_ids(tok, "ab", special=True) == [1, 97, 98]
+    assert token_count(tok, "abc") == 3 and token_count(tok, "abc", special=True) == 4
+
+
+def test_document_pool_is_seeded_distinct_and_from_either_source():
+    from relaxkv_sglang.workloads import document_pool, hotpotqa_paragraphs
+
+    assert hotpotqa_paragraphs(DATA[0])[:2] == [format_paragraph(t, s) for t, s in DATA[0]["context"][:2]]
+    pool = document_pool("hotpotqa", 12, seed=3, data=DATA)
+    assert pool == document_pool("hotpotqa", 12, seed=3, data=DATA) != document_pool("hotpotqa", 12, seed=4, data=DATA)
+    assert len(set(pool)) == 12 and all(d in {p for ex in DATA for p in hotpotqa_paragraphs(ex)} for d in pool)
+    squad = {"data": [{"paragraphs": [{"context": f"P{i}"} for i in range(5)]}, {"paragraphs": [{"context": "P0"}]}]}
+    assert sorted(document_pool("squad", 5, seed=0, data=squad)) == ["P0", "P1", "P2", "P3", "P4"]
+    with pytest.raises(ValueError, match="unknown document source"):
+        document_pool("wiki", 1, seed=0, data=[])
+
+
 def test_trace_is_seeded_and_shaped():
     a = hotpotqa_requests(24, seed=3, data=DATA)
     b = hotpotqa_requests(24, seed=3, data=DATA)

@@ -1,0 +1,243 @@
+"""The wire schema of the plugin's request fields: each declared once, with its check.
+
+A request opts in through ``custom_params`` (``sampling_params.custom_params`` of ``/generate``;
+the top-level ``custom_params`` of ``/v1/chat/completions`` and ``/v1/completions``). Each
+user-facing field is one :class:`Field` below: its name, JSON type, allowed values, default and
+a one-line doc, and :meth:`Field.validate`, the check of a value (a bad one raises
+:class:`RequestError`, a ``ValueError`` naming the field, which SGLang's HTTP server answers with
+status 400). Every module that reads or writes the fields spells them through this one: the HTTP
+side (``srt/api.py``, ``srt/chat.py``, ``srt/parallel_encoding.py``), the scheduler side
+(``srt/plan.py``), the frontend (``lang.py``) and the client (``client.py``). ``docs/api.md``'s
+field table is checked against it by ``tests/unit/test_schema.py``.
+
+Also declared here:
+
+* the internal plan keys (:attr:`Field.plan_key`, :data:`PLAN_KEYS`): what the HTTP side hands the
+  scheduler in ``custom_params`` once a request is validated and tokenized; every key under
+  :data:`RESERVED_PREFIX`, which clients may not use;
+* :data:`USER_PREFIX`: a client key under it must be one of :data:`FIELD_NAMES` (a typo is an error,
+  not a request silently served without reuse);
+* :data:`RECORD_KEY`, the ``meta_info`` key of the per-request report;
+* the server default policy: :data:`DEFAULT_POLICY_ENV` and :func:`default_policy`.
+
+The policies come from :mod:`relaxkv_sglang.core.policies`; the repair knobs' defaults from
+:class:`relaxkv_sglang.core.repair_plan.RepairConfig`, read on first use (that module needs torch;
+this one is imported by light clients). Imports only the standard library and
+``relaxkv_sglang.core``; no SGLang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any, Mapping, Optional
+
+from relaxkv_sglang.core.policies import CHUNK_POLICIES, DEFAULT_POLICY, SERVER_POLICIES
+from relaxkv_sglang.core.segments import ChunkSpecError, parse_chunk_offsets
+
+__all__ = [
+    "USER_PREFIX", "RESERVED_PREFIX", "RECORD_KEY", "DEFAULT_POLICY_ENV", "RequestError", "Field",
+    "ChunksField", "PolicyField", "RatioField", "CHUNKS", "POLICY", "ANCHOR_RATIO", "CONTEXT_RATIO",
+    "FIELDS", "FIELD_NAMES", "REPAIR_KNOBS", "PLAN_KEYS", "check_keys", "mentions_fields", "default_policy",
+]
+
+USER_PREFIX = "relaxkv_"  # every user-facing field; another key under it is a typo (an error)
+RESERVED_PREFIX = "_relaxkv_"  # the server's internal plan keys, present and future: clients may not send them
+RECORD_KEY = "relaxkv"  # meta_info key of the per-request report (SGLang carries it as customized_info)
+DEFAULT_POLICY_ENV = "RELAXKV_DEFAULT_POLICY"  # the server default policy (default: core.policies.DEFAULT_POLICY)
+
+
+class RequestError(ValueError):
+    """A client error naming its field; SGLang's HTTP layer answers ValueError with status 400.
+
+    The message is ``invalid FIELD: MESSAGE``.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"invalid {field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@functools.cache
+def _repair_defaults() -> dict[str, Any]:
+    """RepairConfig's field defaults (imported on first use: core.repair_plan needs torch)."""
+    from relaxkv_sglang.core.repair_plan import RepairConfig
+
+    return {f.name: f.default for f in dataclasses.fields(RepairConfig)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Field:
+    """One user-facing request field.
+
+    Attributes:
+        name: the key in ``custom_params``.
+        type: its JSON type, as documented.
+        doc: one line: what it means.
+        plan_key: the internal ``custom_params`` key the HTTP side hands the scheduler for it.
+    """
+
+    name: str
+    type: str
+    doc: str
+    plan_key: str
+
+    @property
+    def default(self) -> Any:
+        """The value a request without the field gets (None: no value)."""
+        return None
+
+    def validate(self, value: Any, *, text: Optional[str] = None) -> Any:
+        """``value`` checked and normalized; raises :class:`RequestError` naming the field.
+
+        ``text`` is the request's prompt, for a field whose range depends on it.
+        """
+        raise NotImplementedError
+
+    def is_valid(self, value: Any, *, text: Optional[str] = None) -> bool:
+        """Whether :meth:`validate` accepts ``value``."""
+        try:
+            self.validate(value, text=text)
+        except ValueError:
+            return False
+        return True
+
+    def error(self, message: str) -> RequestError:
+        """A :class:`RequestError` naming this field."""
+        return RequestError(self.name, message)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChunksField(Field):
+    """Character offsets of the documents in ``text``, checked by
+    :func:`relaxkv_sglang.core.segments.parse_chunk_offsets`.
+
+    Attributes:
+        max_chunks: the most pairs one request may hold.
+    """
+
+    max_chunks: int
+
+    def validate(self, value: Any, *, text: Optional[str] = None) -> list[tuple[int, int]]:
+        """The chunks' spans ``[(s0, e0), ...]`` in ``text``; offsets need the prompt as text."""
+        if text is None:
+            raise self.error("character offsets need the prompt as `text`, not `input_ids`")
+        try:
+            return parse_chunk_offsets(text, value, field=self.name, max_chunks=self.max_chunks)
+        except ChunkSpecError as exc:
+            raise RequestError(exc.field, exc.message) from exc
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PolicyField(Field):
+    """A policy name, one of the server's policies (:mod:`relaxkv_sglang.core.policies`).
+
+    Attributes:
+        choices: the accepted names, in the registry's order.
+    """
+
+    choices: tuple[str, ...]
+
+    @property
+    def default(self) -> str:
+        """The server default policy when ``RELAXKV_DEFAULT_POLICY`` is not set."""
+        return DEFAULT_POLICY
+
+    def validate(self, value: Any, *, text: Optional[str] = None) -> str:
+        """``value`` if it names a served policy."""
+        if not isinstance(value, str) or value not in self.choices:
+            raise self.error(f"unknown policy {value!r}; choose one of {', '.join(self.choices)}")
+        return value
+
+    def reuses_chunks(self, value: Any) -> bool:
+        """Whether ``value`` is a valid policy that reuses chunks (``pic`` or a repair policy)."""
+        return self.is_valid(value) and value in CHUNK_POLICIES
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RatioField(Field):
+    """A repair knob: a number (not a bool) in ``[low, high]``, named after the
+    :class:`~relaxkv_sglang.core.repair_plan.RepairConfig` attribute it sets.
+
+    Attributes:
+        low, high: the closed range.
+    """
+
+    type: str = "number"
+    low: int = 0
+    high: int = 1
+
+    @property
+    def config_attr(self) -> str:
+        """The ``RepairConfig`` attribute it sets: its name without :data:`USER_PREFIX`."""
+        return self.name.removeprefix(USER_PREFIX)
+
+    @property
+    def default(self) -> float:
+        """``RepairConfig``'s default of :attr:`config_attr`."""
+        return _repair_defaults()[self.config_attr]
+
+    def validate(self, value: Any, *, text: Optional[str] = None) -> float:
+        """``value`` as a float if it is a number in range."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not self.low <= value <= self.high:
+            raise self.error(f"must be a number in [{self.low}, {self.high}], got {value!r}")
+        return float(value)
+
+
+CHUNKS = ChunksField(
+    name="relaxkv_chunks",
+    type="array of integers",
+    doc="flat character offsets [s0, e0, s1, e1, ...] into `text`; each pair is one document chunk",
+    plan_key="_relaxkv_token_spans",  # the chunks' token spans, flat, after per-part tokenization
+    max_chunks=1024,
+)
+POLICY = PolicyField(
+    name="relaxkv_policy",
+    type="string",
+    doc="what the request reuses: nothing, SGLang's radix cache, or chunks (then maybe repaired)",
+    plan_key="_relaxkv_policy",
+    choices=SERVER_POLICIES,
+)
+ANCHOR_RATIO = RatioField(
+    name="relaxkv_anchor_ratio", plan_key="_relaxkv_anchor_ratio",
+    doc="repair policies: mean share of reusable chunk tokens recomputed per layer",
+)
+CONTEXT_RATIO = RatioField(
+    name="relaxkv_context_ratio", plan_key="_relaxkv_context_ratio",
+    doc="relaxkv, relaxkv_randctx: share of each anchor's causal prefix it attends to",
+)
+
+FIELDS: tuple[Field, ...] = (CHUNKS, POLICY, ANCHOR_RATIO, CONTEXT_RATIO)
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
+REPAIR_KNOBS: tuple[RatioField, ...] = (ANCHOR_RATIO, CONTEXT_RATIO)
+PLAN_KEYS: tuple[str, ...] = tuple(f.plan_key for f in FIELDS)
+
+
+def check_keys(custom_params: Mapping[Any, Any]) -> None:
+    """Reject a reserved key and an unknown ``relaxkv_`` key (a typo would be served without reuse)."""
+    for key in custom_params:
+        if not isinstance(key, str):
+            continue
+        if key.startswith(RESERVED_PREFIX):
+            raise RequestError(f"custom_params.{key}", "is reserved for the server")
+        if key.startswith(USER_PREFIX) and key not in FIELD_NAMES:
+            raise RequestError(f"custom_params.{key}", f"unknown field; the relaxkv fields are {', '.join(FIELD_NAMES)}")
+
+
+def mentions_fields(custom_params: Mapping[Any, Any]) -> bool:
+    """Whether any key is a field or under one of the two prefixes (so :func:`check_keys` must see it)."""
+    return any(isinstance(k, str) and k.startswith((USER_PREFIX, RESERVED_PREFIX)) for k in custom_params)
+
+
+def default_policy() -> str:
+    """The server default policy: ``RELAXKV_DEFAULT_POLICY``, else :attr:`POLICY.default`.
+
+    A value that is not a served policy stops the process (``SystemExit``): the plugin calls this
+    at startup, so a misconfigured server does not start.
+    """
+    policy = os.environ.get(DEFAULT_POLICY_ENV, POLICY.default)
+    if not POLICY.is_valid(policy):
+        raise SystemExit(f"relaxkv-sglang: {DEFAULT_POLICY_ENV}={policy!r} is not one of {', '.join(POLICY.choices)}")
+    return policy

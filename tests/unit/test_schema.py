@@ -1,0 +1,234 @@
+"""The wire schema (relaxkv_sglang/schema.py): its field checks, and docs/api.md's field table against it."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+import types
+
+import pytest
+
+from relaxkv_sglang import schema
+from relaxkv_sglang.core.policies import DEFAULT_POLICY, SERVER_POLICIES
+from relaxkv_sglang.core.repair_plan import RepairConfig
+from relaxkv_sglang.schema import (
+    ANCHOR_RATIO,
+    CHUNKS,
+    CONTEXT_RATIO,
+    FIELDS,
+    POLICY,
+    RequestError,
+    check_keys,
+    default_policy,
+    mentions_fields,
+)
+
+API_MD = pathlib.Path(__file__).resolve().parents[2] / "docs" / "api.md"
+FIELD_TABLE_HEADER = "| field | type | allowed values | default | meaning |"
+
+
+# ------------------------------------------------------------------ docs/api.md
+
+
+def _table_rows(lines: list[str], start: int) -> list[list[str]]:
+    """Cells of the markdown table whose header is ``lines[start]`` (separator row skipped)."""
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def _ticked(cell: str) -> list[str]:
+    return re.findall(r"`([^`]*)`", cell)
+
+
+@pytest.fixture(scope="module")
+def field_table() -> dict[str, dict[str, str]]:
+    lines = API_MD.read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.strip() == FIELD_TABLE_HEADER]
+    assert len(starts) == 1, f"docs/api.md must hold one field table headed {FIELD_TABLE_HEADER!r}"
+    table = {}
+    for name, type_, allowed, default, meaning in _table_rows(lines, starts[0]):
+        (field_name,) = _ticked(name)
+        table[field_name] = {"type": type_, "allowed": allowed, "default": default, "meaning": meaning}
+    return table
+
+
+def test_docs_field_table_names_the_schema_fields_in_order(field_table):
+    assert list(field_table) == [f.name for f in FIELDS]
+
+
+@pytest.mark.parametrize("field", FIELDS, ids=lambda f: f.name)
+def test_docs_field_table_row_matches_the_schema(field_table, field):
+    row = field_table[field.name]
+    assert row["type"] == field.type
+    assert row["meaning"].replace("`", "") == field.doc.replace("`", "")
+    defaults = [t for t in _ticked(row["default"]) if t != schema.DEFAULT_POLICY_ENV]
+    assert defaults == ([] if field.default is None else [str(field.default)]), row["default"]
+
+
+def test_docs_field_table_allowed_values_match_the_schema(field_table):
+    assert _ticked(field_table[POLICY.name]["allowed"]) == list(SERVER_POLICIES)
+    assert schema.DEFAULT_POLICY_ENV in _ticked(field_table[POLICY.name]["default"])
+    for knob in (ANCHOR_RATIO, CONTEXT_RATIO):
+        assert _ticked(field_table[knob.name]["allowed"]) == [f"[{knob.low}, {knob.high}]"]
+    assert str(CHUNKS.max_chunks) in _ticked(field_table[CHUNKS.name]["allowed"])
+
+
+def test_docs_policy_table_lists_the_server_policies():
+    lines = API_MD.read_text().splitlines()
+    (start,) = [i for i, line in enumerate(lines) if line.strip() == "| policy | reuse |"]
+    documented = [name for row in _table_rows(lines, start) for name in _ticked(row[0])]
+    assert sorted(documented) == sorted(SERVER_POLICIES)
+
+
+# ------------------------------------------------------------------ declarations
+
+
+def test_names_prefixes_and_plan_keys():
+    assert len(set(schema.FIELD_NAMES)) == len(FIELDS)
+    assert len(set(schema.PLAN_KEYS)) == len(FIELDS)
+    for field in FIELDS:
+        assert field.name.startswith(schema.USER_PREFIX)
+        assert field.plan_key.startswith(schema.RESERVED_PREFIX)
+
+
+def test_defaults_come_from_the_registries():
+    config = RepairConfig()
+    assert ANCHOR_RATIO.default == config.anchor_ratio
+    assert CONTEXT_RATIO.default == config.context_ratio
+    assert POLICY.default == DEFAULT_POLICY
+    assert POLICY.choices == SERVER_POLICIES
+    assert CHUNKS.default is None
+
+
+# ------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize("knob", (ANCHOR_RATIO, CONTEXT_RATIO), ids=lambda f: f.name)
+@pytest.mark.parametrize("value", ["0.1", None, True, [0.1], {"r": 0.1}])
+def test_ratio_of_the_wrong_type_names_the_field(knob, value):
+    with pytest.raises(ValueError) as info:
+        knob.validate(value)
+    assert str(info.value) == f"invalid {knob.name}: must be a number in [0, 1], got {value!r}"
+    assert isinstance(info.value, RequestError) and info.value.field == knob.name
+
+
+@pytest.mark.parametrize("knob", (ANCHOR_RATIO, CONTEXT_RATIO), ids=lambda f: f.name)
+@pytest.mark.parametrize("value", [1.5, -0.1, 2, math.nan, math.inf])
+def test_ratio_out_of_range_names_the_field(knob, value):
+    with pytest.raises(ValueError, match=rf"^invalid {knob.name}: must be a number in \[0, 1\]"):
+        knob.validate(value)
+
+
+@pytest.mark.parametrize("value", [0, 1, 0.5, 0.0, 1.0])
+def test_ratio_in_range_is_a_float(value):
+    out = ANCHOR_RATIO.validate(value)
+    assert out == value and type(out) is float
+
+
+@pytest.mark.parametrize("value", ["magic", "PIC", "pic\x00", "random", 3, None, ["pic"]])
+def test_unknown_policy_names_the_field_and_the_choices(value):
+    with pytest.raises(ValueError) as info:
+        POLICY.validate(value)
+    assert str(info.value) == (f"invalid relaxkv_policy: unknown policy {value!r}; "
+                               f"choose one of {', '.join(SERVER_POLICIES)}")
+    assert not POLICY.is_valid(value)
+
+
+def test_every_served_policy_is_valid_and_reuse_follows_the_registry():
+    for name in SERVER_POLICIES:
+        assert POLICY.validate(name) == name
+    assert [p for p in SERVER_POLICIES if POLICY.reuses_chunks(p)] == [
+        "pic", "epic", "cacheblend", "prophetkv", "relaxkv", "relaxkv_fullctx", "relaxkv_randctx"]
+    assert not POLICY.reuses_chunks("magic") and not POLICY.reuses_chunks(3)
+
+
+@pytest.mark.parametrize("value,expect", [
+    ("0,5", "invalid relaxkv_chunks: must be a list"),
+    (None, "invalid relaxkv_chunks: must be a list"),
+    ([0, 5, 3], "invalid relaxkv_chunks: must hold start/end pairs"),
+    ([0, 2.5], "invalid relaxkv_chunks: offset at index 1 must be an integer"),
+    ([False, True], "invalid relaxkv_chunks: offset at index 0 must be an integer"),
+    ([0, 500], "invalid relaxkv_chunks: chunk 0 (offsets[0], offsets[1]) = (0, 500): end is past the end"),
+    ([6, 9, 0, 5], "invalid relaxkv_chunks: chunk 1"),
+    (list(range(2050)), "invalid relaxkv_chunks: at most 1024 chunks allowed, got 1025"),
+])
+def test_bad_chunks_name_the_field(value, expect):
+    with pytest.raises(RequestError) as info:
+        CHUNKS.validate(value, text="Hello there, general Kenobi.")
+    assert str(info.value).startswith(expect), str(info.value)
+    assert info.value.field == CHUNKS.name
+
+
+def test_chunks_need_text():
+    with pytest.raises(ValueError, match=r"^invalid relaxkv_chunks: character offsets need the prompt as `text`"):
+        CHUNKS.validate([0, 1], text=None)
+
+
+def test_chunks_give_spans():
+    assert CHUNKS.validate([0, 5, 6, 9], text="Hello there") == [(0, 5), (6, 9)]
+    assert CHUNKS.validate([], text="Hello") == []
+
+
+def test_custom_params_keys():
+    check_keys({"relaxkv_chunks": [], "relaxkv_policy": "pic", "other": 1, 3: "x"})
+    with pytest.raises(ValueError, match=r"^invalid custom_params._relaxkv_future: is reserved for the server$"):
+        check_keys({"_relaxkv_future": 1})
+    with pytest.raises(ValueError, match=r"^invalid custom_params.relaxkv_chunk: unknown field; the relaxkv fields "
+                                         r"are relaxkv_chunks, relaxkv_policy, relaxkv_anchor_ratio, "
+                                         r"relaxkv_context_ratio$"):
+        check_keys({"relaxkv_chunk": [0, 5]})
+    assert mentions_fields({"_relaxkv_policy": "pic"}) and mentions_fields({"relaxkv_x": 1})
+    assert not mentions_fields({"other": 1, 3: "x"})
+
+
+def test_default_policy_reads_the_environment(monkeypatch):
+    monkeypatch.delenv(schema.DEFAULT_POLICY_ENV, raising=False)
+    assert default_policy() == DEFAULT_POLICY == "prefix"
+    monkeypatch.setenv(schema.DEFAULT_POLICY_ENV, "pic")
+    assert default_policy() == "pic"
+    monkeypatch.setenv(schema.DEFAULT_POLICY_ENV, "bogus")
+    with pytest.raises(SystemExit, match="RELAXKV_DEFAULT_POLICY='bogus' is not one of full, prefix, pic"):
+        default_policy()
+
+
+# ------------------------------------------------------------------ HTTP side -> scheduler
+
+
+def test_plan_keys_round_trip_from_the_http_side_to_the_scheduler():
+    from relaxkv_sglang.srt.api import plan_item
+    from relaxkv_sglang.srt.plan import request_plan
+
+    def encode(text: str, add_special_tokens: bool) -> list[int]:
+        return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+
+    text = "Sys. DOC ONE. Q?"
+    cp = {CHUNKS.name: [5, 13], POLICY.name: "relaxkv", ANCHOR_RATIO.name: 0.3, "other": 7}
+    ids, planned = plan_item(text, {"custom_params": cp}, encode, 1 << 20, DEFAULT_POLICY)
+    assert ids == encode(text[:5], True) + encode(text[5:13], False) + encode(text[13:], False)
+    assert planned["other"] == 7 and CONTEXT_RATIO.plan_key not in planned
+    req = types.SimpleNamespace(sampling_params=types.SimpleNamespace(custom_params=planned))
+    plan = request_plan(req)
+    assert (plan.policy, plan.chunk_spans) == ("relaxkv", ((6, 14),))
+    assert (plan.anchor_ratio, plan.context_ratio) == (0.3, CONTEXT_RATIO.default)
+    assert plan.repairs and plan.reuses_chunks
+
+
+def test_plan_item_reports_the_first_bad_field():
+    from relaxkv_sglang.srt.api import plan_item
+
+    def encode(text: str, add_special_tokens: bool) -> list[int]:
+        return [ord(c) for c in text]
+
+    with pytest.raises(RequestError, match=r"^invalid relaxkv_policy: unknown policy 'magic'"):
+        plan_item("abc", {"custom_params": {POLICY.name: "magic", ANCHOR_RATIO.name: 2}}, encode, 100, "prefix")
+    with pytest.raises(RequestError, match=r"^invalid relaxkv_anchor_ratio: must be a number in \[0, 1\], got 2$"):
+        plan_item("abc", {"custom_params": {ANCHOR_RATIO.name: 2, CHUNKS.name: "x"}}, encode, 100, "prefix")
+    with pytest.raises(RequestError, match=r"^invalid relaxkv_chunks: character offsets need the prompt as `text`"):
+        plan_item(None, {"custom_params": {CHUNKS.name: [0, 1]}}, encode, 100, "prefix")
+    with pytest.raises(RequestError, match=r"^invalid sampling_params.custom_params: must be an object, got list$"):
+        plan_item("abc", {"custom_params": []}, encode, 100, "prefix")

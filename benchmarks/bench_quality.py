@@ -1,32 +1,72 @@
-"""Answer quality and TTFT of every reuse policy on four tasks, across anchor ratios, in one run.
+"""Quality, fidelity and TTFT of every reuse policy on four tasks, in several prompt formats, across anchor ratios.
 
 Tasks (``relaxkv_sglang.workloads``, 10 documents as chunks, ~1.5K tokens each):
 HotpotQA dev (its 10 paragraphs), multi-document SQuAD (the gold paragraph
 among 9 from other articles), and RULER-style multi-value needle and variable
-tracking in essay text (seeded). For each example the chunks are cached by a
-first request (other system prompt, reversed order, a placeholder question),
-then the same prompt is answered by ``full`` and ``pic`` once and by every
-repair policy at every anchor ratio, in a shuffled order. Reported per task, policy
-and ratio (fidelity to ``full`` prefill is the figure to steer by: a 135M
+tracking in essay text (seeded). Every example is asked in every prompt format
+of ``--formats`` (:data:`relaxkv_sglang.workloads.PROMPT_FORMATS`: ``plain``,
+``Title: text`` documents between blank lines; ``document``, each document a
+``Document: <title>`` line then its text; ``chat``, the ChatML template with the
+documents in the user turn). For each example and format the server is flushed,
+the format's chunk texts are cached by a first request (other system prompt,
+reversed order, a placeholder question), then the same prompt is answered by
+``full`` and ``pic`` once and by every repair policy at every anchor ratio, in a
+shuffled order. Fidelity to ``full`` prefill is the figure to steer by (a 135M
 model's task scores barely separate the policies):
 
 * task score: LongBench QA F1 of the answer's first line (HotpotQA, SQuAD) or
   RULER ``string_match_all``, the fraction of the expected values in the answer;
 * F1 of the greedy answer against ``full``'s, and exact agreement with it;
+* top-1 agreement: the first answer token is ``full``'s first answer token;
 * KL(full || policy) of the first answer token, over ``full``'s top-K tokens
   (the policy's log-probabilities for the same token ids come back through
   ``token_ids_logprob``; the mass outside the top K is left out);
 * TTFT: the time to the first streamed token of that same request, at the
   client. It costs no extra request; it includes the small overhead of
-  returning log-probabilities, alike for every policy.
+  returning log-probabilities, alike for every policy;
+* the repair's cost from the plugin's report: achieved anchor ratio (CacheBlend
+  repairs more than it is asked), visible and executed repair KV pairs.
 
-Means come with 95% bootstrap intervals over examples (paired: every policy
-answers the same examples). A PNG next to the JSON plots first-token KL
-against median TTFT: one line per repair policy across the anchor ratios,
-``pic`` and ``full`` as single points.
+``--kl-only`` answers with one token: first-token KL, top-1 agreement and TTFT
+stay exact, the answers are cut, so task score, F1 and exact agreement are not
+computed (``null`` in the JSON, ``-`` in the tables).
 
-    python -m benchmarks.bench_quality --quick                    # 3 examples per task, 15% anchors
-    python -m benchmarks.bench_quality                            # 10 per task x 5/15/30% anchors
+Splits (``--split``): tune on ``dev`` (HotpotQA dev examples 0-2999, synthetic
+seeds 0-999; starts at example 0 and seed 0), report on ``test`` (examples
+3000-3199, seeds 1000-1099; starts at 3000 and 1000). A run of ``n`` examples
+from ``--offset o``/``--seed s`` uses examples ``o..o+n-1`` and counts as using
+seeds ``s..s+n-1``; a run whose range leaves its split is refused.
+
+Result JSON (beside the benchmark's name, machine and arguments):
+
+* ``split``: ``{"name", "offset", "seed"}`` actually used; ``formats``;
+  ``versus``; ``kl_only``; ``tasks``: per task its example count, scorer, ids;
+* ``per_example``: one row per (example, format, policy, anchor ratio) with
+  ``task``, ``format``, ``example_id``, ``policy``, ``anchor_ratio`` (asked;
+  null for ``full``/``pic``), the metrics above and the plugin's report
+  ``relaxkv``;
+* ``summary``: one cell per (``format``, ``task``, ``policy``, ``anchor_ratio``),
+  ``task`` ``"all"`` pooling the tasks' examples and ``format`` ``"all"`` pooling
+  the formats (with one format its cells equal the format's); means with 95%
+  bootstrap intervals (``*_ci95``), ``ttft_median_s``, ``anchor_ratio_achieved``,
+  ``context_ratio``, ``repair_kv_pairs`` and ``repair_kv_pairs_executed``;
+* ``paired``: per (``format``, ``task``, ``anchor_ratio``) and policy, the
+  per-example difference of first-token KL, policy minus ``versus`` (both at
+  that ratio; ``pic`` has none): ``diff`` and ``diff_ci95`` (the mean difference
+  and its paired bootstrap interval, examples resampled; with formats pooled an
+  example's difference is its mean over the formats), ``wins``/``ties``/
+  ``losses`` over (example, format) pairs (a win: the policy's KL is lower by
+  more than 1e-6), ``kl``/``kl_versus`` and both achieved anchor ratios.
+
+A PNG next to the JSON plots first-token KL against median TTFT, one line per
+repair policy across the anchor ratios (each point labelled with the ratio asked
+and, where it differs, the ratio achieved: ``15%→20.7%``), ``pic`` and ``full``
+as single points: formats and tasks pooled, then each format, then each task.
+
+    python -m benchmarks.bench_quality --quick                       # 3 examples per task, 15% anchors, plain
+    python -m benchmarks.bench_quality                               # 10 per task x 5/15/30% anchors, dev split
+    python -m benchmarks.bench_quality --formats plain document chat --kl-only --examples 20
+    python -m benchmarks.bench_quality --split test --formats plain document chat --examples 20 --versus prophetkv
     python -m benchmarks.bench_quality --tasks hotpotqa --examples 40 --anchor-ratios 0.15
 """
 
@@ -37,6 +77,7 @@ import math
 import pathlib
 import random
 import statistics
+from typing import Iterable
 
 from tqdm import tqdm
 
@@ -46,12 +87,46 @@ from relaxkv_sglang.client import ServerClient
 
 BENCH = "bench_quality"
 TASKS = workloads.QUALITY_TASKS
+FORMATS = workloads.PROMPT_FORMATS
 POLICIES = ("full", "pic", "epic", "cacheblend", "prophetkv", "relaxkv", "relaxkv_fullctx", "relaxkv_randctx")
 BASELINES = ("full", "pic")  # no anchor ratio: answered once per example
+ALL = "all"  # the pooled task, the pooled format
 WARM_SYSTEM = workloads.SYSTEM_PROMPTS[1]
 TOP_K = 20
 QUICK_EXAMPLES = 3  # per task: the whole quick run stays under 5 minutes on 2 cores with SmolLM2
 HEADLINE_RATIO = 0.15  # the ratio the README's table shows
+ANSWER_METRICS = ("score", "f1_to_full", "exact_to_full")  # need the whole answer: None with --kl-only
+METRICS = (*ANSWER_METRICS, "top1_to_full", "kl_first_token")
+REPORT_KEYS = (("anchor_ratio", "anchor_ratio_achieved"), ("context_ratio", "context_ratio"),
+               ("repair_kv_pairs", "repair_kv_pairs"), ("repair_kv_pairs_executed", "repair_kv_pairs_executed"))
+
+SPLITS = workloads.QUALITY_SPLITS
+
+
+def split_origin(split: str, tasks: Iterable[str], examples: int, offset: int | None = None,
+                 seed: int | None = None) -> tuple[int, int]:
+    """``(offset, seed)`` of a run of ``examples`` per task on ``split`` (the split's, unless given).
+
+    Raises ``ValueError`` (one line) when the run would use HotpotQA examples or seeds outside the
+    split: examples ``offset..offset+examples-1`` for HotpotQA, seeds ``seed..seed+examples-1`` for
+    the seeded tasks (each checked only if such a task is run).
+    """
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+    rule = SPLITS[split]
+    offset = rule["offset"] if offset is None else offset
+    seed = rule["seed"] if seed is None else seed
+    tasks = set(tasks)
+    checks = []
+    if "hotpotqa" in tasks:
+        checks.append(("HotpotQA dev examples", "--offset", offset, rule["hotpotqa"]))
+    if tasks - {"hotpotqa"}:
+        checks.append(("synthetic seeds", "--seed", seed, rule["seeds"]))
+    for what, flag, first, (lo, end) in checks:
+        if not (lo <= first and first + examples <= end):
+            raise ValueError(f"--split {split} allows {what} {lo}-{end - 1}; this run would use "
+                             f"{first}-{first + examples - 1} ({flag} {first}, --examples {examples})")
+    return offset, seed
 
 
 def first_token_kl(full: dict, other: dict) -> float:
@@ -67,6 +142,12 @@ def first_token_kl(full: dict, other: dict) -> float:
     return max(kl, 0.0)
 
 
+def first_token_id(out: dict) -> int | None:
+    """The id of the first generated token (from ``output_token_logprobs``), None if not returned."""
+    tokens = out["meta_info"].get("output_token_logprobs") or []
+    return tokens[0][1] if tokens else None
+
+
 def first_line(text: str) -> str:
     """The short answer the QA prompts ask for: the continuation up to its first line break."""
     return text.strip().split("\n", 1)[0]
@@ -77,29 +158,41 @@ def task_score(example: workloads.TaskExample, answer: str) -> float:
     return metrics.score(example.scorer, first_line(answer) if example.scorer == "qa_f1" else answer, example.answers)
 
 
-def bootstrap_ci(values: list[float], *, seed: int = 0, rounds: int = 1000) -> tuple[float, float]:
-    """95% percentile-bootstrap interval of the mean; one seed, so equal-length lists resample alike (paired)."""
-    if not values:
-        return (float("nan"), float("nan"))
-    rng = random.Random(seed)
-    n = len(values)
-    means = sorted(sum(values[rng.randrange(n)] for _ in range(n)) / n for _ in range(rounds))
-    return means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
-
-
 def configs(policies: list[str], ratios: list[float]) -> list[tuple[str, float | None]]:
     """(policy, anchor ratio) pairs one example is answered under; baselines once, with ratio None."""
     return ([(p, None) for p in policies if p in BASELINES]
             + [(p, r) for r in ratios for p in policies if p not in BASELINES])
 
 
-def answer_example(client: ServerClient, example: workloads.TaskExample, cfgs: list[tuple[str, float | None]],
-                   args: argparse.Namespace, rng: random.Random) -> list[dict]:
-    """One example under every config: ``full`` first (its top tokens are the KL support), the rest shuffled."""
+def result_row(example: workloads.TaskExample, fmt: str, policy: str, ratio: float | None, out: dict,
+               full: dict, kl_only: bool) -> dict:
+    """One per-example row: the answer of ``policy`` at ``ratio`` in ``fmt``, scored against ``full``'s."""
+    row = {"task": example.task, "format": fmt, "example_id": example.example_id, "policy": policy,
+           "anchor_ratio": ratio, "answer": out["text"]}
+    if kl_only:  # one token: no answer to score
+        row.update(dict.fromkeys(ANSWER_METRICS))
+    else:
+        row.update(score=task_score(example, out["text"]),
+                   f1_to_full=metrics.fidelity_f1(out["text"], full["text"]),
+                   exact_to_full=metrics.exact_agreement(out["text"], full["text"]))
+    top1, full_top1 = first_token_id(out), first_token_id(full)
+    row.update(
+        top1_to_full=None if top1 is None or full_top1 is None else float(top1 == full_top1),
+        kl_first_token=0.0 if policy == "full" else first_token_kl(full, out),
+        ttft_s=out["ttft_s"], latency_s=out["latency_s"],
+        prompt_tokens=out["meta_info"]["prompt_tokens"], cached_tokens=out["meta_info"]["cached_tokens"],
+        relaxkv=common.relaxkv_report(out))
+    return row
+
+
+def answer_example(client: ServerClient, example: workloads.TaskExample, fmt: str,
+                   cfgs: list[tuple[str, float | None]], args: argparse.Namespace, rng: random.Random) -> list[dict]:
+    """One example in one format under every config: ``full`` first (its top tokens are the KL support),
+    the rest shuffled; the format's chunk texts are cached first."""
     client.flush()
-    common.warm_chunks(client, example.documents, WARM_SYSTEM)
-    text, offsets = example.marked()
-    max_new = args.max_new_tokens or example.max_new_tokens
+    common.warm_chunks(client, example.chunk_documents(fmt), WARM_SYSTEM)
+    text, offsets = example.marked(fmt)
+    max_new = 1 if args.kl_only else (args.max_new_tokens or example.max_new_tokens)
     full = client.generate_stream(text, offsets, "full", max_new_tokens=max_new, top_logprobs=TOP_K)
     top_ids = [tok for _, tok, *_ in full["meta_info"]["output_top_logprobs"][0]]
     order = [c for c in cfgs if c[0] != "full"]
@@ -109,26 +202,12 @@ def answer_example(client: ServerClient, example: workloads.TaskExample, cfgs: l
         outs[(policy, ratio)] = client.generate_stream(
             text, offsets, policy, max_new_tokens=max_new, anchor_ratio=ratio,
             context_ratio=args.context_ratio if ratio is not None else None, token_ids_logprob=top_ids)
-    rows = []
-    for policy, ratio in cfgs:
-        out = outs[(policy, ratio)]
-        rows.append({
-            "task": example.task, "example_id": example.example_id, "policy": policy, "anchor_ratio": ratio,
-            "answer": out["text"],
-            "score": task_score(example, out["text"]),
-            "f1_to_full": metrics.fidelity_f1(out["text"], full["text"]),
-            "exact_to_full": metrics.exact_agreement(out["text"], full["text"]),
-            "kl_first_token": 0.0 if policy == "full" else first_token_kl(full, out),
-            "ttft_s": out["ttft_s"], "latency_s": out["latency_s"],
-            "prompt_tokens": out["meta_info"]["prompt_tokens"],
-            "cached_tokens": out["meta_info"]["cached_tokens"],
-            "relaxkv": common.relaxkv_report(out),
-        })
-    return rows
+    return [result_row(example, fmt, policy, ratio, outs[(policy, ratio)], full, args.kl_only)
+            for policy, ratio in cfgs]
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Every example of every task under every config against one server; per-example rows and summaries."""
+    """Every example of every task in every format under every config against one server."""
     try:
         examples = {t: workloads.task_examples(t, args.examples, seed=args.seed, offset=args.offset)
                     for t in args.tasks}
@@ -140,38 +219,114 @@ def run(args: argparse.Namespace) -> dict:
     with common.bench_client(args, BENCH) as client:
         for task, exs in examples.items():
             for example in tqdm(exs, desc=f"{BENCH} {task}", unit="example"):
-                rows += answer_example(client, example, cfgs, args, rng)
+                for fmt in args.formats:
+                    rows += answer_example(client, example, fmt, cfgs, args, rng)
     tasks = {t: {"examples": len(exs), "scorer": exs[0].scorer, "example_ids": [e.example_id for e in exs]}
              for t, exs in examples.items()}
-    return {"tasks": tasks, "summary": summarize_all(rows, args.tasks, cfgs), "per_example": rows}
+    return {"split": {"name": args.split, "offset": args.offset, "seed": args.seed},
+            "formats": list(args.formats), "versus": args.versus, "kl_only": args.kl_only, "tasks": tasks,
+            "summary": summarize_all(rows, args.formats, args.tasks, cfgs),
+            "paired": paired_all(rows, args.formats, args.tasks, cfgs, args.versus),
+            "per_example": rows}
+
+
+# ------------------------------------------------------------------ summaries
+
+
+def in_cell(row: dict, fmt: str, task: str) -> bool:
+    """Whether ``row`` belongs to the (format, task) cell; ``"all"`` pools."""
+    return fmt in (ALL, row["format"]) and task in (ALL, row["task"])
+
+
+def achieved_ratio(rows: Iterable[dict]) -> float | None:
+    """Mean anchor ratio the plugin reports it achieved over ``rows`` (None: no repair reported)."""
+    return metrics.mean(r["relaxkv"]["anchor_ratio"] for r in rows if r["relaxkv"].get("anchor_ratio") is not None)
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Means (with paired bootstrap CIs) and the TTFT median of one (task, policy, ratio) cell."""
-    out = {"n": len(rows)}
-    for key in ("score", "f1_to_full", "exact_to_full", "kl_first_token"):
-        values = [r[key] for r in rows]
+    """Means (with paired bootstrap CIs) and the TTFT median of one (format, task, policy, ratio) cell.
+
+    A metric no row has (the answer metrics with ``--kl-only``) is None, its interval too.
+    """
+    out: dict = {"n": len(rows)}
+    for key in METRICS:
+        values = [r[key] for r in rows if r.get(key) is not None]
         out[key] = metrics.mean(values)
-        out[key + "_ci95"] = bootstrap_ci(values)
-    out["ttft_median_s"] = statistics.median(r["ttft_s"] for r in rows)
+        out[key + "_ci95"] = metrics.bootstrap_ci(values)
+    out["ttft_median_s"] = statistics.median(r["ttft_s"] for r in rows) if rows else None
     out["latency_s"] = metrics.mean(r["latency_s"] for r in rows)
     out["prompt_tokens"] = metrics.mean(r["prompt_tokens"] for r in rows)
-    for key, name in (("anchor_ratio", "anchor_ratio_achieved"), ("context_ratio", "context_ratio"),
-                      ("repair_kv_pairs", "repair_kv_pairs")):
-        values = [r["relaxkv"][key] for r in rows if r["relaxkv"].get(key) is not None]
-        out[name] = metrics.mean(values) if values else None
+    for key, name in REPORT_KEYS:
+        out[name] = metrics.mean(r["relaxkv"][key] for r in rows if r["relaxkv"].get(key) is not None)
     return out
 
 
-def summarize_all(rows: list[dict], tasks: list[str], cfgs: list[tuple[str, float | None]]) -> list[dict]:
-    """One summary per (task, policy, ratio), task ``"all"`` pooling every task's examples."""
+def summarize_all(rows: list[dict], formats: list[str], tasks: list[str],
+                  cfgs: list[tuple[str, float | None]]) -> list[dict]:
+    """One summary per (format, task, policy, ratio); format and task ``"all"`` pool the formats / tasks."""
     out = []
-    for task in [*tasks, "all"]:
-        for policy, ratio in cfgs:
-            cell = [r for r in rows if (task == "all" or r["task"] == task)
-                    and r["policy"] == policy and r["anchor_ratio"] == ratio]
-            out.append({"task": task, "policy": policy, "anchor_ratio": ratio, **summarize(cell)})
+    for fmt in [*formats, ALL]:
+        for task in [*tasks, ALL]:
+            for policy, ratio in cfgs:
+                cell = [r for r in rows if in_cell(r, fmt, task) and r["policy"] == policy
+                        and r["anchor_ratio"] == ratio]
+                out.append({"format": fmt, "task": task, "policy": policy, "anchor_ratio": ratio, **summarize(cell)})
     return out
+
+
+def paired_cell(rows: list[dict], policy: tuple[str, float | None], versus: tuple[str, float | None]) -> dict:
+    """First-token KL of ``policy`` minus ``versus`` (each a ``(policy, ratio)``) over the examples of ``rows``.
+
+    The unit is the example (task, id): its difference is the mean over the formats in ``rows``;
+    the CI resamples examples (:func:`metrics.paired_bootstrap_ci`). Wins, ties and losses count
+    (example, format) pairs; a win is a lower KL for ``policy``.
+    """
+    mine = {(r["format"], r["task"], r["example_id"]): r for r in rows if (r["policy"], r["anchor_ratio"]) == policy}
+    per_example: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    a_rows, b_rows = [], []
+    for r in rows:
+        if (r["policy"], r["anchor_ratio"]) != versus or (r["format"], r["task"], r["example_id"]) not in mine:
+            continue
+        own = mine[(r["format"], r["task"], r["example_id"])]
+        a_rows.append(own)
+        b_rows.append(r)
+        per_example.setdefault((r["task"], r["example_id"]), []).append((own["kl_first_token"], r["kl_first_token"]))
+    a = [metrics.mean(x for x, _ in pairs) for pairs in per_example.values()]
+    b = [metrics.mean(y for _, y in pairs) for pairs in per_example.values()]
+    wins, ties, losses = metrics.win_counts([r["kl_first_token"] for r in a_rows],
+                                            [r["kl_first_token"] for r in b_rows])
+    return {"n_examples": len(a), "n_pairs": len(a_rows), "kl": metrics.mean(a), "kl_versus": metrics.mean(b),
+            "diff": metrics.mean(x - y for x, y in zip(a, b)), "diff_ci95": metrics.paired_bootstrap_ci(a, b),
+            "wins": wins, "ties": ties, "losses": losses,
+            "anchor_ratio_achieved": achieved_ratio(a_rows), "anchor_ratio_achieved_versus": achieved_ratio(b_rows)}
+
+
+def paired_all(rows: list[dict], formats: list[str], tasks: list[str], cfgs: list[tuple[str, float | None]],
+               versus: str) -> list[dict]:
+    """Paired KL differences against ``versus`` per (format, task, ratio) and policy, ``"all"`` pooling.
+
+    At each anchor ratio every other policy but ``full`` is compared (``pic`` with its one answer);
+    ``versus`` at that ratio (once, if it is a baseline). Empty when ``versus`` was not run.
+    """
+    if versus not in {p for p, _ in cfgs}:
+        return []
+    ratios = sorted({r for _, r in cfgs if r is not None})
+    out = []
+    for fmt in [*formats, ALL]:
+        for task in [*tasks, ALL]:
+            cell = [r for r in rows if in_cell(r, fmt, task)]
+            for ratio in ratios:
+                ref = (versus, None if versus in BASELINES else ratio)
+                for policy, r in cfgs:
+                    if policy in ("full", versus) or r not in (None, ratio):
+                        continue
+                    out.append({"format": fmt, "task": task, "anchor_ratio": ratio, "policy": policy,
+                                "policy_anchor_ratio": r, "versus": versus,
+                                **paired_cell(cell, (policy, r), ref)})
+    return out
+
+
+# ------------------------------------------------------------------- report
 
 
 def headline_ratio(ratios: list[float]) -> float:
@@ -179,37 +334,96 @@ def headline_ratio(ratios: list[float]) -> float:
     return min(ratios, key=lambda r: abs(r - HEADLINE_RATIO))
 
 
+def ratio_label(asked: float | None, achieved: float | None) -> str:
+    """``"15%"``, or ``"15%→20.7%"`` when the policy achieved another anchor ratio than it was asked."""
+    if asked is None:
+        return "-"
+    if achieved is None or round(achieved, 3) == round(asked, 3):
+        return f"{asked:.0%}"
+    return f"{asked:.0%}→{achieved:.1%}"
+
+
+def blocks(formats: list[str], tasks: list[str]) -> list[tuple[str, str]]:
+    """The (format, task) cells a report shows: each, then pooled ones that differ from a single one."""
+    fmts = [*formats, ALL] if len(formats) > 1 else list(formats)
+    tsks = [*tasks, ALL] if len(tasks) > 1 else list(tasks)
+    return [(f, t) for f in fmts for t in tsks]
+
+
+def _ci(ci: tuple[float, float] | None, spec: str = ".2f") -> str:
+    return "[-]" if ci is None else f"[{format(ci[0], spec)},{format(ci[1], spec)}]"
+
+
 def print_table(result: dict, args: argparse.Namespace) -> None:
-    """The summaries as plain-text tables: one per task, then all tasks pooled."""
-    for task in [*args.tasks, "all"]:
+    """The summaries as plain-text tables, one per (format, task), then the paired comparisons."""
+    split = result["split"]
+    print(f"\nsplit {split['name']} (HotpotQA dev from {split['offset']}, synthetic seed {split['seed']}); "
+          f"model {args.model}; relaxkv context ratio {args.context_ratio}"
+          + ("; --kl-only: one answer token, so score, F1 and exact are not measured (-)" if result["kl_only"]
+             else ""))
+    for fmt, task in blocks(result["formats"], list(result["tasks"])):
         info = result["tasks"].get(task)
         what = (f"{info['examples']} examples, score = {info['scorer']}" if info
                 else "all tasks pooled, score = mean task score")
-        print(f"\n{task}: {what}; model {args.model}, relaxkv context ratio {args.context_ratio}")
-        head = (f"{'policy':<16}{'anchors':>8}{'score':>7}{'F1→full':>16}{'exact':>7}{'KL 1st tok':>18}"
-                f"{'TTFT p50':>9}{'achieved':>9}{'ctx':>6}{'repair KV':>11}")
+        print(f"\n{'all formats pooled' if fmt == ALL else 'format ' + fmt} / {task}: {what}")
+        head = (f"{'policy':<16}{'anchors':>8}{'achieved':>9}{'score':>7}{'F1→full':>16}{'exact':>7}{'top-1':>7}"
+                f"{'KL 1st tok':>18}{'TTFT p50':>9}{'ctx':>6}{'repair KV':>13}{'executed':>13}")
         print(head)
         print("-" * len(head))
-        for s in (s for s in result["summary"] if s["task"] == task):
-            f1_lo, f1_hi = s["f1_to_full_ci95"]
-            kl_lo, kl_hi = s["kl_first_token_ci95"]
-            ratio, achieved = common.fmt(s["anchor_ratio"], ".0%"), common.fmt(s["anchor_ratio_achieved"], ".3f")
-            ctx, work = common.fmt(s["context_ratio"], ".2f"), common.fmt(s["repair_kv_pairs"], ".0f")
-            print(f"{s['policy']:<16}{ratio:>8}{s['score']:>7.3f}{s['f1_to_full']:>6.3f} [{f1_lo:.2f},{f1_hi:.2f}]"
-                  f"{s['exact_to_full']:>7.3f}{s['kl_first_token']:>7.3f} [{kl_lo:.2f},{kl_hi:.2f}]"
-                  f"{s['ttft_median_s']:>8.2f}s{achieved:>9}{ctx:>6}{work:>11}")
+        for s in (s for s in result["summary"] if (s["format"], s["task"]) == (fmt, task)):
+            f1 = "-" if s["f1_to_full"] is None else f"{s['f1_to_full']:.3f} {_ci(s['f1_to_full_ci95'])}"
+            kl = f"{s['kl_first_token']:.3f} {_ci(s['kl_first_token_ci95'])}"
+            print(f"{s['policy']:<16}{common.fmt(s['anchor_ratio'], '.0%'):>8}"
+                  f"{common.fmt(s['anchor_ratio_achieved'], '.1%'):>9}{common.fmt(s['score'], '.3f'):>7}{f1:>16}"
+                  f"{common.fmt(s['exact_to_full'], '.3f'):>7}{common.fmt(s['top1_to_full'], '.3f'):>7}{kl:>18}"
+                  f"{s['ttft_median_s']:>8.2f}s{common.fmt(s['context_ratio'], '.2f'):>6}"
+                  f"{common.fmt(s['repair_kv_pairs'], ',.0f'):>13}"
+                  f"{common.fmt(s['repair_kv_pairs_executed'], ',.0f'):>13}")
+    print_paired(result)
 
 
-def plot(summary: list[dict], tasks: list[str], path: pathlib.Path) -> None:
-    """First-token KL against median TTFT: all tasks pooled (top left), then one panel per task."""
+def print_paired(result: dict) -> None:
+    """The paired comparisons as one compact table."""
+    versus = result["versus"]
+    if not result["paired"]:
+        print(f"\nno paired comparison: --versus {versus} was not among the policies run")
+        return
+    print(f"\npaired first-token KL, policy − {versus} per example (same ratio asked; lower is better): mean "
+          f"difference, 95% bootstrap CI over examples, wins/ties/losses over (example, format) pairs")
+    head = (f"{'format':<10}{'task':<19}{'policy':<16}{'anchors':>14}{'KL':>7}{versus[:9]:>10}{'diff':>8}"
+            f"{'95% CI':>17}{'W/T/L':>10}{'n':>4}")
+    print(head)
+    print("-" * len(head))
+    shown = set(blocks(result["formats"], list(result["tasks"])))
+    for p in (p for p in result["paired"] if (p["format"], p["task"]) in shown):
+        if p["n_examples"] == 0:
+            continue
+        ratio = ratio_label(p["policy_anchor_ratio"], p["anchor_ratio_achieved"])
+        ci = _ci(p["diff_ci95"], "+.3f")
+        wtl = f"{p['wins']}/{p['ties']}/{p['losses']}"
+        print(f"{p['format']:<10}{p['task']:<19}{p['policy']:<16}{ratio:>14}{p['kl']:>7.3f}{p['kl_versus']:>10.3f}"
+              f"{p['diff']:>+8.3f}{ci:>17}{wtl:>10}{p['n_examples']:>4}")
+    refs = {p["anchor_ratio"]: p["anchor_ratio_achieved_versus"] for p in result["paired"]
+            if (p["format"], p["task"]) == (ALL, ALL)}
+    if any(v is not None for v in refs.values()):
+        print(f"{versus} achieved anchors (all pooled): "
+              + ", ".join(ratio_label(r, a) for r, a in sorted(refs.items())))
+
+
+def plot(result: dict, path: pathlib.Path) -> None:
+    """First-token KL against median TTFT: all pooled (top left), then each format, then each task."""
     plt = common.pyplot()
-    panels = ["all", *tasks] if len(tasks) > 1 else list(tasks)
+    formats, tasks, summary = result["formats"], list(result["tasks"]), result["summary"]
+    pool = ALL if len(formats) > 1 else formats[0]
+    panels = [(pool, ALL)]
+    panels += [(f, ALL) for f in formats] if len(formats) > 1 else []
+    panels += [(pool, t) for t in tasks] if len(tasks) > 1 else []
     cols = min(3, len(panels))
-    rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.8 * rows), squeeze=False)
+    n_rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(4.6 * cols, 3.8 * n_rows), squeeze=False)
     cells_of_axes = list(axes.flat)
-    for ax, task in zip(cells_of_axes, panels):
-        cells = [s for s in summary if s["task"] == task]
+    for ax, (fmt, task) in zip(cells_of_axes, panels):
+        cells = [s for s in summary if (s["format"], s["task"]) == (fmt, task)]
         for baseline, marker in (("full", "s"), ("pic", "D")):
             for s in (s for s in cells if s["policy"] == baseline):
                 ax.scatter([s["ttft_median_s"]], [s["kl_first_token"]], marker=marker, color="k", zorder=3,
@@ -217,13 +431,14 @@ def plot(summary: list[dict], tasks: list[str], path: pathlib.Path) -> None:
                 ax.annotate(baseline, (s["ttft_median_s"], s["kl_first_token"]), textcoords="offset points",
                             xytext=(4, 4), fontsize=8)
         for policy in dict.fromkeys(s["policy"] for s in cells if s["policy"] not in BASELINES):
-            pts = sorted((s["anchor_ratio"], s["ttft_median_s"], s["kl_first_token"])
+            pts = sorted((s["anchor_ratio"], s["ttft_median_s"], s["kl_first_token"], s["anchor_ratio_achieved"])
                          for s in cells if s["policy"] == policy)
             line, = ax.plot([p[1] for p in pts], [p[2] for p in pts], marker="o", label=policy)
-            for ratio, x, y in pts:
-                ax.annotate(f"{ratio:.0%}", (x, y), textcoords="offset points", xytext=(3, -9), fontsize=7,
-                            color=line.get_color())
-        ax.set_title("all tasks pooled" if task == "all" else task)
+            for ratio, x, y, achieved in pts:  # the budget it spent, not only the one it was asked for
+                ax.annotate(ratio_label(ratio, achieved), (x, y), textcoords="offset points", xytext=(3, -9),
+                            fontsize=7, color=line.get_color())
+        what = task if task != ALL else "all tasks" if len(tasks) > 1 else tasks[0]
+        ax.set_title(f"{'all formats' if fmt == ALL else 'format ' + fmt}, {what}", fontsize=10)
         ax.set_xlabel("TTFT median (s)")
         ax.set_ylabel("first-token KL to full (lower is better)")
         ax.set_xlim(left=0)
@@ -232,32 +447,48 @@ def plot(summary: list[dict], tasks: list[str], path: pathlib.Path) -> None:
     spare = cells_of_axes[len(panels):]
     for ax in spare:
         ax.axis("off")
+    legend_title = "policy (point labels: anchor ratio\nasked→achieved)"
     if spare:  # an empty grid cell holds the legend
-        spare[0].legend(handles, labels, loc="center", title="policy (point labels: anchor ratio)")
+        spare[0].legend(handles, labels, loc="center", title=legend_title)
         fig.tight_layout()
     else:
-        fig.tight_layout(rect=(0, 0, 0.83, 1))
-        fig.legend(handles, labels, loc="center right", title="policy\n(labels: anchor ratio)", fontsize=8)
+        fig.tight_layout(rect=(0, 0, 0.80, 1))
+        fig.legend(handles, labels, loc="center right", title=legend_title, fontsize=8, title_fontsize=8)
     common.save_plot(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m benchmarks.bench_quality``: parse the flags, measure, print, write the JSON and the plot."""
-    parser = common.bench_parser(BENCH, __doc__, quick_help=f"{QUICK_EXAMPLES} examples per task, 15%% anchors only")
+    parser = common.bench_parser(BENCH, __doc__,
+                                 quick_help=f"{QUICK_EXAMPLES} examples per task, 15%% anchors only")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--formats", nargs="+", default=["plain"], choices=FORMATS,
+                        help="prompt formats; every example is answered in each (default: plain)")
     parser.add_argument("--examples", type=int, default=10, help="examples per task")
-    parser.add_argument("--offset", type=int, default=0, help="first HotpotQA dev example")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the SQuAD and RULER-style examples")
+    parser.add_argument("--split", default="dev", choices=tuple(SPLITS),
+                        help="dev: HotpotQA 0-2999, seeds 0-999 (tune here); test: HotpotQA 3000-3199, "
+                             "seeds 1000-1099 (report here). Default dev")
+    parser.add_argument("--offset", type=int, default=None, help="first HotpotQA dev example (default: the split's)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the SQuAD and RULER-style examples (default: the split's)")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--versus", default="prophetkv", choices=[p for p in POLICIES if p != "full"],
+                        help="the policy every other one is compared with, example by example (default prophetkv)")
     parser.add_argument("--anchor-ratios", type=float, nargs="+", default=[0.05, 0.15, 0.30])
     parser.add_argument("--context-ratio", type=float, default=0.25)
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="answer length (default: each task's own: 16 for QA, 40 needle, 32 variable tracking)")
+    parser.add_argument("--kl-only", action="store_true",
+                        help="answer with one token: first-token KL, top-1 agreement and TTFT only (no task scores)")
     args = common.parse_args(parser, argv, quick={"examples": QUICK_EXAMPLES, "anchor_ratios": [HEADLINE_RATIO]})
+    args.formats = list(dict.fromkeys(args.formats))
+    try:
+        args.offset, args.seed = split_origin(args.split, args.tasks, args.examples, args.offset, args.seed)
+    except ValueError as exc:
+        common.fail(BENCH, str(exc))
     if "full" not in args.policies:
         args.policies = ["full"] + args.policies
-    common.run_bench(BENCH, args, run, report=lambda result: print_table(result, args),
-                     plot=lambda result, path: plot(result["summary"], args.tasks, path))
+    common.run_bench(BENCH, args, run, report=lambda result: print_table(result, args), plot=plot)
 
 
 if __name__ == "__main__":

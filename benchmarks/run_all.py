@@ -114,30 +114,55 @@ TASK_LABELS = {"hotpotqa": "HotpotQA", "squad": "SQuAD multi-doc", "niah_multiva
 
 
 def quality_table(result: dict) -> str:
+    """The headline quality table (formats pooled, at the ratio closest to 15%) and the anchor-ratio sweep.
+
+    A result with several prompt formats shows their pooled cells (format ``"all"``); one with
+    ``paired`` comparisons adds the paired KL difference to its reference policy.
+    """
     a = result["args"]
-    ratios = sorted({s["anchor_ratio"] for s in result["summary"] if s["anchor_ratio"] is not None})
+    summary = [s for s in result["summary"] if s.get("format", "all") == "all"]  # older results: no format
+    ratios = sorted({s["anchor_ratio"] for s in summary if s["anchor_ratio"] is not None})
     head = min(ratios, key=lambda r: abs(r - 0.15)) if ratios else None
     tasks = list(result["tasks"])
-    cell = {(s["task"], s["policy"], s["anchor_ratio"]): s for s in result["summary"]}
-    policies = list(dict.fromkeys(s["policy"] for s in result["summary"]))
+    cell = {(s["task"], s["policy"], s["anchor_ratio"]): s for s in summary}
+    policies = list(dict.fromkeys(s["policy"] for s in summary))
+    paired = {p["policy"]: p for p in result.get("paired", [])
+              if (p["format"], p["task"], p["anchor_ratio"]) == ("all", "all", head)}
+    versus = result.get("versus")
     what = ", ".join(f"{TASK_LABELS.get(t, t)} {i['examples']}" for t, i in result["tasks"].items())
     at = f" at {head:.0%} anchors," if head is not None else ""
+    formats = result.get("formats", ["plain"])
+    split = result.get("split", {}).get("name", "dev")
     lines = [f"**Quality and fidelity to full prefill**{at} relaxkv context ratio "
-             f"{a['context_ratio']}; examples per task: {what} (HotpotQA dev from {a['offset']}, the others "
-             f"seed {a['seed']}); 10 chunks each. Pooled: mean over all examples [95% bootstrap CI]; per task: "
+             f"{a['context_ratio']}; examples per task: {what} ({split} split: HotpotQA dev from {a['offset']}, "
+             f"the others seed {a['seed']}); 10 chunks each; prompt format{'s' if len(formats) > 1 else ''} "
+             f"{', '.join(formats)}{' (pooled)' if len(formats) > 1 else ''}"
+             f"{'; one answer token (--kl-only): no task scores' if result.get('kl_only') else ''}. "
+             f"Pooled: mean over all examples [95% bootstrap CI]; per task: "
              f"first-token KL to full (lower is better) / task score (QA F1 or RULER string match). "
-             f"{_caption(result)}", "",
+             + (f"Paired: per-example KL difference to {versus} [95% paired bootstrap CI], wins/ties/losses. "
+                if paired else "")
+             + _caption(result), "",
              "| policy | KL to full, pooled | agreement with full | "
-             + " | ".join(TASK_LABELS.get(t, t) for t in tasks) + " | TTFT median s |",
-             "|---" * (len(tasks) + 4) + "|"]
+             + " | ".join(TASK_LABELS.get(t, t) for t in tasks) + " | TTFT median s |"
+             + (f" KL − {versus}, paired | W/T/L |" if paired else ""),
+             "|---" * (len(tasks) + 4 + 2 * bool(paired)) + "|"]
     for policy in policies:
         ratio = None if cell.get(("all", policy, None)) else head
         pooled = cell[("all", policy, ratio)]
         lo, hi = pooled["kl_first_token_ci95"]
-        per_task = " | ".join(f"{c['kl_first_token']:.3f} / {c['score']:.2f}"
+        per_task = " | ".join(f"{c['kl_first_token']:.3f} / {fmt(c['score'], '.2f')}"
                               for c in (cell[(t, policy, ratio)] for t in tasks))
-        lines.append(f"| {policy} | {pooled['kl_first_token']:.3f} [{lo:.2f}, {hi:.2f}] | "
-                     f"{pooled['exact_to_full']:.3f} | {per_task} | {pooled['ttft_median_s']:.2f} |")
+        line = (f"| {policy} | {pooled['kl_first_token']:.3f} [{lo:.2f}, {hi:.2f}] | "
+                f"{fmt(pooled['exact_to_full'], '.3f')} | {per_task} | {pooled['ttft_median_s']:.2f} |")
+        if paired:
+            p = paired.get(policy)  # none for full and for the reference itself
+            if p and p["diff_ci95"]:
+                d_lo, d_hi = p["diff_ci95"]
+                line += f" {p['diff']:+.3f} [{d_lo:+.3f}, {d_hi:+.3f}] | {p['wins']}/{p['ties']}/{p['losses']} |"
+            else:
+                line += " - | - |"
+        lines.append(line)
     if len(ratios) > 1:
         lines += ["", "**Anchor-ratio sweep**, all tasks pooled: first-token KL to full / TTFT median s. "
                   + "; ".join(f"{p}: {cell[('all', p, None)]['kl_first_token']:.3f} / "

@@ -11,6 +11,10 @@ hand-computed cases.
   the references found in the answer) for the synthetic tasks.
 - Latency: percentiles with linear interpolation (numpy's default), and a
   ``mean/p50/p90/p99`` summary.
+- Comparisons over examples: a 95% percentile-bootstrap interval of a mean,
+  the same of the mean per-example difference of two policies (paired: the
+  examples are resampled, each keeping both its values), and win/tie/loss
+  counts.
 - Cache: hit rate = cached prompt tokens / prompt tokens, and the reuse bound
   of a trace (every chunk token after the chunk's first appearance).
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import math
+import random
 import re
 import string
 from typing import Hashable, Iterable, Sequence
@@ -133,6 +138,42 @@ def latency_summary(values: Iterable[float]) -> dict:
         "p90": percentile(values, 90),
         "p99": percentile(values, 99),
     }
+
+
+def bootstrap_ci(values: Sequence[float], *, seed: int = 0, rounds: int = 1000) -> tuple[float, float] | None:
+    """95% percentile-bootstrap interval of the mean of ``values`` (None for no values).
+
+    ``rounds`` resamples of ``len(values)`` draws with replacement from one
+    ``random.Random(seed)``: lists of equal length resample the same indices,
+    so intervals of several policies over the same examples are paired.
+    """
+    values = list(values)
+    if not values:
+        return None
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(sum(values[rng.randrange(n)] for _ in range(n)) / n for _ in range(rounds))
+    return means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
+
+
+def paired_bootstrap_ci(a: Sequence[float], b: Sequence[float], *, seed: int = 0,
+                        rounds: int = 1000) -> tuple[float, float] | None:
+    """95% bootstrap interval of the mean of ``a[i] - b[i]``: the examples ``i`` are resampled, each
+    keeping its pair. An interval that excludes 0 says ``a`` and ``b`` differ on these examples,
+    which two overlapping marginal intervals cannot say. None for no pairs."""
+    if len(a) != len(b):
+        raise ValueError(f"paired values need equal lengths, got {len(a)} and {len(b)}")
+    return bootstrap_ci([x - y for x, y in zip(a, b)], seed=seed, rounds=rounds)
+
+
+def win_counts(a: Sequence[float], b: Sequence[float], *, tol: float = 1e-6) -> tuple[int, int, int]:
+    """``(wins, ties, losses)`` of ``a`` against ``b`` pair by pair, lower is better (a loss, such as
+    a KL): a win is ``a[i] < b[i] - tol``, a loss ``a[i] > b[i] + tol``, a tie anything closer."""
+    if len(a) != len(b):
+        raise ValueError(f"paired values need equal lengths, got {len(a)} and {len(b)}")
+    wins = sum(x < y - tol for x, y in zip(a, b))
+    losses = sum(x > y + tol for x, y in zip(a, b))
+    return wins, len(a) - wins - losses, losses
 
 
 def hit_rate(cached_tokens: int, prompt_tokens: int) -> float:

@@ -179,18 +179,70 @@ def hotpotqa_requests(
     return requests
 
 
-def marked_text(system: str, documents: Sequence[str], question: str) -> tuple[str, list[int]]:
+def marked_text(system: str, documents: Sequence[str], question: str, *,
+                separator: str = SEPARATOR) -> tuple[str, list[int]]:
     """The rendered prompt and its ``relaxkv_chunks`` offsets: one ``[start, end)`` pair per document.
 
     The text is exactly :func:`render_prompt`'s layout (parts joined by
-    :data:`SEPARATOR`); the separators stay outside the chunks.
+    ``separator``, :data:`SEPARATOR` by default); the separators stay outside the chunks.
     """
-    text, offsets = system, []
-    for doc in documents:
-        text += SEPARATOR
+    return _marked(system + separator, documents, separator, separator + question)
+
+
+def _marked(head: str, documents: Sequence[str], separator: str, tail: str) -> tuple[str, list[int]]:
+    """``head``, the documents joined by ``separator``, ``tail``; and the documents' offsets."""
+    text, offsets = head, []
+    for i, doc in enumerate(documents):
+        text += separator if i else ""
         offsets += [len(text), len(text) + len(doc)]
         text += doc
-    return text + SEPARATOR + question, offsets
+    return text + tail, offsets
+
+
+# ------------------------------------------------------------ prompt formats
+#
+# The same example in three common RAG prompt layouts. A repair policy's quality depends on the
+# layout (e.g. whether every chunk opens with the same tokens), so the quality benchmark measures
+# each: ``plain`` (``Title: text`` documents between blank lines, the default everywhere),
+# ``document`` (each document a ``Document: <title>`` line then its text, single newlines, a
+# one-line instruction first) and ``chat`` (ChatML turns, the template of SmolLM2-Instruct and
+# Qwen2.5: system turn, documents and question in the user turn, the answer's lead-in, if any, in
+# the assistant turn).
+
+PROMPT_FORMATS = ("plain", "document", "chat")
+_ANSWER_LEAD = "\nAnswer:"
+
+
+def format_document(document: str, title: str | None, fmt: str) -> str:
+    """One document's chunk text in ``fmt``: ``plain`` and ``chat`` keep it as is; ``document``
+    writes a ``Document: <title>`` line (the title taken off a ``Title: text`` document) then the text."""
+    if fmt not in PROMPT_FORMATS:
+        raise ValueError(f"unknown prompt format {fmt!r}; choose one of {', '.join(PROMPT_FORMATS)}")
+    if fmt != "document":
+        return document
+    if title and document.startswith(f"{title}: "):
+        return f"Document: {title}\n{document[len(title) + 2:]}"
+    return f"Document: {title}\n{document}" if title else f"Document:\n{document}"
+
+
+def render_marked(system: str, documents: Sequence[str], question: str, fmt: str = "plain",
+                  titles: Sequence[str] | None = None) -> tuple[str, list[int]]:
+    """The prompt in format ``fmt`` (:data:`PROMPT_FORMATS`) and its ``relaxkv_chunks`` offsets.
+
+    ``question`` is the block that ends the plain prompt (e.g. ``Question: ...\\nAnswer:``);
+    ``titles`` (one per document, or None) name the documents for the ``document`` format.
+    """
+    titles = list(titles) if titles else [None] * len(documents)
+    docs = [format_document(d, t, fmt) for d, t in zip(documents, titles)]
+    if fmt == "plain":
+        return marked_text(system, docs, question)
+    if fmt == "document":
+        return marked_text(system, docs, question, separator="\n")
+    # chat: the lead-in of the answer (from "Answer:" on) opens the assistant turn.
+    ask, lead, rest = question.partition(_ANSWER_LEAD)
+    answer_lead = lead.lstrip("\n") + rest if lead else ""
+    return _marked(f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n", docs, "\n\n",
+                   f"\n\n{ask}<|im_end|>\n<|im_start|>assistant\n{answer_lead}")
 
 
 def chunk_spans(offsets: Sequence[int]) -> list[tuple[int, int]]:
@@ -227,6 +279,14 @@ def token_count(tokenizer: Any, text: str, *, special: bool = False) -> int:
 
 QUALITY_TASKS = ("hotpotqa", "squad", "niah_multivalue", "variable_tracking")
 
+# The project's rule: tune on dev, report on test. Per split: where a run starts by default, and the
+# HotpotQA dev examples and synthetic seeds ([first, end)) its examples may use. SQuAD's questions
+# and documents come from disjoint halves of its articles for dev and test seeds (squad_multidoc).
+QUALITY_SPLITS = {
+    "dev": {"offset": 0, "seed": 0, "hotpotqa": (0, 3000), "seeds": (0, 1000)},
+    "test": {"offset": 3000, "seed": 1000, "hotpotqa": (3000, 3200), "seeds": (1000, 1100)},
+}
+
 # Words for NIAH keys ("adjective-noun"); any fixed list works, it only has to
 # name something the essays never mention.
 _KEY_ADJECTIVES = ("amber", "brisk", "cobalt", "dusty", "eager", "frozen", "gentle", "hollow", "ivory", "jolly",
@@ -260,10 +320,15 @@ class TaskExample:
     answers: list[str]
     scorer: str
     max_new_tokens: int
+    titles: list[str] | None = None  # one per document (HotpotQA, SQuAD); None: untitled (essays)
 
-    def marked(self) -> tuple[str, list[int]]:
-        """The prompt text and its ``relaxkv_chunks`` offsets (one pair per document)."""
-        return marked_text(self.system, self.documents, self.question)
+    def marked(self, fmt: str = "plain") -> tuple[str, list[int]]:
+        """The prompt text in ``fmt`` and its ``relaxkv_chunks`` offsets (one pair per document)."""
+        return render_marked(self.system, self.documents, self.question, fmt, self.titles)
+
+    def chunk_documents(self, fmt: str = "plain") -> list[str]:
+        """The documents' chunk texts in ``fmt``, in prompt order."""
+        return chunk_texts(*self.marked(fmt))
 
 
 def hotpotqa_examples(n: int, *, offset: int = 0, data: list[dict] | None = None) -> list[TaskExample]:
@@ -274,7 +339,7 @@ def hotpotqa_examples(n: int, *, offset: int = 0, data: list[dict] | None = None
         raise ValueError(f"HotpotQA has {len(data)} examples; offset {offset} + {n} is past the end")
     return [TaskExample(
         task="hotpotqa", example_id=str(ex.get("_id", offset + i)), system=SYSTEM_PROMPTS[0],
-        documents=hotpotqa_paragraphs(ex),
+        documents=hotpotqa_paragraphs(ex), titles=[title for title, _ in ex["context"]],
         question=question_text(ex["question"]), answers=[ex["answer"]], scorer="qa_f1", max_new_tokens=16,
     ) for i, ex in enumerate(chosen)]
 
@@ -287,12 +352,18 @@ def squad_multidoc(n: int, *, seed: int = 0, distractors: int = 9, max_chars: in
     drawn with ``seed``; the gold paragraph lands at a seeded position.
     Paragraphs (gold and distractors) have at most ``max_chars`` characters, so
     10 of them are about 1.5K tokens. A document is ``"Article title: paragraph"``.
+    Seeds of the test split (:data:`QUALITY_SPLITS`) draw questions and documents from the
+    odd-numbered articles, every other seed from the even-numbered ones, so no test example
+    shares a question or a document with a development example.
     """
     data = assets.load_data("squad") if data is None else data
     rng = random.Random(seed)
+    test_seeds = QUALITY_SPLITS["test"]["seeds"]
+    half = 1 if test_seeds[0] <= seed < test_seeds[1] else 0
     paragraphs = [(a, format_paragraph(art["title"].replace("_", " "), [par["context"]]), par["qas"])
-                  for a, art in enumerate(data["data"]) for par in art["paragraphs"]
+                  for a, art in enumerate(data["data"]) if a % 2 == half for par in art["paragraphs"]
                   if len(par["context"]) <= max_chars]
+    title_of = {text: data["data"][a]["title"].replace("_", " ") for a, text, _ in paragraphs}
     candidates = [(i, q) for i, (_, _, qas) in enumerate(paragraphs) for q in qas
                   if not q.get("is_impossible") and q["answers"]]
     rng.shuffle(candidates)
@@ -313,7 +384,7 @@ def squad_multidoc(n: int, *, seed: int = 0, distractors: int = 9, max_chars: in
         answers = list(dict.fromkeys(a["text"] for a in qa["answers"]))  # unique, in order
         examples.append(TaskExample(
             task="squad", example_id=str(qa["id"]), system=SYSTEM_PROMPTS[0], documents=docs,
-            question=question_text(qa["question"]), answers=answers, scorer="qa_f1", max_new_tokens=16))
+            titles=[title_of[d] for d in docs], question=question_text(qa["question"]), answers=answers, scorer="qa_f1", max_new_tokens=16))
     if len(examples) < n:
         raise ValueError(f"SQuAD has only {len(examples)} answerable paragraphs of at most {max_chars} characters")
     return examples

@@ -25,7 +25,10 @@ Relaxed context of anchor t at layer l (``build_relaxed_layout``), page granular
 * Budget: ``ceil(context_ratio * (page(t) + 1))`` pages, i.e. a fraction of the anchor's causal
   prefix counted in pages, **including** the sink and own-chunk pages (they are spent first;
   when they alone exceed the budget they are still kept, so small ratios floor at
-  sink + own chunk).  ``context_ratio = 1`` selects every page ``<= page(t)``, i.e. exactly the
+  sink + own chunk).  With ``own_chunk_in_budget=False`` the budget is
+  ``ceil(context_ratio * page(chunk_start))``, a fraction of the pages *before* the anchor's
+  own chunk (sink pages included), and the own chunk comes on top: an anchor late in a long
+  chunk then still reaches other chunks.  ``context_ratio = 1`` selects every page ``<= page(t)``, i.e. exactly the
   full causal prefix.  Rounding up to whole pages means a page that straddles a chunk boundary
   brings a few extra tokens of the previous chunk, never fewer.
 * The achieved ratio is reported in tokens: ``kv_pairs() / full_kv_pairs()``.
@@ -206,6 +209,7 @@ def build_relaxed_layout(
     sink_tokens: int = 4,
     mode: str = "topk",
     generator: Optional[torch.Generator] = None,
+    own_chunk_in_budget: bool = True,
 ) -> BlockSparseLayout:
     """The relaxed context R_l(t) of every anchor of one layer, as a BSR layout (module doc).
 
@@ -221,6 +225,9 @@ def build_relaxed_layout(
         mode: 'topk' (query-relevant pages), 'random' (seeded random pages, same count),
             'full' (every causal page).
         generator: torch.Generator for mode 'random'.
+        own_chunk_in_budget: True: the budget is a fraction of the whole causal prefix, own
+            chunk included; False: of the pages before the anchor's own chunk, the own chunk
+            coming on top (module doc).
     Returns:
         BlockSparseLayout whose rows are ``anchors`` in order.
     """
@@ -252,8 +259,12 @@ def build_relaxed_layout(
     if mode == "full":
         mask = causal
     else:
-        budget = torch.ceil(context_ratio * (blk_page + 1).double() - 1e-9).long()
-        extra = (budget - mandatory.sum(dim=1)).clamp(min=0)  # [n_rb]
+        if own_chunk_in_budget:
+            budget = torch.ceil(context_ratio * (blk_page + 1).double() - 1e-9).long()
+            extra = (budget - mandatory.sum(dim=1)).clamp(min=0)  # [n_rb]
+        else:  # a fraction of the pages before the own chunk; the sink pages among them count
+            budget = torch.ceil(context_ratio * own_first.double() - 1e-9).long()
+            extra = (budget - (mandatory & (cols < own_first[:, None])).sum(dim=1)).clamp(min=0)
         cand = causal & ~mandatory
         if mode == "topk":
             if scores is None:

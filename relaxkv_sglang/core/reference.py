@@ -41,6 +41,8 @@ __all__ = [
     "RepairReport",
     "Result",
     "build_stale_kv",
+    "StaleContext",
+    "stale_context",
     "reference_prefill",
 ]
 
@@ -354,6 +356,34 @@ def _query_pass(w: LlamaWeights, input_ids: torch.Tensor, query_start: int, stal
     return _logits(w, h[-1]), kv, (torch.stack(scores) if want_scores else None)
 
 
+@dataclass
+class StaleContext:
+    """What every chunk-reusing policy starts from, computed once per request.
+
+    kv: per layer (k [query_start, n_kv_heads, head_dim], v [same]) float32, ``build_stale_kv``.
+    pic_logits: float32 [vocab], the last token's logits over the stale KV (``pic``).
+    query_kv: per layer the stale KV followed by the query's own (``pic``'s decode KV).
+    scores: float32 [n_layers, query_start] the query scores s_l.
+    """
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    pic_logits: torch.Tensor
+    query_kv: list[tuple[torch.Tensor, torch.Tensor]]
+    scores: torch.Tensor
+
+
+def stale_context(weights: LlamaWeights, input_ids: torch.Tensor, chunk_spans: Sequence[Span],
+                  query_start: int) -> StaleContext:
+    """The stale KV and the query pass over it (logits and scores) for one request.
+
+    Args: as :func:`reference_prefill`.  Returns: StaleContext.
+    """
+    input_ids = input_ids.to(torch.long).flatten()
+    stale = build_stale_kv(weights, input_ids, chunk_spans, query_start)
+    logits, q_kv, scores = _query_pass(weights, input_ids, query_start, stale, True)
+    return StaleContext(stale, logits, q_kv, scores)
+
+
 def reference_prefill(
     weights: LlamaWeights,
     input_ids: torch.Tensor,
@@ -361,6 +391,7 @@ def reference_prefill(
     query_start: int,
     policy: Policy | str,
     config: RepairConfig = RepairConfig(),
+    stale: Optional[StaleContext] = None,
 ) -> Result:
     """Prefill one request under ``policy`` and return the last token's logits and the KV.
 
@@ -374,6 +405,8 @@ def reference_prefill(
         query_start: index of the first query token (>= 1 query token required).
         policy: Policy or its value (full, pic, or a repair policy; ``random`` included).
         config: the repair's knobs (ignored by full/pic).
+        stale: this request's :func:`stale_context`, to compare several policies or knobs
+            without recomputing it (computed here when None).
     Returns:
         Result.
     """
@@ -391,13 +424,13 @@ def reference_prefill(
         report.query_kv_pairs = query_pairs_per_layer * L
         return Result(_logits(weights, h[-1]), kv, report, [torch.zeros(0, dtype=torch.long)] * L)
 
-    stale = build_stale_kv(weights, input_ids, spans, Q0)
-    scores = None
-    if policy is Policy.PIC or policy.needs_query_scores:
-        logits, q_kv, scores = _query_pass(weights, input_ids, Q0, stale, policy.needs_query_scores)
-        if policy is Policy.PIC:
-            report.query_kv_pairs = query_pairs_per_layer * L
-            return Result(logits, q_kv, report, [torch.zeros(0, dtype=torch.long)] * L, scores)
+    if stale is None:
+        stale = stale_context(weights, input_ids, spans, Q0)
+    if policy is Policy.PIC:
+        report.query_kv_pairs = query_pairs_per_layer * L
+        return Result(stale.pic_logits, stale.query_kv, report, [torch.zeros(0, dtype=torch.long)] * L, stale.scores)
+    scores = stale.scores if policy.needs_query_scores else None
+    stale_kv = stale.kv
 
     plan = plan_anchors(policy, scores, spans, Q0, L, config)
     pos_q = torch.arange(Q0, n)
@@ -414,10 +447,10 @@ def reference_prefill(
         h_a = h_cur[rows]
         n_a = anchors.numel()
         q, k, v = _project_qkv(weights, layer, torch.cat([h_a, h_q]), torch.cat([anchors, pos_q]))
-        K, V = stale[l][0].clone(), stale[l][1].clone()
+        K, V = stale_kv[l][0].clone(), stale_kv[l][1].clone()
         K[anchors], V[anchors] = k[:n_a], v[:n_a]
         if plan.decides_at(l):
-            plan = plan.after_check_layer(anchors, k[:n_a], v[:n_a], stale[l][0][anchors], stale[l][1][anchors])
+            plan = plan.after_check_layer(anchors, k[:n_a], v[:n_a], stale_kv[l][0][anchors], stale_kv[l][1][anchors])
         layout = plan.layouts[l]
         o_a = block_sparse_attention(q[:n_a], K, V, layout)
         keys, vals = torch.cat([K, k[n_a:]]), torch.cat([V, v[n_a:]])

@@ -57,6 +57,10 @@ class RepairConfig:
         page_size: key page of the layouts, in tokens.
         sink_tokens: first prompt tokens every anchor attends to.
         chunk_sink_tokens: first tokens of each chunk favoured as relaxkv targets.
+        own_chunk_in_budget: whether the relaxed context budget counts the anchor's own chunk
+            (``layout.build_relaxed_layout``).
+        layer_value: how relaxkv values correcting a token at each layer
+            (``selection.layer_weights``: uniform, skip0, depth).
         check_layer: CacheBlend's check layer.
         cacheblend_use_k: CacheBlend's deviation also counts K (else V only).
         seed: seeds the random control and the random-context ablation.
@@ -67,6 +71,8 @@ class RepairConfig:
     page_size: int = 16
     sink_tokens: int = 4
     chunk_sink_tokens: int = 4
+    layer_value: str = "uniform"
+    own_chunk_in_budget: bool = True
     check_layer: int = 1
     cacheblend_use_k: bool = False
     seed: int = 0
@@ -173,7 +179,8 @@ def plan_anchors(
     spans = tuple((int(s), int(e)) for s, e in chunk_spans)
     targets_rng = torch.Generator().manual_seed(config.seed)
     sets = select_anchors(policy, scores, spans, n_context, config.anchor_ratio, targets_rng, n_layers=n_layers,
-                          check_layer=config.check_layer, chunk_sink_tokens=config.chunk_sink_tokens)
+                          check_layer=config.check_layer, chunk_sink_tokens=config.chunk_sink_tokens,
+                          layer_value=config.layer_value)
     layouts = anchor_layouts(policy, sets, scores, spans, n_context, config)
     return AnchorPlan(policy, spans, n_context, n_layers, config, scores, sets, layouts)
 
@@ -201,6 +208,6 @@ def anchor_layouts(
     return [
         build_relaxed_layout(anchors, scores[first_layer + i] if scores is not None and mode == "topk" else None,
                              chunk_spans, n_context, ratio, config.page_size, config.sink_tokens, mode=mode,
-                             generator=context_rng)
+                             generator=context_rng, own_chunk_in_budget=config.own_chunk_in_budget)
         for i, anchors in enumerate(anchor_sets)
     ]

@@ -55,6 +55,8 @@ __all__ = [
     "query_attention_scores",
     "eligible_tokens",
     "chunk_ids",
+    "LAYER_VALUES",
+    "layer_weights",
     "relaxkv_exit_layers",
     "exits_to_anchor_sets",
     "kv_deviation",
@@ -219,11 +221,34 @@ def _hull_exit_allocation(util: torch.Tensor, budget: int) -> torch.Tensor:
     return exits
 
 
+LAYER_VALUES = ("uniform", "skip0", "depth")
+
+
+def layer_weights(n_layers: int, rule: str) -> torch.Tensor:
+    """Weight w_l of correcting a token's KV at layer l (module doc: "Layer value").
+
+    Args:
+        n_layers: L.
+        rule: ``uniform`` (w_l = 1), ``skip0`` (w_0 = 0, else 1) or ``depth`` (w_l = l / (L - 1)).
+    Returns:
+        float64 [L].
+    """
+    if rule not in LAYER_VALUES:
+        raise ValueError(f"unknown layer value rule {rule!r}; choose one of {', '.join(LAYER_VALUES)}")
+    w = torch.ones(n_layers, dtype=torch.float64)
+    if rule == "depth":
+        w = torch.arange(n_layers, dtype=torch.float64) / max(n_layers - 1, 1)
+    if rule != "uniform":
+        w[0] = 0.0
+    return w
+
+
 def relaxkv_exit_layers(
     scores: torch.Tensor,
     chunk_spans: Sequence[Span],
     anchor_ratio: float,
     chunk_sink_tokens: int = 4,
+    layer_value: str = "uniform",
 ) -> torch.Tensor:
     """RelaxKV exit layer of every context token (module doc: "RelaxKV exit-layer rule").
 
@@ -232,10 +257,12 @@ def relaxkv_exit_layers(
         chunk_spans: chunk spans inside the context.
         anchor_ratio: r in [0, 1]; sum of exit layers == round(r * n_layers * n_eligible).
         chunk_sink_tokens: first tokens of each eligible chunk that get every layer first.
+        layer_value: the rule of :func:`layer_weights`.
     Returns:
         int64 [n_context]; 0 for non-eligible tokens.
     """
     L, n_context = scores.shape
+    weights = layer_weights(L, layer_value)
     elig = eligible_tokens(chunk_spans, n_context)
     exits = torch.zeros(n_context, dtype=torch.long)
     budget = _budget(anchor_ratio, L * elig.numel())
@@ -255,6 +282,7 @@ def relaxkv_exit_layers(
         tot = s.sum(dim=1, keepdim=True)
         # A layer whose mass on eligible tokens is zero carries no preference: uniform.
         norm = torch.where(tot > 0, s / tot.clamp(min=1e-300), torch.full_like(s, 1.0 / elig.numel()))
+        norm = norm * weights[:, None]
         pos_in_elig = torch.searchsorted(elig, rest)
         exits[rest] = _hull_exit_allocation(norm[:, pos_in_elig].T.contiguous(), budget)
     return exits
@@ -322,6 +350,7 @@ def select_anchors(
     deviation: Optional[torch.Tensor] = None,
     check_layer: int = 1,
     chunk_sink_tokens: int = 4,
+    layer_value: str = "uniform",
 ) -> list[torch.Tensor]:
     """Anchor set of every layer for one request.
 
@@ -342,6 +371,7 @@ def select_anchors(
             the full layers 0..check_layer (the executor calls again once it has it).
         check_layer: cacheblend's check layer.
         chunk_sink_tokens: relaxkv's favoured first tokens of each chunk.
+        layer_value: relaxkv's layer value rule (:func:`layer_weights`).
 
     Returns:
         n_layers int64 tensors of sorted token indices, nested (A_0 ⊇ A_1 ⊇ ...).
@@ -391,7 +421,7 @@ def select_anchors(
     # relaxkv and its two ablations share the targets.
     if scores is None:
         raise ValueError(f"{policy.value} needs query scores")
-    exits = relaxkv_exit_layers(scores, chunk_spans, anchor_ratio, chunk_sink_tokens)
+    exits = relaxkv_exit_layers(scores, chunk_spans, anchor_ratio, chunk_sink_tokens, layer_value)
     return exits_to_anchor_sets(exits, n_layers)
 
 

@@ -48,9 +48,9 @@ def test_configs_answer_baselines_once_and_repairs_per_ratio():
 
 
 def _row(task, policy, ratio, kl, score, ttft):
-    return {"task": task, "example_id": "e", "policy": policy, "anchor_ratio": ratio, "score": score,
-            "f1_to_full": 1.0 - kl, "exact_to_full": float(kl == 0), "kl_first_token": kl, "ttft_s": ttft,
-            "latency_s": ttft + 1, "prompt_tokens": 100, "relaxkv": {}}
+    return {"task": task, "format": "plain", "example_id": "e", "policy": policy, "anchor_ratio": ratio,
+            "score": score, "f1_to_full": 1.0 - kl, "exact_to_full": float(kl == 0), "top1_to_full": float(kl == 0),
+            "kl_first_token": kl, "ttft_s": ttft, "latency_s": ttft + 1, "prompt_tokens": 100, "relaxkv": {}}
 
 
 def test_quality_summary_and_table():
@@ -59,9 +59,10 @@ def test_quality_summary_and_table():
         rows += [_row(task, "full", None, 0.0, 0.5, 3.0), _row(task, "pic", None, 0.4 * k, 0.25, 0.2)]
         rows += [_row(task, "relaxkv", r, 0.1 * k / r, 0.5, 1 + r) for r in (0.05, 0.3)]
     cfgs = bench_quality.configs(["full", "pic", "relaxkv"], [0.05, 0.3])
-    summary = bench_quality.summarize_all(rows, ["hotpotqa", "niah_multivalue"], cfgs)
-    cell = {(s["task"], s["policy"], s["anchor_ratio"]): s for s in summary}
-    assert len(summary) == 3 * 4
+    summary = bench_quality.summarize_all(rows, ["plain"], ["hotpotqa", "niah_multivalue"], cfgs)
+    cell = {(s["task"], s["policy"], s["anchor_ratio"]): s for s in summary if s["format"] == "plain"}
+    assert len(summary) == 2 * 3 * 4  # the format and all formats (the same here) x (2 tasks + all) x configs
+    assert [s for s in summary if s["format"] == "all"] == [{**s, "format": "all"} for s in summary[:12]]
     assert cell[("all", "pic", None)]["kl_first_token"] == pytest.approx(0.6)  # mean of 0.4 and 0.8
     assert cell[("niah_multivalue", "relaxkv", 0.3)]["kl_first_token"] == pytest.approx(0.2 / 0.3)
     assert cell[("all", "relaxkv", 0.05)]["ttft_median_s"] == pytest.approx(1.05)

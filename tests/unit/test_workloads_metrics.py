@@ -68,6 +68,74 @@ def test_chunk_spans_and_texts_split_a_marked_prompt():
     assert chunk_spans([]) == [] and chunk_texts("no chunks", []) == []
 
 
+def _titled_example():
+    from relaxkv_sglang.workloads import TaskExample
+
+    return TaskExample("hotpotqa", "e", "Sys.", ["Ed Wood: Ed Wood is a film.", "Paris: Paris is a city."],
+                       question_text("Who?"), ["x"], "qa_f1", 16, titles=["Ed Wood", "Paris"])
+
+
+@pytest.mark.parametrize("fmt", ["plain", "document", "chat"])
+def test_marked_offsets_point_at_exactly_the_formatted_documents(fmt):
+    from relaxkv_sglang.workloads import PROMPT_FORMATS, chunk_texts, format_document, niah_multivalue
+
+    assert fmt in PROMPT_FORMATS
+    for ex in (_titled_example(), niah_multivalue(1, n_docs=4, doc_chars=200, n_values=2, haystack=HAYSTACK)[0]):
+        text, offsets = ex.marked(fmt)
+        titles = ex.titles or [None] * len(ex.documents)
+        formatted = [format_document(d, t, fmt) for d, t in zip(ex.documents, titles)]
+        assert chunk_texts(text, offsets) == formatted == ex.chunk_documents(fmt)
+        assert len(offsets) == 2 * len(ex.documents) and offsets == sorted(offsets)
+        # Everything outside the chunks is the format's frame: system before, question after, separators.
+        assert ex.system in text[:offsets[0]] and "Question: " in text[offsets[-1]:]
+        assert all(text[e:s].strip() == "" for e, s in zip(offsets[1:-1:2], offsets[2::2]))
+
+
+def test_plain_format_is_the_layout_from_before():
+    from relaxkv_sglang.workloads import marked_text, render_marked
+
+    ex = _titled_example()
+    assert ex.marked() == ex.marked("plain") == marked_text(ex.system, ex.documents, ex.question)
+    text, offsets = ex.marked("plain")
+    assert text == SEPARATOR.join([ex.system, *ex.documents, ex.question])
+    assert text == "Sys.\n\nEd Wood: Ed Wood is a film.\n\nParis: Paris is a city.\n\nQuestion: Who?\nAnswer:"
+    assert offsets == [6, 33, 35, 58]
+    assert ex.chunk_documents() == ex.documents
+    assert render_marked("S", ["a", "b"], "Q") == marked_text("S", ["a", "b"], "Q")  # titles are optional
+
+
+def test_document_format_opens_every_chunk_with_its_title_line():
+    from relaxkv_sglang.workloads import format_document
+
+    ex = _titled_example()
+    text, offsets = ex.marked("document")
+    assert ex.chunk_documents("document") == ["Document: Ed Wood\nEd Wood is a film.", "Document: Paris\nParis is a city."]
+    assert text == ("Sys.\nDocument: Ed Wood\nEd Wood is a film.\nDocument: Paris\nParis is a city.\n"
+                    "Question: Who?\nAnswer:")
+    assert all(text[s:].startswith(f"Document: {t}\n") for s, t in zip(offsets[::2], ex.titles))
+    # A document that does not start with its title keeps all its text; an untitled one gets a bare label.
+    assert format_document("Some text.", "T", "document") == "Document: T\nSome text."
+    assert format_document("Some text.", None, "document") == "Document:\nSome text."
+    with pytest.raises(ValueError, match="unknown prompt format"):
+        format_document("x", None, "markdown")
+
+
+def test_chat_format_ends_with_the_assistant_turn_and_the_answer_lead_in():
+    from relaxkv_sglang.workloads import niah_multivalue
+
+    ex = _titled_example()
+    text, offsets = ex.marked("chat")
+    assert text.startswith("<|im_start|>system\nSys.<|im_end|>\n<|im_start|>user\n")
+    assert text.endswith("\n\nQuestion: Who?<|im_end|>\n<|im_start|>assistant\nAnswer:")
+    assert ex.chunk_documents("chat") == ex.documents  # documents as in plain, in the user turn
+    assert text.index("<|im_start|>user") < offsets[0] and offsets[-1] < text.index("<|im_start|>assistant")
+    # The RULER prompts' lead-in ("Answer: The special magic numbers ... are") opens the assistant turn.
+    niah = niah_multivalue(1, n_docs=4, doc_chars=200, n_values=2, haystack=HAYSTACK)[0]
+    lead = niah.question.split("\n", 1)[1]
+    assert lead.startswith("Answer: The special magic numbers")
+    assert niah.marked("chat")[0].endswith("<|im_end|>\n<|im_start|>assistant\n" + lead)
+
+
 def test_token_ids_and_count_leave_special_tokens_to_the_caller():
     from relaxkv_sglang.workloads import token_count, token_ids
 
@@ -494,7 +562,7 @@ HAYSTACK = " ".join(f"Sentence number {i} talks about {'startups' if i % 3 else 
 def test_squad_multidoc_is_seeded_and_hides_the_gold_paragraph_among_other_articles():
     from relaxkv_sglang.workloads import squad_multidoc
 
-    data = _squad()
+    data = _squad(n_articles=12)  # a seed draws from half of the articles
     a = squad_multidoc(5, seed=1, distractors=6, data=data)
     assert [e.documents for e in a] == [e.documents for e in squad_multidoc(5, seed=1, distractors=6, data=data)]
     assert [e.example_id for e in a] != [e.example_id for e in squad_multidoc(5, seed=2, distractors=6, data=data)]
@@ -514,7 +582,17 @@ def test_squad_multidoc_is_seeded_and_hides_the_gold_paragraph_among_other_artic
     assert len(positions) > 1  # the gold position is drawn, not fixed
     assert len({e.example_id.split("-")[0] + e.example_id.split("-")[1] for e in a}) == 5  # one question per paragraph
     with pytest.raises(ValueError, match="answerable"):
-        squad_multidoc(30, data=data)  # only 24 paragraphs
+        squad_multidoc(30, data=data)  # only 24 paragraphs in the seed's half
+
+
+def test_squad_test_seeds_share_no_question_or_document_with_dev_seeds():
+    from relaxkv_sglang.workloads import squad_multidoc
+
+    data = _squad(n_articles=8)
+    dev = squad_multidoc(6, seed=3, distractors=5, data=data)
+    test = squad_multidoc(6, seed=1000, distractors=5, data=data)
+    assert not {e.example_id for e in dev} & {e.example_id for e in test}
+    assert not {d for e in dev for d in e.documents} & {d for e in test for d in e.documents}
 
 
 def test_niah_multivalue_puts_every_value_in_a_different_document():

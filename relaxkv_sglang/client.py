@@ -12,7 +12,7 @@ import time
 
 import requests
 
-from relaxkv_sglang.schema import ANCHOR_RATIO, CHUNKS, CONTEXT_RATIO, POLICY
+from relaxkv_sglang.schema import ANCHOR_RATIO, BUDGET, CHUNKS, CONTEXT_RATIO, POLICY
 
 
 class ServerClient:
@@ -23,11 +23,12 @@ class ServerClient:
 
     def generate(self, text: str, offsets: list[int] | None = None, policy: str | None = None, *,
                  max_new_tokens: int = 16, anchor_ratio: float | None = None, context_ratio: float | None = None,
+                 budget: float | None = None,
                  stop=None, top_logprobs: int = 0, token_ids_logprob: list[int] | None = None,
                  return_logprob: bool = False, **extra) -> dict:
         """POST /generate, greedy; ``client_latency_s`` is added to the response."""
         body = self._body(text, offsets, policy, max_new_tokens=max_new_tokens, anchor_ratio=anchor_ratio,
-                          context_ratio=context_ratio, stop=stop, top_logprobs=top_logprobs,
+                          context_ratio=context_ratio, budget=budget, stop=stop, top_logprobs=top_logprobs,
                           token_ids_logprob=token_ids_logprob, return_logprob=return_logprob, **extra)
         start = time.perf_counter()
         response = self.session.post(self.url + "/generate", json=body, timeout=self.timeout)
@@ -60,9 +61,10 @@ class ServerClient:
         return last
 
     @staticmethod
-    def _body(text, offsets, policy, *, max_new_tokens, anchor_ratio=None, context_ratio=None, stop=None,
-              top_logprobs=0, token_ids_logprob=None, return_logprob=False, **extra) -> dict:
-        fields = ((POLICY, policy), (CHUNKS, offsets), (ANCHOR_RATIO, anchor_ratio), (CONTEXT_RATIO, context_ratio))
+    def _body(text, offsets, policy, *, max_new_tokens, anchor_ratio=None, context_ratio=None, budget=None,
+              stop=None, top_logprobs=0, token_ids_logprob=None, return_logprob=False, **extra) -> dict:
+        fields = ((POLICY, policy), (CHUNKS, offsets), (ANCHOR_RATIO, anchor_ratio), (CONTEXT_RATIO, context_ratio),
+                  (BUDGET, budget))
         custom = {field.name: value for field, value in fields if value is not None}
         sampling = {"max_new_tokens": max_new_tokens, "temperature": 0}
         if custom:

@@ -38,7 +38,7 @@ from relaxkv_sglang.core.segments import ChunkSpecError, parse_chunk_offsets
 
 __all__ = [
     "USER_PREFIX", "RESERVED_PREFIX", "RECORD_KEY", "DEFAULT_POLICY_ENV", "RequestError", "Field",
-    "ChunksField", "PolicyField", "RatioField", "CHUNKS", "POLICY", "ANCHOR_RATIO", "CONTEXT_RATIO",
+    "ChunksField", "PolicyField", "RatioField", "CHUNKS", "POLICY", "ANCHOR_RATIO", "CONTEXT_RATIO", "BUDGET",
     "FIELDS", "FIELD_NAMES", "REPAIR_KNOBS", "PLAN_KEYS", "check_keys", "mentions_fields", "default_policy",
 ]
 
@@ -175,8 +175,8 @@ class RatioField(Field):
         return self.name.removeprefix(USER_PREFIX)
 
     @property
-    def default(self) -> float:
-        """``RepairConfig``'s default of :attr:`config_attr`."""
+    def default(self) -> Optional[float]:
+        """``RepairConfig``'s default of :attr:`config_attr` (None: unset)."""
         return _repair_defaults()[self.config_attr]
 
     def validate(self, value: Any, *, text: Optional[str] = None) -> float:
@@ -209,9 +209,15 @@ CONTEXT_RATIO = RatioField(
     doc="relaxkv, relaxkv_randctx: share of each anchor's causal prefix it attends to",
 )
 
-FIELDS: tuple[Field, ...] = (CHUNKS, POLICY, ANCHOR_RATIO, CONTEXT_RATIO)
+BUDGET = RatioField(
+    name="relaxkv_budget", plan_key="_relaxkv_budget",
+    doc="repair policies: the repair's cost as a share of recomputing the chunks in full; "
+        "sets the anchor and context ratios (joint allocation)",
+)
+
+FIELDS: tuple[Field, ...] = (CHUNKS, POLICY, ANCHOR_RATIO, CONTEXT_RATIO, BUDGET)
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
-REPAIR_KNOBS: tuple[RatioField, ...] = (ANCHOR_RATIO, CONTEXT_RATIO)
+REPAIR_KNOBS: tuple[RatioField, ...] = (ANCHOR_RATIO, CONTEXT_RATIO, BUDGET)
 PLAN_KEYS: tuple[str, ...] = tuple(f.plan_key for f in FIELDS)
 
 

@@ -29,7 +29,7 @@ import torch
 
 from .attention import block_sparse_attention, dense_causal_attention
 from .policies import Policy
-from .repair_plan import RepairConfig, plan_anchors
+from .repair_plan import RepairConfig, RepairCost, plan_anchors
 from .selection import eligible_tokens, query_attention_scores
 
 Span = tuple[int, int]
@@ -432,7 +432,9 @@ def reference_prefill(
     scores = stale.scores if policy.needs_query_scores else None
     stale_kv = stale.kv
 
-    plan = plan_anchors(policy, scores, spans, Q0, L, config)
+    w = weights
+    cost = RepairCost.from_dims(w.embed.shape[1], w.layers[0]["gate"].shape[0], w.n_heads, w.n_kv_heads, w.head_dim)
+    plan = plan_anchors(policy, scores, spans, Q0, L, config, cost)
     pos_q = torch.arange(Q0, n)
     h_q = weights.embed[input_ids[Q0:]].float()
     cur_tok = elig  # tokens whose residual stream we carry (A_{l-1}; all eligible before layer 0)

@@ -25,6 +25,17 @@ CacheBlend decides in two steps: layers ``0..check_layer`` recompute every eligi
 the check layer the executor hands the recomputed and the cached K/V to
 :meth:`AnchorPlan.after_check_layer`, which measures the deviation and decides the rest.
 
+Joint allocation (``RepairConfig.budget``): one knob, the repair's cost as a fraction of
+recomputing every eligible token at every layer with its full causal context, in the units of
+:class:`RepairCost` (a token-layer's linear work; an attention pair costs ``pair_cost`` of it).
+:func:`split_budget` turns it into an anchor ratio and a context ratio: anchors first, at the
+configured context ratio (more anchors beat more context in the development ablations), and
+once every eligible token is an anchor at every layer, the rest widens the context. Budget 0 is
+``pic``; budget 1 is every token at every layer with its whole prefix, i.e. full prefill. The
+cost of a candidate split is estimated over the eligible tokens as if the anchors were a
+uniform sample of them (their mean context size), so the achieved cost is near the budget, not
+exactly on it; the plan reports the split it used.
+
 Randomness (the ``random`` control's targets, ``relaxkv_randctx``'s pages) comes from two
 generators seeded from ``RepairConfig.seed``: targets from ``seed``, contexts from ``seed + 1``,
 so a policy's decisions are a function of its inputs.
@@ -43,7 +54,7 @@ from .selection import anchor_ratio_achieved, eligible_tokens, kv_deviation, sel
 
 Span = tuple[int, int]
 
-__all__ = ["RepairConfig", "AnchorPlan", "plan_anchors", "anchor_layouts"]
+__all__ = ["RepairConfig", "RepairCost", "AnchorPlan", "plan_anchors", "split_budget", "anchor_layouts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +75,8 @@ class RepairConfig:
         check_layer: CacheBlend's check layer.
         cacheblend_use_k: CacheBlend's deviation also counts K (else V only).
         seed: seeds the random control and the random-context ablation.
+        budget: None, or the repair's cost as a fraction of full recomputation of the chunks;
+            then :func:`split_budget` sets ``anchor_ratio`` and ``context_ratio`` (module doc).
     """
 
     anchor_ratio: float = 0.15
@@ -76,14 +89,88 @@ class RepairConfig:
     check_layer: int = 1
     cacheblend_use_k: bool = False
     seed: int = 0
+    budget: Optional[float] = None
 
     def __post_init__(self) -> None:
-        for name in ("anchor_ratio", "context_ratio"):
+        for name in ("anchor_ratio", "context_ratio", "budget"):
             value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
+            if value is not None and not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RepairCost:
+    """The repair's cost model: work in token-layers of linear work (one token's QKV, output and
+    MLP projections at one layer); one (query, key) attention pair costs ``pair_cost`` of them.
+
+    From the model's dimensions (:meth:`from_hf_config`), the ratio of their multiply-adds:
+    SmolLM2-135M's is 3.3e-4 (an anchor attending to ~3,000 keys doubles its cost).
+    """
+
+    pair_cost: float
+
+    @classmethod
+    def from_dims(cls, hidden: int, intermediate: int, n_heads: int, n_kv_heads: int, head_dim: int) -> "RepairCost":
+        """From a Llama-style layer's dimensions (multiply-adds of a token-layer and of a pair)."""
+        linear = hidden * (2 * n_heads * head_dim + 2 * n_kv_heads * head_dim) + 3 * hidden * intermediate
+        attention = 2 * n_heads * head_dim  # q.k and p.v per pair
+        return cls(attention / linear)
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "RepairCost":
+        """From a HF config dict (hidden_size, intermediate_size, num_attention_heads,
+        num_key_value_heads, head_dim)."""
+        hidden, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        return cls.from_dims(hidden, int(config["intermediate_size"]), n_heads,
+                             int(config.get("num_key_value_heads") or n_heads),
+                             int(config.get("head_dim") or hidden // n_heads))
+
+    def token_layer(self, keys: torch.Tensor) -> torch.Tensor:
+        """Cost of recomputing a token at one layer with ``keys`` keys (float [...] -> float [...])."""
+        return 1.0 + self.pair_cost * keys
+
+
+def _mean_context_keys(chunk_spans: Sequence[Span], n_context: int, config: RepairConfig,
+                       context_ratio: float) -> float:
+    """Mean relaxed-context size (keys) over the eligible tokens at ``context_ratio``, page rounding
+    left out: own chunk up to the token plus a share of the pages before it (layout.py's budget)."""
+    elig = eligible_tokens(chunk_spans, n_context)
+    start = torch.zeros(n_context, dtype=torch.float64)
+    for s, e in chunk_spans:
+        start[s:e] = s
+    t, s0 = elig.double(), start[elig]
+    own, before = t - s0 + 1, s0
+    sink = min(config.sink_tokens, n_context)
+    if config.own_chunk_in_budget:
+        keys = torch.maximum(context_ratio * (t + 1), own + sink)
+    else:
+        keys = own + torch.maximum(context_ratio * before, torch.full_like(before, float(sink)))
+    return float(torch.minimum(keys, t + 1).mean())
+
+
+def split_budget(budget: float, policy: Policy, chunk_spans: Sequence[Span], n_context: int,
+                 config: RepairConfig, cost: RepairCost) -> tuple[float, float]:
+    """``(anchor_ratio, context_ratio)`` that spend ``budget`` (module doc: "Joint allocation").
+
+    Policies with a full context spend it all on anchors (ratio = budget); relaxed-context
+    policies on anchors at ``config.context_ratio`` first, then on context.
+    """
+    elig = eligible_tokens(chunk_spans, n_context)
+    if elig.numel() == 0 or policy.context_mode == "full":
+        return budget, 1.0
+    full_keys = float((elig.double() + 1).mean())
+    per_anchor = lambda c: 1.0 + cost.pair_cost * _mean_context_keys(chunk_spans, n_context, config, c)  # noqa: E731
+    target = budget * (1.0 + cost.pair_cost * full_keys)  # mean cost per eligible token-layer
+    c = config.context_ratio
+    if target <= per_anchor(c):
+        return target / per_anchor(c), c
+    lo, hi = c, 1.0  # every token an anchor: widen the context (cost is monotone in it)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if per_anchor(mid) < target else (lo, mid)
+    return 1.0, hi
 
 
 @dataclasses.dataclass
@@ -162,6 +249,7 @@ def plan_anchors(
     n_context: int,
     n_layers: int,
     config: RepairConfig,
+    cost: Optional[RepairCost] = None,
 ) -> AnchorPlan:
     """Targets and contexts of one request (module doc).
 
@@ -172,11 +260,17 @@ def plan_anchors(
         n_context: context tokens.
         n_layers: layers of the model.
         config: the knobs.
+        cost: the model's cost model; needed when ``config.budget`` is set.
     Returns:
-        AnchorPlan.
+        AnchorPlan; with a budget, its ``config`` holds the split's anchor and context ratios.
     """
     policy = Policy(policy)
     spans = tuple((int(s), int(e)) for s, e in chunk_spans)
+    if config.budget is not None:
+        if cost is None:
+            raise ValueError("a repair budget needs the model's RepairCost")
+        anchor_ratio, context_ratio = split_budget(config.budget, policy, spans, n_context, config, cost)
+        config = dataclasses.replace(config, anchor_ratio=min(anchor_ratio, 1.0), context_ratio=context_ratio)
     targets_rng = torch.Generator().manual_seed(config.seed)
     sets = select_anchors(policy, scores, spans, n_context, config.anchor_ratio, targets_rng, n_layers=n_layers,
                           check_layer=config.check_layer, chunk_sink_tokens=config.chunk_sink_tokens,

@@ -14,7 +14,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from relaxkv_sglang.core.policies import CHUNK_POLICIES, REPAIR_POLICIES
-from relaxkv_sglang.schema import ANCHOR_RATIO, CHUNKS, CONTEXT_RATIO, POLICY, RECORD_KEY, REPAIR_KNOBS
+from relaxkv_sglang.schema import ANCHOR_RATIO, BUDGET, CHUNKS, CONTEXT_RATIO, POLICY, RECORD_KEY, REPAIR_KNOBS
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -36,14 +36,16 @@ def chunk_tree_served(server_args: Any) -> bool:
 @dataclasses.dataclass(frozen=True)
 class RequestPlan:
     """policy: one of core.policies.SERVER_POLICIES; chunk_spans: token spans [start, end) in
-    prompt order; namespace: the tenant key chunks are stored under; anchor_ratio and
-    context_ratio: the repair knobs (defaults: the schema's, i.e. RepairConfig's)."""
+    prompt order; namespace: the tenant key chunks are stored under; anchor_ratio,
+    context_ratio and budget: the repair knobs (defaults: the schema's, i.e. RepairConfig's;
+    a budget, when set, decides the two ratios)."""
 
     policy: str
     chunk_spans: tuple[tuple[int, int], ...]
     namespace: str | None
     anchor_ratio: float = ANCHOR_RATIO.default
     context_ratio: float = CONTEXT_RATIO.default
+    budget: float | None = BUDGET.default
 
     @property
     def reuses_chunks(self) -> bool:
@@ -87,7 +89,8 @@ def request_plan(req: Req) -> RequestPlan | None:
     if POLICY.plan_key in params:
         flat = list(params.get(CHUNKS.plan_key) or [])
         spans = tuple((int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2))
-        knobs = {f.config_attr: float(params.get(f.plan_key, f.default)) for f in REPAIR_KNOBS}
+        knobs = {f.config_attr: params.get(f.plan_key, f.default) for f in REPAIR_KNOBS}
+        knobs = {k: float(v) if v is not None else None for k, v in knobs.items()}
         plan = RequestPlan(str(params[POLICY.plan_key]), spans, request_namespace(req), **knobs)
     req.__dict__["_relaxkv_plan"] = plan
     return plan

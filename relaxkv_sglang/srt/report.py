@@ -56,6 +56,7 @@ def repair_record(rows: "LoopRows") -> dict:
         "context_ratio": visible / full if full else 1.0,
         "repair_kv_pairs": visible,
         "repair_kv_pairs_executed": sum(executed_kv_pairs(layout) for layout in plan.layouts),
+        "budget": plan.config.budget,
     }
 
 

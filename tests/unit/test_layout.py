@@ -83,6 +83,26 @@ def test_relaxed_context_contents_and_budget():
     assert mask[torch.arange(lay.n_rows), lay.q_pos].all() and mask[:, 0].all()
 
 
+def test_own_chunk_outside_the_budget():
+    a = _anchors()
+    # Ratio 1 is still exactly the causal prefix; ratio 0 is sink + own chunk only.
+    full = build_relaxed_layout(a, _scores(), SPANS, N_CTX, 1.0, page_size=PS, own_chunk_in_budget=False)
+    assert torch.equal(full.to_dense_mask(), torch.arange(N_CTX)[None, :] <= a[:, None])
+    bare = build_relaxed_layout(a, _scores(), SPANS, N_CTX, 0.0, page_size=PS, own_chunk_in_budget=False)
+    pages = {int(bare.q_pos[bare.row_indptr[b]]): bare.block_pages(b).tolist() for b in range(bare.n_row_blocks)}
+    assert pages[69] == [0, 11, 12, 13, 14, 15, 16, 17]
+    lay = build_relaxed_layout(a, _scores(), SPANS, N_CTX, 0.5, page_size=PS, own_chunk_in_budget=False)
+    pages = {int(lay.q_pos[lay.row_indptr[b]]): lay.block_pages(b).tolist() for b in range(lay.n_row_blocks)}
+    # Anchor 69: 11 pages before its chunk (page 11), budget ceil(0.5 * 11) = 6 = sink + the five best
+    # (9, 5, 2, then the tied 1, 3); inside the budget it got one page besides sink and own chunk.
+    assert pages[69] == [0, 1, 2, 3, 5, 9, 11, 12, 13, 14, 15, 16, 17]
+    # Anchor 30 (chunk from page 6): budget ceil(0.5 * 6) = 3 = sink + 5 + 2.
+    assert pages[30] == [0, 2, 5, 6, 7]
+    # Never fewer pages than with the own chunk counted in the budget.
+    inside = build_relaxed_layout(a, _scores(), SPANS, N_CTX, 0.5, page_size=PS)
+    assert not (inside.to_dense_mask() & ~lay.to_dense_mask()).any()
+
+
 def test_work_shrinks_monotonically_and_sets_nest():
     a = torch.arange(6, 70, 3)
     masks, pairs = [], []

@@ -114,6 +114,27 @@ def test_ratio_zero_equals_pic_and_pic_is_not_full(model, ids, full):
     assert float((pic.last_logits - full.last_logits).abs().max()) > 0.05
 
 
+@pytest.mark.parametrize("policy", ["relaxkv", "prophetkv"])
+def test_budget_one_is_full_prefill_and_zero_is_pic(model, ids, full, policy):
+    # Whatever the layer value rule and context budget, a budget of 1 buys every token at every
+    # layer with its whole prefix; 0 buys nothing.
+    knobs = dict(layer_value="depth", own_chunk_in_budget=False)
+    res = reference_prefill(model[1], ids, SPANS, Q0, policy, RepairConfig(budget=1.0, page_size=PS, **knobs))
+    assert close(res.last_logits, full.last_logits)
+    assert res.report.anchor_ratio == 1.0 and res.report.context_ratio == 1.0
+    zero = reference_prefill(model[1], ids, SPANS, Q0, policy, RepairConfig(budget=0.0, page_size=PS, **knobs))
+    assert close(zero.last_logits, run(model, ids, "pic").last_logits, 1e-5)
+    assert zero.report.repair_kv_pairs == 0
+
+
+def test_layer_value_rules_keep_the_invariants(model, ids, full):
+    for rule in ("skip0", "depth"):
+        res = run(model, ids, "relaxkv", 1.0, 1.0, layer_value=rule, own_chunk_in_budget=False)
+        assert close(res.last_logits, full.last_logits)
+        zero = run(model, ids, "relaxkv", 0.0, 0.5, layer_value=rule, own_chunk_in_budget=False)
+        assert zero.report.repair_kv_pairs == 0
+
+
 def test_context_ratio_one_equals_fullctx_exactly(model, ids):
     a = run(model, ids, "relaxkv", 0.3, 1.0)
     b = run(model, ids, "relaxkv_fullctx", 0.3)

@@ -180,7 +180,7 @@ def test_custom_params_keys():
         check_keys({"_relaxkv_future": 1})
     with pytest.raises(ValueError, match=r"^invalid custom_params.relaxkv_chunk: unknown field; the relaxkv fields "
                                          r"are relaxkv_chunks, relaxkv_policy, relaxkv_anchor_ratio, "
-                                         r"relaxkv_context_ratio$"):
+                                         r"relaxkv_context_ratio, relaxkv_budget$"):
         check_keys({"relaxkv_chunk": [0, 5]})
     assert mentions_fields({"_relaxkv_policy": "pic"}) and mentions_fields({"relaxkv_x": 1})
     assert not mentions_fields({"other": 1, 3: "x"})

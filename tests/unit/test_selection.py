@@ -8,6 +8,7 @@ import torch
 
 from relaxkv_sglang.core.policies import Policy
 from relaxkv_sglang.core.selection import (
+    layer_weights,
     _hull_exit_allocation,
     anchor_ratio_achieved,
     chunk_ids,
@@ -225,9 +226,55 @@ def test_relaxkv_chunk_sinks_favoured():
     assert int(ex.sum()) == 12
 
 
+def test_layer_weights_rules():
+    assert layer_weights(4, "uniform").tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert layer_weights(4, "skip0").tolist() == [0.0, 1.0, 1.0, 1.0]
+    assert layer_weights(4, "depth").tolist() == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0])
+    with pytest.raises(ValueError, match="layer value"):
+        layer_weights(4, "deep")
+
+
+def test_layer_zero_is_worth_nothing_without_later_layers():
+    # Token 10 is wanted only at layer 0, where its cached KV is already exact (re-rotated):
+    # with the layer value rules that know it, the budget goes to the token wanted deep.
+    spans = [(4, 24), (24, 44)]
+    s = torch.full((4, 44), 1e-3)
+    s[0, 10] = 5.0
+    s[1:, 30] = 5.0
+    uniform = relaxkv_exit_layers(s, spans, anchor_ratio=1 / 40, chunk_sink_tokens=0)  # 4 token-layers
+    assert uniform[10].item() > 0
+    for rule in ("skip0", "depth"):
+        ex = relaxkv_exit_layers(s, spans, anchor_ratio=1 / 40, chunk_sink_tokens=0, layer_value=rule)
+        assert ex[10].item() == 0 and ex[30].item() == 4 and int(ex.sum()) == 4
+
+
 def test_ratio_is_validated():
     with pytest.raises(ValueError):
         select_anchors("relaxkv", _scores(), SPANS, N_CTX, 1.5)
     with pytest.raises(ValueError):
         select_anchors("prophetkv", None, SPANS, N_CTX, 0.5, n_layers=2)
     assert math.isclose(anchor_ratio_achieved([], 10), 0.0)
+
+
+def test_split_budget_spends_anchors_first_then_context():
+    from relaxkv_sglang.core.repair_plan import RepairConfig, RepairCost, split_budget
+
+    spans = [(40 + 130 * i, 40 + 130 * (i + 1)) for i in range(10)]
+    n = 1340
+    cost = RepairCost(pair_cost=1 / 3000)
+    config = RepairConfig(context_ratio=0.25, own_chunk_in_budget=False)
+    # Full-context policies: the budget is the anchor ratio.
+    assert split_budget(0.2, Policy.PROPHETKV, spans, n, config, cost) == (0.2, 1.0)
+    # Relaxed context: cheaper anchors, so more of them than the budget, at the asked context.
+    r, c = split_budget(0.2, Policy.RELAXKV, spans, n, config, cost)
+    assert c == 0.25 and 0.2 < r < 0.25
+    ratios = [split_budget(b, Policy.RELAXKV, spans, n, config, cost)[0] for b in (0.0, 0.1, 0.3, 0.6)]
+    assert ratios[0] == 0.0 and ratios == sorted(ratios)
+    # Once every token is an anchor, the context widens; budget 1 is everything.
+    r, c = split_budget(0.95, Policy.RELAXKV, spans, n, config, cost)
+    assert r == 1.0 and 0.25 < c < 1.0
+    assert split_budget(1.0, Policy.RELAXKV, spans, n, config, cost) == (1.0, pytest.approx(1.0, abs=1e-9))
+    # The cost model from a config: SmolLM2-135M's dimensions.
+    smol = RepairCost.from_hf_config({"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+                                      "num_key_value_heads": 3, "head_dim": 64})
+    assert smol.pair_cost == pytest.approx(2 * 9 * 64 / (576 * (2 * 576 + 2 * 192) + 3 * 576 * 1536))

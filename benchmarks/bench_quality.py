@@ -84,6 +84,7 @@ from tqdm import tqdm
 from benchmarks import common
 from relaxkv_sglang import metrics, workloads
 from relaxkv_sglang.client import ServerClient
+from relaxkv_sglang.schema import CONTEXT_RATIO
 
 BENCH = "bench_quality"
 TASKS = workloads.QUALITY_TASKS
@@ -475,7 +476,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--versus", default="prophetkv", choices=[p for p in POLICIES if p != "full"],
                         help="the policy every other one is compared with, example by example (default prophetkv)")
     parser.add_argument("--anchor-ratios", type=float, nargs="+", default=[0.05, 0.15, 0.30])
-    parser.add_argument("--context-ratio", type=float, default=0.25)
+    parser.add_argument("--context-ratio", type=float, default=CONTEXT_RATIO.default,
+                        help=f"relaxkv's context ratio (default: the server's, {CONTEXT_RATIO.default})")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="answer length (default: each task's own: 16 for QA, 40 needle, 32 variable tracking)")
     parser.add_argument("--kl-only", action="store_true",

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from benchmarks import common
 from relaxkv_sglang import assets, workloads
+from relaxkv_sglang.schema import CONTEXT_RATIO
 
 BENCH = "bench_ttft"
 REPAIR_POLICIES = ("epic", "cacheblend", "prophetkv", "relaxkv")
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = common.bench_parser(BENCH, __doc__, quick_help="1.5K and 6K tokens, 15%% anchors, 2 rounds")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1500, 3000, 6000])
     parser.add_argument("--anchor-ratios", type=float, nargs="+", default=[0.05, 0.15, 0.30])
-    parser.add_argument("--context-ratio", type=float, default=0.25)
+    parser.add_argument("--context-ratio", type=float, default=CONTEXT_RATIO.default,
+                        help=f"relaxkv's context ratio (default: the server's, {CONTEXT_RATIO.default})")
     parser.add_argument("--rounds", type=int, default=3)
     args = common.parse_args(parser, argv, quick={"lengths": [1500, 6000], "anchor_ratios": [0.15], "rounds": 2})
     common.run_bench(BENCH, args, run, report=lambda result: print_table(result["results"]),

@@ -206,7 +206,8 @@ ANCHOR_RATIO = RatioField(
 )
 CONTEXT_RATIO = RatioField(
     name="relaxkv_context_ratio", plan_key="_relaxkv_context_ratio",
-    doc="relaxkv, relaxkv_randctx: share of each anchor's causal prefix it attends to",
+    doc="relaxkv, relaxkv_randctx: share of the context before each anchor's own chunk it attends to "
+        "(its own chunk and the first tokens always)",
 )
 
 BUDGET = RatioField(

@@ -80,12 +80,12 @@ class RepairConfig:
     """
 
     anchor_ratio: float = 0.15
-    context_ratio: float = 0.25
+    context_ratio: float = 0.5
     page_size: int = 16
     sink_tokens: int = 4
     chunk_sink_tokens: int = 4
-    layer_value: str = "uniform"
-    own_chunk_in_budget: bool = True
+    layer_value: str = "depth"
+    own_chunk_in_budget: bool = False
     check_layer: int = 1
     cacheblend_use_k: bool = False
     seed: int = 0

@@ -31,6 +31,18 @@ A token needed only at a deep layer is thus kept at all shallower layers iff its
 per token-layer is high enough.  The budget is met exactly, so mean_l |A_l| is within
 ``0.5 / n_layers`` tokens of ``r * n_eligible`` (well within one token per layer).
 
+Layer value (``layer_weights``, ``RepairConfig.layer_value``): ``u_l(t)`` is multiplied by a
+weight ``w_l``.  A chunk token's layer-0 K/V depend only on the token and its position, so after
+re-rotation they are already exact: recomputing a token at layer 0 alone changes nothing, and
+``w_0 = 0`` for every rule but ``uniform`` (the first version's rule, kept for ablations).  The
+deviation of the stale K/V from the full prefill's grows with depth (measured on SmolLM2-135M:
+relative V error 0 at layer 0, ~0.1 at layer 1, ~0.25 by layer 5, ~0.3 at the last layers), and
+an error in a late layer reaches the output with fewer layers left to wash it out; ``depth``
+(``w_l = l / (L - 1)``, the default) credits late layers most, ``skip0`` only drops layer 0.
+On the development split, ``depth`` with the own chunk outside the context budget took RelaxKV
+from worse than ProphetKV on 11 of 13 examples to level with it at equal anchor ratio
+(``docs/performance.md``).
+
 Chunk sinks: each independently computed chunk grows its own attention sink on its first
 tokens (EPIC's finding; StreamingLLM found ~4 initial tokens carry the sink).  In the full
 prompt those tokens are ordinary mid-sequence tokens, so their stale KV is among the most wrong

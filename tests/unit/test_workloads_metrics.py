@@ -410,7 +410,7 @@ def test_demo_marked_program_sends_the_rendered_prompt_with_each_document_as_a_c
     assert out["text"] == text
     assert out["sampling_params"]["custom_params"] == {
         "relaxkv_chunks": offsets, "relaxkv_policy": "relaxkv",
-        "relaxkv_anchor_ratio": 0.15, "relaxkv_context_ratio": 0.25}
+        "relaxkv_anchor_ratio": 0.15, "relaxkv_context_ratio": 0.5}  # the schema's defaults
     assert [text[s:e] for s, e in zip(offsets[::2], offsets[1::2])] == _request().documents
 
 
@@ -423,7 +423,7 @@ def test_demo_modes_are_the_policies_of_one_plugin_server():
         mode = demo.MODES[name]
         assert mode.program is demo.plain_rag_program and mode.make_backend is demo.runtime_endpoint
         assert mode.custom_params == {"relaxkv_policy": name}
-    for name, params in (("pic", None), ("relaxkv", {"relaxkv_anchor_ratio": 0.15, "relaxkv_context_ratio": 0.25})):
+    for name, params in (("pic", None), ("relaxkv", {"relaxkv_anchor_ratio": 0.15, "relaxkv_context_ratio": 0.5})):
         mode = demo.MODES[name]
         assert mode.program is demo.marked_rag_program and mode.custom_params is None and mode.needs_plugin
         assert mode.make_backend.func is demo.relaxkv_endpoint

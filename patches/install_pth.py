@@ -1,12 +1,16 @@
-"""Write ``relaxkv_patches.pth`` into this interpreter's site-packages.
+"""Write ``relaxkv_patches.pth`` into this interpreter's site-packages (``--remove``: delete it).
 
 Python executes ``import`` lines of ``.pth`` files at every interpreter start,
 which is how the shims reach SGLang's spawned scheduler and detokenizer
-processes. Run by ``make install``: ``python -m relaxkv_patches.install_pth``.
+processes. Run by ``make install``, and once by hand after a pip install on a
+CPU machine: ``python -m relaxkv_patches.install_pth``. The file is not part of
+the wheel, so ``pip uninstall relaxkv-sglang`` leaves it behind: run
+``python -m relaxkv_patches.install_pth --remove`` first.
 """
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sysconfig
 
@@ -18,8 +22,18 @@ def pth_path() -> pathlib.Path:
     return pathlib.Path(sysconfig.get_paths()["purelib"]) / PTH_NAME
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m relaxkv_patches.install_pth", description=__doc__.split("\n")[0])
+    parser.add_argument("--remove", action="store_true", help="delete the .pth file (before pip uninstall)")
+    args = parser.parse_args(argv)
     path = pth_path()
+    if args.remove:
+        if path.exists():
+            path.unlink()
+            print(f"shims disarmed: removed {path}")
+        else:
+            print(f"shims not armed: no {path}")
+        return
     if path.exists() and path.read_text() == PTH_LINE:
         print(f"shims already armed: {path}")
         return

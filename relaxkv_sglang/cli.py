@@ -4,6 +4,11 @@
                          [--max-total-tokens N] [--stock] [-- extra sglang args]
     relaxkv-sglang model smollm2-135m|tiny-llama
     relaxkv-sglang data hotpotqa|squad|essays
+    relaxkv-sglang --version
+
+``serve``'s default policy is the plugin's (:func:`relaxkv_sglang.schema.default_policy`:
+``RELAXKV_DEFAULT_POLICY``, else ``prefix``), the same as a raw ``python -m
+sglang.launch_server`` with the plugin; ``--policy`` sets it for the one server.
 
 Every failure the user can fix ends in one line, ``relaxkv-sglang: error: ...``,
 and a non-zero exit.
@@ -12,16 +17,43 @@ and a non-zero exit.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
 
-from relaxkv_sglang import assets
-from relaxkv_sglang.core.policies import SERVER_POLICIES
+from relaxkv_sglang import __version__, assets
+from relaxkv_sglang.schema import DEFAULT_POLICY_ENV, POLICY, default_policy
 from relaxkv_sglang.server import SGLangServer, ServerConfig, ServerError
 
 
+def serve_policy(args) -> str:
+    """The server default policy ``serve`` runs with: ``--policy``, else the plugin's default.
+
+    Without ``--policy`` nothing is set: the server process reads ``RELAXKV_DEFAULT_POLICY``
+    itself, exactly as a raw ``launch_server`` does. It is read here too, only to name it and to
+    stop on a bad value before SGLang starts.
+    """
+    if args.policy is not None:
+        return args.policy
+    try:
+        return default_policy()
+    except SystemExit as exc:  # a bad RELAXKV_DEFAULT_POLICY
+        raise ServerError(str(exc).removeprefix("relaxkv-sglang: ")) from None
+
+
+def _policy_help() -> str:
+    env = os.environ.get(DEFAULT_POLICY_ENV)
+    if env:
+        default = f"{env}, from ${DEFAULT_POLICY_ENV}; without it {POLICY.default}"
+    else:
+        default = f"{POLICY.default} (SGLang's radix cache), or ${DEFAULT_POLICY_ENV} when set"
+    return (f"server default policy, for requests that do not set relaxkv_policy (default: {default}; "
+            "the same default as a raw sglang.launch_server with the plugin)")
+
+
 def cmd_serve(args, extra: list[str]) -> int:
+    policy = serve_policy(args)
     config = ServerConfig(
         model_path=str(assets.resolve_model(args.model)),
         host=args.host,
@@ -36,7 +68,8 @@ def cmd_serve(args, extra: list[str]) -> int:
     )
     server = SGLangServer(config)
     print(f"starting sglang on {config.host}:{config.port or '(free port)'} "
-          f"with {config.model_path} (log: {args.log or 'a temp file'})", file=sys.stderr, flush=True)
+          f"with {config.model_path}, default policy {policy if config.relaxkv else 'none (--stock)'} "
+          f"(log: {args.log or 'a temp file'})", file=sys.stderr, flush=True)
     server.start()
     print(f"ready: {server.url}  (log: {server.log_path}; Ctrl-C stops it)", flush=True)
     stop = {"now": False}
@@ -72,6 +105,7 @@ def cmd_data(args, extra) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="relaxkv-sglang", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the SGLang server with the plugin and CPU defaults")
@@ -80,8 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=30000)
     s.add_argument("--max-total-tokens", type=int, default=32768, help="KV pool size in tokens (not sized from RAM)")
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    s.add_argument("--policy", default="pic", choices=list(SERVER_POLICIES),
-                   help="default reuse policy for requests that do not set relaxkv_policy")
+    s.add_argument("--policy", default=None, choices=list(POLICY.choices), help=_policy_help())
     s.add_argument("--stock", action="store_true", help="plain SGLang: no chunk tree, torch_native attention")
     s.add_argument("--log", default=None, help="server log file (default: a temp file)")
     s.add_argument("--startup-timeout", type=float, default=300.0)

@@ -111,13 +111,22 @@ class BlockSparseLayout:
         return tok[tok < self.n_keys]
 
     def kv_pairs(self) -> int:
-        """Work: number of (row, key) pairs attended, after the causal rule."""
-        total = 0
-        for b in range(self.n_row_blocks):
-            r0, r1 = int(self.row_indptr[b]), int(self.row_indptr[b + 1])
-            keys = self.block_key_index(b)
-            total += int(torch.searchsorted(keys, self.q_pos[r0:r1], right=True).sum())
-        return total
+        """Work: number of (row, key) pairs attended, after the causal rule.
+
+        Counted in one pass over (row, listed page) pairs: a page ``p`` gives a row at position
+        ``t`` its keys ``[p * page_size, min(t + 1, n_keys))``, clipped to the page.
+        """
+        if self.n_rows == 0 or self.nnz == 0:
+            return 0
+        row_indptr, indptr = self.row_indptr.long(), self.indptr.long()
+        block_of_row = torch.repeat_interleave(torch.arange(self.n_row_blocks), row_indptr[1:] - row_indptr[:-1])
+        pages_of_row = (indptr[1:] - indptr[:-1])[block_of_row]  # [n_rows]
+        row = torch.repeat_interleave(torch.arange(self.n_rows), pages_of_row)  # one entry per (row, page)
+        first = torch.cumsum(pages_of_row, 0) - pages_of_row
+        nth = torch.arange(row.numel()) - first[row]
+        page = self.indices.long()[indptr[block_of_row[row]] + nth]
+        end = (self.q_pos.long()[row] + 1).clamp(max=self.n_keys)
+        return int((end - page * self.page_size).clamp(min=0, max=self.page_size).sum())
 
     def full_kv_pairs(self) -> int:
         """Pairs the same rows would attend with the full causal prefix: sum of min(t+1, n_keys)."""

@@ -68,11 +68,12 @@ def _probe(src: str, name: str = "relaxkv_sglang.core._probe_") -> Iterator[tupl
 
 
 def _top_packages() -> dict[str, Path]:
-    """Import name -> source folder of each top-level package pyproject.toml installs."""
+    """Import name -> source folder of each top-level package pyproject.toml installs.
+
+    ``package-dir`` maps them; setup.py ships each with every subpackage under its folder.
+    """
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    dirs = setuptools.get("package-dir", {})
-    tops = {p.split(".")[0] for p in setuptools["packages"]}
-    return {top: ROOT / dirs.get(top, top) for top in sorted(tops)}
+    return {top: ROOT / folder for top, folder in sorted(setuptools["package-dir"].items())}
 
 
 def project_modules() -> dict[str, Module]:

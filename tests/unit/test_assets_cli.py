@@ -121,3 +121,80 @@ def test_unknown_data_set_is_rejected_by_the_parser():
     with pytest.raises(SystemExit) as exc:
         cli.main(["data", "imagenet"])
     assert exc.value.code == 2
+
+
+def test_version_is_the_package_version():
+    import relaxkv_sglang
+
+    result = _cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"relaxkv-sglang {relaxkv_sglang.__version__}"
+
+
+def _serve_env(monkeypatch, tmp_path, *args: str) -> dict:
+    """The environment ``serve ARGS`` would start the server process with (nothing is started)."""
+    from relaxkv_sglang import server
+
+    launched = []
+
+    def fake_popen(cmd, env, **kwargs):
+        launched.append(env)
+        raise server.ServerError("not launched in a unit test")
+
+    monkeypatch.setattr(server.subprocess, "Popen", fake_popen)
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    assert cli.main(["serve", "--model", str(model), "--port", "0", "--log", str(tmp_path / "log"), *args]) == 1
+    (env,) = launched
+    return env
+
+
+def test_serve_and_a_raw_launch_server_share_the_default_policy(monkeypatch, tmp_path, capsys):
+    """Without --policy, serve sets nothing: the server reads schema.default_policy() as a raw
+    launch_server with the plugin does, from the same environment."""
+    from relaxkv_sglang import schema
+
+    for env_value, expected in ((None, schema.POLICY.default), ("pic", "pic")):
+        if env_value is None:
+            monkeypatch.delenv(schema.DEFAULT_POLICY_ENV, raising=False)
+        else:
+            monkeypatch.setenv(schema.DEFAULT_POLICY_ENV, env_value)
+        env = _serve_env(monkeypatch, tmp_path)
+        assert env.get(schema.DEFAULT_POLICY_ENV) == env_value  # inherited, not chosen by serve
+        with monkeypatch.context() as m:  # the plugin's reading of that environment
+            m.setattr(schema.os, "environ", env)
+            assert schema.default_policy() == expected
+        assert f"default policy {expected} " in capsys.readouterr().err
+    assert schema.POLICY.default == "prefix"
+
+
+def test_serve_policy_flag_sets_the_servers_default(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("RELAXKV_DEFAULT_POLICY", "pic")
+    env = _serve_env(monkeypatch, tmp_path, "--policy", "relaxkv")
+    assert env["RELAXKV_DEFAULT_POLICY"] == "relaxkv"
+    assert "default policy relaxkv " in capsys.readouterr().err
+
+
+def test_bad_default_policy_env_is_one_line_before_anything_starts(monkeypatch, tmp_path, capsys):
+    from relaxkv_sglang.schema import POLICY
+
+    monkeypatch.setenv("RELAXKV_DEFAULT_POLICY", "bogus")
+    assert cli.main(["serve", "--model", str(tmp_path / "nope")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"relaxkv-sglang: error: RELAXKV_DEFAULT_POLICY='bogus' is not one of {', '.join(POLICY.choices)}"]
+
+
+@pytest.mark.parametrize("env_value, shown", [(None, "default: prefix (SGLang's radix cache)"),
+                                             ("relaxkv", "default: relaxkv, from $RELAXKV_DEFAULT_POLICY")])
+def test_serve_help_shows_the_default_policy(env_value, shown):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "RELAXKV_DEFAULT_POLICY"}
+    if env_value:
+        env["RELAXKV_DEFAULT_POLICY"] = env_value
+    env["COLUMNS"] = "400"  # one line per option: no wrapping inside the phrase
+    result = subprocess.run([sys.executable, "-m", "relaxkv_sglang", "serve", "--help"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0
+    assert shown in result.stdout

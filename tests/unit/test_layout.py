@@ -155,3 +155,15 @@ def test_bad_arguments():
         build_relaxed_layout(_anchors(), _scores(), SPANS, N_CTX, 1.2, PS)
     with pytest.raises(ValueError):
         build_relaxed_layout(_anchors(), None, SPANS, N_CTX, 0.5, PS, mode="topk")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_kv_pairs_counts_the_dense_mask_on_random_layouts(seed):
+    g = torch.Generator().manual_seed(seed)
+    n_keys, page_size = 61, 4
+    q_pos = torch.sort(torch.randperm(n_keys, generator=g)[:20]).values
+    cuts = torch.sort(torch.randperm(19, generator=g)[:6] + 1).values
+    row_indptr = torch.cat([torch.tensor([0]), cuts, torch.tensor([20])]).to(torch.int32)
+    page_mask = torch.rand(7, math.ceil(n_keys / page_size), generator=g) < 0.4  # pages past a row too
+    lay = BlockSparseLayout.from_page_mask(q_pos, row_indptr, page_mask, page_size, n_keys)
+    assert lay.kv_pairs() == int(lay.to_dense_mask().sum())

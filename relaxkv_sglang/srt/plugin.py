@@ -62,7 +62,8 @@ def _check_cpu_shims() -> None:
     try:
         import relaxkv_patches
     except ImportError as exc:  # the package is installed without `make install`
-        raise SystemExit(f"relaxkv-sglang: CPU shims missing ({exc}); run `make install`") from exc
+        raise SystemExit(f"relaxkv-sglang: CPU shims missing ({exc}); install the package with its "
+                         "relaxkv_patches, then run `python -m relaxkv_patches.install_pth`") from exc
     relaxkv_patches.arm()
     announce(f"CPU shims active in pid {os.getpid()}: {', '.join(relaxkv_patches.activated())}")
 

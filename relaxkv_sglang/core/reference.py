@@ -433,7 +433,8 @@ def reference_prefill(
     stale_kv = stale.kv
 
     w = weights
-    cost = RepairCost.from_dims(w.embed.shape[1], w.layers[0]["gate"].shape[0], w.n_heads, w.n_kv_heads, w.head_dim)
+    cost = RepairCost.from_dims(w.embed.shape[1], w.layers[0]["gate"].shape[0], w.n_heads, w.n_kv_heads, w.head_dim,
+                                device_type="cpu")  # the reference runs on a CPU
     plan = plan_anchors(policy, scores, spans, Q0, L, config, cost)
     pos_q = torch.arange(Q0, n)
     h_q = weights.embed[input_ids[Q0:]].float()

@@ -54,7 +54,7 @@ from .selection import anchor_ratio_achieved, eligible_tokens, kv_deviation, sel
 
 Span = tuple[int, int]
 
-__all__ = ["RepairConfig", "RepairCost", "AnchorPlan", "plan_anchors", "split_budget", "anchor_layouts"]
+__all__ = ["RepairConfig", "RepairCost", "ATTENTION_OVERHEAD", "AnchorPlan", "plan_anchors", "split_budget", "anchor_layouts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,32 +100,43 @@ class RepairConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
 
 
+# Measured cost of an attention pair over its multiply-add share, per device type. CPU: a
+# least-squares fit of TTFT medians (27 cells: pic, prophetkv and relaxkv at 5-30% anchors, three
+# prompt formats; docs/results/bench_quality_test.json, 2-core machine, 2026-12-01) on recomputed
+# token-layers and executed pairs gave 42 us per token-layer and 41 ns per pair: a pair costs
+# 9.7e-4 token-layers, 3.0x SmolLM2-135M's multiply-add ratio. GPU: not measured yet (1.0).
+ATTENTION_OVERHEAD = {"cpu": 3.0}
+
+
 @dataclasses.dataclass(frozen=True)
 class RepairCost:
     """The repair's cost model: work in token-layers of linear work (one token's QKV, output and
     MLP projections at one layer); one (query, key) attention pair costs ``pair_cost`` of them.
 
-    From the model's dimensions (:meth:`from_hf_config`), the ratio of their multiply-adds:
-    SmolLM2-135M's is 3.3e-4 (an anchor attending to ~3,000 keys doubles its cost).
+    From the model's dimensions (:meth:`from_hf_config`), the ratio of their multiply-adds
+    (SmolLM2-135M: 3.3e-4), times the device's measured attention overhead
+    (:data:`ATTENTION_OVERHEAD`): attention runs further below peak than the projections do.
     """
 
     pair_cost: float
 
     @classmethod
-    def from_dims(cls, hidden: int, intermediate: int, n_heads: int, n_kv_heads: int, head_dim: int) -> "RepairCost":
-        """From a Llama-style layer's dimensions (multiply-adds of a token-layer and of a pair)."""
+    def from_dims(cls, hidden: int, intermediate: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                  device_type: Optional[str] = None) -> "RepairCost":
+        """From a Llama-style layer's dimensions (multiply-adds of a token-layer and of a pair) and
+        the device type (``"cpu"``, ``"cuda"``; None: multiply-adds only)."""
         linear = hidden * (2 * n_heads * head_dim + 2 * n_kv_heads * head_dim) + 3 * hidden * intermediate
         attention = 2 * n_heads * head_dim  # q.k and p.v per pair
-        return cls(attention / linear)
+        return cls(attention / linear * ATTENTION_OVERHEAD.get(device_type, 1.0))
 
     @classmethod
-    def from_hf_config(cls, config: dict) -> "RepairCost":
+    def from_hf_config(cls, config: dict, device_type: Optional[str] = None) -> "RepairCost":
         """From a HF config dict (hidden_size, intermediate_size, num_attention_heads,
-        num_key_value_heads, head_dim)."""
+        num_key_value_heads, head_dim) and the device type (as :meth:`from_dims`)."""
         hidden, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         return cls.from_dims(hidden, int(config["intermediate_size"]), n_heads,
                              int(config.get("num_key_value_heads") or n_heads),
-                             int(config.get("head_dim") or hidden // n_heads))
+                             int(config.get("head_dim") or hidden // n_heads), device_type)
 
     def token_layer(self, keys: torch.Tensor) -> torch.Tensor:
         """Cost of recomputing a token at one layer with ``keys`` keys (float [...] -> float [...])."""

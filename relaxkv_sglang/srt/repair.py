@@ -63,7 +63,8 @@ def prepare_repair(cache: "ChunkCache", model_runner: "ModelRunner", fold: "Fold
     layers = ModelLayers(model_runner.model.model)
     loop = LayerLoop(layers, cache.kv_pool, model_runner.attn_backend.anchor_attention)
     n_layers = layers.n_layers
-    cost = RepairCost.from_hf_config(model_runner.model_config.hf_config.to_dict())
+    cost = RepairCost.from_hf_config(model_runner.model_config.hf_config.to_dict(),
+                                     str(model_runner.device).split(":")[0])
 
     passes = []
     for r in targets:

@@ -162,6 +162,10 @@ HTTP_CASES = [
     # --- native: repair knobs
     BadCase("anchor_ratio_above_one", G, "relaxkv_anchor_ratio: must be a number in [0, 1], got 1.5",
             gen({"relaxkv_policy": "relaxkv", "relaxkv_anchor_ratio": 1.5})),
+    BadCase("budget_above_one", G, "relaxkv_budget: must be a number in [0, 1], got 2",
+            gen({"relaxkv_policy": "relaxkv", "relaxkv_budget": 2})),
+    BadCase("budget_string", G, "relaxkv_budget: must be a number in [0, 1], got 'half'",
+            gen({"relaxkv_budget": "half"})),
     BadCase("anchor_ratio_negative", G, "relaxkv_anchor_ratio: must be a number in [0, 1], got -0.1",
             gen({"relaxkv_anchor_ratio": -0.1})),
     BadCase("anchor_ratio_string", G, "relaxkv_anchor_ratio: must be a number in [0, 1], got '0.1'",

@@ -10,12 +10,14 @@ from rag_helpers import documents, flush, marked_prompt, part_token_ids
 pytestmark = pytest.mark.e2e
 
 
-def _run(url, prompt, policy, anchor=None, context=None):
+def _run(url, prompt, policy, anchor=None, context=None, budget=None):
     custom = {"relaxkv_chunks": prompt.offsets, "relaxkv_policy": policy}
     if anchor is not None:
         custom["relaxkv_anchor_ratio"] = anchor
     if context is not None:
         custom["relaxkv_context_ratio"] = context
+    if budget is not None:
+        custom["relaxkv_budget"] = budget
     body = {"text": prompt.text, "return_logprob": True,
             "sampling_params": {"max_new_tokens": 8, "temperature": 0, "custom_params": custom}}
     response = requests.post(url + "/generate", json=body, timeout=120)
@@ -51,6 +53,24 @@ def test_zero_anchors_reproduce_pic(relaxkv_server, warm_prompt):
         ids, lp, record = _run(relaxkv_server.url, warm_prompt, policy, anchor=0.0, context=0.5)
         assert record["anchors_per_layer"] == 0 and record["repair_kv_pairs"] == 0
         assert ids == pic_ids and lp == pytest.approx(pic_lp, abs=1e-5), policy
+
+
+def test_budget_one_is_full_prefill_zero_is_pic_and_relaxkv_buys_more_anchors(relaxkv_server, warm_prompt):
+    full_ids, full_lp, _ = _run(relaxkv_server.url, warm_prompt, "full")
+    pic_ids, pic_lp, _ = _run(relaxkv_server.url, warm_prompt, "pic")
+    for policy in ("relaxkv", "prophetkv"):
+        ids, lp, record = _run(relaxkv_server.url, warm_prompt, policy, budget=1.0)
+        assert record["budget"] == 1.0 and record["anchor_ratio"] == pytest.approx(1.0)
+        assert ids == full_ids and lp == pytest.approx(full_lp, abs=1e-4), policy
+        ids, lp, record = _run(relaxkv_server.url, warm_prompt, policy, budget=0.0)
+        assert record["anchors_per_layer"] == 0
+        assert ids == pic_ids and lp == pytest.approx(pic_lp, abs=1e-5), policy
+    # At one budget, the peer's anchors attend to their whole prefix, relaxkv's to part of it:
+    # relaxkv buys more anchors for the same estimated cost.
+    relaxed = _run(relaxkv_server.url, warm_prompt, "relaxkv", budget=0.2)[2]
+    peer = _run(relaxkv_server.url, warm_prompt, "prophetkv", budget=0.2)[2]
+    assert peer["anchor_ratio"] == pytest.approx(0.2, abs=0.02)
+    assert relaxed["anchor_ratio"] > peer["anchor_ratio"] and relaxed["context_ratio"] < 1.0
 
 
 def test_full_context_reproduces_the_same_targets_with_full_context(relaxkv_server, warm_prompt):

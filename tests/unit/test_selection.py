@@ -277,4 +277,8 @@ def test_split_budget_spends_anchors_first_then_context():
     # The cost model from a config: SmolLM2-135M's dimensions.
     smol = RepairCost.from_hf_config({"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
                                       "num_key_value_heads": 3, "head_dim": 64})
-    assert smol.pair_cost == pytest.approx(2 * 9 * 64 / (576 * (2 * 576 + 2 * 192) + 3 * 576 * 1536))
+    flops = 2 * 9 * 64 / (576 * (2 * 576 + 2 * 192) + 3 * 576 * 1536)
+    assert smol.pair_cost == pytest.approx(flops)
+    on_cpu = RepairCost.from_hf_config({"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+                                        "num_key_value_heads": 3, "head_dim": 64}, "cpu")
+    assert on_cpu.pair_cost == pytest.approx(3.0 * flops)

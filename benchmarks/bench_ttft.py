@@ -91,13 +91,15 @@ def run(args: argparse.Namespace) -> dict:
 
 def print_table(results: list[dict]) -> None:
     """The results as a plain-text table, one row per (prompt length, policy, anchor ratio)."""
-    head = f"{'tokens':>7} {'policy':<11}{'anchors':>8}{'TTFT p50 s':>12}{'vs full':>9}{'repair KV pairs':>17}"
+    head = (f"{'tokens':>7} {'policy':<11}{'anchors':>8}{'TTFT p50 s':>12}{'vs full':>9}{'repair KV pairs':>17}"
+            f"{'executed':>14}")
     print("\n" + head)
     print("-" * len(head))
     for r in results:
         ratio, work = common.fmt(r["anchor_ratio"], ".0%"), common.fmt(r["repair_kv_pairs"], ",")
+        executed = common.fmt(r.get("repair_kv_pairs_executed"), ",")
         print(f"{r['prompt_tokens']:>7} {r['policy']:<11}{ratio:>8}{r['ttft_median_s']:>12.3f}"
-              f"{r['speedup_vs_full']:>8.1f}x{work:>17}")
+              f"{r['speedup_vs_full']:>8.1f}x{work:>17}{executed:>14}")
 
 
 def plot(results: list[dict], path: pathlib.Path) -> None:

@@ -278,11 +278,19 @@ def _block_groups(row_indptr: list[int]):
 
 
 def executed_kv_pairs(layout) -> int:
-    """(row, key) pairs the CPU executor computes for ``layout`` (masked ones included)."""
+    """(row, key) pairs the CPU executor computes for ``layout`` (masked ones included):
+    each group of :func:`_block_groups` times the keys of the union of its blocks' pages."""
     row_indptr = layout.row_indptr.tolist()
-    total = 0
-    for b0, b1 in _block_groups(row_indptr):
-        union = torch.unique(torch.cat([layout.block_pages(b) for b in range(b0, b1)]))
-        n_keys = int(((union[:, None] * layout.page_size + torch.arange(layout.page_size)) < layout.n_keys).sum())
-        total += (row_indptr[b1] - row_indptr[b0]) * n_keys
-    return total
+    groups = list(_block_groups(row_indptr))
+    if not groups or layout.nnz == 0:
+        return 0
+    group_of_block = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([b1 - b0 for b0, b1 in groups]))
+    indptr = layout.indptr.long()
+    block_of_entry = torch.repeat_interleave(torch.arange(layout.n_row_blocks), indptr[1:] - indptr[:-1])
+    P = layout.n_pages
+    union = torch.unique(group_of_block[block_of_entry] * P + layout.indices.long())  # (group, page) pairs
+    group, page = union // P, union % P
+    keys = torch.zeros(len(groups), dtype=torch.long).index_add_(
+        0, group, (layout.n_keys - page * layout.page_size).clamp(max=layout.page_size))
+    rows = torch.tensor([row_indptr[b1] - row_indptr[b0] for b0, b1 in groups])
+    return int((keys * rows).sum())

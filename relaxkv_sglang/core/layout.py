@@ -113,20 +113,28 @@ class BlockSparseLayout:
     def kv_pairs(self) -> int:
         """Work: number of (row, key) pairs attended, after the causal rule.
 
-        Counted in one pass over (row, listed page) pairs: a page ``p`` gives a row at position
-        ``t`` its keys ``[p * page_size, min(t + 1, n_keys))``, clipped to the page.
+        A row at position t gets every key of its block's listed pages before ``page(t)`` and,
+        when ``page(t)`` is listed, the keys ``page(t) * page_size .. t`` of it (pages after it give
+        nothing). Counted with one search per row in the blocks' page lists laid end to end (pages
+        ascend within a block, so ``block * n_pages + page`` ascends overall), O(nnz + rows log nnz).
         """
         if self.n_rows == 0 or self.nnz == 0:
             return 0
+        ps, P = self.page_size, self.n_pages
         row_indptr, indptr = self.row_indptr.long(), self.indptr.long()
+        block_of_entry = torch.repeat_interleave(torch.arange(self.n_row_blocks), indptr[1:] - indptr[:-1])
+        pages = self.indices.long()
+        keys = block_of_entry * P + pages  # ascending
+        length = (self.n_keys - pages * ps).clamp(max=ps)  # keys on each listed page
+        cum = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(length, 0)])
         block_of_row = torch.repeat_interleave(torch.arange(self.n_row_blocks), row_indptr[1:] - row_indptr[:-1])
-        pages_of_row = (indptr[1:] - indptr[:-1])[block_of_row]  # [n_rows]
-        row = torch.repeat_interleave(torch.arange(self.n_rows), pages_of_row)  # one entry per (row, page)
-        first = torch.cumsum(pages_of_row, 0) - pages_of_row
-        nth = torch.arange(row.numel()) - first[row]
-        page = self.indices.long()[indptr[block_of_row[row]] + nth]
-        end = (self.q_pos.long()[row] + 1).clamp(max=self.n_keys)
-        return int((end - page * self.page_size).clamp(min=0, max=self.page_size).sum())
+        t = self.q_pos.long().clamp(max=self.n_keys - 1)
+        row_page = t // ps
+        before = torch.searchsorted(keys, block_of_row * P + row_page)  # entries of pages < page(t) end here
+        full = cum[before] - cum[indptr[block_of_row]]
+        on_diagonal = before < keys.numel()
+        on_diagonal &= keys[before.clamp(max=keys.numel() - 1)] == block_of_row * P + row_page
+        return int(full.sum() + ((t - row_page * ps + 1) * on_diagonal).sum())
 
     def full_kv_pairs(self) -> int:
         """Pairs the same rows would attend with the full causal prefix: sum of min(t+1, n_keys)."""

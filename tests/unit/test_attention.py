@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from relaxkv_sglang.core.attention import (
+    GROUP_ROWS,
+    executed_kv_pairs,
     block_sparse_attention,
     dense_causal_attention,
     gathered_attention,
@@ -169,3 +171,24 @@ def test_scoped_causal_attention_sees_exactly_its_scope():
         keys = torch.arange(int(scope[t]), t + 1)
         expect = gathered_attention(q[t:t + 1], k, v, pos[t:t + 1], keys)
         assert torch.allclose(out[t:t + 1], expect, atol=1e-6), t
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_executed_kv_pairs_counts_each_groups_union_of_pages(seed):
+    g = torch.Generator().manual_seed(seed)
+    n_keys, page_size, n_rows = 203, 8, 300  # more rows than one group holds
+    q_pos = torch.sort(torch.randint(0, n_keys, (n_rows,), generator=g)).values
+    cuts = torch.sort(torch.randperm(n_rows - 1, generator=g)[:40] + 1).values
+    row_indptr = torch.cat([torch.tensor([0]), cuts, torch.tensor([n_rows])]).to(torch.int32)
+    page_mask = torch.rand(41, -(-n_keys // page_size), generator=g) < 0.3
+    lay = BlockSparseLayout.from_page_mask(q_pos, row_indptr, page_mask, page_size, n_keys)
+    # Walk the groups as the executor forms them: consecutive blocks up to GROUP_ROWS rows.
+    expect, b0, bounds = 0, 0, row_indptr.tolist()
+    while b0 < lay.n_row_blocks:
+        b1 = b0 + 1
+        while b1 < lay.n_row_blocks and bounds[b1] - bounds[b0] < GROUP_ROWS:
+            b1 += 1
+        keys = torch.unique(torch.cat([lay.block_key_index(b) for b in range(b0, b1)]))
+        expect += (bounds[b1] - bounds[b0]) * keys.numel()
+        b0 = b1
+    assert executed_kv_pairs(lay) == expect >= lay.kv_pairs()

@@ -339,8 +339,8 @@ def build_stale_kv(
     ]
 
 
-def _query_pass(w: LlamaWeights, input_ids: torch.Tensor, query_start: int, stale, want_scores: bool):
-    """Query tokens over the stale KV.  Returns (logits [vocab], kv per layer, scores or None)."""
+def _query_pass(w: LlamaWeights, input_ids: torch.Tensor, query_start: int, stale):
+    """Query tokens over the stale KV.  Returns (logits [vocab], kv per layer, scores [n_layers, query_start])."""
     n = input_ids.numel()
     pos = torch.arange(query_start, n)
     h = w.embed[input_ids[query_start:]].float()
@@ -349,11 +349,10 @@ def _query_pass(w: LlamaWeights, input_ids: torch.Tensor, query_start: int, stal
         q, k, v = _project_qkv(w, layer, h, pos)
         keys = torch.cat([stale[l][0], k])
         vals = torch.cat([stale[l][1], v])
-        if want_scores:
-            scores.append(query_attention_scores(q, keys, query_start))
+        scores.append(query_attention_scores(q, keys, query_start))
         kv.append((keys, vals))
         h = _finish_layer(w, layer, h, dense_causal_attention(q, keys, vals))
-    return _logits(w, h[-1]), kv, (torch.stack(scores) if want_scores else None)
+    return _logits(w, h[-1]), kv, torch.stack(scores)
 
 
 @dataclass
@@ -380,7 +379,7 @@ def stale_context(weights: LlamaWeights, input_ids: torch.Tensor, chunk_spans: S
     """
     input_ids = input_ids.to(torch.long).flatten()
     stale = build_stale_kv(weights, input_ids, chunk_spans, query_start)
-    logits, q_kv, scores = _query_pass(weights, input_ids, query_start, stale, True)
+    logits, q_kv, scores = _query_pass(weights, input_ids, query_start, stale)
     return StaleContext(stale, logits, q_kv, scores)
 
 

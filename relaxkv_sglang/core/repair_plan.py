@@ -50,11 +50,12 @@ import torch
 
 from .layout import BlockSparseLayout, build_relaxed_layout
 from .policies import Policy
-from .selection import anchor_ratio_achieved, eligible_tokens, kv_deviation, select_anchors
+from .selection import anchor_ratio_achieved, chunk_offsets, eligible_tokens, kv_deviation, select_anchors
 
 Span = tuple[int, int]
 
-__all__ = ["RepairConfig", "RepairCost", "ATTENTION_OVERHEAD", "AnchorPlan", "plan_anchors", "split_budget", "anchor_layouts"]
+__all__ = ["RepairConfig", "RepairCost", "ATTENTION_OVERHEAD", "AnchorPlan", "plan_anchors", "split_budget",
+           "anchor_layouts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,24 +144,6 @@ class RepairCost:
         return 1.0 + self.pair_cost * keys
 
 
-def _mean_context_keys(chunk_spans: Sequence[Span], n_context: int, config: RepairConfig,
-                       context_ratio: float) -> float:
-    """Mean relaxed-context size (keys) over the eligible tokens at ``context_ratio``, page rounding
-    left out: own chunk up to the token plus a share of the pages before it (layout.py's budget)."""
-    elig = eligible_tokens(chunk_spans, n_context)
-    start = torch.zeros(n_context, dtype=torch.float64)
-    for s, e in chunk_spans:
-        start[s:e] = s
-    t, s0 = elig.double(), start[elig]
-    own, before = t - s0 + 1, s0
-    sink = min(config.sink_tokens, n_context)
-    if config.own_chunk_in_budget:
-        keys = torch.maximum(context_ratio * (t + 1), own + sink)
-    else:
-        keys = own + torch.maximum(context_ratio * before, torch.full_like(before, float(sink)))
-    return float(torch.minimum(keys, t + 1).mean())
-
-
 def split_budget(budget: float, policy: Policy, chunk_spans: Sequence[Span], n_context: int,
                  config: RepairConfig, cost: RepairCost) -> tuple[float, float]:
     """``(anchor_ratio, context_ratio)`` that spend ``budget`` (module doc: "Joint allocation").
@@ -171,12 +154,24 @@ def split_budget(budget: float, policy: Policy, chunk_spans: Sequence[Span], n_c
     elig = eligible_tokens(chunk_spans, n_context)
     if elig.numel() == 0 or policy.context_mode == "full":
         return budget, 1.0
-    full_keys = float((elig.double() + 1).mean())
-    per_anchor = lambda c: 1.0 + cost.pair_cost * _mean_context_keys(chunk_spans, n_context, config, c)  # noqa: E731
-    target = budget * (1.0 + cost.pair_cost * full_keys)  # mean cost per eligible token-layer
+    offset, _ = chunk_offsets(chunk_spans, elig, n_context)
+    t, own = elig.double(), offset.double() + 1  # own: the token's chunk up to it
+    before, sink = t + 1 - own, float(min(config.sink_tokens, n_context))
+
+    def per_anchor(context_ratio: float) -> float:
+        """Mean cost of an anchor-layer: its relaxed context as layout.py budgets it, page
+        rounding left out (own chunk plus a share of what is before it)."""
+        if config.own_chunk_in_budget:
+            keys = torch.clamp(context_ratio * (t + 1), min=own + sink)
+        else:
+            keys = own + torch.clamp(context_ratio * before, min=sink)
+        return float(cost.token_layer(torch.minimum(keys, t + 1)).mean())
+
+    target = float(cost.token_layer(t + 1).mean()) * budget  # mean cost per eligible token-layer
     c = config.context_ratio
-    if target <= per_anchor(c):
-        return target / per_anchor(c), c
+    at_c = per_anchor(c)
+    if target <= at_c:
+        return target / at_c, c
     lo, hi = c, 1.0  # every token an anchor: widen the context (cost is monotone in it)
     for _ in range(40):
         mid = (lo + hi) / 2

@@ -66,6 +66,7 @@ __all__ = [
     "query_attention_scores",
     "eligible_tokens",
     "chunk_ids",
+    "chunk_offsets",
     "LAYER_VALUES",
     "layer_weights",
     "relaxkv_exit_layers",
@@ -158,8 +159,8 @@ def eligible_tokens(chunk_spans: Sequence[Span], n_context: int) -> torch.Tensor
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
-def _chunk_offsets(chunk_spans: Sequence[Span], elig: torch.Tensor, n_context: int):
-    """(offset inside own chunk [n_elig], chunk index [n_elig]) of each eligible token."""
+def chunk_offsets(chunk_spans: Sequence[Span], elig: torch.Tensor, n_context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offset inside own chunk int64 [n_elig], chunk index int64 [n_elig]) of each token of ``elig``."""
     starts = torch.zeros(n_context, dtype=torch.long)
     for s, e in _check_spans(chunk_spans, n_context):
         starts[s:e] = s
@@ -279,7 +280,7 @@ def relaxkv_exit_layers(
     budget = _budget(anchor_ratio, L * elig.numel())
     if budget == 0:
         return exits
-    offs, cid = _chunk_offsets(chunk_spans, elig, n_context)
+    offs, cid = chunk_offsets(chunk_spans, elig, n_context)
     sink_mask = offs < chunk_sink_tokens
     sinks = elig[sink_mask]
     # Sinks in EPIC order (offset, then chunk) so a short budget spreads over chunks.
@@ -407,7 +408,7 @@ def select_anchors(
     if policy is Policy.EPIC:
         # First k tokens of each chunk; the last partial round goes to the earlier chunks,
         # so exactly round(r * n_eligible) tokens are taken.
-        offs, cid = _chunk_offsets(chunk_spans, elig, n_context)
+        offs, cid = chunk_offsets(chunk_spans, elig, n_context)
         key = offs * (int(cid.max()) + 1 if n_elig else 1) + cid
         return _same_every_layer(elig[torch.argsort(key, stable=True)[:per_layer]], n_layers)
     if policy is Policy.RANDOM:

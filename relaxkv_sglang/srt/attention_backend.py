@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from relaxkv_sglang.core.attention import scoped_causal_attention
+from relaxkv_sglang.core.repair_plan import RepairCost
 from relaxkv_sglang.srt.context import ExtendRows, forward_context
 from relaxkv_sglang.srt.layer_loop import AnchorAttention
 
@@ -59,6 +60,9 @@ def build_backend_class() -> type:
             self._rows_batch: Any = None
             self._rows: list[ExtendRows] = []
             self.anchor_attention = AnchorAttention()  # the repair pass's anchors (layer_loop)
+            # The model's repair cost model, for relaxkv_budget (decided once, read per repair).
+            self.repair_cost = RepairCost.from_hf_config(model_runner.model_config.hf_config.to_dict(),
+                                                         str(model_runner.device).split(":")[0])
 
         def extend_rows(self, forward_batch: "ForwardBatch") -> list[ExtendRows]:
             """The batch's rows: the fold's, or each request's contiguous tail (read once per batch).

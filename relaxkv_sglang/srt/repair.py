@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from relaxkv_sglang.core.policies import Policy
-from relaxkv_sglang.core.repair_plan import AnchorPlan, RepairConfig, RepairCost, plan_anchors
+from relaxkv_sglang.core.repair_plan import AnchorPlan, RepairConfig, plan_anchors
 from relaxkv_sglang.srt.layer_loop import LayerLoop, LoopRows, ModelLayers, supports_repair
 
 if TYPE_CHECKING:
@@ -63,8 +63,6 @@ def prepare_repair(cache: "ChunkCache", model_runner: "ModelRunner", fold: "Fold
     layers = ModelLayers(model_runner.model.model)
     loop = LayerLoop(layers, cache.kv_pool, model_runner.attn_backend.anchor_attention)
     n_layers = layers.n_layers
-    cost = RepairCost.from_hf_config(model_runner.model_config.hf_config.to_dict(),
-                                     str(model_runner.device).split(":")[0])
 
     passes = []
     for r in targets:
@@ -80,7 +78,7 @@ def prepare_repair(cache: "ChunkCache", model_runner: "ModelRunner", fold: "Fold
         r.publish_misses(cache)
         anchor_plan = plan_anchors(
             r.plan.policy, torch.stack(query_pass.scores) if query_pass.want_scores else None,
-            _spans_in_window(r), r.plan.query_start, n_layers, repair_config(r), cost)
+            _spans_in_window(r), r.plan.query_start, n_layers, repair_config(r), model_runner.attn_backend.repair_cost)
         r.use_repair(_repair_rows(r, anchor_plan, query_pass.slots), query_pass.n_rows)
     return [r.repair if r.repair is not None else _folded_rows(cache, r, n_layers) for r in fold.requests]
 

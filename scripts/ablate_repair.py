@@ -17,7 +17,7 @@ A variant is ``NAME=POLICY[,knob=value...]`` with RepairConfig knobs, e.g.::
 
 Prints, per format and pooled, each variant's mean KL (over the full vocabulary), top-1 agreement
 with ``full``, mean attended KV pairs, and its paired difference to ``--versus`` (95% bootstrap CI
-over examples, wins/ties/losses).
+over the (example, format) pairs, which the pooled row resamples alike; wins/ties/losses).
 """
 
 from __future__ import annotations

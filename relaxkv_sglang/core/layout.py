@@ -34,6 +34,11 @@ Relaxed context of anchor t at layer l (``build_relaxed_layout``), page granular
 * The achieved ratio is reported in tokens: ``kv_pairs() / full_kv_pairs()``.
 * Because the page ranking is shared and the budget grows with the ratio, the selected page
   sets are nested in ``context_ratio``, so the work is monotone in it.
+* Per-row-block ranking (``row_page_scores``, ``RepairConfig.context_rank="keys"``): the same
+  budget per row block, filled with the pages its own anchors rank highest, by their queries at
+  the layer against each page's element-wise key minimum and maximum
+  (``key_bound_page_scores``, Quest's bound).  Decided inside the layer, once the anchors'
+  queries exist; an ablation (``docs/performance.md`` has its development-split result).
 * ``mode='random'`` (the ablation): same mandatory pages and the same page count per row
   block, the optional pages taken in one seeded random order per layer; ``mode='full'``:
   every causal page (independent of ``context_ratio``).
@@ -55,6 +60,7 @@ __all__ = [
     "BlockSparseLayout",
     "page_scores",
     "build_relaxed_layout",
+    "key_bound_page_scores",
     "full_causal_layout",
 ]
 
@@ -227,6 +233,7 @@ def build_relaxed_layout(
     mode: str = "topk",
     generator: Optional[torch.Generator] = None,
     own_chunk_in_budget: bool = True,
+    row_page_scores: Optional[torch.Tensor] = None,
 ) -> BlockSparseLayout:
     """The relaxed context R_l(t) of every anchor of one layer, as a BSR layout (module doc).
 
@@ -245,6 +252,9 @@ def build_relaxed_layout(
         own_chunk_in_budget: True: the budget is a fraction of the whole causal prefix, own
             chunk included; False: of the pages before the anchor's own chunk, the own chunk
             coming on top (module doc).
+        row_page_scores: float [n_anchors, n_pages] or None: each anchor's own relevance of
+            each page (e.g. :func:`key_bound_page_scores`); mode 'topk' then ranks pages per row
+            block by the sum over its rows instead of by the shared ``scores``.
     Returns:
         BlockSparseLayout whose rows are ``anchors`` in order.
     """
@@ -283,20 +293,82 @@ def build_relaxed_layout(
             budget = torch.ceil(context_ratio * own_first.double() - 1e-9).long()
             extra = (budget - (mandatory & (cols < own_first[:, None])).sum(dim=1)).clamp(min=0)
         cand = causal & ~mandatory
-        if mode == "topk":
-            if scores is None:
-                raise ValueError("mode 'topk' needs scores")
-            order = torch.sort(page_scores(scores[:n_context], page_size), descending=True, stable=True).indices
+        if mode == "topk" and row_page_scores is not None:
+            take = _take_per_block(cand, extra, _block_sums(row_page_scores.float(), row_indptr))
         else:
-            order = torch.randperm(P, generator=generator)
-        # Walk candidates in rank order; a block keeps its first `extra` ones.  Shared order
-        # across blocks and ratios makes the chosen sets nested in the ratio.
-        cand_sorted = cand[:, order]
-        rank = cand_sorted.to(torch.int32).cumsum(dim=1)
-        take = torch.zeros_like(cand)
-        take[:, order] = cand_sorted & (rank <= extra[:, None])
+            if mode == "topk":
+                if scores is None:
+                    raise ValueError("mode 'topk' needs scores")
+                order = torch.sort(page_scores(scores[:n_context], page_size), descending=True, stable=True).indices
+            else:
+                order = torch.randperm(P, generator=generator)
+            # Walk candidates in rank order; a block keeps its first `extra` ones.  Shared order
+            # across blocks and ratios makes the chosen sets nested in the ratio.
+            cand_sorted = cand[:, order]
+            rank = cand_sorted.to(torch.int32).cumsum(dim=1)
+            take = torch.zeros_like(cand)
+            take[:, order] = cand_sorted & (rank <= extra[:, None])
         mask = mandatory | take
     return BlockSparseLayout.from_page_mask(anchors, row_indptr, mask, page_size, n_context)
+
+
+def _block_sums(row_values: torch.Tensor, row_indptr: torch.Tensor) -> torch.Tensor:
+    """float [n_rows, P] -> [n_row_blocks, P]: the sum over each row block's rows."""
+    block_of_row = torch.repeat_interleave(torch.arange(row_indptr.numel() - 1), row_indptr.diff().long())
+    out = row_values.new_zeros(row_indptr.numel() - 1, row_values.shape[1])
+    return out.index_add_(0, block_of_row, row_values)
+
+
+def _take_per_block(cand: torch.Tensor, extra: torch.Tensor, block_scores: torch.Tensor) -> torch.Tensor:
+    """bool [n_rb, P]: each block's ``extra`` best candidate pages by its own scores (ties: earlier page)."""
+    ranked = torch.sort(block_scores.masked_fill(~cand, float("-inf")), dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(ranked)
+    rank.scatter_(1, ranked, torch.arange(cand.shape[1]).expand_as(ranked).contiguous())
+    return cand & (rank < extra[:, None])
+
+
+def key_bound_page_scores(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, n_keys: int, page_size: int,
+                          scale: Optional[float] = None, exact: bool = False) -> torch.Tensor:
+    """Each query row's relevance of each key page from per-page key bounds (Quest-style).
+
+    For page p with element-wise key minimum ``m_p`` and maximum ``M_p`` (per kv head), the
+    largest logit any key of p can give query ``q`` is bounded by
+    ``u_p = sum_d max(q_d m_{p,d}, q_d M_{p,d})``.  Per head the bounds become a softmax over
+    pages up to the row's own (so heads with large logits do not drown the others) and the heads
+    are summed.  ``exact=True`` (the oracle, for ablations: it costs dense attention) gives instead
+    each page's true attention mass over the row's causal keys.
+
+    Args:
+        q: [n_rows, n_heads, d] the rows' queries at this layer.
+        q_pos: int64 [n_rows] the rows' positions (a row ranks pages up to its own).
+        k: [>= n_keys, n_kv_heads, d] keys in prompt order (row j = position j).
+        n_keys: keys ``[0, n_keys)`` are paged.
+        page_size: tokens per page.
+        scale: softmax scale, default ``d ** -0.5``.
+    Returns:
+        float32 [n_rows, ceil(n_keys / page_size)], each row summing to n_heads.
+    """
+    n_rows, H, d = q.shape
+    P = _n_pages(n_keys, page_size)
+    s = d ** -0.5 if scale is None else float(scale)
+    kk = k[:n_keys].float()
+    group = H // kk.shape[1]
+    if exact:
+        logits = torch.einsum("rhd,khd->rkh", q.float(), kk.repeat_interleave(group, dim=1)) * s
+        later = torch.arange(n_keys)[None, :] > q_pos[:, None]
+        mass = torch.softmax(logits.masked_fill(later[..., None], float("-inf")), dim=1).sum(dim=2)
+        pad = P * page_size - n_keys
+        return torch.cat([mass, mass.new_zeros(n_rows, pad)], dim=1).view(n_rows, P, page_size).sum(dim=2)
+    pad = P * page_size - n_keys
+    if pad:  # pad by repeating the last key so the bounds stay those of the real keys
+        kk = torch.cat([kk, kk[-1:].expand(pad, -1, -1)])
+    kp = kk.view(P, page_size, kk.shape[1], d)
+    k_min, k_max = kp.amin(dim=1), kp.amax(dim=1)  # [P, H_kv, d]
+    k_min, k_max = k_min.repeat_interleave(group, dim=1), k_max.repeat_interleave(group, dim=1)
+    qf = q.float()[:, None]  # [n_rows, 1, H, d]
+    bound = torch.maximum(qf * k_min[None], qf * k_max[None]).sum(dim=-1)  # [n_rows, P, H]
+    later = torch.arange(P)[None, :] > (q_pos // page_size)[:, None]
+    return torch.softmax((bound * s).masked_fill(later[..., None], float("-inf")), dim=1).sum(dim=2)
 
 
 def full_causal_layout(

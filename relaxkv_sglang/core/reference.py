@@ -453,7 +453,7 @@ def reference_prefill(
         K[anchors], V[anchors] = k[:n_a], v[:n_a]
         if plan.decides_at(l):
             plan = plan.after_check_layer(anchors, k[:n_a], v[:n_a], stale_kv[l][0][anchors], stale_kv[l][1][anchors])
-        layout = plan.layouts[l]
+        layout = plan.layout_at(l, q[:n_a], K)
         o_a = block_sparse_attention(q[:n_a], K, V, layout)
         keys, vals = torch.cat([K, k[n_a:]]), torch.cat([V, v[n_a:]])
         o_q = dense_causal_attention(q[n_a:], keys, vals)

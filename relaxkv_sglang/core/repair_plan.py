@@ -48,7 +48,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .layout import BlockSparseLayout, build_relaxed_layout
+from .layout import BlockSparseLayout, build_relaxed_layout, key_bound_page_scores
 from .policies import Policy
 from .selection import anchor_ratio_achieved, chunk_offsets, eligible_tokens, kv_deviation, select_anchors
 
@@ -56,6 +56,9 @@ Span = tuple[int, int]
 
 __all__ = ["RepairConfig", "RepairCost", "ATTENTION_OVERHEAD", "AnchorPlan", "plan_anchors", "split_budget",
            "anchor_layouts"]
+
+
+CONTEXT_RANKS = ("query", "keys", "oracle")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +76,11 @@ class RepairConfig:
             (``layout.build_relaxed_layout``).
         layer_value: how relaxkv values correcting a token at each layer
             (``selection.layer_weights``: uniform, skip0, depth).
+        context_rank: how relaxkv ranks the other pages of an anchor's context: ``query`` (the
+            query's attention s_l, one ranking per layer) or ``keys`` (per row block, the
+            anchors' own queries against per-page key bounds, ``layout.key_bound_page_scores``;
+            decided in the layer, once the anchors' queries exist); ``oracle`` (their true
+            attention mass, dense: an ablation only).
         check_layer: CacheBlend's check layer.
         cacheblend_use_k: CacheBlend's deviation also counts K (else V only).
         seed: seeds the random control and the random-context ablation.
@@ -86,6 +94,7 @@ class RepairConfig:
     sink_tokens: int = 4
     chunk_sink_tokens: int = 4
     layer_value: str = "depth"
+    context_rank: str = "query"
     own_chunk_in_budget: bool = False
     check_layer: int = 1
     cacheblend_use_k: bool = False
@@ -97,6 +106,8 @@ class RepairConfig:
             value = getattr(self, name)
             if value is not None and not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if self.context_rank not in CONTEXT_RANKS:
+            raise ValueError(f"context_rank must be one of {', '.join(CONTEXT_RANKS)}, got {self.context_rank!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
 
@@ -226,6 +237,36 @@ class AnchorPlan:
     def decides_at(self, layer: int) -> bool:
         """True at CacheBlend's check layer while the later layers are undecided."""
         return self.awaits_check_layer and layer == self.config.check_layer
+
+    @property
+    def ranks_pages_in_layer(self) -> bool:
+        """Whether :meth:`layout_at` decides the context in the layer (it needs the keys then)."""
+        return self.config.context_rank != "query" and self.policy.context_mode == "topk"
+
+    def layout_at(self, layer: int, q_anchors: torch.Tensor, keys: torch.Tensor) -> BlockSparseLayout:
+        """The anchors' layout at ``layer``, once their queries exist.
+
+        With ``config.context_rank == "query"`` (or a policy whose context is not ranked) it is the
+        planned ``layouts[layer]``; otherwise the same budget per row block filled with the pages
+        the anchors' own queries rank highest (``layout.key_bound_page_scores``).
+
+        Args:
+            layer: the layer.
+            q_anchors: [|A_l|, n_heads, d] the anchors' queries at this layer, rows in anchor order.
+            keys: [n_context, n_kv_heads, d] the context's keys at this layer in prompt order,
+                anchors' recomputed keys included.
+        Returns:
+            BlockSparseLayout whose rows are ``anchor_sets[layer]``.
+        """
+        planned = self.layouts[layer]
+        if not self.ranks_pages_in_layer or planned.n_rows == 0:
+            return planned
+        c = self.config
+        row_scores = key_bound_page_scores(q_anchors, planned.q_pos, keys, self.n_context, c.page_size,
+                                           exact=c.context_rank == "oracle")
+        return build_relaxed_layout(self.anchor_sets[layer], None, self.chunk_spans, self.n_context,
+                                    c.context_ratio, c.page_size, c.sink_tokens,
+                                    own_chunk_in_budget=c.own_chunk_in_budget, row_page_scores=row_scores)
 
     def after_check_layer(self, tokens: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                           k_stale: torch.Tensor, v_stale: torch.Tensor) -> "AnchorPlan":

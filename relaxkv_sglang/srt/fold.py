@@ -215,7 +215,11 @@ def finish_fold(cache: "ChunkCache", fold: Fold) -> None:
     for r in fold.requests:
         r.publish_misses(cache)
         if r.hit_tokens:
+            # Chunk hits come from the device pool: SGLang's cached_tokens_details and
+            # sglang:cached_tokens_total{cache_source="device"} read cached_tokens_device,
+            # which its own accounting has already set from the radix match.
             r.req.cached_tokens += r.hit_tokens
+            r.req.cached_tokens_device += r.hit_tokens
         if r.plan is not None:
             merge_record(r.req, request_record(r))
     # SGLang's prefill log line and /metrics sglang:cache_hit_rate read these

@@ -226,8 +226,9 @@ class LayerLoop:
         if bool(plain.any()):
             out[plain] = scoped_causal_attention(q[plain], k_cache, v_cache, pos[plain], scope[plain], r.slots, scale)
         if bool(anchor.any()):
-            layout = r.anchor_plan.layouts[l]
-            sel = anchor.nonzero().flatten()
+            plan, sel = r.anchor_plan, anchor.nonzero().flatten()
+            layout = (plan.layout_at(l, q[sel], k_cache[r.slots[:plan.n_context]]) if plan.ranks_pages_in_layer
+                      else plan.layouts[l])
             if not torch.equal(layout.q_pos, pos[sel]):
                 raise RuntimeError("relaxkv: layout rows do not match the layer's anchors")
             out[sel] = self.anchor_attention(q[sel], k_cache, v_cache, layout, scale, r.slots)

@@ -64,11 +64,11 @@ def test_documents_hit_in_another_order_after_another_system_prompt(relaxkv_serv
     assert second["meta_info"]["cached_tokens"] >= chunk_tokens
 
 
-def _metric(url: str, name: str) -> float:
+def _metric(url: str, name: str, label: str = "") -> float:
     text = requests.get(url + "/metrics", timeout=30).text
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(name) and not line.startswith("#")]
-    assert values, f"{name} not on /metrics"
+              if line.startswith(name) and label in line and not line.startswith("#")]
+    assert values, f"{name} {label} not on /metrics"
     return sum(values)
 
 
@@ -76,8 +76,15 @@ def test_metrics_see_chunk_hits(relaxkv_server):
     docs = documents(3, seed=12)
     generate(relaxkv_server.url, marked_prompt("One.", docs, "Q1?"), policy="pic")
     hits_before = _metric(relaxkv_server.url, "relaxkv:chunk_hits_total")
-    generate(relaxkv_server.url, marked_prompt("Two.", docs[::-1], "Q2?"), policy="pic")
+    device_before = _metric(relaxkv_server.url, "sglang:cached_tokens_total", 'cache_source="device"')
+    second = generate(relaxkv_server.url, marked_prompt("Two.", docs[::-1], "Q2?"), policy="pic")["meta_info"]
     assert _metric(relaxkv_server.url, "relaxkv:chunk_hits_total") == hits_before + 3
+    # SGLang's own per-source accounting sees the chunk hits (served from the device pool).
+    assert second["cached_tokens"] >= second["relaxkv"]["chunk_tokens_reused"] > 0
+    assert second["cached_tokens_details"]["device"] == second["cached_tokens"]
+    assert second["cached_tokens_details"]["host"] == 0
+    device_after = _metric(relaxkv_server.url, "sglang:cached_tokens_total", 'cache_source="device"')
+    assert device_after - device_before == second["cached_tokens"]
     assert _metric(relaxkv_server.url, "relaxkv:chunk_tokens_held") > 0
     # SGLang's own gauge of the last prefill counts the reused chunk tokens.
     assert _metric(relaxkv_server.url, "sglang:cache_hit_rate") > 0.5

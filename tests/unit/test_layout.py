@@ -9,6 +9,7 @@ from relaxkv_sglang.core.layout import (
     BlockSparseLayout,
     build_relaxed_layout,
     full_causal_layout,
+    key_bound_page_scores,
     page_scores,
 )
 
@@ -167,3 +168,73 @@ def test_kv_pairs_counts_the_dense_mask_on_random_layouts(seed):
     page_mask = torch.rand(7, math.ceil(n_keys / page_size), generator=g) < 0.4  # pages past a row too
     lay = BlockSparseLayout.from_page_mask(q_pos, row_indptr, page_mask, page_size, n_keys)
     assert lay.kv_pairs() == int(lay.to_dense_mask().sum())
+
+
+# ----------------------------------------------------------------------------- per-row-block ranking
+
+
+def _qk(seed=0, n_heads=4, n_kv=2, d=8):
+    g = torch.Generator().manual_seed(seed)
+    a = _anchors()
+    return a, torch.randn(a.numel(), n_heads, d, generator=g), torch.randn(N_CTX, n_kv, d, generator=g)
+
+
+def test_row_ranking_with_the_shared_scores_is_the_shared_layout():
+    a = _anchors()
+    shared = page_scores(_scores(), PS)
+    for own in (True, False):
+        for ratio in (0.0, 0.3, 0.6, 1.0):
+            ref = build_relaxed_layout(a, _scores(), SPANS, N_CTX, ratio, PS, own_chunk_in_budget=own)
+            per_row = build_relaxed_layout(a, None, SPANS, N_CTX, ratio, PS, own_chunk_in_budget=own,
+                                           row_page_scores=shared.expand(a.numel(), -1))
+            assert torch.equal(ref.to_dense_mask(), per_row.to_dense_mask())
+
+
+def test_row_ranking_keeps_each_blocks_page_count_and_follows_its_own_rows():
+    a, q, k = _qk()
+    shared = build_relaxed_layout(a, _scores(), SPANS, N_CTX, 0.5, PS, own_chunk_in_budget=False)
+    rows = key_bound_page_scores(q, a, k, N_CTX, PS)
+    own = build_relaxed_layout(a, None, SPANS, N_CTX, 0.5, PS, own_chunk_in_budget=False, row_page_scores=rows)
+    assert torch.equal(own.row_indptr, shared.row_indptr)
+    assert own.indptr.diff().tolist() == shared.indptr.diff().tolist()  # same budget per block
+    # A block whose rows favour one optional page takes it.
+    boosted = rows.clone()
+    last = shared.n_row_blocks - 1
+    r0, r1 = int(shared.row_indptr[last]), int(shared.row_indptr[last + 1])
+    listed = set(shared.block_pages(last).tolist())
+    target = next(p for p in range(1, int(a[r0]) // PS) if p not in listed and p * PS >= 6 and p < 6)
+    boosted[r0:r1, target] = 100.0
+    lay = build_relaxed_layout(a, None, SPANS, N_CTX, 0.5, PS, own_chunk_in_budget=False, row_page_scores=boosted)
+    assert target in lay.block_pages(last).tolist()
+
+
+def test_key_bound_scores_are_causal_per_head_distributions():
+    a, q, k = _qk(1)
+    for exact in (False, True):
+        s = key_bound_page_scores(q, a, k, N_CTX, PS, exact=exact)
+        assert s.shape == (a.numel(), math.ceil(N_CTX / PS))
+        assert torch.allclose(s.sum(dim=1), torch.full((a.numel(),), 4.0), atol=1e-5)  # n_heads
+        later = torch.arange(s.shape[1])[None, :] > (a // PS)[:, None]
+        assert float(s[later].abs().max()) == 0.0
+
+
+def test_exact_page_scores_are_the_attention_mass_per_page():
+    a, q, k = _qk(2)
+    s = key_bound_page_scores(q, a, k, N_CTX, PS, exact=True)
+    kk = k.repeat_interleave(2, dim=1)
+    for i, t in enumerate(a.tolist()):
+        logits = torch.einsum("hd,khd->hk", q[i], kk[: t + 1]) * 8 ** -0.5
+        mass = torch.softmax(logits, dim=1).sum(dim=0)  # [t+1]
+        per_page = torch.zeros(s.shape[1]).index_add_(0, torch.arange(t + 1) // PS, mass)
+        assert torch.allclose(s[i], per_page, atol=1e-5)
+
+
+def test_key_bound_is_an_upper_bound_of_each_pages_logits():
+    # Ranking by the bound: a page holding one key aligned with the query outranks pages of noise.
+    g = torch.Generator().manual_seed(3)
+    k = 0.1 * torch.randn(40, 1, 8, generator=g)
+    q = torch.zeros(1, 1, 8)
+    q[0, 0, 0] = 5.0
+    k[22, 0, 0] = 3.0  # page 5
+    s = key_bound_page_scores(q, torch.tensor([39]), k, 40, PS)
+    assert int(s[0].argmax()) == 5

@@ -143,6 +143,16 @@ def test_context_ratio_one_equals_fullctx_exactly(model, ids):
     assert a.report.repair_kv_pairs == b.report.repair_kv_pairs
 
 
+@pytest.mark.parametrize("rank", ["keys", "oracle"])
+def test_context_ranked_in_the_layer_keeps_the_budget_and_the_invariants(model, ids, full, rank):
+    # Full context whatever the ranking; at 0.5 the same work as the query ranking, other pages.
+    assert close(run(model, ids, "relaxkv", 1.0, 1.0, context_rank=rank).last_logits, full.last_logits)
+    planned, ranked = run(model, ids, "relaxkv", 0.3, 0.5), run(model, ids, "relaxkv", 0.3, 0.5, context_rank=rank)
+    assert all(torch.equal(x, y) for x, y in zip(planned.anchors, ranked.anchors))
+    assert abs(ranked.report.repair_kv_pairs - planned.report.repair_kv_pairs) <= 3 * PS * len(planned.anchors[0])
+    assert not torch.equal(planned.last_logits, ranked.last_logits)
+
+
 def test_relaxed_context_work_shrinks(model, ids):
     reps = [run(model, ids, "relaxkv", 0.3, c) for c in (1.0, 0.5, 0.25)]
     pairs = [r.report.repair_kv_pairs for r in reps]

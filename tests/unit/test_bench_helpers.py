@@ -167,3 +167,21 @@ def test_document_tokens_counts_each_document_once_as_a_chunk():
     tokens = bench_cache_hit.document_tokens(reqs, CharTokenizer())
     assert tokens == {3: 3, 1: 1, 2: 2}
     assert bench_cache_hit.best_possible_pct(reqs, tokens, prompt_tokens=10) == pytest.approx(10.0)
+
+
+def test_cold_trace_has_one_example_per_request_and_a_chunk_per_paragraph():
+    from benchmarks import bench_cold
+
+    trace = bench_cold.make_trace(6, offset=1000)
+    assert len(trace) == 6 and len({text for text, _ in trace}) == 6
+    for text, offsets in trace:
+        assert len(offsets) == 20  # ten paragraphs, two offsets each
+        assert offsets == sorted(offsets) and offsets[-1] <= len(text)
+
+
+def test_cold_bench_refuses_a_run_without_pic_in_one_line(capsys):
+    from benchmarks import bench_cold
+
+    with pytest.raises(SystemExit):
+        bench_cold.main(["--policies", "full", "relaxkv", "--url", "http://127.0.0.1:9"])
+    assert capsys.readouterr().err.strip() == "bench_cold: error: --policies must include pic (the figures are ratios to it)"

@@ -1,0 +1,121 @@
+"""Cold documents: wall time of a concurrent trace whose documents were never seen, per policy, side by side.
+
+The trace: ``--clients`` clients each send ``--requests`` requests one after another; a request
+holds the ten paragraphs of one HotpotQA example (each a chunk), a system prompt and its
+question, and no two requests share an example, so every chunk is a miss (computed for the
+first time) unless two examples happen to share a paragraph (the report counts the hits). This is
+the cost a RAG service pays for documents it has not cached yet: ``pic`` computes each chunk
+position-independently, a repair policy also runs its query pass and its anchors over the
+freshly computed chunks, ``full`` prefills everything causally.
+
+Every policy replays the same trace on an emptied cache (``/flush_cache``), and the policies take
+turns round after round in a rotated order, so drift on a shared machine hits them alike; the
+figures are per-policy medians over the rounds and each round's ratio to ``pic`` (median).
+
+    python -m benchmarks.bench_cold --quick
+    python -m benchmarks.bench_cold                      # 4 clients x 8 requests, 3 rounds
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from benchmarks import common
+from relaxkv_sglang import workloads
+from relaxkv_sglang.client import ServerClient
+
+BENCH = "bench_cold"
+
+
+def make_trace(n_requests: int, offset: int) -> list[tuple[str, list[int]]]:
+    """``n_requests`` prompts (text, chunk offsets), one HotpotQA dev example each from ``offset``."""
+    examples = workloads.task_examples("hotpotqa", n_requests, offset=offset)
+    return [ex.marked("plain") for ex in examples]
+
+
+def replay(client: ServerClient, trace: list[tuple[str, list[int]]], policy: str, clients: int,
+           anchor_ratio: float | None) -> dict:
+    """Flush, then send the trace with ``clients`` concurrent clients (client i sends requests i, i+clients, ...)."""
+    client.flush()
+
+    def one_client(i: int) -> list[dict]:
+        out = []
+        for text, offsets in trace[i::clients]:
+            response = client.generate(text, offsets, policy, max_new_tokens=1, anchor_ratio=anchor_ratio)
+            out.append(common.relaxkv_report(response) | {"latency_s": response["client_latency_s"]})
+        return out
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        reports = [r for part in pool.map(one_client, range(clients)) for r in part]
+    wall = time.perf_counter() - start
+    return {
+        "wall_s": wall,
+        "chunks_seen": sum(r.get("chunks_seen", 0) for r in reports),
+        "chunks_hit": sum(r.get("chunks_hit", 0) for r in reports),
+        "repaired": sum(bool(r.get("repaired")) for r in reports),
+        "median_latency_s": statistics.median(r["latency_s"] for r in reports),
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    trace = make_trace(args.clients * args.requests, args.offset)
+    rounds: list[dict[str, dict]] = []
+    with common.bench_client(args, BENCH) as client:
+        # Warm the server's code paths (not the documents: the replay flushes first).
+        for policy in args.policies:
+            replay(client, trace[:1], policy, 1, args.anchor_ratio if policy not in ("full", "pic") else None)
+        for k in range(args.rounds):
+            order = args.policies[k % len(args.policies):] + args.policies[:k % len(args.policies)]
+            this_round = {}
+            for policy in order:
+                ratio = args.anchor_ratio if policy not in ("full", "pic") else None
+                this_round[policy] = replay(client, trace, policy, args.clients, ratio)
+                print(f"round {k + 1}: {policy:<10} {this_round[policy]['wall_s']:6.1f} s", flush=True)
+            rounds.append(this_round)
+    summary = {}
+    for policy in args.policies:
+        walls = [r[policy]["wall_s"] for r in rounds]
+        summary[policy] = {
+            "median_wall_s": statistics.median(walls),
+            "walls_s": walls,
+            "median_ratio_to_pic": (statistics.median(r[policy]["wall_s"] / r["pic"]["wall_s"] for r in rounds)
+                                    if "pic" in args.policies else None),
+            "chunks_hit": rounds[-1][policy]["chunks_hit"],
+            "chunks_seen": rounds[-1][policy]["chunks_seen"],
+            "repaired": rounds[-1][policy]["repaired"],
+        }
+    return {"requests": len(trace), "clients": args.clients, "rounds": rounds, "summary": summary}
+
+
+def print_table(result: dict) -> None:
+    print(f"\ncold trace: {result['requests']} requests, {result['clients']} clients; medians over "
+          f"{len(result['rounds'])} rounds")
+    print(f"| policy | wall s | x pic | chunk hits / seen | repaired |")
+    print("|---|---|---|---|---|")
+    for policy, s in result["summary"].items():
+        print(f"| {policy} | {s['median_wall_s']:.1f} | {common.fmt(s['median_ratio_to_pic'], '.2f')} | "
+              f"{s['chunks_hit']} / {s['chunks_seen']} | {s['repaired']} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = common.bench_parser(BENCH, __doc__, quick_help="2 clients x 2 requests, 1 round")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=8, help="requests per client")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--policies", nargs="+", default=["full", "pic", "relaxkv"])
+    parser.add_argument("--anchor-ratio", type=float, default=0.15, help="anchor ratio of the repair policies")
+    parser.add_argument("--offset", type=int, default=1000, help="first HotpotQA dev example")
+    args = common.parse_args(parser, argv, quick={"clients": 2, "requests": 2, "rounds": 1})
+    if args.clients < 1 or args.requests < 1 or args.rounds < 1:
+        common.fail(BENCH, "--clients, --requests and --rounds must be >= 1")
+    if "pic" not in args.policies:
+        common.fail(BENCH, "--policies must include pic (the figures are ratios to it)")
+    common.run_bench(BENCH, args, run, report=print_table)
+
+
+if __name__ == "__main__":
+    main()

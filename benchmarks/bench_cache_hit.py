@@ -28,13 +28,38 @@ still being prefilled (concurrency), which no cache size recovers.
     python -m benchmarks.bench_cache_hit --quick
     python -m benchmarks.bench_cache_hit --requests 200 --clients 8
     python -m benchmarks.bench_cache_hit --quick --max-total-tokens 4096 --policies pic relaxkv  # evictions
+
+``--pressure`` measures the chunk tree under memory pressure instead: the KV
+pool is sized to 25% of the trace's working set (its distinct document tokens;
+never below what two requests need), and the same ``pic`` trace is replayed one
+request at a time and then by 16 clients (``--clients``), cache flushed before
+each. Reported: chunk hits (count and tokens) concurrent vs sequential, and vs
+the best possible with that pool, an offline replay of the trace in order that
+keeps, after each request, the chunks whose next use comes soonest (Belady's
+farthest-next-use rule) in the pool minus that request's own tokens.
+
+    python -m benchmarks.bench_cache_hit --pressure --model tiny-llama
+
+``--replicas N`` (N >= 2) measures routing instead: N servers, each with the KV pool
+``--max-total-tokens``, and ``sglang-router`` in front (:class:`relaxkv_sglang.server.Cluster`).
+The same trace is replayed under ``pic`` (``--policies``) once against one replica alone (the
+single-server reference) and once through the router per ``--routings``: ``document`` (the
+router's ``manual`` policy keyed by the MinHash of each request's documents, which the client
+sends as ``x-smg-routing-key``; :mod:`relaxkv_sglang.routing`), ``cache_aware`` and
+``round_robin``, every replica flushed before each. Reported per routing: the hit rate, its share
+of the single-server one, and the requests each replica served, read from each replica's own
+``/metrics`` (``sglang:num_requests_total``), not from the router.
+
+    python -m benchmarks.bench_cache_hit --replicas 2 --model tiny-llama --quick
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import random
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -43,7 +68,7 @@ from tqdm import tqdm
 
 from benchmarks import common
 from relaxkv_sglang import metrics, workloads
-from relaxkv_sglang.client import ServerClient
+from relaxkv_sglang.client import RouterClient, ServerClient
 
 BENCH = "bench_cache_hit"
 
@@ -58,14 +83,24 @@ class TraceRequest:
 
 
 def make_trace(args: argparse.Namespace) -> list[TraceRequest]:
-    """A seeded trace: Zipf(s) document popularity, k documents per request, random order."""
+    """A seeded trace: Zipf(s) document popularity, k documents per request, random order.
+
+    With ``args.topics = T > 0`` the pool is cut into ``T`` topics of ``pool // T`` consecutive
+    documents; a request draws its topic by Zipf(s) and ``k`` distinct documents of it uniformly
+    (related questions retrieving overlapping document sets, in another order each time).
+    """
     docs = workloads.document_pool(args.source, args.pool, args.seed)
     rng = random.Random(args.seed)
-    weights = [1.0 / (rank + 1) ** args.zipf for rank in range(len(docs))]
+    topics = getattr(args, "topics", 0) or 0
+    weights = [1.0 / (rank + 1) ** args.zipf for rank in range(topics or len(docs))]
     questions = ["What do these documents have in common?", "Summarize the key fact.", "Who is mentioned first?"]
     trace = []
     for _ in range(args.requests):
         chosen: list[int] = []
+        if topics:
+            size = len(docs) // topics
+            topic = rng.choices(range(topics), weights)[0]
+            chosen = rng.sample(range(topic * size, (topic + 1) * size), args.docs_per_request)
         while len(chosen) < args.docs_per_request:
             pick = rng.choices(range(len(docs)), weights)[0]
             if pick not in chosen:
@@ -116,6 +151,8 @@ def replay(client: ServerClient, trace: list[TraceRequest], policy: str, clients
                          "chunk_tokens_reused": common.relaxkv_report(r).get("chunk_tokens_reused", 0),
                          "sent_at": r["sent_at"], "first_token_at": r["first_token_at"],
                          "ttft_s": r["ttft_s"], "latency_s": r["latency_s"]} for r in results],
+        **({"results": results, "duplicates_before": before.get("chunk_duplicate_computes", 0)}
+           if args.pressure else {}),
     }
 
 
@@ -156,6 +193,203 @@ def seen_before_missed_tokens(doc_ids: list[list[int]], per_request: list[dict],
         expected = sum(doc_tokens[d] for d in set(doc_ids[i]) & seen)
         missed += max(0, expected - per_request[i]["chunk_tokens_reused"])
     return missed
+
+
+def prompt_tokens(trace: list[TraceRequest], tokenizer: Any) -> list[int]:
+    """Tokens of each request's prompt (as one text; the server's per-part count differs by a few)."""
+    return [workloads.token_count(tokenizer, req.text) for req in trace]
+
+
+def best_with_pool(trace: list[TraceRequest], doc_tokens: dict[int, int], room: list[int]) -> tuple[int, int]:
+    """Chunk hits (count, tokens) of an offline cache that knows the future, one request at a time.
+
+    Before request ``i`` the cache holds at most ``room[i]`` document tokens (the
+    pool minus that request's own copy); after it, it keeps the documents whose
+    next use comes soonest (Belady's rule; optimal for equal sizes, a close bound
+    for the near-equal document sizes here).
+    """
+    uses: dict[int, list[int]] = {}
+    for i, req in enumerate(trace):
+        for d in req.doc_ids:
+            uses.setdefault(d, []).append(i)
+    cached: set[int] = set()
+    hits = hit_tokens = 0
+    for i, req in enumerate(trace):
+        for d in req.doc_ids:
+            if d in cached:
+                hits += 1
+                hit_tokens += doc_tokens[d]
+        if i + 1 == len(trace):
+            break
+        candidates = cached | set(req.doc_ids)
+
+        def next_use(d: int) -> int:
+            later = [j for j in uses[d] if j > i]
+            return later[0] if later else len(trace)
+
+        kept, used = set(), 0
+        for d in sorted(candidates, key=next_use):
+            if next_use(d) < len(trace) and used + doc_tokens[d] <= room[i + 1]:
+                kept.add(d)
+                used += doc_tokens[d]
+        cached = kept
+    return hits, hit_tokens
+
+
+def run_pressure(args: argparse.Namespace) -> dict:
+    """The same pic trace, sequential and concurrent, on a pool at 25% of its working set."""
+    trace = make_trace(args)
+    tokenizer = common.tokenizer(args)
+    doc_tokens = document_tokens(trace, tokenizer)
+    working_set = sum(doc_tokens.values())
+    lengths = [n + args.max_new_tokens for n in prompt_tokens(trace, tokenizer)]
+    context = -(-(max(lengths) + 64) // 64) * 64  # room for the per-part tokenization's few extra tokens
+    pool = max(int(args.pressure_fraction * working_set), 2 * context)
+    args.max_total_tokens = pool
+    with common.bench_client(args, BENCH, extra_args=["--context-length", str(context)]) as client:
+        rows = {}
+        for name, clients in (("sequential", 1), ("concurrent", args.clients)):
+            row = replay(client, trace, "pic", clients, args)
+            state = client.relaxkv_state()
+            row["chunk_hits"] = sum(common.relaxkv_report(r).get("chunks_hit", 0) for r in row.pop("results"))
+            row["chunk_tokens_reused"] = sum(r["chunk_tokens_reused"] for r in row["per_request"])
+            row["chunks_computed_twice"] = state.get("chunk_duplicate_computes", 0) - row.pop("duplicates_before")
+            row["chunk_locked_entries_after"] = state.get("chunk_locked_entries")
+            row["chunk_store_target_tokens"] = state.get("chunk_target_tokens")
+            row["clients"] = clients
+            rows[name] = row
+    room = [pool - n for n in lengths]
+    best_hits, best_tokens = best_with_pool(trace, doc_tokens, room)
+    seq, conc = rows["sequential"], rows["concurrent"]
+    return {
+        "workload": {"source": args.source, "pool": args.pool, "zipf": args.zipf, "k": args.docs_per_request,
+                     "requests": args.requests, "clients": args.clients, "seed": args.seed,
+                     "kv_pool_tokens": pool, "distinct_document_tokens": working_set,
+                     "chunk_lookups": sum(len(r.doc_ids) for r in trace), "context_length": context},
+        "pressure": {
+            "sequential": {k: v for k, v in seq.items() if k != "per_request"},
+            "concurrent": {k: v for k, v in conc.items() if k != "per_request"},
+            "best_with_pool": {"chunk_hits": best_hits, "chunk_tokens_reused": best_tokens},
+            "concurrent_over_sequential": conc["chunk_hits"] / seq["chunk_hits"] if seq["chunk_hits"] else None,
+            "concurrent_over_best": conc["chunk_hits"] / best_hits if best_hits else None,
+            "sequential_over_best": seq["chunk_hits"] / best_hits if best_hits else None,
+        },
+    }
+
+
+def print_pressure(result: dict) -> None:
+    """The pressure result: chunk hits concurrent vs sequential vs the best with that pool."""
+    w, p = result["workload"], result["pressure"]
+    print(f"\n{w['requests']} requests ({w['chunk_lookups']} chunk lookups), {w['k']} of {w['pool']} {w['source']} "
+          f"documents per request (Zipf s={w['zipf']}), seed {w['seed']}; working set {w['distinct_document_tokens']} "
+          f"document tokens, KV pool {w['kv_pool_tokens']} tokens")
+    head = f"{'replay':<22}{'clients':>8}{'chunk hits':>11}{'tokens':>9}{'req/s':>7}{'TTFT p50':>9}{'twice':>7}"
+    print(head)
+    print("-" * len(head))
+    for name in ("sequential", "concurrent"):
+        r = p[name]
+        print(f"{name:<22}{r['clients']:>8}{r['chunk_hits']:>11}{r['chunk_tokens_reused']:>9}"
+              f"{r['requests_per_s']:>7.2f}{r['ttft_s']['p50']:>9.2f}{r['chunks_computed_twice']:>7}")
+    b = p["best_with_pool"]
+    print(f"{'best with this pool':<22}{'':>8}{b['chunk_hits']:>11}{b['chunk_tokens_reused']:>9}")
+    print(f"concurrent / sequential: {common.fmt(p['concurrent_over_sequential'], '.0%')}; "
+          f"concurrent / best: {common.fmt(p['concurrent_over_best'], '.0%')}; "
+          f"sequential / best: {common.fmt(p['sequential_over_best'], '.0%')}")
+
+
+class ClusterClient(RouterClient):
+    """A client of the router (``/v1/completions``, :class:`~relaxkv_sglang.client.RouterClient`)
+    whose ``flush`` and ``relaxkv_state`` go to every replica directly (the counters summed), so
+    :func:`replay` measures a cluster as it measures one server."""
+
+    def __init__(self, url: str, replica_urls: list[str]):
+        super().__init__(url)
+        self.replicas = [ServerClient(u) for u in replica_urls]
+
+    def flush(self, wait_s: float = 60) -> None:
+        for replica in self.replicas:
+            replica.flush(wait_s)
+
+    def relaxkv_state(self) -> dict:
+        total: dict = {}
+        for replica in self.replicas:
+            for key, value in replica.relaxkv_state().items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    total[key] = total.get(key, 0) + value
+        return total
+
+
+def imbalance(counts: list[int]) -> float | None:
+    """max / min requests per replica (None when a replica served none)."""
+    return max(counts) / min(counts) if counts and min(counts) > 0 else None
+
+
+def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = None) -> dict:
+    """The trace (``make_trace(args)`` unless given) under one policy through the router per routing,
+    and against one replica alone."""
+    from relaxkv_sglang.server import Cluster, RouterConfig, RouterProcess, replica_configs, replica_request_counts
+
+    trace = make_trace(args) if trace is None else trace
+    model = str(common.model_dir(args))
+    common.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    log = common.RESULTS_DIR / f"{BENCH}-{common.stamp()}.server.log"
+    base = common.ServerConfig(model_path=model, max_total_tokens=args.max_total_tokens, policy="prefix",
+                               log_path=str(log))
+
+    def measure(client: ClusterClient, policy: str, routing: str, urls: list[str]) -> dict:
+        """One replay; requests per replica from the replicas' /metrics, chunk hits from their counters."""
+        requests_before, state_before = replica_request_counts(urls), client.relaxkv_state()
+        row = replay(client, trace, policy, args.clients, args)
+        state = client.relaxkv_state()
+        chunk = state.get("chunk_hit_tokens", 0) - state_before.get("chunk_hit_tokens", 0)
+        row.update(routing=routing, chunk_hit_rate_pct=100.0 * metrics.hit_rate(chunk, row["prompt_tokens"]),
+                   per_replica_requests=[a - b for a, b in zip(replica_request_counts(urls), requests_before)])
+        row["prefix_hit_rate_pct"] = row["cache_hit_rate_pct"] - row["chunk_hit_rate_pct"]
+        return row
+
+    rows = []
+    with contextlib.ExitStack() as stack:
+        if args.replica_urls:
+            urls = [u.rstrip("/") for u in args.replica_urls]
+        else:
+            print(f"{BENCH}: starting {args.replicas} sglang replicas with {model} (logs: {log}.replica*)",
+                  file=sys.stderr, flush=True)
+            urls = stack.enter_context(Cluster(replica_configs(base, args.replicas), None)).replica_urls
+        for policy in args.policies:  # one replica alone, then a router per routing
+            rows.append(measure(ClusterClient(urls[0], urls), policy, "single", urls))
+            for routing in args.routings:
+                mode = ["--assignment-mode", args.assignment_mode] if routing == "document" else []
+                config = RouterConfig(worker_urls=urls, routing=routing, model_path=model, extra_args=mode,
+                                      log_path=f"{log}.router-{routing}")
+                with RouterProcess(config) as router:
+                    rows.append(measure(ClusterClient(router.url, urls), policy, routing, urls))
+    for row in rows:
+        ref = next(r for r in rows if r["routing"] == "single" and r["policy"] == row["policy"])
+        row["of_single_pct"] = (100.0 * row["cache_hit_rate_pct"] / ref["cache_hit_rate_pct"]
+                                if ref["cache_hit_rate_pct"] else None)
+        row["imbalance"] = imbalance(row["per_replica_requests"]) if row["routing"] != "single" else None
+        row.pop("per_request")
+    return {"workload": {"source": args.source, "pool": args.pool, "zipf": args.zipf, "k": args.docs_per_request,
+                         "requests": args.requests, "clients": args.clients, "seed": args.seed,
+                         "replicas": args.replicas, "kv_pool_tokens": args.max_total_tokens, "topics": args.topics},
+            "results": rows}
+
+
+def print_replicas(result: dict) -> None:
+    """One row per (policy, routing): hit rate, its share of one server's, requests per replica."""
+    w = result["workload"]
+    print(f"\n{w['requests']} requests, {w['clients']} clients, {w['k']} of {w['pool']} {w['source']} documents "
+          f"per request (Zipf s={w['zipf']}), seed {w['seed']}; {w['replicas']} replicas, KV pool "
+          f"{w['kv_pool_tokens']} tokens each")
+    head = f"{'policy':<8}{'routing':<13}{'hit rate':>9}{'chunk':>8}{'of single':>10}{'req/s':>7}  {'requests per replica':<22}{'max/min':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in result["results"]:
+        counts = " ".join(str(c) for c in r["per_replica_requests"])
+        print(f"{r['policy']:<8}{r['routing']:<13}{r['cache_hit_rate_pct']:>8.1f}%{r['chunk_hit_rate_pct']:>7.1f}%"
+              f"{common.fmt(r['of_single_pct'], '.0f'):>9}%{r['requests_per_s']:>7.2f}  {counts:<22}"
+              f"{common.fmt(r['imbalance'], '.2f'):>8}")
+    print("single = one replica alone (the reference); requests per replica from each replica's /metrics")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -215,17 +449,50 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pool", type=int, default=60, help="distinct documents")
     parser.add_argument("--zipf", type=float, default=1.0, help="popularity exponent s")
     parser.add_argument("--docs-per-request", type=int, default=5)
+    parser.add_argument("--topics", type=int, default=0,
+                        help="T > 0: the pool in T topics, a request's documents all from one (Zipf over topics)")
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--anchor-ratio", type=float, default=0.15)
+    parser.add_argument("--pressure", action="store_true",
+                        help="pool at 25%% of the working set, 16 clients: chunk hits concurrent vs sequential vs best")
+    parser.add_argument("--pressure-fraction", type=float, default=0.25, help="pool / working set with --pressure")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="N >= 2: N servers behind sglang-router, the trace through each of --routings")
+    parser.add_argument("--routings", nargs="+", default=["document", "cache_aware", "round_robin"],
+                        choices=["document", "cache_aware", "round_robin"], help="with --replicas")
+    parser.add_argument("--assignment-mode", default="min_load", choices=["min_load", "min_group", "random"],
+                        help="with --replicas: where the router places a new routing key (document routing)")
+    parser.add_argument("--replica-urls", nargs="+", default=None,
+                        help="with --replicas: measure these running replicas (--enable-metrics --enable-cache-report) "
+                             "instead of starting them")
     parser.add_argument("--policies", nargs="+", default=["prefix", "pic", "pic-auto", "relaxkv"],
                         help="server policies; '<policy>-auto' sends the prompts unmarked (content-defined chunking)")
     parser.epilog = ("A KV pool smaller than the working set shows evictions and the hit rate they cost, e.g. "
                      "--quick --max-total-tokens 4096 --policies pic relaxkv")
     args = common.parse_args(parser, argv, quick={"requests": 40, "clients": 2})
-    common.run_bench(BENCH, args, run, report=print_table)
+    given = argv if argv is not None else sys.argv[1:]
+    if args.topics < 0 or (args.topics and args.pool // args.topics < args.docs_per_request):
+        common.fail(BENCH, f"--topics {args.topics}: needs 0, or topics of at least --docs-per-request "
+                           f"({args.docs_per_request}) documents each (--pool {args.pool})")
+    if args.replica_urls and args.replicas != len(args.replica_urls):
+        args.replicas = len(args.replica_urls)
+    if args.replicas > 1:
+        if args.url or args.pressure:
+            common.fail(BENCH, "--replicas starts its own servers; drop --url / --pressure")
+        if "--policies" not in given:
+            args.policies = ["pic"]
+        common.run_bench(BENCH, args, run_replicas, report=print_replicas)
+    elif args.replicas < 1:
+        common.fail(BENCH, f"--replicas {args.replicas}: must be >= 1")
+    elif args.pressure:
+        if "--clients" not in (argv if argv is not None else sys.argv[1:]):
+            args.clients = 16
+        common.run_bench(BENCH, args, run_pressure, report=print_pressure)
+    else:
+        common.run_bench(BENCH, args, run, report=print_table)
 
 
 if __name__ == "__main__":

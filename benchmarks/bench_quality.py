@@ -6,8 +6,8 @@ among 9 from other articles), and RULER-style multi-value needle and variable
 tracking in essay text (seeded). Every example is asked in every prompt format
 of ``--formats`` (:data:`relaxkv_sglang.workloads.PROMPT_FORMATS`: ``plain``,
 ``Title: text`` documents between blank lines; ``document``, each document a
-``Document: <title>`` line then its text; ``chat``, the ChatML template with the
-documents in the user turn). For each example and format the server is flushed,
+``Document: <title>`` line then its text; ``chat``, the ChatML template (SmolLM2-Instruct's and
+Qwen2.5's own) with the documents in the user turn). For each example and format the server is flushed,
 the format's chunk texts are cached by a first request (other system prompt,
 reversed order, a placeholder question), then the same prompt is answered by
 ``full`` and ``pic`` once and by every repair policy at every anchor ratio, in a

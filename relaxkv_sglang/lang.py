@@ -36,17 +36,29 @@ Consequences, by design:
   ``document()`` run on either endpoint exactly as before.
 * A malformed mark (a lone U+FDD0 / U+FDD1, e.g. in generated text) is
   dropped from the text sent and marks nothing.
+
+Routing: a ``/generate`` whose text holds documents also carries the header
+``x-smg-routing-key``, the MinHash of its documents (:mod:`relaxkv_sglang.routing`; of all items'
+documents for a batch), so behind ``sglang-router --policy manual`` programs sharing documents reach
+the replica that has their chunks (``routing=False`` sends none).
 """
 
 from __future__ import annotations
 
+import json as _json
 import types
+import urllib.error
+import urllib.request
 from typing import Optional
+
+import requests
 
 from sglang.lang.backend import runtime_endpoint as _runtime_endpoint
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
+from sglang.utils import HttpResponse
 
 from relaxkv_sglang.core.policies import Policy
+from relaxkv_sglang.routing import ROUTING_HEADER, routing_key, routing_key_of_documents
 from relaxkv_sglang.schema import CHUNKS, POLICY
 
 __all__ = ["DOC_START", "DOC_END", "document", "strip_marks", "split_marks", "RelaxKVEndpoint"]
@@ -144,6 +156,48 @@ def mark_payload(data: dict, policy: Optional[str], custom_params: Optional[dict
     return out
 
 
+def payload_routing_key(data: dict) -> Optional[str]:
+    """The routing key of a ``/generate`` body already passed through :func:`mark_payload`.
+
+    One text: :func:`relaxkv_sglang.routing.routing_key` of it and its ``relaxkv_chunks`` (its
+    paragraphs when unmarked). A batch: the MinHash of all items' documents together. None for
+    ``input_ids`` requests and texts without documents.
+    """
+    texts = data.get("text")
+    if texts is None:
+        return None
+    items = [texts] if isinstance(texts, str) else list(texts)
+    sps = data.get("sampling_params")
+    sp_items = sps if isinstance(sps, list) else [sps] * len(items)
+    docs: list[str] = []
+    for text, sp in zip(items, sp_items):
+        if not isinstance(text, str):
+            continue
+        offsets = ((sp or {}).get("custom_params") or {}).get(CHUNKS.name) if isinstance(sp, dict) else None
+        if len(items) == 1:
+            return routing_key(text, offsets)
+        if isinstance(offsets, list) and len(offsets) % 2 == 0 and all(isinstance(v, int) for v in offsets):
+            docs += [text[offsets[i]:offsets[i + 1]] for i in range(0, len(offsets), 2)]
+    return routing_key_of_documents(docs)
+
+
+def _http_request_with_headers(url, json=None, stream=False, api_key=None, verify=None, method=None, *,
+                               headers: dict):
+    """``sglang.utils.http_request`` (its two paths: requests when streaming, urllib otherwise),
+    with extra ``headers``."""
+    headers = {"Content-Type": "application/json; charset=utf-8", **headers}
+    if api_key is not None:
+        headers["Authorization"] = f"Bearer {api_key}"
+    if stream:
+        return requests.post(url, json=json, stream=True, headers=headers)
+    req = urllib.request.Request(url, headers=headers, method=method)
+    data = None if json is None else _json.dumps(json).encode("utf-8")
+    try:
+        return HttpResponse(urllib.request.urlopen(req, data=data, cafile=verify))
+    except urllib.error.HTTPError as exc:
+        return HttpResponse(exc)
+
+
 def _rebind(fn: types.FunctionType, namespace: dict) -> types.FunctionType:
     new = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
     new.__kwdefaults__ = fn.__kwdefaults__
@@ -183,6 +237,7 @@ class RelaxKVEndpoint(RuntimeEndpoint):
         custom_params: more ``custom_params`` entries for every text request,
             e.g. ``{"relaxkv_anchor_ratio": 0.2}``.
         api_key, verify, chat_template_name: as for ``RuntimeEndpoint``.
+        routing: send ``x-smg-routing-key`` (module doc) with each ``/generate`` that has documents.
 
     Every request the stock endpoint makes goes out the same, except that a
     ``/generate`` body with ``text`` has its marks removed and gets
@@ -201,10 +256,12 @@ class RelaxKVEndpoint(RuntimeEndpoint):
         api_key: Optional[str] = None,
         verify: Optional[str] = None,
         chat_template_name: Optional[str] = None,
+        routing: bool = True,
     ):
         if policy is not None and not POLICY.is_valid(policy):
             raise ValueError(f"policy must be one of {', '.join(POLICY.choices)} or None, got {policy!r}")
         self.policy = policy
+        self.routing = routing  # send the document routing key (x-smg-routing-key)
         if custom_params is not None and not isinstance(custom_params, dict):
             raise TypeError(f"custom_params must be a dict or None, got {type(custom_params).__name__}")
         self.custom_params = dict(custom_params or {})
@@ -219,4 +276,7 @@ class RelaxKVEndpoint(RuntimeEndpoint):
     def _http_request(self, url, json=None, **kwargs):
         if json is not None and url == self.base_url + "/generate":
             json = mark_payload(json, self.policy, self.custom_params)
+            key = payload_routing_key(json) if self.routing else None
+            if key:
+                return _http_request_with_headers(url, json=json, headers={ROUTING_HEADER: key}, **kwargs)
         return _runtime_endpoint.http_request(url, json=json, **kwargs)

@@ -8,9 +8,27 @@ touches KV tensors; slots leave the store only through the ``free_slots``
 callback given at construction, exactly once each.
 
 Not thread-safe: meant to be driven by SGLang's single scheduler thread.
-Typical use per request: ``lookup`` -> ``lock`` (or compute + ``insert`` +
-``lock``) ... request done ... ``unlock``.  Lock right after lookup/insert: an
-unlocked entry may be evicted by the next ``evict`` call.
+Typical use per request: ``peek``/``lookup`` -> ``lock`` (or compute +
+``insert`` + ``lock``) ... request done ... ``unlock``.  Lock right after
+lookup/insert: an unlocked entry may be evicted by the next ``evict`` call.
+The server locks a request's hits from its admission to its fold (see
+``srt/tree_cache.py``); ``stats().locked_entries`` returns to 0 when idle.
+
+Recency is read off a clock given at construction (default: a counter), so
+an owner that keeps other caches can compare ``last_access`` (and
+``oldest()``) with its own items' last use and evict across both in one LRU
+order; the server passes ``time.monotonic``, the clock of SGLang's radix
+``TreeNode.last_access_time``.
+
+The store also learns how much memory it is worth (``target_tokens``), for an
+owner that must split a pool between the store and other users (the server's
+admission): with ``ghost_capacity > 0`` it remembers the keys of recently
+evicted entries (up to that many tokens, oldest forgotten first).  A lookup
+that misses on one of them (a hit lost to eviction: more memory would have
+served it) raises the target by its tokens; a key forgotten without such a miss
+(not reused even within another ``ghost_capacity`` tokens of evictions: more
+memory would not have helped) lowers it.  The same signal as ARC's ghost lists.
+The target stays within ``[0, ghost_capacity]``; ``reset`` forgets both.
 
 This module imports only the standard library and torch.
 """
@@ -42,7 +60,8 @@ class ChunkEntry:
             reuse at position ``p`` needs a rotation by ``p - canonical_start``.
         lock_ref: number of holders currently using the entry; > 0 means it
             cannot be evicted.
-        last_access: store clock value of the last lookup hit / insert / unlock.
+        last_access: store clock value of the last lookup hit / insert / unlock
+            (non-decreasing across entries; see ``ChunkStore(clock=...)``).
         hits: number of lookups that returned this entry.
     """
 
@@ -51,7 +70,7 @@ class ChunkEntry:
     slots: torch.Tensor
     canonical_start: int = 0
     lock_ref: int = 0
-    last_access: int = 0
+    last_access: float = 0
     hits: int = 0
 
     @property
@@ -73,8 +92,12 @@ class ChunkStoreStats:
     ``hits``, ``misses`` (``hits + misses == lookups``), ``hit_tokens`` /
     ``miss_tokens`` (tokens of the looked-up chunks), ``inserts`` (new entries),
     ``duplicate_inserts`` (inserts of an existing key, whose slots were freed),
-    ``evictions`` (entries evicted by ``evict``) and ``evicted_tokens``.
-    Current state: ``entries``, ``tokens_held``, ``locked_tokens``.
+    ``evictions`` (entries evicted by ``evict``) and ``evicted_tokens``,
+    ``ghost_hits`` / ``ghost_hit_tokens`` (misses on recently evicted keys),
+    ``ghost_expired_tokens`` (evicted keys forgotten without such a miss).
+    Current state: ``entries``, ``tokens_held``, ``locked_tokens``,
+    ``locked_entries`` (entries with ``lock_ref > 0``; 0 on an idle server),
+    ``target_tokens`` (the learned size, see the module doc).
     """
 
     lookups: int
@@ -89,6 +112,11 @@ class ChunkStoreStats:
     entries: int
     tokens_held: int
     locked_tokens: int
+    locked_entries: int = 0
+    ghost_hits: int = 0
+    ghost_hit_tokens: int = 0
+    ghost_expired_tokens: int = 0
+    target_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -118,31 +146,45 @@ class ChunkStore:
     sit in an ``OrderedDict`` in LRU order, locked ones are taken out of it.
     """
 
-    def __init__(self, free_slots: Callable[[torch.Tensor], None]) -> None:
+    def __init__(self, free_slots: Callable[[torch.Tensor], None],
+                 clock: Callable[[], float] | None = None, ghost_capacity: int = 0) -> None:
         """Create an empty store.
 
         Args:
             free_slots: called with an entry's int64 ``[n_tokens]`` slots when
                 they leave the store (eviction, reset, duplicate insert); it
                 must return them to the KV allocator.
+            clock: the time source of ``last_access`` (e.g. ``time.monotonic``);
+                readings are made non-decreasing.  None: a counter (1, 2, ...).
+            ghost_capacity: tokens of evicted keys remembered, and the most
+                ``target_tokens`` can reach; 0 (default) learns no target.
         """
         self._free_slots = free_slots
+        self._clock_fn = clock
         self._entries: dict[ChunkKey, ChunkEntry] = {}
         self._lru: OrderedDict[ChunkKey, ChunkEntry] = OrderedDict()  # unlocked only, LRU first
-        self._clock = 0
+        self._clock: float = 0
         self._total_tokens = 0
         self._locked_tokens = 0
         self._lookups = self._hits = self._misses = 0
         self._hit_tokens = self._miss_tokens = 0
         self._inserts = self._duplicate_inserts = 0
         self._evictions = self._evicted_tokens = 0
+        self._ghost_capacity = max(0, int(ghost_capacity))
+        self._ghosts: OrderedDict[ChunkKey, int] = OrderedDict()  # evicted keys, oldest first
+        self._ghost_tokens = 0
+        self._ghost_hits = self._ghost_hit_tokens = self._ghost_expired_tokens = 0
+        self._target = 0
 
     def __len__(self) -> int:
         """Number of entries."""
         return len(self._entries)
 
-    def _tick(self) -> int:
-        self._clock += 1
+    def _tick(self) -> float:
+        if self._clock_fn is None:
+            self._clock += 1
+        else:  # never backwards, so the OrderedDict order is last_access order
+            self._clock = max(self._clock, self._clock_fn())
         return self._clock
 
     def _touch(self, entry: ChunkEntry) -> None:
@@ -178,6 +220,12 @@ class ChunkStore:
         if entry is None:
             self._misses += 1
             self._miss_tokens += len(key[1])
+            n = self._ghosts.pop(key, None)
+            if n is not None:  # a hit this store lost to an eviction: it is worth more memory
+                self._ghost_tokens -= n
+                self._ghost_hits += 1
+                self._ghost_hit_tokens += n
+                self._target = min(self._ghost_capacity, self._target + n)
             return None
         self._hits += 1
         self._hit_tokens += entry.num_tokens
@@ -229,6 +277,9 @@ class ChunkStore:
             self._duplicate_inserts += 1
             self._touch(existing)
             return existing
+        n_ghost = self._ghosts.pop(key, None)
+        if n_ghost is not None:
+            self._ghost_tokens -= n_ghost
         entry = ChunkEntry(
             namespace=key[0],
             token_ids=key[1],
@@ -299,7 +350,28 @@ class ChunkStore:
             freed += entry.num_tokens
             self._evictions += 1
             self._evicted_tokens += entry.num_tokens
+            self._remember(entry)
         return freed
+
+    def _remember(self, entry: ChunkEntry) -> None:
+        """Keep an evicted key as a ghost; a ghost forgotten unused lowers the target."""
+        if not self._ghost_capacity:
+            return
+        self._ghosts[entry.key] = entry.num_tokens
+        self._ghost_tokens += entry.num_tokens
+        while self._ghost_tokens > self._ghost_capacity:
+            _, n = self._ghosts.popitem(last=False)
+            self._ghost_tokens -= n
+            self._ghost_expired_tokens += n
+            self._target = max(0, self._target - n)
+
+    def target_tokens(self) -> int:
+        """Tokens the store has learned it is worth (module doc); 0 without ghosts."""
+        return self._target
+
+    def oldest(self) -> ChunkEntry | None:
+        """The unlocked entry ``evict`` would take next (least recently used), or None."""
+        return next(iter(self._lru.values()), None)
 
     def evictable_tokens(self) -> int:
         """Slots held by unlocked entries."""
@@ -328,6 +400,9 @@ class ChunkStore:
             raise RuntimeError(f"cannot reset the chunk store: {locked} entries are locked")
         for entry in list(self._entries.values()):
             self._drop(entry)
+        self._ghosts.clear()
+        self._ghost_tokens = 0
+        self._target = 0
 
     def stats(self) -> ChunkStoreStats:
         """Snapshot of the counters (see ``ChunkStoreStats``)."""
@@ -344,4 +419,9 @@ class ChunkStore:
             entries=len(self._entries),
             tokens_held=self._total_tokens,
             locked_tokens=self._locked_tokens,
+            locked_entries=len(self._entries) - len(self._lru),
+            ghost_hits=self._ghost_hits,
+            ghost_hit_tokens=self._ghost_hit_tokens,
+            ghost_expired_tokens=self._ghost_expired_tokens,
+            target_tokens=self._target,
         )

@@ -10,7 +10,10 @@ tokenized on its own, so a document always gets the same token ids, and the
 request reaches the scheduler as ``input_ids`` plus the internal plan entries
 read by :mod:`relaxkv_sglang.srt.plan`. Invalid input raises ``ValueError``
 (:class:`~relaxkv_sglang.schema.RequestError`) naming the field, which SGLang's
-HTTP server answers with status 400.
+HTTP server answers with status 400. When the server's startup correctness gate failed
+(:mod:`.gate`), a request naming a chunk policy is refused the same way, the message naming
+the gate's reason; ``full`` and ``prefix`` are served,
+and a request naming no policy gets ``prefix`` even if the server default is a chunk policy.
 
 SGLang file touched: ``sglang/srt/managers/tokenizer_manager.py``
 (``TokenizerManager.generate_request``, wrapped).
@@ -32,6 +35,7 @@ from relaxkv_sglang.schema import (
     default_policy,
     mentions_fields,
 )
+from relaxkv_sglang.srt.gate import chunk_refusal
 from relaxkv_sglang.srt.plan import chunk_tree_served
 
 if TYPE_CHECKING:
@@ -55,13 +59,18 @@ def _custom_params(sampling_params: dict) -> dict:
 
 def plan_item(
     text: Optional[str], sampling_params: dict, encode: Encode, context_len: int, policy_default: str,
+    chunks_refused: str = "",
 ) -> Optional[tuple[Optional[list[int]], dict]]:
     """Validate one request item; return (input_ids, custom_params) or None to leave it as is.
 
-    encode(text, add_special_tokens) -> list[int] is the server's tokenizer.
+    encode(text, add_special_tokens) -> list[int] is the server's tokenizer. ``chunks_refused``:
+    why the server refuses chunk policies (its startup gate failed, :mod:`.gate`), "" if it serves them.
     """
     cp = _custom_params(sampling_params)
     policy = POLICY.validate(cp.get(POLICY.name, policy_default))
+    if chunks_refused and policy in CHUNK_POLICIES:
+        raise POLICY.error(f"{policy!r} is refused by this server: its startup correctness gate failed "
+                           f"({chunks_refused}); 'full' and 'prefix' are served")
     knobs = {f.plan_key: f.validate(cp[f.name]) for f in REPAIR_KNOBS if f.name in cp}
     # null is not "absent": like every field, a present one must be a valid value
     spans = CHUNKS.validate(cp[CHUNKS.name], text=text) if CHUNKS.name in cp else None
@@ -90,8 +99,11 @@ def plan_item(
     return layout.input_ids, dict(cp, **{POLICY.plan_key: policy, CHUNKS.plan_key: flat}, **knobs)
 
 
-def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput) -> None:
-    """Rewrite a ``GenerateReqInput`` in place: chunked items become input_ids + plan."""
+def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput, chunks_refused: str = "") -> None:
+    """Rewrite a ``GenerateReqInput`` in place: chunked items become input_ids + plan.
+
+    ``chunks_refused``: see :func:`plan_item`.
+    """
     texts = obj.text
     single = isinstance(texts, str) or (texts is None and not _is_batch_ids(obj.input_ids))
     n = 1 if single else len(texts if texts is not None else obj.input_ids)
@@ -107,6 +119,8 @@ def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput)
         sp_items = [dict(sps or {}) for _ in range(n)]
     text_items = [texts] if single else (list(texts) if texts is not None else [None] * n)
     policy = default_policy()
+    if chunks_refused and policy in CHUNK_POLICIES:
+        policy = Policy.PREFIX.value  # the gate failed: a request naming no policy gets SGLang's radix cache
     if not any(_wants_plan(sp) for sp in sp_items) and policy == Policy.PREFIX:
         return
     if obj.text is not None and obj.input_ids is not None:
@@ -122,7 +136,7 @@ def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput)
     planned = []
     for i, (t, sp) in enumerate(zip(text_items, sp_items)):
         try:
-            planned.append(plan_item(t, sp, encode, context_len, policy))
+            planned.append(plan_item(t, sp, encode, context_len, policy, chunks_refused))
         except RequestError as exc:
             if single:
                 raise
@@ -165,7 +179,7 @@ async def around_generate_request(
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     if isinstance(obj, GenerateReqInput) and chunk_tree_served(tokenizer_manager.server_args):
-        prepare_generate(tokenizer_manager, obj)
+        prepare_generate(tokenizer_manager, obj, await chunk_refusal(tokenizer_manager))
     async for out in original(tokenizer_manager, obj, request, *args, **kwargs):
         yield _one_record(out)
 

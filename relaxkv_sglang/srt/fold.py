@@ -17,8 +17,20 @@ inside the extend window:
 Prefix, glue and query tokens are computed as usual, attending to everything
 before them. The last token of each request's window, and any token whose
 input logprob was asked for, are always computed normally (SGLang needs their
-logits). The folded batch is a shallow copy of the scheduled one with fewer
-rows, the same pattern as SGLang's ``model_executor/encoder_swa_replay.py``.
+logits).
+
+**Prompts split across prefill windows** (SGLang's chunked prefill): a chunk is
+looked up in the window that holds the token right after it (the prompt's last
+window for a chunk ending the prompt), so that window's last row is never a
+reused one. Until then its rows are computed position-independently, like a
+miss; a hit then overwrites their KV with the cached chunk's, so the chunk's KV
+is the same however the prompt was split. A repair runs in the window holding
+the prompt's last token (:attr:`RequestFold.completes_prompt`), over the whole
+prompt (:mod:`.repair`); its rows may lie in earlier windows (negative
+``keep`` offsets, their KV already in the request's slots).
+
+The folded batch is a shallow copy of the scheduled one with fewer rows, the
+same pattern as SGLang's ``model_executor/encoder_swa_replay.py``.
 
 This module decides and keeps the books; the hooks that call it are in
 :mod:`.forward`, the repair that may replace a request's rows in :mod:`.repair`.
@@ -59,6 +71,8 @@ class RequestFold:
             as (token ids, start position, end position).
         repair: the repair pass's rows, if this request is repaired.
         query_pass_rows: rows the repair's query pass computed before the forward.
+        not_repaired_reason: why a repair-policy request was not repaired in the window
+            that completes its prompt (None: repaired, or not decided in this window).
     """
 
     req: Any
@@ -75,6 +89,7 @@ class RequestFold:
     inserts: list[tuple[tuple[int, ...], int, int]] = dataclasses.field(default_factory=list)
     repair: Optional["LoopRows"] = None
     query_pass_rows: int = 0
+    not_repaired_reason: Optional[str] = None
 
     @property
     def positions(self) -> torch.Tensor:
@@ -86,8 +101,20 @@ class RequestFold:
         """One past the last prompt position this extend window covers."""
         return self.window_start + self.window_len
 
+    @property
+    def completes_prompt(self) -> bool:
+        """This window holds the prompt's last token: the window that decides the repair
+        (the last of a split prompt; also a retracted request's prefill again, whose window
+        runs on over its generated tokens)."""
+        return self.window_start < len(self.req.origin_input_ids) <= self.window_end
+
     def use_repair(self, repair: "LoopRows", query_pass_rows: int) -> None:
-        """Replace the kept rows by the repair pass's (anchors, glue, query; all scope 0)."""
+        """Replace the kept rows by the repair pass's (anchors, glue, query; all scope 0).
+
+        The repair covers the whole prompt: rows before ``window_start`` (earlier windows of a
+        split prompt) get negative ``keep`` offsets; :func:`_folded_copy` reads their token ids
+        and slots from the request.
+        """
         self.repair = repair
         self.query_pass_rows = query_pass_rows
         self.keep = repair.positions - self.window_start
@@ -110,8 +137,10 @@ class Fold:
 
     @property
     def unchanged(self) -> bool:
-        """No request dropped a row (the batch can run as scheduled)."""
-        return all(r.keep.shape[0] == n for r, n in zip(self.requests, self.source.extend_lens))
+        """Every request keeps exactly its window's rows (the batch can run as scheduled)."""
+        # keep is ascending and distinct: n rows from offset 0 to n - 1 are the window itself.
+        return all(r.keep.shape[0] == n and (n == 0 or (int(r.keep[0]) == 0 and int(r.keep[-1]) == n - 1))
+                   for r, n in zip(self.requests, self.source.extend_lens))
 
     def positions(self) -> torch.Tensor:
         """int64 [n_rows] absolute position of every row of the folded batch."""
@@ -150,6 +179,15 @@ def fold_batch(cache: "ChunkCache", batch: Any) -> Optional[Fold]:
     return Fold(batch, requests)
 
 
+def settles_in_window(chunk_end: int, window_start: int, window_end: int, prompt_len: int) -> bool:
+    """Whether a chunk ending at ``chunk_end`` is looked up (copied on a hit, published on a
+    miss) in the extend window ``[window_start, window_end)``: the window holding the token
+    right after it, or, for a chunk that ends the prompt, the window holding its last token
+    (module doc). Exactly one window of a prefill settles each chunk."""
+    return (window_start <= chunk_end < window_end
+            or (chunk_end == prompt_len and window_start < chunk_end <= window_end))
+
+
 def _fold_request(cache: "ChunkCache", req: Any, rp: int, pre: int, n: int,
                   logprob_start: Optional[int]) -> RequestFold:
     plan = request_plan(req)
@@ -160,17 +198,21 @@ def _fold_request(cache: "ChunkCache", req: Any, rp: int, pre: int, n: int,
         fold.keep = torch.arange(n, dtype=torch.int64)
         return fold
     row = cache.req_to_token[rp]
+    end, prompt_len = pre + n, len(req.origin_input_ids)
     for cs, ce in plan.chunk_spans:
-        if cs < pre or ce > pre + n:
-            continue  # partly before or after this window: computed normally (exact)
+        lo, hi = max(cs, pre) - pre, max(min(ce, end) - pre, 0)  # this window's rows of the chunk
+        if not settles_in_window(ce, pre, end, prompt_len):
+            if cs < end and ce > pre:
+                scope[lo:hi] = cs  # computed position-independently until then
+            continue
         fold.chunks_seen += 1
         tokens = req.origin_input_ids[cs:ce]
         if cache.reuse_chunk(plan.namespace, tokens, row[cs:ce].to(torch.int64), cs):
-            keep[cs - pre : ce - pre] = False
+            keep[lo:hi] = False  # rows of earlier windows: their KV is overwritten by the copy
             fold.chunks_hit += 1
-            fold.hit_tokens += ce - cs
+            fold.hit_tokens += hi - lo
         else:
-            scope[cs - pre : ce - pre] = cs
+            scope[lo:hi] = cs
             fold.inserts.append((tuple(tokens), cs, ce))
     # SGLang reads logits at the window's last row and input logprobs from
     # `logprob_start` on; those rows must be computed, normally.
@@ -186,19 +228,41 @@ def _fold_request(cache: "ChunkCache", req: Any, rp: int, pre: int, n: int,
 
 
 def _folded_copy(batch: Any, requests: list[RequestFold]) -> Any:
-    """A shallow copy of the ScheduleBatch holding only the kept rows."""
+    """A shallow copy of the ScheduleBatch holding only the kept rows.
+
+    A repaired request's rows of earlier windows (negative ``keep``) are not in the scheduled
+    batch: their token ids come from the request, their slots from its ``req_to_token`` row
+    (``repair.slots``), appended after the batch's rows and indexed from there.
+    """
     if getattr(batch, "global_num_tokens", None) is not None:
         raise RuntimeError("relaxkv: data-parallel attention is not supported with chunk reuse")
-    offsets, start = [], 0
+    offsets, start, total = [], 0, sum(batch.extend_lens)
+    extra_ids, extra_locs, n_extra = [], [], 0
     for r, n in zip(requests, batch.extend_lens):
-        offsets.append(r.keep + start)
+        rows = r.keep + start
+        before = r.keep < 0
+        if bool(before.any()):
+            pos = r.positions[before]
+            extra_ids.append(torch.tensor(r.req.origin_input_ids[: r.window_start], dtype=torch.int64)[pos])
+            extra_locs.append(r.repair.slots[pos])
+            rows = rows.clone()
+            rows[before] = total + n_extra + torch.arange(pos.shape[0])
+            n_extra += pos.shape[0]
+        offsets.append(rows)
         start += n
     rows = torch.cat(offsets)
+    input_ids, out_cache_loc, cpu_ids = batch.input_ids, batch.out_cache_loc, batch.prefill_input_ids_cpu
+    if extra_ids:
+        ids = torch.cat(extra_ids)
+        input_ids = torch.cat([input_ids, ids.to(input_ids.device, input_ids.dtype)])
+        out_cache_loc = torch.cat([out_cache_loc, torch.cat(extra_locs).to(out_cache_loc.device, out_cache_loc.dtype)])
+        if cpu_ids is not None:
+            cpu_ids = torch.cat([cpu_ids, ids.to(cpu_ids.dtype)])
     folded = copy(batch)
-    folded.input_ids = batch.input_ids[rows.to(batch.input_ids.device)]
-    folded.out_cache_loc = batch.out_cache_loc[rows.to(batch.out_cache_loc.device)]
-    if batch.prefill_input_ids_cpu is not None:
-        folded.prefill_input_ids_cpu = batch.prefill_input_ids_cpu[rows]
+    folded.input_ids = input_ids[rows.to(input_ids.device)]
+    folded.out_cache_loc = out_cache_loc[rows.to(out_cache_loc.device)]
+    if cpu_ids is not None:
+        folded.prefill_input_ids_cpu = cpu_ids[rows]
     new_lens = [int(r.keep.shape[0]) for r in requests]
     if batch.extend_logprob_start_lens is not None:
         # Input-logprob rows were all kept, so their count is unchanged.

@@ -11,7 +11,9 @@
    building its ``ForwardBatch`` through :func:`around_forward_batch_init_new` (folded rows,
    real positions), then the ``relaxkv`` attention backend and, for a repair, the model hook
    (on the decoder stack it replaces) read the context;
-4. :func:`~.fold.finish_fold`: misses published to the chunk tree, reuse counted, reports.
+4. :func:`~.fold.finish_fold`: misses published to the chunk tree, reuse counted, reports;
+5. the chunk pins the batch's requests took at admission (:mod:`.admission`) are dropped,
+   whatever happened above.
 
 SGLang files touched (hooks registered in ``plugin.py``): ``managers/tp_worker.py``
 ``TpModelWorker.forward_batch_generation`` (around) and
@@ -32,7 +34,19 @@ def around_forward_batch_generation(original: Callable, worker: Any, batch: Opti
                                     *args: Any, **kwargs: Any) -> Any:
     """Hook on ``TpModelWorker.forward_batch_generation``: fold, repair, forward, finish."""
     cache = worker_cache(worker)
-    fold = fold_batch(cache, batch) if cache is not None else None
+    if cache is None:
+        return original(worker, batch, *args, **kwargs)
+    try:
+        return _forward(original, cache, worker, batch, *args, **kwargs)
+    finally:
+        # the chunk pins taken at admission (admission.py): copied by the fold, or not
+        # needed (a mixed batch is not folded); on a failed forward too
+        if batch is not None:
+            cache.unpin_requests(batch.reqs)
+
+
+def _forward(original: Callable, cache: Any, worker: Any, batch: Optional[Any], *args: Any, **kwargs: Any) -> Any:
+    fold = fold_batch(cache, batch)
     if fold is None:
         return original(worker, batch, *args, **kwargs)
     repair_pass = prepare_repair(cache, worker.model_runner, fold)

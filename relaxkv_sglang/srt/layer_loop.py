@@ -116,6 +116,8 @@ class LoopRows:
         anchor: bool [n] repair targets: they attend through ``anchor_plan.layouts``.
         anchor_plan: the planner's decisions (None: no anchors in this pass).
         n_context: positions ``>= n_context`` are the query (for scores).
+        query_end: positions ``>= query_end`` are not the query (a retracted request's generated
+            tokens, prefilled again); None: the query runs to the last row.
         want_scores: record s_l during this pass (the query pass).
         scores: per layer, float [n_context] s_l, filled when ``want_scores``.
     """
@@ -127,6 +129,7 @@ class LoopRows:
     anchor: torch.Tensor
     anchor_plan: Optional[AnchorPlan] = None
     n_context: int = 0
+    query_end: Optional[int] = None
     want_scores: bool = False
     scores: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
@@ -233,8 +236,8 @@ class LayerLoop:
                 raise RuntimeError("relaxkv: layout rows do not match the layer's anchors")
             out[sel] = self.anchor_attention(q[sel], k_cache, v_cache, layout, scale, r.slots)
         if r.want_scores:
-            is_query = pos >= r.n_context
-            end = int(pos.max()) + 1
+            end = r.query_end if r.query_end is not None else int(pos.max()) + 1
+            is_query = (pos >= r.n_context) & (pos < end)
             keys = r.slots[:end]
             if int(is_query.sum()) == end - r.n_context:  # the whole query is in this pass
                 r.scores.append(query_attention_scores(q[is_query], k_cache[keys], r.n_context, scale))
@@ -260,7 +263,7 @@ def supports_repair(causal_lm: torch.nn.Module) -> bool:
     """Whether the model's layer stack runs through the hooked forward (Llama/Qwen2 family).
 
     A model class that overrides ``forward`` itself would bypass the repair
-    pass, so its requests are served as ``pic`` (and ``repaired`` is false).
+    pass, so its requests are served as ``pic`` (``repaired`` false, with a ``not_repaired_reason``).
     """
     inner = getattr(causal_lm, "model", None)
     if inner is None or getattr(type(inner).forward, "__wrapped__", None) is None:

@@ -11,7 +11,7 @@ Registered:
 * attention backend ``relaxkv`` (``attention_backend.py``),
 * tree cache backend ``relaxkv`` (``tree_cache.py``),
 * hooks: request preparation (``api.py``, ``chat.py``, ``parallel_encoding.py``),
-  the forward pipeline (``forward.py``: fold, repair, finish), the repair pass's
+  admission (``admission.py``: chunk hits pinned until the fold), the forward pipeline (``forward.py``: fold, repair, finish), the repair pass's
   layer loop (``layer_loop.py``), reporting (``report.py``, ``tree_cache.py``).
 """
 
@@ -36,6 +36,12 @@ HOOKS = {
         "relaxkv_sglang.srt.layer_loop:around_model_forward", ("self", "input_ids", "positions", "forward_batch")),
     "sglang.srt.models.qwen2.Qwen2Model.forward": (
         "relaxkv_sglang.srt.layer_loop:around_model_forward", ("self", "input_ids", "positions", "forward_batch")),
+    "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill": (
+        "relaxkv_sglang.srt.admission:around_get_new_batch_prefill", ("self", "running_batch")),
+    "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req": (
+        "relaxkv_sglang.srt.admission:around_add_one_req", ("self", "req")),
+    "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req": (
+        "relaxkv_sglang.srt.admission:around_add_chunked_req", ("self", "req")),
     "sglang.srt.managers.scheduler.Scheduler.get_internal_state": (
         "relaxkv_sglang.srt.tree_cache:around_get_internal_state", ("self", "recv_req")),
     "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"

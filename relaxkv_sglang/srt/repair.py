@@ -14,6 +14,19 @@ For a batch holding a request under a repair policy (``epic``, ``cacheblend``, `
    and query. The scheduled forward then runs the layer loop over them instead of the model's
    own (:func:`~.layer_loop.around_model_forward`), and SGLang samples as usual.
 
+**When**: in the extend window that holds the prompt's last token
+(:attr:`~.fold.RequestFold.completes_prompt`). A prompt longer than SGLang's
+``--chunked-prefill-size`` is prefilled in several windows; the earlier ones fold hits and
+compute misses position-independently, as ``pic`` does (:mod:`.fold`), and the last one repairs
+the whole prompt: the query pass runs this window's rows (plus any query rows of earlier windows,
+for their scores) over the stale KV already in the request's slots, the plan covers every chunk,
+and the repair pass's anchors, glue and query may be rows of earlier windows, whose stale KV
+they overwrite layer by layer. The result does not depend on where the windows fell. A request
+SGLang retracted under memory pressure is prefilled again with its generated tokens: the same
+window repairs it again (the query's scores stop at the prompt's end; the generated tokens are
+recomputed like the query). When a repair-policy request is not repaired, the report says why
+(``not_repaired_reason``, :func:`not_repaired_reason`).
+
 This module decides which requests are repaired and translates plans into rows; the method's
 decisions are in ``core/``, the execution in :mod:`.layer_loop`.
 """
@@ -40,14 +53,24 @@ def repair_config(r: "RequestFold") -> RepairConfig:
     return RepairConfig(anchor_ratio=r.plan.anchor_ratio, context_ratio=r.plan.context_ratio, budget=r.plan.budget)
 
 
-def is_repairable(r: "RequestFold") -> bool:
-    """Repair needs the whole rest of the prompt, and at least one chunk, in this extend window."""
-    plan = r.plan
-    if plan is None or not plan.repairs:
-        return False
-    in_window = [s for s in plan.chunk_spans if s[0] >= r.window_start]
-    logprobs_ok = r.logprob_start is None or r.window_start + r.logprob_start >= plan.query_start
-    return r.window_end == len(r.req.origin_input_ids) and bool(in_window) and logprobs_ok
+def decides_repair(r: "RequestFold") -> bool:
+    """A repair-policy request with chunks, in the window that completes its prompt."""
+    return r.plan is not None and r.plan.repairs and r.completes_prompt
+
+
+def not_repaired_reason(r: "RequestFold", model_supports_repair: bool) -> Optional[str]:
+    """Why a request that :func:`decides_repair` cannot be repaired in this window; None if it can."""
+    if not model_supports_repair:
+        return "the model's layer stack does not run through the repair pass (served as pic)"
+    if r.logprob_start is not None:
+        # The request's own start (earlier windows of a split prompt had their share already);
+        # -1: none asked, SGLang's window offset then points past the window.
+        asked = getattr(r.req, "logprob_start_len", -1)
+        first = asked if isinstance(asked, int) and asked >= 0 else r.window_start + r.logprob_start
+        if first < r.plan.query_start:
+            return (f"input logprobs were asked from position {first}, before the query (position "
+                    f"{r.plan.query_start}): a repair computes only the anchors, glue and query (served as pic)")
+    return None
 
 
 def prepare_repair(cache: "ChunkCache", model_runner: "ModelRunner", fold: "Fold") -> Optional[list[LoopRows]]:
@@ -57,20 +80,23 @@ def prepare_repair(cache: "ChunkCache", model_runner: "ModelRunner", fold: "Fold
     repair pass's rows for every request of the batch (a request not repaired runs its folded
     rows at every layer), or None when no request is repaired in this window.
     """
-    targets = [r for r in fold.requests if is_repairable(r)]
-    if not targets or not supports_repair(model_runner.model):
+    candidates = [r for r in fold.requests if decides_repair(r)]
+    if not candidates:
+        return None
+    model_ok = supports_repair(model_runner.model)
+    targets = []
+    for r in candidates:
+        r.not_repaired_reason = not_repaired_reason(r, model_ok)
+        if r.not_repaired_reason is None:
+            targets.append(r)
+    if not targets:
         return None
     layers = ModelLayers(model_runner.model.model)
     loop = LayerLoop(layers, cache.kv_pool, model_runner.attn_backend.anchor_attention)
     n_layers = layers.n_layers
 
-    passes = []
-    for r in targets:
-        rows = _folded_rows(cache, r, n_layers)
-        rows.n_context = r.plan.query_start
-        rows.want_scores = Policy(r.plan.policy).needs_query_scores
-        passes.append(rows)
-    ids = torch.cat([torch.tensor(r.req.origin_input_ids)[r.positions] for r in targets])
+    passes = [_query_pass_rows(cache, r, n_layers) for r in targets]
+    ids = torch.cat([_token_ids(r.req)[rows.positions] for r, rows in zip(targets, passes)])
     with torch.no_grad():
         loop.run(passes, ids.to(model_runner.device))
 
@@ -78,13 +104,38 @@ def prepare_repair(cache: "ChunkCache", model_runner: "ModelRunner", fold: "Fold
         r.publish_misses(cache)
         anchor_plan = plan_anchors(
             r.plan.policy, torch.stack(query_pass.scores) if query_pass.want_scores else None,
-            _spans_in_window(r), r.plan.query_start, n_layers, repair_config(r), model_runner.attn_backend.repair_cost)
+            list(r.plan.chunk_spans), r.plan.query_start, n_layers, repair_config(r),
+            model_runner.attn_backend.repair_cost)
         r.use_repair(_repair_rows(r, anchor_plan, query_pass.slots), query_pass.n_rows)
     return [r.repair if r.repair is not None else _folded_rows(cache, r, n_layers) for r in fold.requests]
 
 
-def _spans_in_window(r: "RequestFold") -> list[tuple[int, int]]:
-    return [s for s in r.plan.chunk_spans if s[0] >= r.window_start]
+def _token_ids(req: Any) -> torch.Tensor:
+    """int64 [prompt + generated tokens] the request's token ids (a retracted request's prefill
+    again covers its generated tokens too)."""
+    ids = getattr(req, "full_untruncated_fill_ids", None)
+    return torch.tensor(ids if ids is not None and len(ids) else req.origin_input_ids, dtype=torch.int64)
+
+
+def _query_pass_rows(cache: "ChunkCache", r: "RequestFold", n_layers: int) -> LoopRows:
+    """The query pass: this window's folded rows, plus, for a policy that scores, the query rows
+    of earlier windows.
+
+    Rows of earlier windows already hold their stale KV; only the query's own rows must run
+    again, since their queries give the scores (recomputing them writes the same KV).
+    """
+    rows = _folded_rows(cache, r, n_layers)
+    rows.want_scores = Policy(r.plan.policy).needs_query_scores
+    earlier_query = torch.arange(min(r.plan.query_start, r.window_start), r.window_start, dtype=torch.int64)
+    if rows.want_scores and earlier_query.numel():
+        n = earlier_query.shape[0]
+        rows.positions = torch.cat([earlier_query, rows.positions])
+        rows.exits = torch.cat([torch.full((n,), n_layers, dtype=torch.int64), rows.exits])
+        rows.scope = torch.cat([torch.zeros(n, dtype=torch.int64), rows.scope])
+        rows.anchor = torch.cat([torch.zeros(n, dtype=torch.bool), rows.anchor])
+    rows.n_context = r.plan.query_start
+    rows.query_end = len(r.req.origin_input_ids)
+    return rows
 
 
 def _folded_rows(cache: "ChunkCache", r: "RequestFold", n_layers: int) -> LoopRows:

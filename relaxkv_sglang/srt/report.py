@@ -2,9 +2,16 @@
 
 Fields (documented for users in ``docs/api.md``): ``policy``, ``chunks_seen``, ``chunks_hit``,
 ``chunk_tokens_reused``, ``tokens_computed`` (rows computed, the repair's query pass included),
-``repaired``; and for a repaired request ``anchor_ratio`` (achieved), ``anchors_per_layer``,
-``context_ratio`` (visible key pairs over the full causal prefix's), ``repair_kv_pairs``
-(visible) and ``repair_kv_pairs_executed`` (what the executor computes, whole pages included).
+``repaired``, ``prefills`` (times the prompt's last token was prefilled: 1, plus one per
+retraction) and ``repairs`` (how many of those ran the repair); for a repaired request
+``anchor_ratio`` (achieved), ``anchors_per_layer``, ``context_ratio`` (visible key pairs over the
+full causal prefix's), ``repair_kv_pairs`` (visible) and ``repair_kv_pairs_executed`` (what the
+executor computes, whole pages included); for a repair-policy request that was not repaired,
+``not_repaired_reason``.
+
+A request may take several prefill steps: the windows of a prompt longer than the chunked-prefill
+size, and a retracted request's prefill again. Counters are summed; ``repaired`` and the repair
+fields are those of the last step that completed the prompt (the one that decides the repair).
 
 SGLang carries ``req.customized_info`` to the HTTP process; the key is declared request-level
 (:func:`around_is_request_level_key`), so the record is sent once, not sliced per output token.
@@ -24,7 +31,7 @@ if TYPE_CHECKING:
     from relaxkv_sglang.srt.layer_loop import LoopRows
 
 # Counters summed over the prefill steps of one request (chunked prefill, retraction).
-_ADDITIVE = ("chunks_seen", "chunks_hit", "chunk_tokens_reused", "tokens_computed")
+_ADDITIVE = ("chunks_seen", "chunks_hit", "chunk_tokens_reused", "tokens_computed", "prefills", "repairs")
 
 
 def request_record(r: "RequestFold") -> dict:
@@ -36,9 +43,13 @@ def request_record(r: "RequestFold") -> dict:
         "chunk_tokens_reused": r.hit_tokens,
         "tokens_computed": int(r.keep.shape[0]) + r.query_pass_rows,
         "repaired": r.repair is not None,
+        "prefills": int(r.completes_prompt),  # 1: this step decided the repair
+        "repairs": int(r.repair is not None),
     }
     if r.repair is not None:
         record.update(repair_record(r.repair))
+    elif r.not_repaired_reason is not None:
+        record["not_repaired_reason"] = r.not_repaired_reason
     return record
 
 
@@ -65,8 +76,13 @@ def merge_record(req: Any, step: dict) -> None:
     info = req.customized_info if req.customized_info is not None else {}
     old = info.get(RECORD_KEY, [None])[-1]
     if old is not None:
+        decided = step["prefills"] > 0
         for key in _ADDITIVE:
-            step[key] += old[key]
+            step[key] += old.get(key, 0)
+        if not decided:
+            # An earlier window of a split prompt, or a window of generated tokens after the
+            # prompt's: it decided nothing, so the last decision stands.
+            step = {**old, **{key: step[key] for key in ("policy",) + _ADDITIVE}}
     info[RECORD_KEY] = [step]
     req.customized_info = info
 

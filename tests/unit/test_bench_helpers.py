@@ -31,6 +31,18 @@ def test_seen_before_missed_tokens_counts_only_documents_already_computed():
     assert bench_cache_hit.seen_before_missed_tokens(doc_ids, sequential, tokens) == 30
 
 
+def test_best_with_pool_keeps_the_documents_used_soonest():
+    docs = [[1, 2], [3, 4], [1, 3], [2, 4], [1, 2]]
+    trace = [bench_cache_hit.TraceRequest("", [], d) for d in docs]
+    tokens = {1: 10, 2: 10, 3: 10, 4: 10}
+    # room for everything: every repeat hits
+    assert bench_cache_hit.best_with_pool(trace, tokens, [100] * 5) == (6, 60)
+    # room for two documents: after [3, 4] it keeps 1 and 3 (used next), after [1, 3] only 1
+    # (3 is never used again), then [2, 4] misses and [1, 2] hits both
+    assert bench_cache_hit.best_with_pool(trace, tokens, [20] * 5) == (4, 40)
+    assert bench_cache_hit.best_with_pool(trace, tokens, [0] * 5) == (0, 0)
+
+
 def test_task_score_uses_the_first_line_for_qa_and_all_text_for_ruler():
     from relaxkv_sglang.workloads import TaskExample
 

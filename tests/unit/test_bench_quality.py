@@ -301,3 +301,23 @@ def test_run_all_table_pools_formats_and_adds_the_paired_columns():
     kl_table = run_all.quality_table(kl_only)
     assert "one answer token (--kl-only): no task scores" in kl_table
     assert "| relaxkv | 0.155 [0.11, 0.20] | - | 0.130 / - | 0.180 / - | 1.16 | -0.020 [" in kl_table
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "qwen2.5-0.5b"])
+def test_chat_format_is_the_models_own_chat_template(model):
+    """The ``chat`` format renders exactly what the model's own template does with a system turn and
+    a user turn (then the answer's lead-in). Checked only where the model is already prepared: the
+    test never downloads or converts one."""
+    from relaxkv_sglang import assets
+
+    folder = assets.cache_root() / "models" / model
+    if not folder.is_dir() or assets.manifest_problem(folder) is not None:
+        pytest.skip(f"{model} is not prepared here (relaxkv-sglang model {model})")
+    tok = assets.load_tokenizer(folder)
+    system, docs, question = "Answer briefly.", ["A: first doc.", "B: second doc."], "Question: Who?"
+    text, offsets = workloads.render_marked(system, docs, question + "\nAnswer:", "chat")
+    user = "\n\n".join(docs) + "\n\n" + question
+    rendered = tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": user}],
+                                       add_generation_prompt=True, tokenize=False)
+    assert text == rendered + "Answer:"
+    assert workloads.chunk_texts(text, offsets) == docs

@@ -172,6 +172,81 @@ def test_unlock_makes_entry_most_recent(store, alloc):
     assert b.last_access < a.last_access
 
 
+def test_locked_entries_counted_and_oldest_is_next_victim(store, alloc):
+    a = _ins(store, alloc, None, [1])
+    b = _ins(store, alloc, None, [2, 2])
+    assert store.oldest() is a and store.stats().locked_entries == 0
+    store.lock(a)
+    store.lock(a)
+    store.lock(b)
+    s = store.stats()
+    assert (s.locked_entries, s.locked_tokens) == (2, 3)  # an entry counts once however often locked
+    assert store.oldest() is None  # nothing evictable
+    store.unlock(b)
+    assert store.oldest() is b and store.stats().locked_entries == 1
+    store.unlock(a)
+    assert store.stats().locked_entries == 1  # still one reference on a
+    store.unlock(a)
+    assert store.stats().locked_entries == 0
+    assert store.oldest() is b  # a was unlocked last: most recent
+    store.evict(1)
+    assert store.oldest() is a
+
+
+def test_clock_is_injected_and_never_goes_back(alloc):
+    readings = iter([10.0, 12.5, 11.0, 20.0])
+    store = ChunkStore(alloc.free_slots, clock=lambda: next(readings))
+    a = store.insert(None, [1], alloc.alloc(1))
+    b = store.insert(None, [2], alloc.alloc(1))
+    assert (a.last_access, b.last_access) == (10.0, 12.5)
+    store.lookup(None, [1])  # the clock read 11.0: kept at 12.5, and a is now the most recent
+    assert a.last_access == 12.5 and store.oldest() is b
+    store.lookup(None, [2])
+    assert b.last_access == 20.0 and store.oldest() is a
+
+
+def test_target_learns_from_lost_hits_and_forgotten_ghosts(alloc):
+    store = ChunkStore(alloc.free_slots, ghost_capacity=6)
+    store.insert(None, [1, 1, 1], alloc.alloc(3))
+    store.insert(None, [2, 2], alloc.alloc(2))
+    assert store.evict(5) == 5  # both become ghosts (5 tokens remembered)
+    assert store.lookup(None, [1, 1, 1]) is None  # a hit lost to eviction
+    assert store.lookup(None, [1, 1, 1]) is None  # counted once: the ghost is consumed
+    s = store.stats()
+    assert (s.ghost_hits, s.ghost_hit_tokens, s.target_tokens, s.ghost_expired_tokens) == (1, 3, 3, 0)
+    assert store.lookup(None, [9]) is None and store.stats().ghost_hits == 1  # never stored: no ghost
+    for t in (3, 4, 5):  # three more evicted 2-token chunks: [2, 2] is forgotten unused
+        store.insert(None, [t, t], alloc.alloc(2))
+        store.evict(2)
+    s = store.stats()
+    assert (s.ghost_expired_tokens, s.target_tokens) == (2, 1)
+    assert store.lookup(None, [2, 2]) is None and store.stats().ghost_hits == 1
+    store.insert(None, [4, 4], alloc.alloc(2))  # re-inserted: no longer a ghost
+    assert store.lookup(None, [4, 4]) is not None
+    store.reset()
+    assert store.stats().target_tokens == 0
+    assert store.lookup(None, [5, 5]) is None and store.stats().ghost_hits == 1  # reset forgets the ghosts
+
+
+def test_target_is_bounded_by_the_ghost_capacity(alloc):
+    store = ChunkStore(alloc.free_slots, ghost_capacity=4)
+    for t in range(6):
+        store.insert(None, [t, t], alloc.alloc(2))
+    store.evict(100)  # six 2-token ghosts, only the last two (4 tokens) kept
+    assert [store.lookup(None, [t, t]) for t in range(6)] == [None] * 6
+    s = store.stats()
+    assert (s.ghost_hits, s.ghost_expired_tokens, s.target_tokens) == (2, 8, 4)
+    for t in (6, 7, 8):
+        store.insert(None, [t, t], alloc.alloc(2))
+        store.evict(2)
+        store.lookup(None, [t, t])
+    assert store.stats().target_tokens == 4  # never above the capacity
+    plain = ChunkStore(alloc.free_slots)  # ghost_capacity 0: learns nothing
+    plain.insert(None, [7], alloc.alloc(1))
+    plain.evict(1)
+    assert plain.lookup(None, [7]) is None and plain.stats().ghost_hits == plain.stats().target_tokens == 0
+
+
 def test_reset(store, alloc):
     a = _ins(store, alloc, None, [1, 2])
     _ins(store, alloc, "x", [3])
@@ -319,6 +394,7 @@ def test_store_matches_model(ops):
         assert store.locked_tokens() == sum(v[0] for v in model.values() if v[1] > 0)
         assert store.evictable_tokens() == sum(model[k][0] for k in lru)
         assert s.entries == len(store) == len(model)
+        assert s.locked_entries == sum(v[1] > 0 for v in model.values())
 
     # Releasing every lock then resetting gives every slot back.
     for k, (n, refs) in list(model.items()):

@@ -210,3 +210,30 @@ def test_bad_requests(model, ids):
         reference_prefill(model[1], ids, [(8, 40), (41, Q0)], Q0, "relaxkv")
     with pytest.raises(ValueError):
         reference_prefill(model[1], ids, SPANS, ids.numel(), "relaxkv")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_qwen2_biases_and_tied_embeddings_match_hf(tied, ids):
+    """Qwen2 (the optional second model): q/k/v biases; its embeddings tied or not (a GGUF may carry
+    its own output matrix, as the packaged Qwen2.5-Coder-0.5B does)."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rope_theta=1e6, tie_word_embeddings=tied, initializer_range=0.1, attn_implementation="eager",
+    )
+    hf = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # non-zero biases, so leaving them out would show
+        for name, p in hf.named_parameters():
+            if name.endswith("proj.bias"):
+                p.normal_(0.0, 0.5)
+    sd = hf.state_dict()
+    if tied:  # a tied checkpoint saves no lm_head
+        sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
+    w = from_hf_state_dict(sd, cfg.to_dict())
+    assert all("q_bias" in layer and "v_bias" in layer for layer in w.layers)
+    assert w.rope_theta == 1e6 and (w.lm_head is w.embed) == tied
+    full = reference_prefill(w, ids, SPANS, Q0, "full")
+    with torch.no_grad():
+        out = hf(ids[None]).logits[0, -1].float()
+    torch.testing.assert_close(full.last_logits, out, atol=1e-4, rtol=1e-4)

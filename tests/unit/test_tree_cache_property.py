@@ -222,6 +222,8 @@ class TreeCacheMachine(RuleBasedStateMachine):
         """Match, lock and allocate one request, as the scheduler's prefill admission does."""
         req = self._make_req(spec)
         req.init_next_round_input(self.cache)
+        pinned = self.cache.pin_request(req)  # what the admission hook does before the budget check
+        assert self.cache.evictable_size() + pinned <= POOL
         plan = request_plan(req)
         n = len(req.origin_input_ids)
         if plan is not None and plan.policy == "full":
@@ -233,6 +235,7 @@ class TreeCacheMachine(RuleBasedStateMachine):
         self.req_to_token.alloc([req])
         slots = self._alloc(n - req.prefix_len)
         if slots is None:  # no room: not admitted
+            self.cache.unpin_request(req)
             self.cache.unlock(req.lock)
             self.req_to_token.free(req)
             return
@@ -275,6 +278,9 @@ class TreeCacheMachine(RuleBasedStateMachine):
             if (plan := request_plan(r)) is not None and plan.reuses_chunks else 0
             for r in reqs
         ]
+        # Chunks pinned at admission survived every allocation since: they all hit.
+        for r, hits in zip(reqs, expect_hits):
+            assert len(self.cache.pins.get(r.rid, ())) <= hits
         fold = fold_batch(self.cache, batch)
         assert (fold is None) == all(request_plan(r) is None for r in reqs)
         folded = fold.batch() if fold is not None else None
@@ -310,6 +316,9 @@ class TreeCacheMachine(RuleBasedStateMachine):
                 self._compute_row(row, tokens, ns, r.prefix_len + j, s)
         if fold is not None:
             finish_fold(self.cache, fold)
+        self.cache.unpin_requests(reqs)  # the forward hook's finally
+        assert not any(r.rid in self.cache.pins for r in reqs)
+        if fold is not None:
             for r, rf, hits in zip(reqs, fold.requests, expect_hits):
                 if rf.plan is not None:  # meta_info.relaxkv reports what the model predicted
                     record = r.customized_info["relaxkv"][-1]
@@ -340,6 +349,48 @@ class TreeCacheMachine(RuleBasedStateMachine):
         """Release a request with SGLang's release_kv_cache (checkpointing unless aborted)."""
         self._finish(self._pick_forwarded(data), abort)
 
+    @rule(specs=st.lists(request_specs, max_size=3))
+    def admission_hold(self, specs):
+        """While an admission check runs, stored chunks that queued requests need are not evictable."""
+        queue = [self._make_req(spec) for spec in specs]
+        self.cache.begin_admission(queue)
+        need = {}
+        for req in queue:
+            plan = request_plan(req)
+            if plan is not None and plan.reuses_chunks:
+                for cs, ce in plan.chunk_spans:
+                    e = self.cache.chunks.peek(plan.namespace, req.origin_input_ids[cs:ce])
+                    if e is not None:
+                        need[id(e)] = e
+        before = self.cache.evictable_size()
+        with self.cache.admission_hold() as held:
+            # the store's learned share, less what is locked in it, is held back too
+            reserve = max(0, self.cache.chunks.target_tokens() - self.cache.chunks.locked_tokens())
+            assert self.cache.admission_reserve == reserve
+            assert held == sum(e.num_tokens for e in need.values()) + reserve
+            newly_locked = sum(e.num_tokens for e in need.values() if e.lock_ref == 1)
+            assert self.cache.evictable_size() == before - newly_locked - reserve
+            self.cache.evict(self.sg.EvictParams(num_tokens=POOL))  # as if admission allocated everything
+            assert all(self.cache.chunks.peek(e.namespace, e.token_ids) is e for e in need.values())
+        assert self.cache.admission_reserve == 0
+        self.cache.end_admission()
+        # Released as the most recently used: the held chunks are evicted last
+        # (everything else evictable went above, so only they are left unlocked).
+        unlocked = [e for e in need.values() if e.lock_ref == 0]
+        assert self.cache.chunks.evictable_tokens() == sum(e.num_tokens for e in unlocked)
+
+    @precondition(lambda self: any(not x.forwarded for x in self.live))
+    @rule(data=st.data())
+    def abort_admitted(self, data):
+        """An admitted request aborted before its forward: releasing it drops its chunk pins."""
+        waiting = [x for x in self.live if not x.forwarded]
+        x = waiting[data.draw(st.integers(0, len(waiting) - 1), label="request")]
+        x.req.finished_reason = self.sg.FINISH_ABORT()
+        x.req.kv.kv_committed_len = x.req.kv.kv_allocated_len  # SGLang frees only a whole row
+        self.sg.release_kv_cache(x.req, self.cache, checkpoint=False)
+        self.live.remove(x)
+        assert x.req.rid not in self.cache.pins
+
     def _pick_forwarded(self, data) -> Live:
         forwarded = [x for x in self.live if x.forwarded]
         return forwarded[data.draw(st.integers(0, len(forwarded) - 1), label="request")]
@@ -366,13 +417,23 @@ class TreeCacheMachine(RuleBasedStateMachine):
         radix_before = sg.RadixCache.evictable_size(self.cache)
         available = self.allocator.available_size()
         protected = self.cache.protected_size()
+        # Candidates before: evictable radix leaves and unlocked chunks, with their last use.
+        leaves = [(node, node.last_access_time) for node in self.cache.evictable_leaves]
+        chunks = [(e, e.last_access) for _, ns, doc in self._chunk_keys()
+                  if (e := self.cache.chunks.peek(ns, doc)) is not None and e.lock_ref == 0]
         freed = self.cache.evict(sg.EvictParams(num_tokens=n)).num_tokens_evicted
         assert freed >= min(n, before)
         assert self.allocator.available_size() == available + freed
         assert self.cache.evictable_size() == before - freed
         assert self.cache.protected_size() == protected
-        if radix_before < n:  # radix leaves go first, chunks only after them
-            assert sg.RadixCache.evictable_size(self.cache) == 0
+        # One LRU order across both trees: nothing evicted was used after anything kept.
+        gone, kept = [], []
+        for node, t in leaves:
+            (kept if node.parent.children.get(node.key.child_key(1)) is node else gone).append(t)
+        for e, t in chunks:
+            (kept if self.cache.chunks.peek(e.namespace, e.token_ids) is e else gone).append(t)
+        assert not gone or not kept or max(gone) <= min(kept)
+        assert radix_before <= before
 
     @precondition(lambda self: len(self.cache.chunks) > 0)
     @rule(data=st.data())
@@ -482,11 +543,16 @@ class TreeCacheMachine(RuleBasedStateMachine):
                 (extra, doc[: i + 1]) for i in range(len(doc))
             ]
             self._assert_k_at(entry.slots, torch.arange(len(doc)) + entry.canonical_start)
-            # Chunk locks in the server last only for a copy; here only pins hold one.
-            assert entry.lock_ref == sum(p is entry for p in self.pins)
+            # Locks: this test's pins, and admitted requests' pins until their forward.
+            admitted = sum(p is entry for pins in self.cache.pins.values() for _, p in pins)
+            assert entry.lock_ref == sum(p is entry for p in self.pins) + admitted
         assert held == self.cache.chunks.total_tokens()
-        for entry in self.pins:
+        for entry in self.pins + [p for pins in self.cache.pins.values() for _, p in pins]:
             assert self.cache.chunks.peek(entry.namespace, entry.token_ids) is entry
+        # Only admitted, not yet forwarded requests hold pins.
+        assert set(self.cache.pins) <= {x.req.rid for x in self.live if not x.forwarded}
+        assert self.cache.chunks.stats().locked_entries == sum(
+            1 for _, ns, doc in self._chunk_keys() if (e := self.cache.chunks.peek(ns, doc)) is not None and e.lock_ref)
 
     @invariant()
     def locked_prefixes_stay_in_the_tree(self):

@@ -1,0 +1,254 @@
+"""The startup correctness gate on the loaded model, and its verdict in both processes.
+
+The maths (what is compared, the error measure, the tolerances) is
+:mod:`relaxkv_sglang.core.gate`; this module runs it on SGLang's objects.
+
+**Scheduler.** :func:`run_startup_gate` is called once by the tree cache's factory
+(``tree_cache.make_tree_cache``), when the model is loaded and the KV pool exists and before the
+scheduler serves anything. It takes ``4n`` slots from the pool's allocator (``n``: the tokens of
+``core.gate.GATE_TEXT``, ~30), runs the model's own modules with the plugin's layer loop
+(:class:`~relaxkv_sglang.srt.layer_loop.LayerLoop`: real layers, real KV pool):
+
+* ``full``: the text at ``0..n-1`` (ordinary causal prefill, the ``full`` request);
+* ``moved``: the text at ``p..p+n-1``, attending only to itself (a chunk computed where it sits);
+* ``rotated``: ``full`` copied by the cache's own :class:`~relaxkv_sglang.srt.tree_cache.KVCopier`
+  with K re-rotated by ``+p``: check ``rope_k`` compares it with ``moved``, every layer, K and V;
+* ``pic``: a one-chunk ``pic`` hit: ``moved``'s first ``3n/4`` tokens copied back to ``0`` with
+  ``-p`` (exactly what ``reuse_chunk`` does), then the rest of the text run over them; checks
+  ``pic_kv`` (against ``full``, every layer, K and V) and ``pic_logits`` (the rest's logits
+  against ``full``'s).
+
+Every slot is freed before it returns (on failure too), and nothing else is written: no
+request, no radix or chunk entry. The verdict is kept on the cache (:func:`gate_state`), logged
+in one line (rank 0), put on ``/metrics`` (``--enable-metrics``: ``relaxkv:gate_passed``,
+``relaxkv:gate_max_error{check}``, ``relaxkv:gate_tolerance{check}``) and on
+``/get_server_info`` under ``relaxkv.gate`` (by ``tree_cache.around_get_internal_state``).
+
+**HTTP process.** :func:`chunk_refusal` asks the scheduler once, through SGLang's own
+``TokenizerManager.get_internal_state`` (the call behind ``/get_server_info``), and keeps the
+answer on the tokenizer manager; ``api.plan_item`` refuses a chunk policy with a 400 naming the
+reason when the gate failed. ``full`` and ``prefix`` are served either way, and a request naming
+no policy gets ``prefix`` even when the server default (``RELAXKV_DEFAULT_POLICY``) is a chunk
+policy (so SGLang's own warmup request, and clients that never name a policy, keep working).
+
+For tests only, :data:`ROPE_OVERRIDE_ENV` replaces fields of the RoPE spec the cache serves with
+(``tree_cache.make_tree_cache`` reads it through :func:`serving_rope`): a rotation the model
+does not use, so the gate must fail and the chunk policies must be refused.
+
+SGLang files touched (none hooked): reads ``managers/tp_worker.py``'s ``TpModelWorker``
+(``model_runner.model``, ``tokenizer``), ``mem_cache/allocator/base.py`` (``alloc``/``free``)
+and ``mem_cache/memory_pool.py`` (K/V buffers); calls
+``managers/tokenizer_control_mixin.py`` ``TokenizerManager.get_internal_state``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from relaxkv_sglang.core.gate import (
+    GATE_TEXT,
+    CheckResult,
+    GateResult,
+    compare_layers,
+    gate_offset,
+    gate_token_ids,
+    judge,
+    tolerance_for,
+)
+from relaxkv_sglang.core.policies import CHUNK_POLICIES
+from relaxkv_sglang.core.rope import RopeSpec
+from relaxkv_sglang.schema import default_policy
+from relaxkv_sglang.srt.layer_loop import AnchorAttention, LayerLoop, LoopRows, ModelLayers, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+#: Tests only: JSON object of ``RopeSpec`` fields replacing the served rotation's, e.g. ``{"base": 20000}``.
+ROPE_OVERRIDE_ENV = "RELAXKV_TEST_ROPE_OVERRIDE"
+
+_GATE_ATTR = "relaxkv_gate"  # on the tree cache: the GateResult
+_REFUSAL_ATTR = "relaxkv_gate_refusal"  # on the TokenizerManager: "" (served) or the reason
+
+
+def serving_rope(rope: RopeSpec) -> RopeSpec:
+    """The RoPE spec the cache serves with: ``rope``, unless a test overrides fields of it."""
+    override = os.environ.get(ROPE_OVERRIDE_ENV)
+    if not override:
+        return rope
+    fields = json.loads(override)
+    logger.warning("relaxkv: %s=%s: serving a RoPE the model does not use (tests only)", ROPE_OVERRIDE_ENV, override)
+    return dataclasses.replace(rope, **fields)
+
+
+def run_startup_gate(worker: Any, cache: Any, context_len: int, *, tp_rank: int = 0,
+                     enable_metrics: bool = False) -> GateResult:
+    """Run the gate once on the loaded model; keep, log and publish its verdict.
+
+    Args:
+        worker: SGLang's ``TpModelWorker`` (its ``model_runner.model`` and ``tokenizer``).
+        cache: the ``RelaxKVTreeCache`` just built (its allocator, KV pool and ``copier``).
+        context_len: the model's context length.
+        tp_rank: this worker's tensor-parallel rank (rank 0 logs).
+        enable_metrics: put the verdict on /metrics.
+    Returns:
+        The verdict (also kept on ``cache``, see :func:`gate_state`).
+    """
+    causal_lm = getattr(getattr(worker, "model_runner", None), "model", None)
+    start = time.perf_counter()
+    try:
+        result = _run_checks(causal_lm, cache, context_len, getattr(worker, "tokenizer", None))
+    except Exception as exc:  # the gate must never stop the server; it refuses chunk policies instead
+        logger.debug("relaxkv: correctness gate raised", exc_info=True)
+        result = GateResult.failure(f"the gate could not run: {type(exc).__name__}: {exc}")
+    result = dataclasses.replace(result, seconds=round(time.perf_counter() - start, 3))
+    setattr(cache, _GATE_ATTR, result)
+    if tp_rank == 0:
+        _log(result, type(causal_lm).__name__)
+    if enable_metrics:
+        _publish_metrics(result)
+    return result
+
+
+def gate_state(cache: Any) -> Optional[dict]:
+    """The verdict as /get_server_info shows it (``relaxkv.gate``), None before the gate ran."""
+    result = getattr(cache, _GATE_ATTR, None)
+    return None if result is None else result.to_dict()
+
+
+def _run_checks(causal_lm: Optional[torch.nn.Module], cache: Any, context_len: int, tokenizer: Any) -> GateResult:
+    """The three checks (module doc); slots taken from the allocator and always given back."""
+    if causal_lm is None or not hasattr(causal_lm, "model"):
+        return GateResult.failure("the gate found no model on the worker")
+    try:
+        layers = ModelLayers(causal_lm.model)
+    except UnsupportedModelError as exc:
+        return GateResult.failure(f"the gate cannot run this model's layers: {exc}")
+    kv_pool = cache.kv_pool
+    device = cache.req_to_token.device
+    dtype = getattr(kv_pool, "dtype", None) or kv_pool.get_key_buffer(next(iter(cache.copier.layers))).dtype
+    dtype_name = str(dtype).replace("torch.", "")
+    vocab = int(getattr(getattr(causal_lm, "config", None), "vocab_size", 0) or causal_lm.lm_head.weight.shape[0])
+    encoded = tokenizer.encode(GATE_TEXT) if tokenizer is not None else None
+    ids = torch.tensor(gate_token_ids(encoded, vocab), dtype=torch.int64, device=device)
+    n = int(ids.shape[0])
+    n_chunk = (3 * n) // 4
+    p = gate_offset(context_len, n)
+    allocator = cache.token_to_kv_pool_allocator
+    if allocator.available_size() < 4 * n:
+        return GateResult.failure(f"the gate needs {4 * n} free KV slots, the pool has "
+                                  f"{allocator.available_size()}", offset=p, n_tokens=n, dtype=dtype_name)
+    taken = allocator.alloc(4 * n)
+    if taken is None:
+        return GateResult.failure(f"the gate could not allocate {4 * n} KV slots", offset=p, n_tokens=n,
+                                  dtype=dtype_name)
+    try:
+        slots = taken.to(device=device, dtype=torch.int64)
+        full_s, moved_s, rotated_s, pic_s = (slots[i * n:(i + 1) * n] for i in range(4))
+        loop = LayerLoop(layers, kv_pool, AnchorAttention())
+        tol = tolerance_for(dtype)
+        with torch.no_grad():  # not inference_mode: a lazily built module buffer must stay an ordinary tensor
+            full_hidden = loop.run([_rows(full_s, 0, 0, n, layers.n_layers)], ids)
+            loop.run([_rows(moved_s, p, 0, n, layers.n_layers)], ids)
+            cache.copier.copy(full_s, rotated_s, p)
+            rope_k = _compare_kv("rope_k", cache, rotated_s, moved_s, tol)
+            cache.copier.copy(moved_s[:n_chunk], pic_s[:n_chunk], -p)
+            pic_hidden = loop.run([_rows(pic_s, 0, n_chunk, n, layers.n_layers)], ids[n_chunk:])
+            pic_kv = _compare_kv("pic_kv", cache, pic_s, full_s, tol)
+            weight = causal_lm.lm_head.weight  # [vocab (this rank's shard), hidden], in the model's dtype
+            logits = [torch.nn.functional.linear(h.to(weight.dtype), weight).float()[:, None, :]
+                      for h in (pic_hidden, full_hidden[n_chunk:])]
+            pic_logits = compare_layers("pic_logits", [("query", logits[0])], [logits[1]], tol)
+    finally:
+        allocator.free(taken)
+    return judge([rope_k, pic_kv, pic_logits], offset=p, n_tokens=n, dtype=dtype_name)
+
+
+def _rows(slots: torch.Tensor, offset: int, first: int, n: int, n_layers: int) -> LoopRows:
+    """The text's rows ``first..n-1`` at positions ``offset + i`` in ``slots``, scope ``offset``.
+
+    Args:
+        slots: int64 [n] the text's slots (slot of token i).
+        offset: position of token 0; positions below it map to slot 0 (SGLang's padding slot,
+            never read: the rows' scope starts at ``offset``).
+    """
+    device = slots.device
+    slot_of_pos = torch.zeros(offset + n, dtype=torch.int64, device=device)
+    slot_of_pos[offset:] = slots
+    positions = torch.arange(offset + first, offset + n, dtype=torch.int64, device=device)
+    m = n - first
+    return LoopRows(slots=slot_of_pos, positions=positions,
+                    exits=torch.full((m,), n_layers, dtype=torch.int64, device=device),
+                    scope=torch.full((m,), offset, dtype=torch.int64, device=device),
+                    anchor=torch.zeros(m, dtype=torch.bool, device=device))
+
+
+def _compare_kv(name: str, cache: Any, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> CheckResult:
+    """Every layer's K and V in slots ``actual`` against ``expected`` (int64 [n] each)."""
+    pool = cache.kv_pool
+    got, want = [], []
+    for layer in cache.copier.layers:
+        for kind, buf in (("K", pool.get_key_buffer(layer)), ("V", pool.get_value_buffer(layer))):
+            got.append((f"layer {layer - cache.copier.layers.start} {kind}", buf[actual]))
+            want.append(buf[expected])
+    return compare_layers(name, got, want, tol)
+
+
+def _log(result: GateResult, model_name: str) -> None:
+    """One line: the verdict, each check's error, and on failure what is refused."""
+    errors = ", ".join(f"{c.name}={c.max_error:.2g}/{c.tolerance:.2g}" for c in result.checks)
+    if result.refuses_chunks:
+        default = default_policy()
+        fallback = ""
+        if default in CHUNK_POLICIES:
+            fallback = f"; requests naming no policy get prefix, not the default {default}"
+        logger.error("relaxkv: correctness gate FAILED on %s (%s): %s; chunk policies (%s) are refused with "
+                     "HTTP 400, full and prefix are served%s", model_name, errors or "no checks ran", result.reason,
+                     ", ".join(sorted(CHUNK_POLICIES)), fallback)
+    else:
+        logger.info("relaxkv: correctness gate passed on %s in %.2f s (p=%d, %d tokens, %s; error/tolerance %s)",
+                    model_name, result.seconds, result.offset, result.n_tokens, result.dtype, errors)
+
+
+def _publish_metrics(result: GateResult) -> None:
+    """The verdict as gauges on SGLang's /metrics (multiprocess mode, written by the scheduler)."""
+    from prometheus_client import Gauge
+
+    passed = Gauge("relaxkv:gate_passed", "1 if the startup correctness gate passed (chunk policies served).",
+                   labelnames=["reason"], multiprocess_mode="mostrecent")
+    passed.labels(reason=result.reason[:300]).set(0 if result.refuses_chunks else 1)
+    error = Gauge("relaxkv:gate_max_error", "Largest relative error of each startup gate check.",
+                  labelnames=["check"], multiprocess_mode="mostrecent")
+    tolerance = Gauge("relaxkv:gate_tolerance", "Tolerance of each startup gate check.",
+                      labelnames=["check"], multiprocess_mode="mostrecent")
+    for check in result.checks:
+        error.labels(check=check.name).set(check.max_error)
+        tolerance.labels(check=check.name).set(check.tolerance)
+
+
+async def chunk_refusal(tokenizer_manager: "TokenizerManager") -> str:
+    """Why chunk policies are refused ("" when served), asked of the scheduler once and kept.
+
+    Reads ``relaxkv.gate`` of every scheduler's internal state (one per data-parallel rank); any
+    failed gate refuses. A state without a gate (the gate never ran) refuses nothing.
+    """
+    known = getattr(tokenizer_manager, _REFUSAL_ATTR, None)
+    if known is not None:
+        return known
+    states = await tokenizer_manager.get_internal_state()
+    reasons = []
+    for state in states:
+        gate = (state or {}).get("relaxkv", {}).get("gate") or {}
+        if gate.get("status") == "failed":
+            reasons.append(gate.get("reason") or "the gate failed")
+    refusal = "; ".join(dict.fromkeys(reasons))
+    setattr(tokenizer_manager, _REFUSAL_ATTR, refusal)
+    return refusal

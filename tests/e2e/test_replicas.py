@@ -1,0 +1,218 @@
+"""Two replicas behind sglang-router (tiny model): ``relaxkv-sglang serve --replicas 2``.
+
+One cluster for the module, started by the CLI as a user would; in order:
+
+* document routing keeps the single-server hit rate (>= 90% of it) with requests per replica
+  balanced (max/min <= 1.5), on the topical trace of ``bench_cache_hit --topics``, measured by the
+  benchmark's own ``run_replicas`` (counts from each replica's /metrics);
+* bad input through the router gets the same 4xx as directly (``/v1/completions``; the router's
+  ``/generate`` drops ``sampling_params.custom_params``, asserted so a router that stops doing so
+  is noticed);
+* a replica killed mid-trace: the router stops sending to it, errors stay few and the survivor
+  serves the rest;
+* SIGTERM stops the CLI, the router and the replicas: no process left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+import requests
+
+from relaxkv_sglang.client import RouterClient
+from relaxkv_sglang.server import free_port, replica_request_counts, router_installed
+
+pytestmark = pytest.mark.skipif(not router_installed(), reason="sglang-router not installed (make install)")
+
+POOL_TOKENS = 8192
+
+
+class CliCluster:
+    """``relaxkv-sglang serve --replicas 2`` in a subprocess; its URLs read from its output."""
+
+    def __init__(self, model_path: str):
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "relaxkv_sglang", "serve", "--replicas", "2", "--model", model_path,
+             "--port", str(self.port), "--max-total-tokens", str(POOL_TOKENS), "--", "--context-length", "4096"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.replicas: list[str] = []
+        self.url: str | None = None
+        self.stderr: list[str] = []
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()
+        threading.Thread(target=self._read, args=(self.proc.stderr,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.stderr.append(line.rstrip())
+            if line.startswith("replica "):
+                self.replicas.append(line.split()[2])
+            if line.startswith("ready: "):
+                self.url = line.split()[1]
+                self._ready.set()
+
+    def wait_ready(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("serve --replicas did not start:\n" + "\n".join(self.stderr[-20:]))
+
+    def processes(self) -> list[psutil.Process]:
+        top = psutil.Process(self.proc.pid)
+        return [top] + top.children(recursive=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_path):
+    c = CliCluster(tiny_model_path)
+    try:
+        c.wait_ready()
+        yield c
+    finally:
+        if c.proc.poll() is None:  # a failed test left it running: stop it the way a user would
+            c.proc.send_signal(signal.SIGTERM)
+            try:
+                c.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                for p in c.processes():
+                    p.kill()
+
+
+def _trace_args(**over) -> argparse.Namespace:
+    from relaxkv_sglang import assets
+
+    args = dict(source="hotpotqa", pool=60, zipf=0.5, docs_per_request=5, requests=40, clients=4, seed=1,
+                topics=12, max_new_tokens=4, anchor_ratio=0.15, pressure=False, policies=["pic"],
+                routings=["document"], assignment_mode="min_load", replicas=2, model=str(assets.model_path("tiny-llama")),
+                max_total_tokens=POOL_TOKENS, url=None, replica_urls=None)
+    args.update(over)
+    return argparse.Namespace(**args)
+
+
+def _balanced_trace(topics: int = 10, rounds: int = 4, seed: int = 1) -> list:
+    """Every topic (5 HotpotQA paragraphs) asked ``rounds`` times, rounds shuffled; each request its
+    topic's documents in a new order, a random system prompt and question: equal-weight keys."""
+    import random
+
+    from benchmarks.bench_cache_hit import TraceRequest
+    from relaxkv_sglang import workloads
+
+    docs = workloads.document_pool("hotpotqa", 5 * topics, seed)
+    rng = random.Random(seed)
+    trace = []
+    for _ in range(rounds):
+        for topic in rng.sample(range(topics), topics):
+            ids = rng.sample(range(5 * topic, 5 * topic + 5), 5)
+            text, offsets = workloads.marked_text(rng.choice(workloads.SYSTEM_PROMPTS), [docs[i] for i in ids],
+                                                  workloads.question_text(f"What links topic {rng.randrange(99)}?"))
+            trace.append(TraceRequest(text, offsets, ids))
+    return trace
+
+
+def test_document_routing_keeps_the_single_server_hit_rate(cluster, tmp_path, monkeypatch):
+    """Hit rate >= 90% of one server's, and both replicas serve.
+
+    The balance criterion (max/min <= 1.5) is printed, not asserted: where a key lands is the
+    router's choice at its first request (``min_load``: fewer requests in flight, ties at random),
+    so on 10 keys of 4 requests a 7/3 key split happens by chance (measured splits from 24/16 to
+    8/32, docs/scaling.md); asserting it would make the test fail at random.
+    """
+    from benchmarks import bench_cache_hit, common
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)  # the routers' logs
+    trace = _balanced_trace()
+    result = bench_cache_hit.run_replicas(_trace_args(replica_urls=cluster.replicas, clients=2), trace)
+    rows = {r["routing"]: r for r in result["results"]}
+    single, document = rows["single"], rows["document"]
+    bench_cache_hit.print_replicas(result)
+    assert single["per_replica_requests"] == [40, 0]
+    assert sum(document["per_replica_requests"]) == 40
+    assert single["cache_hit_rate_pct"] > 10  # the trace reuses documents at all
+    assert document["cache_hit_rate_pct"] >= 0.9 * single["cache_hit_rate_pct"], rows
+    assert min(document["per_replica_requests"]) > 0, document["per_replica_requests"]
+    print(f"document routing: max/min requests per replica {document['imbalance']:.2f}")
+
+
+def test_bad_input_through_the_router_gets_the_same_4xx(cluster):
+    text = "A document about ships.\n\nQuestion: which?\nAnswer:"
+    bad = [{"relaxkv_chunks": [0, 10 ** 6]}, {"relaxkv_typo": 1}, {"relaxkv_policy": "nope"},
+           {"relaxkv_anchor_ratio": 2}, {"_relaxkv_policy": "pic"}]
+    for custom in bad:
+        body = {"model": "default", "prompt": text, "max_tokens": 2, "custom_params": custom}
+        routed = requests.post(cluster.url + "/v1/completions", json=body, timeout=120)
+        direct = requests.post(cluster.replicas[0] + "/v1/completions", json=body, timeout=120)
+        assert routed.status_code == direct.status_code == 400, (custom, routed.text[:200])
+        assert routed.json()["message"] == direct.json()["message"]
+    # sglang-router 0.3.2 rebuilds a /generate body from its own schema and drops custom_params
+    # (docs/scaling.md): the request is served, unvalidated and without reuse. RouterClient uses
+    # /v1/completions for this reason; this assertion notices a router that starts forwarding it.
+    body = {"text": text, "sampling_params": {"max_new_tokens": 2, "custom_params": {"relaxkv_typo": 1}}}
+    assert requests.post(cluster.replicas[0] + "/generate", json=body, timeout=120).status_code == 400
+    assert requests.post(cluster.url + "/generate", json=body, timeout=120).status_code == 200
+
+
+def test_a_replica_killed_mid_trace(cluster):
+    from benchmarks import bench_cache_hit
+
+    trace = bench_cache_hit.make_trace(_trace_args(seed=2, requests=36))
+    client = RouterClient(cluster.url, timeout=120)
+    victim_url = cluster.replicas[1]
+    port = int(victim_url.rsplit(":", 1)[1])
+    (victim,) = [c.pid for c in psutil.net_connections("tcp")
+                 if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN]
+    killed_at: list[float] = []
+
+    def one(i: int) -> tuple[int, float, float, bool, int]:
+        req = trace[i]
+        if i == 12 and not killed_at:
+            os.killpg(os.getpgid(victim), signal.SIGKILL)
+            killed_at.append(time.monotonic())
+        start = time.monotonic()
+        try:
+            out = client.generate(req.text, req.offsets, "pic", max_new_tokens=4)
+            return i, start, time.monotonic(), True, out["meta_info"]["cached_tokens"]
+        except RuntimeError:
+            return i, start, time.monotonic(), False, 0
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(one, range(len(trace))))
+    (kill,) = killed_at
+    # once the health checks have had time (5 s x 2), requests 12-23 again: their keys,
+    # the dead replica's among them, now all go to the survivor
+    time.sleep(max(0.0, kill + 16 - time.monotonic()))
+    with ThreadPoolExecutor(2) as pool:
+        results += list(pool.map(one, range(12, 24)))
+    # the router took the replica out: /workers says so, and every request sent 15 s after the kill succeeded
+    workers = requests.get(cluster.url + "/workers", timeout=30).json()["workers"]
+    health = {w["url"].rstrip("/"): w["is_healthy"] for w in workers}
+    assert health == {cluster.replicas[0]: True, victim_url: False}
+    failed = [r for r in results if not r[3]]
+    late = [r for r in results if r[1] > kill + 15]
+    assert late and all(r[3] for r in late)
+    # errors: only requests sent while the router still counted the dead replica healthy, a few at most
+    assert all(kill - 30 < r[1] < kill + 15 for r in failed), failed
+    assert len(failed) <= 6, failed
+    # the survivor keeps serving with its cache: requests after the kill still reuse cached tokens
+    assert sum(r[4] for r in results if r[1] > kill and r[3]) > 0
+    print(f"replica killed: {len(failed)} of {len(results)} requests failed "
+          f"(sent {[round(r[1] - kill, 1) for r in failed]} s after the kill)")
+
+
+def test_sigterm_stops_everything(cluster):
+    procs = cluster.processes()
+    assert len(procs) >= 4  # the CLI, the router, the surviving replica and its children
+    cluster.proc.send_signal(signal.SIGTERM)
+    gone, alive = psutil.wait_procs(procs, timeout=90)
+    assert alive == [], [(p.pid, p.name()) for p in alive]
+    (cli,) = [p for p in gone if p.pid == cluster.proc.pid]
+    assert cli.returncode == 0  # a clean stop (psutil reaped it, so Popen cannot tell)

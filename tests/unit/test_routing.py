@@ -1,0 +1,277 @@
+"""The document-affine routing key (relaxkv_sglang/routing.py): stability, the spans it hashes,
+and MinHash's Jaccard property measured over seeds."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from relaxkv_sglang import routing, workloads
+from relaxkv_sglang.core.segments import auto_chunk
+
+DOCS = [f"Document {i}: " + " ".join(f"word{i}_{j}" for j in range(30)) for i in range(40)]
+
+
+def test_document_hash_is_stable_across_processes():
+    # a fixed value: the same on every machine and process (no per-process str hash salt)
+    code = "from relaxkv_sglang import routing; print(routing.document_hash('héllo'), routing.routing_key_of_documents(['a', 'b']))"
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env=dict(os.environ, PYTHONHASHSEED=str(seed))).stdout for seed in (1, 2)}
+    assert len(outs) == 1
+    here = f"{routing.document_hash('héllo')} {routing.routing_key_of_documents(['a', 'b'])}\n"
+    assert outs == {here}
+    assert 0 <= routing.document_hash("héllo") < 2 ** 64
+    assert routing.document_hash("a") != routing.document_hash("b")
+
+
+def test_key_ignores_order_system_prompt_and_question():
+    docs = DOCS[:5]
+    a_text, a_off = workloads.marked_text("System A.", docs, "Question: who?")
+    b_text, b_off = workloads.marked_text("Another system prompt entirely.", docs[::-1], "Question: what else?")
+    key = routing.routing_key(a_text, a_off)
+    assert key is not None and len(key) == 16 and int(key, 16) >= 0
+    assert routing.routing_key(b_text, b_off) == key
+    assert routing.routing_key_of_documents(docs) == key
+    # the key is the MinHash of one of the request's documents
+    assert int(key, 16) == min(routing.minhash([routing.document_hash(d)]) for d in docs)
+    assert routing.routing_headers(a_text, a_off) == {routing.ROUTING_HEADER: key}
+
+
+def test_key_uses_the_spans_the_server_chunks():
+    text, offsets = workloads.marked_text("System.", DOCS[:3], "Question?")
+    # unmarked: auto_chunk's paragraphs (what the server chunks for a chunk policy)
+    spans = auto_chunk(text)
+    assert routing.routing_key(text) == routing.routing_key_of_documents(text[s:e] for s, e in spans)
+    # marked: exactly the marked spans; one document marked is that document's key
+    assert routing.routing_key(text, offsets[:2]) == routing.routing_key_of_documents([DOCS[0]])
+    # no documents, empty marks, or offsets the server rejects: no key
+    assert routing.routing_key("just a question") is None
+    assert routing.routing_key(text, []) is None
+    assert routing.routing_headers("just a question") == {}
+    for bad in ([0], [5, 2], [0, 10 ** 6], [0.0, 3.0], [True, 3]):
+        assert routing.routing_key(text, bad) is None
+
+
+def test_chat_documents_follow_the_chat_rule():
+    messages = [
+        {"role": "system", "content": "You answer from documents."},
+        {"role": "user", "content": [{"type": "text", "text": DOCS[0]}, {"type": "image_url", "image_url": {}},
+                                     {"type": "text", "text": DOCS[1]}, {"type": "text", "text": "Question?"}]},
+    ]
+    assert routing.chat_documents(messages) == [DOCS[0], DOCS[1]]
+    assert routing.chat_routing_key(messages) == routing.routing_key_of_documents(DOCS[:2])
+    assert routing.chat_routing_key([{"role": "user", "content": "no documents"}]) is None
+
+
+def test_minhash_collision_probability_is_the_jaccard_similarity():
+    """Over 2000 seeds, P[key(A) = key(B)] matches J(A, B) within 4 standard errors, for several overlaps."""
+    rng = random.Random(0)
+    seeds = 2000
+    for shared, only_a, only_b in ((5, 0, 0), (4, 1, 1), (3, 2, 2), (2, 3, 3), (1, 4, 4), (0, 5, 5), (3, 0, 6)):
+        pool = rng.sample(range(len(DOCS)), shared + only_a + only_b)
+        a = pool[:shared + only_a]
+        b = pool[:shared] + pool[shared + only_a:]
+        j = routing.jaccard(a, b)
+        assert j == pytest.approx(shared / (shared + only_a + only_b))
+        ha = [routing.document_hash(DOCS[i]) for i in a]
+        hb = [routing.document_hash(DOCS[i]) for i in b]
+        equal = sum(routing.minhash(ha, s) == routing.minhash(hb, s) for s in range(seeds)) / seeds
+        stderr = math.sqrt(max(j * (1 - j), 1e-9) / seeds)
+        assert abs(equal - j) <= 4 * stderr + 1e-12, (shared, only_a, only_b, equal, j)
+    # the seed is a different permutation: the same set's key changes with it
+    assert len({routing.routing_key_of_documents(DOCS[:5], seed=s) for s in range(20)}) > 1
+
+
+def test_keys_spread_requests_with_disjoint_documents():
+    """Disjoint document sets get distinct keys (their minima are distinct 64-bit values)."""
+    keys = {routing.routing_key_of_documents(DOCS[i:i + 4]) for i in range(0, 40, 4)}
+    assert len(keys) == 10
+
+
+def test_bad_seed():
+    with pytest.raises(ValueError, match="seed"):
+        routing.minhash([1], seed=-1)
+    assert routing.minhash([]) is None
+    assert routing.jaccard([], []) == 1.0
+
+
+# --- the clients send the key -----------------------------------------------------------------
+
+
+class _Recorder:
+    """A local HTTP server answering like SGLang's /generate and /get_model_info; records headers."""
+
+    def __init__(self):
+        import http.server
+        import json
+        import threading
+
+        seen = self.seen = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _reply(self, body: dict):
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._reply({"model_path": "tiny"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
+                seen.append((self.path, self.headers.get(routing.ROUTING_HEADER), body))
+                if self.path == "/v1/completions":
+                    self._reply({"choices": [{"text": "y"}], "usage": {
+                        "prompt_tokens": 9, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 4}}})
+                else:
+                    self._reply({"text": "x", "meta_info": {"prompt_tokens": 1, "cached_tokens": 0}})
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def recorder():
+    rec = _Recorder()
+    yield rec
+    rec.close()
+
+
+def test_server_client_sends_the_routing_key(recorder):
+    from relaxkv_sglang.client import ServerClient
+
+    text, offsets = workloads.marked_text("System.", DOCS[:4], "Question?")
+    ServerClient(recorder.url).generate(text, offsets, "pic", max_new_tokens=1)
+    ServerClient(recorder.url).generate("no documents here", None, "pic", max_new_tokens=1)
+    ServerClient(recorder.url, routing=False).generate(text, offsets, "pic", max_new_tokens=1)
+    keys = [key for _, key, _ in recorder.seen]
+    assert keys == [routing.routing_key_of_documents(DOCS[:4]), None, None]
+
+
+def test_relaxkv_endpoint_sends_the_routing_key(recorder):
+    lang = pytest.importorskip("relaxkv_sglang.lang")
+    endpoint = lang.RelaxKVEndpoint(recorder.url, policy="pic")
+    text = "System.\n\n" + "\n\n".join(lang.document(d) for d in DOCS[2:5]) + "\n\nQuestion?"
+    out = endpoint._http_request(endpoint.base_url + "/generate", json={"text": text, "sampling_params": {}})
+    assert out.status_code == 200 and out.json()["text"] == "x"
+    path, key, body = recorder.seen[-1]
+    assert path == "/generate" and key == routing.routing_key_of_documents(DOCS[2:5])
+    assert body["sampling_params"]["custom_params"]["relaxkv_chunks"]  # the marks became offsets
+    # a batch (select): the MinHash of all items' documents
+    batch = {"text": [lang.document(DOCS[0]) + "a", lang.document(DOCS[1]) + "b"], "sampling_params": {}}
+    endpoint._http_request(endpoint.base_url + "/generate", json=batch)
+    assert recorder.seen[-1][1] == routing.routing_key_of_documents(DOCS[:2])
+    # routing off, or no documents: no header
+    lang.RelaxKVEndpoint(recorder.url, policy="pic", routing=False)._http_request(
+        endpoint.base_url + "/generate", json={"text": text, "sampling_params": {}})
+    endpoint._http_request(endpoint.base_url + "/generate", json={"text": "plain", "sampling_params": {}})
+    assert [key for _, key, _ in recorder.seen[-2:]] == [None, None]
+
+
+def test_hot_key_splitter_spreads_only_hot_keys():
+    hot, cold = DOCS[:5], [DOCS[10 + i:15 + i] for i in range(20)]
+    splitter = routing.HotKeySplitter(replicas=8, window=100, max_load=0.5, seed=0)
+    base = routing.routing_key_of_documents(hot)
+    keys = []
+    for i in range(200):  # the hot set is half the traffic: p = 0.5, r = ceil(0.5 * 8 / 0.5) = 8
+        keys.append(splitter.key(hot) if i % 2 == 0 else splitter.key(cold[i % 20]))
+    assert splitter.splits(base) == 8
+    late_hot = {k for k in keys[100::2]}
+    assert {k.split("/")[0] for k in late_hot} == {base} and len(late_hot) == 8
+    # a cold key (1 in 20 of the other half: p = 0.025, r = ceil(0.4) = 1) stays whole
+    assert splitter.key(cold[0]) == routing.routing_key_of_documents(cold[0])
+    assert splitter.key([]) is None
+    with pytest.raises(ValueError):
+        routing.HotKeySplitter(0)
+
+
+def test_server_client_uses_the_splitter(recorder):
+    from relaxkv_sglang.client import ServerClient
+
+    text, offsets = workloads.marked_text("System.", DOCS[:4], "Question?")
+    client = ServerClient(recorder.url, splitter=routing.HotKeySplitter(replicas=4, window=4, seed=1))
+    for _ in range(6):
+        client.generate(text, offsets, "pic", max_new_tokens=1)
+    base = routing.routing_key_of_documents(DOCS[:4])
+    keys = [key for _, key, _ in recorder.seen]
+    assert keys[0] == f"{base}/{keys[0].split('/')[1]}" if "/" in keys[0] else keys[0] == base
+    assert all(k.split("/")[0] == base for k in keys) and any("/" in k for k in keys)
+
+
+# --- serve --replicas: the command lines, and bad input in one line --------------------------
+
+
+def test_router_command_lines():
+    from relaxkv_sglang.server import ROUTER_DEFAULTS, RouterConfig, ServerConfig, replica_configs
+
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    cmd = RouterConfig(worker_urls=urls, routing="document", port=5, extra_args=["--cache-threshold", "0.5"]).command()
+    assert cmd[1:3] == ["-m", "sglang_router.launch_router"]
+    at = cmd.index("--worker-urls")
+    assert cmd[at + 1:at + 3] == urls
+    assert cmd[at + 3:at + 7] == ["--policy", "manual", "--assignment-mode", "min_load"]
+    assert cmd[at + 7:at + 7 + len(ROUTER_DEFAULTS)] == ROUTER_DEFAULTS
+    assert cmd[-2:] == ["--cache-threshold", "0.5"] and "--prometheus-port" in cmd  # user flags last, a free port
+    assert "--policy" in RouterConfig(worker_urls=urls, routing="round_robin").command()
+    base = ServerConfig(model_path="/m", port=30000, log_path="/tmp/x.log", extra_args=["--context-length", "64"])
+    configs = replica_configs(base, 3)
+    assert [c.port for c in configs] == [0, 0, 0] and base.port == 30000
+    assert [c.log_path for c in configs] == ["/tmp/x.log.replica0", "/tmp/x.log.replica1", "/tmp/x.log.replica2"]
+    assert configs[0].extra_args == ["--context-length", "64", "--enable-metrics", "--enable-cache-report"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--routing", "document"], "--routing needs --replicas N with N >= 2"),
+    (["serve", "--replicas", "0"], "--replicas 0: must be >= 1"),
+    (["serve", "--", "--x", "--", "--y"], "sglang-router flags (after a second --) need --replicas N with N >= 2"),
+])
+def test_serve_replicas_bad_input_is_one_line(argv, message, capsys):
+    from relaxkv_sglang import cli
+
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"relaxkv-sglang: error: {message}"]
+
+
+def test_router_client_speaks_v1_completions(recorder):
+    from relaxkv_sglang.client import RouterClient
+
+    text, offsets = workloads.marked_text("System.", DOCS[:3], "Question?")
+    out = RouterClient(recorder.url).generate(text, offsets, "pic", max_new_tokens=3, anchor_ratio=0.2)
+    path, key, body = recorder.seen[-1]
+    assert path == "/v1/completions" and key == routing.routing_key_of_documents(DOCS[:3])
+    assert body == {"model": "default", "prompt": text, "max_tokens": 3, "temperature": 0,
+                    "custom_params": {"relaxkv_policy": "pic", "relaxkv_chunks": offsets, "relaxkv_anchor_ratio": 0.2}}
+    assert out["text"] == "y" and out["meta_info"] == {"prompt_tokens": 9, "completion_tokens": 1, "cached_tokens": 4}
+    with pytest.raises(TypeError, match="top_logprobs"):
+        RouterClient(recorder.url).generate(text, offsets, top_logprobs=2)
+
+
+def test_serve_replicas_refuses_a_busy_port_before_starting_anything(capsys):
+    import socket
+
+    from relaxkv_sglang import cli
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert cli.main(["serve", "--replicas", "2", "--model", "tiny-llama", "--port", str(port)]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"relaxkv-sglang: error: port {port} on 127.0.0.1 is in use; pick another with --port")

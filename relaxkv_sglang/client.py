@@ -39,15 +39,19 @@ class ServerClient:
         body = self._body(text, offsets, policy, max_new_tokens=max_new_tokens, anchor_ratio=anchor_ratio,
                           context_ratio=context_ratio, budget=budget, stop=stop, top_logprobs=top_logprobs,
                           token_ids_logprob=token_ids_logprob, return_logprob=return_logprob, **extra)
+        out, elapsed = self._post_json("/generate", body, text, offsets)
+        out["client_latency_s"] = elapsed
+        return out
+
+    def _post_json(self, path: str, body: dict, text: str, offsets: list[int] | None) -> tuple[dict, float]:
+        """POST ``body`` to ``path`` with the routing header: (the JSON answer, seconds); non-200 raises."""
         start = time.perf_counter()
-        response = self.session.post(self.url + "/generate", json=body, timeout=self.timeout,
+        response = self.session.post(self.url + path, json=body, timeout=self.timeout,
                                      headers=self.headers(text, offsets))
         elapsed = time.perf_counter() - start
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-        out = response.json()
-        out["client_latency_s"] = elapsed
-        return out
+        return response.json(), elapsed
 
     def generate_stream(self, text: str, offsets: list[int] | None = None, policy: str | None = None, *,
                         max_new_tokens: int = 16, **extra) -> dict:
@@ -149,13 +153,7 @@ class RouterClient(ServerClient):
                  max_new_tokens: int = 16, **knobs) -> dict:
         """POST /v1/completions, greedy; the ``/generate`` shape plus ``client_latency_s``."""
         body = self._completion_body(text, offsets, policy, max_new_tokens=max_new_tokens, **knobs)
-        start = time.perf_counter()
-        response = self.session.post(self.url + "/v1/completions", json=body, timeout=self.timeout,
-                                     headers=self.headers(text, offsets))
-        elapsed = time.perf_counter() - start
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-        data = response.json()
+        data, elapsed = self._post_json("/v1/completions", body, text, offsets)
         out = self._as_generate(data["choices"][0]["text"], data.get("usage") or {})
         out["client_latency_s"] = elapsed
         return out

@@ -117,18 +117,23 @@ class SGLangServer:
     def start(self) -> "SGLangServer":
         cfg = self.config
         check_model_path(cfg.model_path)
+        env = dict(os.environ, **cfg.env)
+        if cfg.policy is not None:
+            env["RELAXKV_DEFAULT_POLICY"] = cfg.policy
+        return self._launch(env, "relaxkv-sglang-server-")
+
+    def _launch(self, env: dict, log_prefix: str) -> "SGLangServer":
+        """Start ``config.command()`` on its port (0: a free one) with its log, and wait until ready."""
+        cfg = self.config
         if cfg.port == 0:
             cfg.port = free_port()
         elif port_in_use(cfg.host, cfg.port):
             raise ServerError(f"port {cfg.port} on {cfg.host} is in use; pick another with --port")
         if cfg.log_path is None:
-            fd, cfg.log_path = tempfile.mkstemp(prefix="relaxkv-sglang-server-", suffix=".log")
+            fd, cfg.log_path = tempfile.mkstemp(prefix=log_prefix, suffix=".log")
             os.close(fd)
         self.log_path = cfg.log_path
         self._log_file = open(cfg.log_path, "w")
-        env = dict(os.environ, **cfg.env)
-        if cfg.policy is not None:
-            env["RELAXKV_DEFAULT_POLICY"] = cfg.policy
         self.proc = subprocess.Popen(
             cfg.command(), stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,  # own process group: stop() reaches the children
@@ -270,27 +275,9 @@ class RouterProcess(SGLangServer):
         super().__init__(config)  # type: ignore[arg-type]  # same process handling, another command
 
     def start(self) -> "RouterProcess":
-        cfg = self.config
         if not router_installed():
             raise ServerError("sglang-router is not installed (make install pins it); --replicas needs it")
-        if cfg.port == 0:
-            cfg.port = free_port()
-        elif port_in_use(cfg.host, cfg.port):
-            raise ServerError(f"port {cfg.port} on {cfg.host} is in use; pick another with --port")
-        if cfg.log_path is None:
-            fd, cfg.log_path = tempfile.mkstemp(prefix="relaxkv-sglang-router-", suffix=".log")
-            os.close(fd)
-        self.log_path = cfg.log_path
-        self._log_file = open(cfg.log_path, "w")
-        env = dict(os.environ, NO_COLOR="1", RUST_LOG_STYLE="never")
-        self.proc = subprocess.Popen(cfg.command(), stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        return self._launch(dict(os.environ, NO_COLOR="1", RUST_LOG_STYLE="never"), "relaxkv-sglang-router-")
 
     def _wait_ready(self) -> None:
         cfg = self.config

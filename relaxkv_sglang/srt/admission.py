@@ -66,21 +66,16 @@ def around_add_one_req(original: Callable, adder: Any, req: Any, *args: Any, **k
     cache = _relaxkv_cache(adder.tree_cache)
     if cache is None:
         return original(adder, req, *args, **kwargs)
-    cache.pin_request(req)
     running = adder.running_batch
     others_run = bool(adder.can_run_list) or (running is not None and not running.is_empty())
     hold = cache.admission_hold() if others_run else contextlib.nullcontext()
-    try:
+
+    def check() -> Any:
+        """The adder's own check, under the hold."""
         with hold:
-            result = original(adder, req, *args, **kwargs)
-    except BaseException:
-        cache.unpin_request(req)
-        raise
-    if _admitted(adder, req):
-        cache.trim_pins(req, req.extend_end)
-    else:
-        cache.unpin_request(req)
-    return result
+            return original(adder, req, *args, **kwargs)
+
+    return _check_pinned(cache, adder, req, check)
 
 
 def around_add_chunked_req(original: Callable, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -88,9 +83,14 @@ def around_add_chunked_req(original: Callable, adder: Any, req: Any, *args: Any,
     cache = _relaxkv_cache(adder.tree_cache)
     if cache is None:
         return original(adder, req, *args, **kwargs)
+    return _check_pinned(cache, adder, req, lambda: original(adder, req, *args, **kwargs))
+
+
+def _check_pinned(cache: Any, adder: Any, req: Any, check: Callable[[], Any]) -> Any:
+    """Pin ``req``'s hits, run the adder's ``check``; keep the admitted window's pins, else drop them."""
     cache.pin_request(req)
     try:
-        result = original(adder, req, *args, **kwargs)
+        result = check()
     except BaseException:
         cache.unpin_request(req)
         raise

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Iterator
 
 import requests
 
@@ -43,6 +44,16 @@ class ServerClient:
         out["client_latency_s"] = elapsed
         return out
 
+    def _stream_events(self, path: str, body: dict, text: str, offsets: list[int] | None) -> Iterator[dict]:
+        """POST a streamed ``body`` to ``path`` with the routing header; yield each ``data:`` event's JSON."""
+        with self.session.post(self.url + path, json=body, timeout=self.timeout, stream=True,
+                               headers=self.headers(text, offsets)) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+            for line in response.iter_lines():
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    yield json.loads(line[len(b"data: "):])
+
     def _post_json(self, path: str, body: dict, text: str, offsets: list[int] | None) -> tuple[dict, float]:
         """POST ``body`` to ``path`` with the routing header: (the JSON answer, seconds); non-200 raises."""
         start = time.perf_counter()
@@ -60,16 +71,9 @@ class ServerClient:
         body["stream"] = True
         start = time.perf_counter()
         ttft, last = None, None
-        with self.session.post(self.url + "/generate", json=body, timeout=self.timeout, stream=True,
-                               headers=self.headers(text, offsets)) as response:
-            if response.status_code != 200:
-                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-            for line in response.iter_lines():
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                if ttft is None:
-                    ttft = time.perf_counter() - start
-                last = json.loads(line[len(b"data: "):])
+        for last in self._stream_events("/generate", body, text, offsets):
+            if ttft is None:
+                ttft = time.perf_counter() - start
         if last is None or "error" in last:
             raise RuntimeError(f"stream ended without a result: {last}")
         last["ttft_s"], last["latency_s"] = ttft, time.perf_counter() - start
@@ -165,21 +169,14 @@ class RouterClient(ServerClient):
         body.update(stream=True, stream_options={"include_usage": True})
         start = time.perf_counter()
         ttft, pieces, usage = None, [], None
-        with self.session.post(self.url + "/v1/completions", json=body, timeout=self.timeout, stream=True,
-                               headers=self.headers(text, offsets)) as response:
-            if response.status_code != 200:
-                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-            for line in response.iter_lines():
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                event = json.loads(line[len(b"data: "):])
-                if "error" in event:
-                    raise RuntimeError(f"stream error: {event['error']}")
-                for choice in event.get("choices") or []:
-                    if ttft is None:
-                        ttft = time.perf_counter() - start
-                    pieces.append(choice.get("text") or "")
-                usage = event.get("usage") or usage
+        for event in self._stream_events("/v1/completions", body, text, offsets):
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event['error']}")
+            for choice in event.get("choices") or []:
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                pieces.append(choice.get("text") or "")
+            usage = event.get("usage") or usage
         if usage is None:
             raise RuntimeError("stream ended without usage")
         out = self._as_generate("".join(pieces), usage)

@@ -278,10 +278,12 @@ def finish_fold(cache: "ChunkCache", fold: Fold) -> None:
     """After the forward: publish miss chunks to the chunk tree, count reuse, attach reports."""
     for r in fold.requests:
         r.publish_misses(cache)
-        if r.hit_tokens:
+        if r.hit_tokens and not getattr(r.req, "retracted_stain", False):
             # Chunk hits come from the device pool: SGLang's cached_tokens_details and
             # sglang:cached_tokens_total{cache_source="device"} read cached_tokens_device,
-            # which its own accounting has already set from the radix match.
+            # which its own accounting has already set from the radix match. Like SGLang's
+            # own count, only the first prefill counts (a retracted request's prefill again
+            # reuses the same chunks).
             r.req.cached_tokens += r.hit_tokens
             r.req.cached_tokens_device += r.hit_tokens
         if r.plan is not None:

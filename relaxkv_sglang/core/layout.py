@@ -293,22 +293,20 @@ def build_relaxed_layout(
             budget = torch.ceil(context_ratio * own_first.double() - 1e-9).long()
             extra = (budget - (mandatory & (cols < own_first[:, None])).sum(dim=1)).clamp(min=0)
         cand = causal & ~mandatory
+        # Each block keeps its `extra` best-ranked candidates.  A ranking shared across blocks
+        # and ratios (query scores, the seeded random order) makes the sets nested in the ratio.
         if mode == "topk" and row_page_scores is not None:
-            take = _take_per_block(cand, extra, _block_sums(row_page_scores.float(), row_indptr))
-        else:
-            if mode == "topk":
-                if scores is None:
-                    raise ValueError("mode 'topk' needs scores")
-                order = torch.sort(page_scores(scores[:n_context], page_size), descending=True, stable=True).indices
-            else:
-                order = torch.randperm(P, generator=generator)
-            # Walk candidates in rank order; a block keeps its first `extra` ones.  Shared order
-            # across blocks and ratios makes the chosen sets nested in the ratio.
-            cand_sorted = cand[:, order]
-            rank = cand_sorted.to(torch.int32).cumsum(dim=1)
-            take = torch.zeros_like(cand)
-            take[:, order] = cand_sorted & (rank <= extra[:, None])
-        mask = mandatory | take
+            block_scores = _block_sums(row_page_scores.float(), row_indptr)
+        elif mode == "topk":
+            if scores is None:
+                raise ValueError("mode 'topk' needs scores")
+            block_scores = page_scores(scores[:n_context], page_size).expand(n_rb, -1)
+        else:  # a random order as scores: the first page drawn ranks highest
+            order = torch.randperm(P, generator=generator)
+            rank_score = torch.empty(P)
+            rank_score[order] = torch.arange(P, 0, -1, dtype=torch.float32)
+            block_scores = rank_score.expand(n_rb, -1)
+        mask = mandatory | _take_per_block(cand, extra, block_scores)
     return BlockSparseLayout.from_page_mask(anchors, row_indptr, mask, page_size, n_context)
 
 

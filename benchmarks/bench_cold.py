@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from benchmarks import common
 from relaxkv_sglang import workloads
 from relaxkv_sglang.client import ServerClient
+from relaxkv_sglang.core.policies import Policy
 
 BENCH = "bench_cold"
 
@@ -61,19 +62,23 @@ def replay(client: ServerClient, trace: list[tuple[str, list[int]]], policy: str
     }
 
 
+def anchor_ratio(args: argparse.Namespace, policy: str) -> float | None:
+    """``--anchor-ratio`` for a repair policy (the policy registry says which); None otherwise."""
+    return args.anchor_ratio if Policy(policy).repairs else None
+
+
 def run(args: argparse.Namespace) -> dict:
     trace = make_trace(args.clients * args.requests, args.offset)
     rounds: list[dict[str, dict]] = []
     with common.bench_client(args, BENCH) as client:
         # Warm the server's code paths (not the documents: the replay flushes first).
         for policy in args.policies:
-            replay(client, trace[:1], policy, 1, args.anchor_ratio if policy not in ("full", "pic") else None)
+            replay(client, trace[:1], policy, 1, anchor_ratio(args, policy))
         for k in range(args.rounds):
             order = args.policies[k % len(args.policies):] + args.policies[:k % len(args.policies)]
             this_round = {}
             for policy in order:
-                ratio = args.anchor_ratio if policy not in ("full", "pic") else None
-                this_round[policy] = replay(client, trace, policy, args.clients, ratio)
+                this_round[policy] = replay(client, trace, policy, args.clients, anchor_ratio(args, policy))
                 print(f"round {k + 1}: {policy:<10} {this_round[policy]['wall_s']:6.1f} s", flush=True)
             rounds.append(this_round)
     summary = {}

@@ -1,8 +1,8 @@
 """Ablate repair knobs on the torch reference: first-token KL to full prefill, paired, per format.
 
 The tuning tool behind the defaults of ``core/repair_plan.py::RepairConfig`` (the server runs the
-same planner, so a knob's effect here is its effect there, up to the server's tokenization of
-glue, which this tool folds into the next chunk). No server: the model runs in
+same planner and the prompt is split into the same parts, glue between chunks included, so a
+knob's effect here is its effect there). No server: the model runs in
 ``core/reference.py`` (float32, CPU), the stale KV and the query pass once per example, then one
 repair pass per variant. Development data only (HotpotQA dev from ``--offset``, synthetic
 ``--seed``; see ``workloads.QUALITY_SPLITS``); final figures come from ``bench_quality`` on the
@@ -63,14 +63,16 @@ def _knob_value(default, value: str):
 
 
 def request_tokens(tokenizer, example: workloads.TaskExample, fmt: str) -> tuple[torch.Tensor, list, int]:
-    """(input_ids int64 [n], chunk token spans, query start): each part tokenized on its own, the
-    glue before a chunk joined to it (the reference takes contiguous chunks)."""
+    """(input_ids int64 [n], chunk token spans, query start), split as the server splits the request
+    (``core.segments``): each part tokenized on its own, the glue between chunks a part of its own
+    (computed with the request, never cached)."""
     text, offsets = example.marked(fmt)
     spans = workloads.chunk_spans(offsets)
     ids = workloads.token_ids(tokenizer, text[:spans[0][0]], special=True)
     token_spans, prev = [], spans[0][0]
-    for _, end in spans:
-        piece = workloads.token_ids(tokenizer, text[prev:end])
+    for start, end in spans:
+        ids += workloads.token_ids(tokenizer, text[prev:start]) if start > prev else []
+        piece = workloads.token_ids(tokenizer, text[start:end])
         token_spans.append((len(ids), len(ids) + len(piece)))
         ids += piece
         prev = end

@@ -5,19 +5,25 @@ optional per-head q/k RMSNorm as in Qwen3), SwiGLU MLP; weights are plain tensor
 runs in float32 on the CPU and is written for clarity, not speed: it is the numerical
 reference the SGLang integration is checked against.
 
-Request: ``input_ids = [prefix][chunk_1]...[chunk_n][query]``; ``chunk_spans`` are the chunks'
-half-open token spans, contiguous from the end of the prefix to ``query_start``.
+Request: ``input_ids = [prefix][chunk_1](glue)[chunk_2]...[chunk_n][query]``; ``chunk_spans``
+are the chunks' half-open token spans, sorted, the first at or after the prefix, the last ending
+at ``query_start``. Tokens between two chunks are *glue* (separators such as ``"\n\n"``), as the
+server's ``core.segments`` splits a prompt: glue is never cached, it is computed with its request
+like the query, so it is never stale and never an anchor.
 
 ``reference_prefill`` follows the brief's algorithm:
 
 1. stale KV: the prefix by ordinary causal prefill (exact); each chunk alone at positions
-   ``0..len-1``, its K then re-rotated by the chunk's start (RoPE rotations compose);
-2. query pass over the stale KV (layer by layer; gives ``pic``'s logits and s_l);
+   ``0..len-1``, its K then re-rotated by the chunk's start (RoPE rotations compose); the glue
+   computed over that stale context (:func:`_fresh_pass`);
+2. query pass over the stale KV (layer by layer; gives ``pic``'s logits and s_l, the query
+   tokens' attention over the context, glue included);
 3. anchors per layer and their contexts from the planner the server uses (repair_plan.py);
-4. repair pass: at layer l only the tokens of ``A_l`` and the query are computed: q/k/v at
-   their true positions, the anchors' stale K/V overwritten, anchors attend to their context
-   (``block_sparse_attention`` over a layout: full causal, relaxed, or random), the query
-   attends densely and causally over the repaired KV, then o_proj + MLP for those tokens.
+4. repair pass: at layer l only the tokens of ``A_l``, the glue and the query are computed: q/k/v
+   at their true positions, their K/V written over the stale values, anchors attend to their
+   context (``block_sparse_attention`` over a layout: full causal, relaxed, or random), glue and
+   query attend densely and causally over the repaired KV, then o_proj + MLP for those tokens
+   (the server's repair rows: ``srt/repair.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ __all__ = [
     "RepairReport",
     "Result",
     "build_stale_kv",
+    "glue_tokens",
     "StaleContext",
     "stale_context",
     "reference_prefill",
@@ -297,11 +304,50 @@ def _check_request(input_ids: torch.Tensor, chunk_spans: Sequence[Span], query_s
     spans = [(int(s), int(e)) for s, e in chunk_spans]
     if spans:
         for (s0, e0), (s1, _) in zip(spans, spans[1:]):
-            if e0 != s1:
-                raise ValueError(f"chunk spans must be contiguous: {spans}")
+            if e0 > s1:
+                raise ValueError(f"chunk spans must be sorted and not overlap: {spans}")
         if spans[-1][1] != query_start or any(s >= e for s, e in spans) or spans[0][0] < 0:
             raise ValueError(f"chunk spans must be non-empty and end at query_start: {spans}")
     return spans
+
+
+def glue_tokens(chunk_spans: Sequence[Span], query_start: int) -> torch.Tensor:
+    """int64 [n_glue] sorted positions between the first chunk's start and ``query_start`` that no
+    chunk covers (the separators between chunks)."""
+    if not chunk_spans:
+        return torch.zeros(0, dtype=torch.long)
+    covered = torch.zeros(query_start, dtype=torch.bool)
+    covered[: chunk_spans[0][0]] = True  # the prefix
+    for s, e in chunk_spans:
+        covered[s:e] = True
+    return (~covered).nonzero().flatten()
+
+
+def _fresh_pass(w: "LlamaWeights", input_ids: torch.Tensor, rows: torch.Tensor,
+                kv: list[tuple[torch.Tensor, torch.Tensor]], score_from: Optional[int] = None):
+    """Compute the tokens at positions ``rows`` layer by layer over ``kv``, writing their own K/V
+    into it (in place) before each layer's attention; dense causal by position.
+
+    Args:
+        input_ids: int64 [n_tokens].
+        rows: int64 [n_rows] sorted positions, each < the buffers' length.
+        kv: per layer (k [n_buf, n_kv_heads, head_dim], v [same]) float32, modified in place.
+        score_from: when given, the rows at positions ``>= score_from`` are the query and the
+            pass records s_l, their attention mass on the keys ``[0, score_from)``
+            (``selection.query_attention_scores``; the buffers must end at the last row).
+    Returns:
+        (final residual [n_rows, hidden], scores float32 [n_layers, score_from] or None).
+    """
+    h = w.embed[input_ids[rows]].float()
+    scores = []
+    for l, layer in enumerate(w.layers):
+        q, k, v = _project_qkv(w, layer, h, rows)
+        keys, vals = kv[l]
+        keys[rows], vals[rows] = k, v
+        if score_from is not None:
+            scores.append(query_attention_scores(q[rows >= score_from], keys, score_from))
+        h = _finish_layer(w, layer, h, dense_causal_attention(q, keys, vals, rows, torch.arange(keys.shape[0])))
+    return h, (torch.stack(scores) if score_from is not None else None)
 
 
 def build_stale_kv(
@@ -313,12 +359,13 @@ def build_stale_kv(
     """Position-independent KV of the context, as reused from a chunk cache.
 
     The prefix ``[0, chunk_spans[0][0])`` is prefilled causally (exact).  Each chunk is
-    prefilled alone at positions ``0..len-1`` and its K re-rotated by the chunk's start.
+    prefilled alone at positions ``0..len-1`` and its K re-rotated by the chunk's start.  Glue
+    between chunks is computed over that stale context, as its request computes it.
 
     Args:
         weights: model.
         input_ids: int64 [n_tokens].
-        chunk_spans: contiguous chunk spans ending at ``query_start``.
+        chunk_spans: sorted chunk spans ending at ``query_start`` (glue between them).
         query_start: first query token.
     Returns:
         per layer (k [query_start, n_kv_heads, head_dim], v [same]) float32.
@@ -329,30 +376,29 @@ def build_stale_kv(
     if prefix_len:
         pieces.append(_causal_prefill(weights, input_ids[:prefix_len], torch.arange(prefix_len))[0])
     inv = weights.rope_inv_freq()
-    for s, e in spans:
+    shape = (weights.n_kv_heads, weights.head_dim)
+    for i, (s, e) in enumerate(spans):
+        if i and s > spans[i - 1][1]:  # glue slots, filled by the glue's own pass below
+            gap = s - spans[i - 1][1]
+            pieces.append([(torch.zeros(gap, *shape), torch.zeros(gap, *shape))] * weights.n_layers)
         kv, _ = _causal_prefill(weights, input_ids[s:e], torch.arange(e - s))
         delta = torch.full((e - s,), s, dtype=torch.long)
         pieces.append([(apply_neox_rope(k, delta, inv, weights.rotary_dim), v) for k, v in kv])
-    return [
-        (torch.cat([p[l][0] for p in pieces]), torch.cat([p[l][1] for p in pieces]))
-        for l in range(weights.n_layers)
-    ]
+    kv = [(torch.cat([p[l][0] for p in pieces]), torch.cat([p[l][1] for p in pieces]))
+          for l in range(weights.n_layers)]
+    glue = glue_tokens(spans, query_start)
+    if glue.numel():
+        _fresh_pass(weights, input_ids, glue, kv)
+    return kv
 
 
 def _query_pass(w: LlamaWeights, input_ids: torch.Tensor, query_start: int, stale):
     """Query tokens over the stale KV.  Returns (logits [vocab], kv per layer, scores [n_layers, query_start])."""
-    n = input_ids.numel()
-    pos = torch.arange(query_start, n)
-    h = w.embed[input_ids[query_start:]].float()
-    kv, scores = [], []
-    for l, layer in enumerate(w.layers):
-        q, k, v = _project_qkv(w, layer, h, pos)
-        keys = torch.cat([stale[l][0], k])
-        vals = torch.cat([stale[l][1], v])
-        scores.append(query_attention_scores(q, keys, query_start))
-        kv.append((keys, vals))
-        h = _finish_layer(w, layer, h, dense_causal_attention(q, keys, vals))
-    return _logits(w, h[-1]), kv, torch.stack(scores)
+    n_q = input_ids.numel() - query_start
+    kv = [(torch.cat([k, k.new_zeros(n_q, *k.shape[1:])]), torch.cat([v, v.new_zeros(n_q, *v.shape[1:])]))
+          for k, v in stale]
+    h, scores = _fresh_pass(w, input_ids, torch.arange(query_start, input_ids.numel()), kv, score_from=query_start)
+    return _logits(w, h[-1]), kv, scores
 
 
 @dataclass
@@ -399,8 +445,8 @@ def reference_prefill(
 
     Args:
         weights: model.
-        input_ids: int64 [n_tokens] = prefix + chunks + query.
-        chunk_spans: contiguous chunk spans ``[(start, end), ...]`` ending at ``query_start``.
+        input_ids: int64 [n_tokens] = prefix + chunks (glue between them) + query.
+        chunk_spans: sorted chunk spans ``[(start, end), ...]`` ending at ``query_start``.
         query_start: index of the first query token (>= 1 query token required).
         policy: Policy or its value (full, pic, or a repair policy; ``random`` included).
         config: the repair's knobs (ignored by full/pic).
@@ -416,7 +462,9 @@ def reference_prefill(
     n_q = n - Q0
     elig = eligible_tokens(spans, Q0)
     report = RepairReport(policy=policy.value, n_context=Q0, n_eligible=int(elig.numel()))
-    query_pairs_per_layer = n_q * Q0 + n_q * (n_q + 1) // 2
+    # Glue and query: computed at every layer, each over its causal prefix.
+    fresh = torch.cat([glue_tokens(spans, Q0), torch.arange(Q0, n)])
+    query_pairs_per_layer = int((fresh + 1).sum())
 
     if not policy.reuses_chunks:
         kv, h = _causal_prefill(weights, input_ids, torch.arange(n))
@@ -435,8 +483,7 @@ def reference_prefill(
     cost = RepairCost.from_dims(w.embed.shape[1], w.layers[0]["gate"].shape[0], w.n_heads, w.n_kv_heads, w.head_dim,
                                 device_type="cpu")  # the reference runs on a CPU
     plan = plan_anchors(policy, scores, spans, Q0, L, config, cost)
-    pos_q = torch.arange(Q0, n)
-    h_q = weights.embed[input_ids[Q0:]].float()
+    h_q = weights.embed[input_ids[fresh]].float()  # glue and query rows
     cur_tok = elig  # tokens whose residual stream we carry (A_{l-1}; all eligible before layer 0)
     h_cur = weights.embed[input_ids[elig]].float()
     kv_out = []
@@ -448,15 +495,17 @@ def reference_prefill(
             raise AssertionError("anchor sets are not nested")
         h_a = h_cur[rows]
         n_a = anchors.numel()
-        q, k, v = _project_qkv(weights, layer, torch.cat([h_a, h_q]), torch.cat([anchors, pos_q]))
-        K, V = stale_kv[l][0].clone(), stale_kv[l][1].clone()
-        K[anchors], V[anchors] = k[:n_a], v[:n_a]
+        q, k, v = _project_qkv(weights, layer, torch.cat([h_a, h_q]), torch.cat([anchors, fresh]))
+        keys = torch.cat([stale_kv[l][0], stale_kv[l][0].new_zeros(n_q, *stale_kv[l][0].shape[1:])])
+        vals = torch.cat([stale_kv[l][1], stale_kv[l][1].new_zeros(n_q, *stale_kv[l][1].shape[1:])])
+        keys[anchors], vals[anchors] = k[:n_a], v[:n_a]
+        keys[fresh], vals[fresh] = k[n_a:], v[n_a:]
         if plan.decides_at(l):
             plan = plan.after_check_layer(anchors, k[:n_a], v[:n_a], stale_kv[l][0][anchors], stale_kv[l][1][anchors])
+        K, V = keys[:Q0], vals[:Q0]  # the context: what anchors may attend to
         layout = plan.layout_at(l, q[:n_a], K)
         o_a = block_sparse_attention(q[:n_a], K, V, layout)
-        keys, vals = torch.cat([K, k[n_a:]]), torch.cat([V, v[n_a:]])
-        o_q = dense_causal_attention(q[n_a:], keys, vals)
+        o_q = dense_causal_attention(q[n_a:], keys, vals, fresh, torch.arange(n))
         h = _finish_layer(weights, layer, torch.cat([h_a, h_q]), torch.cat([o_a, o_q]))
         h_cur, h_q, cur_tok = h[:n_a], h[n_a:], anchors
         kv_out.append((keys, vals))

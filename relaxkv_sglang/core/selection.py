@@ -233,7 +233,7 @@ def _hull_exit_allocation(util: torch.Tensor, budget: int) -> torch.Tensor:
     return exits
 
 
-LAYER_VALUES = ("uniform", "skip0", "depth")
+LAYER_VALUES = ("uniform", "skip0", "depth", "ramp")
 
 
 def layer_weights(n_layers: int, rule: str) -> torch.Tensor:
@@ -241,7 +241,9 @@ def layer_weights(n_layers: int, rule: str) -> torch.Tensor:
 
     Args:
         n_layers: L.
-        rule: ``uniform`` (w_l = 1), ``skip0`` (w_0 = 0, else 1) or ``depth`` (w_l = l / (L - 1)).
+        rule: ``uniform`` (w_l = 1), ``skip0`` (w_0 = 0, else 1), ``depth`` (w_l = l / (L - 1)) or
+            ``ramp`` (w_l = min(1, l / R), R = max(1, round(L / 8)): the measured deviation's shape,
+            growing over the first layers and flat after).
     Returns:
         float64 [L].
     """
@@ -250,6 +252,8 @@ def layer_weights(n_layers: int, rule: str) -> torch.Tensor:
     w = torch.ones(n_layers, dtype=torch.float64)
     if rule == "depth":
         w = torch.arange(n_layers, dtype=torch.float64) / max(n_layers - 1, 1)
+    if rule == "ramp":
+        w = (torch.arange(n_layers, dtype=torch.float64) / max(1, round(n_layers / 8))).clamp(max=1.0)
     if rule != "uniform":
         w[0] = 0.0
     return w

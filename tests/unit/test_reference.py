@@ -8,6 +8,7 @@ from relaxkv_sglang.core.reference import (
     apply_neox_rope,
     build_stale_kv,
     from_hf_state_dict,
+    glue_tokens,
     reference_prefill,
 )
 
@@ -128,7 +129,7 @@ def test_budget_one_is_full_prefill_and_zero_is_pic(model, ids, full, policy):
 
 
 def test_layer_value_rules_keep_the_invariants(model, ids, full):
-    for rule in ("skip0", "depth"):
+    for rule in ("skip0", "depth", "ramp"):
         res = run(model, ids, "relaxkv", 1.0, 1.0, layer_value=rule, own_chunk_in_budget=False)
         assert close(res.last_logits, full.last_logits)
         zero = run(model, ids, "relaxkv", 0.0, 0.5, layer_value=rule, own_chunk_in_budget=False)
@@ -206,8 +207,10 @@ def test_cacheblend_check_layers_full_then_subset(model, ids):
 
 
 def test_bad_requests(model, ids):
-    with pytest.raises(ValueError):
-        reference_prefill(model[1], ids, [(8, 40), (41, Q0)], Q0, "relaxkv")
+    with pytest.raises(ValueError, match="overlap"):
+        reference_prefill(model[1], ids, [(8, 41), (40, Q0)], Q0, "relaxkv")
+    with pytest.raises(ValueError, match="end at query_start"):
+        reference_prefill(model[1], ids, [(8, 40), (40, Q0 - 2)], Q0, "relaxkv")
     with pytest.raises(ValueError):
         reference_prefill(model[1], ids, SPANS, ids.numel(), "relaxkv")
 
@@ -237,3 +240,36 @@ def test_qwen2_biases_and_tied_embeddings_match_hf(tied, ids):
     with torch.no_grad():
         out = hf(ids[None]).logits[0, -1].float()
     torch.testing.assert_close(full.last_logits, out, atol=1e-4, rtol=1e-4)
+
+
+# Glue: tokens between chunks (separators) that the server computes with the request, never cached.
+GLUE_SPANS = [(PREFIX, PREFIX + 30), (PREFIX + 32, PREFIX + 62), (PREFIX + 64, Q0)]
+
+
+def test_glue_is_fresh_and_full_repair_equals_full_prefill(model, ids, full):
+    w = model[1]
+    assert glue_tokens(GLUE_SPANS, Q0).tolist() == [38, 39, 70, 71]
+    stale = build_stale_kv(w, ids, GLUE_SPANS, Q0)
+    # The glue is computed over the stale context: not the chunks' position-0 computation...
+    contiguous = build_stale_kv(w, ids, [(PREFIX, PREFIX + 32), (PREFIX + 32, PREFIX + 64), (PREFIX + 64, Q0)], Q0)
+    assert not close(stale[2][1][38:40], contiguous[2][1][38:40], 1e-3)
+    # ...and its first glue token, after only the prefix and one chunk, matches a direct pass
+    # over that chunk's stale KV (layer 0: exact, as for any token).
+    assert close(stale[0][0][38], full.kv[0][0][38]) and close(stale[0][1][38], full.kv[0][1][38])
+    config = RepairConfig(anchor_ratio=1.0, context_ratio=1.0, page_size=PS)
+    res = reference_prefill(w, ids, GLUE_SPANS, Q0, "relaxkv", config)
+    assert close(res.last_logits, full.last_logits)
+    for l in range(3):
+        assert close(res.kv[l][0], full.kv[l][0]) and close(res.kv[l][1], full.kv[l][1])
+    # Glue is never an anchor: every eligible (chunk) token is, and only those.
+    assert res.report.anchors_per_layer == [30 + 30 + 64] * 3
+    assert 38 not in res.anchors[0].tolist()
+
+
+def test_glue_zero_anchors_is_pic(model, ids):
+    w = model[1]
+    pic = reference_prefill(w, ids, GLUE_SPANS, Q0, "pic")
+    zero = reference_prefill(w, ids, GLUE_SPANS, Q0, "relaxkv", RepairConfig(anchor_ratio=0.0, page_size=PS))
+    assert close(zero.last_logits, pic.last_logits)
+    for l in range(3):
+        assert close(zero.kv[l][0], pic.kv[l][0]) and close(zero.kv[l][1], pic.kv[l][1])

@@ -243,9 +243,16 @@ def test_layer_zero_is_worth_nothing_without_later_layers():
     s[1:, 30] = 5.0
     uniform = relaxkv_exit_layers(s, spans, anchor_ratio=1 / 40, chunk_sink_tokens=0)  # 4 token-layers
     assert uniform[10].item() > 0
-    for rule in ("skip0", "depth"):
+    for rule in ("skip0", "depth", "ramp"):
         ex = relaxkv_exit_layers(s, spans, anchor_ratio=1 / 40, chunk_sink_tokens=0, layer_value=rule)
         assert ex[10].item() == 0 and ex[30].item() == 4 and int(ex.sum()) == 4
+
+
+def test_ramp_layer_value_grows_then_stays_flat():
+    from relaxkv_sglang.core.selection import layer_weights
+
+    assert layer_weights(30, "ramp").tolist() == [0.0, 0.25, 0.5, 0.75] + [1.0] * 26
+    assert layer_weights(4, "ramp").tolist() == [0.0, 1.0, 1.0, 1.0]  # R = max(1, round(4 / 8))
 
 
 def test_ratio_is_validated():

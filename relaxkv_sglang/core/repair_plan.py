@@ -75,7 +75,7 @@ class RepairConfig:
         own_chunk_in_budget: whether the relaxed context budget counts the anchor's own chunk
             (``layout.build_relaxed_layout``).
         layer_value: how relaxkv values correcting a token at each layer
-            (``selection.layer_weights``: uniform, skip0, depth).
+            (``selection.layer_weights``: uniform, skip0, depth, ramp).
         context_rank: how relaxkv ranks the other pages of an anchor's context: ``query`` (the
             query's attention s_l, one ranking per layer) or ``keys`` (per row block, the
             anchors' own queries against per-page key bounds, ``layout.key_bound_page_scores``;
@@ -93,7 +93,7 @@ class RepairConfig:
     page_size: int = 16
     sink_tokens: int = 4
     chunk_sink_tokens: int = 4
-    layer_value: str = "depth"
+    layer_value: str = "ramp"
     context_rank: str = "query"
     own_chunk_in_budget: bool = False
     check_layer: int = 1

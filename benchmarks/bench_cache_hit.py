@@ -40,6 +40,18 @@ farthest-next-use rule) in the pool minus that request's own tokens.
 
     python -m benchmarks.bench_cache_hit --pressure --model tiny-llama
 
+``--tiers`` measures the chunk store's lower tiers instead (docs/performance.md): on a KV pool
+of 25% of the working set (``--pressure-fraction``) the ``pic`` trace is replayed (1) with the
+pool alone, (2) with a host-memory tier (``--host-cache-gb``) below it, each against the best
+possible with unlimited memory; then (3) the trace's documents are pre-encoded into a fresh
+``--chunk-dir`` with ``relaxkv-sglang encode``'s code, the server restarted on that folder and
+the trace replayed once: its chunk hit rate against the best possible with every document
+pre-encoded (all document tokens); and (4), on the flushed restarted server, document sets of
+about ``--disk-load-tokens`` tokens are sent twice side by side: loaded from disk (default
+namespace) and computed cold (``pic`` in a fresh ``cache_salt``), TTFT medians and their ratio.
+
+    python -m benchmarks.bench_cache_hit --tiers --quick --model tiny-llama
+
 ``--replicas N`` (N >= 2) measures routing instead: N servers, each with the KV pool
 ``--max-total-tokens``, and ``sglang-router`` in front (:class:`relaxkv_sglang.server.Cluster`).
 The same trace is replayed under ``pic`` (``--policies``) once against one replica alone (the
@@ -58,6 +70,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import pathlib
 import random
 import sys
 import time
@@ -297,6 +310,142 @@ def print_pressure(result: dict) -> None:
           f"sequential / best: {common.fmt(p['sequential_over_best'], '.0%')}")
 
 
+def doc_sets(docs: list[str], doc_tokens: list[int], target: int, count: int) -> list[list[int]]:
+    """Up to ``count`` disjoint sets of documents (indices) of at least ``target`` tokens each, in order."""
+    sets, cur, n = [], [], 0
+    for i, t in enumerate(doc_tokens):
+        cur.append(i)
+        n += t
+        if n >= target:
+            sets.append(cur)
+            cur, n = [], 0
+            if len(sets) == count:
+                break
+    return sets
+
+
+def run_tiers(args: argparse.Namespace) -> dict:
+    """Pool only vs pool + host tier vs best; pre-encode, restart, replay; disk load vs compute."""
+    import json
+    import statistics
+    import tempfile
+    import uuid
+
+    from relaxkv_sglang.encode import encode_corpus
+
+    trace = make_trace(args)
+    tokenizer = common.tokenizer(args)
+    doc_tokens = document_tokens(trace, tokenizer)
+    working_set = sum(doc_tokens.values())
+    lengths = [n + args.max_new_tokens for n in prompt_tokens(trace, tokenizer)]
+    target = args.disk_load_tokens
+    context = -(-(max(max(lengths), target + 200) + 64) // 64) * 64
+    pool = max(int(args.pressure_fraction * working_set), 2 * context)
+    args.max_total_tokens = pool
+    extra = ["--context-length", str(context)]
+    host = {"RELAXKV_HOST_CACHE_GB": str(args.host_cache_gb)}
+    rows: dict = {}
+
+    def measured(client: ServerClient, name: str) -> dict:
+        row = replay(client, trace, "pic", args.clients, args)
+        state = client.relaxkv_state()
+        row["tiers"] = {k: v for k, v in state.items() if k.startswith("tier_") or k == "tiers"}
+        results = row.pop("results", []) or []
+        for tier in ("host", "disk"):
+            row[f"chunk_tokens_from_{tier}"] = sum(common.relaxkv_report(r).get(f"chunk_tokens_from_{tier}", 0)
+                                                   for r in results)
+        rows[name] = row
+        return row
+
+    args.pressure = True  # replay() keeps the responses, for the per-tier token counts
+    with common.bench_client(args, BENCH, extra_args=extra) as client:
+        measured(client, "pool only")
+    with common.bench_client(args, BENCH, extra_args=extra, env=host) as client:
+        measured(client, "pool + host tier")
+
+    # Pre-encode every document of the trace, restart on the same folder, replay once.
+    docs = workloads.document_pool(args.source, args.pool, args.seed)
+    used = sorted({d for req in trace for d in req.doc_ids})
+    chunk_dir = tempfile.mkdtemp(prefix="relaxkv-bench-chunks-")
+    corpus = pathlib.Path(chunk_dir + ".jsonl")
+    corpus.write_text("".join(json.dumps({"text": docs[d]}) + "\n" for d in used))
+    disk = {**host, "RELAXKV_CHUNK_DIR": chunk_dir, "RELAXKV_DISK_CACHE_GB": str(args.disk_cache_gb)}
+    with common.bench_client(args, BENCH, extra_args=extra, env=disk) as client:
+        t0 = time.perf_counter()
+        counts = encode_corpus(client.url, str(corpus), batch_size=4, state_path="none")
+        encode_s = time.perf_counter() - t0
+    with common.bench_client(args, BENCH, extra_args=extra, env=disk) as client:  # the restart
+        restarted = measured(client, "pre-encoded, restarted")
+        # Disk load vs compute, side by side, on a flushed pool and host tier (the disk stays).
+        client.flush()
+        sizes = [workloads.token_count(tokenizer, docs[d]) for d in used]
+        sets = doc_sets([docs[d] for d in used], sizes, target, args.disk_load_sets)
+        question = workloads.question_text("What do these documents have in common?")
+        system = workloads.SYSTEM_PROMPTS[0]
+        warm_text, warm_offsets = workloads.marked_text(system, ["A warm-up document."], question)
+        client.generate(warm_text, warm_offsets, "pic", max_new_tokens=1)
+        timing = []
+        for k, chosen in enumerate(sets):
+            text, offsets = workloads.marked_text(system, [docs[used[i]] for i in chosen], question)
+            disk_out = client.generate_stream(text, offsets, "pic", max_new_tokens=1)
+            cold_out = client.generate_stream(text, offsets, "pic", max_new_tokens=1,
+                                              cache_salt=f"cold-{k}-{uuid.uuid4().hex}")
+            timing.append({
+                "documents": len(chosen), "document_tokens": sum(sizes[i] for i in chosen),
+                "disk_ttft_s": disk_out["ttft_s"], "compute_ttft_s": cold_out["ttft_s"],
+                "chunk_tokens_from_disk": common.relaxkv_report(disk_out).get("chunk_tokens_from_disk", 0),
+                "cold_chunks_hit": common.relaxkv_report(cold_out).get("chunks_hit", 0),
+            })
+        state = client.relaxkv_state()
+    prompt_total = rows["pool only"]["prompt_tokens"]
+    best = best_possible_pct(trace, doc_tokens, prompt_total)
+    all_docs_pct = 100.0 * metrics.hit_rate(sum(doc_tokens[d] for req in trace for d in req.doc_ids), prompt_total)
+    for name, row in rows.items():
+        row.pop("per_request", None)
+        ref = all_docs_pct if name.startswith("pre-encoded") else best
+        row["best_pct"] = ref
+        row["of_best"] = row["chunk_hit_rate_pct"] / ref if ref else None
+    disk_med = statistics.median(t["disk_ttft_s"] for t in timing) if timing else None
+    cold_med = statistics.median(t["compute_ttft_s"] for t in timing) if timing else None
+    return {
+        "workload": {"source": args.source, "pool": args.pool, "zipf": args.zipf, "k": args.docs_per_request,
+                     "requests": args.requests, "clients": args.clients, "seed": args.seed,
+                     "kv_pool_tokens": pool, "distinct_document_tokens": working_set, "context_length": context,
+                     "host_cache_gb": args.host_cache_gb, "best_possible_hit_rate_pct": best,
+                     "all_document_tokens_pct": all_docs_pct},
+        "tiers": rows,
+        "encode": {**counts, "wall_s": encode_s, "disk_bytes": state.get("tier_disk_bytes_held")},
+        "disk_vs_compute": {"sets": timing, "disk_ttft_median_s": disk_med, "compute_ttft_median_s": cold_med,
+                            "speedup": cold_med / disk_med if disk_med else None},
+    }
+
+
+def print_tiers(result: dict) -> None:
+    """The tier result: hit rates against the best possible; disk load vs compute."""
+    w = result["workload"]
+    print(f"\n{w['requests']} requests ({w['clients']} clients), {w['k']} of {w['pool']} {w['source']} documents "
+          f"per request (Zipf s={w['zipf']}), seed {w['seed']}; working set {w['distinct_document_tokens']} document "
+          f"tokens, KV pool {w['kv_pool_tokens']} tokens, host tier {w['host_cache_gb']} GB")
+    head = (f"{'replay':<26}{'chunk hit':>10}{'best':>8}{'of best':>9}{'from host':>11}{'from disk':>11}"
+            f"{'req/s':>7}{'TTFT p50':>9}")
+    print(head)
+    print("-" * len(head))
+    for name, r in result["tiers"].items():
+        print(f"{name:<26}{r['chunk_hit_rate_pct']:>9.1f}%{r['best_pct']:>7.1f}%{common.fmt(r['of_best'], '.0%'):>9}"
+              f"{r['chunk_tokens_from_host']:>11}{r['chunk_tokens_from_disk']:>11}{r['requests_per_s']:>7.2f}"
+              f"{r['ttft_s']['p50']:>9.2f}")
+    print("best: unlimited memory (every document token after its first use); for the pre-encoded replay, "
+          "every document token")
+    e = result["encode"]
+    print(f"encode: {e['stored']} stored, {e['skipped']} skipped, {e['failed']} failed in {e['wall_s']:.1f} s")
+    d = result["disk_vs_compute"]
+    for t in d["sets"]:
+        print(f"  {t['documents']} documents, {t['document_tokens']} tokens: disk {t['disk_ttft_s']:.3f} s "
+              f"({t['chunk_tokens_from_disk']} tokens from disk), computed {t['compute_ttft_s']:.3f} s")
+    print(f"disk load vs compute (TTFT medians): {common.fmt(d['disk_ttft_median_s'], '.3f')} s vs "
+          f"{common.fmt(d['compute_ttft_median_s'], '.3f')} s: {common.fmt(d['speedup'], '.1f')}x")
+
+
 class ClusterClient(RouterClient):
     """A client of the router (``/v1/completions``, :class:`~relaxkv_sglang.client.RouterClient`)
     whose ``flush`` and ``relaxkv_state`` go to every replica directly (the counters summed), so
@@ -459,6 +608,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pressure", action="store_true",
                         help="pool at 25%% of the working set, 16 clients: chunk hits concurrent vs sequential vs best")
     parser.add_argument("--pressure-fraction", type=float, default=0.25, help="pool / working set with --pressure")
+    parser.add_argument("--tiers", action="store_true",
+                        help="host tier vs pool only vs best; pre-encode, restart, replay; disk load vs compute")
+    parser.add_argument("--host-cache-gb", type=float, default=2.0, help="host tier size with --tiers")
+    parser.add_argument("--disk-cache-gb", type=float, default=8.0, help="disk tier bound with --tiers")
+    parser.add_argument("--disk-load-tokens", type=int, default=1500,
+                        help="with --tiers: tokens of each document set loaded from disk vs computed")
+    parser.add_argument("--disk-load-sets", type=int, default=3, help="with --tiers: document sets timed")
     parser.add_argument("--replicas", type=int, default=1,
                         help="N >= 2: N servers behind sglang-router, the trace through each of --routings")
     parser.add_argument("--routings", nargs="+", default=["document", "cache_aware", "round_robin"],
@@ -487,6 +643,10 @@ def main(argv: list[str] | None = None) -> None:
         common.run_bench(BENCH, args, run_replicas, report=print_replicas)
     elif args.replicas < 1:
         common.fail(BENCH, f"--replicas {args.replicas}: must be >= 1")
+    elif args.tiers:
+        if args.url:
+            common.fail(BENCH, "--tiers starts and restarts its own servers; drop --url")
+        common.run_bench(BENCH, args, run_tiers, report=print_tiers)
     elif args.pressure:
         if "--clients" not in (argv if argv is not None else sys.argv[1:]):
             args.clients = 16

@@ -5,8 +5,13 @@ holds the ten paragraphs of one HotpotQA example (each a chunk), a system prompt
 question, and no two requests share an example, so every chunk is a miss (computed for the
 first time) unless two examples happen to share a paragraph (the report counts the hits). This is
 the cost a RAG service pays for documents it has not cached yet: ``pic`` computes each chunk
-position-independently, a repair policy also runs its query pass and its anchors over the
-freshly computed chunks, ``full`` prefills everything causally.
+position-independently, a repair policy computes the same rows in the same forward (its query
+pass) and then its repair pass (anchors, glue, query), ``full`` prefills everything causally.
+
+After each policy's cold replay the same trace is replayed again, its chunks now cached (the
+*warm* replay; ``--no-warm`` skips it). A repair policy's warm wall time minus ``pic``'s is the
+repair's own cost; set beside its cold excess over ``pic`` it says how much of the cold cost is
+the repair itself and how much the cold path adds.
 
 Every policy replays the same trace on an emptied cache (``/flush_cache``), and the policies take
 turns round after round in a rotated order, so drift on a shared machine hits them alike; the
@@ -38,9 +43,11 @@ def make_trace(n_requests: int, offset: int) -> list[tuple[str, list[int]]]:
 
 
 def replay(client: ServerClient, trace: list[tuple[str, list[int]]], policy: str, clients: int,
-           anchor_ratio: float | None) -> dict:
-    """Flush, then send the trace with ``clients`` concurrent clients (client i sends requests i, i+clients, ...)."""
-    client.flush()
+           anchor_ratio: float | None, flush: bool = True) -> dict:
+    """Flush (unless told not to), then send the trace with ``clients`` concurrent clients (client i
+    sends requests i, i+clients, ...)."""
+    if flush:
+        client.flush()
 
     def one_client(i: int) -> list[dict]:
         out = []
@@ -79,30 +86,52 @@ def run(args: argparse.Namespace) -> dict:
             this_round = {}
             for policy in order:
                 this_round[policy] = replay(client, trace, policy, args.clients, anchor_ratio(args, policy))
-                print(f"round {k + 1}: {policy:<10} {this_round[policy]['wall_s']:6.1f} s", flush=True)
+                line = f"round {k + 1}: {policy:<10} {this_round[policy]['wall_s']:6.1f} s"
+                if args.warm:  # the same trace again, its chunks cached by the cold replay
+                    this_round[policy]["warm"] = replay(client, trace, policy, args.clients, anchor_ratio(args, policy),
+                                                        flush=False)
+                    line += f"  (warm {this_round[policy]['warm']['wall_s']:6.1f} s)"
+                print(line, flush=True)
             rounds.append(this_round)
+    return {"requests": len(trace), "clients": args.clients, "rounds": rounds, "summary": summarize(rounds)}
+
+
+def summarize(rounds: list[dict[str, dict]]) -> dict:
+    """Per policy: median wall time over the rounds, and the median of each round's ratio to
+    ``pic`` and excess over it (seconds), cold and, if replayed, warm."""
     summary = {}
-    for policy in args.policies:
+    for policy in rounds[0]:
         walls = [r[policy]["wall_s"] for r in rounds]
         summary[policy] = {
             "median_wall_s": statistics.median(walls),
             "walls_s": walls,
-            "median_ratio_to_pic": (statistics.median(r[policy]["wall_s"] / r["pic"]["wall_s"] for r in rounds)
-                                    if "pic" in args.policies else None),
+            "median_ratio_to_pic": statistics.median(r[policy]["wall_s"] / r["pic"]["wall_s"] for r in rounds),
+            "median_excess_over_pic_s": statistics.median(r[policy]["wall_s"] - r["pic"]["wall_s"] for r in rounds),
             "chunks_hit": rounds[-1][policy]["chunks_hit"],
             "chunks_seen": rounds[-1][policy]["chunks_seen"],
             "repaired": rounds[-1][policy]["repaired"],
         }
-    return {"requests": len(trace), "clients": args.clients, "rounds": rounds, "summary": summary}
+        if all("warm" in r[policy] and "warm" in r["pic"] for r in rounds):
+            warm = [r[policy]["warm"]["wall_s"] for r in rounds]
+            summary[policy] |= {
+                "median_warm_wall_s": statistics.median(warm),
+                "warm_walls_s": warm,
+                "median_warm_excess_over_pic_s": statistics.median(
+                    r[policy]["warm"]["wall_s"] - r["pic"]["warm"]["wall_s"] for r in rounds),
+                "warm_chunks_hit": rounds[-1][policy]["warm"]["chunks_hit"],
+            }
+    return summary
 
 
 def print_table(result: dict) -> None:
     print(f"\ncold trace: {result['requests']} requests, {result['clients']} clients; medians over "
           f"{len(result['rounds'])} rounds")
-    print(f"| policy | wall s | x pic | chunk hits / seen | repaired |")
-    print("|---|---|---|---|---|")
+    print("| policy | wall s | x pic | over pic s | warm wall s | warm over pic s | chunk hits / seen | repaired |")
+    print("|---|---|---|---|---|---|---|---|")
     for policy, s in result["summary"].items():
         print(f"| {policy} | {s['median_wall_s']:.1f} | {common.fmt(s['median_ratio_to_pic'], '.2f')} | "
+              f"{s['median_excess_over_pic_s']:+.1f} | {common.fmt(s.get('median_warm_wall_s'), '.1f')} | "
+              f"{common.fmt(s.get('median_warm_excess_over_pic_s'), '+.1f')} | "
               f"{s['chunks_hit']} / {s['chunks_seen']} | {s['repaired']} |")
 
 
@@ -114,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--policies", nargs="+", default=["full", "pic", "relaxkv"])
     parser.add_argument("--anchor-ratio", type=float, default=0.15, help="anchor ratio of the repair policies")
     parser.add_argument("--offset", type=int, default=1000, help="first HotpotQA dev example")
+    parser.add_argument("--no-warm", dest="warm", action="store_false",
+                        help="skip the warm replay (the same trace again, its chunks cached) after each cold one")
     args = common.parse_args(parser, argv, quick={"clients": 2, "requests": 2, "rounds": 1})
     if args.clients < 1 or args.requests < 1 or args.rounds < 1:
         common.fail(BENCH, "--clients, --requests and --rounds must be >= 1")

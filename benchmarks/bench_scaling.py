@@ -8,7 +8,10 @@ without a server, so each cost is isolated:
 * re-rotation: rotating the reused K of every layer to its new position;
 * selection: RelaxKV anchor sets (15%) and every layer's relaxed layout (25%);
 * repair attention: the anchors' attention at 15%, relaxed (25%) vs full causal
-  context, through the same executor.
+  context, through the same executor;
+* GPU inputs: the host side of the anchors' FlashInfer inputs for every layer's relaxed
+  layout (``gpu/prefill_inputs.py::anchor_prefill_inputs``, one vectorised pass over all 30
+  layers): the CPU work a GPU repair adds per request (the FlashInfer calls themselves need a GPU).
 
 Medians of several repetitions; the machine is shared, so read ratios.
 
@@ -30,6 +33,7 @@ from relaxkv_sglang.core.chunk_store import ChunkStore
 from relaxkv_sglang.core.layout import build_relaxed_layout, full_causal_layout
 from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
 from relaxkv_sglang.core.selection import select_anchors
+from relaxkv_sglang.gpu.prefill_inputs import anchor_prefill_inputs
 
 BENCH = "bench_scaling"
 LAYERS, KV_HEADS, HEADS, HEAD_DIM = 30, 3, 9, 64
@@ -81,6 +85,7 @@ def measure(n_tokens: int, n_chunks: int, repeats: int) -> dict:
         "lookup_s": lookup, "rerotation_s": rotation, "selection_s": selection,
         "repair_attention_relaxed_s": _median_time(attend(relaxed), repeats),
         "repair_attention_full_s": _median_time(attend(full), repeats),
+        "gpu_inputs_s": _median_time(lambda: anchor_prefill_inputs(relaxed), max(repeats, 5)),
         "kv_pairs_relaxed": sum(x.kv_pairs() for x in relaxed), "kv_pairs_full": sum(x.kv_pairs() for x in full),
     }
 
@@ -91,7 +96,7 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     by_len = [r for r in rows if r["chunks"] == 10]
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, label in (("lookup_s", "chunk lookup"), ("rerotation_s", "K re-rotation (30 layers)"),
-                       ("selection_s", "anchor + layout selection"),
+                       ("selection_s", "anchor + layout selection"), ("gpu_inputs_s", "GPU anchor inputs (host)"),
                        ("repair_attention_relaxed_s", "repair attention, relaxed 25%"),
                        ("repair_attention_full_s", "repair attention, full context")):
         ax.plot([r["prompt_tokens"] for r in by_len], [r[key] for r in by_len], marker="o", label=label)
@@ -113,12 +118,14 @@ def run(args: argparse.Namespace) -> dict:
 def print_table(result: dict) -> None:
     """The rows as a plain-text table, in milliseconds."""
     rows = result["results"]
-    head = f"{'tokens':>7}{'chunks':>7}{'lookup ms':>11}{'rotate ms':>11}{'select ms':>11}{'relaxed ms':>12}{'full ms':>10}"
+    head = (f"{'tokens':>7}{'chunks':>7}{'lookup ms':>11}{'rotate ms':>11}{'select ms':>11}{'relaxed ms':>12}"
+            f"{'full ms':>10}{'gpu inputs ms':>15}")
     print(head)
     for r in rows:
+        gpu_inputs = r["gpu_inputs_s"] * 1e3 if "gpu_inputs_s" in r else None  # older results have none
         print(f"{r['prompt_tokens']:>7}{r['chunks']:>7}{r['lookup_s'] * 1e3:>11.2f}{r['rerotation_s'] * 1e3:>11.1f}"
               f"{r['selection_s'] * 1e3:>11.1f}{r['repair_attention_relaxed_s'] * 1e3:>12.1f}"
-              f"{r['repair_attention_full_s'] * 1e3:>10.1f}")
+              f"{r['repair_attention_full_s'] * 1e3:>10.1f}{common.fmt(gpu_inputs, '.1f'):>15}")
 
 
 def main(argv: list[str] | None = None) -> None:

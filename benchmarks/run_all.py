@@ -179,15 +179,18 @@ def quality_table(result: dict) -> str:
 
 
 def scaling_table(result: dict) -> str:
+    rows = result["results"]
+    gpu = all("gpu_inputs_s" in r for r in rows)  # results from before the column have none
     lines = [f"**Cost scaling** (core API on SmolLM2-shaped KV: 30 layers, 3 KV heads; 15% anchors; medians). "
              f"{_caption(result)}", "",
              "| prompt tokens | chunks | lookup ms | re-rotation ms | selection ms | repair attn relaxed 25% ms "
-             "| repair attn full ctx ms | KV pairs relaxed / full |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in result["results"]:
+             "| repair attn full ctx ms | KV pairs relaxed / full |" + (" GPU anchor inputs (host) ms |" if gpu else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if gpu else "")]
+    for r in rows:
         lines.append(f"| {r['prompt_tokens']} | {r['chunks']} | {r['lookup_s'] * 1e3:.2f} | {r['rerotation_s'] * 1e3:.1f} | "
                      f"{r['selection_s'] * 1e3:.1f} | {r['repair_attention_relaxed_s'] * 1e3:.1f} | "
-                     f"{r['repair_attention_full_s'] * 1e3:.1f} | {r['kv_pairs_relaxed'] / r['kv_pairs_full']:.2f} |")
+                     f"{r['repair_attention_full_s'] * 1e3:.1f} | {r['kv_pairs_relaxed'] / r['kv_pairs_full']:.2f} |"
+                     + (f" {r['gpu_inputs_s'] * 1e3:.1f} |" if gpu else ""))
     return "\n".join(lines)
 
 

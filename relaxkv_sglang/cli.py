@@ -4,6 +4,8 @@
                          [--max-total-tokens N] [--stock] [-- extra sglang args]
     relaxkv-sglang serve --replicas N [--routing document|cache_aware|round_robin] [...]
                          [-- extra sglang args [-- extra sglang-router args]]
+    relaxkv-sglang serve ... [--host-cache-gb G] [--chunk-dir DIR] [--disk-cache-gb G]
+    relaxkv-sglang encode --url URL --input corpus.jsonl|corpus.txt [--separator SEP] [--batch-size N]
     relaxkv-sglang model smollm2-135m|tiny-llama|qwen2.5-0.5b
     relaxkv-sglang data hotpotqa|squad|essays
     relaxkv-sglang --version
@@ -20,6 +22,12 @@ clients send (:mod:`relaxkv_sglang.routing`); ``cache_aware`` and ``round_robin`
 own. Flags after a first ``--`` go to every replica's ``sglang.launch_server``, after a second
 ``--`` to ``sglang-router`` (e.g. ``-- -- --cache-threshold 0.5``).
 
+``serve --host-cache-gb G --chunk-dir DIR --disk-cache-gb G`` adds the chunk store's lower tiers
+(a bounded host-memory tier and a bounded disk folder, :mod:`relaxkv_sglang.srt.tiers`); they
+reach the server as ``RELAXKV_HOST_CACHE_GB``, ``RELAXKV_CHUNK_DIR`` and ``RELAXKV_DISK_CACHE_GB``,
+the variables a raw ``launch_server`` reads. ``encode`` pre-encodes a corpus into a running
+server's chunk store (:mod:`relaxkv_sglang.encode`).
+
 Every failure the user can fix ends in one line, ``relaxkv-sglang: error: ...``,
 and a non-zero exit.
 """
@@ -35,6 +43,30 @@ import time
 from relaxkv_sglang import __version__, assets
 from relaxkv_sglang.schema import DEFAULT_POLICY_ENV, POLICY, default_policy
 from relaxkv_sglang.server import SGLangServer, ServerConfig, ServerError
+
+TIER_ENV = {"host_cache_gb": "RELAXKV_HOST_CACHE_GB", "chunk_dir": "RELAXKV_CHUNK_DIR",
+            "disk_cache_gb": "RELAXKV_DISK_CACHE_GB"}
+
+
+def tier_env(args) -> dict[str, str]:
+    """The environment of the lower-tier flags (only those given); checked here, so a bad value
+    stops before SGLang's minutes of startup."""
+    env = {}
+    for attr in ("host_cache_gb", "disk_cache_gb"):
+        value = getattr(args, attr, None)
+        if value is None:
+            continue
+        if not value >= 0 or value == float("inf"):
+            raise ServerError(f"--{attr.replace('_', '-')} {value}: must be a finite number >= 0")
+        env[TIER_ENV[attr]] = repr(float(value))
+    chunk_dir = getattr(args, "chunk_dir", None)
+    if chunk_dir is not None:
+        if os.path.exists(chunk_dir) and not os.path.isdir(chunk_dir):
+            raise ServerError(f"--chunk-dir {chunk_dir}: exists and is not a directory")
+        env[TIER_ENV["chunk_dir"]] = os.path.abspath(chunk_dir)
+    elif getattr(args, "disk_cache_gb", None) is not None:
+        raise ServerError("--disk-cache-gb needs --chunk-dir DIR")
+    return env
 
 
 def serve_policy(args) -> str:
@@ -99,7 +131,7 @@ def cmd_serve_replicas(args, extra: list[str]) -> int:
     base = ServerConfig(
         model_path=str(assets.resolve_model(args.model)), host=args.host, port=0,
         max_total_tokens=args.max_total_tokens, device=args.device, relaxkv=not args.stock, policy=args.policy,
-        extra_args=sglang_extra, log_path=args.log, startup_timeout_s=args.startup_timeout,
+        extra_args=sglang_extra, log_path=args.log, startup_timeout_s=args.startup_timeout, env=tier_env(args),
     )
     router = RouterConfig(worker_urls=[], routing=routing, host=args.host, port=args.port,
                           model_path=base.model_path, extra_args=router_extra,
@@ -159,6 +191,7 @@ def cmd_serve(args, extra: list[str]) -> int:
         extra_args=extra,
         log_path=args.log,
         startup_timeout_s=args.startup_timeout,
+        env=tier_env(args),
     )
     server = SGLangServer(config)
     print(f"starting sglang on {config.host}:{config.port or '(free port)'} "
@@ -185,6 +218,21 @@ def cmd_serve(args, extra: list[str]) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def cmd_encode(args, extra) -> int:
+    from relaxkv_sglang.encode import EncodeError, encode_corpus
+
+    if extra:
+        raise ServerError(f"encode takes no extra arguments after --: {' '.join(extra)}")
+    try:
+        counts = encode_corpus(args.url, args.input, separator=args.separator, batch_size=args.batch_size,
+                               state_path=args.state, cache_salt=args.cache_salt, timeout=args.timeout)
+    except EncodeError as exc:
+        raise ServerError(str(exc)) from None
+    print(f"stored {counts['stored']}, skipped {counts['skipped']} (already stored), failed {counts['failed']} "
+          f"of {counts['documents']} documents", flush=True)
+    return 1 if counts["failed"] else 0
 
 
 def cmd_model(args, extra) -> int:
@@ -216,7 +264,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="N >= 2: N servers on free ports and sglang-router on --port in front of them")
     s.add_argument("--routing", default=None, choices=["document", "cache_aware", "round_robin"],
                    help="with --replicas: the router's policy (default: document, the MinHash routing key)")
+    s.add_argument("--host-cache-gb", type=float, default=None,
+                   help="host-memory tier below the KV pool, in GB (evicted chunks spill here; default 0: none)")
+    s.add_argument("--chunk-dir", default=None,
+                   help="disk tier folder: chunks are written here and served after a restart (may be shared)")
+    s.add_argument("--disk-cache-gb", type=float, default=None, help="bound of --chunk-dir in GB (default 10)")
     s.set_defaults(func=cmd_serve)
+
+    e = sub.add_parser("encode", help="pre-encode a corpus into a running server's chunk store")
+    e.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:30000")
+    e.add_argument("--input", required=True,
+                   help='a .jsonl file of {"text": ...} documents, or a plain text file split by --separator')
+    e.add_argument("--separator", default="\n\n",
+                   help="document separator of a plain text file (escapes like \\n allowed; default: a blank line)")
+    e.add_argument("--batch-size", type=int, default=8, help="documents in flight at once")
+    e.add_argument("--state", default=None,
+                   help="progress file for resuming (default: INPUT.encoded; 'none' keeps none)")
+    e.add_argument("--cache-salt", default=None, help="tenant namespace (SGLang's cache_salt) to store under")
+    e.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    e.set_defaults(func=cmd_encode)
 
     m = sub.add_parser("model", help="prepare a model offline and print its folder")
     m.add_argument("name", choices=assets.MODELS,

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine (docs/gpu.md): unpack the bundle built here by
-# `make gpu-bundle` (.gpu/, carried), then compare FlashInfer's relaxed anchor
-# attention with the torch reference. Results go to $OUT (or ./gpu-check-out).
+# `make gpu-bundle` (.gpu/, carried), then compare the plugin's FlashInfer calls
+# (the anchors' paged prefill and the chunk-scoped prefill of the composed
+# backend) with the torch reference and time them against a dense causal
+# prefill. Results go to $OUT (or ./gpu-check-out).
 #   run: bash scripts/gpu_check.sh [--quick]      carry: [".gpu"]
 set -euo pipefail
 OUT=${OUT:-gpu-check-out}

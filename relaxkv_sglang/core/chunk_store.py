@@ -63,6 +63,9 @@ class ChunkEntry:
         last_access: store clock value of the last lookup hit / insert / unlock
             (non-decreasing across entries; see ``ChunkStore(clock=...)``).
         hits: number of lookups that returned this entry.
+        origin: where the entry's KV came from when it was not computed here: a lower
+            tier's name (``"host"``, ``"disk"``, see ``core/chunk_tiers.py``) until its first
+            hit reports it (the owner clears it); None otherwise.
     """
 
     namespace: str | None
@@ -72,6 +75,7 @@ class ChunkEntry:
     lock_ref: int = 0
     last_access: float = 0
     hits: int = 0
+    origin: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -147,7 +151,8 @@ class ChunkStore:
     """
 
     def __init__(self, free_slots: Callable[[torch.Tensor], None],
-                 clock: Callable[[], float] | None = None, ghost_capacity: int = 0) -> None:
+                 clock: Callable[[], float] | None = None, ghost_capacity: int = 0,
+                 on_evict: Callable[[ChunkEntry], None] | None = None) -> None:
         """Create an empty store.
 
         Args:
@@ -158,8 +163,12 @@ class ChunkStore:
                 readings are made non-decreasing.  None: a counter (1, 2, ...).
             ghost_capacity: tokens of evicted keys remembered, and the most
                 ``target_tokens`` can reach; 0 (default) learns no target.
+            on_evict: called with each entry ``evict`` takes, before its slots are freed
+                (while they still hold its KV), e.g. to spill it to a lower tier; not
+                called by ``reset`` or a duplicate insert.  Exceptions propagate.
         """
         self._free_slots = free_slots
+        self._on_evict = on_evict
         self._clock_fn = clock
         self._entries: dict[ChunkKey, ChunkEntry] = {}
         self._lru: OrderedDict[ChunkKey, ChunkEntry] = OrderedDict()  # unlocked only, LRU first
@@ -346,6 +355,8 @@ class ChunkStore:
         freed = 0
         while freed < num_tokens and self._lru:
             entry = next(iter(self._lru.values()))
+            if self._on_evict is not None:
+                self._on_evict(entry)
             self._drop(entry)
             freed += entry.num_tokens
             self._evictions += 1

@@ -1,46 +1,52 @@
-"""Anchor attention over a relaxed context on a GPU, through FlashInfer: the thin layer.
+"""The plugin's attention on a GPU through FlashInfer's paged prefill: the thin layer.
 
-Every decision is made in torch by the core, shared with the CPU path:
-:func:`~relaxkv_sglang.core.layout.build_relaxed_layout` says which keys each
-anchor sees. :func:`~relaxkv_sglang.gpu.variable_block.to_flashinfer_variable_block`
-(plain torch) splits that layout into FlashInfer's two calls. This module only
-hands those tensors to FlashInfer and merges the results:
+Every decision is made in torch, shared with the CPU path: the core's layouts
+(:func:`~relaxkv_sglang.core.layout.build_relaxed_layout`) say which keys each anchor sees, the
+fold's rows (:class:`~relaxkv_sglang.srt.context.ExtendRows`) say which keys each chunk-scoped row
+sees, and :mod:`.prefill_inputs` (plain torch, no FlashInfer import) turns both into segments of
+one ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` call: page size 1 over SGLang's KV pool
+(the keys are read straight from the pool slots, no gather), ``causal=True``, ``backend="fa2"``
+(what SGLang's FlashInfer backend uses).  This module only plans and runs those calls:
 
-1. ``flashinfer.sparse.VariableBlockSparseAttentionWrapper`` (non-causal): each
-   row block attends to the pages lying entirely before its first row. Only the
-   listed pages are read: the wrapper expands them into page-size-1 indices of a
-   paged prefill, so the work follows the context ratio (no mask over dense
-   attention).
-2. ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` with page size 1 (SGLang's
-   KV pool layout), one query per request, non-causal: each row attends to its
-   visible keys (``j <= t``) on the partially visible pages, read straight from
-   the pool slots.
-3. The two partial results are merged by their log-sum-exp.
+* :class:`FlashInferAnchorAttention` (the repair pass's anchors): at the first anchor call of a
+  request in a pass, every layer's host metadata is built in one vectorised pass
+  (:func:`~.prefill_inputs.anchor_prefill_inputs`); each layer then gets one ``plan`` (host
+  indptrs, keys expanded on the device: no device-to-host copy) and one ``run``.
+* :class:`FlashInferScopedPrefill` (an extend batch the fold changed): one ``plan`` per forward
+  (the segments are the same at every layer), one ``run`` per layer.
 
-Decide once, run many times: :meth:`FlashInferRelaxedAttention.plan` per layer
-layout, :meth:`FlashInferRelaxedAttention.run` per call.
-``python -m relaxkv_sglang.gpu.check`` compares this layer with
-:func:`~relaxkv_sglang.core.attention.block_sparse_attention`.
+Host syncs: none of our own (the indptrs FlashInfer's scheduler reads on the host are computed
+on the host from CPU tensors; the device only receives copies).  FlashInfer's ``plan`` stages
+its schedule through a pinned buffer owned by the wrapper and copies it asynchronously, so a
+wrapper must not be planned again before its previous plan reached the device: each planned
+call of a pass gets its own wrapper (grown on demand and kept; FlashInfer allocates 8 MiB of
+device and 8 MiB of pinned host memory per wrapper), and all share one float workspace.
 
-Pinned to flashinfer-python 0.7.2 (the version sglang 0.5.23 requires); another
-version is refused at construction, since the wrappers' signatures move between
-releases.
+Pinned to flashinfer-python 0.7.2 (the version sglang 0.5.23 requires); another version is
+refused at construction, since the wrappers' signatures move between releases.  The torch model
+of the call is :func:`~relaxkv_sglang.gpu.torch_models.paged_prefill_attention` (the CPU tests);
+``python -m relaxkv_sglang.gpu.check`` compares the real call with the torch executors on a GPU.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import torch
 
 from relaxkv_sglang.core.layout import BlockSparseLayout
-from relaxkv_sglang.gpu.variable_block import merge_attention_states, to_flashinfer_variable_block
+from relaxkv_sglang.gpu.prefill_inputs import (
+    AnchorLayerInputs,
+    ScopedPrefillInputs,
+    anchor_prefill_inputs,
+    to_device,
+)
 
 FLASHINFER_VERSION = "0.7.2"
 WORKSPACE_BYTES = 128 * 1024 * 1024
-# FlashInfer reports log-sum-exp in base 2; the merge takes natural logs.
-_LN2 = math.log(2.0)
+
+__all__ = ["FLASHINFER_VERSION", "FlashInferAnchorAttention", "FlashInferScopedPrefill", "import_flashinfer"]
 
 
 def import_flashinfer():
@@ -48,7 +54,7 @@ def import_flashinfer():
     try:
         import flashinfer
     except ImportError as exc:
-        raise RuntimeError(f"relaxkv: the GPU anchor attention needs flashinfer-python=={FLASHINFER_VERSION} "
+        raise RuntimeError(f"relaxkv: the GPU attention path needs flashinfer-python=={FLASHINFER_VERSION} "
                            f"({exc})") from exc
     if flashinfer.__version__ != FLASHINFER_VERSION:
         raise RuntimeError(f"relaxkv: flashinfer {flashinfer.__version__} is installed; this layer is written "
@@ -56,87 +62,164 @@ def import_flashinfer():
     return flashinfer
 
 
-class FlashInferRelaxedAttention:
-    """Executes a :class:`~relaxkv_sglang.core.layout.BlockSparseLayout` with FlashInfer.
+def _host(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host int32 tensor FlashInfer's plan reads on the host (pinned on CUDA, for its copies)."""
+    x = x.to(torch.int32)
+    return x.pin_memory() if device.type == "cuda" else x
+
+
+class _PagedPrefillCall:
+    """One FlashInfer paged-prefill wrapper (NHD, page size 1, causal) and its current plan."""
+
+    def __init__(self, flashinfer: Any, float_workspace: torch.Tensor) -> None:
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(float_workspace, "NHD", backend="fa2")
+        self.n_qo = -1
+        self.kv_indices: Optional[torch.Tensor] = None  # kept alive until the run
+
+    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, *,
+             num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype,
+             scale: float) -> None:
+        """qo_indptr/kv_indptr: int32 host [n_seg + 1]; kv_indices: int32 [n_kv] pool slots on the device;
+        dtype/kv_dtype: of q and of the KV pool."""
+        dev = kv_indices.device
+        n_seg = qo_indptr.numel() - 1
+        self.kv_indices = kv_indices
+        self.n_qo = int(qo_indptr[-1])
+        self.wrapper.plan(
+            _host(qo_indptr, dev), _host(kv_indptr, dev), kv_indices, _host(torch.ones(n_seg), dev),
+            num_qo_heads, num_kv_heads, head_dim, 1,
+            causal=True, sm_scale=scale, q_data_type=dtype, kv_data_type=kv_dtype, o_data_type=dtype)
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q [n_qo, H, d]; k_cache/v_cache [n_slots, Hkv, d] (the layer's pool) -> [n_qo, H, dv]."""
+        if q.shape[0] != self.n_qo:
+            raise ValueError(f"q has {q.shape[0]} rows, the plan has {self.n_qo}")
+        # [n_slots, page_size=1, Hkv, d]: the pool as FlashInfer's NHD paged cache.
+        return self.wrapper.run(q, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)))
+
+
+class _WrapperPool:
+    """Paged-prefill wrappers sharing one float workspace; call i of a pass uses wrapper i."""
+
+    def __init__(self, device: torch.device | str, workspace_bytes: int) -> None:
+        self.flashinfer = import_flashinfer()
+        self.device = torch.device(device)
+        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self.calls: list[_PagedPrefillCall] = []
+        self.used = 0
+
+    def begin_pass(self) -> None:
+        self.used = 0
+
+    def next_call(self) -> _PagedPrefillCall:
+        if self.used == len(self.calls):
+            self.calls.append(_PagedPrefillCall(self.flashinfer, self.workspace))
+        self.used += 1
+        return self.calls[self.used - 1]
+
+
+@dataclass
+class _AnchorLayer:
+    inputs: AnchorLayerInputs
+    rows: Optional[torch.Tensor] = None  # device int64 [n_kept] layout rows with keys
+    qo: Optional[torch.Tensor] = None  # device int64 [n_kept] their queries in the call
+
+
+class AnchorForwardPlan:
+    """One request's anchors in one pass: every layer's host metadata, built once."""
+
+    def __init__(self, layouts: Sequence[BlockSparseLayout]) -> None:
+        self.layouts = list(layouts)
+        self.layers = [_AnchorLayer(inputs) for inputs in anchor_prefill_inputs(self.layouts)]
+
+
+class FlashInferAnchorAttention:
+    """Executes the anchors' layouts of a repair pass with FlashInfer (module doc).
 
     Args:
         device: the CUDA device of the KV pool.
-        workspace_bytes: float workspace of each of the two wrappers.
+        workspace_bytes: the float workspace shared by the wrappers.
     """
 
-    def __init__(self, device: torch.device | str, workspace_bytes: int = WORKSPACE_BYTES):
-        flashinfer = import_flashinfer()
-        self.device = torch.device(device)
-        self._blocks = flashinfer.sparse.VariableBlockSparseAttentionWrapper(
-            torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device))
-        self._diag = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device), kv_layout="NHD")
-        self._planned: Optional[dict] = None
+    def __init__(self, device: torch.device | str, workspace_bytes: int = WORKSPACE_BYTES) -> None:
+        self._pool = _WrapperPool(device, workspace_bytes)
+        self.device = self._pool.device
 
-    def plan(self, layout: BlockSparseLayout, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-             dtype: torch.dtype, scale: Optional[float] = None, key_rows: Optional[torch.Tensor] = None) -> None:
-        """Prepare both FlashInfer calls for one layout.
+    def begin_pass(self) -> None:
+        """A new forward pass: its calls may reuse every wrapper."""
+        self._pool.begin_pass()
+
+    @staticmethod
+    def plan_forward(layouts: Sequence[BlockSparseLayout]) -> AnchorForwardPlan:
+        """Every layer's host metadata of one request, in one vectorised pass (no device work)."""
+        return AnchorForwardPlan(layouts)
+
+    def run(self, plan: AnchorForwardPlan, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor, key_rows: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attend one layer's anchors: one plan + one run of a paged prefill.
 
         Args:
-            layout: the anchors' layout (rows = anchors in position order).
-            num_qo_heads, num_kv_heads, head_dim: attention shape (GQA when they differ).
-            dtype: q/k/v dtype, float16 or bfloat16.
-            scale: softmax scale, default ``head_dim ** -0.5``.
-            key_rows: int64 [>= layout.n_keys], the KV-pool slot of the key at each prompt
-                position (default: position j is slot j).
+            plan: from :meth:`plan_forward`.
+            layer: index into ``plan.layouts``.
+            q: [n_rows, H, d] the anchors' queries, in layout row order.
+            k_cache, v_cache: [n_slots, Hkv, d] the layer's KV pool.
+            key_rows: int64 [>= n_keys] pool slot of each key position (on the pool's device).
+            scale: softmax scale.
+        Returns:
+            [n_rows, H, dv] in q's dtype (0 for a row that sees no key).
         """
-        fi = to_flashinfer_variable_block(layout, num_kv_heads)
-        dev = self.device
-        scale = head_dim ** -0.5 if scale is None else scale
-        if key_rows is None:
-            key_rows = torch.arange(layout.n_keys)
-        key_rows = key_rows.to(dev, torch.int64)
-        n_rows = layout.n_rows
-        self._diag.plan(
-            torch.arange(n_rows + 1, dtype=torch.int32, device=dev),
-            fi.diag_kv_indptr.to(dev),
-            key_rows[fi.diag_kv_indices.to(dev).long()].to(torch.int32),
-            torch.ones(n_rows, dtype=torch.int32, device=dev),
-            num_qo_heads, num_kv_heads, head_dim, 1,
-            causal=False, sm_scale=scale, q_data_type=dtype, kv_data_type=dtype)
-        any_block = bool(fi.block_mask_map.any())
-        if any_block:  # the wrapper cannot plan an all-empty map
-            self._blocks.plan(
-                fi.block_mask_map.to(dev), fi.block_row_sz.to(dev), fi.block_col_sz.to(dev),
-                num_qo_heads, num_kv_heads, head_dim,
-                causal=False, sm_scale=scale, q_data_type=dtype, kv_data_type=dtype)
-        rows_with_block = torch.repeat_interleave(fi.block_mask_map[0].any(-1), fi.block_row_sz[0].long())
-        self._planned = {
-            "n_rows": n_rows,
-            "any_block": any_block,
-            "rows_with_block": rows_with_block.to(dev),
-            "key_slots": key_rows[:layout.n_keys],
-        }
+        entry = plan.layers[layer]
+        inputs = entry.inputs
+        if q.shape[0] != inputs.n_rows:
+            raise ValueError(f"q has {q.shape[0]} rows, layer {layer}'s layout has {inputs.n_rows}")
+        out = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1])
+        if inputs.n_segments == 0:
+            return out
+        if entry.rows is None:
+            kept = (inputs.row_to_qo >= 0).nonzero().squeeze(1)  # host
+            entry.rows = to_device(kept, q.device)
+            entry.qo = to_device(inputs.row_to_qo.index_select(0, kept), q.device)
+        call = self._pool.next_call()
+        call.plan(inputs.qo_indptr, inputs.kv_indptr, inputs.kv_indices(to_device(key_rows, q.device)),
+                  num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[1], head_dim=q.shape[2], dtype=q.dtype,
+                  kv_dtype=k_cache.dtype, scale=scale)
+        q_call = q.new_zeros(inputs.n_qo, q.shape[1], q.shape[2])  # padding queries stay 0
+        q_call.index_copy_(0, entry.qo, q.index_select(0, entry.rows))
+        o = call.run(q_call, k_cache, v_cache)
+        return out.index_copy_(0, entry.rows, o.index_select(0, entry.qo).to(out.dtype))
+
+
+class FlashInferScopedPrefill:
+    """An extend batch's chunk-scoped rows through one FlashInfer paged prefill (module doc).
+
+    :meth:`plan` once per forward, :meth:`run` at every layer.
+
+    Args:
+        device: the CUDA device of the KV pool.
+        workspace_bytes: the float workspace.
+    """
+
+    def __init__(self, device: torch.device | str, workspace_bytes: int = WORKSPACE_BYTES) -> None:
+        self._pool = _WrapperPool(device, workspace_bytes)
+        self._call: Optional[_PagedPrefillCall] = None
+        self._slots = 0
+
+    def plan(self, inputs: ScopedPrefillInputs, req_to_token: torch.Tensor, *, num_qo_heads: int,
+             num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype, scale: float) -> None:
+        """Plan the batch: inputs from :func:`~.prefill_inputs.scoped_prefill_inputs`, keys read
+        through SGLang's ``req_to_token`` [n_req_slots, max_context] (on the device)."""
+        # One wrapper alternates per forward: the next forward's plan never overwrites the pinned
+        # staging of a plan that may still be in flight.
+        self._slots = (self._slots + 1) % 2
+        while len(self._pool.calls) < 2:
+            self._pool.next_call()
+        self._call = self._pool.calls[self._slots]
+        self._call.plan(inputs.qo_indptr, inputs.kv_indptr, inputs.kv_indices(req_to_token),
+                        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                        kv_dtype=kv_dtype, scale=scale)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Attend the planned layout.
-
-        Args:
-            q: [n_rows, num_qo_heads, head_dim] the anchors' queries, in layout row order.
-            k_cache, v_cache: [n_slots, num_kv_heads, head_dim] the KV pool of the layer.
-        Returns:
-            [n_rows, num_qo_heads, head_dim] in q's dtype.
-        """
-        p = self._planned
-        if p is None:
-            raise RuntimeError("FlashInferRelaxedAttention.run before plan")
-        if q.shape[0] != p["n_rows"]:
-            raise ValueError(f"q has {q.shape[0]} rows, the plan has {p['n_rows']}")
-        # [n_slots, page_size=1, num_kv_heads, head_dim]: the pool as FlashInfer's NHD paged cache.
-        out_d, lse_d = self._diag.run(q, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)), return_lse=True)
-        if not p["any_block"]:
-            return out_d
-        # The block part reads the request's keys in prompt order, HND.
-        k = k_cache.index_select(0, p["key_slots"]).transpose(0, 1).contiguous()
-        v = v_cache.index_select(0, p["key_slots"]).transpose(0, 1).contiguous()
-        out_b, lse_b = self._blocks.run(q.transpose(0, 1).contiguous(), k, v, return_lse=True)
-        out_b, lse_b = out_b.transpose(0, 1), lse_b.transpose(0, 1).float()
-        # Rows of a block with no fully visible page attended to nothing in that call.
-        lse_b = torch.where(p["rows_with_block"][:, None], lse_b * _LN2, float("-inf"))
-        out, _ = merge_attention_states(out_b, lse_b, out_d, lse_d.float() * _LN2)
-        return out
+        """q [n_rows, H, d] the batch's rows in batch order -> [n_rows, H, dv]."""
+        if self._call is None:
+            raise RuntimeError("FlashInferScopedPrefill.run before plan")
+        return self._call.run(q, k_cache, v_cache)

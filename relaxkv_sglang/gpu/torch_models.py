@@ -1,13 +1,14 @@
-"""Torch models of the two FlashInfer 0.7.2 calls the GPU path makes, for checks on a CPU.
+"""Torch model of the one FlashInfer 0.7.2 call the GPU path makes, for checks on a CPU.
 
-* :func:`variable_block_sparse_reference`: ``flashinfer.sparse.VariableBlockSparseAttentionWrapper``
-  (``causal=False``), same argument convention as its ``plan`` + ``run`` (HND tensors).
-* :func:`ragged_attention`: ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` with page size 1 and
-  one query per request (SGLang's KV-pool layout).
-
-Both return the natural-log LSE of :mod:`relaxkv_sglang.core.attention` (FlashInfer reports base
-2); the tests feed them to :mod:`.flashinfer_attention` in place of FlashInfer and compare with
-``core.attention.block_sparse_attention``.  Neither is on the serving path.
+:func:`paged_prefill_attention` is ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` with page
+size 1 (SGLang's KV pool: page ``i`` is pool slot ``i``), same argument convention as its
+``plan`` + ``run``: request ``r`` has the queries ``qo_indptr[r]:qo_indptr[r+1]`` and the keys
+``kv_indices[kv_indptr[r]:kv_indptr[r+1]]``; with ``causal=True`` query ``i`` of a request with
+``qo_len`` queries and ``kv_len`` keys sees keys ``0 .. i + kv_len - qo_len`` (FlashInfer's
+bottom-right alignment, ``include/flashinfer/attention/prefill.cuh``).  It returns the natural-log
+LSE of :mod:`relaxkv_sglang.core.attention` (FlashInfer reports base 2).  The tests feed it to
+:mod:`.flashinfer_attention` in place of FlashInfer and compare with the torch executors
+(``core.attention.block_sparse_attention``, ``scoped_causal_attention``).  Not on the serving path.
 """
 
 from __future__ import annotations
@@ -18,88 +19,74 @@ import torch
 
 from relaxkv_sglang.core.attention import masked_attention
 
-__all__ = ["ragged_attention", "variable_block_sparse_reference"]
+__all__ = ["paged_prefill_attention", "paged_prefill_mask"]
 
 
-def ragged_attention(
+def paged_prefill_mask(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                       n_slots: int, causal: bool = True) -> torch.Tensor:
+    """bool [n_q, n_slots]: which pool slot each query of the call reads (for tests).
+
+    Args: as :func:`paged_prefill_attention` (``n_slots``: pool size).
+    """
+    qo_indptr, kv_indptr, kv_indices = qo_indptr.long(), kv_indptr.long(), kv_indices.long()
+    n_q = int(qo_indptr[-1])
+    mask = torch.zeros(n_q, n_slots, dtype=torch.bool)
+    qo_len, kv_len = qo_indptr.diff(), kv_indptr.diff()
+    req = torch.repeat_interleave(torch.arange(qo_len.numel()), qo_len)
+    i = torch.arange(n_q) - qo_indptr[:-1][req]
+    n_seen = (i + 1 + kv_len[req] - qo_len[req]) if causal else kv_len[req]
+    n_seen = n_seen.clamp(min=0)
+    rows = torch.repeat_interleave(torch.arange(n_q), n_seen)
+    k = torch.arange(int(n_seen.sum())) - (torch.cumsum(n_seen, 0) - n_seen)[rows]
+    mask[rows, kv_indices[kv_indptr[:-1][req][rows] + k]] = True
+    return mask
+
+
+def paged_prefill_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
+    causal: bool = True,
     scale: Optional[float] = None,
     return_lse: bool = False,
 ):
-    """Each query attends (non-causally) to its own list of key rows.
-
-    The torch twin of a FlashInfer paged prefill with page_size 1 and one query per request
-    (SGLang's KV-pool layout): query i reads ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``.
+    """Torch model of FlashInfer's batch prefill over a page-size-1 paged KV cache.
 
     Args:
-        q: [n_q, n_heads, d]; k/v: [n_k, n_kv_heads, d|dv].
-        kv_indptr: int [n_q + 1]; kv_indices: int [nnz] rows of k/v.
+        q: [n_q, n_heads, d] (``n_q = qo_indptr[-1]``); k_cache/v_cache: [n_slots, n_kv_heads, d|dv].
+        qo_indptr, kv_indptr: int [n_req + 1]; kv_indices: int [kv_indptr[-1]] pool slots.
+        causal: FlashInfer's bottom-right causal rule (module doc); else every listed key.
+        scale: softmax scale, default ``d ** -0.5``.
     Returns:
-        out [n_q, n_heads, dv], and lse float32 [n_q, n_heads] if return_lse.
-        Cost is O(n_q * max_row_len) (rows padded to the longest).
+        out [n_q, n_heads, dv] (0 for a query that sees no key), and lse float32 [n_q, n_heads]
+        (natural log, -inf for such a query) if return_lse.  Cost: requests padded to the
+        longest query and key lists.
     """
-    n_q = q.shape[0]
-    kv_indptr = kv_indptr.to(torch.long)
-    lens = kv_indptr[1:] - kv_indptr[:-1]
-    width = int(lens.max()) if n_q else 0
-    slot = torch.arange(width, device=q.device)
-    valid = slot[None, :] < lens[:, None]  # [n_q, width]
-    flat = (kv_indptr[:-1, None] + slot[None, :]).clamp(max=max(kv_indices.numel() - 1, 0))
-    rows = kv_indices.to(torch.long)[flat] if kv_indices.numel() else torch.zeros_like(flat)
-    kg, vg = k[rows], v[rows]  # [n_q, width, n_kv, d]
-    out, lse = masked_attention(q[:, None], kg, vg, valid[:, None, :], scale)
-    out, lse = out[:, 0], lse[:, 0]
-    return (out, lse) if return_lse else out
-
-
-def variable_block_sparse_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_mask_map: torch.Tensor,
-    block_row_sz: torch.Tensor,
-    block_col_sz: torch.Tensor,
-    scale: Optional[float] = None,
-    return_lse: bool = False,
-):
-    """Torch model of FlashInfer ``VariableBlockSparseAttentionWrapper`` (causal=False).
-
-    Same argument convention as that wrapper's ``plan`` + ``run`` (HND layout):
-
-    Args:
-        q: [n_heads, qo_len, d]; k/v: [n_kv_heads, kv_len, d|dv].
-        block_mask_map: bool [n_kv_heads, R, C]: row block r of kv head h attends column
-            block c (all of it, no causal mask).
-        block_row_sz: int [n_kv_heads, R], sums to qo_len.
-        block_col_sz: int [n_kv_heads, C], sums to kv_len.
-    Returns:
-        out [n_heads, qo_len, dv], and lse float32 [n_heads, qo_len] if return_lse.
-    """
-    Hq, qo_len, _ = q.shape
-    Hkv = k.shape[0]
-    g = Hq // Hkv
-    out = q.new_zeros(Hq, qo_len, v.shape[-1])
-    lse = torch.full((Hq, qo_len), float("-inf"), dtype=torch.float32, device=q.device)
-    for h in range(Hkv):
-        row_start = torch.cumsum(block_row_sz[h].long(), 0) - block_row_sz[h].long()
-        col_start = torch.cumsum(block_col_sz[h].long(), 0) - block_col_sz[h].long()
-        for r in range(block_row_sz.shape[1]):
-            cols = block_mask_map[h, r].nonzero().squeeze(1)
-            n_r = int(block_row_sz[h, r])
-            if cols.numel() == 0 or n_r == 0:
-                continue
-            key_idx = torch.cat(
-                [torch.arange(int(col_start[c]), int(col_start[c] + block_col_sz[h, c])) for c in cols.tolist()]
-            )
-            rs = slice(int(row_start[r]), int(row_start[r]) + n_r)
-            qh = q[h * g:(h + 1) * g, rs].transpose(0, 1)  # [n_r, g, d]
-            kh = k[h, key_idx][:, None]  # [n_sel, 1, d]
-            vh = v[h, key_idx][:, None]
-            o, s = masked_attention(qh[None], kh[None], vh[None], None, scale)
-            out[h * g:(h + 1) * g, rs] = o[0].transpose(0, 1)
-            lse[h * g:(h + 1) * g, rs] = s[0].transpose(0, 1)
+    qo_indptr, kv_indptr, kv_indices = qo_indptr.long(), kv_indptr.long(), kv_indices.long()
+    n_req = qo_indptr.numel() - 1
+    qo_len, kv_len = qo_indptr.diff(), kv_indptr.diff()
+    n_q, H = q.shape[0], q.shape[1]
+    if n_req == 0 or n_q == 0:
+        out = q.new_zeros(n_q, H, v_cache.shape[-1])
+        lse = torch.full((n_q, H), float("-inf"), dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
+    wq, wk = int(qo_len.max()), max(int(kv_len.max()), 1)
+    qi = torch.arange(wq)
+    ki = torch.arange(wk)
+    q_valid = qi[None, :] < qo_len[:, None]  # [n_req, wq]
+    k_valid = ki[None, :] < kv_len[:, None]  # [n_req, wk]
+    q_rows = (qo_indptr[:-1, None] + qi[None, :]).clamp(max=n_q - 1)
+    k_flat = (kv_indptr[:-1, None] + ki[None, :]).clamp(max=max(kv_indices.numel() - 1, 0))
+    slots = kv_indices[k_flat] if kv_indices.numel() else torch.zeros_like(k_flat)
+    visible = q_valid[:, :, None] & k_valid[:, None, :]
+    if causal:
+        visible &= ki[None, None, :] <= (qi[None, :, None] + (kv_len - qo_len)[:, None, None])
+    out_b, lse_b = masked_attention(q[q_rows], k_cache[slots], v_cache[slots], visible, scale)
+    out = q.new_zeros(n_q, H, v_cache.shape[-1])
+    lse = torch.full((n_q, H), float("-inf"), dtype=torch.float32, device=q.device)
+    out[q_rows[q_valid]] = out_b[q_valid]
+    lse[q_rows[q_valid]] = lse_b[q_valid]
     return (out, lse) if return_lse else out

@@ -2,9 +2,11 @@
 
 The fold (:mod:`.fold`) decides, before SGLang builds its ``ForwardBatch``, which rows the
 batch keeps and how each attends. Two readers need that decision during the forward: the
-``relaxkv`` attention backend (rows at explicit positions and scopes) and the model hook (the
-repair pass's layer loop). Neither imports the fold: the decision travels as a
-:class:`ForwardContext` object attached to the objects SGLang already passes around.
+``relaxkv`` attention backend (rows at explicit positions and scopes; for a request to be
+repaired, it also records the query's attention per layer, :class:`QueryScores`) and the model
+hook (which runs the repair once SGLang's own forward has computed the rows). Neither imports
+the fold: the decision travels as a :class:`ForwardContext` object attached to the objects
+SGLang already passes around.
 
 1. :func:`attach_pending` puts the folded batch and its context on the ``ScheduleBatch`` the
    scheduler hands to ``TpModelWorker.forward_batch_generation``;
@@ -20,12 +22,11 @@ Nothing here is module-level state: a context lives exactly as long as the forwa
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from relaxkv_sglang.srt.layer_loop import LoopRows
+from relaxkv_sglang.core.selection import query_attention_scores
 
 # Attribute names on SGLang's objects; one place, so a reader can grep for them.
 _CONTEXT_ATTR = "relaxkv_context"
@@ -41,12 +42,15 @@ class ExtendRows:
         row_start: first row of this request in the batch's q/k/v.
         positions: int64 [n_rows] absolute position of each row.
         scope_start: int64 [n_rows] first key position each row may attend to.
+        scores: for a request to be repaired by a policy that scores, the recorder of its
+            query's attention that the backend fills at every layer (None otherwise).
     """
 
     req_pool_idx: int
     row_start: int
     positions: torch.Tensor
     scope_start: torch.Tensor
+    scores: Optional["QueryScores"] = None
 
     @property
     def n_rows(self) -> int:
@@ -55,24 +59,76 @@ class ExtendRows:
 
 
 @dataclasses.dataclass
+class QueryScores:
+    """The query's attention mass on the context at each layer (``s_l``), recorded during the
+    forward that computes a request's rows over the stale KV (the repair's query pass).
+
+    Attributes:
+        n_context: positions ``< n_context`` are the context (the query starts here).
+        query_end: one past the query's last position (the prompt's end; a retracted request's
+            generated tokens, prefilled again, come after it and are not the query).
+        slots: int64 [>= query_end] the request's KV-pool slot of every position.
+        layers: per layer so far, float32 [n_context] s_l.
+    """
+
+    n_context: int
+    query_end: int
+    slots: torch.Tensor
+    layers: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    def record(self, q: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, scale: float) -> None:
+        """One layer: q [n_rows, H, d] the request's rows' queries (post-RoPE) at ``positions``
+        (int64 [n_rows]); k_cache [pool, Hkv, d] the layer's keys, the rows' own already written."""
+        is_query = (positions >= self.n_context) & (positions < self.query_end)
+        if int(is_query.sum()) != self.query_end - self.n_context:
+            raise RuntimeError("relaxkv: the query pass does not hold the whole query")
+        keys = k_cache[self.slots[: self.query_end].to(k_cache.device)]
+        self.layers.append(query_attention_scores(q[is_query.to(q.device)], keys, self.n_context, scale))
+
+    def stacked(self, n_layers: int) -> torch.Tensor:
+        """float32 [n_layers, n_context], on the CPU (the planner's device)."""
+        if len(self.layers) != n_layers:
+            raise RuntimeError(f"relaxkv: the query pass recorded scores at {len(self.layers)} of {n_layers} layers")
+        return torch.stack(self.layers).cpu()
+
+
+def record_query_scores(rows: Sequence[ExtendRows], q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> None:
+    """The attention backend's share of the query pass: for every request that records scores,
+    its query's attention mass at this layer. q [n_batch_rows, H, d]; k_cache [pool, Hkv, d]."""
+    for r in rows:
+        if r.scores is not None:
+            r.scores.record(q[r.row_start: r.row_start + r.n_rows], r.positions, k_cache, scale)
+
+
+class Repair(Protocol):
+    """What the model hook runs after SGLang's forward (``repair.RepairStage``)."""
+
+    def run(self, model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n_rows, hidden]: SGLang's final-normed output of the folded rows -> the same
+        rows with the repaired requests' glue and query rows replaced by the repair's."""
+
+
+@dataclasses.dataclass
 class ForwardContext:
     """The fold's decision for one forward pass.
 
     Attributes:
         positions: int64 [n_rows] absolute position of every row of the folded batch.
-        extend_rows: per request, its rows (positions and scopes) for the attention backend.
-        repair_pass: per request, the repair pass's rows, when the model's layer loop is
-            replaced by the repair pass; None for an ordinary (possibly folded) forward.
-        kv_pool: SGLang's KV pool the repair pass reads and writes.
-        anchor_attention: the worker's anchor attention executor
-            (:class:`~relaxkv_sglang.srt.layer_loop.AnchorAttention`).
+        extend_rows: per request, its rows (positions and scopes) for the attention backend,
+            and the query scores it records for a request to be repaired.
+        repair: the repair the model hook runs once SGLang's forward has computed the rows
+            (anchors, glue and query of the repaired requests, :mod:`.repair`); None when no
+            request of the batch is repaired.
     """
 
     positions: torch.Tensor
     extend_rows: list[ExtendRows]
-    repair_pass: Optional[list["LoopRows"]] = None
-    kv_pool: Any = None
-    anchor_attention: Any = None
+    repair: Optional[Repair] = None
+
+    @property
+    def records_scores(self) -> bool:
+        """Some request's query scores are recorded by the attention backend in this forward."""
+        return any(r.scores is not None for r in self.extend_rows)
 
 
 @dataclasses.dataclass

@@ -26,8 +26,9 @@ reused one. Until then its rows are computed position-independently, like a
 miss; a hit then overwrites their KV with the cached chunk's, so the chunk's KV
 is the same however the prompt was split. A repair runs in the window holding
 the prompt's last token (:attr:`RequestFold.completes_prompt`), over the whole
-prompt (:mod:`.repair`); its rows may lie in earlier windows (negative
-``keep`` offsets, their KV already in the request's slots).
+prompt (:mod:`.repair`); that window's batch also recomputes the query's rows of
+earlier windows, for its scores (negative ``keep`` offsets, their KV already in
+the request's slots).
 
 The folded batch is a shallow copy of the scheduled one with fewer rows, the
 same pattern as SGLang's ``model_executor/encoder_swa_replay.py``.
@@ -44,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from relaxkv_sglang.srt.context import ExtendRows, ForwardContext
+from relaxkv_sglang.srt.context import ExtendRows, ForwardContext, QueryScores, Repair
 from relaxkv_sglang.srt.plan import RequestPlan, request_plan
 from relaxkv_sglang.srt.report import merge_record, request_record
 
@@ -67,10 +68,15 @@ class RequestFold:
         plan: the request's plan (None: a plain request in a folded batch).
         logprob_start: window offset input logprobs start at, if asked.
         hit_tokens / chunks_seen / chunks_hit: reuse counted for this window.
+        tier_tokens: of the hit tokens, those of chunks loaded from a lower tier
+            (``"host"`` / ``"disk"`` -> tokens); the rest came from the device pool.
         inserts: miss chunks to publish after they are computed,
             as (token ids, start position, end position).
-        repair: the repair pass's rows, if this request is repaired.
-        query_pass_rows: rows the repair's query pass computed before the forward.
+        scores: the query's attention per layer, recorded by the attention backend while
+            SGLang's forward computes the rows (the repair's query pass; policies that score).
+        slots: int64 [window_end] the request's KV-pool slots, once it is to be repaired (rows of
+            earlier windows in the batch read theirs from it).
+        repair: the repair pass's rows, once this request is repaired.
         not_repaired_reason: why a repair-policy request was not repaired in the window
             that completes its prompt (None: repaired, or not decided in this window).
     """
@@ -86,9 +92,11 @@ class RequestFold:
     hit_tokens: int = 0
     chunks_seen: int = 0
     chunks_hit: int = 0
+    tier_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
     inserts: list[tuple[tuple[int, ...], int, int]] = dataclasses.field(default_factory=list)
+    scores: Optional[QueryScores] = None
+    slots: Optional[torch.Tensor] = None
     repair: Optional["LoopRows"] = None
-    query_pass_rows: int = 0
     not_repaired_reason: Optional[str] = None
 
     @property
@@ -108,17 +116,28 @@ class RequestFold:
         runs on over its generated tokens)."""
         return self.window_start < len(self.req.origin_input_ids) <= self.window_end
 
-    def use_repair(self, repair: "LoopRows", query_pass_rows: int) -> None:
-        """Replace the kept rows by the repair pass's (anchors, glue, query; all scope 0).
+    @property
+    def rows_computed(self) -> int:
+        """Rows this forward computes for the request: the batch's, plus the repair pass's."""
+        return int(self.keep.shape[0]) + (self.repair.n_rows if self.repair is not None else 0)
 
-        The repair covers the whole prompt: rows before ``window_start`` (earlier windows of a
-        split prompt) get negative ``keep`` offsets; :func:`_folded_copy` reads their token ids
-        and slots from the request.
+    def start_query_pass(self, slots: torch.Tensor, scores: Optional[QueryScores],
+                         earlier_query: torch.Tensor) -> None:
+        """Before the forward, for a request to be repaired: SGLang's forward over its rows is
+        the repair's query pass.
+
+        Args:
+            slots: int64 [window_end] the request's slots.
+            scores: the recorder of the query's attention (None: the policy does not score).
+            earlier_query: int64 [n] positions of the query's rows in earlier windows (a split
+                prompt), added to the batch with scope 0 (negative ``keep`` offsets;
+                :func:`_folded_copy` reads their token ids and slots from the request), so that
+                the whole query is in the pass; recomputing them writes the same KV.
         """
-        self.repair = repair
-        self.query_pass_rows = query_pass_rows
-        self.keep = repair.positions - self.window_start
-        self.scope_start = torch.zeros_like(repair.positions)
+        self.slots, self.scores = slots, scores
+        if earlier_query.numel():
+            self.keep = torch.cat([earlier_query - self.window_start, self.keep])
+            self.scope_start = torch.cat([torch.zeros_like(earlier_query), self.scope_start])
 
     def publish_misses(self, cache: "ChunkCache") -> None:
         """Once the miss chunks' KV is computed: hand each to the chunk tree (at most once)."""
@@ -148,15 +167,20 @@ class Fold:
 
     def extend_rows(self) -> list[ExtendRows]:
         """Each request's rows, in batch order, for the attention backend."""
-        rows, start = [], 0
-        for r in self.requests:
-            rows.append(ExtendRows(r.req_pool_idx, start, r.positions, r.scope_start))
-            start += r.keep.shape[0]
-        return rows
+        return [ExtendRows(r.req_pool_idx, start, r.positions, r.scope_start, r.scores)
+                for r, start in zip(self.requests, self.row_starts())]
 
-    def context(self, repair_pass: Optional[list["LoopRows"]], kv_pool: Any, anchor_attention: Any) -> ForwardContext:
+    def row_starts(self) -> list[int]:
+        """First row of each request in the folded batch."""
+        starts, start = [], 0
+        for r in self.requests:
+            starts.append(start)
+            start += int(r.keep.shape[0])
+        return starts
+
+    def context(self, repair: Optional[Repair]) -> ForwardContext:
         """What the attention backend and the model hook read during the forward."""
-        return ForwardContext(self.positions(), self.extend_rows(), repair_pass, kv_pool, anchor_attention)
+        return ForwardContext(self.positions(), self.extend_rows(), repair)
 
     def batch(self) -> Any:
         """The batch to build the ForwardBatch from: the source, or its copy with the kept rows."""
@@ -207,10 +231,13 @@ def _fold_request(cache: "ChunkCache", req: Any, rp: int, pre: int, n: int,
             continue
         fold.chunks_seen += 1
         tokens = req.origin_input_ids[cs:ce]
-        if cache.reuse_chunk(plan.namespace, tokens, row[cs:ce].to(torch.int64), cs):
+        tier = cache.reuse_chunk(plan.namespace, tokens, row[cs:ce].to(torch.int64), cs)
+        if tier:
             keep[lo:hi] = False  # rows of earlier windows: their KV is overwritten by the copy
             fold.chunks_hit += 1
             fold.hit_tokens += hi - lo
+            if tier != "device":  # loaded from a lower tier (tree_cache: lower tiers)
+                fold.tier_tokens[tier] = fold.tier_tokens.get(tier, 0) + hi - lo
         else:
             scope[lo:hi] = cs
             fold.inserts.append((tuple(tokens), cs, ce))
@@ -230,9 +257,10 @@ def _fold_request(cache: "ChunkCache", req: Any, rp: int, pre: int, n: int,
 def _folded_copy(batch: Any, requests: list[RequestFold]) -> Any:
     """A shallow copy of the ScheduleBatch holding only the kept rows.
 
-    A repaired request's rows of earlier windows (negative ``keep``) are not in the scheduled
-    batch: their token ids come from the request, their slots from its ``req_to_token`` row
-    (``repair.slots``), appended after the batch's rows and indexed from there.
+    A repaired request's query rows of earlier windows (negative ``keep``) are not in the
+    scheduled batch: their token ids come from the request, their slots from its
+    ``req_to_token`` row (``RequestFold.slots``), appended after the batch's rows and indexed
+    from there.
     """
     if getattr(batch, "global_num_tokens", None) is not None:
         raise RuntimeError("relaxkv: data-parallel attention is not supported with chunk reuse")
@@ -244,7 +272,7 @@ def _folded_copy(batch: Any, requests: list[RequestFold]) -> Any:
         if bool(before.any()):
             pos = r.positions[before]
             extra_ids.append(torch.tensor(r.req.origin_input_ids[: r.window_start], dtype=torch.int64)[pos])
-            extra_locs.append(r.repair.slots[pos])
+            extra_locs.append(r.slots[pos])
             rows = rows.clone()
             rows[before] = total + n_extra + torch.arange(pos.shape[0])
             n_extra += pos.shape[0]

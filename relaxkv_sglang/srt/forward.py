@@ -4,13 +4,14 @@
 
 1. :func:`~.fold.fold_batch`: chunk hits copied (re-rotated) into the requests' slots and
    dropped from the batch; misses kept, scoped to their own chunk;
-2. :func:`~.repair.prepare_repair`: for repair policies, the query pass and the planner's
-   anchors; the repaired requests' rows become the repair pass's;
+2. :func:`~.repair.prepare_repair`: for repair policies, the requests to repair and their
+   query pass (SGLang's forward over their folded rows, the backend recording the query's
+   scores), and the repair the model hook runs after it;
 3. the folded batch and its :class:`~.context.ForwardContext` are attached to the scheduled
    batch and the context to the worker's attention backend and decoder stack; SGLang's own forward runs,
    building its ``ForwardBatch`` through :func:`around_forward_batch_init_new` (folded rows,
-   real positions), then the ``relaxkv`` attention backend and, for a repair, the model hook
-   (on the decoder stack it replaces) read the context;
+   real positions), then the ``relaxkv`` attention backend and the model hook (on the decoder
+   stack: after SGLang's layers, the repair: plan, anchors, glue and query) read the context;
 4. :func:`~.fold.finish_fold`: misses published to the chunk tree, reuse counted, reports;
 5. the chunk pins the batch's requests took at admission (:mod:`.admission`) are dropped,
    whatever happened above.
@@ -49,8 +50,7 @@ def _forward(original: Callable, cache: Any, worker: Any, batch: Optional[Any], 
     fold = fold_batch(cache, batch)
     if fold is None:
         return original(worker, batch, *args, **kwargs)
-    repair_pass = prepare_repair(cache, worker.model_runner, fold)
-    context = fold.context(repair_pass, cache.kv_pool, worker.model_runner.attn_backend.anchor_attention)
+    context = fold.context(prepare_repair(cache, worker.model_runner, fold))
     attach_pending(batch, PendingForward(fold.batch(), context))
     readers = _context_readers(worker)
     for reader in readers:
@@ -67,7 +67,7 @@ def _forward(original: Callable, cache: Any, worker: Any, batch: Optional[Any], 
 
 def _context_readers(worker: Any) -> list[Any]:
     """The objects that read the context during the forward: the attention backend, and the
-    decoder stack whose ``forward`` the repair hook replaces."""
+    decoder stack whose ``forward`` the repair hook wraps."""
     runner = worker.model_runner
     inner = getattr(runner.model, "model", None)
     return [runner.attn_backend] + ([inner] if inner is not None else [])

@@ -19,7 +19,8 @@ computed its K/V.
 SGLang modules used (names checked by :class:`ModelLayers`): ``embed_tokens``,
 ``layers[i].{input_layernorm, self_attn.{qkv_proj,rotary_emb,o_proj,attn}, post_attention_layernorm,
 mlp}``, ``norm``. SGLang files touched: ``models/llama.py`` ``LlamaModel.forward`` and
-``models/qwen2.py`` ``Qwen2Model.forward`` (around: :func:`around_model_forward`).
+``models/qwen2.py`` ``Qwen2Model.forward`` (around: :func:`around_model_forward`: SGLang's own
+forward runs first, as the repair's query pass, then the context's repair, which runs this loop).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import torch
 from relaxkv_sglang.core.attention import block_sparse_attention, scoped_causal_attention
 from relaxkv_sglang.core.layout import BlockSparseLayout
 from relaxkv_sglang.core.repair_plan import AnchorPlan
-from relaxkv_sglang.core.selection import query_attention_scores
 from relaxkv_sglang.srt.context import forward_context
 
 if TYPE_CHECKING:
@@ -115,11 +115,6 @@ class LoopRows:
             (0: its causal prefix; a chunk's start: that chunk only).
         anchor: bool [n] repair targets: they attend through ``anchor_plan.layouts``.
         anchor_plan: the planner's decisions (None: no anchors in this pass).
-        n_context: positions ``>= n_context`` are the query (for scores).
-        query_end: positions ``>= query_end`` are not the query (a retracted request's generated
-            tokens, prefilled again); None: the query runs to the last row.
-        want_scores: record s_l during this pass (the query pass).
-        scores: per layer, float [n_context] s_l, filled when ``want_scores``.
     """
 
     slots: torch.Tensor
@@ -128,10 +123,6 @@ class LoopRows:
     scope: torch.Tensor
     anchor: torch.Tensor
     anchor_plan: Optional[AnchorPlan] = None
-    n_context: int = 0
-    query_end: Optional[int] = None
-    want_scores: bool = False
-    scores: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     @property
     def n_rows(self) -> int:
@@ -144,15 +135,30 @@ class AnchorAttention:
 
     FlashInfer on a GPU (half precision, :mod:`relaxkv_sglang.gpu.flashinfer_attention`; its
     wrappers and workspace are built on first use and kept), the torch executor otherwise. Both
-    execute the same layout; ``python -m relaxkv_sglang.gpu.check`` compares them. The
+    execute the same layout; ``python -m relaxkv_sglang.gpu.check`` compares them. On a GPU a
+    request's layers are planned once per pass: its first anchor call builds every planned
+    layer's FlashInfer inputs (``layouts``), each layer then plans and runs one call. The
     ``relaxkv`` attention backend owns the worker's instance.
     """
 
     def __init__(self) -> None:
-        self._flashinfer: Any = None  # FlashInferRelaxedAttention, once a GPU pool is seen
+        self._flashinfer: Any = None  # FlashInferAnchorAttention, once a GPU pool is seen
+        self._plans: dict[int, tuple[list[BlockSparseLayout], Any]] = {}  # id(layouts) -> (layouts, plan)
+
+    @staticmethod
+    def uses_flashinfer(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """FlashInfer runs on a CUDA pool in half precision; anything else takes the torch executor."""
+        return k_cache.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+    def begin_pass(self) -> None:
+        """A new pass of the layer loop: plans are rebuilt, FlashInfer's wrappers reused."""
+        self._plans.clear()
+        if self._flashinfer is not None:
+            self._flashinfer.begin_pass()
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BlockSparseLayout,
-                 scale: float, key_rows: torch.Tensor) -> torch.Tensor:
+                 scale: float, key_rows: torch.Tensor, layer: Optional[int] = None,
+                 layouts: Optional[list[BlockSparseLayout]] = None) -> torch.Tensor:
         """Attend the anchors of one layer.
 
         Args:
@@ -161,18 +167,25 @@ class AnchorAttention:
             layout: the anchors' context.
             scale: softmax scale.
             key_rows: int64 [>= layout.n_keys] pool slot of each key position.
+            layer, layouts: the request's planned layouts and this layer's index in them, when
+                ``layout is layouts[layer]`` (GPU: all of them prepared at once).
         Returns:
             [n_rows, H, dv].
         """
-        if not (k_cache.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        if not self.uses_flashinfer(q, k_cache):
             return block_sparse_attention(q, k_cache, v_cache, layout, scale=scale, key_rows=key_rows)
         if self._flashinfer is None:
-            from relaxkv_sglang.gpu.flashinfer_attention import FlashInferRelaxedAttention
+            from relaxkv_sglang.gpu.flashinfer_attention import FlashInferAnchorAttention
 
-            self._flashinfer = FlashInferRelaxedAttention(k_cache.device)
-        self._flashinfer.plan(layout, num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[1], head_dim=q.shape[2],
-                              dtype=q.dtype, scale=scale, key_rows=key_rows)
-        return self._flashinfer.run(q, k_cache, v_cache)
+            self._flashinfer = FlashInferAnchorAttention(k_cache.device)
+        if layouts is None or layer is None or layouts[layer] is not layout:  # decided in the layer
+            plan, layer = self._flashinfer.plan_forward([layout]), 0
+        else:
+            known = self._plans.get(id(layouts))
+            if known is None or known[0] is not layouts:
+                known = self._plans[id(layouts)] = (layouts, self._flashinfer.plan_forward(layouts))
+            plan = known[1]
+        return self._flashinfer.run(plan, layer, q, k_cache, v_cache, key_rows, scale)
 
 
 class LayerLoop:
@@ -191,6 +204,7 @@ class LayerLoop:
         for r in requests:
             offsets.append(offsets[-1] + r.n_rows)
         hidden = model.embed_tokens(input_ids)
+        self.anchor_attention.begin_pass()
         for l in range(self.layers.n_layers):
             # Recomputed every layer: CacheBlend's check layer may shorten exits.
             active = torch.cat([(r.exits > l).nonzero().flatten() + off for r, off in zip(requests, offsets)])
@@ -234,13 +248,7 @@ class LayerLoop:
                       else plan.layouts[l])
             if not torch.equal(layout.q_pos, pos[sel]):
                 raise RuntimeError("relaxkv: layout rows do not match the layer's anchors")
-            out[sel] = self.anchor_attention(q[sel], k_cache, v_cache, layout, scale, r.slots)
-        if r.want_scores:
-            end = r.query_end if r.query_end is not None else int(pos.max()) + 1
-            is_query = (pos >= r.n_context) & (pos < end)
-            keys = r.slots[:end]
-            if int(is_query.sum()) == end - r.n_context:  # the whole query is in this pass
-                r.scores.append(query_attention_scores(q[is_query], k_cache[keys], r.n_context, scale))
+            out[sel] = self.anchor_attention(q[sel], k_cache, v_cache, layout, scale, r.slots, l, plan.layouts)
         return out
 
 
@@ -277,9 +285,14 @@ def supports_repair(causal_lm: torch.nn.Module) -> bool:
 
 def around_model_forward(original: Callable, model: torch.nn.Module, input_ids: torch.Tensor,
                          positions: torch.Tensor, forward_batch: "ForwardBatch", *args: Any, **kwargs: Any) -> Any:
-    """Hook on ``LlamaModel.forward`` / ``Qwen2Model.forward``: run the repair pass instead."""
+    """Hook on ``LlamaModel.forward`` / ``Qwen2Model.forward``: SGLang's forward (for a batch
+    with a repair, its query pass), then the repair, which replaces the repaired requests' glue
+    and query rows of the output (:class:`~relaxkv_sglang.srt.repair.RepairStage`)."""
+    hidden = original(model, input_ids, positions, forward_batch, *args, **kwargs)
     context = forward_context(model)
-    if context is None or context.repair_pass is None or not forward_batch.forward_mode.is_extend():
-        return original(model, input_ids, positions, forward_batch, *args, **kwargs)
-    loop = LayerLoop(ModelLayers(model), context.kv_pool, context.anchor_attention)
-    return loop.run(context.repair_pass, input_ids)
+    if context is None or context.repair is None or not forward_batch.forward_mode.is_extend():
+        return hidden
+    if not isinstance(hidden, torch.Tensor):
+        raise RuntimeError("relaxkv: a repair needs the decoder stack's hidden states alone "
+                           "(no auxiliary hidden states, no pipeline stages)")
+    return context.repair.run(model, hidden)

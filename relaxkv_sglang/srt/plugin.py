@@ -102,12 +102,12 @@ def _register_backends() -> None:
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
-    from relaxkv_sglang.srt.attention_backend import build_backend_class
+    from relaxkv_sglang.srt.attention_backend import create_backend
     from relaxkv_sglang.srt.plan import BACKEND_NAME
     from relaxkv_sglang.srt.tree_cache import make_tree_cache
 
     if BACKEND_NAME not in ATTENTION_BACKENDS:
-        register_attention_backend(BACKEND_NAME)(lambda runner: build_backend_class()(runner))
+        register_attention_backend(BACKEND_NAME)(create_backend)
     if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([BACKEND_NAME])
     if get_radix_cache_factory(BACKEND_NAME) is None:

@@ -1,27 +1,36 @@
-"""Cache repair inside SGLang's prefill: the query pass, then the planner's decisions as loop rows.
+"""Cache repair inside SGLang's prefill: SGLang's forward is the query pass, then the anchors.
 
-For a batch holding a request under a repair policy (``epic``, ``cacheblend``, ``prophetkv``,
-``relaxkv`` and the ablations), :func:`prepare_repair` runs before the scheduled forward:
+A batch holding a request under a repair policy (``epic``, ``cacheblend``, ``prophetkv``,
+``relaxkv`` and the ablations) runs its repair inside the one scheduled forward, in two passes:
 
-1. **Query pass**: the prompt's computed rows (exact prefix tail, chunk misses computed
-   position-independently, glue, query) run through :class:`~.layer_loop.LayerLoop` over the
-   stale reused KV. It writes their KV and records, per layer, the query's attention mass on
-   every context token (``s_l``).
-2. Misses are now final position-independent KV: the chunk tree gets them.
-3. **Plan**: :func:`~relaxkv_sglang.core.repair_plan.plan_anchors` (the same planner the torch
-   reference uses) chooses each layer's anchors and their contexts from ``s_l``.
-4. The request's rows become the repair pass's: anchors (leaving at their exit layer), glue
-   and query. The scheduled forward then runs the layer loop over them instead of the model's
-   own (:func:`~.layer_loop.around_model_forward`), and SGLang samples as usual.
+1. **Query pass: SGLang's own forward** over the fold's rows, exactly the rows ``pic`` computes
+   (the exact prefix's tail, chunk misses each attending only to its own chunk, glue and query
+   over the stale reused KV), through the ``relaxkv`` attention backend (torch SDPA on a CPU,
+   FlashInfer on a GPU). It writes their KV; for a policy that scores, the backend also records
+   the query's attention mass on every context token at each layer (``s_l``,
+   :class:`~.context.QueryScores`). :func:`prepare_repair` sets this up before the forward.
+2. **Repair** (:class:`RepairStage`), run by the model hook once SGLang's decoder stack has
+   computed the rows (:func:`~.layer_loop.around_model_forward`): the misses are now final
+   position-independent KV and go to the chunk tree; the planner
+   (:func:`~relaxkv_sglang.core.repair_plan.plan_anchors`, the same one the torch reference
+   uses) chooses each layer's anchors and their contexts from ``s_l``; the **repair pass**
+   (:class:`~.layer_loop.LayerLoop`) runs only the rows that need it, anchors (leaving at their
+   exit layer), glue and query, and its glue and query rows replace SGLang's in the hidden states
+   the logits processor reads. SGLang samples as usual.
+
+Every row is computed once by SGLang's forward; the layer loop computes only the repair. So a
+cold request (chunks no request has cached) pays ``pic``'s forward plus the repair, and its
+result is the one the same request gets on warm chunks: its misses' KV is what a later hit
+copies, the query pass sees the same stale KV, and the plan and repair follow from them.
 
 **When**: in the extend window that holds the prompt's last token
 (:attr:`~.fold.RequestFold.completes_prompt`). A prompt longer than SGLang's
 ``--chunked-prefill-size`` is prefilled in several windows; the earlier ones fold hits and
 compute misses position-independently, as ``pic`` does (:mod:`.fold`), and the last one repairs
-the whole prompt: the query pass runs this window's rows (plus any query rows of earlier windows,
-for their scores) over the stale KV already in the request's slots, the plan covers every chunk,
-and the repair pass's anchors, glue and query may be rows of earlier windows, whose stale KV
-they overwrite layer by layer. The result does not depend on where the windows fell. A request
+the whole prompt: its query pass runs this window's rows plus any query rows of earlier windows
+(for their scores) over the stale KV already in the request's slots, the plan covers every chunk,
+and the repair pass's anchors and glue may be rows of earlier windows, whose stale KV they
+overwrite layer by layer. The result does not depend on where the windows fell. A request
 SGLang retracted under memory pressure is prefilled again with its generated tokens: the same
 window repairs it again (the query's scores stop at the prompt's end; the generated tokens are
 recomputed like the query). When a repair-policy request is not repaired, the report says why
@@ -39,6 +48,7 @@ import torch
 
 from relaxkv_sglang.core.policies import Policy
 from relaxkv_sglang.core.repair_plan import AnchorPlan, RepairConfig, plan_anchors
+from relaxkv_sglang.srt.context import QueryScores
 from relaxkv_sglang.srt.layer_loop import LayerLoop, LoopRows, ModelLayers, supports_repair
 
 if TYPE_CHECKING:
@@ -73,13 +83,10 @@ def not_repaired_reason(r: "RequestFold", model_supports_repair: bool) -> Option
     return None
 
 
-def prepare_repair(cache: "ChunkCache", model_runner: "ModelRunner", fold: "Fold") -> Optional[list[LoopRows]]:
-    """Run the query pass and plan the batch's repair requests (module doc).
-
-    Each repaired ``RequestFold`` takes the repair pass's rows (``use_repair``). Returns the
-    repair pass's rows for every request of the batch (a request not repaired runs its folded
-    rows at every layer), or None when no request is repaired in this window.
-    """
+def prepare_repair(cache: "ChunkCache", model_runner: "ModelRunner", fold: "Fold") -> Optional["RepairStage"]:
+    """Before the forward: choose the batch's requests to repair and set up their query pass
+    (module doc, step 1); the returned stage runs step 2 inside the forward. None when no request
+    is repaired in this window."""
     candidates = [r for r in fold.requests if decides_repair(r)]
     if not candidates:
         return None
@@ -91,23 +98,80 @@ def prepare_repair(cache: "ChunkCache", model_runner: "ModelRunner", fold: "Fold
             targets.append(r)
     if not targets:
         return None
-    layers = ModelLayers(model_runner.model.model)
-    loop = LayerLoop(layers, cache.kv_pool, model_runner.attn_backend.anchor_attention)
-    n_layers = layers.n_layers
+    for r in targets:
+        _start_query_pass(cache, r)
+    return RepairStage(cache, model_runner.attn_backend, fold, targets)
 
-    passes = [_query_pass_rows(cache, r, n_layers) for r in targets]
-    ids = torch.cat([_token_ids(r.req)[rows.positions] for r, rows in zip(targets, passes)])
-    with torch.no_grad():
-        loop.run(passes, ids.to(model_runner.device))
 
-    for r, query_pass in zip(targets, passes):
-        r.publish_misses(cache)
-        anchor_plan = plan_anchors(
-            r.plan.policy, torch.stack(query_pass.scores) if query_pass.want_scores else None,
-            list(r.plan.chunk_spans), r.plan.query_start, n_layers, repair_config(r),
-            model_runner.attn_backend.repair_cost)
-        r.use_repair(_repair_rows(r, anchor_plan, query_pass.slots), query_pass.n_rows)
-    return [r.repair if r.repair is not None else _folded_rows(cache, r, n_layers) for r in fold.requests]
+def _start_query_pass(cache: "ChunkCache", r: "RequestFold") -> None:
+    """The request's rows stay the fold's; a policy that scores records the query's attention,
+    and needs the whole query in the pass: its rows of earlier windows are added (they already
+    hold their stale KV; only the query's own rows give scores, and recomputing them writes the
+    same KV)."""
+    slots = cache.req_to_token[r.req_pool_idx, : r.window_end].to(torch.int64)
+    scores, earlier_query = None, torch.zeros(0, dtype=torch.int64)
+    if Policy(r.plan.policy).needs_query_scores:
+        scores = QueryScores(r.plan.query_start, len(r.req.origin_input_ids), slots)
+        earlier_query = torch.arange(min(r.plan.query_start, r.window_start), r.window_start, dtype=torch.int64)
+    r.start_query_pass(slots, scores, earlier_query)
+
+
+class RepairStage:
+    """The batch's repair, run by the model hook after SGLang's forward (module doc, step 2).
+
+    Args:
+        cache: the worker's chunk cache (KV pool, publishing the misses).
+        attn_backend: the worker's ``relaxkv`` attention backend (anchor executor, cost model).
+        fold: the batch's fold (the rows of every request in SGLang's output).
+        targets: the requests to repair, their query pass set up.
+    """
+
+    def __init__(self, cache: "ChunkCache", attn_backend: Any, fold: "Fold", targets: list["RequestFold"]) -> None:
+        self.cache = cache
+        self.attn_backend = attn_backend
+        self.fold = fold
+        self.targets = targets
+
+    def run(self, model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n_rows, hidden] SGLang's final-normed output of the folded batch -> the same,
+        the targets' glue and query rows replaced by the repair pass's."""
+        layers = ModelLayers(model)
+        n_layers = layers.n_layers
+        for r in self.targets:
+            r.publish_misses(self.cache)  # final position-independent KV, before anchors overwrite it
+            scores = r.scores.stacked(n_layers) if r.scores is not None else None
+            anchor_plan = plan_anchors(r.plan.policy, scores, list(r.plan.chunk_spans), r.plan.query_start, n_layers,
+                                       repair_config(r), self.attn_backend.repair_cost)
+            r.repair = _repair_rows(r, anchor_plan, r.slots)
+        passes = [r.repair for r in self.targets]
+        ids = torch.cat([_token_ids(r.req)[rows.positions] for r, rows in zip(self.targets, passes)])
+        loop = LayerLoop(layers, self.cache.kv_pool, self.attn_backend.anchor_attention)
+        with torch.no_grad():
+            repaired = loop.run(passes, ids.to(hidden.device))
+        start_of = {id(r): start for r, start in zip(self.fold.requests, self.fold.row_starts())}
+        offset = 0
+        for r, rows in zip(self.targets, passes):
+            _replace_rows(hidden, start_of[id(r)], r.positions, repaired[offset: offset + rows.n_rows], rows)
+            offset += rows.n_rows
+        return hidden
+
+
+def _replace_rows(hidden: torch.Tensor, start: int, batch_positions: torch.Tensor, repaired: torch.Tensor,
+                  rows: LoopRows) -> None:
+    """Write one request's repaired glue and query rows over its rows of SGLang's output.
+
+    Args:
+        hidden: [n_batch_rows, hidden] modified in place.
+        start: the request's first row in ``hidden``; batch_positions int64 [n] its rows' positions.
+        repaired: [rows.n_rows, hidden] the repair pass's output; rows: its rows.
+    """
+    fresh = (~rows.anchor).nonzero().flatten()
+    pos = rows.positions[fresh]
+    idx = torch.searchsorted(batch_positions, pos).clamp(max=batch_positions.shape[0] - 1)
+    present = batch_positions[idx] == pos  # glue of earlier windows is not in this batch
+    if not bool(present[-1]) or int(pos[-1]) != int(batch_positions[-1]):
+        raise RuntimeError("relaxkv: the repair pass does not end at the request's last row")
+    hidden[(start + idx[present]).to(hidden.device)] = repaired[fresh[present].to(repaired.device)].to(hidden.dtype)
 
 
 def _token_ids(req: Any) -> torch.Tensor:
@@ -115,37 +179,6 @@ def _token_ids(req: Any) -> torch.Tensor:
     again covers its generated tokens too)."""
     ids = getattr(req, "full_untruncated_fill_ids", None)
     return torch.tensor(ids if ids is not None and len(ids) else req.origin_input_ids, dtype=torch.int64)
-
-
-def _query_pass_rows(cache: "ChunkCache", r: "RequestFold", n_layers: int) -> LoopRows:
-    """The query pass: this window's folded rows, plus, for a policy that scores, the query rows
-    of earlier windows.
-
-    Rows of earlier windows already hold their stale KV; only the query's own rows must run
-    again, since their queries give the scores (recomputing them writes the same KV).
-    """
-    rows = _folded_rows(cache, r, n_layers)
-    rows.want_scores = Policy(r.plan.policy).needs_query_scores
-    earlier_query = torch.arange(min(r.plan.query_start, r.window_start), r.window_start, dtype=torch.int64)
-    if rows.want_scores and earlier_query.numel():
-        n = earlier_query.shape[0]
-        rows.positions = torch.cat([earlier_query, rows.positions])
-        rows.exits = torch.cat([torch.full((n,), n_layers, dtype=torch.int64), rows.exits])
-        rows.scope = torch.cat([torch.zeros(n, dtype=torch.int64), rows.scope])
-        rows.anchor = torch.cat([torch.zeros(n, dtype=torch.bool), rows.anchor])
-    rows.n_context = r.plan.query_start
-    rows.query_end = len(r.req.origin_input_ids)
-    return rows
-
-
-def _folded_rows(cache: "ChunkCache", r: "RequestFold", n_layers: int) -> LoopRows:
-    """The request's folded rows, each at every layer with its own scope (no anchors)."""
-    n = r.positions.shape[0]
-    return LoopRows(
-        slots=cache.req_to_token[r.req_pool_idx, : r.window_end].to(torch.int64),
-        positions=r.positions, exits=torch.full((n,), n_layers, dtype=torch.int64),
-        scope=r.scope_start.clone(), anchor=torch.zeros(n, dtype=torch.bool),
-    )
 
 
 def _repair_rows(r: "RequestFold", anchor_plan: AnchorPlan, slots: torch.Tensor) -> LoopRows:
@@ -163,4 +196,4 @@ def _repair_rows(r: "RequestFold", anchor_plan: AnchorPlan, slots: torch.Tensor)
     exits = torch.where(is_anchor, exit_of[positions.clamp(max=n_context - 1)],
                         torch.tensor(anchor_plan.n_layers))
     return LoopRows(slots=slots, positions=positions, exits=exits, scope=torch.zeros_like(positions),
-                    anchor=is_anchor, anchor_plan=anchor_plan, n_context=n_context)
+                    anchor=is_anchor, anchor_plan=anchor_plan)

@@ -1,7 +1,8 @@
 """The per-request report, ``meta_info.relaxkv``: what the fold and the repair did.
 
 Fields (documented for users in ``docs/api.md``): ``policy``, ``chunks_seen``, ``chunks_hit``,
-``chunk_tokens_reused``, ``tokens_computed`` (rows computed, the repair's query pass included),
+``chunk_tokens_reused`` (of which ``chunk_tokens_from_host`` and ``chunk_tokens_from_disk`` were loaded
+from the lower tiers, the rest served from the device pool), ``tokens_computed`` (rows computed, the repair's query pass included),
 ``repaired``, ``prefills`` (times the prompt's last token was prefilled: 1, plus one per
 retraction) and ``repairs`` (how many of those ran the repair); for a repaired request
 ``anchor_ratio`` (achieved), ``anchors_per_layer``, ``context_ratio`` (visible key pairs over the
@@ -31,7 +32,8 @@ if TYPE_CHECKING:
     from relaxkv_sglang.srt.layer_loop import LoopRows
 
 # Counters summed over the prefill steps of one request (chunked prefill, retraction).
-_ADDITIVE = ("chunks_seen", "chunks_hit", "chunk_tokens_reused", "tokens_computed", "prefills", "repairs")
+_ADDITIVE = ("chunks_seen", "chunks_hit", "chunk_tokens_reused", "chunk_tokens_from_host", "chunk_tokens_from_disk",
+             "tokens_computed", "prefills", "repairs")
 
 
 def request_record(r: "RequestFold") -> dict:
@@ -41,7 +43,9 @@ def request_record(r: "RequestFold") -> dict:
         "chunks_seen": r.chunks_seen,
         "chunks_hit": r.chunks_hit,
         "chunk_tokens_reused": r.hit_tokens,
-        "tokens_computed": int(r.keep.shape[0]) + r.query_pass_rows,
+        "chunk_tokens_from_host": min(r.tier_tokens.get("host", 0), r.hit_tokens),
+        "chunk_tokens_from_disk": min(r.tier_tokens.get("disk", 0), r.hit_tokens),
+        "tokens_computed": r.rows_computed,
         "repaired": r.repair is not None,
         "prefills": int(r.completes_prompt),  # 1: this step decided the repair
         "repairs": int(r.repair is not None),
@@ -77,12 +81,13 @@ def merge_record(req: Any, step: dict) -> None:
     old = info.get(RECORD_KEY, [None])[-1]
     if old is not None:
         decided = step["prefills"] > 0
-        for key in _ADDITIVE:
-            step[key] += old.get(key, 0)
+        summed = [key for key in _ADDITIVE if key in step or key in old]
+        for key in summed:
+            step[key] = step.get(key, 0) + old.get(key, 0)
         if not decided:
             # An earlier window of a split prompt, or a window of generated tokens after the
             # prompt's: it decided nothing, so the last decision stands.
-            step = {**old, **{key: step[key] for key in ("policy",) + _ADDITIVE}}
+            step = {**old, **{key: step[key] for key in ["policy"] + summed}}
     info[RECORD_KEY] = [step]
     req.customized_info = info
 

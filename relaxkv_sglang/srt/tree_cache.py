@@ -30,6 +30,21 @@ What this class changes in the radix tree's behaviour:
   store's oldest entry.
 * ``on_release`` (a request's row freed): drops its chunk pins, if any.
 
+Lower tiers (:mod:`.tiers`, :mod:`relaxkv_sglang.core.chunk_tiers`; off unless
+``RELAXKV_HOST_CACHE_GB`` or ``RELAXKV_CHUNK_DIR`` is set). A chunk the LRU evicts
+from the pool spills to the host tier (if its admission takes it), else to disk if the
+disk lacks it (``ChunkStore(on_evict=...)``, before its slots are freed); a chunk
+computed here is written to disk in the background (:meth:`publish_chunk`). At admission
+:meth:`pin_request` loads a chunk the pool lacks but a lower tier holds (host first,
+checksum-verified from disk) into slots the chunk store owns and pins it like any hit
+(``ChunkEntry.origin`` names the tier until the fold reports the hit). The disk reads of
+queued requests' chunks start in the background when they are first seen in the waiting
+queue (:meth:`begin_admission`), so by their admission the read is often done. The fold's own
+lookup (:meth:`reuse_chunk`) falls back to the tiers too, copying straight into the
+request's slots. Keys are content addresses over the model identity, the namespace and
+the tokens, so tenants stay apart in every tier. A flush empties the pool and the host
+tier; the disk folder is kept (it is what a restart serves from).
+
 Pins (admission to fold). :mod:`.admission` calls :meth:`pin_request` when the
 scheduler's ``PrefillAdder`` considers a request: every chunk of its window the
 store holds is locked, so the adder's budget (free + ``evictable_size``) no
@@ -68,11 +83,13 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Protocol, S
 
 import torch
 
-from relaxkv_sglang.core.chunk_store import ChunkStore, ChunkStoreStats
+from relaxkv_sglang.core.chunk_store import ChunkEntry, ChunkStore, ChunkStoreStats
+from relaxkv_sglang.core.chunk_tiers import TieredChunkStore
 from relaxkv_sglang.core.rope import RopeSpec, UnsupportedRopeError, rope_spec_from_hf_config, rotate_keys
 from relaxkv_sglang.srt.gate import gate_state, run_startup_gate, serving_rope
 from relaxkv_sglang.srt.layer_loop import supports_repair
 from relaxkv_sglang.srt.plan import BACKEND_NAME, request_plan
+from relaxkv_sglang.srt.tiers import PoolKV, build_tiers, model_identity, tier_config_from_env
 
 if TYPE_CHECKING:
     from sglang.srt.managers.scheduler import Scheduler
@@ -113,8 +130,10 @@ class ChunkCache(Protocol):
     def kv_pool(self) -> "KVCache":
         """SGLang's KV pool (per-layer K and V buffers)."""
 
-    def reuse_chunk(self, namespace: Optional[str], tokens: Sequence[int], dst: torch.Tensor, position: int) -> bool:
-        """Copy a cached chunk into ``dst`` re-rotated to ``position``; False on a miss."""
+    def reuse_chunk(self, namespace: Optional[str], tokens: Sequence[int], dst: torch.Tensor,
+                    position: int) -> Optional[str]:
+        """Copy a cached chunk into ``dst`` re-rotated to ``position``; the tier it came from
+        (``"device"``, ``"host"``, ``"disk"``), None on a miss."""
 
     def publish_chunk(self, namespace: Optional[str], tokens: Sequence[int], src: torch.Tensor, position: int) -> bool:
         """Store a chunk computed at ``position`` in slots ``src``; False if not stored."""
@@ -154,14 +173,20 @@ def build_cache_class() -> type:
     class RelaxKVTreeCache(RadixCache):
         """SGLang's radix tree plus the chunk store, with one memory account (module doc)."""
 
-        def __init__(self, params: Any, copier: KVCopier, metrics: Optional["ChunkMetrics"] = None) -> None:
+        def __init__(self, params: Any, copier: KVCopier, metrics: Optional["ChunkMetrics"] = None,
+                     tiers: Optional[TieredChunkStore] = None, pool_kv: Optional[PoolKV] = None) -> None:
             self.chunks: Optional[ChunkStore] = None
+            self.tiers = tiers if tiers is not None and tiers.enabled else None
+            self.pool_kv = pool_kv
             self.pins: dict[str, list] = {}  # rid -> [(chunk end, entry)] locked for it, admission to fold
             super().__init__(params)  # calls reset()
             # time.monotonic: the clock of TreeNode.last_access_time, so one LRU order spans both trees.
             # ghost_capacity: the store learns what it is worth, up to the whole pool (admission_hold).
             self.chunks = ChunkStore(free_slots=self.token_to_kv_pool_allocator.free, clock=time.monotonic,
-                                     ghost_capacity=int(self.token_to_kv_pool_allocator.size))
+                                     ghost_capacity=int(self.token_to_kv_pool_allocator.size),
+                                     on_evict=self._spill if self.tiers is not None else None)
+            self.tier_load_no_room = 0  # lower-tier hits not loaded at admission: no free slots
+            self.tier_errors = 0  # spills / loads that raised (logged; the chunk is then a miss)
             self.copier = copier
             self.metrics = metrics
             self.hold_enabled = os.environ.get(HOLD_ENV, "1") != "0"
@@ -185,7 +210,7 @@ def build_cache_class() -> type:
             return self.copier.kv_pool
 
         def reuse_chunk(self, namespace: Optional[str], tokens: Sequence[int], dst: torch.Tensor,
-                        position: int) -> bool:
+                        position: int) -> Optional[str]:
             """Copy a cached chunk into a request's slots, K re-rotated to ``position``.
 
             Args:
@@ -194,17 +219,37 @@ def build_cache_class() -> type:
                 dst: int64 [len(tokens)] the request's slots for the chunk.
                 position: where the chunk's first token sits in the request.
             Returns:
-                True on a hit (``dst`` now holds the chunk's KV), False on a miss.
+                On a hit (``dst`` now holds the chunk's KV) the tier it was served from:
+                ``"device"``, or ``"host"`` / ``"disk"`` for a chunk loaded from there (at
+                admission, or here when the pool lacks it); None on a miss.
             """
+            key = None
+            if self.tiers is not None:
+                key = self.tiers.key(namespace, tokens)
+                self.tiers.record_access(key)  # the admission sketch sees every lookup
             entry = self.chunks.lookup(namespace, tokens)
             if entry is None:
-                return False
+                return self._reuse_from_tiers(key, dst, position) if key is not None else None
             self.chunks.lock(entry)  # nothing may evict it while it is read
             try:
                 self.copier.copy(entry.slots, dst, position - entry.canonical_start)
             finally:
                 self.chunks.unlock(entry)
-            return True
+            origin, entry.origin = entry.origin, None
+            return origin or "device"
+
+        def _reuse_from_tiers(self, key: str, dst: torch.Tensor, position: int) -> Optional[str]:
+            """A pool miss served from a lower tier, copied straight into the request's slots."""
+            try:
+                record, tier = self.tiers.get(key)
+                if record is None:
+                    return None
+                self.pool_kv.write(dst, record, position - record.canonical_start)
+            except Exception:  # noqa: BLE001 - a lower tier never fails a request: it is a miss
+                logger.exception("relaxkv: loading a chunk from a lower tier failed; computing it")
+                self.tier_errors += 1
+                return None
+            return tier
 
         def publish_chunk(self, namespace: Optional[str], tokens: Sequence[int], src: torch.Tensor,
                           position: int) -> bool:
@@ -226,11 +271,56 @@ def build_cache_class() -> type:
                 self.duplicate_compute_tokens += len(tokens)
                 return False
             slots = self.alloc_chunk_slots(len(tokens))
-            if slots is None:
-                return False
-            self.copier.copy(src, slots, 0)
-            self.chunks.insert(namespace, tokens, slots, canonical_start=position)
-            return True
+            if slots is not None:
+                self.copier.copy(src, slots, 0)
+                self.chunks.insert(namespace, tokens, slots, canonical_start=position)
+            if self.tiers is not None:  # written through to disk (in the background), for restarts
+                key = self.tiers.key(namespace, tokens)
+                if self.tiers.publish_wanted(key):
+                    try:  # from the request's own slots: stored on disk even when the pool had no room
+                        self.tiers.publish(key, self.pool_kv.read(src, position))
+                    except Exception:  # noqa: BLE001
+                        logger.exception("relaxkv: writing a chunk to disk failed")
+                        self.tier_errors += 1
+            return slots is not None
+
+        # -------------------------------------------------- lower tiers: spill and load
+
+        def _spill(self, entry: ChunkEntry) -> None:
+            """``ChunkStore`` evicts ``entry``: keep its KV in a lower tier (while its slots hold it)."""
+            try:
+                key = self.tiers.key(entry.namespace, entry.token_ids)
+                tier = self.tiers.spill_wanted(key, entry.num_tokens)
+                if tier is not None:
+                    self.tiers.spill(key, self.pool_kv.read(entry.slots, entry.canonical_start), tier)
+            except Exception:  # noqa: BLE001 - eviction must go on; the chunk is just gone
+                logger.exception("relaxkv: spilling an evicted chunk failed")
+                self.tier_errors += 1
+
+        def _load(self, namespace: Optional[str], tokens: Sequence[int]) -> Optional[ChunkEntry]:
+            """A chunk the pool lacks, loaded from a lower tier into store-owned slots (unlocked)."""
+            key = self.tiers.key(namespace, tokens)
+            if self.tiers.where(key) is None:
+                return None
+            try:
+                record, tier = self.tiers.get(key)
+                if record is None:  # damaged on disk: removed and counted by the tier
+                    return None
+                # only chunks are evicted for it: the request's radix prefix is not locked yet
+                slots = self.alloc_chunk_slots(len(tokens), chunks_only=True)
+                if slots is None:
+                    self.tier_load_no_room += 1
+                    return None
+                self.pool_kv.write(slots, record)
+            except Exception:  # noqa: BLE001
+                logger.exception("relaxkv: loading a chunk from a lower tier failed; computing it")
+                self.tier_errors += 1
+                return None
+            entry = self.chunks.insert(namespace, tokens, slots, canonical_start=record.canonical_start)
+            entry.origin = tier
+            if tier == "host":  # exclusive: it spills back (through admission) when evicted
+                self.tiers.host.delete(key)
+            return entry
 
         # -------------------------------------------------- pins: admission to fold
 
@@ -251,6 +341,8 @@ def build_cache_class() -> type:
                 if ce < start:  # settled by an earlier window (fold.settles_in_window)
                     continue
                 entry = self.chunks.peek(plan.namespace, tokens)
+                if entry is None and self.tiers is not None:
+                    entry = self._load(plan.namespace, tokens)  # a lower-tier hit, into the pool
                 if entry is not None:
                     self.chunks.lock(entry)
                     pins.append((ce, entry))
@@ -286,9 +378,28 @@ def build_cache_class() -> type:
                     self.unpin_request(req)
 
         def begin_admission(self, waiting_queue: list, chunked_req: Any = None) -> None:
-            """An admission round starts: queued requests' chunks may be held (see admission_hold)."""
+            """An admission round starts: queued requests' chunks may be held (see admission_hold);
+            with a disk tier, the disk reads of their chunks the pool lacks start in the background."""
             self.queue = ([chunked_req] if chunked_req is not None else []) + list(waiting_queue)
             self.hot = None
+            if self.tiers is not None and self.tiers.disk is not None:
+                self._prefetch(waiting_queue)
+
+        def _prefetch(self, waiting_queue: list) -> None:
+            """Queue the disk reads of each newly queued request's chunks the pool lacks (once per request)."""
+            keys = []
+            for req in waiting_queue[:HOLD_QUEUE_DEPTH]:
+                if req.__dict__.get("_relaxkv_prefetched"):
+                    continue
+                req.__dict__["_relaxkv_prefetched"] = True
+                plan = request_plan(req)
+                if plan is None or not plan.reuses_chunks:
+                    continue
+                for _cs, _ce, tokens in chunk_keys(req, plan):
+                    if self.chunks.peek(plan.namespace, tokens) is None:
+                        keys.append(self.tiers.key(plan.namespace, tokens))
+            if keys:
+                self.tiers.prefetch(keys)
 
         def end_admission(self) -> None:
             """The admission round is over."""
@@ -339,7 +450,7 @@ def build_cache_class() -> type:
         def update_metrics(self) -> None:
             """Push the chunk counters to /metrics (when ``--enable-metrics``)."""
             if self.metrics is not None:
-                self.metrics.publish(self.chunks.stats())
+                self.metrics.publish(self.chunks.stats(), self.tiers.stats() if self.tiers is not None else None)
 
         def stats(self) -> dict:
             """Chunk tree counters and KV pool occupancy, for /get_server_info."""
@@ -354,13 +465,30 @@ def build_cache_class() -> type:
                 "radix_evictable_tokens": RadixCache.evictable_size(self),
                 "radix_protected_tokens": self.protected_size(),
                 "kv_available_tokens": int(self.token_to_kv_pool_allocator.available_size()),
+                "tiers": self.tier_names(),
+                **(self.tiers.stats() if self.tiers is not None else {}),
+                **({"tier_load_no_room": self.tier_load_no_room, "tier_errors": self.tier_errors}
+                   if self.tiers is not None else {}),
             }
 
-        def alloc_chunk_slots(self, n: int) -> Optional[torch.Tensor]:
-            """n free KV slots for a new chunk, evicting if needed; None if none."""
+        def tier_names(self) -> list[str]:
+            """The tiers this cache serves from, top first."""
+            if self.tiers is None:
+                return ["device"]
+            return ["device"] + [n for n, t in (("host", self.tiers.host), ("disk", self.tiers.disk)) if t is not None]
+
+        def alloc_chunk_slots(self, n: int, chunks_only: bool = False) -> Optional[torch.Tensor]:
+            """n free KV slots for a new chunk, evicting if needed; None if none.
+
+            ``chunks_only``: evict only unpinned chunks, never radix leaves (at admission, where
+            a request's matched prefix is not locked yet)."""
             allocator = self.token_to_kv_pool_allocator
             if allocator.available_size() < n:
-                self.evict(EvictParams(num_tokens=n - allocator.available_size()))
+                if chunks_only:
+                    if self.chunks.evict(n - allocator.available_size()):
+                        self.update_metrics()
+                else:
+                    self.evict(EvictParams(num_tokens=n - allocator.available_size()))
             if allocator.available_size() < n:
                 return None
             slots = allocator.alloc(n)
@@ -381,6 +509,9 @@ def build_cache_class() -> type:
                         for _, entry in self.pins.pop(rid):
                             self.chunks.unlock(entry)
                 self.chunks.reset()
+                if self.tiers is not None:
+                    self.tiers.clear_host()  # the disk folder stays: it is what a restart serves
+                    self.tiers.clear_staged()
             super().reset()
 
         def on_release(self, req: Any, *, checkpointed: bool) -> None:
@@ -475,15 +606,45 @@ class ChunkMetrics:
         self.tokens_held = Gauge("relaxkv:chunk_tokens_held", "KV tokens held by the chunk tree.",
                                  multiprocess_mode="mostrecent")
         self.last = dict.fromkeys(self.COUNTERS, 0)
+        self.tier_counters: dict = {}
+        self.tier_gauges: dict = {}
+        self.tier_last: dict = {}
+        self._counter, self._gauge = Counter, Gauge
 
-    def publish(self, stats: ChunkStoreStats) -> None:
-        """Advance the counters to the store's totals."""
+    def publish(self, stats: ChunkStoreStats, tier_stats: Optional[dict] = None) -> None:
+        """Advance the counters to the store's totals (and the lower tiers', when present)."""
         for name, counter in self.counters.items():
             value = getattr(stats, name)
             if value > self.last[name]:
                 counter.inc(value - self.last[name])
             self.last[name] = value
         self.tokens_held.set(stats.tokens_held)
+        for name, value in (tier_stats or {}).items():
+            if name not in TIER_METRICS and not name.endswith(TIER_GAUGES):
+                continue
+            if name.endswith(TIER_GAUGES):
+                gauge = self.tier_gauges.get(name)
+                if gauge is None:
+                    gauge = self.tier_gauges[name] = self._gauge(
+                        f"relaxkv:{name}", f"Lower tier {name[5:].replace('_', ' ')}.", multiprocess_mode="mostrecent")
+                gauge.set(value)
+                continue
+            counter = self.tier_counters.get(name)
+            if counter is None:
+                counter = self.tier_counters[name] = self._counter(
+                    f"relaxkv:{name}", f"Lower tier {name[5:].replace('_', ' ')} since start.")
+            last = self.tier_last.get(name, 0)
+            if value > last:
+                counter.inc(value - last)
+            self.tier_last[name] = value
+
+
+# Lower-tier counters on /metrics (relaxkv:tier_<tier>_<name>), and gauges (current occupancy).
+TIER_METRICS = {f"tier_{tier}_{name}" for tier in ("host", "disk") for name in (
+    "hits", "misses", "loads", "loaded_tokens", "loaded_bytes", "load_seconds", "spills", "spilled_bytes",
+    "rejected", "evictions", "evicted_bytes", "writes", "written_bytes", "write_errors", "corrupt", "foreign",
+    "publish_dropped", "spill_rejected")}
+TIER_GAUGES = ("_bytes_held", "_entries", "_pending_writes")
 
 
 def make_tree_cache(ctx: "TreeCacheBuildContext") -> Any:
@@ -507,7 +668,19 @@ def make_tree_cache(ctx: "TreeCacheBuildContext") -> Any:
     rope = serving_rope(rope)  # the rope unless a test swaps it (gate.ROPE_OVERRIDE_ENV)
     kv_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
     metrics = ChunkMetrics() if server_args.enable_metrics else None
-    cache = build_cache_class()(ctx.params, KVCopier(kv_pool, rope), metrics)
+    tiers = pool_kv = None
+    tier_config = tier_config_from_env()  # a malformed RELAXKV_* tier variable stops the server here
+    if tier_config.enabled:
+        pool_kv = PoolKV(kv_pool, rope)
+        # tensor parallelism: each rank holds its own heads' KV, so the rank is part of the layout
+        layout = f"{pool_kv.layout()} tp={ctx.tp_rank}/{getattr(server_args, 'tp_size', 1)}"
+        identity = model_identity(server_args.model_path, server_args.tokenizer_path, hf_config,
+                                  pool_kv.dtype, layout)
+        tiers = build_tiers(tier_config, pool_kv, identity)
+        logger.info("relaxkv chunk tiers: host %d bytes (%s), disk %s (%d bytes), identity %s",
+                    tier_config.host_bytes, tier_config.host_policy, tier_config.disk_dir,
+                    tier_config.disk_bytes, identity.digest)
+    cache = build_cache_class()(ctx.params, KVCopier(kv_pool, rope), metrics, tiers, pool_kv)
     setattr(ctx.tp_worker, _WORKER_ATTR, cache)
     # The correctness gate on the loaded model (srt/gate.py): a failure refuses chunk policies.
     run_startup_gate(ctx.tp_worker, cache, int(ctx.model_config.context_len), tp_rank=ctx.tp_rank,

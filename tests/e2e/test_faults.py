@@ -1,7 +1,7 @@
 """Faults: the server killed mid-workload and restarted; a corrupt model cache.
 
-The chunk cache lives in the server's KV pool only, so a crash loses it and
-that is all: a new server on the same port and cache folder starts empty,
+Without ``--chunk-dir`` the chunk cache lives in the server's memory only, so a crash loses
+it and that is all (with one, see ``test_tiers.py``): a new server on the same port and cache folder starts empty,
 answers as before, and serving writes nothing to disk. Corrupt or partial
 artifacts in the asset cache are detected by their manifest and rebuilt (data
 and wheels: ``tests/unit/test_assets_cli.py``; the model: here).

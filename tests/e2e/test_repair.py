@@ -98,6 +98,54 @@ def test_partial_repair_moves_toward_full(relaxkv_server, warm_prompt):
     assert abs(half_lp[0] - full_lp[0]) < pic_err
 
 
+# Cold chunks (no request has cached them): the request's misses run through SGLang's forward,
+# as pic's do, and that forward is the repair's query pass (srt/repair.py). The repair it gets is
+# the one the same request gets on warm chunks, and the invariants hold as on warm chunks.
+
+@pytest.fixture(scope="module")
+def cold_prompt():
+    return marked_prompt("You are a careful reader.", documents(3, seed=35), "Question: which one, and why?")
+
+
+def _cold(url, prompt, policy, **knobs):
+    flush(url)
+    ids, lp, record = _run(url, prompt, policy, **knobs)
+    assert record.get("chunks_hit", 0) == 0, (policy, record)
+    return ids, lp, record
+
+
+@pytest.mark.parametrize("policy,anchor,context", [
+    ("relaxkv", 0.3, 0.5), ("prophetkv", 0.3, None), ("cacheblend", 0.3, None), ("epic", 0.15, None),
+])
+def test_cold_repair_equals_the_same_request_on_warm_chunks(relaxkv_server, cold_prompt, policy, anchor, context):
+    url = relaxkv_server.url
+    cold = _cold(url, cold_prompt, policy, anchor=anchor, context=context)
+    warm = _run(url, cold_prompt, policy, anchor=anchor, context=context)  # its chunks are cached now
+    assert cold[2]["repaired"] and warm[2]["repaired"] and warm[2]["chunks_hit"] == 3
+    for key in ("anchor_ratio", "anchors_per_layer", "repair_kv_pairs", "repair_kv_pairs_executed"):
+        assert cold[2][key] == warm[2][key], key
+    assert cold[2]["anchors_per_layer"] > 0
+    assert cold[0] == warm[0]
+    assert cold[1] == pytest.approx(warm[1], abs=1e-5)
+    # the cold request computed its chunks and the repair, the warm one only the repair
+    assert cold[2]["tokens_computed"] > warm[2]["tokens_computed"]
+
+
+def test_cold_full_repair_is_full_prefill_and_zero_anchors_are_pic(relaxkv_server, cold_prompt):
+    url = relaxkv_server.url
+    full_ids, full_lp, _ = _cold(url, cold_prompt, "full")
+    pic_ids, pic_lp, _ = _cold(url, cold_prompt, "pic")
+    assert pic_lp != pytest.approx(full_lp, abs=1e-3)  # the repair has something to fix
+    for policy in ("relaxkv", "prophetkv", "epic", "cacheblend"):
+        ids, lp, record = _cold(url, cold_prompt, policy, anchor=1.0, context=1.0)
+        assert record["repaired"] and record["anchor_ratio"] == pytest.approx(1.0), policy
+        assert ids == full_ids and lp == pytest.approx(full_lp, abs=1e-4), policy
+    for policy in ("relaxkv", "prophetkv", "epic"):  # CacheBlend always recomputes up to its check layer
+        ids, lp, record = _cold(url, cold_prompt, policy, anchor=0.0, context=0.5)
+        assert record["repaired"] and record["anchors_per_layer"] == 0, policy
+        assert ids == pic_ids and lp == pytest.approx(pic_lp, abs=1e-5), policy
+
+
 def _reference_logprobs(weights, tokenizer, prompt, policy, anchor, context):
     from relaxkv_sglang.core.reference import reference_prefill
     from relaxkv_sglang.core.repair_plan import RepairConfig
@@ -108,22 +156,26 @@ def _reference_logprobs(weights, tokenizer, prompt, policy, anchor, context):
     return torch.log_softmax(result.last_logits.float(), -1), result.report
 
 
-@pytest.mark.parametrize("policy,anchor,context", [
-    ("pic", 0.0, 1.0), ("epic", 0.3, 1.0), ("prophetkv", 0.3, 1.0), ("relaxkv", 0.3, 0.25),
-    ("relaxkv_fullctx", 0.3, 1.0),
+@pytest.mark.parametrize("policy,anchor,context,cached", [
+    ("pic", 0.0, 1.0, True), ("epic", 0.3, 1.0, True), ("prophetkv", 0.3, 1.0, True), ("relaxkv", 0.3, 0.25, True),
+    ("relaxkv_fullctx", 0.3, 1.0, True), ("relaxkv", 0.3, 0.25, False), ("pic", 0.0, 1.0, False),
 ])
-def test_server_repair_matches_the_torch_reference(relaxkv_server, tokenizer, reference_weights, policy, anchor, context):
-    """The server's repair (folded batch, own layer loop, pool slots) equals core.reference on the same tokens."""
+def test_server_repair_matches_the_torch_reference(relaxkv_server, tokenizer, reference_weights, policy, anchor, context,
+                                                   cached):
+    """The server's repair (folded batch, own layer loop, pool slots) equals core.reference on the same tokens,
+    on chunks cached by an earlier request and on cold chunks computed by the request itself."""
     flush(relaxkv_server.url)
     docs = documents(3, seed=33)
-    warm = marked_prompt("Warm-up system prompt.", docs[::-1], "Q?", glue=False)
-    _run(relaxkv_server.url, warm, "pic")
+    if cached:
+        warm = marked_prompt("Warm-up system prompt.", docs[::-1], "Q?", glue=False)
+        _run(relaxkv_server.url, warm, "pic")
     prompt = marked_prompt("You answer questions.", docs, "Question: what?", glue=False)
     body = {"text": prompt.text, "return_logprob": True, "top_logprobs_num": 5, "sampling_params": {
         "max_new_tokens": 1, "temperature": 0, "custom_params": {
             "relaxkv_chunks": prompt.offsets, "relaxkv_policy": policy,
             "relaxkv_anchor_ratio": anchor, "relaxkv_context_ratio": context}}}
     served = requests.post(relaxkv_server.url + "/generate", json=body, timeout=120).json()
+    assert served["meta_info"]["relaxkv"]["chunks_hit"] == (3 if cached else 0)
     ref_lp, report = _reference_logprobs(reference_weights, tokenizer, prompt, policy, anchor, context)
     top = served["meta_info"]["output_top_logprobs"][0]
     assert served["output_ids"][0] == int(ref_lp.argmax())

@@ -233,9 +233,9 @@ def import_cycles() -> list[str]:
 
 def test_import_graph_is_read_from_the_source():
     modules, graph = import_graph()
-    assert "relaxkv_sglang.gpu.variable_block" in graph["relaxkv_sglang.gpu.flashinfer_attention"]
+    assert "relaxkv_sglang.gpu.prefill_inputs" in graph["relaxkv_sglang.gpu.flashinfer_attention"]
     assert "relaxkv_sglang.gpu.flashinfer_attention" in graph["relaxkv_sglang.gpu.check"]  # inside main()
-    assert "relaxkv_sglang.core.layout" in graph["relaxkv_sglang.gpu.variable_block"]
+    assert "relaxkv_sglang.core.layout" in graph["relaxkv_sglang.gpu.prefill_inputs"]
     assert "relaxkv_patches.cpu_shims" in graph["relaxkv_patches"]
     assert any(m.startswith("relaxkv_patches.") for m in modules)
 
@@ -246,7 +246,7 @@ def test_imports_are_read_in_every_form():
         "import torch\n"
         "from . import layout\n"                              # from pkg import module (relative)
         "from .attention import block_sparse_attention\n"      # from module import name (relative)
-        "from ..gpu import variable_block as vb\n"             # two levels up
+        "from ..gpu import prefill_inputs as pi\n"             # two levels up
         "import relaxkv_sglang.core.rope\n"
         "if TYPE_CHECKING:\n"
         "    from relaxkv_sglang.srt import plan\n"            # not at run time
@@ -260,7 +260,7 @@ def test_imports_are_read_in_every_form():
         found = imports_of(module, modules)
     assert sorted({m for m, _ in found}) == [
         "relaxkv_sglang.core.attention", "relaxkv_sglang.core.layout", "relaxkv_sglang.core.rope",
-        "relaxkv_sglang.core.segments", "relaxkv_sglang.gpu.variable_block", "relaxkv_sglang.metrics",
+        "relaxkv_sglang.core.segments", "relaxkv_sglang.gpu.prefill_inputs", "relaxkv_sglang.metrics",
         "relaxkv_sglang.schema"]
     assert ("relaxkv_sglang.core.segments", 12) in found
 

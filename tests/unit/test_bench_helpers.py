@@ -197,3 +197,22 @@ def test_cold_bench_refuses_a_run_without_pic_in_one_line(capsys):
     with pytest.raises(SystemExit):
         bench_cold.main(["--policies", "full", "relaxkv", "--url", "http://127.0.0.1:9"])
     assert capsys.readouterr().err.strip() == "bench_cold: error: --policies must include pic (the figures are ratios to it)"
+
+
+def test_cold_summary_takes_medians_of_each_rounds_ratio_and_excess_cold_and_warm():
+    from benchmarks import bench_cold
+
+    def cell(wall, warm):
+        return {"wall_s": wall, "chunks_hit": 0, "chunks_seen": 10, "repaired": 0,
+                "warm": {"wall_s": warm, "chunks_hit": 10}}
+
+    rounds = [{"pic": cell(10.0, 2.0), "relaxkv": cell(13.0, 4.0)},
+              {"pic": cell(20.0, 3.0), "relaxkv": cell(22.0, 6.0)},
+              {"pic": cell(12.0, 2.0), "relaxkv": cell(15.0, 5.0)}]
+    s = bench_cold.summarize(rounds)["relaxkv"]
+    assert s["median_wall_s"] == 15.0 and s["median_ratio_to_pic"] == pytest.approx(1.25)  # 1.3, 1.1, 1.25
+    assert s["median_excess_over_pic_s"] == pytest.approx(3.0)  # 3, 2, 3
+    assert s["median_warm_wall_s"] == 5.0 and s["median_warm_excess_over_pic_s"] == pytest.approx(3.0)  # 2, 3, 3
+    assert s["warm_chunks_hit"] == 10
+    del rounds[0]["pic"]["warm"]  # a run without warm replays reports none
+    assert "median_warm_wall_s" not in bench_cold.summarize(rounds)["pic"]

@@ -1,78 +1,42 @@
-"""The GPU path checked on the CPU: the layout's split into FlashInfer's two calls, and the layer.
+"""The GPU path checked on the CPU: the plugin's rows as FlashInfer paged-prefill calls.
 
-FlashInfer runs only on a GPU (``python -m relaxkv_sglang.gpu.check`` there).
-Here the split (``gpu/variable_block.py``) is checked against the per-row loop it
-replaced and against the layout's visible pairs, and FlashInfer's two wrappers
-are replaced by their torch models (``gpu/torch_models.py``), with FlashInfer's
-conventions (HND tensors for the block-sparse wrapper, an NHD paged cache with
-page size 1, log-sum-exp in base 2), so what the thin layer itself does (slot
-mapping, layouts, the base change, rows without a fully visible page, the merge)
-is checked against ``block_sparse_attention``.
+FlashInfer runs only on a GPU (``python -m relaxkv_sglang.gpu.check`` there). Here the inputs
+built by ``gpu/prefill_inputs.py`` (vectorised, every layer of a request at once) are checked on
+random layouts and rows: the pairs the call reads (in pool-slot space) equal the layout's visible
+pairs / the scoped causal masks exactly, and the call's torch model
+(``gpu/torch_models.py::paged_prefill_attention``, FlashInfer's bottom-right causal rule) gives
+the torch executors' outputs. FlashInfer's wrapper is then replaced by that model, with its
+conventions (host indptrs, an NHD paged cache with page size 1, base-2 log-sum-exp), so what the
+thin layer itself does (padding queries, slot mapping, one plan per layer, one wrapper per
+planned call of a pass) is checked against ``block_sparse_attention`` and
+``scoped_causal_attention``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
-import math
 import sys
 import types
 
 import pytest
 import torch
 
-from relaxkv_sglang.core.attention import block_sparse_attention, gathered_attention
+from relaxkv_sglang.core.attention import block_sparse_attention, scoped_causal_attention
 from relaxkv_sglang.core.layout import BlockSparseLayout, build_relaxed_layout, full_causal_layout
 from relaxkv_sglang.core.selection import select_anchors
 from relaxkv_sglang.gpu import bundle, flashinfer_attention
-from relaxkv_sglang.gpu.flashinfer_attention import FLASHINFER_VERSION, FlashInferRelaxedAttention
-from relaxkv_sglang.gpu.torch_models import ragged_attention, variable_block_sparse_reference
-from relaxkv_sglang.gpu.variable_block import (
-    FlashInferVariableBlockPlan,
-    merge_attention_states,
-    to_flashinfer_variable_block,
+from relaxkv_sglang.gpu.flashinfer_attention import (
+    FLASHINFER_VERSION,
+    FlashInferAnchorAttention,
+    FlashInferScopedPrefill,
 )
+from relaxkv_sglang.gpu.prefill_inputs import anchor_prefill_inputs, expand_runs, scoped_prefill_inputs
+from relaxkv_sglang.gpu.torch_models import paged_prefill_attention, paged_prefill_mask
 
-LOG2E = 1 / math.log(2.0)
-
-
-# --- the split ------------------------------------------------------------------------------
-
-
-PLAN_FIELDS = [f.name for f in dataclasses.fields(FlashInferVariableBlockPlan)]
+LOG2E = 1 / torch.log(torch.tensor(2.0)).item()
 
 
-def _split_oracle(layout: BlockSparseLayout, num_kv_heads: int) -> dict[str, torch.Tensor]:
-    """The per-row loop ``to_flashinfer_variable_block`` replaced, kept verbatim as its oracle
-    (returning the plan's fields by name)."""
-    P, ps = layout.n_pages, layout.page_size
-    R = layout.n_row_blocks
-    page_last = torch.clamp((torch.arange(P) + 1) * ps, max=layout.n_keys) - 1  # [P]
-    col_sz = (page_last - torch.arange(P) * ps + 1).to(torch.int32)
-    row_sz = (layout.row_indptr[1:] - layout.row_indptr[:-1]).to(torch.int32)
-    mask = torch.zeros(R, P, dtype=torch.bool)
-    diag_lists: list[torch.Tensor] = []
-    for b in range(R):
-        r0, r1 = int(layout.row_indptr[b]), int(layout.row_indptr[b + 1])
-        pages = layout.block_pages(b)
-        if r0 == r1:
-            continue
-        first = int(layout.q_pos[r0:r1].min())
-        full = pages[page_last[pages] < first]
-        mask[b, full] = True
-        partial = pages[page_last[pages] >= first]
-        ptok = (partial[:, None] * ps + torch.arange(ps)[None, :]).flatten()
-        ptok = ptok[ptok < layout.n_keys]
-        for t in layout.q_pos[r0:r1].tolist():
-            diag_lists.append(ptok[ptok <= t])
-    lens = torch.tensor([d.numel() for d in diag_lists], dtype=torch.long)
-    diag_indptr = torch.zeros(layout.n_rows + 1, dtype=torch.int32)
-    if lens.numel():
-        diag_indptr[1:] = lens.cumsum(0).to(torch.int32)
-    diag_indices = torch.cat(diag_lists).to(torch.int32) if diag_lists else torch.zeros(0, dtype=torch.int32)
-    rep = lambda x: x[None].expand(num_kv_heads, *x.shape).contiguous()  # noqa: E731
-    values = (rep(mask), rep(row_sz), rep(col_sz), diag_indptr, diag_indices, layout.q_pos.clone())
-    return dict(zip(PLAN_FIELDS, values))
+# --- random layouts -------------------------------------------------------------------------
 
 
 def _random_spans(n: int, g: torch.Generator) -> list[tuple[int, int]]:
@@ -122,27 +86,11 @@ def _random_layouts(seed: int) -> list[tuple[str, BlockSparseLayout]]:
     return out
 
 
-def _assert_same_plan(got: FlashInferVariableBlockPlan, want: dict[str, torch.Tensor], name: str) -> None:
-    assert len(PLAN_FIELDS) == 6 and set(want) == set(PLAN_FIELDS)
-    for field in PLAN_FIELDS:
-        a, b = getattr(got, field), want[field]
-        assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: {field} differs\n got {a}\nwant {b}"
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_split_equals_the_per_row_loop(seed):
-    layouts = _random_layouts(seed)
-    kinds = {name.split()[0] for name, _ in layouts}
-    assert kinds == {"topk", "random", "full", "empty", "relaxkv", "csr"}
-    for name, layout in layouts:
-        for num_kv_heads in (1, 3):
-            _assert_same_plan(to_flashinfer_variable_block(layout, num_kv_heads), _split_oracle(layout, num_kv_heads),
-                              f"{name} heads={num_kv_heads}")
-
-
-def test_split_of_edge_layouts_equals_the_per_row_loop():
-    """No rows or blocks at all; rows only on the first page; one page larger than the context;
-    pages listed out of order (beyond the layout's contract, still the same as the loop)."""
+def _edge_layouts() -> list[tuple[str, BlockSparseLayout]]:
+    """No rows at all; rows only on the first page; one page larger than the context; pages listed
+    out of order and repeated positions (beyond the layout's contract); holes on the diagonal."""
     empty = BlockSparseLayout.from_page_mask(torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.int32),
                                              torch.zeros(0, 3, dtype=torch.bool), 4, 10)
     first_page = build_relaxed_layout(torch.tensor([1, 3, 6]), torch.linspace(0, 1, 40), [(0, 40)], 40, 0.5, 8,
@@ -152,188 +100,345 @@ def test_split_of_edge_layouts_equals_the_per_row_loop():
                                  row_indptr=torch.tensor([0, 2, 4], dtype=torch.int32),
                                  indptr=torch.tensor([0, 3, 5], dtype=torch.int32),
                                  indices=torch.tensor([3, 0, 2, 7, 1], dtype=torch.int32), page_size=4, n_keys=33)
-    for name, layout in [("empty", empty), ("first page", first_page), ("big page", big_page), ("shuffled", shuffled)]:
-        _assert_same_plan(to_flashinfer_variable_block(layout, 2), _split_oracle(layout, 2), name)
-    assert not to_flashinfer_variable_block(first_page, 1).block_mask_map.any()
+    repeated = BlockSparseLayout(q_pos=torch.tensor([5, 5, 7, 20]),
+                                 row_indptr=torch.tensor([0, 3, 4], dtype=torch.int32),
+                                 indptr=torch.tensor([0, 2, 4], dtype=torch.int32),
+                                 indices=torch.tensor([0, 1, 2, 5], dtype=torch.int32), page_size=4, n_keys=24)
+    # Block 0: rows 9 and 14 with page 2 (8..11) listed but page 3 (12..15) not: a hole between them.
+    hole = BlockSparseLayout(q_pos=torch.tensor([9, 14, 2]), row_indptr=torch.tensor([0, 2, 3], dtype=torch.int32),
+                             indptr=torch.tensor([0, 2, 3], dtype=torch.int32),
+                             indices=torch.tensor([0, 2, 1], dtype=torch.int32), page_size=4, n_keys=16)
+    return [("empty", empty), ("first page", first_page), ("big page", big_page), ("shuffled", shuffled),
+            ("repeated", repeated), ("hole", hole)]
 
 
-def _plan_dense_mask(plan: FlashInferVariableBlockPlan, n_rows: int, n_keys: int) -> torch.Tensor:
-    """int32 [n_rows, n_keys]: how many of the two calls cover each (row, key) pair."""
-    rows, cols = plan.block_row_sz[0].long(), plan.block_col_sz[0].long()
-    dense = plan.block_mask_map[0].to(torch.int32).repeat_interleave(rows, 0).repeat_interleave(cols, 1)
-    for i in range(n_rows):
-        dense[i, plan.diag_kv_indices[plan.diag_kv_indptr[i]:plan.diag_kv_indptr[i + 1]].long()] += 1
-    return dense
+def _slot_case(layout: BlockSparseLayout, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    pool = 2 * layout.n_keys + 5
+    key_rows = torch.randperm(pool, generator=g)[:layout.n_keys]
+    k_cache, v_cache = torch.randn(pool, 2, 8, generator=g), torch.randn(pool, 2, 8, generator=g)
+    q = torch.randn(layout.n_rows, 4, 8, generator=g)
+    return key_rows, q, k_cache, v_cache
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_split_covers_exactly_the_visible_pairs(seed):
-    for name, layout in _random_layouts(100 + seed):
-        plan = to_flashinfer_variable_block(layout, num_kv_heads=2)
-        R, P = layout.n_row_blocks, layout.n_pages
-        assert plan.block_mask_map.shape == (2, R, P) and plan.block_mask_map.dtype == torch.bool, name
-        assert plan.block_row_sz.shape == (2, R) and int(plan.block_row_sz[0].sum()) == layout.n_rows, name
-        assert plan.block_col_sz.shape == (2, P) and int(plan.block_col_sz[1].sum()) == layout.n_keys, name
-        assert torch.equal(plan.block_mask_map[0], plan.block_mask_map[1]), name
-        # The two parts are disjoint and together exactly the layout's visible pairs.
-        dense = _plan_dense_mask(plan, layout.n_rows, layout.n_keys)
-        assert bool((dense <= 1).all()) and torch.equal(dense.bool(), layout.to_dense_mask()), name
-        if name.split()[0] in ("topk", "random", "full", "relaxkv") and layout.n_rows:
-            # Relaxed layouts: only the anchor's own page is partial, 1..page_size ragged keys each.
-            lens = plan.diag_kv_indptr[1:] - plan.diag_kv_indptr[:-1]
-            assert int(lens.max()) <= layout.page_size and int(lens.min()) >= 1, name
+def _through_model(inputs, key_rows, q, k_cache, v_cache, scale=None):
+    """The layer's padding and mapping around the torch model of FlashInfer's call."""
+    kept = inputs.row_to_qo >= 0
+    q_call = q.new_zeros(inputs.n_qo, q.shape[1], q.shape[2])
+    q_call[inputs.row_to_qo[kept]] = q[kept]
+    o, lse = paged_prefill_attention(q_call, k_cache, v_cache, inputs.qo_indptr, inputs.kv_indptr,
+                                     inputs.kv_indices(key_rows), scale=scale, return_lse=True)
+    out = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1])
+    out_lse = torch.full((q.shape[0], q.shape[1]), float("-inf"))
+    out[kept], out_lse[kept] = o[inputs.row_to_qo[kept]], lse[inputs.row_to_qo[kept]]
+    return out, out_lse
 
 
-# --- the torch models of FlashInfer's calls and the merge -----------------------------------
+def _check_layout(name: str, layout: BlockSparseLayout, inputs, seed: int, lse: bool = False) -> None:
+    key_rows, q, k_cache, v_cache = _slot_case(layout, seed)
+    n_slots = k_cache.shape[0]
+    # The pairs the call reads, mapped back to layout rows, are exactly the layout's visible pairs.
+    kvi = inputs.kv_indices(key_rows)
+    assert kvi.dtype == torch.int32 and kvi.numel() == inputs.n_kv == int(inputs.run_len.sum()), name
+    assert inputs.qo_indptr.dtype == torch.int32 and inputs.kv_indptr.dtype == torch.int32, name
+    call_mask = paged_prefill_mask(inputs.qo_indptr, inputs.kv_indptr, kvi, n_slots)
+    kept = inputs.row_to_qo >= 0
+    got = torch.zeros(layout.n_rows, n_slots, dtype=torch.bool)
+    got[kept] = call_mask[inputs.row_to_qo[kept]]
+    want = torch.zeros(layout.n_rows, n_slots, dtype=torch.bool)
+    want[:, key_rows] = layout.to_dense_mask()
+    assert torch.equal(got, want), name
+    # Every request satisfies FlashInfer's causal precondition kv_len >= qo_len; rows without a
+    # key have no query; each row its own query.
+    assert bool((inputs.kv_indptr.diff() >= inputs.qo_indptr.diff()).all()), name
+    assert torch.equal(kept, want.any(dim=1)), name
+    assert inputs.row_to_qo[kept].unique().numel() == int(kept.sum()), name
+    out, out_lse = _through_model(inputs, key_rows, q, k_cache, v_cache)
+    if lse:  # the per-block reference (slow): the edge layouts
+        ref, ref_lse = block_sparse_attention(q, k_cache, v_cache, layout, return_lse=True, key_rows=key_rows)
+        torch.testing.assert_close(out_lse, ref_lse, atol=1e-5, rtol=1e-5, msg=name)
+    else:
+        ref = block_sparse_attention(q, k_cache, v_cache, layout, key_rows=key_rows)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, msg=name)
 
 
-def test_ragged_model_and_merge():
-    g = torch.Generator().manual_seed(4)
-    q, k, v = torch.randn(4, 4, 8, generator=g), torch.randn(25, 2, 8, generator=g), torch.randn(25, 2, 8, generator=g)
-    no_causal = torch.full((1,), 10**6)
-
-    def want(lists):
-        pairs = [gathered_attention(q[i:i + 1], k, v, no_causal, torch.tensor(l, dtype=torch.long), return_lse=True)
-                 for i, l in enumerate(lists)]
-        return torch.cat([o for o, _ in pairs]), torch.cat([s for _, s in pairs])
-
-    lists = [[0, 3, 7], [1], [2, 4, 6, 8, 24], [10, 11]]
-    indptr = torch.tensor([0, 3, 4, 9, 11], dtype=torch.int32)
-    out, lse = ragged_attention(q, k, v, indptr, torch.tensor(sum(lists, []), dtype=torch.int32), return_lse=True)
-    ro, rl = want(lists)
-    torch.testing.assert_close(out, ro, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse, rl, atol=1e-5, rtol=1e-5)
-    # Two disjoint halves merged == attention over their union; an empty half is neutral.
-    other = [[12, 13], [14, 15, 16], [], [17]]
-    ip2 = torch.tensor([0, 2, 5, 5, 6], dtype=torch.int32)
-    o2, l2 = ragged_attention(q, k, v, ip2, torch.tensor(sum(other, []), dtype=torch.int32), return_lse=True)
-    assert torch.isinf(l2[2]).all() and (o2[2] == 0).all()
-    mo, ml = merge_attention_states(out, lse, o2, l2)
-    ro, rl = want([a + b for a, b in zip(lists, other)])
-    torch.testing.assert_close(mo, ro, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ml, rl, atol=1e-5, rtol=1e-5)
+@pytest.mark.parametrize("seed", range(6))
+def test_anchor_inputs_read_exactly_the_layout(seed):
+    """Every page size's layouts built together (as one request's layers) and each alone."""
+    layouts = _random_layouts(seed)
+    assert {name.split()[0] for name, _ in layouts} == {"topk", "random", "full", "empty", "relaxkv", "csr"}
+    for page_size in (1, 4, 16, 64):
+        group = [(name, lay) for name, lay in layouts if lay.page_size == page_size]
+        together = anchor_prefill_inputs([lay for _, lay in group])
+        assert len(together) == len(group)
+        for i, ((name, lay), inputs) in enumerate(zip(group, together)):
+            _check_layout(name, lay, inputs, seed * 100 + i)
+            alone = anchor_prefill_inputs([lay])[0]
+            for field in ("qo_indptr", "kv_indptr", "row_to_qo"):
+                assert torch.equal(getattr(alone, field), getattr(inputs, field)), (name, field)
+            assert torch.equal(alone.kv_positions(), inputs.kv_positions()), name
 
 
-def test_split_through_the_torch_models_reproduces_block_sparse():
-    n, H, HKV, D = 70, 4, 2, 8
-    spans = [(6, 27), (27, 45), (45, 70)]
-    g = torch.Generator().manual_seed(5)
-    q_all = torch.randn(n, H, D, generator=g)
-    k, v = torch.randn(n, HKV, D, generator=g), torch.randn(n, HKV, D, generator=g)
-    anchors = torch.tensor([6, 7, 13, 26, 27, 30, 44, 46, 52, 53, 69])
-    lay = build_relaxed_layout(anchors, torch.rand(n, generator=g), spans, n, 0.4, page_size=4)
-    q = q_all[anchors]
-    ref, ref_lse = block_sparse_attention(q, k, v, lay, return_lse=True)
-    plan = to_flashinfer_variable_block(lay, HKV)
-    # FlashInfer's wrapper takes HND tensors.
-    o1, l1 = variable_block_sparse_reference(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        plan.block_mask_map, plan.block_row_sz, plan.block_col_sz, return_lse=True,
-    )
-    o2, l2 = ragged_attention(q, k, v, plan.diag_kv_indptr, plan.diag_kv_indices, return_lse=True)
-    mo, ml = merge_attention_states(o1.transpose(0, 1), l1.transpose(0, 1), o2, l2)
-    torch.testing.assert_close(mo, ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ml, ref_lse, atol=1e-5, rtol=1e-5)
+def test_anchor_inputs_of_edge_layouts():
+    for i, (name, layout) in enumerate(_edge_layouts()):
+        _check_layout(name, layout, anchor_prefill_inputs([layout])[0], i, lse=True)
+    edges = dict(_edge_layouts())
+    assert anchor_prefill_inputs([edges["empty"]])[0].n_segments == 0
+    assert anchor_prefill_inputs([edges["empty"]])[0].n_kv == 0
+    # Broken blocks fall back to one query per row: repeated positions, a hole between rows; a
+    # row that sees no key gets no query.
+    assert int(anchor_prefill_inputs([edges["repeated"]])[0].qo_indptr.diff().max()) == 1
+    hole = anchor_prefill_inputs([edges["hole"]])[0]
+    assert hole.qo_indptr.diff().tolist() == [1, 1] and hole.row_to_qo.tolist() == [0, 1, -1]
 
 
-# --- the layer, with FlashInfer replaced by the torch models --------------------------------
+def test_relaxed_layouts_take_one_padded_segment_per_row_block():
+    """The server's layouts: one call request per row block, at most page_size queries each,
+    keys = exactly the layout's visible pairs counted per segment end."""
+    g = torch.Generator().manual_seed(3)
+    n, spans = 900, [(8, 300), (300, 620), (620, 900)]
+    scores = torch.rand(4, n, generator=g) ** 4
+    sets = select_anchors("relaxkv", scores, spans, n, 0.15)
+    layouts = [build_relaxed_layout(a, scores[l], spans, n, 0.25, 16) for l, a in enumerate(sets)]
+    for layout, inputs in zip(layouts, anchor_prefill_inputs(layouts)):
+        assert inputs.n_segments == layout.n_row_blocks
+        assert int(inputs.qo_indptr.diff().max()) <= 16
+        assert bool((inputs.row_to_qo >= 0).all())
+        # A block's keys: its pages up to its last anchor (every anchor sees its own position).
+        assert inputs.n_kv >= layout.kv_pairs() / int(layout.row_indptr.diff().max())
 
 
-class _VariableBlockModel:
-    """torch model of ``VariableBlockSparseAttentionWrapper`` (plan + run, return_lse)."""
+def test_expand_runs():
+    assert expand_runs(torch.tensor([5, 0, 9]), torch.tensor([2, 0, 3]), 5).tolist() == [5, 6, 9, 10, 11]
+    assert expand_runs(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 0).numel() == 0
 
-    def __init__(self, workspace):
-        self.args = None
 
-    def plan(self, block_mask_map, block_row_sz, block_col_sz, num_qo_heads, num_kv_heads, head_dim, *,
-             causal, sm_scale, q_data_type, kv_data_type):
-        assert not causal and block_mask_map.any(), "the real wrapper cannot plan an empty map"
-        self.args = (block_mask_map, block_row_sz, block_col_sz, sm_scale)
+# --- chunk-scoped rows ----------------------------------------------------------------------
 
-    def run(self, q, k, v, return_lse):
-        mask, rows, cols, scale = self.args
-        assert q.dim() == 3 and q.shape[1] == int(rows[0].sum()) and k.shape[1] == int(cols[0].sum())  # HND
-        out, lse = variable_block_sparse_reference(q, k, v, mask, rows, cols, scale, return_lse=True)
-        # An empty row: FlashInfer's value there is not specified, so give one the layer must ignore.
-        lse = torch.where(torch.isinf(lse), torch.full_like(lse, 7.0), lse * LOG2E)
-        return out, lse
+
+def _random_batch(seed: int):
+    """Requests of an extend batch as the fold leaves them: cached prefix, chunks kept as misses
+    (scoped to themselves) or dropped as hits, glue and query rows with scope 0."""
+    g = torch.Generator().manual_seed(seed)
+    n_req = int(torch.randint(1, 5, (1,), generator=g))
+    max_ctx = 200
+    req_to_token = torch.randperm(n_req * max_ctx + 7, generator=g)[:n_req * max_ctx].view(n_req, max_ctx)
+    reqs = []
+    for rp in torch.randperm(n_req, generator=g).tolist():
+        pre = int(torch.randint(0, 40, (1,), generator=g))
+        end = pre + int(torch.randint(1, 120, (1,), generator=g))
+        cuts = sorted(set(torch.randint(pre, end, (int(torch.randint(0, 6, (1,), generator=g)),),
+                                        generator=g).tolist()) | {pre, end})
+        pos, scope = [], []
+        for s, e in zip(cuts[:-1], cuts[1:]):
+            kind = int(torch.randint(0, 3, (1,), generator=g))  # 0 ordinary, 1 miss, 2 hit (dropped)
+            if kind == 2 and e != end:
+                continue
+            pos += list(range(s, e))
+            scope += [s if kind == 1 else 0] * (e - s)
+        reqs.append((rp, torch.tensor(pos), torch.tensor(scope)))
+    return reqs, req_to_token
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_scoped_inputs_read_exactly_the_scoped_masks(seed):
+    reqs, req_to_token = _random_batch(seed)
+    req_of_row = torch.cat([torch.full((p.numel(),), rp) for rp, p, _ in reqs])
+    pos = torch.cat([p for _, p, _ in reqs])
+    scope = torch.cat([s for _, _, s in reqs])
+    inputs = scoped_prefill_inputs(req_of_row, pos, scope)
+    assert inputs.qo_indptr.dtype == torch.int32 and int(inputs.qo_indptr[-1]) == pos.numel()
+    kvi = inputs.kv_indices(req_to_token)
+    n_slots = int(req_to_token.max()) + 1
+    got = paged_prefill_mask(inputs.qo_indptr, inputs.kv_indptr, kvi, n_slots)
+    want = torch.zeros(pos.numel(), n_slots, dtype=torch.bool)
+    j = torch.arange(req_to_token.shape[1])
+    for i in range(pos.numel()):  # the scoped causal mask: keys scope..pos of the row's request
+        visible = (j >= scope[i]) & (j <= pos[i])
+        want[i, req_to_token[req_of_row[i], visible]] = True
+    assert torch.equal(got, want)
+    # Outputs: the torch model of the call equals scoped_causal_attention, request by request.
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = torch.randn(n_slots, 2, 8, generator=g), torch.randn(n_slots, 2, 8, generator=g)
+    q = torch.randn(pos.numel(), 6, 8, generator=g)
+    out = paged_prefill_attention(q, k_cache, v_cache, inputs.qo_indptr, inputs.kv_indptr, kvi, scale=0.3)
+    start = 0
+    for rp, p, s in reqs:
+        r = slice(start, start + p.numel())
+        ref = scoped_causal_attention(q[r], k_cache, v_cache, p, s, req_to_token[rp], scale=0.3)
+        torch.testing.assert_close(out[r], ref, atol=1e-5, rtol=1e-5)
+        start += p.numel()
+
+
+def test_scoped_segments_split_on_request_scope_and_gaps():
+    req = torch.tensor([0, 0, 0, 0, 0, 1, 1])
+    pos = torch.tensor([4, 5, 6, 9, 10, 0, 1])
+    scope = torch.tensor([4, 4, 0, 0, 0, 0, 0])
+    inputs = scoped_prefill_inputs(req, pos, scope)
+    assert inputs.qo_indptr.tolist() == [0, 2, 3, 5, 7]
+    assert inputs.seg_scope.tolist() == [4, 0, 0, 0] and inputs.seg_len.tolist() == [2, 7, 11, 2]
+    assert inputs.kv_indptr.tolist() == [0, 2, 9, 20, 22]
+
+
+# --- the layer, with FlashInfer replaced by the torch model ----------------------------------
 
 
 class _PagedPrefillModel:
-    """torch model of ``BatchPrefillWithPagedKVCacheWrapper`` for page size 1, one query per request."""
+    """torch model of ``BatchPrefillWithPagedKVCacheWrapper`` (page size 1): plan + run."""
 
-    def __init__(self, workspace, kv_layout):
-        assert kv_layout == "NHD"
+    created = 0
+
+    def __init__(self, workspace, kv_layout, backend="auto"):
+        assert kv_layout == "NHD" and backend == "fa2"
+        type(self).created += 1
         self.args = None
+        self.plans = 0
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-             *, causal, sm_scale, q_data_type, kv_data_type):
-        assert page_size == 1 and not causal and torch.equal(qo_indptr, torch.arange(qo_indptr.numel(), dtype=torch.int32))
-        self.args = (kv_indptr, kv_indices, sm_scale)
+             *, causal, q_data_type, kv_data_type, sm_scale=None, o_data_type=None):
+        assert page_size == 1 and causal
+        # FlashInfer's scheduler reads these on the host: they must already be host tensors.
+        for x in (qo_indptr, kv_indptr, last_page_len):
+            assert x.device.type == "cpu" and x.dtype == torch.int32
+        assert torch.equal(last_page_len, torch.ones(qo_indptr.numel() - 1, dtype=torch.int32))
+        assert kv_indices.dtype == torch.int32 and kv_indices.numel() == int(kv_indptr[-1])
+        self.args = (qo_indptr, kv_indptr, kv_indices, sm_scale)
+        self.plans += 1
 
-    def run(self, q, paged_kv_cache, return_lse):
+    def run(self, q, paged_kv_cache):
         k_cache, v_cache = paged_kv_cache
         assert k_cache.dim() == 4 and k_cache.shape[1] == 1  # [pages, page_size, heads, dim]
-        indptr, indices, scale = self.args
-        out, lse = ragged_attention(q, k_cache[:, 0], v_cache[:, 0], indptr, indices, scale, return_lse=True)
-        return out, lse * LOG2E
+        qo_indptr, kv_indptr, kv_indices, scale = self.args
+        assert q.shape[0] == int(qo_indptr[-1])
+        return paged_prefill_attention(q, k_cache[:, 0], v_cache[:, 0], qo_indptr, kv_indptr, kv_indices,
+                                       scale=scale)
 
 
 @pytest.fixture
 def flashinfer_model(monkeypatch):
     module = types.ModuleType("flashinfer")
     module.__version__ = FLASHINFER_VERSION
-    module.sparse = types.SimpleNamespace(VariableBlockSparseAttentionWrapper=_VariableBlockModel)
     module.BatchPrefillWithPagedKVCacheWrapper = _PagedPrefillModel
     monkeypatch.setitem(sys.modules, "flashinfer", module)
+    _PagedPrefillModel.created = 0
     return module
 
 
-def _case(seed: int, n: int = 90, ratio: float = 0.3, page_size: int = 8, full: bool = False):
+def _request(seed: int, n: int = 90, n_layers: int = 3, page_size: int = 8):
     g = torch.Generator().manual_seed(seed)
     spans = [(4, 30), (30, 61), (61, n)]
-    # Anchor 5 sits on the first page: its row block has no fully visible page.
-    anchors = torch.tensor(sorted({5} | set(torch.randint(4, n, (18,), generator=g).tolist())))
-    scores = torch.rand(n, generator=g)
-    layout = (full_causal_layout(anchors, spans, n, page_size) if full
-              else build_relaxed_layout(anchors, scores, spans, n, ratio, page_size))
+    scores = torch.rand(n_layers, n, generator=g) ** 3
+    sets = select_anchors("relaxkv", scores, spans, n, 0.3)
+    layouts = [build_relaxed_layout(a, scores[l], spans, n, 0.3, page_size) for l, a in enumerate(sets)]
+    layouts[-1] = full_causal_layout(sets[-1], spans, n, page_size)
     pool = 3 * n
     key_rows = torch.randperm(pool, generator=g)[:n]
     k_cache, v_cache = torch.randn(pool, 2, 16, generator=g), torch.randn(pool, 2, 16, generator=g)
-    q = torch.randn(anchors.numel(), 6, 16, generator=g)
-    return layout, key_rows, q, k_cache, v_cache
+    qs = [torch.randn(a.numel(), 6, 16, generator=g) for a in sets]
+    return layouts, key_rows, qs, k_cache, v_cache
 
 
-@pytest.mark.parametrize("seed,ratio,full", [(0, 0.3, False), (1, 0.1, False), (2, 1.0, False), (3, 0.5, True)])
-def test_layer_equals_the_torch_executor(flashinfer_model, seed, ratio, full):
-    layout, key_rows, q, k_cache, v_cache = _case(seed, ratio=ratio, full=full)
-    attn = FlashInferRelaxedAttention("cpu", workspace_bytes=16)
-    attn.plan(layout, num_qo_heads=6, num_kv_heads=2, head_dim=16, dtype=q.dtype, scale=0.3, key_rows=key_rows)
-    got = attn.run(q, k_cache, v_cache)
-    want = block_sparse_attention(q, k_cache, v_cache, layout, scale=0.3, key_rows=key_rows)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+@pytest.mark.parametrize("seed", range(3))
+def test_anchor_layer_equals_the_torch_executor(flashinfer_model, seed):
+    layouts, key_rows, qs, k_cache, v_cache = _request(seed)
+    attn = FlashInferAnchorAttention("cpu", workspace_bytes=16)
+    attn.begin_pass()
+    plan = attn.plan_forward(layouts)
+    for l, (layout, q) in enumerate(zip(layouts, qs)):
+        got = attn.run(plan, l, q, k_cache, v_cache, key_rows, 0.3)
+        want = block_sparse_attention(q, k_cache, v_cache, layout, scale=0.3, key_rows=key_rows)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # One planned call per layer, each on its own wrapper (FlashInfer stages plans in a pinned
+    # buffer per wrapper); a new pass reuses them.
+    calls = attn._pool.calls
+    assert len(calls) == len(layouts) and all(c.wrapper.plans == 1 for c in calls)
+    attn.begin_pass()
+    attn.run(plan, 0, qs[0], k_cache, v_cache, key_rows, 0.3)
+    assert len(attn._pool.calls) == len(layouts) and calls[0].wrapper.plans == 2
 
 
-def test_layout_with_no_fully_visible_page_skips_the_block_call(flashinfer_model):
-    # Anchors all on the first page: every key they see is on their own (diagonal) page.
-    n, spans = 40, [(0, 40)]
-    layout = build_relaxed_layout(torch.tensor([1, 3, 6]), torch.rand(n), spans, n, 0.5, page_size=8, sink_tokens=1)
-    g = torch.Generator().manual_seed(4)
-    q, k, v = torch.randn(3, 4, 8, generator=g), torch.randn(n, 2, 8, generator=g), torch.randn(n, 2, 8, generator=g)
-    attn = FlashInferRelaxedAttention("cpu", workspace_bytes=16)
-    attn.plan(layout, num_qo_heads=4, num_kv_heads=2, head_dim=8, dtype=q.dtype)
-    assert attn._blocks.args is None  # never planned
-    torch.testing.assert_close(attn.run(q, k, v), block_sparse_attention(q, k, v, layout), atol=1e-5, rtol=1e-5)
-
-
-def test_run_before_plan_and_wrong_rows_are_refused(flashinfer_model):
-    attn = FlashInferRelaxedAttention("cpu", workspace_bytes=16)
-    layout, key_rows, q, k_cache, v_cache = _case(5)
-    with pytest.raises(RuntimeError, match="before plan"):
-        attn.run(q, k_cache, v_cache)
-    attn.plan(layout, num_qo_heads=6, num_kv_heads=2, head_dim=16, dtype=q.dtype, key_rows=key_rows)
+def test_anchor_layer_refuses_wrong_rows(flashinfer_model):
+    layouts, key_rows, qs, k_cache, v_cache = _request(5)
+    attn = FlashInferAnchorAttention("cpu", workspace_bytes=16)
     with pytest.raises(ValueError, match="rows"):
-        attn.run(q[1:], k_cache, v_cache)
+        attn.run(attn.plan_forward(layouts), 0, qs[0][1:], k_cache, v_cache, key_rows, 0.3)
+
+
+def test_anchor_attention_plans_a_request_once_per_pass(flashinfer_model, monkeypatch):
+    """The layer loop's executor on the GPU path: one host build per request and pass, layouts
+    decided in the layer planned alone."""
+    from relaxkv_sglang.srt.layer_loop import AnchorAttention
+
+    builds = []
+    real = flashinfer_attention.anchor_prefill_inputs
+
+    def counting(layouts):
+        builds.append(len(layouts))
+        return real(layouts)
+
+    monkeypatch.setattr(flashinfer_attention, "anchor_prefill_inputs", counting)
+    monkeypatch.setattr(AnchorAttention, "uses_flashinfer", staticmethod(lambda q, k_cache: True))
+    layouts, key_rows, qs, k_cache, v_cache = _request(7)
+    anchors = AnchorAttention()
+    anchors.begin_pass()
+    for l, (layout, q) in enumerate(zip(layouts, qs)):
+        got = anchors(q, k_cache, v_cache, layout, 0.3, key_rows, l, layouts)
+        torch.testing.assert_close(got, block_sparse_attention(q, k_cache, v_cache, layout, scale=0.3,
+                                                               key_rows=key_rows), atol=1e-5, rtol=1e-5)
+    assert builds == [len(layouts)]
+    decided_in_layer = build_relaxed_layout(layouts[1].q_pos, torch.rand(90), [(4, 30), (30, 61), (61, 90)], 90, 0.5, 8)
+    got = anchors(qs[1], k_cache, v_cache, decided_in_layer, 0.3, key_rows, 1, layouts)
+    torch.testing.assert_close(got, block_sparse_attention(qs[1], k_cache, v_cache, decided_in_layer, scale=0.3,
+                                                           key_rows=key_rows), atol=1e-5, rtol=1e-5)
+    assert builds == [len(layouts), 1]
+    anchors.begin_pass()
+    anchors(qs[0], k_cache, v_cache, layouts[0], 0.3, key_rows, 0, layouts)
+    assert builds == [len(layouts), 1, len(layouts)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_scoped_prefill_plans_once_and_equals_the_torch_path(flashinfer_model, seed):
+    reqs, req_to_token = _random_batch(seed)
+    req_of_row = torch.cat([torch.full((p.numel(),), rp) for rp, p, _ in reqs])
+    inputs = scoped_prefill_inputs(req_of_row, torch.cat([p for _, p, _ in reqs]), torch.cat([s for _, _, s in reqs]))
+    n_slots = int(req_to_token.max()) + 1
+    g = torch.Generator().manual_seed(seed)
+    scoped = FlashInferScopedPrefill("cpu", workspace_bytes=16)
+    scoped.plan(inputs, req_to_token, num_qo_heads=6, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                kv_dtype=torch.float32, scale=0.3)
+    for _layer in range(3):  # the same plan serves every layer
+        k_cache, v_cache = torch.randn(n_slots, 2, 8, generator=g), torch.randn(n_slots, 2, 8, generator=g)
+        q = torch.randn(req_of_row.numel(), 6, 8, generator=g)
+        got, start = scoped.run(q, k_cache, v_cache), 0
+        for rp, p, s in reqs:
+            r = slice(start, start + p.numel())
+            want = scoped_causal_attention(q[r], k_cache, v_cache, p, s, req_to_token[rp], scale=0.3)
+            torch.testing.assert_close(got[r], want, atol=1e-5, rtol=1e-5)
+            start += p.numel()
+    assert sum(c.wrapper.plans for c in scoped._pool.calls) == 1
+
+
+def test_scoped_prefill_run_before_plan_is_refused(flashinfer_model):
+    with pytest.raises(RuntimeError, match="before plan"):
+        FlashInferScopedPrefill("cpu", workspace_bytes=16).run(torch.zeros(1, 2, 4), torch.zeros(3, 1, 4),
+                                                               torch.zeros(3, 1, 4))
+
+
+def test_gpu_check_runs_its_cases_on_the_torch_model(flashinfer_model, monkeypatch):
+    """The GPU check's case code end to end on the CPU (FlashInfer replaced by its model, no
+    timing): what runs on the lent GPU is not run there for the first time."""
+    from relaxkv_sglang.gpu import check
+
+    monkeypatch.setattr(check, "_time_ms", lambda fn, repeats: (fn(), 1.0)[1])
+    for case in (check.Case("anchors", "tiny", 4, 2, 16, 300, 16, 0.25),
+                 check.Case("anchors", "tiny", 4, 2, 16, 250, 64, 1.0),
+                 check.Case("scoped", "tiny", 4, 2, 16, 300)):
+        run = check.run_anchors if case.kind == "anchors" else check.run_scoped
+        r = run(case, torch.device("cpu"), flashinfer_model, 1, 0)
+        assert r["ok"] and r["max_abs_err"] < check.TOLERANCE, r
+        assert r["keys_read"] > 0 and r["dense_prefill_ms"] == 1.0
+    assert len(check.default_cases()) == 28
+    assert {c.kind for c in check.default_cases()} == {"anchors", "scoped"}
 
 
 def test_other_flashinfer_version_is_refused(flashinfer_model):
@@ -359,3 +464,168 @@ def test_bundle_keeps_python_and_prefill_sources_only():
     assert not bundle.kept("flashinfer/data/csrc/trtllm_alltoall.cu")
     assert not bundle.kept("flashinfer/data/cutlass/examples/00_basic_gemm/basic_gemm.cu")
     assert not bundle.kept("flashinfer/fused_moe/backends/x.cu")
+
+
+# --- the composed backend: which batches go where ----------------------------------------------
+
+
+def _rows(*specs):
+    """ExtendRows from (req_pool_idx, positions, scopes), laid end to end."""
+    from relaxkv_sglang.srt.context import ExtendRows
+
+    rows, start = [], 0
+    for rp, pos, scope in specs:
+        rows.append(ExtendRows(rp, start, torch.tensor(pos, dtype=torch.int64), torch.tensor(scope, dtype=torch.int64)))
+        start += len(pos)
+    return rows
+
+
+def test_attention_path_table():
+    from relaxkv_sglang.srt.attention_backend import SCOPED, SGLANG, attention_path
+
+    def never():
+        raise AssertionError("rows inspected")
+
+    folded = types.SimpleNamespace(extend_rows=_rows((0, [5, 6, 7], [5, 5, 5])))
+    scores = types.SimpleNamespace(extend_rows=folded.extend_rows, records_scores=True)
+    cases = [
+        # (is_extend, context, ordinary rows?, path)
+        (False, None, never, SGLANG),       # decode / idle, and every decode CUDA-graph capture
+        (False, folded, never, SGLANG),     # a decode step never takes the plugin's path
+        (True, None, never, SGLANG),        # ordinary prefill; prefill CUDA-graph capture
+        (True, scores, never, SCOPED),      # the backend records the query's scores
+        (True, folded, lambda: True, SGLANG),   # a fold that changed nothing
+        (True, folded, lambda: False, SCOPED),  # misses scoped to their chunk, hits dropped
+    ]
+    for is_extend, context, ordinary, want in cases:
+        assert attention_path(is_extend, context, ordinary) == want, (is_extend, context is not None, want)
+
+
+def test_rows_are_contiguous_tails():
+    from relaxkv_sglang.srt.attention_backend import rows_are_contiguous_tails
+
+    tails = _rows((3, [4, 5, 6], [0, 0, 0]), (1, [0, 1], [0, 0]))
+    assert rows_are_contiguous_tails(tails, [4, 0], [3, 2])
+    assert not rows_are_contiguous_tails(tails, [4, 0], [3, 3])  # a row dropped (a chunk hit)
+    assert not rows_are_contiguous_tails(tails, [3, 0], [3, 2])  # positions not the tail
+    assert not rows_are_contiguous_tails(tails[:1], [4, 0], [3, 2])
+    assert not rows_are_contiguous_tails(_rows((3, [4, 5, 6], [0, 4, 4]), (1, [0, 1], [0, 0])), [4, 0], [3, 2])
+    assert not rows_are_contiguous_tails(_rows((3, [4, 6, 7], [0, 0, 0])), [4], [3])  # a gap
+    assert rows_are_contiguous_tails(_rows((3, [], []), (1, [0], [0])), [9, 0], [0, 1])
+
+
+class _FakeMode:
+    def __init__(self, extend: bool):
+        self.extend = extend
+
+    def is_extend(self):
+        return self.extend
+
+
+class _FakePool:
+    def __init__(self, k_cache, v_cache):
+        self.k, self.v, self.writes = k_cache, v_cache, []
+
+    def set_kv_buffer(self, layer, loc, k, v):
+        self.writes.append((layer.layer_id, loc.loc.clone()))
+        self.k[loc.loc] = k.view(self.k[loc.loc].shape)
+        self.v[loc.loc] = v.view(self.v[loc.loc].shape)
+
+    def get_key_buffer(self, layer_id):
+        return self.k
+
+    def get_value_buffer(self, layer_id):
+        return self.v
+
+
+def test_cuda_backend_routes_only_folded_batches_to_the_plugin(monkeypatch):
+    """The CUDA class on fake batches: SGLang's FlashInfer methods for ordinary work (planning,
+    extend, prefill CUDA graphs), the plugin's scoped prefill for a batch the fold changed
+    (planned once for all layers, equal to the torch path), nothing for a repair pass."""
+    # SGLang's module first (it probes for the real flashinfer), then the torch model in its place.
+    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+    from relaxkv_sglang.srt.attention_backend import build_cuda_backend_class
+    from relaxkv_sglang.srt.context import attach_context
+
+    def context(rows, **kw):  # a fake fold decision: only what the backend reads
+        return types.SimpleNamespace(extend_rows=rows, **kw)
+
+    flashinfer_model.__wrapped__(monkeypatch)
+
+    calls = []
+    monkeypatch.setattr(FlashInferAttnBackend, "init_forward_metadata", lambda self, fb: calls.append(("plan", fb)))
+    monkeypatch.setattr(FlashInferAttnBackend, "forward_extend",
+                        lambda self, q, k, v, layer, fb, save_kv_cache=True: calls.append(("extend", fb)) or q)
+    cls = build_cuda_backend_class()
+    backend = object.__new__(cls)  # no GPU: the state __init__ would build, by hand
+    g = torch.Generator().manual_seed(0)
+    n_slots, H, HKV, D = 64, 4, 2, 8
+    pool = _FakePool(torch.randn(n_slots, HKV, D, generator=g), torch.randn(n_slots, HKV, D, generator=g))
+    req_to_token = torch.randperm(n_slots, generator=g)[:2 * 30].view(2, 30)
+    backend.token_to_kv_pool = pool
+    backend.req_to_token_pool = types.SimpleNamespace(req_to_token=req_to_token)
+    backend._scoped = FlashInferScopedPrefill("cpu", workspace_bytes=16)
+    backend._scoped_batch = None
+    backend._path = (None, None, "sglang")
+    layers = [types.SimpleNamespace(layer_id=i, is_cross_attention=False, tp_q_head_num=H, qk_head_dim=D, v_head_dim=D,
+                                    scaling=0.3) for i in range(3)]
+
+    def batch(extend, prefix, lens):
+        return types.SimpleNamespace(forward_mode=_FakeMode(extend), extend_prefix_lens_cpu=prefix,
+                                     extend_seq_lens_cpu=lens, out_cache_loc=None)
+
+    # Decode and an ordinary prefill: SGLang's planning and kernels, prefill graphs allowed.
+    for fb in (batch(False, None, None), batch(True, [4, 0], [3, 2])):
+        attach_context(backend, None)
+        calls.clear()
+        backend.init_forward_metadata(fb)
+        assert calls == [("plan", fb)] and backend.can_run_prefill_cuda_graph(fb)
+        if fb.forward_mode.is_extend():
+            q = torch.randn(5, H * D)
+            assert backend.forward_extend(q, q, q, layers[0], fb) is q and calls[-1] == ("extend", fb)
+    # A fold that left every tail as it was: still SGLang's.
+    fb = batch(True, [4, 0], [3, 2])
+    attach_context(backend, context(_rows((0, [4, 5, 6], [0, 0, 0]), (1, [0, 1], [0, 0]))))
+    calls.clear()
+    backend.init_forward_metadata(fb)
+    assert calls == [("plan", fb)] and backend.can_run_prefill_cuda_graph(fb)
+    # A repair's query pass (records the query's scores) over ordinary tails: the plugin's path,
+    # so no SGLang planning and no graph.
+    fb = batch(True, [0], [6])
+    attach_context(backend, context(_rows((0, list(range(6)), [0] * 6)), records_scores=True))
+    calls.clear()
+    backend.init_forward_metadata(fb)
+    assert calls == [] and backend.forward_metadata is None and not backend.can_run_prefill_cuda_graph(fb)
+    # A folded batch: request 0 keeps a miss scoped to [10, 14) and the query 20..22 (a hit at
+    # 14..20 dropped); request 1 is an ordinary tail. The plugin's path, planned once.
+    rows = _rows((0, [10, 11, 12, 13, 20, 21, 22], [10, 10, 10, 10, 0, 0, 0]), (1, [3, 4, 5], [0, 0, 0]))
+    fb = batch(True, [10, 3], [12, 3])
+    fb.out_cache_loc = torch.cat([req_to_token[0, rows[0].positions], req_to_token[1, rows[1].positions]])
+    attach_context(backend, context(rows))
+    calls.clear()
+    backend.init_forward_metadata(fb)
+    assert calls == [] and not backend.can_run_prefill_cuda_graph(fb)
+    for layer in layers:
+        q, k, v = (torch.randn(10, n * D, generator=g) for n in (H, HKV, HKV))
+        got = backend.forward_extend(q, k, v, layer, fb).view(10, H, D)
+        assert torch.equal(pool.writes[-1][1], fb.out_cache_loc)
+        start = 0
+        for r in rows:
+            sl = slice(start, start + r.n_rows)
+            want = scoped_causal_attention(q.view(10, H, D)[sl], pool.k, pool.v, r.positions, r.scope_start,
+                                           req_to_token[r.req_pool_idx], scale=0.3)
+            torch.testing.assert_close(got[sl], want, atol=1e-5, rtol=1e-5)
+            start += r.n_rows
+    assert calls == [] and sum(c.wrapper.plans for c in backend._scoped._pool.calls) == 1
+    attach_context(backend, None)
+
+
+def test_create_backend_picks_the_class_by_device(monkeypatch):
+    from relaxkv_sglang.srt import attention_backend
+
+    monkeypatch.setattr(attention_backend, "build_backend_class", lambda: lambda runner: ("torch", runner.device))
+    monkeypatch.setattr(attention_backend, "build_cuda_backend_class",
+                        lambda: lambda runner: ("flashinfer", runner.device))
+    for device, want in (("cpu", "torch"), ("cuda", "flashinfer"), ("cuda:1", "flashinfer")):
+        assert attention_backend.create_backend(types.SimpleNamespace(device=device))[0] == want

@@ -128,7 +128,7 @@ class TreeCacheMachine(RuleBasedStateMachine):
                                               enable_memory_saver=False)
         params = sg.CacheInitParams(disable=False, req_to_token_pool=self.req_to_token,
                                     token_to_kv_pool_allocator=self.allocator, page_size=1)
-        self.cache = build_cache_class()(params, KVCopier(self.kv, SPEC))
+        self.cache = self._build_cache(build_cache_class(), params, KVCopier(self.kv, SPEC))
         self._spy_chunk_allocations()
         self.live: list[Live] = []
         self.pins: list = []  # chunk entries this test holds a lock on
@@ -141,13 +141,21 @@ class TreeCacheMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ helpers
 
+    def _build_cache(self, cls, params, copier):
+        return cls(params, copier)
+
+    def _held(self, ns, tokens) -> bool:
+        """Whether a chunk lookup of these tokens hits now."""
+        return self.cache.chunks.peek(ns, tokens) is not None
+
     def _spy_chunk_allocations(self) -> None:
         """Wrap alloc_chunk_slots: it may give up only when nothing more can be freed."""
         original = self.cache.alloc_chunk_slots
 
-        def spied(n: int):
-            room = self.allocator.available_size() + self.cache.evictable_size()
-            slots = original(n)
+        def spied(n: int, chunks_only: bool = False):
+            reclaimable = self.cache.chunks.evictable_tokens() if chunks_only else self.cache.evictable_size()
+            room = self.allocator.available_size() + reclaimable
+            slots = original(n, chunks_only=chunks_only)
             assert slots is not None or room < n, f"chunk allocation of {n} failed with {room} reclaimable"
             return slots
 
@@ -273,8 +281,7 @@ class TreeCacheMachine(RuleBasedStateMachine):
         # The model's hit prediction: a chunk hits iff the store holds it when
         # the batch starts (lookups do not evict; publishing comes after).
         expect_hits = [
-            sum(self.cache.chunks.peek(plan.namespace, r.origin_input_ids[cs:ce]) is not None
-                for cs, ce in plan.chunk_spans)
+            sum(self._held(plan.namespace, r.origin_input_ids[cs:ce]) for cs, ce in plan.chunk_spans)
             if (plan := request_plan(r)) is not None and plan.reuses_chunks else 0
             for r in reqs
         ]
@@ -591,5 +598,56 @@ def test_tree_cache_matches_model(scheduler_context):
     run_state_machine_as_test(
         TreeCacheMachine,
         settings=settings(max_examples=150, stateful_step_count=40, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow]),
+    )
+
+
+class TieredTreeCacheMachine(TreeCacheMachine):
+    """The same machine with a small host tier (TinyLFU) and a disk tier below the pool: evicted
+    chunks spill, admissions load them back (core/chunk_tiers.py, tree_cache: lower tiers). Every
+    invariant above still holds (one owner per slot, each chunk entry holding its own KV at its
+    canonical position, reused rows holding the chunk's KV re-rotated); a chunk hits iff the pool
+    or a lower tier holds it."""
+
+    def _build_cache(self, cls, params, copier):
+        import tempfile
+
+        from relaxkv_sglang.core.chunk_tiers import ModelIdentity, TieredChunkStore
+        from relaxkv_sglang.srt.tiers import PoolKV
+
+        pool_kv = PoolKV(self.kv, SPEC)
+        self.tmp = tempfile.TemporaryDirectory(prefix="relaxkv-tiers-")
+        host_tokens = self.draw_host_tokens if hasattr(self, "draw_host_tokens") else 6
+        token_bytes = 1 * 2 * 1 * 2 * 4
+        self.tiers = TieredChunkStore(ModelIdentity("m", "t", "float32", pool_kv.layout()), pool_kv.token_shape,
+                                      pool_kv.dtype, host_bytes=host_tokens * token_bytes, disk_dir=self.tmp.name,
+                                      disk_bytes=1 << 20, async_writes=False)
+        return cls(params, copier, None, self.tiers, pool_kv)
+
+    def _held(self, ns, tokens) -> bool:
+        return super()._held(ns, tokens) or self.tiers.where(self.tiers.key(ns, tokens)) is not None
+
+    @invariant()
+    def chunk_counters_add_up(self):
+        stats = self.cache.chunks.stats()
+        assert stats.hits + stats.misses == stats.lookups == self.lookups
+        assert stats.hits <= self.hits  # the rest were served by a lower tier
+
+    @invariant()
+    def host_tier_within_its_bound(self):
+        host = self.tiers.host
+        assert host.used_bytes <= host.capacity_bytes
+        assert host.used_bytes == sum(rows.shape[0] for rows, _ in host.entries.values()) * host.token_bytes
+
+    def teardown(self):
+        super().teardown()
+        self.tiers.close()
+        self.tmp.cleanup()
+
+
+def test_tiered_tree_cache_matches_model(scheduler_context):
+    run_state_machine_as_test(
+        TieredTreeCacheMachine,
+        settings=settings(max_examples=100, stateful_step_count=40, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow]),
     )

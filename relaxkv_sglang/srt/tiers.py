@@ -1,0 +1,169 @@
+"""The chunk store's host and disk tiers in the server: configuration, model identity, KV I/O.
+
+The tiers themselves (bounded host memory, bounded disk folder, admission, checksums) are
+:mod:`relaxkv_sglang.core.chunk_tiers`; the tree cache (:mod:`.tree_cache`) moves chunks
+between them and the KV pool. This module holds what needs SGLang's objects:
+
+* :func:`tier_config_from_env`: ``RELAXKV_HOST_CACHE_GB``, ``RELAXKV_CHUNK_DIR``,
+  ``RELAXKV_DISK_CACHE_GB``, ``RELAXKV_HOST_CACHE_POLICY`` (``relaxkv-sglang serve
+  --host-cache-gb/--chunk-dir/--disk-cache-gb`` set the first three); a bad value stops the
+  server at startup with one line naming the variable;
+* :func:`model_identity`: the identity chunk keys are salted with: the model path's name, its
+  HF config, a fingerprint of each weight file (name, size, sha256 of its first and last MiB),
+  a sha256 of the tokenizer's files, the KV dtype, and the layout (layers, KV heads, head dim,
+  the RoPE canonical K is rotated with);
+* :class:`PoolKV`: reads a chunk's KV out of SGLang's KV pool as a
+  :class:`~relaxkv_sglang.core.chunk_tiers.ChunkRecord` (``[n, layers, 2, heads, head_dim]``
+  on the CPU) and writes one back, K optionally re-rotated.
+
+SGLang objects read: ``TreeCacheBuildContext`` (``server_args``, ``model_config``), the KV pool
+(``get_key_buffer`` / ``get_value_buffer``, ``start_layer``, ``layer_num``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+from typing import Any, Optional
+
+import torch
+
+from relaxkv_sglang.core.chunk_tiers import GB, ChunkRecord, HostTier, ModelIdentity, TieredChunkStore
+from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
+
+HOST_GB_ENV = "RELAXKV_HOST_CACHE_GB"
+CHUNK_DIR_ENV = "RELAXKV_CHUNK_DIR"
+DISK_GB_ENV = "RELAXKV_DISK_CACHE_GB"
+HOST_POLICY_ENV = "RELAXKV_HOST_CACHE_POLICY"
+DEFAULT_DISK_GB = 10.0
+
+_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.gguf", "*.pt", "*.pth")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                    "vocab.txt", "merges.txt", "tokenizer.model", "added_tokens.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class TierConfig:
+    host_bytes: int = 0
+    disk_dir: Optional[str] = None
+    disk_bytes: int = 0
+    host_policy: str = "tinylfu"
+
+    @property
+    def enabled(self) -> bool:
+        """Some lower tier is asked for."""
+        return self.host_bytes > 0 or self.disk_dir is not None
+
+
+def _gb(env: dict, name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SystemExit(f"relaxkv-sglang: {name}={raw!r}: not a number of GB") from None
+    if not value >= 0 or value == float("inf"):
+        raise SystemExit(f"relaxkv-sglang: {name}={raw!r}: must be a finite number >= 0")
+    return value
+
+
+def tier_config_from_env(env: Optional[dict] = None) -> TierConfig:
+    """The tiers asked for by the environment (module doc); SystemExit with one line if malformed."""
+    env = os.environ if env is None else env
+    host_gb = _gb(env, HOST_GB_ENV, 0.0)
+    disk_dir = env.get(CHUNK_DIR_ENV) or None
+    disk_gb = _gb(env, DISK_GB_ENV, DEFAULT_DISK_GB)
+    policy = env.get(HOST_POLICY_ENV) or "tinylfu"
+    if policy not in HostTier.POLICIES:
+        raise SystemExit(f"relaxkv-sglang: {HOST_POLICY_ENV}={policy!r}: must be one of {', '.join(HostTier.POLICIES)}")
+    if disk_dir is not None:
+        if os.path.exists(disk_dir) and not os.path.isdir(disk_dir):
+            raise SystemExit(f"relaxkv-sglang: {CHUNK_DIR_ENV}={disk_dir!r}: exists and is not a directory")
+        try:
+            os.makedirs(disk_dir, exist_ok=True)
+        except OSError as exc:
+            raise SystemExit(f"relaxkv-sglang: {CHUNK_DIR_ENV}={disk_dir!r}: cannot create it ({exc.strerror})") from None
+        if not os.access(disk_dir, os.W_OK | os.X_OK):
+            raise SystemExit(f"relaxkv-sglang: {CHUNK_DIR_ENV}={disk_dir!r}: not writable")
+        if disk_gb <= 0:
+            raise SystemExit(f"relaxkv-sglang: {DISK_GB_ENV}={env.get(DISK_GB_ENV)!r}: must be > 0 with {CHUNK_DIR_ENV}")
+    return TierConfig(int(host_gb * GB), disk_dir, int(disk_gb * GB) if disk_dir else 0, policy)
+
+
+def _file_fingerprint(path: str) -> str:
+    size = os.path.getsize(path)
+    h = hashlib.sha256(f"{os.path.basename(path)}:{size}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        if size > 2 << 20:
+            f.seek(size - (1 << 20))
+            h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def model_identity(model_path: str, tokenizer_path: Optional[str], hf_config: dict, kv_dtype: Any,
+                   layout: str) -> ModelIdentity:
+    """The identity chunk keys are salted with (module doc)."""
+    config = json.dumps(hf_config, sort_keys=True, default=str)
+    model = [os.path.basename(os.path.normpath(model_path)), hashlib.sha256(config.encode()).hexdigest()[:16]]
+    if os.path.isdir(model_path):
+        for pattern in _WEIGHT_PATTERNS:
+            model += sorted(_file_fingerprint(p) for p in glob.glob(os.path.join(model_path, pattern)))
+    tok_dir = tokenizer_path or model_path
+    tok = hashlib.sha256(os.path.basename(os.path.normpath(tok_dir)).encode())
+    if os.path.isdir(tok_dir):
+        for name in _TOKENIZER_FILES:
+            p = os.path.join(tok_dir, name)
+            if os.path.isfile(p):
+                with open(p, "rb") as f:
+                    tok.update(name.encode() + b"\0" + f.read())
+    return ModelIdentity(" ".join(model), tok.hexdigest()[:16], str(kv_dtype), layout)
+
+
+class PoolKV:
+    """Chunk KV between SGLang's KV pool and host records (module doc)."""
+
+    def __init__(self, kv_pool: Any, rope: RopeSpec) -> None:
+        self.kv_pool = kv_pool
+        self.rope = rope
+        self.layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
+        k0 = kv_pool.get_key_buffer(self.layers.start)
+        v0 = kv_pool.get_value_buffer(self.layers.start)
+        if k0.shape[1:] != v0.shape[1:]:
+            raise ValueError(f"K {tuple(k0.shape[1:])} and V {tuple(v0.shape[1:])} differ per token")
+        self.dtype = k0.dtype
+        self.token_shape = (len(self.layers), 2, int(k0.shape[1]), int(k0.shape[2]))
+
+    def layout(self) -> str:
+        """The KV layout as the model identity names it (layers, heads, head dim, RoPE)."""
+        L, _, h, d = self.token_shape
+        return f"layers={L} kv_heads={h} head_dim={d} rope={self.rope!r}"
+
+    def read(self, slots: torch.Tensor, canonical_start: int) -> ChunkRecord:
+        """The KV of ``slots`` (int64 [n]) as a CPU record."""
+        per_layer = []
+        for layer in self.layers:
+            k = self.kv_pool.get_key_buffer(layer)[slots]
+            v = self.kv_pool.get_value_buffer(layer)[slots]
+            per_layer.append(torch.stack([k, v], dim=1))
+        kv = torch.stack(per_layer, dim=1)  # [n, L, 2, H, D]
+        return ChunkRecord(kv.cpu(), int(canonical_start))  # stack made a copy already
+
+    def write(self, slots: torch.Tensor, record: ChunkRecord, delta: int = 0) -> None:
+        """Write a record into ``slots``, K re-rotated by ``delta`` positions."""
+        device = self.kv_pool.get_key_buffer(self.layers.start).device
+        kv = record.kv.to(device)
+        for i, layer in enumerate(self.layers):
+            k = kv[:, i, 0]
+            self.kv_pool.get_key_buffer(layer)[slots] = rotate_keys(k, delta, self.rope) if delta else k
+            self.kv_pool.get_value_buffer(layer)[slots] = kv[:, i, 1]
+
+
+def build_tiers(config: TierConfig, pool_kv: PoolKV, identity: ModelIdentity) -> TieredChunkStore:
+    """The lower tiers for this pool's KV layout."""
+    return TieredChunkStore(identity, pool_kv.token_shape, pool_kv.dtype, host_bytes=config.host_bytes,
+                            disk_dir=config.disk_dir, disk_bytes=config.disk_bytes, host_policy=config.host_policy)

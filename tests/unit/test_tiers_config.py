@@ -1,0 +1,176 @@
+"""The lower tiers' configuration (serve flags, RELAXKV_* variables), the pool KV I/O, the chunk
+store's eviction callback and ``relaxkv-sglang encode``'s input handling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from relaxkv_sglang import cli
+from relaxkv_sglang.core.chunk_store import ChunkStore
+from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
+from relaxkv_sglang.encode import EncodeError, encode_corpus, read_corpus
+from relaxkv_sglang.srt.tiers import GB, PoolKV, model_identity, tier_config_from_env
+
+
+def test_tier_config_from_env(tmp_path):
+    assert not tier_config_from_env({}).enabled
+    c = tier_config_from_env({"RELAXKV_HOST_CACHE_GB": "0.5", "RELAXKV_CHUNK_DIR": str(tmp_path / "d")})
+    assert c.host_bytes == GB // 2 and c.disk_bytes == 10 * GB and c.disk_dir == str(tmp_path / "d")
+    assert (tmp_path / "d").is_dir() and c.host_policy == "tinylfu"
+    c = tier_config_from_env({"RELAXKV_CHUNK_DIR": str(tmp_path / "d"), "RELAXKV_DISK_CACHE_GB": "2",
+                              "RELAXKV_HOST_CACHE_POLICY": "lru"})
+    assert c.host_bytes == 0 and c.disk_bytes == 2 * GB and c.host_policy == "lru" and c.enabled
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RELAXKV_HOST_CACHE_GB": "lots"}, "RELAXKV_HOST_CACHE_GB='lots': not a number of GB"),
+    ({"RELAXKV_HOST_CACHE_GB": "-1"}, "RELAXKV_HOST_CACHE_GB='-1': must be a finite number >= 0"),
+    ({"RELAXKV_HOST_CACHE_GB": "nan"}, "must be a finite number >= 0"),
+    ({"RELAXKV_DISK_CACHE_GB": "0", "RELAXKV_CHUNK_DIR": "{tmp}/d"}, "must be > 0 with RELAXKV_CHUNK_DIR"),
+    ({"RELAXKV_CHUNK_DIR": "{tmp}/file"}, "exists and is not a directory"),
+    ({"RELAXKV_HOST_CACHE_POLICY": "fifo"}, "RELAXKV_HOST_CACHE_POLICY='fifo': must be one of tinylfu, lru"),
+])
+def test_bad_tier_env_is_one_line(tmp_path, env, message):
+    (tmp_path / "file").write_text("x")
+    env = {k: v.replace("{tmp}", str(tmp_path)) for k, v in env.items()}
+    with pytest.raises(SystemExit) as exc:
+        tier_config_from_env(env)
+    text = str(exc.value)
+    assert text.startswith("relaxkv-sglang: ") and message in text and "\n" not in text
+
+
+def _serve_env(monkeypatch, tmp_path, *args: str) -> dict:
+    from relaxkv_sglang import server
+
+    launched = []
+
+    def fake_popen(cmd, env, **kwargs):
+        launched.append(env)
+        raise server.ServerError("not launched in a unit test")
+
+    monkeypatch.setattr(server.subprocess, "Popen", fake_popen)
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    assert cli.main(["serve", "--model", str(model), "--port", "0", "--log", str(tmp_path / "log"), *args]) == 1
+    return launched[0] if launched else {}
+
+
+def test_serve_flags_become_the_tier_variables(monkeypatch, tmp_path):
+    for name in ("RELAXKV_HOST_CACHE_GB", "RELAXKV_CHUNK_DIR", "RELAXKV_DISK_CACHE_GB"):
+        monkeypatch.delenv(name, raising=False)
+    env = _serve_env(monkeypatch, tmp_path, "--host-cache-gb", "1.5", "--chunk-dir", str(tmp_path / "c"),
+                     "--disk-cache-gb", "3")
+    assert env["RELAXKV_HOST_CACHE_GB"] == "1.5" and env["RELAXKV_DISK_CACHE_GB"] == "3.0"
+    assert env["RELAXKV_CHUNK_DIR"] == str(tmp_path / "c")
+    env = _serve_env(monkeypatch, tmp_path)
+    assert "RELAXKV_CHUNK_DIR" not in env and "RELAXKV_HOST_CACHE_GB" not in env
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--host-cache-gb", "-2"], "--host-cache-gb -2.0: must be a finite number >= 0"),
+    (["--disk-cache-gb", "4"], "--disk-cache-gb needs --chunk-dir DIR"),
+])
+def test_bad_serve_tier_flags_are_one_line(monkeypatch, tmp_path, capsys, args, message):
+    _serve_env(monkeypatch, tmp_path, *args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"relaxkv-sglang: error: {message}"
+
+
+def test_model_identity_changes_with_weights_tokenizer_dtype_and_layout(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights-1")
+    (model / "tokenizer.json").write_text('{"v": 1}')
+    base = model_identity(str(model), None, {"a": 1}, torch.float32, "L2").digest
+    assert base == model_identity(str(model), None, {"a": 1}, torch.float32, "L2").digest
+    others = {model_identity(str(model), None, {"a": 2}, torch.float32, "L2").digest,
+              model_identity(str(model), None, {"a": 1}, torch.bfloat16, "L2").digest,
+              model_identity(str(model), None, {"a": 1}, torch.float32, "L3").digest}
+    (model / "model.safetensors").write_bytes(b"weights-2")
+    others.add(model_identity(str(model), None, {"a": 1}, torch.float32, "L2").digest)
+    (model / "tokenizer.json").write_text('{"v": 2}')
+    others.add(model_identity(str(model), None, {"a": 1}, torch.float32, "L2").digest)
+    assert base not in others and len(others) == 5
+
+
+class _Pool:
+    """The KV pool surface PoolKV reads: per-layer K/V buffers [slots, heads, dim]."""
+
+    def __init__(self, slots=16, layers=2, heads=2, dim=4):
+        self.start_layer, self.layer_num = 0, layers
+        self.k = [torch.randn(slots, heads, dim) for _ in range(layers)]
+        self.v = [torch.randn(slots, heads, dim) for _ in range(layers)]
+
+    def get_key_buffer(self, layer):
+        return self.k[layer]
+
+    def get_value_buffer(self, layer):
+        return self.v[layer]
+
+
+def test_pool_kv_round_trip_and_rotation():
+    pool, rope = _Pool(), RopeSpec(head_dim=4)
+    io = PoolKV(pool, rope)
+    assert io.token_shape == (2, 2, 2, 4) and "layers=2" in io.layout()
+    src, dst = torch.tensor([1, 3, 5]), torch.tensor([10, 11, 12])
+    record = io.read(src, canonical_start=7)
+    assert record.canonical_start == 7 and record.kv.shape == (3, 2, 2, 2, 4)
+    io.write(dst, record, delta=4)
+    for layer in range(2):
+        torch.testing.assert_close(pool.k[layer][dst], rotate_keys(pool.k[layer][src], 4, rope))
+        assert torch.equal(pool.v[layer][dst], pool.v[layer][src])
+    io.write(dst, record)
+    assert torch.equal(pool.k[1][dst], pool.k[1][src])
+
+
+def test_chunk_store_on_evict_sees_the_entry_before_its_slots_are_freed():
+    events = []
+    store = ChunkStore(lambda slots: events.append(("free", slots.tolist())),
+                       on_evict=lambda e: events.append(("spill", e.token_ids, e.slots.tolist())))
+    store.insert(None, [1, 2], torch.tensor([0, 1]))
+    store.insert(None, [3], torch.tensor([2]))
+    assert store.evict(1) == 2
+    assert events == [("spill", (1, 2), [0, 1]), ("free", [0, 1])]
+    store.reset()  # a flush drops without spilling
+    assert events[-1] == ("free", [2]) and len(events) == 3
+    assert store.insert(None, [4], torch.tensor([5])).origin is None
+
+
+def test_encode_reads_jsonl_and_plain_text(tmp_path):
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text(json.dumps({"text": "Doc one."}) + "\n\n" + json.dumps({"text": "Doc two.", "id": 3}) + "\n")
+    assert read_corpus(str(jsonl)) == ["Doc one.", "Doc two."]
+    txt = tmp_path / "c.txt"
+    txt.write_text("First doc.\n\nSecond doc.\n\n\n\nThird.\n")
+    assert read_corpus(str(txt)) == ["First doc.", "Second doc.", "Third."]
+    assert read_corpus(str(txt), "---") == ["First doc.\n\nSecond doc.\n\n\n\nThird."]
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "--input {p}: no such file"),
+    ('{"text": "ok"}\nnot json\n', '--input {p}:2: not a JSON object with a "text" string'),
+    ('{"txt": "wrong key"}\n', '--input {p}:1: not a JSON object with a "text" string'),
+    ('["text"]\n', '--input {p}:1: not a JSON object with a "text" string'),
+    ("\n\n", "--input {p}: no documents"),
+])
+def test_encode_bad_input_is_one_line(tmp_path, content, message):
+    p = tmp_path / "corpus.jsonl"
+    if content is not None:
+        p.write_text(content)
+    with pytest.raises(EncodeError) as exc:
+        read_corpus(str(p))
+    assert str(exc.value) == message.format(p=p)
+
+
+def test_encode_cli_unreachable_server_is_one_line(tmp_path, capsys):
+    p = tmp_path / "c.txt"
+    p.write_text("A document.")
+    assert cli.main(["encode", "--url", "http://127.0.0.1:9", "--input", str(p)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["relaxkv-sglang: error: --url http://127.0.0.1:9: cannot reach a server there (ConnectionError)"]
+    with pytest.raises(EncodeError, match="--batch-size 0: must be >= 1"):
+        encode_corpus("http://127.0.0.1:9", str(p), batch_size=0)

@@ -249,14 +249,25 @@ def best_with_pool(trace: list[TraceRequest], doc_tokens: dict[int, int], room: 
     return hits, hit_tokens
 
 
-def run_pressure(args: argparse.Namespace) -> dict:
-    """The same pic trace, sequential and concurrent, on a pool at 25% of its working set."""
+def sized_trace(args: argparse.Namespace):
+    """(trace, tokenizer, tokens per document, working set in document tokens, each request's
+    prompt + answer tokens) of the benchmark's trace."""
     trace = make_trace(args)
     tokenizer = common.tokenizer(args)
     doc_tokens = document_tokens(trace, tokenizer)
-    working_set = sum(doc_tokens.values())
     lengths = [n + args.max_new_tokens for n in prompt_tokens(trace, tokenizer)]
-    context = -(-(max(lengths) + 64) // 64) * 64  # room for the per-part tokenization's few extra tokens
+    return trace, tokenizer, doc_tokens, sum(doc_tokens.values()), lengths
+
+
+def _context_length(tokens: int) -> int:
+    """A context length for ``tokens``, with room for the per-part tokenization's few extra tokens."""
+    return -(-(tokens + 64) // 64) * 64
+
+
+def run_pressure(args: argparse.Namespace) -> dict:
+    """The same pic trace, sequential and concurrent, on a pool at 25% of its working set."""
+    trace, tokenizer, doc_tokens, working_set, lengths = sized_trace(args)
+    context = _context_length(max(lengths))
     pool = max(int(args.pressure_fraction * working_set), 2 * context)
     args.max_total_tokens = pool
     with common.bench_client(args, BENCH, extra_args=["--context-length", str(context)]) as client:
@@ -333,13 +344,9 @@ def run_tiers(args: argparse.Namespace) -> dict:
 
     from relaxkv_sglang.encode import encode_corpus
 
-    trace = make_trace(args)
-    tokenizer = common.tokenizer(args)
-    doc_tokens = document_tokens(trace, tokenizer)
-    working_set = sum(doc_tokens.values())
-    lengths = [n + args.max_new_tokens for n in prompt_tokens(trace, tokenizer)]
+    trace, tokenizer, doc_tokens, working_set, lengths = sized_trace(args)
     target = args.disk_load_tokens
-    context = -(-(max(max(lengths), target + 200) + 64) // 64) * 64
+    context = _context_length(max(max(lengths), target + 200))
     pool = max(int(args.pressure_fraction * working_set), 2 * context)
     args.max_total_tokens = pool
     extra = ["--context-length", str(context)]

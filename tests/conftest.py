@@ -70,3 +70,27 @@ def reference_weights(tiny_model_path):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     return from_hf_state_dict(model.state_dict(), model.config.to_dict())
+
+
+@pytest.fixture
+def serve_env(monkeypatch, tmp_path):
+    """``serve_env(*ARGS)``: the environment ``relaxkv-sglang serve ARGS`` would start the server
+    process with ({} when serve stops before launching); nothing is started."""
+    from relaxkv_sglang import cli, server
+
+    def run(*args: str) -> dict:
+        launched = []
+
+        def fake_popen(cmd, env, **kwargs):
+            launched.append(env)
+            raise server.ServerError("not launched in a unit test")
+
+        monkeypatch.setattr(server.subprocess, "Popen", fake_popen)
+        model = tmp_path / "model"
+        model.mkdir(exist_ok=True)
+        (model / "config.json").write_text("{}")
+        assert cli.main(["serve", "--model", str(model), "--port", "0", "--log", str(tmp_path / "log"), *args]) == 1
+        assert len(launched) <= 1
+        return launched[0] if launched else {}
+
+    return run

@@ -133,26 +133,7 @@ def test_version_is_the_package_version():
     assert result.stdout.strip() == f"relaxkv-sglang {relaxkv_sglang.__version__}"
 
 
-def _serve_env(monkeypatch, tmp_path, *args: str) -> dict:
-    """The environment ``serve ARGS`` would start the server process with (nothing is started)."""
-    from relaxkv_sglang import server
-
-    launched = []
-
-    def fake_popen(cmd, env, **kwargs):
-        launched.append(env)
-        raise server.ServerError("not launched in a unit test")
-
-    monkeypatch.setattr(server.subprocess, "Popen", fake_popen)
-    model = tmp_path / "model"
-    model.mkdir(exist_ok=True)
-    (model / "config.json").write_text("{}")
-    assert cli.main(["serve", "--model", str(model), "--port", "0", "--log", str(tmp_path / "log"), *args]) == 1
-    (env,) = launched
-    return env
-
-
-def test_serve_and_a_raw_launch_server_share_the_default_policy(monkeypatch, tmp_path, capsys):
+def test_serve_and_a_raw_launch_server_share_the_default_policy(monkeypatch, tmp_path, capsys, serve_env):
     """Without --policy, serve sets nothing: the server reads schema.default_policy() as a raw
     launch_server with the plugin does, from the same environment."""
     from relaxkv_sglang import schema
@@ -162,7 +143,7 @@ def test_serve_and_a_raw_launch_server_share_the_default_policy(monkeypatch, tmp
             monkeypatch.delenv(schema.DEFAULT_POLICY_ENV, raising=False)
         else:
             monkeypatch.setenv(schema.DEFAULT_POLICY_ENV, env_value)
-        env = _serve_env(monkeypatch, tmp_path)
+        env = serve_env()
         assert env.get(schema.DEFAULT_POLICY_ENV) == env_value  # inherited, not chosen by serve
         with monkeypatch.context() as m:  # the plugin's reading of that environment
             m.setattr(schema.os, "environ", env)
@@ -171,9 +152,9 @@ def test_serve_and_a_raw_launch_server_share_the_default_policy(monkeypatch, tmp
     assert schema.POLICY.default == "prefix"
 
 
-def test_serve_policy_flag_sets_the_servers_default(monkeypatch, tmp_path, capsys):
+def test_serve_policy_flag_sets_the_servers_default(monkeypatch, tmp_path, capsys, serve_env):
     monkeypatch.setenv("RELAXKV_DEFAULT_POLICY", "pic")
-    env = _serve_env(monkeypatch, tmp_path, "--policy", "relaxkv")
+    env = serve_env("--policy", "relaxkv")
     assert env["RELAXKV_DEFAULT_POLICY"] == "relaxkv"
     assert "default policy relaxkv " in capsys.readouterr().err
 

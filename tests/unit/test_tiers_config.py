@@ -42,31 +42,14 @@ def test_bad_tier_env_is_one_line(tmp_path, env, message):
     assert text.startswith("relaxkv-sglang: ") and message in text and "\n" not in text
 
 
-def _serve_env(monkeypatch, tmp_path, *args: str) -> dict:
-    from relaxkv_sglang import server
-
-    launched = []
-
-    def fake_popen(cmd, env, **kwargs):
-        launched.append(env)
-        raise server.ServerError("not launched in a unit test")
-
-    monkeypatch.setattr(server.subprocess, "Popen", fake_popen)
-    model = tmp_path / "model"
-    model.mkdir(exist_ok=True)
-    (model / "config.json").write_text("{}")
-    assert cli.main(["serve", "--model", str(model), "--port", "0", "--log", str(tmp_path / "log"), *args]) == 1
-    return launched[0] if launched else {}
-
-
-def test_serve_flags_become_the_tier_variables(monkeypatch, tmp_path):
+def test_serve_flags_become_the_tier_variables(monkeypatch, tmp_path, serve_env):
     for name in ("RELAXKV_HOST_CACHE_GB", "RELAXKV_CHUNK_DIR", "RELAXKV_DISK_CACHE_GB"):
         monkeypatch.delenv(name, raising=False)
-    env = _serve_env(monkeypatch, tmp_path, "--host-cache-gb", "1.5", "--chunk-dir", str(tmp_path / "c"),
+    env = serve_env("--host-cache-gb", "1.5", "--chunk-dir", str(tmp_path / "c"),
                      "--disk-cache-gb", "3")
     assert env["RELAXKV_HOST_CACHE_GB"] == "1.5" and env["RELAXKV_DISK_CACHE_GB"] == "3.0"
     assert env["RELAXKV_CHUNK_DIR"] == str(tmp_path / "c")
-    env = _serve_env(monkeypatch, tmp_path)
+    env = serve_env()
     assert "RELAXKV_CHUNK_DIR" not in env and "RELAXKV_HOST_CACHE_GB" not in env
 
 
@@ -74,8 +57,8 @@ def test_serve_flags_become_the_tier_variables(monkeypatch, tmp_path):
     (["--host-cache-gb", "-2"], "--host-cache-gb -2.0: must be a finite number >= 0"),
     (["--disk-cache-gb", "4"], "--disk-cache-gb needs --chunk-dir DIR"),
 ])
-def test_bad_serve_tier_flags_are_one_line(monkeypatch, tmp_path, capsys, args, message):
-    _serve_env(monkeypatch, tmp_path, *args)
+def test_bad_serve_tier_flags_are_one_line(monkeypatch, tmp_path, capsys, args, message, serve_env):
+    serve_env(*args)
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"relaxkv-sglang: error: {message}"
 

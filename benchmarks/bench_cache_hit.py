@@ -301,11 +301,15 @@ def run_pressure(args: argparse.Namespace) -> dict:
     }
 
 
+def trace_words(w: dict) -> str:
+    """The trace's shape as every printed summary words it (``w``: a result's ``workload``)."""
+    return f"{w['k']} of {w['pool']} {w['source']} documents per request (Zipf s={w['zipf']}), seed {w['seed']}"
+
+
 def print_pressure(result: dict) -> None:
     """The pressure result: chunk hits concurrent vs sequential vs the best with that pool."""
     w, p = result["workload"], result["pressure"]
-    print(f"\n{w['requests']} requests ({w['chunk_lookups']} chunk lookups), {w['k']} of {w['pool']} {w['source']} "
-          f"documents per request (Zipf s={w['zipf']}), seed {w['seed']}; working set {w['distinct_document_tokens']} "
+    print(f"\n{w['requests']} requests ({w['chunk_lookups']} chunk lookups), {trace_words(w)}; working set {w['distinct_document_tokens']} "
           f"document tokens, KV pool {w['kv_pool_tokens']} tokens")
     head = f"{'replay':<22}{'clients':>8}{'chunk hits':>11}{'tokens':>9}{'req/s':>7}{'TTFT p50':>9}{'twice':>7}"
     print(head)
@@ -430,8 +434,7 @@ def run_tiers(args: argparse.Namespace) -> dict:
 def print_tiers(result: dict) -> None:
     """The tier result: hit rates against the best possible; disk load vs compute."""
     w = result["workload"]
-    print(f"\n{w['requests']} requests ({w['clients']} clients), {w['k']} of {w['pool']} {w['source']} documents "
-          f"per request (Zipf s={w['zipf']}), seed {w['seed']}; working set {w['distinct_document_tokens']} document "
+    print(f"\n{w['requests']} requests ({w['clients']} clients), {trace_words(w)}; working set {w['distinct_document_tokens']} document "
           f"tokens, KV pool {w['kv_pool_tokens']} tokens, host tier {w['host_cache_gb']} GB")
     head = (f"{'replay':<26}{'chunk hit':>10}{'best':>8}{'of best':>9}{'from host':>11}{'from disk':>11}"
             f"{'req/s':>7}{'TTFT p50':>9}")
@@ -534,8 +537,7 @@ def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = No
 def print_replicas(result: dict) -> None:
     """One row per (policy, routing): hit rate, its share of one server's, requests per replica."""
     w = result["workload"]
-    print(f"\n{w['requests']} requests, {w['clients']} clients, {w['k']} of {w['pool']} {w['source']} documents "
-          f"per request (Zipf s={w['zipf']}), seed {w['seed']}; {w['replicas']} replicas, KV pool "
+    print(f"\n{w['requests']} requests, {w['clients']} clients, {trace_words(w)}; {w['replicas']} replicas, KV pool "
           f"{w['kv_pool_tokens']} tokens each")
     head = f"{'policy':<8}{'routing':<13}{'hit rate':>9}{'chunk':>8}{'of single':>10}{'req/s':>7}  {'requests per replica':<22}{'max/min':>8}"
     print(head)
@@ -578,8 +580,7 @@ def print_table(result: dict) -> None:
     """The result as a plain-text table, one row per policy."""
     w = result["workload"]
     pool = f"KV pool {w['kv_pool_tokens']} tokens" if w.get("kv_pool_tokens") else "KV pool of the given server"
-    print(f"\n{w['requests']} requests, {w['clients']} clients, {w['k']} of {w['pool']} {w['source']} documents "
-          f"per request (Zipf s={w['zipf']}), seed {w['seed']}; {w['distinct_document_tokens']} distinct document "
+    print(f"\n{w['requests']} requests, {w['clients']} clients, {trace_words(w)}; {w['distinct_document_tokens']} distinct document "
           f"tokens, {pool}")
     head = (f"{'policy':<10}{'hit rate':>9}{'prefix':>8}{'chunk':>8}{'best':>8}{'req/s':>7}{'tok/s':>8}"
             f"{'TTFT mean':>10}{'p50':>7}{'p90':>7}{'p99':>7}{'evicted':>9}"

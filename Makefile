@@ -7,7 +7,7 @@ VENV        := .venv
 PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip --disable-pip-version-check
 STAMP       := $(VENV)/.relaxkv-installed
-REQS        := requirements/cpu-torch.txt requirements/cpu-nodeps.txt requirements/cpu-runtime.txt requirements/dev.txt requirements/gpu.txt pyproject.toml setup.py
+REQS        := requirements/cpu-torch.txt requirements/cpu-nodeps.txt requirements/cpu-runtime.txt requirements/dev.txt requirements/bench.txt requirements/gpu.txt pyproject.toml setup.py
 HAVE_CUDA   := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 INPUT_HASH  := $(shell cat $(REQS) | sha256sum | cut -c1-16)-cuda$(HAVE_CUDA)
 PYTEST_ARGS ?=
@@ -31,7 +31,7 @@ _install:
 		$(PIP) install -q --no-deps -r requirements/cpu-nodeps.txt && \
 		$(PIP) install -q --no-deps -r requirements/cpu-runtime.txt; \
 	fi
-	@$(PIP) install -q --no-deps -r requirements/dev.txt
+	@$(PIP) install -q --no-deps -r requirements/dev.txt -r requirements/bench.txt
 	@$(PIP) install -q --no-deps --no-build-isolation -e .
 	@$(PY) -m relaxkv_patches.install_pth
 	@$(PY) -c "import torch, sglang, relaxkv_sglang; print('make install: torch', torch.__version__, '| sglang', sglang.__version__)"

@@ -18,7 +18,11 @@ Also declared here:
 * :data:`USER_PREFIX`: a client key under it must be one of :data:`FIELD_NAMES` (a typo is an error,
   not a request silently served without reuse);
 * :data:`RECORD_KEY`, the ``meta_info`` key of the per-request report;
-* the server default policy: :data:`DEFAULT_POLICY_ENV` and :func:`default_policy`.
+* the server default policy: :data:`DEFAULT_POLICY_ENV` and :func:`default_policy`;
+* the per-request policy header :data:`POLICY_HEADER` (:func:`header_policy`): a request's
+  default policy where the body cannot carry one without replacing other fields (SGLang's native
+  ``/generate`` takes ``custom_params`` inside ``sampling_params``, which load generators such as
+  ``sglang.bench_serving`` build themselves). ``custom_params.relaxkv_policy`` in the body wins.
 
 The policies come from :mod:`relaxkv_sglang.core.policies`; the repair knobs' defaults from
 :class:`relaxkv_sglang.core.repair_plan.RepairConfig`, read on first use (that module needs torch;
@@ -40,12 +44,14 @@ __all__ = [
     "USER_PREFIX", "RESERVED_PREFIX", "RECORD_KEY", "DEFAULT_POLICY_ENV", "RequestError", "Field",
     "ChunksField", "PolicyField", "RatioField", "CHUNKS", "POLICY", "ANCHOR_RATIO", "CONTEXT_RATIO", "BUDGET",
     "FIELDS", "FIELD_NAMES", "REPAIR_KNOBS", "PLAN_KEYS", "check_keys", "mentions_fields", "default_policy",
+    "POLICY_HEADER", "header_policy",
 ]
 
 USER_PREFIX = "relaxkv_"  # every user-facing field; another key under it is a typo (an error)
 RESERVED_PREFIX = "_relaxkv_"  # the server's internal plan keys, present and future: clients may not send them
 RECORD_KEY = "relaxkv"  # meta_info key of the per-request report (SGLang carries it as customized_info)
 DEFAULT_POLICY_ENV = "RELAXKV_DEFAULT_POLICY"  # the server default policy (default: core.policies.DEFAULT_POLICY)
+POLICY_HEADER = "X-RelaxKV-Policy"  # a request's default policy (HTTP header names are case-insensitive)
 
 
 class RequestError(ValueError):
@@ -248,3 +254,19 @@ def default_policy() -> str:
     if not POLICY.is_valid(policy):
         raise SystemExit(f"relaxkv-sglang: {DEFAULT_POLICY_ENV}={policy!r} is not one of {', '.join(POLICY.choices)}")
     return policy
+
+
+def header_policy(headers: Optional[Mapping[str, str]]) -> Optional[str]:
+    """The policy the request's :data:`POLICY_HEADER` names, or None without the header.
+
+    ``headers``: the HTTP request's headers (a case-insensitive mapping, e.g. Starlette's), or None
+    for a request that came without HTTP (the Python engine). A value that is not a served policy
+    raises :class:`RequestError` naming the header.
+    """
+    value = headers.get(POLICY_HEADER) if headers is not None else None
+    if value is None:
+        return None
+    value = value.strip()
+    if value not in POLICY.choices:
+        raise RequestError(f"header {POLICY_HEADER}", f"unknown policy {value!r}; choose one of {', '.join(POLICY.choices)}")
+    return value

@@ -10,10 +10,12 @@ tokenized on its own, so a document always gets the same token ids, and the
 request reaches the scheduler as ``input_ids`` plus the internal plan entries
 read by :mod:`relaxkv_sglang.srt.plan`. Invalid input raises ``ValueError``
 (:class:`~relaxkv_sglang.schema.RequestError`) naming the field, which SGLang's
-HTTP server answers with status 400. When the server's startup correctness gate failed
+HTTP server answers with status 400. A request's ``X-RelaxKV-Policy`` header
+(:func:`~relaxkv_sglang.schema.header_policy`) replaces the server default policy for that
+request; ``custom_params.relaxkv_policy`` still wins. When the server's startup correctness gate failed
 (:mod:`.gate`), a request naming a chunk policy is refused the same way, the message naming
-the gate's reason; ``full`` and ``prefix`` are served,
-and a request naming no policy gets ``prefix`` even if the server default is a chunk policy.
+the gate's reason (the header names a policy as the body does); ``full`` and ``prefix`` are
+served, and a request naming no policy gets ``prefix`` even if the server default is a chunk policy.
 
 SGLang file touched: ``sglang/srt/managers/tokenizer_manager.py``
 (``TokenizerManager.generate_request``, wrapped).
@@ -33,6 +35,7 @@ from relaxkv_sglang.schema import (
     RequestError,
     check_keys,
     default_policy,
+    header_policy,
     mentions_fields,
 )
 from relaxkv_sglang.srt.gate import chunk_refusal
@@ -99,10 +102,12 @@ def plan_item(
     return layout.input_ids, dict(cp, **{POLICY.plan_key: policy, CHUNKS.plan_key: flat}, **knobs)
 
 
-def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput, chunks_refused: str = "") -> None:
+def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput, chunks_refused: str = "",
+                     requested_policy: Optional[str] = None) -> None:
     """Rewrite a ``GenerateReqInput`` in place: chunked items become input_ids + plan.
 
-    ``chunks_refused``: see :func:`plan_item`.
+    ``chunks_refused``: see :func:`plan_item`. ``requested_policy``: the request's
+    ``X-RelaxKV-Policy`` header (validated), the default of every item that names no policy.
     """
     texts = obj.text
     single = isinstance(texts, str) or (texts is None and not _is_batch_ids(obj.input_ids))
@@ -118,8 +123,8 @@ def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput,
     else:
         sp_items = [dict(sps or {}) for _ in range(n)]
     text_items = [texts] if single else (list(texts) if texts is not None else [None] * n)
-    policy = default_policy()
-    if chunks_refused and policy in CHUNK_POLICIES:
+    policy = requested_policy or default_policy()
+    if chunks_refused and policy in CHUNK_POLICIES and not requested_policy:
         policy = Policy.PREFIX.value  # the gate failed: a request naming no policy gets SGLang's radix cache
     if not any(_wants_plan(sp) for sp in sp_items) and policy == Policy.PREFIX:
         return
@@ -179,7 +184,8 @@ async def around_generate_request(
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     if isinstance(obj, GenerateReqInput) and chunk_tree_served(tokenizer_manager.server_args):
-        prepare_generate(tokenizer_manager, obj, await chunk_refusal(tokenizer_manager))
+        requested = header_policy(getattr(request, "headers", None))
+        prepare_generate(tokenizer_manager, obj, await chunk_refusal(tokenizer_manager), requested)
     async for out in original(tokenizer_manager, obj, request, *args, **kwargs):
         yield _one_record(out)
 

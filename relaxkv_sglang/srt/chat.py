@@ -13,8 +13,9 @@ document. Messages with string content, the last text part of each message
 
 The rule is applied only when the request's effective policy reuses chunks
 (``pic`` or a repair policy): ``custom_params.relaxkv_policy`` in the request
-body (``extra_body`` with the OpenAI client), or, without one, the server
-default (``RELAXKV_DEFAULT_POLICY``). Any other request is left exactly as
+body (``extra_body`` with the OpenAI client), or, without one, the request's
+``X-RelaxKV-Policy`` header (``extra_headers``), or the server default
+(``RELAXKV_DEFAULT_POLICY``). Any other request is left exactly as
 SGLang builds it.
 
 How: SGLang's ``OpenAIServingChat._convert_to_internal_request`` renders the
@@ -48,7 +49,7 @@ import logging
 import re
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from relaxkv_sglang.schema import CHUNKS, POLICY, RequestError, default_policy
+from relaxkv_sglang.schema import CHUNKS, POLICY, RequestError, default_policy, header_policy
 from relaxkv_sglang.srt.plan import chunk_tree_served
 
 if TYPE_CHECKING:
@@ -169,9 +170,13 @@ def marked_prompt(
     return text, offsets
 
 
-def mark_documents(serving: OpenAIServingChat, request: ChatCompletionRequest, adapted: GenerateReqInput) -> bool:
+def mark_documents(serving: OpenAIServingChat, request: ChatCompletionRequest, adapted: GenerateReqInput,
+                   requested_policy: str | None = None) -> bool:
     """Rewrite ``adapted`` (a ``GenerateReqInput``) to text + ``relaxkv_chunks``
-    when ``request`` holds documents and reuses chunks. Returns whether it did."""
+    when ``request`` holds documents and reuses chunks. Returns whether it did.
+
+    ``requested_policy``: the request's ``X-RelaxKV-Policy`` header, if any (validated).
+    """
     if not document_parts(request.messages):
         return False
     if not chunk_tree_served(serving.tokenizer_manager.server_args):
@@ -185,7 +190,7 @@ def mark_documents(serving: OpenAIServingChat, request: ChatCompletionRequest, a
     cp = cp or {}
     if CHUNKS.name in cp:
         return False
-    if not POLICY.reuses_chunks(cp.get(POLICY.name, default_policy())):
+    if not POLICY.reuses_chunks(cp.get(POLICY.name, requested_policy or default_policy())):
         return False  # a malformed policy is reported by the native path
     check_documents(request.messages)
     try:
@@ -214,5 +219,5 @@ def around_convert_to_internal_request(
     """Hook on ``OpenAIServingChat._convert_to_internal_request``."""
     result = original(serving, request, raw_request, *args, **kwargs)
     adapted, _ = result
-    mark_documents(serving, request, adapted)
+    mark_documents(serving, request, adapted, header_policy(getattr(raw_request, "headers", None)))
     return result

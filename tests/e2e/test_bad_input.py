@@ -48,7 +48,7 @@ class BadCase:
     name: the case's id; route: the path it is posted to; body: the JSON body
     (or a zero-argument callable building it, for large bodies); raw: bytes
     sent as the body instead of JSON; expect: a substring of the error message
-    that names the problem.
+    that names the problem; headers: extra HTTP headers.
     """
 
     name: str
@@ -56,6 +56,7 @@ class BadCase:
     expect: str
     body: Any = None
     raw: bytes | None = None
+    headers: dict | None = None
 
     def build(self) -> Any:
         return self.body() if callable(self.body) else self.body
@@ -249,6 +250,14 @@ HTTP_CASES = [
     BadCase("join_invalid_utf8", JOIN, "body: not JSON", raw=b'{"src_rids": ["\xff"], "dst_rid": "x"}'),
     BadCase("join_100k_branches", JOIN, "src_rids: at most 1024 branches, got 100000",
             {"src_rids": ["a"] * 100_000, "dst_rid": "x"}),
+    # --- the X-RelaxKV-Policy header (every route)
+    BadCase("policy_header_unknown", G, "header X-RelaxKV-Policy: unknown policy 'blend'", gen(),
+            headers={"X-RelaxKV-Policy": "blend"}),
+    BadCase("policy_header_empty", G, "header X-RelaxKV-Policy: unknown policy ''", gen(),
+            headers={"X-RelaxKV-Policy": ""}),
+    BadCase("policy_header_chat", CHAT, "header X-RelaxKV-Policy", chat(), headers={"x-relaxkv-policy": "PIC"}),
+    BadCase("policy_header_completions", COMPLETIONS, "header X-RelaxKV-Policy", completion({}),
+            headers={"X-RelaxKV-Policy": "cacheblend2"}),
 ]
 
 
@@ -270,7 +279,7 @@ def error_message(response: requests.Response) -> str:
 def post(url: str, case: BadCase) -> requests.Response:
     if case.raw is not None:
         return requests.post(url + case.route, data=case.raw, headers={"Content-Type": "application/json"}, timeout=60)
-    return requests.post(url + case.route, json=case.build(), timeout=60)
+    return requests.post(url + case.route, json=case.build(), headers=case.headers, timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -112,6 +112,31 @@ def test_unmarked_prompt_is_chunked_by_content(relaxkv_server):
     assert record["chunks_hit"] == record["chunks_seen"]
 
 
+def test_policy_header_sets_the_policy_and_the_body_wins(relaxkv_server):
+    """``X-RelaxKV-Policy``: the request's policy where the body names none (the server default here
+    is ``prefix``); header names are case-insensitive; ``custom_params.relaxkv_policy`` wins."""
+    prompt = marked_prompt("S.", documents(2, seed=9), "Q?")
+    url = relaxkv_server.url + "/generate"
+
+    def send(headers: dict, custom_params: dict) -> dict:
+        body = {"text": prompt.text, "sampling_params": {"max_new_tokens": 2, "custom_params": custom_params}}
+        response = requests.post(url, json=body, headers=headers, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()["meta_info"]
+
+    flush(relaxkv_server.url)
+    chunks = {"relaxkv_chunks": prompt.offsets}
+    first = send({"X-RelaxKV-Policy": "pic"}, chunks)["relaxkv"]
+    assert (first["policy"], first["chunks_seen"], first["chunks_hit"]) == ("pic", 2, 0)
+    again = send({"x-relaxkv-policy": "relaxkv"}, chunks)["relaxkv"]
+    assert (again["policy"], again["chunks_hit"]) == ("relaxkv", 2)
+    body_wins = send({"X-RelaxKV-Policy": "relaxkv"}, dict(chunks, relaxkv_policy="full"))
+    assert body_wins["relaxkv"]["policy"] == "full" and body_wins["cached_tokens"] == 0
+    # Without the header the server default (prefix) serves the same body: no chunk report.
+    plain = send({}, {})
+    assert (plain.get("relaxkv") or {}).get("policy", "prefix") == "prefix", plain
+
+
 def test_flush_returns_every_slot(relaxkv_server):
     generate(relaxkv_server.url, marked_prompt("S.", documents(4, seed=7), "Q?"), policy="pic")
     state = relaxkv_state(relaxkv_server.url)

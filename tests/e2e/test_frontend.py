@@ -166,7 +166,8 @@ def test_unmarked_program_on_plain_endpoint_matches_stock_sglang(relaxkv_fronten
 # --------------------------------------------------------------------- chat
 
 
-def chat(url: str, system: str, docs: list[str], question: str, policy: str | None = "pic") -> dict:
+def chat(url: str, system: str, docs: list[str], question: str, policy: str | None = "pic",
+         headers: dict | None = None) -> dict:
     content = [{"type": "text", "text": d} for d in docs] + [{"type": "text", "text": question}]
     body = {
         "model": "tiny", "max_tokens": 4, "temperature": 0, "return_meta_info": True,
@@ -174,9 +175,21 @@ def chat(url: str, system: str, docs: list[str], question: str, policy: str | No
     }
     if policy is not None:
         body["custom_params"] = {"relaxkv_policy": policy}
-    r = requests.post(url + "/v1/chat/completions", json=body, timeout=120)
+    r = requests.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def test_chat_policy_header_marks_documents(relaxkv_frontend_server, tokenizer):
+    """A request header (``extra_headers`` with the OpenAI SDK) sets the policy a body without
+    ``custom_params`` gets, so the documents become chunks."""
+    docs = documents(2, seed=105)
+    url = relaxkv_frontend_server.url
+    pic = {"X-RelaxKV-Policy": "pic"}
+    chat(url, "Be brief.", docs, "Summarize.", policy=None, headers=pic)
+    meta = chat(url, "Other.", docs[::-1], "Who?", policy=None, headers=pic)["choices"][0]["meta_info"]
+    assert meta["relaxkv"]["policy"] == "pic" and meta["relaxkv"]["chunks_hit"] == 2, meta
+    assert meta["cached_tokens"] >= sum(n_tokens(tokenizer, d) for d in docs), meta
 
 
 def test_chat_content_parts_are_reused_in_another_order(relaxkv_frontend_server, tokenizer):

@@ -139,6 +139,13 @@ class RequestFold:
             self.keep = torch.cat([earlier_query - self.window_start, self.keep])
             self.scope_start = torch.cat([torch.zeros_like(earlier_query), self.scope_start])
 
+    def hit_sources(self) -> dict[str, int]:
+        """The window's chunk hit tokens by where SGLang's accounting puts them: ``device`` (the
+        pool), ``host`` (loaded from the host-memory tier), ``storage`` (from the disk tier)."""
+        host = min(self.tier_tokens.get("host", 0), self.hit_tokens)
+        storage = min(self.tier_tokens.get("disk", 0), self.hit_tokens - host)
+        return {"device": self.hit_tokens - host - storage, "host": host, "storage": storage}
+
     def publish_misses(self, cache: "ChunkCache") -> None:
         """Once the miss chunks' KV is computed: hand each to the chunk tree (at most once)."""
         row = cache.req_to_token[self.req_pool_idx]
@@ -304,24 +311,32 @@ def _folded_copy(batch: Any, requests: list[RequestFold]) -> Any:
 
 def finish_fold(cache: "ChunkCache", fold: Fold) -> None:
     """After the forward: publish miss chunks to the chunk tree, count reuse, attach reports."""
+    totals = dict.fromkeys(("device", "host", "storage"), 0)
     for r in fold.requests:
         r.publish_misses(cache)
+        sources = r.hit_sources()
         if r.hit_tokens and not getattr(r.req, "retracted_stain", False):
-            # Chunk hits come from the device pool: SGLang's cached_tokens_details and
-            # sglang:cached_tokens_total{cache_source="device"} read cached_tokens_device,
-            # which its own accounting has already set from the radix match. Like SGLang's
-            # own count, only the first prefill counts (a retracted request's prefill again
-            # reuses the same chunks).
+            # SGLang's cached_tokens_details and sglang:cached_tokens_total{cache_source=...} read
+            # cached_tokens_{device,host,storage}, which its own accounting has already set from
+            # the radix match: chunk hits are added by the tier they were loaded from. Like
+            # SGLang's own count, only the first prefill counts (a retracted request's prefill
+            # again reuses the same chunks).
             r.req.cached_tokens += r.hit_tokens
-            r.req.cached_tokens_device += r.hit_tokens
+            for source, tokens in sources.items():
+                setattr(r.req, f"cached_tokens_{source}", getattr(r.req, f"cached_tokens_{source}") + tokens)
+        for source, tokens in sources.items():
+            totals[source] += tokens
         if r.plan is not None:
             merge_record(r.req, request_record(r))
-    # SGLang's prefill log line and /metrics sglang:cache_hit_rate read these
-    # after the forward; admission counted reused chunk tokens as new input.
+    # SGLang's prefill log line, /metrics sglang:cache_hit_rate and
+    # sglang:prefill_effective_tokens_total read these after the forward; admission counted
+    # reused chunk tokens as new input.
     stats = getattr(fold.source, "prefill_stats", None)
-    hits = sum(r.hit_tokens for r in fold.requests)
+    hits = sum(totals.values())
     if stats is not None and hits:
         stats.log_hit_tokens += hits
-        stats.log_device_hit_tokens += hits
+        stats.log_device_hit_tokens += totals["device"]
+        stats.log_host_hit_tokens += totals["host"]
+        stats.log_storage_hit_tokens += totals["storage"]
         stats.log_input_tokens -= hits
     cache.update_metrics()

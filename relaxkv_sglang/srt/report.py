@@ -43,8 +43,8 @@ def request_record(r: "RequestFold") -> dict:
         "chunks_seen": r.chunks_seen,
         "chunks_hit": r.chunks_hit,
         "chunk_tokens_reused": r.hit_tokens,
-        "chunk_tokens_from_host": min(r.tier_tokens.get("host", 0), r.hit_tokens),
-        "chunk_tokens_from_disk": min(r.tier_tokens.get("disk", 0), r.hit_tokens),
+        "chunk_tokens_from_host": r.hit_sources()["host"],
+        "chunk_tokens_from_disk": r.hit_sources()["storage"],
         "tokens_computed": r.rows_computed,
         "repaired": r.repair is not None,
         "prefills": int(r.completes_prompt),  # 1: this step decided the repair

@@ -591,25 +591,33 @@ class ChunkMetrics:
     """Chunk-tree counters on SGLang's /metrics (``--enable-metrics``).
 
     Created in the scheduler process, where SGLang's prometheus client runs in
-    multiprocess mode, so /metrics in the HTTP process collects them.
+    multiprocess mode, so /metrics in the HTTP process collects them. Every series carries
+    ``labels`` (SGLang's ``model_name``), so dashboards filter them as SGLang's own.
     """
 
-    COUNTERS = ("lookups", "hits", "misses", "hit_tokens", "inserts", "evictions", "evicted_tokens")
+    COUNTERS = ("lookups", "hits", "misses", "hit_tokens", "miss_tokens", "inserts", "evictions", "evicted_tokens")
+    GAUGES = {"tokens_held": "KV tokens held by the chunk tree.", "entries": "Chunks held by the chunk tree."}
 
-    def __init__(self) -> None:
+    def __init__(self, labels: Optional[dict[str, str]] = None) -> None:
         from prometheus_client import Counter, Gauge
 
-        self.counters = {
-            name: Counter(f"relaxkv:chunk_{name}", f"Chunk tree {name.replace('_', ' ')} since start.")
-            for name in self.COUNTERS
-        }
-        self.tokens_held = Gauge("relaxkv:chunk_tokens_held", "KV tokens held by the chunk tree.",
-                                 multiprocess_mode="mostrecent")
+        self.labels = dict(labels or {})
+        self._counter, self._gauge = Counter, Gauge
+        self.counters = {name: self._new_counter(f"relaxkv:chunk_{name}", f"Chunk tree {name.replace('_', ' ')} since start.")
+                         for name in self.COUNTERS}
+        self.gauges = {name: self._new_gauge(f"relaxkv:chunk_{name}", doc) for name, doc in self.GAUGES.items()}
         self.last = dict.fromkeys(self.COUNTERS, 0)
         self.tier_counters: dict = {}
         self.tier_gauges: dict = {}
         self.tier_last: dict = {}
-        self._counter, self._gauge = Counter, Gauge
+
+    def _new_counter(self, name: str, doc: str) -> Any:
+        counter = self._counter(name, doc, labelnames=list(self.labels))
+        return counter.labels(**self.labels) if self.labels else counter
+
+    def _new_gauge(self, name: str, doc: str) -> Any:
+        gauge = self._gauge(name, doc, labelnames=list(self.labels), multiprocess_mode="mostrecent")
+        return gauge.labels(**self.labels) if self.labels else gauge
 
     def publish(self, stats: ChunkStoreStats, tier_stats: Optional[dict] = None) -> None:
         """Advance the counters to the store's totals (and the lower tiers', when present)."""
@@ -618,20 +626,21 @@ class ChunkMetrics:
             if value > self.last[name]:
                 counter.inc(value - self.last[name])
             self.last[name] = value
-        self.tokens_held.set(stats.tokens_held)
+        for name, gauge in self.gauges.items():
+            gauge.set(getattr(stats, name))
         for name, value in (tier_stats or {}).items():
             if name not in TIER_METRICS and not name.endswith(TIER_GAUGES):
                 continue
             if name.endswith(TIER_GAUGES):
                 gauge = self.tier_gauges.get(name)
                 if gauge is None:
-                    gauge = self.tier_gauges[name] = self._gauge(
-                        f"relaxkv:{name}", f"Lower tier {name[5:].replace('_', ' ')}.", multiprocess_mode="mostrecent")
+                    gauge = self.tier_gauges[name] = self._new_gauge(
+                        f"relaxkv:{name}", f"Lower tier {name[5:].replace('_', ' ')}.")
                 gauge.set(value)
                 continue
             counter = self.tier_counters.get(name)
             if counter is None:
-                counter = self.tier_counters[name] = self._counter(
+                counter = self.tier_counters[name] = self._new_counter(
                     f"relaxkv:{name}", f"Lower tier {name[5:].replace('_', ' ')} since start.")
             last = self.tier_last.get(name, 0)
             if value > last:
@@ -667,7 +676,7 @@ def make_tree_cache(ctx: "TreeCacheBuildContext") -> Any:
         raise SystemExit(f"relaxkv-sglang: {exc}") from exc
     rope = serving_rope(rope)  # the rope unless a test swaps it (gate.ROPE_OVERRIDE_ENV)
     kv_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
-    metrics = ChunkMetrics() if server_args.enable_metrics else None
+    metrics = ChunkMetrics({"model_name": server_args.served_model_name}) if server_args.enable_metrics else None
     tiers = pool_kv = None
     tier_config = tier_config_from_env()  # a malformed RELAXKV_* tier variable stops the server here
     if tier_config.enabled:

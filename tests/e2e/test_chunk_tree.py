@@ -73,21 +73,31 @@ def _metric(url: str, name: str, label: str = "") -> float:
 
 
 def test_metrics_see_chunk_hits(relaxkv_server):
+    url = relaxkv_server.url
     docs = documents(3, seed=12)
-    generate(relaxkv_server.url, marked_prompt("One.", docs, "Q1?"), policy="pic")
-    hits_before = _metric(relaxkv_server.url, "relaxkv:chunk_hits_total")
-    device_before = _metric(relaxkv_server.url, "sglang:cached_tokens_total", 'cache_source="device"')
-    second = generate(relaxkv_server.url, marked_prompt("Two.", docs[::-1], "Q2?"), policy="pic")["meta_info"]
-    assert _metric(relaxkv_server.url, "relaxkv:chunk_hits_total") == hits_before + 3
+    generate(url, marked_prompt("One.", docs, "Q1?"), policy="pic")
+    before = {name: _metric(url, name) for name in (
+        "relaxkv:chunk_hits_total", "relaxkv:chunk_miss_tokens_total", "sglang:cached_tokens_total",
+        "sglang:prompt_tokens_total")}
+    device_before = _metric(url, "sglang:cached_tokens_total", 'cache_source="device"')
+    second = generate(url, marked_prompt("Two.", docs[::-1], "Q2?"), policy="pic")["meta_info"]
+    assert _metric(url, "relaxkv:chunk_hits_total") == before["relaxkv:chunk_hits_total"] + 3
+    assert _metric(url, "relaxkv:chunk_miss_tokens_total") == before["relaxkv:chunk_miss_tokens_total"]
     # SGLang's own per-source accounting sees the chunk hits (served from the device pool).
     assert second["cached_tokens"] >= second["relaxkv"]["chunk_tokens_reused"] > 0
     assert second["cached_tokens_details"]["device"] == second["cached_tokens"]
     assert second["cached_tokens_details"]["host"] == 0
-    device_after = _metric(relaxkv_server.url, "sglang:cached_tokens_total", 'cache_source="device"')
+    device_after = _metric(url, "sglang:cached_tokens_total", 'cache_source="device"')
     assert device_after - device_before == second["cached_tokens"]
-    assert _metric(relaxkv_server.url, "relaxkv:chunk_tokens_held") > 0
-    # SGLang's own gauge of the last prefill counts the reused chunk tokens.
-    assert _metric(relaxkv_server.url, "sglang:cache_hit_rate") > 0.5
+    assert _metric(url, "relaxkv:chunk_tokens_held", 'model_name="') > 0
+    assert _metric(url, "relaxkv:chunk_entries", 'model_name="') >= 3
+    # The counters' hit rate (cached over prompt tokens, summed over sources) is the gauge of
+    # SGLang's last prefill (this request's): dashboards on either agree.
+    cached = _metric(url, "sglang:cached_tokens_total") - before["sglang:cached_tokens_total"]
+    prompt = _metric(url, "sglang:prompt_tokens_total") - before["sglang:prompt_tokens_total"]
+    assert prompt == second["prompt_tokens"] and cached == second["cached_tokens"]
+    gauge = _metric(url, "sglang:cache_hit_rate")
+    assert gauge > 0.5 and abs(cached / prompt - gauge) <= 0.02, (cached, prompt, gauge)
 
 
 def test_prefix_policy_misses_what_pic_hits(relaxkv_server, tokenizer):

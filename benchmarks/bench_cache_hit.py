@@ -88,11 +88,39 @@ BENCH = "bench_cache_hit"
 
 @dataclasses.dataclass
 class TraceRequest:
-    """One request of the trace: its prompt, its ``relaxkv_chunks`` offsets and which pool documents it holds."""
+    """One request of the trace: its parts, which pool documents it holds (``doc_ids``, one per
+    document), and the prompt they make with its ``relaxkv_chunks`` offsets
+    (:func:`workloads.marked_text`)."""
 
-    text: str
-    offsets: list[int]
+    system: str
+    documents: list[str]
+    question: str
     doc_ids: list[int]
+    text: str = dataclasses.field(init=False)
+    offsets: list[int] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.text, self.offsets = workloads.marked_text(self.system, self.documents, self.question)
+
+
+def add_trace_args(parser: argparse.ArgumentParser) -> None:
+    """The flags :func:`make_trace` reads (shared with ``benchmarks.rag_dataset``)."""
+    parser.add_argument("--source", choices=["hotpotqa", "squad"], default="hotpotqa")
+    parser.add_argument("--pool", type=int, default=60, help="distinct documents")
+    parser.add_argument("--zipf", type=float, default=1.0, help="popularity exponent s")
+    parser.add_argument("--docs-per-request", type=int, default=5)
+    parser.add_argument("--topics", type=int, default=0,
+                        help="T > 0: the pool in T topics, a request's documents all from one (Zipf over topics)")
+    parser.add_argument("--requests", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+
+
+def check_trace_args(bench: str, args: argparse.Namespace) -> None:
+    """One clear line for trace flags :func:`make_trace` cannot honour."""
+    if args.topics < 0 or (args.topics and args.pool // args.topics < args.docs_per_request):
+        common.fail(bench, f"--topics {args.topics}: needs 0, or topics of at least --docs-per-request "
+                           f"({args.docs_per_request}) documents each (--pool {args.pool})")
 
 
 def make_trace(args: argparse.Namespace) -> list[TraceRequest]:
@@ -118,9 +146,8 @@ def make_trace(args: argparse.Namespace) -> list[TraceRequest]:
             pick = rng.choices(range(len(docs)), weights)[0]
             if pick not in chosen:
                 chosen.append(pick)
-        text, offsets = workloads.marked_text(rng.choice(workloads.SYSTEM_PROMPTS), [docs[i] for i in chosen],
-                                              workloads.question_text(rng.choice(questions)))
-        trace.append(TraceRequest(text, offsets, chosen))
+        system, documents = rng.choice(workloads.SYSTEM_PROMPTS), [docs[i] for i in chosen]
+        trace.append(TraceRequest(system, documents, workloads.question_text(rng.choice(questions)), chosen))
     return trace
 
 
@@ -602,16 +629,8 @@ def print_table(result: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     """``python -m benchmarks.bench_cache_hit``: parse the flags, measure, print, write the JSON."""
     parser = common.bench_parser(BENCH, __doc__, quick_help="40 requests, 2 clients")
-    parser.add_argument("--source", choices=["hotpotqa", "squad"], default="hotpotqa")
-    parser.add_argument("--pool", type=int, default=60, help="distinct documents")
-    parser.add_argument("--zipf", type=float, default=1.0, help="popularity exponent s")
-    parser.add_argument("--docs-per-request", type=int, default=5)
-    parser.add_argument("--topics", type=int, default=0,
-                        help="T > 0: the pool in T topics, a request's documents all from one (Zipf over topics)")
-    parser.add_argument("--requests", type=int, default=100)
+    add_trace_args(parser)
     parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--anchor-ratio", type=float, default=0.15)
     parser.add_argument("--pressure", action="store_true",
                         help="pool at 25%% of the working set, 16 clients: chunk hits concurrent vs sequential vs best")
@@ -638,9 +657,7 @@ def main(argv: list[str] | None = None) -> None:
                      "--quick --max-total-tokens 4096 --policies pic relaxkv")
     args = common.parse_args(parser, argv, quick={"requests": 40, "clients": 2})
     given = argv if argv is not None else sys.argv[1:]
-    if args.topics < 0 or (args.topics and args.pool // args.topics < args.docs_per_request):
-        common.fail(BENCH, f"--topics {args.topics}: needs 0, or topics of at least --docs-per-request "
-                           f"({args.docs_per_request}) documents each (--pool {args.pool})")
+    check_trace_args(BENCH, args)
     if args.replica_urls and args.replicas != len(args.replica_urls):
         args.replicas = len(args.replica_urls)
     if args.replicas > 1:

@@ -113,9 +113,8 @@ def _balanced_trace(topics: int = 10, rounds: int = 4, seed: int = 1) -> list:
     for _ in range(rounds):
         for topic in rng.sample(range(topics), topics):
             ids = rng.sample(range(5 * topic, 5 * topic + 5), 5)
-            text, offsets = workloads.marked_text(rng.choice(workloads.SYSTEM_PROMPTS), [docs[i] for i in ids],
-                                                  workloads.question_text(f"What links topic {rng.randrange(99)}?"))
-            trace.append(TraceRequest(text, offsets, ids))
+            trace.append(TraceRequest(rng.choice(workloads.SYSTEM_PROMPTS), [docs[i] for i in ids],
+                                      workloads.question_text(f"What links topic {rng.randrange(99)}?"), ids))
     return trace
 
 

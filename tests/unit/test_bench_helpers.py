@@ -33,7 +33,7 @@ def test_seen_before_missed_tokens_counts_only_documents_already_computed():
 
 def test_best_with_pool_keeps_the_documents_used_soonest():
     docs = [[1, 2], [3, 4], [1, 3], [2, 4], [1, 2]]
-    trace = [bench_cache_hit.TraceRequest("", [], d) for d in docs]
+    trace = [bench_cache_hit.TraceRequest("S", [f"doc {i}" for i in d], "Q", d) for d in docs]
     tokens = {1: 10, 2: 10, 3: 10, 4: 10}
     # room for everything: every repeat hits
     assert bench_cache_hit.best_with_pool(trace, tokens, [100] * 5) == (6, 60)
@@ -170,12 +170,7 @@ def test_document_tokens_counts_each_document_once_as_a_chunk():
         def __call__(self, text, add_special_tokens=True):
             return {"input_ids": ([0] if add_special_tokens else []) + [ord(c) for c in text]}
 
-    from relaxkv_sglang import workloads
-
-    reqs = []
-    for ids, docs in (([3, 1], ["ccc", "a"]), ([1, 2], ["a", "bb"])):
-        text, offsets = workloads.marked_text("S", docs, "Q")
-        reqs.append(bench_cache_hit.TraceRequest(text, offsets, ids))
+    reqs = [bench_cache_hit.TraceRequest("S", docs, "Q", ids) for ids, docs in (([3, 1], ["ccc", "a"]), ([1, 2], ["a", "bb"]))]
     tokens = bench_cache_hit.document_tokens(reqs, CharTokenizer())
     assert tokens == {3: 3, 1: 1, 2: 2}
     assert bench_cache_hit.best_possible_pct(reqs, tokens, prompt_tokens=10) == pytest.approx(10.0)

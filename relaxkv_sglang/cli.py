@@ -1,7 +1,7 @@
 """``relaxkv-sglang``: serve, and prepare the offline model and data.
 
     relaxkv-sglang serve [--model smollm2-135m|tiny-llama|qwen2.5-0.5b|PATH] [--port N] [--policy P]
-                         [--max-total-tokens N] [--stock] [-- extra sglang args]
+                         [--max-total-tokens N] [--stock] [sglang args] [-- sglang args]
     relaxkv-sglang serve --replicas N [--routing document|cache_aware|round_robin] [...]
                          [-- extra sglang args [-- extra sglang-router args]]
     relaxkv-sglang serve ... [--host-cache-gb G] [--chunk-dir DIR] [--disk-cache-gb G]
@@ -13,6 +13,10 @@
 ``serve``'s default policy is the plugin's (:func:`relaxkv_sglang.schema.default_policy`:
 ``RELAXKV_DEFAULT_POLICY``, else ``prefix``), the same as a raw ``python -m
 sglang.launch_server`` with the plugin; ``--policy`` sets it for the one server.
+
+``serve`` takes SGLang's names for what it wraps (``--model-path``, ``--host``, ``--port``,
+``--max-total-tokens``, ``--device``) and hands every flag it does not know to
+``sglang.launch_server`` unchanged, as it does the flags after ``--``.
 
 ``serve --replicas N`` (N >= 2) starts N plugin servers on free ports and one ``sglang-router`` on
 ``--port`` in front of them (:class:`relaxkv_sglang.server.Cluster`), prints the router's URL and
@@ -250,8 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="run the SGLang server with the plugin and CPU defaults")
-    s.add_argument("--model", default="smollm2-135m", help="model name (%s) or a model folder" % ", ".join(assets.MODELS))
+    s = sub.add_parser("serve", help="run the SGLang server with the plugin and CPU defaults",
+                       description="Run sglang.launch_server with the plugin. Flags it does not know go to "
+                                   "launch_server unchanged (e.g. --context-length 8192 --enable-metrics), as "
+                                   "do flags after --.", allow_abbrev=False)
+    s.add_argument("--model", "--model-path", dest="model", default="smollm2-135m",
+                   help="model name (%s) or a model folder (SGLang's --model-path)" % ", ".join(assets.MODELS))
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=30000)
     s.add_argument("--max-total-tokens", type=int, default=32768, help="KV pool size in tokens (not sized from RAM)")
@@ -303,7 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:  # everything after -- goes to sglang.launch_server unchanged
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        if args.command != "serve":
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        extra = unknown + extra  # serve: SGLang's own flags, passed through (before any router flags)
     try:
         return args.func(args, extra)
     except (assets.AssetError, ServerError) as exc:

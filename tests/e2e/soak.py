@@ -129,8 +129,8 @@ QUICK = SoakSize(requests=120, clients=8, retract_every=10, expect_retractions=T
 # Five minutes of 16 clients, however many requests that is on the machine (1,000 to 4,000 on 2 CPU cores).
 LONG = SoakSize(requests=None, clients=16, seconds=300.0, request_timeout_s=300.0)
 # Forced retraction: a 1,536-token pool, 48-token decodes to the end, little reserved for them,
-# and one retraction every 12 forwards.
-RETRACT = SoakSize(requests=32, clients=6, pool_tokens=1536, max_new_tokens=48, ignore_eos=True,
+# and one retraction every 12 forwards. One request in 6 a probe, so the 32 requests hold each probe.
+RETRACT = SoakSize(requests=32, clients=6, probe_every=6, pool_tokens=1536, max_new_tokens=48, ignore_eos=True,
                    schedule_conservativeness=0.1, retract_every=12, abort_share=0.1, invalid_share=0.08,
                    request_timeout_s=300.0, expect_retractions=True)
 

@@ -63,6 +63,9 @@ of the single-server one, and the requests each replica served, read from each r
 ``/metrics`` (``sglang:num_requests_total``), not from the router.
 
     python -m benchmarks.bench_cache_hit --replicas 2 --model tiny-llama --quick
+
+With ``--shared-chunk-dir`` the replicas share one disk tier folder (``RELAXKV_CHUNK_DIR``, emptied
+before each run): a chunk one replica computed is a disk hit on the others.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ import dataclasses
 import pathlib
 import random
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -370,7 +374,6 @@ def run_tiers(args: argparse.Namespace) -> dict:
     """Pool only vs pool + host tier vs best; pre-encode, restart, replay; disk load vs compute."""
     import json
     import statistics
-    import tempfile
     import uuid
 
     from relaxkv_sglang.encode import encode_corpus
@@ -505,6 +508,19 @@ class ClusterClient(RouterClient):
         return total
 
 
+def empty_shared_folder(urls: list[str], folder: pathlib.Path, timeout_s: float = 120) -> None:
+    """Wait until no replica has a disk write pending, then remove every chunk file in ``folder``
+    (a replica's index entry for a removed file is then a counted miss, as after another process
+    evicted it)."""
+    deadline = time.monotonic() + timeout_s
+    while any(ServerClient(u).relaxkv_state().get("tier_disk_pending_writes", 0) for u in urls):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"disk writes still pending after {timeout_s:.0f} s")
+        time.sleep(0.2)
+    for path in folder.rglob("*.kv"):
+        path.unlink(missing_ok=True)
+
+
 def imbalance(counts: list[int]) -> float | None:
     """max / min requests per replica (None when a replica served none)."""
     return max(counts) / min(counts) if counts and min(counts) > 0 else None
@@ -519,11 +535,15 @@ def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = No
     model = str(common.model_dir(args))
     common.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     log = common.RESULTS_DIR / f"{BENCH}-{common.stamp()}.server.log"
+    shared = pathlib.Path(tempfile.mkdtemp(prefix="relaxkv-bench-shared-")) if args.shared_chunk_dir else None
+    env = {"RELAXKV_CHUNK_DIR": str(shared), "RELAXKV_DISK_CACHE_GB": str(args.disk_cache_gb)} if shared else {}
     base = common.ServerConfig(model_path=model, max_total_tokens=args.max_total_tokens, policy="prefix",
-                               log_path=str(log))
+                               log_path=str(log), env=env)
 
     def measure(client: ClusterClient, policy: str, routing: str, urls: list[str]) -> dict:
         """One replay; requests per replica from the replicas' /metrics, chunk hits from their counters."""
+        if shared is not None:  # every run starts from an empty shared folder
+            empty_shared_folder(urls, shared)
         requests_before, state_before = replica_request_counts(urls), client.relaxkv_state()
         row = replay(client, trace, policy, args.clients, args)
         state = client.relaxkv_state()
@@ -557,7 +577,8 @@ def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = No
         row.pop("per_request")
     return {"workload": {"source": args.source, "pool": args.pool, "zipf": args.zipf, "k": args.docs_per_request,
                          "requests": args.requests, "clients": args.clients, "seed": args.seed,
-                         "replicas": args.replicas, "kv_pool_tokens": args.max_total_tokens, "topics": args.topics},
+                         "replicas": args.replicas, "kv_pool_tokens": args.max_total_tokens, "topics": args.topics,
+                         "shared_chunk_dir": bool(args.shared_chunk_dir)},
             "results": rows}
 
 
@@ -565,7 +586,7 @@ def print_replicas(result: dict) -> None:
     """One row per (policy, routing): hit rate, its share of one server's, requests per replica."""
     w = result["workload"]
     print(f"\n{w['requests']} requests, {w['clients']} clients, {trace_words(w)}; {w['replicas']} replicas, KV pool "
-          f"{w['kv_pool_tokens']} tokens each")
+          f"{w['kv_pool_tokens']} tokens each" + ("; one shared disk tier folder" if w.get("shared_chunk_dir") else ""))
     head = f"{'policy':<8}{'routing':<13}{'hit rate':>9}{'chunk':>8}{'of single':>10}{'req/s':>7}  {'requests per replica':<22}{'max/min':>8}"
     print(head)
     print("-" * len(head))
@@ -648,6 +669,9 @@ def main(argv: list[str] | None = None) -> None:
                         choices=["document", "cache_aware", "round_robin"], help="with --replicas")
     parser.add_argument("--assignment-mode", default="min_load", choices=["min_load", "min_group", "random"],
                         help="with --replicas: where the router places a new routing key (document routing)")
+    parser.add_argument("--shared-chunk-dir", action="store_true",
+                        help="with --replicas: the replicas share one disk tier folder (a temp folder, emptied "
+                             "before each run), so a chunk one computes is a disk hit on the others")
     parser.add_argument("--replica-urls", nargs="+", default=None,
                         help="with --replicas: measure these running replicas (--enable-metrics --enable-cache-report) "
                              "instead of starting them")
@@ -658,6 +682,8 @@ def main(argv: list[str] | None = None) -> None:
     args = common.parse_args(parser, argv, quick={"requests": 40, "clients": 2})
     given = argv if argv is not None else sys.argv[1:]
     check_trace_args(BENCH, args)
+    if args.shared_chunk_dir and (args.replicas < 2 or args.replica_urls):
+        common.fail(BENCH, "--shared-chunk-dir needs --replicas N (N >= 2) started here, not --replica-urls")
     if args.replica_urls and args.replicas != len(args.replica_urls):
         args.replicas = len(args.replica_urls)
     if args.replicas > 1:

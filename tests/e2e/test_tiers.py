@@ -8,10 +8,13 @@
   file, a file of another model, a torn file and a dead writer's temp file in the folder; the
   server restarted on the same ``--chunk-dir`` serves the complete chunks as hits from its first
   request, each damaged one as a counted miss, always with the output of recomputing;
-* ``relaxkv-sglang encode``: stored, then skipped (resumed) on a second run.
+* ``relaxkv-sglang encode``: stored, then skipped (resumed) on a second run;
+* two servers on one ``--chunk-dir`` (replicas on one host): a document computed on one is a disk
+  hit on the other, with the output of recomputing.
 
-One server at a time, one launch for the first test, two for the second, which runs on demand
-(about 3 minutes): ``RELAXKV_TIER_TESTS=1 .venv/bin/python -m pytest -q tests/e2e/test_tiers.py``.
+One launch for the first test, two for the second, which runs on demand (about 3 minutes):
+``RELAXKV_TIER_TESTS=1 .venv/bin/python -m pytest -q tests/e2e/test_tiers.py``; two servers at
+once for the last.
 """
 
 from __future__ import annotations
@@ -274,3 +277,19 @@ def test_warm_restart_after_kill_9_with_damaged_files(tiny_model_path, tmp_path,
         assert "skipped 8" in third.stdout and pathlib.Path(str(corpus) + ".encoded").read_text().count("\n") == 8
         out = _ask(url, marked_prompt("Sys.", new_docs[:3], "Q?"))
         assert out["meta_info"]["relaxkv"]["chunks_hit"] == 3
+
+
+@pytest.mark.e2e
+def test_replicas_sharing_a_chunk_dir_serve_each_others_chunks(tiny_model_path, tmp_path):
+    chunk_dir = tmp_path / "shared"
+    first = marked_prompt("Answer from the documents.", documents(3, seed=77), "Question: what links them?")
+    again = marked_prompt("Another system prompt.", list(reversed(documents(3, seed=77))), "Question: which one?")
+    with SGLangServer(_config(tiny_model_path, chunk_dir)) as a, SGLangServer(_config(tiny_model_path, chunk_dir)) as b:
+        assert _ask(a.url, first)["meta_info"]["relaxkv"]["chunks_hit"] == 0
+        _wait_writes(a.url)
+        out = _ask(b.url, again)  # b never saw these documents: they come from a's files
+        rec = out["meta_info"]["relaxkv"]
+        assert rec["chunks_hit"] == 3 and rec["chunk_tokens_from_disk"] == rec["chunk_tokens_reused"] > 0
+        assert out["meta_info"]["cached_tokens_details"]["storage"] == rec["chunk_tokens_from_disk"]
+        _same_output(out, _recompute(b.url, again))
+        assert relaxkv_state(b.url)["tier_disk_hits"] >= 3

@@ -9,8 +9,9 @@
   server restarted on the same ``--chunk-dir`` serves the complete chunks as hits from its first
   request, each damaged one as a counted miss, always with the output of recomputing;
 * ``relaxkv-sglang encode``: stored, then skipped (resumed) on a second run;
-* two servers on one ``--chunk-dir`` (replicas on one host): a document computed on one is a disk
-  hit on the other, with the output of recomputing.
+* two servers on one ``--chunk-dir`` (replicas on one host) writing at once: one whole file per
+  document, each server serves the other's documents from the folder with the output of
+  recomputing, and a corrupted file is a counted miss.
 
 One launch for the first test, two for the second, which runs on demand (about 3 minutes):
 ``RELAXKV_TIER_TESTS=1 .venv/bin/python -m pytest -q tests/e2e/test_tiers.py``; two servers at
@@ -280,16 +281,45 @@ def test_warm_restart_after_kill_9_with_damaged_files(tiny_model_path, tmp_path,
 
 
 @pytest.mark.e2e
-def test_replicas_sharing_a_chunk_dir_serve_each_others_chunks(tiny_model_path, tmp_path):
+def test_replicas_sharing_a_chunk_dir_under_concurrent_writes(tiny_model_path, tmp_path, tokenizer):
+    """Two servers on one folder write at once (some documents on both: the same file from two
+    processes), then each serves the other's documents from the folder with the output of
+    recomputing; a corrupted file is a counted miss on the server that reads it."""
+    from concurrent.futures import ThreadPoolExecutor
+
     chunk_dir = tmp_path / "shared"
-    first = marked_prompt("Answer from the documents.", documents(3, seed=77), "Question: what links them?")
-    again = marked_prompt("Another system prompt.", list(reversed(documents(3, seed=77))), "Question: which one?")
+    docs = documents(12, seed=77)
+    sets_a, sets_b = [docs[0:4], docs[2:6], docs[4:8]], [docs[8:12], docs[6:10], docs[0:4]]
     with SGLangServer(_config(tiny_model_path, chunk_dir)) as a, SGLangServer(_config(tiny_model_path, chunk_dir)) as b:
-        assert _ask(a.url, first)["meta_info"]["relaxkv"]["chunks_hit"] == 0
+        def send(url: str, sets: list[list[str]]) -> None:
+            for i, d in enumerate(sets):
+                _ask(url, marked_prompt("Answer from the documents.", d, f"Question {i}?"))
+
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(send, (a.url, b.url), (sets_a, sets_b)))
         _wait_writes(a.url)
-        out = _ask(b.url, again)  # b never saw these documents: they come from a's files
+        _wait_writes(b.url)
+        identity = relaxkv_state(a.url)["tier_identity"]
+        assert identity == relaxkv_state(b.url)["tier_identity"]
+        keys = [chunk_key(identity, None, tokenizer.encode(d, add_special_tokens=False)) for d in docs]
+        files = {f.stem: f for f in _kv_files(chunk_dir)}
+        assert sorted(files) == sorted(keys)  # one whole file per document, no temp file left
+        assert not list(chunk_dir.rglob(".tmp.*"))
+        corrupt = files[keys[9]]  # written by b only; a reads it below
+        data = bytearray(corrupt.read_bytes())
+        data[-5] ^= 0xFF
+        corrupt.write_bytes(bytes(data))
+
+        # a never computed documents 8..11 (b's first set): all but the corrupted one from the folder
+        cross = marked_prompt("Another system prompt.", docs[8:12][::-1], "Which one?")
+        out = _ask(a.url, cross)
         rec = out["meta_info"]["relaxkv"]
         assert rec["chunks_hit"] == 3 and rec["chunk_tokens_from_disk"] == rec["chunk_tokens_reused"] > 0
         assert out["meta_info"]["cached_tokens_details"]["storage"] == rec["chunk_tokens_from_disk"]
-        _same_output(out, _recompute(b.url, again))
-        assert relaxkv_state(b.url)["tier_disk_hits"] >= 3
+        assert relaxkv_state(a.url)["tier_disk_corrupt"] == 1
+        _same_output(out, _recompute(a.url, cross))
+        # b never computed documents 2..5 except through a: from the folder too
+        cross_b = marked_prompt("Another system prompt.", docs[2:6][::-1], "Which one?")
+        out_b = _ask(b.url, cross_b)
+        assert out_b["meta_info"]["relaxkv"]["chunks_hit"] == 4
+        _same_output(out_b, _recompute(b.url, cross_b))

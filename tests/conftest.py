@@ -73,24 +73,32 @@ def reference_weights(tiny_model_path):
 
 
 @pytest.fixture
-def serve_env(monkeypatch, tmp_path):
-    """``serve_env(*ARGS)``: the environment ``relaxkv-sglang serve ARGS`` would start the server
-    process with ({} when serve stops before launching); nothing is started."""
+def serve_launch(monkeypatch, tmp_path):
+    """``serve_launch(*ARGS, model_flag="--model")``: the command line and environment
+    ``relaxkv-sglang serve MODEL_FLAG DIR --port 0 --log FILE ARGS`` would start the server process
+    with (``(None, {})`` when serve stops before launching); nothing is started."""
     from relaxkv_sglang import cli, server
 
-    def run(*args: str) -> dict:
+    def run(*args: str, model_flag: str = "--model") -> tuple:
         launched = []
 
         def fake_popen(cmd, env, **kwargs):
-            launched.append(env)
+            launched.append((cmd, env))
             raise server.ServerError("not launched in a unit test")
 
         monkeypatch.setattr(server.subprocess, "Popen", fake_popen)
         model = tmp_path / "model"
         model.mkdir(exist_ok=True)
         (model / "config.json").write_text("{}")
-        assert cli.main(["serve", "--model", str(model), "--port", "0", "--log", str(tmp_path / "log"), *args]) == 1
+        assert cli.main(["serve", model_flag, str(model), "--port", "0", "--log", str(tmp_path / "log"), *args]) == 1
         assert len(launched) <= 1
-        return launched[0] if launched else {}
+        return launched[0] if launched else (None, {})
 
     return run
+
+
+@pytest.fixture
+def serve_env(serve_launch):
+    """``serve_env(*ARGS)``: the environment of :func:`serve_launch`'s server process ({} when serve
+    stops before launching)."""
+    return lambda *args: serve_launch(*args)[1]

@@ -152,23 +152,13 @@ def test_serve_and_a_raw_launch_server_share_the_default_policy(monkeypatch, tmp
     assert schema.POLICY.default == "prefix"
 
 
-def test_serve_takes_sglang_names_and_passes_unknown_flags_through(monkeypatch, tmp_path):
-    from relaxkv_sglang import cli, server
+def test_serve_takes_sglang_names_and_passes_unknown_flags_through(serve_launch, tmp_path):
+    from relaxkv_sglang import cli
 
-    launched = []
-
-    def fake_popen(cmd, env, **kwargs):
-        launched.append(cmd)
-        raise server.ServerError("not launched in a unit test")
-
-    monkeypatch.setattr(server.subprocess, "Popen", fake_popen)
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    assert cli.main(["serve", "--model-path", str(model), "--port", "0", "--context-length", "2048",
-                     "--enable-metrics", "--log", str(tmp_path / "log"), "--", "--served-model-name", "m"]) == 1
-    (cmd,) = launched
-    assert cmd[cmd.index("--model-path") + 1] == str(model)
+    cmd, _ = serve_launch("--context-length", "2048", "--enable-metrics", "--", "--served-model-name", "m",
+                          model_flag="--model-path")
+    model = str(tmp_path / "model")
+    assert cmd[cmd.index("--model-path") + 1] == model
     tail = cmd[cmd.index("--context-length"):]
     assert tail == ["--context-length", "2048", "--enable-metrics", "--served-model-name", "m"]
     # only serve passes flags through; elsewhere an unknown flag is argparse's usage error

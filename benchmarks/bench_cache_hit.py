@@ -317,9 +317,7 @@ def run_pressure(args: argparse.Namespace) -> dict:
     best_hits, best_tokens = best_with_pool(trace, doc_tokens, room)
     seq, conc = rows["sequential"], rows["concurrent"]
     return {
-        "workload": {"source": args.source, "pool": args.pool, "zipf": args.zipf, "k": args.docs_per_request,
-                     "requests": args.requests, "clients": args.clients, "seed": args.seed,
-                     "kv_pool_tokens": pool, "distinct_document_tokens": working_set,
+        "workload": {**trace_workload(args), "kv_pool_tokens": pool, "distinct_document_tokens": working_set,
                      "chunk_lookups": sum(len(r.doc_ids) for r in trace), "context_length": context},
         "pressure": {
             "sequential": {k: v for k, v in seq.items() if k != "per_request"},
@@ -332,8 +330,17 @@ def run_pressure(args: argparse.Namespace) -> dict:
     }
 
 
+def trace_workload(args: argparse.Namespace) -> dict:
+    """The trace's flags and the replay's clients, as every result's ``workload`` starts."""
+    return {"source": args.source, "pool": args.pool, "zipf": args.zipf, "k": args.docs_per_request,
+            "topics": args.topics, "requests": args.requests, "clients": args.clients, "seed": args.seed}
+
+
 def trace_words(w: dict) -> str:
     """The trace's shape as every printed summary words it (``w``: a result's ``workload``)."""
+    if w.get("topics"):
+        return (f"{w['k']} of {w['pool']} {w['source']} documents per request from one of {w['topics']} topics "
+                f"(Zipf s={w['zipf']} over topics), seed {w['seed']}")
     return f"{w['k']} of {w['pool']} {w['source']} documents per request (Zipf s={w['zipf']}), seed {w['seed']}"
 
 
@@ -449,10 +456,8 @@ def run_tiers(args: argparse.Namespace) -> dict:
     disk_med = statistics.median(t["disk_ttft_s"] for t in timing) if timing else None
     cold_med = statistics.median(t["compute_ttft_s"] for t in timing) if timing else None
     return {
-        "workload": {"source": args.source, "pool": args.pool, "zipf": args.zipf, "k": args.docs_per_request,
-                     "requests": args.requests, "clients": args.clients, "seed": args.seed,
-                     "kv_pool_tokens": pool, "distinct_document_tokens": working_set, "context_length": context,
-                     "host_cache_gb": args.host_cache_gb, "best_possible_hit_rate_pct": best,
+        "workload": {**trace_workload(args), "kv_pool_tokens": pool, "distinct_document_tokens": working_set,
+                     "context_length": context, "host_cache_gb": args.host_cache_gb, "best_possible_hit_rate_pct": best,
                      "all_document_tokens_pct": all_docs_pct},
         "tiers": rows,
         "encode": {**counts, "wall_s": encode_s, "disk_bytes": state.get("tier_disk_bytes_held")},
@@ -575,9 +580,7 @@ def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = No
                                 if ref["cache_hit_rate_pct"] else None)
         row["imbalance"] = imbalance(row["per_replica_requests"]) if row["routing"] != "single" else None
         row.pop("per_request")
-    return {"workload": {"source": args.source, "pool": args.pool, "zipf": args.zipf, "k": args.docs_per_request,
-                         "requests": args.requests, "clients": args.clients, "seed": args.seed,
-                         "replicas": args.replicas, "kv_pool_tokens": args.max_total_tokens, "topics": args.topics,
+    return {"workload": {**trace_workload(args), "replicas": args.replicas, "kv_pool_tokens": args.max_total_tokens,
                          "shared_chunk_dir": bool(args.shared_chunk_dir)},
             "results": rows}
 
@@ -617,9 +620,7 @@ def run(args: argparse.Namespace) -> dict:
             row["lost_in_flight_pct"] = row["hit_rate_lost_pct"] - row["lost_to_evictions_pct"]
         else:
             row["lost_to_evictions_pct"] = row["lost_in_flight_pct"] = None
-    return {"workload": {"source": args.source, "pool": args.pool, "zipf": args.zipf, "k": args.docs_per_request,
-                         "requests": args.requests, "clients": args.clients, "seed": args.seed,
-                         "kv_pool_tokens": None if args.url else args.max_total_tokens,
+    return {"workload": {**trace_workload(args), "kv_pool_tokens": None if args.url else args.max_total_tokens,
                          "distinct_document_tokens": sum(doc_tokens.values())},
             "results": rows}
 

@@ -57,8 +57,9 @@ namespace) and computed cold (``pic`` in a fresh ``cache_salt``), TTFT medians a
 The same trace is replayed under ``pic`` (``--policies``) once against one replica alone (the
 single-server reference) and once through the router per ``--routings``: ``document`` (the
 router's ``manual`` policy keyed by the MinHash of each request's documents, which the client
-sends as ``x-smg-routing-key``; :mod:`relaxkv_sglang.routing`), ``cache_aware`` and
-``round_robin``, every replica flushed before each. Reported per routing: the hit rate, its share
+sends as ``x-smg-routing-key``; :mod:`relaxkv_sglang.routing`), ``document_split`` (the same
+with the client spreading a hot key over several replicas: :class:`~relaxkv_sglang.routing.HotKeySplitter`,
+the load-aware fallback), ``cache_aware`` and ``round_robin``, every replica flushed before each. Reported per routing: the hit rate, its share
 of the single-server one, and the requests each replica served, read from each replica's own
 ``/metrics`` (``sglang:num_requests_total``), not from the router.
 
@@ -86,6 +87,7 @@ from tqdm import tqdm
 from benchmarks import common
 from relaxkv_sglang import metrics, workloads
 from relaxkv_sglang.client import RouterClient, ServerClient
+from relaxkv_sglang.routing import HotKeySplitter
 
 BENCH = "bench_cache_hit"
 
@@ -496,8 +498,8 @@ class ClusterClient(RouterClient):
     whose ``flush`` and ``relaxkv_state`` go to every replica directly (the counters summed), so
     :func:`replay` measures a cluster as it measures one server."""
 
-    def __init__(self, url: str, replica_urls: list[str]):
-        super().__init__(url)
+    def __init__(self, url: str, replica_urls: list[str], splitter: HotKeySplitter | None = None):
+        super().__init__(url, splitter=splitter)
         self.replicas = [ServerClient(u) for u in replica_urls]
 
     def flush(self, wait_s: float = 60) -> None:
@@ -569,11 +571,14 @@ def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = No
         for policy in args.policies:  # one replica alone, then a router per routing
             rows.append(measure(ClusterClient(urls[0], urls), policy, "single", urls))
             for routing in args.routings:
-                mode = ["--assignment-mode", args.assignment_mode] if routing == "document" else []
-                config = RouterConfig(worker_urls=urls, routing=routing, model_path=model, extra_args=mode,
+                # document_split: the router's document routing, the client splitting hot keys
+                router_routing = routing.removesuffix("_split")
+                mode = ["--assignment-mode", args.assignment_mode] if router_routing == "document" else []
+                config = RouterConfig(worker_urls=urls, routing=router_routing, model_path=model, extra_args=mode,
                                       log_path=f"{log}.router-{routing}")
+                splitter = HotKeySplitter(len(urls), seed=args.seed) if routing == "document_split" else None
                 with RouterProcess(config) as router:
-                    rows.append(measure(ClusterClient(router.url, urls), policy, routing, urls))
+                    rows.append(measure(ClusterClient(router.url, urls, splitter), policy, routing, urls))
     for row in rows:
         ref = next(r for r in rows if r["routing"] == "single" and r["policy"] == row["policy"])
         row["of_single_pct"] = (100.0 * row["cache_hit_rate_pct"] / ref["cache_hit_rate_pct"]
@@ -667,7 +672,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replicas", type=int, default=1,
                         help="N >= 2: N servers behind sglang-router, the trace through each of --routings")
     parser.add_argument("--routings", nargs="+", default=["document", "cache_aware", "round_robin"],
-                        choices=["document", "cache_aware", "round_robin"], help="with --replicas")
+                        choices=["document", "document_split", "cache_aware", "round_robin"],
+                        help="with --replicas; document_split: document routing with the client's hot-key "
+                             "splitter (routing.HotKeySplitter), the load-aware fallback")
     parser.add_argument("--assignment-mode", default="min_load", choices=["min_load", "min_group", "random"],
                         help="with --replicas: where the router places a new routing key (document routing)")
     parser.add_argument("--shared-chunk-dir", action="store_true",

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from relaxkv_sglang.core.segments import auto_chunk
@@ -195,7 +196,8 @@ class HotKeySplitter:
     ``max_load`` times the mean load of it. The price: a split key's documents are computed and
     cached on ``r`` replicas (``r`` misses each instead of one, small against a hot key's traffic).
 
-    Not thread-safe; one per client. ``N`` is the number of replicas behind the router.
+    Thread-safe (one lock around :meth:`key`), so client threads may share one. ``N`` is the
+    number of replicas behind the router.
     """
 
     def __init__(self, replicas: int, window: int = 1000, max_load: float = 0.5, seed: Optional[int] = None) -> None:
@@ -208,6 +210,7 @@ class HotKeySplitter:
         self._recent: deque[str] = deque()
         self._counts: Counter[str] = Counter()
         self._rng = random.Random(seed)
+        self._lock = threading.Lock()
 
     def splits(self, key: str) -> int:
         """``r``: the sub-keys ``key`` is spread over now (1 for a key not seen in the window)."""
@@ -219,7 +222,11 @@ class HotKeySplitter:
         hashes = {document_hash(d) for d in documents if d}
         if not hashes:
             return None
-        base = f"{minhash(hashes):016x}"
+        with self._lock:
+            return self._record_and_split(f"{minhash(hashes):016x}")
+
+    def _record_and_split(self, base: str) -> str:
+        """Count ``base`` in the window and pick its sub-key (under the lock)."""
         self._recent.append(base)
         self._counts[base] += 1
         if len(self._recent) > self.window:

@@ -201,6 +201,18 @@ def test_hot_key_splitter_spreads_only_hot_keys():
         routing.HotKeySplitter(0)
 
 
+def test_hot_key_splitter_is_shared_safely_by_client_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    splitter = routing.HotKeySplitter(replicas=4, window=50, seed=0)
+    sets = [DOCS[i:i + 5] for i in range(10)]
+    with ThreadPoolExecutor(8) as pool:
+        keys = list(pool.map(lambda i: splitter.key(sets[i % 10]), range(4000)))
+    assert len(keys) == 4000 and all(keys)
+    # the window's bookkeeping stayed whole: one count per remembered request
+    assert len(splitter._recent) == 50 and sum(splitter._counts.values()) == 50
+
+
 def test_server_client_uses_the_splitter(recorder):
     from relaxkv_sglang.client import ServerClient
 

@@ -23,7 +23,9 @@ like the query, so it is never stale and never an anchor.
    at their true positions, their K/V written over the stale values, anchors attend to their
    context (``block_sparse_attention`` over a layout: full causal, relaxed, or random), glue and
    query attend densely and causally over the repaired KV, then o_proj + MLP for those tokens
-   (the server's repair rows: ``srt/repair.py``).
+   (the server's repair rows: ``srt/repair.py``). With ``RepairConfig.stale_shift`` the
+   non-anchors' stale K/V of the layer are first shifted by the anchors' mean deviation
+   (:mod:`.stale_shift`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from .attention import block_sparse_attention, dense_causal_attention
 from .policies import Policy
 from .repair_plan import RepairConfig, RepairCost, plan_anchors
 from .selection import eligible_tokens, query_attention_scores
+from .stale_shift import stale_shift
 
 Span = tuple[int, int]
 
@@ -483,6 +486,11 @@ def reference_prefill(
     cost = RepairCost.from_dims(w.embed.shape[1], w.layers[0]["gate"].shape[0], w.n_heads, w.n_kv_heads, w.head_dim,
                                 device_type="cpu")  # the reference runs on a CPU
     plan = plan_anchors(policy, scores, spans, Q0, L, config, cost)
+    inv_freq = weights.rope_inv_freq()
+
+    def rotate(k_post: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:  # re-rotation (no YaRN mscale)
+        return apply_neox_rope(k_post, delta, inv_freq, weights.rotary_dim)
+
     h_q = weights.embed[input_ids[fresh]].float()  # glue and query rows
     cur_tok = elig  # tokens whose residual stream we carry (A_{l-1}; all eligible before layer 0)
     h_cur = weights.embed[input_ids[elig]].float()
@@ -498,6 +506,13 @@ def reference_prefill(
         q, k, v = _project_qkv(weights, layer, torch.cat([h_a, h_q]), torch.cat([anchors, fresh]))
         keys = torch.cat([stale_kv[l][0], stale_kv[l][0].new_zeros(n_q, *stale_kv[l][0].shape[1:])])
         vals = torch.cat([stale_kv[l][1], stale_kv[l][1].new_zeros(n_q, *stale_kv[l][1].shape[1:])])
+        shift_from, shift_to = plan.shift_sets(l)
+        if shift_from.numel():  # stale shift (stale_shift.py): anchors' stale K/V read before they are overwritten
+            src = torch.searchsorted(anchors, shift_from)
+            dk, dv = stale_shift(plan.stale_shift, shift_from, k[src], v[src], keys[shift_from], vals[shift_from],
+                                 shift_to, rotate, plan.config.stale_shift_scale)
+            keys[shift_to] += dk
+            vals[shift_to] += dv
         keys[anchors], vals[anchors] = k[:n_a], v[:n_a]
         keys[fresh], vals[fresh] = k[n_a:], v[n_a:]
         if plan.decides_at(l):

@@ -51,6 +51,7 @@ import torch
 from .layout import BlockSparseLayout, build_relaxed_layout, key_bound_page_scores
 from .policies import Policy
 from .selection import anchor_ratio_achieved, chunk_offsets, eligible_tokens, kv_deviation, select_anchors
+from .stale_shift import STALE_SHIFTS, shift_sets
 
 Span = tuple[int, int]
 
@@ -86,6 +87,13 @@ class RepairConfig:
         seed: seeds the random control and the random-context ablation.
         budget: None, or the repair's cost as a fraction of full recomputation of the chunks;
             then :func:`split_budget` sets ``anchor_ratio`` and ``context_ratio`` (module doc).
+        stale_shift: how the relaxkv policies correct the non-anchors' stale K/V at each layer
+            (:mod:`.stale_shift`): ``none``, ``v`` (V shifted by the layer's anchors' mean
+            deviation) or ``kv`` (K too, compared before RoPE; the default since 2026-12-01,
+            chosen on two development batches and confirmed on a third, docs/performance.md).
+            The peers never shift.
+        stale_shift_scale: the fraction of that mean deviation added (in [0, 1]; default 0.5:
+            the full mean overshoots on some examples).
     """
 
     anchor_ratio: float = 0.15
@@ -100,14 +108,18 @@ class RepairConfig:
     cacheblend_use_k: bool = False
     seed: int = 0
     budget: Optional[float] = None
+    stale_shift: str = "kv"
+    stale_shift_scale: float = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("anchor_ratio", "context_ratio", "budget"):
+        for name in ("anchor_ratio", "context_ratio", "budget", "stale_shift_scale"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
         if self.context_rank not in CONTEXT_RANKS:
             raise ValueError(f"context_rank must be one of {', '.join(CONTEXT_RANKS)}, got {self.context_rank!r}")
+        if self.stale_shift not in STALE_SHIFTS:
+            raise ValueError(f"stale_shift must be one of {', '.join(STALE_SHIFTS)}, got {self.stale_shift!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
 
@@ -237,6 +249,21 @@ class AnchorPlan:
     def decides_at(self, layer: int) -> bool:
         """True at CacheBlend's check layer while the later layers are undecided."""
         return self.awaits_check_layer and layer == self.config.check_layer
+
+    @property
+    def stale_shift(self) -> str:
+        """The stale shift the executor applies (:mod:`.stale_shift`): the config's for the relaxkv
+        policies, ``none`` for the peers (they run as published)."""
+        relaxkv = (Policy.RELAXKV, Policy.RELAXKV_FULLCTX, Policy.RELAXKV_RANDCTX)
+        return self.config.stale_shift if self.policy in relaxkv else "none"
+
+    def shift_sets(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(S_l, T_l) of :mod:`.stale_shift` at ``layer``: the anchors whose deviation is averaged
+        and the tokens shifted, int64 sorted positions (both empty when the plan does not shift)."""
+        if self.stale_shift == "none":
+            empty = torch.zeros(0, dtype=torch.long)
+            return empty, empty
+        return shift_sets(self.anchor_sets[layer], self.chunk_spans, self.n_context, self.config.chunk_sink_tokens)
 
     @property
     def ranks_pages_in_layer(self) -> bool:

@@ -10,6 +10,11 @@ attends:
 * an anchor through its layer's block-sparse layout (:class:`AnchorAttention`: FlashInfer on a
   GPU, the torch executor on a CPU), so the work follows the chosen context.
 
+With the plan's stale shift (``RepairConfig.stale_shift``,
+:mod:`relaxkv_sglang.core.stale_shift`) it also adds, before each layer's attention, the
+anchors' mean K/V deviation to the request's non-anchor chunk tokens in the pool (their slots are
+the request's own copies, never the chunk tree's).
+
 It executes decisions; it makes none. The rows and layouts come from the repair planner
 (:mod:`.repair` over :mod:`relaxkv_sglang.core.repair_plan`). The one decision that needs the
 forward's own values, CacheBlend's check layer, is asked of the plan
@@ -33,6 +38,8 @@ import torch
 from relaxkv_sglang.core.attention import block_sparse_attention, scoped_causal_attention
 from relaxkv_sglang.core.layout import BlockSparseLayout
 from relaxkv_sglang.core.repair_plan import AnchorPlan
+from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
+from relaxkv_sglang.core.stale_shift import stale_shift
 from relaxkv_sglang.srt.context import forward_context
 
 if TYPE_CHECKING:
@@ -191,10 +198,12 @@ class AnchorAttention:
 class LayerLoop:
     """Runs the model layer by layer over rows that may leave at any layer."""
 
-    def __init__(self, layers: ModelLayers, kv_pool: "KVCache", anchor_attention: AnchorAttention) -> None:
+    def __init__(self, layers: ModelLayers, kv_pool: "KVCache", anchor_attention: AnchorAttention,
+                 rope: Optional[RopeSpec] = None) -> None:
         self.layers = layers
         self.kv_pool = kv_pool
         self.anchor_attention = anchor_attention
+        self.rope = rope  # the served RoPE: the stale shift compares K before it (core/stale_shift.py)
 
     def run(self, requests: list[LoopRows], input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids int64 [sum n_rows] (requests' rows in order) -> final-normed hidden [sum n_rows, hidden]."""
@@ -225,9 +234,15 @@ class LayerLoop:
                 spans.append((start, start + n, mask))
                 if n:
                     _decide_after_check_layer(r, l, mask, k[start:start + n], v[start:start + n], k_cache, v_cache)
+                    shift = _stale_shift(r, l, mask, k[start:start + n], v[start:start + n], k_cache, v_cache,
+                                         self.rope)  # reads the anchors' stale K/V: before the writes
                     slots = r.slots[r.positions[mask]]
                     k_cache[slots] = k[start:start + n].to(k_cache.dtype)
                     v_cache[slots] = v[start:start + n].to(v_cache.dtype)
+                    if shift is not None:
+                        to, dk, dv = shift
+                        k_cache[to] = (k_cache[to].float() + dk).to(k_cache.dtype)
+                        v_cache[to] = (v_cache[to].float() + dv).to(v_cache.dtype)
                 start += n
             for r, (s0, s1, mask) in zip(requests, spans):
                 if s1 > s0:
@@ -265,6 +280,34 @@ def _decide_after_check_layer(r: LoopRows, l: int, mask: torch.Tensor, k_new: to
     r.anchor_plan = plan.after_check_layer(pos, k_new[active_anchor], v_new[active_anchor], k_cache[slots],
                                            v_cache[slots])
     r.exits[r.anchor] = r.anchor_plan.exit_layers()[r.positions[r.anchor]]
+
+
+def _stale_shift(r: LoopRows, l: int, mask: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, rope: Optional[RopeSpec]
+                 ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The plan's stale shift at layer l (core/stale_shift.py), read before the layer's writes:
+    (pool slots of the shifted tokens, dk, dv float32 [n, Hkv, d]), or None when nothing shifts.
+
+    k_new, v_new: [n_active, Hkv, d] the request's active rows' new K/V, rows in position order.
+    """
+    plan = r.anchor_plan
+    if plan is None:
+        return None
+    sources, targets = plan.shift_sets(l)
+    if sources.numel() == 0 or targets.numel() == 0:
+        return None
+    if rope is None:
+        raise RuntimeError("relaxkv: the stale shift needs the served RoPE (LayerLoop(rope=...))")
+    pos = r.positions[mask]
+    rows = torch.searchsorted(pos, sources.to(pos.device))
+    if not torch.equal(pos[rows.clamp(max=pos.shape[0] - 1)], sources.to(pos.device)):
+        raise RuntimeError("relaxkv: the stale shift's anchors are not the layer's rows")
+    src_slots, to = r.slots[sources.to(r.slots.device)], r.slots[targets.to(r.slots.device)]
+    dev = k_new.device
+    dk, dv = stale_shift(plan.stale_shift, sources.to(dev), k_new[rows.to(dev)], v_new[rows.to(dev)],
+                         k_cache[src_slots], v_cache[src_slots], targets.to(dev),
+                         lambda x, delta: rotate_keys(x, delta, rope), plan.config.stale_shift_scale)
+    return to, dk, dv
 
 
 def supports_repair(causal_lm: torch.nn.Module) -> bool:

@@ -1,0 +1,110 @@
+"""Stale shift: correct the non-anchors' stale K/V by the mean deviation the anchors measure.
+
+At layer l the repair recomputes the anchors ``A_l``; for each it then holds both its stale K/V
+(the chunk computed alone, re-rotated) and its recomputed K/V. Their difference is the stale
+K/V's error at that token; its mean over the anchors is the part of the error every stale token
+shares. That part is small in norm (on SmolLM2-135M it changes the non-anchors' relative K/V
+error by a few percent) but it sets how much attention the stale tokens draw. Each chunk computed
+alone drew its attention onto its own first tokens (a chunk-local attention sink), and RelaxKV
+recomputes those first (``chunk_sink_tokens``): the chunks' sinks then no longer absorb the
+query's attention, and the mass flows to the stale body tokens, whose keys still carry the
+offset of the chunk-local computation. Measured on HotpotQA dev example 5a85ea09, ``plain``
+format, 15% anchors: the last prompt token's attention mass on the non-anchor chunk tokens at
+layers 20 / 24 was 0.017 / 0.163 in full prefill, 0.057 / 0.267 after the repair and 0.014 /
+0.144 with the shift (scale 1); first-token KL to full prefill 0.113 (``pic``), 0.195 (repair),
+0.021 / 0.049 (repair + shift, scale 1 / 0.5). Exact K/V on the same anchors gave 0.113: the
+stale tokens are what the answer reads. On 108 development (example, format) pairs the shift at
+scale 0.5 (the default) lowered the mean KL from 0.063 to 0.032 (102 of 108 lower;
+``docs/performance.md``, "Stale shift").
+
+The shift (``RepairConfig.stale_shift``, scaled by ``stale_shift_scale``) adds that shared part
+to every non-anchor:
+
+* ``dv_l = mean_{a in S_l} (v_new(a) - v_stale(a))``, per KV head and dimension;
+* ``dk_l = mean_{a in S_l} R(-a) (k_new(a) - k_stale(a))``: K is compared before RoPE (``R(p)``
+  rotates by p positions), then rotated to each shifted token's position, ``k(t) += R(t) dk_l``;
+* ``S_l``: the anchors of layer l outside the first ``chunk_sink_tokens`` of their chunk (a
+  chunk sink's error is its own: it was the chunk's attention sink);
+* shifted tokens ``T_l``: the eligible tokens that are not anchors at layer l, outside the first
+  ``chunk_sink_tokens`` of their chunk. Prefix, glue and query tokens are never stale.
+
+``kv`` shifts both, ``v`` only V, ``none`` nothing. The shift is applied to each layer's stale
+K/V before that layer's attention (anchors, glue and query then read shifted values), and the
+request decodes from the shifted K/V. It costs one [n_context, Hkv, d] add (and one rotation)
+per layer and no attention pair. With no anchor in ``S_l`` (anchor ratio 0: ``pic``) or no token
+in ``T_l`` (every token an anchor: full prefill) it changes nothing, so both invariants hold.
+The anchors are the tokens the query ranks highest, not a random sample, so their mean can
+overshoot (the full mean moved the mass past full prefill's on some development examples):
+hence the scale.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from .selection import chunk_offsets, eligible_tokens
+
+Span = tuple[int, int]
+
+__all__ = ["STALE_SHIFTS", "shift_sets", "stale_shift"]
+
+STALE_SHIFTS = ("none", "v", "kv")
+
+#: rotate(k [n, Hkv, d], delta int64 [n]) -> k rotated by delta positions (RoPE composes).
+Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def shift_sets(anchors: torch.Tensor, chunk_spans: Sequence[Span], n_context: int,
+               chunk_sink_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S_l, T_l) of the module doc for one layer.
+
+    Args:
+        anchors: int64 [|A_l|] sorted anchors of the layer.
+        chunk_spans: the reused chunks inside ``[0, n_context)``.
+        n_context: context tokens.
+        chunk_sink_tokens: first tokens of each chunk left out of both sets.
+    Returns:
+        (int64 [|S_l|] the anchors the mean is taken over, int64 [|T_l|] the tokens shifted), sorted.
+    """
+    elig = eligible_tokens(chunk_spans, n_context)
+    if elig.numel() == 0:
+        empty = torch.zeros(0, dtype=torch.long)
+        return empty, empty
+    offset, _ = chunk_offsets(chunk_spans, elig, n_context)
+    body = elig[offset >= chunk_sink_tokens]
+    is_anchor = torch.isin(body, anchors.to(body.device))
+    return body[is_anchor], body[~is_anchor]
+
+
+def stale_shift(mode: str, sources: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_stale: torch.Tensor,
+                v_stale: torch.Tensor, targets: torch.Tensor, rotate: Rotate,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shift of the targets' stale K/V (module doc).
+
+    Args:
+        mode: one of :data:`STALE_SHIFTS`.
+        sources: int64 [n_s] positions of S_l.
+        k_new, v_new: [n_s, Hkv, d] their recomputed K (post-RoPE) and V.
+        k_stale, v_stale: [n_s, Hkv, d] their stale K (post-RoPE, re-rotated) and V.
+        targets: int64 [n_t] positions of T_l.
+        rotate: RoPE re-rotation of post-RoPE keys by per-token position deltas.
+        scale: the fraction of the mean deviation added (``RepairConfig.stale_shift_scale``).
+    Returns:
+        (dk float32 [n_t, Hkv, d], dv float32 [n_t, Hkv, d]) to add to the targets' K and V;
+        zeros when ``mode`` is ``none`` or ``sources`` is empty.
+    """
+    if mode not in STALE_SHIFTS:
+        raise ValueError(f"stale_shift must be one of {', '.join(STALE_SHIFTS)}, got {mode!r}")
+    n_t = int(targets.numel())
+    zeros = torch.zeros(n_t, *v_new.shape[1:], dtype=torch.float32, device=v_new.device)
+    if mode == "none" or sources.numel() == 0 or n_t == 0:
+        return zeros, zeros.clone()
+    dv = (v_new.float() - v_stale.float()).mean(dim=0) * scale  # [Hkv, d]
+    dv = dv.expand(n_t, -1, -1).clone()
+    if mode == "v":
+        return zeros, dv
+    dk_pre = rotate((k_new.float() - k_stale.float()), -sources).mean(dim=0) * scale  # [Hkv, d], before RoPE
+    dk = rotate(dk_pre.expand(n_t, -1, -1).contiguous(), targets)
+    return dk.float(), dv

@@ -1,0 +1,176 @@
+"""Stale shift (core/stale_shift.py): the sets, the exact recovery of a shared offset, the invariants."""
+
+import pytest
+import torch
+
+from relaxkv_sglang.core.reference import apply_neox_rope, build_stale_kv, reference_prefill
+from relaxkv_sglang.core.repair_plan import RepairConfig, plan_anchors
+from relaxkv_sglang.core.stale_shift import shift_sets, stale_shift
+
+from test_reference import GLUE_SPANS, PS, Q0, SPANS, close, full, ids, model, run  # noqa: F401 (fixtures)
+
+INV = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+
+
+def rotate(k, delta):
+    return apply_neox_rope(k, delta, INV)
+
+
+def test_shift_sets_leave_out_chunk_sinks_prefix_and_anchors():
+    spans = [(0, 10), (12, 22), (22, 30)]  # the first chunk starts at 0: exact, never shifted
+    anchors = torch.tensor([12, 13, 17, 23, 28])
+    src, tgt = shift_sets(anchors, spans, 30, chunk_sink_tokens=2)
+    assert src.tolist() == [17, 28]  # 12, 13 and 23 are chunk sinks (offsets 0, 1, 1)
+    assert tgt.tolist() == [14, 15, 16, 18, 19, 20, 21, 24, 25, 26, 27, 29]
+
+
+def test_a_shared_offset_is_recovered_exactly_k_before_rope():
+    g = torch.Generator().manual_seed(0)
+    n, hkv, d = 40, 2, 16
+    pos = torch.arange(100, 100 + n)
+    k_true, v_true = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
+    ck, cv = torch.randn(hkv, d, generator=g), torch.randn(hkv, d, generator=g)
+    # Stale = true minus one offset shared by every token, K's offset before RoPE.
+    k_stale_post, k_true_post = rotate(k_true - ck, pos), rotate(k_true, pos)
+    v_stale = v_true - cv
+    src, tgt = torch.arange(0, n, 4), torch.tensor([i for i in range(n) if i % 4])
+    dk, dv = stale_shift("kv", pos[src], k_true_post[src], v_true[src], k_stale_post[src], v_stale[src], pos[tgt], rotate)
+    torch.testing.assert_close(k_stale_post[tgt] + dk, k_true_post[tgt], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(v_stale[tgt] + dv, v_true[tgt], atol=1e-5, rtol=1e-5)
+    # A scale takes that fraction of the shift.
+    dk_h, dv_h = stale_shift("kv", pos[src], k_true_post[src], v_true[src], k_stale_post[src], v_stale[src], pos[tgt],
+                             rotate, scale=0.5)
+    torch.testing.assert_close(dk_h, dk / 2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dv_h, dv / 2, atol=1e-6, rtol=1e-6)
+    # A post-RoPE mean would not recover K (the offset rotates with the position).
+    naive = (k_true_post[src] - k_stale_post[src]).mean(0)
+    assert float((k_stale_post[tgt] + naive - k_true_post[tgt]).abs().max()) > 0.1
+    # "v" leaves K alone, "none" shifts nothing, no source shifts nothing.
+    dk_v, dv_v = stale_shift("v", pos[src], k_true_post[src], v_true[src], k_stale_post[src], v_stale[src], pos[tgt], rotate)
+    assert float(dk_v.abs().max()) == 0 and torch.equal(dv_v, dv)
+    for mode, s in (("none", src), ("kv", src[:0])):
+        z = stale_shift(mode, pos[s], k_true_post[s], v_true[s], k_stale_post[s], v_stale[s], pos[tgt], rotate)
+        assert float(z[0].abs().max()) == 0 and float(z[1].abs().max()) == 0
+    with pytest.raises(ValueError, match="stale_shift"):
+        stale_shift("k", pos[src], k_true_post[src], v_true[src], k_stale_post[src], v_stale[src], pos[tgt], rotate)
+
+
+def test_config_refuses_an_unknown_shift():
+    with pytest.raises(ValueError, match="stale_shift"):
+        RepairConfig(stale_shift="kv2")
+    with pytest.raises(ValueError, match="stale_shift_scale"):
+        RepairConfig(stale_shift_scale=1.5)
+
+
+@pytest.mark.parametrize("mode", ["v", "kv"])
+def test_shift_keeps_the_invariants(model, ids, full, mode):  # noqa: F811
+    res = run(model, ids, "relaxkv", 1.0, 1.0, stale_shift=mode)
+    assert close(res.last_logits, full.last_logits)
+    zero = run(model, ids, "relaxkv", 0.0, 0.5, stale_shift=mode)
+    assert close(zero.last_logits, run(model, ids, "pic").last_logits, 1e-5)
+
+
+def test_shift_moves_exactly_the_non_anchors_by_the_anchors_mean(model, ids):  # noqa: F811
+    w = model[1]
+    config = RepairConfig(anchor_ratio=0.3, context_ratio=0.5, page_size=PS, stale_shift="kv", chunk_sink_tokens=2,
+                          stale_shift_scale=1.0)
+    res = reference_prefill(w, ids, GLUE_SPANS, Q0, "relaxkv", config)
+    plain = reference_prefill(w, ids, GLUE_SPANS, Q0, "relaxkv", RepairConfig(anchor_ratio=0.3, context_ratio=0.5,
+                                                                           page_size=PS, chunk_sink_tokens=2,
+                                                                           stale_shift="none"))
+    stale = build_stale_kv(w, ids, GLUE_SPANS, Q0)
+    assert not close(res.last_logits, plain.last_logits, 1e-4)  # the shift does something
+    plan = plan_anchors("relaxkv", res.scores, GLUE_SPANS, Q0, w.n_layers, config)
+    l = 2
+    src, tgt = plan.shift_sets(l)
+    assert src.numel() and tgt.numel()
+    anchors = plan.anchor_sets[l]
+    # The prefix and the chunk sinks that are not anchors keep their stale K/V.
+    sinks = torch.tensor([s + i for s, _ in GLUE_SPANS for i in range(2)])
+    kept = torch.cat([torch.arange(GLUE_SPANS[0][0]), sinks[~torch.isin(sinks, anchors)]])
+    assert torch.equal(res.kv[l][1][kept], stale[l][1][kept]) and torch.equal(res.kv[l][0][kept], stale[l][0][kept])
+    # Every shifted token moved by the same V offset: the anchors' mean deviation.
+    dv = res.kv[l][1][tgt] - stale[l][1][tgt]
+    expected = (res.kv[l][1][src] - stale[l][1][src]).mean(0)
+    torch.testing.assert_close(dv, expected.expand_as(dv), atol=1e-5, rtol=1e-5)
+    # K: the same offset before RoPE.
+    inv = w.rope_inv_freq()
+    dk_pre = apply_neox_rope(res.kv[l][0][tgt] - stale[l][0][tgt], -tgt, inv)
+    exp_k = apply_neox_rope(res.kv[l][0][src] - stale[l][0][src], -src, inv).mean(0)
+    torch.testing.assert_close(dk_pre, exp_k.expand_as(dk_pre), atol=1e-4, rtol=1e-4)
+
+
+def test_the_default_shifts_kv_by_half():
+    assert (RepairConfig().stale_shift, RepairConfig().stale_shift_scale) == ("kv", 0.5)
+
+
+@pytest.mark.parametrize("policy", ["prophetkv", "epic", "cacheblend"])
+def test_peers_never_shift(model, ids, policy):  # noqa: F811
+    a = run(model, ids, policy, 0.3, stale_shift="kv")
+    b = run(model, ids, policy, 0.3, stale_shift="none")
+    assert torch.equal(a.last_logits, b.last_logits)
+
+
+# --- the server's executor (srt/layer_loop.py) on the CPU, over the reference's model pieces ---
+
+
+class _RefLayers:
+    """ModelLayers' surface over the reference's weights (what LayerLoop calls)."""
+
+    def __init__(self, w):
+        from types import SimpleNamespace
+
+        from relaxkv_sglang.core import reference as R
+
+        self.w, self.R = w, R
+        self.model = SimpleNamespace(embed_tokens=lambda i: w.embed[i].float(),
+                                     norm=lambda h: R._rms_norm(h, w.norm, w.rms_eps))
+        self.n_layers = w.n_layers
+
+    def qkv(self, l, positions, hidden):
+        return self.R._project_qkv(self.w, self.w.layers[l], hidden, positions)
+
+    def finish(self, l, hidden, attn_out):
+        return self.R._finish_layer(self.w, self.w.layers[l], hidden, attn_out)
+
+    def attention_params(self, l):
+        return l, self.w.head_dim ** -0.5
+
+
+@pytest.mark.parametrize("mode", ["none", "kv"])
+def test_layer_loop_shifts_as_the_reference_does(model, ids, mode):  # noqa: F811
+    from types import SimpleNamespace
+
+    from relaxkv_sglang.core.reference import stale_context
+    from relaxkv_sglang.core.rope import rope_spec_from_hf_config
+    from relaxkv_sglang.srt.layer_loop import AnchorAttention, LayerLoop
+    from relaxkv_sglang.srt.repair import _repair_rows
+
+    hf, w = model
+    n = ids.numel()
+    config = RepairConfig(anchor_ratio=0.3, context_ratio=0.5, page_size=PS, stale_shift=mode, chunk_sink_tokens=2,
+                          stale_shift_scale=0.5)
+    ref = reference_prefill(w, ids, GLUE_SPANS, Q0, "relaxkv", config)
+    stale = stale_context(w, ids, GLUE_SPANS, Q0)
+    plan = plan_anchors("relaxkv", stale.scores, GLUE_SPANS, Q0, w.n_layers, config)
+    # A pool with the request's slots scattered in it, holding the stale context (as reused).
+    slots = torch.randperm(n + 7, generator=torch.Generator().manual_seed(3))[:n]
+    k_pool = [torch.zeros(n + 7, w.n_kv_heads, w.head_dim) for _ in range(w.n_layers)]
+    v_pool = [torch.zeros(n + 7, w.n_kv_heads, w.head_dim) for _ in range(w.n_layers)]
+    for l in range(w.n_layers):
+        k_pool[l][slots[:Q0]], v_pool[l][slots[:Q0]] = stale.kv[l]
+    pool = SimpleNamespace(get_key_buffer=lambda l: k_pool[l], get_value_buffer=lambda l: v_pool[l])
+    rows = _repair_rows(SimpleNamespace(window_end=n), plan, slots)
+    rope = rope_spec_from_hf_config(hf.config.to_dict())
+    out = LayerLoop(_RefLayers(w), pool, AnchorAttention(), rope=rope).run([rows], ids[rows.positions])
+    logits = torch.nn.functional.linear(out[-1], w.lm_head)
+    torch.testing.assert_close(logits, ref.last_logits, atol=1e-4, rtol=1e-4)
+    for l in range(w.n_layers):
+        torch.testing.assert_close(k_pool[l][slots], ref.kv[l][0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v_pool[l][slots], ref.kv[l][1], atol=1e-4, rtol=1e-4)
+    if mode == "kv":  # and the shift is not vacuous here
+        targets = plan.shift_sets(2)[1]
+        assert targets.numel() and not torch.allclose(ref.kv[2][1][targets], stale.kv[2][1][targets], atol=1e-3)
+        with pytest.raises(RuntimeError, match="RoPE"):
+            LayerLoop(_RefLayers(w), pool, AnchorAttention()).run([_repair_rows(SimpleNamespace(window_end=n), plan, slots)],
+                                                                  ids[rows.positions])

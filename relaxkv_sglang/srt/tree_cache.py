@@ -329,7 +329,8 @@ def build_cache_class() -> type:
 
             Called at admission (before the adder checks its budget), so the pinned
             tokens leave ``evictable_size`` at once. Idempotent per request: earlier
-            pins of the same request are dropped first. Returns the tokens pinned.
+            pins of the same request are dropped first. Returns the pool tokens pinned: a
+            chunk the request holds twice is locked twice but counted once.
             """
             self.unpin_request(req)
             plan = request_plan(req)
@@ -348,7 +349,7 @@ def build_cache_class() -> type:
                     pins.append((ce, entry))
             if pins:
                 self.pins[req.rid] = pins
-            return sum(e.num_tokens for _, e in pins)
+            return sum(e.num_tokens for e in {id(e): e for _, e in pins}.values())
 
         def trim_pins(self, req: Any, end: int) -> None:
             """Keep only the pins of chunks that end by ``end`` (the admitted window's end)."""

@@ -651,3 +651,18 @@ def test_tiered_tree_cache_matches_model(scheduler_context):
         settings=settings(max_examples=100, stateful_step_count=40, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow]),
     )
+
+
+def test_a_chunk_held_twice_is_pinned_once_in_the_count(scheduler_context):
+    """The shrunk case hypothesis found: a request holding one chunk twice locks it twice, but
+    the pool tokens it pins are the chunk's once (else admission's arithmetic over-counts)."""
+    machine = TreeCacheMachine()
+    try:
+        machine.admit(RequestSpec("pic", None, (), ((10, 11, 12),), (7,)))
+        machine.drain()  # the chunk is published
+        req = machine._make_req(RequestSpec("pic", None, (), ((10, 11, 12), (10, 11, 12)), (7,)))
+        req.init_next_round_input(machine.cache)
+        assert machine.cache.pin_request(req) == 3
+        machine.cache.unpin_request(req)
+    finally:
+        machine.teardown()

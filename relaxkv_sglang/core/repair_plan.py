@@ -44,6 +44,7 @@ so a policy's decisions are a function of its inputs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -51,7 +52,7 @@ import torch
 from .layout import BlockSparseLayout, build_relaxed_layout, key_bound_page_scores
 from .policies import Policy
 from .selection import anchor_ratio_achieved, chunk_offsets, eligible_tokens, kv_deviation, select_anchors
-from .stale_shift import STALE_SHIFTS, shift_sets
+from .stale_shift import STALE_SHIFTS, shift_body, split_body
 
 Span = tuple[int, int]
 
@@ -263,7 +264,12 @@ class AnchorPlan:
         if self.stale_shift == "none":
             empty = torch.zeros(0, dtype=torch.long)
             return empty, empty
-        return shift_sets(self.anchor_sets[layer], self.chunk_spans, self.n_context, self.config.chunk_sink_tokens)
+        return split_body(self._shift_body, self.anchor_sets[layer])
+
+    @functools.cached_property
+    def _shift_body(self) -> torch.Tensor:
+        """The tokens every layer's shift sets split (``stale_shift.shift_body``), computed once."""
+        return shift_body(self.chunk_spans, self.n_context, self.config.chunk_sink_tokens)
 
     @property
     def ranks_pages_in_layer(self) -> bool:

@@ -48,12 +48,28 @@ from .selection import chunk_offsets, eligible_tokens
 
 Span = tuple[int, int]
 
-__all__ = ["STALE_SHIFTS", "shift_sets", "stale_shift"]
+__all__ = ["STALE_SHIFTS", "shift_body", "split_body", "shift_sets", "stale_shift"]
 
 STALE_SHIFTS = ("none", "v", "kv")
 
 #: rotate(k [n, Hkv, d], delta int64 [n]) -> k rotated by delta positions (RoPE composes).
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def shift_body(chunk_spans: Sequence[Span], n_context: int, chunk_sink_tokens: int) -> torch.Tensor:
+    """int64 [n_body] sorted: the eligible tokens outside the first ``chunk_sink_tokens`` of their
+    chunk, the tokens S_l and T_l of the module doc split between them (the same at every layer)."""
+    elig = eligible_tokens(chunk_spans, n_context)
+    if elig.numel() == 0:
+        return torch.zeros(0, dtype=torch.long)
+    offset, _ = chunk_offsets(chunk_spans, elig, n_context)
+    return elig[offset >= chunk_sink_tokens]
+
+
+def split_body(body: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S_l, T_l): ``body`` (:func:`shift_body`) split by the layer's sorted anchors ``A_l``."""
+    is_anchor = torch.isin(body, anchors.to(body.device))
+    return body[is_anchor], body[~is_anchor]
 
 
 def shift_sets(anchors: torch.Tensor, chunk_spans: Sequence[Span], n_context: int,
@@ -68,14 +84,7 @@ def shift_sets(anchors: torch.Tensor, chunk_spans: Sequence[Span], n_context: in
     Returns:
         (int64 [|S_l|] the anchors the mean is taken over, int64 [|T_l|] the tokens shifted), sorted.
     """
-    elig = eligible_tokens(chunk_spans, n_context)
-    if elig.numel() == 0:
-        empty = torch.zeros(0, dtype=torch.long)
-        return empty, empty
-    offset, _ = chunk_offsets(chunk_spans, elig, n_context)
-    body = elig[offset >= chunk_sink_tokens]
-    is_anchor = torch.isin(body, anchors.to(body.device))
-    return body[is_anchor], body[~is_anchor]
+    return split_body(shift_body(chunk_spans, n_context, chunk_sink_tokens), anchors)
 
 
 def stale_shift(mode: str, sources: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_stale: torch.Tensor,

@@ -38,13 +38,14 @@ _ADDITIVE = ("chunks_seen", "chunks_hit", "chunk_tokens_reused", "chunk_tokens_f
 
 def request_record(r: "RequestFold") -> dict:
     """This prefill step's report for one request."""
+    sources = r.hit_sources()
     record = {
         "policy": r.plan.policy if r.plan else "prefix",
         "chunks_seen": r.chunks_seen,
         "chunks_hit": r.chunks_hit,
         "chunk_tokens_reused": r.hit_tokens,
-        "chunk_tokens_from_host": r.hit_sources()["host"],
-        "chunk_tokens_from_disk": r.hit_sources()["storage"],
+        "chunk_tokens_from_host": sources["host"],
+        "chunk_tokens_from_disk": sources["storage"],
         "tokens_computed": r.rows_computed,
         "repaired": r.repair is not None,
         "prefills": int(r.completes_prompt),  # 1: this step decided the repair

@@ -194,7 +194,7 @@ def apply_neox_rope(
     """Neox-style RoPE (rotate halves of the first ``rotary_dim`` dims) at positions ``pos``.
 
     Args:
-        x: [n, heads, head_dim] float.
+        x: [n or 1, heads, head_dim] float (one row is rotated to each of the n positions).
         pos: int64 [n] (or a delta, to re-rotate an already rotated K: rotations compose).
         inv_freq: float32 [rotary_dim/2].
         rotary_dim: rotated leading dims, default head_dim.
@@ -208,7 +208,8 @@ def apply_neox_rope(
     cos, sin = (ang.cos() * scaling)[:, None, :], (ang.sin() * scaling)[:, None, :]
     xf = x.float()
     x1, x2, rest = xf[..., : r // 2], xf[..., r // 2: r], xf[..., r:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+    rot = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return torch.cat([rot, rest.expand(rot.shape[0], -1, -1)], dim=-1)  # one x, n positions: broadcast
 
 
 def _project_qkv(w: LlamaWeights, layer: dict, h: torch.Tensor, pos: torch.Tensor):

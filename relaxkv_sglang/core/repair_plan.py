@@ -52,7 +52,7 @@ import torch
 from .layout import BlockSparseLayout, build_relaxed_layout, key_bound_page_scores
 from .policies import Policy
 from .selection import anchor_ratio_achieved, chunk_offsets, eligible_tokens, kv_deviation, select_anchors
-from .stale_shift import STALE_SHIFTS, shift_body, split_body
+from .stale_shift import STALE_SHIFTS, shift_body
 
 Span = tuple[int, int]
 
@@ -264,12 +264,20 @@ class AnchorPlan:
         if self.stale_shift == "none":
             empty = torch.zeros(0, dtype=torch.long)
             return empty, empty
-        return split_body(self._shift_body, self.anchor_sets[layer])
+        body, exits = self.shift_body, self._shift_body_exits
+        return body[exits > layer], body[exits <= layer]
 
     @functools.cached_property
-    def _shift_body(self) -> torch.Tensor:
-        """The tokens every layer's shift sets split (``stale_shift.shift_body``), computed once."""
+    def shift_body(self) -> torch.Tensor:
+        """int64 [n_body]: the tokens every layer's shift sets split (``stale_shift.shift_body``),
+        computed once."""
         return shift_body(self.chunk_spans, self.n_context, self.config.chunk_sink_tokens)
+
+    @functools.cached_property
+    def _shift_body_exits(self) -> torch.Tensor:
+        """int64 [n_body]: each body token's exit layer; the sets are nested, so S_l is the body
+        tokens recomputed past ``l`` (``exits > l``), no per-layer set search."""
+        return self.exit_layers()[self.shift_body]
 
     @property
     def ranks_pages_in_layer(self) -> bool:

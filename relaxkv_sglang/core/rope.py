@@ -34,6 +34,7 @@ __all__ = [
     "rope_cos_sin",
     "apply_rope",
     "rotate_keys",
+    "RotationTable",
 ]
 
 #: Scaling types for which ``rotate_keys`` is exact.
@@ -364,7 +365,8 @@ def rope_cos_sin(
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
-    """Rotate fp32 ``x [n, h, head_dim]`` by fp32 ``cos/sin [n or 1, rotary_dim // 2]``; new tensor."""
+    """Rotate fp32 ``x [n or 1, h, head_dim]`` by fp32 ``cos/sin [n or 1, rotary_dim // 2]``
+    (a side of 1 broadcasts); new tensor."""
     r = spec.rotary_dim
     c, s = cos[:, None, :], sin[:, None, :]
     if spec.is_neox_style:
@@ -376,7 +378,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpe
         x1, x2 = x[..., 0:r:2], x[..., 1:r:2]
         rot = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
     if r < x.shape[-1]:
-        rot = torch.cat((rot, x[..., r:]), dim=-1)
+        rot = torch.cat((rot, x[..., r:].expand(rot.shape[0], -1, -1)), dim=-1)
     return rot
 
 
@@ -424,7 +426,9 @@ def rotate_keys(k: torch.Tensor, delta: int | torch.Tensor, spec: RopeSpec) -> t
 
     Args:
         k: float32/bf16/fp16 ``[n_tokens, n_kv_heads, head_dim]`` post-RoPE keys.
-            Not modified.
+            Not modified.  With ``n_tokens == 1`` and a tensor ``delta [n]`` the one
+            key is rotated by each of the n deltas (result ``[n, n_kv_heads, head_dim]``)
+            without materialising n copies first.
         delta: Python int (same shift for all tokens) or int64 ``[n_tokens]``
             (per-token shift); negative values rotate backwards.
         spec: the RoPE spec the keys were produced with.
@@ -433,9 +437,53 @@ def rotate_keys(k: torch.Tensor, delta: int | torch.Tensor, spec: RopeSpec) -> t
         A new tensor, ``k``'s dtype and shape, computed in fp32.
     """
     _check_heads(k, spec, "k")
-    if isinstance(delta, torch.Tensor) and delta.dim() == 1 and delta.shape[0] != k.shape[0]:
+    if isinstance(delta, torch.Tensor) and delta.dim() == 1 and delta.shape[0] != k.shape[0] and k.shape[0] != 1:
         raise ValueError(f"delta must be an int or a tensor of shape [{k.shape[0]}], got {tuple(delta.shape)}")
     if isinstance(delta, int) and not isinstance(delta, bool) and delta == 0:
         return k.clone()  # identity rotation; skip the arithmetic
     cos, sin = rope_cos_sin(delta, spec, with_attention_scaling=False, device=k.device)
     return _rotate(k.float(), cos, sin, spec).to(k.dtype)
+
+
+class RotationTable:
+    """``R(p)`` for a fixed set of positions, computed once and applied to many keys.
+
+    Per head dimension, ``R(p) x = C(p) * x + S(p) * swap(x)``: ``swap`` exchanges the members of
+    each rotated pair (the halves for neox, neighbours for GPT-J), ``C`` is the pair angle's
+    cosine, ``S`` its sine with the sign of the member (``-sin`` on the first, ``+sin`` on the
+    second), and the dims past ``rotary_dim`` have ``C = 1, S = 0``. The angles are
+    :func:`rotate_keys`' (no YaRN attention scaling), so ``table.rotate(k)`` equals
+    ``rotate_keys(k, positions, spec)`` up to fp rounding, in two fused passes instead of
+    :func:`_rotate`'s six plus a concatenation: for a shift re-rotated at every layer
+    (``stale_shift``), the table is built once per request.
+
+    Args:
+        positions: int64 [n] rotation of each row (negative allowed).
+        spec: the RoPE spec the keys were produced with.
+        device: where the table lives; defaults to ``positions``' device.
+    """
+
+    def __init__(self, positions: torch.Tensor, spec: RopeSpec, device: torch.device | str | None = None) -> None:
+        cos, sin = rope_cos_sin(positions, spec, with_attention_scaling=False, device=device)
+        n, r, d = cos.shape[0], spec.rotary_dim, spec.head_dim
+        c = torch.ones(n, d, dtype=torch.float32, device=cos.device)
+        s = torch.zeros(n, d, dtype=torch.float32, device=cos.device)
+        dims = torch.arange(d, device=cos.device)
+        if spec.is_neox_style:
+            first, second = dims[: r // 2], dims[r // 2: r]
+        else:
+            first, second = dims[0:r:2], dims[1:r:2]
+        c[:, first], c[:, second] = cos, cos
+        s[:, first], s[:, second] = -sin, sin
+        swap = dims.clone()
+        swap[first], swap[second] = second, first
+        self.spec = spec
+        self.n = n
+        self._cos, self._sin, self._swap = c[:, None, :], s[:, None, :], swap
+
+    def rotate(self, k: torch.Tensor) -> torch.Tensor:
+        """float ``k [n or 1, n_heads, head_dim]`` -> float32 ``[n, n_heads, head_dim]``: row i (or
+        the one row) rotated by the table's i-th position."""
+        _check_heads(k, self.spec, "k")
+        kf = k.float()
+        return torch.addcmul(self._cos * kf, self._sin, kf[..., self._swap])

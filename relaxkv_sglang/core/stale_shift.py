@@ -48,11 +48,12 @@ from .selection import chunk_offsets, eligible_tokens
 
 Span = tuple[int, int]
 
-__all__ = ["STALE_SHIFTS", "shift_body", "split_body", "shift_sets", "stale_shift"]
+__all__ = ["STALE_SHIFTS", "shift_body", "split_body", "shift_sets", "shift_deltas", "stale_shift"]
 
 STALE_SHIFTS = ("none", "v", "kv")
 
-#: rotate(k [n, Hkv, d], delta int64 [n]) -> k rotated by delta positions (RoPE composes).
+#: rotate(k [n or 1, Hkv, d], delta int64 [n]) -> k rotated by delta positions (RoPE composes);
+#: one key with n deltas gives that key at each of them (``rope.rotate_keys``).
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -87,33 +88,46 @@ def shift_sets(anchors: torch.Tensor, chunk_spans: Sequence[Span], n_context: in
     return split_body(shift_body(chunk_spans, n_context, chunk_sink_tokens), anchors)
 
 
-def stale_shift(mode: str, sources: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_stale: torch.Tensor,
-                v_stale: torch.Tensor, targets: torch.Tensor, rotate: Rotate,
-                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shift of the targets' stale K/V (module doc).
+def shift_deltas(mode: str, sources: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                 k_stale: torch.Tensor, v_stale: torch.Tensor, rotate: Rotate,
+                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's shared shift, once: ``(dk_l before RoPE, dv_l)`` of the module doc, scaled.
 
     Args:
         mode: one of :data:`STALE_SHIFTS`.
         sources: int64 [n_s] positions of S_l.
         k_new, v_new: [n_s, Hkv, d] their recomputed K (post-RoPE) and V.
         k_stale, v_stale: [n_s, Hkv, d] their stale K (post-RoPE, re-rotated) and V.
-        targets: int64 [n_t] positions of T_l.
         rotate: RoPE re-rotation of post-RoPE keys by per-token position deltas.
         scale: the fraction of the mean deviation added (``RepairConfig.stale_shift_scale``).
+    Returns:
+        (dk float32 [Hkv, d] before RoPE, dv float32 [Hkv, d]); zeros where ``mode`` shifts
+        nothing (``dk`` for ``v``, both for ``none``) or ``sources`` is empty.
+    """
+    if mode not in STALE_SHIFTS:
+        raise ValueError(f"stale_shift must be one of {', '.join(STALE_SHIFTS)}, got {mode!r}")
+    zeros = torch.zeros(v_new.shape[1:], dtype=torch.float32, device=v_new.device)
+    if mode == "none" or sources.numel() == 0:
+        return zeros, zeros.clone()
+    dv = (v_new.float() - v_stale.float()).mean(dim=0) * scale
+    if mode == "v":
+        return zeros, dv
+    return rotate(k_new.float() - k_stale.float(), -sources).mean(dim=0) * scale, dv
+
+
+def stale_shift(mode: str, sources: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_stale: torch.Tensor,
+                v_stale: torch.Tensor, targets: torch.Tensor, rotate: Rotate,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shift of the targets' stale K/V (module doc): :func:`shift_deltas` at each target.
+
+    Args:
+        mode, sources, k_new, v_new, k_stale, v_stale, rotate, scale: as :func:`shift_deltas`.
+        targets: int64 [n_t] positions of T_l.
     Returns:
         (dk float32 [n_t, Hkv, d], dv float32 [n_t, Hkv, d]) to add to the targets' K and V;
         zeros when ``mode`` is ``none`` or ``sources`` is empty.
     """
-    if mode not in STALE_SHIFTS:
-        raise ValueError(f"stale_shift must be one of {', '.join(STALE_SHIFTS)}, got {mode!r}")
+    dk_pre, dv = shift_deltas(mode, sources, k_new, v_new, k_stale, v_stale, rotate, scale)
     n_t = int(targets.numel())
-    zeros = torch.zeros(n_t, *v_new.shape[1:], dtype=torch.float32, device=v_new.device)
-    if mode == "none" or sources.numel() == 0 or n_t == 0:
-        return zeros, zeros.clone()
-    dv = (v_new.float() - v_stale.float()).mean(dim=0) * scale  # [Hkv, d]
-    dv = dv.expand(n_t, -1, -1).clone()
-    if mode == "v":
-        return zeros, dv
-    dk_pre = rotate((k_new.float() - k_stale.float()), -sources).mean(dim=0) * scale  # [Hkv, d], before RoPE
-    dk = rotate(dk_pre.expand(n_t, -1, -1).contiguous(), targets)
-    return dk.float(), dv
+    dk = rotate(dk_pre[None], targets) if n_t else dk_pre.expand(0, -1, -1)  # R(t) dk_l at each target
+    return dk.float(), dv.expand(n_t, -1, -1).clone()

@@ -38,8 +38,8 @@ import torch
 from relaxkv_sglang.core.attention import block_sparse_attention, scoped_causal_attention
 from relaxkv_sglang.core.layout import BlockSparseLayout
 from relaxkv_sglang.core.repair_plan import AnchorPlan
-from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
-from relaxkv_sglang.core.stale_shift import stale_shift
+from relaxkv_sglang.core.rope import RopeSpec, RotationTable, rotate_keys
+from relaxkv_sglang.core.stale_shift import shift_deltas
 from relaxkv_sglang.srt.context import forward_context
 
 if TYPE_CHECKING:
@@ -122,6 +122,9 @@ class LoopRows:
             (0: its causal prefix; a chunk's start: that chunk only).
         anchor: bool [n] repair targets: they attend through ``anchor_plan.layouts``.
         anchor_plan: the planner's decisions (None: no anchors in this pass).
+        shift_rotation: R(t) at the plan's stale-shift body, built at the first layer that
+            shifts (a relaxkv plan is fixed for the pass; only CacheBlend's changes, and it
+            never shifts).
     """
 
     slots: torch.Tensor
@@ -130,6 +133,7 @@ class LoopRows:
     scope: torch.Tensor
     anchor: torch.Tensor
     anchor_plan: Optional[AnchorPlan] = None
+    shift_rotation: Optional[RotationTable] = None
 
     @property
     def n_rows(self) -> int:
@@ -234,15 +238,11 @@ class LayerLoop:
                 spans.append((start, start + n, mask))
                 if n:
                     _decide_after_check_layer(r, l, mask, k[start:start + n], v[start:start + n], k_cache, v_cache)
-                    shift = _stale_shift(r, l, mask, k[start:start + n], v[start:start + n], k_cache, v_cache,
-                                         self.rope)  # reads the anchors' stale K/V: before the writes
+                    # The shift reads the anchors' stale K/V and lands before the rows' writes.
+                    _stale_shift(r, l, mask, k[start:start + n], v[start:start + n], k_cache, v_cache, self.rope)
                     slots = r.slots[r.positions[mask]]
                     k_cache[slots] = k[start:start + n].to(k_cache.dtype)
                     v_cache[slots] = v[start:start + n].to(v_cache.dtype)
-                    if shift is not None:
-                        to, dk, dv = shift
-                        k_cache[to] = (k_cache[to].float() + dk).to(k_cache.dtype)
-                        v_cache[to] = (v_cache[to].float() + dv).to(v_cache.dtype)
                 start += n
             for r, (s0, s1, mask) in zip(requests, spans):
                 if s1 > s0:
@@ -283,31 +283,48 @@ def _decide_after_check_layer(r: LoopRows, l: int, mask: torch.Tensor, k_new: to
 
 
 def _stale_shift(r: LoopRows, l: int, mask: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, rope: Optional[RopeSpec]
-                 ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The plan's stale shift at layer l (core/stale_shift.py), read before the layer's writes:
-    (pool slots of the shifted tokens, dk, dv float32 [n, Hkv, d]), or None when nothing shifts.
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, rope: Optional[RopeSpec]) -> None:
+    """Add the plan's stale shift at layer l (core/stale_shift.py) to the pool, before the layer's
+    writes. It goes to the whole shift body, this layer's anchors included: their new K/V are
+    written next and replace it, which leaves exactly T_l shifted without splitting the body
+    every layer.
 
     k_new, v_new: [n_active, Hkv, d] the request's active rows' new K/V, rows in position order.
     """
     plan = r.anchor_plan
-    if plan is None:
-        return None
-    sources, targets = plan.shift_sets(l)
-    if sources.numel() == 0 or targets.numel() == 0:
-        return None
+    if plan is None or plan.stale_shift == "none":
+        return
+    sources, _ = plan.shift_sets(l)
+    if sources.numel() == 0:
+        return
     if rope is None:
         raise RuntimeError("relaxkv: the stale shift needs the served RoPE (LayerLoop(rope=...))")
     pos = r.positions[mask]
     rows = torch.searchsorted(pos, sources.to(pos.device))
     if not torch.equal(pos[rows.clamp(max=pos.shape[0] - 1)], sources.to(pos.device)):
         raise RuntimeError("relaxkv: the stale shift's anchors are not the layer's rows")
-    src_slots, to = r.slots[sources.to(r.slots.device)], r.slots[targets.to(r.slots.device)]
+    src_slots = r.slots[sources.to(r.slots.device)]
     dev = k_new.device
-    dk, dv = stale_shift(plan.stale_shift, sources.to(dev), k_new[rows.to(dev)], v_new[rows.to(dev)],
-                         k_cache[src_slots], v_cache[src_slots], targets.to(dev),
-                         lambda x, delta: rotate_keys(x, delta, rope), plan.config.stale_shift_scale)
-    return to, dk, dv
+    dk, dv = shift_deltas(plan.stale_shift, sources.to(dev), k_new[rows.to(dev)], v_new[rows.to(dev)],
+                          k_cache[src_slots], v_cache[src_slots], lambda x, delta: rotate_keys(x, delta, rope),
+                          plan.config.stale_shift_scale)
+    to = r.slots[plan.shift_body.to(r.slots.device)]
+    if plan.stale_shift == "kv":
+        if r.shift_rotation is None:
+            r.shift_rotation = RotationTable(plan.shift_body.to(dev), rope)
+        _add_rows(k_cache, to, r.shift_rotation.rotate(dk[None]))
+    _add_rows(v_cache, to, dv.expand(to.shape[0], -1, -1).contiguous())  # index_add_ is ~3x slower from a view
+
+
+def _add_rows(cache: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor) -> None:
+    """cache[slots] += delta (slots distinct; delta float32 [n, Hkv, d], may be a broadcast view).
+
+    In place with ``index_add_`` when the pool is float32 (no gather, no second scatter); a
+    lower-precision pool adds in float32 and rounds once, as the reference does."""
+    if cache.dtype == delta.dtype:
+        cache.index_add_(0, slots, delta)
+    else:
+        cache[slots] = (cache[slots].float() + delta).to(cache.dtype)
 
 
 def supports_repair(causal_lm: torch.nn.Module) -> bool:

@@ -17,6 +17,7 @@ import torch
 from relaxkv_sglang.core.rope import (
     SUPPORTED_ROPE_TYPES,
     RopeSpec,
+    RotationTable,
     UnsupportedRopeError,
     apply_rope,
     rope_cos_sin,
@@ -466,3 +467,19 @@ def test_yarn_variants_match_transformers_params():
         inv_freq, attention_factor = init_fns["yarn"](transformers.Qwen2Config(**{**base_cfg, "rope_scaling": dict(rp)}))
         assert torch.equal(spec.inv_freq(), inv_freq), extra
         assert spec.attention_scaling == pytest.approx(attention_factor, rel=1e-12), extra
+
+
+@pytest.mark.parametrize("neox,rotary_dim,scaling", [(True, None, "default"), (False, None, "default"),
+                                                      (True, 32, "default"), (False, 48, "linear")])
+def test_rotation_table_equals_rotate_keys(neox, rotary_dim, scaling):
+    spec = RopeSpec(head_dim=64, rotary_dim=rotary_dim, base=10000.0, is_neox_style=neox, scaling_type=scaling,
+                    factor=2.0 if scaling == "linear" else 1.0)
+    torch.manual_seed(0)
+    positions = torch.tensor([-7, 0, 3, 100, 4095])
+    table = RotationTable(positions, spec)
+    k = torch.randn(5, 3, 64)
+    assert torch.allclose(table.rotate(k), rotate_keys(k, positions, spec), atol=1e-5)
+    one = torch.randn(1, 3, 64)  # one key to every position: what the stale shift does
+    assert torch.allclose(table.rotate(one), rotate_keys(one.expand(5, -1, -1).contiguous(), positions, spec),
+                          atol=1e-5)
+    assert torch.allclose(rotate_keys(one, positions, spec), table.rotate(one), atol=1e-5)

@@ -267,6 +267,12 @@ class AnchorPlan:
         body, exits = self.shift_body, self._shift_body_exits
         return body[exits > layer], body[exits <= layer]
 
+    def shift_sources(self, layer: int) -> torch.Tensor:
+        """int64 [|S_l|]: the first of :meth:`shift_sets` alone (what the server's loop needs)."""
+        if self.stale_shift == "none":
+            return torch.zeros(0, dtype=torch.long)
+        return self.shift_body[self._shift_body_exits > layer]
+
     @functools.cached_property
     def shift_body(self) -> torch.Tensor:
         """int64 [n_body]: the tokens every layer's shift sets split (``stale_shift.shift_body``),

@@ -122,9 +122,9 @@ class LoopRows:
             (0: its causal prefix; a chunk's start: that chunk only).
         anchor: bool [n] repair targets: they attend through ``anchor_plan.layouts``.
         anchor_plan: the planner's decisions (None: no anchors in this pass).
-        shift_rotation: R(t) at the plan's stale-shift body, built at the first layer that
-            shifts (a relaxkv plan is fixed for the pass; only CacheBlend's changes, and it
-            never shifts).
+        shift_target: the stale shift's body as (pool slots int64 [n_body], R(t) at its
+            positions), built at the first layer that shifts (a relaxkv plan is fixed for the
+            pass; only CacheBlend's changes, and it never shifts).
     """
 
     slots: torch.Tensor
@@ -133,7 +133,7 @@ class LoopRows:
     scope: torch.Tensor
     anchor: torch.Tensor
     anchor_plan: Optional[AnchorPlan] = None
-    shift_rotation: Optional[RotationTable] = None
+    shift_target: Optional[tuple[torch.Tensor, RotationTable]] = None
 
     @property
     def n_rows(self) -> int:
@@ -294,30 +294,29 @@ def _stale_shift(r: LoopRows, l: int, mask: torch.Tensor, k_new: torch.Tensor, v
     plan = r.anchor_plan
     if plan is None or plan.stale_shift == "none":
         return
-    sources, _ = plan.shift_sets(l)
+    sources = plan.shift_sources(l).to(r.positions.device)  # the plan lives on the CPU
     if sources.numel() == 0:
         return
     if rope is None:
         raise RuntimeError("relaxkv: the stale shift needs the served RoPE (LayerLoop(rope=...))")
     pos = r.positions[mask]
-    rows = torch.searchsorted(pos, sources.to(pos.device))
-    if not torch.equal(pos[rows.clamp(max=pos.shape[0] - 1)], sources.to(pos.device)):
+    rows = torch.searchsorted(pos, sources)
+    if not torch.equal(pos[rows.clamp(max=pos.shape[0] - 1)], sources):
         raise RuntimeError("relaxkv: the stale shift's anchors are not the layer's rows")
-    src_slots = r.slots[sources.to(r.slots.device)]
-    dev = k_new.device
-    dk, dv = shift_deltas(plan.stale_shift, sources.to(dev), k_new[rows.to(dev)], v_new[rows.to(dev)],
-                          k_cache[src_slots], v_cache[src_slots], lambda x, delta: rotate_keys(x, delta, rope),
-                          plan.config.stale_shift_scale)
-    to = r.slots[plan.shift_body.to(r.slots.device)]
+    if r.shift_target is None:
+        body = plan.shift_body.to(r.slots.device)
+        r.shift_target = (r.slots[body], RotationTable(body, rope))
+    to, rotation = r.shift_target
+    src_slots = r.slots[sources]
+    dk, dv = shift_deltas(plan.stale_shift, sources, k_new[rows], v_new[rows], k_cache[src_slots], v_cache[src_slots],
+                          lambda x, delta: rotate_keys(x, delta, rope), plan.config.stale_shift_scale)
     if plan.stale_shift == "kv":
-        if r.shift_rotation is None:
-            r.shift_rotation = RotationTable(plan.shift_body.to(dev), rope)
-        _add_rows(k_cache, to, r.shift_rotation.rotate(dk[None]))
+        _add_rows(k_cache, to, rotation.rotate(dk[None]))
     _add_rows(v_cache, to, dv.expand(to.shape[0], -1, -1).contiguous())  # index_add_ is ~3x slower from a view
 
 
 def _add_rows(cache: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor) -> None:
-    """cache[slots] += delta (slots distinct; delta float32 [n, Hkv, d], may be a broadcast view).
+    """cache[slots] += delta (slots distinct; delta float32 [n, Hkv, d]).
 
     In place with ``index_add_`` when the pool is float32 (no gather, no second scatter); a
     lower-precision pool adds in float32 and rounds once, as the reference does."""

@@ -37,6 +37,12 @@ seeds 0-999; starts at example 0 and seed 0), report on ``test`` (examples
 from ``--offset o``/``--seed s`` uses examples ``o..o+n-1`` and counts as using
 seeds ``s..s+n-1``; a run whose range leaves its split is refused.
 
+A long run can be split into parts over disjoint examples (``--offset``/``--seed``) and the
+parts' JSON files merged afterwards without a server: ``--merge a.json b.json --output all.json``
+pools their per-example rows and recomputes every summary and paired comparison, as one run of
+all the examples would (the parts must agree on model, split, formats, policies, anchor ratios,
+context ratio, ``--versus`` and ``--kl-only``; an example in two parts is refused).
+
 Result JSON (beside the benchmark's name, machine and arguments):
 
 * ``split``: ``{"name", "offset", "seed"}`` actually used; ``formats``;
@@ -73,6 +79,7 @@ as single points: formats and tasks pooled, then each format, then each task.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import pathlib
 import random
@@ -226,6 +233,52 @@ def run(args: argparse.Namespace) -> dict:
              for t, exs in examples.items()}
     return {"split": {"name": args.split, "offset": args.offset, "seed": args.seed},
             "formats": list(args.formats), "versus": args.versus, "kl_only": args.kl_only, "tasks": tasks,
+            "summary": summarize_all(rows, args.formats, args.tasks, cfgs),
+            "paired": paired_all(rows, args.formats, args.tasks, cfgs, args.versus),
+            "per_example": rows}
+
+
+MERGE_AGREE = ("model", "split", "formats", "tasks", "policies", "anchor_ratios", "context_ratio", "versus",
+               "kl_only")
+
+
+def merge(paths: list[str], args: argparse.Namespace) -> dict:
+    """Pool the per-example rows of several result files (parts of one run, module doc).
+
+    ``args`` takes the parts' settings (what the report prints and the merged file records).
+    Raises ``RuntimeError`` (one line) when a part is unreadable, the parts disagree on a setting
+    of :data:`MERGE_AGREE`, or an example appears in two parts.
+    """
+    parts = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                parts.append(json.load(f))
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"--merge {path}: {exc}") from exc
+        if parts[-1].get("bench") != BENCH or "per_example" not in parts[-1]:
+            raise RuntimeError(f"--merge {path}: not a {BENCH} result file")
+    first = parts[0]["args"]
+    for path, part in zip(paths[1:], parts[1:]):
+        for key in MERGE_AGREE:
+            if part["args"].get(key) != first.get(key):
+                raise RuntimeError(f"--merge {path}: {key} {part['args'].get(key)!r} differs from "
+                                   f"{paths[0]}'s {first.get(key)!r}")
+    tasks: dict[str, dict] = {}
+    for path, part in zip(paths, parts):
+        for task, info in part["tasks"].items():
+            merged = tasks.setdefault(task, {"examples": 0, "scorer": info["scorer"], "example_ids": []})
+            repeated = set(merged["example_ids"]) & set(info["example_ids"])
+            if repeated:
+                raise RuntimeError(f"--merge {path}: {task} example {sorted(repeated)[0]} is in an earlier part")
+            merged["examples"] += info["examples"]
+            merged["example_ids"] += info["example_ids"]
+    for key in MERGE_AGREE:
+        setattr(args, key, first[key])
+    rows = [row for part in parts for row in part["per_example"]]
+    cfgs = configs(args.policies, args.anchor_ratios)
+    split = {**parts[0]["split"], "parts": [{**part["split"], "file": path} for path, part in zip(paths, parts)]}
+    return {"split": split, "formats": args.formats, "versus": args.versus, "kl_only": args.kl_only, "tasks": tasks,
             "summary": summarize_all(rows, args.formats, args.tasks, cfgs),
             "paired": paired_all(rows, args.formats, args.tasks, cfgs, args.versus),
             "per_example": rows}
@@ -482,7 +535,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="answer length (default: each task's own: 16 for QA, 40 needle, 32 variable tracking)")
     parser.add_argument("--kl-only", action="store_true",
                         help="answer with one token: first-token KL, top-1 agreement and TTFT only (no task scores)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                        help="no server: pool these result files (parts over disjoint examples) into one report")
     args = common.parse_args(parser, argv, quick={"examples": QUICK_EXAMPLES, "anchor_ratios": [HEADLINE_RATIO]})
+    if args.merge:
+        common.run_bench(BENCH, args, lambda a: merge(a.merge, a), report=lambda result: print_table(result, args),
+                         plot=plot)
+        return
     args.formats = list(dict.fromkeys(args.formats))
     try:
         args.offset, args.seed = split_origin(args.split, args.tasks, args.examples, args.offset, args.seed)

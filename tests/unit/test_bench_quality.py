@@ -321,3 +321,49 @@ def test_chat_format_is_the_models_own_chat_template(model):
                                        add_generation_prompt=True, tokenize=False)
     assert text == rendered + "Answer:"
     assert workloads.chunk_texts(text, offsets) == docs
+
+
+def _part(result: dict, ids: set, path) -> str:
+    """``result`` cut to the examples ``ids``, written as a part file at ``path``."""
+    import json
+
+    part = {**result, "per_example": [r for r in result["per_example"] if r["example_id"] in ids],
+            "tasks": {t: {**info, "example_ids": [i for i in info["example_ids"] if i in ids],
+                          "examples": sum(i in ids for i in info["example_ids"])}
+                      for t, info in result["tasks"].items()}}
+    path.write_text(json.dumps(part))
+    return str(path)
+
+
+def test_merging_parts_gives_the_whole_runs_figures(tmp_path, capsys):
+    """Two halves of a committed run, merged, give its means and win counts; overlap and mismatch refused."""
+    import json
+    import pathlib
+
+    whole = json.loads((pathlib.Path(__file__).parents[2] / "docs/results/bench_quality_test_shift_sweep.json")
+                       .read_text())
+    ids = sorted({r["example_id"] for r in whole["per_example"]})
+    a = _part(whole, set(ids[::2]), tmp_path / "a.json")
+    b = _part(whole, set(ids[1::2]), tmp_path / "b.json")
+    out = tmp_path / "merged.json"
+    bench_quality.main(["--merge", a, b, "--output", str(out)])
+    merged = json.loads(out.read_text())
+    assert len(merged["per_example"]) == len(whole["per_example"])
+    key = lambda p: (p["format"], p["task"], p["anchor_ratio"], p["policy"])  # noqa: E731
+    want = {key(p): p for p in whole["paired"]}
+    assert {key(p) for p in merged["paired"]} == set(want)
+    for p in merged["paired"]:
+        w = want[key(p)]
+        assert (p["wins"], p["ties"], p["losses"], p["n_examples"]) == (w["wins"], w["ties"], w["losses"],
+                                                                         w["n_examples"])
+        assert p["diff"] == pytest.approx(w["diff"], abs=1e-12)
+    assert "paired first-token KL" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_quality.main(["--merge", a, a, "--output", str(tmp_path / "twice.json")])
+    assert "is in an earlier part" in capsys.readouterr().err
+    other = json.loads(pathlib.Path(b).read_text())
+    other["args"]["anchor_ratios"] = [0.15]
+    (tmp_path / "c.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit):
+        bench_quality.main(["--merge", a, str(tmp_path / "c.json"), "--output", str(tmp_path / "bad.json")])
+    assert "anchor_ratios" in capsys.readouterr().err

@@ -62,7 +62,11 @@ Result JSON (beside the benchmark's name, machine and arguments):
   and its paired bootstrap interval, examples resampled; with formats pooled an
   example's difference is its mean over the formats), ``wins``/``ties``/
   ``losses`` over (example, format) pairs (a win: the policy's KL is lower by
-  more than 1e-6), ``kl``/``kl_versus`` and both achieved anchor ratios.
+  more than 1e-6), ``kl``/``kl_versus`` and both achieved anchor ratios;
+* ``equal_ttft``: per format (tasks pooled) and policy point, ``versus``'s KL at the same median
+  TTFT (:func:`equal_ttft`): linear between ``versus``'s two points that bracket it, or
+  ``versus``'s nearest end point with ``where`` saying the point is cheaper or dearer than all of
+  them; ``below`` says whether the policy's KL is lower.
 
 A PNG next to the JSON plots first-token KL against median TTFT, one line per
 repair policy across the anchor ratios (each point labelled with the ratio asked
@@ -231,10 +235,18 @@ def run(args: argparse.Namespace) -> dict:
                     rows += answer_example(client, example, fmt, cfgs, args, rng)
     tasks = {t: {"examples": len(exs), "scorer": exs[0].scorer, "example_ids": [e.example_id for e in exs]}
              for t, exs in examples.items()}
-    return {"split": {"name": args.split, "offset": args.offset, "seed": args.seed},
-            "formats": list(args.formats), "versus": args.versus, "kl_only": args.kl_only, "tasks": tasks,
-            "summary": summarize_all(rows, args.formats, args.tasks, cfgs),
+    return result_of(rows, {"name": args.split, "offset": args.offset, "seed": args.seed}, tasks, args)
+
+
+def result_of(rows: list[dict], split: dict, tasks: dict, args: argparse.Namespace) -> dict:
+    """The result JSON's body (module doc) from the per-example rows of a run (or merged parts)."""
+    cfgs = configs(args.policies, args.anchor_ratios)
+    summary = summarize_all(rows, args.formats, args.tasks, cfgs)
+    return {"split": split, "formats": list(args.formats), "versus": args.versus, "kl_only": args.kl_only,
+            "tasks": tasks, "summary": summary,
             "paired": paired_all(rows, args.formats, args.tasks, cfgs, args.versus),
+            "equal_ttft": equal_ttft(summary, [*args.formats, ALL] if len(args.formats) > 1 else args.formats,
+                                     args.versus),
             "per_example": rows}
 
 
@@ -276,12 +288,8 @@ def merge(paths: list[str], args: argparse.Namespace) -> dict:
     for key in MERGE_AGREE:
         setattr(args, key, first[key])
     rows = [row for part in parts for row in part["per_example"]]
-    cfgs = configs(args.policies, args.anchor_ratios)
     split = {**parts[0]["split"], "parts": [{**part["split"], "file": path} for path, part in zip(paths, parts)]}
-    return {"split": split, "formats": args.formats, "versus": args.versus, "kl_only": args.kl_only, "tasks": tasks,
-            "summary": summarize_all(rows, args.formats, args.tasks, cfgs),
-            "paired": paired_all(rows, args.formats, args.tasks, cfgs, args.versus),
-            "per_example": rows}
+    return result_of(rows, split, tasks, args)
 
 
 # ------------------------------------------------------------------ summaries
@@ -380,6 +388,38 @@ def paired_all(rows: list[dict], formats: list[str], tasks: list[str], cfgs: lis
     return out
 
 
+def equal_ttft(summary: list[dict], formats: list[str], versus: str) -> list[dict]:
+    """Each policy point against ``versus``'s KL-vs-TTFT curve at the same median TTFT (tasks pooled).
+
+    ``versus``'s points (one per anchor ratio) are joined in order of TTFT; a policy point whose
+    TTFT lies between two of them is compared with the straight line between them
+    (``where``: ``"between"``), one cheaper or dearer than all of them with ``versus``'s cheapest
+    or dearest point (``"cheaper"``, ``"dearer"``: no interpolation past the measured curve).
+    Rows: ``format``, ``policy``, ``anchor_ratio``, ``ttft_s``, ``kl``, ``kl_versus_at_ttft``,
+    ``where``, ``below`` (the policy's KL is lower). Baselines and ``versus`` itself get no row.
+    """
+    out = []
+    for fmt in formats:
+        cells = [c for c in summary if c["format"] == fmt and c["task"] == ALL and c["anchor_ratio"] is not None]
+        curve = sorted((c["ttft_median_s"], c["kl_first_token"]) for c in cells if c["policy"] == versus)
+        if not curve:
+            continue
+        for c in cells:
+            if c["policy"] == versus:
+                continue
+            t, kl = c["ttft_median_s"], c["kl_first_token"]
+            if t <= curve[0][0]:
+                where, ref = "cheaper", curve[0][1]
+            elif t >= curve[-1][0]:
+                where, ref = "dearer", curve[-1][1]
+            else:
+                (t0, k0), (t1, k1) = next((a, b) for a, b in zip(curve, curve[1:]) if a[0] <= t <= b[0])
+                where, ref = "between", k0 + (k1 - k0) * (t - t0) / (t1 - t0)
+            out.append({"format": fmt, "policy": c["policy"], "anchor_ratio": c["anchor_ratio"], "ttft_s": t,
+                        "kl": kl, "kl_versus_at_ttft": ref, "where": where, "below": kl < ref})
+    return out
+
+
 # ------------------------------------------------------------------- report
 
 
@@ -462,6 +502,23 @@ def print_paired(result: dict) -> None:
     if any(v is not None for v in refs.values()):
         print(f"{versus} achieved anchors (all pooled): "
               + ", ".join(ratio_label(r, a) for r, a in sorted(refs.items())))
+    print_equal_ttft(result)
+
+
+def print_equal_ttft(result: dict) -> None:
+    """Each policy point against ``versus``'s curve at equal measured TTFT (tasks pooled)."""
+    rows = result.get("equal_ttft") or []
+    if not rows:
+        return
+    versus = result["versus"]
+    print(f"\nat equal measured TTFT (tasks pooled): {versus}'s KL on its KL-vs-TTFT curve at the policy's TTFT "
+          f"(between two of its points, or its cheapest/dearest point when the policy's lies outside them)")
+    head = f"{'format':<10}{'policy':<16}{'anchors':>8}{'TTFT p50':>10}{'KL':>8}{versus[:12] + ' KL':>16}{'where':>9}{'below':>7}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['format']:<10}{r['policy']:<16}{common.fmt(r['anchor_ratio'], '.0%'):>8}{r['ttft_s']:>9.2f}s"
+              f"{r['kl']:>8.3f}{r['kl_versus_at_ttft']:>16.3f}{r['where']:>9}{'yes' if r['below'] else 'NO':>7}")
 
 
 def plot(result: dict, path: pathlib.Path) -> None:

@@ -367,3 +367,19 @@ def test_merging_parts_gives_the_whole_runs_figures(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_quality.main(["--merge", a, str(tmp_path / "c.json"), "--output", str(tmp_path / "bad.json")])
     assert "anchor_ratios" in capsys.readouterr().err
+
+
+def test_equal_ttft_interpolates_the_versus_curve_and_says_where_it_could_not():
+    def cell(policy, ratio, ttft, kl, fmt="plain"):
+        return {"format": fmt, "task": "all", "policy": policy, "anchor_ratio": ratio, "ttft_median_s": ttft,
+                "kl_first_token": kl}
+
+    summary = [cell("pic", None, 0.2, 0.3), cell("prophetkv", 0.05, 0.5, 0.10), cell("prophetkv", 0.15, 0.9, 0.06),
+               cell("relaxkv", 0.05, 0.7, 0.07), cell("relaxkv", 0.15, 0.95, 0.02), cell("relaxkv", 0.02, 0.4, 0.2)]
+    rows = {r["anchor_ratio"]: r for r in bench_quality.equal_ttft(summary, ["plain"], "prophetkv")}
+    assert set(rows) == {0.02, 0.05, 0.15}  # pic and prophetkv itself get no row
+    assert rows[0.05]["where"] == "between" and rows[0.05]["kl_versus_at_ttft"] == pytest.approx(0.08)
+    assert rows[0.05]["below"] is True  # 0.07 < 0.08
+    assert (rows[0.15]["where"], rows[0.15]["kl_versus_at_ttft"], rows[0.15]["below"]) == ("dearer", 0.06, True)
+    assert (rows[0.02]["where"], rows[0.02]["kl_versus_at_ttft"], rows[0.02]["below"]) == ("cheaper", 0.10, False)
+    assert bench_quality.equal_ttft(summary, ["chat"], "prophetkv") == []

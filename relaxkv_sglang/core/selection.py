@@ -196,25 +196,25 @@ def _hull_exit_allocation(util: torch.Tensor, budget: int) -> torch.Tensor:
     util = util.double()  # hull slopes compare sums; double keeps ties stable
     cum = torch.cat([torch.zeros(n_tok, 1, dtype=util.dtype), util.cumsum(dim=1)], dim=1)
     e_grid = torch.arange(L + 1)
-    cur = torch.zeros(n_tok, dtype=torch.long)
     seg_tok, seg_len, seg_slope = [], [], []
     rows = torch.arange(n_tok)
+    idx, cur = rows, torch.zeros(n_tok, dtype=torch.long)  # the tokens whose hull is not done, and where they are
     for _ in range(L):  # every hull step advances by >= 1 layer
-        active = cur < L
-        if not bool(active.any()):
+        if idx.numel() == 0:
             break
-        dx = (e_grid[None, :] - cur[:, None]).to(util.dtype)  # [n_tok, L+1]
-        dy = cum - cum[rows, cur][:, None]
+        c = cum[idx]  # only the unfinished hulls: most end after a step or two
+        dx = (e_grid[None, :] - cur[:, None]).to(util.dtype)  # [n_active, L+1]
+        dy = c - c.gather(1, cur[:, None])
         slope = torch.where(dx > 0, dy / dx.clamp(min=1), torch.full_like(dy, -math.inf))
         best = slope.max(dim=1).values
         # Farthest vertex among ties, so consecutive hull slopes strictly decrease.
         at_best = slope >= best[:, None]
         nxt = L - torch.flip(at_best, dims=[1]).to(torch.int8).argmax(dim=1)
-        idx = active.nonzero().squeeze(1)
         seg_tok.append(idx)
-        seg_len.append((nxt - cur)[idx])
-        seg_slope.append(best[idx])
-        cur = torch.where(active, nxt, cur)
+        seg_len.append(nxt - cur)
+        seg_slope.append(best)
+        go_on = nxt < L
+        idx, cur = idx[go_on], nxt[go_on]
     tok = torch.cat(seg_tok)
     length = torch.cat(seg_len)
     slope = torch.cat(seg_slope)

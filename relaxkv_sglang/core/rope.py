@@ -478,7 +478,6 @@ class RotationTable:
         swap = dims.clone()
         swap[first], swap[second] = second, first
         self.spec = spec
-        self.n = n
         self._cos, self._sin, self._swap = c[:, None, :], s[:, None, :], swap
 
     def rotate(self, k: torch.Tensor) -> torch.Tensor:

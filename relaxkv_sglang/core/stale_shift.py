@@ -34,8 +34,9 @@ request decodes from the shifted K/V. It costs one [n_context, Hkv, d] add (and 
 per layer and no attention pair. The server's layer loop computes the shared delta once
 (:func:`shift_deltas`) and adds it to the whole body (the tokens of :func:`shift_body`) before
 the layer's rows are written: the anchors' recomputed K/V then replace it, which leaves exactly
-T_l shifted without splitting the body at every layer. With no anchor in ``S_l`` (anchor ratio 0: ``pic``) or no token
-in ``T_l`` (every token an anchor: full prefill) it changes nothing, so both invariants hold.
+T_l shifted without splitting the body at every layer. With no anchor in ``S_l`` (anchor ratio
+0: ``pic``) or no token in ``T_l`` (every token an anchor: full prefill) it changes nothing, so
+both invariants hold.
 The anchors are the tokens the query ranks highest, not a random sample, so their mean can
 overshoot (the full mean moved the mass past full prefill's on some development examples):
 hence the scale.

@@ -513,7 +513,8 @@ def print_equal_ttft(result: dict) -> None:
     versus = result["versus"]
     print(f"\nat equal measured TTFT (tasks pooled): {versus}'s KL on its KL-vs-TTFT curve at the policy's TTFT "
           f"(between two of its points, or its cheapest/dearest point when the policy's lies outside them)")
-    head = f"{'format':<10}{'policy':<16}{'anchors':>8}{'TTFT p50':>10}{'KL':>8}{versus[:12] + ' KL':>16}{'where':>9}{'below':>7}"
+    head = (f"{'format':<10}{'policy':<16}{'anchors':>8}{'TTFT p50':>10}{'KL':>8}{versus[:12] + ' KL':>16}"
+            f"{'where':>9}{'below':>7}")
     print(head)
     print("-" * len(head))
     for r in rows:

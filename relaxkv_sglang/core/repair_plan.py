@@ -261,22 +261,19 @@ class AnchorPlan:
     def shift_sets(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(S_l, T_l) of :mod:`.stale_shift` at ``layer``: the anchors whose deviation is averaged
         and the tokens shifted, int64 sorted positions (both empty when the plan does not shift)."""
-        if self.stale_shift == "none":
-            empty = torch.zeros(0, dtype=torch.long)
-            return empty, empty
-        body, exits = self.shift_body, self._shift_body_exits
-        return body[exits > layer], body[exits <= layer]
+        recomputed = self._shift_body_exits > layer
+        return self.shift_body[recomputed], self.shift_body[~recomputed]
 
     def shift_sources(self, layer: int) -> torch.Tensor:
         """int64 [|S_l|]: the first of :meth:`shift_sets` alone (what the server's loop needs)."""
-        if self.stale_shift == "none":
-            return torch.zeros(0, dtype=torch.long)
         return self.shift_body[self._shift_body_exits > layer]
 
     @functools.cached_property
     def shift_body(self) -> torch.Tensor:
         """int64 [n_body]: the tokens every layer's shift sets split (``stale_shift.shift_body``),
-        computed once."""
+        computed once; empty when the plan does not shift."""
+        if self.stale_shift == "none":
+            return torch.zeros(0, dtype=torch.long)
         return shift_body(self.chunk_spans, self.n_context, self.config.chunk_sink_tokens)
 
     @functools.cached_property

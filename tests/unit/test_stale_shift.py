@@ -84,6 +84,9 @@ def test_shift_moves_exactly_the_non_anchors_by_the_anchors_mean(model, ids):  #
     l = 2
     src, tgt = plan.shift_sets(l)
     assert src.numel() and tgt.numel()
+    for layer in range(w.n_layers):  # the plan's split by exit layers is the definition's, by anchor set
+        want = shift_sets(plan.anchor_sets[layer], GLUE_SPANS, plan.n_context, chunk_sink_tokens=2)
+        assert all(torch.equal(a, b) for a, b in zip(plan.shift_sets(layer), want)), layer
     anchors = plan.anchor_sets[l]
     # The prefix and the chunk sinks that are not anchors keep their stale K/V.
     sinks = torch.tensor([s + i for s, _ in GLUE_SPANS for i in range(2)])

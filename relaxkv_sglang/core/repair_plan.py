@@ -74,6 +74,9 @@ class RepairConfig:
         page_size: key page of the layouts, in tokens.
         sink_tokens: first prompt tokens every anchor attends to.
         chunk_sink_tokens: first tokens of each chunk favoured as relaxkv targets.
+        chunk_sink_share: the largest share of relaxkv's budget those sinks take first.
+        chunk_sink_order: which sinks first when they do not all fit (``offset`` or ``score``;
+            ``selection.relaxkv_exit_layers``).
         own_chunk_in_budget: whether the relaxed context budget counts the anchor's own chunk
             (``layout.build_relaxed_layout``).
         layer_value: how relaxkv values correcting a token at each layer
@@ -102,6 +105,8 @@ class RepairConfig:
     page_size: int = 16
     sink_tokens: int = 4
     chunk_sink_tokens: int = 4
+    chunk_sink_share: float = 1.0
+    chunk_sink_order: str = "offset"
     layer_value: str = "ramp"
     context_rank: str = "query"
     own_chunk_in_budget: bool = False
@@ -113,7 +118,7 @@ class RepairConfig:
     stale_shift_scale: float = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("anchor_ratio", "context_ratio", "budget", "stale_shift_scale"):
+        for name in ("anchor_ratio", "context_ratio", "budget", "stale_shift_scale", "chunk_sink_share"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
@@ -365,7 +370,8 @@ def plan_anchors(
     targets_rng = torch.Generator().manual_seed(config.seed)
     sets = select_anchors(policy, scores, spans, n_context, config.anchor_ratio, targets_rng, n_layers=n_layers,
                           check_layer=config.check_layer, chunk_sink_tokens=config.chunk_sink_tokens,
-                          layer_value=config.layer_value)
+                          layer_value=config.layer_value, chunk_sink_share=config.chunk_sink_share,
+                          chunk_sink_order=config.chunk_sink_order)
     layouts = anchor_layouts(policy, sets, scores, spans, n_context, config)
     return AnchorPlan(policy, spans, n_context, n_layers, config, scores, sets, layouts)
 

@@ -52,7 +52,10 @@ prompt those tokens are ordinary mid-sequence tokens, so their stale KV is among
 and the query's stale attention is drawn to them.  RelaxKV policies therefore give the first
 ``chunk_sink_tokens`` (default 4, the StreamingLLM sink size; EPIC reports most of its gain
 from a handful of initial tokens) of each eligible chunk every layer first, as long as the
-budget allows, then run the hull allocation on the rest.
+budget allows, then run the hull allocation on the rest.  ``chunk_sink_share`` caps the sinks'
+share of the budget and ``chunk_sink_order`` says which come first (``offset``: every chunk's first
+token, then every second, ...; ``score``: by their summed layer value); both are ablations (on the
+development split neither a cap nor the score order beat the defaults, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -238,6 +241,7 @@ def _hull_exit_allocation(util: torch.Tensor, budget: int) -> torch.Tensor:
 
 
 LAYER_VALUES = ("uniform", "skip0", "depth", "ramp")
+SINK_ORDERS = ("offset", "score")
 
 
 def layer_weights(n_layers: int, rule: str) -> torch.Tensor:
@@ -269,6 +273,8 @@ def relaxkv_exit_layers(
     anchor_ratio: float,
     chunk_sink_tokens: int = 4,
     layer_value: str = "uniform",
+    chunk_sink_share: float = 1.0,
+    chunk_sink_order: str = "offset",
 ) -> torch.Tensor:
     """RelaxKV exit layer of every context token (module doc: "RelaxKV exit-layer rule").
 
@@ -278,9 +284,16 @@ def relaxkv_exit_layers(
         anchor_ratio: r in [0, 1]; sum of exit layers == round(r * n_layers * n_eligible).
         chunk_sink_tokens: first tokens of each eligible chunk that get every layer first.
         layer_value: the rule of :func:`layer_weights`.
+        chunk_sink_share: the largest share of the budget those sinks take (the rest of them
+            compete in the hull allocation like any token).
+        chunk_sink_order: which sinks first when they do not all fit: ``offset`` (EPIC order:
+            every chunk's first token, then every chunk's second, ...) or ``score`` (their
+            value summed over layers, highest first).
     Returns:
         int64 [n_context]; 0 for non-eligible tokens.
     """
+    if chunk_sink_order not in SINK_ORDERS:
+        raise ValueError(f"chunk_sink_order must be one of {', '.join(SINK_ORDERS)}, got {chunk_sink_order!r}")
     L, n_context = scores.shape
     weights = layer_weights(L, layer_value)
     elig = eligible_tokens(chunk_spans, n_context)
@@ -288,21 +301,23 @@ def relaxkv_exit_layers(
     budget = _budget(anchor_ratio, L * elig.numel())
     if budget == 0:
         return exits
+    s = scores[:, elig].double().clamp(min=0)  # [L, n_elig]
+    tot = s.sum(dim=1, keepdim=True)
+    # A layer whose mass on eligible tokens is zero carries no preference: uniform.
+    norm = torch.where(tot > 0, s / tot.clamp(min=1e-300), torch.full_like(s, 1.0 / elig.numel()))
+    norm = norm * weights[:, None]
     offs, cid = chunk_offsets(chunk_spans, elig, n_context)
     sink_mask = offs < chunk_sink_tokens
-    sinks = elig[sink_mask]
-    # Sinks in EPIC order (offset, then chunk) so a short budget spreads over chunks.
-    sinks = sinks[torch.argsort(offs[sink_mask] * (int(cid.max()) + 1) + cid[sink_mask], stable=True)]
-    n_full = min(sinks.numel(), budget // L)
+    if chunk_sink_order == "score":
+        key = -norm.sum(dim=0)[sink_mask]
+    else:  # EPIC order (offset, then chunk) so a short budget spreads over chunks
+        key = (offs * (int(cid.max()) + 1) + cid)[sink_mask].double()
+    sinks = elig[sink_mask][torch.argsort(key, stable=True)]
+    n_full = min(sinks.numel(), int(chunk_sink_share * budget) // L)
     exits[sinks[:n_full]] = L
     budget -= n_full * L
     rest = elig[exits[elig] == 0]
     if budget > 0 and rest.numel():
-        s = scores[:, elig].double().clamp(min=0)  # [L, n_elig]
-        tot = s.sum(dim=1, keepdim=True)
-        # A layer whose mass on eligible tokens is zero carries no preference: uniform.
-        norm = torch.where(tot > 0, s / tot.clamp(min=1e-300), torch.full_like(s, 1.0 / elig.numel()))
-        norm = norm * weights[:, None]
         pos_in_elig = torch.searchsorted(elig, rest)
         exits[rest] = _hull_exit_allocation(norm[:, pos_in_elig].T.contiguous(), budget)
     return exits
@@ -371,6 +386,8 @@ def select_anchors(
     check_layer: int = 1,
     chunk_sink_tokens: int = 4,
     layer_value: str = "uniform",
+    chunk_sink_share: float = 1.0,
+    chunk_sink_order: str = "offset",
 ) -> list[torch.Tensor]:
     """Anchor set of every layer for one request.
 
@@ -392,6 +409,8 @@ def select_anchors(
         check_layer: cacheblend's check layer.
         chunk_sink_tokens: relaxkv's favoured first tokens of each chunk.
         layer_value: relaxkv's layer value rule (:func:`layer_weights`).
+        chunk_sink_share, chunk_sink_order: how much of relaxkv's budget the chunk sinks take
+            first, and which (:func:`relaxkv_exit_layers`).
 
     Returns:
         n_layers int64 tensors of sorted token indices, nested (A_0 ⊇ A_1 ⊇ ...).
@@ -441,7 +460,8 @@ def select_anchors(
     # relaxkv and its two ablations share the targets.
     if scores is None:
         raise ValueError(f"{policy.value} needs query scores")
-    exits = relaxkv_exit_layers(scores, chunk_spans, anchor_ratio, chunk_sink_tokens, layer_value)
+    exits = relaxkv_exit_layers(scores, chunk_spans, anchor_ratio, chunk_sink_tokens, layer_value,
+                                chunk_sink_share, chunk_sink_order)
     return exits_to_anchor_sets(exits, n_layers)
 
 

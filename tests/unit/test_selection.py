@@ -226,6 +226,27 @@ def test_relaxkv_chunk_sinks_favoured():
     assert int(ex.sum()) == 12
 
 
+def test_relaxkv_chunk_sink_share_and_order():
+    spans = [(4, 24), (24, 44)]
+    s = torch.full((4, 44), 1e-3)
+    s[:, 25] = 1.0  # the second chunk's second token is the one the query attends to
+    s[:, 5] = 0.0  # the first chunk's second token is worth nothing
+    # 16 token-layers, sinks capped at half: 8 // 4 = 2 whole sinks, in offset order the first
+    # token of each chunk; token 25 (a sink left out) then wins in the hull allocation, token 5 not.
+    ex = relaxkv_exit_layers(s, spans, anchor_ratio=0.1, chunk_sink_tokens=2, chunk_sink_share=0.5)
+    assert [ex[t].item() for t in (4, 24, 25, 5)] == [4, 4, 4, 0]
+    assert int(ex.sum()) == 16
+    # 12 token-layers, 3 whole sinks: offset order takes 4, 24, 5; score order takes the
+    # highest-valued first (25), then 4 and 24 (equal values, by position), not 5 (worth 0).
+    ex = relaxkv_exit_layers(s, spans, anchor_ratio=0.075, chunk_sink_tokens=2, chunk_sink_order="score")
+    assert [ex[t].item() for t in (25, 4, 24, 5)] == [4, 4, 4, 0]
+    # Share 1 and offset order are the defaults exactly.
+    assert torch.equal(relaxkv_exit_layers(s, spans, 0.25, 2, chunk_sink_share=1.0, chunk_sink_order="offset"),
+                       relaxkv_exit_layers(s, spans, 0.25, 2))
+    with pytest.raises(ValueError, match="chunk_sink_order"):
+        relaxkv_exit_layers(s, spans, 0.25, 2, chunk_sink_order="depth")
+
+
 def test_layer_weights_rules():
     assert layer_weights(4, "uniform").tolist() == [1.0, 1.0, 1.0, 1.0]
     assert layer_weights(4, "skip0").tolist() == [0.0, 1.0, 1.0, 1.0]

@@ -568,6 +568,13 @@ def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = No
             print(f"{BENCH}: starting {args.replicas} sglang replicas with {model} (logs: {log}.replica*)",
                   file=sys.stderr, flush=True)
             urls = stack.enter_context(Cluster(replica_configs(base, args.replicas), None)).replica_urls
+        # One request straight to every replica first: a replica whose process still runs its
+        # first requests' code paths answers slower, and the router's min_load would then place
+        # most new keys on the others (each replay starts from flushed caches, so this leaves no
+        # cached document behind).
+        for url in urls:
+            ServerClient(url).generate(trace[0].text, trace[0].offsets, args.policies[0].removesuffix("-auto"),
+                                       max_new_tokens=1)
         for policy in args.policies:  # one replica alone, then a router per routing
             rows.append(measure(ClusterClient(urls[0], urls), policy, "single", urls))
             for routing in args.routings:

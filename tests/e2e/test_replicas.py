@@ -3,8 +3,8 @@
 One cluster for the module, started by the CLI as a user would; in order:
 
 * document routing keeps the single-server hit rate (>= 90% of it) with requests per replica
-  balanced (max/min <= 1.5), on the topical trace of ``bench_cache_hit --topics``, measured by the
-  benchmark's own ``run_replicas`` (counts from each replica's /metrics);
+  balanced (max/min <= 1.5), on an equal-weight topical trace, measured by the benchmark's own
+  ``run_replicas`` (counts from each replica's /metrics);
 * bad input through the router gets the same 4xx as directly (``/v1/completions``; the router's
   ``/generate`` drops ``sampling_params.custom_params``, asserted so a router that stops doing so
   is noticed);
@@ -119,12 +119,13 @@ def _balanced_trace(topics: int = 10, rounds: int = 4, seed: int = 1) -> list:
 
 
 def test_document_routing_keeps_the_single_server_hit_rate(cluster, tmp_path, monkeypatch):
-    """Hit rate >= 90% of one server's, and both replicas serve.
+    """Hit rate >= 90% of one server's, with requests per replica balanced (max/min <= 1.5).
 
-    The balance criterion (max/min <= 1.5) is printed, not asserted: where a key lands is the
-    router's choice at its first request (``min_load``: fewer requests in flight, ties at random),
-    so on 10 keys of 4 requests a 7/3 key split happens by chance (measured splits from 24/16 to
-    8/32, docs/scaling.md); asserting it would make the test fail at random.
+    Where a key lands is the router's choice at its first request (``min_load``: fewer requests
+    in flight, ties at random). It balanced the 10 keys once the benchmark warmed every replica's
+    process before measuring: a replica still running its first requests' code paths is slower,
+    so it had fewer requests in flight and got fewer keys (splits up to 8/32 before; 20/20 in
+    every fresh-cluster run after, docs/scaling.md).
     """
     from benchmarks import bench_cache_hit, common
 
@@ -139,7 +140,7 @@ def test_document_routing_keeps_the_single_server_hit_rate(cluster, tmp_path, mo
     assert single["cache_hit_rate_pct"] > 10  # the trace reuses documents at all
     assert document["cache_hit_rate_pct"] >= 0.9 * single["cache_hit_rate_pct"], rows
     assert min(document["per_replica_requests"]) > 0, document["per_replica_requests"]
-    print(f"document routing: max/min requests per replica {document['imbalance']:.2f}")
+    assert document["imbalance"] <= 1.5, document["per_replica_requests"]
 
 
 def test_bad_input_through_the_router_gets_the_same_4xx(cluster):

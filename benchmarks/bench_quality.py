@@ -221,7 +221,8 @@ def answer_example(client: ServerClient, example: workloads.TaskExample, fmt: st
 def run(args: argparse.Namespace) -> dict:
     """Every example of every task in every format under every config against one server."""
     try:
-        examples = {t: workloads.task_examples(t, args.examples, seed=args.seed, offset=args.offset)
+        examples = {t: workloads.task_examples(t, args.examples, seed=args.seed, offset=args.offset,
+                                               documents=args.documents)
                     for t in args.tasks}
     except ValueError as exc:
         raise RuntimeError(str(exc)) from exc
@@ -250,8 +251,13 @@ def result_of(rows: list[dict], split: dict, tasks: dict, args: argparse.Namespa
             "per_example": rows}
 
 
-MERGE_AGREE = ("model", "split", "formats", "tasks", "policies", "anchor_ratios", "context_ratio", "versus",
-               "kl_only")
+MERGE_AGREE = ("model", "split", "formats", "tasks", "documents", "policies", "anchor_ratios", "context_ratio",
+               "versus", "kl_only")
+MERGE_MISSING = {"documents": 10}  # what files written before a setting existed ran with
+
+
+def _setting(part_args: dict, key: str):
+    return part_args.get(key, MERGE_MISSING.get(key))
 
 
 def merge(paths: list[str], args: argparse.Namespace) -> dict:
@@ -273,9 +279,9 @@ def merge(paths: list[str], args: argparse.Namespace) -> dict:
     first = parts[0]["args"]
     for path, part in zip(paths[1:], parts[1:]):
         for key in MERGE_AGREE:
-            if part["args"].get(key) != first.get(key):
-                raise RuntimeError(f"--merge {path}: {key} {part['args'].get(key)!r} differs from "
-                                   f"{paths[0]}'s {first.get(key)!r}")
+            if _setting(part["args"], key) != _setting(first, key):
+                raise RuntimeError(f"--merge {path}: {key} {_setting(part['args'], key)!r} differs from "
+                                   f"{paths[0]}'s {_setting(first, key)!r}")
     tasks: dict[str, dict] = {}
     for path, part in zip(paths, parts):
         for task, info in part["tasks"].items():
@@ -286,7 +292,7 @@ def merge(paths: list[str], args: argparse.Namespace) -> dict:
             merged["examples"] += info["examples"]
             merged["example_ids"] += info["example_ids"]
     for key in MERGE_AGREE:
-        setattr(args, key, first[key])
+        setattr(args, key, _setting(first, key))
     rows = [row for part in parts for row in part["per_example"]]
     split = {**parts[0]["split"], "parts": [{**part["split"], "file": path} for path, part in zip(paths, parts)]}
     return result_of(rows, split, tasks, args)
@@ -577,6 +583,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--formats", nargs="+", default=["plain"], choices=FORMATS,
                         help="prompt formats; every example is answered in each (default: plain)")
     parser.add_argument("--examples", type=int, default=10, help="examples per task")
+    parser.add_argument("--documents", type=int, default=10,
+                        help="documents per prompt, ~150 SmolLM2 tokens each (50: ~7K tokens, the long-context "
+                             "runs; squad, niah_multivalue and variable_tracking only)")
     parser.add_argument("--split", default="dev", choices=tuple(SPLITS),
                         help="dev: HotpotQA 0-2999, seeds 0-999 (tune here); test: HotpotQA 3000-3199, "
                              "seeds 1000-1099 (report here). Default dev")

@@ -496,14 +496,26 @@ def variable_tracking(n: int, *, seed: int = 0, n_docs: int = 10, doc_chars: int
     return examples
 
 
-def task_examples(task: str, n: int, *, seed: int = 0, offset: int = 0) -> list[TaskExample]:
-    """``n`` examples of a quality task (:data:`QUALITY_TASKS`); ``offset`` is HotpotQA's, ``seed`` the others'."""
+# Tasks whose prompts grow with the number of documents (the long-context runs): HotpotQA's
+# examples come with their own 10 paragraphs.
+SCALABLE_TASKS = ("squad", "niah_multivalue", "variable_tracking")
+
+
+def task_examples(task: str, n: int, *, seed: int = 0, offset: int = 0, documents: int = 10) -> list[TaskExample]:
+    """``n`` examples of a quality task (:data:`QUALITY_TASKS`); ``offset`` is HotpotQA's, ``seed`` the others'.
+
+    ``documents``: documents (chunks) per prompt, ~150 SmolLM2 tokens each (50 make a ~7K-token
+    prompt); other than 10 only for :data:`SCALABLE_TASKS`.
+    """
+    if task not in QUALITY_TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {', '.join(QUALITY_TASKS)}")
+    if documents != 10 and task not in SCALABLE_TASKS:
+        raise ValueError(f"{task} has 10 documents per example; documents={documents} needs one of "
+                         f"{', '.join(SCALABLE_TASKS)}")
     if task == "hotpotqa":
         return hotpotqa_examples(n, offset=offset)
     if task == "squad":
-        return squad_multidoc(n, seed=seed)
+        return squad_multidoc(n, seed=seed, distractors=documents - 1)
     if task == "niah_multivalue":
-        return niah_multivalue(n, seed=seed)
-    if task == "variable_tracking":
-        return variable_tracking(n, seed=seed)
-    raise ValueError(f"unknown task {task!r}; choose one of {', '.join(QUALITY_TASKS)}")
+        return niah_multivalue(n, seed=seed, n_docs=documents)
+    return variable_tracking(n, seed=seed, n_docs=documents)

@@ -367,6 +367,17 @@ def test_merging_parts_gives_the_whole_runs_figures(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_quality.main(["--merge", a, str(tmp_path / "c.json"), "--output", str(tmp_path / "bad.json")])
     assert "anchor_ratios" in capsys.readouterr().err
+    # A file written before --documents existed ran with 10 documents: it merges with a 10, not a 50.
+    other = json.loads(pathlib.Path(b).read_text())
+    other["args"]["documents"] = 50
+    (tmp_path / "d.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit):
+        bench_quality.main(["--merge", a, str(tmp_path / "d.json"), "--output", str(tmp_path / "bad.json")])
+    assert "documents 50 differs" in capsys.readouterr().err
+    other["args"]["documents"] = 10
+    (tmp_path / "d.json").write_text(json.dumps(other))
+    bench_quality.main(["--merge", a, str(tmp_path / "d.json"), "--output", str(tmp_path / "ok.json")])
+    assert json.loads((tmp_path / "ok.json").read_text())["args"]["documents"] == 10
 
 
 def test_equal_ttft_interpolates_the_versus_curve_and_says_where_it_could_not():

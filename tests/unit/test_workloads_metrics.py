@@ -656,6 +656,20 @@ def test_hotpotqa_examples_keep_the_file_order_and_dispatch():
         hotpotqa_examples(5, offset=len(DATA) - 2, data=DATA)
     with pytest.raises(ValueError, match="unknown task"):
         task_examples("longbench", 1)
+    with pytest.raises(ValueError, match="10 documents per example"):
+        task_examples("hotpotqa", 1, documents=50)
+
+
+@pytest.mark.parametrize("task", ["squad", "niah_multivalue", "variable_tracking"])
+def test_long_context_examples_have_the_asked_number_of_documents(task):
+    from relaxkv_sglang.workloads import task_examples
+
+    long = task_examples(task, 2, seed=1000, documents=50)
+    short = task_examples(task, 2, seed=1000)
+    assert [len(e.documents) for e in long] == [50, 50] and [len(e.documents) for e in short] == [10, 10]
+    # about 5x the characters: the ~8K-token prompts of the long-context runs
+    ratio = sum(len(d) for d in long[0].documents) / sum(len(d) for d in short[0].documents)
+    assert 3.5 < ratio < 6.5, ratio
 
 
 def test_real_task_data_when_prepared():

@@ -37,11 +37,15 @@ seeds 0-999; starts at example 0 and seed 0), report on ``test`` (examples
 from ``--offset o``/``--seed s`` uses examples ``o..o+n-1`` and counts as using
 seeds ``s..s+n-1``; a run whose range leaves its split is refused.
 
+Long context: ``--documents N`` puts N documents in each prompt instead of 10 (``squad``,
+``niah_multivalue`` and ``variable_tracking``; HotpotQA examples have their own 10): 50 make
+prompts of ~7K SmolLM2 tokens, near its 8K context.
+
 A long run can be split into parts over disjoint examples (``--offset``/``--seed``) and the
 parts' JSON files merged afterwards without a server: ``--merge a.json b.json --output all.json``
 pools their per-example rows and recomputes every summary and paired comparison, as one run of
-all the examples would (the parts must agree on model, split, formats, policies, anchor ratios,
-context ratio, ``--versus`` and ``--kl-only``; an example in two parts is refused).
+all the examples would (the parts must agree on model, split, formats, tasks, documents, policies,
+anchor ratios, context ratio, ``--versus`` and ``--kl-only``; an example in two parts is refused).
 
 Result JSON (beside the benchmark's name, machine and arguments):
 

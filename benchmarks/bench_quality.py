@@ -261,6 +261,7 @@ MERGE_MISSING = {"documents": 10}  # what files written before a setting existed
 
 
 def _setting(part_args: dict, key: str):
+    """A part's value of a :data:`MERGE_AGREE` setting (a file older than the setting: what it ran with)."""
     return part_args.get(key, MERGE_MISSING.get(key))
 
 

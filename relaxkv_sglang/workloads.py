@@ -509,6 +509,8 @@ def task_examples(task: str, n: int, *, seed: int = 0, offset: int = 0, document
     """
     if task not in QUALITY_TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(QUALITY_TASKS)}")
+    if documents < 1:
+        raise ValueError(f"documents must be >= 1, got {documents}")
     if documents != 10 and task not in SCALABLE_TASKS:
         raise ValueError(f"{task} has 10 documents per example; documents={documents} needs one of "
                          f"{', '.join(SCALABLE_TASKS)}")

@@ -658,6 +658,8 @@ def test_hotpotqa_examples_keep_the_file_order_and_dispatch():
         task_examples("longbench", 1)
     with pytest.raises(ValueError, match="10 documents per example"):
         task_examples("hotpotqa", 1, documents=50)
+    with pytest.raises(ValueError, match="documents must be >= 1"):
+        task_examples("squad", 1, documents=0)
 
 
 @pytest.mark.parametrize("task", ["squad", "niah_multivalue", "variable_tracking"])

@@ -101,6 +101,14 @@ class ServerConfig:
         return cmd + list(self.extra_args)
 
 
+PORT_ATTEMPTS = 3  # starts on a fresh free port when the picked one was taken meanwhile
+BIND_FAILED = "error while attempting to bind on address"  # uvicorn's line (sglang 0.5.23) for a taken port
+
+
+class PortTaken(ServerError):
+    """The server's HTTP port was bound by another process between the pick and the bind."""
+
+
 class SGLangServer:
     """A running ``sglang.launch_server`` process group. Use as a context manager."""
 
@@ -123,27 +131,39 @@ class SGLangServer:
         return self._launch(env, "relaxkv-sglang-server-")
 
     def _launch(self, env: dict, log_prefix: str) -> "SGLangServer":
-        """Start ``config.command()`` on its port (0: a free one) with its log, and wait until ready."""
+        """Start ``config.command()`` on its port (0: a free one) with its log, and wait until ready.
+
+        A port picked here can be taken by another process before the server binds it (a
+        sibling replica's internal ports, an outgoing connection's ephemeral port); then the
+        server is stopped and started again on another free port, up to :data:`PORT_ATTEMPTS`
+        times. A port the caller chose is never swapped: that is a clear error instead."""
         cfg = self.config
-        if cfg.port == 0:
-            cfg.port = free_port()
-        elif port_in_use(cfg.host, cfg.port):
+        picked = cfg.port == 0
+        if not picked and port_in_use(cfg.host, cfg.port):
             raise ServerError(f"port {cfg.port} on {cfg.host} is in use; pick another with --port")
         if cfg.log_path is None:
             fd, cfg.log_path = tempfile.mkstemp(prefix=log_prefix, suffix=".log")
             os.close(fd)
         self.log_path = cfg.log_path
-        self._log_file = open(cfg.log_path, "w")
-        self.proc = subprocess.Popen(
-            cfg.command(), stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True,  # own process group: stop() reaches the children
-        )
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        for attempt in range(PORT_ATTEMPTS if picked else 1):
+            if picked:
+                cfg.port = free_port()
+            self._log_file = open(cfg.log_path, "w")
+            self.proc = subprocess.Popen(
+                cfg.command(), stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,  # own process group: stop() reaches the children
+            )
+            try:
+                self._wait_ready()
+                return self
+            except PortTaken:
+                self.stop()
+                if not picked or attempt == PORT_ATTEMPTS - 1:
+                    raise
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
@@ -153,6 +173,11 @@ class SGLangServer:
                     f"sglang server exited with code {self.proc.returncode} during startup: "
                     f"{self.last_error_line()} (log: {self.log_path})"
                 )
+            if self._bind_failed():
+                # uvicorn logs the failed bind and then waits (SGLang's process stays up), so
+                # without this check the start would only end at the timeout.
+                raise PortTaken(f"port {self.config.port} on {self.config.host} was taken before the "
+                                f"server could bind it (log: {self.log_path})")
             try:
                 r = requests.get(self.url + "/health_generate", timeout=10)
                 if r.status_code == 200:
@@ -161,6 +186,13 @@ class SGLangServer:
                 pass
             time.sleep(0.5)
         raise ServerError(f"sglang server not ready after {self.config.startup_timeout_s:.0f} s (log: {self.log_path})")
+
+    def _bind_failed(self) -> bool:
+        """Whether the server's log says its HTTP port could not be bound."""
+        try:
+            return BIND_FAILED in pathlib.Path(self.log_path).read_text(errors="replace")
+        except OSError:
+            return False
 
     def last_error_line(self) -> str:
         try:

@@ -1,0 +1,69 @@
+"""The launcher's port handling (relaxkv_sglang/server.py), without SGLang.
+
+A stand-in command plays the server: on its first start it logs uvicorn's failed-bind line and
+hangs (what SGLang 0.5.23 does when its HTTP port was taken between the pick and the bind); on
+later starts it answers ``/health_generate``. The launcher must notice the line at once, stop the
+hung process and start again on another free port; a port the caller chose is never swapped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import pytest
+
+from relaxkv_sglang import server
+
+STAND_IN = r'''
+import http.server, pathlib, sys, time
+port, marker = int(sys.argv[1]), pathlib.Path(sys.argv[2])
+if not marker.exists():
+    marker.write_text("taken")
+    print(f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): "
+          "address already in use", flush=True)
+    time.sleep(600)
+class Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+@dataclasses.dataclass
+class StandInConfig(server.ServerConfig):
+    script: str = ""
+    marker: str = ""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", self.script, str(self.port), self.marker]
+
+
+def test_a_taken_port_is_swapped_for_a_free_one(tmp_path):
+    cfg = StandInConfig(model_path=str(tmp_path), script=STAND_IN, marker=str(tmp_path / "marker"),
+                        log_path=str(tmp_path / "server.log"), startup_timeout_s=60)
+    proc = server.SGLangServer(cfg)
+    start = time.monotonic()
+    proc._launch({}, "stand-in-")
+    try:
+        assert time.monotonic() - start < 30  # noticed from the log, not at the 60 s timeout
+        assert (tmp_path / "marker").exists()  # the first start did hit the taken port
+        assert server.BIND_FAILED not in (tmp_path / "server.log").read_text()  # the log is the second start's
+        assert proc.proc.poll() is None and proc.url.endswith(str(cfg.port))
+    finally:
+        proc.stop()
+
+
+def test_a_port_the_caller_chose_is_not_swapped(tmp_path):
+    port = server.free_port()
+    cfg = StandInConfig(model_path=str(tmp_path), port=port, script=STAND_IN, marker=str(tmp_path / "marker"),
+                        log_path=str(tmp_path / "server.log"), startup_timeout_s=60)
+    proc = server.SGLangServer(cfg)
+    with pytest.raises(server.PortTaken, match=f"port {port} .* was taken"):
+        proc._launch({}, "stand-in-")
+    assert proc.proc.poll() is not None  # the hung stand-in was stopped
+    assert cfg.port == port

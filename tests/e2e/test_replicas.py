@@ -124,8 +124,8 @@ def test_document_routing_keeps_the_single_server_hit_rate(cluster, tmp_path, mo
     Where a key lands is the router's choice at its first request (``min_load``: fewer requests
     in flight, ties at random). It balanced the 10 keys once the benchmark warmed every replica's
     process before measuring: a replica still running its first requests' code paths is slower,
-    so it had fewer requests in flight and got fewer keys (splits up to 8/32 before; 20/20 in
-    every fresh-cluster run after, docs/scaling.md).
+    so it had more requests in flight at each placement and got fewer new keys (splits up to 8/32
+    before; 20/20 in every fresh-cluster run after, docs/scaling.md).
     """
     from benchmarks import bench_cache_hit, common
 

@@ -187,18 +187,22 @@ class SGLangServer:
             time.sleep(0.5)
         raise ServerError(f"sglang server not ready after {self.config.startup_timeout_s:.0f} s (log: {self.log_path})")
 
+    def _log_text(self) -> str | None:
+        """The server's log so far (None when it cannot be read)."""
+        try:
+            return pathlib.Path(self.log_path).read_text(errors="replace")
+        except OSError:
+            return None
+
     def _bind_failed(self) -> bool:
         """Whether the server's log says its HTTP port could not be bound."""
-        try:
-            return BIND_FAILED in pathlib.Path(self.log_path).read_text(errors="replace")
-        except OSError:
-            return False
+        return BIND_FAILED in (self._log_text() or "")
 
     def last_error_line(self) -> str:
-        try:
-            lines = pathlib.Path(self.log_path).read_text(errors="replace").splitlines()
-        except OSError:
+        text = self._log_text()
+        if text is None:
             return "no log"
+        lines = text.splitlines()
         for line in reversed(lines):
             if "Error" in line or "error:" in line:
                 return line.strip()[-300:]

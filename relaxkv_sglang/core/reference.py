@@ -486,7 +486,7 @@ def reference_prefill(
     w = weights
     cost = RepairCost.from_dims(w.embed.shape[1], w.layers[0]["gate"].shape[0], w.n_heads, w.n_kv_heads, w.head_dim,
                                 device_type="cpu")  # the reference runs on a CPU
-    plan = plan_anchors(policy, scores, spans, Q0, L, config, cost)
+    plan = plan_anchors(policy, scores, spans, Q0, L, config, cost, input_ids=input_ids)
     inv_freq = weights.rope_inv_freq()
 
     def rotate(k_post: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:  # re-rotation (no YaRN mscale)

@@ -11,7 +11,8 @@ Inputs (token indices are absolute prompt positions, as in :mod:`.selection`):
 * ``scores``: float [n_layers, n_context] the query's stale attention mass s_l (policies with
   ``needs_query_scores``), else None;
 * ``chunk_spans``: the reused chunks, sorted, inside ``[0, n_context)``;
-* a :class:`RepairConfig`: every knob of the repair.
+* a :class:`RepairConfig`: every knob of the repair;
+* the prompt's token ids, when ``chunk_sink_rule`` sizes the chunk sinks from them.
 
 Decisions:
 
@@ -51,7 +52,8 @@ import torch
 
 from .layout import BlockSparseLayout, build_relaxed_layout, key_bound_page_scores
 from .policies import Policy
-from .selection import anchor_ratio_achieved, chunk_offsets, eligible_tokens, kv_deviation, select_anchors
+from .selection import (anchor_ratio_achieved, chunk_offsets, eligible_tokens, kv_deviation, select_anchors,
+                        shared_opening_sinks)
 from .stale_shift import STALE_SHIFTS, shift_body
 
 Span = tuple[int, int]
@@ -61,6 +63,7 @@ __all__ = ["RepairConfig", "RepairCost", "ATTENTION_OVERHEAD", "AnchorPlan", "pl
 
 
 CONTEXT_RANKS = ("query", "keys", "oracle")
+CHUNK_SINK_RULES = ("fixed", "shared")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +76,11 @@ class RepairConfig:
             pages (``relaxkv`` and ``relaxkv_randctx``; the others attend to their full prefix).
         page_size: key page of the layouts, in tokens.
         sink_tokens: first prompt tokens every anchor attends to.
-        chunk_sink_tokens: first tokens of each chunk favoured as relaxkv targets.
+        chunk_sink_tokens: first tokens of each chunk favoured as relaxkv targets (with
+            ``chunk_sink_rule="shared"``, the most per chunk).
+        chunk_sink_rule: ``fixed`` (every chunk ``chunk_sink_tokens``) or ``shared`` (per chunk,
+            1 + the opening it shares with another chunk of the request, capped at
+            ``chunk_sink_tokens``: ``selection.shared_opening_sinks``).
         chunk_sink_share: the largest share of relaxkv's budget those sinks take first.
         chunk_sink_order: which sinks first when they do not all fit (``offset`` or ``score``;
             ``selection.relaxkv_exit_layers``).
@@ -105,6 +112,7 @@ class RepairConfig:
     page_size: int = 16
     sink_tokens: int = 4
     chunk_sink_tokens: int = 4
+    chunk_sink_rule: str = "fixed"
     chunk_sink_share: float = 1.0
     chunk_sink_order: str = "offset"
     layer_value: str = "ramp"
@@ -124,6 +132,8 @@ class RepairConfig:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
         if self.context_rank not in CONTEXT_RANKS:
             raise ValueError(f"context_rank must be one of {', '.join(CONTEXT_RANKS)}, got {self.context_rank!r}")
+        if self.chunk_sink_rule not in CHUNK_SINK_RULES:
+            raise ValueError(f"chunk_sink_rule must be one of {', '.join(CHUNK_SINK_RULES)}, got {self.chunk_sink_rule!r}")
         if self.stale_shift not in STALE_SHIFTS:
             raise ValueError(f"stale_shift must be one of {', '.join(STALE_SHIFTS)}, got {self.stale_shift!r}")
         if self.page_size < 1:
@@ -222,6 +232,7 @@ class AnchorPlan:
         anchor_sets: per planned layer, int64 [|A_l|] sorted anchors (nested). CacheBlend's
             plan holds only layers ``0..check_layer`` until :meth:`after_check_layer`.
         layouts: per planned layer, the anchors' layout (rows = ``anchor_sets[l]``).
+        chunk_sinks: int64 [n_chunks] each chunk's sink tokens (``RepairConfig.chunk_sink_rule``).
     """
 
     policy: Policy
@@ -232,6 +243,7 @@ class AnchorPlan:
     scores: Optional[torch.Tensor]
     anchor_sets: list[torch.Tensor]
     layouts: list[BlockSparseLayout]
+    chunk_sinks: torch.Tensor
 
     @property
     def n_eligible(self) -> int:
@@ -279,7 +291,7 @@ class AnchorPlan:
         computed once; empty when the plan does not shift."""
         if self.stale_shift == "none":
             return torch.zeros(0, dtype=torch.long)
-        return shift_body(self.chunk_spans, self.n_context, self.config.chunk_sink_tokens)
+        return shift_body(self.chunk_spans, self.n_context, self.chunk_sinks)
 
     @functools.cached_property
     def _shift_body_exits(self) -> torch.Tensor:
@@ -346,6 +358,7 @@ def plan_anchors(
     n_layers: int,
     config: RepairConfig,
     cost: Optional[RepairCost] = None,
+    input_ids: Optional[torch.Tensor] = None,
 ) -> AnchorPlan:
     """Targets and contexts of one request (module doc).
 
@@ -357,6 +370,8 @@ def plan_anchors(
         n_layers: layers of the model.
         config: the knobs.
         cost: the model's cost model; needed when ``config.budget`` is set.
+        input_ids: int64 [>= n_context] the prompt; needed when ``config.chunk_sink_rule`` is
+            ``shared``.
     Returns:
         AnchorPlan; with a budget, its ``config`` holds the split's anchor and context ratios.
     """
@@ -367,13 +382,24 @@ def plan_anchors(
             raise ValueError("a repair budget needs the model's RepairCost")
         anchor_ratio, context_ratio = split_budget(config.budget, policy, spans, n_context, config, cost)
         config = dataclasses.replace(config, anchor_ratio=min(anchor_ratio, 1.0), context_ratio=context_ratio)
+    chunk_sinks = plan_chunk_sinks(config, spans, input_ids)
     targets_rng = torch.Generator().manual_seed(config.seed)
     sets = select_anchors(policy, scores, spans, n_context, config.anchor_ratio, targets_rng, n_layers=n_layers,
-                          check_layer=config.check_layer, chunk_sink_tokens=config.chunk_sink_tokens,
+                          check_layer=config.check_layer, chunk_sink_tokens=chunk_sinks,
                           layer_value=config.layer_value, chunk_sink_share=config.chunk_sink_share,
                           chunk_sink_order=config.chunk_sink_order)
     layouts = anchor_layouts(policy, sets, scores, spans, n_context, config)
-    return AnchorPlan(policy, spans, n_context, n_layers, config, scores, sets, layouts)
+    return AnchorPlan(policy, spans, n_context, n_layers, config, scores, sets, layouts, chunk_sinks)
+
+
+def plan_chunk_sinks(config: RepairConfig, chunk_spans: Sequence[Span],
+                     input_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    """int64 [n_chunks]: each chunk's sink tokens under ``config.chunk_sink_rule``."""
+    if config.chunk_sink_rule == "fixed":
+        return torch.full((len(chunk_spans),), config.chunk_sink_tokens, dtype=torch.long)
+    if input_ids is None:
+        raise ValueError("chunk_sink_rule='shared' needs the prompt's input_ids")
+    return shared_opening_sinks(input_ids, chunk_spans, config.chunk_sink_tokens)
 
 
 def anchor_layouts(

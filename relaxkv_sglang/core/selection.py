@@ -56,6 +56,13 @@ budget allows, then run the hull allocation on the rest.  ``chunk_sink_share`` c
 share of the budget and ``chunk_sink_order`` says which come first (``offset``: every chunk's first
 token, then every second, ...; ``score``: by their summed layer value); both are ablations (on the
 development split neither a cap nor the score order beat the defaults, docs/performance.md).
+The count may differ per chunk (``chunk_sink_tokens`` as an int64 [n_chunks] tensor):
+``shared_opening_sinks`` sizes each chunk's sinks from the prompt's tokens, the opening the chunk
+shares with another chunk of the request plus its first token of its own (RepairConfig's
+``chunk_sink_rule="shared"``). The reading behind it: every chunk computed alone turns its first
+token into a sink, and when chunks open with the same tokens (a ``Document:`` label) those tokens
+come back with the same stale K/V in every chunk, so the query meets the same false sink once per
+chunk.
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ __all__ = [
     "eligible_tokens",
     "chunk_ids",
     "chunk_offsets",
+    "shared_opening_sinks",
     "LAYER_VALUES",
     "layer_weights",
     "relaxkv_exit_layers",
@@ -174,6 +182,39 @@ def chunk_offsets(chunk_spans: Sequence[Span], elig: torch.Tensor, n_context: in
     return elig - starts[elig], chunk_ids(chunk_spans, n_context)[elig]
 
 
+def shared_opening_sinks(input_ids: torch.Tensor, chunk_spans: Sequence[Span], max_sinks: int) -> torch.Tensor:
+    """Sinks per chunk from its opening (module doc, "Chunk sinks"): 1 + the longest opening it
+    shares with another chunk of the request, at most ``max_sinks``.
+
+    Args:
+        input_ids: int64 [n_tokens] the request's prompt.
+        chunk_spans: the chunks inside it.
+        max_sinks: the cap (``RepairConfig.chunk_sink_tokens``).
+    Returns:
+        int64 [n_chunks]; 0 everywhere when ``max_sinks`` is 0.
+    """
+    n = len(chunk_spans)
+    if n == 0 or max_sinks <= 0:
+        return torch.zeros(n, dtype=torch.long)
+    ids = input_ids.flatten().to(torch.long)
+    # Each chunk's first max_sinks tokens; a short chunk is padded with a value only it has.
+    openings = torch.stack([-torch.full((max_sinks,), c + 1, dtype=torch.long) for c in range(n)])
+    for c, (s, e) in enumerate(chunk_spans):
+        m = min(max_sinks, e - s)
+        openings[c, :m] = ids[s:s + m]
+    same = (openings[:, None, :] == openings[None, :, :]).long().cumprod(dim=2).sum(dim=2)  # [n, n]
+    same.fill_diagonal_(0)
+    return (1 + same.max(dim=1).values).clamp(max=max_sinks)
+
+
+def sinks_of_tokens(chunk_sink_tokens: int | torch.Tensor, cid: torch.Tensor) -> torch.Tensor | int:
+    """The sink count that applies to each token of chunk index ``cid`` (int64 [n]): the one count,
+    or the per-chunk counts (int64 [n_chunks]) read at ``cid``."""
+    if isinstance(chunk_sink_tokens, torch.Tensor):
+        return chunk_sink_tokens.to(torch.long)[cid]
+    return chunk_sink_tokens
+
+
 def _budget(ratio: float, units: int) -> int:
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"anchor_ratio must be in [0, 1], got {ratio}")
@@ -271,7 +312,7 @@ def relaxkv_exit_layers(
     scores: torch.Tensor,
     chunk_spans: Sequence[Span],
     anchor_ratio: float,
-    chunk_sink_tokens: int = 4,
+    chunk_sink_tokens: int | torch.Tensor = 4,
     layer_value: str = "uniform",
     chunk_sink_share: float = 1.0,
     chunk_sink_order: str = "offset",
@@ -282,7 +323,8 @@ def relaxkv_exit_layers(
         scores: float [n_layers, n_context], s_l(t) from ``query_attention_scores``.
         chunk_spans: chunk spans inside the context.
         anchor_ratio: r in [0, 1]; sum of exit layers == round(r * n_layers * n_eligible).
-        chunk_sink_tokens: first tokens of each eligible chunk that get every layer first.
+        chunk_sink_tokens: first tokens of each eligible chunk that get every layer first: one
+            count, or int64 [n_chunks] one per chunk (``shared_opening_sinks``).
         layer_value: the rule of :func:`layer_weights`.
         chunk_sink_share: the largest share of the budget those sinks take (the rest of them
             compete in the hull allocation like any token).
@@ -307,7 +349,7 @@ def relaxkv_exit_layers(
     norm = torch.where(tot > 0, s / tot.clamp(min=1e-300), torch.full_like(s, 1.0 / elig.numel()))
     norm = norm * weights[:, None]
     offs, cid = chunk_offsets(chunk_spans, elig, n_context)
-    sink_mask = offs < chunk_sink_tokens
+    sink_mask = offs < sinks_of_tokens(chunk_sink_tokens, cid)
     if chunk_sink_order == "score":
         key = -norm.sum(dim=0)[sink_mask]
     else:  # EPIC order (offset, then chunk) so a short budget spreads over chunks
@@ -384,7 +426,7 @@ def select_anchors(
     n_layers: Optional[int] = None,
     deviation: Optional[torch.Tensor] = None,
     check_layer: int = 1,
-    chunk_sink_tokens: int = 4,
+    chunk_sink_tokens: int | torch.Tensor = 4,
     layer_value: str = "uniform",
     chunk_sink_share: float = 1.0,
     chunk_sink_order: str = "offset",
@@ -407,7 +449,8 @@ def select_anchors(
             cacheblend's K/V deviation at the check layer.  Without it cacheblend returns only
             the full layers 0..check_layer (the executor calls again once it has it).
         check_layer: cacheblend's check layer.
-        chunk_sink_tokens: relaxkv's favoured first tokens of each chunk.
+        chunk_sink_tokens: relaxkv's favoured first tokens of each chunk (one count, or int64
+            [n_chunks]).
         layer_value: relaxkv's layer value rule (:func:`layer_weights`).
         chunk_sink_share, chunk_sink_order: how much of relaxkv's budget the chunk sinks take
             first, and which (:func:`relaxkv_exit_layers`).

@@ -48,7 +48,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .selection import chunk_offsets, eligible_tokens
+from .selection import chunk_offsets, eligible_tokens, sinks_of_tokens
 
 Span = tuple[int, int]
 
@@ -61,14 +61,15 @@ STALE_SHIFTS = ("none", "v", "kv")
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def shift_body(chunk_spans: Sequence[Span], n_context: int, chunk_sink_tokens: int) -> torch.Tensor:
+def shift_body(chunk_spans: Sequence[Span], n_context: int, chunk_sink_tokens: int | torch.Tensor) -> torch.Tensor:
     """int64 [n_body] sorted: the eligible tokens outside the first ``chunk_sink_tokens`` of their
-    chunk, the tokens S_l and T_l of the module doc split between them (the same at every layer)."""
+    chunk (one count, or int64 [n_chunks] one per chunk), the tokens S_l and T_l of the module doc
+    split between them (the same at every layer)."""
     elig = eligible_tokens(chunk_spans, n_context)
     if elig.numel() == 0:
         return torch.zeros(0, dtype=torch.long)
-    offset, _ = chunk_offsets(chunk_spans, elig, n_context)
-    return elig[offset >= chunk_sink_tokens]
+    offset, cid = chunk_offsets(chunk_spans, elig, n_context)
+    return elig[offset >= sinks_of_tokens(chunk_sink_tokens, cid)]
 
 
 def split_body(body: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +79,7 @@ def split_body(body: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def shift_sets(anchors: torch.Tensor, chunk_spans: Sequence[Span], n_context: int,
-               chunk_sink_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+               chunk_sink_tokens: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(S_l, T_l) of the module doc for one layer.
 
     Args:

@@ -141,7 +141,7 @@ class RepairStage:
             r.publish_misses(self.cache)  # final position-independent KV, before anchors overwrite it
             scores = r.scores.stacked(n_layers) if r.scores is not None else None
             anchor_plan = plan_anchors(r.plan.policy, scores, list(r.plan.chunk_spans), r.plan.query_start, n_layers,
-                                       repair_config(r), self.attn_backend.repair_cost)
+                                       repair_config(r), self.attn_backend.repair_cost, input_ids=_token_ids(r.req))
             r.repair = _repair_rows(r, anchor_plan, r.slots)
         passes = [r.repair for r in self.targets]
         ids = torch.cat([_token_ids(r.req)[rows.positions] for r, rows in zip(self.targets, passes)])

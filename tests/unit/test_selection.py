@@ -18,7 +18,9 @@ from relaxkv_sglang.core.selection import (
     query_attention_scores,
     relaxkv_exit_layers,
     select_anchors,
+    shared_opening_sinks,
 )
+from relaxkv_sglang.core.repair_plan import RepairConfig, plan_anchors
 
 PREFIX = 6
 SPANS = [(6, 26), (26, 40), (40, 71), (71, 90)]
@@ -245,6 +247,46 @@ def test_relaxkv_chunk_sink_share_and_order():
                        relaxkv_exit_layers(s, spans, 0.25, 2))
     with pytest.raises(ValueError, match="chunk_sink_order"):
         relaxkv_exit_layers(s, spans, 0.25, 2, chunk_sink_order="depth")
+
+
+def test_shared_opening_sinks_count_the_opening_a_chunk_shares():
+    # Chunks open with [5, 6, 7, 8], [5, 6, 3], [5, 2, 2], [7, 7]: the first two share two tokens,
+    # the third one token with them, the last none (a chunk shorter than the cap is padded with a
+    # value only it has, so two short chunks never match on their padding).
+    ids = torch.tensor([0, 1, 5, 6, 7, 8, 9, 5, 6, 3, 4, 5, 2, 2, 7, 7])
+    spans = [(2, 7), (7, 11), (11, 14), (14, 16)]
+    assert shared_opening_sinks(ids, spans, 4).tolist() == [3, 3, 2, 1]
+    assert shared_opening_sinks(ids, spans, 2).tolist() == [2, 2, 2, 1]
+    assert shared_opening_sinks(ids, spans, 0).tolist() == [0, 0, 0, 0]
+    assert shared_opening_sinks(torch.tensor([1, 2, 3, 4]), [(0, 2), (2, 4)], 4).tolist() == [1, 1]
+
+
+def test_per_chunk_sink_counts():
+    spans = [(4, 24), (24, 44)]
+    s = torch.full((4, 44), 1e-3)
+    # The same count for every chunk is the scalar rule exactly.
+    assert torch.equal(relaxkv_exit_layers(s, spans, 0.25, torch.tensor([2, 2])),
+                       relaxkv_exit_layers(s, spans, 0.25, 2))
+    # 3 sinks in the first chunk, 1 in the second: exactly those 4 tokens take all 4 layers.
+    ex = relaxkv_exit_layers(s, spans, anchor_ratio=0.1, chunk_sink_tokens=torch.tensor([3, 1]))
+    assert (ex == 4).nonzero().squeeze(1).tolist() == [4, 5, 6, 24]
+
+
+def test_plan_sizes_sinks_by_the_configured_rule():
+    ids = torch.tensor([0, 1, 2, 3] + [9, 8, 7] * 6 + [9, 8, 5] * 6 + [1, 2] * 10 + [3, 3])
+    spans, n_ctx = [(4, 22), (22, 40), (40, 60)], 60
+    scores = torch.rand(4, n_ctx, generator=torch.Generator().manual_seed(0))
+    fixed = plan_anchors("relaxkv", scores, spans, n_ctx, 4, RepairConfig(chunk_sink_tokens=4))
+    assert fixed.chunk_sinks.tolist() == [4, 4, 4]
+    shared = plan_anchors("relaxkv", scores, spans, n_ctx, 4,
+                          RepairConfig(chunk_sink_tokens=4, chunk_sink_rule="shared"), input_ids=ids)
+    assert shared.chunk_sinks.tolist() == [3, 3, 1]
+    # The stale shift leaves the same per-chunk sinks out of its body.
+    assert shared.shift_body.tolist()[:2] == [7, 8] and 41 in shared.shift_body.tolist()
+    with pytest.raises(ValueError, match="input_ids"):
+        plan_anchors("relaxkv", scores, spans, n_ctx, 4, RepairConfig(chunk_sink_rule="shared"))
+    with pytest.raises(ValueError, match="chunk_sink_rule"):
+        RepairConfig(chunk_sink_rule="score")
 
 
 def test_layer_weights_rules():

@@ -60,6 +60,7 @@ __all__ = [
     "BlockSparseLayout",
     "page_scores",
     "build_relaxed_layout",
+    "build_relaxed_layouts",
     "key_bound_page_scores",
     "full_causal_layout",
 ]
@@ -195,31 +196,14 @@ def page_scores(scores: torch.Tensor, page_size: int) -> torch.Tensor:
     """Query relevance of each page: the sum of s_l over its tokens.
 
     Args:
-        scores: float [n_keys] s_l(t) of one layer.
+        scores: float [n_keys] s_l(t) of one layer (or [n_layers, n_keys]).
     Returns:
-        float32 [ceil(n_keys / page_size)].
+        float32 [ceil(n_keys / page_size)] (or [n_layers, ...]).
     """
-    n = scores.numel()
+    n = scores.shape[-1]
     pad = _n_pages(n, page_size) * page_size - n
-    padded = torch.cat([scores.float(), scores.new_zeros(pad, dtype=torch.float32)])
-    return padded.view(-1, page_size).sum(dim=1)
-
-
-def _row_blocks(anchors: torch.Tensor, chunk_of: torch.Tensor, page_size: int):
-    """Group sorted anchors into runs sharing (page, chunk).
-
-    Returns row_indptr int32 [n_rb+1], block page int64 [n_rb], block chunk int64 [n_rb].
-    """
-    page = anchors // page_size
-    chunk = chunk_of[anchors]
-    if anchors.numel() == 0:
-        z = torch.zeros(0, dtype=torch.long)
-        return torch.zeros(1, dtype=torch.int32), z, z
-    new = torch.ones(anchors.numel(), dtype=torch.bool)
-    new[1:] = (page[1:] != page[:-1]) | (chunk[1:] != chunk[:-1])
-    starts = new.nonzero().squeeze(1)
-    row_indptr = torch.cat([starts, torch.tensor([anchors.numel()])]).to(torch.int32)
-    return row_indptr, page[starts], chunk[starts]
+    padded = torch.nn.functional.pad(scores.float(), (0, pad))
+    return padded.view(*scores.shape[:-1], -1, page_size).sum(dim=-1)
 
 
 def build_relaxed_layout(
@@ -258,12 +242,48 @@ def build_relaxed_layout(
     Returns:
         BlockSparseLayout whose rows are ``anchors`` in order.
     """
+    layer_scores = None if scores is None else scores[None, :n_context]
+    return build_relaxed_layouts([anchors], layer_scores, chunk_spans, n_context, context_ratio, page_size,
+                                 sink_tokens, mode, generator, own_chunk_in_budget, row_page_scores)[0]
+
+
+def build_relaxed_layouts(
+    anchor_sets: Sequence[torch.Tensor],
+    scores: Optional[torch.Tensor],
+    chunk_spans: Sequence[Span],
+    n_context: int,
+    context_ratio: float,
+    page_size: int = 16,
+    sink_tokens: int = 4,
+    mode: str = "topk",
+    generator: Optional[torch.Generator] = None,
+    own_chunk_in_budget: bool = True,
+    row_page_scores: Optional[torch.Tensor] = None,
+) -> list[BlockSparseLayout]:
+    """:func:`build_relaxed_layout` for several layers at once (a request's plan): the same
+    layouts from one pass of tensor operations instead of one pass per layer.
+
+    Args:
+        anchor_sets: n_sets int64 tensors, each sorted, all < n_context.
+        scores: float [n_sets, >= n_context] each set's s_l, or None (modes 'full'/'random').
+        row_page_scores: only with a single set (see :func:`build_relaxed_layout`).
+        The rest: as :func:`build_relaxed_layout`; ``generator`` draws one page order per
+        set that has anchors, in set order.
+    Returns:
+        one BlockSparseLayout per set.
+    """
     if mode not in ("topk", "random", "full"):
         raise ValueError(f"unknown context mode {mode!r}")
     if not 0.0 <= context_ratio <= 1.0:
         raise ValueError(f"context_ratio must be in [0, 1], got {context_ratio}")
-    anchors = anchors.to(torch.long)
-    if anchors.numel() and (bool((anchors[1:] <= anchors[:-1]).any()) or int(anchors[-1]) >= n_context):
+    if row_page_scores is not None and len(anchor_sets) != 1:
+        raise ValueError("row_page_scores ranks the pages of one layer's anchors only")
+    n_sets = len(anchor_sets)
+    sets = [a.to(torch.long) for a in anchor_sets]
+    anchors = torch.cat(sets) if sets else torch.zeros(0, dtype=torch.long)
+    set_of_row = torch.repeat_interleave(torch.arange(n_sets), torch.tensor([a.numel() for a in sets], dtype=torch.long))
+    same_set = set_of_row[1:] == set_of_row[:-1]
+    if anchors.numel() and (bool(((anchors[1:] <= anchors[:-1]) & same_set).any()) or int(anchors.max()) >= n_context):
         raise ValueError("anchors must be strictly increasing and < n_context")
     P = _n_pages(n_context, page_size)
     chunk_of = torch.full((n_context,), -1, dtype=torch.long)
@@ -271,14 +291,14 @@ def build_relaxed_layout(
     for i, (s, e) in enumerate(chunk_spans):
         chunk_of[s:e] = i
         chunk_start[s:e] = s
-    row_indptr, blk_page, _ = _row_blocks(anchors, chunk_of, page_size)
-    n_rb = blk_page.numel()
-    if n_rb == 0:
-        return BlockSparseLayout.from_page_mask(
-            anchors, row_indptr, torch.zeros(0, P, dtype=torch.bool), page_size, n_context
-        )
-    first_rows = anchors[row_indptr[:-1].long()]
-    own_first = chunk_start[first_rows] // page_size  # [n_rb]
+    # Row blocks: runs of one set's anchors sharing (page, chunk).
+    page, chunk = anchors // page_size, chunk_of[anchors]
+    new = torch.ones(anchors.numel(), dtype=torch.bool)
+    new[1:] = (page[1:] != page[:-1]) | (chunk[1:] != chunk[:-1]) | ~same_set
+    starts = new.nonzero().squeeze(1)
+    row_indptr = torch.cat([starts, torch.tensor([anchors.numel()])])
+    blk_page, blk_set = page[starts], set_of_row[starts]
+    own_first = chunk_start[anchors[starts]] // page_size  # [n_rb]
     cols = torch.arange(P)[None, :]
     causal = cols <= blk_page[:, None]
     n_sink_pages = _n_pages(min(sink_tokens, n_context), page_size)
@@ -300,14 +320,21 @@ def build_relaxed_layout(
         elif mode == "topk":
             if scores is None:
                 raise ValueError("mode 'topk' needs scores")
-            block_scores = page_scores(scores[:n_context], page_size).expand(n_rb, -1)
+            block_scores = page_scores(scores[:, :n_context], page_size)[blk_set]
         else:  # a random order as scores: the first page drawn ranks highest
-            order = torch.randperm(P, generator=generator)
-            rank_score = torch.empty(P)
-            rank_score[order] = torch.arange(P, 0, -1, dtype=torch.float32)
-            block_scores = rank_score.expand(n_rb, -1)
+            rank_score = torch.zeros(n_sets, P)
+            for i in torch.unique(blk_set).tolist():
+                order = torch.randperm(P, generator=generator)
+                rank_score[i, order] = torch.arange(P, 0, -1, dtype=torch.float32)
+            block_scores = rank_score[blk_set]
         mask = mandatory | _take_per_block(cand, extra, block_scores)
-    return BlockSparseLayout.from_page_mask(anchors, row_indptr, mask, page_size, n_context)
+    layouts, b0 = [], 0
+    for a, n_blocks in zip(sets, torch.bincount(blk_set, minlength=n_sets).tolist()):
+        b1 = b0 + n_blocks
+        rows = row_indptr[b0:b1 + 1] - row_indptr[b0]
+        layouts.append(BlockSparseLayout.from_page_mask(a, rows, mask[b0:b1], page_size, n_context))
+        b0 = b1
+    return layouts
 
 
 def _block_sums(row_values: torch.Tensor, row_indptr: torch.Tensor) -> torch.Tensor:

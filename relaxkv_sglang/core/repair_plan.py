@@ -50,7 +50,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .layout import BlockSparseLayout, build_relaxed_layout, key_bound_page_scores
+from .layout import BlockSparseLayout, build_relaxed_layout, build_relaxed_layouts, key_bound_page_scores
 from .policies import Policy
 from .selection import (anchor_ratio_achieved, chunk_offsets, eligible_tokens, kv_deviation, select_anchors,
                         shared_opening_sinks)
@@ -422,9 +422,7 @@ def anchor_layouts(
     mode = policy.context_mode
     ratio = config.context_ratio if mode != "full" else 1.0
     context_rng = torch.Generator().manual_seed(config.seed + 1)
-    return [
-        build_relaxed_layout(anchors, scores[first_layer + i] if scores is not None and mode == "topk" else None,
-                             chunk_spans, n_context, ratio, config.page_size, config.sink_tokens, mode=mode,
-                             generator=context_rng, own_chunk_in_budget=config.own_chunk_in_budget)
-        for i, anchors in enumerate(anchor_sets)
-    ]
+    layer_scores = scores[first_layer:first_layer + len(anchor_sets)] if scores is not None and mode == "topk" else None
+    return build_relaxed_layouts(anchor_sets, layer_scores, chunk_spans, n_context, ratio, config.page_size,
+                                 config.sink_tokens, mode=mode, generator=context_rng,
+                                 own_chunk_in_budget=config.own_chunk_in_budget)

@@ -8,6 +8,7 @@ import torch
 from relaxkv_sglang.core.layout import (
     BlockSparseLayout,
     build_relaxed_layout,
+    build_relaxed_layouts,
     full_causal_layout,
     key_bound_page_scores,
     page_scores,
@@ -238,3 +239,26 @@ def test_key_bound_is_an_upper_bound_of_each_pages_logits():
     k[22, 0, 0] = 3.0  # page 5
     s = key_bound_page_scores(q, torch.tensor([39]), k, 40, PS)
     assert int(s[0].argmax()) == 5
+
+
+@pytest.mark.parametrize("mode", ["topk", "random", "full"])
+@pytest.mark.parametrize("own_chunk_in_budget", [True, False])
+def test_layouts_of_several_layers_at_once_equal_one_at_a_time(mode, own_chunk_in_budget):
+    # A plan's layers: nested sets, one empty, a set whose last anchor and the next set's first
+    # share a (page, chunk) (their row blocks must not merge), each layer its own scores.
+    g = torch.Generator().manual_seed(3)
+    a0 = _anchors()
+    sets = [a0, a0[[0, 2, 3, 5, 9]], torch.zeros(0, dtype=torch.long), a0[[3, 9, 10]], a0[[10]]]
+    scores = torch.rand(len(sets), N_CTX, generator=g) ** 4
+    args = (SPANS, N_CTX, 0.3, PS, 4)
+    together = build_relaxed_layouts(sets, scores, *args, mode=mode, generator=torch.Generator().manual_seed(7),
+                                     own_chunk_in_budget=own_chunk_in_budget)
+    one_rng = torch.Generator().manual_seed(7)  # one order drawn per non-empty set, in set order
+    for i, a in enumerate(sets):
+        alone = build_relaxed_layout(a, scores[i], *args, mode=mode, generator=one_rng,
+                                     own_chunk_in_budget=own_chunk_in_budget)
+        for field in ("q_pos", "row_indptr", "indptr", "indices"):
+            assert torch.equal(getattr(together[i], field), getattr(alone, field)), (i, field)
+    assert together[2].n_rows == 0 and together[2].nnz == 0
+    with pytest.raises(ValueError, match="strictly increasing"):
+        build_relaxed_layouts([a0, a0.flip(0)], scores[:2], *args)

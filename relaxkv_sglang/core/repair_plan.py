@@ -80,7 +80,8 @@ class RepairConfig:
             ``chunk_sink_rule="shared"``, the most per chunk).
         chunk_sink_rule: ``fixed`` (every chunk ``chunk_sink_tokens``) or ``shared`` (per chunk,
             1 + the opening it shares with another chunk of the request, capped at
-            ``chunk_sink_tokens``: ``selection.shared_opening_sinks``).
+            ``chunk_sink_tokens``: ``selection.shared_opening_sinks``; an ablation, worse than
+            ``fixed`` on the development split).
         chunk_sink_share: the largest share of relaxkv's budget those sinks take first.
         chunk_sink_order: which sinks first when they do not all fit (``offset`` or ``score``;
             ``selection.relaxkv_exit_layers``).

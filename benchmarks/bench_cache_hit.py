@@ -581,12 +581,12 @@ def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = No
                                        max_new_tokens=1)
         for policy in args.policies:  # one replica alone, then a router per routing
             rows.append(measure(ClusterClient(urls[0], urls), policy, "single", urls))
-            for routing in args.routings:
+            for i, routing in enumerate(args.routings):  # a routing may repeat (the e2e test replays it)
                 # document_split: the router's document routing, the client splitting hot keys
                 router_routing = routing.removesuffix("_split")
                 mode = ["--assignment-mode", args.assignment_mode] if router_routing == "document" else []
                 config = RouterConfig(worker_urls=urls, routing=router_routing, model_path=model, extra_args=mode,
-                                      log_path=f"{log}.router-{routing}")
+                                      log_path=f"{log}.router-{policy}-{i}-{routing}")
                 splitter = HotKeySplitter(len(urls), seed=args.seed) if routing == "document_split" else None
                 with RouterProcess(config) as router:
                     rows.append(measure(ClusterClient(router.url, urls, splitter), policy, routing, urls))

@@ -257,7 +257,7 @@ def result_of(rows: list[dict], split: dict, tasks: dict, args: argparse.Namespa
 
 MERGE_AGREE = ("model", "split", "formats", "tasks", "documents", "policies", "anchor_ratios", "context_ratio",
                "versus", "kl_only")
-MERGE_MISSING = {"documents": 10}  # what files written before a setting existed ran with
+MERGE_MISSING = {"documents": workloads.DOCUMENTS_PER_PROMPT}  # what files written before a setting existed ran with
 
 
 def _setting(part_args: dict, key: str):
@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--formats", nargs="+", default=["plain"], choices=FORMATS,
                         help="prompt formats; every example is answered in each (default: plain)")
     parser.add_argument("--examples", type=int, default=10, help="examples per task")
-    parser.add_argument("--documents", type=int, default=10,
+    parser.add_argument("--documents", type=int, default=workloads.DOCUMENTS_PER_PROMPT,
                         help="documents per prompt, ~150 SmolLM2 tokens each (50: ~7K tokens, the long-context "
                              "runs; squad, niah_multivalue and variable_tracking only)")
     parser.add_argument("--split", default="dev", choices=tuple(SPLITS),

@@ -496,23 +496,25 @@ def variable_tracking(n: int, *, seed: int = 0, n_docs: int = 10, doc_chars: int
     return examples
 
 
-# Tasks whose prompts grow with the number of documents (the long-context runs): HotpotQA's
-# examples come with their own 10 paragraphs.
+# Documents per quality-task prompt (HotpotQA's examples come with their own 10 paragraphs), and
+# the tasks whose prompts grow with the number of documents (the long-context runs).
+DOCUMENTS_PER_PROMPT = 10
 SCALABLE_TASKS = ("squad", "niah_multivalue", "variable_tracking")
 
 
-def task_examples(task: str, n: int, *, seed: int = 0, offset: int = 0, documents: int = 10) -> list[TaskExample]:
+def task_examples(task: str, n: int, *, seed: int = 0, offset: int = 0,
+                  documents: int = DOCUMENTS_PER_PROMPT) -> list[TaskExample]:
     """``n`` examples of a quality task (:data:`QUALITY_TASKS`); ``offset`` is HotpotQA's, ``seed`` the others'.
 
     ``documents``: documents (chunks) per prompt, ~150 SmolLM2 tokens each (50 make a ~7K-token
-    prompt); other than 10 only for :data:`SCALABLE_TASKS`.
+    prompt); other than :data:`DOCUMENTS_PER_PROMPT` only for :data:`SCALABLE_TASKS`.
     """
     if task not in QUALITY_TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(QUALITY_TASKS)}")
     if documents < 1:
         raise ValueError(f"documents must be >= 1, got {documents}")
-    if documents != 10 and task not in SCALABLE_TASKS:
-        raise ValueError(f"{task} has 10 documents per example; documents={documents} needs one of "
+    if documents != DOCUMENTS_PER_PROMPT and task not in SCALABLE_TASKS:
+        raise ValueError(f"{task} has {DOCUMENTS_PER_PROMPT} documents per example; documents={documents} needs one of "
                          f"{', '.join(SCALABLE_TASKS)}")
     if task == "hotpotqa":
         return hotpotqa_examples(n, offset=offset)

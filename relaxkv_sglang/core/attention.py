@@ -228,69 +228,112 @@ def block_sparse_attention(
     return (out, lse) if return_lse else out
 
 
-GROUP_ROWS = 128  # rows per fused call of the CPU executor
+GROUP_ROWS = 128  # at most this many rows per fused call of the CPU executor (unless one block has more)
+GROUP_CALL_PAIRS = 4096  # a fused call's fixed cost on a CPU, in (row, key) pairs of attention (docs/performance.md)
 
 
 def _block_sparse_batched(q, k, v, layout, scale: float, key_rows: Optional[torch.Tensor]) -> torch.Tensor:
     """Execute the layout in a few fused SDPA calls instead of one per row block.
 
-    Consecutive row blocks are grouped (about ``GROUP_ROWS`` rows); a group
-    gathers the K/V of the *union* of its blocks' pages and each row is masked
-    to its own block's pages and causality. Consecutive anchors share most
-    pages (one query-relevance ranking per layer, overlapping own chunks), so
-    the union is close to each block's set; the work executed is
-    ``sum(group rows x union keys)``, still a small fraction of the causal
-    prefix at small context ratios, with far less per-call overhead on a CPU.
+    Consecutive row blocks are grouped (:func:`_block_groups`, by cost); a group gathers the
+    K/V of the *union* of its blocks' pages and each row is masked to its own block's pages and
+    causality. The work executed is ``sum(group rows x union keys)``
+    (:func:`executed_kv_pairs`): blocks share a group only where that costs less than a call.
     """
     n_rows, H, _ = q.shape
     out = q.new_zeros(n_rows, H, v.shape[-1])
-    row_indptr = layout.row_indptr.tolist()
-    for b0, b1 in _block_groups(row_indptr):
+    ps = layout.page_size
+    row_indptr, indptr = layout.row_indptr.tolist(), layout.indptr.tolist()
+    entry_block = _entry_blocks(layout)
+    indices, rows_of_block = layout.indices.long(), layout.row_indptr.long().diff()
+    for b0, b1 in _block_groups(layout, entry_block):
         r0, r1 = row_indptr[b0], row_indptr[b1]
-        if r1 > r0:
-            block_pages = [layout.block_pages(b) for b in range(b0, b1)]
-            union = torch.unique(torch.cat(block_pages))  # sorted page ids
-            member = torch.zeros(b1 - b0, union.numel(), dtype=torch.bool)
-            for i, pages in enumerate(block_pages):
-                member[i, torch.searchsorted(union, pages)] = True
-            key_pos = (union[:, None] * layout.page_size + torch.arange(layout.page_size)[None, :]).flatten()
-            key_page = torch.arange(union.numel()).repeat_interleave(layout.page_size)
-            in_range = key_pos < layout.n_keys
-            key_pos, key_page = key_pos[in_range], key_page[in_range]
-            rows_per = torch.tensor([row_indptr[b + 1] - row_indptr[b] for b in range(b0, b1)])
-            block_of_row = torch.repeat_interleave(torch.arange(b1 - b0), rows_per)
-            q_pos = layout.q_pos[r0:r1].long()
-            visible = member[block_of_row][:, key_page] & (key_pos[None, :] <= q_pos[:, None])
-            slots = key_pos if key_rows is None else key_rows[key_pos]
-            out[r0:r1] = _sdpa(q[r0:r1], k.index_select(0, slots), v.index_select(0, slots), visible, scale)
+        e0, e1 = indptr[b0], indptr[b1]
+        if r1 == r0 or e1 == e0:
+            continue
+        union, page_of_entry = torch.unique(indices[e0:e1], return_inverse=True)  # sorted page ids
+        member = torch.zeros(b1 - b0, union.numel(), dtype=torch.bool)
+        member[entry_block[e0:e1] - b0, page_of_entry] = True
+        key_pos = (union[:, None] * ps + torch.arange(ps)[None, :]).flatten()
+        in_range = key_pos < layout.n_keys
+        rows_pages = member.repeat_interleave(rows_of_block[b0:b1], dim=0)  # [rows, union pages]
+        visible = rows_pages[:, :, None].expand(-1, -1, ps).reshape(r1 - r0, -1)[:, in_range]
+        key_pos = key_pos[in_range]
+        visible &= key_pos[None, :] <= layout.q_pos[r0:r1].long()[:, None]
+        slots = key_pos if key_rows is None else key_rows[key_pos]
+        out[r0:r1] = _sdpa(q[r0:r1], k.index_select(0, slots), v.index_select(0, slots), visible, scale)
     return out
 
 
-def _block_groups(row_indptr: list[int]):
-    """(first, end) row-block ranges of about GROUP_ROWS rows each, in order."""
-    n_blocks, b0 = len(row_indptr) - 1, 0
-    while b0 < n_blocks:
-        b1 = b0 + 1
-        while b1 < n_blocks and row_indptr[b1] - row_indptr[b0] < GROUP_ROWS:
-            b1 += 1
-        yield b0, b1
-        b0 = b1
+def _entry_blocks(layout) -> torch.Tensor:
+    """int64 [nnz] the row block of each entry of ``layout.indices``."""
+    indptr = layout.indptr.long()
+    return torch.repeat_interleave(torch.arange(layout.n_row_blocks), indptr[1:] - indptr[:-1])
+
+
+def _page_sets(layout, entry_block: torch.Tensor) -> list[int]:
+    """Each row block's key pages as a Python int bitset (bit p set: page p listed).
+
+    Built in one vectorised pass from 62-bit words, so grouping costs a few integer operations
+    per block however many pages a block lists."""
+    n_blocks, word = layout.n_row_blocks, 62
+    n_words = layout.n_pages // word + 1
+    pages = layout.indices.long()
+    bits = torch.zeros(n_blocks * n_words, dtype=torch.int64)
+    # Pages are distinct within a block, so adding the bits is OR-ing them.
+    bits.index_add_(0, entry_block * n_words + pages // word, torch.ones_like(pages) << (pages % word))
+    sets = []
+    for words in bits.view(n_blocks, n_words).tolist():
+        value = 0
+        for w in reversed(words):
+            value = (value << word) | w
+        sets.append(value)
+    return sets
+
+
+def _block_groups(layout, entry_block: Optional[torch.Tensor] = None) -> list[tuple[int, int]]:
+    """(first, end) row-block ranges, in order, that the CPU executor runs as one call each.
+
+    Greedy over the blocks in order: the next block joins the open group when executing it
+    there (every row of the group times the union of the group's pages) costs no more than a
+    call of its own (its rows times its pages, plus ``GROUP_CALL_PAIRS``), and the group stays
+    within ``GROUP_ROWS`` rows. Consecutive anchors share most pages (their own chunk, the
+    layer's ranking, the sink), so they group; a block that would widen the union a lot (an
+    anchor far later, whose many pages the earlier rows would compute masked) opens a new one.
+    Costs count whole pages (the last page's clipping is ignored)."""
+    n_blocks = layout.n_row_blocks
+    if n_blocks == 0:
+        return []
+    rows = layout.row_indptr.long().diff().tolist()
+    sets = _page_sets(layout, _entry_blocks(layout) if entry_block is None else entry_block)
+    call_pages = GROUP_CALL_PAIRS / layout.page_size
+    groups, first, union, n_rows = [], 0, sets[0], rows[0]
+    for b in range(1, n_blocks):
+        joined = union | sets[b]
+        together = (n_rows + rows[b]) * joined.bit_count()
+        apart = n_rows * union.bit_count() + rows[b] * sets[b].bit_count() + call_pages
+        if together <= apart and n_rows + rows[b] <= GROUP_ROWS:
+            union, n_rows = joined, n_rows + rows[b]
+        else:
+            groups.append((first, b))
+            first, union, n_rows = b, sets[b], rows[b]
+    groups.append((first, n_blocks))
+    return groups
 
 
 def executed_kv_pairs(layout) -> int:
     """(row, key) pairs the CPU executor computes for ``layout`` (masked ones included):
     each group of :func:`_block_groups` times the keys of the union of its blocks' pages."""
-    row_indptr = layout.row_indptr.tolist()
-    groups = list(_block_groups(row_indptr))
-    if not groups or layout.nnz == 0:
+    if layout.nnz == 0:
         return 0
+    entry_block = _entry_blocks(layout)
+    groups = _block_groups(layout, entry_block)
     group_of_block = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([b1 - b0 for b0, b1 in groups]))
-    indptr = layout.indptr.long()
-    block_of_entry = torch.repeat_interleave(torch.arange(layout.n_row_blocks), indptr[1:] - indptr[:-1])
     P = layout.n_pages
-    union = torch.unique(group_of_block[block_of_entry] * P + layout.indices.long())  # (group, page) pairs
+    union = torch.unique(group_of_block[entry_block] * P + layout.indices.long())  # (group, page) pairs
     group, page = union // P, union % P
     keys = torch.zeros(len(groups), dtype=torch.long).index_add_(
         0, group, (layout.n_keys - page * layout.page_size).clamp(max=layout.page_size))
+    row_indptr = layout.row_indptr.tolist()
     rows = torch.tensor([row_indptr[b1] - row_indptr[b0] for b0, b1 in groups])
     return int((keys * rows).sum())

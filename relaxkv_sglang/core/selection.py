@@ -130,14 +130,16 @@ def query_attention_scores(
     if n_heads % n_kv:
         raise ValueError("n_heads must be a multiple of n_kv_heads")
     scale = d ** -0.5 if scale is None else scale
-    kf = k.float().repeat_interleave(n_heads // n_kv, dim=1)  # [n_keys, H, d]
-    logits = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale  # [H, n_q, n_keys]
+    group = n_heads // n_kv
+    # One batched matmul per KV head over its `group` query heads: K is read as it is stored
+    # (no copy per query head); head h = kv * group + j, as in the GQA rule above.
+    q_grouped = q.float().reshape(n_q, n_kv, group, d).permute(1, 2, 0, 3).reshape(n_kv, group * n_q, d)
+    logits = torch.bmm(q_grouped, k.float().permute(1, 2, 0)).mul_(scale).view(n_kv, group, n_q, n_keys)
     # Query i sees every context key and query keys 0..i.
-    key_idx = torch.arange(n_keys, device=q.device)
-    visible = key_idx[None, :] <= (n_context + torch.arange(n_q, device=q.device))[:, None]
-    logits = logits.masked_fill(~visible, float("-inf"))
+    after_self = torch.ones(n_q, n_q, dtype=torch.bool, device=q.device).triu_(1)
+    logits[..., n_context:].masked_fill_(after_self, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    return probs[:, :, :n_context].sum(dim=(0, 1)).to(torch.float32)
+    return probs[..., :n_context].sum(dim=(0, 1, 2)).to(torch.float32)
 
 
 # ----------------------------------------------------------------------------- token sets

@@ -247,7 +247,12 @@ class LayerLoop:
             for r, (s0, s1, mask) in zip(requests, spans):
                 if s1 > s0:
                     out[s0:s1] = self._attend(r, l, mask, q[s0:s1], k_cache, v_cache, scale)
-            hidden[active] = self.layers.finish(l, h, out)
+            # An anchor's hidden state after its last layer feeds nothing (only its K/V of the
+            # layers it took part in are kept): o_proj and the MLP run for the other rows only.
+            going_on = torch.cat([~(r.anchor[mask] & (r.exits[mask] <= l + 1))
+                                  for r, (_, _, mask) in zip(requests, spans)])
+            kept = going_on.nonzero().flatten()
+            hidden[active[kept]] = self.layers.finish(l, h[kept], out[kept])
         return model.norm(hidden)
 
     def _attend(self, r: LoopRows, l: int, mask: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,

@@ -7,6 +7,7 @@ import torch
 
 from relaxkv_sglang.core.attention import (
     GROUP_ROWS,
+    _block_groups,
     executed_kv_pairs,
     block_sparse_attention,
     dense_causal_attention,
@@ -182,13 +183,33 @@ def test_executed_kv_pairs_counts_each_groups_union_of_pages(seed):
     row_indptr = torch.cat([torch.tensor([0]), cuts, torch.tensor([n_rows])]).to(torch.int32)
     page_mask = torch.rand(41, -(-n_keys // page_size), generator=g) < 0.3
     lay = BlockSparseLayout.from_page_mask(q_pos, row_indptr, page_mask, page_size, n_keys)
-    # Walk the groups as the executor forms them: consecutive blocks up to GROUP_ROWS rows.
-    expect, b0, bounds = 0, 0, row_indptr.tolist()
-    while b0 < lay.n_row_blocks:
-        b1 = b0 + 1
-        while b1 < lay.n_row_blocks and bounds[b1] - bounds[b0] < GROUP_ROWS:
-            b1 += 1
+    groups = _block_groups(lay)
+    # The groups partition the row blocks in order; none is over GROUP_ROWS unless one block is.
+    assert [b for b0, b1 in groups for b in range(b0, b1)] == list(range(lay.n_row_blocks))
+    bounds = row_indptr.tolist()
+    assert all(bounds[b1] - bounds[b0] <= GROUP_ROWS or b1 == b0 + 1 for b0, b1 in groups)
+    expect = 0
+    for b0, b1 in groups:
         keys = torch.unique(torch.cat([lay.block_key_index(b) for b in range(b0, b1)]))
         expect += (bounds[b1] - bounds[b0]) * keys.numel()
-        b0 = b1
     assert executed_kv_pairs(lay) == expect >= lay.kv_pairs()
+
+
+def test_blocks_share_a_call_only_where_it_is_cheaper():
+    """Two blocks with the same pages run as one call; a block whose pages barely overlap the
+    group's (the earlier rows would compute all of them masked) opens a call of its own."""
+    page_size, n_keys = 16, 16 * 64
+    q_pos = torch.cat([torch.arange(100, 160), torch.arange(1000, 1020)])
+    row_indptr = torch.tensor([0, 30, 60, 80], dtype=torch.int32)
+    page_mask = torch.zeros(3, 64, dtype=torch.bool)
+    page_mask[0, :7] = page_mask[1, :7] = True  # same pages: one call
+    page_mask[2, 40:63] = True  # 23 other pages: its own call
+    lay = BlockSparseLayout.from_page_mask(q_pos, row_indptr, page_mask, page_size, n_keys)
+    assert _block_groups(lay) == [(0, 2), (2, 3)]
+    assert executed_kv_pairs(lay) == 60 * 7 * 16 + 20 * 23 * 16
+    q, k, v = torch.randn(80, 4, 8), torch.randn(n_keys, 2, 8), torch.randn(n_keys, 2, 8)
+    out = block_sparse_attention(q, k, v, lay)
+    for b in range(3):
+        r0, r1 = int(row_indptr[b]), int(row_indptr[b + 1])
+        expect = gathered_attention(q[r0:r1], k, v, q_pos[r0:r1], lay.block_key_index(b))
+        assert torch.allclose(out[r0:r1], expect, atol=1e-6)

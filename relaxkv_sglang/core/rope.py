@@ -486,3 +486,11 @@ class RotationTable:
         _check_heads(k, self.spec, "k")
         kf = k.float()
         return torch.addcmul(self._cos * kf, self._sin, kf[..., self._swap])
+
+    def add_rotated_(self, target: torch.Tensor, k: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """``target[i] += R(p_{start+i}) k`` in place, for one float32 ``k [n_heads, head_dim]`` and
+        ``target`` float32 ``[m, n_heads, head_dim]`` (a view, e.g. a run of KV-pool slots), in two
+        fused passes over ``target`` and no temporary of its size. Returns ``target``."""
+        _check_heads(k[None], self.spec, "k")
+        rows = slice(start, start + target.shape[0])
+        return target.addcmul_(self._cos[rows], k).addcmul_(self._sin[rows], k[..., self._swap])

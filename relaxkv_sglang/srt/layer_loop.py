@@ -10,6 +10,9 @@ attends:
 * an anchor through its layer's block-sparse layout (:class:`AnchorAttention`: FlashInfer on a
   GPU, the torch executor on a CPU), so the work follows the chosen context.
 
+At an anchor's last layer only its K/V matter (they are what the repair keeps), so o_proj and
+the MLP run for the other rows alone.
+
 With the plan's stale shift (``RepairConfig.stale_shift``,
 :mod:`relaxkv_sglang.core.stale_shift`) it also adds, before each layer's attention, the
 anchors' mean K/V deviation to the request's non-anchor chunk tokens in the pool (their slots are
@@ -122,9 +125,9 @@ class LoopRows:
             (0: its causal prefix; a chunk's start: that chunk only).
         anchor: bool [n] repair targets: they attend through ``anchor_plan.layouts``.
         anchor_plan: the planner's decisions (None: no anchors in this pass).
-        shift_target: the stale shift's body as (pool slots int64 [n_body], R(t) at its
-            positions), built at the first layer that shifts (a relaxkv plan is fixed for the
-            pass; only CacheBlend's changes, and it never shifts).
+        shift_target: the stale shift's body in the pool (:class:`ShiftTarget`), built at the
+            first layer that shifts (a relaxkv plan is fixed for the pass; only CacheBlend's
+            changes, and it never shifts).
     """
 
     slots: torch.Tensor
@@ -133,7 +136,7 @@ class LoopRows:
     scope: torch.Tensor
     anchor: torch.Tensor
     anchor_plan: Optional[AnchorPlan] = None
-    shift_target: Optional[tuple[torch.Tensor, RotationTable]] = None
+    shift_target: Optional["ShiftTarget"] = None
 
     @property
     def n_rows(self) -> int:
@@ -309,15 +312,54 @@ def _stale_shift(r: LoopRows, l: int, mask: torch.Tensor, k_new: torch.Tensor, v
     if not torch.equal(pos[rows.clamp(max=pos.shape[0] - 1)], sources):
         raise RuntimeError("relaxkv: the stale shift's anchors are not the layer's rows")
     if r.shift_target is None:
-        body = plan.shift_body.to(r.slots.device)
-        r.shift_target = (r.slots[body], RotationTable(body, rope))
-    to, rotation = r.shift_target
+        r.shift_target = ShiftTarget(r.slots, plan.shift_body.to(r.slots.device), rope)
     src_slots = r.slots[sources]
     dk, dv = shift_deltas(plan.stale_shift, sources, k_new[rows], v_new[rows], k_cache[src_slots], v_cache[src_slots],
                           lambda x, delta: rotate_keys(x, delta, rope), plan.config.stale_shift_scale)
-    if plan.stale_shift == "kv":
-        _add_rows(k_cache, to, rotation.rotate(dk[None]))
-    _add_rows(v_cache, to, dv.expand(to.shape[0], -1, -1).contiguous())  # index_add_ is ~3x slower from a view
+    r.shift_target.add(k_cache, v_cache, dk if plan.stale_shift == "kv" else None, dv)
+
+
+class ShiftTarget:
+    """Where one request's stale shift lands: the pool slots of its shift body, and R(t) at their
+    positions, built once per pass.
+
+    A request's slots mostly come in runs of consecutive pool slots (the allocator hands out
+    ranges), so a float32 pool takes the shift as in-place adds over a few slices: V broadcasts
+    ``dv`` and K adds ``R(t) dk`` (:meth:`RotationTable.add_rotated_`) without a temporary of the
+    body's size. A fragmented body (more than ``MAX_RUNS`` runs) or a lower-precision pool takes
+    an index add of the materialised delta (added in float32 and rounded once, as the reference
+    does).
+
+    Args:
+        slots: int64 [>= max position + 1] the request's KV-pool slot of every position.
+        body: int64 [n_body] positions of the shift body, ascending.
+        rope: the served RoPE.
+    """
+
+    MAX_RUNS = 64
+
+    def __init__(self, slots: torch.Tensor, body: torch.Tensor, rope: RopeSpec) -> None:
+        self.slots = slots[body]
+        self.rotation = RotationTable(body, rope)
+        # Runs of the body over consecutive slots (table row i is body[i]'s, wherever it is).
+        step = self.slots.diff() != 1
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), step.nonzero().flatten() + 1]).tolist()
+        ends = starts[1:] + [int(body.numel())]
+        self.runs = ([(int(self.slots[a]), a, b) for a, b in zip(starts, ends)]
+                     if body.numel() and len(starts) <= self.MAX_RUNS else None)
+
+    def add(self, k_cache: torch.Tensor, v_cache: torch.Tensor, dk: Optional[torch.Tensor], dv: torch.Tensor) -> None:
+        """Add the layer's shift to the body: K += R(t) dk (dk float32 [Hkv, d] before RoPE, None:
+        K unchanged), V += dv (float32 [Hkv, d])."""
+        if self.runs is not None and k_cache.dtype == v_cache.dtype == torch.float32:
+            for slot, a, b in self.runs:
+                if dk is not None:
+                    self.rotation.add_rotated_(k_cache[slot:slot + b - a], dk, a)
+                v_cache[slot:slot + b - a].add_(dv)
+            return
+        if dk is not None:
+            _add_rows(k_cache, self.slots, self.rotation.rotate(dk[None]))
+        _add_rows(v_cache, self.slots, dv.expand(self.slots.shape[0], -1, -1).contiguous())  # index_add_ is ~3x slower from a view
 
 
 def _add_rows(cache: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor) -> None:

@@ -483,3 +483,8 @@ def test_rotation_table_equals_rotate_keys(neox, rotary_dim, scaling):
     assert torch.allclose(table.rotate(one), rotate_keys(one.expand(5, -1, -1).contiguous(), positions, spec),
                           atol=1e-5)
     assert torch.allclose(rotate_keys(one, positions, spec), table.rotate(one), atol=1e-5)
+    # Added in place over a slice of rows (a run of pool slots): the same, on top of what was there.
+    base = torch.randn(3, 3, 64)
+    target = base.clone()
+    assert table.add_rotated_(target, one[0], start=2) is target
+    assert torch.allclose(target, base + table.rotate(one)[2:], atol=1e-5)

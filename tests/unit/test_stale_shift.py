@@ -140,13 +140,16 @@ class _RefLayers:
         return l, self.w.head_dim ** -0.5
 
 
-@pytest.mark.parametrize("mode", ["none", "kv"])
-def test_layer_loop_shifts_as_the_reference_does(model, ids, mode):  # noqa: F811
+@pytest.mark.parametrize("mode,slot_layout", [("none", "scattered"), ("kv", "scattered"), ("kv", "two ranges"),
+                                              ("kv", "index add")])
+def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, monkeypatch):  # noqa: F811
+    """The pool's slots scattered (a fragmented body: the index-add path), in two ranges (the
+    shift added over slices), or the index-add path forced."""
     from types import SimpleNamespace
 
     from relaxkv_sglang.core.reference import stale_context
     from relaxkv_sglang.core.rope import rope_spec_from_hf_config
-    from relaxkv_sglang.srt.layer_loop import AnchorAttention, LayerLoop
+    from relaxkv_sglang.srt.layer_loop import AnchorAttention, LayerLoop, ShiftTarget
     from relaxkv_sglang.srt.repair import _repair_rows
 
     hf, w = model
@@ -158,6 +161,10 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode):  # noqa: F81
     plan = plan_anchors("relaxkv", stale.scores, GLUE_SPANS, Q0, w.n_layers, config)
     # A pool with the request's slots scattered in it, holding the stale context (as reused).
     slots = torch.randperm(n + 7, generator=torch.Generator().manual_seed(3))[:n]
+    if slot_layout == "two ranges":
+        slots = torch.cat([torch.arange(n // 2), torch.arange(n // 2 + 7, n + 7)])
+    if slot_layout == "index add":
+        monkeypatch.setattr(ShiftTarget, "MAX_RUNS", 0)
     k_pool = [torch.zeros(n + 7, w.n_kv_heads, w.head_dim) for _ in range(w.n_layers)]
     v_pool = [torch.zeros(n + 7, w.n_kv_heads, w.head_dim) for _ in range(w.n_layers)]
     for l in range(w.n_layers):
@@ -166,6 +173,12 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode):  # noqa: F81
     rows = _repair_rows(SimpleNamespace(window_end=n), plan, slots)
     rope = rope_spec_from_hf_config(hf.config.to_dict())
     out = LayerLoop(_RefLayers(w), pool, AnchorAttention(), rope=rope).run([rows], ids[rows.positions])
+    if mode == "kv":
+        runs = rows.shift_target.runs
+        if slot_layout == "two ranges":  # slices: the ranges' split and the chunk sinks' gaps
+            assert runs is not None and len(runs) <= 4
+        if slot_layout == "index add":
+            assert runs is None
     logits = torch.nn.functional.linear(out[-1], w.lm_head)
     torch.testing.assert_close(logits, ref.last_logits, atol=1e-4, rtol=1e-4)
     for l in range(w.n_layers):

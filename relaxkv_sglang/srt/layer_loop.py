@@ -359,7 +359,8 @@ class ShiftTarget:
             return
         if dk is not None:
             _add_rows(k_cache, self.slots, self.rotation.rotate(dk[None]))
-        _add_rows(v_cache, self.slots, dv.expand(self.slots.shape[0], -1, -1).contiguous())  # index_add_ is ~3x slower from a view
+        # index_add_ is ~3x slower from an expanded view than from a materialised delta.
+        _add_rows(v_cache, self.slots, dv.expand(self.slots.shape[0], -1, -1).contiguous())
 
 
 def _add_rows(cache: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor) -> None:

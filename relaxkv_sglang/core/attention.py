@@ -244,7 +244,7 @@ def _block_sparse_batched(q, k, v, layout, scale: float, key_rows: Optional[torc
     out = q.new_zeros(n_rows, H, v.shape[-1])
     ps = layout.page_size
     row_indptr, indptr = layout.row_indptr.tolist(), layout.indptr.tolist()
-    entry_block = _entry_blocks(layout)
+    entry_block = layout.block_of_entry()
     indices, rows_of_block = layout.indices.long(), layout.row_indptr.long().diff()
     for b0, b1 in _block_groups(layout, entry_block):
         r0, r1 = row_indptr[b0], row_indptr[b1]
@@ -263,12 +263,6 @@ def _block_sparse_batched(q, k, v, layout, scale: float, key_rows: Optional[torc
         slots = key_pos if key_rows is None else key_rows[key_pos]
         out[r0:r1] = _sdpa(q[r0:r1], k.index_select(0, slots), v.index_select(0, slots), visible, scale)
     return out
-
-
-def _entry_blocks(layout) -> torch.Tensor:
-    """int64 [nnz] the row block of each entry of ``layout.indices``."""
-    indptr = layout.indptr.long()
-    return torch.repeat_interleave(torch.arange(layout.n_row_blocks), indptr[1:] - indptr[:-1])
 
 
 def _page_sets(layout, entry_block: torch.Tensor) -> list[int]:
@@ -305,7 +299,7 @@ def _block_groups(layout, entry_block: Optional[torch.Tensor] = None) -> list[tu
     if n_blocks == 0:
         return []
     rows = layout.row_indptr.long().diff().tolist()
-    sets = _page_sets(layout, _entry_blocks(layout) if entry_block is None else entry_block)
+    sets = _page_sets(layout, layout.block_of_entry() if entry_block is None else entry_block)
     call_pages = GROUP_CALL_PAIRS / layout.page_size
     groups, first, union, n_rows = [], 0, sets[0], rows[0]
     for b in range(1, n_blocks):
@@ -326,7 +320,7 @@ def executed_kv_pairs(layout) -> int:
     each group of :func:`_block_groups` times the keys of the union of its blocks' pages."""
     if layout.nnz == 0:
         return 0
-    entry_block = _entry_blocks(layout)
+    entry_block = layout.block_of_entry()
     groups = _block_groups(layout, entry_block)
     group_of_block = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([b1 - b0 for b0, b1 in groups]))
     P = layout.n_pages

@@ -117,6 +117,11 @@ class BlockSparseLayout:
         tok = (pages[:, None] * self.page_size + torch.arange(self.page_size)[None, :]).flatten()
         return tok[tok < self.n_keys]
 
+    def block_of_entry(self) -> torch.Tensor:
+        """int64 [nnz] the row block of each entry of ``indices``."""
+        indptr = self.indptr.long()
+        return torch.repeat_interleave(torch.arange(self.n_row_blocks), indptr[1:] - indptr[:-1])
+
     def kv_pairs(self) -> int:
         """Work: number of (row, key) pairs attended, after the causal rule.
 
@@ -129,9 +134,8 @@ class BlockSparseLayout:
             return 0
         ps, P = self.page_size, self.n_pages
         row_indptr, indptr = self.row_indptr.long(), self.indptr.long()
-        block_of_entry = torch.repeat_interleave(torch.arange(self.n_row_blocks), indptr[1:] - indptr[:-1])
         pages = self.indices.long()
-        keys = block_of_entry * P + pages  # ascending
+        keys = self.block_of_entry() * P + pages  # ascending
         length = (self.n_keys - pages * ps).clamp(max=ps)  # keys on each listed page
         cum = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(length, 0)])
         block_of_row = torch.repeat_interleave(torch.arange(self.n_row_blocks), row_indptr[1:] - row_indptr[:-1])

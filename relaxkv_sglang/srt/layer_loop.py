@@ -345,7 +345,7 @@ class ShiftTarget:
         step = self.slots.diff() != 1
         starts = torch.cat([torch.zeros(1, dtype=torch.long), step.nonzero().flatten() + 1]).tolist()
         ends = starts[1:] + [int(body.numel())]
-        self.runs = ([(int(self.slots[a]), a, b) for a, b in zip(starts, ends)]
+        self.runs = (list(zip(self.slots[starts].tolist(), starts, ends))
                      if body.numel() and len(starts) <= self.MAX_RUNS else None)
 
     def add(self, k_cache: torch.Tensor, v_cache: torch.Tensor, dk: Optional[torch.Tensor], dv: torch.Tensor) -> None:

@@ -14,17 +14,43 @@ diagonal, padding of ragged rows), never over the full sequence.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 __all__ = [
+    "AttentionWork",
     "dense_causal_attention",
     "gathered_attention",
     "scoped_causal_attention",
     "block_sparse_attention",
     "masked_attention",
 ]
+
+
+@dataclass
+class AttentionWork:
+    """(row, key) pairs of the layouts an executor ran, summed over its calls.
+
+    Attributes:
+        visible: pairs the layouts let a row see (``BlockSparseLayout.kv_pairs``).
+        executed: pairs the executor computed, masked ones included (:func:`executed_kv_pairs`
+            for the CPU executor).
+        full: pairs the same rows would see with their full causal prefix
+            (``BlockSparseLayout.full_kv_pairs``).
+    The CPU executor counts as it runs, so a report needs no second pass over the layouts.
+    """
+
+    visible: int = 0
+    executed: int = 0
+    full: int = 0
+
+    def add_layout(self, layout) -> None:
+        """Count one layout by its own methods (an executor that does not count as it runs)."""
+        self.visible += layout.kv_pairs()
+        self.executed += executed_kv_pairs(layout)
+        self.full += layout.full_kv_pairs()
 
 
 def _expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -187,6 +213,7 @@ def block_sparse_attention(
     scale: Optional[float] = None,
     return_lse: bool = False,
     key_rows: Optional[torch.Tensor] = None,
+    work: Optional[AttentionWork] = None,
 ):
     """Execute a ``BlockSparseLayout`` (see layout.py) block by block.
 
@@ -203,6 +230,8 @@ def block_sparse_attention(
         scale: softmax scale, default ``d ** -0.5``.
         key_rows: int64 [>= layout.n_keys], the row of k/v holding the key at each prompt
             position (e.g. a request's KV-pool slots); default: position j is row j.
+        work: when given, the layout's pairs are added to it, counted from the masks the
+            executor builds (no second pass over the layout).
     Returns:
         out [n_rows, n_heads, dv], and lse float32 [n_rows, n_heads] if return_lse.
         Work = ``layout.kv_pairs()`` visible pairs (+ the masked part of diagonal pages).
@@ -210,8 +239,10 @@ def block_sparse_attention(
     n_rows, H = q.shape[0], q.shape[1]
     if n_rows != layout.n_rows:
         raise ValueError(f"q has {n_rows} rows, layout has {layout.n_rows}")
+    if work is not None:
+        work.full += layout.full_kv_pairs()
     if not return_lse:
-        return _block_sparse_batched(q, k, v, layout, _default_scale(q, scale), key_rows)
+        return _block_sparse_batched(q, k, v, layout, _default_scale(q, scale), key_rows, work)
     out = q.new_zeros(n_rows, H, v.shape[-1])
     lse = torch.full((n_rows, H), float("-inf"), dtype=torch.float32, device=q.device)
     row_indptr = layout.row_indptr.tolist()
@@ -225,6 +256,9 @@ def block_sparse_attention(
         rows = key_idx if key_rows is None else key_rows[key_idx]
         o, s = gathered_attention(q[r0:r1], k, v, layout.q_pos[r0:r1], rows, key_idx, scale, True)
         out[r0:r1], lse[r0:r1] = o, s
+        if work is not None:
+            work.visible += int((key_idx[None, :] <= layout.q_pos[r0:r1, None]).sum())
+            work.executed += (r1 - r0) * key_idx.numel()
     return (out, lse) if return_lse else out
 
 
@@ -232,7 +266,8 @@ GROUP_ROWS = 128  # at most this many rows per fused call of the CPU executor (u
 GROUP_CALL_PAIRS = 4096  # a fused call's fixed cost on a CPU, in (row, key) pairs of attention (docs/performance.md)
 
 
-def _block_sparse_batched(q, k, v, layout, scale: float, key_rows: Optional[torch.Tensor]) -> torch.Tensor:
+def _block_sparse_batched(q, k, v, layout, scale: float, key_rows: Optional[torch.Tensor],
+                          work: Optional[AttentionWork] = None) -> torch.Tensor:
     """Execute the layout in a few fused SDPA calls instead of one per row block.
 
     Consecutive row blocks are grouped (:func:`_block_groups`, by cost); a group gathers the
@@ -261,6 +296,9 @@ def _block_sparse_batched(q, k, v, layout, scale: float, key_rows: Optional[torc
         key_pos = key_pos[in_range]
         visible &= key_pos[None, :] <= layout.q_pos[r0:r1].long()[:, None]
         slots = key_pos if key_rows is None else key_rows[key_pos]
+        if work is not None:
+            work.visible += int(visible.sum())
+            work.executed += visible.numel()
         out[r0:r1] = _sdpa(q[r0:r1], k.index_select(0, slots), v.index_select(0, slots), visible, scale)
     return out
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from relaxkv_sglang.core.attention import block_sparse_attention, scoped_causal_attention
+from relaxkv_sglang.core.attention import AttentionWork, block_sparse_attention, scoped_causal_attention
 from relaxkv_sglang.core.layout import BlockSparseLayout
 from relaxkv_sglang.core.repair_plan import AnchorPlan
 from relaxkv_sglang.core.rope import RopeSpec, RotationTable, rotate_keys
@@ -128,6 +128,7 @@ class LoopRows:
         shift_target: the stale shift's body in the pool (:class:`ShiftTarget`), built at the
             first layer that shifts (a relaxkv plan is fixed for the pass; only CacheBlend's
             changes, and it never shifts).
+        work: the (row, key) pairs of the anchor layouts executed in this pass (the report's).
     """
 
     slots: torch.Tensor
@@ -137,6 +138,7 @@ class LoopRows:
     anchor: torch.Tensor
     anchor_plan: Optional[AnchorPlan] = None
     shift_target: Optional["ShiftTarget"] = None
+    work: AttentionWork = dataclasses.field(default_factory=AttentionWork)
 
     @property
     def n_rows(self) -> int:
@@ -172,7 +174,8 @@ class AnchorAttention:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BlockSparseLayout,
                  scale: float, key_rows: torch.Tensor, layer: Optional[int] = None,
-                 layouts: Optional[list[BlockSparseLayout]] = None) -> torch.Tensor:
+                 layouts: Optional[list[BlockSparseLayout]] = None,
+                 work: Optional[AttentionWork] = None) -> torch.Tensor:
         """Attend the anchors of one layer.
 
         Args:
@@ -183,11 +186,14 @@ class AnchorAttention:
             key_rows: int64 [>= layout.n_keys] pool slot of each key position.
             layer, layouts: the request's planned layouts and this layer's index in them, when
                 ``layout is layouts[layer]`` (GPU: all of them prepared at once).
+            work: the layout's pairs are added to it (the torch executor counts as it runs).
         Returns:
             [n_rows, H, dv].
         """
         if not self.uses_flashinfer(q, k_cache):
-            return block_sparse_attention(q, k_cache, v_cache, layout, scale=scale, key_rows=key_rows)
+            return block_sparse_attention(q, k_cache, v_cache, layout, scale=scale, key_rows=key_rows, work=work)
+        if work is not None:
+            work.add_layout(layout)
         if self._flashinfer is None:
             from relaxkv_sglang.gpu.flashinfer_attention import FlashInferAnchorAttention
 
@@ -271,7 +277,7 @@ class LayerLoop:
                       else plan.layouts[l])
             if not torch.equal(layout.q_pos, pos[sel]):
                 raise RuntimeError("relaxkv: layout rows do not match the layer's anchors")
-            out[sel] = self.anchor_attention(q[sel], k_cache, v_cache, layout, scale, r.slots, l, plan.layouts)
+            out[sel] = self.anchor_attention(q[sel], k_cache, v_cache, layout, scale, r.slots, l, plan.layouts, r.work)
         return out
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from relaxkv_sglang.core.attention import executed_kv_pairs
 from relaxkv_sglang.srt.plan import RECORD_KEY
 
 if TYPE_CHECKING:
@@ -59,19 +58,18 @@ def request_record(r: "RequestFold") -> dict:
 
 
 def repair_record(rows: "LoopRows") -> dict:
-    """The repair fields of the report, from the repair pass's rows and its plan."""
-    plan = rows.anchor_plan
+    """The repair fields of the report, from the repair pass's rows, its plan and the pairs its
+    anchor executor counted as it ran (``rows.work``: no second pass over the layouts)."""
+    plan, work = rows.anchor_plan, rows.work
     n_layers = max(int(rows.exits.max()) if rows.n_rows else 0, 1)
     anchor_layers = int(rows.exits[rows.anchor].sum())
     n_eligible = plan.n_eligible
-    visible = sum(layout.kv_pairs() for layout in plan.layouts)
-    full = sum(layout.full_kv_pairs() for layout in plan.layouts)
     return {
         "anchor_ratio": anchor_layers / (n_layers * n_eligible) if n_eligible else 0.0,
         "anchors_per_layer": anchor_layers / n_layers,
-        "context_ratio": visible / full if full else 1.0,
-        "repair_kv_pairs": visible,
-        "repair_kv_pairs_executed": sum(executed_kv_pairs(layout) for layout in plan.layouts),
+        "context_ratio": work.visible / work.full if work.full else 1.0,
+        "repair_kv_pairs": work.visible,
+        "repair_kv_pairs_executed": work.executed,
         "budget": plan.config.budget,
     }
 

@@ -7,6 +7,7 @@ import torch
 
 from relaxkv_sglang.core.attention import (
     GROUP_ROWS,
+    AttentionWork,
     _block_groups,
     executed_kv_pairs,
     block_sparse_attention,
@@ -193,6 +194,32 @@ def test_executed_kv_pairs_counts_each_groups_union_of_pages(seed):
         keys = torch.unique(torch.cat([lay.block_key_index(b) for b in range(b0, b1)]))
         expect += (bounds[b1] - bounds[b0]) * keys.numel()
     assert executed_kv_pairs(lay) == expect >= lay.kv_pairs()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_executor_counts_the_pairs_it_runs(seed):
+    """The work the executor counts as it runs (both paths, summed over calls) equals the
+    layouts' own counts: visible pairs, executed pairs and the full causal prefix's."""
+    g = torch.Generator().manual_seed(seed)
+    n_keys, page_size = 157, 8
+    work, lse_work, layouts = AttentionWork(), AttentionWork(), []
+    for n_rows in (90, 200):
+        q_pos = torch.sort(torch.randint(0, n_keys, (n_rows,), generator=g)).values
+        cuts = torch.sort(torch.randperm(n_rows - 1, generator=g)[:12] + 1).values
+        row_indptr = torch.cat([torch.tensor([0]), cuts, torch.tensor([n_rows])]).to(torch.int32)
+        page_mask = torch.rand(13, -(-n_keys // page_size), generator=g) < 0.4
+        lay = BlockSparseLayout.from_page_mask(q_pos, row_indptr, page_mask, page_size, n_keys)
+        q, k, v = _qkv(n_rows, n_keys, seed)
+        block_sparse_attention(q, k, v, lay, work=work)
+        block_sparse_attention(q, k, v, lay, return_lse=True, work=lse_work)
+        layouts.append(lay)
+    expect = AttentionWork()
+    for lay in layouts:
+        expect.add_layout(lay)
+    assert work == expect and expect.visible > 0
+    assert lse_work.visible == expect.visible and lse_work.full == expect.full
+    assert lse_work.executed == sum(lay.block_key_index(b).numel() * int(lay.row_indptr[b + 1] - lay.row_indptr[b])
+                                    for lay in layouts for b in range(lay.n_row_blocks))
 
 
 def test_blocks_share_a_call_only_where_it_is_cheaper():

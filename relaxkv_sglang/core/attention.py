@@ -297,7 +297,7 @@ def _block_sparse_batched(q, k, v, layout, scale: float, key_rows: Optional[torc
         visible &= key_pos[None, :] <= layout.q_pos[r0:r1].long()[:, None]
         slots = key_pos if key_rows is None else key_rows[key_pos]
         if work is not None:
-            work.visible += int(visible.sum())
+            work.visible += int(torch.count_nonzero(visible))
             work.executed += visible.numel()
         out[r0:r1] = _sdpa(q[r0:r1], k.index_select(0, slots), v.index_select(0, slots), visible, scale)
     return out

@@ -480,12 +480,14 @@ class RotationTable:
         self.spec = spec
         self._cos, self._sin, self._swap = c[:, None, :], s[:, None, :], swap
 
-    def rotate(self, k: torch.Tensor) -> torch.Tensor:
+    def rotate(self, k: torch.Tensor, rows: torch.Tensor | None = None, inverse: bool = False) -> torch.Tensor:
         """float ``k [n or 1, n_heads, head_dim]`` -> float32 ``[n, n_heads, head_dim]``: row i (or
-        the one row) rotated by the table's i-th position."""
+        the one row) rotated by the table's i-th position (``rows`` int64 [n]: by the table's
+        ``rows[i]``-th), or by its negative with ``inverse`` (``R(-p) = C - S swap``)."""
         _check_heads(k, self.spec, "k")
         kf = k.float()
-        return torch.addcmul(self._cos * kf, self._sin, kf[..., self._swap])
+        cos, sin = (self._cos, self._sin) if rows is None else (self._cos[rows], self._sin[rows])
+        return torch.addcmul(cos * kf, sin, kf[..., self._swap], value=-1.0 if inverse else 1.0)
 
     def add_rotated_(self, target: torch.Tensor, k: torch.Tensor, start: int = 0) -> torch.Tensor:
         """``target[i] += R(p_{start+i}) k`` in place, for one float32 ``k [n_heads, head_dim]`` and

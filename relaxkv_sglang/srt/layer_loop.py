@@ -41,7 +41,7 @@ import torch
 from relaxkv_sglang.core.attention import AttentionWork, block_sparse_attention, scoped_causal_attention
 from relaxkv_sglang.core.layout import BlockSparseLayout
 from relaxkv_sglang.core.repair_plan import AnchorPlan
-from relaxkv_sglang.core.rope import RopeSpec, RotationTable, rotate_keys
+from relaxkv_sglang.core.rope import RopeSpec, RotationTable
 from relaxkv_sglang.core.stale_shift import shift_deltas
 from relaxkv_sglang.srt.context import forward_context
 
@@ -318,53 +318,84 @@ def _stale_shift(r: LoopRows, l: int, mask: torch.Tensor, k_new: torch.Tensor, v
     if not torch.equal(pos[rows.clamp(max=pos.shape[0] - 1)], sources):
         raise RuntimeError("relaxkv: the stale shift's anchors are not the layer's rows")
     if r.shift_target is None:
-        r.shift_target = ShiftTarget(r.slots, plan.shift_body.to(r.slots.device), rope)
+        r.shift_target = ShiftTarget(r.slots, plan.shift_body.to(r.slots.device), rope, r.positions, r.exits)
+    target = r.shift_target
     src_slots = r.slots[sources]
     dk, dv = shift_deltas(plan.stale_shift, sources, k_new[rows], v_new[rows], k_cache[src_slots], v_cache[src_slots],
-                          lambda x, delta: rotate_keys(x, delta, rope), plan.config.stale_shift_scale)
-    r.shift_target.add(k_cache, v_cache, dk if plan.stale_shift == "kv" else None, dv)
+                          target.rotate_by, plan.config.stale_shift_scale)
+    target.add(l, k_cache, v_cache, dk if plan.stale_shift == "kv" else None, dv)
 
 
 class ShiftTarget:
-    """Where one request's stale shift lands: the pool slots of its shift body, and R(t) at their
-    positions, built once per pass.
+    """Where one request's stale shift lands: the pool slots of its shift body, and R(t) over the
+    positions the body spans, built once per pass.
 
-    A request's slots mostly come in runs of consecutive pool slots (the allocator hands out
-    ranges), so a float32 pool takes the shift as in-place adds over a few slices: V broadcasts
-    ``dv`` and K adds ``R(t) dk`` (:meth:`RotationTable.add_rotated_`) without a temporary of the
-    body's size. A fragmented body (more than ``MAX_RUNS`` runs) or a lower-precision pool takes
-    an index add of the materialised delta (added in float32 and rounded once, as the reference
-    does).
+    The body is the request's chunk tokens less each chunk's sinks; the positions between its
+    first and last token that it leaves out (the sinks, the glue between chunks) are rows of the
+    pass, whose K/V the layer writes after the shift. So while those rows take part (layer <
+    ``span_until``) and the span's slots are consecutive (the allocator hands out ranges), a
+    float32 pool takes the whole span as two in-place adds: V broadcasts ``dv``, K adds ``R(t) dk``
+    (:meth:`RotationTable.add_rotated_`); the rows' writes then replace what landed on them. Past
+    that layer the adds go over the body's runs of consecutive slots (at most ``MAX_RUNS``); a
+    more fragmented body or a lower-precision pool takes an index add of the materialised delta
+    (added in float32 and rounded once, as the reference does).
 
     Args:
         slots: int64 [>= max position + 1] the request's KV-pool slot of every position.
-        body: int64 [n_body] positions of the shift body, ascending.
+        body: int64 [n_body >= 1] positions of the shift body, ascending.
         rope: the served RoPE.
+        row_positions: int64 [n_rows] the pass's rows, ascending; row_exits: int64 [n_rows] the
+            layer each leaves at (``LoopRows.positions``, ``LoopRows.exits``).
     """
 
     MAX_RUNS = 64
 
-    def __init__(self, slots: torch.Tensor, body: torch.Tensor, rope: RopeSpec) -> None:
+    def __init__(self, slots: torch.Tensor, body: torch.Tensor, rope: RopeSpec, row_positions: torch.Tensor,
+                 row_exits: torch.Tensor) -> None:
+        self.first = int(body[0])
+        span = int(body[-1]) + 1 - self.first
+        # Table row i: position first + i.
+        self.rotation = RotationTable(torch.arange(self.first, self.first + span, device=body.device), rope)
+        self.rows = body - self.first
         self.slots = slots[body]
-        self.rotation = RotationTable(body, rope)
-        # Runs of the body over consecutive slots (table row i is body[i]'s, wherever it is).
-        step = self.slots.diff() != 1
-        starts = torch.cat([torch.zeros(1, dtype=torch.long), step.nonzero().flatten() + 1]).tolist()
+        self.span_slot, self.span = int(slots[self.first]), span
+        self.span_until = 0
+        if bool((slots[self.first:self.first + span].diff() == 1).all()):
+            left_out = torch.ones(span, dtype=torch.bool, device=body.device)
+            left_out[self.rows] = False
+            gaps = left_out.nonzero().flatten() + self.first
+            row_positions, row_exits = row_positions.to(body.device), row_exits.to(body.device)
+            at = torch.searchsorted(row_positions, gaps).clamp(max=max(row_positions.shape[0] - 1, 0))
+            if gaps.numel() == 0:
+                self.span_until = torch.iinfo(torch.int64).max
+            elif row_positions.numel() and torch.equal(row_positions[at], gaps):
+                self.span_until = int(row_exits[at].min())
+        # Runs of the body over consecutive slots and positions: (first slot, table row, length).
+        step = (self.slots.diff() != 1) | (body.diff() != 1)
+        starts = torch.cat([torch.zeros(1, dtype=torch.long, device=body.device), step.nonzero().flatten() + 1]).tolist()
         ends = starts[1:] + [int(body.numel())]
-        self.runs = (list(zip(self.slots[starts].tolist(), starts, ends))
-                     if body.numel() and len(starts) <= self.MAX_RUNS else None)
+        self.runs = ([(int(self.slots[a]), int(self.rows[a]), b - a) for a, b in zip(starts, ends)]
+                     if len(starts) <= self.MAX_RUNS else None)
 
-    def add(self, k_cache: torch.Tensor, v_cache: torch.Tensor, dk: Optional[torch.Tensor], dv: torch.Tensor) -> None:
+    def rotate_by(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``stale_shift.Rotate`` from the table: k [n, Hkv, d] rotated by ``delta = -p`` (int64
+        [n], p inside the body's span) -> float32 [n, Hkv, d]."""
+        return self.rotation.rotate(k, rows=-delta - self.first, inverse=True)
+
+    def add(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, dk: Optional[torch.Tensor],
+            dv: torch.Tensor) -> None:
         """Add the layer's shift to the body: K += R(t) dk (dk float32 [Hkv, d] before RoPE, None:
         K unchanged), V += dv (float32 [Hkv, d])."""
-        if self.runs is not None and k_cache.dtype == v_cache.dtype == torch.float32:
-            for slot, a, b in self.runs:
-                if dk is not None:
-                    self.rotation.add_rotated_(k_cache[slot:slot + b - a], dk, a)
-                v_cache[slot:slot + b - a].add_(dv)
-            return
+        if k_cache.dtype == v_cache.dtype == torch.float32:
+            pieces = [(self.span_slot, 0, self.span)] if layer < self.span_until else self.runs
+            if pieces is not None:
+                for slot, row, n in pieces:
+                    if dk is not None:
+                        self.rotation.add_rotated_(k_cache[slot:slot + n], dk, row)
+                    v_cache[slot:slot + n].add_(dv)
+                return
         if dk is not None:
-            _add_rows(k_cache, self.slots, self.rotation.rotate(dk[None]))
+            _add_rows(k_cache, self.slots, self.rotation.rotate(dk[None], rows=self.rows))
         # index_add_ is ~3x slower from an expanded view than from a materialised delta.
         _add_rows(v_cache, self.slots, dv.expand(self.slots.shape[0], -1, -1).contiguous())
 

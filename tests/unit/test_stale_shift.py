@@ -141,10 +141,13 @@ class _RefLayers:
 
 
 @pytest.mark.parametrize("mode,slot_layout", [("none", "scattered"), ("kv", "scattered"), ("kv", "two ranges"),
-                                              ("kv", "index add")])
+                                              ("kv", "index add"), ("kv", "one range"),
+                                              ("kv", "one range, sinks capped")])
 def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, monkeypatch):  # noqa: F811
     """The pool's slots scattered (a fragmented body: the index-add path), in two ranges (the
-    shift added over slices), or the index-add path forced."""
+    shift added over the body's runs), the index-add path forced, or in one range: the shift
+    added over the body's whole span, sinks and glue included, as they are rows of every layer
+    (sinks capped: some are not, and the runs are used)."""
     from types import SimpleNamespace
 
     from relaxkv_sglang.core.reference import stale_context
@@ -155,7 +158,7 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
     hf, w = model
     n = ids.numel()
     config = RepairConfig(anchor_ratio=0.3, context_ratio=0.5, page_size=PS, stale_shift=mode, chunk_sink_tokens=2,
-                          stale_shift_scale=0.5)
+                          stale_shift_scale=0.5, chunk_sink_share=0.1 if "capped" in slot_layout else 1.0)
     ref = reference_prefill(w, ids, GLUE_SPANS, Q0, "relaxkv", config)
     stale = stale_context(w, ids, GLUE_SPANS, Q0)
     plan = plan_anchors("relaxkv", stale.scores, GLUE_SPANS, Q0, w.n_layers, config)
@@ -163,6 +166,8 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
     slots = torch.randperm(n + 7, generator=torch.Generator().manual_seed(3))[:n]
     if slot_layout == "two ranges":
         slots = torch.cat([torch.arange(n // 2), torch.arange(n // 2 + 7, n + 7)])
+    if slot_layout.startswith("one range"):
+        slots = torch.arange(n) + 5
     if slot_layout == "index add":
         monkeypatch.setattr(ShiftTarget, "MAX_RUNS", 0)
     k_pool = [torch.zeros(n + 7, w.n_kv_heads, w.head_dim) for _ in range(w.n_layers)]
@@ -179,6 +184,11 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
             assert runs is not None and len(runs) <= 4
         if slot_layout == "index add":
             assert runs is None
+        span_until = rows.shift_target.span_until
+        if slot_layout == "one range":  # every sink an anchor to the last layer, the glue rows throughout
+            assert span_until >= w.n_layers
+        else:  # capped: a sink outside the budget is no row, so the runs
+            assert span_until == 0
     logits = torch.nn.functional.linear(out[-1], w.lm_head)
     torch.testing.assert_close(logits, ref.last_logits, atol=1e-4, rtol=1e-4)
     for l in range(w.n_layers):
@@ -190,3 +200,39 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
         with pytest.raises(RuntimeError, match="RoPE"):
             LayerLoop(_RefLayers(w), pool, AnchorAttention()).run([_repair_rows(SimpleNamespace(window_end=n), plan, slots)],
                                                                   ids[rows.positions])
+
+
+def test_shift_span_covers_left_out_rows_only_while_they_are_written():
+    """The body's span takes the shift in one slice while every position it leaves out is a row
+    of the layer (its write replaces the shift); from the layer one of them leaves, the runs."""
+    from relaxkv_sglang.core.rope import RopeSpec, RotationTable
+    from relaxkv_sglang.srt.layer_loop import ShiftTarget
+
+    spec = RopeSpec(head_dim=16)
+    body = torch.tensor([4, 5, 6, 9, 10, 11, 12])  # 7, 8 left out: a sink and glue
+    rows = torch.tensor([0, 1, 7, 8, 11, 20])  # rows of the pass (11: an anchor in the body)
+    exits = torch.tensor([3, 3, 2, 3, 1, 3])  # position 7 leaves after layer 1
+    slots = torch.arange(30) + 100
+    target = ShiftTarget(slots, body, spec, rows, exits)
+    assert target.span_until == 2 and len(target.runs) == 2
+    dk, dv = torch.randn(2, 16), torch.randn(2, 16)
+    want_k = RotationTable(body, spec).rotate(dk[None])
+    for layer in (0, 2):
+        k, v = torch.randn(200, 2, 16), torch.randn(200, 2, 16)
+        k0, v0 = k.clone(), v.clone()
+        target.add(layer, k, v, dk, dv)
+        torch.testing.assert_close(k[slots[body]] - k0[slots[body]], want_k)
+        torch.testing.assert_close(v[slots[body]] - v0[slots[body]], dv.expand(7, -1, -1))
+        others = torch.ones(200, dtype=torch.bool)
+        others[slots[body]] = False
+        if layer < 2:  # only the left-out rows besides the body, and they are written next
+            others[slots[torch.tensor([7, 8])]] = False
+        assert torch.equal(k[others], k0[others]) and torch.equal(v[others], v0[others])
+        assert layer < 2 or not torch.equal(k, k0) and torch.equal(k[slots[7]], k0[slots[7]])
+    # A position left out that is no row of the pass: never the span.
+    assert ShiftTarget(slots, body, spec, torch.tensor([0, 7, 20]), torch.tensor([3, 3, 3])).span_until == 0
+    # Deltas through the table: R(-p) equals the rotation by -p.
+    from relaxkv_sglang.core.rope import rotate_keys
+    x = torch.randn(3, 2, 16)
+    p = torch.tensor([4, 9, 12])
+    torch.testing.assert_close(target.rotate_by(x, -p), rotate_keys(x, -p, spec))

@@ -35,7 +35,7 @@ from conftest import STRICT_MEMORY_CHECK
 from rag_helpers import documents, essay_paragraphs, generate, marked_prompt, relaxkv_state
 
 from relaxkv_sglang.core.chunk_tiers import DiskTier, ModelIdentity, chunk_key
-from relaxkv_sglang.server import SGLangServer, ServerConfig
+from relaxkv_sglang.server import Cluster, SGLangServer, ServerConfig
 
 POOL = 1536  # KV tokens: about three requests' chunks, so a working set of 12+ documents spills
 HOST_MB = 8
@@ -290,7 +290,8 @@ def test_replicas_sharing_a_chunk_dir_under_concurrent_writes(tiny_model_path, t
     chunk_dir = tmp_path / "shared"
     docs = documents(12, seed=77)
     sets_a, sets_b = [docs[0:4], docs[2:6], docs[4:8]], [docs[8:12], docs[6:10], docs[0:4]]
-    with SGLangServer(_config(tiny_model_path, chunk_dir)) as a, SGLangServer(_config(tiny_model_path, chunk_dir)) as b:
+    with Cluster([_config(tiny_model_path, chunk_dir), _config(tiny_model_path, chunk_dir)], None) as pair:
+        a, b = pair.servers  # started side by side
         def send(url: str, sets: list[list[str]]) -> None:
             for i, d in enumerate(sets):
                 _ask(url, marked_prompt("Answer from the documents.", d, f"Question {i}?"))

@@ -361,15 +361,14 @@ class ShiftTarget:
         self.span_slot, self.span = int(slots[self.first]), span
         self.span_until = 0
         if bool((slots[self.first:self.first + span].diff() == 1).all()):
-            left_out = torch.ones(span, dtype=torch.bool, device=body.device)
-            left_out[self.rows] = False
-            gaps = left_out.nonzero().flatten() + self.first
+            # The exit layer of each position of the span (0: no row of the pass), the body's
+            # own not counted: the smallest is the first layer whose writes miss a left-out one.
+            exit_at = torch.zeros(span, dtype=torch.long, device=body.device)
             row_positions, row_exits = row_positions.to(body.device), row_exits.to(body.device)
-            at = torch.searchsorted(row_positions, gaps).clamp(max=max(row_positions.shape[0] - 1, 0))
-            if gaps.numel() == 0:
-                self.span_until = torch.iinfo(torch.int64).max
-            elif row_positions.numel() and torch.equal(row_positions[at], gaps):
-                self.span_until = int(row_exits[at].min())
+            inside = (row_positions >= self.first) & (row_positions < self.first + span)
+            exit_at[row_positions[inside] - self.first] = row_exits[inside]
+            exit_at[self.rows] = torch.iinfo(torch.int64).max
+            self.span_until = int(exit_at.min())
         # Runs of the body over consecutive slots and positions: (first slot, table row, length).
         step = (self.slots.diff() != 1) | (body.diff() != 1)
         starts = torch.cat([torch.zeros(1, dtype=torch.long, device=body.device), step.nonzero().flatten() + 1]).tolist()

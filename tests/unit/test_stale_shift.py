@@ -205,7 +205,7 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
 def test_shift_span_covers_left_out_rows_only_while_they_are_written():
     """The body's span takes the shift in one slice while every position it leaves out is a row
     of the layer (its write replaces the shift); from the layer one of them leaves, the runs."""
-    from relaxkv_sglang.core.rope import RopeSpec, RotationTable
+    from relaxkv_sglang.core.rope import RopeSpec, RotationTable, rotate_keys
     from relaxkv_sglang.srt.layer_loop import ShiftTarget
 
     spec = RopeSpec(head_dim=16)
@@ -232,7 +232,6 @@ def test_shift_span_covers_left_out_rows_only_while_they_are_written():
     # A position left out that is no row of the pass: never the span.
     assert ShiftTarget(slots, body, spec, torch.tensor([0, 7, 20]), torch.tensor([3, 3, 3])).span_until == 0
     # Deltas through the table: R(-p) equals the rotation by -p.
-    from relaxkv_sglang.core.rope import rotate_keys
     x = torch.randn(3, 2, 16)
     p = torch.tensor([4, 9, 12])
     torch.testing.assert_close(target.rotate_by(x, -p), rotate_keys(x, -p, spec))

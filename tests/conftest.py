@@ -1,10 +1,21 @@
-"""Shared fixtures: the tiny model, and one real SGLang server per test session."""
+"""Shared fixtures: the tiny model, the real SGLang servers of a test session, started side by side.
+
+Starting an SGLang server takes 20-40 s on the 2-core machine (mostly imports in its three
+processes), and a start keeps about one core busy. So the servers a run needs are all launched
+when collection ends, a few at a time, while the first tests run (:class:`ServerPrestart`): the
+session's two (``server``, ``relaxkv_server``) and those a test module declares in its
+``PRESTART_SERVERS`` (fixture name -> ``config(tiny_model_path)``). A fixture takes its server with
+``prestart.take(name, config)`` (waiting while it starts; starting it then if it was not launched)
+and stops it when its scope ends, as before. Only servers a collected test needs are launched.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import pathlib
 import tempfile
+from typing import Callable
 
 import pytest
 import torch
@@ -13,6 +24,80 @@ from relaxkv_sglang import assets
 from relaxkv_sglang.server import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
 
 TINY_POOL_TOKENS = 8192
+PRESTART_AT_ONCE = 3  # launches in flight together (each keeps ~1 of 2 cores busy while it imports)
+
+
+class ServerPrestart:
+    """Servers launched in the background at the session's start, taken by their fixtures."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(PRESTART_AT_ONCE, thread_name_prefix="prestart")
+        self._starting: dict[str, concurrent.futures.Future] = {}
+
+    def launch(self, name: str, config: ServerConfig) -> None:
+        self._starting[name] = self._pool.submit(SGLangServer(config).start)
+
+    def take(self, name: str, make_config: Callable[[], ServerConfig]) -> SGLangServer:
+        """The started server launched as ``name``, else one started now from ``make_config()``.
+        The caller stops it."""
+        future = self._starting.pop(name, None)
+        return future.result() if future is not None else SGLangServer(make_config()).start()
+
+    def close(self) -> None:
+        """Stop every launched server no fixture took (a run stopped early, a deselected test)."""
+        for future in self._starting.values():
+            future.cancel()
+        self._pool.shutdown(wait=True)
+        for future in self._starting.values():
+            if not future.cancelled() and future.exception() is None:
+                future.result().stop()
+        self._starting.clear()
+
+
+PRESTART = ServerPrestart()
+_fd, _path = tempfile.mkstemp(prefix="relaxkv-shims-", suffix=".jsonl")
+os.close(_fd)
+SHIM_REPORT = pathlib.Path(_path)  # where the stock server's shims say they are active
+
+
+def stock_server_config(model_path: str) -> ServerConfig:
+    """Stock SGLang (torch_native attention, its own radix cache) on the tiny model; its shims
+    report to :data:`SHIM_REPORT`."""
+    return ServerConfig(model_path=model_path, max_total_tokens=TINY_POOL_TOKENS, relaxkv=False,
+                        env={"RELAXKV_SHIM_REPORT": str(SHIM_REPORT)}, extra_args=["--context-length", "4096"])
+
+
+def relaxkv_server_config(model_path: str) -> ServerConfig:
+    """SGLang with the plugin's chunk tree and attention backend, default policy ``prefix``."""
+    return ServerConfig(model_path=model_path, max_total_tokens=TINY_POOL_TOKENS, policy="prefix",
+                        env=STRICT_MEMORY_CHECK, extra_args=["--context-length", "4096", "--enable-metrics"])
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Launch the servers the collected tests need, in the order the tests first need them."""
+    if session.config.option.collectonly:
+        return
+    configs: dict[str, Callable[[str], ServerConfig]] = {
+        "server": stock_server_config,
+        "relaxkv_server": relaxkv_server_config,
+    }
+    needed: list[str] = []
+    for item in session.items:
+        configs.update(getattr(getattr(item, "module", None), "PRESTART_SERVERS", {}))
+        needed += [name for name in getattr(item, "fixturenames", ()) if name in configs and name not in needed]
+    if needed:
+        path = str(assets.model_path("tiny-llama"))
+        for name in needed:
+            PRESTART.launch(name, configs[name](path))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    PRESTART.close()
+
+
+@pytest.fixture(scope="session")
+def prestart() -> ServerPrestart:
+    return PRESTART
 
 
 @pytest.fixture(scope="session")
@@ -22,37 +107,23 @@ def tiny_model_path() -> str:
 
 @pytest.fixture(scope="session")
 def shim_report_path() -> pathlib.Path:
-    fd, path = tempfile.mkstemp(prefix="relaxkv-shims-", suffix=".jsonl")
-    os.close(fd)
-    return pathlib.Path(path)
+    return SHIM_REPORT
 
 
 @pytest.fixture(scope="session")
-def server(tiny_model_path, shim_report_path):
-    """Stock SGLang (torch_native attention, its own radix cache) on the tiny model."""
-    config = ServerConfig(
-        model_path=tiny_model_path,
-        max_total_tokens=TINY_POOL_TOKENS,
-        relaxkv=False,
-        env={"RELAXKV_SHIM_REPORT": str(shim_report_path)},
-        extra_args=["--context-length", "4096"],
-    )
-    with SGLangServer(config) as srv:
-        yield srv
+def server(tiny_model_path, prestart):
+    """Stock SGLang on the tiny model (:func:`stock_server_config`)."""
+    srv = prestart.take("server", lambda: stock_server_config(tiny_model_path))
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="session")
-def relaxkv_server(tiny_model_path):
+def relaxkv_server(tiny_model_path, prestart):
     """SGLang with the plugin's chunk tree and attention backend, default policy ``prefix``."""
-    config = ServerConfig(
-        model_path=tiny_model_path,
-        max_total_tokens=TINY_POOL_TOKENS,
-        policy="prefix",
-        env=STRICT_MEMORY_CHECK,
-        extra_args=["--context-length", "4096", "--enable-metrics"],
-    )
-    with SGLangServer(config) as srv:
-        yield srv
+    srv = prestart.take("relaxkv_server", lambda: relaxkv_server_config(tiny_model_path))
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import pytest
 from conftest import STRICT_MEMORY_CHECK
 from rag_helpers import documents, flush, generate, marked_prompt, relaxkv_state
 
-from relaxkv_sglang.server import SGLangServer, ServerConfig
+from relaxkv_sglang.server import ServerConfig
 
 pytestmark = pytest.mark.e2e
 
@@ -18,12 +18,19 @@ POOL_TOKENS = 4096  # 40 documents (~3,900 tokens) + 16 running requests (~420 e
 REQUESTS, CLIENTS = 200, 16
 
 
+def small_pool_config(model_path: str) -> ServerConfig:
+    return ServerConfig(model_path=model_path, max_total_tokens=POOL_TOKENS, policy="pic",
+                        env=STRICT_MEMORY_CHECK, extra_args=["--context-length", "2048"])
+
+
+PRESTART_SERVERS = {"small_pool_server": small_pool_config}  # launched at the session's start (conftest)
+
+
 @pytest.fixture(scope="module")
-def small_pool_server(tiny_model_path):
-    config = ServerConfig(model_path=tiny_model_path, max_total_tokens=POOL_TOKENS, policy="pic",
-                          env=STRICT_MEMORY_CHECK, extra_args=["--context-length", "2048"])
-    with SGLangServer(config) as srv:
-        yield srv
+def small_pool_server(tiny_model_path, prestart):
+    srv = prestart.take("small_pool_server", lambda: small_pool_config(tiny_model_path))
+    yield srv
+    srv.stop()
 
 
 def _workload(seed: int = 0):

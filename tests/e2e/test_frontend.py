@@ -19,29 +19,19 @@ import sglang as sgl
 from rag_helpers import documents
 
 from relaxkv_sglang.lang import DOC_END, DOC_START, RelaxKVEndpoint, document, mark_payload, split_marks, strip_marks
-from relaxkv_sglang.server import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
+from relaxkv_sglang.server import ServerConfig
 from relaxkv_sglang.srt.parallel_encoding import JoinRegistry
 
 pytestmark = pytest.mark.e2e
 
-POOL_TOKENS = 8192
 PROGRAM_TIMEOUT_S = 120  # a program whose join is answered 404 hangs; fail instead
 
 
-@pytest.fixture(scope="module")
-def relaxkv_frontend_server(tiny_model_path):
-    """The plugin's backends (chunk tree), server default policy ``prefix``."""
-    config = ServerConfig(
-        model_path=tiny_model_path,
-        max_total_tokens=POOL_TOKENS,
-        env={"RELAXKV_DEFAULT_POLICY": "prefix", **STRICT_MEMORY_CHECK},
-        extra_args=["--context-length", "4096"],
-    )
-    command = " ".join(config.command())
+def test_plugin_server_command_selects_the_plugin_backends(tiny_model_path):
+    """The launch line of the servers these tests use (the session's ``relaxkv_server``)."""
+    command = " ".join(ServerConfig(model_path=tiny_model_path, policy="prefix").command())
     assert "--radix-cache-backend relaxkv" in command and "--attention-backend relaxkv" in command, command
     assert "--disable-overlap-schedule" in command, command
-    with SGLangServer(config) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +92,9 @@ def test_marks_become_offsets_of_the_text_sent():
         document(3)
 
 
-def test_frontend_documents_are_reused_in_another_order(relaxkv_frontend_server, tokenizer):
+def test_frontend_documents_are_reused_in_another_order(relaxkv_server, tokenizer):
     docs = documents(3, seed=101)
-    backend = RelaxKVEndpoint(relaxkv_frontend_server.url, policy="pic")
+    backend = RelaxKVEndpoint(relaxkv_server.url, policy="pic")
     first = rag_program.run(system="You answer from the documents.", docs=docs, question="What is it about?",
                             backend=backend)
     assert first.get_meta_info("answer")["relaxkv"]["chunks_seen"] == 3
@@ -128,9 +118,9 @@ def rich_program(s, docs, question):
     s += "Question: " + question + "\nAnswer:" + sgl.gen("answer", max_tokens=4, temperature=0)
 
 
-def test_frontend_select_fork_stream_and_batch(relaxkv_frontend_server, tokenizer):
+def test_frontend_select_fork_stream_and_batch(relaxkv_server, tokenizer):
     docs = documents(2, seed=102)
-    backend = RelaxKVEndpoint(relaxkv_frontend_server.url, policy="pic")
+    backend = RelaxKVEndpoint(relaxkv_server.url, policy="pic")
     states = rich_program.run_batch(
         [{"docs": docs, "question": "Why?"}, {"docs": docs[::-1], "question": "How?"}], backend=backend,
     )
@@ -153,9 +143,9 @@ def plain_program(s, question):
     s += "Answer:" + sgl.gen("answer", max_tokens=12, temperature=0)
 
 
-def test_unmarked_program_on_plain_endpoint_matches_stock_sglang(relaxkv_frontend_server, server):
+def test_unmarked_program_on_plain_endpoint_matches_stock_sglang(relaxkv_server, server):
     outputs = []
-    for srv in (relaxkv_frontend_server, server):
+    for srv in (relaxkv_server, server):
         state = plain_program.run(question="How do rockets work?", backend=sgl.RuntimeEndpoint(srv.url))
         assert state.error() is None
         outputs.append((state["hard"], state["answer"], state.text()))
@@ -180,11 +170,11 @@ def chat(url: str, system: str, docs: list[str], question: str, policy: str | No
     return r.json()
 
 
-def test_chat_policy_header_marks_documents(relaxkv_frontend_server, tokenizer):
+def test_chat_policy_header_marks_documents(relaxkv_server, tokenizer):
     """A request header (``extra_headers`` with the OpenAI SDK) sets the policy a body without
     ``custom_params`` gets, so the documents become chunks."""
     docs = documents(2, seed=105)
-    url = relaxkv_frontend_server.url
+    url = relaxkv_server.url
     pic = {"X-RelaxKV-Policy": "pic"}
     chat(url, "Be brief.", docs, "Summarize.", policy=None, headers=pic)
     meta = chat(url, "Other.", docs[::-1], "Who?", policy=None, headers=pic)["choices"][0]["meta_info"]
@@ -192,9 +182,9 @@ def test_chat_policy_header_marks_documents(relaxkv_frontend_server, tokenizer):
     assert meta["cached_tokens"] >= sum(n_tokens(tokenizer, d) for d in docs), meta
 
 
-def test_chat_content_parts_are_reused_in_another_order(relaxkv_frontend_server, tokenizer):
+def test_chat_content_parts_are_reused_in_another_order(relaxkv_server, tokenizer):
     docs = documents(3, seed=103)
-    url = relaxkv_frontend_server.url
+    url = relaxkv_server.url
     first = chat(url, "You answer from the documents.", docs, "What is it about?")["choices"][0]["meta_info"]
     assert first["relaxkv"]["chunks_seen"] == 3, first
     second = chat(url, "Another system prompt.", [docs[1], docs[2], docs[0]], "Who?")["choices"][0]["meta_info"]
@@ -202,9 +192,9 @@ def test_chat_content_parts_are_reused_in_another_order(relaxkv_frontend_server,
     assert second["cached_tokens"] >= sum(n_tokens(tokenizer, d) for d in docs), second
 
 
-def test_chat_without_chunk_policy_is_stock(relaxkv_frontend_server, server):
+def test_chat_without_chunk_policy_is_stock(relaxkv_server, server):
     docs = documents(2, seed=104)
-    ours = chat(relaxkv_frontend_server.url, "Be brief.", docs, "Summarize.", policy=None)
+    ours = chat(relaxkv_server.url, "Be brief.", docs, "Summarize.", policy=None)
     stock = chat(server.url, "Be brief.", docs, "Summarize.", policy=None)
     assert "relaxkv" not in ours["choices"][0]["meta_info"]
     assert ours["usage"]["prompt_tokens"] == stock["usage"]["prompt_tokens"]
@@ -230,8 +220,8 @@ def parallel_encoding_copy(s, question, context_0, context_1, context_2):
 
 
 @pytest.fixture
-def default_backend(relaxkv_frontend_server):
-    sgl.set_default_backend(sgl.RuntimeEndpoint(relaxkv_frontend_server.url))
+def default_backend(relaxkv_server):
+    sgl.set_default_backend(sgl.RuntimeEndpoint(relaxkv_server.url))
     yield
     sgl.global_config.default_backend = None
 

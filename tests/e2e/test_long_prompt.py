@@ -135,13 +135,23 @@ def compare(split_url: str, whole_url: str, cold, warm, *, tol: float, n_cases: 
     return rows
 
 
+def _split_config(model_path: str) -> ServerConfig:
+    return _config(model_path, 8192, WINDOW)  # 8192: the model's max positions
+
+
+PRESTART_SERVERS = {"servers": _split_config}  # the splitting server, launched at the session's start (conftest)
+
+
 @pytest.fixture(scope="module")
-def servers(tiny_model_path, relaxkv_server):
+def servers(tiny_model_path, relaxkv_server, prestart):
     """(splitting server, the session's server, which prefills the prompt whole)."""
     info = requests.get(relaxkv_server.url + "/get_server_info", timeout=30).json()
     assert info["chunked_prefill_size"] in (-1, None) or info["chunked_prefill_size"] >= 4096, info
-    with SGLangServer(_config(tiny_model_path, 8192, WINDOW)) as split:  # 8192: the model's max positions
+    split = prestart.take("servers", lambda: _split_config(tiny_model_path))
+    try:
         yield split.url, relaxkv_server.url
+    finally:
+        split.stop()
 
 
 TINY_DOCS = 38  # 3,911 tokens: four windows of 1,024, and within the session server's 4,096 context

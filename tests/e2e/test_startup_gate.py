@@ -15,7 +15,7 @@ import requests
 from rag_helpers import documents, flush, generate, marked_prompt, relaxkv_state
 
 from relaxkv_sglang.core.policies import CHUNK_POLICIES
-from relaxkv_sglang.server import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
+from relaxkv_sglang.server import STRICT_MEMORY_CHECK, ServerConfig
 from relaxkv_sglang.srt.gate import ROPE_OVERRIDE_ENV
 
 pytestmark = pytest.mark.e2e
@@ -49,15 +49,22 @@ def test_gate_passes_on_the_tiny_model(relaxkv_server):
         assert metrics[f'relaxkv:gate_tolerance{{check="{name}"}}'] == 2e-3
 
 
-@pytest.fixture(scope="module")
-def wrong_rope_server(tiny_model_path):
-    config = ServerConfig(
-        model_path=tiny_model_path, max_total_tokens=2048, policy="pic",
+def wrong_rope_config(model_path: str) -> ServerConfig:
+    return ServerConfig(
+        model_path=model_path, max_total_tokens=2048, policy="pic",
         env={**STRICT_MEMORY_CHECK, ROPE_OVERRIDE_ENV: '{"base": 20000.0}'},
         extra_args=["--context-length", "4096", "--enable-metrics"],
     )
-    with SGLangServer(config) as srv:
-        yield srv
+
+
+PRESTART_SERVERS = {"wrong_rope_server": wrong_rope_config}  # launched at the session's start (conftest)
+
+
+@pytest.fixture(scope="module")
+def wrong_rope_server(tiny_model_path, prestart):
+    srv = prestart.take("wrong_rope_server", lambda: wrong_rope_config(tiny_model_path))
+    yield srv
+    srv.stop()
 
 
 def test_wrong_rotation_fails_the_gate_and_refuses_chunk_policies(wrong_rope_server):

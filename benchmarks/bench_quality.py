@@ -70,7 +70,9 @@ Result JSON (beside the benchmark's name, machine and arguments):
 * ``equal_ttft``: per format (tasks pooled) and policy point, ``versus``'s KL at the same median
   TTFT (:func:`equal_ttft`): linear between ``versus``'s two points that bracket it, or
   ``versus``'s nearest end point with ``where`` saying the point is cheaper or dearer than all of
-  them; ``below`` says whether the policy's KL is lower.
+  them; ``below`` says whether the policy's KL is lower; ``gap`` (the policy's KL minus that) with
+  ``gap_ci95``, its bootstrap interval (examples resampled, every median and mean recomputed), and
+  ``verdict``: ``below``/``above`` when the interval excludes 0, else ``level``.
 
 A PNG next to the JSON plots first-token KL against median TTFT, one line per
 repair policy across the anchor ratios (each point labelled with the ratio asked
@@ -250,7 +252,7 @@ def result_of(rows: list[dict], split: dict, tasks: dict, args: argparse.Namespa
     return {"split": split, "formats": list(args.formats), "versus": args.versus, "kl_only": args.kl_only,
             "tasks": tasks, "summary": summary,
             "paired": paired_all(rows, args.formats, args.tasks, cfgs, args.versus),
-            "equal_ttft": equal_ttft(summary, [*args.formats, ALL] if len(args.formats) > 1 else args.formats,
+            "equal_ttft": equal_ttft(rows, [*args.formats, ALL] if len(args.formats) > 1 else args.formats,
                                      args.versus),
             "per_example": rows}
 
@@ -399,35 +401,84 @@ def paired_all(rows: list[dict], formats: list[str], tasks: list[str], cfgs: lis
     return out
 
 
-def equal_ttft(summary: list[dict], formats: list[str], versus: str) -> list[dict]:
+PolicyPoint = tuple[str, "float | None"]  # (policy, anchor ratio)
+
+
+def _curve_stats(rows: list[dict]) -> dict[PolicyPoint, tuple[float, float]]:
+    """(median TTFT, mean first-token KL) of each swept (policy, ratio) over ``rows``."""
+    by_cfg: dict[PolicyPoint, list[dict]] = {}
+    for r in rows:
+        if r["anchor_ratio"] is not None:
+            by_cfg.setdefault((r["policy"], r["anchor_ratio"]), []).append(r)
+    return {cfg: (statistics.median(r["ttft_s"] for r in rs), metrics.mean(r["kl_first_token"] for r in rs))
+            for cfg, rs in by_cfg.items()}
+
+
+def _on_curve(curve: list[tuple[float, float]], t: float) -> tuple[str, float]:
+    """(where, KL) of the (TTFT, KL) ``curve`` (sorted by TTFT) at TTFT ``t``: linear between the two
+    points that bracket ``t``, else the nearest end point (no extrapolation)."""
+    if t <= curve[0][0]:
+        return "cheaper", curve[0][1]
+    if t >= curve[-1][0]:
+        return "dearer", curve[-1][1]
+    (t0, k0), (t1, k1) = next((a, b) for a, b in zip(curve, curve[1:]) if a[0] <= t <= b[0])
+    return "between", k0 + (k1 - k0) * (t - t0) / (t1 - t0)
+
+
+def _gaps_to_curve(rows: list[dict], versus: str) -> dict[PolicyPoint, tuple[float, str, float, float]]:
+    """Per policy point of ``rows``: (its KL minus ``versus``'s curve at its TTFT, where, its median
+    TTFT, its KL)."""
+    stats = _curve_stats(rows)
+    curve = sorted(v for (policy, _), v in stats.items() if policy == versus)
+    out = {}
+    for cfg, (t, kl) in stats.items():
+        if cfg[0] != versus and curve:
+            where, ref = _on_curve(curve, t)
+            out[cfg] = (kl - ref, where, t, kl)
+    return out
+
+
+def equal_ttft(rows: list[dict], formats: list[str], versus: str, *, rounds: int = 1000,
+               seed: int = 0) -> list[dict]:
     """Each policy point against ``versus``'s KL-vs-TTFT curve at the same median TTFT (tasks pooled).
 
-    ``versus``'s points (one per anchor ratio) are joined in order of TTFT; a policy point whose
-    TTFT lies between two of them is compared with the straight line between them
-    (``where``: ``"between"``), one cheaper or dearer than all of them with ``versus``'s cheapest
-    or dearest point (``"cheaper"``, ``"dearer"``: no interpolation past the measured curve).
+    ``versus``'s points (one per anchor ratio: median TTFT, mean KL) are joined in order of TTFT;
+    a policy point whose TTFT lies between two of them is compared with the straight line between
+    them (``where``: ``"between"``), one cheaper or dearer than all of them with ``versus``'s
+    cheapest or dearest point (``"cheaper"``, ``"dearer"``: no interpolation past the measured
+    curve). ``gap`` is the point's KL minus that curve KL (negative: below the curve).
+
+    Its 95% interval resamples the examples (task, id) with replacement, ``rounds`` times, each
+    keeping all its rows (every policy, ratio and format: the comparison stays paired), and
+    recomputes every median TTFT, mean KL, the curve and the gap: it carries the examples'
+    spread in both TTFT and KL (not the machine's drift between runs, which all rows of a run
+    share). ``verdict``: ``below`` / ``above`` when the interval excludes 0, else ``level``.
+
     Rows: ``format``, ``policy``, ``anchor_ratio``, ``ttft_s``, ``kl``, ``kl_versus_at_ttft``,
-    ``where``, ``below`` (the policy's KL is lower). Baselines and ``versus`` itself get no row.
+    ``where``, ``below`` (the point estimate is lower), ``gap``, ``gap_ci95``, ``verdict``.
+    Baselines and ``versus`` itself get no row.
     """
     out = []
     for fmt in formats:
-        cells = [c for c in summary if c["format"] == fmt and c["task"] == ALL and c["anchor_ratio"] is not None]
-        curve = sorted((c["ttft_median_s"], c["kl_first_token"]) for c in cells if c["policy"] == versus)
-        if not curve:
+        cell = [r for r in rows if in_cell(r, fmt, ALL)]
+        point = _gaps_to_curve(cell, versus)
+        if not point:
             continue
-        for c in cells:
-            if c["policy"] == versus:
-                continue
-            t, kl = c["ttft_median_s"], c["kl_first_token"]
-            if t <= curve[0][0]:
-                where, ref = "cheaper", curve[0][1]
-            elif t >= curve[-1][0]:
-                where, ref = "dearer", curve[-1][1]
-            else:
-                (t0, k0), (t1, k1) = next((a, b) for a, b in zip(curve, curve[1:]) if a[0] <= t <= b[0])
-                where, ref = "between", k0 + (k1 - k0) * (t - t0) / (t1 - t0)
-            out.append({"format": fmt, "policy": c["policy"], "anchor_ratio": c["anchor_ratio"], "ttft_s": t,
-                        "kl": kl, "kl_versus_at_ttft": ref, "where": where, "below": kl < ref})
+        by_example: dict[tuple[str, str], list[dict]] = {}
+        for r in cell:
+            by_example.setdefault((r["task"], r["example_id"]), []).append(r)
+        units = list(by_example.values())
+        rng = random.Random(seed)
+        draws: dict[PolicyPoint, list[float]] = {cfg: [] for cfg in point}
+        for _ in range(rounds):
+            sample = [r for _ in units for r in units[rng.randrange(len(units))]]
+            for cfg, (gap, *_) in _gaps_to_curve(sample, versus).items():
+                draws[cfg].append(gap)
+        for (policy, ratio), (gap, where, t, kl) in sorted(point.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+            lo, hi = metrics.percentile(draws[(policy, ratio)], 2.5), metrics.percentile(draws[(policy, ratio)], 97.5)
+            out.append({"format": fmt, "policy": policy, "anchor_ratio": ratio, "ttft_s": t, "kl": kl,
+                        "kl_versus_at_ttft": kl - gap, "where": where, "below": gap < 0, "gap": gap,
+                        "gap_ci95": (lo, hi), "verdict": "below" if hi < 0 else "above" if lo > 0 else "level"})
     return out
 
 
@@ -523,14 +574,16 @@ def print_equal_ttft(result: dict) -> None:
         return
     versus = result["versus"]
     print(f"\nat equal measured TTFT (tasks pooled): {versus}'s KL on its KL-vs-TTFT curve at the policy's TTFT "
-          f"(between two of its points, or its cheapest/dearest point when the policy's lies outside them)")
+          f"(between two of its points, or its cheapest/dearest point when the policy's lies outside them); "
+          f"gap = KL minus that, with its 95% interval (examples resampled)")
     head = (f"{'format':<10}{'policy':<16}{'anchors':>8}{'TTFT p50':>10}{'KL':>8}{versus[:12] + ' KL':>16}"
-            f"{'where':>9}{'below':>7}")
+            f"{'where':>9}{'gap [95% CI]':>28}{'verdict':>9}")
     print(head)
     print("-" * len(head))
     for r in rows:
+        gap = f"{r['gap']:+.3f} {_ci(r['gap_ci95'], '+.3f')}"
         print(f"{r['format']:<10}{r['policy']:<16}{common.fmt(r['anchor_ratio'], '.0%'):>8}{r['ttft_s']:>9.2f}s"
-              f"{r['kl']:>8.3f}{r['kl_versus_at_ttft']:>16.3f}{r['where']:>9}{'yes' if r['below'] else 'NO':>7}")
+              f"{r['kl']:>8.3f}{r['kl_versus_at_ttft']:>16.3f}{r['where']:>9}{gap:>28}{r['verdict']:>9}")
 
 
 def plot(result: dict, path: pathlib.Path) -> None:

@@ -380,17 +380,45 @@ def test_merging_parts_gives_the_whole_runs_figures(tmp_path, capsys):
     assert json.loads((tmp_path / "ok.json").read_text())["args"]["documents"] == 10
 
 
-def test_equal_ttft_interpolates_the_versus_curve_and_says_where_it_could_not():
-    def cell(policy, ratio, ttft, kl, fmt="plain"):
-        return {"format": fmt, "task": "all", "policy": policy, "anchor_ratio": ratio, "ttft_median_s": ttft,
-                "kl_first_token": kl}
+def _timed(fmt, eid, policy, ratio, ttft, kl):
+    return {"format": fmt, "task": "hotpotqa", "example_id": eid, "policy": policy, "anchor_ratio": ratio,
+            "ttft_s": ttft, "kl_first_token": kl}
 
-    summary = [cell("pic", None, 0.2, 0.3), cell("prophetkv", 0.05, 0.5, 0.10), cell("prophetkv", 0.15, 0.9, 0.06),
-               cell("relaxkv", 0.05, 0.7, 0.07), cell("relaxkv", 0.15, 0.95, 0.02), cell("relaxkv", 0.02, 0.4, 0.2)]
-    rows = {r["anchor_ratio"]: r for r in bench_quality.equal_ttft(summary, ["plain"], "prophetkv")}
-    assert set(rows) == {0.02, 0.05, 0.15}  # pic and prophetkv itself get no row
-    assert rows[0.05]["where"] == "between" and rows[0.05]["kl_versus_at_ttft"] == pytest.approx(0.08)
-    assert rows[0.05]["below"] is True  # 0.07 < 0.08
-    assert (rows[0.15]["where"], rows[0.15]["kl_versus_at_ttft"], rows[0.15]["below"]) == ("dearer", 0.06, True)
-    assert (rows[0.02]["where"], rows[0.02]["kl_versus_at_ttft"], rows[0.02]["below"]) == ("cheaper", 0.10, False)
-    assert bench_quality.equal_ttft(summary, ["chat"], "prophetkv") == []
+
+def test_equal_ttft_interpolates_the_versus_curve_and_says_where_it_could_not():
+    points = [("pic", None, 0.2, 0.3), ("prophetkv", 0.05, 0.5, 0.10), ("prophetkv", 0.15, 0.9, 0.06),
+              ("relaxkv", 0.05, 0.7, 0.07), ("relaxkv", 0.15, 0.95, 0.02), ("relaxkv", 0.02, 0.4, 0.2)]
+    rows = [_timed("plain", "e", *p) for p in points]
+    out = {r["anchor_ratio"]: r for r in bench_quality.equal_ttft(rows, ["plain"], "prophetkv", rounds=50)}
+    assert set(out) == {0.02, 0.05, 0.15}  # pic and prophetkv itself get no row
+    assert out[0.05]["where"] == "between" and out[0.05]["kl_versus_at_ttft"] == pytest.approx(0.08)
+    assert out[0.05]["below"] is True and out[0.05]["gap"] == pytest.approx(-0.01)  # 0.07 < 0.08
+    assert (out[0.15]["where"], out[0.15]["kl_versus_at_ttft"], out[0.15]["below"]) == ("dearer", 0.06, True)
+    assert (out[0.02]["where"], out[0.02]["kl_versus_at_ttft"], out[0.02]["below"]) == ("cheaper", 0.10, False)
+    assert bench_quality.equal_ttft(rows, ["chat"], "prophetkv") == []
+
+
+def test_equal_ttft_interval_resamples_examples_and_gives_a_verdict():
+    """Medians and means over examples; the interval decides ``below`` / ``level`` / ``above``."""
+    rng = random.Random(3)
+    rows = []
+    for i in range(40):
+        t = 1.0 + 0.2 * rng.random()  # this example's prompt length sets all its times
+        noise = rng.gauss(0, 0.05)
+        rows += [_timed("plain", f"e{i}", "prophetkv", 0.05, t, 0.10 + noise),
+                 _timed("plain", f"e{i}", "prophetkv", 0.10, t + 0.2, 0.05 + noise),
+                 # clearly below: ProphetKV's 5% time, a third lower KL
+                 _timed("plain", f"e{i}", "clear", 0.05, t, 0.07 + noise),
+                 # level: ProphetKV's own 5% point, with per-example noise of either sign
+                 _timed("plain", f"e{i}", "tie", 0.05, t, 0.10 + noise + rng.gauss(0, 0.05)),
+                 # above: as slow as ProphetKV at 10% with its 5% KL
+                 _timed("plain", f"e{i}", "worse", 0.05, t + 0.2, 0.10 + noise)]
+    out = {r["policy"]: r for r in bench_quality.equal_ttft(rows, ["plain"], "prophetkv", rounds=300)}
+    assert out["clear"]["verdict"] == "below" and out["clear"]["gap_ci95"][1] < 0
+    assert out["tie"]["verdict"] == "level" and out["tie"]["gap_ci95"][0] < 0 < out["tie"]["gap_ci95"][1]
+    assert out["worse"]["verdict"] == "above" and out["worse"]["gap"] == pytest.approx(0.05, abs=0.01)
+    for r in out.values():
+        lo, hi = r["gap_ci95"]
+        assert lo <= r["gap"] <= hi
+
+

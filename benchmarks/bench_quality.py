@@ -96,6 +96,7 @@ import random
 import statistics
 from typing import Iterable
 
+import numpy as np
 from tqdm import tqdm
 
 from benchmarks import common
@@ -404,14 +405,35 @@ def paired_all(rows: list[dict], formats: list[str], tasks: list[str], cfgs: lis
 PolicyPoint = tuple[str, "float | None"]  # (policy, anchor ratio)
 
 
-def _curve_stats(rows: list[dict]) -> dict[PolicyPoint, tuple[float, float]]:
-    """(median TTFT, mean first-token KL) of each swept (policy, ratio) over ``rows``."""
+def _curve_stats(rows: list[dict], units: dict[tuple[str, str], int],
+                 weights: "np.ndarray") -> dict[PolicyPoint, tuple["np.ndarray", "np.ndarray"]]:
+    """(median TTFT, mean first-token KL) of each swept (policy, ratio) over ``rows``, once per
+    weighting of the examples.
+
+    Args:
+        rows: the cell's rows; units: the index of each example (task, id) in ``weights``.
+        weights: float64 [n_weightings, n_examples] how many times each example counts (a
+            bootstrap resample's draws; all ones: the rows as measured).
+    Returns:
+        per point, float64 [n_weightings] medians (as ``statistics.median`` of the repeated rows)
+        and means.
+    """
     by_cfg: dict[PolicyPoint, list[dict]] = {}
     for r in rows:
         if r["anchor_ratio"] is not None:
             by_cfg.setdefault((r["policy"], r["anchor_ratio"]), []).append(r)
-    return {cfg: (statistics.median(r["ttft_s"] for r in rs), metrics.mean(r["kl_first_token"] for r in rs))
-            for cfg, rs in by_cfg.items()}
+    out = {}
+    for cfg, rs in by_cfg.items():
+        rs = sorted(rs, key=lambda r: r["ttft_s"])
+        ttft = np.array([r["ttft_s"] for r in rs])
+        kl = np.array([r["kl_first_token"] for r in rs])
+        w = weights[:, [units[(r["task"], r["example_id"])] for r in rs]]  # [n_weightings, rows]
+        cum, n = w.cumsum(axis=1), w.sum(axis=1)
+        # The sorted repeated rows' elements at positions (n-1)//2 and n//2: the row whose run covers them.
+        lower = (cum <= ((n - 1) // 2)[:, None]).sum(axis=1)
+        upper = (cum <= (n // 2)[:, None]).sum(axis=1)
+        out[cfg] = ((ttft[lower] + ttft[upper]) / 2, (w @ kl) / n)
+    return out
 
 
 def _on_curve(curve: list[tuple[float, float]], t: float) -> tuple[str, float]:
@@ -423,19 +445,6 @@ def _on_curve(curve: list[tuple[float, float]], t: float) -> tuple[str, float]:
         return "dearer", curve[-1][1]
     (t0, k0), (t1, k1) = next((a, b) for a, b in zip(curve, curve[1:]) if a[0] <= t <= b[0])
     return "between", k0 + (k1 - k0) * (t - t0) / (t1 - t0)
-
-
-def _gaps_to_curve(rows: list[dict], versus: str) -> dict[PolicyPoint, tuple[float, str, float, float]]:
-    """Per policy point of ``rows``: (its KL minus ``versus``'s curve at its TTFT, where, its median
-    TTFT, its KL)."""
-    stats = _curve_stats(rows)
-    curve = sorted(v for (policy, _), v in stats.items() if policy == versus)
-    out = {}
-    for cfg, (t, kl) in stats.items():
-        if cfg[0] != versus and curve:
-            where, ref = _on_curve(curve, t)
-            out[cfg] = (kl - ref, where, t, kl)
-    return out
 
 
 def equal_ttft(rows: list[dict], formats: list[str], versus: str, *, rounds: int = 1000,
@@ -461,24 +470,29 @@ def equal_ttft(rows: list[dict], formats: list[str], versus: str, *, rounds: int
     out = []
     for fmt in formats:
         cell = [r for r in rows if in_cell(r, fmt, ALL)]
-        point = _gaps_to_curve(cell, versus)
-        if not point:
+        if not cell:
             continue
-        by_example: dict[tuple[str, str], list[dict]] = {}
-        for r in cell:
-            by_example.setdefault((r["task"], r["example_id"]), []).append(r)
-        units = list(by_example.values())
-        rng = random.Random(seed)
-        draws: dict[PolicyPoint, list[float]] = {cfg: [] for cfg in point}
-        for _ in range(rounds):
-            sample = [r for _ in units for r in units[rng.randrange(len(units))]]
-            for cfg, (gap, *_) in _gaps_to_curve(sample, versus).items():
-                draws[cfg].append(gap)
-        for (policy, ratio), (gap, where, t, kl) in sorted(point.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-            lo, hi = metrics.percentile(draws[(policy, ratio)], 2.5), metrics.percentile(draws[(policy, ratio)], 97.5)
-            out.append({"format": fmt, "policy": policy, "anchor_ratio": ratio, "ttft_s": t, "kl": kl,
-                        "kl_versus_at_ttft": kl - gap, "where": where, "below": gap < 0, "gap": gap,
-                        "gap_ci95": (lo, hi), "verdict": "below" if hi < 0 else "above" if lo > 0 else "level"})
+        units = {u: i for i, u in enumerate(sorted({(r["task"], r["example_id"]) for r in cell}))}
+        n = len(units)
+        draws = np.random.default_rng(seed).integers(0, n, size=(rounds, n))
+        weights = np.ones((rounds + 1, n))  # row 0: the examples as measured; then the resamples
+        weights[1:] = np.apply_along_axis(np.bincount, 1, draws, minlength=n)
+        stats = _curve_stats(cell, units, weights)
+        versus_points = [v for (policy, _), v in stats.items() if policy == versus]
+        if not versus_points:
+            continue
+        for (policy, ratio), (t, kl) in sorted((kv for kv in stats.items() if kv[0][0] != versus),
+                                               key=lambda kv: kv[0]):
+            gaps, wheres = [], []
+            for k in range(rounds + 1):
+                where, ref = _on_curve(sorted((vt[k], vk[k]) for vt, vk in versus_points), t[k])
+                gaps.append(kl[k] - ref)
+                wheres.append(where)
+            lo, hi = metrics.percentile(gaps[1:], 2.5), metrics.percentile(gaps[1:], 97.5)
+            out.append({"format": fmt, "policy": policy, "anchor_ratio": ratio, "ttft_s": float(t[0]),
+                        "kl": float(kl[0]), "kl_versus_at_ttft": float(kl[0] - gaps[0]), "where": wheres[0],
+                        "below": bool(gaps[0] < 0), "gap": float(gaps[0]), "gap_ci95": (float(lo), float(hi)),
+                        "verdict": "below" if hi < 0 else "above" if lo > 0 else "level"})
     return out
 
 

@@ -398,6 +398,24 @@ def test_equal_ttft_interpolates_the_versus_curve_and_says_where_it_could_not():
     assert bench_quality.equal_ttft(rows, ["chat"], "prophetkv") == []
 
 
+def test_curve_stats_under_weights_equal_the_repeated_rows():
+    """A resample's weights give the median and mean of the rows repeated that many times."""
+    import statistics
+
+    import numpy as np
+
+    rng = random.Random(5)
+    rows = [_timed("plain", f"e{i}", "prophetkv", 0.05, round(rng.uniform(0.5, 1.5), 2), rng.random())
+            for i in range(7)]
+    units = {("hotpotqa", f"e{i}"): i for i in range(7)}
+    weights = np.array([[1] * 7, [0, 3, 1, 0, 2, 1, 0], [0, 0, 0, 0, 0, 0, 7], [2, 0, 0, 1, 0, 0, 1]], dtype=float)
+    ttft, kl = bench_quality._curve_stats(rows, units, weights)[("prophetkv", 0.05)]
+    for k, w in enumerate(weights):
+        repeated = [r for r, times in zip(rows, w) for _ in range(int(times))]
+        assert ttft[k] == pytest.approx(statistics.median(r["ttft_s"] for r in repeated))
+        assert kl[k] == pytest.approx(statistics.mean(r["kl_first_token"] for r in repeated))
+
+
 def test_equal_ttft_interval_resamples_examples_and_gives_a_verdict():
     """Medians and means over examples; the interval decides ``below`` / ``level`` / ``above``."""
     rng = random.Random(3)

@@ -4,9 +4,10 @@ Starting an SGLang server takes 20-40 s on the 2-core machine (mostly imports in
 processes), and a start keeps about one core busy. So the servers a run needs are all launched
 when collection ends, a few at a time, while the first tests run (:class:`ServerPrestart`): the
 session's two (``server``, ``relaxkv_server``) and those a test module declares in its
-``PRESTART_SERVERS`` (fixture name -> ``config(tiny_model_path)``). A fixture takes its server with
-``prestart.take(name, config)`` (waiting while it starts; starting it then if it was not launched)
-and stops it when its scope ends, as before. Only servers a collected test needs are launched.
+``PRESTART_SERVERS`` (fixture name -> ``start(tiny_model_path)``, which returns the started server
+or cluster; it has a ``stop()``). A fixture takes its server with ``prestart.take(name, start)``
+(waiting while it starts; calling ``start()`` then if it was not launched) and stops it when its
+scope ends, as before. Only servers a collected test needs are launched.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import concurrent.futures
 import os
 import pathlib
 import tempfile
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -34,14 +35,13 @@ class ServerPrestart:
         self._pool = concurrent.futures.ThreadPoolExecutor(PRESTART_AT_ONCE, thread_name_prefix="prestart")
         self._starting: dict[str, concurrent.futures.Future] = {}
 
-    def launch(self, name: str, config: ServerConfig) -> None:
-        self._starting[name] = self._pool.submit(SGLangServer(config).start)
+    def launch(self, name: str, start: Callable[[], Any]) -> None:
+        self._starting[name] = self._pool.submit(start)
 
-    def take(self, name: str, make_config: Callable[[], ServerConfig]) -> SGLangServer:
-        """The started server launched as ``name``, else one started now from ``make_config()``.
-        The caller stops it."""
+    def take(self, name: str, start: Callable[[], Any]) -> Any:
+        """The server launched as ``name`` once started, else ``start()``'s. The caller stops it."""
         future = self._starting.pop(name, None)
-        return future.result() if future is not None else SGLangServer(make_config()).start()
+        return future.result() if future is not None else start()
 
     def close(self) -> None:
         """Stop every launched server no fixture took (a run stopped early, a deselected test)."""
@@ -73,22 +73,27 @@ def relaxkv_server_config(model_path: str) -> ServerConfig:
                         env=STRICT_MEMORY_CHECK, extra_args=["--context-length", "4096", "--enable-metrics"])
 
 
+def start_server(config: Callable[[str], ServerConfig]) -> Callable[[str], SGLangServer]:
+    """``start(model_path)`` for :data:`PRESTART_SERVERS`: an SGLang server from ``config(model_path)``."""
+    return lambda model_path: SGLangServer(config(model_path)).start()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Launch the servers the collected tests need, in the order the tests first need them."""
     if session.config.option.collectonly:
         return
-    configs: dict[str, Callable[[str], ServerConfig]] = {
-        "server": stock_server_config,
-        "relaxkv_server": relaxkv_server_config,
+    starts: dict[str, Callable[[str], Any]] = {
+        "server": start_server(stock_server_config),
+        "relaxkv_server": start_server(relaxkv_server_config),
     }
     needed: list[str] = []
     for item in session.items:
-        configs.update(getattr(getattr(item, "module", None), "PRESTART_SERVERS", {}))
-        needed += [name for name in getattr(item, "fixturenames", ()) if name in configs and name not in needed]
+        starts.update(getattr(getattr(item, "module", None), "PRESTART_SERVERS", {}))
+        needed += [name for name in getattr(item, "fixturenames", ()) if name in starts and name not in needed]
     if needed:
         path = str(assets.model_path("tiny-llama"))
         for name in needed:
-            PRESTART.launch(name, configs[name](path))
+            PRESTART.launch(name, lambda start=starts[name]: start(path))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -113,7 +118,7 @@ def shim_report_path() -> pathlib.Path:
 @pytest.fixture(scope="session")
 def server(tiny_model_path, prestart):
     """Stock SGLang on the tiny model (:func:`stock_server_config`)."""
-    srv = prestart.take("server", lambda: stock_server_config(tiny_model_path))
+    srv = prestart.take("server", lambda: start_server(stock_server_config)(tiny_model_path))
     yield srv
     srv.stop()
 
@@ -121,7 +126,7 @@ def server(tiny_model_path, prestart):
 @pytest.fixture(scope="session")
 def relaxkv_server(tiny_model_path, prestart):
     """SGLang with the plugin's chunk tree and attention backend, default policy ``prefix``."""
-    srv = prestart.take("relaxkv_server", lambda: relaxkv_server_config(tiny_model_path))
+    srv = prestart.take("relaxkv_server", lambda: start_server(relaxkv_server_config)(tiny_model_path))
     yield srv
     srv.stop()
 

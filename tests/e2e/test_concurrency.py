@@ -10,7 +10,7 @@ import pytest
 from conftest import STRICT_MEMORY_CHECK
 from rag_helpers import documents, flush, generate, marked_prompt, relaxkv_state
 
-from relaxkv_sglang.server import ServerConfig
+from relaxkv_sglang.server import SGLangServer, ServerConfig
 
 pytestmark = pytest.mark.e2e
 
@@ -23,12 +23,16 @@ def small_pool_config(model_path: str) -> ServerConfig:
                         env=STRICT_MEMORY_CHECK, extra_args=["--context-length", "2048"])
 
 
-PRESTART_SERVERS = {"small_pool_server": small_pool_config}  # launched at the session's start (conftest)
+def start_small_pool(model_path: str) -> SGLangServer:
+    return SGLangServer(small_pool_config(model_path)).start()
+
+
+PRESTART_SERVERS = {"small_pool_server": start_small_pool}  # launched at the session's start (conftest)
 
 
 @pytest.fixture(scope="module")
 def small_pool_server(tiny_model_path, prestart):
-    srv = prestart.take("small_pool_server", lambda: small_pool_config(tiny_model_path))
+    srv = prestart.take("small_pool_server", lambda: start_small_pool(tiny_model_path))
     yield srv
     srv.stop()
 

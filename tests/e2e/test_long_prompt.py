@@ -135,11 +135,11 @@ def compare(split_url: str, whole_url: str, cold, warm, *, tol: float, n_cases: 
     return rows
 
 
-def _split_config(model_path: str) -> ServerConfig:
-    return _config(model_path, 8192, WINDOW)  # 8192: the model's max positions
+def _start_split(model_path: str) -> SGLangServer:
+    return SGLangServer(_config(model_path, 8192, WINDOW)).start()  # 8192: the model's max positions
 
 
-PRESTART_SERVERS = {"servers": _split_config}  # the splitting server, launched at the session's start (conftest)
+PRESTART_SERVERS = {"servers": _start_split}  # the splitting server, launched at the session's start (conftest)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +147,7 @@ def servers(tiny_model_path, relaxkv_server, prestart):
     """(splitting server, the session's server, which prefills the prompt whole)."""
     info = requests.get(relaxkv_server.url + "/get_server_info", timeout=30).json()
     assert info["chunked_prefill_size"] in (-1, None) or info["chunked_prefill_size"] >= 4096, info
-    split = prestart.take("servers", lambda: _split_config(tiny_model_path))
+    split = prestart.take("servers", lambda: _start_split(tiny_model_path))
     try:
         yield split.url, relaxkv_server.url
     finally:

@@ -15,7 +15,7 @@ import requests
 from rag_helpers import documents, flush, generate, marked_prompt, relaxkv_state
 
 from relaxkv_sglang.core.policies import CHUNK_POLICIES
-from relaxkv_sglang.server import STRICT_MEMORY_CHECK, ServerConfig
+from relaxkv_sglang.server import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
 from relaxkv_sglang.srt.gate import ROPE_OVERRIDE_ENV
 
 pytestmark = pytest.mark.e2e
@@ -57,12 +57,16 @@ def wrong_rope_config(model_path: str) -> ServerConfig:
     )
 
 
-PRESTART_SERVERS = {"wrong_rope_server": wrong_rope_config}  # launched at the session's start (conftest)
+def start_wrong_rope(model_path: str) -> SGLangServer:
+    return SGLangServer(wrong_rope_config(model_path)).start()
+
+
+PRESTART_SERVERS = {"wrong_rope_server": start_wrong_rope}  # launched at the session's start (conftest)
 
 
 @pytest.fixture(scope="module")
 def wrong_rope_server(tiny_model_path, prestart):
-    srv = prestart.take("wrong_rope_server", lambda: wrong_rope_config(tiny_model_path))
+    srv = prestart.take("wrong_rope_server", lambda: start_wrong_rope(tiny_model_path))
     yield srv
     srv.stop()
 

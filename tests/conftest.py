@@ -5,18 +5,19 @@ processes), and a start keeps about one core busy. So the servers a run needs ar
 when collection ends, a few at a time, while the first tests run (:class:`ServerPrestart`): the
 session's two (``server``, ``relaxkv_server``) and those a test module declares in its
 ``PRESTART_SERVERS`` (fixture name -> ``start(tiny_model_path)``, which returns the started server
-or cluster; it has a ``stop()``). A fixture takes its server with ``prestart.take(name, start)``
-(waiting while it starts; calling ``start()`` then if it was not launched) and stops it when its
-scope ends, as before. Only servers a collected test needs are launched.
+or cluster; it has a ``stop()``). A fixture takes its server with ``prestart.serving(name, start)``
+(waiting while it starts; calling ``start()`` then if it was not launched), which stops it when the
+fixture's scope ends, as before. Only servers a collected test needs are launched.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import pathlib
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -38,10 +39,16 @@ class ServerPrestart:
     def launch(self, name: str, start: Callable[[], Any]) -> None:
         self._starting[name] = self._pool.submit(start)
 
-    def take(self, name: str, start: Callable[[], Any]) -> Any:
-        """The server launched as ``name`` once started, else ``start()``'s. The caller stops it."""
+    @contextlib.contextmanager
+    def serving(self, name: str, start: Callable[[], Any]) -> Iterator[Any]:
+        """``with prestart.serving(name, start) as server:`` the server launched as ``name`` once
+        started (else ``start()``'s), stopped on exit (a fixture yields it inside)."""
         future = self._starting.pop(name, None)
-        return future.result() if future is not None else start()
+        server = future.result() if future is not None else start()
+        try:
+            yield server
+        finally:
+            server.stop()
 
     def close(self) -> None:
         """Stop every launched server no fixture took (a run stopped early, a deselected test)."""
@@ -118,17 +125,15 @@ def shim_report_path() -> pathlib.Path:
 @pytest.fixture(scope="session")
 def server(tiny_model_path, prestart):
     """Stock SGLang on the tiny model (:func:`stock_server_config`)."""
-    srv = prestart.take("server", lambda: start_server(stock_server_config)(tiny_model_path))
-    yield srv
-    srv.stop()
+    with prestart.serving("server", lambda: start_server(stock_server_config)(tiny_model_path)) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="session")
 def relaxkv_server(tiny_model_path, prestart):
     """SGLang with the plugin's chunk tree and attention backend, default policy ``prefix``."""
-    srv = prestart.take("relaxkv_server", lambda: start_server(relaxkv_server_config)(tiny_model_path))
-    yield srv
-    srv.stop()
+    with prestart.serving("relaxkv_server", lambda: start_server(relaxkv_server_config)(tiny_model_path)) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="session")

@@ -18,13 +18,9 @@ POOL_TOKENS = 4096  # 40 documents (~3,900 tokens) + 16 running requests (~420 e
 REQUESTS, CLIENTS = 200, 16
 
 
-def small_pool_config(model_path: str) -> ServerConfig:
-    return ServerConfig(model_path=model_path, max_total_tokens=POOL_TOKENS, policy="pic",
-                        env=STRICT_MEMORY_CHECK, extra_args=["--context-length", "2048"])
-
-
 def start_small_pool(model_path: str) -> SGLangServer:
-    return SGLangServer(small_pool_config(model_path)).start()
+    return SGLangServer(ServerConfig(model_path=model_path, max_total_tokens=POOL_TOKENS, policy="pic",
+                                     env=STRICT_MEMORY_CHECK, extra_args=["--context-length", "2048"])).start()
 
 
 PRESTART_SERVERS = {"small_pool_server": start_small_pool}  # launched at the session's start (conftest)
@@ -32,9 +28,8 @@ PRESTART_SERVERS = {"small_pool_server": start_small_pool}  # launched at the se
 
 @pytest.fixture(scope="module")
 def small_pool_server(tiny_model_path, prestart):
-    srv = prestart.take("small_pool_server", lambda: start_small_pool(tiny_model_path))
-    yield srv
-    srv.stop()
+    with prestart.serving("small_pool_server", lambda: start_small_pool(tiny_model_path)) as srv:
+        yield srv
 
 
 def _workload(seed: int = 0):

@@ -147,11 +147,8 @@ def servers(tiny_model_path, relaxkv_server, prestart):
     """(splitting server, the session's server, which prefills the prompt whole)."""
     info = requests.get(relaxkv_server.url + "/get_server_info", timeout=30).json()
     assert info["chunked_prefill_size"] in (-1, None) or info["chunked_prefill_size"] >= 4096, info
-    split = prestart.take("servers", lambda: _start_split(tiny_model_path))
-    try:
+    with prestart.serving("servers", lambda: _start_split(tiny_model_path)) as split:
         yield split.url, relaxkv_server.url
-    finally:
-        split.stop()
 
 
 TINY_DOCS = 38  # 3,911 tokens: four windows of 1,024, and within the session server's 4,096 context

@@ -49,16 +49,12 @@ def test_gate_passes_on_the_tiny_model(relaxkv_server):
         assert metrics[f'relaxkv:gate_tolerance{{check="{name}"}}'] == 2e-3
 
 
-def wrong_rope_config(model_path: str) -> ServerConfig:
-    return ServerConfig(
+def start_wrong_rope(model_path: str) -> SGLangServer:
+    return SGLangServer(ServerConfig(
         model_path=model_path, max_total_tokens=2048, policy="pic",
         env={**STRICT_MEMORY_CHECK, ROPE_OVERRIDE_ENV: '{"base": 20000.0}'},
         extra_args=["--context-length", "4096", "--enable-metrics"],
-    )
-
-
-def start_wrong_rope(model_path: str) -> SGLangServer:
-    return SGLangServer(wrong_rope_config(model_path)).start()
+    )).start()
 
 
 PRESTART_SERVERS = {"wrong_rope_server": start_wrong_rope}  # launched at the session's start (conftest)
@@ -66,9 +62,8 @@ PRESTART_SERVERS = {"wrong_rope_server": start_wrong_rope}  # launched at the se
 
 @pytest.fixture(scope="module")
 def wrong_rope_server(tiny_model_path, prestart):
-    srv = prestart.take("wrong_rope_server", lambda: start_wrong_rope(tiny_model_path))
-    yield srv
-    srv.stop()
+    with prestart.serving("wrong_rope_server", lambda: start_wrong_rope(tiny_model_path)) as srv:
+        yield srv
 
 
 def test_wrong_rotation_fails_the_gate_and_refuses_chunk_policies(wrong_rope_server):

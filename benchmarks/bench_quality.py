@@ -481,16 +481,14 @@ def equal_ttft(rows: list[dict], formats: list[str], versus: str, *, rounds: int
         versus_points = [v for (policy, _), v in stats.items() if policy == versus]
         if not versus_points:
             continue
+        curves = [sorted((vt[k], vk[k]) for vt, vk in versus_points) for k in range(rounds + 1)]
         for (policy, ratio), (t, kl) in sorted((kv for kv in stats.items() if kv[0][0] != versus),
                                                key=lambda kv: kv[0]):
-            gaps, wheres = [], []
-            for k in range(rounds + 1):
-                where, ref = _on_curve(sorted((vt[k], vk[k]) for vt, vk in versus_points), t[k])
-                gaps.append(kl[k] - ref)
-                wheres.append(where)
+            gaps = [kl[k] - _on_curve(curve, t[k])[1] for k, curve in enumerate(curves)]
+            where = _on_curve(curves[0], t[0])[0]
             lo, hi = metrics.percentile(gaps[1:], 2.5), metrics.percentile(gaps[1:], 97.5)
             out.append({"format": fmt, "policy": policy, "anchor_ratio": ratio, "ttft_s": float(t[0]),
-                        "kl": float(kl[0]), "kl_versus_at_ttft": float(kl[0] - gaps[0]), "where": wheres[0],
+                        "kl": float(kl[0]), "kl_versus_at_ttft": float(kl[0] - gaps[0]), "where": where,
                         "below": bool(gaps[0] < 0), "gap": float(gaps[0]), "gap_ci95": (float(lo), float(hi)),
                         "verdict": "below" if hi < 0 else "above" if lo > 0 else "level"})
     return out

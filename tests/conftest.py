@@ -85,14 +85,14 @@ def start_server(config: Callable[[str], ServerConfig]) -> Callable[[str], SGLan
     return lambda model_path: SGLangServer(config(model_path)).start()
 
 
+SESSION_SERVERS = {"server": start_server(stock_server_config), "relaxkv_server": start_server(relaxkv_server_config)}
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Launch the servers the collected tests need, in the order the tests first need them."""
     if session.config.option.collectonly:
         return
-    starts: dict[str, Callable[[str], Any]] = {
-        "server": start_server(stock_server_config),
-        "relaxkv_server": start_server(relaxkv_server_config),
-    }
+    starts: dict[str, Callable[[str], Any]] = dict(SESSION_SERVERS)
     needed: list[str] = []
     for item in session.items:
         starts.update(getattr(getattr(item, "module", None), "PRESTART_SERVERS", {}))
@@ -125,14 +125,14 @@ def shim_report_path() -> pathlib.Path:
 @pytest.fixture(scope="session")
 def server(tiny_model_path, prestart):
     """Stock SGLang on the tiny model (:func:`stock_server_config`)."""
-    with prestart.serving("server", lambda: start_server(stock_server_config)(tiny_model_path)) as srv:
+    with prestart.serving("server", lambda: SESSION_SERVERS["server"](tiny_model_path)) as srv:
         yield srv
 
 
 @pytest.fixture(scope="session")
 def relaxkv_server(tiny_model_path, prestart):
     """SGLang with the plugin's chunk tree and attention backend, default policy ``prefix``."""
-    with prestart.serving("relaxkv_server", lambda: start_server(relaxkv_server_config)(tiny_model_path)) as srv:
+    with prestart.serving("relaxkv_server", lambda: SESSION_SERVERS["relaxkv_server"](tiny_model_path)) as srv:
         yield srv
 
 

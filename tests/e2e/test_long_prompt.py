@@ -17,7 +17,6 @@ there; meant for a quiet machine or a GPU).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import os
 import sys
 
@@ -25,7 +24,7 @@ import pytest
 import requests
 
 from relaxkv_sglang import assets
-from relaxkv_sglang.server import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
+from relaxkv_sglang.server import STRICT_MEMORY_CHECK, Cluster, SGLangServer, ServerConfig
 
 if __package__:
     from .rag_helpers import documents, flush, marked_prompt, part_token_ids
@@ -43,18 +42,9 @@ def _config(model_path: str, context: int, chunked: int) -> ServerConfig:
                         extra_args=["--context-length", str(context), "--chunked-prefill-size", str(chunked)])
 
 
-def _servers(model_path: str, context: int) -> tuple[SGLangServer, SGLangServer]:
-    """(splitting server, whole-prompt server), started side by side."""
-    split = SGLangServer(_config(model_path, context, WINDOW))
-    whole = SGLangServer(_config(model_path, context, context))
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        started = [pool.submit(s.start) for s in (split, whole)]
-        errors = [f.exception() for f in started]
-    if any(errors):
-        split.stop()
-        whole.stop()
-        raise next(e for e in errors if e)
-    return split, whole
+def _servers(model_path: str, context: int) -> Cluster:
+    """(splitting server, whole-prompt server) as ``.servers``, started side by side."""
+    return Cluster([_config(model_path, context, WINDOW), _config(model_path, context, context)], None)
 
 
 def _run(url: str, prompt, policy: str, max_new_tokens: int = 6, **knobs) -> tuple[list[int], list[float], dict]:
@@ -186,13 +176,10 @@ def main(argv: list[str] | None = None) -> int:
 
     model_path = str(assets.model_path(args.model))
     cold, warm = long_prompts(args.docs, seed=41, tokenizer=AutoTokenizer.from_pretrained(model_path))
-    split, whole = _servers(model_path, args.context)
-    try:
+    with _servers(model_path, args.context) as pair:
+        split, whole = pair.servers
         for row in compare(split.url, whole.url, cold, warm, tol=args.tol, n_cases=args.cases):
             print(row, flush=True)
-    finally:
-        split.stop()
-        whole.stop()
     print("split and whole prefill agree", flush=True)
     return 0
 

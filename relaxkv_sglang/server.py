@@ -40,6 +40,26 @@ RELAXKV_FLAGS = ["--attention-backend", "relaxkv", "--radix-cache-backend", "rel
 STRICT_MEMORY_CHECK = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
 
 
+SGLANG_WORKER_PREFIX = "sglang::"  # SGLang names its worker processes so (sglang::scheduler, ...)
+
+
+def _sglang_workers_running(group: int) -> bool:
+    """Whether a live (not zombie) SGLang worker process is in process group ``group`` (Linux /proc)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        comm, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp == group and state != "Z" and comm.startswith(SGLANG_WORKER_PREFIX):
+            return True
+    return False
+
+
 class ServerError(RuntimeError):
     """The server could not be started; the message is one line for the user."""
 
@@ -209,9 +229,22 @@ class SGLangServer:
         return lines[-1].strip()[-300:] if lines else "empty log"
 
     def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the process group; once SGLang's workers have exited, end the launcher too.
+
+        The scheduler and detokenizer exit on the signal itself. SGLang's launcher process only
+        acts on it at its drain watchdog's next tick (every 5 s) and then finds its workers gone,
+        so it is killed as soon as they are rather than waited for; after ``timeout_s`` the whole
+        group is killed."""
         if self.proc is not None and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
+                deadline = time.monotonic() + timeout_s
+                while self.proc.poll() is None and _sglang_workers_running(self.proc.pid):
+                    if time.monotonic() > deadline:
+                        raise subprocess.TimeoutExpired(self.proc.args, timeout_s)
+                    time.sleep(0.05)
+                if self.proc.poll() is None:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)

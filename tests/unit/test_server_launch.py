@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import subprocess
 import time
 
 import pytest
@@ -67,3 +68,35 @@ def test_a_port_the_caller_chose_is_not_swapped(tmp_path):
         proc._launch({}, "stand-in-")
     assert proc.proc.poll() is not None  # the hung stand-in was stopped
     assert cfg.port == port
+
+
+# A stand-in for SGLang's process group at shutdown: the launcher handles SIGTERM only at its
+# watchdog's next tick (SGLang's: every 5 s); its worker, named as SGLang names its workers,
+# exits ``worker_exit_s`` after the signal.
+STAND_IN_GROUP = r'''
+import signal, subprocess, sys, time
+worker, worker_exit_s = sys.argv[1], sys.argv[2]
+script = f"import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: (time.sleep({worker_exit_s}), sys.exit(0)))\nprint('up', flush=True)\ntime.sleep(600)"
+child = subprocess.Popen([worker, "-c", script], stdout=subprocess.PIPE)
+child.stdout.readline()
+signal.signal(signal.SIGTERM, lambda *a: None)  # noted, acted on at the next tick
+print("ready", flush=True)
+while True:
+    time.sleep(5)
+'''
+
+
+@pytest.mark.parametrize("worker_exit_s", [0.0, 1.5])
+def test_stop_waits_for_the_workers_not_the_launchers_drain_tick(tmp_path, worker_exit_s):
+    worker = tmp_path / f"{server.SGLANG_WORKER_PREFIX}stand"  # its process name (comm) carries SGLang's prefix
+    worker.symlink_to(sys.executable)
+    proc = server.SGLangServer(server.ServerConfig(model_path=str(tmp_path)))
+    proc.proc = subprocess.Popen([sys.executable, "-c", STAND_IN_GROUP, str(worker), str(worker_exit_s)],
+                                 stdout=subprocess.PIPE, start_new_session=True)
+    assert proc.proc.stdout.readline() == b"ready\n"
+    assert server._sglang_workers_running(proc.proc.pid)
+    start = time.monotonic()
+    proc.stop()
+    took = time.monotonic() - start
+    assert proc.proc.poll() is not None and not server._sglang_workers_running(proc.proc.pid)
+    assert worker_exit_s <= took < worker_exit_s + 2.5  # waited for the worker, not for the 5-s tick

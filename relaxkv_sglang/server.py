@@ -44,7 +44,10 @@ SGLANG_WORKER_PREFIX = "sglang::"  # SGLang names its worker processes so (sglan
 
 
 def _sglang_workers_running(group: int) -> bool:
-    """Whether a live (not zombie) SGLang worker process is in process group ``group`` (Linux /proc)."""
+    """Whether a live (not zombie) SGLang worker process is in process group ``group``, from Linux's
+    /proc; without /proc, True (the launcher is then waited for until it exits)."""
+    if not os.path.isdir("/proc"):
+        return True
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue

@@ -3,12 +3,12 @@
 Starting an SGLang server takes 20-40 s on the 2-core machine (mostly imports in its three
 processes), and a start keeps about one core busy. So the servers a run needs are all launched
 when collection ends, the first alone and then two at a time, while the first tests run
-(:class:`ServerPrestart`): the
-session's two (``server``, ``relaxkv_server``) and those a test module declares in its
-``PRESTART_SERVERS`` (fixture name -> ``start(tiny_model_path)``, which returns the started server
-or cluster; it has a ``stop()``). A fixture takes its server with ``prestart.serving(name, start)``
-(waiting while it starts; calling ``start()`` then if it was not launched), which stops it when the
-fixture's scope ends, as before. Only servers a collected test needs are launched.
+(:class:`ServerPrestart`): the session's two (``server``, ``relaxkv_server``) and those a test
+module declares in its ``PRESTART_SERVERS`` (fixture name -> ``start(tiny_model_path)``, which
+returns the started server or cluster; it has a ``stop()``). A fixture takes its server with
+``prestart.serving(name, start)`` (waiting while it starts; calling ``start()`` then if it was not
+launched), which stops it when the fixture's scope ends, as before. Only servers a collected test
+needs are launched.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ hung process and start again on another free port; a port the caller chose is ne
 from __future__ import annotations
 
 import dataclasses
-import sys
 import subprocess
+import sys
 import time
 
 import pytest

@@ -7,10 +7,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import STRICT_MEMORY_CHECK
+from conftest import STRICT_MEMORY_CHECK, start_server
 from rag_helpers import documents, flush, generate, marked_prompt, relaxkv_state
 
-from relaxkv_sglang.server import SGLangServer, ServerConfig
+from relaxkv_sglang.server import ServerConfig
 
 pytestmark = pytest.mark.e2e
 
@@ -18,9 +18,12 @@ POOL_TOKENS = 4096  # 40 documents (~3,900 tokens) + 16 running requests (~420 e
 REQUESTS, CLIENTS = 200, 16
 
 
-def start_small_pool(model_path: str) -> SGLangServer:
-    return SGLangServer(ServerConfig(model_path=model_path, max_total_tokens=POOL_TOKENS, policy="pic",
-                                     env=STRICT_MEMORY_CHECK, extra_args=["--context-length", "2048"])).start()
+def small_pool_config(model_path: str) -> ServerConfig:
+    return ServerConfig(model_path=model_path, max_total_tokens=POOL_TOKENS, policy="pic",
+                        env=STRICT_MEMORY_CHECK, extra_args=["--context-length", "2048"])
+
+
+start_small_pool = start_server(small_pool_config)
 
 
 PRESTART_SERVERS = {"small_pool_server": start_small_pool}  # launched at the session's start (conftest)

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import pytest
 import requests
+from conftest import start_server
 from rag_helpers import documents, flush, generate, marked_prompt, relaxkv_state
 
 from relaxkv_sglang.core.policies import CHUNK_POLICIES
-from relaxkv_sglang.server import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
+from relaxkv_sglang.server import STRICT_MEMORY_CHECK, ServerConfig
 from relaxkv_sglang.srt.gate import ROPE_OVERRIDE_ENV
 
 pytestmark = pytest.mark.e2e
@@ -49,12 +50,15 @@ def test_gate_passes_on_the_tiny_model(relaxkv_server):
         assert metrics[f'relaxkv:gate_tolerance{{check="{name}"}}'] == 2e-3
 
 
-def start_wrong_rope(model_path: str) -> SGLangServer:
-    return SGLangServer(ServerConfig(
+def wrong_rope_config(model_path: str) -> ServerConfig:
+    return ServerConfig(
         model_path=model_path, max_total_tokens=2048, policy="pic",
         env={**STRICT_MEMORY_CHECK, ROPE_OVERRIDE_ENV: '{"base": 20000.0}'},
         extra_args=["--context-length", "4096", "--enable-metrics"],
-    )).start()
+    )
+
+
+start_wrong_rope = start_server(wrong_rope_config)
 
 
 PRESTART_SERVERS = {"wrong_rope_server": start_wrong_rope}  # launched at the session's start (conftest)

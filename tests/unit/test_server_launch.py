@@ -93,7 +93,8 @@ def test_stop_waits_for_the_workers_not_the_launchers_drain_tick(tmp_path, worke
     proc = server.SGLangServer(server.ServerConfig(model_path=str(tmp_path)))
     proc.proc = subprocess.Popen([sys.executable, "-c", STAND_IN_GROUP, str(worker), str(worker_exit_s)],
                                  stdout=subprocess.PIPE, start_new_session=True)
-    assert proc.proc.stdout.readline() == b"ready\n"
+    with proc.proc.stdout:
+        assert proc.proc.stdout.readline() == b"ready\n"
     assert server._sglang_workers_running(proc.proc.pid)
     start = time.monotonic()
     proc.stop()

@@ -17,6 +17,13 @@ request; ``custom_params.relaxkv_policy`` still wins. When the server's startup 
 the gate's reason (the header names a policy as the body does); ``full`` and ``prefix`` are
 served, and a request naming no policy gets ``prefix`` even if the server default is a chunk policy.
 
+Every request on a server with the chunk tree, whatever its policy, also passes
+:func:`check_sglang_fields`: fields SGLang 0.5.23 itself does not check and whose bad values stop
+its scheduler (a ``logprob_start_len`` below -1), and the batch's shape (one ``sampling_params``
+object per prompt, so that every item's ``custom_params`` is checked). A request SGLang aborts
+after this (an invalid grammar, a ``logprob_start_len`` past the prompt, an unknown session)
+gets SGLang's own error: the scheduler drops its plan (:mod:`.plan`).
+
 SGLang file touched: ``sglang/srt/managers/tokenizer_manager.py``
 (``TokenizerManager.generate_request``, wrapped).
 """
@@ -45,7 +52,7 @@ if TYPE_CHECKING:
     from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-__all__ = ["RequestError", "plan_item", "prepare_generate", "around_generate_request"]
+__all__ = ["RequestError", "check_sglang_fields", "plan_item", "prepare_generate", "around_generate_request"]
 
 Encode = Callable[[str, bool], list[int]]  # (text, add_special_tokens) -> token ids
 
@@ -108,20 +115,16 @@ def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput,
 
     ``chunks_refused``: see :func:`plan_item`. ``requested_policy``: the request's
     ``X-RelaxKV-Policy`` header (validated), the default of every item that names no policy.
+    Every request passes :func:`check_sglang_fields` first, whatever its policy.
     """
-    texts = obj.text
-    single = isinstance(texts, str) or (texts is None and not _is_batch_ids(obj.input_ids))
-    n = 1 if single else len(texts if texts is not None else obj.input_ids)
+    check_sglang_fields(obj)
+    single, n = _batch_shape(obj)
     sps = obj.sampling_params
     if isinstance(sps, list):
-        if len(sps) < n:
-            # SGLang 0.5.23 fails with an IndexError (HTTP 500) on a short list.
-            raise RequestError("sampling_params", f"a list needs one object per prompt ({n}), got {len(sps)}")
-        if len(sps) != n:
-            return  # longer: SGLang's own handling
         sp_items = [dict(sp or {}) for sp in sps]
     else:
         sp_items = [dict(sps or {}) for _ in range(n)]
+    texts = obj.text
     text_items = [texts] if single else (list(texts) if texts is not None else [None] * n)
     policy = requested_policy or default_policy()
     if chunks_refused and policy in CHUNK_POLICIES and not requested_policy:
@@ -160,6 +163,42 @@ def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput,
     obj.text = None
     obj.input_ids = ids[0] if single else ids
     obj.sampling_params = sp_items[0] if single else sp_items
+
+
+def check_sglang_fields(obj: GenerateReqInput) -> None:
+    """Reject what stops SGLang 0.5.23's scheduler (it does not check it itself) and a batch shape
+    whose items the plugin could not all check; raises :class:`RequestError` naming the field.
+
+    * ``logprob_start_len`` (a number or one per prompt): -1 (none) or a position >= 0; -2 and below
+      fail an assertion in SGLang's logprob processing, which kills the server under every policy;
+    * ``sampling_params`` as a list: exactly one object per prompt; a short list is an IndexError
+      (HTTP 500) in SGLang, a longer one has its tail ignored by SGLang, and so would the plugin's
+      per-item checks (a bad ``custom_params`` there would be served).
+    """
+    for i, value in enumerate(_as_items(obj.logprob_start_len)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            where = f" (item {i})" if isinstance(obj.logprob_start_len, list) else ""
+            raise RequestError("logprob_start_len", f"must be -1 (none) or a token position >= 0{where}, got {value!r}")
+    _, n = _batch_shape(obj)
+    if isinstance(obj.sampling_params, list) and len(obj.sampling_params) != n:
+        raise RequestError("sampling_params", f"a list needs one object per prompt ({n}), got {len(obj.sampling_params)}")
+
+
+def _batch_shape(obj: GenerateReqInput) -> tuple[bool, int]:
+    """(whether the request is one prompt, how many prompts it holds), from text or input_ids."""
+    texts = obj.text
+    single = isinstance(texts, str) or (texts is None and not _is_batch_ids(obj.input_ids))
+    if single:
+        return True, 1
+    prompts = texts if texts is not None else obj.input_ids
+    return False, len(prompts) if isinstance(prompts, list) else 1
+
+
+def _as_items(value: Any) -> list[Any]:
+    """A per-prompt field's values: the list, or the one value."""
+    return value if isinstance(value, list) else [value]
 
 
 def _wants_plan(sampling_params: dict) -> bool:

@@ -45,7 +45,13 @@ import torch
 from relaxkv_sglang.core.attention import scoped_causal_attention
 from relaxkv_sglang.core.repair_plan import RepairCost
 from relaxkv_sglang.gpu.prefill_inputs import ScopedPrefillInputs, scoped_prefill_inputs
-from relaxkv_sglang.srt.context import ExtendRows, ForwardContext, forward_context, record_query_scores
+from relaxkv_sglang.srt.context import (
+    ExtendRows,
+    ForwardContext,
+    InvariantError,
+    forward_context,
+    record_query_scores,
+)
 from relaxkv_sglang.srt.layer_loop import AnchorAttention
 
 SGLANG, SCOPED = "sglang", "scoped"
@@ -119,7 +125,7 @@ def scoped_inputs(rows: Sequence[ExtendRows]) -> ScopedPrefillInputs:
     start = 0
     for r in rows:
         if r.row_start != start:
-            raise RuntimeError("relaxkv: the fold's rows do not tile the batch")
+            raise InvariantError("relaxkv: the fold's rows do not tile the batch")
         start += r.n_rows
     req = torch.cat([torch.full((r.n_rows,), r.req_pool_idx, dtype=torch.int64) for r in rows])
     return scoped_prefill_inputs(req, torch.cat([r.positions for r in rows]), torch.cat([r.scope_start for r in rows]))
@@ -236,7 +242,7 @@ def build_cuda_backend_class() -> type:
             if path == SGLANG:
                 return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
             if path != SCOPED or layer.is_cross_attention:
-                raise RuntimeError(f"relaxkv: no attention for a {path} batch at layer {layer.layer_id}")
+                raise InvariantError(f"relaxkv: no attention for a {path} batch at layer {layer.layer_id}")
             if save_kv_cache and k is not None and v is not None:
                 self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
             k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)

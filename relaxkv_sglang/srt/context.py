@@ -28,6 +28,13 @@ import torch
 
 from relaxkv_sglang.core.selection import query_attention_scores
 
+class InvariantError(RuntimeError):
+    """A broken invariant of the plugin's own bookkeeping (never one request's input): the only
+    error the fold and the repair let out of the scheduler. :mod:`.forward` logs it in one line
+    before SGLang stops the server; a request whose repair cannot be carried out is served as
+    ``pic`` instead (:mod:`.repair`)."""
+
+
 # Attribute names on SGLang's objects; one place, so a reader can grep for them.
 _CONTEXT_ATTR = "relaxkv_context"
 _PENDING_ATTR = "relaxkv_pending"
@@ -81,14 +88,14 @@ class QueryScores:
         (int64 [n_rows]); k_cache [pool, Hkv, d] the layer's keys, the rows' own already written."""
         is_query = (positions >= self.n_context) & (positions < self.query_end)
         if int(is_query.sum()) != self.query_end - self.n_context:
-            raise RuntimeError("relaxkv: the query pass does not hold the whole query")
+            raise InvariantError("relaxkv: the query pass does not hold the whole query")
         keys = k_cache[self.slots[: self.query_end].to(k_cache.device)]
         self.layers.append(query_attention_scores(q[is_query.to(q.device)], keys, self.n_context, scale))
 
     def stacked(self, n_layers: int) -> torch.Tensor:
         """float32 [n_layers, n_context], on the CPU (the planner's device)."""
         if len(self.layers) != n_layers:
-            raise RuntimeError(f"relaxkv: the query pass recorded scores at {len(self.layers)} of {n_layers} layers")
+            raise InvariantError(f"relaxkv: the query pass recorded scores at {len(self.layers)} of {n_layers} layers")
         return torch.stack(self.layers).cpu()
 
 

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from relaxkv_sglang.srt.context import ExtendRows, ForwardContext, QueryScores, Repair
+from relaxkv_sglang.srt.context import ExtendRows, ForwardContext, InvariantError, QueryScores, Repair
 from relaxkv_sglang.srt.plan import RequestPlan, request_plan
 from relaxkv_sglang.srt.report import merge_record, request_record
 
@@ -270,7 +270,7 @@ def _folded_copy(batch: Any, requests: list[RequestFold]) -> Any:
     from there.
     """
     if getattr(batch, "global_num_tokens", None) is not None:
-        raise RuntimeError("relaxkv: data-parallel attention is not supported with chunk reuse")
+        raise InvariantError("relaxkv: data-parallel attention is not supported with chunk reuse")
     offsets, start, total = [], 0, sum(batch.extend_lens)
     extra_ids, extra_locs, n_extra = [], [], 0
     for r, n in zip(requests, batch.extend_lens):

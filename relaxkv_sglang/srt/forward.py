@@ -16,6 +16,11 @@
 5. the chunk pins the batch's requests took at admission (:mod:`.admission`) are dropped,
    whatever happened above.
 
+A request's own trouble never raises out of here (an aborted request's stub has no plan,
+:mod:`.plan`; a repair that cannot be carried out is served as ``pic``, :mod:`.repair`). A broken
+invariant of the plugin's bookkeeping (:class:`~.context.InvariantError`) is logged in one line,
+then left to SGLang, which stops the server.
+
 SGLang files touched (hooks registered in ``plugin.py``): ``managers/tp_worker.py``
 ``TpModelWorker.forward_batch_generation`` (around) and
 ``model_executor/forward_batch_info.py`` ``ForwardBatch.init_new`` (around).
@@ -23,12 +28,15 @@ SGLang files touched (hooks registered in ``plugin.py``): ``managers/tp_worker.p
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
-from relaxkv_sglang.srt.context import PendingForward, attach_context, attach_pending, pending_forward
+from relaxkv_sglang.srt.context import InvariantError, PendingForward, attach_context, attach_pending, pending_forward
 from relaxkv_sglang.srt.fold import finish_fold, fold_batch
 from relaxkv_sglang.srt.repair import prepare_repair
 from relaxkv_sglang.srt.tree_cache import worker_cache
+
+logger = logging.getLogger(__name__)
 
 
 def around_forward_batch_generation(original: Callable, worker: Any, batch: Optional[Any] = None,
@@ -39,6 +47,10 @@ def around_forward_batch_generation(original: Callable, worker: Any, batch: Opti
         return original(worker, batch, *args, **kwargs)
     try:
         return _forward(original, cache, worker, batch, *args, **kwargs)
+    except InvariantError as exc:
+        logger.error("relaxkv: a broken invariant of the server stops it: %s (batch of %d requests)",
+                     exc, len(batch.reqs) if batch is not None else 0)
+        raise
     finally:
         # the chunk pins taken at admission (admission.py): copied by the fold, or not
         # needed (a mixed batch is not folded); on a failed forward too

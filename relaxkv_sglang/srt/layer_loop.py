@@ -43,7 +43,7 @@ from relaxkv_sglang.core.layout import BlockSparseLayout
 from relaxkv_sglang.core.repair_plan import AnchorPlan
 from relaxkv_sglang.core.rope import RopeSpec, RotationTable
 from relaxkv_sglang.core.stale_shift import shift_deltas
-from relaxkv_sglang.srt.context import forward_context
+from relaxkv_sglang.srt.context import InvariantError, forward_context
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import KVCache
@@ -276,7 +276,7 @@ class LayerLoop:
             layout = (plan.layout_at(l, q[sel], k_cache[r.slots[:plan.n_context]]) if plan.ranks_pages_in_layer
                       else plan.layouts[l])
             if not torch.equal(layout.q_pos, pos[sel]):
-                raise RuntimeError("relaxkv: layout rows do not match the layer's anchors")
+                raise InvariantError("relaxkv: layout rows do not match the layer's anchors")
             out[sel] = self.anchor_attention(q[sel], k_cache, v_cache, layout, scale, r.slots, l, plan.layouts, r.work)
         return out
 
@@ -312,11 +312,11 @@ def _stale_shift(r: LoopRows, l: int, mask: torch.Tensor, k_new: torch.Tensor, v
     if sources.numel() == 0:
         return
     if rope is None:
-        raise RuntimeError("relaxkv: the stale shift needs the served RoPE (LayerLoop(rope=...))")
+        raise InvariantError("relaxkv: the stale shift needs the served RoPE (LayerLoop(rope=...))")
     pos = r.positions[mask]
     rows = torch.searchsorted(pos, sources)
     if not torch.equal(pos[rows.clamp(max=pos.shape[0] - 1)], sources):
-        raise RuntimeError("relaxkv: the stale shift's anchors are not the layer's rows")
+        raise InvariantError("relaxkv: the stale shift's anchors are not the layer's rows")
     if r.shift_target is None:
         r.shift_target = ShiftTarget(r.slots, plan.shift_body.to(r.slots.device), rope, r.positions, r.exits)
     target = r.shift_target
@@ -436,6 +436,6 @@ def around_model_forward(original: Callable, model: torch.nn.Module, input_ids: 
     if context is None or context.repair is None or not forward_batch.forward_mode.is_extend():
         return hidden
     if not isinstance(hidden, torch.Tensor):
-        raise RuntimeError("relaxkv: a repair needs the decoder stack's hidden states alone "
+        raise InvariantError("relaxkv: a repair needs the decoder stack's hidden states alone "
                            "(no auxiliary hidden states, no pipeline stages)")
     return context.repair.run(model, hidden)

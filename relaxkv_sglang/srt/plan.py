@@ -6,6 +6,15 @@ tokenizes each part on its own, and hands the scheduler internal entries of
 the policy, the chunks' token spans (a flat list ``[s0, e0, s1, e1, ...]``,
 since custom params carry only flat lists) and the repair knobs. This module
 reads them back once per request.
+
+A plan describes the prompt it was built for. SGLang can replace that prompt after the HTTP side
+planned it: a request it aborts before its prefill (an invalid grammar, ``logprob_start_len``
+past the prompt, an unknown session, a prompt over the KV budget: ``Req.set_finish_with_abort``)
+keeps its place in the queue and runs one prefill of a one-token stub, so that its error goes out
+through the ordinary finish path. Its chunk spans then point past its prompt; :func:`request_plan`
+gives such a request no plan, so the fold, the repair, the pins and the radix publishing treat the
+stub as SGLang does without the plugin, and the batch's other requests are folded and repaired as
+if it were not there.
 """
 
 from __future__ import annotations
@@ -19,7 +28,8 @@ from relaxkv_sglang.schema import ANCHOR_RATIO, BUDGET, CHUNKS, CONTEXT_RATIO, P
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
 
-__all__ = ["BACKEND_NAME", "RECORD_KEY", "RequestPlan", "chunk_tree_served", "request_namespace", "request_plan"]
+__all__ = ["BACKEND_NAME", "RECORD_KEY", "RequestPlan", "chunk_tree_served", "fits_prompt", "request_namespace",
+           "request_plan"]
 
 # The name the plugin registers its tree cache and attention backend under.
 BACKEND_NAME = "relaxkv"
@@ -80,7 +90,20 @@ def request_namespace(req: Req) -> str | None:
 
 
 def request_plan(req: Req) -> RequestPlan | None:
-    """The plan of an SGLang ``Req`` (cached on it), or None for a plain request."""
+    """The plan of an SGLang ``Req``, or None for a plain request and for one whose prompt SGLang
+    replaced (an aborted request's stub, module doc)."""
+    plan = _parsed_plan(req)
+    return plan if plan is not None and fits_prompt(plan, req) else None
+
+
+def fits_prompt(plan: RequestPlan, req: Req) -> bool:
+    """Whether the plan's chunks lie in the request's prompt with a query after them (the HTTP side
+    guarantees it for the prompt it planned; SGLang's abort stub is shorter)."""
+    return not plan.chunk_spans or plan.query_start < len(req.origin_input_ids)
+
+
+def _parsed_plan(req: Req) -> RequestPlan | None:
+    """The plan read from the request's ``custom_params`` (once, cached on it)."""
     cached = req.__dict__.get("_relaxkv_plan", False)
     if cached is not False:
         return cached

@@ -36,19 +36,27 @@ window repairs it again (the query's scores stop at the prompt's end; the genera
 recomputed like the query). When a repair-policy request is not repaired, the report says why
 (``not_repaired_reason``, :func:`not_repaired_reason`).
 
+**One request never stops the server.** A request whose repair cannot be set up or planned (its
+query pass would not hold its whole query, or the planner or the rows' construction fails on it)
+is served as ``pic``, its rows those SGLang's forward computed, with a ``not_repaired_reason``
+naming the failure, logged once (:func:`serve_as_pic`); the batch's other requests are repaired
+as before. Only a broken invariant of the plugin's own bookkeeping
+(:class:`~.context.InvariantError`) leaves the scheduler, logged in one line by :mod:`.forward`.
+
 This module decides which requests are repaired and translates plans into rows; the method's
 decisions are in ``core/``, the execution in :mod:`.layer_loop`.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from relaxkv_sglang.core.policies import Policy
 from relaxkv_sglang.core.repair_plan import AnchorPlan, RepairConfig, plan_anchors
-from relaxkv_sglang.srt.context import QueryScores
+from relaxkv_sglang.srt.context import InvariantError, QueryScores
 from relaxkv_sglang.srt.layer_loop import LayerLoop, LoopRows, ModelLayers, supports_repair
 
 if TYPE_CHECKING:
@@ -56,6 +64,8 @@ if TYPE_CHECKING:
 
     from relaxkv_sglang.srt.fold import Fold, RequestFold
     from relaxkv_sglang.srt.tree_cache import ChunkCache
+
+logger = logging.getLogger(__name__)
 
 
 def repair_config(r: "RequestFold") -> RepairConfig:
@@ -91,29 +101,59 @@ def prepare_repair(cache: "ChunkCache", model_runner: "ModelRunner", fold: "Fold
     if not candidates:
         return None
     model_ok = supports_repair(model_runner.model)
-    targets = []
-    for r in candidates:
-        r.not_repaired_reason = not_repaired_reason(r, model_ok)
-        if r.not_repaired_reason is None:
-            targets.append(r)
+    targets = [r for r in candidates if _set_up_repair(cache, r, model_ok)]
     if not targets:
         return None
-    for r in targets:
-        _start_query_pass(cache, r)
     return RepairStage(cache, model_runner.attn_backend, fold, targets)
+
+
+def serve_as_pic(r: "RequestFold", failure: str) -> None:
+    """A request whose repair cannot be carried out: served as ``pic`` (the rows SGLang's
+    forward computed), the report and the log saying why (once: a request's repair is decided
+    once per prefill of its prompt)."""
+    r.repair = None
+    r.not_repaired_reason = f"{failure} (served as pic)"
+    logger.warning("relaxkv: request %s not repaired: %s", getattr(r.req, "rid", "?"), r.not_repaired_reason)
+
+
+def _set_up_repair(cache: "ChunkCache", r: "RequestFold", model_supports_repair: bool) -> bool:
+    """Whether the request is repaired in this window: its query pass set up, or else why not
+    (``r.not_repaired_reason``; a failure of its own is served as pic, module doc)."""
+    r.not_repaired_reason = not_repaired_reason(r, model_supports_repair)
+    if r.not_repaired_reason is not None:
+        return False
+    try:
+        _start_query_pass(cache, r)
+    except InvariantError:
+        raise
+    except Exception as exc:  # this request's plan, not the server: serve it as pic
+        serve_as_pic(r, f"its query pass could not be set up ({exc})")
+        return False
+    return True
 
 
 def _start_query_pass(cache: "ChunkCache", r: "RequestFold") -> None:
     """The request's rows stay the fold's; a policy that scores records the query's attention,
     and needs the whole query in the pass: its rows of earlier windows are added (they already
     hold their stale KV; only the query's own rows give scores, and recomputing them writes the
-    same KV)."""
+    same KV). Raises ``ValueError`` when the pass would not hold the whole query (checked here,
+    before the forward, so the attention backend's recorder never meets such a request)."""
     slots = cache.req_to_token[r.req_pool_idx, : r.window_end].to(torch.int64)
+    query_start, query_end = r.plan.query_start, len(r.req.origin_input_ids)
     scores, earlier_query = None, torch.zeros(0, dtype=torch.int64)
     if Policy(r.plan.policy).needs_query_scores:
-        scores = QueryScores(r.plan.query_start, len(r.req.origin_input_ids), slots)
-        earlier_query = torch.arange(min(r.plan.query_start, r.window_start), r.window_start, dtype=torch.int64)
+        scores = QueryScores(query_start, query_end, slots)
+        earlier_query = torch.arange(min(query_start, r.window_start), r.window_start, dtype=torch.int64)
+        _check_whole_query(torch.cat([earlier_query, r.positions]), query_start, query_end)
     r.start_query_pass(slots, scores, earlier_query)
+
+
+def _check_whole_query(rows: torch.Tensor, query_start: int, query_end: int) -> None:
+    """Raise ``ValueError`` unless the pass's rows (int64 positions) hold every query position
+    ``[query_start, query_end)`` (what :class:`~.context.QueryScores` records)."""
+    held = int(((rows >= query_start) & (rows < query_end)).sum())
+    if not query_start < query_end or held != query_end - query_start:
+        raise ValueError(f"the pass would hold {held} of the query's rows {query_start}..{query_end - 1}")
 
 
 class RepairStage:
@@ -136,25 +176,38 @@ class RepairStage:
         """hidden [n_rows, hidden] SGLang's final-normed output of the folded batch -> the same,
         the targets' glue and query rows replaced by the repair pass's."""
         layers = ModelLayers(model)
-        n_layers = layers.n_layers
-        for r in self.targets:
-            r.publish_misses(self.cache)  # final position-independent KV, before anchors overwrite it
-            scores = r.scores.stacked(n_layers) if r.scores is not None else None
-            anchor_plan = plan_anchors(r.plan.policy, scores, list(r.plan.chunk_spans), r.plan.query_start, n_layers,
-                                       repair_config(r), self.attn_backend.repair_cost, input_ids=_token_ids(r.req))
-            r.repair = _repair_rows(r, anchor_plan, r.slots)
-        passes = [r.repair for r in self.targets]
-        ids = torch.cat([_token_ids(r.req)[rows.positions] for r, rows in zip(self.targets, passes)])
+        targets = [r for r in self.targets if self._planned(r, layers.n_layers)]
+        if not targets:
+            return hidden
+        passes = [r.repair for r in targets]
+        ids = torch.cat([_token_ids(r.req)[rows.positions] for r, rows in zip(targets, passes)])
         loop = LayerLoop(layers, self.cache.kv_pool, self.attn_backend.anchor_attention,
                          rope=getattr(getattr(self.cache, "copier", None), "rope", None))
         with torch.no_grad():
             repaired = loop.run(passes, ids.to(hidden.device))
         start_of = {id(r): start for r, start in zip(self.fold.requests, self.fold.row_starts())}
         offset = 0
-        for r, rows in zip(self.targets, passes):
+        for r, rows in zip(targets, passes):
             _replace_rows(hidden, start_of[id(r)], r.positions, repaired[offset: offset + rows.n_rows], rows)
             offset += rows.n_rows
         return hidden
+
+    def _planned(self, r: "RequestFold", n_layers: int) -> bool:
+        """Publish the request's misses (final position-independent KV, before anchors overwrite
+        it) and plan its repair pass (``r.repair``); False, served as pic, when its plan cannot be
+        made (module doc)."""
+        r.publish_misses(self.cache)
+        scores = r.scores.stacked(n_layers) if r.scores is not None else None
+        try:
+            anchor_plan = plan_anchors(r.plan.policy, scores, list(r.plan.chunk_spans), r.plan.query_start, n_layers,
+                                       repair_config(r), self.attn_backend.repair_cost, input_ids=_token_ids(r.req))
+            r.repair = _repair_rows(r, anchor_plan, r.slots)
+        except InvariantError:
+            raise
+        except Exception as exc:  # this request's plan, not the server: serve it as pic
+            serve_as_pic(r, f"its repair could not be planned ({exc})")
+            return False
+        return True
 
 
 def _replace_rows(hidden: torch.Tensor, start: int, batch_positions: torch.Tensor, repaired: torch.Tensor,
@@ -171,7 +224,7 @@ def _replace_rows(hidden: torch.Tensor, start: int, batch_positions: torch.Tenso
     idx = torch.searchsorted(batch_positions, pos).clamp(max=batch_positions.shape[0] - 1)
     present = batch_positions[idx] == pos  # glue of earlier windows is not in this batch
     if not bool(present[-1]) or int(pos[-1]) != int(batch_positions[-1]):
-        raise RuntimeError("relaxkv: the repair pass does not end at the request's last row")
+        raise InvariantError("relaxkv: the repair pass does not end at the request's last row")
     hidden[(start + idx[present]).to(hidden.device)] = repaired[fresh[present].to(repaired.device)].to(hidden.dtype)
 
 

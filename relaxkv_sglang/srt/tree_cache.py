@@ -677,7 +677,7 @@ def make_tree_cache(ctx: "TreeCacheBuildContext") -> Any:
         raise SystemExit(f"relaxkv-sglang: {exc}") from exc
     rope = serving_rope(rope)  # the rope unless a test swaps it (gate.ROPE_OVERRIDE_ENV)
     kv_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
-    metrics = ChunkMetrics({"model_name": server_args.served_model_name}) if server_args.enable_metrics else None
+    metrics = ChunkMetrics({"model_name": served_model_name(server_args)}) if server_args.enable_metrics else None
     tiers = pool_kv = None
     tier_config = tier_config_from_env()  # a malformed RELAXKV_* tier variable stops the server here
     if tier_config.enabled:
@@ -700,6 +700,15 @@ def make_tree_cache(ctx: "TreeCacheBuildContext") -> Any:
                        type(model).__name__)
     logger.info("relaxkv tree cache ready: rope=%s", rope)
     return cache
+
+
+def served_model_name(server_args: Any) -> str:
+    """The ``model_name`` label SGLang's own ``sglang:*`` series carry: the served model name,
+    which sglang 0.5.23 keeps in its runtime context (not on ``ServerArgs``), else the model path."""
+    from sglang.srt.runtime_context import get_serving
+
+    name = getattr(get_serving(), "served_model_name", None) or getattr(server_args, "served_model_name", None)
+    return str(name or server_args.model_path)
 
 
 def around_get_internal_state(original: Any, scheduler: "Scheduler", recv_req: Any) -> Any:

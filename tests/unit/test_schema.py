@@ -211,11 +211,14 @@ def test_plan_keys_round_trip_from_the_http_side_to_the_scheduler():
     ids, planned = plan_item(text, {"custom_params": cp}, encode, 1 << 20, DEFAULT_POLICY)
     assert ids == encode(text[:5], True) + encode(text[5:13], False) + encode(text[13:], False)
     assert planned["other"] == 7 and CONTEXT_RATIO.plan_key not in planned
-    req = types.SimpleNamespace(sampling_params=types.SimpleNamespace(custom_params=planned))
+    req = types.SimpleNamespace(sampling_params=types.SimpleNamespace(custom_params=planned), origin_input_ids=ids)
     plan = request_plan(req)
     assert (plan.policy, plan.chunk_spans) == ("relaxkv", ((6, 14),))
     assert (plan.anchor_ratio, plan.context_ratio) == (0.3, CONTEXT_RATIO.default)
     assert plan.repairs and plan.reuses_chunks
+    # SGLang's abort (set_finish_with_abort) swaps the prompt for a one-token stub: no plan then
+    req.origin_input_ids = [0]
+    assert request_plan(req) is None
 
 
 def test_plan_item_reports_the_first_bad_field():

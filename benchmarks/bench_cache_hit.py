@@ -53,11 +53,11 @@ namespace) and computed cold (``pic`` in a fresh ``cache_salt``), TTFT medians a
     python -m benchmarks.bench_cache_hit --tiers --quick --model tiny-llama
 
 ``--replicas N`` (N >= 2) measures routing instead: N servers, each with the KV pool
-``--max-total-tokens``, and ``sglang-router`` in front (:class:`relaxkv_sglang.server.Cluster`).
+``--max-total-tokens``, and the ``smg`` gateway in front (:class:`relaxkv_sglang.server.Cluster`).
 The same trace is replayed under ``pic`` (``--policies``) once against one replica alone (the
-single-server reference) and once through the router per ``--routings``: ``document`` (the
-router's ``manual`` policy keyed by the MinHash of each request's documents, which the client
-sends as ``x-smg-routing-key``; :mod:`relaxkv_sglang.routing`), ``document_split`` (the same
+single-server reference) and once through the gateway per ``--routings``: ``document`` (sticky
+routing keyed by the MinHash of each request's documents, which the client sends as
+``x-smg-routing-key``, a new key placed by the gateway's round-robin turn; :mod:`relaxkv_sglang.routing`), ``document_split`` (the same
 with the client spreading a hot key over several replicas: :class:`~relaxkv_sglang.routing.HotKeySplitter`,
 the load-aware fallback), ``cache_aware`` and ``round_robin``, every replica flushed before each. Reported per routing: the hit rate, its share
 of the single-server one, and the requests each replica served, read from each replica's own
@@ -86,7 +86,7 @@ from tqdm import tqdm
 
 from benchmarks import common
 from relaxkv_sglang import metrics, workloads
-from relaxkv_sglang.client import RouterClient, ServerClient
+from relaxkv_sglang.client import ServerClient
 from relaxkv_sglang.routing import HotKeySplitter
 
 BENCH = "bench_cache_hit"
@@ -495,9 +495,8 @@ def print_tiers(result: dict) -> None:
           f"{common.fmt(d['compute_ttft_median_s'], '.3f')} s: {common.fmt(d['speedup'], '.1f')}x")
 
 
-class ClusterClient(RouterClient):
-    """A client of the router (``/v1/completions``, :class:`~relaxkv_sglang.client.RouterClient`)
-    whose ``flush`` and ``relaxkv_state`` go to every replica directly (the counters summed), so
+class ClusterClient(ServerClient):
+    """A client of the gateway whose ``flush`` and ``relaxkv_state`` go to every replica directly (the counters summed), so
     :func:`replay` measures a cluster as it measures one server."""
 
     def __init__(self, url: str, replica_urls: list[str], splitter: HotKeySplitter | None = None):
@@ -572,10 +571,8 @@ def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = No
             print(f"{BENCH}: starting {args.replicas} sglang replicas with {model} (logs: {log}.replica*)",
                   file=sys.stderr, flush=True)
             urls = stack.enter_context(Cluster(replica_configs(base, args.replicas), None)).replica_urls
-        # One request straight to every replica first: a replica whose process still runs its
-        # first requests' code paths answers slower, and the router's min_load would then place
-        # most new keys on the others (each replay starts from flushed caches, so this leaves no
-        # cached document behind).
+        # One request straight to every replica first, so no replay times a replica's first
+        # requests' code paths (each replay starts from flushed caches: no cached document is left).
         for url in urls:
             ServerClient(url).generate(trace[0].text, trace[0].offsets, args.policies[0].removesuffix("-auto"),
                                        max_new_tokens=1)
@@ -681,13 +678,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --tiers: tokens of each document set loaded from disk vs computed")
     parser.add_argument("--disk-load-sets", type=int, default=3, help="with --tiers: document sets timed")
     parser.add_argument("--replicas", type=int, default=1,
-                        help="N >= 2: N servers behind sglang-router, the trace through each of --routings")
+                        help="N >= 2: N servers behind the smg gateway, the trace through each of --routings")
     parser.add_argument("--routings", nargs="+", default=["document", "cache_aware", "round_robin"],
                         choices=["document", "document_split", "cache_aware", "round_robin"],
                         help="with --replicas; document_split: document routing with the client's hot-key "
                              "splitter (routing.HotKeySplitter), the load-aware fallback")
-    parser.add_argument("--assignment-mode", default="min_load", choices=["min_load", "min_group", "random"],
-                        help="with --replicas: where the router places a new routing key (document routing)")
+    parser.add_argument("--assignment-mode", default="delegate", choices=["delegate", "min_load", "min_group", "random"],
+                        help="with --replicas: where the gateway places a new routing key (document routing): "
+                             "delegate, its round-robin turn (balanced by design); the others follow timing "
+                             "(fewest requests or keys in flight) or chance")
     parser.add_argument("--shared-chunk-dir", action="store_true",
                         help="with --replicas: the replicas share one disk tier folder (a temp folder, emptied "
                              "before each run), so a chunk one computes is a disk hit on the others")

@@ -3,12 +3,13 @@
 A trace-driven simulation of the cluster of ``relaxkv-sglang serve --replicas N``: each replica is
 the project's REAL chunk store (:class:`relaxkv_sglang.core.chunk_store.ChunkStore`, through its
 public API only: ``lookup`` / ``lock`` / ``unlock`` / ``insert`` / ``evict`` / ``total_tokens``) with
-a KV pool of ``--pool-tokens``; the router is a model of ``sglang-router``'s policies:
+a KV pool of ``--pool-tokens``; the router is a model of the ``smg`` gateway's policies as
+``serve --replicas`` configures them (:data:`relaxkv_sglang.server.ROUTINGS`):
 
-* ``document``: the ``manual`` policy with ``--assignment-mode min_load`` keyed by the MinHash of the
-  request's documents (:func:`relaxkv_sglang.routing.routing_key_of_documents`, the key the clients
-  send): a key seen before goes where it went first (sticky); a new key goes to the replica with
-  the fewest requests in flight, ties broken at random.
+* ``document``: sticky routing keyed by the MinHash of the request's documents
+  (:func:`relaxkv_sglang.routing.routing_key_of_documents`, the key the clients send): a key seen
+  before goes where it went first; a new key takes the next round-robin turn (``--assignment-mode
+  delegate`` on ``round_robin``: the k-th new key to replica ``k mod N``).
 * ``cache_aware``: per replica, the set of prompt prefixes it was sent (the router's approximate
   radix tree of request text, at part granularity: system prompt, each document, question; a
   part's length in characters ``= 4 x`` its tokens). With loads ``l_i`` (requests in flight), the
@@ -223,7 +224,7 @@ class Replica:
 
 
 class Router:
-    """A model of one ``sglang-router`` policy (module doc)."""
+    """A model of one gateway policy (module doc)."""
 
     def __init__(self, policy: str, n: int, trace: Trace, seed: int, *, cache_threshold: float = 0.3,
                  balance_abs: int = 64, balance_rel: float = 1.5):
@@ -236,6 +237,7 @@ class Router:
         self.tree_chars = [0] * n
         self.cache_threshold, self.balance_abs, self.balance_rel = cache_threshold, balance_abs, balance_rel
         self.count = 0
+        self.new_keys = 0  # document routing's round-robin turns: one per new key
         self.splitter = HotKeySplitter(n, seed=seed) if policy == "document_split" else None
 
     def _min_load(self, loads: list[int]) -> int:
@@ -258,7 +260,8 @@ class Router:
             docs = [f"document {d}" for d in req.docs]
             key = self.splitter.key(docs) if self.splitter else routing_key_of_documents(docs)
             if key not in self.keys:
-                self.keys[key] = self._min_load(loads)
+                self.keys[key] = self.new_keys % self.n
+                self.new_keys += 1
             return self.keys[key]
         parts = self._parts(req)
         total = sum(c for _, c in parts)

@@ -182,7 +182,7 @@ def cmd_serve(args, extra: list[str]) -> int:
     if args.routing is not None:
         raise ServerError("--routing needs --replicas N with N >= 2")
     if "--" in extra:
-        raise ServerError("sglang-router flags (after a second --) need --replicas N with N >= 2")
+        raise ServerError("gateway flags (after a second --) need --replicas N with N >= 2")
     policy = serve_policy(args)
     config = ServerConfig(
         model_path=str(assets.resolve_model(args.model)),

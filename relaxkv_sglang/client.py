@@ -5,8 +5,10 @@ to the server the same way any other client would: ``/generate``,
 ``/flush_cache`` and ``/get_server_info``.
 
 Every ``/generate`` with documents carries the header ``x-smg-routing-key``, the MinHash of its
-documents (:mod:`relaxkv_sglang.routing`), so behind ``sglang-router --policy manual`` requests
-sharing their documents reach the same replica; a single server ignores it. ``routing=False``
+documents (:mod:`relaxkv_sglang.routing`), so behind the ``smg`` gateway's document routing
+(``relaxkv-sglang serve --replicas N``) requests sharing their documents reach the same replica; a
+single server ignores it. The gateway forwards ``/generate`` with its ``custom_params``, so one
+client speaks to a server and to a cluster alike. ``routing=False``
 sends none; ``splitter=HotKeySplitter(N)`` spreads hot keys over several of ``N`` replicas.
 """
 
@@ -115,70 +117,3 @@ class ServerClient:
         """The plugin's counters from /get_server_info ({} on a stock server)."""
         info = self.session.get(self.url + "/get_server_info", timeout=60).json()
         return info["internal_states"][0].get("relaxkv", {})
-
-
-class RouterClient(ServerClient):
-    """A client of ``sglang-router`` in front of plugin replicas: ``generate`` over ``/v1/completions``.
-
-    Why: the router (``sglang-router`` 0.3.2) re-serializes a ``/generate`` body from its own typed
-    schema and drops what that schema lacks, ``sampling_params.custom_params`` included, so the
-    project's fields would never reach a replica (the request is served without reuse, and a bad
-    field is not refused). Its ``/v1/completions`` keeps the top-level ``custom_params``, which the
-    plugin reads the same way (docs/api.md), so this client sends ``prompt`` + ``custom_params``
-    there, with the routing header, and returns the ``/generate`` shape the benchmarks read:
-    ``{"text", "meta_info": {"prompt_tokens", "completion_tokens", "cached_tokens"}}``.
-    ``cached_tokens`` needs the replicas started with ``--enable-cache-report``
-    (:func:`relaxkv_sglang.server.replica_configs` adds it); there is no per-request
-    ``meta_info.relaxkv`` report on this path.
-    """
-
-    def _completion_body(self, text, offsets, policy, *, max_new_tokens, anchor_ratio=None, context_ratio=None,
-                         budget=None, stop=None, **extra) -> dict:
-        if extra:
-            raise TypeError(f"RouterClient.generate does not support {', '.join(sorted(extra))}")
-        fields = ((POLICY, policy), (CHUNKS, offsets), (ANCHOR_RATIO, anchor_ratio), (CONTEXT_RATIO, context_ratio),
-                  (BUDGET, budget))
-        body = {"model": "default", "prompt": text, "max_tokens": max_new_tokens, "temperature": 0}
-        custom = {field.name: value for field, value in fields if value is not None}
-        if custom:
-            body["custom_params"] = custom
-        if stop is not None:
-            body["stop"] = stop
-        return body
-
-    @staticmethod
-    def _as_generate(text: str, usage: dict) -> dict:
-        details = usage.get("prompt_tokens_details") or {}
-        return {"text": text, "meta_info": {"prompt_tokens": usage.get("prompt_tokens", 0),
-                                            "completion_tokens": usage.get("completion_tokens", 0),
-                                            "cached_tokens": details.get("cached_tokens", 0) or 0}}
-
-    def generate(self, text: str, offsets: list[int] | None = None, policy: str | None = None, *,
-                 max_new_tokens: int = 16, **knobs) -> dict:
-        """POST /v1/completions, greedy; the ``/generate`` shape plus ``client_latency_s``."""
-        body = self._completion_body(text, offsets, policy, max_new_tokens=max_new_tokens, **knobs)
-        data, elapsed = self._post_json("/v1/completions", body, text, offsets)
-        out = self._as_generate(data["choices"][0]["text"], data.get("usage") or {})
-        out["client_latency_s"] = elapsed
-        return out
-
-    def generate_stream(self, text: str, offsets: list[int] | None = None, policy: str | None = None, *,
-                        max_new_tokens: int = 16, **knobs) -> dict:
-        """Streamed /v1/completions (usage in the last event): the ``/generate`` shape, ``ttft_s``, ``latency_s``."""
-        body = self._completion_body(text, offsets, policy, max_new_tokens=max_new_tokens, **knobs)
-        body.update(stream=True, stream_options={"include_usage": True})
-        start = time.perf_counter()
-        ttft, pieces, usage = None, [], None
-        for event in self._stream_events("/v1/completions", body, text, offsets):
-            if "error" in event:
-                raise RuntimeError(f"stream error: {event['error']}")
-            for choice in event.get("choices") or []:
-                if ttft is None:
-                    ttft = time.perf_counter() - start
-                pieces.append(choice.get("text") or "")
-            usage = event.get("usage") or usage
-        if usage is None:
-            raise RuntimeError("stream ended without usage")
-        out = self._as_generate("".join(pieces), usage)
-        out["ttft_s"], out["latency_s"] = ttft, time.perf_counter() - start
-        return out

@@ -285,38 +285,44 @@ def running_server(url: str | None,
         yield server.url, server
 
 
-# ------------------------------------------------------------- replicas behind a router
+# ------------------------------------------------------------- replicas behind a gateway
 #
 # ``relaxkv-sglang serve --replicas N``, the multi-replica benchmark and its test: N plugin servers
-# and one ``sglang-router`` (the Rust gateway of the pinned ``sglang-router`` wheel, its own
-# process and process group) in front. Routing ``document`` is the router's ``manual`` policy
-# keyed by ``x-smg-routing-key``, the MinHash of the request's documents the project's clients send
-# (:mod:`relaxkv_sglang.routing`): sticky, a new key on the replica with the fewest requests in
-# flight. ``cache_aware`` and ``round_robin`` are the router's own policies, for comparison.
+# and one ``smg`` gateway (the Shepherd Model Gateway, sglang-router's successor, pinned in the
+# requirements; its own process and process group) in front. Routing ``document`` keys every request
+# by ``x-smg-routing-key``, the MinHash of its documents that the project's clients send
+# (:mod:`relaxkv_sglang.routing`): a key seen before goes where it went first (sticky); a NEW key is
+# placed by the gateway's ``round_robin`` turn (``--assignment-mode delegate``), and only new keys
+# and keyless requests take a turn. So the k-th distinct key goes to replica k mod N: after K keys
+# every replica holds floor(K/N) or ceil(K/N) of them, whatever the timing (docs/scaling.md).
+# sglang-router 0.3.2 could not promise this: its new keys went to the fewest requests *in flight*.
+# ``cache_aware`` and ``round_robin`` are the gateway's own policies, for comparison.
 
+ROUTING_HEADER_FLAGS = ["--routing-key-headers", "x-smg-routing-key"]
 ROUTINGS: dict[str, list[str]] = {
-    "document": ["--policy", "manual", "--assignment-mode", "min_load"],
+    "document": ["--policy", "round_robin", "--routing-key-override", "--assignment-mode", "delegate",
+                 *ROUTING_HEADER_FLAGS],
     "cache_aware": ["--policy", "cache_aware"],
     "round_robin": ["--policy", "round_robin"],
 }
-# Health checks every 5 s, a replica out after 2 failures (the router's defaults, 60 s x 3, leave a
-# dead replica pinned to its routing keys for minutes); user flags after them win.
+# Health checks every 5 s, a replica out after 2 failures (a dead replica otherwise stays pinned to
+# its routing keys for minutes); user flags after them win.
 ROUTER_DEFAULTS = ["--health-check-interval-secs", "5", "--health-failure-threshold", "2"]
 
 
 @dataclasses.dataclass
 class RouterConfig:
-    """One ``sglang-router`` process in front of ``worker_urls``.
+    """One ``smg`` gateway process in front of ``worker_urls``.
 
-    ``extra_args`` go to ``python -m sglang_router.launch_router`` last (so they override the
-    routing flags and :data:`ROUTER_DEFAULTS`); the Prometheus port is a free one unless given.
+    ``extra_args`` go to ``python -m smg.launch_router`` last (so they override the routing flags
+    and :data:`ROUTER_DEFAULTS`); the Prometheus port is a free one unless given.
     """
 
     worker_urls: list[str]
     routing: str = "document"
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port
-    model_path: str | None = None  # the router loads its tokenizer from it (else it asks HuggingFace)
+    model_path: str | None = None  # the gateway loads its tokenizer from it (else it asks HuggingFace)
     extra_args: list[str] = dataclasses.field(default_factory=list)
     log_path: str | None = None
     startup_timeout_s: float = 120.0
@@ -324,7 +330,7 @@ class RouterConfig:
     def command(self) -> list[str]:
         if self.routing not in ROUTINGS:
             raise ServerError(f"--routing {self.routing}: choose one of {', '.join(ROUTINGS)}")
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host, "--port", str(self.port),
+        cmd = [sys.executable, "-m", "smg.launch_router", "--host", self.host, "--port", str(self.port),
                "--worker-urls", *self.worker_urls, *ROUTINGS[self.routing], *ROUTER_DEFAULTS]
         if self.model_path:
             cmd += ["--model-path", self.model_path]
@@ -334,21 +340,21 @@ class RouterConfig:
 
 
 def router_installed() -> bool:
-    """Whether the ``sglang-router`` wheel (module ``sglang_router``) is installed."""
+    """Whether the ``smg`` gateway wheel (module ``smg``) is installed."""
     import importlib.util
 
-    return importlib.util.find_spec("sglang_router") is not None
+    return importlib.util.find_spec("smg") is not None
 
 
 class RouterProcess(SGLangServer):
-    """A running ``sglang-router``: ready once ``/readiness`` reports every worker healthy."""
+    """A running ``smg`` gateway: ready once ``/readiness`` reports every worker healthy."""
 
     def __init__(self, config: RouterConfig):
         super().__init__(config)  # type: ignore[arg-type]  # same process handling, another command
 
     def start(self) -> "RouterProcess":
         if not router_installed():
-            raise ServerError("sglang-router is not installed (make install pins it); --replicas needs it")
+            raise ServerError("smg (the gateway) is not installed (make install pins it); --replicas needs it")
         return self._launch(dict(os.environ, NO_COLOR="1", RUST_LOG_STYLE="never"), "relaxkv-sglang-router-")
 
     def _wait_ready(self) -> None:
@@ -356,7 +362,7 @@ class RouterProcess(SGLangServer):
         deadline = time.monotonic() + cfg.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerError(f"sglang-router exited with code {self.proc.returncode} during startup: "
+                raise ServerError(f"smg exited with code {self.proc.returncode} during startup: "
                                   f"{self.last_error_line()} (log: {self.log_path})")
             try:
                 r = requests.get(self.url + "/readiness", timeout=5)
@@ -365,10 +371,10 @@ class RouterProcess(SGLangServer):
             except (requests.RequestException, ValueError):
                 pass
             time.sleep(0.5)
-        raise ServerError(f"sglang-router not ready after {cfg.startup_timeout_s:.0f} s (log: {self.log_path})")
+        raise ServerError(f"smg not ready after {cfg.startup_timeout_s:.0f} s (log: {self.log_path})")
 
     def healthy_workers(self) -> list[str]:
-        """The worker URLs the router currently counts healthy (its ``/workers``)."""
+        """The worker URLs the gateway currently counts healthy (its ``/workers``)."""
         workers = requests.get(self.url + "/workers", timeout=10).json()["workers"]
         return [w["url"] for w in workers if w.get("is_healthy")]
 
@@ -450,8 +456,8 @@ class Cluster:
 def replica_configs(base: ServerConfig, replicas: int) -> list[ServerConfig]:
     """``replicas`` copies of ``base`` on distinct free ports (``base.port`` ignored), each with
     ``--enable-metrics`` (per-replica request counts on ``/metrics``), ``--enable-cache-report``
-    (``cached_tokens`` in ``/v1/completions`` usage, what :class:`~relaxkv_sglang.client.RouterClient`
-    reads) and its own log beside ``base``'s."""
+    (``cached_tokens`` in the OpenAI routes' usage, for OpenAI clients through the gateway) and its
+    own log beside ``base``'s."""
     configs = []
     for i in range(replicas):
         extra = list(base.extra_args) + [f for f in ("--enable-metrics", "--enable-cache-report")

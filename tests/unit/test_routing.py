@@ -234,11 +234,15 @@ def test_router_command_lines():
 
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     cmd = RouterConfig(worker_urls=urls, routing="document", port=5, extra_args=["--cache-threshold", "0.5"]).command()
-    assert cmd[1:3] == ["-m", "sglang_router.launch_router"]
+    assert cmd[1:3] == ["-m", "smg.launch_router"]
     at = cmd.index("--worker-urls")
     assert cmd[at + 1:at + 3] == urls
-    assert cmd[at + 3:at + 7] == ["--policy", "manual", "--assignment-mode", "min_load"]
-    assert cmd[at + 7:at + 7 + len(ROUTER_DEFAULTS)] == ROUTER_DEFAULTS
+    # sticky keys, a new key placed by the round-robin turn (the balance guarantee, docs/scaling.md)
+    routing = ["--policy", "round_robin", "--routing-key-override", "--assignment-mode", "delegate",
+               "--routing-key-headers", "x-smg-routing-key"]
+    assert cmd[at + 3:at + 3 + len(routing)] == routing
+    at += 3 + len(routing)
+    assert cmd[at:at + len(ROUTER_DEFAULTS)] == ROUTER_DEFAULTS
     assert cmd[-2:] == ["--cache-threshold", "0.5"] and "--prometheus-port" in cmd  # user flags last, a free port
     assert "--policy" in RouterConfig(worker_urls=urls, routing="round_robin").command()
     base = ServerConfig(model_path="/m", port=30000, log_path="/tmp/x.log", extra_args=["--context-length", "64"])
@@ -251,7 +255,7 @@ def test_router_command_lines():
 @pytest.mark.parametrize("argv, message", [
     (["serve", "--routing", "document"], "--routing needs --replicas N with N >= 2"),
     (["serve", "--replicas", "0"], "--replicas 0: must be >= 1"),
-    (["serve", "--", "--x", "--", "--y"], "sglang-router flags (after a second --) need --replicas N with N >= 2"),
+    (["serve", "--", "--x", "--", "--y"], "gateway flags (after a second --) need --replicas N with N >= 2"),
 ])
 def test_serve_replicas_bad_input_is_one_line(argv, message, capsys):
     from relaxkv_sglang import cli
@@ -259,20 +263,6 @@ def test_serve_replicas_bad_input_is_one_line(argv, message, capsys):
     assert cli.main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"relaxkv-sglang: error: {message}"]
-
-
-def test_router_client_speaks_v1_completions(recorder):
-    from relaxkv_sglang.client import RouterClient
-
-    text, offsets = workloads.marked_text("System.", DOCS[:3], "Question?")
-    out = RouterClient(recorder.url).generate(text, offsets, "pic", max_new_tokens=3, anchor_ratio=0.2)
-    path, key, body = recorder.seen[-1]
-    assert path == "/v1/completions" and key == routing.routing_key_of_documents(DOCS[:3])
-    assert body == {"model": "default", "prompt": text, "max_tokens": 3, "temperature": 0,
-                    "custom_params": {"relaxkv_policy": "pic", "relaxkv_chunks": offsets, "relaxkv_anchor_ratio": 0.2}}
-    assert out["text"] == "y" and out["meta_info"] == {"prompt_tokens": 9, "completion_tokens": 1, "cached_tokens": 4}
-    with pytest.raises(TypeError, match="top_logprobs"):
-        RouterClient(recorder.url).generate(text, offsets, top_logprobs=2)
 
 
 def test_serve_replicas_refuses_a_busy_port_before_starting_anything(capsys):

@@ -44,12 +44,13 @@ def test_a_small_pool_evicts_with_the_chunk_store():
     assert roomy["hit_rate_pct"] > tight["hit_rate_pct"]
 
 
-def test_document_routing_is_sticky_by_document_set_and_assigns_new_keys_by_load():
-    trace = _trace([(0, (1, 2, 3)), (1, (3, 1, 2)), (2, (7, 8, 9))])
+def test_document_routing_is_sticky_by_document_set_and_assigns_new_keys_by_turn():
+    trace = _trace([(0, (1, 2, 3)), (1, (3, 1, 2)), (2, (7, 8, 9)), (0, (4, 5, 6))])
     router = sc.Router("document", 3, trace, seed=0)
-    first = router.route(trace.requests[0], [0, 0, 0])
-    assert router.route(trace.requests[1], [5, 5, 5]) == first  # same documents, another order and system
-    assert router.route(trace.requests[2], [3, 0, 4]) == 1  # a new key: the least loaded replica
+    assert router.route(trace.requests[0], [0, 0, 0]) == 0  # the first new key: the first turn
+    assert router.route(trace.requests[1], [5, 0, 0]) == 0  # same documents, another order and system
+    assert router.route(trace.requests[2], [0, 0, 0]) == 1  # the next new key: the next turn, whatever the loads
+    assert router.route(trace.requests[3], [0, 0, 9]) == 2
 
 
 def test_cache_aware_follows_text_prefixes_and_balances_when_imbalanced():

@@ -22,6 +22,7 @@ and the request is served. A NUL character is an ordinary code point in text.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 from typing import Any, Callable
@@ -105,6 +106,27 @@ def chunk_over_context() -> dict:
 def too_many_pairs() -> dict:
     text = "x" * 2100 + " Q?"
     return gen({"relaxkv_chunks": list(range(2050))}, text=text)
+
+
+# Requests SGLang itself aborts before their prefill (set_finish_with_abort: the prompt becomes a
+# one-token stub that still runs one prefill): under a repair policy with chunks they once killed
+# the server. Now each gets SGLang's own 400 and the server lives (docs/reliability.md).
+ABORT_TEXT = "Hi.\nThe quick brown fox jumps over the lazy dog.\nQ: what?"
+ABORT_CHUNKS = [4, 48]
+
+
+def aborted(policy: str, sampling: dict | None = None, **extra) -> dict:
+    """A /generate body with one marked chunk under ``policy`` that SGLang aborts (``sampling``:
+    extra sampling params such as a bad grammar; ``extra``: top-level fields)."""
+    params = {"max_new_tokens": 4, "custom_params": {"relaxkv_policy": policy, "relaxkv_chunks": ABORT_CHUNKS},
+              **(sampling or {})}
+    return {"text": ABORT_TEXT, "sampling_params": params, **extra}
+
+
+def long_sampling_list(custom_params: dict) -> dict:
+    """A batch of one prompt with two sampling_params objects, the second carrying ``custom_params``."""
+    return {"text": [TEXT], "sampling_params": [{"max_new_tokens": 2, "custom_params": custom_params},
+                                                {"max_new_tokens": 2}]}
 
 
 UNICODE_TEXT = "Ünïcödé déjà vu, 日本語のテキスト. Question?"
@@ -205,6 +227,30 @@ HTTP_CASES = [
     BadCase("invalid_utf8", G, "not valid UTF-8", raw=b'{"text": "ab\xff\xfe", "sampling_params": {}}'),
     BadCase("lone_surrogate_escape", G, "surrogate",
             raw=b'{"text": "ab\\ud800cd", "sampling_params": {"custom_params": {"relaxkv_chunks": [0, 2]}}}'),
+    # --- native: aborted by SGLang before the prefill, under repair policies (issue: server exit)
+    BadCase("abort_bad_regex_relaxkv", G, "Failed to compile regex grammar", aborted("relaxkv", {"regex": "(["})),
+    BadCase("abort_bad_json_schema_epic", G, "Failed to compile json grammar",
+            aborted("epic", {"json_schema": "{not json"})),
+    BadCase("abort_bad_ebnf_prophetkv", G, "Failed to compile ebnf grammar", aborted("prophetkv", {"ebnf": "root ::= ("})),
+    BadCase("abort_logprob_start_past_prompt_relaxkv", G, "is higher than the number of input tokens",
+            aborted("relaxkv", return_logprob=True, logprob_start_len=1000)),
+    BadCase("abort_logprob_start_past_prompt_epic", G, "is higher than the number of input tokens",
+            aborted("epic", return_logprob=True, logprob_start_len=1000)),
+    BadCase("abort_unknown_session_cacheblend", G, "session id nope does not exist",
+            aborted("cacheblend", session_params={"id": "nope"})),
+    # --- native: what stops SGLang's own scheduler, refused by the plugin's checks
+    BadCase("logprob_start_len_minus_two_prefix", G, "invalid logprob_start_len: must be -1 (none) or a token position",
+            gen({"relaxkv_policy": "prefix"}, return_logprob=True, logprob_start_len=-2)),
+    BadCase("logprob_start_len_minus_five_relaxkv", G, "invalid logprob_start_len", aborted(
+        "relaxkv", return_logprob=True, logprob_start_len=-5)),
+    BadCase("logprob_start_len_batch_item", G, "logprob_start_len: must be -1 (none) or a token position >= 0 (item 1)",
+            {"text": [TEXT, TEXT], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True,
+             "logprob_start_len": [0, -3]}),
+    # --- native: a sampling_params list longer than the prompts (its tail skipped the checks)
+    BadCase("batch_long_sampling_params_bad_policy", G, "sampling_params: a list needs one object per prompt (1), got 2",
+            long_sampling_list({"relaxkv_policy": "bogus"})),
+    BadCase("batch_long_sampling_params_bad_chunks", G, "sampling_params: a list needs one object per prompt (1), got 2",
+            long_sampling_list({"relaxkv_chunks": [5, 1]})),
     # --- OpenAI chat
     BadCase("chat_policy_unknown", CHAT, "relaxkv_policy: unknown policy 'bogus'", chat({"relaxkv_policy": "bogus"})),
     BadCase("chat_policy_list", CHAT, "relaxkv_policy: unknown policy ['pic']", chat({"relaxkv_policy": ["pic"]})),
@@ -229,6 +275,8 @@ HTTP_CASES = [
             lambda: chat_doc({"type": "text", "text": " ".join(documents(40, seed=8))})),
     BadCase("chat_cache_salt_not_a_string", CHAT, "'cache_salt'", chat(cache_salt=5)),
     BadCase("chat_no_messages", CHAT, "Messages cannot be empty", chat({"relaxkv_policy": "pic"}, messages=[])),
+    BadCase("chat_documents_bad_regex_relaxkv", CHAT, "Failed to compile regex grammar",
+            chat({"relaxkv_policy": "relaxkv"}, regex="([")),
     # --- OpenAI completions (the plugin sees them as /generate requests)
     BadCase("completions_policy_unknown", COMPLETIONS, "relaxkv_policy: unknown policy 'magic'",
             completion({"relaxkv_policy": "magic"})),
@@ -236,6 +284,8 @@ HTTP_CASES = [
             completion({"relaxkv_chunks": [0, 500]})),
     BadCase("completions_token_prompt_with_offsets", COMPLETIONS, "relaxkv_chunks: character offsets need",
             completion({"relaxkv_chunks": [0, 1]}, prompt=[1, 2, 3])),
+    BadCase("completions_bad_regex_relaxkv", COMPLETIONS, "Failed to compile regex grammar",
+            dict(completion({"relaxkv_policy": "relaxkv", "relaxkv_chunks": [6, 27]}), regex="([")),
     BadCase("completions_reserved_key", COMPLETIONS, "custom_params._relaxkv_token_spans: is reserved",
             completion({"_relaxkv_token_spans": [0, 1]})),
     # --- frontend: SGLang's parallel-encoding join route
@@ -362,6 +412,30 @@ def test_frontend_misuse_raises_one_clear_error(relaxkv_server, probe_output, na
 
 
 # ------------------------------------------------------ what the API accepts
+
+
+def test_aborted_requests_in_a_batch_leave_the_others_repaired_as_alone(relaxkv_server):
+    """Requests SGLang aborts (their one-token stubs) prefilled in one batch with repair requests:
+    the stubs get SGLang's 400, the others are repaired and answer as when sent alone."""
+    prompts = [marked_prompt(f"System {i}.", documents(3, seed=70 + i), "Question: what?") for i in range(3)]
+
+    def body(prompt, **extra) -> dict:
+        return {"text": prompt.text, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "custom_params": {
+            "relaxkv_policy": "relaxkv", "relaxkv_chunks": prompt.offsets}, **extra.pop("sampling", {})}, **extra}
+
+    flush(relaxkv_server.url)
+    alone = [requests.post(relaxkv_server.url + G, json=body(p), timeout=120).json() for p in prompts]
+    bad = [body(prompts[0], return_logprob=True, logprob_start_len=10_000), body(prompts[1], sampling={"regex": "(["}),
+           body(prompts[2], session_params={"id": "nope"})]
+    with concurrent.futures.ThreadPoolExecutor(len(bad) + len(prompts)) as pool:
+        futures = [pool.submit(requests.post, relaxkv_server.url + G, json=b, timeout=120)
+                   for b in bad + [body(p) for p in prompts]]
+        answers = [f.result() for f in futures]
+    assert [a.status_code for a in answers] == [400] * len(bad) + [200] * len(prompts), [a.text[:200] for a in answers]
+    for first, again in zip(alone, (a.json() for a in answers[len(bad):])):
+        assert again["output_ids"] == first["output_ids"]
+        assert first["meta_info"]["relaxkv"]["repaired"] and again["meta_info"]["relaxkv"]["repaired"]
+    assert requests.get(relaxkv_server.url + "/health", timeout=30).status_code == 200
 
 
 def test_streamed_bad_request_sends_the_400_as_its_first_event(relaxkv_server):

@@ -3,7 +3,7 @@
     relaxkv-sglang serve [--model smollm2-135m|tiny-llama|qwen2.5-0.5b|PATH] [--port N] [--policy P]
                          [--max-total-tokens N] [--stock] [sglang args] [-- sglang args]
     relaxkv-sglang serve --replicas N [--routing document|cache_aware|round_robin] [...]
-                         [-- extra sglang args [-- extra sglang-router args]]
+                         [-- extra sglang args [-- extra smg args]]
     relaxkv-sglang serve ... [--host-cache-gb G] [--chunk-dir DIR] [--disk-cache-gb G]
     relaxkv-sglang encode --url URL --input corpus.jsonl|corpus.txt [--separator SEP] [--batch-size N]
     relaxkv-sglang model smollm2-135m|tiny-llama|qwen2.5-0.5b
@@ -18,13 +18,14 @@ sglang.launch_server`` with the plugin; ``--policy`` sets it for the one server.
 ``--max-total-tokens``, ``--device``) and hands every flag it does not know to
 ``sglang.launch_server`` unchanged, as it does the flags after ``--``.
 
-``serve --replicas N`` (N >= 2) starts N plugin servers on free ports and one ``sglang-router`` on
-``--port`` in front of them (:class:`relaxkv_sglang.server.Cluster`), prints the router's URL and
-stops all of them on Ctrl-C or SIGTERM. ``--routing document`` (default) is the router's ``manual``
-policy keyed by ``x-smg-routing-key``, the MinHash of each request's documents that the project's
-clients send (:mod:`relaxkv_sglang.routing`); ``cache_aware`` and ``round_robin`` are the router's
-own. Flags after a first ``--`` go to every replica's ``sglang.launch_server``, after a second
-``--`` to ``sglang-router`` (e.g. ``-- -- --cache-threshold 0.5``).
+``serve --replicas N`` (N >= 2) starts N plugin servers on free ports and one ``smg`` gateway on
+``--port`` in front of them (:class:`relaxkv_sglang.server.Cluster`), prints the gateway's URL and
+stops all of them on Ctrl-C or SIGTERM. ``--routing document`` (default) is sticky routing keyed by
+``x-smg-routing-key``, the MinHash of each request's documents that the project's clients send
+(:mod:`relaxkv_sglang.routing`), a new key placed by the gateway's round-robin turn (balanced by
+design: docs/scaling.md); ``cache_aware`` and ``round_robin`` are the gateway's own. Flags after a
+first ``--`` go to every replica's ``sglang.launch_server``, after a second ``--`` to ``smg``
+(e.g. ``-- -- --cache-threshold 0.5``).
 
 ``serve --host-cache-gb G --chunk-dir DIR --disk-cache-gb G`` adds the chunk store's lower tiers
 (a bounded host-memory tier and a bounded disk folder, :mod:`relaxkv_sglang.srt.tiers`); they
@@ -119,11 +120,11 @@ def _interrupt(*_) -> None:
 
 
 def cmd_serve_replicas(args, extra: list[str]) -> int:
-    """``serve --replicas N``: N plugin servers and one sglang-router in front, until Ctrl-C/SIGTERM."""
+    """``serve --replicas N``: N plugin servers and one smg gateway in front, until Ctrl-C/SIGTERM."""
     from relaxkv_sglang.server import Cluster, RouterConfig, port_in_use, replica_configs, router_installed
 
     if not router_installed():
-        raise ServerError("sglang-router is not installed (make install pins it); --replicas needs it")
+        raise ServerError("smg (the gateway) is not installed (make install pins it); --replicas needs it")
     if args.port and port_in_use(args.host, args.port):  # checked before the replicas' minutes of startup
         raise ServerError(f"port {args.port} on {args.host} is in use; pick another with --port")
     sglang_extra, router_extra = extra, []
@@ -142,7 +143,7 @@ def cmd_serve_replicas(args, extra: list[str]) -> int:
                           log_path=f"{args.log}.router" if args.log else None)
     cluster = Cluster(replica_configs(base, args.replicas), router)
     print(f"starting {args.replicas} sglang replicas with {base.model_path}, default policy "
-          f"{policy if base.relaxkv else 'none (--stock)'}, and sglang-router on {args.host}:{args.port} "
+          f"{policy if base.relaxkv else 'none (--stock)'}, and the smg gateway on {args.host}:{args.port} "
           f"(routing {routing})", file=sys.stderr, flush=True)
     # SIGTERM during startup: stop what has started (the finally below), no orphans.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -269,9 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log", default=None, help="server log file (default: a temp file)")
     s.add_argument("--startup-timeout", type=float, default=300.0)
     s.add_argument("--replicas", type=int, default=1,
-                   help="N >= 2: N servers on free ports and sglang-router on --port in front of them")
+                   help="N >= 2: N servers on free ports and the smg gateway on --port in front of them")
     s.add_argument("--routing", default=None, choices=["document", "cache_aware", "round_robin"],
-                   help="with --replicas: the router's policy (default: document, the MinHash routing key)")
+                   help="with --replicas: the gateway's policy (default: document, the MinHash routing key, "
+                        "new keys by round-robin turn)")
     s.add_argument("--host-cache-gb", type=float, default=None,
                    help="host-memory tier below the KV pool, in GB (evicted chunks spill here; default 0: none)")
     s.add_argument("--chunk-dir", default=None,

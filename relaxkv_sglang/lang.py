@@ -39,8 +39,10 @@ Consequences, by design:
 
 Routing: a ``/generate`` whose text holds documents also carries the header
 ``x-smg-routing-key``, the MinHash of its documents (:mod:`relaxkv_sglang.routing`; of all items'
-documents for a batch), so behind ``sglang-router --policy manual`` programs sharing documents reach
-the replica that has their chunks (``routing=False`` sends none).
+documents for a batch), so behind the ``smg`` gateway's document routing programs sharing documents
+reach the replica that has their chunks (``routing=False`` sends none). The gateway takes one prompt
+per ``/generate`` (a list ``text``, as ``select`` sends, is its 422): run such programs against a
+replica.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Document-affine routing keys: a MinHash of a request's document set, for SGLang's router.
+"""Document-affine routing keys: a MinHash of a request's document set, for SGLang's gateway.
 
-Behind ``sglang-router --policy manual`` every request carrying the header
-``x-smg-routing-key`` goes to the replica its key was first assigned to (sticky; a new key goes to
-the replica with the fewest requests in flight under ``--assignment-mode min_load``). The key
+Behind the ``smg`` gateway as ``serve --replicas`` starts it, every request carrying the header
+``x-smg-routing-key`` goes to the replica its key was first assigned to (sticky; a new key takes
+the gateway's next round-robin turn, :data:`relaxkv_sglang.server.ROUTINGS`). The key
 computed here makes requests that share their documents share a replica, so a document's chunks
 are computed once per cluster instead of once per replica, whatever the documents' order, system
 prompt or question.
@@ -51,7 +51,7 @@ __all__ = [
     "prompt_documents",
 ]
 
-ROUTING_HEADER = "x-smg-routing-key"  # sglang-router's manual policy reads it (case-insensitive)
+ROUTING_HEADER = "x-smg-routing-key"  # the smg gateway reads it (--routing-key-headers; case-insensitive)
 _DOC_PERSON = b"relaxkv-doc"  # BLAKE2b personalization: these hashes never equal another use's
 
 
@@ -186,7 +186,7 @@ class HotKeySplitter:
     """Client-side load-aware fallback: spread a hot routing key over several replicas.
 
     A sticky key sends all of its requests to one replica, so a document set more popular than
-    ``1/N`` of the traffic overloads its replica (the router's ``min_load`` only places *new* keys).
+    ``1/N`` of the traffic overloads its replica (the gateway balances *keys*, not their traffic).
     This splitter keeps the base keys of the last ``w = min(window, requests seen)`` requests; a key
     with ``c`` of them has the share ``p = c / w`` and is split into
 

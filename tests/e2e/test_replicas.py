@@ -208,9 +208,12 @@ def test_a_replica_killed_mid_trace(cluster):
     failed = [r for r in results if not r[3]]
     late = [r for r in results if r[1] > kill + 15]
     assert late and all(r[3] for r in late)
-    # errors: only requests sent while the router still counted the dead replica healthy, a few at most
+    # errors: only requests sent while the gateway still counted the dead replica available. By
+    # arithmetic, not timing: the 2 requests in flight at the kill, plus those whose 5 attempts
+    # (--retry-max-retries) fail before the 10 failures that open the replica's circuit, at most 2
+    # (the health checks, 5 s x 2, take it out sooner if the breaker has not): 4 at most.
     assert all(kill - 30 < r[1] < kill + 15 for r in failed), failed
-    assert len(failed) <= 6, failed
+    assert len(failed) <= 4, failed
     # the survivor keeps serving with its cache: requests after the kill still reuse cached tokens
     assert sum(r[4] for r in results if r[1] > kill and r[3]) > 0
     print(f"replica killed: {len(failed)} of {len(results)} requests failed "

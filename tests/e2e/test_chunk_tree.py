@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import requests
 import torch
@@ -72,6 +74,12 @@ def _metric(url: str, name: str, label: str = "") -> float:
     return sum(values)
 
 
+def _model_names(url: str, prefix: str) -> set[str]:
+    """The model_name label values of the /metrics series whose names start with ``prefix``."""
+    text = requests.get(url + "/metrics", timeout=30).text
+    return set(re.findall(rf'^{re.escape(prefix)}\w*{{[^}}]*model_name="([^"]*)"', text, re.M))
+
+
 def test_metrics_see_chunk_hits(relaxkv_server):
     url = relaxkv_server.url
     docs = documents(3, seed=12)
@@ -91,6 +99,8 @@ def test_metrics_see_chunk_hits(relaxkv_server):
     assert device_after - device_before == second["cached_tokens"]
     assert _metric(url, "relaxkv:chunk_tokens_held", 'model_name="') > 0
     assert _metric(url, "relaxkv:chunk_entries", 'model_name="') >= 3
+    # the plugin's series carry SGLang's own model_name label (once "None")
+    assert _model_names(url, "relaxkv:chunk_") == _model_names(url, "sglang:") != {"None"}
     # The counters' hit rate (cached over prompt tokens, summed over sources) is the gauge of
     # SGLang's last prefill (this request's): dashboards on either agree.
     cached = _metric(url, "sglang:cached_tokens_total") - before["sglang:cached_tokens_total"]

@@ -3,6 +3,8 @@ request, and the repaired rows written over SGLang's output (srt/context.py, srt
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -71,3 +73,62 @@ def test_a_repair_that_misses_the_last_row_is_refused():
     rows = _repair_rows([12, 16, 18], [True, False, False])
     with pytest.raises(RuntimeError, match="last row"):
         _replace_rows(torch.zeros(10, 2), 0, torch.arange(10, 20), torch.ones(3, 2), rows)
+
+
+# ------------------------------------------------- one request's failure is served as pic
+
+
+def _request_fold(policy: str, keep: list[int], n: int = 10) -> "RequestFold":
+    """A request of 10 prompt tokens, one chunk at 2..6, query 6..9, window 0..n; ``keep``: its rows."""
+    from relaxkv_sglang.srt.fold import RequestFold
+    from relaxkv_sglang.srt.plan import RequestPlan
+
+    req = types.SimpleNamespace(origin_input_ids=list(range(10)), rid=f"req-{policy}", logprob_start_len=-1)
+    rows = torch.tensor(keep, dtype=torch.int64)
+    return RequestFold(req, 0, 0, n, rows, torch.zeros_like(rows), RequestPlan(policy, ((2, 6),), None))
+
+
+def _cache() -> types.SimpleNamespace:
+    return types.SimpleNamespace(req_to_token=torch.arange(40, dtype=torch.int32).view(2, 20))
+
+
+def test_a_request_whose_query_pass_would_miss_query_rows_is_served_as_pic(caplog):
+    from relaxkv_sglang.srt.repair import _set_up_repair
+
+    broken = _request_fold("relaxkv", [0, 1, 6, 7, 8])  # query row 9 is not in the batch
+    with caplog.at_level("WARNING"):
+        assert not _set_up_repair(_cache(), broken, True)
+    assert broken.not_repaired_reason.endswith("(served as pic)") and "3 of the query's rows 6..9" in broken.not_repaired_reason
+    assert broken.scores is None and broken.repair is None
+    assert sum("req-relaxkv not repaired" in m for m in caplog.messages) == 1  # logged once
+    whole = _request_fold("relaxkv", [0, 1, 6, 7, 8, 9])
+    assert _set_up_repair(_cache(), whole, True) and whole.scores is not None and whole.not_repaired_reason is None
+
+
+def test_a_request_whose_repair_cannot_be_planned_is_served_as_pic(monkeypatch):
+    from relaxkv_sglang.srt import repair
+
+    def plan_anchors(*args, **kwargs):
+        raise ValueError("no anchors fit")
+
+    monkeypatch.setattr(repair, "plan_anchors", plan_anchors)
+    r = _request_fold("epic", [0, 1, 6, 7, 8, 9])
+    r.slots = torch.arange(10)
+    stage = repair.RepairStage(_cache(), types.SimpleNamespace(repair_cost=None), None, [r])
+    assert not stage._planned(r, 2)
+    assert r.not_repaired_reason == "its repair could not be planned (no anchors fit) (served as pic)"
+    assert r.repair is None
+
+
+def test_a_broken_invariant_is_not_served_as_pic(monkeypatch):
+    from relaxkv_sglang.srt import repair
+    from relaxkv_sglang.srt.context import InvariantError
+
+    r = _request_fold("relaxkv", [0, 1, 6, 7, 8, 9])
+
+    def broken(*args):
+        raise InvariantError("relaxkv: the pool is inconsistent")
+
+    monkeypatch.setattr(repair, "_start_query_pass", broken)
+    with pytest.raises(InvariantError):
+        repair._set_up_repair(_cache(), r, True)

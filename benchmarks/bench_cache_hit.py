@@ -57,7 +57,8 @@ namespace) and computed cold (``pic`` in a fresh ``cache_salt``), TTFT medians a
 The same trace is replayed under ``pic`` (``--policies``) once against one replica alone (the
 single-server reference) and once through the gateway per ``--routings``: ``document`` (sticky
 routing keyed by the MinHash of each request's documents, which the client sends as
-``x-smg-routing-key``, a new key placed by the gateway's round-robin turn; :mod:`relaxkv_sglang.routing`), ``document_split`` (the same
+``x-smg-routing-key``, a new key placed by the gateway's round-robin turn;
+:mod:`relaxkv_sglang.routing`), ``document_split`` (the same
 with the client spreading a hot key over several replicas: :class:`~relaxkv_sglang.routing.HotKeySplitter`,
 the load-aware fallback), ``cache_aware`` and ``round_robin``, every replica flushed before each. Reported per routing: the hit rate, its share
 of the single-server one, and the requests each replica served, read from each replica's own
@@ -496,8 +497,8 @@ def print_tiers(result: dict) -> None:
 
 
 class ClusterClient(ServerClient):
-    """A client of the gateway whose ``flush`` and ``relaxkv_state`` go to every replica directly (the counters summed), so
-    :func:`replay` measures a cluster as it measures one server."""
+    """A client of the gateway whose ``flush`` and ``relaxkv_state`` go to every replica directly
+    (the counters summed), so :func:`replay` measures a cluster as it measures one server."""
 
     def __init__(self, url: str, replica_urls: list[str], splitter: HotKeySplitter | None = None):
         super().__init__(url, splitter=splitter)

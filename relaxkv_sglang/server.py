@@ -23,6 +23,8 @@ from typing import Callable, Iterator
 
 import requests
 
+from relaxkv_sglang.routing import ROUTING_HEADER
+
 CPU_DEFAULTS = {
     "--device": "cpu",
     "--attention-backend": "torch_native",
@@ -298,10 +300,9 @@ def running_server(url: str | None,
 # sglang-router 0.3.2 could not promise this: its new keys went to the fewest requests *in flight*.
 # ``cache_aware`` and ``round_robin`` are the gateway's own policies, for comparison.
 
-ROUTING_HEADER_FLAGS = ["--routing-key-headers", "x-smg-routing-key"]
 ROUTINGS: dict[str, list[str]] = {
     "document": ["--policy", "round_robin", "--routing-key-override", "--assignment-mode", "delegate",
-                 *ROUTING_HEADER_FLAGS],
+                 "--routing-key-headers", ROUTING_HEADER],
     "cache_aware": ["--policy", "cache_aware"],
     "round_robin": ["--policy", "round_robin"],
 }

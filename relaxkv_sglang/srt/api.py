@@ -17,9 +17,10 @@ request; ``custom_params.relaxkv_policy`` still wins. When the server's startup 
 the gate's reason (the header names a policy as the body does); ``full`` and ``prefix`` are
 served, and a request naming no policy gets ``prefix`` even if the server default is a chunk policy.
 
-Every request on a server with the chunk tree, whatever its policy, also passes
-:func:`check_sglang_fields`: fields SGLang 0.5.23 itself does not check and whose bad values stop
-its scheduler (a ``logprob_start_len`` below -1), and the batch's shape (one ``sampling_params``
+Every request on every server the plugin is loaded into (with the chunk tree or not), whatever its
+policy, passes :func:`check_sglang_fields`: fields SGLang 0.5.23 itself does not check and whose
+bad values stop its scheduler (a ``logprob_start_len`` below -1; measured on a stock server too).
+On a server with the chunk tree the batch's shape is checked as well (one ``sampling_params``
 object per prompt, so that every item's ``custom_params`` is checked). A request SGLang aborts
 after this (an invalid grammar, a ``logprob_start_len`` past the prompt, an unknown session)
 gets SGLang's own error: the scheduler drops its plan (:mod:`.plan`).
@@ -115,9 +116,9 @@ def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput,
 
     ``chunks_refused``: see :func:`plan_item`. ``requested_policy``: the request's
     ``X-RelaxKV-Policy`` header (validated), the default of every item that names no policy.
-    Every request passes :func:`check_sglang_fields` first, whatever its policy.
+    Every request's batch shape is checked first, whatever its policy (:func:`_check_batch_shape`).
     """
-    check_sglang_fields(obj)
+    _check_batch_shape(obj)
     single, n = _batch_shape(obj)
     sps = obj.sampling_params
     if isinstance(sps, list):
@@ -166,14 +167,13 @@ def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput,
 
 
 def check_sglang_fields(obj: GenerateReqInput) -> None:
-    """Reject what stops SGLang 0.5.23's scheduler (it does not check it itself) and a batch shape
-    whose items the plugin could not all check; raises :class:`RequestError` naming the field.
+    """Reject what stops SGLang 0.5.23's scheduler (it does not check it itself: the plugin is
+    loaded into every server, so every server gets the check); raises :class:`RequestError` naming
+    the field.
 
     * ``logprob_start_len`` (a number or one per prompt): -1 (none) or a position >= 0; -2 and below
-      fail an assertion in SGLang's logprob processing, which kills the server under every policy;
-    * ``sampling_params`` as a list: exactly one object per prompt; a short list is an IndexError
-      (HTTP 500) in SGLang, a longer one has its tail ignored by SGLang, and so would the plugin's
-      per-item checks (a bad ``custom_params`` there would be served).
+      fail an assertion in SGLang's logprob processing, which kills the server under every policy
+      (and a stock server).
     """
     for i, value in enumerate(_as_items(obj.logprob_start_len)):
         if value is None:
@@ -181,6 +181,12 @@ def check_sglang_fields(obj: GenerateReqInput) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < -1:
             where = f" (item {i})" if isinstance(obj.logprob_start_len, list) else ""
             raise RequestError("logprob_start_len", f"must be -1 (none) or a token position >= 0{where}, got {value!r}")
+
+
+def _check_batch_shape(obj: GenerateReqInput) -> None:
+    """A ``sampling_params`` list must hold exactly one object per prompt: a short list is an
+    IndexError (HTTP 500) in SGLang; a longer one has its tail ignored by SGLang, and would have it
+    skipped by the plugin's per-item checks (a bad ``custom_params`` there would be served)."""
     _, n = _batch_shape(obj)
     if isinstance(obj.sampling_params, list) and len(obj.sampling_params) != n:
         raise RequestError("sampling_params", f"a list needs one object per prompt ({n}), got {len(obj.sampling_params)}")
@@ -222,6 +228,8 @@ async def around_generate_request(
     """Hook on ``TokenizerManager.generate_request`` (an async generator)."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
+    if isinstance(obj, GenerateReqInput):
+        check_sglang_fields(obj)
     if isinstance(obj, GenerateReqInput) and chunk_tree_served(tokenizer_manager.server_args):
         requested = header_policy(getattr(request, "headers", None))
         prepare_generate(tokenizer_manager, obj, await chunk_refusal(tokenizer_manager), requested)

@@ -438,6 +438,14 @@ def test_aborted_requests_in_a_batch_leave_the_others_repaired_as_alone(relaxkv_
     assert requests.get(relaxkv_server.url + "/health", timeout=30).status_code == 200
 
 
+def test_a_stock_server_refuses_what_would_stop_its_scheduler(server):
+    """The plugin loads into every server: a stock one (no chunk tree) also gets the check of the
+    fields that stop SGLang's own scheduler (it exited on logprob_start_len -2 before)."""
+    response = requests.post(server.url + G, json=gen(return_logprob=True, logprob_start_len=-2), timeout=60)
+    assert response.status_code == 400 and "invalid logprob_start_len" in error_message(response), response.text
+    assert requests.get(server.url + "/health", timeout=30).status_code == 200
+
+
 def test_streamed_bad_request_sends_the_400_as_its_first_event(relaxkv_server):
     body = dict(gen({"relaxkv_chunks": [0, 500]}), stream=True)
     with requests.post(relaxkv_server.url + "/generate", json=body, timeout=60, stream=True) as response:

@@ -235,3 +235,22 @@ def test_plan_item_reports_the_first_bad_field():
         plan_item(None, {"custom_params": {CHUNKS.name: [0, 1]}}, encode, 100, "prefix")
     with pytest.raises(RequestError, match=r"^invalid sampling_params.custom_params: must be an object, got list$"):
         plan_item("abc", {"custom_params": []}, encode, 100, "prefix")
+
+
+def test_sglang_fields_that_stop_its_scheduler_are_refused_naming_them():
+    from relaxkv_sglang.srt.api import _check_batch_shape, check_sglang_fields
+
+    def obj(**fields):
+        return types.SimpleNamespace(**{"text": "Hi.", "input_ids": None, "sampling_params": {},
+                                        "logprob_start_len": None, **fields})
+
+    for ok in (None, -1, 0, 7, [0, -1]):
+        check_sglang_fields(obj(logprob_start_len=ok))
+    for bad, where in ((-2, ""), (-5, ""), (1.5, ""), (True, ""), ([0, -3], " (item 1)")):
+        with pytest.raises(RequestError, match=rf"invalid logprob_start_len: must be -1 \(none\) or a token "
+                                               rf"position >= 0{re.escape(where)}, got"):
+            check_sglang_fields(obj(logprob_start_len=bad))
+    _check_batch_shape(obj(text=["a", "b"], sampling_params=[{}, {}]))
+    for texts, sps in ((["a"], [{}, {"custom_params": {"relaxkv_policy": "bogus"}}]), (["a", "b"], [{}]), ("a", [{}, {}])):
+        with pytest.raises(RequestError, match=r"invalid sampling_params: a list needs one object per prompt"):
+            _check_batch_shape(obj(text=texts, sampling_params=sps))

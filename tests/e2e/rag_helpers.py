@@ -10,6 +10,11 @@ from relaxkv_sglang import assets
 from relaxkv_sglang.client import ServerClient
 from relaxkv_sglang.core.segments import split_text, tokenize_parts
 
+# Seconds a test's own server may take to become ready (ServerConfig.startup_timeout_s). A launch
+# takes 20-40 s on a quiet 2-core machine; on a loaded one (load average 11-15) 170-190 s were
+# measured, close to the launcher's default of 300 s. A hang guard: a start that never ends still fails.
+SERVER_START_TIMEOUT_S = 900.0
+
 
 @dataclasses.dataclass
 class MarkedPrompt:

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import STRICT_MEMORY_CHECK, start_server
-from rag_helpers import documents, flush, generate, marked_prompt, relaxkv_state
+from rag_helpers import SERVER_START_TIMEOUT_S, documents, flush, generate, marked_prompt, relaxkv_state
 
 from relaxkv_sglang.server import ServerConfig
 
@@ -20,7 +20,8 @@ REQUESTS, CLIENTS = 200, 16
 
 def small_pool_config(model_path: str) -> ServerConfig:
     return ServerConfig(model_path=model_path, max_total_tokens=POOL_TOKENS, policy="pic",
-                        env=STRICT_MEMORY_CHECK, extra_args=["--context-length", "2048"])
+                        env=STRICT_MEMORY_CHECK, extra_args=["--context-length", "2048"],
+                        startup_timeout_s=SERVER_START_TIMEOUT_S)
 
 
 start_small_pool = start_server(small_pool_config)

@@ -19,7 +19,7 @@ import time
 import pytest
 import requests
 from conftest import STRICT_MEMORY_CHECK
-from rag_helpers import documents, generate, marked_prompt, relaxkv_state
+from rag_helpers import SERVER_START_TIMEOUT_S, documents, generate, marked_prompt, relaxkv_state
 
 from relaxkv_sglang import assets
 from relaxkv_sglang.server import SGLangServer, ServerConfig, free_port, port_in_use
@@ -86,7 +86,7 @@ def test_kill_mid_workload_then_restart_is_a_clean_empty_server(tmp_path, tiny_m
     def config() -> ServerConfig:
         return ServerConfig(model_path=str(model), port=port, max_total_tokens=4096, policy="pic",
                             env={**STRICT_MEMORY_CHECK, "RELAXKV_CACHE": str(cache)},
-                            extra_args=["--context-length", "2048"])
+                            extra_args=["--context-length", "2048"], startup_timeout_s=SERVER_START_TIMEOUT_S)
 
     probe = marked_prompt("You answer from the documents.", documents(3, seed=5), "Question: what is it about?")
     pool = documents(12, seed=6)

@@ -27,9 +27,9 @@ from relaxkv_sglang import assets
 from relaxkv_sglang.server import STRICT_MEMORY_CHECK, Cluster, SGLangServer, ServerConfig
 
 if __package__:
-    from .rag_helpers import documents, flush, marked_prompt, part_token_ids
+    from .rag_helpers import SERVER_START_TIMEOUT_S, documents, flush, marked_prompt, part_token_ids
 else:
-    from rag_helpers import documents, flush, marked_prompt, part_token_ids
+    from rag_helpers import SERVER_START_TIMEOUT_S, documents, flush, marked_prompt, part_token_ids
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +39,8 @@ REQUEST_TIMEOUT_S = 1800  # SmolLM2 at 8K on a CPU is slow
 
 def _config(model_path: str, context: int, chunked: int) -> ServerConfig:
     return ServerConfig(model_path=model_path, max_total_tokens=4 * context, env=STRICT_MEMORY_CHECK,
-                        extra_args=["--context-length", str(context), "--chunked-prefill-size", str(chunked)])
+                        extra_args=["--context-length", str(context), "--chunked-prefill-size", str(chunked)],
+                        startup_timeout_s=SERVER_START_TIMEOUT_S)
 
 
 def _servers(model_path: str, context: int) -> Cluster:

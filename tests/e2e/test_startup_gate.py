@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import requests
 from conftest import start_server
-from rag_helpers import documents, flush, generate, marked_prompt, relaxkv_state
+from rag_helpers import SERVER_START_TIMEOUT_S, documents, flush, generate, marked_prompt, relaxkv_state
 
 from relaxkv_sglang.core.policies import CHUNK_POLICIES
 from relaxkv_sglang.server import STRICT_MEMORY_CHECK, ServerConfig
@@ -54,7 +54,7 @@ def wrong_rope_config(model_path: str) -> ServerConfig:
     return ServerConfig(
         model_path=model_path, max_total_tokens=2048, policy="pic",
         env={**STRICT_MEMORY_CHECK, ROPE_OVERRIDE_ENV: '{"base": 20000.0}'},
-        extra_args=["--context-length", "4096", "--enable-metrics"],
+        extra_args=["--context-length", "4096", "--enable-metrics"], startup_timeout_s=SERVER_START_TIMEOUT_S,
     )
 
 

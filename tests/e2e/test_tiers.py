@@ -32,7 +32,7 @@ import time
 
 import pytest
 from conftest import STRICT_MEMORY_CHECK
-from rag_helpers import documents, essay_paragraphs, generate, marked_prompt, relaxkv_state
+from rag_helpers import SERVER_START_TIMEOUT_S, documents, essay_paragraphs, generate, marked_prompt, relaxkv_state
 
 from relaxkv_sglang.core.chunk_tiers import DiskTier, ModelIdentity, chunk_key
 from relaxkv_sglang.server import Cluster, SGLangServer, ServerConfig
@@ -47,7 +47,8 @@ def _config(model: str, chunk_dir: pathlib.Path | None, host_mb: float = HOST_MB
         tiers.update(RELAXKV_CHUNK_DIR=str(chunk_dir), RELAXKV_DISK_CACHE_GB="0.05")
     return ServerConfig(model_path=model, max_total_tokens=POOL, policy="prefix",
                         env={**STRICT_MEMORY_CHECK, **tiers},
-                        extra_args=["--context-length", "1024", "--enable-metrics", "--enable-cache-report"])
+                        extra_args=["--context-length", "1024", "--enable-metrics", "--enable-cache-report"],
+                        startup_timeout_s=SERVER_START_TIMEOUT_S)
 
 
 def _ask(url: str, prompt, salt: str | None = None) -> dict:

@@ -224,10 +224,14 @@ def test_foreign_model_file_is_a_miss_removed_and_counted(tmp_path):
 def test_disk_bound_evicts_least_recently_used_and_refuses_oversized(tmp_path):
     one = len(disk(tmp_path / "probe").encode(key(0), record(0, 8)))
     d = disk(tmp_path, capacity=3 * one + 10, rescan_s=0.0)
+    now_ns = time.time_ns()
     for i in range(3):
         assert d.set(key(i), record(i, 8))
-        time.sleep(0.01)  # distinct mtimes
-    d.get(key(0))  # key(1) is now the oldest
+        # Distinct mtimes set, not slept for: 30, 20, 10 s ago (a file system's timestamp
+        # granularity can be a second or more).
+        stamp = now_ns - (3 - i) * 10_000_000_000
+        os.utime(d.path(key(i)), ns=(stamp, stamp))
+    d.get(key(0))  # touched now: key(1) is the oldest
     assert d.set(key(3), record(3, 8))
     assert d.batch_exists([key(0), key(1), key(2), key(3)]) == [True, False, True, True]
     s = d.stats()
@@ -288,7 +292,7 @@ def test_two_processes_sharing_a_directory_under_concurrent_writes(tmp_path):
     for p in procs:
         p.start()
     for p in procs:
-        p.join(120)
+        p.join(600)  # a hang guard: each spawned process imports torch (23 s in all on a loaded 2-core machine)
     assert [p.exitcode for p in procs] == [0, 0]
     d = DiskTier(root, capacity, IDENT, SHAPE, torch.float32)
     files = list(pathlib.Path(root).rglob("*.kv"))
@@ -389,10 +393,15 @@ def test_prefetch_stages_disk_reads_for_a_later_get(tmp_path):
     keys = [key(i) for i in range(4)]
     for i, k in enumerate(keys):
         t.publish(k, record(i, 4))
-    assert t.prefetch(keys + [key(99)]) == 4  # key(99) is on no tier
-    deadline = time.monotonic() + 10
+    # Queued under the stage lock: the prefetch thread can read but not stage until all are
+    # queued. Otherwise it may stage two records while prefetch() is still looping, and then
+    # prefetch() sees the stage full and queues fewer than 4 (thread scheduling).
+    with t.stage_lock:
+        assert t.prefetch(keys + [key(99)]) == 4  # key(99) is on no tier
+    deadline = time.monotonic() + 60
     while (t.inflight or t.prefetch_q.qsize()) and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert not t.inflight and t.prefetch_q.qsize() == 0, "the prefetch thread did not finish in 60 s"
     s = t.stats()
     assert s["tier_disk_prefetched"] == 4 and s["tier_disk_prefetch_dropped"] == 2  # bound: two staged
     assert s["tier_disk_staged_bytes"] == 2 * 4 * TOKEN_BYTES

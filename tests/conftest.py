@@ -93,8 +93,17 @@ def relaxkv_server_config(model_path: str) -> ServerConfig:
 
 
 def start_server(config: Callable[[str], ServerConfig]) -> Callable[[str], SGLangServer]:
-    """``start(model_path)`` for :data:`PRESTART_SERVERS`: an SGLang server from ``config(model_path)``."""
-    return lambda model_path: SGLangServer(config(model_path)).start()
+    """``start(model_path)`` for :data:`PRESTART_SERVERS`: an SGLang server from ``config(model_path)``,
+    given the suite's start deadline (``rag_helpers.SERVER_START_TIMEOUT_S``: a hang guard sized for
+    a loaded machine) unless its config asks for more."""
+    def start(model_path: str) -> SGLangServer:
+        from rag_helpers import SERVER_START_TIMEOUT_S  # tests/e2e is on sys.path once its modules are collected
+
+        cfg = config(model_path)
+        cfg.startup_timeout_s = max(cfg.startup_timeout_s, SERVER_START_TIMEOUT_S)
+        return SGLangServer(cfg).start()
+
+    return start
 
 
 SESSION_SERVERS = {"server": start_server(stock_server_config), "relaxkv_server": start_server(relaxkv_server_config)}

@@ -21,7 +21,7 @@ list of parts, which SGLang's server flattens first (text parts joined by a spac
 dataset this module writes a tokenizer folder for ``bench_serving`` (``--tokenizer-out``, default
 ``<output>.tokenizer``): ``--model``'s tokenizer files with its template behind a prelude that
 flattens content parts the way the server does. The measurement, documented in
-``docs/performance.md``::
+``docs/experiments/2026-12-01-bench-serving.md`` (its figure in ``docs/performance.md``)::
 
     python -m benchmarks.rag_dataset --output rag_trace.jsonl            # 100 requests, 5 documents each
     python -m sglang.bench_serving --backend sglang-oai-chat --base-url http://127.0.0.1:30000 \\

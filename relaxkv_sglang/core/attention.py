@@ -263,7 +263,9 @@ def block_sparse_attention(
 
 
 GROUP_ROWS = 128  # at most this many rows per fused call of the CPU executor (unless one block has more)
-GROUP_CALL_PAIRS = 4096  # a fused call's fixed cost on a CPU, in (row, key) pairs of attention (docs/performance.md)
+# a fused call's fixed cost on a CPU, in (row, key) pairs of attention; chosen on development layouts
+# (docs/experiments/2026-12-02-four-exact-cuts.md)
+GROUP_CALL_PAIRS = 4096
 
 
 def _block_sparse_batched(q, k, v, layout, scale: float, key_rows: Optional[torch.Tensor],

@@ -38,7 +38,8 @@ Relaxed context of anchor t at layer l (``build_relaxed_layout``), page granular
   budget per row block, filled with the pages its own anchors rank highest, by their queries at
   the layer against each page's element-wise key minimum and maximum
   (``key_bound_page_scores``, Quest's bound).  Decided inside the layer, once the anchors'
-  queries exist; an ablation (``docs/performance.md`` has its development-split result).
+  queries exist; an ablation (its development-split result:
+  ``docs/experiments/2026-12-01-test-split-vs-prophetkv.md``).
 * ``mode='random'`` (the ablation): same mandatory pages and the same page count per row
   block, the optional pages taken in one seeded random order per layer; ``mode='full'``:
   every causal page (independent of ``context_ratio``).

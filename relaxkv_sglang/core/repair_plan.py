@@ -102,7 +102,8 @@ class RepairConfig:
         stale_shift: how the relaxkv policies correct the non-anchors' stale K/V at each layer
             (:mod:`.stale_shift`): ``none``, ``v`` (V shifted by the layer's anchors' mean
             deviation) or ``kv`` (K too, compared before RoPE; the default since 2026-12-01,
-            chosen on two development batches and confirmed on a third, docs/performance.md).
+            chosen on two development batches and confirmed on a third,
+            docs/experiments/2026-12-01-stale-shift.md).
             The peers never shift.
         stale_shift_scale: the fraction of that mean deviation added (in [0, 1]; default 0.5:
             the full mean overshoots on some examples).

@@ -44,7 +44,7 @@ that measured shape: it grows over the first layers and is flat after; ``depth``
 ``depth`` as the default after the torch reference was made to split prompts as the server does
 (glue between chunks computed with the request): on two development batches (36 and 24
 (example, format) pairs) it lowered the mean KL against ``depth`` by 0.003 and 0.005, most in the
-``plain`` format; the tables are in ``docs/performance.md``.
+``plain`` format; the tables are in ``docs/experiments/2026-12-01-glue-correction-ramp.md``.
 
 Chunk sinks: each independently computed chunk grows its own attention sink on its first
 tokens (EPIC's finding; StreamingLLM found ~4 initial tokens carry the sink).  In the full
@@ -55,7 +55,8 @@ from a handful of initial tokens) of each eligible chunk every layer first, as l
 budget allows, then run the hull allocation on the rest.  ``chunk_sink_share`` caps the sinks'
 share of the budget and ``chunk_sink_order`` says which come first (``offset``: every chunk's first
 token, then every second, ...; ``score``: by their summed layer value); both are ablations (on the
-development split neither a cap nor the score order beat the defaults, docs/performance.md).
+development split neither a cap nor the score order beat the defaults,
+docs/experiments/2026-12-01-cheap-end.md).
 The count may differ per chunk (``chunk_sink_tokens`` as an int64 [n_chunks] tensor):
 ``shared_opening_sinks`` sizes each chunk's sinks from the prompt's tokens, the opening the chunk
 shares with another chunk of the request plus its first token of its own (RepairConfig's
@@ -63,7 +64,7 @@ shares with another chunk of the request plus its first token of its own (Repair
 token into a sink, and when chunks open with the same tokens (a ``Document:`` label) those tokens
 come back with the same stale K/V in every chunk, so the query meets the same false sink once per
 chunk. It is an ablation: on the development split it was worse than the fixed 4 sinks at 5% and
-15% anchors (docs/performance.md, "Sinks sized per chunk").
+15% anchors (docs/experiments/2026-12-01-cheap-end.md, "Sinks sized per chunk").
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ layers 20 / 24 was 0.017 / 0.163 in full prefill, 0.057 / 0.267 after the repair
 0.021 / 0.049 (repair + shift, scale 1 / 0.5). Exact K/V on the same anchors gave 0.113: the
 stale tokens are what the answer reads. On 108 development (example, format) pairs the shift at
 scale 0.5 (the default) lowered the mean KL from 0.063 to 0.032 (102 of 108 lower;
-``docs/performance.md``, "Stale shift").
+``docs/experiments/2026-12-01-stale-shift.md``).
 
 The shift (``RepairConfig.stale_shift``, scaled by ``stale_shift_scale``) adds that shared part
 to every non-anchor:

@@ -1,9 +1,9 @@
 """``make bench``: run the four benchmarks (each starts its server, or all use ``--url``) and rewrite the tables.
 
 Results (JSON + PNG) go to ``docs/results/``; the tables between the
-``<!-- bench:results -->`` markers of README.md and docs/performance.md are
-regenerated from those files, so the documents show exactly what the run
-printed. ``--quick`` uses each benchmark's quick size; ``--tables-only``
+``<!-- bench:results -->`` markers of docs/performance.md are
+regenerated from those files, so the page shows exactly what the run printed
+(the README quotes its headline figures from that page). ``--quick`` uses each benchmark's quick size; ``--tables-only``
 rewrites the tables from the JSON files already there. Each benchmark's wall
 time (its whole command, server start included) is written into its JSON
 (``wall_s``, shown in the table caption) and into ``run_times.json``, which
@@ -241,7 +241,6 @@ def main(argv=None) -> None:
     if not args.tables_only:
         run_benchmarks(args.quick, args.url, args.benches)
     body = tables()
-    rewrite(ROOT / "README.md", body)
     rewrite(ROOT / "docs" / "performance.md", body, link_prefix="./")
     print(body)
 

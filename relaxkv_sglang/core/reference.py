@@ -511,7 +511,7 @@ def reference_prefill(
         if shift_from.numel():  # stale shift (stale_shift.py): anchors' stale K/V read before they are overwritten
             src = torch.searchsorted(anchors, shift_from)
             dk, dv = stale_shift(plan.stale_shift, shift_from, k[src], v[src], keys[shift_from], vals[shift_from],
-                                 shift_to, rotate, plan.config.stale_shift_scale)
+                                 shift_to, rotate, plan.stale_shift_scale)
             keys[shift_to] += dk
             vals[shift_to] += dv
         keys[anchors], vals[anchors] = k[:n_a], v[:n_a]

@@ -7,11 +7,14 @@ reference make the same decisions from the same inputs.
 
 Inputs (token indices are absolute prompt positions, as in :mod:`.selection`):
 
-* ``policy``: a :class:`~.policies.Policy` that repairs;
+* ``policy``: a :class:`~.policies.Policy` that repairs; its :class:`~.policies.PolicySpec` says
+  which anchor rule, context, stale shift and mid-forward decision apply;
 * ``scores``: float [n_layers, n_context] the query's stale attention mass s_l (policies with
   ``needs_query_scores``), else None;
 * ``chunk_spans``: the reused chunks, sorted, inside ``[0, n_context)``;
-* a :class:`RepairConfig`: every knob of the repair;
+* a :class:`RepairConfig`: the knobs every repair policy shares, and each policy's own options
+  (``RepairConfig.relaxkv``, ``RepairConfig.cacheblend``: ``policies.RelaxKVOptions``,
+  ``policies.CacheBlendOptions``);
 * the prompt's token ids, when ``chunk_sink_rule`` sizes the chunk sinks from them.
 
 Decisions:
@@ -22,8 +25,9 @@ Decisions:
   (:func:`~.layout.build_relaxed_layout`; the full causal prefix for the peers and
   ``relaxkv_fullctx``).
 
-CacheBlend decides in two steps: layers ``0..check_layer`` recompute every eligible token; at
-the check layer the executor hands the recomputed and the cached K/V to
+Mid-forward decisions: a policy whose spec ``needs_kv_deviation`` (CacheBlend) decides in two
+steps: layers ``0..check_layer`` recompute every eligible token; at the check layer
+(:meth:`AnchorPlan.decides_at`) the executor hands the recomputed and the cached K/V to
 :meth:`AnchorPlan.after_check_layer`, which measures the deviation and decides the rest.
 
 Joint allocation (``RepairConfig.budget``): one knob, the repair's cost as a fraction of
@@ -46,15 +50,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from .layout import BlockSparseLayout, build_relaxed_layout, build_relaxed_layouts, key_bound_page_scores
-from .policies import Policy
+from .policies import CacheBlendOptions, Policy, PolicySpec, RelaxKVOptions, policy_spec
 from .selection import (anchor_ratio_achieved, chunk_offsets, eligible_tokens, kv_deviation, select_anchors,
                         shared_opening_sinks)
-from .stale_shift import STALE_SHIFTS, shift_body
+from .stale_shift import shift_body
 
 Span = tuple[int, int]
 
@@ -62,84 +66,79 @@ __all__ = ["RepairConfig", "RepairCost", "ATTENTION_OVERHEAD", "AnchorPlan", "pl
            "anchor_layouts"]
 
 
-CONTEXT_RANKS = ("query", "keys", "oracle")
-CHUNK_SINK_RULES = ("fixed", "shared")
-
-
 @dataclasses.dataclass(frozen=True)
 class RepairConfig:
-    """Every knob of a repair, for the server and the torch reference alike.
+    """The knobs of a repair, for the server and the torch reference alike: those every repair
+    policy shares, then each policy's own options.
 
     Attributes:
         anchor_ratio: r, mean over layers of |A_l| / n_eligible (see selection.py).
         context_ratio: relaxed-context budget, a fraction of each anchor's causal prefix in
-            pages (``relaxkv`` and ``relaxkv_randctx``; the others attend to their full prefix).
+            pages (policies whose context is ``topk`` or ``random``; the others attend to their
+            full prefix).
         page_size: key page of the layouts, in tokens.
         sink_tokens: first prompt tokens every anchor attends to.
-        chunk_sink_tokens: first tokens of each chunk favoured as relaxkv targets (with
-            ``chunk_sink_rule="shared"``, the most per chunk).
-        chunk_sink_rule: ``fixed`` (every chunk ``chunk_sink_tokens``) or ``shared`` (per chunk,
-            1 + the opening it shares with another chunk of the request, capped at
-            ``chunk_sink_tokens``: ``selection.shared_opening_sinks``; an ablation, worse than
-            ``fixed`` on the development split).
-        chunk_sink_share: the largest share of relaxkv's budget those sinks take first.
-        chunk_sink_order: which sinks first when they do not all fit (``offset`` or ``score``;
-            ``selection.relaxkv_exit_layers``).
-        own_chunk_in_budget: whether the relaxed context budget counts the anchor's own chunk
-            (``layout.build_relaxed_layout``).
-        layer_value: how relaxkv values correcting a token at each layer
-            (``selection.layer_weights``: uniform, skip0, depth, ramp).
-        context_rank: how relaxkv ranks the other pages of an anchor's context: ``query`` (the
-            query's attention s_l, one ranking per layer) or ``keys`` (per row block, the
-            anchors' own queries against per-page key bounds, ``layout.key_bound_page_scores``;
-            decided in the layer, once the anchors' queries exist); ``oracle`` (their true
-            attention mass, dense: an ablation only).
-        check_layer: CacheBlend's check layer.
-        cacheblend_use_k: CacheBlend's deviation also counts K (else V only).
         seed: seeds the random control and the random-context ablation.
         budget: None, or the repair's cost as a fraction of full recomputation of the chunks;
             then :func:`split_budget` sets ``anchor_ratio`` and ``context_ratio`` (module doc).
-        stale_shift: how the relaxkv policies correct the non-anchors' stale K/V at each layer
-            (:mod:`.stale_shift`): ``none``, ``v`` (V shifted by the layer's anchors' mean
-            deviation) or ``kv`` (K too, compared before RoPE; the default since 2026-12-01,
-            chosen on two development batches and confirmed on a third,
-            docs/experiments/2026-12-01-stale-shift.md).
-            The peers never shift.
-        stale_shift_scale: the fraction of that mean deviation added (in [0, 1]; default 0.5:
-            the full mean overshoots on some examples).
+        relaxkv: the relaxkv policies' own knobs (``policies.RelaxKVOptions``).
+        cacheblend: CacheBlend's own knobs (``policies.CacheBlendOptions``).
     """
 
     anchor_ratio: float = 0.15
     context_ratio: float = 0.5
     page_size: int = 16
     sink_tokens: int = 4
-    chunk_sink_tokens: int = 4
-    chunk_sink_rule: str = "fixed"
-    chunk_sink_share: float = 1.0
-    chunk_sink_order: str = "offset"
-    layer_value: str = "ramp"
-    context_rank: str = "query"
-    own_chunk_in_budget: bool = False
-    check_layer: int = 1
-    cacheblend_use_k: bool = False
     seed: int = 0
     budget: Optional[float] = None
-    stale_shift: str = "kv"
-    stale_shift_scale: float = 0.5
+    relaxkv: RelaxKVOptions = RelaxKVOptions()
+    cacheblend: CacheBlendOptions = CacheBlendOptions()
 
     def __post_init__(self) -> None:
-        for name in ("anchor_ratio", "context_ratio", "budget", "stale_shift_scale", "chunk_sink_share"):
+        for name in ("anchor_ratio", "context_ratio", "budget"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
-        if self.context_rank not in CONTEXT_RANKS:
-            raise ValueError(f"context_rank must be one of {', '.join(CONTEXT_RANKS)}, got {self.context_rank!r}")
-        if self.chunk_sink_rule not in CHUNK_SINK_RULES:
-            raise ValueError(f"chunk_sink_rule must be one of {', '.join(CHUNK_SINK_RULES)}, got {self.chunk_sink_rule!r}")
-        if self.stale_shift not in STALE_SHIFTS:
-            raise ValueError(f"stale_shift must be one of {', '.join(STALE_SHIFTS)}, got {self.stale_shift!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+
+    @classmethod
+    def from_knobs(cls, **knobs: Any) -> "RepairConfig":
+        """A config from flat knob names (:func:`knob_defaults`), each routed to its owner: the
+        names ``scripts/ablate_repair.py`` variants and the tests use. TypeError for an unknown one."""
+        owned: dict[str, dict[str, Any]] = {owner: {} for owner in _OPTION_FIELDS}
+        shared = {}
+        for name, value in knobs.items():
+            owner, attr = _KNOB_OWNERS.get(name, (None, name))
+            if owner is None and name not in _SHARED_KNOBS:
+                raise TypeError(f"unknown repair knob {name!r}; knobs: {', '.join(knob_defaults())}")
+            (owned[owner] if owner else shared)[attr] = value
+        options = {owner: _OPTION_FIELDS[owner](**kw) for owner, kw in owned.items() if kw}
+        return cls(**shared, **options)
+
+    def options_of(self, policy: Policy | str) -> Optional[Any]:
+        """The options object of ``policy`` (``PolicySpec.options``), or None when it has none."""
+        name = policy_spec(policy).options
+        return getattr(self, name) if name else None
+
+
+# The policy options a RepairConfig holds, by field name (PolicySpec.options).
+_OPTION_FIELDS = {"relaxkv": RelaxKVOptions, "cacheblend": CacheBlendOptions}
+_SHARED_KNOBS = tuple(f.name for f in dataclasses.fields(RepairConfig) if f.name not in _OPTION_FIELDS)
+# Flat knob name -> (options field, attribute). CacheBlend's use_k keeps its policy in its flat
+# name, as the ablation variants spell it.
+_KNOB_OWNERS = {
+    **{f.name: ("relaxkv", f.name) for f in dataclasses.fields(RelaxKVOptions)},
+    "check_layer": ("cacheblend", "check_layer"),
+    "cacheblend_use_k": ("cacheblend", "use_k"),
+}
+
+
+def knob_defaults() -> dict[str, Any]:
+    """Every repair knob by its flat name (:meth:`RepairConfig.from_knobs`) with its default."""
+    config = RepairConfig()
+    shared = {name: getattr(config, name) for name in _SHARED_KNOBS}
+    return {**shared, **{name: getattr(getattr(config, owner), attr) for name, (owner, attr) in _KNOB_OWNERS.items()}}
 
 
 # Measured cost of an attention pair over its multiply-add share, per device type. CPU: a
@@ -193,7 +192,7 @@ def split_budget(budget: float, policy: Policy, chunk_spans: Sequence[Span], n_c
     policies on anchors at ``config.context_ratio`` first, then on context.
     """
     elig = eligible_tokens(chunk_spans, n_context)
-    if elig.numel() == 0 or policy.context_mode == "full":
+    if elig.numel() == 0 or policy_spec(policy).context == "full":
         return budget, 1.0
     offset, _ = chunk_offsets(chunk_spans, elig, n_context)
     t, own = elig.double(), offset.double() + 1  # own: the token's chunk up to it
@@ -202,7 +201,7 @@ def split_budget(budget: float, policy: Policy, chunk_spans: Sequence[Span], n_c
     def per_anchor(context_ratio: float) -> float:
         """Mean cost of an anchor-layer: its relaxed context as layout.py budgets it, page
         rounding left out (own chunk plus a share of what is before it)."""
-        if config.own_chunk_in_budget:
+        if config.relaxkv.own_chunk_in_budget:
             keys = torch.clamp(context_ratio * (t + 1), min=own + sink)
         else:
             keys = own + torch.clamp(context_ratio * before, min=sink)
@@ -234,7 +233,7 @@ class AnchorPlan:
         anchor_sets: per planned layer, int64 [|A_l|] sorted anchors (nested). CacheBlend's
             plan holds only layers ``0..check_layer`` until :meth:`after_check_layer`.
         layouts: per planned layer, the anchors' layout (rows = ``anchor_sets[l]``).
-        chunk_sinks: int64 [n_chunks] each chunk's sink tokens (``RepairConfig.chunk_sink_rule``).
+        chunk_sinks: int64 [n_chunks] each chunk's sink tokens (``RelaxKVOptions.chunk_sink_rule``).
     """
 
     policy: Policy
@@ -248,12 +247,23 @@ class AnchorPlan:
     chunk_sinks: torch.Tensor
 
     @property
+    def spec(self) -> PolicySpec:
+        """What the policy declares (``policies.POLICY_SPECS``)."""
+        return policy_spec(self.policy)
+
+    @property
     def n_eligible(self) -> int:
         return int(eligible_tokens(self.chunk_spans, self.n_context).numel())
 
     @property
+    def check_layer(self) -> int:
+        """The layer a mid-forward decision is made at (``CacheBlendOptions.check_layer``)."""
+        return self.config.cacheblend.check_layer
+
+    @property
     def awaits_check_layer(self) -> bool:
-        """CacheBlend before its check layer has run: later layers are not decided yet."""
+        """A mid-forward policy (CacheBlend) before its check layer has run: later layers are not
+        decided yet."""
         return len(self.anchor_sets) < self.n_layers
 
     def exit_layers(self) -> torch.Tensor:
@@ -267,15 +277,20 @@ class AnchorPlan:
         return anchor_ratio_achieved(self.anchor_sets, self.n_eligible)
 
     def decides_at(self, layer: int) -> bool:
-        """True at CacheBlend's check layer while the later layers are undecided."""
-        return self.awaits_check_layer and layer == self.config.check_layer
+        """True at the check layer of a policy that decides mid-forward (its spec's
+        ``decides_mid_forward``: CacheBlend) while the later layers are undecided."""
+        return self.spec.decides_mid_forward and self.awaits_check_layer and layer == self.check_layer
 
     @property
     def stale_shift(self) -> str:
         """The stale shift the executor applies (:mod:`.stale_shift`): the config's for the relaxkv
         policies, ``none`` for the peers (they run as published)."""
-        relaxkv = (Policy.RELAXKV, Policy.RELAXKV_FULLCTX, Policy.RELAXKV_RANDCTX)
-        return self.config.stale_shift if self.policy in relaxkv else "none"
+        return self.config.relaxkv.stale_shift if self.spec.stale_shift else "none"
+
+    @property
+    def stale_shift_scale(self) -> float:
+        """The fraction of the anchors' mean deviation the stale shift adds (``RelaxKVOptions``)."""
+        return self.config.relaxkv.stale_shift_scale
 
     def shift_sets(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(S_l, T_l) of :mod:`.stale_shift` at ``layer``: the anchors whose deviation is averaged
@@ -304,12 +319,12 @@ class AnchorPlan:
     @property
     def ranks_pages_in_layer(self) -> bool:
         """Whether :meth:`layout_at` decides the context in the layer (it needs the keys then)."""
-        return self.config.context_rank != "query" and self.policy.context_mode == "topk"
+        return self.config.relaxkv.context_rank != "query" and self.spec.context == "topk"
 
     def layout_at(self, layer: int, q_anchors: torch.Tensor, keys: torch.Tensor) -> BlockSparseLayout:
         """The anchors' layout at ``layer``, once their queries exist.
 
-        With ``config.context_rank == "query"`` (or a policy whose context is not ranked) it is the
+        With ``config.relaxkv.context_rank == "query"`` (or a policy whose context is not ranked) it is the
         planned ``layouts[layer]``; otherwise the same budget per row block filled with the pages
         the anchors' own queries rank highest (``layout.key_bound_page_scores``).
 
@@ -326,10 +341,10 @@ class AnchorPlan:
             return planned
         c = self.config
         row_scores = key_bound_page_scores(q_anchors, planned.q_pos, keys, self.n_context, c.page_size,
-                                           exact=c.context_rank == "oracle")
+                                           exact=c.relaxkv.context_rank == "oracle")
         return build_relaxed_layout(self.anchor_sets[layer], None, self.chunk_spans, self.n_context,
                                     c.context_ratio, c.page_size, c.sink_tokens,
-                                    own_chunk_in_budget=c.own_chunk_in_budget, row_page_scores=row_scores)
+                                    own_chunk_in_budget=c.relaxkv.own_chunk_in_budget, row_page_scores=row_scores)
 
     def after_check_layer(self, tokens: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                           k_stale: torch.Tensor, v_stale: torch.Tensor) -> "AnchorPlan":
@@ -343,9 +358,9 @@ class AnchorPlan:
             a new plan with every layer decided; layers ``0..check_layer`` unchanged.
         """
         deviation = torch.zeros(self.n_context)
-        deviation[tokens] = kv_deviation(k_new, v_new, k_stale, v_stale, self.config.cacheblend_use_k)
+        deviation[tokens] = kv_deviation(k_new, v_new, k_stale, v_stale, self.config.cacheblend.use_k)
         sets = select_anchors(self.policy, None, self.chunk_spans, self.n_context, self.config.anchor_ratio,
-                              n_layers=self.n_layers, deviation=deviation, check_layer=self.config.check_layer)
+                              n_layers=self.n_layers, deviation=deviation, check_layer=self.check_layer)
         done = len(self.layouts)
         layouts = self.layouts + anchor_layouts(self.policy, sets[done:], None, self.chunk_spans, self.n_context,
                                                 self.config, first_layer=done)
@@ -372,7 +387,7 @@ def plan_anchors(
         n_layers: layers of the model.
         config: the knobs.
         cost: the model's cost model; needed when ``config.budget`` is set.
-        input_ids: int64 [>= n_context] the prompt; needed when ``config.chunk_sink_rule`` is
+        input_ids: int64 [>= n_context] the prompt; needed when ``config.relaxkv.chunk_sink_rule`` is
             ``shared``.
     Returns:
         AnchorPlan; with a budget, its ``config`` holds the split's anchor and context ratios.
@@ -386,22 +401,23 @@ def plan_anchors(
         config = dataclasses.replace(config, anchor_ratio=min(anchor_ratio, 1.0), context_ratio=context_ratio)
     chunk_sinks = plan_chunk_sinks(config, spans, input_ids)
     targets_rng = torch.Generator().manual_seed(config.seed)
+    relaxkv = config.relaxkv
     sets = select_anchors(policy, scores, spans, n_context, config.anchor_ratio, targets_rng, n_layers=n_layers,
-                          check_layer=config.check_layer, chunk_sink_tokens=chunk_sinks,
-                          layer_value=config.layer_value, chunk_sink_share=config.chunk_sink_share,
-                          chunk_sink_order=config.chunk_sink_order)
+                          check_layer=config.cacheblend.check_layer, chunk_sink_tokens=chunk_sinks,
+                          layer_value=relaxkv.layer_value, chunk_sink_share=relaxkv.chunk_sink_share,
+                          chunk_sink_order=relaxkv.chunk_sink_order)
     layouts = anchor_layouts(policy, sets, scores, spans, n_context, config)
     return AnchorPlan(policy, spans, n_context, n_layers, config, scores, sets, layouts, chunk_sinks)
 
 
 def plan_chunk_sinks(config: RepairConfig, chunk_spans: Sequence[Span],
                      input_ids: Optional[torch.Tensor]) -> torch.Tensor:
-    """int64 [n_chunks]: each chunk's sink tokens under ``config.chunk_sink_rule``."""
-    if config.chunk_sink_rule == "fixed":
-        return torch.full((len(chunk_spans),), config.chunk_sink_tokens, dtype=torch.long)
+    """int64 [n_chunks]: each chunk's sink tokens under ``config.relaxkv.chunk_sink_rule``."""
+    if config.relaxkv.chunk_sink_rule == "fixed":
+        return torch.full((len(chunk_spans),), config.relaxkv.chunk_sink_tokens, dtype=torch.long)
     if input_ids is None:
         raise ValueError("chunk_sink_rule='shared' needs the prompt's input_ids")
-    return shared_opening_sinks(input_ids, chunk_spans, config.chunk_sink_tokens)
+    return shared_opening_sinks(input_ids, chunk_spans, config.relaxkv.chunk_sink_tokens)
 
 
 def anchor_layouts(
@@ -421,10 +437,10 @@ def anchor_layouts(
     Returns:
         one layout per set.
     """
-    mode = policy.context_mode
+    mode = policy_spec(policy).context
     ratio = config.context_ratio if mode != "full" else 1.0
     context_rng = torch.Generator().manual_seed(config.seed + 1)
     layer_scores = scores[first_layer:first_layer + len(anchor_sets)] if scores is not None and mode == "topk" else None
     return build_relaxed_layouts(anchor_sets, layer_scores, chunk_spans, n_context, ratio, config.page_size,
                                  config.sink_tokens, mode=mode, generator=context_rng,
-                                 own_chunk_in_budget=config.own_chunk_in_budget)
+                                 own_chunk_in_budget=config.relaxkv.own_chunk_in_budget)

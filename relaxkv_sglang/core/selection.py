@@ -31,50 +31,52 @@ A token needed only at a deep layer is thus kept at all shallower layers iff its
 per token-layer is high enough.  The budget is met exactly, so mean_l |A_l| is within
 ``0.5 / n_layers`` tokens of ``r * n_eligible`` (well within one token per layer).
 
-Layer value (``layer_weights``, ``RepairConfig.layer_value``): ``u_l(t)`` is multiplied by a
+Layer value (``layer_weights``, ``RelaxKVOptions.layer_value``): ``u_l(t)`` is multiplied by a
 weight ``w_l``.  A chunk token's layer-0 K/V depend only on the token and its position, so after
 re-rotation they are already exact: recomputing a token at layer 0 alone changes nothing, and
-``w_0 = 0`` for every rule but ``uniform`` (the first version's rule, kept for ablations).  The
-deviation of the stale K/V from the full prefill's grows with depth (measured on SmolLM2-135M:
-relative V error 0 at layer 0, ~0.1 at layer 1, ~0.25 by layer 5, ~0.3 at the last layers), and
-an error in a late layer reaches the output with fewer layers left to wash it out. ``ramp``
-(the default; ``w_l = min(1, l / R)``, ``R = round(L / 8)``, 4 layers of SmolLM2's 30) follows
-that measured shape: it grows over the first layers and is flat after; ``depth``
-(``w_l = l / (L - 1)``) credits late layers most, ``skip0`` only drops layer 0. ``ramp`` replaced
-``depth`` as the default after the torch reference was made to split prompts as the server does
-(glue between chunks computed with the request): on two development batches (36 and 24
-(example, format) pairs) it lowered the mean KL against ``depth`` by 0.003 and 0.005, most in the
-``plain`` format; the tables are in ``docs/experiments/2026-12-01-glue-correction-ramp.md``.
+``w_0 = 0`` for every rule but ``uniform`` (kept for ablations).  The deviation of the stale K/V
+from the full prefill's grows with depth (SmolLM2-135M: relative V error 0 at layer 0, ~0.1 at
+layer 1, ~0.25 by layer 5, ~0.3 at the last layers), and an error in a late layer reaches the
+output with fewer layers left to wash it out. ``ramp`` (the default; ``w_l = min(1, l / R)``,
+``R = round(L / 8)``, 4 layers of SmolLM2's 30) follows that measured shape: it grows over the
+first layers and is flat after; ``depth`` (``w_l = l / (L - 1)``) credits late layers most,
+``skip0`` only drops layer 0. ``ramp`` has the lowest mean KL on the development split
+(``docs/experiments/2026-12-01-glue-correction-ramp.md``; ``docs/results/ablate_ramp_dev.json``).
 
 Chunk sinks: each independently computed chunk grows its own attention sink on its first
 tokens (EPIC's finding; StreamingLLM found ~4 initial tokens carry the sink).  In the full
 prompt those tokens are ordinary mid-sequence tokens, so their stale KV is among the most wrong
 and the query's stale attention is drawn to them.  RelaxKV policies therefore give the first
-``chunk_sink_tokens`` (default 4, the StreamingLLM sink size; EPIC reports most of its gain
-from a handful of initial tokens) of each eligible chunk every layer first, as long as the
-budget allows, then run the hull allocation on the rest.  ``chunk_sink_share`` caps the sinks'
-share of the budget and ``chunk_sink_order`` says which come first (``offset``: every chunk's first
-token, then every second, ...; ``score``: by their summed layer value); both are ablations (on the
-development split neither a cap nor the score order beat the defaults,
-docs/experiments/2026-12-01-cheap-end.md).
+``chunk_sink_tokens`` (default 4, the StreamingLLM sink size) of each eligible chunk every layer
+first, as long as the budget allows, then run the hull allocation on the rest.
+``chunk_sink_share`` caps the sinks' share of the budget and ``chunk_sink_order`` says which come
+first (``offset``: every chunk's first token, then every second, ...; ``score``: by their summed
+layer value); both are ablations, neither beat the defaults
+(``docs/experiments/2026-12-01-cheap-end.md``; ``docs/results/ablate_dev_sink_share_5pct.json``).
 The count may differ per chunk (``chunk_sink_tokens`` as an int64 [n_chunks] tensor):
 ``shared_opening_sinks`` sizes each chunk's sinks from the prompt's tokens, the opening the chunk
-shares with another chunk of the request plus its first token of its own (RepairConfig's
-``chunk_sink_rule="shared"``). The reading behind it: every chunk computed alone turns its first
-token into a sink, and when chunks open with the same tokens (a ``Document:`` label) those tokens
-come back with the same stale K/V in every chunk, so the query meets the same false sink once per
-chunk. It is an ablation: on the development split it was worse than the fixed 4 sinks at 5% and
-15% anchors (docs/experiments/2026-12-01-cheap-end.md, "Sinks sized per chunk").
+shares with another chunk of the request plus its first token of its own
+(``RelaxKVOptions.chunk_sink_rule="shared"``). The reading behind it: every chunk computed alone
+turns its first token into a sink, and when chunks open with the same tokens (a ``Document:``
+label) those tokens come back with the same stale K/V in every chunk, so the query meets the same
+false sink once per chunk. It is an ablation, worse than the fixed 4 sinks at 5% and 15% anchors
+(``docs/results/ablate_dev_shared_sinks.json``).
+
+Anchor rules (``ANCHOR_RULES``): each policy's spec (``policies.POLICY_SPECS``) names the rule
+that chooses its targets; :func:`select_anchors` checks the inputs once, builds an
+:class:`AnchorInputs` and calls that rule, so a rule is one function of one parameter object.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Optional, Sequence
+import types
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from .policies import Policy
+from .policies import LAYER_VALUES, SINK_ORDERS, Policy, policy_spec
 
 Span = tuple[int, int]
 
@@ -89,6 +91,8 @@ __all__ = [
     "relaxkv_exit_layers",
     "exits_to_anchor_sets",
     "kv_deviation",
+    "AnchorInputs",
+    "ANCHOR_RULES",
     "select_anchors",
     "anchor_ratio_achieved",
 ]
@@ -285,10 +289,6 @@ def _hull_exit_allocation(util: torch.Tensor, budget: int) -> torch.Tensor:
     return exits
 
 
-LAYER_VALUES = ("uniform", "skip0", "depth", "ramp")
-SINK_ORDERS = ("offset", "score")
-
-
 def layer_weights(n_layers: int, rule: str) -> torch.Tensor:
     """Weight w_l of correcting a token's KV at layer l (module doc: "Layer value").
 
@@ -405,7 +405,42 @@ def kv_deviation(
     return dev
 
 
-# ----------------------------------------------------------------------------- dispatch
+# ----------------------------------------------------------------------------- rules
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchorInputs:
+    """What an anchor rule reads, checked once by :func:`select_anchors`.
+
+    Attributes:
+        scores: float [n_layers, n_context] s_l, or None (only rules whose policy needs them read it).
+        chunk_spans: the chunks, sorted, inside ``[0, n_context)``.
+        n_context: context tokens.
+        n_layers: sets to return.
+        anchor_ratio: r in [0, 1].
+        eligible: int64 [n_eligible] sorted repairable tokens (:func:`eligible_tokens`).
+        per_layer: round(r * n_eligible), the anchors of a rule with the same set at every layer.
+        rng: the random control's generator.
+        deviation: float [n_context] or [n_eligible], cacheblend's K/V deviation, or None.
+        check_layer: cacheblend's check layer.
+        chunk_sink_tokens, layer_value, chunk_sink_share, chunk_sink_order: relaxkv's
+            (:func:`relaxkv_exit_layers`).
+    """
+
+    scores: Optional[torch.Tensor]
+    chunk_spans: Sequence[Span]
+    n_context: int
+    n_layers: int
+    anchor_ratio: float
+    eligible: torch.Tensor
+    per_layer: int
+    rng: Optional[torch.Generator] = None
+    deviation: Optional[torch.Tensor] = None
+    check_layer: int = 1
+    chunk_sink_tokens: int | torch.Tensor = 4
+    layer_value: str = "uniform"
+    chunk_sink_share: float = 1.0
+    chunk_sink_order: str = "offset"
 
 
 def _same_every_layer(tokens: torch.Tensor, n_layers: int) -> list[torch.Tensor]:
@@ -417,6 +452,72 @@ def _top(values: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor
     # Stable descending sort: equal scores prefer the earlier token (deterministic).
     order = torch.sort(values[candidates], descending=True, stable=True).indices
     return candidates[order[:k]]
+
+
+def _every_eligible(x: AnchorInputs) -> list[torch.Tensor]:
+    """full, prefix: every eligible token is computed at every layer."""
+    return _same_every_layer(x.eligible, x.n_layers)
+
+
+def _no_anchors(x: AnchorInputs) -> list[torch.Tensor]:
+    """pic: nothing is recomputed."""
+    return [torch.zeros(0, dtype=torch.long) for _ in range(x.n_layers)]
+
+
+def _chunk_openings(x: AnchorInputs) -> list[torch.Tensor]:
+    """epic: the first k tokens of each chunk; the last partial round goes to the earlier chunks,
+    so exactly round(r * n_eligible) tokens are taken."""
+    offs, cid = chunk_offsets(x.chunk_spans, x.eligible, x.n_context)
+    key = offs * (int(cid.max()) + 1 if x.eligible.numel() else 1) + cid
+    return _same_every_layer(x.eligible[torch.argsort(key, stable=True)[:x.per_layer]], x.n_layers)
+
+
+def _uniform_random(x: AnchorInputs) -> list[torch.Tensor]:
+    """random: a uniform sample of the eligible tokens, the same at every layer."""
+    perm = torch.randperm(x.eligible.numel(), generator=x.rng)
+    return _same_every_layer(x.eligible[perm[:x.per_layer]], x.n_layers)
+
+
+def _mean_query_score(x: AnchorInputs) -> list[torch.Tensor]:
+    """prophetkv: the top tokens by the query's attention averaged over layers, every layer."""
+    return _same_every_layer(_top(x.scores.float().mean(dim=0), x.eligible, x.per_layer), x.n_layers)
+
+
+def _check_layer_deviation(x: AnchorInputs) -> list[torch.Tensor]:
+    """cacheblend: every eligible token at layers 0..check_layer; with the deviation measured there,
+    the top tokens by it at the later layers (without it, only the check layers: the executor
+    calls again once it has measured)."""
+    n_full = min(x.check_layer + 1, x.n_layers)
+    sets = [x.eligible.clone() for _ in range(n_full)]
+    if x.deviation is None:
+        return sets
+    dev = x.deviation.float()
+    n_elig = x.eligible.numel()
+    if dev.numel() == n_elig and n_elig != x.n_context:
+        full = torch.zeros(x.n_context)
+        full[x.eligible] = dev
+        dev = full
+    chosen = torch.sort(_top(dev, x.eligible, x.per_layer)).values
+    return sets + [chosen.clone() for _ in range(x.n_layers - n_full)]
+
+
+def _exit_layers(x: AnchorInputs) -> list[torch.Tensor]:
+    """relaxkv and its ablations: nested sets from each token's exit layer (module doc)."""
+    exits = relaxkv_exit_layers(x.scores, x.chunk_spans, x.anchor_ratio, x.chunk_sink_tokens, x.layer_value,
+                                x.chunk_sink_share, x.chunk_sink_order)
+    return exits_to_anchor_sets(exits, x.n_layers)
+
+
+#: ``PolicySpec.anchor_rule`` -> the rule: AnchorInputs -> n_layers int64 sorted sets, nested.
+ANCHOR_RULES: Mapping[str, Callable[[AnchorInputs], list[torch.Tensor]]] = types.MappingProxyType({
+    "every_eligible": _every_eligible,
+    "none": _no_anchors,
+    "chunk_openings": _chunk_openings,
+    "uniform_random": _uniform_random,
+    "mean_query_score": _mean_query_score,
+    "check_layer_deviation": _check_layer_deviation,
+    "exit_layers": _exit_layers,
+})
 
 
 def select_anchors(
@@ -435,12 +536,12 @@ def select_anchors(
     chunk_sink_share: float = 1.0,
     chunk_sink_order: str = "offset",
 ) -> list[torch.Tensor]:
-    """Anchor set of every layer for one request.
+    """Anchor set of every layer for one request: the rule its spec names (``ANCHOR_RULES``).
 
     Args:
         policy: a ``Policy`` or its string value.
-        scores: float [n_layers, n_context] query scores s_l; required by prophetkv and the
-            relaxkv policies, ignored otherwise.
+        scores: float [n_layers, n_context] query scores s_l; required by the policies whose spec
+            ``needs_query_scores``, ignored otherwise.
         chunk_spans: chunk spans (see module doc); anchors come only from eligible tokens.
         n_context: number of context tokens.
         anchor_ratio: r in [0, 1] (module doc).  epic / prophetkv / random /
@@ -463,7 +564,7 @@ def select_anchors(
         n_layers int64 tensors of sorted token indices, nested (A_0 ⊇ A_1 ⊇ ...).
         full: every eligible token; pic: empty sets.
     """
-    policy = Policy(policy)
+    spec = policy_spec(policy)
     if scores is not None:
         if scores.dim() != 2 or scores.shape[1] != n_context:
             raise ValueError(f"scores must be [n_layers, {n_context}], got {tuple(scores.shape)}")
@@ -471,45 +572,12 @@ def select_anchors(
     if n_layers is None:
         raise ValueError("n_layers is required when scores is None")
     elig = eligible_tokens(chunk_spans, n_context)
-    n_elig = elig.numel()
-    per_layer = _budget(anchor_ratio, n_elig)
-    empty = torch.zeros(0, dtype=torch.long)
-
-    if not policy.reuses_chunks:  # full, prefix: every eligible token is computed
-        return _same_every_layer(elig, n_layers)
-    if policy is Policy.PIC:
-        return [empty.clone() for _ in range(n_layers)]
-    if policy is Policy.EPIC:
-        # First k tokens of each chunk; the last partial round goes to the earlier chunks,
-        # so exactly round(r * n_eligible) tokens are taken.
-        offs, cid = chunk_offsets(chunk_spans, elig, n_context)
-        key = offs * (int(cid.max()) + 1 if n_elig else 1) + cid
-        return _same_every_layer(elig[torch.argsort(key, stable=True)[:per_layer]], n_layers)
-    if policy is Policy.RANDOM:
-        perm = torch.randperm(n_elig, generator=rng)
-        return _same_every_layer(elig[perm[:per_layer]], n_layers)
-    if policy is Policy.PROPHETKV:
-        if scores is None:
-            raise ValueError("prophetkv needs query scores")
-        return _same_every_layer(_top(scores.float().mean(dim=0), elig, per_layer), n_layers)
-    if policy is Policy.CACHEBLEND:
-        n_full = min(check_layer + 1, n_layers)
-        sets = [elig.clone() for _ in range(n_full)]
-        if deviation is None:
-            return sets
-        dev = deviation.float()
-        if dev.numel() == n_elig and n_elig != n_context:
-            full = torch.zeros(n_context)
-            full[elig] = dev
-            dev = full
-        chosen = torch.sort(_top(dev, elig, per_layer)).values
-        return sets + [chosen.clone() for _ in range(n_layers - n_full)]
-    # relaxkv and its two ablations share the targets.
-    if scores is None:
-        raise ValueError(f"{policy.value} needs query scores")
-    exits = relaxkv_exit_layers(scores, chunk_spans, anchor_ratio, chunk_sink_tokens, layer_value,
-                                chunk_sink_share, chunk_sink_order)
-    return exits_to_anchor_sets(exits, n_layers)
+    per_layer = _budget(anchor_ratio, elig.numel())
+    if spec.needs_query_scores and scores is None:
+        raise ValueError(f"{spec.policy.value} needs query scores")
+    inputs = AnchorInputs(scores, chunk_spans, n_context, n_layers, anchor_ratio, elig, per_layer, rng, deviation,
+                          check_layer, chunk_sink_tokens, layer_value, chunk_sink_share, chunk_sink_order)
+    return ANCHOR_RULES[spec.anchor_rule](inputs)
 
 
 def anchor_ratio_achieved(anchor_sets: Sequence[torch.Tensor], n_eligible: int) -> float:

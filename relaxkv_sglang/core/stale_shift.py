@@ -8,16 +8,12 @@ error by a few percent) but it sets how much attention the stale tokens draw. Ea
 alone drew its attention onto its own first tokens (a chunk-local attention sink), and RelaxKV
 recomputes those first (``chunk_sink_tokens``): the chunks' sinks then no longer absorb the
 query's attention, and the mass flows to the stale body tokens, whose keys still carry the
-offset of the chunk-local computation. Measured on HotpotQA dev example 5a85ea09, ``plain``
-format, 15% anchors: the last prompt token's attention mass on the non-anchor chunk tokens at
-layers 20 / 24 was 0.017 / 0.163 in full prefill, 0.057 / 0.267 after the repair and 0.014 /
-0.144 with the shift (scale 1); first-token KL to full prefill 0.113 (``pic``), 0.195 (repair),
-0.021 / 0.049 (repair + shift, scale 1 / 0.5). Exact K/V on the same anchors gave 0.113: the
-stale tokens are what the answer reads. On 108 development (example, format) pairs the shift at
-scale 0.5 (the default) lowered the mean KL from 0.063 to 0.032 (102 of 108 lower;
-``docs/experiments/2026-12-01-stale-shift.md``).
+offset of the chunk-local computation. Correcting that shared offset moves the query's attention
+on the non-anchor chunk tokens back toward full prefill's, and with it the first-token KL: the
+measurements (one traced example, then 108 development pairs, 102 of them lower at scale 0.5) are
+in ``docs/experiments/2026-12-01-stale-shift.md`` (``docs/results/ablate_stale_shift_dev*.json``).
 
-The shift (``RepairConfig.stale_shift``, scaled by ``stale_shift_scale``) adds that shared part
+The shift (``RelaxKVOptions.stale_shift``, scaled by ``stale_shift_scale``) adds that shared part
 to every non-anchor:
 
 * ``dv_l = mean_{a in S_l} (v_new(a) - v_stale(a))``, per KV head and dimension;
@@ -48,13 +44,13 @@ from typing import Callable, Sequence
 
 import torch
 
+from .policies import STALE_SHIFTS
 from .selection import chunk_offsets, eligible_tokens, sinks_of_tokens
 
 Span = tuple[int, int]
 
 __all__ = ["STALE_SHIFTS", "shift_body", "split_body", "shift_sets", "shift_deltas", "stale_shift"]
 
-STALE_SHIFTS = ("none", "v", "kv")
 
 #: rotate(k [n or 1, Hkv, d], delta int64 [n]) -> k rotated by delta positions (RoPE composes);
 #: one key with n deltas gives that key at each of them (``rope.rotate_keys``).
@@ -104,7 +100,7 @@ def shift_deltas(mode: str, sources: torch.Tensor, k_new: torch.Tensor, v_new: t
         k_new, v_new: [n_s, Hkv, d] their recomputed K (post-RoPE) and V.
         k_stale, v_stale: [n_s, Hkv, d] their stale K (post-RoPE, re-rotated) and V.
         rotate: RoPE re-rotation of post-RoPE keys by per-token position deltas.
-        scale: the fraction of the mean deviation added (``RepairConfig.stale_shift_scale``).
+        scale: the fraction of the mean deviation added (``RelaxKVOptions.stale_shift_scale``).
     Returns:
         (dk float32 [Hkv, d] before RoPE, dv float32 [Hkv, d]); zeros where ``mode`` shifts
         nothing (``dk`` for ``v``, both for ``none``) or ``sources`` is empty.

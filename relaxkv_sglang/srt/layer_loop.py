@@ -322,7 +322,7 @@ def _stale_shift(r: LoopRows, l: int, mask: torch.Tensor, k_new: torch.Tensor, v
     target = r.shift_target
     src_slots = r.slots[sources]
     dk, dv = shift_deltas(plan.stale_shift, sources, k_new[rows], v_new[rows], k_cache[src_slots], v_cache[src_slots],
-                          target.rotate_by, plan.config.stale_shift_scale)
+                          target.rotate_by, plan.stale_shift_scale)
     target.add(l, k_cache, v_cache, dk if plan.stale_shift == "kv" else None, dv)
 
 

@@ -47,7 +47,7 @@ def full(model, ids):
 
 
 def run(model, ids, policy, r=0.15, c=1.0, **kw):
-    config = RepairConfig(anchor_ratio=r, context_ratio=c, page_size=PS, **kw)
+    config = RepairConfig.from_knobs(anchor_ratio=r, context_ratio=c, page_size=PS, **kw)
     return reference_prefill(model[1], ids, SPANS, Q0, policy, config)
 
 
@@ -120,10 +120,10 @@ def test_budget_one_is_full_prefill_and_zero_is_pic(model, ids, full, policy):
     # Whatever the layer value rule and context budget, a budget of 1 buys every token at every
     # layer with its whole prefix; 0 buys nothing.
     knobs = dict(layer_value="depth", own_chunk_in_budget=False)
-    res = reference_prefill(model[1], ids, SPANS, Q0, policy, RepairConfig(budget=1.0, page_size=PS, **knobs))
+    res = reference_prefill(model[1], ids, SPANS, Q0, policy, RepairConfig.from_knobs(budget=1.0, page_size=PS, **knobs))
     assert close(res.last_logits, full.last_logits)
     assert res.report.anchor_ratio == 1.0 and res.report.context_ratio == 1.0
-    zero = reference_prefill(model[1], ids, SPANS, Q0, policy, RepairConfig(budget=0.0, page_size=PS, **knobs))
+    zero = reference_prefill(model[1], ids, SPANS, Q0, policy, RepairConfig.from_knobs(budget=0.0, page_size=PS, **knobs))
     assert close(zero.last_logits, run(model, ids, "pic").last_logits, 1e-5)
     assert zero.report.repair_kv_pairs == 0
 

@@ -276,17 +276,17 @@ def test_plan_sizes_sinks_by_the_configured_rule():
     ids = torch.tensor([0, 1, 2, 3] + [9, 8, 7] * 6 + [9, 8, 5] * 6 + [1, 2] * 10 + [3, 3])
     spans, n_ctx = [(4, 22), (22, 40), (40, 60)], 60
     scores = torch.rand(4, n_ctx, generator=torch.Generator().manual_seed(0))
-    fixed = plan_anchors("relaxkv", scores, spans, n_ctx, 4, RepairConfig(chunk_sink_tokens=4))
+    fixed = plan_anchors("relaxkv", scores, spans, n_ctx, 4, RepairConfig.from_knobs(chunk_sink_tokens=4))
     assert fixed.chunk_sinks.tolist() == [4, 4, 4]
     shared = plan_anchors("relaxkv", scores, spans, n_ctx, 4,
-                          RepairConfig(chunk_sink_tokens=4, chunk_sink_rule="shared"), input_ids=ids)
+                          RepairConfig.from_knobs(chunk_sink_tokens=4, chunk_sink_rule="shared"), input_ids=ids)
     assert shared.chunk_sinks.tolist() == [3, 3, 1]
     # The stale shift leaves the same per-chunk sinks out of its body.
     assert shared.shift_body.tolist()[:2] == [7, 8] and 41 in shared.shift_body.tolist()
     with pytest.raises(ValueError, match="input_ids"):
-        plan_anchors("relaxkv", scores, spans, n_ctx, 4, RepairConfig(chunk_sink_rule="shared"))
+        plan_anchors("relaxkv", scores, spans, n_ctx, 4, RepairConfig.from_knobs(chunk_sink_rule="shared"))
     with pytest.raises(ValueError, match="chunk_sink_rule"):
-        RepairConfig(chunk_sink_rule="score")
+        RepairConfig.from_knobs(chunk_sink_rule="score")
 
 
 def test_layer_weights_rules():
@@ -332,7 +332,7 @@ def test_split_budget_spends_anchors_first_then_context():
     spans = [(40 + 130 * i, 40 + 130 * (i + 1)) for i in range(10)]
     n = 1340
     cost = RepairCost(pair_cost=1 / 3000)
-    config = RepairConfig(context_ratio=0.25, own_chunk_in_budget=False)
+    config = RepairConfig.from_knobs(context_ratio=0.25, own_chunk_in_budget=False)
     # Full-context policies: the budget is the anchor ratio.
     assert split_budget(0.2, Policy.PROPHETKV, spans, n, config, cost) == (0.2, 1.0)
     # Relaxed context: cheaper anchors, so more of them than the budget, at the asked context.
@@ -352,3 +352,82 @@ def test_split_budget_spends_anchors_first_then_context():
     on_cpu = RepairCost.from_hf_config({"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
                                         "num_key_value_heads": 3, "head_dim": 64}, "cpu")
     assert on_cpu.pair_cost == pytest.approx(3.0 * flops)
+
+
+# ----------------------------------------------------------------------------- the policy registry
+
+
+def _docstring_table(doc: str) -> list[list[str]]:
+    """The rows of the first reST simple table in ``doc`` (between its 2nd and 3rd rule lines)."""
+    lines = doc.splitlines()
+    rules = [i for i, line in enumerate(lines) if line.startswith("=====")]
+    return [line.split() for line in lines[rules[1] + 1:rules[2]] if line.strip()]
+
+
+def test_the_policies_docstring_table_is_the_registry():
+    from relaxkv_sglang.core import policies
+
+    yes = {True: "yes", False: "no"}
+    want = [[s.policy.value, yes[s.served], yes[s.reuses_chunks], yes[s.repairs], yes[s.needs_query_scores],
+             yes[s.needs_kv_deviation], s.context if s.repairs else "(none)" if s.reuses_chunks else "(causal)",
+             s.role] for s in policies.POLICY_SPECS.values()]
+    assert _docstring_table(policies.__doc__) == want
+
+
+def test_every_policy_has_a_spec_and_its_anchor_rule():
+    from relaxkv_sglang.core.policies import POLICY_SPECS
+    from relaxkv_sglang.core.selection import ANCHOR_RULES
+
+    assert list(POLICY_SPECS) == list(Policy)
+    assert {s.anchor_rule for s in POLICY_SPECS.values()} == set(ANCHOR_RULES)
+    for policy, spec in POLICY_SPECS.items():
+        assert spec.policy is policy and policy.spec is spec
+        # The enum's properties are the spec's (what srt/ and the reference read).
+        assert (policy.served, policy.reuses_chunks, policy.repairs, policy.needs_query_scores, policy.context_mode) \
+            == (spec.served, spec.reuses_chunks, spec.repairs, spec.needs_query_scores, spec.context)
+        assert spec.options in (None, "relaxkv", "cacheblend")
+        assert spec.decides_mid_forward == (policy is Policy.CACHEBLEND)
+
+
+def test_registry_queries():
+    from relaxkv_sglang.core.policies import (CHUNK_POLICIES, REPAIR_POLICIES, SERVER_POLICIES, chunk_policies,
+                                              repair_policies, served_policies)
+
+    assert served_policies() == SERVER_POLICIES == tuple(p.value for p in Policy if p is not Policy.RANDOM)
+    assert set(chunk_policies()) == CHUNK_POLICIES == set(SERVER_POLICIES) - {"full", "prefix"}
+    assert repair_policies() == REPAIR_POLICIES == tuple(p for p in chunk_policies() if p != "pic")
+    assert repair_policies(ablations=False) == ("epic", "cacheblend", "prophetkv", "relaxkv")
+
+
+def test_policy_knobs_live_with_their_policy():
+    from relaxkv_sglang.core.policies import CacheBlendOptions, RelaxKVOptions
+    from relaxkv_sglang.core.repair_plan import RepairConfig, knob_defaults
+
+    config = RepairConfig.from_knobs(anchor_ratio=0.2, layer_value="depth", check_layer=3, cacheblend_use_k=True)
+    assert config.anchor_ratio == 0.2
+    assert config.relaxkv == RelaxKVOptions(layer_value="depth")
+    assert config.cacheblend == CacheBlendOptions(check_layer=3, use_k=True)
+    assert config.options_of("relaxkv_randctx") is config.relaxkv and config.options_of("epic") is None
+    assert config.options_of(Policy.CACHEBLEND) is config.cacheblend
+    assert RepairConfig.from_knobs(**knob_defaults()) == RepairConfig()
+    with pytest.raises(TypeError, match="unknown repair knob"):
+        RepairConfig.from_knobs(sink_count=3)
+    with pytest.raises(ValueError, match="layer_value"):
+        RelaxKVOptions(layer_value="steep")
+    with pytest.raises(ValueError, match="check_layer"):
+        CacheBlendOptions(check_layer=-1)
+
+
+def test_only_a_mid_forward_policy_waits_for_its_check_layer():
+    from relaxkv_sglang.core.repair_plan import RepairConfig, plan_anchors
+
+    scores = torch.rand(L, N_CTX, generator=torch.Generator().manual_seed(0))
+    config = RepairConfig.from_knobs(anchor_ratio=0.2, check_layer=2)
+    for policy in Policy:
+        if not policy.repairs:
+            continue
+        plan = plan_anchors(policy, scores if policy.needs_query_scores else None, SPANS, N_CTX, L, config)
+        waits = policy.spec.decides_mid_forward
+        assert plan.awaits_check_layer == waits and len(plan.anchor_sets) == (3 if waits else L)
+        assert [plan.decides_at(l) for l in range(L)] == [waits and l == 2 for l in range(L)]
+        assert plan.stale_shift == ("kv" if policy.spec.stale_shift else "none")

@@ -57,9 +57,9 @@ def test_a_shared_offset_is_recovered_exactly_k_before_rope():
 
 def test_config_refuses_an_unknown_shift():
     with pytest.raises(ValueError, match="stale_shift"):
-        RepairConfig(stale_shift="kv2")
+        RepairConfig.from_knobs(stale_shift="kv2")
     with pytest.raises(ValueError, match="stale_shift_scale"):
-        RepairConfig(stale_shift_scale=1.5)
+        RepairConfig.from_knobs(stale_shift_scale=1.5)
 
 
 @pytest.mark.parametrize("mode", ["v", "kv"])
@@ -72,12 +72,12 @@ def test_shift_keeps_the_invariants(model, ids, full, mode):  # noqa: F811
 
 def test_shift_moves_exactly_the_non_anchors_by_the_anchors_mean(model, ids):  # noqa: F811
     w = model[1]
-    config = RepairConfig(anchor_ratio=0.3, context_ratio=0.5, page_size=PS, stale_shift="kv", chunk_sink_tokens=2,
+    config = RepairConfig.from_knobs(anchor_ratio=0.3, context_ratio=0.5, page_size=PS, stale_shift="kv", chunk_sink_tokens=2,
                           stale_shift_scale=1.0)
     res = reference_prefill(w, ids, GLUE_SPANS, Q0, "relaxkv", config)
-    plain = reference_prefill(w, ids, GLUE_SPANS, Q0, "relaxkv", RepairConfig(anchor_ratio=0.3, context_ratio=0.5,
-                                                                           page_size=PS, chunk_sink_tokens=2,
-                                                                           stale_shift="none"))
+    unshifted = RepairConfig.from_knobs(anchor_ratio=0.3, context_ratio=0.5, page_size=PS, chunk_sink_tokens=2,
+                                        stale_shift="none")
+    plain = reference_prefill(w, ids, GLUE_SPANS, Q0, "relaxkv", unshifted)
     stale = build_stale_kv(w, ids, GLUE_SPANS, Q0)
     assert not close(res.last_logits, plain.last_logits, 1e-4)  # the shift does something
     plan = plan_anchors("relaxkv", res.scores, GLUE_SPANS, Q0, w.n_layers, config)
@@ -104,7 +104,7 @@ def test_shift_moves_exactly_the_non_anchors_by_the_anchors_mean(model, ids):  #
 
 
 def test_the_default_shifts_kv_by_half():
-    assert (RepairConfig().stale_shift, RepairConfig().stale_shift_scale) == ("kv", 0.5)
+    assert (RepairConfig().relaxkv.stale_shift, RepairConfig().relaxkv.stale_shift_scale) == ("kv", 0.5)
 
 
 @pytest.mark.parametrize("policy", ["prophetkv", "epic", "cacheblend"])
@@ -157,7 +157,7 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
 
     hf, w = model
     n = ids.numel()
-    config = RepairConfig(anchor_ratio=0.3, context_ratio=0.5, page_size=PS, stale_shift=mode, chunk_sink_tokens=2,
+    config = RepairConfig.from_knobs(anchor_ratio=0.3, context_ratio=0.5, page_size=PS, stale_shift=mode, chunk_sink_tokens=2,
                           stale_shift_scale=0.5, chunk_sink_share=0.1 if "capped" in slot_layout else 1.0)
     ref = reference_prefill(w, ids, GLUE_SPANS, Q0, "relaxkv", config)
     stale = stale_context(w, ids, GLUE_SPANS, Q0)

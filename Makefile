@@ -45,7 +45,7 @@ test-unit: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 demo: install
-	$(PY) -m relaxkv_sglang.demo
+	$(PY) -m benchmarks.demo
 
 bench: install
 	$(PY) -m benchmarks.run_all

@@ -28,8 +28,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from benchmarks import common
-from relaxkv_sglang import workloads
+from benchmarks import common, workloads
 from relaxkv_sglang.client import ServerClient
 from relaxkv_sglang.core.policies import Policy
 

@@ -1,10 +1,10 @@
 """Quality, fidelity and TTFT of every reuse policy on four tasks, in several prompt formats, across anchor ratios.
 
-Tasks (``relaxkv_sglang.workloads``, 10 documents as chunks, ~1.5K tokens each):
+Tasks (``benchmarks.workloads``, 10 documents as chunks, ~1.5K tokens each):
 HotpotQA dev (its 10 paragraphs), multi-document SQuAD (the gold paragraph
 among 9 from other articles), and RULER-style multi-value needle and variable
 tracking in essay text (seeded). Every example is asked in every prompt format
-of ``--formats`` (:data:`relaxkv_sglang.workloads.PROMPT_FORMATS`: ``plain``,
+of ``--formats`` (:data:`benchmarks.workloads.PROMPT_FORMATS`: ``plain``,
 ``Title: text`` documents between blank lines; ``document``, each document a
 ``Document: <title>`` line then its text; ``chat``, the ChatML template (SmolLM2-Instruct's and
 Qwen2.5's own) with the documents in the user turn). For each example and format the server is flushed,
@@ -99,8 +99,7 @@ from typing import Iterable
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks import common
-from relaxkv_sglang import metrics, workloads
+from benchmarks import common, metrics, workloads
 from relaxkv_sglang.client import ServerClient
 from relaxkv_sglang.schema import CONTEXT_RATIO
 

@@ -24,8 +24,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks import common
-from relaxkv_sglang import assets, workloads
+from benchmarks import common, workloads
+from relaxkv_sglang import assets
 from relaxkv_sglang.schema import CONTEXT_RATIO
 
 BENCH = "bench_ttft"

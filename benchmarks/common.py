@@ -25,7 +25,9 @@ import platform
 import sys
 from typing import Any, Callable, Iterator, NoReturn, Sequence
 
-from relaxkv_sglang import assets, workloads
+from benchmarks import workloads
+
+from relaxkv_sglang import assets
 from relaxkv_sglang.client import ServerClient
 from relaxkv_sglang.server import ServerConfig, running_server
 

@@ -3,7 +3,7 @@
 SGLang's own load generator replays a JSONL file of OpenAI chat requests (``--dataset-name openai``,
 :mod:`sglang.benchmark.datasets.openai_dataset`): each line a ``messages`` list, ``max_tokens``,
 and any other request field, which it sends as it is. This module writes
-:func:`benchmarks.bench_cache_hit.make_trace`'s trace (the same flags, the same seed: the same
+:func:`benchmarks.replay.make_trace`'s trace (the same flags, the same seed: the same
 requests in the same order) in that format, one row per request::
 
     {"messages": [{"role": "system", "content": SYSTEM},
@@ -41,7 +41,7 @@ import shutil
 from typing import Any, Sequence
 
 from benchmarks import common
-from benchmarks.bench_cache_hit import TraceRequest, add_trace_args, check_trace_args, make_trace
+from benchmarks.replay import TraceRequest, add_trace_args, check_trace_args, make_trace
 from relaxkv_sglang import assets
 from relaxkv_sglang.schema import POLICY
 

@@ -140,13 +140,12 @@ def _accumulate(xs: Sequence[float]) -> list[float]:
 
 def bench_trace(bench_args: dict) -> Trace:
     """The trace of a ``bench_cache_hit`` run from its recorded arguments, with the model's token counts."""
-    from benchmarks import bench_cache_hit
-    from relaxkv_sglang import workloads
+    from benchmarks import replay, workloads
 
     args = argparse.Namespace(**bench_args)
-    trace = bench_cache_hit.make_trace(args)
+    trace = replay.make_trace(args)
     tok = common.tokenizer(args)
-    sizes = bench_cache_hit.document_tokens(trace, tok)
+    sizes = replay.document_tokens(trace, tok)
     systems = {s: i for i, s in enumerate(workloads.SYSTEM_PROMPTS)}
     out = []
     for i, req in enumerate(trace):

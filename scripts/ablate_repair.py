@@ -32,7 +32,8 @@ import time
 
 import torch
 
-from relaxkv_sglang import assets, metrics, workloads
+from benchmarks import metrics, workloads
+from relaxkv_sglang import assets
 from relaxkv_sglang.core.reference import from_hf_state_dict, reference_prefill, stale_context
 from relaxkv_sglang.core.repair_plan import RepairConfig
 

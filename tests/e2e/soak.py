@@ -67,10 +67,10 @@ import requests
 
 from relaxkv_sglang import assets
 from relaxkv_sglang.client import ServerClient
-from relaxkv_sglang.metrics import latency_summary
+from benchmarks.metrics import latency_summary
 from relaxkv_sglang.server import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
 from relaxkv_sglang.core.policies import CHUNK_POLICIES, REPAIR_POLICIES, SERVER_POLICIES
-from relaxkv_sglang.workloads import SYSTEM_PROMPTS
+from benchmarks.workloads import SYSTEM_PROMPTS
 
 if __package__:  # python -m tests.e2e.soak
     from .rag_helpers import SERVER_START_TIMEOUT_S, MarkedPrompt, essay_paragraphs, marked_prompt

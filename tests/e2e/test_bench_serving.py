@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from benchmarks import bench_cache_hit, rag_dataset
+from benchmarks import rag_dataset, replay
 from relaxkv_sglang.client import ServerClient
 
 pytestmark = pytest.mark.e2e
@@ -28,14 +28,14 @@ pytestmark = pytest.mark.e2e
 def test_bench_serving_reports_the_hit_rate_bench_cache_hit_measures(relaxkv_server, tiny_model_path, tmp_path):
     args = argparse.Namespace(source="hotpotqa", pool=12, zipf=1.0, docs_per_request=3, topics=0, requests=16,
                               seed=3, max_new_tokens=2, anchor_ratio=None, pressure=False)
-    trace = bench_cache_hit.make_trace(args)
+    trace = replay.make_trace(args)
     dataset, tokenizer = tmp_path / "rag.jsonl", tmp_path / "tokenizer"
     assert rag_dataset.write_dataset(dataset, trace, args.max_new_tokens, "pic") == len(trace)
     rag_dataset.write_bench_tokenizer(pathlib.Path(tiny_model_path), tokenizer)
 
     # one client on each side: with several, a repeat sent while its documents' first request is
     # still in prefill misses, and where that happens is timing (it moved one side by 2.8 points)
-    ours = bench_cache_hit.replay(ServerClient(relaxkv_server.url), trace, "pic", 1, args)
+    ours = replay.replay(ServerClient(relaxkv_server.url), trace, "pic", 1, args)
     assert ours["chunk_hit_rate_pct"] > 30  # the trace repeats documents: a test that can fail
 
     out = tmp_path / "bench_serving.jsonl"

@@ -109,8 +109,8 @@ def _balanced_trace(topics: int = 10, rounds: int = 4, seed: int = 1) -> list:
     topic's documents in a new order, a random system prompt and question: equal-weight keys."""
     import random
 
-    from benchmarks.bench_cache_hit import TraceRequest
-    from relaxkv_sglang import workloads
+    from benchmarks.replay import TraceRequest
+    from benchmarks import workloads
 
     docs = workloads.document_pool("hotpotqa", 5 * topics, seed)
     rng = random.Random(seed)
@@ -133,15 +133,15 @@ def test_document_routing_keeps_the_single_server_hit_rate(cluster, tmp_path, mo
     serve 20 and 20, in every run. Under sglang-router's ``min_load`` (new keys to the fewest
     requests in flight) this trace split 28/12 or worse in about a third of the replays.
     """
-    from benchmarks import bench_cache_hit, common
+    from benchmarks import cache_hit_replicas, common
     from relaxkv_sglang.routing import routing_key_of_documents
 
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)  # the routers' logs
     trace = _balanced_trace()
     assert len({routing_key_of_documents(req.documents) for req in trace}) == 10  # the premise of 20/20
     args = _trace_args(replica_urls=cluster.replicas, clients=2, routings=["document"])
-    result = bench_cache_hit.run_replicas(args, trace)
-    bench_cache_hit.print_replicas(result)
+    result = cache_hit_replicas.run_replicas(args, trace)
+    cache_hit_replicas.print_replicas(result)
     single = next(r for r in result["results"] if r["routing"] == "single")
     (routed,) = [r for r in result["results"] if r["routing"] == "document"]
     assert single["per_replica_requests"] == [40, 0]
@@ -171,9 +171,9 @@ def test_bad_input_through_the_router_gets_the_same_4xx(cluster):
 
 
 def test_a_replica_killed_mid_trace(cluster):
-    from benchmarks import bench_cache_hit
+    from benchmarks import replay
 
-    trace = bench_cache_hit.make_trace(_trace_args(seed=2, requests=36))
+    trace = replay.make_trace(_trace_args(seed=2, requests=36))
     client = ServerClient(cluster.url, timeout=120)
     victim_url = cluster.replicas[1]
     port = int(victim_url.rsplit(":", 1)[1])

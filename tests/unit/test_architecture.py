@@ -255,12 +255,12 @@ def test_imports_are_read_in_every_form():
         "def f():\n"
         "    from relaxkv_sglang.core.segments import auto_chunk\n"  # inside a function
         "    import importlib\n"
-        "    return importlib.import_module('relaxkv_sglang.metrics')\n")
+        "    return importlib.import_module('relaxkv_sglang.routing')\n")
     with _probe(src) as (module, modules):
         found = imports_of(module, modules)
     assert sorted({m for m, _ in found}) == [
         "relaxkv_sglang.core.attention", "relaxkv_sglang.core.layout", "relaxkv_sglang.core.rope",
-        "relaxkv_sglang.core.segments", "relaxkv_sglang.gpu.prefill_inputs", "relaxkv_sglang.metrics",
+        "relaxkv_sglang.core.segments", "relaxkv_sglang.gpu.prefill_inputs", "relaxkv_sglang.routing",
         "relaxkv_sglang.schema"]
     assert ("relaxkv_sglang.core.segments", 12) in found
 

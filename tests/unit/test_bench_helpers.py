@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import bench_cache_hit, bench_quality, run_all
+from benchmarks import bench_cache_hit, bench_quality, cache_hit_pressure, replay, run_all, tables
 
 
 def _req(sent: float, first: float, reused: int) -> dict:
@@ -33,18 +33,62 @@ def test_seen_before_missed_tokens_counts_only_documents_already_computed():
 
 def test_best_with_pool_keeps_the_documents_used_soonest():
     docs = [[1, 2], [3, 4], [1, 3], [2, 4], [1, 2]]
-    trace = [bench_cache_hit.TraceRequest("S", [f"doc {i}" for i in d], "Q", d) for d in docs]
+    trace = [replay.TraceRequest("S", [f"doc {i}" for i in d], "Q", d) for d in docs]
     tokens = {1: 10, 2: 10, 3: 10, 4: 10}
     # room for everything: every repeat hits
-    assert bench_cache_hit.best_with_pool(trace, tokens, [100] * 5) == (6, 60)
+    assert cache_hit_pressure.best_with_pool(trace, tokens, [100] * 5) == (6, 60)
     # room for two documents: after [3, 4] it keeps 1 and 3 (used next), after [1, 3] only 1
     # (3 is never used again), then [2, 4] misses and [1, 2] hits both
-    assert bench_cache_hit.best_with_pool(trace, tokens, [20] * 5) == (4, 40)
-    assert bench_cache_hit.best_with_pool(trace, tokens, [0] * 5) == (0, 0)
+    assert cache_hit_pressure.best_with_pool(trace, tokens, [20] * 5) == (4, 40)
+    assert cache_hit_pressure.best_with_pool(trace, tokens, [0] * 5) == (0, 0)
+
+
+def test_replay_in_order_starts_requests_in_trace_order_one_per_client_in_flight():
+    import threading
+
+    in_flight, most, lock = [0], [0], threading.Lock()
+
+    def send(i: int, client: int, sent_at: float) -> dict:
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        with lock:
+            in_flight[0] -= 1
+        return {"index": i, "client": client, "sent_at": sent_at}
+
+    done = []
+    records, wall = replay.replay_in_order(send, 20, 3, on_done=lambda i, r: done.append(i))
+    assert [r["index"] for r in records] == list(range(20)) and sorted(done) == list(range(20))
+    assert {r["client"] for r in records} <= {0, 1, 2} and most[0] <= 3 and wall >= 0
+
+
+def test_replay_in_order_stops_at_the_first_failure_and_names_its_request():
+    sent = []
+
+    def send(i: int, client: int, sent_at: float) -> dict:
+        sent.append(i)
+        if i == 2:
+            raise ValueError("invalid relaxkv_policy")
+        return {}
+
+    with pytest.raises(replay.ReplayError, match=r"^request 2: invalid relaxkv_policy$") as info:
+        replay.replay_in_order(send, 50, 1)
+    assert info.value.index == 2 and isinstance(info.value.cause, ValueError) and sent == [0, 1, 2]
+
+
+def test_text_table_pads_to_the_widest_cell_and_markdown_rows_are_piped():
+    columns = [tables.left("policy", 8), tables.right("hit rate", 9)]
+    assert tables.text_table(columns, [["pic", "40.0%"], ["relaxkv-long", "9.5%"]]) == [
+        "policy       hit rate", "---------------------", "pic             40.0%", "relaxkv-long     9.5%"]
+    assert tables.text_table([tables.left("a"), tables.right("bb")], [["x", "1"]], gap="  ") == [
+        "a  bb", "-  --", "x   1"]
+    assert tables.markdown_table(["a", "b"], [["1", "2"]]) == ["| a | b |", "|---|---|", "| 1 | 2 |"]
+    with pytest.raises(ValueError, match="2 cells for 1 columns"):
+        tables.text_table([tables.left("a")], [["x", "y"]])
 
 
 def test_task_score_uses_the_first_line_for_qa_and_all_text_for_ruler():
-    from relaxkv_sglang.workloads import TaskExample
+    from benchmarks.workloads import TaskExample
 
     qa = TaskExample("squad", "q", "S", ["d"], "Q", ["Paris"], "qa_f1", 16)
     assert bench_quality.task_score(qa, " Paris\nRome Rome") == 1.0
@@ -121,7 +165,7 @@ def test_parse_args_applies_the_quick_sizes_only_with_quick():
 
 def test_warm_chunks_sends_the_documents_reversed_behind_another_system_prompt():
     from benchmarks import common
-    from relaxkv_sglang import workloads
+    from benchmarks import workloads
 
     client = _RecordingClient()
     common.warm_chunks(client, ["doc A", "doc B"], "Other system.")
@@ -170,10 +214,10 @@ def test_document_tokens_counts_each_document_once_as_a_chunk():
         def __call__(self, text, add_special_tokens=True):
             return {"input_ids": ([0] if add_special_tokens else []) + [ord(c) for c in text]}
 
-    reqs = [bench_cache_hit.TraceRequest("S", docs, "Q", ids) for ids, docs in (([3, 1], ["ccc", "a"]), ([1, 2], ["a", "bb"]))]
-    tokens = bench_cache_hit.document_tokens(reqs, CharTokenizer())
+    reqs = [replay.TraceRequest("S", docs, "Q", ids) for ids, docs in (([3, 1], ["ccc", "a"]), ([1, 2], ["a", "bb"]))]
+    tokens = replay.document_tokens(reqs, CharTokenizer())
     assert tokens == {3: 3, 1: 1, 2: 2}
-    assert bench_cache_hit.best_possible_pct(reqs, tokens, prompt_tokens=10) == pytest.approx(10.0)
+    assert replay.best_possible_pct(reqs, tokens, prompt_tokens=10) == pytest.approx(10.0)
 
 
 def test_cold_trace_has_one_example_per_request_and_a_chunk_per_paragraph():

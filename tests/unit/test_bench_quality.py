@@ -8,8 +8,7 @@ import random
 
 import pytest
 
-from benchmarks import bench_quality, run_all
-from relaxkv_sglang import metrics, workloads
+from benchmarks import bench_quality, metrics, run_all, workloads
 
 # ------------------------------------------------------------ paired statistics
 

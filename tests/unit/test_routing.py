@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from relaxkv_sglang import routing, workloads
+from benchmarks import workloads
+from relaxkv_sglang import routing
 from relaxkv_sglang.core.segments import auto_chunk
 
 DOCS = [f"Document {i}: " + " ".join(f"word{i}_{j}" for j in range(30)) for i in range(40)]

@@ -1,4 +1,4 @@
-"""Unit tests for relaxkv_sglang.workloads, relaxkv_sglang.metrics and the demo's client side.
+"""Unit tests for benchmarks.workloads, benchmarks.metrics and the demo's client side.
 
 No server and no model: the workload tests use synthetic HotpotQA-shaped
 examples (one test reads the real file when it is already prepared), and the
@@ -14,8 +14,8 @@ import sys
 import numpy as np
 import pytest
 
-from relaxkv_sglang import assets, metrics
-from relaxkv_sglang.workloads import (
+from benchmarks import metrics
+from benchmarks.workloads import (
     SEPARATOR,
     SYSTEM_PROMPTS,
     RagRequest,
@@ -25,6 +25,7 @@ from relaxkv_sglang.workloads import (
     question_text,
     render_prompt,
 )
+from relaxkv_sglang import assets
 
 
 def _example(k: int, n_paragraphs: int = 10) -> dict:
@@ -60,7 +61,7 @@ def test_format_paragraph_joins_sentences_as_written():
 
 
 def test_chunk_spans_and_texts_split_a_marked_prompt():
-    from relaxkv_sglang.workloads import chunk_spans, chunk_texts, marked_text
+    from benchmarks.workloads import chunk_spans, chunk_texts, marked_text
 
     text, offsets = marked_text("Sys.", ["A: one.", "B: two."], question_text("Q?"))
     assert chunk_spans(offsets) == [(6, 13), (15, 22)]
@@ -69,7 +70,7 @@ def test_chunk_spans_and_texts_split_a_marked_prompt():
 
 
 def _titled_example():
-    from relaxkv_sglang.workloads import TaskExample
+    from benchmarks.workloads import TaskExample
 
     return TaskExample("hotpotqa", "e", "Sys.", ["Ed Wood: Ed Wood is a film.", "Paris: Paris is a city."],
                        question_text("Who?"), ["x"], "qa_f1", 16, titles=["Ed Wood", "Paris"])
@@ -77,7 +78,7 @@ def _titled_example():
 
 @pytest.mark.parametrize("fmt", ["plain", "document", "chat"])
 def test_marked_offsets_point_at_exactly_the_formatted_documents(fmt):
-    from relaxkv_sglang.workloads import PROMPT_FORMATS, chunk_texts, format_document, niah_multivalue
+    from benchmarks.workloads import PROMPT_FORMATS, chunk_texts, format_document, niah_multivalue
 
     assert fmt in PROMPT_FORMATS
     for ex in (_titled_example(), niah_multivalue(1, n_docs=4, doc_chars=200, n_values=2, haystack=HAYSTACK)[0]):
@@ -92,7 +93,7 @@ def test_marked_offsets_point_at_exactly_the_formatted_documents(fmt):
 
 
 def test_plain_format_is_the_layout_from_before():
-    from relaxkv_sglang.workloads import marked_text, render_marked
+    from benchmarks.workloads import marked_text, render_marked
 
     ex = _titled_example()
     assert ex.marked() == ex.marked("plain") == marked_text(ex.system, ex.documents, ex.question)
@@ -105,7 +106,7 @@ def test_plain_format_is_the_layout_from_before():
 
 
 def test_document_format_opens_every_chunk_with_its_title_line():
-    from relaxkv_sglang.workloads import format_document
+    from benchmarks.workloads import format_document
 
     ex = _titled_example()
     text, offsets = ex.marked("document")
@@ -121,7 +122,7 @@ def test_document_format_opens_every_chunk_with_its_title_line():
 
 
 def test_chat_format_ends_with_the_assistant_turn_and_the_answer_lead_in():
-    from relaxkv_sglang.workloads import niah_multivalue
+    from benchmarks.workloads import niah_multivalue
 
     ex = _titled_example()
     text, offsets = ex.marked("chat")
@@ -137,7 +138,7 @@ def test_chat_format_ends_with_the_assistant_turn_and_the_answer_lead_in():
 
 
 def test_token_ids_and_count_leave_special_tokens_to_the_caller():
-    from relaxkv_sglang.workloads import token_count, token_ids
+    from benchmarks.workloads import token_count, token_ids
 
     tok = _CharTokenizer()
     assert token_ids(tok, "ab") == [97, 98] and token_ids(tok, "ab", special=True) == [1, 97, 98]
@@ -145,7 +146,7 @@ def test_token_ids_and_count_leave_special_tokens_to_the_caller():
 
 
 def test_document_pool_is_seeded_distinct_and_from_either_source():
-    from relaxkv_sglang.workloads import document_pool, hotpotqa_paragraphs
+    from benchmarks.workloads import document_pool, hotpotqa_paragraphs
 
     assert hotpotqa_paragraphs(DATA[0])[:2] == [format_paragraph(t, s) for t, s in DATA[0]["context"][:2]]
     pool = document_pool("hotpotqa", 12, seed=3, data=DATA)
@@ -333,11 +334,11 @@ def _request():
 
 
 def test_demo_program_sends_exactly_the_rendered_prompt():
-    from relaxkv_sglang import demo
+    from benchmarks import demo_modes
 
     fake = _FakeBackend(["", " Paris", " France"])  # first event has empty text, as a stop-string start can
-    backend = demo.ModeBackend(fake, {"relaxkv_policy": "prefix"})
-    rec = demo.serve_one(demo.MODES["prefix"], backend, _request(), max_new_tokens=7)
+    backend = demo_modes.ModeBackend(fake, {"relaxkv_policy": "prefix"})
+    rec = demo_modes.serve_one(demo_modes.MODES["prefix"], backend, _request(), max_new_tokens=7)
     assert fake.prompts == [render_prompt(_request())]
     params = fake.sampling[0]
     assert params.max_new_tokens == 7 and params.temperature == 0 and "\n" in params.stop
@@ -352,13 +353,13 @@ def test_demo_program_sends_exactly_the_rendered_prompt():
 
 
 def test_demo_request_waits_for_the_answer_every_time():
-    from relaxkv_sglang import demo
+    from benchmarks import demo_modes
 
     # run(stream=True) returns before the program has submitted its gen; each
     # of these must still come back with the whole answer and its meta info.
-    backend = demo.ModeBackend(_FakeBackend([" a", " b"]))
+    backend = demo_modes.ModeBackend(_FakeBackend([" a", " b"]))
     for _ in range(30):
-        rec = demo.serve_one(demo.MODES["prefix"], backend, _request(), max_new_tokens=2)
+        rec = demo_modes.serve_one(demo_modes.MODES["prefix"], backend, _request(), max_new_tokens=2)
         assert rec["answer"] == " a b" and rec["completion_tokens"] == 2
 
 
@@ -370,35 +371,36 @@ class _FailingBackend(_FakeBackend):
 
 @pytest.mark.filterwarnings("ignore:Error in stream_executor")
 def test_demo_request_failure_is_raised_and_reported_in_one_line():
-    from relaxkv_sglang import demo
+    from benchmarks import demo, demo_modes
 
     with pytest.raises(RuntimeError, match="invalid relaxkv_policy"):
-        demo.serve_one(demo.MODES["prefix"], demo.ModeBackend(_FailingBackend([])), _request(), max_new_tokens=2)
-    mode = demo.Mode("failing", "test", demo.plain_rag_program, make_backend=lambda url: _FailingBackend([]))
-    with pytest.raises(demo.DemoError, match=r"^mode failing: request \d: .*invalid relaxkv_policy"):
+        demo_modes.serve_one(demo_modes.MODES["prefix"], demo_modes.ModeBackend(_FailingBackend([])), _request(), max_new_tokens=2)
+    mode = demo_modes.Mode("failing", "test", demo_modes.plain_rag_program, make_backend=lambda url: _FailingBackend([]))
+    with pytest.raises(demo_modes.DemoError, match=r"^mode failing: request \d: .*invalid relaxkv_policy"):
         demo.run_mode(mode, "http://unused", [_request(), _request()], clients=2, max_new_tokens=2)
 
 
 def test_with_custom_params_copies_and_leaves_plain_params_alone():
     from sglang.lang.ir import SglSamplingParams
 
-    from relaxkv_sglang import demo
+    from benchmarks import demo_modes
 
     plain = SglSamplingParams(max_new_tokens=5, stop=["\n"])
-    assert demo.with_custom_params(plain, None) is plain
+    assert demo_modes.with_custom_params(plain, None) is plain
     assert "custom_params" not in plain.to_srt_kwargs()
     custom = {"relaxkv_policy": "pic"}
-    wrapped = demo.with_custom_params(plain, custom)
+    wrapped = demo_modes.with_custom_params(plain, custom)
     custom["relaxkv_policy"] = "changed later"
     assert wrapped.to_srt_kwargs() == dict(plain.to_srt_kwargs(), custom_params={"relaxkv_policy": "pic"})
 
 
 def test_demo_marked_program_sends_the_rendered_prompt_with_each_document_as_a_chunk():
-    from relaxkv_sglang import demo, lang
-    from relaxkv_sglang.workloads import marked_text
+    from benchmarks import demo_modes
+    from benchmarks.workloads import marked_text
+    from relaxkv_sglang import lang
 
     fake = _FakeBackend([" Paris"])
-    rec = demo.serve_one(demo.MODES["relaxkv"], demo.ModeBackend(fake), _request(), max_new_tokens=4)
+    rec = demo_modes.serve_one(demo_modes.MODES["relaxkv"], demo_modes.ModeBackend(fake), _request(), max_new_tokens=4)
     assert rec["answer"] == " Paris"
     sent = fake.prompts[0]
     assert lang.strip_marks(sent) == render_prompt(_request())
@@ -406,7 +408,7 @@ def test_demo_marked_program_sends_the_rendered_prompt_with_each_document_as_a_c
     # What RelaxKVEndpoint turns the program's request into (RuntimeEndpoint's body, then its marks).
     body = {"text": sent, "sampling_params": fake.sampling[0].to_srt_kwargs()}
     assert "custom_params" not in body["sampling_params"]  # the endpoint, not ModeBackend, adds them
-    out = lang.mark_payload(body, "relaxkv", demo.RELAXKV_PARAMS)
+    out = lang.mark_payload(body, "relaxkv", demo_modes.RELAXKV_PARAMS)
     assert out["text"] == text
     assert out["sampling_params"]["custom_params"] == {
         "relaxkv_chunks": offsets, "relaxkv_policy": "relaxkv",
@@ -415,24 +417,24 @@ def test_demo_marked_program_sends_the_rendered_prompt_with_each_document_as_a_c
 
 
 def test_demo_modes_are_the_policies_of_one_plugin_server():
-    from relaxkv_sglang import demo
+    from benchmarks import demo, demo_modes
 
-    assert list(demo.MODES) == ["full", "prefix", "pic", "relaxkv"]
-    assert demo.REFERENCE_MODE == "full"
+    assert list(demo_modes.MODES) == ["full", "prefix", "pic", "relaxkv"]
+    assert demo_modes.REFERENCE_MODE == "full"
     for name in ("full", "prefix"):
-        mode = demo.MODES[name]
-        assert mode.program is demo.plain_rag_program and mode.make_backend is demo.runtime_endpoint
+        mode = demo_modes.MODES[name]
+        assert mode.program is demo_modes.plain_rag_program and mode.make_backend is demo_modes.runtime_endpoint
         assert mode.custom_params == {"relaxkv_policy": name}
     for name, params in (("pic", None), ("relaxkv", {"relaxkv_anchor_ratio": 0.15, "relaxkv_context_ratio": 0.5})):
-        mode = demo.MODES[name]
-        assert mode.program is demo.marked_rag_program and mode.custom_params is None and mode.needs_plugin
-        assert mode.make_backend.func is demo.relaxkv_endpoint
+        mode = demo_modes.MODES[name]
+        assert mode.program is demo_modes.marked_rag_program and mode.custom_params is None and mode.needs_plugin
+        assert mode.make_backend.func is demo_modes.relaxkv_endpoint
         assert mode.make_backend.keywords == {"policy": name, **({"custom_params": params} if params else {})}
-    assert not demo.MODES["prefix"].needs_plugin and demo.MODES["full"].needs_plugin
+    assert not demo_modes.MODES["prefix"].needs_plugin and demo_modes.MODES["full"].needs_plugin
     assert demo.select_modes(None, plugin=True) == ["full", "prefix", "pic", "relaxkv"]
     assert demo.select_modes(None, plugin=False) == ["prefix"]
     assert demo.select_modes(" relaxkv, full ", plugin=True) == ["relaxkv", "full"]
-    with pytest.raises(demo.DemoError, match="listed twice"):
+    with pytest.raises(demo_modes.DemoError, match="listed twice"):
         demo.select_modes("pic,pic", plugin=True)
 
 
@@ -455,10 +457,10 @@ def _records():
 
 
 def test_demo_table_and_summary():
-    from relaxkv_sglang import demo
+    from benchmarks import demo, demo_modes
 
     records = _records()
-    summary = demo.summarize(demo.MODES["prefix"], {"records": records, "wall_s": 4.0}, None)
+    summary = demo.summarize(demo_modes.MODES["prefix"], {"records": records, "wall_s": 4.0}, None)
     assert summary["hit_rate"] == pytest.approx(0.25)
     assert summary["ttft_s"]["mean"] == pytest.approx(1.0)
     assert summary["answer_f1"] == pytest.approx(0.5)
@@ -477,8 +479,8 @@ def test_demo_table_and_summary():
     # With the full pass as reference: its own row reads "ref", the others their F1 against its answers.
     reference = [dict(records[0], answer="Paris"), dict(records[1], answer="in Rome")]
     summaries = {
-        "full": demo.summarize(demo.MODES["full"], {"records": reference, "wall_s": 5.0}, reference),
-        "relaxkv": demo.summarize(demo.MODES["relaxkv"], {"records": records, "wall_s": 4.0}, reference),
+        "full": demo.summarize(demo_modes.MODES["full"], {"records": reference, "wall_s": 5.0}, reference),
+        "relaxkv": demo.summarize(demo_modes.MODES["relaxkv"], {"records": records, "wall_s": 4.0}, reference),
     }
     assert summaries["full"]["is_reference"] and summaries["full"]["fidelity_to_full_f1"] == 1.0
     assert summaries["relaxkv"]["fidelity_to_full_f1"] == pytest.approx((1.0 + 2 / 3) / 2)
@@ -500,7 +502,7 @@ class _CharTokenizer:
 def test_demo_workload_bound_counts_repeated_documents_and_shared_prompt_beginnings(monkeypatch, tmp_path):
     import types
 
-    from relaxkv_sglang import demo
+    from benchmarks import demo
 
     fake = types.SimpleNamespace(AutoTokenizer=types.SimpleNamespace(from_pretrained=lambda path: _CharTokenizer()))
     monkeypatch.setitem(sys.modules, "transformers", fake)  # no real tokenizer needed (nor its import time)
@@ -520,7 +522,7 @@ def test_demo_workload_bound_counts_repeated_documents_and_shared_prompt_beginni
 
 
 def test_demo_cli_errors_are_one_line(capsys):
-    from relaxkv_sglang import demo
+    from benchmarks import demo
 
     assert demo.main(["--modes", "nope"]) == 1
     err = capsys.readouterr().err.strip()
@@ -560,7 +562,7 @@ HAYSTACK = " ".join(f"Sentence number {i} talks about {'startups' if i % 3 else 
 
 
 def test_squad_multidoc_is_seeded_and_hides_the_gold_paragraph_among_other_articles():
-    from relaxkv_sglang.workloads import squad_multidoc
+    from benchmarks.workloads import squad_multidoc
 
     data = _squad(n_articles=12)  # a seed draws from half of the articles
     a = squad_multidoc(5, seed=1, distractors=6, data=data)
@@ -586,7 +588,7 @@ def test_squad_multidoc_is_seeded_and_hides_the_gold_paragraph_among_other_artic
 
 
 def test_squad_test_seeds_share_no_question_or_document_with_dev_seeds():
-    from relaxkv_sglang.workloads import squad_multidoc
+    from benchmarks.workloads import squad_multidoc
 
     data = _squad(n_articles=8)
     dev = squad_multidoc(6, seed=3, distractors=5, data=data)
@@ -596,7 +598,7 @@ def test_squad_test_seeds_share_no_question_or_document_with_dev_seeds():
 
 
 def test_niah_multivalue_puts_every_value_in_a_different_document():
-    from relaxkv_sglang.workloads import niah_multivalue
+    from benchmarks.workloads import niah_multivalue
 
     a = niah_multivalue(4, seed=5, n_docs=8, doc_chars=300, n_values=3, haystack=HAYSTACK)
     assert [e.documents for e in a] == [e.documents for e in niah_multivalue(4, seed=5, n_docs=8, doc_chars=300,
@@ -623,7 +625,7 @@ def test_niah_multivalue_puts_every_value_in_a_different_document():
 
 
 def test_variable_tracking_chain_is_in_order_across_documents():
-    from relaxkv_sglang.workloads import variable_tracking
+    from benchmarks.workloads import variable_tracking
 
     a = variable_tracking(3, seed=2, n_docs=10, doc_chars=250, n_hops=4, haystack=HAYSTACK)
     assert [e.documents for e in a] == [e.documents for e in variable_tracking(3, seed=2, n_docs=10, doc_chars=250,
@@ -645,7 +647,7 @@ def test_variable_tracking_chain_is_in_order_across_documents():
 
 
 def test_hotpotqa_examples_keep_the_file_order_and_dispatch():
-    from relaxkv_sglang.workloads import hotpotqa_examples, task_examples
+    from benchmarks.workloads import hotpotqa_examples, task_examples
 
     ex = hotpotqa_examples(3, offset=2, data=DATA)
     assert [e.example_id for e in ex] == ["id2", "id3", "id4"]
@@ -664,7 +666,7 @@ def test_hotpotqa_examples_keep_the_file_order_and_dispatch():
 
 @pytest.mark.parametrize("task", ["squad", "niah_multivalue", "variable_tracking"])
 def test_long_context_examples_have_the_asked_number_of_documents(task):
-    from relaxkv_sglang.workloads import task_examples
+    from benchmarks.workloads import task_examples
 
     long = task_examples(task, 2, seed=1000, documents=50)
     short = task_examples(task, 2, seed=1000)
@@ -675,7 +677,7 @@ def test_long_context_examples_have_the_asked_number_of_documents(task):
 
 
 def test_real_task_data_when_prepared():
-    from relaxkv_sglang.workloads import QUALITY_TASKS, task_examples
+    from benchmarks.workloads import QUALITY_TASKS, task_examples
 
     for name in ("hotpotqa", "squad", "essays"):
         folder = assets.cache_root() / "data" / name

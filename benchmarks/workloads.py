@@ -306,7 +306,7 @@ class TaskExample:
     ``documents`` are the chunk texts in prompt order; ``question`` is the
     whole text after the last document (it ends where the answer starts);
     ``answers`` are the references; ``scorer`` names the entry of
-    :data:`relaxkv_sglang.metrics.SCORERS` that scores an answer against them
+    :data:`benchmarks.metrics.SCORERS` that scores an answer against them
     (``qa_f1``: LongBench QA F1 of the answer's first line; ``string_match_all``:
     RULER's fraction of the references found in the answer); ``max_new_tokens``
     is enough for a complete answer.

@@ -1,10 +1,10 @@
 """``make demo``: a multi-request RAG workload served by SGLang, one table row per cache mode.
 
-    python -m relaxkv_sglang.demo [--requests 24] [--clients 4] [--max-new-tokens 16]
-                                  [--model smollm2-135m|tiny-llama|PATH] [--seed 0]
-                                  [--max-total-tokens 32768] [--modes full,prefix,pic,relaxkv]
-                                  [--output results/demo-<UTC>.json] [--url http://HOST:PORT]
-                                  [--server plugin|stock]
+    python -m benchmarks.demo [--requests 24] [--clients 4] [--max-new-tokens 16]
+                              [--model smollm2-135m|tiny-llama|PATH] [--seed 0]
+                              [--max-total-tokens 32768] [--modes full,prefix,pic,relaxkv]
+                              [--output results/demo-<UTC>.json] [--url http://HOST:PORT]
+                              [--server plugin|stock]
 
 It prepares the model and HotpotQA offline (:mod:`relaxkv_sglang.assets`),
 starts ONE SGLang server with the relaxkv plugin's cache and attention backend
@@ -13,7 +13,7 @@ seeded trace (:func:`workloads.hotpotqa_requests`) from ``--clients``
 concurrent client threads. Each request is an SGLang frontend program
 (``@sgl.function``) run with streaming on; the request's own
 ``relaxkv_policy`` selects the mode, so every row comes from the same server
-in the same run. The modes (:data:`MODES`):
+in the same run. The modes (:data:`benchmarks.demo_modes.MODES`):
 
 * ``full``: the plain program, ``relaxkv_policy=full`` (no reuse at all). The
   reference row: the other rows' "fidelity to full" is the answer F1 of each
@@ -50,17 +50,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import functools
 import json
 import os
 import pathlib
 import platform
-import queue
 import sys
-import threading
 import time
-import warnings
-from typing import Any, Callable
 
 # Nothing in the demo may reach a model hub; the tokenizer is read from the model folder.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -68,286 +63,53 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import requests as http  # noqa: E402
 import sglang as sgl  # noqa: E402
-from sglang.lang.ir import SglSamplingParams  # noqa: E402
 
-from relaxkv_sglang import assets, metrics  # noqa: E402
+from benchmarks import metrics  # noqa: E402
+from benchmarks.common import fmt  # noqa: E402
+from benchmarks.demo_modes import MODES, REFERENCE_MODE, RELAXKV_PARAMS, DemoError, Mode, ModeBackend, serve_one  # noqa: E402
+from benchmarks.replay import ReplayError, replay_in_order  # noqa: E402
+from benchmarks.tables import left, right, text_table  # noqa: E402
+from benchmarks.workloads import (  # noqa: E402
+    SEPARATOR, RagRequest, hotpotqa_requests, render_prompt, token_count, token_ids)
+from relaxkv_sglang import assets  # noqa: E402
 from relaxkv_sglang.client import ServerClient  # noqa: E402
-from relaxkv_sglang.lang import RelaxKVEndpoint, document  # noqa: E402
-from relaxkv_sglang.schema import ANCHOR_RATIO, CONTEXT_RATIO  # noqa: E402
 from relaxkv_sglang.server import SGLangServer, ServerConfig, ServerError, running_server  # noqa: E402
-from relaxkv_sglang.workloads import (  # noqa: E402
-    SEPARATOR, RagRequest, hotpotqa_requests, prompt_parts, render_prompt, token_count, token_ids)
 
 PROG = "relaxkv-sglang demo"
-
-# The frontend's worker thread reports a failed request as a warning with a
-# full traceback before recording it; the demo reports it itself, in one line.
-warnings.filterwarnings("ignore", message="Error in stream_executor")
-
-
-class DemoError(RuntimeError):
-    """A failure the user can act on; the message is one line."""
 
 
 def _log(msg: str) -> None:
     print(f"[demo] {msg}", file=sys.stderr, flush=True)
 
 
-# ----------------------------------------------------------------------- modes
-
-
-@sgl.function
-def plain_rag_program(s, system, documents, question):
-    """The RAG request as plain text: what an unmodified SGLang user writes.
-
-    Produces exactly :func:`workloads.render_prompt`'s text (the unit tests
-    check it); the answer is greedy and stops at the end of the line. Its
-    length cap comes from ``run(max_new_tokens=...)`` (a program argument of
-    that name would be swallowed by ``run``'s own sampling keyword).
-    """
-    s += system
-    for doc in documents:
-        s += SEPARATOR + doc
-    s += SEPARATOR + question
-    s += sgl.gen("answer", temperature=0, stop="\n")
-
-
-@sgl.function
-def marked_rag_program(s, system, documents, question):
-    """:func:`plain_rag_program` with each document marked by ``document(doc)``.
-
-    Run against :class:`~relaxkv_sglang.lang.RelaxKVEndpoint`, the text sent is
-    exactly :func:`plain_rag_program`'s and each document becomes one
-    ``relaxkv_chunks`` pair (the separators stay outside the chunks, as in
-    :func:`workloads.marked_text`).
-    """
-    s += system
-    for doc in documents:
-        s += SEPARATOR + document(doc)
-    s += SEPARATOR + question
-    s += sgl.gen("answer", temperature=0, stop="\n")
-
-
-def runtime_endpoint(url: str):
-    """The stock frontend backend: ``sgl.RuntimeEndpoint``."""
-    return sgl.RuntimeEndpoint(url)
-
-
-def relaxkv_endpoint(url: str, *, policy: str, custom_params: dict | None = None):
-    """The plugin's frontend backend: ``RelaxKVEndpoint(url, policy=..., custom_params=...)``."""
-    return RelaxKVEndpoint(url, policy=policy, custom_params=custom_params)
-
-
-@dataclasses.dataclass(frozen=True)
-class Mode:
-    """One row of the table: a name and how its requests are sent.
-
-    ``program`` is an ``@sgl.function`` taking ``(s, system, documents,
-    question)`` (the pieces of :func:`workloads.prompt_parts`) that generates
-    into a variable named ``answer`` (its length cap is passed to ``run``); a
-    mode that reuses document chunks marks them there (``document(text)``).
-    ``custom_params`` are added to every generation request's
-    ``sampling_params.custom_params`` (the stock frontend cannot send them):
-    this is where a plain-program mode names its ``relaxkv_policy``.
-    ``make_backend`` builds the frontend backend from the server URL (a
-    marking mode's ``RelaxKVEndpoint``, which sends its policy and repair
-    knobs itself). ``needs_plugin``: the mode only means something on a
-    server started with the relaxkv plugin's cache and attention backend.
-    """
-
-    name: str
-    description: str
-    program: Any
-    custom_params: dict | None = None
-    make_backend: Callable[[str], Any] = runtime_endpoint
-    needs_plugin: bool = False
-
-
-# The repair knobs of the relaxkv row: the defaults, spelled out so the row says what it ran.
-RELAXKV_PARAMS = {ANCHOR_RATIO.name: ANCHOR_RATIO.default, CONTEXT_RATIO.name: CONTEXT_RATIO.default}
-
-# The mode every other row's "fidelity to full" is measured against.
-REFERENCE_MODE = "full"
-
-MODES: dict[str, Mode] = {
-    # Policies are pinned rather than left to the server's default, so each
-    # row means the same whatever default the server was started with.
-    "full": Mode("full", "plain SGLang program, relaxkv_policy=full: no reuse (the fidelity reference)",
-                 plain_rag_program, custom_params={"relaxkv_policy": "full"}, needs_plugin=True),
-    "prefix": Mode("prefix", "plain SGLang program, relaxkv_policy=prefix: only the radix prefix cache can hit",
-                   plain_rag_program, custom_params={"relaxkv_policy": "prefix"}),
-    "pic": Mode("pic", "documents marked with document(), RelaxKVEndpoint(policy='pic'): chunk reuse, no repair",
-                marked_rag_program, make_backend=functools.partial(relaxkv_endpoint, policy="pic"),
-                needs_plugin=True),
-    "relaxkv": Mode("relaxkv", "documents marked with document(), RelaxKVEndpoint(policy='relaxkv', "
-                    f"anchor ratio {ANCHOR_RATIO.default}, context ratio {CONTEXT_RATIO.default}): "
-                    "chunk reuse with RelaxKV repair",
-                    marked_rag_program,
-                    make_backend=functools.partial(relaxkv_endpoint, policy="relaxkv", custom_params=RELAXKV_PARAMS),
-                    needs_plugin=True),
-}
-
-
-# --------------------------------------------------------------- the requests
-
-
-@dataclasses.dataclass
-class _SamplingParamsWithCustom(SglSamplingParams):
-    """The frontend's sampling params plus ``custom_params``, which ``to_srt_kwargs`` then sends."""
-
-    custom_params: dict | None = None
-
-    def to_srt_kwargs(self):
-        out = super().to_srt_kwargs()
-        if self.custom_params:
-            out["custom_params"] = dict(self.custom_params)
-        return out
-
-
-def with_custom_params(sampling_params: SglSamplingParams, custom_params: dict | None) -> SglSamplingParams:
-    """A copy of ``sampling_params`` whose request also carries ``custom_params`` (unchanged if none)."""
-    if not custom_params:
-        return sampling_params
-    fields = {f.name: getattr(sampling_params, f.name) for f in dataclasses.fields(SglSamplingParams)}
-    return _SamplingParamsWithCustom(**fields, custom_params=dict(custom_params))
-
-
-class ModeBackend:
-    """Wraps a frontend backend for one mode: adds its custom params and times each streamed answer.
-
-    Timing: the frontend's own streaming API (``state.text_iter``) only yields
-    non-empty text, so an answer whose first token decodes to nothing (EOS, a
-    stop string, a partial UTF-8 byte) would have no "first chunk". Timing at
-    the backend's ``generate_stream`` instead sees every server-sent event:
-    the first one carries the first generated token, whatever its text.
-
-    Times are ``time.perf_counter()`` values keyed by the stream executor's
-    ``sid``: ``sent`` (just before the HTTP request), ``first_chunk``,
-    ``done`` (stream ended). One ``gen`` per program is assumed; ``select``
-    is passed through untouched (no custom params). Everything else is
-    delegated to the wrapped backend.
-    """
-
-    def __init__(self, inner, custom_params: dict | None = None):
-        self._inner = inner
-        self.custom_params = dict(custom_params or {})
-        self.times: dict[str, dict[str, float]] = {}
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def generate(self, s, sampling_params):
-        return self._inner.generate(s, with_custom_params(sampling_params, self.custom_params))
-
-    def generate_stream(self, s, sampling_params):
-        rec = self.times.setdefault(s.sid, {})
-        rec["sent"] = time.perf_counter()
-        for text, meta in self._inner.generate_stream(s, with_custom_params(sampling_params, self.custom_params)):
-            rec.setdefault("first_chunk", time.perf_counter())
-            yield text, meta
-        rec["done"] = time.perf_counter()
-
-
-def serve_one(mode: Mode, backend: ModeBackend, req: RagRequest, max_new_tokens: int) -> dict:
-    """Run one request as ``mode``'s program with streaming; return its record.
-
-    ``ttft_s`` is measured on the client, from the call to ``program.run``
-    to the arrival of the first streamed event of the answer (the first
-    generated token). It therefore includes the frontend's own work
-    (microseconds), the HTTP round trip, tokenization, *waiting in the server
-    queue behind the other clients' requests*, prefill of the uncached part of
-    the prompt, the first decode step, detokenization and streaming. It does
-    not include this client's earlier requests. ``latency_s`` runs to the end
-    of the stream.
-    """
-    system, documents, question = prompt_parts(req)
-    t0 = time.perf_counter()
-    state = mode.program.run(
-        system=system, documents=documents, question=question,
-        max_new_tokens=max_new_tokens, temperature=0, stream=True, backend=backend,
-    )
-    # With stream=True, run() returns before the program has even submitted
-    # its gen, so get_meta_info() right away could find no "answer" yet and
-    # return None. Draining the answer's own text stream waits for the gen to
-    # be submitted and to finish (or for the program to fail).
-    for _ in state.text_iter("answer"):
-        pass
-    meta = state.get_meta_info("answer")
-    error = state.error()
-    if error is not None:
-        raise error
-    times = backend.times.pop(state.stream_executor.sid, {})
-    if meta is None:
-        # The program itself raised (in the frontend's thread, which prints
-        # the traceback but records nothing) before its gen ran.
-        raise DemoError("the mode's program produced no 'answer' (see the traceback above)")
-    if "first_chunk" not in times:
-        raise DemoError("the server streamed no tokens for a request")
-    answer = state["answer"]
-    return {
-        "prompt_tokens": int(meta["prompt_tokens"]),
-        "cached_tokens": int(meta.get("cached_tokens", 0)),
-        "completion_tokens": int(meta.get("completion_tokens", 0)),
-        "finish_reason": meta.get("finish_reason"),
-        "ttft_s": times["first_chunk"] - t0,
-        "latency_s": times.get("done", time.perf_counter()) - t0,
-        "client_overhead_s": times["sent"] - t0,
-        "answer": answer,
-        "f1": metrics.qa_f1(answer, req.answers),
-        "exact_match": metrics.exact_agreement(answer, req.answers),
-        # The plugin's per-request report (policy, chunks hit, repair figures); None on a stock server.
-        "relaxkv": meta.get("relaxkv"),
-    }
-
-
 def run_mode(mode: Mode, url: str, trace: list[RagRequest], clients: int, max_new_tokens: int) -> dict:
     """Serve the whole trace as ``mode`` from ``clients`` threads; return records and wall time.
 
-    The clients pull request indices from one shared queue, so requests start
-    in trace order (which is what the reuse bound assumes) and each client
-    has at most one request in flight.
+    The requests go through the benchmarks' one replay (:func:`benchmarks.replay.replay_in_order`):
+    they start in trace order (which is what the reuse bound assumes) and each client has at
+    most one request in flight.
     """
     try:
         backend = ModeBackend(mode.make_backend(url), mode.custom_params)
     except Exception as exc:  # the frontend raises bare exceptions on connection failures
         raise DemoError(f"mode {mode.name}: cannot reach the server at {url}: {_one_line(exc)}") from exc
-    todo: queue.Queue[int] = queue.Queue()
-    for i in range(len(trace)):
-        todo.put(i)
-    records: list[dict | None] = [None] * len(trace)
-    failures: list[str] = []
     done = [0]
-    lock = threading.Lock()
-    start = time.perf_counter()
 
-    def client(cid: int) -> None:
-        while not failures:
-            try:
-                i = todo.get_nowait()
-            except queue.Empty:
-                return
-            began = time.perf_counter() - start
-            try:
-                rec = serve_one(mode, backend, trace[i], max_new_tokens)
-            except Exception as exc:
-                failures.append(f"request {i}: {_one_line(exc)}")
-                return
-            rec.update(mode=mode.name, index=i, client=cid, example_id=trace[i].example_id,
-                       start_s=began, gold=trace[i].answers)
-            records[i] = rec
-            with lock:
-                done[0] += 1
-                _log(f"{mode.name} {done[0]:>3}/{len(trace)}  ttft {rec['ttft_s']:6.2f} s  "
-                     f"cached {rec['cached_tokens']:>5}/{rec['prompt_tokens']:<5} answer {rec['answer'].strip()[:40]!r}")
+    def send(i: int, cid: int, began: float) -> dict:
+        rec = serve_one(mode, backend, trace[i], max_new_tokens)
+        rec.update(mode=mode.name, index=i, client=cid, example_id=trace[i].example_id,
+                   start_s=began, gold=trace[i].answers)
+        return rec
 
-    threads = [threading.Thread(target=client, args=(c,), name=f"client-{c}", daemon=True) for c in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
-    if failures:
-        raise DemoError(f"mode {mode.name}: {failures[0]}")
+    def progress(i: int, rec: dict) -> None:
+        done[0] += 1
+        _log(f"{mode.name} {done[0]:>3}/{len(trace)}  ttft {rec['ttft_s']:6.2f} s  "
+             f"cached {rec['cached_tokens']:>5}/{rec['prompt_tokens']:<5} answer {rec['answer'].strip()[:40]!r}")
+
+    try:
+        records, wall = replay_in_order(send, len(trace), clients, on_done=progress)
+    except ReplayError as exc:
+        raise DemoError(f"mode {mode.name}: request {exc.index}: {_one_line(exc.cause)}") from exc.cause
     return {"records": records, "wall_s": wall}
 
 
@@ -452,10 +214,6 @@ def workload_figures(trace: list[RagRequest], model_dir: pathlib.Path) -> dict:
 # ------------------------------------------------------------------- output
 
 
-def _fmt_s(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
 def format_table(summaries: dict[str, dict], workload: dict) -> str:
     """The plain-text table: one row per mode, then the workload's best possible hit rate.
 
@@ -463,8 +221,8 @@ def format_table(summaries: dict[str, dict], workload: dict) -> str:
     answer to the same request; the ``full`` row is that reference ("ref"),
     and the column reads "-" everywhere when no ``full`` pass ran.
     """
-    head = ["mode", "requests", "prompt tok", "cached tok", "hit rate",
-            "TTFT mean s", "p50 s", "p90 s", "F1 vs gold", "fidelity to full", "wall s"]
+    columns = [left("mode")] + [right(h) for h in ("requests", "prompt tok", "cached tok", "hit rate", "TTFT mean s",
+                                                   "p50 s", "p90 s", "F1 vs gold", "fidelity to full", "wall s")]
     rows = []
     for name, s in summaries.items():
         if s.get("is_reference"):
@@ -474,11 +232,9 @@ def format_table(summaries: dict[str, dict], workload: dict) -> str:
         else:
             fidelity = "-"
         rows.append([name, str(s["requests"]), str(s["prompt_tokens"]), str(s["cached_tokens"]),
-                     f"{100 * s['hit_rate']:.1f}%", _fmt_s(s["ttft_s"]["mean"]), _fmt_s(s["ttft_s"]["p50"]),
-                     _fmt_s(s["ttft_s"]["p90"]), f"{s['answer_f1']:.3f}", fidelity, f"{s['wall_s']:.1f}"])
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
-    out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
+                     f"{100 * s['hit_rate']:.1f}%", fmt(s["ttft_s"]["mean"], ".2f"), fmt(s["ttft_s"]["p50"], ".2f"),
+                     fmt(s["ttft_s"]["p90"], ".2f"), f"{s['answer_f1']:.3f}", fidelity, f"{s['wall_s']:.1f}"])
+    out = text_table(columns, rows, gap="  ")
     out.append(
         f"best possible hit rate: {100 * workload['best_possible_hit_rate']:.1f}% "
         f"({workload['reusable_document_tokens']} of {workload['prompt_tokens']} prompt tokens are documents "

@@ -82,7 +82,8 @@ def _scores(seed=0):
     return torch.rand(L, N_CTX, generator=g) ** 4
 
 
-@pytest.mark.parametrize("policy", ["epic", "prophetkv", "relaxkv", "relaxkv_fullctx", "relaxkv_randctx", "random"])
+# Every repairing policy that decides before the forward (CacheBlend spends more at its check layers).
+@pytest.mark.parametrize("policy", [p.value for p in Policy if p.repairs and not p.spec.decides_mid_forward])
 @pytest.mark.parametrize("ratio", [0.0, 0.03, 0.15, 0.37, 1.0])
 def test_sets_nested_sorted_eligible_and_ratio_met(policy, ratio):
     sets = select_anchors(policy, _scores(), SPANS, N_CTX, ratio, torch.Generator().manual_seed(3))

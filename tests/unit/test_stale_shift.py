@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from relaxkv_sglang.core.policies import policy_spec, repair_policies
 from relaxkv_sglang.core.reference import apply_neox_rope, build_stale_kv, reference_prefill
 from relaxkv_sglang.core.repair_plan import RepairConfig, plan_anchors
 from relaxkv_sglang.core.stale_shift import shift_sets, stale_shift
@@ -107,7 +108,7 @@ def test_the_default_shifts_kv_by_half():
     assert (RepairConfig().relaxkv.stale_shift, RepairConfig().relaxkv.stale_shift_scale) == ("kv", 0.5)
 
 
-@pytest.mark.parametrize("policy", ["prophetkv", "epic", "cacheblend"])
+@pytest.mark.parametrize("policy", [p for p in repair_policies() if not policy_spec(p).stale_shift])
 def test_peers_never_shift(model, ids, policy):  # noqa: F811
     a = run(model, ids, policy, 0.3, stale_shift="kv")
     b = run(model, ids, policy, 0.3, stale_shift="none")

@@ -8,7 +8,8 @@ repair pass per variant. Development data only (HotpotQA dev from ``--offset``, 
 ``--seed``; see ``workloads.QUALITY_SPLITS``); final figures come from ``bench_quality`` on the
 test split.
 
-A variant is ``NAME=POLICY[,knob=value...]`` with RepairConfig knobs, e.g.::
+A variant is ``NAME=POLICY[,knob=value...]`` with repair knobs by their flat names
+(``repair_plan.knob_defaults``: RepairConfig's shared knobs and the policies' options), e.g.::
 
     python scripts/ablate_repair.py --examples 3 --formats plain document chat \\
         --variant prophetkv=prophetkv \\
@@ -23,7 +24,6 @@ over the (example, format) pairs, which the pooled row resamples alike; wins/tie
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import statistics
@@ -35,7 +35,7 @@ import torch
 from benchmarks import metrics, workloads
 from relaxkv_sglang import assets
 from relaxkv_sglang.core.reference import from_hf_state_dict, reference_prefill, stale_context
-from relaxkv_sglang.core.repair_plan import RepairConfig
+from relaxkv_sglang.core.repair_plan import RepairConfig, knob_defaults
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:
@@ -44,12 +44,12 @@ def parse_variant(text: str) -> tuple[str, str, dict]:
     policy, *knobs = spec.split(",")
     if not name or not policy:
         raise argparse.ArgumentTypeError(f"variant {text!r}: expected NAME=POLICY[,knob=value...]")
-    defaults = {f.name: f.default for f in dataclasses.fields(RepairConfig)}
+    defaults = knob_defaults()
     overrides = {}
     for knob in knobs:
         key, _, value = knob.partition("=")
         if key not in defaults:
-            raise argparse.ArgumentTypeError(f"variant {name}: unknown knob {key!r}; RepairConfig has {', '.join(defaults)}")
+            raise argparse.ArgumentTypeError(f"variant {name}: unknown knob {key!r}; the knobs are {', '.join(defaults)}")
         overrides[key] = _knob_value(defaults[key], value)
     return name, policy, overrides
 
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                        "variants": {"pic": {"kl": kl_full_vocab(full, stale.pic_logits), "pairs": 0,
                                             "top1": int(stale.pic_logits.argmax() == full.argmax())}}}
                 for name, policy, overrides in args.variant:
-                    config = RepairConfig(**{"anchor_ratio": args.anchor_ratio, **overrides})
+                    config = RepairConfig.from_knobs(**{"anchor_ratio": args.anchor_ratio, **overrides})
                     res = reference_prefill(weights, ids, spans, q0, policy, config, stale=stale)
                     row["variants"][name] = {"kl": kl_full_vocab(full, res.last_logits),
                                              "top1": int(res.last_logits.argmax() == full.argmax()),

@@ -1,6 +1,7 @@
 """Cold documents: wall time of a concurrent trace whose documents were never seen, per policy, side by side.
 
-The trace: ``--clients`` clients each send ``--requests`` requests one after another; a request
+The trace: ``--clients`` clients send ``--clients`` x ``--requests`` requests, each client taking
+the next one in trace order when its last is answered (:func:`benchmarks.replay.replay_in_order`); a request
 holds the ten paragraphs of one HotpotQA example (each a chunk), a system prompt and its
 question, and no two requests share an example, so every chunk is a miss (computed for the
 first time) unless two examples happen to share a paragraph (the report counts the hits). This is
@@ -25,10 +26,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks import common, workloads
+from benchmarks.replay import replay_in_order
+from benchmarks.tables import markdown_table
 from relaxkv_sglang.client import ServerClient
 from relaxkv_sglang.core.policies import Policy
 
@@ -43,22 +44,16 @@ def make_trace(n_requests: int, offset: int) -> list[tuple[str, list[int]]]:
 
 def replay(client: ServerClient, trace: list[tuple[str, list[int]]], policy: str, clients: int,
            anchor_ratio: float | None, flush: bool = True) -> dict:
-    """Flush (unless told not to), then send the trace with ``clients`` concurrent clients (client i
-    sends requests i, i+clients, ...)."""
+    """Flush (unless told not to), then send the trace from ``clients`` concurrent clients, in trace order."""
     if flush:
         client.flush()
 
-    def one_client(i: int) -> list[dict]:
-        out = []
-        for text, offsets in trace[i::clients]:
-            response = client.generate(text, offsets, policy, max_new_tokens=1, anchor_ratio=anchor_ratio)
-            out.append(common.relaxkv_report(response) | {"latency_s": response["client_latency_s"]})
-        return out
+    def one(i: int, _client: int, _sent_at: float) -> dict:
+        text, offsets = trace[i]
+        response = client.generate(text, offsets, policy, max_new_tokens=1, anchor_ratio=anchor_ratio)
+        return common.relaxkv_report(response) | {"latency_s": response["client_latency_s"]}
 
-    start = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        reports = [r for part in pool.map(one_client, range(clients)) for r in part]
-    wall = time.perf_counter() - start
+    reports, wall = replay_in_order(one, len(trace), clients)
     return {
         "wall_s": wall,
         "chunks_seen": sum(r.get("chunks_seen", 0) for r in reports),
@@ -125,13 +120,12 @@ def summarize(rounds: list[dict[str, dict]]) -> dict:
 def print_table(result: dict) -> None:
     print(f"\ncold trace: {result['requests']} requests, {result['clients']} clients; medians over "
           f"{len(result['rounds'])} rounds")
-    print("| policy | wall s | x pic | over pic s | warm wall s | warm over pic s | chunk hits / seen | repaired |")
-    print("|---|---|---|---|---|---|---|---|")
-    for policy, s in result["summary"].items():
-        print(f"| {policy} | {s['median_wall_s']:.1f} | {common.fmt(s['median_ratio_to_pic'], '.2f')} | "
-              f"{s['median_excess_over_pic_s']:+.1f} | {common.fmt(s.get('median_warm_wall_s'), '.1f')} | "
-              f"{common.fmt(s.get('median_warm_excess_over_pic_s'), '+.1f')} | "
-              f"{s['chunks_hit']} / {s['chunks_seen']} | {s['repaired']} |")
+    print("\n".join(markdown_table(
+        ["policy", "wall s", "x pic", "over pic s", "warm wall s", "warm over pic s", "chunk hits / seen", "repaired"],
+        [[policy, f"{s['median_wall_s']:.1f}", common.fmt(s["median_ratio_to_pic"], ".2f"),
+          f"{s['median_excess_over_pic_s']:+.1f}", common.fmt(s.get("median_warm_wall_s"), ".1f"),
+          common.fmt(s.get("median_warm_excess_over_pic_s"), "+.1f"), f"{s['chunks_hit']} / {s['chunks_seen']}",
+          str(s["repaired"])] for policy, s in result["summary"].items()])))
 
 
 def main(argv: list[str] | None = None) -> None:

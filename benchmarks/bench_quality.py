@@ -99,7 +99,7 @@ from typing import Iterable
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks import common, metrics, workloads
+from benchmarks import common, metrics, tables, workloads
 from relaxkv_sglang.client import ServerClient
 from relaxkv_sglang.schema import CONTEXT_RATIO
 
@@ -533,19 +533,19 @@ def print_table(result: dict, args: argparse.Namespace) -> None:
         what = (f"{info['examples']} examples, score = {info['scorer']}" if info
                 else "all tasks pooled, score = mean task score")
         print(f"\n{'all formats pooled' if fmt == ALL else 'format ' + fmt} / {task}: {what}")
-        head = (f"{'policy':<16}{'anchors':>8}{'achieved':>9}{'score':>7}{'F1→full':>16}{'exact':>7}{'top-1':>7}"
-                f"{'KL 1st tok':>18}{'TTFT p50':>9}{'ctx':>6}{'repair KV':>13}{'executed':>13}")
-        print(head)
-        print("-" * len(head))
-        for s in (s for s in result["summary"] if (s["format"], s["task"]) == (fmt, task)):
-            f1 = "-" if s["f1_to_full"] is None else f"{s['f1_to_full']:.3f} {_ci(s['f1_to_full_ci95'])}"
-            kl = f"{s['kl_first_token']:.3f} {_ci(s['kl_first_token_ci95'])}"
-            print(f"{s['policy']:<16}{common.fmt(s['anchor_ratio'], '.0%'):>8}"
-                  f"{common.fmt(s['anchor_ratio_achieved'], '.1%'):>9}{common.fmt(s['score'], '.3f'):>7}{f1:>16}"
-                  f"{common.fmt(s['exact_to_full'], '.3f'):>7}{common.fmt(s['top1_to_full'], '.3f'):>7}{kl:>18}"
-                  f"{s['ttft_median_s']:>8.2f}s{common.fmt(s['context_ratio'], '.2f'):>6}"
-                  f"{common.fmt(s['repair_kv_pairs'], ',.0f'):>13}"
-                  f"{common.fmt(s['repair_kv_pairs_executed'], ',.0f'):>13}")
+        columns = [tables.left("policy", 16), tables.right("anchors", 8), tables.right("achieved", 9),
+                   tables.right("score", 7), tables.right("F1→full", 16), tables.right("exact", 7),
+                   tables.right("top-1", 7), tables.right("KL 1st tok", 18), tables.right("TTFT p50", 9),
+                   tables.right("ctx", 6), tables.right("repair KV", 13), tables.right("executed", 13)]
+        tables.print_text_table(columns, [
+            [s["policy"], common.fmt(s["anchor_ratio"], ".0%"), common.fmt(s["anchor_ratio_achieved"], ".1%"),
+             common.fmt(s["score"], ".3f"),
+             "-" if s["f1_to_full"] is None else f"{s['f1_to_full']:.3f} {_ci(s['f1_to_full_ci95'])}",
+             common.fmt(s["exact_to_full"], ".3f"), common.fmt(s["top1_to_full"], ".3f"),
+             f"{s['kl_first_token']:.3f} {_ci(s['kl_first_token_ci95'])}", f"{s['ttft_median_s']:.2f}s",
+             common.fmt(s["context_ratio"], ".2f"), common.fmt(s["repair_kv_pairs"], ",.0f"),
+             common.fmt(s["repair_kv_pairs_executed"], ",.0f")]
+            for s in result["summary"] if (s["format"], s["task"]) == (fmt, task)])
     print_paired(result)
 
 
@@ -557,19 +557,15 @@ def print_paired(result: dict) -> None:
         return
     print(f"\npaired first-token KL, policy − {versus} per example (same ratio asked; lower is better): mean "
           f"difference, 95% bootstrap CI over examples, wins/ties/losses over (example, format) pairs")
-    head = (f"{'format':<10}{'task':<19}{'policy':<16}{'anchors':>14}{'KL':>7}{versus[:9]:>10}{'diff':>8}"
-            f"{'95% CI':>17}{'W/T/L':>10}{'n':>4}")
-    print(head)
-    print("-" * len(head))
+    columns = [tables.left("format", 10), tables.left("task", 19), tables.left("policy", 16),
+               tables.right("anchors", 14), tables.right("KL", 7), tables.right(versus[:9], 10), tables.right("diff", 8),
+               tables.right("95% CI", 17), tables.right("W/T/L", 10), tables.right("n", 4)]
     shown = set(blocks(result["formats"], list(result["tasks"])))
-    for p in (p for p in result["paired"] if (p["format"], p["task"]) in shown):
-        if p["n_examples"] == 0:
-            continue
-        ratio = ratio_label(p["policy_anchor_ratio"], p["anchor_ratio_achieved"])
-        ci = _ci(p["diff_ci95"], "+.3f")
-        wtl = f"{p['wins']}/{p['ties']}/{p['losses']}"
-        print(f"{p['format']:<10}{p['task']:<19}{p['policy']:<16}{ratio:>14}{p['kl']:>7.3f}{p['kl_versus']:>10.3f}"
-              f"{p['diff']:>+8.3f}{ci:>17}{wtl:>10}{p['n_examples']:>4}")
+    tables.print_text_table(columns, [
+        [p["format"], p["task"], p["policy"], ratio_label(p["policy_anchor_ratio"], p["anchor_ratio_achieved"]),
+         f"{p['kl']:.3f}", f"{p['kl_versus']:.3f}", f"{p['diff']:+.3f}", _ci(p["diff_ci95"], "+.3f"),
+         f"{p['wins']}/{p['ties']}/{p['losses']}", str(p["n_examples"])]
+        for p in result["paired"] if (p["format"], p["task"]) in shown and p["n_examples"] > 0])
     refs = {p["anchor_ratio"]: p["anchor_ratio_achieved_versus"] for p in result["paired"]
             if (p["format"], p["task"]) == (ALL, ALL)}
     if any(v is not None for v in refs.values()):
@@ -587,14 +583,13 @@ def print_equal_ttft(result: dict) -> None:
     print(f"\nat equal measured TTFT (tasks pooled): {versus}'s KL on its KL-vs-TTFT curve at the policy's TTFT "
           f"(between two of its points, or its cheapest/dearest point when the policy's lies outside them); "
           f"gap = KL minus that, with its 95% interval (examples resampled)")
-    head = (f"{'format':<10}{'policy':<16}{'anchors':>8}{'TTFT p50':>10}{'KL':>8}{versus[:12] + ' KL':>16}"
-            f"{'where':>9}{'gap [95% CI]':>28}{'verdict':>9}")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        gap = f"{r['gap']:+.3f} {_ci(r['gap_ci95'], '+.3f')}"
-        print(f"{r['format']:<10}{r['policy']:<16}{common.fmt(r['anchor_ratio'], '.0%'):>8}{r['ttft_s']:>9.2f}s"
-              f"{r['kl']:>8.3f}{r['kl_versus_at_ttft']:>16.3f}{r['where']:>9}{gap:>28}{r['verdict']:>9}")
+    columns = [tables.left("format", 10), tables.left("policy", 16), tables.right("anchors", 8),
+               tables.right("TTFT p50", 10), tables.right("KL", 8), tables.right(versus[:12] + " KL", 16),
+               tables.right("where", 9), tables.right("gap [95% CI]", 28), tables.right("verdict", 9)]
+    tables.print_text_table(columns, [
+        [r["format"], r["policy"], common.fmt(r["anchor_ratio"], ".0%"), f"{r['ttft_s']:.2f}s", f"{r['kl']:.3f}",
+         f"{r['kl_versus_at_ttft']:.3f}", r["where"], f"{r['gap']:+.3f} {_ci(r['gap_ci95'], '+.3f')}", r["verdict"]]
+        for r in rows])
 
 
 def plot(result: dict, path: pathlib.Path) -> None:

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from benchmarks import common
+from benchmarks import common, tables
 from relaxkv_sglang.core.attention import block_sparse_attention
 from relaxkv_sglang.core.chunk_store import ChunkStore
 from relaxkv_sglang.core.layout import build_relaxed_layout, full_causal_layout
@@ -118,14 +118,15 @@ def run(args: argparse.Namespace) -> dict:
 def print_table(result: dict) -> None:
     """The rows as a plain-text table, in milliseconds."""
     rows = result["results"]
-    head = (f"{'tokens':>7}{'chunks':>7}{'lookup ms':>11}{'rotate ms':>11}{'select ms':>11}{'relaxed ms':>12}"
-            f"{'full ms':>10}{'gpu inputs ms':>15}")
-    print(head)
-    for r in rows:
-        gpu_inputs = r["gpu_inputs_s"] * 1e3 if "gpu_inputs_s" in r else None  # older results have none
-        print(f"{r['prompt_tokens']:>7}{r['chunks']:>7}{r['lookup_s'] * 1e3:>11.2f}{r['rerotation_s'] * 1e3:>11.1f}"
-              f"{r['selection_s'] * 1e3:>11.1f}{r['repair_attention_relaxed_s'] * 1e3:>12.1f}"
-              f"{r['repair_attention_full_s'] * 1e3:>10.1f}{common.fmt(gpu_inputs, '.1f'):>15}")
+    columns = [tables.right("tokens", 7), tables.right("chunks", 7), tables.right("lookup ms", 11),
+               tables.right("rotate ms", 11), tables.right("select ms", 11), tables.right("relaxed ms", 12),
+               tables.right("full ms", 10), tables.right("gpu inputs ms", 15)]
+    tables.print_text_table(columns, [
+        [str(r["prompt_tokens"]), str(r["chunks"]), f"{r['lookup_s'] * 1e3:.2f}", f"{r['rerotation_s'] * 1e3:.1f}",
+         f"{r['selection_s'] * 1e3:.1f}", f"{r['repair_attention_relaxed_s'] * 1e3:.1f}",
+         f"{r['repair_attention_full_s'] * 1e3:.1f}",
+         common.fmt(r["gpu_inputs_s"] * 1e3 if "gpu_inputs_s" in r else None, ".1f")]  # older results have none
+        for r in rows])
 
 
 def main(argv: list[str] | None = None) -> None:

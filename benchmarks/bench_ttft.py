@@ -24,7 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks import common, workloads
+from benchmarks import common, tables, workloads
 from relaxkv_sglang import assets
 from relaxkv_sglang.schema import CONTEXT_RATIO
 
@@ -91,15 +91,14 @@ def run(args: argparse.Namespace) -> dict:
 
 def print_table(results: list[dict]) -> None:
     """The results as a plain-text table, one row per (prompt length, policy, anchor ratio)."""
-    head = (f"{'tokens':>7} {'policy':<11}{'anchors':>8}{'TTFT p50 s':>12}{'vs full':>9}{'repair KV pairs':>17}"
-            f"{'executed':>14}")
-    print("\n" + head)
-    print("-" * len(head))
-    for r in results:
-        ratio, work = common.fmt(r["anchor_ratio"], ".0%"), common.fmt(r["repair_kv_pairs"], ",")
-        executed = common.fmt(r.get("repair_kv_pairs_executed"), ",")
-        print(f"{r['prompt_tokens']:>7} {r['policy']:<11}{ratio:>8}{r['ttft_median_s']:>12.3f}"
-              f"{r['speedup_vs_full']:>8.1f}x{work:>17}{executed:>14}")
+    columns = [tables.right("tokens", 7), tables.left("", 1), tables.left("policy", 11), tables.right("anchors", 8),
+               tables.right("TTFT p50 s", 12), tables.right("vs full", 9), tables.right("repair KV pairs", 17),
+               tables.right("executed", 14)]
+    print()
+    tables.print_text_table(columns, [
+        [str(r["prompt_tokens"]), "", r["policy"], common.fmt(r["anchor_ratio"], ".0%"), f"{r['ttft_median_s']:.3f}",
+         f"{r['speedup_vs_full']:.1f}x", common.fmt(r["repair_kv_pairs"], ","),
+         common.fmt(r.get("repair_kv_pairs_executed"), ",")] for r in results])
 
 
 def plot(results: list[dict], path: pathlib.Path) -> None:

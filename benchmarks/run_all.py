@@ -23,6 +23,7 @@ import sys
 import time
 
 from benchmarks.common import fmt
+from benchmarks.tables import markdown_table
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
@@ -84,30 +85,28 @@ def cache_hit_table(result: dict) -> str:
     pool = f", KV pool {w['kv_pool_tokens']} tokens" if w.get("kv_pool_tokens") else ""
     lines = [f"**Cache hit rate** ({w['requests']} requests, {w['clients']} concurrent clients, {w['k']} of "
              f"{w['pool']} {w['source']} documents per request, Zipf s={w['zipf']}{pool}). Lost to evictions: "
-             f"document tokens computed by an earlier request but missed (a lower bound). {_caption(result)}", "",
-             "| policy | hit rate | from radix prefix | from chunks | best possible | evictions | lost to evictions "
-             "| TTFT mean s | TTFT p90 s | req/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"document tokens computed by an earlier request but missed (a lower bound). {_caption(result)}", ""]
+    rows = []
     for r in result["results"]:
         lost = f"{r['lost_to_evictions_pct']:.1f}%" if r.get("lost_to_evictions_pct") is not None else "-"
-        lines.append(f"| {r['policy']} | {r['cache_hit_rate_pct']:.1f}% | {r['prefix_hit_rate_pct']:.1f}% | "
-                     f"{r['chunk_hit_rate_pct']:.1f}% | {r['best_possible_hit_rate_pct']:.1f}% | "
-                     f"{r['chunk_evictions']} | {lost} | "
-                     f"{r['ttft_s']['mean']:.2f} | {r['ttft_s']['p90']:.2f} | {r['requests_per_s']:.2f} |")
+        rows.append([r["policy"]] + [f"{r[k]:.1f}%" for k in ("cache_hit_rate_pct", "prefix_hit_rate_pct",
+                                                              "chunk_hit_rate_pct", "best_possible_hit_rate_pct")]
+                    + [str(r["chunk_evictions"]), lost, f"{r['ttft_s']['mean']:.2f}", f"{r['ttft_s']['p90']:.2f}",
+                       f"{r['requests_per_s']:.2f}"])
+    lines += markdown_table(["policy", "hit rate", "from radix prefix", "from chunks", "best possible", "evictions",
+                             "lost to evictions", "TTFT mean s", "TTFT p90 s", "req/s"], rows)
     return "\n".join(lines)
 
 
 def ttft_table(result: dict) -> str:
     lines = [f"**Time to first token**, warm chunks, median of {result['args']['rounds']} interleaved rounds; "
-             f"relaxkv context ratio {result['args']['context_ratio']}. {_caption(result)}", "",
-             "| prompt tokens | policy | anchors | TTFT median s | speed-up vs full | repair KV pairs attended "
-             "| executed (CPU) |",
-             "|---|---|---|---|---|---|---|"]
-    for r in result["results"]:
-        ratio, work = fmt(r["anchor_ratio"], ".0%"), fmt(r["repair_kv_pairs"], ",")
-        executed = fmt(r.get("repair_kv_pairs_executed"), ",")
-        lines.append(f"| {r['prompt_tokens']} | {r['policy']} | {ratio} | {r['ttft_median_s']:.3f} | "
-                     f"{r['speedup_vs_full']:.1f}x | {work} | {executed} |")
+             f"relaxkv context ratio {result['args']['context_ratio']}. {_caption(result)}", ""]
+    lines += markdown_table(
+        ["prompt tokens", "policy", "anchors", "TTFT median s", "speed-up vs full", "repair KV pairs attended",
+         "executed (CPU)"],
+        [[str(r["prompt_tokens"]), r["policy"], fmt(r["anchor_ratio"], ".0%"), f"{r['ttft_median_s']:.3f}",
+          f"{r['speedup_vs_full']:.1f}x", fmt(r["repair_kv_pairs"], ","), fmt(r.get("repair_kv_pairs_executed"), ",")]
+         for r in result["results"]])
     return "\n".join(lines)
 
 
@@ -144,37 +143,34 @@ def quality_table(result: dict) -> str:
              f"first-token KL to full (lower is better) / task score (QA F1 or RULER string match). "
              + (f"Paired: per-example KL difference to {versus} [95% paired bootstrap CI], wins/ties/losses. "
                 if paired else "")
-             + _caption(result), "",
-             "| policy | KL to full, pooled | agreement with full | "
-             + " | ".join(TASK_LABELS.get(t, t) for t in tasks) + " | TTFT median s |"
-             + (f" KL − {versus}, paired | W/T/L |" if paired else ""),
-             "|---" * (len(tasks) + 4 + 2 * bool(paired)) + "|"]
+             + _caption(result), ""]
+    rows = []
     for policy in policies:
         ratio = None if cell.get(("all", policy, None)) else head
         pooled = cell[("all", policy, ratio)]
         lo, hi = pooled["kl_first_token_ci95"]
-        per_task = " | ".join(f"{c['kl_first_token']:.3f} / {fmt(c['score'], '.2f')}"
-                              for c in (cell[(t, policy, ratio)] for t in tasks))
-        line = (f"| {policy} | {pooled['kl_first_token']:.3f} [{lo:.2f}, {hi:.2f}] | "
-                f"{fmt(pooled['exact_to_full'], '.3f')} | {per_task} | {pooled['ttft_median_s']:.2f} |")
+        row = [policy, f"{pooled['kl_first_token']:.3f} [{lo:.2f}, {hi:.2f}]", fmt(pooled["exact_to_full"], ".3f")]
+        row += [f"{c['kl_first_token']:.3f} / {fmt(c['score'], '.2f')}" for c in (cell[(t, policy, ratio)] for t in tasks)]
+        row.append(f"{pooled['ttft_median_s']:.2f}")
         if paired:
             p = paired.get(policy)  # none for full and for the reference itself
             if p and p["diff_ci95"]:
                 d_lo, d_hi = p["diff_ci95"]
-                line += f" {p['diff']:+.3f} [{d_lo:+.3f}, {d_hi:+.3f}] | {p['wins']}/{p['ties']}/{p['losses']} |"
+                row += [f"{p['diff']:+.3f} [{d_lo:+.3f}, {d_hi:+.3f}]", f"{p['wins']}/{p['ties']}/{p['losses']}"]
             else:
-                line += " - | - |"
-        lines.append(line)
+                row += ["-", "-"]
+        rows.append(row)
+    lines += markdown_table(["policy", "KL to full, pooled", "agreement with full"]
+                            + [TASK_LABELS.get(t, t) for t in tasks] + ["TTFT median s"]
+                            + ([f"KL − {versus}, paired", "W/T/L"] if paired else []), rows)
     if len(ratios) > 1:
         lines += ["", "**Anchor-ratio sweep**, all tasks pooled: first-token KL to full / TTFT median s. "
                   + "; ".join(f"{p}: {cell[('all', p, None)]['kl_first_token']:.3f} / "
                               f"{cell[('all', p, None)]['ttft_median_s']:.2f}"
-                              for p in policies if ("all", p, None) in cell) + ".", "",
-                  "| policy | " + " | ".join(f"{r:.0%}" for r in ratios) + " |", "|---" * (len(ratios) + 1) + "|"]
-        for policy in (p for p in policies if ("all", p, None) not in cell):
-            lines.append(f"| {policy} | " + " | ".join(
-                f"{cell[('all', policy, r)]['kl_first_token']:.3f} / {cell[('all', policy, r)]['ttft_median_s']:.2f}"
-                for r in ratios) + " |")
+                              for p in policies if ("all", p, None) in cell) + ".", ""]
+        lines += markdown_table(["policy"] + [f"{r:.0%}" for r in ratios], [
+            [policy] + [f"{cell[('all', policy, r)]['kl_first_token']:.3f} / {cell[('all', policy, r)]['ttft_median_s']:.2f}"
+                        for r in ratios] for policy in policies if ("all", policy, None) not in cell])
     return "\n".join(lines)
 
 
@@ -182,15 +178,14 @@ def scaling_table(result: dict) -> str:
     rows = result["results"]
     gpu = all("gpu_inputs_s" in r for r in rows)  # results from before the column have none
     lines = [f"**Cost scaling** (core API on SmolLM2-shaped KV: 30 layers, 3 KV heads; 15% anchors; medians). "
-             f"{_caption(result)}", "",
-             "| prompt tokens | chunks | lookup ms | re-rotation ms | selection ms | repair attn relaxed 25% ms "
-             "| repair attn full ctx ms | KV pairs relaxed / full |" + (" GPU anchor inputs (host) ms |" if gpu else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|" if gpu else "")]
-    for r in rows:
-        lines.append(f"| {r['prompt_tokens']} | {r['chunks']} | {r['lookup_s'] * 1e3:.2f} | {r['rerotation_s'] * 1e3:.1f} | "
-                     f"{r['selection_s'] * 1e3:.1f} | {r['repair_attention_relaxed_s'] * 1e3:.1f} | "
-                     f"{r['repair_attention_full_s'] * 1e3:.1f} | {r['kv_pairs_relaxed'] / r['kv_pairs_full']:.2f} |"
-                     + (f" {r['gpu_inputs_s'] * 1e3:.1f} |" if gpu else ""))
+             f"{_caption(result)}", ""]
+    lines += markdown_table(
+        ["prompt tokens", "chunks", "lookup ms", "re-rotation ms", "selection ms", "repair attn relaxed 25% ms",
+         "repair attn full ctx ms", "KV pairs relaxed / full"] + (["GPU anchor inputs (host) ms"] if gpu else []),
+        [[str(r["prompt_tokens"]), str(r["chunks"]), f"{r['lookup_s'] * 1e3:.2f}", f"{r['rerotation_s'] * 1e3:.1f}",
+          f"{r['selection_s'] * 1e3:.1f}", f"{r['repair_attention_relaxed_s'] * 1e3:.1f}",
+          f"{r['repair_attention_full_s'] * 1e3:.1f}", f"{r['kv_pairs_relaxed'] / r['kv_pairs_full']:.2f}"]
+         + ([f"{r['gpu_inputs_s'] * 1e3:.1f}"] if gpu else []) for r in rows])
     return "\n".join(lines)
 
 
@@ -211,14 +206,11 @@ def tables() -> str:
 
 def run_times_table(times: dict) -> str:
     """The latest recorded wall time of each benchmark at each size (whole command, server start included)."""
-    lines = ["**Run times** (`make bench-quick` / `make bench`, whole command including the server's start):", "",
-             "| benchmark | quick size | full size |", "|---|---|---|"]
-    for bench in BENCHES:
-        sizes = times.get(bench, {})
-        lines.append(f"| {bench} | " + " | ".join(
-            f"{_duration(sizes[size]['wall_s'])} ({sizes[size]['date'][:10]})" if size in sizes else "not recorded"
-            for size in ("quick", "full")) + " |")
-    return "\n".join(lines)
+    rows = [[bench] + [f"{_duration(sizes[size]['wall_s'])} ({sizes[size]['date'][:10]})" if size in sizes
+                       else "not recorded" for size in ("quick", "full")]
+            for bench, sizes in ((bench, times.get(bench, {})) for bench in BENCHES)]
+    return "\n".join(["**Run times** (`make bench-quick` / `make bench`, whole command including the server's start):", ""]
+                     + markdown_table(["benchmark", "quick size", "full size"], rows))
 
 
 def rewrite(path: pathlib.Path, body: str, link_prefix: str = "") -> None:

@@ -62,7 +62,7 @@ from typing import Sequence
 
 import torch
 
-from benchmarks import common
+from benchmarks import common, tables
 from relaxkv_sglang.core.chunk_store import ChunkStore
 from relaxkv_sglang.routing import HotKeySplitter, document_hash, routing_key_of_documents
 
@@ -358,12 +358,13 @@ def print_scale(result: dict) -> None:
     print(f"\n{w['requests_per_replica']} requests and {w['clients_per_replica']} clients per replica, {w['k']} of "
           f"{w['docs']} documents{topics} (~{w['doc_tokens']} tokens, Zipf s={w['zipf']}), KV pool {w['pool_tokens']} "
           f"tokens per replica, seed {w['seed']}")
-    head = f"{'replicas':>8}{'ideal':>8}" + "".join(f"{r:>16}{'max/mean':>9}" for r in result["routings"])
-    print(head)
-    print("-" * len(head))
-    for row in result["rows"]:
-        print(f"{row['replicas']:>8}{row['ideal_hit_rate_pct']:>7.1f}%"
-              + "".join(f"{row[r]['hit_rate_pct']:>15.1f}%{row[r]['max_over_mean']:>9.2f}" for r in result["routings"]))
+    columns = [tables.right("replicas", 8), tables.right("ideal", 8)]
+    for routing in result["routings"]:
+        columns += [tables.right(routing, 16), tables.right("max/mean", 9)]
+    tables.print_text_table(columns, [
+        [str(row["replicas"]), f"{row['ideal_hit_rate_pct']:.1f}%"]
+        + [cell for r in result["routings"] for cell in (f"{row[r]['hit_rate_pct']:.1f}%", f"{row[r]['max_over_mean']:.2f}")]
+        for row in result["rows"]])
     print("hit rate = cached / prompt tokens; ideal = one store of N x the pool; max/mean = requests per replica")
 
 
@@ -413,13 +414,13 @@ def run_from_bench(args: argparse.Namespace) -> dict:
 def print_from_bench(result: dict) -> None:
     """Measured vs simulated hit rate per routing."""
     print(f"\nsimulated vs measured ({result['from_bench']})")
-    head = f"{'routing':<13}{'measured':>9}{'simulated':>10}{'diff':>7}  {'measured req/replica':<22}{'simulated':<14}"
-    print(head)
-    print("-" * len(head))
-    for r in result["rows"]:
-        print(f"{r['routing']:<13}{r['measured_hit_rate_pct']:>8.1f}%{r['simulated_hit_rate_pct']:>9.1f}%"
-              f"{r['difference_points']:>+7.1f}  {' '.join(map(str, r['measured_per_replica'])):<22}"
-              f"{' '.join(map(str, r['simulated_per_replica'])):<14}")
+    columns = [tables.left("routing", 13), tables.right("measured", 9), tables.right("simulated", 10),
+               tables.right("diff", 7), tables.left("", 2), tables.left("measured req/replica", 22),
+               tables.left("simulated", 14)]
+    tables.print_text_table(columns, [
+        [r["routing"], f"{r['measured_hit_rate_pct']:.1f}%", f"{r['simulated_hit_rate_pct']:.1f}%",
+         f"{r['difference_points']:+.1f}", "", " ".join(map(str, r["measured_per_replica"])),
+         " ".join(map(str, r["simulated_per_replica"]))] for r in result["rows"]])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,7 @@ Two renderings of the same thing, a header and rows of already-formatted cells:
 
 * :func:`text_table`, for the terminal: each column padded to at least its ``Column.width``
   (wider when a cell or the header is), left- or right-aligned, the columns joined by ``gap``,
-  a rule of dashes under the header. With ``gap=""`` the widths carry the spacing, as the
+  a rule of dashes under the header, no trailing blanks. With ``gap=""`` the widths carry the spacing, as the
   benchmarks' fixed-width tables do.
 * :func:`markdown_table`, for docs/performance.md (``benchmarks.run_all``) and the tables a
   benchmark prints to paste into it: ``| a | b |`` rows under a ``|---|---|`` rule.
@@ -51,7 +51,8 @@ def text_table(columns: Sequence[Column], rows: Iterable[Sequence[str]], gap: st
     widths = [max(c.width, len(c.head), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
 
     def line(cells: Sequence[str]) -> str:
-        return gap.join(format(text, f"{c.align}{w}") for text, c, w in zip(cells, columns, widths))
+        # No trailing blanks: a row may leave its last left-aligned cells empty.
+        return gap.join(format(text, f"{c.align}{w}") for text, c, w in zip(cells, columns, widths)).rstrip()
 
     return [line([c.head for c in columns]), gap.join("-" * w for w in widths)] + [line(r) for r in rows]
 

@@ -41,6 +41,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from relaxkv_sglang.core.tiers.names import TierName
+
 __all__ = ["ChunkEntry", "ChunkStoreStats", "ChunkStore"]
 
 ChunkKey = tuple[str | None, tuple[int, ...]]
@@ -64,7 +66,7 @@ class ChunkEntry:
             (non-decreasing across entries; see ``ChunkStore(clock=...)``).
         hits: number of lookups that returned this entry.
         origin: where the entry's KV came from when it was not computed here: a lower
-            tier's name (``"host"``, ``"disk"``, see ``core/chunk_tiers.py``) until its first
+            tier's name (:class:`~relaxkv_sglang.core.tiers.TierName`) until its first
             hit reports it (the owner clears it); None otherwise.
     """
 
@@ -75,7 +77,7 @@ class ChunkEntry:
     lock_ref: int = 0
     last_access: float = 0
     hits: int = 0
-    origin: str | None = None
+    origin: TierName | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from relaxkv_sglang.core.tiers import TierName, split_hits
+from relaxkv_sglang.srt.cache_source import SGLANG_CACHE_SOURCES, by_cache_source
 from relaxkv_sglang.srt.context import ExtendRows, ForwardContext, InvariantError, QueryScores, Repair
 from relaxkv_sglang.srt.plan import RequestPlan, request_plan
 from relaxkv_sglang.srt.report import merge_record, request_record
@@ -69,7 +71,7 @@ class RequestFold:
         logprob_start: window offset input logprobs start at, if asked.
         hit_tokens / chunks_seen / chunks_hit: reuse counted for this window.
         tier_tokens: of the hit tokens, those of chunks loaded from a lower tier
-            (``"host"`` / ``"disk"`` -> tokens); the rest came from the device pool.
+            (lower :class:`~relaxkv_sglang.core.tiers.TierName` -> tokens); the rest came from the device pool.
         inserts: miss chunks to publish after they are computed,
             as (token ids, start position, end position).
         scores: the query's attention per layer, recorded by the attention backend while
@@ -92,7 +94,7 @@ class RequestFold:
     hit_tokens: int = 0
     chunks_seen: int = 0
     chunks_hit: int = 0
-    tier_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    tier_tokens: dict[TierName, int] = dataclasses.field(default_factory=dict)
     inserts: list[tuple[tuple[int, ...], int, int]] = dataclasses.field(default_factory=list)
     scores: Optional[QueryScores] = None
     slots: Optional[torch.Tensor] = None
@@ -139,12 +141,10 @@ class RequestFold:
             self.keep = torch.cat([earlier_query - self.window_start, self.keep])
             self.scope_start = torch.cat([torch.zeros_like(earlier_query), self.scope_start])
 
-    def hit_sources(self) -> dict[str, int]:
-        """The window's chunk hit tokens by where SGLang's accounting puts them: ``device`` (the
-        pool), ``host`` (loaded from the host-memory tier), ``storage`` (from the disk tier)."""
-        host = min(self.tier_tokens.get("host", 0), self.hit_tokens)
-        storage = min(self.tier_tokens.get("disk", 0), self.hit_tokens - host)
-        return {"device": self.hit_tokens - host - storage, "host": host, "storage": storage}
+    def hit_sources(self) -> dict[TierName, int]:
+        """The window's chunk hit tokens by the tier they came from (device: the pool), summing to
+        ``hit_tokens`` (:func:`~relaxkv_sglang.core.tiers.split_hits`)."""
+        return split_hits(self.hit_tokens, self.tier_tokens)
 
     def publish_misses(self, cache: "ChunkCache") -> None:
         """Once the miss chunks' KV is computed: hand each to the chunk tree (at most once)."""
@@ -243,7 +243,7 @@ def _fold_request(cache: "ChunkCache", req: Any, rp: int, pre: int, n: int,
             keep[lo:hi] = False  # rows of earlier windows: their KV is overwritten by the copy
             fold.chunks_hit += 1
             fold.hit_tokens += hi - lo
-            if tier != "device":  # loaded from a lower tier (tree_cache: lower tiers)
+            if tier != TierName.DEVICE:  # loaded from a lower tier (tree_cache: lower tiers)
                 fold.tier_tokens[tier] = fold.tier_tokens.get(tier, 0) + hi - lo
         else:
             scope[lo:hi] = cs
@@ -311,10 +311,10 @@ def _folded_copy(batch: Any, requests: list[RequestFold]) -> Any:
 
 def finish_fold(cache: "ChunkCache", fold: Fold) -> None:
     """After the forward: publish miss chunks to the chunk tree, count reuse, attach reports."""
-    totals = dict.fromkeys(("device", "host", "storage"), 0)
+    totals = dict.fromkeys(SGLANG_CACHE_SOURCES, 0)
     for r in fold.requests:
         r.publish_misses(cache)
-        sources = r.hit_sources()
+        sources = by_cache_source(r.hit_sources())
         if r.hit_tokens and not getattr(r.req, "retracted_stain", False):
             # SGLang's cached_tokens_details and sglang:cached_tokens_total{cache_source=...} read
             # cached_tokens_{device,host,storage}, which its own accounting has already set from

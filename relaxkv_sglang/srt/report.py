@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+from relaxkv_sglang.core.tiers import TierName
 from relaxkv_sglang.srt.plan import RECORD_KEY
 
 if TYPE_CHECKING:
@@ -43,8 +44,8 @@ def request_record(r: "RequestFold") -> dict:
         "chunks_seen": r.chunks_seen,
         "chunks_hit": r.chunks_hit,
         "chunk_tokens_reused": r.hit_tokens,
-        "chunk_tokens_from_host": sources["host"],
-        "chunk_tokens_from_disk": sources["storage"],
+        "chunk_tokens_from_host": sources[TierName.HOST],
+        "chunk_tokens_from_disk": sources[TierName.DISK],
         "tokens_computed": r.rows_computed,
         "repaired": r.repair is not None,
         "prefills": int(r.completes_prompt),  # 1: this step decided the repair

@@ -1,7 +1,7 @@
 """The chunk store's host and disk tiers in the server: configuration, model identity, KV I/O.
 
 The tiers themselves (bounded host memory, bounded disk folder, admission, checksums) are
-:mod:`relaxkv_sglang.core.chunk_tiers`; the tree cache (:mod:`.tree_cache`) moves chunks
+:mod:`relaxkv_sglang.core.tiers`; the tree cache (:mod:`.tree_cache`) moves chunks
 between them and the KV pool. This module holds what needs SGLang's objects:
 
 * :func:`tier_config_from_env`: ``RELAXKV_HOST_CACHE_GB``, ``RELAXKV_CHUNK_DIR``,
@@ -13,7 +13,7 @@ between them and the KV pool. This module holds what needs SGLang's objects:
   a sha256 of the tokenizer's files, the KV dtype, and the layout (layers, KV heads, head dim,
   the RoPE canonical K is rotated with);
 * :class:`PoolKV`: reads a chunk's KV out of SGLang's KV pool as a
-  :class:`~relaxkv_sglang.core.chunk_tiers.ChunkRecord` (``[n, layers, 2, heads, head_dim]``
+  :class:`~relaxkv_sglang.core.tiers.ChunkRecord` (``[n, layers, 2, heads, head_dim]``
   on the CPU) and writes one back, K optionally re-rotated.
 
 SGLang objects read: ``TreeCacheBuildContext`` (``server_args``, ``model_config``), the KV pool
@@ -31,7 +31,9 @@ from typing import Any, Optional
 
 import torch
 
-from relaxkv_sglang.core.chunk_tiers import GB, ChunkRecord, HostTier, ModelIdentity, TieredChunkStore
+from relaxkv_sglang.core.tiers import (
+    GB, ChunkRecord, DiskTierConfig, HostTier, HostTierConfig, ModelIdentity, TieredChunkStore,
+)
 from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
 
 HOST_GB_ENV = "RELAXKV_HOST_CACHE_GB"
@@ -164,6 +166,6 @@ class PoolKV:
 
 
 def build_tiers(config: TierConfig, pool_kv: PoolKV, identity: ModelIdentity) -> TieredChunkStore:
-    """The lower tiers for this pool's KV layout."""
-    return TieredChunkStore(identity, pool_kv.token_shape, pool_kv.dtype, host_bytes=config.host_bytes,
-                            disk_dir=config.disk_dir, disk_bytes=config.disk_bytes, host_policy=config.host_policy)
+    """The lower tiers for this pool's KV layout, fastest first (those the config asks for)."""
+    tiers = [HostTierConfig(config.host_bytes, config.host_policy), DiskTierConfig(config.disk_dir, config.disk_bytes)]
+    return TieredChunkStore.from_configs(tiers, identity, pool_kv.token_shape, pool_kv.dtype)

@@ -30,7 +30,7 @@ What this class changes in the radix tree's behaviour:
   store's oldest entry.
 * ``on_release`` (a request's row freed): drops its chunk pins, if any.
 
-Lower tiers (:mod:`.tiers`, :mod:`relaxkv_sglang.core.chunk_tiers`; off unless
+Lower tiers (:mod:`.tiers`, :mod:`relaxkv_sglang.core.tiers`; off unless
 ``RELAXKV_HOST_CACHE_GB`` or ``RELAXKV_CHUNK_DIR`` is set). A chunk the LRU evicts
 from the pool spills to the host tier (if its admission takes it), else to disk if the
 disk lacks it (``ChunkStore(on_evict=...)``, before its slots are freed); a chunk
@@ -84,7 +84,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Protocol, S
 import torch
 
 from relaxkv_sglang.core.chunk_store import ChunkEntry, ChunkStore, ChunkStoreStats
-from relaxkv_sglang.core.chunk_tiers import TieredChunkStore
+from relaxkv_sglang.core.tiers import LOWER_TIERS, TieredChunkStore, TierName
 from relaxkv_sglang.core.rope import RopeSpec, UnsupportedRopeError, rope_spec_from_hf_config, rotate_keys
 from relaxkv_sglang.srt.gate import gate_state, run_startup_gate, serving_rope
 from relaxkv_sglang.srt.layer_loop import supports_repair
@@ -131,9 +131,9 @@ class ChunkCache(Protocol):
         """SGLang's KV pool (per-layer K and V buffers)."""
 
     def reuse_chunk(self, namespace: Optional[str], tokens: Sequence[int], dst: torch.Tensor,
-                    position: int) -> Optional[str]:
+                    position: int) -> Optional[TierName]:
         """Copy a cached chunk into ``dst`` re-rotated to ``position``; the tier it came from
-        (``"device"``, ``"host"``, ``"disk"``), None on a miss."""
+        (a :class:`~relaxkv_sglang.core.tiers.TierName`), None on a miss."""
 
     def publish_chunk(self, namespace: Optional[str], tokens: Sequence[int], src: torch.Tensor, position: int) -> bool:
         """Store a chunk computed at ``position`` in slots ``src``; False if not stored."""
@@ -220,7 +220,7 @@ def build_cache_class() -> type:
                 position: where the chunk's first token sits in the request.
             Returns:
                 On a hit (``dst`` now holds the chunk's KV) the tier it was served from:
-                ``"device"``, or ``"host"`` / ``"disk"`` for a chunk loaded from there (at
+                ``TierName.DEVICE``, or the lower tier a chunk was loaded from (at
                 admission, or here when the pool lacks it); None on a miss.
             """
             key = None
@@ -236,7 +236,7 @@ def build_cache_class() -> type:
             finally:
                 self.chunks.unlock(entry)
             origin, entry.origin = entry.origin, None
-            return origin or "device"
+            return origin or TierName.DEVICE
 
         def _reuse_from_tiers(self, key: str, dst: torch.Tensor, position: int) -> Optional[str]:
             """A pool miss served from a lower tier, copied straight into the request's slots."""
@@ -318,8 +318,7 @@ def build_cache_class() -> type:
                 return None
             entry = self.chunks.insert(namespace, tokens, slots, canonical_start=record.canonical_start)
             entry.origin = tier
-            if tier == "host":  # exclusive: it spills back (through admission) when evicted
-                self.tiers.host.delete(key)
+            self.tiers.taken(key, tier)  # an exclusive tier gives its copy up
             return entry
 
         # -------------------------------------------------- pins: admission to fold
@@ -383,7 +382,7 @@ def build_cache_class() -> type:
             with a disk tier, the disk reads of their chunks the pool lacks start in the background."""
             self.queue = ([chunked_req] if chunked_req is not None else []) + list(waiting_queue)
             self.hot = None
-            if self.tiers is not None and self.tiers.disk is not None:
+            if self.tiers is not None and self.tiers.can_prefetch:
                 self._prefetch(waiting_queue)
 
         def _prefetch(self, waiting_queue: list) -> None:
@@ -473,10 +472,8 @@ def build_cache_class() -> type:
             }
 
         def tier_names(self) -> list[str]:
-            """The tiers this cache serves from, top first."""
-            if self.tiers is None:
-                return ["device"]
-            return ["device"] + [n for n, t in (("host", self.tiers.host), ("disk", self.tiers.disk)) if t is not None]
+            """The tiers this cache serves from, top first (plain strings: they leave the process)."""
+            return [str(n) for n in [TierName.DEVICE, *(self.tiers.names if self.tiers is not None else [])]]
 
         def alloc_chunk_slots(self, n: int, chunks_only: bool = False) -> Optional[torch.Tensor]:
             """n free KV slots for a new chunk, evicting if needed; None if none.
@@ -511,7 +508,7 @@ def build_cache_class() -> type:
                             self.chunks.unlock(entry)
                 self.chunks.reset()
                 if self.tiers is not None:
-                    self.tiers.clear_host()  # the disk folder stays: it is what a restart serves
+                    self.tiers.clear_exclusive()  # the disk folder stays: it is what a restart serves
                     self.tiers.clear_staged()
             super().reset()
 
@@ -650,7 +647,7 @@ class ChunkMetrics:
 
 
 # Lower-tier counters on /metrics (relaxkv:tier_<tier>_<name>), and gauges (current occupancy).
-TIER_METRICS = {f"tier_{tier}_{name}" for tier in ("host", "disk") for name in (
+TIER_METRICS = {f"tier_{tier}_{name}" for tier in LOWER_TIERS for name in (
     "hits", "misses", "loads", "loaded_tokens", "loaded_bytes", "load_seconds", "spills", "spilled_bytes",
     "rejected", "evictions", "evicted_bytes", "writes", "written_bytes", "write_errors", "corrupt", "foreign",
     "publish_dropped", "spill_rejected")}

@@ -1,4 +1,4 @@
-"""Unit tests for relaxkv_sglang.core.chunk_tiers: keys, host tier, disk tier, faults, admission."""
+"""Unit tests for relaxkv_sglang.core.tiers: keys, host tier, disk tier, faults, admission, the tiered store."""
 
 from __future__ import annotations
 
@@ -16,10 +16,9 @@ import time
 import pytest
 import torch
 
-from relaxkv_sglang.core import chunk_tiers
-from relaxkv_sglang.core.chunk_tiers import (
-    AsyncWriter, ChunkRecord, DiskTier, FrequencySketch, HostTier, ModelIdentity, TieredChunkStore, chunk_key,
-    simulate_tier,
+from relaxkv_sglang.core.tiers import (
+    AsyncWriter, ChunkRecord, DiskTier, DiskTierConfig, FrequencySketch, HostTier, HostTierConfig, ModelIdentity,
+    TieredChunkStore, TierName, chunk_key, disk as disk_module, simulate_tier,
 )
 
 SHAPE = (2, 2, 2, 4)  # layers, K/V, kv heads, head dim
@@ -39,6 +38,12 @@ def key(i: int, ns: str | None = None) -> str:
 
 def disk(tmp_path, capacity=1 << 20, identity=IDENT, **kw) -> DiskTier:
     return DiskTier(tmp_path / "chunks", capacity, identity, SHAPE, torch.float32, **kw)
+
+
+def tiered(host_bytes: int = 0, disk_dir: str | None = None, disk_bytes: int = 0, **kw) -> TieredChunkStore:
+    """The store the server builds from its configuration: a host tier above a disk tier."""
+    configs = [HostTierConfig(host_bytes), DiskTierConfig(disk_dir, disk_bytes)]
+    return TieredChunkStore.from_configs(configs, IDENT, SHAPE, torch.float32, **kw)
 
 
 # ---------------------------------------------------------------- keys
@@ -140,7 +145,7 @@ def test_host_tier_resident_memory_stays_within_its_bound():
     """RSS of a process that pushes 4x the bound through a 128 MiB tier grows by at most 10% over it."""
     script = textwrap.dedent("""
         import torch
-        from relaxkv_sglang.core.chunk_tiers import ChunkRecord, HostTier
+        from relaxkv_sglang.core.tiers import ChunkRecord, HostTier
         def rss():
             for line in open("/proc/self/status"):
                 if line.startswith("VmRSS:"):
@@ -248,7 +253,7 @@ def test_write_error_leaves_no_file_and_is_counted(tmp_path, monkeypatch):
     def no_space(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(chunk_tiers.os, "fsync", no_space)
+    monkeypatch.setattr(disk_module.os, "fsync", no_space)
     assert not d.set(key(1), record(1, 4))
     monkeypatch.undo()
     assert d.stats()["write_errors"] == 1 and d.get(key(1)) is None
@@ -311,7 +316,7 @@ def test_kill_9_during_writes_leaves_only_complete_chunks(tmp_path):
         import sys, torch
         sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
         from test_chunk_tiers import IDENT, SHAPE, key, record
-        from relaxkv_sglang.core.chunk_tiers import DiskTier
+        from relaxkv_sglang.core.tiers import DiskTier
         d = DiskTier({str(root)!r}, 1 << 30, IDENT, SHAPE, torch.float32)
         i = 0
         while True:
@@ -354,21 +359,21 @@ def test_async_writer_drains_and_drops_when_full(tmp_path):
 
 
 def test_tiered_store_spill_publish_load_and_isolation(tmp_path):
-    t = TieredChunkStore(IDENT, SHAPE, torch.float32, host_bytes=8 * TOKEN_BYTES, disk_dir=str(tmp_path / "d"),
+    t = tiered(host_bytes=8 * TOKEN_BYTES, disk_dir=str(tmp_path / "d"),
                          disk_bytes=1 << 20)
     ka, kb = t.key("tenant-a", [1, 2, 3]), t.key("tenant-b", [1, 2, 3])
     assert ka != kb
     r = record(1, 3, start=4)
     assert t.publish_wanted(ka) and t.publish(ka, r)
     assert not t.publish_wanted(ka)  # queued or on disk
-    assert t.writer.drain(10)
+    assert t.writers[TierName.DISK].drain(10)
     got, tier = t.get(ka)
     assert tier == "disk" and torch.equal(got.kv, r.kv) and got.canonical_start == 4
     assert t.get(kb) == (None, None)  # another namespace never loads it
     assert t.spill_wanted(ka, 3) == "host" and t.spill(ka, got, "host")
     got, tier = t.get(ka)
     assert tier == "host" and torch.equal(got.kv, r.kv)
-    t.clear_host()
+    t.clear_exclusive()
     assert t.get(ka)[1] == "disk"
     s = t.stats()
     assert s["tier_host_loads"] == 1 and s["tier_disk_loads"] == 2 and s["tier_host_spills"] == 1
@@ -378,17 +383,17 @@ def test_tiered_store_spill_publish_load_and_isolation(tmp_path):
 
 
 def test_tiered_store_without_host_spills_to_disk(tmp_path):
-    t = TieredChunkStore(IDENT, SHAPE, torch.float32, disk_dir=str(tmp_path / "d"), disk_bytes=1 << 20,
+    t = tiered(disk_dir=str(tmp_path / "d"), disk_bytes=1 << 20,
                          async_writes=False)
     k = t.key(None, [4, 5])
-    assert t.host is None and t.spill_wanted(k, 2) == "disk"
+    assert t.names == [TierName.DISK] and t.spill_wanted(k, 2) == "disk"
     assert t.spill(k, record(4, 2), "disk")
     assert t.spill_wanted(k, 2) is None
     assert torch.equal(t.get(k)[0].kv, record(4, 2).kv)
 
 
 def test_prefetch_stages_disk_reads_for_a_later_get(tmp_path):
-    t = TieredChunkStore(IDENT, SHAPE, torch.float32, host_bytes=8 * TOKEN_BYTES, disk_dir=str(tmp_path / "d"),
+    t = tiered(host_bytes=8 * TOKEN_BYTES, disk_dir=str(tmp_path / "d"),
                          disk_bytes=1 << 20, async_writes=False, max_staged_bytes=2 * 4 * TOKEN_BYTES)
     keys = [key(i) for i in range(4)]
     for i, k in enumerate(keys):
@@ -396,12 +401,12 @@ def test_prefetch_stages_disk_reads_for_a_later_get(tmp_path):
     # Queued under the stage lock: the prefetch thread can read but not stage until all are
     # queued. Otherwise it may stage two records while prefetch() is still looping, and then
     # prefetch() sees the stage full and queues fewer than 4 (thread scheduling).
-    with t.stage_lock:
+    with t.stage.lock:
         assert t.prefetch(keys + [key(99)]) == 4  # key(99) is on no tier
     deadline = time.monotonic() + 60
-    while (t.inflight or t.prefetch_q.qsize()) and time.monotonic() < deadline:
+    while (t.stage.inflight or t.stage.q.qsize()) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not t.inflight and t.prefetch_q.qsize() == 0, "the prefetch thread did not finish in 60 s"
+    assert not t.stage.inflight and t.stage.q.qsize() == 0, "the prefetch thread did not finish in 60 s"
     s = t.stats()
     assert s["tier_disk_prefetched"] == 4 and s["tier_disk_prefetch_dropped"] == 2  # bound: two staged
     assert s["tier_disk_staged_bytes"] == 2 * 4 * TOKEN_BYTES
@@ -412,4 +417,71 @@ def test_prefetch_stages_disk_reads_for_a_later_get(tmp_path):
     assert tier == "disk" and t.stats()["tier_disk_hits"] == 5 and torch.equal(got.kv, record(0, 4).kv)
     t.clear_staged()
     assert t.stats()["tier_disk_staged_bytes"] == 0
+    t.close()
+
+
+# ---------------------------------------------------------------- one vocabulary, tiers as a list
+
+
+def test_tier_names_are_one_vocabulary_and_map_once_to_sglang():
+    from relaxkv_sglang.core.tiers import LOWER_TIERS, split_hits
+    from relaxkv_sglang.srt.cache_source import by_cache_source, sglang_cache_source
+
+    assert [str(t) for t in TierName] == ["device", "host", "disk"] and LOWER_TIERS == (TierName.HOST, TierName.DISK)
+    assert TierName.DISK == "disk" and {"disk": 1}[TierName.DISK] == 1 and f"tier_{TierName.HOST}_x" == "tier_host_x"
+    # a window's hits: each lower tier capped by what is left, the device gets the rest
+    assert split_hits(10, {TierName.HOST: 3, TierName.DISK: 4}) == {"device": 3, "host": 3, "disk": 4}
+    assert split_hits(5, {"host": 4, "disk": 4}) == {"device": 0, "host": 4, "disk": 1}
+    assert [sglang_cache_source(t) for t in TierName] == ["device", "host", "storage"]
+    assert by_cache_source(split_hits(6, {"disk": 2})) == {"device": 4, "host": 0, "storage": 2}
+    assert HostTier.role.exclusive and not HostTier.role.write_through
+    assert DiskTier.role.write_through and DiskTier.role.prefetchable and not DiskTier.role.exclusive
+
+
+def test_a_tier_added_to_the_list_is_used_by_its_role(tmp_path):
+    """Adding a tier is one class: a write-through dict tier below the disk gets every publish and
+    the loads the tiers above it miss, counted under its own name."""
+    from relaxkv_sglang.core.tiers import Tier, TierRole
+
+    class DictTier(Tier):
+        name = TierName.DEVICE  # any distinct member; a real tier adds its own to TierName
+        role = TierRole(write_through=True)
+
+        def __init__(self):
+            self.data, self.counters = {}, dict(rejected=0)
+
+        def batch_exists(self, keys):
+            return [k in self.data for k in keys]
+
+        def batch_get(self, keys):
+            return [self.data.get(k) for k in keys]
+
+        def batch_set(self, keys, records):
+            self.data.update(zip(keys, records))
+            return [True] * len(keys)
+
+        def delete(self, key):
+            return self.data.pop(key, None) is not None
+
+        def stats(self):
+            return dict(entries=len(self.data))
+
+    host = HostTier(8 * TOKEN_BYTES, SHAPE, torch.float32)
+    remote = DictTier()
+    t = TieredChunkStore([host, disk(tmp_path), remote], IDENT, async_writes=False)
+    assert t.names == ["host", "disk", "device"] and t.can_prefetch
+    k = key(1)
+    assert t.publish_wanted(k) and t.publish(k, record(1, 3))
+    assert k in remote.data and not t.publish_wanted(k)
+    t.tier(TierName.DISK).delete(k)
+    got, tier = t.get(k)
+    assert tier is remote.name and torch.equal(got.kv, record(1, 3).kv)
+    assert t.spill_wanted(k, 3) == "host" and t.spill(k, got, "host") and t.where(k) == "host"
+    t.taken(k, "host")  # loaded into the pool: the exclusive host tier gives its copy up
+    assert not host.exists(k) and k in remote.data  # the write-through copy stays
+    s = t.stats()
+    assert s["tier_device_publishes"] == 1 and s["tier_device_loads"] == 1 and s["tier_device_entries"] == 1
+    assert "tier_device_prefetched" not in s and s["tier_host_spills"] == 1
+    with pytest.raises(ValueError):
+        TieredChunkStore([host, HostTier(8 * TOKEN_BYTES, SHAPE, torch.float32)], IDENT)
     t.close()

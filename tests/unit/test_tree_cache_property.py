@@ -42,6 +42,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
+from relaxkv_sglang.core.tiers import TierName
 from relaxkv_sglang.schema import CHUNKS, POLICY
 from relaxkv_sglang.srt.plan import request_namespace, request_plan
 
@@ -604,7 +605,7 @@ def test_tree_cache_matches_model(scheduler_context):
 
 class TieredTreeCacheMachine(TreeCacheMachine):
     """The same machine with a small host tier (TinyLFU) and a disk tier below the pool: evicted
-    chunks spill, admissions load them back (core/chunk_tiers.py, tree_cache: lower tiers). Every
+    chunks spill, admissions load them back (core/tiers/, tree_cache: lower tiers). Every
     invariant above still holds (one owner per slot, each chunk entry holding its own KV at its
     canonical position, reused rows holding the chunk's KV re-rotated); a chunk hits iff the pool
     or a lower tier holds it."""
@@ -612,16 +613,17 @@ class TieredTreeCacheMachine(TreeCacheMachine):
     def _build_cache(self, cls, params, copier):
         import tempfile
 
-        from relaxkv_sglang.core.chunk_tiers import ModelIdentity, TieredChunkStore
+        from relaxkv_sglang.core.tiers import DiskTierConfig, HostTierConfig, ModelIdentity, TieredChunkStore
         from relaxkv_sglang.srt.tiers import PoolKV
 
         pool_kv = PoolKV(self.kv, SPEC)
         self.tmp = tempfile.TemporaryDirectory(prefix="relaxkv-tiers-")
         host_tokens = self.draw_host_tokens if hasattr(self, "draw_host_tokens") else 6
         token_bytes = 1 * 2 * 1 * 2 * 4
-        self.tiers = TieredChunkStore(ModelIdentity("m", "t", "float32", pool_kv.layout()), pool_kv.token_shape,
-                                      pool_kv.dtype, host_bytes=host_tokens * token_bytes, disk_dir=self.tmp.name,
-                                      disk_bytes=1 << 20, async_writes=False)
+        self.tiers = TieredChunkStore.from_configs(
+            [HostTierConfig(host_tokens * token_bytes), DiskTierConfig(self.tmp.name, 1 << 20)],
+            ModelIdentity("m", "t", "float32", pool_kv.layout()), pool_kv.token_shape, pool_kv.dtype,
+            async_writes=False)
         return cls(params, copier, None, self.tiers, pool_kv)
 
     def _held(self, ns, tokens) -> bool:
@@ -635,7 +637,7 @@ class TieredTreeCacheMachine(TreeCacheMachine):
 
     @invariant()
     def host_tier_within_its_bound(self):
-        host = self.tiers.host
+        host = self.tiers.tier(TierName.HOST)
         assert host.used_bytes <= host.capacity_bytes
         assert host.used_bytes == sum(rows.shape[0] for rows, _ in host.entries.values()) * host.token_bytes
 

@@ -1,0 +1,55 @@
+"""Lower tiers of the chunk store: chunk KV off the device, in an ordered list of tiers.
+
+The device tier is :class:`~relaxkv_sglang.core.chunk_store.ChunkStore` (chunk KV in KV-pool
+slots). Below it, :class:`TieredChunkStore` holds a list of tiers, fastest first, each used by
+its declared role (:class:`TierRole`: exclusive, write-through, prefetchable), never by name::
+
+    device pool  --evict: spill-->  host tier (HostTier, exclusive)  --evict-->  gone
+         |  ^                            |                            (the disk copy stays)
+  publish|  |load at admission           |
+         v  |                            v
+    disk tier (DiskTier, write-through + prefetchable: fsynced, LRU-bounded, shared by processes)
+
+One module per concept:
+
+============  =================================================================================
+names         :class:`TierName` (device / host / disk), the one vocabulary of where KV lives
+keys          :class:`ModelIdentity`, :func:`chunk_key` (content addresses)
+record        :class:`ChunkRecord` (``[n_tokens, layers, 2, kv_heads, head_dim]`` on the CPU)
+storage       :class:`ChunkStorage`, the HiCache-shaped storage interface
+tier          :class:`Tier` (a storage with a name and a role), :class:`TierConfig`
+admission     :class:`FrequencySketch` (TinyLFU's count-min sketch)
+memory        :func:`release_free_heap` (glibc ``malloc_trim``)
+host          :class:`HostTier` + :class:`HostTierConfig` (bounded host memory)
+disk          :class:`DiskTier` + :class:`DiskTierConfig` (bounded, checksummed folder)
+writer        :class:`AsyncWriter` (writes on a background thread, bounded queue)
+prefetch      :class:`PrefetchStage` (reads started ahead of the load, staged)
+store         :class:`TieredChunkStore` (the list of tiers for the server)
+simulate      :func:`simulate_tier` (admission policies replayed offline)
+============  =================================================================================
+
+Adding a tier is one :class:`Tier` subclass and its :class:`TierConfig`, a :class:`TierName`
+member, and where the server reads its configuration (``srt/tiers.py``). This package imports
+only the standard library and torch.
+"""
+
+from relaxkv_sglang.core.tiers.admission import FrequencySketch
+from relaxkv_sglang.core.tiers.disk import DiskTier, DiskTierConfig
+from relaxkv_sglang.core.tiers.host import HostTier, HostTierConfig
+from relaxkv_sglang.core.tiers.keys import FORMAT_VERSION, ModelIdentity, chunk_key
+from relaxkv_sglang.core.tiers.memory import release_free_heap
+from relaxkv_sglang.core.tiers.names import LOWER_TIERS, TierName, split_hits
+from relaxkv_sglang.core.tiers.prefetch import PrefetchStage
+from relaxkv_sglang.core.tiers.record import GB, ChunkRecord
+from relaxkv_sglang.core.tiers.simulate import simulate_tier
+from relaxkv_sglang.core.tiers.storage import ChunkStorage
+from relaxkv_sglang.core.tiers.store import TieredChunkStore
+from relaxkv_sglang.core.tiers.tier import Tier, TierConfig, TierContext, TierRole
+from relaxkv_sglang.core.tiers.writer import AsyncWriter
+
+__all__ = [
+    "FORMAT_VERSION", "GB", "LOWER_TIERS", "AsyncWriter", "ChunkRecord", "ChunkStorage", "DiskTier",
+    "DiskTierConfig", "FrequencySketch", "HostTier", "HostTierConfig", "ModelIdentity", "PrefetchStage", "Tier",
+    "TierConfig", "TierContext", "TierName", "TierRole", "TieredChunkStore", "chunk_key", "release_free_heap",
+    "simulate_tier", "split_hits",
+]

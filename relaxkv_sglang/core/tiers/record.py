@@ -1,0 +1,48 @@
+"""One chunk's KV off the device: the record every tier stores and returns.
+
+``kv`` is ``[n_tokens, layers, 2, kv_heads, head_dim]`` (token-major, K then V, K rotated to
+``canonical_start``), on the CPU, one row of ``token_bytes`` bytes per token:
+``nbytes = n_tokens * token_bytes``, ``token_bytes = layers * 2 * kv_heads * head_dim * itemsize``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+__all__ = ["GB", "ChunkRecord", "token_bytes"]
+
+GB = 1 << 30
+
+
+def token_bytes(token_shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes of one token's KV of shape ``token_shape`` (``(layers, 2, kv_heads, head_dim)``)."""
+    return int(torch.Size([int(s) for s in token_shape]).numel()) * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclasses.dataclass
+class ChunkRecord:
+    """One chunk's KV in host memory.
+
+    Attributes:
+        kv: ``[n_tokens, layers, 2, kv_heads, head_dim]`` on the CPU (K rotated to ``canonical_start``).
+        canonical_start: the position the chunk's K was rotated at.
+    """
+
+    kv: torch.Tensor
+    canonical_start: int = 0
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.kv.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def rows(self) -> torch.Tensor:
+        """uint8 ``[n_tokens, token_bytes]`` view of the KV (contiguous)."""
+        kv = self.kv.contiguous()
+        return kv.view(torch.uint8).reshape(kv.shape[0], -1)

@@ -101,13 +101,15 @@ from tqdm import tqdm
 
 from benchmarks import common, metrics, tables, workloads
 from relaxkv_sglang.client import ServerClient
+from relaxkv_sglang.core.policies import Policy, served_policies
 from relaxkv_sglang.schema import CONTEXT_RATIO
 
 BENCH = "bench_quality"
 TASKS = workloads.QUALITY_TASKS
 FORMATS = workloads.PROMPT_FORMATS
-POLICIES = ("full", "pic", "epic", "cacheblend", "prophetkv", "relaxkv", "relaxkv_fullctx", "relaxkv_randctx")
-BASELINES = ("full", "pic")  # no anchor ratio: answered once per example
+# Every served policy but prefix: SGLang's radix cache computes what full computes.
+POLICIES = tuple(p for p in served_policies() if p != Policy.PREFIX)
+BASELINES = tuple(p for p in POLICIES if not Policy(p).repairs)  # no anchor ratio: answered once per example
 ALL = "all"  # the pooled task, the pooled format
 WARM_SYSTEM = workloads.SYSTEM_PROMPTS[1]
 TOP_K = 20

@@ -26,10 +26,12 @@ from tqdm import tqdm
 
 from benchmarks import common, tables, workloads
 from relaxkv_sglang import assets
+from relaxkv_sglang.core.policies import repair_policies
 from relaxkv_sglang.schema import CONTEXT_RATIO
 
 BENCH = "bench_ttft"
-REPAIR_POLICIES = ("epic", "cacheblend", "prophetkv", "relaxkv")
+# The peers and the method; the ablations are for bench_quality.
+REPAIR_POLICIES = repair_policies(ablations=False)
 # The warm-up request's system prompt: not the measured one (SYSTEM_PROMPTS[0]).
 WARM_SYSTEM = workloads.SYSTEM_PROMPTS[2]
 

@@ -10,7 +10,9 @@ report that prints it and, if it draws one, a plot. Its ``main`` is
 
 Benchmarks talk to the server over HTTP only (``/generate``, ``/flush_cache``,
 ``/get_server_info``, through :class:`relaxkv_sglang.client.ServerClient`), as
-any client would, and start it through :mod:`relaxkv_sglang.server`.
+any client would, and start it through :mod:`relaxkv_sglang.server`. Concurrent
+requests go through the one replay (:func:`benchmarks.replay.replay_in_order`),
+tables through the one printer (:mod:`benchmarks.tables`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ scheduler serves anything. It takes ``4n`` slots from the pool's allocator (``n`
 
 * ``full``: the text at ``0..n-1`` (ordinary causal prefill, the ``full`` request);
 * ``moved``: the text at ``p..p+n-1``, attending only to itself (a chunk computed where it sits);
-* ``rotated``: ``full`` copied by the cache's own :class:`~relaxkv_sglang.srt.tree_cache.KVCopier`
+* ``rotated``: ``full`` copied by the cache's own :class:`~relaxkv_sglang.srt.pool_kv.PoolKV`
   with K re-rotated by ``+p``: check ``rope_k`` compares it with ``moved``, every layer, K and V;
 * ``pic``: a one-chunk ``pic`` hit: ``moved``'s first ``3n/4`` tokens copied back to ``0`` with
   ``-p`` (exactly what ``reuse_chunk`` does), then the rest of the text run over them; checks
@@ -95,7 +95,7 @@ def run_startup_gate(worker: Any, cache: Any, context_len: int, *, tp_rank: int 
 
     Args:
         worker: SGLang's ``TpModelWorker`` (its ``model_runner.model`` and ``tokenizer``).
-        cache: the ``RelaxKVTreeCache`` just built (its allocator, KV pool and ``copier``).
+        cache: the ``RelaxKVTreeCache`` just built (its allocator, KV pool and ``pool_kv``).
         context_len: the model's context length.
         tp_rank: this worker's tensor-parallel rank (rank 0 logs).
         enable_metrics: put the verdict on /metrics.
@@ -134,7 +134,7 @@ def _run_checks(causal_lm: Optional[torch.nn.Module], cache: Any, context_len: i
         return GateResult.failure(f"the gate cannot run this model's layers: {exc}")
     kv_pool = cache.kv_pool
     device = cache.req_to_token.device
-    dtype = getattr(kv_pool, "dtype", None) or kv_pool.get_key_buffer(next(iter(cache.copier.layers))).dtype
+    dtype = getattr(kv_pool, "dtype", None) or kv_pool.get_key_buffer(next(iter(cache.pool_kv.layers))).dtype
     dtype_name = str(dtype).replace("torch.", "")
     vocab = int(getattr(getattr(causal_lm, "config", None), "vocab_size", 0) or causal_lm.lm_head.weight.shape[0])
     encoded = tokenizer.encode(GATE_TEXT) if tokenizer is not None else None
@@ -158,9 +158,9 @@ def _run_checks(causal_lm: Optional[torch.nn.Module], cache: Any, context_len: i
         with torch.no_grad():  # not inference_mode: a lazily built module buffer must stay an ordinary tensor
             full_hidden = loop.run([_rows(full_s, 0, 0, n, layers.n_layers)], ids)
             loop.run([_rows(moved_s, p, 0, n, layers.n_layers)], ids)
-            cache.copier.copy(full_s, rotated_s, p)
+            cache.pool_kv.copy(full_s, rotated_s, p)
             rope_k = _compare_kv("rope_k", cache, rotated_s, moved_s, tol)
-            cache.copier.copy(moved_s[:n_chunk], pic_s[:n_chunk], -p)
+            cache.pool_kv.copy(moved_s[:n_chunk], pic_s[:n_chunk], -p)
             pic_hidden = loop.run([_rows(pic_s, 0, n_chunk, n, layers.n_layers)], ids[n_chunk:])
             pic_kv = _compare_kv("pic_kv", cache, pic_s, full_s, tol)
             weight = causal_lm.lm_head.weight  # [vocab (this rank's shard), hidden], in the model's dtype
@@ -195,9 +195,9 @@ def _compare_kv(name: str, cache: Any, actual: torch.Tensor, expected: torch.Ten
     """Every layer's K and V in slots ``actual`` against ``expected`` (int64 [n] each)."""
     pool = cache.kv_pool
     got, want = [], []
-    for layer in cache.copier.layers:
+    for layer in cache.pool_kv.layers:
         for kind, buf in (("K", pool.get_key_buffer(layer)), ("V", pool.get_value_buffer(layer))):
-            got.append((f"layer {layer - cache.copier.layers.start} {kind}", buf[actual]))
+            got.append((f"layer {layer - cache.pool_kv.layers.start} {kind}", buf[actual]))
             want.append(buf[expected])
     return compare_layers(name, got, want, tol)
 

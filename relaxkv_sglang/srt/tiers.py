@@ -12,12 +12,10 @@ between them and the KV pool. This module holds what needs SGLang's objects:
   HF config, a fingerprint of each weight file (name, size, sha256 of its first and last MiB),
   a sha256 of the tokenizer's files, the KV dtype, and the layout (layers, KV heads, head dim,
   the RoPE canonical K is rotated with);
-* :class:`PoolKV`: reads a chunk's KV out of SGLang's KV pool as a
-  :class:`~relaxkv_sglang.core.tiers.ChunkRecord` (``[n, layers, 2, heads, head_dim]``
-  on the CPU) and writes one back, K optionally re-rotated.
+* :func:`build_tiers`: the lower tiers for the pool's KV layout (read and written through
+  :class:`~.pool_kv.PoolKV`).
 
-SGLang objects read: ``TreeCacheBuildContext`` (``server_args``, ``model_config``), the KV pool
-(``get_key_buffer`` / ``get_value_buffer``, ``start_layer``, ``layer_num``).
+SGLang objects read: ``TreeCacheBuildContext`` (``server_args``, ``model_config``).
 """
 
 from __future__ import annotations
@@ -29,12 +27,8 @@ import json
 import os
 from typing import Any, Optional
 
-import torch
-
-from relaxkv_sglang.core.tiers import (
-    GB, ChunkRecord, DiskTierConfig, HostTier, HostTierConfig, ModelIdentity, TieredChunkStore,
-)
-from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
+from relaxkv_sglang.core.tiers import GB, DiskTierConfig, HostTier, HostTierConfig, ModelIdentity, TieredChunkStore
+from relaxkv_sglang.srt.pool_kv import PoolKV
 
 HOST_GB_ENV = "RELAXKV_HOST_CACHE_GB"
 CHUNK_DIR_ENV = "RELAXKV_CHUNK_DIR"
@@ -124,45 +118,6 @@ def model_identity(model_path: str, tokenizer_path: Optional[str], hf_config: di
                 with open(p, "rb") as f:
                     tok.update(name.encode() + b"\0" + f.read())
     return ModelIdentity(" ".join(model), tok.hexdigest()[:16], str(kv_dtype), layout)
-
-
-class PoolKV:
-    """Chunk KV between SGLang's KV pool and host records (module doc)."""
-
-    def __init__(self, kv_pool: Any, rope: RopeSpec) -> None:
-        self.kv_pool = kv_pool
-        self.rope = rope
-        self.layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
-        k0 = kv_pool.get_key_buffer(self.layers.start)
-        v0 = kv_pool.get_value_buffer(self.layers.start)
-        if k0.shape[1:] != v0.shape[1:]:
-            raise ValueError(f"K {tuple(k0.shape[1:])} and V {tuple(v0.shape[1:])} differ per token")
-        self.dtype = k0.dtype
-        self.token_shape = (len(self.layers), 2, int(k0.shape[1]), int(k0.shape[2]))
-
-    def layout(self) -> str:
-        """The KV layout as the model identity names it (layers, heads, head dim, RoPE)."""
-        L, _, h, d = self.token_shape
-        return f"layers={L} kv_heads={h} head_dim={d} rope={self.rope!r}"
-
-    def read(self, slots: torch.Tensor, canonical_start: int) -> ChunkRecord:
-        """The KV of ``slots`` (int64 [n]) as a CPU record."""
-        per_layer = []
-        for layer in self.layers:
-            k = self.kv_pool.get_key_buffer(layer)[slots]
-            v = self.kv_pool.get_value_buffer(layer)[slots]
-            per_layer.append(torch.stack([k, v], dim=1))
-        kv = torch.stack(per_layer, dim=1)  # [n, L, 2, H, D]
-        return ChunkRecord(kv.cpu(), int(canonical_start))  # stack made a copy already
-
-    def write(self, slots: torch.Tensor, record: ChunkRecord, delta: int = 0) -> None:
-        """Write a record into ``slots``, K re-rotated by ``delta`` positions."""
-        device = self.kv_pool.get_key_buffer(self.layers.start).device
-        kv = record.kv.to(device)
-        for i, layer in enumerate(self.layers):
-            k = kv[:, i, 0]
-            self.kv_pool.get_key_buffer(layer)[slots] = rotate_keys(k, delta, self.rope) if delta else k
-            self.kv_pool.get_value_buffer(layer)[slots] = kv[:, i, 1]
 
 
 def build_tiers(config: TierConfig, pool_kv: PoolKV, identity: ModelIdentity) -> TieredChunkStore:

@@ -12,7 +12,8 @@ from relaxkv_sglang import cli
 from relaxkv_sglang.core.chunk_store import ChunkStore
 from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
 from relaxkv_sglang.encode import EncodeError, encode_corpus, read_corpus
-from relaxkv_sglang.srt.tiers import GB, PoolKV, model_identity, tier_config_from_env
+from relaxkv_sglang.srt.pool_kv import PoolKV
+from relaxkv_sglang.srt.tiers import GB, model_identity, tier_config_from_env
 
 
 def test_tier_config_from_env(tmp_path):

@@ -118,7 +118,8 @@ class TreeCacheMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        from relaxkv_sglang.srt.tree_cache import KVCopier, build_cache_class
+        from relaxkv_sglang.srt.pool_kv import PoolKV
+        from relaxkv_sglang.srt.tree_cache import build_cache_class
 
         sg = self.sg = _sglang()
         self.kv = sg.MHATokenToKVPool(size=POOL, page_size=1, dtype=torch.float32, head_num=1, head_dim=2,
@@ -129,7 +130,7 @@ class TreeCacheMachine(RuleBasedStateMachine):
                                               enable_memory_saver=False)
         params = sg.CacheInitParams(disable=False, req_to_token_pool=self.req_to_token,
                                     token_to_kv_pool_allocator=self.allocator, page_size=1)
-        self.cache = self._build_cache(build_cache_class(), params, KVCopier(self.kv, SPEC))
+        self.cache = self._build_cache(build_cache_class(), params, PoolKV(self.kv, SPEC))
         self._spy_chunk_allocations()
         self.live: list[Live] = []
         self.pins: list = []  # chunk entries this test holds a lock on
@@ -142,8 +143,8 @@ class TreeCacheMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ helpers
 
-    def _build_cache(self, cls, params, copier):
-        return cls(params, copier)
+    def _build_cache(self, cls, params, pool_kv):
+        return cls(params, pool_kv)
 
     def _held(self, ns, tokens) -> bool:
         """Whether a chunk lookup of these tokens hits now."""
@@ -610,13 +611,10 @@ class TieredTreeCacheMachine(TreeCacheMachine):
     canonical position, reused rows holding the chunk's KV re-rotated); a chunk hits iff the pool
     or a lower tier holds it."""
 
-    def _build_cache(self, cls, params, copier):
+    def _build_cache(self, cls, params, pool_kv):
         import tempfile
 
         from relaxkv_sglang.core.tiers import DiskTierConfig, HostTierConfig, ModelIdentity, TieredChunkStore
-        from relaxkv_sglang.srt.tiers import PoolKV
-
-        pool_kv = PoolKV(self.kv, SPEC)
         self.tmp = tempfile.TemporaryDirectory(prefix="relaxkv-tiers-")
         host_tokens = self.draw_host_tokens if hasattr(self, "draw_host_tokens") else 6
         token_bytes = 1 * 2 * 1 * 2 * 4
@@ -624,7 +622,7 @@ class TieredTreeCacheMachine(TreeCacheMachine):
             [HostTierConfig(host_tokens * token_bytes), DiskTierConfig(self.tmp.name, 1 << 20)],
             ModelIdentity("m", "t", "float32", pool_kv.layout()), pool_kv.token_shape, pool_kv.dtype,
             async_writes=False)
-        return cls(params, copier, None, self.tiers, pool_kv)
+        return cls(params, pool_kv, None, self.tiers)
 
     def _held(self, ns, tokens) -> bool:
         return super()._held(ns, tokens) or self.tiers.where(self.tiers.key(ns, tokens)) is not None

@@ -1,0 +1,153 @@
+"""Chunk KV moving between the KV pool and the lower tiers: spill, load, write-through, prefetch.
+
+The lower tiers (:mod:`relaxkv_sglang.core.tiers`, built by :mod:`.tiers`) hold chunk KV off
+the device; the pool's chunks live in a :class:`~relaxkv_sglang.core.chunk_store.ChunkStore`.
+:class:`TierMovement` is every crossing between the two, all KV going through one
+:class:`~.pool_kv.PoolKV`:
+
+* :meth:`~TierMovement.spill`: the store evicts a chunk (its ``on_evict``, while the slots
+  still hold its KV): the tiers keep a copy if their admission wants it;
+* :meth:`~TierMovement.load`: at admission, a chunk the pool lacks is loaded from the
+  fastest tier holding it into store-owned slots (the entry's ``origin`` names the tier until
+  its first hit reports it); an exclusive tier gives its copy up;
+* :meth:`~TierMovement.reuse_into`: the fold's own pool miss served from a tier, straight
+  into the request's slots;
+* :meth:`~TierMovement.write_through`: a chunk computed here goes to the write-through tiers
+  (in the background), from the request's own slots, so it is kept even when the pool had no room;
+* :meth:`~TierMovement.prefetch`: the reads of queued requests' chunks start when a request is
+  first seen in the waiting queue, so by its admission the read is often done.
+
+A lower tier never fails a request: an exception is logged and counted (``tier_errors``) and
+the chunk is a miss (computed). Keys are content addresses over the model identity, the
+namespace and the tokens, so tenants stay apart in every tier.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+
+from relaxkv_sglang.core.chunk_store import ChunkEntry, ChunkStore
+from relaxkv_sglang.core.tiers import TieredChunkStore, TierName
+from relaxkv_sglang.srt.pins import requests_chunks
+from relaxkv_sglang.srt.pool_kv import PoolKV
+
+logger = logging.getLogger(__name__)
+
+# Allocates n pool slots for a chunk (int64 [n]), evicting what it may; None if no room.
+SlotAllocator = Callable[[int], Optional[torch.Tensor]]
+
+
+class TierMovement:
+    """Every move of chunk KV between the pool and the lower tiers (module doc)."""
+
+    def __init__(self, tiers: TieredChunkStore, pool_kv: PoolKV) -> None:
+        """tiers: the enabled lower tiers; pool_kv: the pool's KV accessor."""
+        self.tiers = tiers
+        self.pool_kv = pool_kv
+        self.load_no_room = 0  # lower-tier hits not loaded at admission: no free slots
+        self.errors = 0  # spills / loads / writes that raised (logged; the chunk is then a miss)
+
+    def key(self, namespace: Optional[str], tokens: Sequence[int]) -> str:
+        """The chunk's content address in every tier."""
+        return self.tiers.key(namespace, tokens)
+
+    def seen(self, namespace: Optional[str], tokens: Sequence[int]) -> str:
+        """A chunk lookup happened: the admission sketch counts it; returns its key."""
+        key = self.tiers.key(namespace, tokens)
+        self.tiers.record_access(key)
+        return key
+
+    def spill(self, entry: ChunkEntry) -> None:
+        """``ChunkStore`` evicts ``entry``: keep its KV in a lower tier (while its slots hold it)."""
+        try:
+            key = self.tiers.key(entry.namespace, entry.token_ids)
+            tier = self.tiers.spill_wanted(key, entry.num_tokens)
+            if tier is not None:
+                self.tiers.spill(key, self.pool_kv.read(entry.slots, entry.canonical_start), tier)
+        except Exception:  # noqa: BLE001 - eviction must go on; the chunk is just gone
+            logger.exception("relaxkv: spilling an evicted chunk failed")
+            self.errors += 1
+
+    def load(self, chunks: ChunkStore, namespace: Optional[str], tokens: Sequence[int],
+             alloc: SlotAllocator) -> Optional[ChunkEntry]:
+        """A chunk the pool lacks, loaded from a lower tier into slots from ``alloc`` and inserted
+        into ``chunks`` (unlocked); None if no tier holds it, it is damaged, or there is no room."""
+        key = self.tiers.key(namespace, tokens)
+        if self.tiers.where(key) is None:
+            return None
+        try:
+            record, tier = self.tiers.get(key)
+            if record is None:  # damaged on disk: removed and counted by the tier
+                return None
+            slots = alloc(len(tokens))
+            if slots is None:
+                self.load_no_room += 1
+                return None
+            self.pool_kv.write(slots, record)
+        except Exception:  # noqa: BLE001
+            logger.exception("relaxkv: loading a chunk from a lower tier failed; computing it")
+            self.errors += 1
+            return None
+        entry = chunks.insert(namespace, tokens, slots, canonical_start=record.canonical_start)
+        entry.origin = tier
+        self.tiers.taken(key, tier)  # an exclusive tier gives its copy up
+        return entry
+
+    def reuse_into(self, key: str, dst: torch.Tensor, position: int) -> Optional[TierName]:
+        """A pool miss served from a lower tier into ``dst`` (int64 [n]), K re-rotated to
+        ``position``; the tier it came from, None on a miss."""
+        try:
+            record, tier = self.tiers.get(key)
+            if record is None:
+                return None
+            self.pool_kv.write(dst, record, position - record.canonical_start)
+        except Exception:  # noqa: BLE001 - a lower tier never fails a request: it is a miss
+            logger.exception("relaxkv: loading a chunk from a lower tier failed; computing it")
+            self.errors += 1
+            return None
+        return tier
+
+    def write_through(self, namespace: Optional[str], tokens: Sequence[int], src: torch.Tensor,
+                      position: int) -> None:
+        """A chunk computed here at ``position`` in slots ``src`` (int64 [n]) to the
+        write-through tiers, if they lack it."""
+        key = self.tiers.key(namespace, tokens)
+        if not self.tiers.publish_wanted(key):
+            return
+        try:
+            self.tiers.publish(key, self.pool_kv.read(src, position))
+        except Exception:  # noqa: BLE001
+            logger.exception("relaxkv: writing a chunk to disk failed")
+            self.errors += 1
+
+    def prefetch(self, chunks: ChunkStore, waiting: Iterable[Any]) -> None:
+        """Start the reads of the chunks the pool lacks of each newly queued request in ``waiting``
+        (SGLang ``Req``s, once per request)."""
+        if not self.tiers.can_prefetch:
+            return
+        keys = []
+        for req in waiting:
+            if req.__dict__.get("_relaxkv_prefetched"):
+                continue
+            req.__dict__["_relaxkv_prefetched"] = True
+            keys += [self.tiers.key(namespace, tokens) for namespace, tokens in requests_chunks([req])
+                     if chunks.peek(namespace, tokens) is None]
+        if keys:
+            self.tiers.prefetch(keys)
+
+    def clear(self) -> None:
+        """A flush: the exclusive tiers and staged reads go; write-through tiers stay (what a
+        restart serves)."""
+        self.tiers.clear_exclusive()
+        self.tiers.clear_staged()
+
+    def names(self) -> list[TierName]:
+        """The lower tiers, fastest first."""
+        return list(self.tiers.names)
+
+    def stats(self) -> dict:
+        """The tiers' counters and this movement's own, for /get_server_info."""
+        return {**self.tiers.stats(), "tier_load_no_room": self.load_no_room, "tier_errors": self.errors}

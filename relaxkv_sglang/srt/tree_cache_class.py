@@ -1,0 +1,283 @@
+"""``RelaxKVTreeCache``: SGLang's radix tree plus the chunk store, with one memory account.
+
+The radix tree (SGLang's legacy ``RadixCache``, subclassed) still serves exact prefixes:
+system prompts, multi-turn history, any request without chunks. Beside it a
+:class:`~relaxkv_sglang.core.chunk_store.ChunkStore` holds each document chunk's KV once,
+keyed by its token ids and tenant namespace. This class holds only SGLang's overrides and the
+names other modules call; the work is done by parts with one concept each:
+
+==================================  ==========================================================
+:class:`~.chunk_reuse.ChunkReuse`   ``reuse_chunk`` / ``publish_chunk`` (what the fold asks)
+:class:`~.pool_kv.PoolKV`           every copy of chunk KV in the pool, K re-rotated
+:class:`~.tier_movement.TierMovement`  spill, load, write-through, prefetch (lower tiers)
+:class:`~.pins.AdmissionPins`       chunk hits locked from admission to the fold
+:class:`~.pins.AdmissionHold`       queued requests' chunks held out of one admission check
+:class:`~.eviction.EvictionOrder`   one LRU order over radix leaves and chunks
+:class:`~.chunk_metrics.ChunkMetrics`  the counters on /metrics
+==================================  ==========================================================
+
+What the overrides change in the radix tree's behaviour:
+
+* ``match_prefix``: a ``full`` request matches nothing (no reuse at all); a request that reuses
+  chunks matches at most its prefix before the first chunk, so a policy means the same thing
+  whatever else is cached.
+* ``checkpoint`` (a finished request's KV published): a request whose chunks were reused or
+  computed position-independently publishes only its exact part; its chunk KV is not the exact
+  causal KV and must never answer an exact prefix match.
+* ``evictable_size`` / ``evict`` / ``reset`` / ``total_size`` cover both trees, so the
+  scheduler's accounting (free + evictable) sees every chunk slot and a flushed idle server has
+  every slot back in the free list. ``evict`` pops victims from one :class:`EvictionOrder`.
+* ``on_release`` (a request's row freed): drops its chunk pins, if any.
+
+SGLang files touched: ``sglang/srt/mem_cache/radix_cache.py`` (subclassed; ``evict`` reads its
+``evictable_leaves`` and ``eviction_strategy`` and evicts a leaf as ``RadixCache.evict`` does:
+``free_segment``, ``_delete_leaf``, ``kv_events.record_remove``); ``on_release`` of
+``mem_cache/base_prefix_cache.py`` overridden. This module imports SGLang: import it lazily
+(:func:`~.tree_cache.build_cache_class`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Optional, Sequence
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
+from sglang.srt.mem_cache.radix_cache import RadixCache
+
+from relaxkv_sglang.core.chunk_store import ChunkEntry, ChunkStore
+from relaxkv_sglang.core.tiers import TieredChunkStore, TierName
+from relaxkv_sglang.srt.chunk_metrics import ChunkMetrics
+from relaxkv_sglang.srt.chunk_reuse import ChunkReuse
+from relaxkv_sglang.srt.eviction import EvictionOrder
+from relaxkv_sglang.srt.pins import HOLD_ENV, HOLD_QUEUE_DEPTH, AdmissionHold, AdmissionPins
+from relaxkv_sglang.srt.plan import request_plan
+from relaxkv_sglang.srt.pool_kv import PoolKV
+from relaxkv_sglang.srt.tier_movement import TierMovement
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
+    from sglang.srt.mem_cache.memory_pool import KVCache
+
+logger = logging.getLogger(__name__)
+
+
+class RelaxKVTreeCache(RadixCache):
+    """SGLang's radix tree plus the chunk store, with one memory account (module doc)."""
+
+    def __init__(self, params: Any, pool_kv: PoolKV, metrics: Optional[ChunkMetrics] = None,
+                 tiers: Optional[TieredChunkStore] = None) -> None:
+        """params: SGLang's ``CacheInitParams``; pool_kv: the pool's KV accessor; metrics: the
+        /metrics counters (``--enable-metrics``); tiers: the lower tiers, if configured."""
+        self.chunks: Optional[ChunkStore] = None  # reset() runs in RadixCache.__init__, before it exists
+        self.pool_kv = pool_kv
+        self.movement = TierMovement(tiers, pool_kv) if tiers is not None and tiers.enabled else None
+        self.metrics = metrics
+        super().__init__(params)
+        # time.monotonic: the clock of TreeNode.last_access_time, so one LRU order spans both trees.
+        # ghost_capacity: the store learns what it is worth, up to the whole pool (admission hold).
+        chunks = ChunkStore(free_slots=self.token_to_kv_pool_allocator.free, clock=time.monotonic,
+                            ghost_capacity=int(self.token_to_kv_pool_allocator.size),
+                            on_evict=self.movement.spill if self.movement is not None else None)
+        self.reuse = ChunkReuse(chunks, pool_kv, self.movement)
+        self.admission_pins = AdmissionPins(chunks)
+        self.hold = AdmissionHold(chunks, enabled=os.environ.get(HOLD_ENV, "1") != "0")
+        self.chunks = chunks
+
+    # -------------------------------------------------- what the fold and the repair use
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        """int32 [max_requests, max_context] each request's KV slot per position."""
+        return self.req_to_token_pool.req_to_token
+
+    @property
+    def kv_pool(self) -> "KVCache":
+        """SGLang's KV pool (per-layer K and V buffers)."""
+        return self.pool_kv.kv_pool
+
+    def reuse_chunk(self, namespace: Optional[str], tokens: Sequence[int], dst: torch.Tensor,
+                    position: int) -> Optional[TierName]:
+        """See :meth:`.chunk_reuse.ChunkReuse.reuse`."""
+        return self.reuse.reuse(namespace, tokens, dst, position)
+
+    def publish_chunk(self, namespace: Optional[str], tokens: Sequence[int], src: torch.Tensor,
+                      position: int) -> bool:
+        """See :meth:`.chunk_reuse.ChunkReuse.publish` (slots from :meth:`alloc_chunk_slots`)."""
+        return self.reuse.publish(namespace, tokens, src, position, self.alloc_chunk_slots)
+
+    def alloc_chunk_slots(self, n: int, chunks_only: bool = False) -> Optional[torch.Tensor]:
+        """n free KV slots (int64 [n]) for a new chunk, evicting if needed; None if none.
+
+        ``chunks_only``: evict only unpinned chunks, never radix leaves (at admission, where
+        a request's matched prefix is not locked yet)."""
+        allocator = self.token_to_kv_pool_allocator
+        if allocator.available_size() < n:
+            if chunks_only:
+                if self.chunks.evict(n - allocator.available_size()):
+                    self.update_metrics()
+            else:
+                self.evict(EvictParams(num_tokens=n - allocator.available_size()))
+        if allocator.available_size() < n:
+            return None
+        slots = allocator.alloc(n)
+        return None if slots is None else slots.to(torch.int64)
+
+    # -------------------------------------------------- admission (srt/admission.py, srt/forward.py)
+
+    @property
+    def pins(self) -> dict[str, list[tuple[int, ChunkEntry]]]:
+        """rid -> [(chunk end, entry)] locked for it, admission to fold."""
+        return self.admission_pins.by_request
+
+    @property
+    def admission_reserve(self) -> int:
+        """Tokens admission leaves to the chunk store, during one admission check."""
+        return self.hold.reserve
+
+    def pin_request(self, req: Any) -> int:
+        """See :meth:`.pins.AdmissionPins.pin`; a chunk only a lower tier holds is loaded first."""
+        return self.admission_pins.pin(req, self._load if self.movement is not None else None)
+
+    def _load(self, namespace: Optional[str], tokens: Sequence[int]) -> Optional[ChunkEntry]:
+        """A lower-tier hit into the pool; only chunks are evicted for it (the request's radix
+        prefix is not locked yet)."""
+        return self.movement.load(self.chunks, namespace, tokens,
+                                  lambda n: self.alloc_chunk_slots(n, chunks_only=True))
+
+    def trim_pins(self, req: Any, end: int) -> None:
+        """See :meth:`.pins.AdmissionPins.trim`."""
+        self.admission_pins.trim(req, end)
+
+    def unpin_request(self, req: Any) -> None:
+        """See :meth:`.pins.AdmissionPins.unpin`."""
+        self.admission_pins.unpin(req)
+
+    def unpin_requests(self, reqs: Iterable[Any]) -> None:
+        """See :meth:`.pins.AdmissionPins.unpin_all`."""
+        self.admission_pins.unpin_all(reqs)
+
+    def begin_admission(self, waiting_queue: list, chunked_req: Any = None) -> None:
+        """An admission round starts: the hold learns the queue; the reads of its chunks the
+        pool lacks start in the background (:meth:`.tier_movement.TierMovement.prefetch`)."""
+        self.hold.begin(waiting_queue, chunked_req)
+        if self.movement is not None:
+            self.movement.prefetch(self.chunks, waiting_queue[:HOLD_QUEUE_DEPTH])
+
+    def end_admission(self) -> None:
+        """The admission round is over."""
+        self.hold.end()
+
+    def admission_hold(self) -> ContextManager[int]:
+        """See :meth:`.pins.AdmissionHold.hold`."""
+        return self.hold.hold()
+
+    # -------------------------------------------------- counters
+
+    def update_metrics(self) -> None:
+        """Push the chunk counters to /metrics (when ``--enable-metrics``)."""
+        if self.metrics is not None:
+            tier_stats = self.movement.tiers.stats() if self.movement is not None else None
+            self.metrics.publish(self.chunks.stats(), tier_stats)
+
+    def stats(self) -> dict:
+        """Chunk tree counters and KV pool occupancy, for /get_server_info."""
+        chunk = {f"chunk_{name}": value for name, value in dataclasses.asdict(self.chunks.stats()).items()}
+        return {
+            **chunk,
+            "chunk_pinned_requests": len(self.pins),
+            "chunk_pins_dropped_at_reset": self.admission_pins.dropped_at_reset,
+            "admission_hold": self.hold.enabled,
+            "chunk_duplicate_computes": self.reuse.duplicate_computes,
+            "chunk_duplicate_compute_tokens": self.reuse.duplicate_compute_tokens,
+            "radix_evictable_tokens": RadixCache.evictable_size(self),
+            "radix_protected_tokens": self.protected_size(),
+            "kv_available_tokens": int(self.token_to_kv_pool_allocator.available_size()),
+            "tiers": self.tier_names(),
+            **(self.movement.stats() if self.movement is not None else {}),
+        }
+
+    def tier_names(self) -> list[str]:
+        """The tiers this cache serves from, top first (plain strings: they leave the process)."""
+        return [str(n) for n in [TierName.DEVICE, *(self.movement.names() if self.movement is not None else [])]]
+
+    # -------------------------------------------------- RadixCache overrides
+
+    def reset(self) -> None:
+        """Empty both trees (SGLang's /flush_cache)."""
+        # Chunks first: ChunkStore.reset refuses (changing nothing) while an entry is locked,
+        # and the radix tree must then stay intact too, or its slots would belong to nobody.
+        if self.chunks is not None:
+            if self.pins:  # SGLang flushes only when idle, so no request is left to copy them
+                logger.warning("relaxkv: reset drops the chunk pins of %d requests", len(self.pins))
+                self.admission_pins.drop_all()
+            self.chunks.reset()
+            if self.movement is not None:
+                self.movement.clear()
+        super().reset()
+
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        """A request's row was freed (finished, aborted, retracted): drop its chunk pins."""
+        self.unpin_request(req)
+        super().on_release(req, checkpointed=checkpointed)
+
+    def match_prefix(self, params: "MatchPrefixParams") -> "MatchResult":
+        """The radix match, limited by the request's policy (module doc)."""
+        req = params.req
+        plan = request_plan(req) if req is not None else None
+        if plan is not None and plan.policy == "full":
+            return self._empty_match_result
+        if plan is not None and plan.reuses_chunks:
+            params = dataclasses.replace(params, key=params.key[: plan.exact_len])
+        return super().match_prefix(params)
+
+    def checkpoint(self, req: Any, *, up_to: int) -> Any:
+        """Publish at most the request's exact prefix to the radix tree."""
+        plan = request_plan(req)
+        if plan is not None and plan.reuses_chunks:
+            up_to = min(up_to, max(plan.exact_len, req.kv.cache_protected_len))
+        return super().checkpoint(req, up_to=up_to)
+
+    def evictable_size(self) -> int:
+        """Evictable tokens of both trees (less the chunk store's reserve during an admission check)."""
+        chunks = self.chunks.evictable_tokens() - self.hold.reserve if self.chunks is not None else 0
+        return super().evictable_size() + chunks
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Evict at least ``params.num_tokens`` (if held) in one LRU order over radix leaves and
+        unlocked chunks (:class:`~.eviction.EvictionOrder`)."""
+        if self.chunks is None:
+            return super().evict(params)
+        start = time.perf_counter()
+        order = EvictionOrder(() if self.disable else self.evictable_leaves,
+                              self.eviction_strategy.get_priority, self.chunks)
+        radix_freed = chunk_freed = 0
+        while radix_freed + chunk_freed < params.num_tokens:
+            victim = order.next()
+            if victim is None:
+                break
+            if isinstance(victim, ChunkEntry):
+                chunk_freed += self.chunks.evict(1)  # the oldest entry: victim itself
+            else:
+                radix_freed += self._evict_leaf(victim, order)
+        self.update_eviction_metrics(radix_freed, start)
+        if chunk_freed:
+            self.update_metrics()
+        return EvictResult(num_tokens_evicted=radix_freed + chunk_freed)
+
+    def _evict_leaf(self, leaf: Any, order: EvictionOrder) -> int:
+        """Evict one radix leaf as ``RadixCache.evict`` does; its parent may become a victim."""
+        self.token_to_kv_pool_allocator.free_segment(leaf.value, start_pos=0)
+        freed = len(leaf.value)
+        self._delete_leaf(leaf)
+        if len(leaf.parent.children) == 0 and leaf.parent.lock_ref == 0:
+            order.push_leaf(leaf.parent)
+        self.kv_events.record_remove(leaf)
+        return freed
+
+    def total_size(self) -> int:
+        """Tokens held by both trees."""
+        return super().total_size() + (self.chunks.total_tokens() if self.chunks else 0)

@@ -182,7 +182,7 @@ class RepairStage:
         passes = [r.repair for r in targets]
         ids = torch.cat([_token_ids(r.req)[rows.positions] for r, rows in zip(targets, passes)])
         loop = LayerLoop(layers, self.cache.kv_pool, self.attn_backend.anchor_attention,
-                         rope=getattr(getattr(self.cache, "copier", None), "rope", None))
+                         rope=getattr(getattr(self.cache, "pool_kv", None), "rope", None))
         with torch.no_grad():
             repaired = loop.run(passes, ids.to(hidden.device))
         start_of = {id(r): start for r, start in zip(self.fold.requests, self.fold.row_starts())}

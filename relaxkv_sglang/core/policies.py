@@ -102,7 +102,7 @@ CONTEXTS = ("full", "topk", "random")
 ROLES = ("baseline", "peer", "method", "ablation", "control")
 
 # Values of the relaxkv knobs (RelaxKVOptions); declared here, beside their options, so the
-# options validate without torch. The rules themselves are in selection.py, layout.py and
+# options validate without torch. The rules themselves are in exit_layers.py, layout.py and
 # stale_shift.py.
 LAYER_VALUES = ("uniform", "skip0", "depth", "ramp")
 SINK_ORDERS = ("offset", "score")
@@ -128,14 +128,14 @@ class RelaxKVOptions:
 
     Attributes:
         chunk_sink_tokens: first tokens of each chunk favoured as targets (with
-            ``chunk_sink_rule="shared"``, the most per chunk; ``selection`` module doc, "Chunk sinks").
+            ``chunk_sink_rule="shared"``, the most per chunk; ``exit_layers`` module doc, "Chunk sinks").
         chunk_sink_rule: ``fixed`` (every chunk ``chunk_sink_tokens``) or ``shared`` (per chunk,
             1 + the opening it shares with another chunk of the request, capped at
-            ``chunk_sink_tokens``: ``selection.shared_opening_sinks``; an ablation).
+            ``chunk_sink_tokens``: ``token_sets.shared_opening_sinks``; an ablation).
         chunk_sink_share: the largest share of the budget those sinks take first (an ablation below 1).
         chunk_sink_order: which sinks first when they do not all fit (``offset`` or ``score``, an
-            ablation; ``selection.relaxkv_exit_layers``).
-        layer_value: how correcting a token at each layer is valued (``selection.layer_weights``:
+            ablation; ``exit_layers.relaxkv_exit_layers``).
+        layer_value: how correcting a token at each layer is valued (``exit_layers.layer_weights``:
             uniform, skip0, depth, ramp).
         context_rank: how the other pages of an anchor's context are ranked: ``query`` (the query's
             attention s_l, one ranking per layer), ``keys`` (per row block, the anchors' own queries

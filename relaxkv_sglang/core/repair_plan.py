@@ -5,7 +5,7 @@ Planning and execution are separate. The planner turns what the query pass measu
 loop in ``srt/layer_loop.py``) only runs it. Both use this module, so the server and the
 reference make the same decisions from the same inputs.
 
-Inputs (token indices are absolute prompt positions, as in :mod:`.selection`):
+Inputs (token indices are absolute prompt positions, as in :mod:`.token_sets`):
 
 * ``policy``: a :class:`~.policies.Policy` that repairs; its :class:`~.policies.PolicySpec` says
   which anchor rule, context, stale shift and mid-forward decision apply;
@@ -56,8 +56,8 @@ import torch
 
 from .layout import BlockSparseLayout, build_relaxed_layout, build_relaxed_layouts, key_bound_page_scores
 from .policies import CacheBlendOptions, Policy, PolicySpec, RelaxKVOptions, policy_spec
-from .selection import (anchor_ratio_achieved, chunk_offsets, eligible_tokens, kv_deviation, select_anchors,
-                        shared_opening_sinks)
+from .selection import anchor_ratio_achieved, kv_deviation, select_anchors
+from .token_sets import chunk_offsets, eligible_tokens, shared_opening_sinks
 from .stale_shift import shift_body
 
 Span = tuple[int, int]
@@ -72,7 +72,7 @@ class RepairConfig:
     policy shares, then each policy's own options.
 
     Attributes:
-        anchor_ratio: r, mean over layers of |A_l| / n_eligible (see selection.py).
+        anchor_ratio: r, mean over layers of |A_l| / n_eligible (see token_sets.py).
         context_ratio: relaxed-context budget, a fraction of each anchor's causal prefix in
             pages (policies whose context is ``topk`` or ``random``; the others attend to their
             full prefix).

@@ -45,7 +45,7 @@ from typing import Callable, Sequence
 import torch
 
 from .policies import STALE_SHIFTS
-from .selection import chunk_offsets, eligible_tokens, sinks_of_tokens
+from .token_sets import chunk_offsets, eligible_tokens, sinks_of_tokens
 
 Span = tuple[int, int]
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from relaxkv_sglang.core.policies import Policy
+from relaxkv_sglang.core.exit_layers import _hull_exit_allocation
 from relaxkv_sglang.core.selection import (
     layer_weights,
-    _hull_exit_allocation,
     anchor_ratio_achieved,
     chunk_ids,
     eligible_tokens,

@@ -124,7 +124,8 @@ def _check_unit(name: str, value: float) -> None:
 @dataclasses.dataclass(frozen=True)
 class RelaxKVOptions:
     """The relaxkv policies' own knobs (relaxkv and its two ablations). Defaults are the tuned
-    ones; the evidence for each is in ``docs/performance.md`` (tuned with ``scripts/ablate_repair.py``).
+    ones; the evidence for each is in ``docs/experiments/`` (index: ``docs/experiments/README.md``;
+    tuned with ``scripts/ablate_repair.py``).
 
     Attributes:
         chunk_sink_tokens: first tokens of each chunk favoured as targets (with
@@ -145,8 +146,8 @@ class RelaxKVOptions:
             (``layout.build_relaxed_layout``).
         stale_shift: how the non-anchors' stale K/V are corrected at each layer (``stale_shift.py``):
             ``none``, ``v`` (V shifted by the layer's anchors' mean deviation) or ``kv`` (K too,
-            compared before RoPE). ``kv`` won on three development batches (docs/performance.md,
-            "Stale shift").
+            compared before RoPE). ``kv`` won on three development batches
+            (docs/experiments/2026-12-01-stale-shift.md).
         stale_shift_scale: the fraction of that mean deviation added, in [0, 1]; the full mean
             overshoots on some development examples (same section), hence 0.5.
     """

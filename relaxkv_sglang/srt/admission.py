@@ -10,14 +10,14 @@ request's slots, evicting what it must, and the batch's forward runs the fold.
 The hooks here:
 
 * around ``PrefillAdder.add_one_req``: before the check, the cache pins the
-  request's chunk hits (:meth:`~.tree_cache.RelaxKVTreeCache.pin_request`), so
+  request's chunk hits (:meth:`~.tree_cache_class.RelaxKVTreeCache.pin_request`), so
   they leave the evictable budget (admission counts what the request will copy:
   the slots of its private copy are in its extend, the canonical copy it reads
   is pinned) and no later allocation can evict them. With lower tiers, a chunk
   the pool lacks but the host or disk tier holds is loaded into the pool there
   first (evicting only other unpinned chunks) and pinned the same way. While other requests run
   (or one was admitted this round) the check also runs under
-  :meth:`~.tree_cache.RelaxKVTreeCache.admission_hold`: chunks that queued
+  :meth:`~.tree_cache_class.RelaxKVTreeCache.admission_hold`: chunks that queued
   requests need count as not evictable, so a request that only fits by evicting
   them waits for memory to come back instead. A request not admitted drops its
   pins at once; an admitted one keeps those of its window only.

@@ -1,4 +1,4 @@
-"""The lower tiers' configuration (serve flags, RELAXKV_* variables), the pool KV I/O, the chunk
+"""The lower tiers' configuration (serve flags, RELAXKV_* variables), the chunk
 store's eviction callback and ``relaxkv-sglang encode``'s input handling."""
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ import torch
 
 from relaxkv_sglang import cli
 from relaxkv_sglang.core.chunk_store import ChunkStore
-from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
 from relaxkv_sglang.encode import EncodeError, encode_corpus, read_corpus
-from relaxkv_sglang.srt.pool_kv import PoolKV
 from relaxkv_sglang.srt.tiers import GB, model_identity, tier_config_from_env
 
 
@@ -79,36 +77,6 @@ def test_model_identity_changes_with_weights_tokenizer_dtype_and_layout(tmp_path
     (model / "tokenizer.json").write_text('{"v": 2}')
     others.add(model_identity(str(model), None, {"a": 1}, torch.float32, "L2").digest)
     assert base not in others and len(others) == 5
-
-
-class _Pool:
-    """The KV pool surface PoolKV reads: per-layer K/V buffers [slots, heads, dim]."""
-
-    def __init__(self, slots=16, layers=2, heads=2, dim=4):
-        self.start_layer, self.layer_num = 0, layers
-        self.k = [torch.randn(slots, heads, dim) for _ in range(layers)]
-        self.v = [torch.randn(slots, heads, dim) for _ in range(layers)]
-
-    def get_key_buffer(self, layer):
-        return self.k[layer]
-
-    def get_value_buffer(self, layer):
-        return self.v[layer]
-
-
-def test_pool_kv_round_trip_and_rotation():
-    pool, rope = _Pool(), RopeSpec(head_dim=4)
-    io = PoolKV(pool, rope)
-    assert io.token_shape == (2, 2, 2, 4) and "layers=2" in io.layout()
-    src, dst = torch.tensor([1, 3, 5]), torch.tensor([10, 11, 12])
-    record = io.read(src, canonical_start=7)
-    assert record.canonical_start == 7 and record.kv.shape == (3, 2, 2, 2, 4)
-    io.write(dst, record, delta=4)
-    for layer in range(2):
-        torch.testing.assert_close(pool.k[layer][dst], rotate_keys(pool.k[layer][src], 4, rope))
-        assert torch.equal(pool.v[layer][dst], pool.v[layer][src])
-    io.write(dst, record)
-    assert torch.equal(pool.k[1][dst], pool.k[1][src])
 
 
 def test_chunk_store_on_evict_sees_the_entry_before_its_slots_are_freed():

@@ -67,6 +67,21 @@ def _req(rid: str, tokens: list[int], spans: list[int], prefix_len: int = 0, pol
 # ------------------------------------------------------------------ PoolKV
 
 
+def test_pool_kv_round_trip_and_rotation():
+    pool, rope = _Pool(), RopeSpec(head_dim=4)
+    io = PoolKV(pool, rope)
+    assert io.token_shape == (2, 2, 2, 4) and "layers=2" in io.layout()
+    src, dst = torch.tensor([1, 3, 5]), torch.tensor([10, 11, 12])
+    record = io.read(src, canonical_start=7)
+    assert record.canonical_start == 7 and record.kv.shape == (3, 2, 2, 2, 4)
+    io.write(dst, record, delta=4)
+    for layer in range(2):
+        torch.testing.assert_close(pool.k[layer][dst], rotate_keys(pool.k[layer][src], 4, rope))
+        assert torch.equal(pool.v[layer][dst], pool.v[layer][src])
+    io.write(dst, record)
+    assert torch.equal(pool.k[1][dst], pool.k[1][src])
+
+
 def test_pool_kv_copy_is_read_then_write_and_rotates_only_k():
     pool = _Pool()
     kv = PoolKV(pool, ROPE)

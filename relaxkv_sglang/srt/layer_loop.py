@@ -26,15 +26,14 @@ computed its K/V.
 
 SGLang modules used (names checked by :class:`ModelLayers`): ``embed_tokens``,
 ``layers[i].{input_layernorm, self_attn.{qkv_proj,rotary_emb,o_proj,attn}, post_attention_layernorm,
-mlp}``, ``norm``. SGLang files touched: ``models/llama.py`` ``LlamaModel.forward`` and
-``models/qwen2.py`` ``Qwen2Model.forward`` (around: :func:`around_model_forward`: SGLang's own
-forward runs first, as the repair's query pass, then the context's repair, which runs this loop).
+mlp}``, ``norm``. The loop is called by the repair (:class:`~.repair.RepairStage`), which the model hook
+runs after SGLang's own decoder stack (:func:`~.repair.around_model_forward`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -43,11 +42,10 @@ from relaxkv_sglang.core.layout import BlockSparseLayout
 from relaxkv_sglang.core.repair_plan import AnchorPlan
 from relaxkv_sglang.core.rope import RopeSpec, RotationTable
 from relaxkv_sglang.core.stale_shift import shift_deltas
-from relaxkv_sglang.srt.context import InvariantError, forward_context
+from relaxkv_sglang.srt.context import InvariantError
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import KVCache
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
 class UnsupportedModelError(RuntimeError):
@@ -424,18 +422,3 @@ def supports_repair(causal_lm: torch.nn.Module) -> bool:
     except UnsupportedModelError:
         return False
     return True
-
-
-def around_model_forward(original: Callable, model: torch.nn.Module, input_ids: torch.Tensor,
-                         positions: torch.Tensor, forward_batch: "ForwardBatch", *args: Any, **kwargs: Any) -> Any:
-    """Hook on ``LlamaModel.forward`` / ``Qwen2Model.forward``: SGLang's forward (for a batch
-    with a repair, its query pass), then the repair, which replaces the repaired requests' glue
-    and query rows of the output (:class:`~relaxkv_sglang.srt.repair.RepairStage`)."""
-    hidden = original(model, input_ids, positions, forward_batch, *args, **kwargs)
-    context = forward_context(model)
-    if context is None or context.repair is None or not forward_batch.forward_mode.is_extend():
-        return hidden
-    if not isinstance(hidden, torch.Tensor):
-        raise InvariantError("relaxkv: a repair needs the decoder stack's hidden states alone "
-                           "(no auxiliary hidden states, no pipeline stages)")
-    return context.repair.run(model, hidden)

@@ -11,8 +11,8 @@ Registered:
 * attention backend ``relaxkv`` (``attention_backend.py``),
 * tree cache backend ``relaxkv`` (``tree_cache.py``),
 * hooks: request preparation (``api.py``, ``chat.py``, ``parallel_encoding.py``),
-  admission (``admission.py``: chunk hits pinned until the fold), the forward pipeline (``forward.py``: fold, repair, finish), the repair pass's
-  layer loop (``layer_loop.py``), reporting (``report.py``, ``tree_cache.py``).
+  admission (``admission.py``: chunk hits pinned until the fold), the forward pipeline (``forward.py``: fold, repair, finish), the repair after
+  SGLang's decoder stack (``repair.py``), reporting (``report.py``, ``tree_cache.py``).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ HOOKS = {
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (
         "relaxkv_sglang.srt.forward:around_forward_batch_init_new", ("cls", "batch", "model_runner")),
     "sglang.srt.models.llama.LlamaModel.forward": (
-        "relaxkv_sglang.srt.layer_loop:around_model_forward", ("self", "input_ids", "positions", "forward_batch")),
+        "relaxkv_sglang.srt.repair:around_model_forward", ("self", "input_ids", "positions", "forward_batch")),
     "sglang.srt.models.qwen2.Qwen2Model.forward": (
-        "relaxkv_sglang.srt.layer_loop:around_model_forward", ("self", "input_ids", "positions", "forward_batch")),
+        "relaxkv_sglang.srt.repair:around_model_forward", ("self", "input_ids", "positions", "forward_batch")),
     "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill": (
         "relaxkv_sglang.srt.admission:around_get_new_batch_prefill", ("self", "running_batch")),
     "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req": (

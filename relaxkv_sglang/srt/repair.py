@@ -10,7 +10,7 @@ A batch holding a request under a repair policy (``epic``, ``cacheblend``, ``pro
    the query's attention mass on every context token at each layer (``s_l``,
    :class:`~.context.QueryScores`). :func:`prepare_repair` sets this up before the forward.
 2. **Repair** (:class:`RepairStage`), run by the model hook once SGLang's decoder stack has
-   computed the rows (:func:`~.layer_loop.around_model_forward`): the misses are now final
+   computed the rows (:func:`around_model_forward`): the misses are now final
    position-independent KV and go to the chunk tree; the planner
    (:func:`~relaxkv_sglang.core.repair_plan.plan_anchors`, the same one the torch reference
    uses) chooses each layer's anchors and their contexts from ``s_l``; the **repair pass**
@@ -50,16 +50,17 @@ decisions are in ``core/``, the execution in :mod:`.layer_loop`.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from relaxkv_sglang.core.policies import Policy
 from relaxkv_sglang.core.repair_plan import AnchorPlan, RepairConfig, plan_anchors
-from relaxkv_sglang.srt.context import InvariantError, QueryScores
+from relaxkv_sglang.srt.context import InvariantError, QueryScores, forward_context
 from relaxkv_sglang.srt.layer_loop import LayerLoop, LoopRows, ModelLayers, supports_repair
 
 if TYPE_CHECKING:
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     from relaxkv_sglang.srt.fold import Fold, RequestFold
@@ -251,3 +252,18 @@ def _repair_rows(r: "RequestFold", anchor_plan: AnchorPlan, slots: torch.Tensor)
                         torch.tensor(anchor_plan.n_layers))
     return LoopRows(slots=slots, positions=positions, exits=exits, scope=torch.zeros_like(positions),
                     anchor=is_anchor, anchor_plan=anchor_plan)
+
+
+def around_model_forward(original: Callable, model: torch.nn.Module, input_ids: torch.Tensor,
+                         positions: torch.Tensor, forward_batch: "ForwardBatch", *args: Any, **kwargs: Any) -> Any:
+    """Hook on ``LlamaModel.forward`` / ``Qwen2Model.forward``: SGLang's forward (for a batch
+    with a repair, its query pass), then the repair, which replaces the repaired requests' glue
+    and query rows of the output (:class:`~relaxkv_sglang.srt.repair.RepairStage`)."""
+    hidden = original(model, input_ids, positions, forward_batch, *args, **kwargs)
+    context = forward_context(model)
+    if context is None or context.repair is None or not forward_batch.forward_mode.is_extend():
+        return hidden
+    if not isinstance(hidden, torch.Tensor):
+        raise InvariantError("relaxkv: a repair needs the decoder stack's hidden states alone "
+                           "(no auxiliary hidden states, no pipeline stages)")
+    return context.repair.run(model, hidden)

@@ -45,13 +45,8 @@ import torch
 from relaxkv_sglang.core.attention import scoped_causal_attention
 from relaxkv_sglang.core.repair_plan import RepairCost
 from relaxkv_sglang.gpu.prefill_inputs import ScopedPrefillInputs, scoped_prefill_inputs
-from relaxkv_sglang.srt.context import (
-    ExtendRows,
-    ForwardContext,
-    InvariantError,
-    forward_context,
-    record_query_scores,
-)
+from relaxkv_sglang.srt.context import ExtendRows, ForwardContext, forward_context, record_query_scores
+from relaxkv_sglang.srt.failures import InvariantError
 from relaxkv_sglang.srt.layer_loop import AnchorAttention
 
 SGLANG, SCOPED = "sglang", "scoped"

@@ -8,12 +8,12 @@ hook (which runs the repair once SGLang's own forward has computed the rows). Ne
 the fold: the decision travels as a :class:`ForwardContext` object attached to the objects
 SGLang already passes around.
 
-1. :func:`attach_pending` puts the folded batch and its context on the ``ScheduleBatch`` the
-   scheduler hands to ``TpModelWorker.forward_batch_generation``;
+1. :func:`attached` puts the folded batch and its context on the ``ScheduleBatch`` the
+   scheduler hands to ``TpModelWorker.forward_batch_generation``, and the context on the
+   worker's attention backend and the model's decoder stack, for the duration of the forward;
 2. the ``ForwardBatch.init_new`` hook (:mod:`.forward`) builds the ``ForwardBatch`` from the
-   folded batch; the context is attached to the worker's attention backend and the model's
-   decoder stack for the duration of the forward (:func:`attach_context`);
-3. the backend (on itself) and the model hook (on the decoder stack) read it back with
+   folded batch (:func:`pending_forward`);
+3. the backend (on itself) and the model hook (on the decoder stack) read the context back with
    :func:`forward_context`.
 
 Nothing here is module-level state: a context lives exactly as long as the forward it is for.
@@ -21,18 +21,14 @@ Nothing here is module-level state: a context lives exactly as long as the forwa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Iterator, Optional, Protocol, Sequence
 
 import torch
 
 from relaxkv_sglang.core.selection import query_attention_scores
-
-class InvariantError(RuntimeError):
-    """A broken invariant of the plugin's own bookkeeping (never one request's input): the only
-    error the fold and the repair let out of the scheduler. :mod:`.forward` logs it in one line
-    before SGLang stops the server; a request whose repair cannot be carried out is served as
-    ``pic`` instead (:mod:`.repair`)."""
+from relaxkv_sglang.srt.failures import InvariantError
 
 
 # Attribute names on SGLang's objects; one place, so a reader can grep for them.
@@ -146,12 +142,20 @@ class PendingForward:
     context: ForwardContext
 
 
-def attach_pending(schedule_batch: Any, pending: Optional[PendingForward]) -> None:
-    """Put (or, with None, remove) the folded batch on the scheduled ``ScheduleBatch``."""
-    if pending is None:
+@contextlib.contextmanager
+def attached(schedule_batch: Any, readers: Sequence[Any], pending: PendingForward) -> Iterator[None]:
+    """For the duration of one forward: the folded batch on the scheduled ``ScheduleBatch``, its
+    context on each object that reads it (the worker's attention backend, the decoder stack);
+    removed afterwards, whatever happened."""
+    setattr(schedule_batch, _PENDING_ATTR, pending)
+    for reader in readers:
+        attach_context(reader, pending.context)
+    try:
+        yield
+    finally:
         schedule_batch.__dict__.pop(_PENDING_ATTR, None)
-    else:
-        setattr(schedule_batch, _PENDING_ATTR, pending)
+        for reader in readers:
+            attach_context(reader, None)
 
 
 def pending_forward(schedule_batch: Any) -> Optional[PendingForward]:

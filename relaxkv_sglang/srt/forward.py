@@ -1,24 +1,33 @@
-"""The scheduler-side pipeline of one forward pass: fold, repair, forward, finish.
+"""The scheduler-side pipeline of one forward pass: one-way stages, each taking the last one's value.
 
 ``TpModelWorker.forward_batch_generation`` is wrapped by :func:`around_forward_batch_generation`:
 
-1. :func:`~.fold.fold_batch`: chunk hits copied (re-rotated) into the requests' slots and
-   dropped from the batch; misses kept, scoped to their own chunk;
-2. :func:`~.repair.prepare_repair`: for repair policies, the requests to repair and their
-   query pass (SGLang's forward over their folded rows, the backend recording the query's
-   scores), and the repair the model hook runs after it;
-3. the folded batch and its :class:`~.context.ForwardContext` are attached to the scheduled
-   batch and the context to the worker's attention backend and decoder stack; SGLang's own forward runs,
-   building its ``ForwardBatch`` through :func:`around_forward_batch_init_new` (folded rows,
-   real positions), then the ``relaxkv`` attention backend and the model hook (on the decoder
-   stack: after SGLang's layers, the repair: plan, anchors, glue and query) read the context;
-4. :func:`~.fold.finish_fold`: misses published to the chunk tree, reuse counted, reports;
-5. the chunk pins the batch's requests took at admission (:mod:`.admission`) are dropped,
-   whatever happened above.
+====  ===========================================  ============================================
+step  stage                                        value it returns
+====  ===========================================  ============================================
+1     :func:`~.fold.fold_batch`                    :class:`~.fold.Fold`: chunk hits copied
+                                                   (re-rotated) into the requests' slots and
+                                                   dropped; misses kept, scoped to their chunk
+2     :func:`~.query_pass.set_up_forward`          :class:`~.query_pass.ForwardSetup`: every
+                                                   request's rows; a request to repair gets its
+                                                   query pass (scores recorded by the backend)
+3     :func:`~.repair.repair_stage`                :class:`~.repair.RepairStage` (None: no
+                                                   request is repaired), run by the model hook
+4     SGLang's forward, under                      the stage's
+      :func:`~.context.attached`                   :attr:`~.repair.RepairStage.outcomes`
+5     :func:`~.finish.finish_forward`              misses published, reuse counted in SGLang's
+                                                   accounting, ``meta_info.relaxkv`` (:mod:`.report`)
+====  ===========================================  ============================================
+
+In step 4 SGLang builds its ``ForwardBatch`` through :func:`around_forward_batch_init_new` from
+the folded batch (real positions); the ``relaxkv`` attention backend and the model hook (on the
+decoder stack: after SGLang's layers, the repair) read the :class:`~.context.ForwardContext`.
+Finally the chunk pins the batch's requests took at admission (:mod:`.admission`) are dropped,
+whatever happened above.
 
 A request's own trouble never raises out of here (an aborted request's stub has no plan,
 :mod:`.plan`; a repair that cannot be carried out is served as ``pic``, :mod:`.repair`). A broken
-invariant of the plugin's bookkeeping (:class:`~.context.InvariantError`) is logged in one line,
+invariant of the plugin's bookkeeping (:class:`~.failures.InvariantError`) is logged in one line,
 then left to SGLang, which stops the server.
 
 SGLang files touched (hooks registered in ``plugin.py``): ``managers/tp_worker.py``
@@ -31,9 +40,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
-from relaxkv_sglang.srt.context import InvariantError, PendingForward, attach_context, attach_pending, pending_forward
-from relaxkv_sglang.srt.fold import finish_fold, fold_batch
-from relaxkv_sglang.srt.repair import prepare_repair
+from relaxkv_sglang.srt.context import ForwardContext, PendingForward, attached, pending_forward
+from relaxkv_sglang.srt.failures import InvariantError
+from relaxkv_sglang.srt.finish import finish_forward
+from relaxkv_sglang.srt.fold import fold_batch
+from relaxkv_sglang.srt.query_pass import set_up_forward
+from relaxkv_sglang.srt.repair import repair_stage
 from relaxkv_sglang.srt.tree_cache import worker_cache
 
 logger = logging.getLogger(__name__)
@@ -62,18 +74,13 @@ def _forward(original: Callable, cache: Any, worker: Any, batch: Optional[Any], 
     fold = fold_batch(cache, batch)
     if fold is None:
         return original(worker, batch, *args, **kwargs)
-    context = fold.context(prepare_repair(cache, worker.model_runner, fold))
-    attach_pending(batch, PendingForward(fold.batch(), context))
-    readers = _context_readers(worker)
-    for reader in readers:
-        attach_context(reader, context)
-    try:
+    runner = worker.model_runner
+    setup = set_up_forward(cache, runner, fold)
+    stage = repair_stage(cache, runner.attn_backend, setup)
+    context = ForwardContext(setup.positions, list(setup.extend_rows), stage)
+    with attached(batch, _context_readers(worker), PendingForward(setup.batch, context)):
         result = original(worker, batch, *args, **kwargs)
-    finally:
-        attach_pending(batch, None)
-        for reader in readers:
-            attach_context(reader, None)
-    finish_fold(cache, fold)
+    finish_forward(cache, setup, stage.outcomes if stage is not None else {})
     return result
 
 

@@ -42,7 +42,7 @@ from relaxkv_sglang.core.layout import BlockSparseLayout
 from relaxkv_sglang.core.repair_plan import AnchorPlan
 from relaxkv_sglang.core.rope import RopeSpec, RotationTable
 from relaxkv_sglang.core.stale_shift import shift_deltas
-from relaxkv_sglang.srt.context import InvariantError
+from relaxkv_sglang.srt.failures import InvariantError
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import KVCache

@@ -22,39 +22,44 @@ SGLang file touched: ``managers/scheduler_components/output_streamer.py``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from relaxkv_sglang.core.tiers import TierName
 from relaxkv_sglang.srt.plan import RECORD_KEY
 
 if TYPE_CHECKING:
-    from relaxkv_sglang.srt.fold import RequestFold
     from relaxkv_sglang.srt.layer_loop import LoopRows
+    from relaxkv_sglang.srt.query_pass import RequestRows
+    from relaxkv_sglang.srt.repair import RepairOutcome
 
 # Counters summed over the prefill steps of one request (chunked prefill, retraction).
 _ADDITIVE = ("chunks_seen", "chunks_hit", "chunk_tokens_reused", "chunk_tokens_from_host", "chunk_tokens_from_disk",
              "tokens_computed", "prefills", "repairs")
 
 
-def request_record(r: "RequestFold") -> dict:
-    """This prefill step's report for one request."""
-    sources = r.hit_sources()
+def request_record(r: "RequestRows", outcome: Optional["RepairOutcome"]) -> dict:
+    """This prefill step's report for one request: its rows in the forward, and what the repair
+    did for it (None: the repair did not run for it)."""
+    f = r.fold
+    repair = outcome.rows if outcome is not None else None
+    sources = f.hit_sources()
     record = {
-        "policy": r.plan.policy if r.plan else "prefix",
-        "chunks_seen": r.chunks_seen,
-        "chunks_hit": r.chunks_hit,
-        "chunk_tokens_reused": r.hit_tokens,
+        "policy": f.plan.policy if f.plan else "prefix",
+        "chunks_seen": f.chunks_seen,
+        "chunks_hit": f.chunks_hit,
+        "chunk_tokens_reused": f.hit_tokens,
         "chunk_tokens_from_host": sources[TierName.HOST],
         "chunk_tokens_from_disk": sources[TierName.DISK],
-        "tokens_computed": r.rows_computed,
-        "repaired": r.repair is not None,
-        "prefills": int(r.completes_prompt),  # 1: this step decided the repair
-        "repairs": int(r.repair is not None),
+        "tokens_computed": r.n_rows + (repair.n_rows if repair is not None else 0),
+        "repaired": repair is not None,
+        "prefills": int(f.completes_prompt),  # 1: this step decided the repair
+        "repairs": int(repair is not None),
     }
-    if r.repair is not None:
-        record.update(repair_record(r.repair))
-    elif r.not_repaired_reason is not None:
-        record["not_repaired_reason"] = r.not_repaired_reason
+    reason = outcome.not_repaired_reason if outcome is not None else r.not_repaired_reason
+    if repair is not None:
+        record.update(repair_record(repair))
+    elif reason is not None:
+        record["not_repaired_reason"] = reason
     return record
 
 

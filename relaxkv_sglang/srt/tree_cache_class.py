@@ -109,6 +109,14 @@ class RelaxKVTreeCache(RadixCache):
         """See :meth:`.chunk_reuse.ChunkReuse.publish` (slots from :meth:`alloc_chunk_slots`)."""
         return self.reuse.publish(namespace, tokens, src, position, self.alloc_chunk_slots)
 
+    def publish_chunks(self, namespace: Optional[str], chunks: Sequence[tuple[Sequence[int], int, int]],
+                       req_pool_idx: int) -> None:
+        """Publish a request's miss chunks once their KV is computed in its slots: each chunk as
+        (token ids, start, end) positions of the request's ``req_to_token`` row (:meth:`publish_chunk`)."""
+        row = self.req_to_token[req_pool_idx]
+        for tokens, start, end in chunks:
+            self.publish_chunk(namespace, tokens, row[start:end].to(torch.int64), start)
+
     def alloc_chunk_slots(self, n: int, chunks_only: bool = False) -> Optional[torch.Tensor]:
         """n free KV slots (int64 [n]) for a new chunk, evicting if needed; None if none.
 

@@ -1,5 +1,6 @@
 """The repair's query pass inside SGLang's forward: the scores the attention backend records for a
-request, and the repaired rows written over SGLang's output (srt/context.py, srt/repair.py)."""
+request, its set-up, and the repaired rows written over SGLang's output (srt/context.py,
+srt/query_pass.py, srt/repair.py)."""
 
 from __future__ import annotations
 
@@ -89,46 +90,52 @@ def _request_fold(policy: str, keep: list[int], n: int = 10) -> "RequestFold":
 
 
 def _cache() -> types.SimpleNamespace:
-    return types.SimpleNamespace(req_to_token=torch.arange(40, dtype=torch.int32).view(2, 20))
+    return types.SimpleNamespace(req_to_token=torch.arange(40, dtype=torch.int32).view(2, 20),
+                                 publish_chunks=lambda *args: None)
 
 
 def test_a_request_whose_query_pass_would_miss_query_rows_is_served_as_pic(caplog):
-    from relaxkv_sglang.srt.repair import _set_up_repair
+    from relaxkv_sglang.srt.query_pass import _set_up_request
 
-    broken = _request_fold("relaxkv", [0, 1, 6, 7, 8])  # query row 9 is not in the batch
     with caplog.at_level("WARNING"):
-        assert not _set_up_repair(_cache(), broken, True)
+        broken = _set_up_request(_cache(), _request_fold("relaxkv", [0, 1, 6, 7, 8]), True)  # query row 9 missing
+    assert not broken.to_repair and broken.scores is None
     assert broken.not_repaired_reason.endswith("(served as pic)") and "3 of the query's rows 6..9" in broken.not_repaired_reason
-    assert broken.scores is None and broken.repair is None
     assert sum("req-relaxkv not repaired" in m for m in caplog.messages) == 1  # logged once
-    whole = _request_fold("relaxkv", [0, 1, 6, 7, 8, 9])
-    assert _set_up_repair(_cache(), whole, True) and whole.scores is not None and whole.not_repaired_reason is None
+    whole = _set_up_request(_cache(), _request_fold("relaxkv", [0, 1, 6, 7, 8, 9]), True)
+    assert whole.to_repair and whole.scores is not None and whole.not_repaired_reason is None
+
+
+def test_a_model_without_the_repair_pass_is_served_as_pic_before_the_forward():
+    from relaxkv_sglang.srt.query_pass import _set_up_request
+
+    rows = _set_up_request(_cache(), _request_fold("relaxkv", [0, 1, 6, 7, 8, 9]), False)
+    assert not rows.to_repair and rows.not_repaired_reason.startswith("the model's layer stack")
 
 
 def test_a_request_whose_repair_cannot_be_planned_is_served_as_pic(monkeypatch):
     from relaxkv_sglang.srt import repair
+    from relaxkv_sglang.srt.query_pass import RequestRows
 
     def plan_anchors(*args, **kwargs):
         raise ValueError("no anchors fit")
 
     monkeypatch.setattr(repair, "plan_anchors", plan_anchors)
-    r = _request_fold("epic", [0, 1, 6, 7, 8, 9])
-    r.slots = torch.arange(10)
-    stage = repair.RepairStage(_cache(), types.SimpleNamespace(repair_cost=None), None, [r])
-    assert not stage._planned(r, 2)
-    assert r.not_repaired_reason == "its repair could not be planned (no anchors fit) (served as pic)"
-    assert r.repair is None
+    f = _request_fold("epic", [0, 1, 6, 7, 8, 9])
+    r = RequestRows(f, f.keep, f.scope_start, to_repair=True, slots=torch.arange(10))
+    stage = repair.RepairStage(_cache(), types.SimpleNamespace(repair_cost=None), None)
+    outcome = stage._plan(r, 2)
+    assert outcome.not_repaired_reason == "its repair could not be planned (no anchors fit) (served as pic)"
+    assert outcome.rows is None
 
 
 def test_a_broken_invariant_is_not_served_as_pic(monkeypatch):
-    from relaxkv_sglang.srt import repair
-    from relaxkv_sglang.srt.context import InvariantError
-
-    r = _request_fold("relaxkv", [0, 1, 6, 7, 8, 9])
+    from relaxkv_sglang.srt import query_pass
+    from relaxkv_sglang.srt.failures import InvariantError
 
     def broken(*args):
         raise InvariantError("relaxkv: the pool is inconsistent")
 
-    monkeypatch.setattr(repair, "_start_query_pass", broken)
+    monkeypatch.setattr(query_pass, "_query_pass_rows", broken)
     with pytest.raises(InvariantError):
-        repair._set_up_repair(_cache(), r, True)
+        query_pass._set_up_request(_cache(), _request_fold("relaxkv", [0, 1, 6, 7, 8, 9]), True)

@@ -5,7 +5,7 @@ A hypothesis state machine drives a real ``RelaxKVTreeCache`` built on SGLang's
 32-slot pool on the CPU) the way the scheduler does: requests are matched
 (``Req.init_next_round_input``), locked, given slots (evicting through
 ``evict_from_tree_cache``), folded and published by the project's own
-``fold_batch`` / ``finish_fold`` around a fake forward, decoded, and released
+``fold_batch`` / ``set_up_forward`` / ``finish_forward`` around a fake forward, decoded, and released
 with SGLang's ``release_kv_cache``; beside that come explicit evictions, chunk
 pins (lookup + lock held across steps) and flushes (the scheduler's
 ``flush_cache`` sequence).
@@ -263,8 +263,10 @@ class TreeCacheMachine(RuleBasedStateMachine):
         self._forward([x for x in self.live if not x.forwarded][:k])
 
     def _forward(self, todo: list[Live]) -> None:
-        """The project's fold_batch, a fake forward of the kept rows, finish_fold."""
-        from relaxkv_sglang.srt.fold import finish_fold, fold_batch
+        """The project's fold_batch and set_up_forward, a fake forward of the kept rows, finish_forward."""
+        from relaxkv_sglang.srt.finish import finish_forward
+        from relaxkv_sglang.srt.fold import fold_batch
+        from relaxkv_sglang.srt.query_pass import set_up_forward
 
         if not todo:
             return
@@ -292,7 +294,8 @@ class TreeCacheMachine(RuleBasedStateMachine):
             assert len(self.cache.pins.get(r.rid, ())) <= hits
         fold = fold_batch(self.cache, batch)
         assert (fold is None) == all(request_plan(r) is None for r in reqs)
-        folded = fold.batch() if fold is not None else None
+        setup = set_up_forward(self.cache, None, fold) if fold is not None else None
+        folded = setup.batch if setup is not None else None
         start = 0
         for i, r in enumerate(reqs):
             row, tokens, plan = self._row(r), list(r.origin_input_ids), request_plan(r)
@@ -324,7 +327,7 @@ class TreeCacheMachine(RuleBasedStateMachine):
             for j, s in zip(keep.tolist(), scope.tolist()):
                 self._compute_row(row, tokens, ns, r.prefix_len + j, s)
         if fold is not None:
-            finish_fold(self.cache, fold)
+            finish_forward(self.cache, setup, {})
         self.cache.unpin_requests(reqs)  # the forward hook's finally
         assert not any(r.rid in self.cache.pins for r in reqs)
         if fold is not None:

@@ -28,7 +28,7 @@ import contextlib
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from relaxkv_sglang.core.chunk_store import ChunkEntry, ChunkStore
-from relaxkv_sglang.srt.plan import request_plan
+from relaxkv_sglang.srt.plan import request_plan, request_state
 
 # RELAXKV_ADMISSION_HOLD=0 turns off the admission hold on chunks queued
 # requests need (pins of admitted requests stay): more concurrency, fewer hits.
@@ -42,12 +42,11 @@ ChunkLoader = Callable[[Optional[str], Sequence[int]], Optional[ChunkEntry]]
 
 def chunk_keys(req: Any, plan: Any) -> list[tuple[int, int, tuple[int, ...]]]:
     """(start, end, token ids) of each chunk of the request, computed once per request."""
-    keys = req.__dict__.get("_relaxkv_chunk_keys")
-    if keys is None:
+    state = request_state(req)
+    if state.chunk_keys is None:
         ids = req.origin_input_ids
-        keys = [(cs, ce, tuple(ids[cs:ce])) for cs, ce in plan.chunk_spans]
-        req.__dict__["_relaxkv_chunk_keys"] = keys
-    return keys
+        state.chunk_keys = [(cs, ce, tuple(ids[cs:ce])) for cs, ce in plan.chunk_spans]
+    return state.chunk_keys
 
 
 def requests_chunks(reqs: Iterable[Any]) -> Iterator[tuple[Optional[str], tuple[int, ...]]]:

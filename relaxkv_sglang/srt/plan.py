@@ -15,12 +15,18 @@ through the ordinary finish path. Its chunk spans then point past its prompt; :f
 gives such a request no plan, so the fold, the repair, the pins and the radix publishing treat the
 stub as SGLang does without the plugin, and the batch's other requests are folded and repaired as
 if it were not there.
+
+What the scheduler keeps of a request between its steps is one :class:`RequestState` on the
+request itself (:func:`request_state`): its parsed plan, its chunks' keys, whether its chunks'
+prefetch was started. What one forward decides for it travels through the forward's stages
+(:mod:`.forward`); its chunk pins are the cache's (:mod:`.pins`); its report is SGLang's
+``customized_info`` (:mod:`.report`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from relaxkv_sglang.core.policies import CHUNK_POLICIES, REPAIR_POLICIES
 from relaxkv_sglang.schema import ANCHOR_RATIO, BUDGET, CHUNKS, CONTEXT_RATIO, POLICY, RECORD_KEY, REPAIR_KNOBS
@@ -28,11 +34,13 @@ from relaxkv_sglang.schema import ANCHOR_RATIO, BUDGET, CHUNKS, CONTEXT_RATIO, P
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
 
-__all__ = ["BACKEND_NAME", "RECORD_KEY", "RequestPlan", "chunk_tree_served", "fits_prompt", "request_namespace",
-           "request_plan"]
+__all__ = ["BACKEND_NAME", "RECORD_KEY", "RequestPlan", "RequestState", "chunk_tree_served", "fits_prompt",
+           "request_namespace", "request_plan", "request_state"]
 
 # The name the plugin registers its tree cache and attention backend under.
 BACKEND_NAME = "relaxkv"
+# The attribute of SGLang's Req that holds its RequestState.
+_STATE_ATTR = "relaxkv_state"
 
 
 def chunk_tree_served(server_args: Any) -> bool:
@@ -89,10 +97,33 @@ def request_namespace(req: Req) -> str | None:
     return f"{len(extra)}:{extra}\x1f{salt}" if (extra or salt) else None
 
 
+@dataclasses.dataclass
+class RequestState:
+    """The plugin's state of one SGLang request in the scheduler (module doc).
+
+    Attributes:
+        plan: the plan read from its ``custom_params`` (None: a plain request), parsed once.
+        chunk_keys: (start, end, token ids) of each chunk, once asked (:func:`~.pins.chunk_keys`).
+        prefetched: the reads of its chunks the pool lacks were started (:mod:`.tier_movement`).
+    """
+
+    plan: Optional[RequestPlan]
+    chunk_keys: Optional[list[tuple[int, int, tuple[int, ...]]]] = None
+    prefetched: bool = False
+
+
+def request_state(req: Req) -> RequestState:
+    """The request's :class:`RequestState`, made on first use."""
+    state = req.__dict__.get(_STATE_ATTR)
+    if state is None:
+        state = req.__dict__[_STATE_ATTR] = RequestState(_parsed_plan(req))
+    return state
+
+
 def request_plan(req: Req) -> RequestPlan | None:
     """The plan of an SGLang ``Req``, or None for a plain request and for one whose prompt SGLang
     replaced (an aborted request's stub, module doc)."""
-    plan = _parsed_plan(req)
+    plan = request_state(req).plan
     return plan if plan is not None and fits_prompt(plan, req) else None
 
 
@@ -102,18 +133,13 @@ def fits_prompt(plan: RequestPlan, req: Req) -> bool:
     return not plan.chunk_spans or plan.query_start < len(req.origin_input_ids)
 
 
-def _parsed_plan(req: Req) -> RequestPlan | None:
-    """The plan read from the request's ``custom_params`` (once, cached on it)."""
-    cached = req.__dict__.get("_relaxkv_plan", False)
-    if cached is not False:
-        return cached
+def _parsed_plan(req: Req) -> Optional[RequestPlan]:
+    """The plan read from the request's ``custom_params`` (None: it has none)."""
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
-    plan = None
-    if POLICY.plan_key in params:
-        flat = list(params.get(CHUNKS.plan_key) or [])
-        spans = tuple((int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2))
-        knobs = {f.config_attr: params.get(f.plan_key, f.default) for f in REPAIR_KNOBS}
-        knobs = {k: float(v) if v is not None else None for k, v in knobs.items()}
-        plan = RequestPlan(str(params[POLICY.plan_key]), spans, request_namespace(req), **knobs)
-    req.__dict__["_relaxkv_plan"] = plan
-    return plan
+    if POLICY.plan_key not in params:
+        return None
+    flat = list(params.get(CHUNKS.plan_key) or [])
+    spans = tuple((int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2))
+    knobs = {f.config_attr: params.get(f.plan_key, f.default) for f in REPAIR_KNOBS}
+    knobs = {k: float(v) if v is not None else None for k, v in knobs.items()}
+    return RequestPlan(str(params[POLICY.plan_key]), spans, request_namespace(req), **knobs)

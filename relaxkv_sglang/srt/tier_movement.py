@@ -32,6 +32,7 @@ import torch
 from relaxkv_sglang.core.chunk_store import ChunkEntry, ChunkStore
 from relaxkv_sglang.core.tiers import TieredChunkStore, TierName
 from relaxkv_sglang.srt.pins import requests_chunks
+from relaxkv_sglang.srt.plan import request_state
 from relaxkv_sglang.srt.pool_kv import PoolKV
 
 logger = logging.getLogger(__name__)
@@ -130,9 +131,10 @@ class TierMovement:
             return
         keys = []
         for req in waiting:
-            if req.__dict__.get("_relaxkv_prefetched"):
+            state = request_state(req)
+            if state.prefetched:
                 continue
-            req.__dict__["_relaxkv_prefetched"] = True
+            state.prefetched = True
             keys += [self.tiers.key(namespace, tokens) for namespace, tokens in requests_chunks([req])
                      if chunks.peek(namespace, tokens) is None]
         if keys:

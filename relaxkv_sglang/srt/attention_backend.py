@@ -29,8 +29,12 @@ Two classes, chosen by :func:`create_backend` from the model runner's device:
   decode, extend, CUDA-graph state and capture hooks are its own, untouched); only ``"scoped"``
   batches take :class:`~relaxkv_sglang.gpu.flashinfer_attention.FlashInferScopedPrefill` (one
   FlashInfer paged prefill per layer, each chunk its own causal segment, planned once per
-  forward), and such batches are kept off prefill CUDA graphs (``can_run_prefill_cuda_graph``).
+  forward), and such batches, and any whose context carries a repair, are kept off prefill CUDA
+  graphs (:func:`may_replay_graph`).
   **Not yet run on a GPU** (docs/gpu.md).
+
+Both refuse at startup a model whose attention layers use a setting the plugin's attention does not
+apply (a sliding window, a logit soft cap, FP8 K/V scales: :func:`check_attention_settings`).
 
 SGLang files touched: ``sglang/srt/layers/attention/torch_native_backend.py`` and
 ``flashinfer_backend.py`` (subclassed; constructors, decode and graph hooks reused).
@@ -106,6 +110,45 @@ def attention_path(is_extend: bool, context: Optional[ForwardContext], ordinary_
     return SGLANG if ordinary_rows() else SCOPED
 
 
+def may_replay_graph(path: str, context: Optional[ForwardContext]) -> bool:
+    """Whether a batch may replay SGLang's prefill CUDA graph: only SGLang's own batches, and never
+    one whose context carries a repair. A graph holds SGLang's kernels, and its replay swaps the
+    decoder stack's ``forward`` for the captured body (an instance attribute that shadows the
+    plugin's class-level model hook), so a repair would silently not run."""
+    return path == SGLANG and getattr(context, "repair", None) is None
+
+
+def unsupported_settings(model: Any) -> list[str]:
+    """What the plugin's attention (scoped rows and anchors, on either device) does not apply, per
+    attention layer of ``model`` (SGLang's ``RadixAttention`` modules): a sliding window, a logit
+    soft cap, K/V scales (an FP8 KV cache with scales). Empty when every layer is plain causal."""
+    found = []
+    for module in model.modules() if model is not None else ():
+        if not (hasattr(module, "sliding_window_size") and hasattr(module, "layer_id")):
+            continue
+        where = f"layer {module.layer_id}"
+        if module.sliding_window_size not in (None, -1):
+            found.append(f"{where}: a sliding window of {module.sliding_window_size} tokens")
+        if getattr(module, "logit_cap", 0):
+            found.append(f"{where}: a logit soft cap of {module.logit_cap}")
+        for kind in ("k", "v"):
+            scale = getattr(module, f"{kind}_scale_float", None)
+            if scale not in (None, 1.0):
+                found.append(f"{where}: a {kind.upper()} scale of {scale}")
+    return found
+
+
+def check_attention_settings(model: Any) -> None:
+    """Refuse, in one line, a model whose attention layers use a setting the plugin's attention
+    does not apply (:func:`unsupported_settings`): its scoped rows and anchors would attend
+    without it, silently wrong."""
+    found = unsupported_settings(model)
+    if found:
+        more = f" (and {len(found) - 2} more)" if len(found) > 2 else ""
+        raise RuntimeError(f"relaxkv: the relaxkv attention backend does not apply {'; '.join(found[:2])}{more}; "
+                           "serve this model with another --attention-backend and without the relaxkv tree cache")
+
+
 def batch_path(backend: Any, forward_batch: "ForwardBatch") -> str:
     """:func:`attention_path` of a live ``ForwardBatch`` on the backend it runs on."""
     context = forward_context(backend)
@@ -134,7 +177,9 @@ def create_backend(model_runner: Any) -> Any:
 
 
 def _plugin_state(backend: Any, model_runner: Any) -> None:
-    """What both classes carry for the rest of the plugin."""
+    """What both classes carry for the rest of the plugin (after refusing a model whose attention
+    settings it would drop)."""
+    check_attention_settings(getattr(model_runner, "model", None))
     backend.anchor_attention = AnchorAttention()  # the repair pass's anchors (layer_loop)
     # The model's repair cost model, for relaxkv_budget (decided once, read per repair).
     backend.repair_cost = RepairCost.from_hf_config(model_runner.model_config.hf_config.to_dict(),
@@ -226,8 +271,8 @@ def build_cuda_backend_class() -> type:
             self._scoped_batch = None
 
         def can_run_prefill_cuda_graph(self, forward_batch: "ForwardBatch") -> bool:
-            """Prefill CUDA graphs hold SGLang's kernels: only its own batches replay them."""
-            return self.path(forward_batch) == SGLANG
+            """:func:`may_replay_graph`: SGLang's own batches without a repair."""
+            return may_replay_graph(self.path(forward_batch), forward_context(self))
 
         def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
                            forward_batch: "ForwardBatch", save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
@@ -239,7 +284,8 @@ def build_cuda_backend_class() -> type:
             if path != SCOPED or layer.is_cross_attention:
                 raise InvariantError(f"relaxkv: no attention for a {path} batch at layer {layer.layer_id}")
             if save_kv_cache and k is not None and v is not None:
-                self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+                # the batch's physical mark travels with its locs (a unified pool refuses unmarked ones)
+                self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
             k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
             v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
             q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)

@@ -527,7 +527,7 @@ class _FakePool:
         self.k, self.v, self.writes = k_cache, v_cache, []
 
     def set_kv_buffer(self, layer, loc, k, v):
-        self.writes.append((layer.layer_id, loc.loc.clone()))
+        self.writes.append((layer.layer_id, loc.loc.clone(), loc.physical))
         self.k[loc.loc] = k.view(self.k[loc.loc].shape)
         self.v[loc.loc] = v.view(self.v[loc.loc].shape)
 
@@ -573,7 +573,7 @@ def test_cuda_backend_routes_only_folded_batches_to_the_plugin(monkeypatch):
 
     def batch(extend, prefix, lens):
         return types.SimpleNamespace(forward_mode=_FakeMode(extend), extend_prefix_lens_cpu=prefix,
-                                     extend_seq_lens_cpu=lens, out_cache_loc=None)
+                                     extend_seq_lens_cpu=lens, out_cache_loc=None, out_cache_loc_is_physical=True)
 
     # Decode and an ordinary prefill: SGLang's planning and kernels, prefill graphs allowed.
     for fb in (batch(False, None, None), batch(True, [4, 0], [3, 2])):
@@ -590,6 +590,12 @@ def test_cuda_backend_routes_only_folded_batches_to_the_plugin(monkeypatch):
     calls.clear()
     backend.init_forward_metadata(fb)
     assert calls == [("plan", fb)] and backend.can_run_prefill_cuda_graph(fb)
+    # The same rows carrying a repair that records no scores (epic, cacheblend): SGLang's kernels,
+    # but never its prefill graph, whose replay would bypass the model hook that runs the repair.
+    attach_context(backend, context(_rows((0, [4, 5, 6], [0, 0, 0]), (1, [0, 1], [0, 0])), repair=object()))
+    calls.clear()
+    backend.init_forward_metadata(fb)
+    assert calls == [("plan", fb)] and not backend.can_run_prefill_cuda_graph(fb)
     # A repair's query pass (records the query's scores) over ordinary tails: the plugin's path,
     # so no SGLang planning and no graph.
     fb = batch(True, [0], [6])
@@ -609,7 +615,7 @@ def test_cuda_backend_routes_only_folded_batches_to_the_plugin(monkeypatch):
     for layer in layers:
         q, k, v = (torch.randn(10, n * D, generator=g) for n in (H, HKV, HKV))
         got = backend.forward_extend(q, k, v, layer, fb).view(10, H, D)
-        assert torch.equal(pool.writes[-1][1], fb.out_cache_loc)
+        assert torch.equal(pool.writes[-1][1], fb.out_cache_loc) and pool.writes[-1][2]  # the physical mark kept
         start = 0
         for r in rows:
             sl = slice(start, start + r.n_rows)
@@ -619,6 +625,40 @@ def test_cuda_backend_routes_only_folded_batches_to_the_plugin(monkeypatch):
             start += r.n_rows
     assert calls == [] and sum(c.wrapper.plans for c in backend._scoped._pool.calls) == 1
     attach_context(backend, None)
+
+
+def test_graph_replay_only_for_sglang_batches_without_a_repair():
+    from relaxkv_sglang.srt.attention_backend import SCOPED, SGLANG, may_replay_graph
+
+    plain = types.SimpleNamespace(repair=None)
+    repaired = types.SimpleNamespace(repair=object())
+    assert may_replay_graph(SGLANG, None) and may_replay_graph(SGLANG, plain)
+    assert not may_replay_graph(SGLANG, repaired)  # replay would skip the model hook
+    assert not may_replay_graph(SCOPED, plain) and not may_replay_graph(SCOPED, repaired)
+
+
+def _attention_layer(layer_id, window=-1, cap=0.0, k_scale=None, v_scale=None):
+    """A stand-in of SGLang's RadixAttention: the attributes the settings check reads."""
+    layer = torch.nn.Module()
+    layer.layer_id, layer.sliding_window_size, layer.logit_cap = layer_id, window, cap
+    layer.k_scale_float, layer.v_scale_float = k_scale, v_scale
+    return layer
+
+
+def test_attention_settings_the_plugin_would_drop_are_refused_at_startup():
+    from relaxkv_sglang.srt.attention_backend import check_attention_settings, unsupported_settings
+
+    plain = torch.nn.Sequential(_attention_layer(0), _attention_layer(1, k_scale=1.0, v_scale=1.0))
+    assert unsupported_settings(plain) == [] and unsupported_settings(None) == []
+    check_attention_settings(plain)  # nothing to refuse
+    odd = torch.nn.Sequential(_attention_layer(0, window=4096), _attention_layer(1, cap=30.0),
+                              _attention_layer(2, k_scale=0.5, v_scale=2.0))
+    assert unsupported_settings(odd) == ["layer 0: a sliding window of 4096 tokens",
+                                         "layer 1: a logit soft cap of 30.0", "layer 2: a K scale of 0.5",
+                                         "layer 2: a V scale of 2.0"]
+    with pytest.raises(RuntimeError, match=r"does not apply layer 0: a sliding window of 4096 tokens; layer 1: "
+                                           r"a logit soft cap of 30.0 \(and 2 more\); serve this model with another"):
+        check_attention_settings(odd)
 
 
 def test_create_backend_picks_the_class_by_device(monkeypatch):

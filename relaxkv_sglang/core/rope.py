@@ -230,6 +230,23 @@ def rope_spec_from_hf_config(cfg: Mapping[str, Any], *, is_neox_style: bool = Tr
         ValueError: missing or malformed sizes.
     """
     model_type = cfg.get("model_type", "unknown")
+    scaling = _rope_dict(cfg, model_type)
+    rope_type = _rope_type(scaling, model_type)
+    head_dim = _head_dim(cfg)
+    partial = scaling.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    return RopeSpec(
+        head_dim=head_dim,
+        rotary_dim=int(head_dim * float(partial)),  # HF truncates the same way
+        base=float(scaling.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        is_neox_style=is_neox_style,
+        scaling_type=rope_type,
+        **_scaling_fields(rope_type, cfg, scaling),
+    )
+
+
+def _rope_dict(cfg: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """The config's one RoPE dict: ``rope_scaling`` updated by ``rope_parameters`` (empty: none);
+    UnsupportedRopeError for per-layer-type dicts."""
     scaling: dict[str, Any] = {}
     for key in ("rope_scaling", "rope_parameters"):  # later wins
         val = cfg.get(key)
@@ -245,6 +262,11 @@ def rope_spec_from_hf_config(cfg: Mapping[str, Any], *, is_neox_style: bool = Tr
             f"({', '.join(map(str, scaling))}); supported: one global RoPE of type "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    return scaling
+
+
+def _rope_type(scaling: Mapping[str, Any], model_type: str) -> str:
+    """The RoPE dict's type, one of ``SUPPORTED_ROPE_TYPES`` (UnsupportedRopeError otherwise)."""
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
     if "mrope_section" in scaling or rope_type == "mrope":
         raise UnsupportedRopeError(
@@ -261,19 +283,22 @@ def rope_spec_from_hf_config(cfg: Mapping[str, Any], *, is_neox_style: bool = Tr
             f"model_type={model_type!r} uses rope type {rope_type!r}{why}; "
             f"supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    return rope_type
 
+
+def _head_dim(cfg: Mapping[str, Any]) -> int:
+    """``head_dim``, or ``hidden_size // num_attention_heads``."""
     head_dim = cfg.get("head_dim")
     if head_dim is None:
         hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
         if not hidden or not heads:
             raise ValueError("config needs head_dim or hidden_size and num_attention_heads")
         head_dim = _as_int(hidden, "hidden_size") // _as_int(heads, "num_attention_heads")
-    head_dim = _as_int(head_dim, "head_dim")
+    return _as_int(head_dim, "head_dim")
 
-    base = float(scaling.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    partial = scaling.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    rotary_dim = int(head_dim * float(partial))  # HF truncates the same way
 
+def _scaling_fields(rope_type: str, cfg: Mapping[str, Any], scaling: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``RopeSpec`` fields of a scaled RoPE type (none for "default")."""
     kwargs: dict[str, Any] = {}
     if rope_type in ("linear", "llama3", "yarn"):
         factor = scaling.get("factor")
@@ -297,14 +322,7 @@ def rope_spec_from_hf_config(cfg: Mapping[str, Any], *, is_neox_style: bool = Tr
         kwargs["yarn_mscale"] = scaling.get("mscale")
         kwargs["yarn_mscale_all_dim"] = scaling.get("mscale_all_dim")
         kwargs["yarn_truncate"] = bool(scaling.get("truncate", True))
-    return RopeSpec(
-        head_dim=head_dim,
-        rotary_dim=rotary_dim,
-        base=base,
-        is_neox_style=is_neox_style,
-        scaling_type=rope_type,
-        **kwargs,
-    )
+    return kwargs
 
 
 def _yarn_original_max(cfg: Mapping[str, Any], scaling: Mapping[str, Any]) -> int:

@@ -82,11 +82,13 @@ class _PagedPrefillCall:
         """qo_indptr/kv_indptr: int32 host [n_seg + 1]; kv_indices: int32 [n_kv] pool slots on the device;
         dtype/kv_dtype: of q and of the KV pool."""
         dev = kv_indices.device
-        n_seg = qo_indptr.numel() - 1
         self.kv_indices = kv_indices
         self.n_qo = int(qo_indptr[-1])
+        # FlashInfer reads clamp(pages - 1, 0) + last_page_len keys: a segment listing no key
+        # must say 0, or it reads one key past its end (torch_models.keys_read).
+        last_page_len = (kv_indptr.diff() > 0).to(torch.int32)
         self.wrapper.plan(
-            _host(qo_indptr, dev), _host(kv_indptr, dev), kv_indices, _host(torch.ones(n_seg), dev),
+            _host(qo_indptr, dev), _host(kv_indptr, dev), kv_indices, _host(last_page_len, dev),
             num_qo_heads, num_kv_heads, head_dim, 1,
             causal=True, sm_scale=scale, q_data_type=dtype, kv_data_type=kv_dtype, o_data_type=dtype)
 

@@ -5,7 +5,11 @@ size 1 (SGLang's KV pool: page ``i`` is pool slot ``i``), same argument conventi
 ``plan`` + ``run``: request ``r`` has the queries ``qo_indptr[r]:qo_indptr[r+1]`` and the keys
 ``kv_indices[kv_indptr[r]:kv_indptr[r+1]]``; with ``causal=True`` query ``i`` of a request with
 ``qo_len`` queries and ``kv_len`` keys sees keys ``0 .. i + kv_len - qo_len`` (FlashInfer's
-bottom-right alignment, ``include/flashinfer/attention/prefill.cuh``).  It returns the natural-log
+bottom-right alignment, ``include/flashinfer/attention/prefill.cuh``).  FlashInfer does not read
+``kv_len`` from the indptr: it reads ``clamp(n_pages - 1, 0) * page_size + last_page_len`` keys
+(:func:`keys_read`), so a segment listing no page still reads ``last_page_len`` keys past its end;
+given ``last_page_len``, the model applies that rule and refuses a call that would read a key its
+segment does not list.  It returns the natural-log
 LSE of :mod:`relaxkv_sglang.core.attention` (FlashInfer reports base 2).  The tests feed it to
 :mod:`.flashinfer_attention` in place of FlashInfer and compare with the torch executors
 (``core.attention.block_sparse_attention``, ``scoped_causal_attention``).  Not on the serving path.
@@ -19,7 +23,25 @@ import torch
 
 from relaxkv_sglang.core.attention import masked_attention
 
-__all__ = ["paged_prefill_attention", "paged_prefill_mask"]
+__all__ = ["keys_read", "paged_prefill_attention", "paged_prefill_mask"]
+
+
+def keys_read(kv_indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int = 1) -> torch.Tensor:
+    """int64 [n_seg] the keys FlashInfer reads per segment: ``clamp(n_pages - 1, 0) * page_size +
+    last_page_len``; ValueError when that is more than the segment's pages hold (it would read
+    keys of the next segment, or past the list).
+
+    Args:
+        kv_indptr: int [n_seg + 1] page offsets (page size 1: key offsets).
+        last_page_len: int [n_seg] keys in each segment's last page, as passed to ``plan``.
+    """
+    pages = kv_indptr.long().diff()
+    n = (pages - 1).clamp(min=0) * page_size + last_page_len.long()
+    over = (n > pages * page_size).nonzero().flatten()
+    if over.numel():
+        s = int(over[0])
+        raise ValueError(f"FlashInfer would read {int(n[s])} keys of segment {s}, which lists {int(pages[s])} pages")
+    return n
 
 
 def paged_prefill_mask(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
@@ -52,6 +74,7 @@ def paged_prefill_attention(
     causal: bool = True,
     scale: Optional[float] = None,
     return_lse: bool = False,
+    last_page_len: Optional[torch.Tensor] = None,
 ):
     """Torch model of FlashInfer's batch prefill over a page-size-1 paged KV cache.
 
@@ -60,6 +83,8 @@ def paged_prefill_attention(
         qo_indptr, kv_indptr: int [n_req + 1]; kv_indices: int [kv_indptr[-1]] pool slots.
         causal: FlashInfer's bottom-right causal rule (module doc); else every listed key.
         scale: softmax scale, default ``d ** -0.5``.
+        last_page_len: int [n_req], as passed to FlashInfer's ``plan``: the keys read follow its
+            rule (:func:`keys_read`); None: every listed key.
     Returns:
         out [n_q, n_heads, dv] (0 for a query that sees no key), and lse float32 [n_q, n_heads]
         (natural log, -inf for such a query) if return_lse.  Cost: requests padded to the
@@ -67,7 +92,8 @@ def paged_prefill_attention(
     """
     qo_indptr, kv_indptr, kv_indices = qo_indptr.long(), kv_indptr.long(), kv_indices.long()
     n_req = qo_indptr.numel() - 1
-    qo_len, kv_len = qo_indptr.diff(), kv_indptr.diff()
+    qo_len = qo_indptr.diff()
+    kv_len = kv_indptr.diff() if last_page_len is None else keys_read(kv_indptr, last_page_len)
     n_q, H = q.shape[0], q.shape[1]
     if n_req == 0 or n_q == 0:
         out = q.new_zeros(n_q, H, v_cache.shape[-1])

@@ -300,18 +300,21 @@ class _PagedPrefillModel:
         # FlashInfer's scheduler reads these on the host: they must already be host tensors.
         for x in (qo_indptr, kv_indptr, last_page_len):
             assert x.device.type == "cpu" and x.dtype == torch.int32
-        assert torch.equal(last_page_len, torch.ones(qo_indptr.numel() - 1, dtype=torch.int32))
+        assert last_page_len.numel() == qo_indptr.numel() - 1
         assert kv_indices.dtype == torch.int32 and kv_indices.numel() == int(kv_indptr[-1])
-        self.args = (qo_indptr, kv_indptr, kv_indices, sm_scale)
+        self.args = (qo_indptr, kv_indptr, kv_indices, sm_scale, last_page_len)
+        self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.plans += 1
 
     def run(self, q, paged_kv_cache):
         k_cache, v_cache = paged_kv_cache
         assert k_cache.dim() == 4 and k_cache.shape[1] == 1  # [pages, page_size, heads, dim]
-        qo_indptr, kv_indptr, kv_indices, scale = self.args
+        qo_indptr, kv_indptr, kv_indices, scale, last_page_len = self.args
         assert q.shape[0] == int(qo_indptr[-1])
+        # FlashInfer runs the kernel its plan chose: the tensors must have the planned shapes.
+        assert (q.shape[1], k_cache.shape[2], q.shape[2]) == self.heads == (q.shape[1], v_cache.shape[2], k_cache.shape[3])
         return paged_prefill_attention(q, k_cache[:, 0], v_cache[:, 0], qo_indptr, kv_indptr, kv_indices,
-                                       scale=scale)
+                                       scale=scale, last_page_len=last_page_len)
 
 
 @pytest.fixture
@@ -625,6 +628,30 @@ def test_cuda_backend_routes_only_folded_batches_to_the_plugin(monkeypatch):
             start += r.n_rows
     assert calls == [] and sum(c.wrapper.plans for c in backend._scoped._pool.calls) == 1
     attach_context(backend, None)
+
+
+def test_the_stand_in_reads_keys_as_flashinfer_does():
+    from relaxkv_sglang.gpu.torch_models import keys_read
+
+    kv_indptr = torch.tensor([0, 3, 3, 5], dtype=torch.int32)  # segment 1 lists no key
+    assert keys_read(kv_indptr, torch.tensor([1, 0, 1])).tolist() == [3, 0, 2]
+    with pytest.raises(ValueError, match="read 1 keys of segment 1, which lists 0 pages"):
+        keys_read(kv_indptr, torch.ones(3, dtype=torch.int32))  # what a plan of all ones makes FlashInfer do
+
+
+def test_a_segment_without_keys_is_planned_to_read_none(flashinfer_model):
+    from relaxkv_sglang.gpu.flashinfer_attention import _PagedPrefillCall
+
+    call = _PagedPrefillCall(flashinfer_model, torch.empty(16, dtype=torch.uint8))
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(8, 2, 4, generator=g), torch.randn(8, 2, 4, generator=g)
+    # two segments: 2 queries over slots 5, 6; 1 query that sees no key
+    call.plan(torch.tensor([0, 2, 3]), torch.tensor([0, 2, 2]), torch.tensor([5, 6], dtype=torch.int32),
+              num_qo_heads=4, num_kv_heads=2, head_dim=4, dtype=torch.float32, kv_dtype=torch.float32, scale=0.5)
+    out = call.run(torch.randn(3, 4, 4, generator=g), k_cache, v_cache)
+    assert call.wrapper.args[4].tolist() == [1, 0] and not bool(out[2].any())
+    with pytest.raises(AssertionError):  # head counts other than the plan's
+        call.run(torch.randn(3, 2, 4, generator=g), k_cache, v_cache)
 
 
 def test_graph_replay_only_for_sglang_batches_without_a_repair():

@@ -18,9 +18,14 @@ one ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` call: page size 1 over SG
 Host syncs: none of our own (the indptrs FlashInfer's scheduler reads on the host are computed
 on the host from CPU tensors; the device only receives copies).  FlashInfer's ``plan`` stages
 its schedule through a pinned buffer owned by the wrapper and copies it asynchronously, so a
-wrapper must not be planned again before its previous plan reached the device: each planned
-call of a pass gets its own wrapper (grown on demand and kept; FlashInfer allocates 8 MiB of
-device and 8 MiB of pinned host memory per wrapper), and all share one float workspace.
+wrapper must not be planned again before its previous plan reached the device. The wrappers are a
+ring of at most ``RING_SIZE`` (FlashInfer allocates 8 MiB of device and 8 MiB of pinned host
+memory per wrapper), reused in turn across layers, requests and passes, all sharing one float
+workspace: each use records a CUDA event after its run, and a wrapper's next plan first waits for
+that event (a host wait only when the ring has come round before the device finished its run).
+Bound per worker: ``WORKSPACE_BYTES`` plus ``RING_SIZE`` x 16 MiB for the anchors, the same for
+scoped batches, allocated at first use, after SGLang sized its KV pool (leave that room with
+``--mem-fraction-static``, docs/gpu.md).
 
 Pinned to flashinfer-python 0.7.2 (the version sglang 0.5.23 requires); another version is
 refused at construction, since the wrappers' signatures move between releases.  The torch model
@@ -31,7 +36,7 @@ of the call is :func:`~relaxkv_sglang.gpu.torch_models.paged_prefill_attention` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -45,6 +50,7 @@ from relaxkv_sglang.gpu.prefill_inputs import (
 
 FLASHINFER_VERSION = "0.7.2"
 WORKSPACE_BYTES = 128 * 1024 * 1024
+RING_SIZE = 4  # wrappers per executor (module doc)
 
 __all__ = ["FLASHINFER_VERSION", "FlashInferAnchorAttention", "FlashInferScopedPrefill", "import_flashinfer"]
 
@@ -69,18 +75,26 @@ def _host(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class _PagedPrefillCall:
-    """One FlashInfer paged-prefill wrapper (NHD, page size 1, causal) and its current plan."""
+    """One FlashInfer paged-prefill wrapper (NHD, page size 1, causal) and its current plan.
 
-    def __init__(self, flashinfer: Any, float_workspace: torch.Tensor) -> None:
+    ``new_event``: makes the event recorded after each run (CUDA); None on other devices."""
+
+    def __init__(self, flashinfer: Any, float_workspace: torch.Tensor,
+                 new_event: Optional[Callable[[], Any]] = None) -> None:
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(float_workspace, "NHD", backend="fa2")
         self.n_qo = -1
         self.kv_indices: Optional[torch.Tensor] = None  # kept alive until the run
+        self.new_event = new_event
+        self.last_run: Any = None  # the event after the last run, until the next plan
 
     def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, *,
              num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype,
              scale: float) -> None:
         """qo_indptr/kv_indptr: int32 host [n_seg + 1]; kv_indices: int32 [n_kv] pool slots on the device;
         dtype/kv_dtype: of q and of the KV pool."""
+        if self.last_run is not None:  # the previous plan's staged copy, and its run, are done
+            self.last_run.synchronize()
+            self.last_run = None
         dev = kv_indices.device
         self.kv_indices = kv_indices
         self.n_qo = int(qo_indptr[-1])
@@ -97,27 +111,33 @@ class _PagedPrefillCall:
         if q.shape[0] != self.n_qo:
             raise ValueError(f"q has {q.shape[0]} rows, the plan has {self.n_qo}")
         # [n_slots, page_size=1, Hkv, d]: the pool as FlashInfer's NHD paged cache.
-        return self.wrapper.run(q, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)))
+        out = self.wrapper.run(q, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)))
+        if self.new_event is not None:
+            self.last_run = self.new_event()
+            self.last_run.record()
+        return out
 
 
-class _WrapperPool:
-    """Paged-prefill wrappers sharing one float workspace; call i of a pass uses wrapper i."""
+class _WrapperRing:
+    """At most ``size`` paged-prefill wrappers sharing one float workspace, used in turn (module doc)."""
 
-    def __init__(self, device: torch.device | str, workspace_bytes: int) -> None:
+    def __init__(self, device: torch.device | str, workspace_bytes: int, size: int = RING_SIZE) -> None:
         self.flashinfer = import_flashinfer()
         self.device = torch.device(device)
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self.size = size
         self.calls: list[_PagedPrefillCall] = []
-        self.used = 0
-
-    def begin_pass(self) -> None:
-        self.used = 0
+        self.turn = 0
+        # the event recorded after each run: CUDA's on a CUDA pool (nothing runs ahead elsewhere)
+        self.new_event: Optional[Callable[[], Any]] = torch.cuda.Event if self.device.type == "cuda" else None
 
     def next_call(self) -> _PagedPrefillCall:
-        if self.used == len(self.calls):
-            self.calls.append(_PagedPrefillCall(self.flashinfer, self.workspace))
-        self.used += 1
-        return self.calls[self.used - 1]
+        """The next wrapper of the ring (its plan waits for its previous run)."""
+        i = self.turn % self.size
+        self.turn += 1
+        if i == len(self.calls):
+            self.calls.append(_PagedPrefillCall(self.flashinfer, self.workspace, self.new_event))
+        return self.calls[i]
 
 
 @dataclass
@@ -144,12 +164,11 @@ class FlashInferAnchorAttention:
     """
 
     def __init__(self, device: torch.device | str, workspace_bytes: int = WORKSPACE_BYTES) -> None:
-        self._pool = _WrapperPool(device, workspace_bytes)
-        self.device = self._pool.device
+        self._ring = _WrapperRing(device, workspace_bytes)
+        self.device = self._ring.device
 
     def begin_pass(self) -> None:
-        """A new forward pass: its calls may reuse every wrapper."""
-        self._pool.begin_pass()
+        """A new forward pass (the ring of wrappers carries on across passes)."""
 
     @staticmethod
     def plan_forward(layouts: Sequence[BlockSparseLayout]) -> AnchorForwardPlan:
@@ -181,7 +200,7 @@ class FlashInferAnchorAttention:
             kept = (inputs.row_to_qo >= 0).nonzero().squeeze(1)  # host
             entry.rows = to_device(kept, q.device)
             entry.qo = to_device(inputs.row_to_qo.index_select(0, kept), q.device)
-        call = self._pool.next_call()
+        call = self._ring.next_call()
         call.plan(inputs.qo_indptr, inputs.kv_indptr, inputs.kv_indices(to_device(key_rows, q.device)),
                   num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[1], head_dim=q.shape[2], dtype=q.dtype,
                   kv_dtype=k_cache.dtype, scale=scale)
@@ -202,20 +221,15 @@ class FlashInferScopedPrefill:
     """
 
     def __init__(self, device: torch.device | str, workspace_bytes: int = WORKSPACE_BYTES) -> None:
-        self._pool = _WrapperPool(device, workspace_bytes)
+        self._ring = _WrapperRing(device, workspace_bytes, size=2)
         self._call: Optional[_PagedPrefillCall] = None
-        self._slots = 0
 
     def plan(self, inputs: ScopedPrefillInputs, req_to_token: torch.Tensor, *, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype, scale: float) -> None:
         """Plan the batch: inputs from :func:`~.prefill_inputs.scoped_prefill_inputs`, keys read
         through SGLang's ``req_to_token`` [n_req_slots, max_context] (on the device)."""
-        # One wrapper alternates per forward: the next forward's plan never overwrites the pinned
-        # staging of a plan that may still be in flight.
-        self._slots = (self._slots + 1) % 2
-        while len(self._pool.calls) < 2:
-            self._pool.next_call()
-        self._call = self._pool.calls[self._slots]
+        # Two wrappers alternate per forward; each plan waits for its wrapper's last run.
+        self._call = self._ring.next_call()
         self._call.plan(inputs.qo_indptr, inputs.kv_indptr, inputs.kv_indices(req_to_token),
                         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                         kv_dtype=kv_dtype, scale=scale)

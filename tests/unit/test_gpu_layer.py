@@ -27,6 +27,7 @@ from relaxkv_sglang.core.selection import select_anchors
 from relaxkv_sglang.gpu import bundle, flashinfer_attention
 from relaxkv_sglang.gpu.flashinfer_attention import (
     FLASHINFER_VERSION,
+    RING_SIZE,
     FlashInferAnchorAttention,
     FlashInferScopedPrefill,
 )
@@ -351,13 +352,41 @@ def test_anchor_layer_equals_the_torch_executor(flashinfer_model, seed):
         got = attn.run(plan, l, q, k_cache, v_cache, key_rows, 0.3)
         want = block_sparse_attention(q, k_cache, v_cache, layout, scale=0.3, key_rows=key_rows)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    # One planned call per layer, each on its own wrapper (FlashInfer stages plans in a pinned
-    # buffer per wrapper); a new pass reuses them.
-    calls = attn._pool.calls
-    assert len(calls) == len(layouts) and all(c.wrapper.plans == 1 for c in calls)
+    # One planned call per layer, the wrappers taken in turn from a bounded ring (FlashInfer
+    # stages plans in a pinned buffer per wrapper); a new pass carries on round the same ring.
+    calls = attn._ring.calls
+    assert len(layouts) == 3 and len(calls) == 3 and all(c.wrapper.plans == 1 for c in calls)
     attn.begin_pass()
-    attn.run(plan, 0, qs[0], k_cache, v_cache, key_rows, 0.3)
-    assert len(attn._pool.calls) == len(layouts) and calls[0].wrapper.plans == 2
+    for l in range(2):
+        attn.run(plan, l, qs[l], k_cache, v_cache, key_rows, 0.3)
+    assert len(attn._ring.calls) == RING_SIZE and [c.wrapper.plans for c in calls] == [2, 1, 1, 1]
+
+
+def test_a_wrapper_is_planned_again_only_after_its_last_run(flashinfer_model):
+    """The ring on a CUDA pool, modelled with fake events: a wrapper's plan waits for the event
+    recorded after its previous run, so FlashInfer's pinned staging is never overwritten in flight."""
+    layouts, key_rows, qs, k_cache, v_cache = _request(3)
+    attn = FlashInferAnchorAttention("cpu", workspace_bytes=16)
+    log = []
+
+    class Event:
+        def __init__(self):
+            self.n = sum(1 for e in log if e[0] == "record")
+
+        def record(self):
+            log.append(("record", self.n))
+
+        def synchronize(self):
+            log.append(("wait", self.n))
+
+    attn._ring.new_event = Event
+    plan = attn.plan_forward(layouts)
+    for turn in range(2 * RING_SIZE):
+        attn.run(plan, turn % len(layouts), qs[turn % len(layouts)], k_cache, v_cache, key_rows, 0.3)
+    assert len(attn._ring.calls) == RING_SIZE
+    # runs 0..7 record events 0..7; the second round's plans wait for the first round's events
+    assert [e for e in log if e[0] == "wait"] == [("wait", i) for i in range(RING_SIZE)]
+    assert log.index(("wait", 0)) > log.index(("record", RING_SIZE - 1))
 
 
 def test_anchor_layer_refuses_wrong_rows(flashinfer_model):
@@ -418,7 +447,7 @@ def test_scoped_prefill_plans_once_and_equals_the_torch_path(flashinfer_model, s
             want = scoped_causal_attention(q[r], k_cache, v_cache, p, s, req_to_token[rp], scale=0.3)
             torch.testing.assert_close(got[r], want, atol=1e-5, rtol=1e-5)
             start += p.numel()
-    assert sum(c.wrapper.plans for c in scoped._pool.calls) == 1
+    assert sum(c.wrapper.plans for c in scoped._ring.calls) == 1
 
 
 def test_scoped_prefill_run_before_plan_is_refused(flashinfer_model):
@@ -626,7 +655,7 @@ def test_cuda_backend_routes_only_folded_batches_to_the_plugin(monkeypatch):
                                            req_to_token[r.req_pool_idx], scale=0.3)
             torch.testing.assert_close(got[sl], want, atol=1e-5, rtol=1e-5)
             start += r.n_rows
-    assert calls == [] and sum(c.wrapper.plans for c in backend._scoped._pool.calls) == 1
+    assert calls == [] and sum(c.wrapper.plans for c in backend._scoped._ring.calls) == 1
     attach_context(backend, None)
 
 

@@ -1,9 +1,11 @@
 """Layer-by-layer Llama-family reference executor for one request, for every repair policy.
 
-The model: RMSNorm, GQA attention with neox-style RoPE (optional q/k/v biases as in Qwen2,
-optional per-head q/k RMSNorm as in Qwen3), SwiGLU MLP; weights are plain tensors.  Everything
-runs in float32 on the CPU and is written for clarity, not speed: it is the numerical
-reference the SGLang integration is checked against.
+The model: a registered family's decoder layer (:mod:`.model_family`: RMSNorm, GQA attention
+with neox-style RoPE, q/k/v biases as in Qwen2, per-head q/k RMSNorm as in Qwen3, SwiGLU MLP),
+run in the order :func:`~.model_family.project_qkv` / :func:`~.model_family.finish_layer` write
+once, over plain weight tensors (:class:`ReferenceLayerOps`).  Everything runs in float32 on
+the CPU and is written for clarity, not speed: it is the numerical reference the SGLang
+integration is checked against.
 
 Request: ``input_ids = [prefix][chunk_1](glue)[chunk_2]...[chunk_n][query]``; ``chunk_spans``
 are the chunks' half-open token spans, sorted, the first at or after the prefix, the last ending
@@ -36,8 +38,10 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from .attention import block_sparse_attention, dense_causal_attention
+from .layout import BlockSparseLayout
+from .model_family import ModelFamily, family_for_config, finish_layer, project_qkv
 from .policies import Policy
-from .repair_plan import RepairConfig, RepairCost, plan_anchors
+from .repair_plan import AnchorPlan, RepairConfig, RepairCost, plan_anchors
 from .selection import eligible_tokens, query_attention_scores
 from .stale_shift import stale_shift
 
@@ -46,6 +50,7 @@ Span = tuple[int, int]
 __all__ = [
     "LlamaWeights",
     "from_hf_state_dict",
+    "ReferenceLayerOps",
     "apply_neox_rope",
     "RepairReport",
     "Result",
@@ -69,13 +74,15 @@ class LlamaWeights:
         layers: per layer a dict: ``attn_norm`` [hidden], ``q`` [n_heads*head_dim, hidden],
             ``k``/``v`` [n_kv_heads*head_dim, hidden], ``o`` [hidden, n_heads*head_dim],
             ``mlp_norm`` [hidden], ``gate``/``up`` [inter, hidden], ``down`` [hidden, inter];
-            optional ``q_bias``/``k_bias``/``v_bias`` and ``q_norm``/``k_norm`` [head_dim].
+            ``q_bias``/``k_bias``/``v_bias`` and ``q_norm``/``k_norm`` [head_dim] where the family's
+            layer has them (:meth:`~.model_family.ModelFamily.hf_layer_weights`).
         norm: [hidden] final RMSNorm weight.
         lm_head: [vocab, hidden].
         n_heads, n_kv_heads, head_dim, rope_theta, rms_eps: config.
         rotary_dim: leading dims of each head that RoPE rotates (default head_dim).
         inv_freq: optional float32 [rotary_dim/2] override (e.g. llama3-scaled frequencies).
         attention_scaling: multiplier on cos/sin (YaRN's mscale; 1.0 otherwise).
+        family: the model family (:mod:`.model_family`): whether its layer norms q and k.
     """
 
     embed: torch.Tensor
@@ -90,6 +97,7 @@ class LlamaWeights:
     rotary_dim: Optional[int] = None
     inv_freq: Optional[torch.Tensor] = None
     attention_scaling: float = 1.0
+    family: ModelFamily = field(default_factory=lambda: family_for_config({"model_type": "llama"}))
 
     @property
     def n_layers(self) -> int:
@@ -107,32 +115,13 @@ class LlamaWeights:
         return 1.0 / (self.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
 
 
-_HF_LAYER_KEYS = {
-    "attn_norm": "input_layernorm.weight",
-    "q": "self_attn.q_proj.weight",
-    "k": "self_attn.k_proj.weight",
-    "v": "self_attn.v_proj.weight",
-    "o": "self_attn.o_proj.weight",
-    "mlp_norm": "post_attention_layernorm.weight",
-    "gate": "mlp.gate_proj.weight",
-    "up": "mlp.up_proj.weight",
-    "down": "mlp.down_proj.weight",
-}
-_HF_OPTIONAL_KEYS = {
-    "q_bias": "self_attn.q_proj.bias",
-    "k_bias": "self_attn.k_proj.bias",
-    "v_bias": "self_attn.v_proj.bias",
-    "q_norm": "self_attn.q_norm.weight",
-    "k_norm": "self_attn.k_norm.weight",
-}
-
-
 def from_hf_state_dict(
     sd: Mapping[str, torch.Tensor],
     config_dict: Mapping[str, Any],
     dtype: torch.dtype = torch.float32,
 ) -> LlamaWeights:
-    """Build ``LlamaWeights`` from a HF Llama/Qwen2/Qwen3-style state dict and config dict.
+    """Build ``LlamaWeights`` from a HF state dict and config dict of a registered model family
+    (:func:`~.model_family.family_for_config`: Llama, Mistral, Qwen2, Qwen3).
 
     Args:
         sd: ``model.state_dict()`` (``model.layers.{i}...``, ``model.embed_tokens.weight``,
@@ -141,8 +130,12 @@ def from_hf_state_dict(
             5) or the legacy ``rope_theta`` / ``rope_scaling``.  Only the default RoPE type is
             derived here; for scaled variants pass ``inv_freq`` to ``LlamaWeights`` yourself.
         dtype: dtype of the returned tensors.
+    Raises:
+        UnknownModelFamilyError: the config's architecture is not registered.
+        KeyError: a weight the family's layer has is missing from ``sd``.
     """
     cfg = dict(config_dict)
+    family = family_for_config(cfg)
     n_heads = int(cfg["num_attention_heads"])
     n_kv = int(cfg.get("num_key_value_heads") or n_heads)
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // n_heads)
@@ -154,12 +147,10 @@ def from_hf_state_dict(
     partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
     n_layers = int(cfg["num_hidden_layers"])
     conv = lambda t: t.detach().to(dtype).clone()  # noqa: E731
-    layers = []
-    for i in range(n_layers):
-        pre = f"model.layers.{i}."
-        layer = {name: conv(sd[pre + key]) for name, key in _HF_LAYER_KEYS.items()}
-        layer.update({name: conv(sd[pre + key]) for name, key in _HF_OPTIONAL_KEYS.items() if pre + key in sd})
-        layers.append(layer)
+    if "model.layers.0.self_attn.o_proj.bias" in sd:
+        raise NotImplementedError("an o_proj bias: the reference's layer has none")
+    keys = family.hf_layer_weights(cfg)
+    layers = [{name: conv(sd[f"model.layers.{i}.{key}"]) for name, key in keys.items()} for i in range(n_layers)]
     embed = conv(sd["model.embed_tokens.weight"])
     lm_head = conv(sd["lm_head.weight"]) if "lm_head.weight" in sd else embed
     return LlamaWeights(
@@ -173,6 +164,7 @@ def from_hf_state_dict(
         rope_theta=theta,
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
+        family=family,
     )
 
 
@@ -212,28 +204,58 @@ def apply_neox_rope(
     return torch.cat([rot, rest.expand(rot.shape[0], -1, -1)], dim=-1)  # one x, n positions: broadcast
 
 
-def _project_qkv(w: LlamaWeights, layer: dict, h: torch.Tensor, pos: torch.Tensor):
+@dataclass(frozen=True)
+class ReferenceLayerOps:
+    """:class:`~.model_family.LayerOps` over one layer of plain weights, each method with the shapes
+    that protocol documents (H = ``w.n_heads``, Hkv = ``w.n_kv_heads``, d = ``w.head_dim``), float32
+    results; q/k/v take the biases the layer holds (the family's, :func:`from_hf_state_dict`).
+
+    Attributes:
+        w: the model (its config: heads, eps, RoPE).
+        layer: one of ``w.layers`` (the weight names of :class:`LlamaWeights`).
+    """
+
+    w: LlamaWeights
+    layer: dict[str, torch.Tensor]
+
+    def input_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(hidden, self.layer["attn_norm"], self.w.rms_eps)
+
+    def qkv_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        w, layer, n = self.w, self.layer, x.shape[0]
+        q = torch.nn.functional.linear(x, layer["q"], layer.get("q_bias")).view(n, w.n_heads, w.head_dim)
+        k = torch.nn.functional.linear(x, layer["k"], layer.get("k_bias")).view(n, w.n_kv_heads, w.head_dim)
+        v = torch.nn.functional.linear(x, layer["v"], layer.get("v_bias")).view(n, w.n_kv_heads, w.head_dim)
+        return q, k, v
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rms_norm(q, self.layer["q_norm"], self.w.rms_eps), _rms_norm(k, self.layer["k_norm"], self.w.rms_eps)
+
+    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w, inv = self.w, self.w.rope_inv_freq()
+        return (apply_neox_rope(q, positions, inv, w.rotary_dim, w.attention_scaling),
+                apply_neox_rope(k, positions, inv, w.rotary_dim, w.attention_scaling))
+
+    def o_proj(self, attn_out: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(attn_out.flatten(1), self.layer["o"])
+
+    def post_attention_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(hidden, self.layer["mlp_norm"], self.w.rms_eps)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.nn.functional.silu(torch.nn.functional.linear(x, self.layer["gate"]))
+        return torch.nn.functional.linear(gate * torch.nn.functional.linear(x, self.layer["up"]), self.layer["down"])
+
+
+def _project_qkv(w: LlamaWeights, layer: dict, h: torch.Tensor,
+                 pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [n, hidden] residual stream -> q [n, H, hd], k/v [n, Hkv, hd], RoPE'd at pos."""
-    x = _rms_norm(h, layer["attn_norm"], w.rms_eps)
-    n = x.shape[0]
-    q = torch.nn.functional.linear(x, layer["q"], layer.get("q_bias")).view(n, w.n_heads, w.head_dim)
-    k = torch.nn.functional.linear(x, layer["k"], layer.get("k_bias")).view(n, w.n_kv_heads, w.head_dim)
-    v = torch.nn.functional.linear(x, layer["v"], layer.get("v_bias")).view(n, w.n_kv_heads, w.head_dim)
-    if "q_norm" in layer:
-        q = _rms_norm(q, layer["q_norm"], w.rms_eps)
-        k = _rms_norm(k, layer["k_norm"], w.rms_eps)
-    inv = w.rope_inv_freq()
-    q = apply_neox_rope(q, pos, inv, w.rotary_dim, w.attention_scaling)
-    k = apply_neox_rope(k, pos, inv, w.rotary_dim, w.attention_scaling)
-    return q, k, v
+    return project_qkv(ReferenceLayerOps(w, layer), w.family, h, pos)
 
 
 def _finish_layer(w: LlamaWeights, layer: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """Residual + o_proj, then residual + SwiGLU MLP.  h [n, hidden], attn [n, H, hd]."""
-    h = h + torch.nn.functional.linear(attn.flatten(1), layer["o"])
-    x = _rms_norm(h, layer["mlp_norm"], w.rms_eps)
-    gate = torch.nn.functional.silu(torch.nn.functional.linear(x, layer["gate"]))
-    return h + torch.nn.functional.linear(gate * torch.nn.functional.linear(x, layer["up"]), layer["down"])
+    return finish_layer(ReferenceLayerOps(w, layer), h, attn)
 
 
 def _logits(w: LlamaWeights, h_last: torch.Tensor) -> torch.Tensor:
@@ -462,75 +484,107 @@ def reference_prefill(
     policy = Policy(policy)
     input_ids = input_ids.to(torch.long).flatten()
     spans = _check_request(input_ids, chunk_spans, query_start)
-    n, L, Q0 = input_ids.numel(), weights.n_layers, query_start
-    n_q = n - Q0
-    elig = eligible_tokens(spans, Q0)
-    report = RepairReport(policy=policy.value, n_context=Q0, n_eligible=int(elig.numel()))
+    n, L = input_ids.numel(), weights.n_layers
+    elig = eligible_tokens(spans, query_start)
+    report = RepairReport(policy=policy.value, n_context=query_start, n_eligible=int(elig.numel()))
     # Glue and query: computed at every layer, each over its causal prefix.
-    fresh = torch.cat([glue_tokens(spans, Q0), torch.arange(Q0, n)])
-    query_pairs_per_layer = int((fresh + 1).sum())
-
+    fresh = torch.cat([glue_tokens(spans, query_start), torch.arange(query_start, n)])
+    report.query_kv_pairs = int((fresh + 1).sum()) * L
+    no_anchors = [torch.zeros(0, dtype=torch.long)] * L
     if not policy.reuses_chunks:
         kv, h = _causal_prefill(weights, input_ids, torch.arange(n))
-        report.query_kv_pairs = query_pairs_per_layer * L
-        return Result(_logits(weights, h[-1]), kv, report, [torch.zeros(0, dtype=torch.long)] * L)
-
+        return Result(_logits(weights, h[-1]), kv, report, no_anchors)
     if stale is None:
-        stale = stale_context(weights, input_ids, spans, Q0)
+        stale = stale_context(weights, input_ids, spans, query_start)
     if policy is Policy.PIC:
-        report.query_kv_pairs = query_pairs_per_layer * L
-        return Result(stale.pic_logits, stale.query_kv, report, [torch.zeros(0, dtype=torch.long)] * L, stale.scores)
-    scores = stale.scores if policy.needs_query_scores else None
-    stale_kv = stale.kv
+        return Result(stale.pic_logits, stale.query_kv, report, no_anchors, stale.scores)
 
+    scores = stale.scores if policy.needs_query_scores else None
     w = weights
     cost = RepairCost.from_dims(w.embed.shape[1], w.layers[0]["gate"].shape[0], w.n_heads, w.n_kv_heads, w.head_dim,
                                 device_type="cpu")  # the reference runs on a CPU
-    plan = plan_anchors(policy, scores, spans, Q0, L, config, cost, input_ids=input_ids)
-    inv_freq = weights.rope_inv_freq()
+    plan = plan_anchors(policy, scores, spans, query_start, L, config, cost, input_ids=input_ids)
+    plan, kv_out, h_last = _repair_pass(weights, input_ids, plan, stale.kv, elig, fresh, report)
+    report.anchors_per_layer = [int(a.numel()) for a in plan.anchor_sets]
+    report.recomputed_token_layers = sum(report.anchors_per_layer)
+    report.anchor_ratio = plan.achieved_anchor_ratio()
+    report.context_ratio = report.repair_kv_pairs / report.full_kv_pairs if report.full_kv_pairs else 1.0
+    return Result(_logits(weights, h_last), kv_out, report, list(plan.anchor_sets), scores)
 
-    def rotate(k_post: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:  # re-rotation (no YaRN mscale)
-        return apply_neox_rope(k_post, delta, inv_freq, weights.rotary_dim)
 
-    h_q = weights.embed[input_ids[fresh]].float()  # glue and query rows
+def _repair_pass(w: LlamaWeights, input_ids: torch.Tensor, plan: AnchorPlan,
+                 stale_kv: list[tuple[torch.Tensor, torch.Tensor]], elig: torch.Tensor, fresh: torch.Tensor,
+                 report: RepairReport) -> tuple[AnchorPlan, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Step 4 of the module doc over every layer (:func:`_repair_layer`), the anchors' residual rows
+    carried from layer to layer (``elig``, int64 [n_eligible], before layer 0); fresh: int64
+    [n_fresh] the glue and query positions; the attended pairs are added to ``report``.
+
+    Returns:
+        (the plan, CacheBlend's as decided at its check layer; per layer (k [n, Hkv, d], v [same])
+        float32; the last token's residual [hidden]).
+    """
+    h_q = w.embed[input_ids[fresh]].float()  # glue and query rows
     cur_tok = elig  # tokens whose residual stream we carry (A_{l-1}; all eligible before layer 0)
-    h_cur = weights.embed[input_ids[elig]].float()
+    h_cur = w.embed[input_ids[elig]].float()
     kv_out = []
-    for l, layer in enumerate(weights.layers):
+    for l in range(w.n_layers):
         anchors = plan.anchor_sets[l]
         # Nesting guarantees anchors ⊆ cur_tok; take their carried residual rows.
         rows = torch.searchsorted(cur_tok, anchors)
         if anchors.numel() and not bool((cur_tok[rows.clamp(max=cur_tok.numel() - 1)] == anchors).all()):
             raise AssertionError("anchor sets are not nested")
-        h_a = h_cur[rows]
-        n_a = anchors.numel()
-        q, k, v = _project_qkv(weights, layer, torch.cat([h_a, h_q]), torch.cat([anchors, fresh]))
-        keys = torch.cat([stale_kv[l][0], stale_kv[l][0].new_zeros(n_q, *stale_kv[l][0].shape[1:])])
-        vals = torch.cat([stale_kv[l][1], stale_kv[l][1].new_zeros(n_q, *stale_kv[l][1].shape[1:])])
-        shift_from, shift_to = plan.shift_sets(l)
-        if shift_from.numel():  # stale shift (stale_shift.py): anchors' stale K/V read before they are overwritten
-            src = torch.searchsorted(anchors, shift_from)
-            dk, dv = stale_shift(plan.stale_shift, shift_from, k[src], v[src], keys[shift_from], vals[shift_from],
-                                 shift_to, rotate, plan.stale_shift_scale)
-            keys[shift_to] += dk
-            vals[shift_to] += dv
-        keys[anchors], vals[anchors] = k[:n_a], v[:n_a]
-        keys[fresh], vals[fresh] = k[n_a:], v[n_a:]
-        if plan.decides_at(l):
-            plan = plan.after_check_layer(anchors, k[:n_a], v[:n_a], stale_kv[l][0][anchors], stale_kv[l][1][anchors])
-        K, V = keys[:Q0], vals[:Q0]  # the context: what anchors may attend to
-        layout = plan.layout_at(l, q[:n_a], K)
-        o_a = block_sparse_attention(q[:n_a], K, V, layout)
-        o_q = dense_causal_attention(q[n_a:], keys, vals, fresh, torch.arange(n))
-        h = _finish_layer(weights, layer, torch.cat([h_a, h_q]), torch.cat([o_a, o_q]))
-        h_cur, h_q, cur_tok = h[:n_a], h[n_a:], anchors
-        kv_out.append((keys, vals))
+        plan, kv, h, layout = _repair_layer(w, l, plan, h_cur[rows], h_q, fresh, stale_kv[l], input_ids.numel())
+        h_cur, h_q, cur_tok = h[:anchors.numel()], h[anchors.numel():], anchors
+        kv_out.append(kv)
         report.repair_kv_pairs += layout.kv_pairs()
         report.full_kv_pairs += layout.full_kv_pairs()
-        report.query_kv_pairs += query_pairs_per_layer
+    return plan, kv_out, h_q[-1]
 
-    report.anchors_per_layer = [int(a.numel()) for a in plan.anchor_sets]
-    report.recomputed_token_layers = sum(report.anchors_per_layer)
-    report.anchor_ratio = plan.achieved_anchor_ratio()
-    report.context_ratio = report.repair_kv_pairs / report.full_kv_pairs if report.full_kv_pairs else 1.0
-    return Result(_logits(weights, h_q[-1]), kv_out, report, list(plan.anchor_sets), scores)
+
+def _repair_layer(w: LlamaWeights, l: int, plan: AnchorPlan, h_a: torch.Tensor, h_q: torch.Tensor,
+                  fresh: torch.Tensor, stale: tuple[torch.Tensor, torch.Tensor], n: int,
+                  ) -> tuple[AnchorPlan, tuple[torch.Tensor, torch.Tensor], torch.Tensor, BlockSparseLayout]:
+    """Layer l of the repair pass (module doc, step 4) over the anchors ``plan.anchor_sets[l]``
+    (residual rows h_a [n_a, hidden]) and the glue and query (h_q [n_fresh, hidden] at positions
+    fresh, int64 [n_fresh]); stale: (k [n_context, Hkv, d], v [same]) the layer's stale KV; n: the
+    request's tokens.
+
+    Returns:
+        (the plan, changed at CacheBlend's check layer; (k [n, Hkv, d], v [same]) the layer's KV;
+        [n_a + n_fresh, hidden] the rows' residual after the layer; the anchors' layout).
+    """
+    anchors, n_ctx = plan.anchor_sets[l], stale[0].shape[0]
+    n_a = anchors.numel()
+    q, k, v = _project_qkv(w, w.layers[l], torch.cat([h_a, h_q]), torch.cat([anchors, fresh]))
+    keys = torch.cat([stale[0], stale[0].new_zeros(n - n_ctx, *stale[0].shape[1:])])
+    vals = torch.cat([stale[1], stale[1].new_zeros(n - n_ctx, *stale[1].shape[1:])])
+    _shift_stale(w, plan, l, k[:n_a], v[:n_a], keys, vals)  # reads the anchors' stale K/V before they are overwritten
+    keys[anchors], vals[anchors] = k[:n_a], v[:n_a]
+    keys[fresh], vals[fresh] = k[n_a:], v[n_a:]
+    if plan.decides_at(l):
+        plan = plan.after_check_layer(anchors, k[:n_a], v[:n_a], stale[0][anchors], stale[1][anchors])
+    K, V = keys[:n_ctx], vals[:n_ctx]  # the context: what anchors may attend to
+    layout = plan.layout_at(l, q[:n_a], K)
+    o_a = block_sparse_attention(q[:n_a], K, V, layout)
+    o_q = dense_causal_attention(q[n_a:], keys, vals, fresh, torch.arange(n))
+    h = _finish_layer(w, w.layers[l], torch.cat([h_a, h_q]), torch.cat([o_a, o_q]))
+    return plan, (keys, vals), h, layout
+
+
+def _shift_stale(w: LlamaWeights, plan: AnchorPlan, l: int, k_a: torch.Tensor, v_a: torch.Tensor,
+                 keys: torch.Tensor, vals: torch.Tensor) -> None:
+    """The plan's stale shift at layer l (:mod:`.stale_shift`), added in place to keys and vals
+    [n, Hkv, d] (the stale KV, not yet overwritten); k_a, v_a: [n_a, Hkv, d] the anchors' new K/V."""
+    shift_from, shift_to = plan.shift_sets(l)
+    if not shift_from.numel():
+        return
+    inv_freq = w.rope_inv_freq()
+
+    def rotate(k_post: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:  # re-rotation (no YaRN mscale)
+        return apply_neox_rope(k_post, delta, inv_freq, w.rotary_dim)
+
+    src = torch.searchsorted(plan.anchor_sets[l], shift_from)
+    dk, dv = stale_shift(plan.stale_shift, shift_from, k_a[src], v_a[src], keys[shift_from], vals[shift_from],
+                         shift_to, rotate, plan.stale_shift_scale)
+    keys[shift_to] += dk
+    vals[shift_to] += dv

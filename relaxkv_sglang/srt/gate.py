@@ -65,7 +65,8 @@ from relaxkv_sglang.core.gate import (
 from relaxkv_sglang.core.policies import CHUNK_POLICIES
 from relaxkv_sglang.core.rope import RopeSpec
 from relaxkv_sglang.schema import default_policy
-from relaxkv_sglang.srt.layer_loop import AnchorAttention, LayerLoop, LoopRows, ModelLayers, UnsupportedModelError
+from relaxkv_sglang.srt.layer_loop import AnchorAttention, LayerLoop, LoopRows
+from relaxkv_sglang.srt.model_layers import ModelLayers, UnsupportedModelError
 
 if TYPE_CHECKING:
     from sglang.srt.managers.tokenizer_manager import TokenizerManager

@@ -43,71 +43,10 @@ from relaxkv_sglang.core.repair_plan import AnchorPlan
 from relaxkv_sglang.core.rope import RopeSpec, RotationTable
 from relaxkv_sglang.core.stale_shift import shift_deltas
 from relaxkv_sglang.srt.failures import InvariantError
+from relaxkv_sglang.srt.model_layers import ModelLayers, supports_repair  # noqa: F401 (supports_repair: the old path, for now)
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import KVCache
-
-
-class UnsupportedModelError(RuntimeError):
-    """The model's layer stack is not the Llama shape the loop calls into."""
-
-
-class ModelLayers:
-    """The pieces of an SGLang Llama/Qwen2/Qwen3/Mistral model the loop calls."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        for name in ("embed_tokens", "layers", "norm"):
-            if not hasattr(model, name):
-                raise UnsupportedModelError(f"{type(model).__name__} has no `{name}`; repair policies need a Llama-style model")
-        first = model.layers[getattr(model, "start_layer", 0)]
-        for path in ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn.qkv_proj",
-                     "self_attn.rotary_emb", "self_attn.o_proj", "self_attn.attn", "self_attn.q_size",
-                     "self_attn.kv_size"):
-            obj = first
-            for part in path.split("."):
-                if not hasattr(obj, part):
-                    raise UnsupportedModelError(f"{type(first).__name__} has no `{path}`; repair policies need a Llama-style layer")
-                obj = getattr(obj, part)
-        self.start = getattr(model, "start_layer", 0)
-        self.end = getattr(model, "end_layer", len(model.layers))
-
-    @property
-    def n_layers(self) -> int:
-        """Decoder layers this worker runs (its pipeline stage's share)."""
-        return self.end - self.start
-
-    def layer(self, l: int) -> torch.nn.Module:
-        """The l-th decoder layer of this rank."""
-        return self.model.layers[self.start + l]
-
-    def qkv(self, l: int, positions: torch.Tensor,
-            hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden [n, hidden] (pre-norm) -> q [n, H, d], k [n, Hkv, d], v [n, Hkv, d] post-RoPE."""
-        layer = self.layer(l)
-        attn = layer.self_attn
-        qkv, _ = attn.qkv_proj(layer.input_layernorm(hidden))
-        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        radix = attn.attn
-        if hasattr(attn, "q_norm") and hasattr(attn, "k_norm"):  # Qwen3: per-head norms before RoPE
-            q = attn.q_norm(q.reshape(-1, radix.head_dim)).view(q.shape)
-            k = attn.k_norm(k.reshape(-1, radix.head_dim)).view(k.shape)
-        q, k = attn.rotary_emb(positions, q, k)
-        n = hidden.shape[0]
-        return (q.reshape(n, radix.tp_q_head_num, radix.head_dim), k.reshape(n, radix.tp_k_head_num, radix.head_dim),
-                v.reshape(n, radix.tp_v_head_num, radix.head_dim))
-
-    def finish(self, l: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """Residual adds around o_proj and the MLP; hidden [n, hidden], attn_out [n, H, dv]."""
-        layer = self.layer(l)
-        out, _ = layer.self_attn.o_proj(attn_out.reshape(hidden.shape[0], -1))
-        hidden = hidden + out
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-
-    def attention_params(self, l: int) -> tuple[int, float]:
-        """(KV-pool layer id, softmax scale) of layer l."""
-        radix = self.layer(l).self_attn.attn
-        return radix.layer_id, radix.scaling
 
 
 @dataclasses.dataclass
@@ -407,18 +346,3 @@ def _add_rows(cache: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor) -> 
     else:
         cache[slots] = (cache[slots].float() + delta).to(cache.dtype)
 
-
-def supports_repair(causal_lm: torch.nn.Module) -> bool:
-    """Whether the model's layer stack runs through the hooked forward (Llama/Qwen2 family).
-
-    A model class that overrides ``forward`` itself would bypass the repair
-    pass, so its requests are served as ``pic`` (``repaired`` false, with a ``not_repaired_reason``).
-    """
-    inner = getattr(causal_lm, "model", None)
-    if inner is None or getattr(type(inner).forward, "__wrapped__", None) is None:
-        return False
-    try:
-        ModelLayers(inner)
-    except UnsupportedModelError:
-        return False
-    return True

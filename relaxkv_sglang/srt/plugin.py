@@ -12,7 +12,9 @@ Registered:
 * tree cache backend ``relaxkv`` (``tree_cache.py``),
 * hooks: request preparation (``api.py``, ``chat.py``, ``parallel_encoding.py``),
   admission (``admission.py``: chunk hits pinned until the fold), the forward pipeline (``forward.py``: fold, repair, finish), the repair after
-  SGLang's decoder stack (``repair.py``), reporting (``report.py``, ``tree_cache.py``).
+  SGLang's decoder stack (``repair.py``; one hook per decoder-stack class of the registered model
+  families, :data:`MODEL_FORWARD_HOOKS` from ``core/model_family.py``), reporting (``report.py``,
+  ``tree_cache.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,18 @@ import os
 import pkgutil
 import sys
 
+from relaxkv_sglang.core.model_family import hooked_model_classes
+
 SGLANG_VERSION = "0.5.23"
+
+#: The repair after SGLang's decoder stack: ``<class>.forward`` of each decoder-stack class the
+#: model-family registry hooks (``core/model_family.py::hooked_model_classes`` says which families
+#: each serves) -> the model hook.
+MODEL_FORWARD_HOOKS = {
+    f"{model_class}.forward": (
+        "relaxkv_sglang.srt.repair:around_model_forward", ("self", "input_ids", "positions", "forward_batch"))
+    for model_class in hooked_model_classes()
+}
 
 # target -> (hook "module:function", parameters the hook relies on)
 HOOKS = {
@@ -32,10 +45,7 @@ HOOKS = {
         "relaxkv_sglang.srt.forward:around_forward_batch_generation", ("self", "batch")),
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (
         "relaxkv_sglang.srt.forward:around_forward_batch_init_new", ("cls", "batch", "model_runner")),
-    "sglang.srt.models.llama.LlamaModel.forward": (
-        "relaxkv_sglang.srt.repair:around_model_forward", ("self", "input_ids", "positions", "forward_batch")),
-    "sglang.srt.models.qwen2.Qwen2Model.forward": (
-        "relaxkv_sglang.srt.repair:around_model_forward", ("self", "input_ids", "positions", "forward_batch")),
+    **MODEL_FORWARD_HOOKS,
     "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill": (
         "relaxkv_sglang.srt.admission:around_get_new_batch_prefill", ("self", "running_batch")),
     "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req": (

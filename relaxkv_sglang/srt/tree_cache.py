@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from relaxkv_sglang.core.rope import UnsupportedRopeError, rope_spec_from_hf_config
 from relaxkv_sglang.srt.chunk_metrics import ChunkMetrics
 from relaxkv_sglang.srt.gate import gate_state, run_startup_gate, serving_rope
-from relaxkv_sglang.srt.layer_loop import supports_repair
+from relaxkv_sglang.srt.model_layers import supports_repair
 from relaxkv_sglang.srt.plan import BACKEND_NAME
 from relaxkv_sglang.srt.pool_kv import PoolKV
 from relaxkv_sglang.srt.tiers import build_tiers, model_identity, tier_config_from_env

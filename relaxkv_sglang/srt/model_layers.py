@@ -1,0 +1,177 @@
+"""The served model's decoder layers as the repair pass calls them: SGLang's modules as the ops of
+:mod:`relaxkv_sglang.core.model_family`.
+
+:class:`ModelLayers` looks up the served model's family in the registry
+(:func:`~relaxkv_sglang.core.model_family.family_for_config` on the model's HF config), checks that
+the decoder stack has the SGLang modules that family declares, and runs a layer's steps in the
+order the registry writes once (:func:`~relaxkv_sglang.core.model_family.project_qkv`,
+:func:`~relaxkv_sglang.core.model_family.finish_layer`) over :class:`SGLangLayerOps`, one decoder
+layer's modules. :func:`supports_repair` says whether a served model runs the repair at all (its
+decoder stack's ``forward`` hooked, its layers known); a model that does not is served ``pic``.
+
+SGLang modules used (names from the family): ``embed_tokens``, ``layers[i].{input_layernorm,
+self_attn.{qkv_proj, q_norm, k_norm (Qwen3), rotary_emb, o_proj, attn}, post_attention_layernorm,
+mlp}``, ``norm``; ``config.architectures`` / ``config.model_type`` (the family). Their dtype is
+the served one (the model's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from relaxkv_sglang.core.model_family import (
+    SGLANG_MODEL_MODULES,
+    ModelFamily,
+    UnknownModelFamilyError,
+    family_for_config,
+    finish_layer,
+    project_qkv,
+)
+
+
+class UnsupportedModelError(RuntimeError):
+    """The model is not of a registered family, or lacks a module its family's layer has."""
+
+
+def family_of_model(model: torch.nn.Module) -> ModelFamily:
+    """The registered family of an SGLang decoder stack (``causal_lm.model``), from its HF config.
+
+    Raises:
+        UnsupportedModelError: the config names no registered family (the message names it).
+    """
+    config = getattr(model, "config", None)
+    described = {key: getattr(config, key, None) for key in ("architectures", "model_type")}
+    try:
+        return family_for_config(described)
+    except UnknownModelFamilyError as exc:
+        raise UnsupportedModelError(f"{type(model).__name__}: {exc}") from exc
+
+
+class SGLangLayerOps:
+    """:class:`~relaxkv_sglang.core.model_family.LayerOps` over one SGLang decoder layer; n rows,
+    H = ``attn.tp_q_head_num`` and Hkv = ``attn.tp_k_head_num`` (this rank's heads), d =
+    ``attn.head_dim``; the served dtype.
+
+    Args:
+        layer: ``model.layers[i]`` (LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer).
+    """
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        self.layer = layer
+        self.attn = layer.self_attn
+        self.radix = layer.self_attn.attn  # RadixAttention: this rank's head counts and sizes
+
+    def input_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> [n, hidden]."""
+        return self.layer.input_layernorm(hidden)
+
+    def qkv_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [n, hidden] -> q [n, H, d], k [n, Hkv, d], v [n, Hkv, d] (the fused projection, its biases included)."""
+        qkv, _ = self.attn.qkv_proj(x)
+        q, k, v = qkv.split([self.attn.q_size, self.attn.kv_size, self.attn.kv_size], dim=-1)
+        n, r = x.shape[0], self.radix
+        return (q.reshape(n, r.tp_q_head_num, r.head_dim), k.reshape(n, r.tp_k_head_num, r.head_dim),
+                v.reshape(n, r.tp_v_head_num, r.head_dim))
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [n, H, d], k [n, Hkv, d] -> each head RMS-normed over d (``q_norm``, ``k_norm``), same shapes."""
+        d = self.radix.head_dim
+        return self.attn.q_norm(q.reshape(-1, d)).view(q.shape), self.attn.k_norm(k.reshape(-1, d)).view(k.shape)
+
+    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions int64 [n]; q [n, H, d], k [n, Hkv, d] -> rotated by the layer's ``rotary_emb``
+        (which takes the heads flattened, [n, H * d]), same shapes."""
+        n = q.shape[0]
+        q_rot, k_rot = self.attn.rotary_emb(positions, q.reshape(n, -1), k.reshape(n, -1))
+        return q_rot.reshape(q.shape), k_rot.reshape(k.shape)
+
+    def o_proj(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """attn_out [n, H, dv] -> [n, hidden]."""
+        out, _ = self.attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
+        return out
+
+    def post_attention_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> [n, hidden]."""
+        return self.layer.post_attention_layernorm(hidden)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden] -> [n, hidden]."""
+        return self.layer.mlp(x)
+
+
+class ModelLayers:
+    """The decoder stack of a served model of a registered family, as the layer loop calls it.
+
+    Args:
+        model: SGLang's decoder stack (``causal_lm.model``: LlamaModel, Qwen2Model, Qwen3Model).
+
+    Raises:
+        UnsupportedModelError: no registered family, or a module the family's layer has is missing.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.family = family_of_model(model)
+        for name in SGLANG_MODEL_MODULES:
+            if not hasattr(model, name):
+                raise UnsupportedModelError(f"{type(model).__name__} has no `{name}`; the {self.family.name} "
+                                            "family's decoder stack has one")
+        self.start = getattr(model, "start_layer", 0)
+        self.end = getattr(model, "end_layer", len(model.layers))
+        first = model.layers[self.start]
+        for path in self.family.sglang_layer_modules:
+            if not _has_path(first, path):
+                raise UnsupportedModelError(f"{type(first).__name__} has no `{path}`; the {self.family.name} "
+                                            "family's decoder layer has one")
+
+    @property
+    def n_layers(self) -> int:
+        """Decoder layers this worker runs (its pipeline stage's share)."""
+        return self.end - self.start
+
+    def layer(self, l: int) -> torch.nn.Module:
+        """The l-th decoder layer of this rank."""
+        return self.model.layers[self.start + l]
+
+    def qkv(self, l: int, positions: torch.Tensor,
+            hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [n, hidden] (pre-norm) at positions int64 [n] -> q [n, H, d], k [n, Hkv, d] post-RoPE,
+        v [n, Hkv, d]."""
+        return project_qkv(SGLangLayerOps(self.layer(l)), self.family, hidden, positions)
+
+    def finish(self, l: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual adds around o_proj and the MLP; hidden [n, hidden], attn_out [n, H, dv] -> [n, hidden]."""
+        return finish_layer(SGLangLayerOps(self.layer(l)), hidden, attn_out)
+
+    def attention_params(self, l: int) -> tuple[int, float]:
+        """(KV-pool layer id, softmax scale) of layer l."""
+        radix = self.layer(l).self_attn.attn
+        return radix.layer_id, radix.scaling
+
+
+def _has_path(obj: Any, path: str) -> bool:
+    """Whether ``obj.<path>`` (dotted) exists."""
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def supports_repair(causal_lm: torch.nn.Module) -> bool:
+    """Whether the model's layer stack runs through the hooked forward (a registered family's).
+
+    A model class that overrides ``forward`` itself would bypass the repair pass, and a model of
+    no registered family has no known layer: its requests are served as ``pic`` (``repaired``
+    false, with a ``not_repaired_reason``).
+    """
+    inner = getattr(causal_lm, "model", None)
+    if inner is None or getattr(type(inner).forward, "__wrapped__", None) is None:
+        return False
+    try:
+        ModelLayers(inner)
+    except UnsupportedModelError:
+        return False
+    return True

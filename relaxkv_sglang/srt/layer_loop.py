@@ -24,9 +24,8 @@ forward's own values, CacheBlend's check layer, is asked of the plan
 (:meth:`~relaxkv_sglang.core.repair_plan.AnchorPlan.after_check_layer`) when that layer has
 computed its K/V.
 
-SGLang modules used (names checked by :class:`ModelLayers`): ``embed_tokens``,
-``layers[i].{input_layernorm, self_attn.{qkv_proj,rotary_emb,o_proj,attn}, post_attention_layernorm,
-mlp}``, ``norm``. The loop is called by the repair (:class:`~.repair.RepairStage`), which the model hook
+SGLang's modules are reached through :class:`~.model_layers.ModelLayers` (the served model's
+family, :mod:`relaxkv_sglang.core.model_family`, says which). The loop is called by the repair (:class:`~.repair.RepairStage`), which the model hook
 runs after SGLang's own decoder stack (:func:`~.repair.around_model_forward`).
 """
 
@@ -43,7 +42,7 @@ from relaxkv_sglang.core.repair_plan import AnchorPlan
 from relaxkv_sglang.core.rope import RopeSpec, RotationTable
 from relaxkv_sglang.core.stale_shift import shift_deltas
 from relaxkv_sglang.srt.failures import InvariantError
-from relaxkv_sglang.srt.model_layers import ModelLayers, supports_repair  # noqa: F401 (supports_repair: the old path, for now)
+from relaxkv_sglang.srt.model_layers import ModelLayers
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import KVCache

@@ -38,7 +38,7 @@ import torch
 from relaxkv_sglang.core.policies import Policy
 from relaxkv_sglang.srt.context import ExtendRows, QueryScores
 from relaxkv_sglang.srt.failures import InvariantError, served_as_pic
-from relaxkv_sglang.srt.layer_loop import supports_repair
+from relaxkv_sglang.srt.model_layers import supports_repair
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner

@@ -47,8 +47,9 @@ scheduler, logged in one line by :mod:`.forward`.
 This module translates plans into rows; the method's decisions are in ``core/``, the execution
 in :mod:`.layer_loop`.
 
-SGLang files touched (hooks registered in ``plugin.py``): ``models/llama.py``
-``LlamaModel.forward`` and ``models/qwen2.py`` ``Qwen2Model.forward`` (around).
+SGLang files touched (hooks registered in ``plugin.py``): the ``forward`` of each decoder-stack class
+the model-family registry hooks (``core/model_family.py``: ``models/llama.py`` ``LlamaModel``,
+``models/qwen2.py`` ``Qwen2Model``, ``models/qwen3.py`` ``Qwen3Model``; around).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ import torch
 from relaxkv_sglang.core.repair_plan import AnchorPlan, RepairConfig, plan_anchors
 from relaxkv_sglang.srt.context import forward_context
 from relaxkv_sglang.srt.failures import InvariantError, served_as_pic
-from relaxkv_sglang.srt.layer_loop import LayerLoop, LoopRows, ModelLayers
+from relaxkv_sglang.srt.layer_loop import LayerLoop, LoopRows
+from relaxkv_sglang.srt.model_layers import ModelLayers
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -199,9 +201,9 @@ def _repair_rows(end: int, anchor_plan: AnchorPlan, slots: torch.Tensor) -> Loop
 
 def around_model_forward(original: Callable, model: torch.nn.Module, input_ids: torch.Tensor,
                          positions: torch.Tensor, forward_batch: "ForwardBatch", *args: Any, **kwargs: Any) -> Any:
-    """Hook on ``LlamaModel.forward`` / ``Qwen2Model.forward``: SGLang's forward (for a batch
-    with a repair, its query pass), then the repair, which replaces the repaired requests' glue
-    and query rows of the output (:class:`~relaxkv_sglang.srt.repair.RepairStage`)."""
+    """Hook on each registered family's decoder-stack ``forward`` (``LlamaModel``, ``Qwen2Model``,
+    ``Qwen3Model``): SGLang's forward (for a batch with a repair, its query pass), then the repair,
+    which replaces the repaired requests' glue and query rows of the output (:class:`RepairStage`)."""
     hidden = original(model, input_ids, positions, forward_batch, *args, **kwargs)
     context = forward_context(model)
     if context is None or context.repair is None or not forward_batch.forward_mode.is_extend():

@@ -136,6 +136,7 @@ def gathered_attention(
     key_pos: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     return_lse: bool = False,
+    every_row_sees_a_key: Optional[bool] = None,
 ):
     """All queries attend to one gathered key set, causally by position.
 
@@ -147,6 +148,8 @@ def gathered_attention(
         key_pos: int64 [n_sel] positions of the gathered keys, default ``key_idx`` (KV stored
             in prompt order).
         scale: softmax scale, default ``d ** -0.5``.
+        every_row_sees_a_key: whether every query sees at least one gathered key, when the caller
+            knows it on the host (None: read from the mask, a host sync on a GPU).
     Returns:
         out [n_q, n_heads, dv], and lse float32 [n_q, n_heads] if return_lse.
         Cost is O(n_q * n_sel), independent of n_k.
@@ -155,7 +158,9 @@ def gathered_attention(
     key_pos = key_idx if key_pos is None else key_pos.to(torch.long)
     kg, vg = k.index_select(0, key_idx), v.index_select(0, key_idx)
     visible = key_pos[None, :] <= q_pos.to(key_pos.device, torch.long)[:, None]
-    if not return_lse and bool(visible.any(dim=1).all()):
+    if every_row_sees_a_key is None:
+        every_row_sees_a_key = bool(visible.any(dim=1).all())
+    if not return_lse and every_row_sees_a_key:
         # The serving path: torch's fused SDPA kernel on the gathered set (the
         # einsum path below materialises [H, n_q, n_sel] logits and is far slower).
         return _sdpa(q, kg, vg, visible, _default_scale(q, scale))
@@ -178,11 +183,15 @@ def scoped_causal_attention(
     the chunk attend only to itself (position-independent computation). Rows
     sharing a scope start gather their key range once.
 
+    The grouping is decided where ``q_pos`` and ``scope_start`` live: given on the host (CPU)
+    beside q/k/v on a GPU, the device receives index copies only, and no host sync happens
+    (every row sees at least its own key, so the fused kernel's precondition is known too).
+
     Args:
         q: [n, n_heads, d]; k/v: [n_k, n_kv_heads, d] (e.g. a KV pool).
-        q_pos: int64 [n] row positions; scope_start: int64 [n].
+        q_pos: int64 [n] row positions; scope_start: int64 [n] (scope_start <= q_pos).
         key_rows: int [>= max(q_pos) + 1] row of k/v holding the key at each position
-            (e.g. a request's ``req_to_token`` row).
+            (e.g. a request's ``req_to_token`` row), on k's device.
         scale: softmax scale, default ``d ** -0.5``.
     Returns:
         [n, n_heads, dv] in q's dtype.
@@ -192,7 +201,9 @@ def scoped_causal_attention(
         sel = (scope_start == scope).nonzero().flatten()
         pos = q_pos[sel]
         key_pos = torch.arange(scope, int(pos.max()) + 1, dtype=torch.int64, device=key_rows.device)
-        out[sel] = gathered_attention(q[sel], k, v, pos, key_idx=key_rows[key_pos], key_pos=key_pos, scale=scale)
+        rows = sel.to(q.device)
+        out[rows] = gathered_attention(q.index_select(0, rows), k, v, pos, key_idx=key_rows[key_pos], key_pos=key_pos,
+                                       scale=scale, every_row_sees_a_key=bool((pos >= scope).all()))
     return out
 
 

@@ -340,7 +340,9 @@ class AnchorPlan:
         if not self.ranks_pages_in_layer or planned.n_rows == 0:
             return planned
         c = self.config
-        row_scores = key_bound_page_scores(q_anchors, planned.q_pos, keys, self.n_context, c.page_size,
+        # The layouts live on the host: an ablation that reads the layer's queries on a GPU
+        # copies them back at every layer.
+        row_scores = key_bound_page_scores(q_anchors.cpu(), planned.q_pos, keys.cpu(), self.n_context, c.page_size,
                                            exact=c.relaxkv.context_rank == "oracle")
         return build_relaxed_layout(self.anchor_sets[layer], None, self.chunk_spans, self.n_context,
                                     c.context_ratio, c.page_size, c.sink_tokens,
@@ -357,8 +359,9 @@ class AnchorPlan:
         Returns:
             a new plan with every layer decided; layers ``0..check_layer`` unchanged.
         """
+        # The plan lives on the host: K/V of a GPU pool are read back here, once per request.
         deviation = torch.zeros(self.n_context)
-        deviation[tokens] = kv_deviation(k_new, v_new, k_stale, v_stale, self.config.cacheblend.use_k)
+        deviation[tokens.cpu()] = kv_deviation(k_new, v_new, k_stale, v_stale, self.config.cacheblend.use_k).cpu()
         sets = select_anchors(self.policy, None, self.chunk_spans, self.n_context, self.config.anchor_ratio,
                               n_layers=self.n_layers, deviation=deviation, check_layer=self.check_layer)
         done = len(self.layouts)

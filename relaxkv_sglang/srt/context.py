@@ -81,12 +81,14 @@ class QueryScores:
 
     def record(self, q: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, scale: float) -> None:
         """One layer: q [n_rows, H, d] the request's rows' queries (post-RoPE) at ``positions``
-        (int64 [n_rows]); k_cache [pool, Hkv, d] the layer's keys, the rows' own already written."""
+        (int64 [n_rows], on the host: the query's rows are found there, so a GPU is not read back);
+        k_cache [pool, Hkv, d] the layer's keys, the rows' own already written."""
         is_query = (positions >= self.n_context) & (positions < self.query_end)
         if int(is_query.sum()) != self.query_end - self.n_context:
             raise InvariantError("relaxkv: the query pass does not hold the whole query")
         keys = k_cache[self.slots[: self.query_end].to(k_cache.device)]
-        self.layers.append(query_attention_scores(q[is_query.to(q.device)], keys, self.n_context, scale))
+        rows = is_query.nonzero().flatten().to(q.device)
+        self.layers.append(query_attention_scores(q.index_select(0, rows), keys, self.n_context, scale))
 
     def stacked(self, n_layers: int) -> torch.Tensor:
         """float32 [n_layers, n_context], on the CPU (the planner's device)."""

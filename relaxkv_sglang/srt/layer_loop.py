@@ -18,6 +18,13 @@ With the plan's stale shift (``RepairConfig.stale_shift``,
 anchors' mean K/V deviation to the request's non-anchor chunk tokens in the pool (their slots are
 the request's own copies, never the chunk tree's).
 
+**Host and device.** A pass's bookkeeping (:class:`LoopRows`: positions, exits, scopes,
+anchors, slots, the plan) lives on the host (CPU), where the planner made it. Each layer decides
+its rows' indices there and copies them to the device; the device computes and is never read
+back, so a layer makes no host sync on a GPU. The exceptions: CacheBlend's check layer (its
+decision reads the layer's K/V deviation) and the ``layout_at`` ablation (its pages are ranked by
+the layer's queries).
+
 It executes decisions; it makes none. The rows and layouts come from the repair planner
 (:mod:`.repair` over :mod:`relaxkv_sglang.core.repair_plan`). The one decision that needs the
 forward's own values, CacheBlend's check layer, is asked of the plan
@@ -52,18 +59,20 @@ if TYPE_CHECKING:
 class LoopRows:
     """One request's rows in a pass of the layer loop.
 
+    Every tensor lives on the host (CPU); :class:`LayerLoop` copies what the device needs.
+
     Attributes:
         slots: int64 [>= max position + 1] KV-pool slot of every position (the
-            request's ``req_to_token`` row).
+            request's ``req_to_token`` row, read once).
         positions: int64 [n] position of each row, ascending.
         exits: int64 [n] a row takes part in layers ``[0, exits[i])``.
         scope: int64 [n] first key position a non-anchor row attends to
             (0: its causal prefix; a chunk's start: that chunk only).
         anchor: bool [n] repair targets: they attend through ``anchor_plan.layouts``.
         anchor_plan: the planner's decisions (None: no anchors in this pass).
-        shift_target: the stale shift's body in the pool (:class:`ShiftTarget`), built at the
-            first layer that shifts (a relaxkv plan is fixed for the pass; only CacheBlend's
-            changes, and it never shifts).
+        shift_target: the stale shift's body in the pool (:class:`ShiftTarget`), built when
+            the pass starts (a relaxkv plan is fixed for the pass; only CacheBlend's changes,
+            and it never shifts).
         work: the (row, key) pairs of the anchor layouts executed in this pass (the report's).
     """
 
@@ -155,110 +164,138 @@ class LayerLoop:
         self.rope = rope  # the served RoPE: the stale shift compares K before it (core/stale_shift.py)
 
     def run(self, requests: list[LoopRows], input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids int64 [sum n_rows] (requests' rows in order) -> final-normed hidden [sum n_rows, hidden]."""
+        """input_ids int64 [sum n_rows] (requests' rows in order, on the model's device) ->
+        final-normed hidden [sum n_rows, hidden] (module doc: host and device)."""
         model = self.layers.model
-        positions = torch.cat([r.positions for r in requests])
+        device = input_ids.device
         offsets = [0]
         for r in requests:
+            _check_on_host(r)
             offsets.append(offsets[-1] + r.n_rows)
+        positions = torch.cat([r.positions for r in requests]).to(device)
+        slots = [r.slots.to(device) for r in requests]
+        for r, on_device in zip(requests, slots):
+            _prepare_shift(r, on_device, self.rope)
         hidden = model.embed_tokens(input_ids)
         self.anchor_attention.begin_pass()
         for l in range(self.layers.n_layers):
             # Recomputed every layer: CacheBlend's check layer may shorten exits.
-            active = torch.cat([(r.exits > l).nonzero().flatten() + off for r, off in zip(requests, offsets)])
-            if active.numel() == 0:
+            layer_rows = [(r.exits > l).nonzero().flatten() for r in requests]  # host
+            if not any(rows.numel() for rows in layer_rows):
                 break
-            h = hidden[active]
-            q, k, v = self.layers.qkv(l, positions[active], h)
+            active = torch.cat([rows + off for rows, off in zip(layer_rows, offsets)]).to(device)
+            h = hidden.index_select(0, active)
+            q, k, v = self.layers.qkv(l, positions.index_select(0, active), h)
             layer_id, scale = self.layers.attention_params(l)
             k_cache = self.kv_pool.get_key_buffer(layer_id)
             v_cache = self.kv_pool.get_value_buffer(layer_id)
             out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
             # Write every active row's K/V first: rows attend to each other's new KV.
-            spans = []
-            start = 0
-            for r in requests:
-                mask = r.exits > l
-                n = int(mask.sum())
-                spans.append((start, start + n, mask))
+            spans, start = [], 0
+            for r, rows, on_device in zip(requests, layer_rows, slots):
+                n = rows.numel()
+                spans.append((start, start + n))
                 if n:
-                    _decide_after_check_layer(r, l, mask, k[start:start + n], v[start:start + n], k_cache, v_cache)
+                    k_r, v_r = k[start:start + n], v[start:start + n]
+                    _decide_after_check_layer(r, l, rows, on_device, k_r, v_r, k_cache, v_cache)
                     # The shift reads the anchors' stale K/V and lands before the rows' writes.
-                    _stale_shift(r, l, mask, k[start:start + n], v[start:start + n], k_cache, v_cache, self.rope)
-                    slots = r.slots[r.positions[mask]]
-                    k_cache[slots] = k[start:start + n].to(k_cache.dtype)
-                    v_cache[slots] = v[start:start + n].to(v_cache.dtype)
+                    _stale_shift(r, l, rows, on_device, k_r, v_r, k_cache, v_cache)
+                    written = on_device[r.positions[rows].to(device)]
+                    k_cache[written] = k_r.to(k_cache.dtype)
+                    v_cache[written] = v_r.to(v_cache.dtype)
                 start += n
-            for r, (s0, s1, mask) in zip(requests, spans):
+            for r, rows, on_device, (s0, s1) in zip(requests, layer_rows, slots, spans):
                 if s1 > s0:
-                    out[s0:s1] = self._attend(r, l, mask, q[s0:s1], k_cache, v_cache, scale)
+                    out[s0:s1] = self._attend(r, l, rows, on_device, q[s0:s1], k_cache, v_cache, scale)
             # An anchor's hidden state after its last layer feeds nothing (only its K/V of the
             # layers it took part in are kept): o_proj and the MLP run for the other rows only.
-            going_on = torch.cat([~(r.anchor[mask] & (r.exits[mask] <= l + 1))
-                                  for r, (_, _, mask) in zip(requests, spans)])
-            kept = going_on.nonzero().flatten()
-            hidden[active[kept]] = self.layers.finish(l, h[kept], out[kept])
+            going_on = torch.cat([(~(r.anchor[rows] & (r.exits[rows] <= l + 1))).nonzero().flatten() + s0
+                                  for r, rows, (s0, _) in zip(requests, layer_rows, spans)]).to(device)
+            hidden[active.index_select(0, going_on)] = self.layers.finish(l, h.index_select(0, going_on),
+                                                                         out.index_select(0, going_on))
         return model.norm(hidden)
 
-    def _attend(self, r: LoopRows, l: int, mask: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        pos, scope, anchor = r.positions[mask], r.scope[mask], r.anchor[mask]
+    def _attend(self, r: LoopRows, l: int, rows: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """One request's active rows at layer l: rows int64 host [n] (its rows taking part),
+        slots int64 [>= positions] on the device, q [n, H, d] -> [n, H, dv]."""
+        pos, scope, anchor = r.positions[rows], r.scope[rows], r.anchor[rows]
         out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
-        plain = ~anchor
-        if bool(plain.any()):
-            out[plain] = scoped_causal_attention(q[plain], k_cache, v_cache, pos[plain], scope[plain], r.slots, scale)
-        if bool(anchor.any()):
-            plan, sel = r.anchor_plan, anchor.nonzero().flatten()
-            layout = (plan.layout_at(l, q[sel], k_cache[r.slots[:plan.n_context]]) if plan.ranks_pages_in_layer
+        plain = (~anchor).nonzero().flatten()
+        if plain.numel():
+            at = plain.to(q.device)
+            out[at] = scoped_causal_attention(q.index_select(0, at), k_cache, v_cache, pos[plain], scope[plain], slots,
+                                              scale)
+        sel = anchor.nonzero().flatten()
+        if sel.numel():
+            plan, at = r.anchor_plan, sel.to(q.device)
+            q_anchors = q.index_select(0, at)
+            layout = (plan.layout_at(l, q_anchors, k_cache[slots[:plan.n_context]]) if plan.ranks_pages_in_layer
                       else plan.layouts[l])
             if not torch.equal(layout.q_pos, pos[sel]):
                 raise InvariantError("relaxkv: layout rows do not match the layer's anchors")
-            out[sel] = self.anchor_attention(q[sel], k_cache, v_cache, layout, scale, r.slots, l, plan.layouts, r.work)
+            out[at] = self.anchor_attention(q_anchors, k_cache, v_cache, layout, scale, slots, l, plan.layouts, r.work)
         return out
 
 
-def _decide_after_check_layer(r: LoopRows, l: int, mask: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                              k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _check_on_host(r: LoopRows) -> None:
+    """The pass's bookkeeping stays on the host (module doc); a device tensor here would make
+    every layer read it back."""
+    for name in ("slots", "positions", "exits", "scope", "anchor"):
+        if getattr(r, name).device.type != "cpu":
+            raise InvariantError(f"relaxkv: the repair pass's {name} must be a host tensor, got {getattr(r, name).device}")
+
+
+def _prepare_shift(r: LoopRows, slots: torch.Tensor, rope: Optional[RopeSpec]) -> None:
+    """Build the request's stale-shift body once, before the pass's first layer (slots: on the device)."""
+    plan = r.anchor_plan
+    if r.shift_target is not None or plan is None or plan.stale_shift == "none" or plan.shift_body.numel() == 0:
+        return
+    if rope is None:
+        raise InvariantError("relaxkv: the stale shift needs the served RoPE (LayerLoop(rope=...))")
+    r.shift_target = ShiftTarget(r.slots, plan.shift_body, rope, r.positions, r.exits, device=slots.device)
+
+
+def _decide_after_check_layer(r: LoopRows, l: int, rows: torch.Tensor, slots: torch.Tensor, k_new: torch.Tensor,
+                              v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """CacheBlend: at the check layer, before its K/V are written, hand the recomputed and the
-    cached K/V to the plan, which chooses the later layers."""
+    cached K/V to the plan, which chooses the later layers (rows: host, the layer's active rows;
+    slots: device)."""
     plan = r.anchor_plan
     if plan is None or not plan.decides_at(l):
         return
-    active_anchor = r.anchor[mask]
-    pos = r.positions[mask][active_anchor]
-    slots = r.slots[pos]
-    r.anchor_plan = plan.after_check_layer(pos, k_new[active_anchor], v_new[active_anchor], k_cache[slots],
-                                           v_cache[slots])
+    sel = r.anchor[rows].nonzero().flatten()
+    pos = r.positions[rows][sel]
+    at, pool = sel.to(k_new.device), slots[pos.to(slots.device)]
+    r.anchor_plan = plan.after_check_layer(pos, k_new.index_select(0, at), v_new.index_select(0, at), k_cache[pool],
+                                           v_cache[pool])
     r.exits[r.anchor] = r.anchor_plan.exit_layers()[r.positions[r.anchor]]
 
 
-def _stale_shift(r: LoopRows, l: int, mask: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, rope: Optional[RopeSpec]) -> None:
+def _stale_shift(r: LoopRows, l: int, rows: torch.Tensor, slots: torch.Tensor, k_new: torch.Tensor,
+                 v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Add the plan's stale shift at layer l (core/stale_shift.py) to the pool, before the layer's
     writes. It goes to the whole shift body, this layer's anchors included: their new K/V are
     written next and replace it, which leaves exactly T_l shifted without splitting the body
     every layer.
 
+    rows: host int64 [n_active] the layer's active rows; slots: the request's, on the device;
     k_new, v_new: [n_active, Hkv, d] the request's active rows' new K/V, rows in position order.
     """
-    plan = r.anchor_plan
-    if plan is None or plan.stale_shift == "none":
+    plan, target = r.anchor_plan, r.shift_target
+    if target is None:
         return
-    sources = plan.shift_sources(l).to(r.positions.device)  # the plan lives on the CPU
+    sources = plan.shift_sources(l)  # host, as the plan
     if sources.numel() == 0:
         return
-    if rope is None:
-        raise InvariantError("relaxkv: the stale shift needs the served RoPE (LayerLoop(rope=...))")
-    pos = r.positions[mask]
-    rows = torch.searchsorted(pos, sources)
-    if not torch.equal(pos[rows.clamp(max=pos.shape[0] - 1)], sources):
+    pos = r.positions[rows]
+    at = torch.searchsorted(pos, sources)
+    if not torch.equal(pos[at.clamp(max=pos.shape[0] - 1)], sources):
         raise InvariantError("relaxkv: the stale shift's anchors are not the layer's rows")
-    if r.shift_target is None:
-        r.shift_target = ShiftTarget(r.slots, plan.shift_body.to(r.slots.device), rope, r.positions, r.exits)
-    target = r.shift_target
-    src_slots = r.slots[sources]
-    dk, dv = shift_deltas(plan.stale_shift, sources, k_new[rows], v_new[rows], k_cache[src_slots], v_cache[src_slots],
-                          target.rotate_by, plan.stale_shift_scale)
+    at, sources = at.to(k_new.device), sources.to(k_new.device)
+    pool = slots[sources.to(slots.device)]
+    dk, dv = shift_deltas(plan.stale_shift, sources, k_new.index_select(0, at), v_new.index_select(0, at),
+                          k_cache[pool], v_cache[pool], target.rotate_by, plan.stale_shift_scale)
     target.add(l, k_cache, v_cache, dk if plan.stale_shift == "kv" else None, dv)
 
 
@@ -277,39 +314,41 @@ class ShiftTarget:
     (added in float32 and rounded once, as the reference does).
 
     Args:
-        slots: int64 [>= max position + 1] the request's KV-pool slot of every position.
-        body: int64 [n_body >= 1] positions of the shift body, ascending.
+        slots: int64 host [>= max position + 1] the request's KV-pool slot of every position.
+        body: int64 host [n_body >= 1] positions of the shift body, ascending.
         rope: the served RoPE.
-        row_positions: int64 [n_rows] the pass's rows, ascending; row_exits: int64 [n_rows] the
-            layer each leaves at (``LoopRows.positions``, ``LoopRows.exits``).
+        row_positions: int64 host [n_rows] the pass's rows, ascending; row_exits: int64 host
+            [n_rows] the layer each leaves at (``LoopRows.positions``, ``LoopRows.exits``).
+        device: the KV pool's (default: the slots').
     """
 
     MAX_RUNS = 64
 
     def __init__(self, slots: torch.Tensor, body: torch.Tensor, rope: RopeSpec, row_positions: torch.Tensor,
-                 row_exits: torch.Tensor) -> None:
+                 row_exits: torch.Tensor, device: Optional[torch.device] = None) -> None:
+        device = slots.device if device is None else device
         self.first = int(body[0])
         span = int(body[-1]) + 1 - self.first
         # Table row i: position first + i.
-        self.rotation = RotationTable(torch.arange(self.first, self.first + span, device=body.device), rope)
-        self.rows = body - self.first
-        self.slots = slots[body]
+        self.rotation = RotationTable(torch.arange(self.first, self.first + span, device=device), rope)
+        rows = body - self.first
+        body_slots = slots[body]
+        self.rows, self.slots = rows.to(device), body_slots.to(device)
         self.span_slot, self.span = int(slots[self.first]), span
         self.span_until = 0
         if bool((slots[self.first:self.first + span].diff() == 1).all()):
             # The exit layer of each position of the span (0: no row of the pass), the body's
             # own not counted: the smallest is the first layer whose writes miss a left-out one.
-            exit_at = torch.zeros(span, dtype=torch.long, device=body.device)
-            row_positions, row_exits = row_positions.to(body.device), row_exits.to(body.device)
+            exit_at = torch.zeros(span, dtype=torch.long)
             inside = (row_positions >= self.first) & (row_positions < self.first + span)
             exit_at[row_positions[inside] - self.first] = row_exits[inside]
-            exit_at[self.rows] = torch.iinfo(torch.int64).max
+            exit_at[rows] = torch.iinfo(torch.int64).max
             self.span_until = int(exit_at.min())
         # Runs of the body over consecutive slots and positions: (first slot, table row, length).
-        step = (self.slots.diff() != 1) | (body.diff() != 1)
-        starts = torch.cat([torch.zeros(1, dtype=torch.long, device=body.device), step.nonzero().flatten() + 1]).tolist()
+        step = (body_slots.diff() != 1) | (body.diff() != 1)
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), step.nonzero().flatten() + 1]).tolist()
         ends = starts[1:] + [int(body.numel())]
-        self.runs = ([(int(self.slots[a]), int(self.rows[a]), b - a) for a, b in zip(starts, ends)]
+        self.runs = ([(int(body_slots[a]), int(rows[a]), b - a) for a, b in zip(starts, ends)]
                      if len(starts) <= self.MAX_RUNS else None)
 
     def rotate_by(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

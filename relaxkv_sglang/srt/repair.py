@@ -148,7 +148,8 @@ class RepairStage:
         try:
             anchor_plan = plan_anchors(f.plan.policy, scores, list(f.plan.chunk_spans), f.plan.query_start, n_layers,
                                        repair_config(r), self.attn_backend.repair_cost, input_ids=_token_ids(f.req))
-            return RepairOutcome(_repair_rows(f.window_end, anchor_plan, r.slots))
+            # the pass's bookkeeping lives on the host (layer_loop): the slots are read back once
+            return RepairOutcome(_repair_rows(f.window_end, anchor_plan, r.slots.cpu()))
         except InvariantError:
             raise
         except Exception as exc:  # this request's plan, not the server: serve it as pic

@@ -165,7 +165,6 @@ def run_anchors(case: Case, device: torch.device, flashinfer, repeats: int, seed
         host_ms = (time.perf_counter() - t0) * 1e3
 
         def call():
-            attn.begin_pass()
             return attn.run(plan, 0, q, k_cache, v_cache, key_rows, scale)
 
         out = call()

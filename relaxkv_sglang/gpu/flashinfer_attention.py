@@ -167,9 +167,6 @@ class FlashInferAnchorAttention:
         self._ring = _WrapperRing(device, workspace_bytes)
         self.device = self._ring.device
 
-    def begin_pass(self) -> None:
-        """A new forward pass (the ring of wrappers carries on across passes)."""
-
     @staticmethod
     def plan_forward(layouts: Sequence[BlockSparseLayout]) -> AnchorForwardPlan:
         """Every layer's host metadata of one request, in one vectorised pass (no device work)."""

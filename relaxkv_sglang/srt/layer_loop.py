@@ -112,10 +112,8 @@ class AnchorAttention:
         return k_cache.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
     def begin_pass(self) -> None:
-        """A new pass of the layer loop: plans are rebuilt, FlashInfer's wrappers reused."""
+        """A new pass of the layer loop: plans are rebuilt (FlashInfer's ring of wrappers carries on)."""
         self._plans.clear()
-        if self._flashinfer is not None:
-            self._flashinfer.begin_pass()
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BlockSparseLayout,
                  scale: float, key_rows: torch.Tensor, layer: Optional[int] = None,

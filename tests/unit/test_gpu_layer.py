@@ -346,7 +346,6 @@ def _request(seed: int, n: int = 90, n_layers: int = 3, page_size: int = 8):
 def test_anchor_layer_equals_the_torch_executor(flashinfer_model, seed):
     layouts, key_rows, qs, k_cache, v_cache = _request(seed)
     attn = FlashInferAnchorAttention("cpu", workspace_bytes=16)
-    attn.begin_pass()
     plan = attn.plan_forward(layouts)
     for l, (layout, q) in enumerate(zip(layouts, qs)):
         got = attn.run(plan, l, q, k_cache, v_cache, key_rows, 0.3)
@@ -356,7 +355,6 @@ def test_anchor_layer_equals_the_torch_executor(flashinfer_model, seed):
     # stages plans in a pinned buffer per wrapper); a new pass carries on round the same ring.
     calls = attn._ring.calls
     assert len(layouts) == 3 and len(calls) == 3 and all(c.wrapper.plans == 1 for c in calls)
-    attn.begin_pass()
     for l in range(2):
         attn.run(plan, l, qs[l], k_cache, v_cache, key_rows, 0.3)
     assert len(attn._ring.calls) == RING_SIZE and [c.wrapper.plans for c in calls] == [2, 1, 1, 1]

@@ -26,6 +26,7 @@ __all__ = [
     "scoped_causal_attention",
     "block_sparse_attention",
     "masked_attention",
+    "to_device",
 ]
 
 
@@ -51,6 +52,15 @@ class AttentionWork:
         self.visible += layout.kv_pairs()
         self.executed += executed_kv_pairs(layout)
         self.full += layout.full_kv_pairs()
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``; on CUDA through pinned memory without blocking (a plain
+    copy from pageable memory synchronizes the stream: a host sync)."""
+    device = torch.device(device)
+    if device.type == "cuda" and x.device.type == "cpu":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 
 
 def _expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -201,8 +211,8 @@ def scoped_causal_attention(
         sel = (scope_start == scope).nonzero().flatten()
         pos = q_pos[sel]
         key_pos = torch.arange(scope, int(pos.max()) + 1, dtype=torch.int64, device=key_rows.device)
-        rows = sel.to(q.device)
-        out[rows] = gathered_attention(q.index_select(0, rows), k, v, pos, key_idx=key_rows[key_pos], key_pos=key_pos,
+        rows = to_device(sel, q.device)
+        out[rows] = gathered_attention(q.index_select(0, rows), k, v, to_device(pos, key_rows.device), key_idx=key_rows[key_pos], key_pos=key_pos,
                                        scale=scale, every_row_sees_a_key=bool((pos >= scope).all()))
     return out
 

@@ -11,6 +11,10 @@ same GPU) and times it against what SGLang's own FlashInfer backend would run in
   with their full causal context (``full_causal_layout``, same path: the work must shrink with the
   context ratio) and against a dense causal prefill of the whole prompt at one layer (what
   recomputing it costs);
+* **repair** (:mod:`.repair_check`): the plugin's repair pass itself (layer loop, anchors, stale
+  shift) over stand-in layers with random weights, in float32 and bfloat16 on the GPU under
+  ``torch.cuda.set_sync_debug_mode("error")`` (a host sync in the pass fails it), against the
+  same pass in float32 on the CPU; first, so that it runs within any time limit;
 * **scoped** (:class:`~relaxkv_sglang.gpu.flashinfer_attention.FlashInferScopedPrefill`,
   bfloat16): an extend batch as the fold leaves it on a cold prompt (8 prefix tokens, every chunk
   a miss scoped to itself, a 64-token query with scope 0), against
@@ -36,6 +40,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -225,12 +230,32 @@ def time_layout(n_context: int = 6144, n_layers: int = 30, anchor_ratio: float =
     return statistics.median(times)
 
 
+def run_repair_rows(device: torch.device, seed: int) -> list[dict]:
+    """The repair pass on the device against the CPU (:mod:`.repair_check`), printed."""
+    from relaxkv_sglang.gpu.repair_check import run_repair
+
+    t0 = time.perf_counter()
+    try:
+        rows = run_repair(device, seed)
+    except Exception as exc:  # noqa: BLE001 (the attention cases still run; the row says what broke)
+        traceback.print_exc()
+        return [{"kind": "repair", "error": f"{type(exc).__name__}: {exc}", "ok": False}]
+    for r in rows:
+        print(f"repair  {r['dtype']:<9}{r['n_context']:>7} tokens {r['n_layers']} layers {r['anchor_layers']:>6} anchor-layers"
+              f"  max err {r['max_abs_err']:.2e}  {r['ms']:.1f} ms (CPU float32 {r['cpu_float32_ms']:.1f} ms)"
+              f"  {'yes' if r['ok'] else 'NO'}", flush=True)
+    print(f"repair check: {time.perf_counter() - t0:.1f} s", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m relaxkv_sglang.gpu.check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="gpu-check.json", help="result JSON path")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="the SmolLM2 shape at 1.5K and 6K tokens only")
+    parser.add_argument("--repair-only", action="store_true",
+                        help="only the repair pass (layer loop, anchors, stale shift) against the CPU")
     parser.add_argument("--time-layout", action="store_true",
                         help="only time the anchors' host inputs of one 6K-token 30-layer request (CPU is enough)")
     args = parser.parse_args(argv)
@@ -246,10 +271,10 @@ def main(argv=None) -> int:
 
     flashinfer = import_flashinfer()
     device = torch.device("cuda")
-    cases = default_cases()
+    cases = [] if args.repair_only else default_cases()
     if args.quick:
         cases = [c for c in cases if c.shape == "smollm2-135m" and c.n_context <= 6144]
-    rows = []
+    rows = run_repair_rows(device, args.seed)
     head = (f"{'kind':<8}{'shape':<13}{'tokens':>7}{'page':>5}{'ctx':>6}{'rows':>7}{'max err':>10}{'keys read':>11}"
             f"{'ms':>9}{'full ms':>9}{'dense ms':>9}{'vs dense':>9}  ok")
     print(head, flush=True)

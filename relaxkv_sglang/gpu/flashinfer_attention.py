@@ -40,12 +40,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from relaxkv_sglang.core.attention import to_device
 from relaxkv_sglang.core.layout import BlockSparseLayout
 from relaxkv_sglang.gpu.prefill_inputs import (
     AnchorLayerInputs,
     ScopedPrefillInputs,
     anchor_prefill_inputs,
-    to_device,
 )
 
 FLASHINFER_VERSION = "0.7.2"
@@ -93,7 +93,8 @@ class _PagedPrefillCall:
         """qo_indptr/kv_indptr: int32 host [n_seg + 1]; kv_indices: int32 [n_kv] pool slots on the device;
         dtype/kv_dtype: of q and of the KV pool."""
         if self.last_run is not None:  # the previous plan's staged copy, and its run, are done
-            self.last_run.synchronize()
+            if not self.last_run.query():  # a host wait only when the device is behind
+                self.last_run.synchronize()
             self.last_run = None
         dev = kv_indices.device
         self.kv_indices = kv_indices

@@ -49,6 +49,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from relaxkv_sglang.core.attention import to_device
 from relaxkv_sglang.core.layout import BlockSparseLayout
 
 __all__ = [
@@ -58,7 +59,6 @@ __all__ = [
     "scoped_prefill_inputs",
     "expand_runs",
     "single_threaded",
-    "to_device",
 ]
 
 
@@ -80,15 +80,6 @@ def single_threaded() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``; on CUDA through pinned memory without blocking (a plain
-    copy from pageable memory synchronizes the stream: a host sync)."""
-    device = torch.device(device)
-    if device.type == "cuda" and x.device.type == "cpu":
-        return x.pin_memory().to(device, non_blocking=True)
-    return x.to(device)
 
 
 def _starts(lengths: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from typing import Any, Iterator, Optional, Protocol, Sequence
 
 import torch
 
+from relaxkv_sglang.core.attention import to_device
 from relaxkv_sglang.core.selection import query_attention_scores
 from relaxkv_sglang.srt.failures import InvariantError
 
@@ -87,7 +88,7 @@ class QueryScores:
         if int(is_query.sum()) != self.query_end - self.n_context:
             raise InvariantError("relaxkv: the query pass does not hold the whole query")
         keys = k_cache[self.slots[: self.query_end].to(k_cache.device)]
-        rows = is_query.nonzero().flatten().to(q.device)
+        rows = to_device(is_query.nonzero().flatten(), q.device)
         self.layers.append(query_attention_scores(q.index_select(0, rows), keys, self.n_context, scale))
 
     def stacked(self, n_layers: int) -> torch.Tensor:

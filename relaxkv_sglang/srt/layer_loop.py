@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from relaxkv_sglang.core.attention import AttentionWork, block_sparse_attention, scoped_causal_attention
+from relaxkv_sglang.core.attention import AttentionWork, block_sparse_attention, scoped_causal_attention, to_device
 from relaxkv_sglang.core.layout import BlockSparseLayout
 from relaxkv_sglang.core.repair_plan import AnchorPlan
 from relaxkv_sglang.core.rope import RopeSpec, RotationTable
@@ -170,8 +170,8 @@ class LayerLoop:
         for r in requests:
             _check_on_host(r)
             offsets.append(offsets[-1] + r.n_rows)
-        positions = torch.cat([r.positions for r in requests]).to(device)
-        slots = [r.slots.to(device) for r in requests]
+        positions = to_device(torch.cat([r.positions for r in requests]), device)
+        slots = [to_device(r.slots, device) for r in requests]
         for r, on_device in zip(requests, slots):
             _prepare_shift(r, on_device, self.rope)
         hidden = model.embed_tokens(input_ids)
@@ -181,7 +181,7 @@ class LayerLoop:
             layer_rows = [(r.exits > l).nonzero().flatten() for r in requests]  # host
             if not any(rows.numel() for rows in layer_rows):
                 break
-            active = torch.cat([rows + off for rows, off in zip(layer_rows, offsets)]).to(device)
+            active = to_device(torch.cat([rows + off for rows, off in zip(layer_rows, offsets)]), device)
             h = hidden.index_select(0, active)
             q, k, v = self.layers.qkv(l, positions.index_select(0, active), h)
             layer_id, scale = self.layers.attention_params(l)
@@ -198,7 +198,7 @@ class LayerLoop:
                     _decide_after_check_layer(r, l, rows, on_device, k_r, v_r, k_cache, v_cache)
                     # The shift reads the anchors' stale K/V and lands before the rows' writes.
                     _stale_shift(r, l, rows, on_device, k_r, v_r, k_cache, v_cache)
-                    written = on_device[r.positions[rows].to(device)]
+                    written = on_device[to_device(r.positions[rows], device)]
                     k_cache[written] = k_r.to(k_cache.dtype)
                     v_cache[written] = v_r.to(v_cache.dtype)
                 start += n
@@ -207,8 +207,8 @@ class LayerLoop:
                     out[s0:s1] = self._attend(r, l, rows, on_device, q[s0:s1], k_cache, v_cache, scale)
             # An anchor's hidden state after its last layer feeds nothing (only its K/V of the
             # layers it took part in are kept): o_proj and the MLP run for the other rows only.
-            going_on = torch.cat([(~(r.anchor[rows] & (r.exits[rows] <= l + 1))).nonzero().flatten() + s0
-                                  for r, rows, (s0, _) in zip(requests, layer_rows, spans)]).to(device)
+            going_on = to_device(torch.cat([(~(r.anchor[rows] & (r.exits[rows] <= l + 1))).nonzero().flatten() + s0
+                                            for r, rows, (s0, _) in zip(requests, layer_rows, spans)]), device)
             hidden[active.index_select(0, going_on)] = self.layers.finish(l, h.index_select(0, going_on),
                                                                          out.index_select(0, going_on))
         return model.norm(hidden)
@@ -221,12 +221,12 @@ class LayerLoop:
         out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
         plain = (~anchor).nonzero().flatten()
         if plain.numel():
-            at = plain.to(q.device)
+            at = to_device(plain, q.device)
             out[at] = scoped_causal_attention(q.index_select(0, at), k_cache, v_cache, pos[plain], scope[plain], slots,
                                               scale)
         sel = anchor.nonzero().flatten()
         if sel.numel():
-            plan, at = r.anchor_plan, sel.to(q.device)
+            plan, at = r.anchor_plan, to_device(sel, q.device)
             q_anchors = q.index_select(0, at)
             layout = (plan.layout_at(l, q_anchors, k_cache[slots[:plan.n_context]]) if plan.ranks_pages_in_layer
                       else plan.layouts[l])
@@ -264,7 +264,7 @@ def _decide_after_check_layer(r: LoopRows, l: int, rows: torch.Tensor, slots: to
         return
     sel = r.anchor[rows].nonzero().flatten()
     pos = r.positions[rows][sel]
-    at, pool = sel.to(k_new.device), slots[pos.to(slots.device)]
+    at, pool = to_device(sel, k_new.device), slots[to_device(pos, slots.device)]
     r.anchor_plan = plan.after_check_layer(pos, k_new.index_select(0, at), v_new.index_select(0, at), k_cache[pool],
                                            v_cache[pool])
     r.exits[r.anchor] = r.anchor_plan.exit_layers()[r.positions[r.anchor]]
@@ -290,8 +290,8 @@ def _stale_shift(r: LoopRows, l: int, rows: torch.Tensor, slots: torch.Tensor, k
     at = torch.searchsorted(pos, sources)
     if not torch.equal(pos[at.clamp(max=pos.shape[0] - 1)], sources):
         raise InvariantError("relaxkv: the stale shift's anchors are not the layer's rows")
-    at, sources = at.to(k_new.device), sources.to(k_new.device)
-    pool = slots[sources.to(slots.device)]
+    at, sources = to_device(at, k_new.device), to_device(sources, k_new.device)
+    pool = slots[sources]
     dk, dv = shift_deltas(plan.stale_shift, sources, k_new.index_select(0, at), v_new.index_select(0, at),
                           k_cache[pool], v_cache[pool], target.rotate_by, plan.stale_shift_scale)
     target.add(l, k_cache, v_cache, dk if plan.stale_shift == "kv" else None, dv)
@@ -331,7 +331,7 @@ class ShiftTarget:
         self.rotation = RotationTable(torch.arange(self.first, self.first + span, device=device), rope)
         rows = body - self.first
         body_slots = slots[body]
-        self.rows, self.slots = rows.to(device), body_slots.to(device)
+        self.rows, self.slots = to_device(rows, device), to_device(body_slots, device)
         self.span_slot, self.span = int(slots[self.first]), span
         self.span_until = 0
         if bool((slots[self.first:self.first + span].diff() == 1).all()):

@@ -149,7 +149,7 @@ class RepairStage:
             anchor_plan = plan_anchors(f.plan.policy, scores, list(f.plan.chunk_spans), f.plan.query_start, n_layers,
                                        repair_config(r), self.attn_backend.repair_cost, input_ids=_token_ids(f.req))
             # the pass's bookkeeping lives on the host (layer_loop): the slots are read back once
-            return RepairOutcome(_repair_rows(f.window_end, anchor_plan, r.slots.cpu()))
+            return RepairOutcome(repair_rows(f.window_end, anchor_plan, r.slots.cpu()))
         except InvariantError:
             raise
         except Exception as exc:  # this request's plan, not the server: serve it as pic
@@ -181,9 +181,10 @@ def _token_ids(req: Any) -> torch.Tensor:
     return torch.tensor(ids if ids is not None and len(ids) else req.origin_input_ids, dtype=torch.int64)
 
 
-def _repair_rows(end: int, anchor_plan: AnchorPlan, slots: torch.Tensor) -> LoopRows:
-    """Anchors (until their exit layer), glue and query (every layer), in position order, up to
-    position ``end`` (the window's end); slots int64 [>= end] the request's."""
+def repair_rows(end: int, anchor_plan: AnchorPlan, slots: torch.Tensor) -> LoopRows:
+    """The repair pass's rows of one request: anchors (until their exit layer), glue and query
+    (every layer), in position order, up to position ``end`` (the window's end); slots int64 host
+    [>= end] the request's pool slots."""
     n_context = anchor_plan.n_context
     exit_of = anchor_plan.exit_layers()
     in_chunk = torch.zeros(end, dtype=torch.bool)

@@ -374,6 +374,9 @@ def test_a_wrapper_is_planned_again_only_after_its_last_run(flashinfer_model):
         def record(self):
             log.append(("record", self.n))
 
+        def query(self):  # the device is behind: every wait is a real one
+            return False
+
         def synchronize(self):
             log.append(("wait", self.n))
 
@@ -469,6 +472,17 @@ def test_gpu_check_runs_its_cases_on_the_torch_model(flashinfer_model, monkeypat
         assert r["keys_read"] > 0 and r["dense_prefill_ms"] == 1.0
     assert len(check.default_cases()) == 28
     assert {c.kind for c in check.default_cases()} == {"anchors", "scoped"}
+
+
+def test_the_repair_check_compares_its_pass_with_the_cpu_run():
+    """The device check of the repair pass, run with the CPU as its device: float32 equals the
+    reference run exactly, bfloat16 within the check's tolerance (what a GPU run is held to)."""
+    from relaxkv_sglang.gpu.repair_check import TOLERANCE, RepairCase, run_repair
+
+    rows = run_repair(torch.device("cpu"), seed=1, case=RepairCase(n_context=384, n_layers=2, n_chunks=4, query=16))
+    assert [r["dtype"] for r in rows] == ["float32", "bfloat16"] and all(r["ok"] for r in rows)
+    assert rows[0]["max_abs_err"] == 0.0 and 0 < rows[1]["max_abs_err"] <= TOLERANCE["bfloat16"]
+    assert rows[0]["anchor_layers"] > 0
 
 
 def test_other_flashinfer_version_is_refused(flashinfer_model):

@@ -26,7 +26,7 @@ from relaxkv_sglang.core.repair_plan import RepairConfig, plan_anchors
 from relaxkv_sglang.core.rope import rope_spec_from_hf_config
 from relaxkv_sglang.srt.failures import InvariantError
 from relaxkv_sglang.srt.layer_loop import LayerLoop
-from relaxkv_sglang.srt.repair import _repair_rows
+from relaxkv_sglang.srt.repair import repair_rows
 
 DEVICE = torch.device("meta")
 
@@ -85,7 +85,7 @@ def test_a_repair_pass_runs_on_the_device_without_reading_it_back(model, ids, po
                                      chunk_sink_tokens=2)
     plan = plan_anchors(policy, stale_context(w, ids, GLUE_SPANS, Q0).scores, GLUE_SPANS, Q0, w.n_layers, config)
     slots = torch.arange(n) + 5  # the request's pool slots, read back once before the pass
-    rows = _repair_rows(n, plan, slots)
+    rows = repair_rows(n, plan, slots)
     pool = [torch.empty(n + 7, w.n_kv_heads, w.head_dim, device=DEVICE) for _ in range(w.n_layers)]
     kv_pool = types.SimpleNamespace(get_key_buffer=lambda l: pool[l], get_value_buffer=lambda l: pool[l])
     layers, anchors = _DeviceLayers(w), _DeviceAnchors()
@@ -104,7 +104,7 @@ def test_the_pass_bookkeeping_on_the_device_is_refused(model, ids):  # noqa: F81
     hf, w = model
     n = ids.numel()
     plan = plan_anchors("epic", None, GLUE_SPANS, Q0, w.n_layers, RepairConfig(anchor_ratio=0.3, page_size=PS))
-    rows = _repair_rows(n, plan, torch.arange(n).to(DEVICE))
+    rows = repair_rows(n, plan, torch.arange(n).to(DEVICE))
     loop = LayerLoop(_DeviceLayers(w), types.SimpleNamespace(), _DeviceAnchors())
     with pytest.raises(InvariantError, match="slots must be a host tensor"):
         loop.run([rows], ids.to(DEVICE))

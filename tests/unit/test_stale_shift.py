@@ -154,7 +154,7 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
     from relaxkv_sglang.core.reference import stale_context
     from relaxkv_sglang.core.rope import rope_spec_from_hf_config
     from relaxkv_sglang.srt.layer_loop import AnchorAttention, LayerLoop, ShiftTarget
-    from relaxkv_sglang.srt.repair import _repair_rows
+    from relaxkv_sglang.srt.repair import repair_rows
 
     hf, w = model
     n = ids.numel()
@@ -176,7 +176,7 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
     for l in range(w.n_layers):
         k_pool[l][slots[:Q0]], v_pool[l][slots[:Q0]] = stale.kv[l]
     pool = SimpleNamespace(get_key_buffer=lambda l: k_pool[l], get_value_buffer=lambda l: v_pool[l])
-    rows = _repair_rows(n, plan, slots)
+    rows = repair_rows(n, plan, slots)
     rope = rope_spec_from_hf_config(hf.config.to_dict())
     out = LayerLoop(_RefLayers(w), pool, AnchorAttention(), rope=rope).run([rows], ids[rows.positions])
     if mode == "kv":
@@ -199,7 +199,7 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
         targets = plan.shift_sets(2)[1]
         assert targets.numel() and not torch.allclose(ref.kv[2][1][targets], stale.kv[2][1][targets], atol=1e-3)
         with pytest.raises(RuntimeError, match="RoPE"):
-            LayerLoop(_RefLayers(w), pool, AnchorAttention()).run([_repair_rows(n, plan, slots)],
+            LayerLoop(_RefLayers(w), pool, AnchorAttention()).run([repair_rows(n, plan, slots)],
                                                                   ids[rows.positions])
 
 

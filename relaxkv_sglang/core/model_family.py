@@ -12,7 +12,11 @@ tokens at positions ``p`` (int64 [n]), H query heads and Hkv key/value heads of 
 4. ``q, k = RoPE(q, p), RoPE(k, p)``                (neox pairing: dim i with i + rotary_dim/2)
 5. ``a = attention(q, k, v)`` [n, H, dv]             (the caller's: it decides which keys a row sees)
 6. ``h = h + a W_o^T``                               (o_proj, residual)
-7. ``h = h + W_down (silu(W_gate y) * W_up y)``, ``y = RMSNorm(h) * w_post``  (SwiGLU MLP, residual)
+7. ``h = h + MLP(y)``, ``y = RMSNorm(h) * w_post``  (MLP, residual), where MLP is
+   - ``swiglu``: ``W_down (silu(W_gate y) * W_up y)``;
+   - ``moe`` (Qwen3-MoE, Mixtral): routed SwiGLU experts (:class:`MoESpec`): per token, router
+     logits ``y W_r^T`` [E], softmax in float32, the top-k experts, their weights renormalized to
+     sum 1 where the model says so, ``sum_k w_k SwiGLU_{e_k}(y)``.
 
 Steps 1-4 are :func:`project_qkv`, 6-7 :func:`finish_layer`, both over :class:`LayerOps`, one
 decoder layer's pieces. Two executors supply them: the torch reference over a checkpoint's plain
@@ -22,7 +26,8 @@ tensors (:mod:`.reference`) and the server's repair pass over SGLang's own modul
 The registry (:data:`FAMILIES`) is what the plugin serves: for each family the HF
 ``architectures`` (and ``model_type``) it covers, the SGLang decoder-stack class whose ``forward``
 the repair hooks (``srt/plugin.py::HOOKS`` is generated from it, one entry per hooked class), the
-SGLang module names its layers expose and the weights its HF checkpoints hold. A model outside it
+SGLang module names its layers expose and the weights its HF checkpoints hold (Phi-3's q/k/v
+and gate/up fused in one tensor each; an MoE's router and experts). A model outside it
 is served, but its repair-policy requests as ``pic`` (the reason in the report). Adding a family
 with this layer is one :class:`ModelFamily` entry; a different layer needs new ops (and a new
 field saying so).
@@ -40,10 +45,13 @@ import torch
 
 __all__ = [
     "UnknownModelFamilyError",
+    "MoESpec",
     "ModelFamily",
     "FAMILIES",
     "SGLANG_MODEL_MODULES",
     "family_for_config",
+    "families_of_model_class",
+    "mlp_width",
     "hooked_model_classes",
     "LayerOps",
     "project_qkv",
@@ -55,28 +63,83 @@ class UnknownModelFamilyError(ValueError):
     """The model's config names no registered family (the message names what it does say)."""
 
 
-#: SGLang module paths under every decoder layer of these families (``layers[i].<path>``).
+#: SGLang module paths under every decoder layer of these families (``layers[i].<path>``); the
+#: MLP's own name is the family's (:attr:`ModelFamily.mlp_module`).
 _SGLANG_LAYER_MODULES: tuple[str, ...] = (
     "input_layernorm", "self_attn.qkv_proj", "self_attn.rotary_emb", "self_attn.o_proj", "self_attn.attn",
-    "self_attn.q_size", "self_attn.kv_size", "post_attention_layernorm", "mlp",
+    "self_attn.q_size", "self_attn.kv_size", "post_attention_layernorm",
 )
 #: ... and on the decoder stack itself.
 SGLANG_MODEL_MODULES: tuple[str, ...] = ("embed_tokens", "layers", "norm")
 
-#: HF checkpoint weights of every decoder layer (``model.layers.{i}.<key>``), by the reference's name.
-_HF_LAYER_WEIGHTS: dict[str, str] = {
+#: HF checkpoint weights of every decoder layer (``model.layers.{i}.<key>``), by the reference's name,
+#: outside the MLP.
+_HF_ATTN_WEIGHTS: dict[str, str] = {
     "attn_norm": "input_layernorm.weight",
-    "q": "self_attn.q_proj.weight",
-    "k": "self_attn.k_proj.weight",
-    "v": "self_attn.v_proj.weight",
     "o": "self_attn.o_proj.weight",
     "mlp_norm": "post_attention_layernorm.weight",
-    "gate": "mlp.gate_proj.weight",
-    "up": "mlp.up_proj.weight",
-    "down": "mlp.down_proj.weight",
 }
+_HF_QKV = {x: f"self_attn.{x}_proj.weight" for x in "qkv"}
+_HF_QKV_FUSED = {"qkv": "self_attn.qkv_proj.weight"}  # q, k, v rows stacked in this order (Phi-3)
 _HF_QKV_BIASES = {f"{x}_bias": f"self_attn.{x}_proj.bias" for x in "qkv"}
 _HF_QK_NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A routed-experts MLP (module doc, step 7's ``moe``) as the HF config and checkpoint describe it.
+
+    Attributes:
+        n_experts_keys: config keys holding the expert count E (the first present counts).
+        width_key: config key of one expert's intermediate size.
+        top_k_key: config key of the experts each token is routed to.
+        renormalize: the top-k weights are renormalized to sum 1: True, or the config key saying
+            whether (its absence: False, HF's default).
+        router: the router's weight under the MLP module (``<mlp>.<router>.weight``, [E, hidden]).
+        experts: each expert's gate, up and down weight names (``<mlp>.experts.{e}.<name>.weight``),
+            as checkpoints hold them (and SGLang loads them).
+        stacked_module: the MLP's name in a transformers 5 model in memory, whose state dict holds
+            the experts stacked: ``<m>.experts.gate_up_proj`` [E, 2 inter, hidden] (gate rows first)
+            and ``<m>.experts.down_proj`` [E, hidden, inter], the router as ``<m>.<router>.weight``.
+    """
+
+    n_experts_keys: tuple[str, ...]
+    width_key: str
+    top_k_key: str = "num_experts_per_tok"
+    renormalize: bool | str = True
+    router: str = "gate"
+    experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    stacked_module: str = "mlp"
+
+    def n_experts(self, config: Mapping[str, Any]) -> int:
+        """E, from the first of :attr:`n_experts_keys` the config holds (KeyError: none)."""
+        for key in self.n_experts_keys:
+            if config.get(key):
+                return int(config[key])
+        raise KeyError(f"the config holds none of {self.n_experts_keys} (the expert count)")
+
+    def routing(self, config: Mapping[str, Any]) -> tuple[int, bool]:
+        """(top-k, renormalize) of a model with this HF config dict."""
+        renorm = self.renormalize if isinstance(self.renormalize, bool) else bool(config.get(self.renormalize, False))
+        return int(config[self.top_k_key]), renorm
+
+    def hf_weights(self, mlp: str, config: Mapping[str, Any],
+                   stacked: bool = False) -> dict[str, str | tuple[str, ...]]:
+        """The reference's MLP weights -> HF keys under ``model.layers.{i}.``: ``router``, and the
+        experts' ``experts_gate``/``experts_up``/``experts_down`` as one key per expert (stacked by
+        the reader); with ``stacked``, a transformers 5 state dict's ``experts_gate_up`` and
+        ``experts_down`` (:attr:`stacked_module`)."""
+        if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
+            raise ValueError("an MoE with dense layers (mlp_only_layers, decoder_sparse_step): SGLang 0.5.23 "
+                             "serves every Qwen3-MoE layer as sparse, so the reference does not model them")
+        if stacked:
+            m = self.stacked_module
+            return {"router": f"{m}.{self.router}.weight", "experts_gate_up": f"{m}.experts.gate_up_proj",
+                    "experts_down": f"{m}.experts.down_proj"}
+        weights: dict[str, str | tuple[str, ...]] = {"router": f"{mlp}.{self.router}.weight"}
+        for part, name in zip(("gate", "up", "down"), self.experts):
+            weights[f"experts_{part}"] = tuple(f"{mlp}.experts.{e}.{name}.weight" for e in range(self.n_experts(config)))
+        return weights
 
 
 @dataclass(frozen=True)
@@ -94,8 +157,15 @@ class ModelFamily:
         qkv_bias: the q/k/v projections always carry biases (Qwen2); otherwise only when the
             config's ``attention_bias`` says so (:meth:`has_qkv_bias`).
         qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3), step 3.
-        rope: the RoPE pairing (``"neox"``: dim i with i + rotary_dim/2).
-        mlp: ``"swiglu"``: ``W_down (silu(W_gate y) * W_up y)``.
+        mlp: ``"swiglu"`` or ``"moe"`` (step 7), the latter described by :attr:`moe`.
+        mlp_module: the MLP's module name in the layer, SGLang's and the HF checkpoint's
+            (``"mlp"``; Mixtral: ``"block_sparse_moe"``); the repair pass calls it as SGLang's
+            layer does, ``mlp(y)``.
+        moe: the routed experts of an ``"moe"`` MLP.
+        fused_hf_weights: HF checkpoints hold q/k/v as one ``qkv_proj`` and gate/up as one
+            ``gate_up_proj`` (Phi-3); SGLang fuses them either way.
+        rope: the RoPE pairing (``"neox"``: dim i with i + rotary_dim/2; partial rotary and the
+            scaled types are the config's, ``core/rope.py``).
         norm: ``"rms"``: RMSNorm with a weight and no bias, for every norm of the layer.
     """
 
@@ -106,14 +176,19 @@ class ModelFamily:
     model_class: str
     qkv_bias: bool = False
     qk_norm: bool = False
+    mlp: Literal["swiglu", "moe"] = "swiglu"
+    mlp_module: str = "mlp"
+    moe: Optional[MoESpec] = None
+    fused_hf_weights: bool = False
     rope: Literal["neox"] = "neox"
-    mlp: Literal["swiglu"] = "swiglu"
     norm: Literal["rms"] = "rms"
 
     def __post_init__(self) -> None:
-        if (self.rope, self.mlp, self.norm) != ("neox", "swiglu", "rms"):
-            raise ValueError(f"family {self.name!r}: only the neox/swiglu/rms decoder layer has ops "
-                             f"(got rope={self.rope!r}, mlp={self.mlp!r}, norm={self.norm!r})")
+        if (self.rope, self.norm) != ("neox", "rms") or self.mlp not in ("swiglu", "moe"):
+            raise ValueError(f"family {self.name!r}: only the neox/rms decoder layer with a swiglu or moe MLP has "
+                             f"ops (got rope={self.rope!r}, mlp={self.mlp!r}, norm={self.norm!r})")
+        if (self.mlp == "moe") != (self.moe is not None):
+            raise ValueError(f"family {self.name!r}: an moe MLP needs its MoESpec, and only it has one")
 
     @property
     def hooked_forward(self) -> str:
@@ -124,20 +199,33 @@ class ModelFamily:
     def sglang_layer_modules(self) -> tuple[str, ...]:
         """Dotted attribute paths every SGLang decoder layer of this family has (the repair pass
         calls them; step 3's norms included when the family has them)."""
-        return _SGLANG_LAYER_MODULES + (("self_attn.q_norm", "self_attn.k_norm") if self.qk_norm else ())
+        norms = ("self_attn.q_norm", "self_attn.k_norm") if self.qk_norm else ()
+        return _SGLANG_LAYER_MODULES + (self.mlp_module,) + norms
 
     def has_qkv_bias(self, config: Mapping[str, Any]) -> bool:
         """Whether a checkpoint with this HF config dict has q/k/v biases."""
         return self.qkv_bias or bool(config.get("attention_bias", False))
 
-    def hf_layer_weights(self, config: Mapping[str, Any]) -> dict[str, str]:
+    def hf_layer_weights(self, config: Mapping[str, Any],
+                         stacked_experts: bool = False) -> dict[str, str | tuple[str, ...]]:
         """The weights every decoder layer of a HF checkpoint with this config dict holds: the torch
-        reference's name (``LlamaWeights.layers``) -> the key under ``model.layers.{i}.``."""
-        weights = dict(_HF_LAYER_WEIGHTS)
+        reference's name (``LlamaWeights.layers``) -> the key under ``model.layers.{i}.`` (a tuple:
+        one key per expert, stacked). Fused checkpoints give ``qkv`` and ``gate_up``, and an MoE
+        in memory (``stacked_experts``, :meth:`MoESpec.hf_weights`) ``experts_gate_up``, which the
+        reference splits."""
+        weights: dict[str, str | tuple[str, ...]] = dict(_HF_ATTN_WEIGHTS)
+        weights.update(_HF_QKV_FUSED if self.fused_hf_weights else _HF_QKV)
         if self.has_qkv_bias(config):
             weights.update(_HF_QKV_BIASES)
         if self.qk_norm:
             weights.update(_HF_QK_NORMS)
+        mlp = self.mlp_module
+        if self.moe is not None:
+            weights.update(self.moe.hf_weights(mlp, config, stacked_experts))
+        elif self.fused_hf_weights:
+            weights.update(gate_up=f"{mlp}.gate_up_proj.weight", down=f"{mlp}.down_proj.weight")
+        else:
+            weights.update({part: f"{mlp}.{part}_proj.weight" for part in ("gate", "up", "down")})
         return weights
 
 
@@ -145,16 +233,28 @@ _LLAMA = "sglang.srt.models.llama"
 _QWEN2 = "sglang.srt.models.qwen2"
 _QWEN3 = "sglang.srt.models.qwen3"
 
-#: The registered families. Mistral's SGLang class is a LlamaForCausalLM, so LlamaModel's hooked
-#: forward serves it too; Qwen3Model subclasses Qwen2Model but defines its own forward, hooked apart.
+#: The registered families. Mistral's and Phi-3's SGLang classes are LlamaForCausalLMs, so
+#: LlamaModel's hooked forward serves them too (Llama 3.x is the llama family: its llama3 RoPE is
+#: the config's); Qwen3Model subclasses Qwen2Model but defines its own forward, hooked apart;
+#: Qwen3MoeModel runs Qwen2MoeModel's forward (hooked there: a Qwen2-MoE model, not registered, is
+#: served as pic), MixtralModel its own.
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("llama", ("LlamaForCausalLM",), ("llama",), f"{_LLAMA}.LlamaForCausalLM", f"{_LLAMA}.LlamaModel"),
     ModelFamily("mistral", ("MistralForCausalLM",), ("mistral",), "sglang.srt.models.mistral.MistralForCausalLM",
                 f"{_LLAMA}.LlamaModel"),
+    ModelFamily("phi3", ("Phi3ForCausalLM",), ("phi3",), f"{_LLAMA}.Phi3ForCausalLM", f"{_LLAMA}.LlamaModel",
+                fused_hf_weights=True),
     ModelFamily("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), f"{_QWEN2}.Qwen2ForCausalLM", f"{_QWEN2}.Qwen2Model",
                 qkv_bias=True),
     ModelFamily("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), f"{_QWEN3}.Qwen3ForCausalLM", f"{_QWEN3}.Qwen3Model",
                 qk_norm=True),
+    ModelFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "sglang.srt.models.qwen3_moe.Qwen3MoeForCausalLM",
+                "sglang.srt.models.qwen2_moe.Qwen2MoeModel", qk_norm=True, mlp="moe",
+                moe=MoESpec(("num_experts", "num_local_experts"), "moe_intermediate_size",
+                            renormalize="norm_topk_prob")),
+    ModelFamily("mixtral", ("MixtralForCausalLM",), ("mixtral",), "sglang.srt.models.mixtral.MixtralForCausalLM",
+                "sglang.srt.models.mixtral.MixtralModel", mlp="moe", mlp_module="block_sparse_moe",
+                moe=MoESpec(("num_local_experts",), "intermediate_size", experts=("w1", "w3", "w2"))),
 )
 
 
@@ -190,6 +290,25 @@ def hooked_model_classes() -> dict[str, list[str]]:
     for family in FAMILIES:
         hooked.setdefault(family.model_class, []).append(family.name)
     return hooked
+
+
+def families_of_model_class(class_path: str) -> list[ModelFamily]:
+    """The families whose hooked decoder stack is the SGLang class at ``class_path`` (dotted), in
+    registry order: how a stack without a ``config`` (MixtralModel) is told apart."""
+    return [family for family in FAMILIES if family.model_class == class_path]
+
+
+def mlp_width(config: Mapping[str, Any]) -> int:
+    """The intermediate size one token's MLP computes (for the repair's cost model): a dense
+    layer's ``intermediate_size``; an MoE family's top-k times one expert's (any model outside
+    the registry: ``intermediate_size``)."""
+    try:
+        moe = family_for_config(config).moe
+    except UnknownModelFamilyError:
+        moe = None
+    if moe is None:
+        return int(config["intermediate_size"])
+    return moe.routing(config)[0] * int(config[moe.width_key])
 
 
 # ----------------------------------------------------------------------------- the layer

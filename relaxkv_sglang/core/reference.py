@@ -1,9 +1,10 @@
-"""Layer-by-layer Llama-family reference executor for one request, for every repair policy.
+"""Layer-by-layer reference executor for one request of a registered model family, for every repair policy.
 
 The model: a registered family's decoder layer (:mod:`.model_family`: RMSNorm, GQA attention
-with neox-style RoPE, q/k/v biases as in Qwen2, per-head q/k RMSNorm as in Qwen3, SwiGLU MLP),
-run in the order :func:`~.model_family.project_qkv` / :func:`~.model_family.finish_layer` write
-once, over plain weight tensors (:class:`ReferenceLayerOps`).  Everything runs in float32 on
+with neox-style RoPE, q/k/v biases as in Qwen2, per-head q/k RMSNorm as in Qwen3, a SwiGLU or
+routed-experts MLP), run in the order :func:`~.model_family.project_qkv` /
+:func:`~.model_family.finish_layer` write once, over plain weight tensors
+(:mod:`.reference_model`: the weights from a HF checkpoint and :class:`ReferenceLayerOps`).  Everything runs in float32 on
 the CPU and is written for clarity, not speed: it is the numerical reference the SGLang
 integration is checked against.
 
@@ -33,14 +34,16 @@ like the query, so it is never stale and never an anchor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from .attention import block_sparse_attention, dense_causal_attention
 from .layout import BlockSparseLayout
-from .model_family import ModelFamily, family_for_config, finish_layer, project_qkv
+from .model_family import finish_layer, project_qkv
 from .policies import Policy
+from .reference_model import LlamaWeights, ReferenceLayerOps, apply_neox_rope, from_hf_state_dict
+from .reference_model import rms_norm as _rms_norm
 from .repair_plan import AnchorPlan, RepairConfig, RepairCost, plan_anchors
 from .selection import eligible_tokens, query_attention_scores
 from .stale_shift import stale_shift
@@ -62,189 +65,7 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------------------- weights
-
-
-@dataclass
-class LlamaWeights:
-    """Plain-tensor Llama weights (float32 unless built otherwise).
-
-    Attributes:
-        embed: [vocab, hidden].
-        layers: per layer a dict: ``attn_norm`` [hidden], ``q`` [n_heads*head_dim, hidden],
-            ``k``/``v`` [n_kv_heads*head_dim, hidden], ``o`` [hidden, n_heads*head_dim],
-            ``mlp_norm`` [hidden], ``gate``/``up`` [inter, hidden], ``down`` [hidden, inter];
-            ``q_bias``/``k_bias``/``v_bias`` and ``q_norm``/``k_norm`` [head_dim] where the family's
-            layer has them (:meth:`~.model_family.ModelFamily.hf_layer_weights`).
-        norm: [hidden] final RMSNorm weight.
-        lm_head: [vocab, hidden].
-        n_heads, n_kv_heads, head_dim, rope_theta, rms_eps: config.
-        rotary_dim: leading dims of each head that RoPE rotates (default head_dim).
-        inv_freq: optional float32 [rotary_dim/2] override (e.g. llama3-scaled frequencies).
-        attention_scaling: multiplier on cos/sin (YaRN's mscale; 1.0 otherwise).
-        family: the model family (:mod:`.model_family`): whether its layer norms q and k.
-    """
-
-    embed: torch.Tensor
-    layers: list[dict[str, torch.Tensor]]
-    norm: torch.Tensor
-    lm_head: torch.Tensor
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-6
-    rotary_dim: Optional[int] = None
-    inv_freq: Optional[torch.Tensor] = None
-    attention_scaling: float = 1.0
-    family: ModelFamily = field(default_factory=lambda: family_for_config({"model_type": "llama"}))
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.layers)
-
-    @property
-    def rot_dim(self) -> int:
-        return self.head_dim if self.rotary_dim is None else self.rotary_dim
-
-    def rope_inv_freq(self) -> torch.Tensor:
-        """float32 [rot_dim/2] RoPE frequencies."""
-        if self.inv_freq is not None:
-            return self.inv_freq.float()
-        r = self.rot_dim
-        return 1.0 / (self.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
-
-
-def from_hf_state_dict(
-    sd: Mapping[str, torch.Tensor],
-    config_dict: Mapping[str, Any],
-    dtype: torch.dtype = torch.float32,
-) -> LlamaWeights:
-    """Build ``LlamaWeights`` from a HF state dict and config dict of a registered model family
-    (:func:`~.model_family.family_for_config`: Llama, Mistral, Qwen2, Qwen3).
-
-    Args:
-        sd: ``model.state_dict()`` (``model.layers.{i}...``, ``model.embed_tokens.weight``,
-            ``model.norm.weight``, ``lm_head.weight`` unless embeddings are tied).
-        config_dict: ``config.to_dict()``; RoPE parameters from ``rope_parameters`` (transformers
-            5) or the legacy ``rope_theta`` / ``rope_scaling``.  Only the default RoPE type is
-            derived here; for scaled variants pass ``inv_freq`` to ``LlamaWeights`` yourself.
-        dtype: dtype of the returned tensors.
-    Raises:
-        UnknownModelFamilyError: the config's architecture is not registered.
-        KeyError: a weight the family's layer has is missing from ``sd``.
-    """
-    cfg = dict(config_dict)
-    family = family_for_config(cfg)
-    n_heads = int(cfg["num_attention_heads"])
-    n_kv = int(cfg.get("num_key_value_heads") or n_heads)
-    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // n_heads)
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise NotImplementedError(f"rope_type {rope_type!r}: pass inv_freq to LlamaWeights")
-    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
-    n_layers = int(cfg["num_hidden_layers"])
-    conv = lambda t: t.detach().to(dtype).clone()  # noqa: E731
-    if "model.layers.0.self_attn.o_proj.bias" in sd:
-        raise NotImplementedError("an o_proj bias: the reference's layer has none")
-    keys = family.hf_layer_weights(cfg)
-    layers = [{name: conv(sd[f"model.layers.{i}.{key}"]) for name, key in keys.items()} for i in range(n_layers)]
-    embed = conv(sd["model.embed_tokens.weight"])
-    lm_head = conv(sd["lm_head.weight"]) if "lm_head.weight" in sd else embed
-    return LlamaWeights(
-        embed=embed,
-        layers=layers,
-        norm=conv(sd["model.norm.weight"]),
-        lm_head=lm_head,
-        n_heads=n_heads,
-        n_kv_heads=n_kv,
-        head_dim=head_dim,
-        rope_theta=theta,
-        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
-        family=family,
-    )
-
-
 # ----------------------------------------------------------------------------- model pieces
-
-
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)) * w.float()
-
-
-def apply_neox_rope(
-    x: torch.Tensor,
-    pos: torch.Tensor,
-    inv_freq: torch.Tensor,
-    rotary_dim: Optional[int] = None,
-    scaling: float = 1.0,
-) -> torch.Tensor:
-    """Neox-style RoPE (rotate halves of the first ``rotary_dim`` dims) at positions ``pos``.
-
-    Args:
-        x: [n or 1, heads, head_dim] float (one row is rotated to each of the n positions).
-        pos: int64 [n] (or a delta, to re-rotate an already rotated K: rotations compose).
-        inv_freq: float32 [rotary_dim/2].
-        rotary_dim: rotated leading dims, default head_dim.
-        scaling: cos/sin multiplier (YaRN mscale).  Use 1.0 for a delta re-rotation, or the
-            multiplier would be applied twice.
-    Returns:
-        [n, heads, head_dim] float32.
-    """
-    r = x.shape[-1] if rotary_dim is None else rotary_dim
-    ang = pos.float()[:, None] * inv_freq.float()[None, :]  # [n, r/2]
-    cos, sin = (ang.cos() * scaling)[:, None, :], (ang.sin() * scaling)[:, None, :]
-    xf = x.float()
-    x1, x2, rest = xf[..., : r // 2], xf[..., r // 2: r], xf[..., r:]
-    rot = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return torch.cat([rot, rest.expand(rot.shape[0], -1, -1)], dim=-1)  # one x, n positions: broadcast
-
-
-@dataclass(frozen=True)
-class ReferenceLayerOps:
-    """:class:`~.model_family.LayerOps` over one layer of plain weights, each method with the shapes
-    that protocol documents (H = ``w.n_heads``, Hkv = ``w.n_kv_heads``, d = ``w.head_dim``), float32
-    results; q/k/v take the biases the layer holds (the family's, :func:`from_hf_state_dict`).
-
-    Attributes:
-        w: the model (its config: heads, eps, RoPE).
-        layer: one of ``w.layers`` (the weight names of :class:`LlamaWeights`).
-    """
-
-    w: LlamaWeights
-    layer: dict[str, torch.Tensor]
-
-    def input_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(hidden, self.layer["attn_norm"], self.w.rms_eps)
-
-    def qkv_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        w, layer, n = self.w, self.layer, x.shape[0]
-        q = torch.nn.functional.linear(x, layer["q"], layer.get("q_bias")).view(n, w.n_heads, w.head_dim)
-        k = torch.nn.functional.linear(x, layer["k"], layer.get("k_bias")).view(n, w.n_kv_heads, w.head_dim)
-        v = torch.nn.functional.linear(x, layer["v"], layer.get("v_bias")).view(n, w.n_kv_heads, w.head_dim)
-        return q, k, v
-
-    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rms_norm(q, self.layer["q_norm"], self.w.rms_eps), _rms_norm(k, self.layer["k_norm"], self.w.rms_eps)
-
-    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        w, inv = self.w, self.w.rope_inv_freq()
-        return (apply_neox_rope(q, positions, inv, w.rotary_dim, w.attention_scaling),
-                apply_neox_rope(k, positions, inv, w.rotary_dim, w.attention_scaling))
-
-    def o_proj(self, attn_out: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(attn_out.flatten(1), self.layer["o"])
-
-    def post_attention_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(hidden, self.layer["mlp_norm"], self.w.rms_eps)
-
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate = torch.nn.functional.silu(torch.nn.functional.linear(x, self.layer["gate"]))
-        return torch.nn.functional.linear(gate * torch.nn.functional.linear(x, self.layer["up"]), self.layer["down"])
 
 
 def _project_qkv(w: LlamaWeights, layer: dict, h: torch.Tensor,
@@ -501,7 +322,7 @@ def reference_prefill(
 
     scores = stale.scores if policy.needs_query_scores else None
     w = weights
-    cost = RepairCost.from_dims(w.embed.shape[1], w.layers[0]["gate"].shape[0], w.n_heads, w.n_kv_heads, w.head_dim,
+    cost = RepairCost.from_dims(w.embed.shape[1], w.mlp_width, w.n_heads, w.n_kv_heads, w.head_dim,
                                 device_type="cpu")  # the reference runs on a CPU
     plan = plan_anchors(policy, scores, spans, query_start, L, config, cost, input_ids=input_ids)
     plan, kv_out, h_last = _repair_pass(weights, input_ids, plan, stale.kv, elig, fresh, report)

@@ -55,6 +55,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .layout import BlockSparseLayout, build_relaxed_layout, build_relaxed_layouts, key_bound_page_scores
+from .model_family import mlp_width
 from .policies import CacheBlendOptions, Policy, PolicySpec, RelaxKVOptions, policy_spec
 from .selection import anchor_ratio_achieved, kv_deviation, select_anchors
 from .token_sets import chunk_offsets, eligible_tokens, shared_opening_sinks
@@ -172,10 +173,10 @@ class RepairCost:
 
     @classmethod
     def from_hf_config(cls, config: dict, device_type: Optional[str] = None) -> "RepairCost":
-        """From a HF config dict (hidden_size, intermediate_size, num_attention_heads,
-        num_key_value_heads, head_dim) and the device type (as :meth:`from_dims`)."""
+        """From a HF config dict (hidden_size, the MLP's width per token: ``model_family.mlp_width``,
+        num_attention_heads, num_key_value_heads, head_dim) and the device type (as :meth:`from_dims`)."""
         hidden, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        return cls.from_dims(hidden, int(config["intermediate_size"]), n_heads,
+        return cls.from_dims(hidden, mlp_width(config), n_heads,
                              int(config.get("num_key_value_heads") or n_heads),
                              int(config.get("head_dim") or hidden // n_heads), device_type)
 

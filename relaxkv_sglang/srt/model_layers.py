@@ -6,18 +6,22 @@
 the decoder stack has the SGLang modules that family declares, and runs a layer's steps in the
 order the registry writes once (:func:`~relaxkv_sglang.core.model_family.project_qkv`,
 :func:`~relaxkv_sglang.core.model_family.finish_layer`) over :class:`SGLangLayerOps`, one decoder
-layer's modules. :func:`supports_repair` says whether a served model runs the repair at all (its
-decoder stack's ``forward`` hooked, its layers known); a model that does not is served ``pic``.
+layer's modules. :func:`repair_support` says whether a served model runs the repair at all (its
+decoder stack's ``forward`` hooked, its layers known) and why not; a model that does not is
+served ``pic`` (:func:`supports_repair`), and :func:`family_line` is the startup log's line.
 
 SGLang modules used (names from the family): ``embed_tokens``, ``layers[i].{input_layernorm,
-self_attn.{qkv_proj, q_norm, k_norm (Qwen3), rotary_emb, o_proj, attn}, post_attention_layernorm,
-mlp}``, ``norm``; ``config.architectures`` / ``config.model_type`` (the family). Their dtype is
-the served one (the model's).
+self_attn.{qkv_proj, q_norm, k_norm (Qwen3, Qwen3-MoE), rotary_emb, o_proj, attn},
+post_attention_layernorm, <mlp>}`` where ``<mlp>`` is the family's MLP module (``mlp``; Mixtral's
+``block_sparse_moe``), called as SGLang's layer calls it, ``mlp(y)``: an MoE block routes
+each row itself (its router's top-k, SGLang's fused-experts kernel); ``norm``;
+``config.architectures`` / ``config.model_type`` (the family), or, for a stack without a config
+(MixtralModel), its class. Their dtype is the served one (the model's).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -25,6 +29,7 @@ from relaxkv_sglang.core.model_family import (
     SGLANG_MODEL_MODULES,
     ModelFamily,
     UnknownModelFamilyError,
+    families_of_model_class,
     family_for_config,
     finish_layer,
     project_qkv,
@@ -36,12 +41,18 @@ class UnsupportedModelError(RuntimeError):
 
 
 def family_of_model(model: torch.nn.Module) -> ModelFamily:
-    """The registered family of an SGLang decoder stack (``causal_lm.model``), from its HF config.
+    """The registered family of an SGLang decoder stack (``causal_lm.model``), from its HF config;
+    a stack without one (MixtralModel) by its class, when one family alone hooks that class.
 
     Raises:
-        UnsupportedModelError: the config names no registered family (the message names it).
+        UnsupportedModelError: no registered family (the message names what the model says).
     """
     config = getattr(model, "config", None)
+    if config is None:
+        cls = type(model)
+        by_class = families_of_model_class(f"{cls.__module__}.{cls.__qualname__}")
+        if len(by_class) == 1:
+            return by_class[0]
     described = {key: getattr(config, key, None) for key in ("architectures", "model_type")}
     try:
         return family_for_config(described)
@@ -55,13 +66,16 @@ class SGLangLayerOps:
     ``attn.head_dim``; the served dtype.
 
     Args:
-        layer: ``model.layers[i]`` (LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer).
+        layer: ``model.layers[i]`` (LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer,
+            Qwen3MoeDecoderLayer, MixtralDecoderLayer).
+        mlp_module: the family's MLP module name in the layer (``ModelFamily.mlp_module``).
     """
 
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, layer: torch.nn.Module, mlp_module: str = "mlp") -> None:
         self.layer = layer
         self.attn = layer.self_attn
         self.radix = layer.self_attn.attn  # RadixAttention: this rank's head counts and sizes
+        self.mlp_block = getattr(layer, mlp_module)
 
     def input_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> [n, hidden]."""
@@ -97,8 +111,8 @@ class SGLangLayerOps:
         return self.layer.post_attention_layernorm(hidden)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """x [n, hidden] -> [n, hidden]."""
-        return self.layer.mlp(x)
+        """x [n, hidden] -> [n, hidden] (an MoE block routes the rows itself)."""
+        return self.mlp_block(x)
 
 
 class ModelLayers:
@@ -139,11 +153,15 @@ class ModelLayers:
             hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [n, hidden] (pre-norm) at positions int64 [n] -> q [n, H, d], k [n, Hkv, d] post-RoPE,
         v [n, Hkv, d]."""
-        return project_qkv(SGLangLayerOps(self.layer(l)), self.family, hidden, positions)
+        return project_qkv(self._ops(l), self.family, hidden, positions)
 
     def finish(self, l: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual adds around o_proj and the MLP; hidden [n, hidden], attn_out [n, H, dv] -> [n, hidden]."""
-        return finish_layer(SGLangLayerOps(self.layer(l)), hidden, attn_out)
+        return finish_layer(self._ops(l), hidden, attn_out)
+
+    def _ops(self, l: int) -> SGLangLayerOps:
+        """The ops of layer l."""
+        return SGLangLayerOps(self.layer(l), self.family.mlp_module)
 
     def attention_params(self, l: int) -> tuple[int, float]:
         """(KV-pool layer id, softmax scale) of layer l."""
@@ -160,18 +178,43 @@ def _has_path(obj: Any, path: str) -> bool:
     return True
 
 
-def supports_repair(causal_lm: torch.nn.Module) -> bool:
-    """Whether the model's layer stack runs through the hooked forward (a registered family's).
+def repair_support(causal_lm: torch.nn.Module) -> tuple[Optional[ModelFamily], str]:
+    """(the model's registered family or None, why it is not repaired: "" when it is).
 
     A model class that overrides ``forward`` itself would bypass the repair pass, and a model of
-    no registered family has no known layer: its requests are served as ``pic`` (``repaired``
-    false, with a ``not_repaired_reason``).
+    no registered family (or missing a module its family's layer has) has no known layer.
     """
     inner = getattr(causal_lm, "model", None)
-    if inner is None or getattr(type(inner).forward, "__wrapped__", None) is None:
-        return False
+    if inner is None:
+        return None, f"{type(causal_lm).__name__} holds no decoder stack (`.model`)"
     try:
-        ModelLayers(inner)
-    except UnsupportedModelError:
-        return False
-    return True
+        family = ModelLayers(inner).family
+    except UnsupportedModelError as exc:
+        return None, str(exc)
+    if getattr(type(inner).forward, "__wrapped__", None) is None:
+        return family, f"{type(inner).__name__}.forward is not the hooked one (the {family.name} family's is)"
+    return family, ""
+
+
+def supports_repair(causal_lm: torch.nn.Module) -> bool:
+    """Whether the model's layer stack runs through the hooked forward (a registered family's,
+    :func:`repair_support`); a model that does not has its requests served as ``pic``
+    (``repaired`` false, with a ``not_repaired_reason``)."""
+    return not repair_support(causal_lm)[1]
+
+
+def family_line(causal_lm: Optional[torch.nn.Module], chunk_reuse: bool) -> str:
+    """The startup log's one line on the served model: its class, its family, whether chunk reuse
+    is served (the startup gate passed) and whether the repair runs (and why not)."""
+    if causal_lm is None:
+        return "relaxkv: no model on the worker: no chunk reuse, no repair"
+    family, reason = repair_support(causal_lm)
+    reuse = "chunk reuse yes" if chunk_reuse else "chunk reuse no (the startup gate failed: chunk policies get HTTP 400)"
+    if not reason:
+        repair = "repair yes"
+    elif chunk_reuse:
+        repair = f"repair no, repair policies are served as pic ({reason})"
+    else:
+        repair = f"repair no ({reason})"
+    name = family.name if family is not None else "none registered"
+    return f"relaxkv: {type(causal_lm).__name__}, model family {name}: {reuse}; {repair}"

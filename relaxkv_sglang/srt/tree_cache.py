@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from relaxkv_sglang.core.rope import UnsupportedRopeError, rope_spec_from_hf_config
 from relaxkv_sglang.srt.chunk_metrics import ChunkMetrics
 from relaxkv_sglang.srt.gate import gate_state, run_startup_gate, serving_rope
-from relaxkv_sglang.srt.model_layers import supports_repair
+from relaxkv_sglang.srt.model_layers import family_line, supports_repair
 from relaxkv_sglang.srt.plan import BACKEND_NAME
 from relaxkv_sglang.srt.pool_kv import PoolKV
 from relaxkv_sglang.srt.tiers import build_tiers, model_identity, tier_config_from_env
@@ -100,11 +100,11 @@ def make_tree_cache(ctx: "TreeCacheBuildContext") -> Any:
     cache = build_cache_class()(ctx.params, pool_kv, metrics, tiers)
     setattr(ctx.tp_worker, _WORKER_ATTR, cache)
     # The correctness gate on the loaded model (srt/gate.py): a failure refuses chunk policies.
-    run_startup_gate(ctx.tp_worker, cache, int(ctx.model_config.context_len), tp_rank=ctx.tp_rank,
-                     enable_metrics=bool(server_args.enable_metrics))
-    if model is not None and not supports_repair(model):
-        logger.warning("relaxkv: %s does not run through the repair pass; repair policies are served as pic",
-                       type(model).__name__)
+    gate = run_startup_gate(ctx.tp_worker, cache, int(ctx.model_config.context_len), tp_rank=ctx.tp_rank,
+                            enable_metrics=bool(server_args.enable_metrics))
+    if ctx.tp_rank == 0:  # one line: the model's family, whether chunks are reused and whether it repairs
+        log = logger.info if model is not None and supports_repair(model) else logger.warning
+        log(family_line(model, chunk_reuse=not gate.refuses_chunks))
     logger.info("relaxkv tree cache ready: rope=%s", rope)
     return cache
 

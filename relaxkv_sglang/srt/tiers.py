@@ -6,8 +6,13 @@ between them and the KV pool. This module holds what needs SGLang's objects:
 
 * :func:`tier_config_from_env`: ``RELAXKV_HOST_CACHE_GB``, ``RELAXKV_CHUNK_DIR``,
   ``RELAXKV_DISK_CACHE_GB``, ``RELAXKV_HOST_CACHE_POLICY`` (``relaxkv-sglang serve
-  --host-cache-gb/--chunk-dir/--disk-cache-gb`` set the first three); a bad value stops the
-  server at startup with one line naming the variable;
+  --host-cache-gb/--chunk-dir/--disk-cache-gb`` set the first three), and the HiCache tier's
+  (:mod:`.hicache_tier`): ``RELAXKV_HICACHE_STORAGE_BACKEND`` (a name SGLang's
+  ``--hicache-storage-backend`` takes), ``RELAXKV_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG`` (as
+  SGLang's ``--hicache-storage-backend-extra-config``: a JSON object, or ``@FILE`` of JSON, TOML
+  or YAML), ``RELAXKV_HICACHE_PAGE_KB`` (bytes per stored page / 1024, default 256),
+  ``RELAXKV_HICACHE_CONNECT_TIMEOUT_S`` (default 30); a bad value stops the server at startup
+  with one line naming the variable;
 * :func:`model_identity`: the identity chunk keys are salted with: the model path's name, its
   HF config, a fingerprint of each weight file (name, size, sha256 of its first and last MiB),
   a sha256 of the tokenizer's files, the KV dtype, and the layout (layers, KV heads, head dim,
@@ -28,12 +33,17 @@ import os
 from typing import Any, Optional
 
 from relaxkv_sglang.core.tiers import GB, DiskTierConfig, HostTier, HostTierConfig, ModelIdentity, TieredChunkStore
+from relaxkv_sglang.srt.hicache_tier import HiCacheTierConfig, known_backends
 from relaxkv_sglang.srt.pool_kv import PoolKV
 
 HOST_GB_ENV = "RELAXKV_HOST_CACHE_GB"
 CHUNK_DIR_ENV = "RELAXKV_CHUNK_DIR"
 DISK_GB_ENV = "RELAXKV_DISK_CACHE_GB"
 HOST_POLICY_ENV = "RELAXKV_HOST_CACHE_POLICY"
+HICACHE_BACKEND_ENV = "RELAXKV_HICACHE_STORAGE_BACKEND"
+HICACHE_EXTRA_ENV = "RELAXKV_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG"
+HICACHE_PAGE_KB_ENV = "RELAXKV_HICACHE_PAGE_KB"
+HICACHE_TIMEOUT_ENV = "RELAXKV_HICACHE_CONNECT_TIMEOUT_S"
 DEFAULT_DISK_GB = 10.0
 
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.gguf", "*.pt", "*.pth")
@@ -47,21 +57,22 @@ class TierConfig:
     disk_dir: Optional[str] = None
     disk_bytes: int = 0
     host_policy: str = "tinylfu"
+    hicache: HiCacheTierConfig = HiCacheTierConfig()
 
     @property
     def enabled(self) -> bool:
         """Some lower tier is asked for."""
-        return self.host_bytes > 0 or self.disk_dir is not None
+        return self.host_bytes > 0 or self.disk_dir is not None or self.hicache.backend is not None
 
 
-def _gb(env: dict, name: str, default: float) -> float:
+def _gb(env: dict, name: str, default: float, unit: str = "GB") -> float:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:
         value = float(raw)
     except ValueError:
-        raise SystemExit(f"relaxkv-sglang: {name}={raw!r}: not a number of GB") from None
+        raise SystemExit(f"relaxkv-sglang: {name}={raw!r}: not a number of {unit}") from None
     if not value >= 0 or value == float("inf"):
         raise SystemExit(f"relaxkv-sglang: {name}={raw!r}: must be a finite number >= 0")
     return value
@@ -87,7 +98,52 @@ def tier_config_from_env(env: Optional[dict] = None) -> TierConfig:
             raise SystemExit(f"relaxkv-sglang: {CHUNK_DIR_ENV}={disk_dir!r}: not writable")
         if disk_gb <= 0:
             raise SystemExit(f"relaxkv-sglang: {DISK_GB_ENV}={env.get(DISK_GB_ENV)!r}: must be > 0 with {CHUNK_DIR_ENV}")
-    return TierConfig(int(host_gb * GB), disk_dir, int(disk_gb * GB) if disk_dir else 0, policy)
+    return TierConfig(int(host_gb * GB), disk_dir, int(disk_gb * GB) if disk_dir else 0, policy,
+                      hicache_config_from_env(env))
+
+
+def _extra_config(raw: str) -> dict:
+    """SGLang's extra-config convention: a JSON object, or ``@FILE`` (.json, .toml, .yaml/.yml)."""
+    if not raw.startswith("@"):
+        value = json.loads(raw)
+    else:
+        path = raw[1:]
+        ext = os.path.splitext(path)[1].lower()
+        with open(path, "rb") as f:
+            if ext == ".json":
+                value = json.load(f)
+            elif ext == ".toml":
+                import tomllib
+
+                value = tomllib.load(f)
+            elif ext in (".yaml", ".yml"):
+                import yaml
+
+                value = yaml.safe_load(f)
+            else:
+                raise ValueError(f"{path}: not a .json, .toml or .yaml file")
+    if not isinstance(value, dict):
+        raise ValueError("not an object")
+    return value
+
+
+def hicache_config_from_env(env: dict) -> HiCacheTierConfig:
+    """The HiCache tier the environment asks for (module doc); SystemExit with one line if malformed."""
+    backend = env.get(HICACHE_BACKEND_ENV) or None
+    if backend is None:
+        return HiCacheTierConfig()
+    if backend not in known_backends():
+        raise SystemExit(f"relaxkv-sglang: {HICACHE_BACKEND_ENV}={backend!r}: must be one of {', '.join(known_backends())}")
+    raw = env.get(HICACHE_EXTRA_ENV) or "{}"
+    try:
+        extra = _extra_config(raw)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"relaxkv-sglang: {HICACHE_EXTRA_ENV}={raw!r}: {exc}") from None
+    page_kb = _gb(env, HICACHE_PAGE_KB_ENV, 256.0, "KB")
+    if page_kb < 4 or page_kb != int(page_kb):
+        raise SystemExit(f"relaxkv-sglang: {HICACHE_PAGE_KB_ENV}={env.get(HICACHE_PAGE_KB_ENV)!r}: must be a whole number >= 4")
+    timeout = _gb(env, HICACHE_TIMEOUT_ENV, 30.0, "seconds")
+    return HiCacheTierConfig(backend, extra, int(page_kb) << 10, timeout)
 
 
 def _file_fingerprint(path: str) -> str:
@@ -122,5 +178,6 @@ def model_identity(model_path: str, tokenizer_path: Optional[str], hf_config: di
 
 def build_tiers(config: TierConfig, pool_kv: PoolKV, identity: ModelIdentity) -> TieredChunkStore:
     """The lower tiers for this pool's KV layout, fastest first (those the config asks for)."""
-    tiers = [HostTierConfig(config.host_bytes, config.host_policy), DiskTierConfig(config.disk_dir, config.disk_bytes)]
+    tiers = [HostTierConfig(config.host_bytes, config.host_policy), DiskTierConfig(config.disk_dir, config.disk_bytes),
+             config.hicache]
     return TieredChunkStore.from_configs(tiers, identity, pool_kv.token_shape, pool_kv.dtype)

@@ -427,12 +427,14 @@ def test_tier_names_are_one_vocabulary_and_map_once_to_sglang():
     from relaxkv_sglang.core.tiers import LOWER_TIERS, split_hits
     from relaxkv_sglang.srt.cache_source import by_cache_source, sglang_cache_source
 
-    assert [str(t) for t in TierName] == ["device", "host", "disk"] and LOWER_TIERS == (TierName.HOST, TierName.DISK)
+    assert [str(t) for t in TierName] == ["device", "host", "disk", "hicache"]
+    assert LOWER_TIERS == (TierName.HOST, TierName.DISK, TierName.HICACHE)
     assert TierName.DISK == "disk" and {"disk": 1}[TierName.DISK] == 1 and f"tier_{TierName.HOST}_x" == "tier_host_x"
     # a window's hits: each lower tier capped by what is left, the device gets the rest
-    assert split_hits(10, {TierName.HOST: 3, TierName.DISK: 4}) == {"device": 3, "host": 3, "disk": 4}
-    assert split_hits(5, {"host": 4, "disk": 4}) == {"device": 0, "host": 4, "disk": 1}
-    assert [sglang_cache_source(t) for t in TierName] == ["device", "host", "storage"]
+    assert split_hits(10, {TierName.HOST: 3, TierName.DISK: 4}) == {"device": 3, "host": 3, "disk": 4, "hicache": 0}
+    assert split_hits(5, {"host": 4, "disk": 4}) == {"device": 0, "host": 4, "disk": 1, "hicache": 0}
+    assert split_hits(9, {"hicache": 5}) == {"device": 4, "host": 0, "disk": 0, "hicache": 5}
+    assert [sglang_cache_source(t) for t in TierName] == ["device", "host", "storage", "storage"]
     assert by_cache_source(split_hits(6, {"disk": 2})) == {"device": 4, "host": 0, "storage": 2}
     assert HostTier.role.exclusive and not HostTier.role.write_through
     assert DiskTier.role.write_through and DiskTier.role.prefetchable and not DiskTier.role.exclusive

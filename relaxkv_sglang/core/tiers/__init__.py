@@ -9,11 +9,13 @@ its declared role (:class:`TierRole`: exclusive, write-through, prefetchable), n
   publish|  |load at admission           |
          v  |                            v
     disk tier (DiskTier, write-through + prefetchable: fsynced, LRU-bounded, shared by processes)
+    hicache tier (PagedTier, write-through + prefetchable: values in pages of a HiCache storage
+                  backend such as Mooncake, shared by servers on any host; srt/hicache_tier.py)
 
 One module per concept:
 
 ============  =================================================================================
-names         :class:`TierName` (device / host / disk), the one vocabulary of where KV lives
+names         :class:`TierName` (device / host / disk / hicache), the one vocabulary of where KV lives
 keys          :class:`ModelIdentity`, :func:`chunk_key` (content addresses)
 record        :class:`ChunkRecord` (``[n_tokens, layers, 2, kv_heads, head_dim]`` on the CPU)
 storage       :class:`ChunkStorage`, the HiCache-shaped storage interface
@@ -21,7 +23,9 @@ tier          :class:`Tier` (a storage with a name and a role), :class:`TierConf
 admission     :class:`FrequencySketch` (TinyLFU's count-min sketch)
 memory        :func:`release_free_heap` (glibc ``malloc_trim``)
 host          :class:`HostTier` + :class:`HostTierConfig` (bounded host memory)
+value         the self-describing bytes of a stored chunk and the checks a load makes
 disk          :class:`DiskTier` + :class:`DiskTierConfig` (bounded, checksummed folder)
+paged         :class:`PagedTier` over a :class:`PageStore` (values in fixed-size pages)
 writer        :class:`AsyncWriter` (writes on a background thread, bounded queue)
 prefetch      :class:`PrefetchStage` (reads started ahead of the load, staged)
 store         :class:`TieredChunkStore` (the list of tiers for the server)
@@ -39,17 +43,19 @@ from relaxkv_sglang.core.tiers.host import HostTier, HostTierConfig
 from relaxkv_sglang.core.tiers.keys import FORMAT_VERSION, ModelIdentity, chunk_key
 from relaxkv_sglang.core.tiers.memory import release_free_heap
 from relaxkv_sglang.core.tiers.names import LOWER_TIERS, TierName, split_hits
+from relaxkv_sglang.core.tiers.paged import PagedTier, PageStore
 from relaxkv_sglang.core.tiers.prefetch import PrefetchStage
 from relaxkv_sglang.core.tiers.record import GB, ChunkRecord
 from relaxkv_sglang.core.tiers.simulate import simulate_tier
 from relaxkv_sglang.core.tiers.storage import ChunkStorage
 from relaxkv_sglang.core.tiers.store import TieredChunkStore
 from relaxkv_sglang.core.tiers.tier import Tier, TierConfig, TierContext, TierRole
+from relaxkv_sglang.core.tiers.value import Damaged, ValueLayout, decode_value, encode_value
 from relaxkv_sglang.core.tiers.writer import AsyncWriter
 
 __all__ = [
-    "FORMAT_VERSION", "GB", "LOWER_TIERS", "AsyncWriter", "ChunkRecord", "ChunkStorage", "DiskTier",
-    "DiskTierConfig", "FrequencySketch", "HostTier", "HostTierConfig", "ModelIdentity", "PrefetchStage", "Tier",
-    "TierConfig", "TierContext", "TierName", "TierRole", "TieredChunkStore", "chunk_key", "release_free_heap",
-    "simulate_tier", "split_hits",
+    "FORMAT_VERSION", "GB", "LOWER_TIERS", "AsyncWriter", "ChunkRecord", "ChunkStorage", "Damaged", "DiskTier",
+    "DiskTierConfig", "FrequencySketch", "HostTier", "HostTierConfig", "ModelIdentity", "PageStore", "PagedTier",
+    "PrefetchStage", "Tier", "TierConfig", "TierContext", "TierName", "TierRole", "TieredChunkStore",
+    "ValueLayout", "chunk_key", "decode_value", "encode_value", "release_free_heap", "simulate_tier", "split_hits",
 ]

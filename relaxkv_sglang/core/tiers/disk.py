@@ -1,10 +1,7 @@
 """The disk tier: one fsynced, checksummed file per chunk in a bounded folder, shared by processes.
 
-File ``DIR/<key[:2]>/<key>.kv``::
-
-    magic "RKVCHNK1" | u32 header length | header JSON | payload
-    header: key, identity digest, n_tokens, token_bytes, token shape, dtype, canonical_start,
-            payload length, crc32 of the payload
+File ``DIR/<key[:2]>/<key>.kv``: the chunk's self-describing value (:mod:`.value`: magic, header
+with key, identity, sizes, layout, dtype and a crc32 of the payload, then the payload).
 
 Written to ``DIR/<key[:2]>/.tmp.<key>.<pid>.<random>``, flushed, ``fsync``-ed, renamed over the
 final name (atomic on POSIX) and the folder ``fsync``-ed: a reader sees a whole file or none,
@@ -26,33 +23,24 @@ load keeps the file, and reads can be started ahead on a thread.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from typing import Optional, Sequence
 
 import torch
 
-from relaxkv_sglang.core.tiers.keys import FORMAT_VERSION, ModelIdentity, identity_digest
+from relaxkv_sglang.core.tiers.keys import ModelIdentity
 from relaxkv_sglang.core.tiers.names import TierName
-from relaxkv_sglang.core.tiers.record import ChunkRecord, token_bytes
+from relaxkv_sglang.core.tiers.record import ChunkRecord
 from relaxkv_sglang.core.tiers.tier import Tier, TierConfig, TierContext, TierRole
+from relaxkv_sglang.core.tiers.value import MAGIC, Damaged, ValueLayout, decode_value, encode_value
 
 __all__ = ["DiskTier", "DiskTierConfig", "MAGIC"]
 
-MAGIC = b"RKVCHNK1"
 _TMP_PREFIX = ".tmp."
 _SUFFIX = ".kv"
-
-
-class _Damaged(Exception):
-    def __init__(self, kind: str, why: str) -> None:
-        super().__init__(why)
-        self.kind = kind  # "corrupt" or "foreign"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -96,11 +84,11 @@ class DiskTier(Tier):
         self.root = os.fspath(root)
         os.makedirs(self.root, exist_ok=True)
         self.capacity_bytes = int(capacity_bytes)
-        self.identity = identity_digest(identity)
-        self.token_shape = [int(s) for s in token_shape]
+        self.layout = ValueLayout.of(identity, token_shape, dtype)
+        self.identity = self.layout.identity
+        self.token_shape = list(self.layout.token_shape)
         self.dtype = dtype
-        self.dtype_name = str(dtype).removeprefix("torch.")
-        self.token_bytes = token_bytes(self.token_shape, dtype)
+        self.token_bytes = self.layout.token_bytes
         self.rescan_s = rescan_s
         self.stale_tmp_s = stale_tmp_s
         self.lock = threading.Lock()  # the writer thread and the scheduler thread share the index
@@ -186,8 +174,8 @@ class DiskTier(Tier):
             self._count("misses", 1)
             return None
         try:
-            record = self._decode(key, data)
-        except _Damaged as exc:
+            record = decode_value(key, data, self.layout)
+        except Damaged as exc:
             self._count(exc.kind, 1)
             self._count("misses", 1)
             with _suppress_missing():
@@ -212,46 +200,8 @@ class DiskTier(Tier):
                 self.used -= size
 
     def encode(self, key: str, record: ChunkRecord) -> bytes:
-        """The file's bytes for ``record`` under ``key`` (module doc)."""
-        rows = record.rows()
-        if rows.shape[1] != self.token_bytes:
-            raise ValueError(f"record has {rows.shape[1]} bytes per token, the tier {self.token_bytes}")
-        payload = rows.numpy().tobytes()
-        header = json.dumps({
-            "format": FORMAT_VERSION, "key": key, "identity": self.identity, "n_tokens": rows.shape[0],
-            "token_bytes": self.token_bytes, "token_shape": self.token_shape, "dtype": self.dtype_name,
-            "canonical_start": int(record.canonical_start), "payload_bytes": len(payload),
-            "crc32": zlib.crc32(payload),
-        }, sort_keys=True).encode()
-        return MAGIC + struct.pack("<I", len(header)) + header + payload
-
-    def _decode(self, key: str, data: bytes) -> ChunkRecord:
-        if len(data) < len(MAGIC) + 4 or data[: len(MAGIC)] != MAGIC:
-            raise _Damaged("corrupt", "bad magic or truncated")
-        (hlen,) = struct.unpack_from("<I", data, len(MAGIC))
-        start = len(MAGIC) + 4
-        if start + hlen > len(data):
-            raise _Damaged("corrupt", "truncated header")
-        try:
-            header = json.loads(data[start: start + hlen])
-        except ValueError:
-            raise _Damaged("corrupt", "unreadable header") from None
-        if not isinstance(header, dict):
-            raise _Damaged("corrupt", "header is not an object")
-        if (header.get("identity") != self.identity or header.get("key") != key
-                or header.get("token_shape") != self.token_shape or header.get("dtype") != self.dtype_name
-                or header.get("format") != FORMAT_VERSION):
-            raise _Damaged("foreign", "another model, layout or key")
-        payload = memoryview(data)[start + hlen:]
-        n = header.get("n_tokens")
-        if (not isinstance(n, int) or n <= 0 or header.get("payload_bytes") != len(payload)
-                or len(payload) != n * self.token_bytes):
-            raise _Damaged("corrupt", "truncated payload")
-        if zlib.crc32(payload) != header.get("crc32"):
-            raise _Damaged("corrupt", "checksum mismatch")
-        rows = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        kv = rows.view(self.dtype).reshape(n, *self.token_shape)
-        return ChunkRecord(kv, int(header.get("canonical_start", 0)))
+        """The file's bytes for ``record`` under ``key`` (:func:`~.value.encode_value`)."""
+        return encode_value(key, record, self.layout)
 
     def batch_set(self, keys: Sequence[str], records: Sequence[ChunkRecord]) -> list[bool]:
         return [self._set(k, r) for k, r in zip(keys, records)]

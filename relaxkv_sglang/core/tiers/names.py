@@ -25,6 +25,7 @@ class TierName(enum.StrEnum):
     DEVICE = "device"  # the KV pool (ChunkStore)
     HOST = "host"      # host memory (HostTier)
     DISK = "disk"      # a local folder (DiskTier)
+    HICACHE = "hicache"  # a HiCache storage backend of SGLang's, e.g. Mooncake (PagedTier over srt/hicache_tier.py)
 
 
 LOWER_TIERS: tuple[TierName, ...] = tuple(t for t in TierName if t is not TierName.DEVICE)
@@ -40,7 +41,7 @@ def split_hits(hit_tokens: int, tier_tokens: Mapping[str, int]) -> dict[TierName
             :data:`LOWER_TIERS` order.
 
     Returns:
-        ``{DEVICE: n, HOST: n, DISK: n}``, summing to ``hit_tokens``; the device gets the rest.
+        ``{DEVICE: n, HOST: n, DISK: n, HICACHE: n}``, summing to ``hit_tokens``; the device gets the rest.
     """
     left, lower = hit_tokens, {}
     for tier in LOWER_TIERS:

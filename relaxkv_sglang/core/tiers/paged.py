@@ -1,0 +1,261 @@
+"""A tier over a store of fixed-size pages: how chunk values live in a HiCache storage backend.
+
+SGLang's HiCache storage backends (Mooncake, 3FS, NIXL, a folder, ...) store *pages*: one
+object of a fixed byte size per key, read into (and written from) a buffer of that size. A
+chunk's value (:mod:`.value`: header with key, identity, sizes, layout, dtype and a crc32, then
+the KV) is laid over ``ceil(len(value) / P)`` pages of ``P = page_bytes``, the last one
+zero-padded::
+
+    page 0 under  <key>             value[0 : P]      (the header and the start of the KV)
+    page i under  <key>.<tag>.<i>   value[i*P : (i+1)*P],   i = 1 .. n-1
+    tag = the header's crc32 of the KV, 8 hex chars
+
+A write puts pages 1..n-1 first and page 0 last, so page 0 present means the value was
+complete when written. Two servers writing the same key at once write the same page 0 when
+their KV bytes agree; if they differ, the tags differ too, so a reader never combines one
+writer's header with another's KV (and a damaged page 0 still names the pages it was written with). A load reads page 0, learns the length from the header,
+reads the rest in one batch and checks the whole value (:func:`~.value.decode_value`): a
+missing page (``incomplete``), wrong bytes (``corrupt``) or another model, layout or key
+(``foreign``) is a counted miss, never served. HiCache's interface has no delete, so a damaged
+value stays until the store evicts it; this server then answers it as absent (up to
+``BAD_KEYS_KEPT`` keys remembered), computes the chunk and serves its own.
+
+**The store failing.** A call that raises, or takes longer than ``slow_s``, counts ``errors``
+and takes the tier out of service for ``backoff_s``: meanwhile every lookup is a miss without
+asking the store (``unavailable``) and writes are dropped, so requests are served from the
+pool and by computing, never waiting on a dead store. One log line when it goes out, one when
+it is asked again.
+
+Role: write-through and prefetchable, like the disk tier (:mod:`.tier`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from typing import Callable, Optional, Sequence, TypeVar
+
+from relaxkv_sglang.core.tiers.names import TierName
+from relaxkv_sglang.core.tiers.record import ChunkRecord
+from relaxkv_sglang.core.tiers.tier import Tier, TierRole
+from relaxkv_sglang.core.tiers.value import PREFIX_BYTES, Damaged, ValueLayout, decode_value, encode_value, value_info
+
+__all__ = ["PageStore", "PagedTier", "page_keys", "split_pages"]
+
+logger = logging.getLogger(__name__)
+
+BAD_KEYS_KEPT = 4096
+_T = TypeVar("_T")
+
+
+class PageStore(ABC):
+    """Pages of ``page_bytes`` bytes by string key (a HiCache backend, or a dict in tests).
+
+    Methods may raise when the store itself fails; a key that is absent or unreadable is
+    ``False`` / ``None`` in the answer."""
+
+    page_bytes: int
+
+    @abstractmethod
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each page is stored."""
+
+    @abstractmethod
+    def get(self, keys: Sequence[str]) -> list[Optional[bytes]]:
+        """Each page's ``page_bytes`` bytes, or None."""
+
+    @abstractmethod
+    def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> list[bool]:
+        """Store each page (``page_bytes`` bytes); False where it was not stored."""
+
+    def describe(self) -> dict:
+        """What to report beside the tier's counters (e.g. the backend's name)."""
+        return {}
+
+
+def page_keys(key: str, crc: int, n_pages: int) -> list[str]:
+    """The store keys of a value's pages 1..n-1, tagged by its KV's crc32 (module doc)."""
+    return [f"{key}.{crc:08x}.{i}" for i in range(1, n_pages)]
+
+
+def split_pages(value: bytes, page_bytes: int) -> list[bytes]:
+    """``value`` in pages of ``page_bytes``, the last zero-padded."""
+    pages = [value[i: i + page_bytes] for i in range(0, len(value), page_bytes)]
+    pages[-1] = pages[-1].ljust(page_bytes, b"\0")
+    return pages
+
+
+class PagedTier(Tier):
+    """Chunk values over a :class:`PageStore` (module doc)."""
+
+    name = TierName.HICACHE
+    role = TierRole(write_through=True, prefetchable=True)
+
+    def __init__(self, store: PageStore, layout: ValueLayout, *, slow_s: float = 2.0, backoff_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """
+        Args:
+            store: the pages.
+            layout: this server's identity and KV layout (values that differ are foreign).
+            slow_s: a store call slower than this takes the tier out of service.
+            backoff_s: how long it stays out before the store is asked again.
+            clock: monotonic seconds (tests pass their own).
+        """
+        if store.page_bytes < PREFIX_BYTES + 1024:
+            raise ValueError(f"page_bytes {store.page_bytes} cannot hold a value's header")
+        self.store = store
+        self.layout = layout
+        self.slow_s, self.backoff_s, self.clock = slow_s, backoff_s, clock
+        self.lock = threading.Lock()  # counters and state: the scheduler, writer and prefetch threads
+        self.down_until = 0.0
+        self.bad: OrderedDict[str, None] = OrderedDict()  # damaged or incomplete values: absent here
+        self.counters = dict(hits=0, misses=0, hit_bytes=0, writes=0, written_bytes=0, already_present=0,
+                             rejected=0, write_errors=0, corrupt=0, foreign=0, incomplete=0, errors=0,
+                             unavailable=0)
+
+    # ------------------------------------------------------------------ the store, guarded
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            self.counters[name] += n
+
+    def count_write_error(self) -> None:
+        self._count("write_errors")
+
+    def _call(self, what: str, fn: Callable[[], _T], default: _T) -> _T:
+        """``fn()`` unless the tier is out of service; a raise or a slow call takes it out (module doc)."""
+        now = self.clock()
+        with self.lock:
+            if now < self.down_until:
+                self.counters["unavailable"] += 1
+                return default
+            back = self.down_until > 0.0
+            self.down_until = 0.0
+        if back:
+            logger.warning("relaxkv: asking the %s tier's store again", self.name)
+        try:
+            out = fn()
+        except Exception as exc:  # noqa: BLE001 - the store failing is a miss, never a request error
+            self._out_of_service(f"{what} raised {type(exc).__name__}: {exc}")
+            return default
+        seconds = self.clock() - now
+        if seconds > self.slow_s:
+            self._out_of_service(f"{what} took {seconds:.1f} s")
+        return out
+
+    def _out_of_service(self, why: str) -> None:
+        with self.lock:
+            self.counters["errors"] += 1
+            self.down_until = self.clock() + self.backoff_s
+        logger.warning("relaxkv: the %s tier's store failed (%s); lookups are misses for %.0f s",
+                       self.name, why, self.backoff_s)
+
+    def _mark_bad(self, key: str, kind: str) -> None:
+        with self.lock:
+            self.counters[kind] += 1
+            self.counters["misses"] += 1
+            self.bad[key] = None
+            self.bad.move_to_end(key)
+            while len(self.bad) > BAD_KEYS_KEPT:
+                self.bad.popitem(last=False)
+
+    def _is_bad(self, key: str) -> bool:
+        with self.lock:
+            return key in self.bad
+
+    # ------------------------------------------------------------------ the interface
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        asked = [k for k in keys if not self._is_bad(k)]
+        found = dict(zip(asked, self._call("exists", lambda: self.store.exists(asked), [False] * len(asked))
+                         if asked else []))
+        return [found.get(k, False) for k in keys]
+
+    def batch_get(self, keys: Sequence[str]) -> list[Optional[ChunkRecord]]:
+        keys = list(keys)
+        asked = [k for k in keys if not self._is_bad(k)]
+        heads = dict(zip(asked, self._call("get", lambda: self.store.get(asked), [None] * len(asked)) if asked else []))
+        plans: dict[str, tuple[int, list[str]] | Damaged] = {}
+        for key, head in heads.items():
+            if head is None:
+                continue
+            try:
+                length, crc = value_info(head)
+            except Damaged as exc:
+                plans[key] = exc
+                continue
+            plans[key] = (length, page_keys(key, crc, -(-length // self.store.page_bytes)))
+        wanted = [k for plan in plans.values() if not isinstance(plan, Damaged) for k in plan[1]]
+        got = self._call("get", lambda: self.store.get(wanted), [None] * len(wanted)) if wanted else []
+        pages = dict(zip(wanted, got))
+        return [self._assemble(k, heads.get(k), plans.get(k), pages) for k in keys]
+
+    def _assemble(self, key: str, head: Optional[bytes], plan: tuple[int, list[str]] | Damaged | None,
+                  pages: dict[str, Optional[bytes]]) -> Optional[ChunkRecord]:
+        """One key's record from its pages, checked; None (counted) if absent, incomplete or damaged."""
+        if head is None or plan is None:
+            self._count("misses")
+            return None
+        if isinstance(plan, Damaged):
+            self._mark_bad(key, plan.kind)
+            return None
+        length, tail = plan
+        rest = [pages.get(k) for k in tail]
+        if any(p is None for p in rest):
+            self._mark_bad(key, "incomplete")
+            return None
+        data = b"".join([head, *rest])[:length]
+        try:
+            record = decode_value(key, data, self.layout)
+        except Damaged as exc:
+            self._mark_bad(key, exc.kind)
+            return None
+        with self.lock:
+            self.counters["hits"] += 1
+            self.counters["hit_bytes"] += len(data)
+        return record
+
+    def batch_set(self, keys: Sequence[str], records: Sequence[ChunkRecord]) -> list[bool]:
+        return [self._set(k, r) for k, r in zip(keys, records)]
+
+    def _set(self, key: str, record: ChunkRecord) -> bool:
+        if self._is_bad(key):
+            return False  # a damaged value holds the key until the store evicts it (module doc)
+        present = self._call("exists", lambda: self.store.exists([key]), None)
+        if present is None:  # out of service, or the store failed: not written
+            return False
+        if present[0]:
+            self._count("already_present")
+            return True
+        try:
+            value = encode_value(key, record, self.layout)
+        except ValueError:
+            self._count("rejected")
+            return False
+        pages = split_pages(value, self.store.page_bytes)
+        keys = page_keys(key, value_info(value)[1], len(pages)) + [key]  # page 0 last: it commits the value
+        pages = pages[1:] + pages[:1]
+        ok = self._call("put", lambda: self.store.put(keys, pages), [False] * len(keys))
+        if not all(ok):
+            self._count("write_errors")
+            return False
+        with self.lock:
+            self.counters["writes"] += 1
+            self.counters["written_bytes"] += len(value)
+        return True
+
+    def delete(self, key: str) -> bool:
+        """HiCache's interface has no delete: the key is only forgotten here (module doc)."""
+        return False
+
+    def stats(self) -> dict:
+        with self.lock:
+            out = dict(self.counters, bad_keys=len(self.bad),
+                       out_of_service=int(self.clock() < self.down_until))
+        return out
+
+    def describe(self) -> dict:
+        return {**self.store.describe(), "page_bytes": self.store.page_bytes}

@@ -1,0 +1,155 @@
+"""A Mooncake store on this machine, on loopback: ``mooncake_master`` and one memory-holding client.
+
+For the tests and benchmarks that share chunks across servers through Mooncake (the HiCache tier,
+``relaxkv_sglang/srt/hicache_tier.py``), and as the shape of a deployment:
+
+* ``mooncake_master --rpc_address 127.0.0.1 --rpc_port P``: the store's metadata (which client
+  holds which object), its eviction (at 90% of the memory by default) and leases;
+* ``mooncake_client --global_segment_size S``: a long-lived process that contributes ``S`` bytes
+  of memory, where the objects live. The servers join with ``global_segment_size`` 0, so a
+  server's restart loses nothing (a Mooncake client's objects live in the segments of the
+  clients that mounted them; an object placed in a server's own segment would go with it).
+
+The servers' HiCache tier is then ``RELAXKV_HICACHE_STORAGE_BACKEND=mooncake`` with
+:meth:`MooncakeService.extra_config` (:meth:`MooncakeService.env` gives both). Mooncake's
+transfer engine listens on every interface for its handshake (no flag binds it); everything
+named here is 127.0.0.1. Installed by ``make install-mooncake`` (``requirements/mooncake.txt``,
+apt packages ``libibverbs1 libnuma1``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+__all__ = ["MooncakeService", "mooncake_binary"]
+
+
+def mooncake_binary(name: str) -> str:
+    """The path of ``mooncake_master`` / ``mooncake_client`` (beside this Python, else on PATH)."""
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    found = here if os.access(here, os.X_OK) else shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"{name} not found: run `make install-mooncake`")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} at startup")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"{proc.args[0]} not listening on 127.0.0.1:{port} after {timeout_s} s")
+
+
+class MooncakeService:
+    """``mooncake_master`` and a segment-holding ``mooncake_client`` on loopback (module doc).
+
+    Use as a context manager; :meth:`stop` ends both process groups (each started in its own)."""
+
+    def __init__(self, segment_mb: int = 256, log_dir: Optional[str] = None) -> None:
+        """segment_mb: memory the holder contributes; log_dir: where the two logs go (a temp folder)."""
+        self.segment_mb = segment_mb
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="relaxkv-mooncake-")
+        self.rpc_port = 0
+        self.master: Optional[subprocess.Popen] = None
+        self.holder: Optional[subprocess.Popen] = None
+
+    @property
+    def address(self) -> str:
+        """The master's RPC address."""
+        return f"127.0.0.1:{self.rpc_port}"
+
+    def extra_config(self) -> dict:
+        """The servers' ``--hicache-storage-backend-extra-config`` for this store."""
+        return {"master_server_address": self.address, "protocol": "tcp", "metadata_server": "P2PHANDSHAKE",
+                "local_hostname": "127.0.0.1", "global_segment_size": 0, "device_name": ""}
+
+    def env(self, page_kb: int = 64) -> dict[str, str]:
+        """A server's environment for the HiCache tier on this store."""
+        return {"RELAXKV_HICACHE_STORAGE_BACKEND": "mooncake",
+                "RELAXKV_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG": json.dumps(self.extra_config()),
+                "RELAXKV_HICACHE_PAGE_KB": str(page_kb)}
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
+        try:
+            return subprocess.Popen([mooncake_binary(name), *args], stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        finally:
+            log.close()
+
+    def start_master(self) -> None:
+        """Start (or restart) the master on its port (a free one the first time); empty of objects."""
+        self.rpc_port = self.rpc_port or _free_port()
+        self.master = self._spawn("mooncake_master", [
+            "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}", "--metrics_host=127.0.0.1",
+            f"--metrics_port={_free_port()}", "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={_free_port()}"])
+        _wait_port(self.rpc_port, self.master, 30)
+
+    def start_holder(self) -> None:
+        """Start the client that holds the objects' memory (``segment_mb``)."""
+        port = _free_port()
+        self.holder = self._spawn("mooncake_client", [
+            "--host=127.0.0.1", f"--port={port}", f"--global_segment_size={self.segment_mb}MB",
+            "--metadata_server=P2PHANDSHAKE", "--protocol=tcp", f"--master_server_address={self.address}"])
+        _wait_port(port, self.holder, 30)
+
+    def start(self) -> "MooncakeService":
+        """Master, then holder."""
+        try:
+            self.start_master()
+            self.start_holder()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @staticmethod
+    def _end(proc: Optional[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+    def kill_master(self) -> None:
+        """SIGKILL the master (a store that dies mid-run)."""
+        self._end(self.master, signal.SIGKILL)
+
+    def stop(self) -> None:
+        """End the holder and the master."""
+        self._end(self.holder)
+        self._end(self.master)
+
+    def __enter__(self) -> "MooncakeService":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,238 @@
+"""The chunk tier on SGLang's HiCache storage backends (Mooncake, 3FS, NIXL, a folder, ...).
+
+:class:`~relaxkv_sglang.core.tiers.paged.PagedTier` stores each chunk's self-describing value in
+fixed-size pages of a :class:`~relaxkv_sglang.core.tiers.paged.PageStore`; this module is that
+store over any backend SGLang's ``StorageBackendFactory`` knows, built the way SGLang's HiCache
+builds it (``managers/cache_controller.py``):
+
+* the backend: ``StorageBackendFactory.create_backend(name, HiCacheStorageConfig(...,
+  extra_config), host_pool)``, then ``register_mem_pool_host(host_pool)`` and
+  ``on_host_pools_registered()``; the name and extra config are those SGLang's
+  ``--hicache-storage-backend`` and ``--hicache-storage-backend-extra-config`` take
+  (``RELAXKV_HICACHE_STORAGE_BACKEND[_EXTRA_CONFIG]``, :mod:`.tiers`). ``model_name`` is
+  ``"relaxkv"``, so the backends that prefix keys with it keep these pages apart from HiCache's
+  own prefix pages in a shared store; TP and PP are 1 (the content key already names the rank);
+* the host pool: :class:`StagingPool`, ``pages`` buffers of ``page_bytes`` bytes (uint8
+  ``[pages, page_bytes]``), the buffer the backend registers (Mooncake) and reads into / writes
+  from. It answers what the zero-copy backends ask of a ``HostKVCache``: one page per index
+  (``page_size`` 1), ``page_first`` layout, each page as a K half and a V half
+  (``get_page_buffer_meta``);
+* the I/O convention, SGLang's: the backends HiCache drives zero-copy (:data:`ZERO_COPY_BACKENDS`,
+  and ``dynamic`` with ``"interface_v1"`` in its config) through ``batch_get_v1`` /
+  ``batch_set_v1`` with page indices of the pool; the others (``file``, ``sim``, ``dynamic``)
+  through ``get`` / ``set`` with one page tensor per key. Existence through ``batch_exists``
+  (one key at a time: it answers a prefix count).
+
+One lock serialises the staging buffer (the scheduler, the writer and the prefetch threads
+share it); a call moves at most ``pages`` pages, more are moved in turns.
+
+**Store down at start.** The backend is built on a thread given ``connect_timeout_s``; a
+Mooncake config's ``master_server_address`` is first probed with a TCP connect (a Mooncake
+client retries a dead master for about 90 s). Either failing: one log line, the server runs
+without this tier. Tested with ``mooncake`` (``tests/e2e/test_mooncake.py``), ``file`` and
+``sim`` (``tests/unit/test_hicache_tier.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from relaxkv_sglang.core.tiers import PagedTier, PageStore, TierConfig, TierContext, ValueLayout
+
+logger = logging.getLogger(__name__)
+
+# The backends SGLang 0.5.23's cache controller drives through batch_get_v1 / batch_set_v1.
+ZERO_COPY_BACKENDS = frozenset({"hf3fs", "mooncake", "npu_memcache", "eic", "nixl", "simm", "mori", "tensorcast",
+                                "seaweedfs"})
+STAGING_PAGES = 64  # pages moved per backend call at most (the registered buffer: 64 x page_bytes)
+
+
+def known_backends() -> list[str]:
+    """The backend names SGLang's factory accepts (its registry, and ``dynamic``)."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    return sorted(StorageBackendFactory._registry) + ["dynamic"]
+
+
+def uses_zero_copy(backend: str, extra_config: dict) -> bool:
+    """Whether SGLang drives ``backend`` through its v1 (page index) calls (module doc)."""
+    return backend in ZERO_COPY_BACKENDS or (backend == "dynamic" and bool(extra_config.get("interface_v1", 0)))
+
+
+class StagingPool:
+    """The host pool a backend registers and moves pages through (module doc).
+
+    Attributes:
+        kv_buffer: uint8 ``[pages, page_bytes]``.
+    """
+
+    page_size = 1  # one page per index
+    layout = "page_first"
+    dtype = torch.uint8
+
+    def __init__(self, pages: int, page_bytes: int) -> None:
+        """pages: buffers in the pool; page_bytes: bytes per page (even: a K half and a V half)."""
+        if page_bytes % 2:
+            raise ValueError(f"page_bytes must be even, got {page_bytes}")
+        self.kv_buffer = torch.zeros(pages, page_bytes, dtype=torch.uint8)
+        self.size = pages
+        self.page_bytes = page_bytes
+
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Pointers and sizes of each page's K half and V half, pages in ``indices`` order."""
+        half = self.page_bytes // 2
+        ptrs = []
+        for i in indices.tolist():
+            base = self.kv_buffer[int(i)].data_ptr()
+            ptrs += [base, base + half]
+        return ptrs, [half] * len(ptrs)
+
+    def get_ksize_per_token(self) -> int:
+        """Bytes of one page's K half."""
+        return self.page_bytes // 2
+
+    def get_size_per_token(self) -> int:
+        """Bytes of one page."""
+        return self.page_bytes
+
+
+class HiCachePageStore(PageStore):
+    """Pages in one SGLang HiCache storage backend (module doc)."""
+
+    def __init__(self, backend: Any, name: str, zero_copy: bool, pool: StagingPool) -> None:
+        """backend: a built ``HiCacheStorage``; name: its factory name; zero_copy: SGLang's v1 calls;
+        pool: the staging pool the backend registered."""
+        self.backend, self.name, self.zero_copy, self.pool = backend, name, zero_copy, pool
+        self.page_bytes = pool.page_bytes
+        self.lock = threading.Lock()
+
+    def describe(self) -> dict:
+        """The backend's name."""
+        return {"backend": self.name}
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each page is stored (``batch_exists`` per key: it answers a prefix count)."""
+        return [int(self.backend.batch_exists([k]) or 0) >= 1 for k in keys]
+
+    def get(self, keys: Sequence[str]) -> list[Optional[bytes]]:
+        """Each page's bytes, or None, moved through the staging pool in turns."""
+        return self._in_turns(list(keys), None, self._get_turn)
+
+    def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> list[bool]:
+        """Store each page, moved through the staging pool in turns."""
+        return self._in_turns(list(keys), list(pages), self._put_turn)
+
+    def _in_turns(self, keys: list[str], pages: Optional[list[bytes]], turn: Callable) -> list:
+        out: list = []
+        step = self.pool.size
+        with self.lock:
+            for i in range(0, len(keys), step):
+                out += turn(keys[i: i + step], pages[i: i + step] if pages is not None else None)
+        return out
+
+    def _get_turn(self, keys: list[str], _: None) -> list[Optional[bytes]]:
+        buf = self.pool.kv_buffer
+        if self.zero_copy:
+            ok = self.backend.batch_get_v1(keys, torch.arange(len(keys), dtype=torch.int64))
+        else:
+            ok = [self._generic_get(k, buf[i]) for i, k in enumerate(keys)]
+        return [buf[i].numpy().tobytes() if good else None for i, good in enumerate(ok)]
+
+    def _generic_get(self, key: str, page: torch.Tensor) -> bool:
+        try:
+            return self.backend.get(key, page) is not None
+        except OSError:  # e.g. the file backend's short read of a damaged page: absent
+            return False
+
+    def _put_turn(self, keys: list[str], pages: list[bytes]) -> list[bool]:
+        buf = self.pool.kv_buffer
+        for i, page in enumerate(pages):
+            buf[i].copy_(torch.frombuffer(bytearray(page), dtype=torch.uint8))
+        if self.zero_copy:
+            return [bool(x) for x in self.backend.batch_set_v1(keys, torch.arange(len(keys), dtype=torch.int64))]
+        return [bool(self.backend.set(k, buf[i])) for i, k in enumerate(keys)]
+
+
+def _probe_master(extra_config: dict, timeout_s: float) -> Optional[str]:
+    """Why a Mooncake master named in the config cannot be reached, or None (module doc)."""
+    address = extra_config.get("master_server_address")
+    if not address:
+        return None
+    host, _, port = str(address).rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            return None
+    except (OSError, ValueError) as exc:
+        return f"master_server_address {address}: {exc}"
+
+
+@dataclasses.dataclass(frozen=True)
+class HiCacheTierConfig(TierConfig):
+    """The HiCache tier asked for (``RELAXKV_HICACHE_*``, :mod:`.tiers`).
+
+    Attributes:
+        backend: the factory's backend name; None: no such tier.
+        extra_config: the backend's extra config (SGLang's ``--hicache-storage-backend-extra-config``).
+        page_bytes: bytes per stored page.
+        connect_timeout_s: how long the backend may take to start.
+    """
+
+    backend: Optional[str] = None
+    extra_config: dict = dataclasses.field(default_factory=dict)
+    page_bytes: int = 256 << 10
+    connect_timeout_s: float = 30.0
+
+    def build(self, ctx: TierContext) -> Optional[PagedTier]:
+        """The tier, or None (and one log line) if the store cannot be reached (module doc)."""
+        if not self.backend:
+            return None
+        why = _probe_master(self.extra_config, min(self.connect_timeout_s, 5.0))
+        store = None
+        if why is None:
+            store, why = self._connect()
+        if store is None:
+            logger.warning("relaxkv: the hicache chunk tier (backend %s) is unavailable, serving without it: %s",
+                           self.backend, why)
+            return None
+        logger.info("relaxkv: hicache chunk tier on backend %s (%s I/O, %d-byte pages)", self.backend,
+                    "zero-copy" if store.zero_copy else "generic", self.page_bytes)
+        return PagedTier(store, ValueLayout.of(ctx.identity, ctx.token_shape, ctx.dtype))
+
+    def _connect(self) -> tuple[Optional[HiCachePageStore], str]:
+        """The backend built on a thread within ``connect_timeout_s``: (store, "") or (None, why)."""
+        result: dict = {}
+
+        def build() -> None:
+            """Connect, leaving the store or the error in ``result``."""
+            try:
+                result["store"] = self.connect()
+            except BaseException as exc:  # noqa: BLE001 - reported by the caller in one line
+                result["error"] = f"{type(exc).__name__}: {exc}"
+
+        thread = threading.Thread(target=build, name="relaxkv-hicache-connect", daemon=True)
+        thread.start()
+        thread.join(self.connect_timeout_s)
+        if "store" in result:
+            return result["store"], ""
+        return None, result.get("error", f"not ready after {self.connect_timeout_s:.0f} s")
+
+    def connect(self) -> HiCachePageStore:
+        """Build and register the backend as SGLang's HiCache does (module doc); raises on failure."""
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+        pool = StagingPool(STAGING_PAGES, self.page_bytes)
+        config = HiCacheStorageConfig(
+            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+            enable_storage_metrics=False, is_page_first_layout=True, model_name="relaxkv",
+            extra_config=dict(self.extra_config))
+        backend = StorageBackendFactory.create_backend(self.backend, config, pool)
+        backend.register_mem_pool_host(pool)
+        backend.on_host_pools_registered()
+        return HiCachePageStore(backend, self.backend, uses_zero_copy(self.backend, self.extra_config), pool)

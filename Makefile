@@ -12,7 +12,7 @@ HAVE_CUDA   := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 INPUT_HASH  := $(shell cat $(REQS) | sha256sum | cut -c1-16)-cuda$(HAVE_CUDA)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-unit demo bench bench-quick gpu-bundle clean-venv
+.PHONY: install test test-unit demo bench bench-quick gpu-bundle install-mooncake clean-venv
 
 install:
 	@if [ -f $(STAMP) ] && [ "$$(cat $(STAMP))" = "$(INPUT_HASH)" ] && $(PY) -c "import relaxkv_sglang, relaxkv_patches" 2>/dev/null; then \
@@ -56,6 +56,12 @@ bench-quick: install
 # What scripts/gpu_check.sh carries to a GPU machine (docs/gpu.md).
 gpu-bundle: install
 	$(PY) -m relaxkv_sglang.gpu.bundle
+
+# Mooncake's store for the HiCache chunk tier (docs/scaling.md); apt needs root.
+install-mooncake: install
+	apt-get install -y -q libibverbs1 libnuma1 || (apt-get update -q && apt-get install -y -q libibverbs1 libnuma1)
+	$(PIP) install -q --no-deps -r requirements/mooncake.txt
+	$(PY) -c "from mooncake.store import MooncakeDistributedStore; from relaxkv_sglang.mooncake_service import mooncake_binary; print('make install-mooncake:', mooncake_binary('mooncake_master'))"
 
 clean-venv:
 	rm -rf $(VENV)

@@ -5,7 +5,12 @@ offsets, policy, repair knobs), their types, ranges and defaults are declared in
 :mod:`relaxkv_sglang.schema` and documented in ``docs/api.md``.
 
 Without chunk offsets, a request whose policy reuses chunks is chunked
-automatically (:func:`~relaxkv_sglang.core.segments.auto_chunk`). Each part is
+automatically (:func:`~relaxkv_sglang.core.doc_index.discover_chunks`): documents this HTTP
+process planned as chunks before are found wherever they sit (the process's
+:class:`~relaxkv_sglang.core.doc_index.DocumentIndex`, :func:`document_index`, one namespace per
+``extra_key`` / ``cache_salt``), new ones by the structures RAG frameworks write
+(:mod:`relaxkv_sglang.core.doc_blocks`). Every chunk a chunk-policy request plans, marked or
+found, is remembered in that index. Each part is
 tokenized on its own, so a document always gets the same token ids, and the
 request reaches the scheduler as ``input_ids`` plus the internal plan entries
 read by :mod:`relaxkv_sglang.srt.plan`. Invalid input raises ``ValueError``
@@ -34,7 +39,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
 
 from relaxkv_sglang.core.policies import CHUNK_POLICIES, Policy
-from relaxkv_sglang.core.segments import auto_chunk, split_text, tokenize_parts
+from relaxkv_sglang.core.doc_index import DocumentIndex, discover_chunks
+from relaxkv_sglang.core.segments import split_text, tokenize_parts
 from relaxkv_sglang.schema import (
     CHUNKS,
     POLICY,
@@ -47,15 +53,48 @@ from relaxkv_sglang.schema import (
     mentions_fields,
 )
 from relaxkv_sglang.srt.gate import chunk_refusal
-from relaxkv_sglang.srt.plan import chunk_tree_served
+from relaxkv_sglang.srt.plan import chunk_tree_served, request_namespace
 
 if TYPE_CHECKING:
     from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-__all__ = ["RequestError", "check_sglang_fields", "plan_item", "prepare_generate", "around_generate_request"]
+__all__ = ["RequestError", "check_sglang_fields", "document_index", "item_namespace", "plan_item", "prepare_generate",
+           "around_generate_request"]
 
 Encode = Callable[[str, bool], list[int]]  # (text, add_special_tokens) -> token ids
+_INDEX_ATTR = "_relaxkv_document_index"  # the attribute of SGLang's TokenizerManager holding the index
+
+
+def document_index(tokenizer_manager: Any) -> DocumentIndex:
+    """The HTTP process's index of documents planned as chunks (made on first use, kept on the
+    ``TokenizerManager``: one per HTTP process, bounded, :class:`DocumentIndex`)."""
+    index = getattr(tokenizer_manager, _INDEX_ATTR, None)
+    if index is None:
+        index = DocumentIndex()
+        setattr(tokenizer_manager, _INDEX_ATTR, index)
+    return index
+
+
+class _Tenant:
+    """The two SGLang fields that name a request's chunk namespace (:func:`~.plan.request_namespace`)."""
+
+    def __init__(self, extra_key: Optional[str], cache_salt: Optional[str]) -> None:
+        self.extra_key, self.cache_salt = extra_key, cache_salt
+
+
+def item_namespace(obj: Any, i: int = 0) -> Optional[str]:
+    """The chunk namespace of item ``i`` of a ``GenerateReqInput`` (its ``extra_key`` and
+    ``cache_salt``, each one value or one per item), as the scheduler will name it."""
+
+    def value(name: str) -> Optional[str]:
+        """Item ``i``'s value of the field ``name``."""
+        v = getattr(obj, name, None)
+        if isinstance(v, list):
+            v = v[i] if i < len(v) else None
+        return v if isinstance(v, str) and v else None
+
+    return request_namespace(_Tenant(value("extra_key"), value("cache_salt")))
 
 
 def _custom_params(sampling_params: dict) -> dict:
@@ -70,12 +109,15 @@ def _custom_params(sampling_params: dict) -> dict:
 
 def plan_item(
     text: Optional[str], sampling_params: dict, encode: Encode, context_len: int, policy_default: str,
-    chunks_refused: str = "",
+    chunks_refused: str = "", index: Optional[DocumentIndex] = None, namespace: Optional[str] = None,
 ) -> Optional[tuple[Optional[list[int]], dict]]:
     """Validate one request item; return (input_ids, custom_params) or None to leave it as is.
 
     encode(text, add_special_tokens) -> list[int] is the server's tokenizer. ``chunks_refused``:
     why the server refuses chunk policies (its startup gate failed, :mod:`.gate`), "" if it serves them.
+    ``index``, ``namespace``: the documents planned before and the item's tenant namespace; an
+    unmarked text under a chunk policy is split at those found in it (and by the block rules),
+    and a chunk-policy item's chunks are remembered there.
     """
     cp = _custom_params(sampling_params)
     policy = POLICY.validate(cp.get(POLICY.name, policy_default))
@@ -90,7 +132,8 @@ def plan_item(
             return None, dict(cp, **{POLICY.plan_key: policy, CHUNKS.plan_key: []})
         return None
     if spans is None:
-        spans = auto_chunk(text) if policy in CHUNK_POLICIES else []
+        found = policy in CHUNK_POLICIES
+        spans = discover_chunks(text, index, namespace, max_chunks=CHUNKS.max_chunks) if found else []
     if not spans and policy == Policy.PREFIX:
         return None
     segments = split_text(text, spans)
@@ -106,6 +149,8 @@ def plan_item(
     for i, (s, e) in enumerate(layout.chunk_spans):
         if e - s > context_len:
             raise CHUNKS.error(f"chunk {i} has {e - s} tokens, more than the context length {context_len}")
+    if index is not None and policy in CHUNK_POLICIES:
+        index.remember(namespace, segments.chunks)
     flat = [x for span in layout.chunk_spans for x in span]
     return layout.input_ids, dict(cp, **{POLICY.plan_key: policy, CHUNKS.plan_key: flat}, **knobs)
 
@@ -142,10 +187,11 @@ def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput,
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     context_len = int(getattr(tokenizer_manager, "context_len", 1 << 30))
+    index = document_index(tokenizer_manager)
     planned = []
     for i, (t, sp) in enumerate(zip(text_items, sp_items)):
         try:
-            planned.append(plan_item(t, sp, encode, context_len, policy, chunks_refused))
+            planned.append(plan_item(t, sp, encode, context_len, policy, chunks_refused, index, item_namespace(obj, i)))
         except RequestError as exc:
             if single:
                 raise

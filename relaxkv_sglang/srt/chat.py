@@ -35,6 +35,15 @@ calls, ``--chat-template NAME`` conversation templates, multimodal models,
 ``continue_final_message``, a template that alters document text), the
 request is served unchanged, without chunk reuse, and the reason is logged.
 
+A chat request without document parts (the documents inline in string content, as LangChain,
+LlamaIndex and most OpenAI-SDK applications send them) under a chunk policy gets its documents
+discovered instead: the same rendered and checked prompt is searched as text
+(:func:`~relaxkv_sglang.core.doc_index.discover_chunks`, each message's content a region: known
+documents anywhere in it, new ones by the block rules; template markup between messages is never
+a chunk), and the documents found become ``relaxkv_chunks``. A request in which nothing is found
+is left exactly as SGLang built it; one that fails the check is served unchanged and logged the
+same way.
+
 A request that sets ``custom_params.relaxkv_chunks`` itself is not touched (its
 offsets cannot point into a prompt the client never sees, and the native path
 answers 400 for offsets without ``text``).
@@ -49,7 +58,9 @@ import logging
 import re
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from relaxkv_sglang.core.doc_index import discover_chunks
 from relaxkv_sglang.schema import CHUNKS, POLICY, RequestError, default_policy, header_policy
+from relaxkv_sglang.srt.api import document_index, item_namespace
 from relaxkv_sglang.srt.plan import chunk_tree_served
 
 if TYPE_CHECKING:
@@ -91,7 +102,8 @@ class _Skip(Exception):
     """This request keeps SGLang's own prompt (no chunk marks)."""
 
 
-def _render(serving: OpenAIServingChat, request: ChatCompletionRequest, messages: list[dict]) -> str:
+def _render(serving: OpenAIServingChat, request: ChatCompletionRequest, messages: list[dict]) -> tuple[str, list[dict]]:
+    """The chat template rendered as SGLang renders it, and the messages as handed to it."""
     from sglang.srt.entrypoints.openai.serving_chat import normalize_tool_content
     from sglang.srt.parser.jinja_template_utils import process_content_for_template_format
 
@@ -112,10 +124,11 @@ def _render(serving: OpenAIServingChat, request: ChatCompletionRequest, messages
     if request.reasoning_effort is not None:
         kwargs["reasoning_effort"] = request.reasoning_effort
     kwargs.update(request.chat_template_kwargs or {})
-    return serving.tokenizer_manager.tokenizer.apply_chat_template(
+    rendered = serving.tokenizer_manager.tokenizer.apply_chat_template(
         processed, tokenize=False, add_generation_prompt=add_generation_prompt is not False,
         return_dict=False, **kwargs,
     )
+    return rendered, processed
 
 
 def marked_prompt(
@@ -134,7 +147,7 @@ def marked_prompt(
             getattr(p, "text", None) or "" for p in (m.content or []))
         if _PH_START in content or _PH_END in content:
             raise _Skip("the messages contain U+FDD0/U+FDD1")
-    rendered = _render(serving, request, messages)
+    rendered, _ = _render(serving, request, messages)
     pieces, offsets, pos, length = [], [], 0, 0
     expected = 0
     for match in _PLACEHOLDER.finditer(rendered):
@@ -152,33 +165,74 @@ def marked_prompt(
         raise _Skip("the template drops message content")
     pieces.append(rendered[pos:])
     text = "".join(pieces)
+    lead = _native_lead(serving.tokenizer_manager.tokenizer, text, stock_ids)
+    if offsets[0] < lead:
+        raise _Skip("cannot place the template's leading special tokens")
+    return text[lead:], [o - lead for o in offsets]
 
-    tokenizer = serving.tokenizer_manager.tokenizer
+
+def _native_lead(tokenizer: Any, text: str, stock_ids: list[int]) -> int:
+    """How many leading characters of the rendered ``text`` the native path drops (a BOS the
+    template rendered as text, which it adds itself), after checking that the rest tokenizes
+    as the native path will to SGLang's ``stock_ids``; raises _Skip when it does not."""
     if tokenizer.encode(text, add_special_tokens=False) == stock_ids:
         specials = tokenizer.encode("", add_special_tokens=True)
         if specials and stock_ids[: len(specials)] == specials:
             # The template rendered the tokenizer's own leading specials (a
             # BOS) as text; the native path adds them to the prefix itself.
             lead = tokenizer.decode(specials)
-            if not (text.startswith(lead) and offsets and offsets[0] >= len(lead)
+            if not (text.startswith(lead)
                     and tokenizer.encode(text[len(lead):], add_special_tokens=True) == stock_ids):
                 raise _Skip("cannot place the template's leading special tokens")
-            text = text[len(lead):]
-            offsets = [o - len(lead) for o in offsets]
+            return len(lead)
     elif tokenizer.encode(text, add_special_tokens=True) != stock_ids:
         raise _Skip("the re-rendered template does not match SGLang's prompt")
-    return text, offsets
+    return 0
+
+
+def message_regions(text: str, processed: Sequence[dict]) -> list[tuple[int, int]]:
+    """Where each message's text lies in the rendered ``text``, in order: every string content
+    or text part found at or after the previous one (as given, else stripped, as a template's
+    ``trim`` leaves it); a text the template altered otherwise is not a region."""
+    regions, pos = [], 0
+    for msg in processed:
+        content = msg.get("content")
+        parts = [content] if isinstance(content, str) else [
+            part.get("text") for part in content or [] if isinstance(part, dict) and part.get("type") == "text"]
+        for part in parts:
+            for piece in (part, part.strip()) if isinstance(part, str) and part.strip() else ():
+                at = text.find(piece, pos)
+                if at >= 0:
+                    regions.append((at, at + len(piece)))
+                    pos = at + len(piece)
+                    break
+    return regions
+
+
+def discovered_prompt(
+    serving: OpenAIServingChat, request: ChatCompletionRequest, stock_ids: list[int], namespace: str | None,
+) -> tuple[str, list[int]]:
+    """The rendered prompt and the flat character offsets of the documents found in it (none: []);
+    raises _Skip."""
+    rendered, processed = _render(serving, request, [m.model_dump() for m in request.messages])
+    lead = _native_lead(serving.tokenizer_manager.tokenizer, rendered, stock_ids)
+    text = rendered[lead:]
+    regions = message_regions(text, processed)
+    if not regions:
+        raise _Skip("no message text found in the rendered template")
+    index = document_index(serving.tokenizer_manager)
+    spans = discover_chunks(text, index, namespace, regions=regions, max_chunks=CHUNKS.max_chunks)
+    return text, [x for span in spans for x in span]
 
 
 def mark_documents(serving: OpenAIServingChat, request: ChatCompletionRequest, adapted: GenerateReqInput,
                    requested_policy: str | None = None) -> bool:
     """Rewrite ``adapted`` (a ``GenerateReqInput``) to text + ``relaxkv_chunks``
-    when ``request`` holds documents and reuses chunks. Returns whether it did.
+    when ``request`` reuses chunks and holds documents: text parts, or else documents found in its
+    text (module doc). Returns whether it did.
 
     ``requested_policy``: the request's ``X-RelaxKV-Policy`` header, if any (validated).
     """
-    if not document_parts(request.messages):
-        return False
     if not chunk_tree_served(serving.tokenizer_manager.server_args):
         return False
     sp = adapted.sampling_params
@@ -192,7 +246,9 @@ def mark_documents(serving: OpenAIServingChat, request: ChatCompletionRequest, a
         return False
     if not POLICY.reuses_chunks(cp.get(POLICY.name, requested_policy or default_policy())):
         return False  # a malformed policy is reported by the native path
-    check_documents(request.messages)
+    parts = bool(document_parts(request.messages))
+    if parts:
+        check_documents(request.messages)
     try:
         if adapted.text is not None or not isinstance(adapted.input_ids, list) or not adapted.input_ids:
             raise _Skip("SGLang built this prompt as text (multimodal model)")
@@ -202,10 +258,15 @@ def mark_documents(serving: OpenAIServingChat, request: ChatCompletionRequest, a
             raise _Skip("tools")
         if serving.template_manager.chat_template_name is not None:
             raise _Skip(f"conversation template {serving.template_manager.chat_template_name!r}")
-        text, offsets = marked_prompt(serving, request, list(adapted.input_ids))
+        if parts:
+            text, offsets = marked_prompt(serving, request, list(adapted.input_ids))
+        else:
+            text, offsets = discovered_prompt(serving, request, list(adapted.input_ids), item_namespace(adapted))
     except _Skip as why:
         logger.info("relaxkv: chat documents served without chunk reuse: %s", why)
         return False
+    if not offsets:
+        return False  # nothing found: SGLang's own prompt
     adapted.text = text
     adapted.input_ids = None
     adapted.sampling_params = dict(sp, custom_params=dict(cp, **{CHUNKS.name: offsets}))

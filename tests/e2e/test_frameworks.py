@@ -1,0 +1,177 @@
+"""RAG frameworks as their users write them reuse documents with no change to the client (issue 33).
+
+One server (tiny model, default policy ``pic``, ``--enable-cache-report``) is driven by the real
+client libraries, written the way their RAG tutorials write them, with 8 retrieved documents:
+
+* LangChain: ``ChatOpenAI`` behind a ``ChatPromptTemplate`` whose system message holds the
+  documents joined by blank lines, the question as the human turn;
+* LlamaIndex: ``OpenAILike`` as a chat model and as a completion model, through its response
+  synthesizer (``compact``: the default text-QA template, documents between ``-----`` lines, each
+  node under its ``file_path:`` metadata line);
+* the OpenAI SDK: one user message holding every document as a ``[n]`` list, then the question.
+
+The second call of each sends the same documents reordered with another question; the cached
+tokens it reports (``usage.prompt_tokens_details.cached_tokens``) must be at least
+:data:`MIN_SHARE` of the best possible: the documents' tokens plus the prompt's exact common
+prefix with the first call (what the radix cache can serve). The prompts each client sent are
+recorded from its HTTP client, so the bound is computed from what reached the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+
+import httpx
+import pytest
+from conftest import TINY_POOL_TOKENS, start_server
+from rag_helpers import documents, flush
+
+from relaxkv_sglang.server import STRICT_MEMORY_CHECK, ServerConfig
+
+pytestmark = pytest.mark.e2e
+
+MIN_SHARE = 0.85
+N_DOCS = 8
+
+
+def framework_config(model_path: str) -> ServerConfig:
+    """The tiny model with ``pic`` as the server default: clients name no policy."""
+    return ServerConfig(model_path=model_path, max_total_tokens=TINY_POOL_TOKENS, policy="pic", env=STRICT_MEMORY_CHECK,
+                        extra_args=["--context-length", "4096", "--enable-cache-report"])
+
+
+PRESTART_SERVERS = {"framework_server": start_server(framework_config)}
+
+
+@pytest.fixture(scope="module")
+def framework_server(tiny_model_path, prestart):
+    with prestart.serving("framework_server", lambda: PRESTART_SERVERS["framework_server"](tiny_model_path)) as srv:
+        yield srv
+
+
+class Recorder:
+    """An ``httpx.Client`` whose requests and responses are kept (the clients take it as ``http_client``)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[dict, dict]] = []
+        self.client = httpx.Client(event_hooks={"response": [self._response]}, timeout=120)
+
+    def _response(self, response: httpx.Response) -> None:
+        response.read()
+        self.calls.append((json.loads(response.request.content), response.json()))
+
+    def last(self) -> tuple[dict, dict]:
+        return self.calls[-1]
+
+
+def prompt_ids(tokenizer, body: dict) -> list[int]:
+    """The token ids the server prefilled for a recorded body (chat: its template, as SGLang renders it)."""
+    if "messages" in body:
+        return tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)
+    return tokenizer.encode(body["prompt"], add_special_tokens=True)
+
+
+def check_reuse(tokenizer, recorder: Recorder, docs: list[str], name: str) -> float:
+    """The second call's cached tokens over the best possible (module doc); asserts the bound."""
+    (body1, _), (body2, out2) = recorder.calls[-2:]
+    sent = json.dumps(body2)
+    assert all(json.dumps(d)[1:-1] in sent for d in docs), f"{name}: a document was not sent verbatim"
+    first, second = prompt_ids(tokenizer, body1), prompt_ids(tokenizer, body2)
+    common = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
+    best = common + sum(len(tokenizer.encode(d, add_special_tokens=False)) for d in docs)
+    cached = out2["usage"]["prompt_tokens_details"]["cached_tokens"]
+    share = cached / best
+    print(f"{name}: cached {cached} of {out2['usage']['prompt_tokens']} prompt tokens, best possible {best}: "
+          f"{share:.1%}")
+    assert share >= MIN_SHARE, (name, cached, best, out2["usage"])
+    return share
+
+
+def retrievals() -> tuple[list[str], list[str]]:
+    """The first retrieval and the second: the same documents, reordered (none keeps its place)."""
+    docs = documents(N_DOCS, seed=33)
+    return docs, docs[3:] + docs[:3][::-1]
+
+
+QUESTIONS = ("What do the documents say about startups?", "Which document mentions programming languages?")
+
+
+def test_langchain_chat_documents_in_the_system_message(framework_server, tokenizer):
+    from langchain_core.documents import Document
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_openai import ChatOpenAI
+
+    flush(framework_server.url)
+    recorder = Recorder()
+    llm = ChatOpenAI(model="tiny", base_url=framework_server.url + "/v1", api_key="none", max_tokens=4,
+                     temperature=0, http_client=recorder.client)
+    system = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context "
+              "to answer the question. If you don't know the answer, say that you don't know. Use three sentences "
+              "maximum and keep the answer concise.\n\n{context}")
+    chain = ChatPromptTemplate.from_messages([("system", system), ("human", "{input}")]) | llm
+    for retrieved, question in zip(retrievals(), QUESTIONS):
+        docs = [Document(page_content=d) for d in retrieved]
+        chain.invoke({"context": "\n\n".join(doc.page_content for doc in docs), "input": question})
+    check_reuse(tokenizer, recorder, retrievals()[1], "LangChain chat")
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completion"])
+def test_llamaindex_text_qa_template(framework_server, tokenizer, chat):
+    from llama_index.core import get_response_synthesizer
+    from llama_index.core.schema import NodeWithScore, TextNode
+    from llama_index.llms.openai_like import OpenAILike
+
+    flush(framework_server.url)
+    recorder = Recorder()
+    llm = OpenAILike(model="tiny", api_base=framework_server.url + "/v1", api_key="none", is_chat_model=chat,
+                     context_window=4096, max_tokens=4, temperature=0, http_client=recorder.client)
+    synthesizer = get_response_synthesizer(llm=llm, response_mode="compact")
+    for retrieved, question in zip(retrievals(), QUESTIONS):
+        nodes = [NodeWithScore(node=TextNode(text=d, metadata={"file_path": f"/data/essays/{zlib.crc32(d.encode())}.txt"}),
+                               score=1.0) for d in retrieved]
+        synthesizer.synthesize(question, nodes=nodes)
+    check_reuse(tokenizer, recorder, retrievals()[1], f"LlamaIndex {'chat' if chat else 'completion'}")
+
+
+def test_openai_sdk_documents_in_one_string(framework_server, tokenizer):
+    from openai import OpenAI
+
+    flush(framework_server.url)
+    recorder = Recorder()
+    client = OpenAI(base_url=framework_server.url + "/v1", api_key="none", http_client=recorder.client)
+    for retrieved, question in zip(retrievals(), QUESTIONS):
+        listing = "\n".join(f"[{i + 1}] {d}" for i, d in enumerate(retrieved))
+        client.chat.completions.create(model="tiny", max_tokens=4, temperature=0, messages=[
+            {"role": "system", "content": "Answer the question from the numbered documents."},
+            {"role": "user", "content": f"Documents:\n{listing}\n\nQuestion: {question}"}])
+    check_reuse(tokenizer, recorder, retrievals()[1], "OpenAI SDK")
+
+
+def test_a_chat_without_documents_is_served_as_sglang_builds_it(framework_server, tokenizer):
+    """Nothing to reuse: the prompt SGLang rendered is prefilled as is (no BOS added, no chunk)."""
+    messages = [{"role": "user", "content": "Hello there, how are you today?"}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0, "return_meta_info": True}
+    out = httpx.post(framework_server.url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert out["usage"]["prompt_tokens"] == len(prompt_ids(tokenizer, body))
+    assert (out["choices"][0]["meta_info"].get("relaxkv") or {}).get("chunks_seen", 0) == 0
+
+
+def test_tenants_do_not_find_each_others_documents(framework_server):
+    """The HTTP process's document index is per namespace: a document another tenant's request
+    planned is not split out of this tenant's prompt (only the block rules apply)."""
+    docs = [" ".join(d.split()) for d in documents(3, seed=34)]  # one line each
+    glued = "Sys: " + " ".join(docs) + " Q?"  # one line: only the index can find them
+    url = framework_server.url + "/generate"
+
+    def send(text: str, salt: str) -> dict:
+        body = {"text": text, "cache_salt": salt, "sampling_params": {"max_new_tokens": 1}}
+        return httpx.post(url, json=body, timeout=120).json()["meta_info"]["relaxkv"]
+
+    tenant = os.urandom(4).hex()
+    assert send("Sys.\n\n" + "\n\n".join(docs) + "\n\nQ?", tenant)["chunks_seen"] == 3
+    again = send(glued, tenant)
+    assert again["chunks_seen"] == again["chunks_hit"] == 3
+    assert send(glued, "another-tenant")["chunks_seen"] == 0

@@ -14,6 +14,7 @@ Cache root: ``$RELAXKV_CACHE`` or ``~/.cache/relaxkv-sglang``::
     models/smollm2-135m/                 HF folder (config, safetensors, tokenizer)
     models/qwen2.5-0.5b/                 optional: Qwen2.5-Coder-0.5B-Instruct, HF folder
     models/tiny-llama/                   random-weight 2-layer model for fast tests
+    models/tiny-<family>/                the same for each model family (tiny_models.py)
     data/<name>.json                     hotpotqa, squad, essays
 """
 
@@ -122,7 +123,8 @@ DATA_MEMBERS = {
     "squad": "long_context_eval/data/synthetic/json/squad.json",
     "essays": "long_context_eval/data/synthetic/json/PaulGrahamEssays.json",
 }
-MODELS = ("smollm2-135m", "tiny-llama", "qwen2.5-0.5b")
+TINY_FAMILY_MODELS = ("tiny-qwen3", "tiny-mistral", "tiny-llama3", "tiny-phi3", "tiny-qwen3-moe", "tiny-mixtral")
+MODELS = ("smollm2-135m", "tiny-llama", "qwen2.5-0.5b", *TINY_FAMILY_MODELS)
 # Models prepared only on demand (large; no test or default command needs them).
 OPTIONAL_MODELS = tuple(name for name, spec in GGUF_MODELS.items() if spec.optional)
 
@@ -277,9 +279,14 @@ def model_path(name: str, *, verify: bool = True) -> pathlib.Path:
     folder = cache_root() / "models" / name
     if _is_intact(folder, f"model {name}"):
         return folder
+    tokenizer_dir = model_path("tiny-llama") if name in TINY_FAMILY_MODELS else None  # their shared tokenizer
     with _building(folder, f"model:{name}") as tmp:
         if name in GGUF_MODELS:
             _convert_gguf(GGUF_MODELS[name], tmp, verify=verify)
+        elif tokenizer_dir is not None:
+            from relaxkv_sglang.tiny_models import build_tiny_model
+
+            build_tiny_model(name, tmp, tokenizer_dir)
         else:
             _build_tiny_llama(tmp)
     _log(f"model {name} ready: {folder} ({_folder_mb(folder):.0f} MB)")

@@ -54,6 +54,13 @@ every tolerance. A RoPE that is wrong only in the lowest frequencies (a Llama-3 
 misread) is the weakest case; the gate uses the largest ``p`` the model allows (up to 4096) to
 make it as visible as it can, but in bf16 a small enough such error would pass.
 
+A negative control (``control``, not one of :data:`CHECKS`): ``rope_k`` again, the keys
+re-rotated by a RoPE the model does not use (the served one with twice its theta). It must fail;
+if it does not, the check cannot tell a wrong rotation on this model (keys that barely depend on
+the rotation, a text too short), and the gate fails rather than vouch for the rotation
+(:func:`judge`). It runs the same model's layers the real checks ran (no further forward), so
+every served model family shows its gate can refuse a wrong rotation.
+
 This module imports only the standard library and torch.
 """
 
@@ -230,6 +237,8 @@ class GateResult:
         n_tokens: the text's length.
         dtype: the KV pool's dtype, as a string.
         seconds: the gate's wall time.
+        control: the negative control (module doc): ``rope_k`` under a wrong rotation, which must
+            fail (None: it did not run).
     """
 
     status: str
@@ -239,6 +248,7 @@ class GateResult:
     n_tokens: int = 0
     dtype: str = ""
     seconds: float = 0.0
+    control: Optional[CheckResult] = None
 
     @property
     def refuses_chunks(self) -> bool:
@@ -246,7 +256,11 @@ class GateResult:
         return self.status == "failed"
 
     def to_dict(self) -> dict:
-        """JSON form, for /get_server_info: status, reason, per check its error and tolerance."""
+        """JSON form, for /get_server_info: status, reason, per check its error and tolerance, and
+        the control's error and whether it told the wrong rotation (``detected``)."""
+        control = None if self.control is None else {
+            "max_error": self.control.max_error, "tolerance": self.control.tolerance, "worst": self.control.worst,
+            "detected": not self.control.passed}
         return {
             "status": self.status,
             "reason": self.reason,
@@ -256,6 +270,7 @@ class GateResult:
             "seconds": self.seconds,
             "checks": {c.name: {"max_error": c.max_error, "tolerance": c.tolerance, "worst": c.worst,
                                 "passed": c.passed} for c in self.checks},
+            "control": control,
         }
 
     @staticmethod
@@ -264,12 +279,15 @@ class GateResult:
         return GateResult(status="failed", reason=reason, **fields)
 
 
-def judge(checks: Sequence[CheckResult], *, offset: int, n_tokens: int, dtype: str) -> GateResult:
-    """The verdict over the checks: passed when every one is within tolerance.
+def judge(checks: Sequence[CheckResult], *, offset: int, n_tokens: int, dtype: str,
+          control: Optional[CheckResult] = None) -> GateResult:
+    """The verdict over the checks: passed when every one is within tolerance and the control
+    (when it ran) is not.
 
     Args:
         checks: the results, in :data:`CHECKS` order.
         offset, n_tokens, dtype: recorded in the result.
+        control: the negative control (module doc), or None.
     Returns:
         ``passed``, or ``failed`` with ``reason`` naming every failed check (its error, tolerance
         and where), e.g. ``"keys re-rotated by the plugin's RoPE (...) do not match the model's own
@@ -280,5 +298,10 @@ def judge(checks: Sequence[CheckResult], *, offset: int, n_tokens: int, dtype: s
     if any(c.name == "rope_k" for c in failed):
         reason = ("keys re-rotated by the plugin's RoPE (theta, scaling, pairing read from the model's config) "
                   "do not match the model's own RoPE: " + reason)
-    return GateResult(status="failed" if failed else "passed", checks=tuple(checks), reason=reason,
-                      offset=offset, n_tokens=n_tokens, dtype=dtype)
+    blind = control is not None and control.passed
+    if blind:
+        reason = "; ".join(filter(None, [reason, (
+            f"the gate cannot tell a wrong rotation on this model: keys re-rotated with twice the RoPE theta "
+            f"give {control.name} error {control.max_error:.2g}, within the tolerance {control.tolerance:.2g}")]))
+    return GateResult(status="failed" if failed or blind else "passed", checks=tuple(checks), reason=reason,
+                      offset=offset, n_tokens=n_tokens, dtype=dtype, control=control)

@@ -13,6 +13,8 @@ scheduler serves anything. It takes ``4n`` slots from the pool's allocator (``n`
 * ``moved``: the text at ``p..p+n-1``, attending only to itself (a chunk computed where it sits);
 * ``rotated``: ``full`` copied by the cache's own :class:`~relaxkv_sglang.srt.pool_kv.PoolKV`
   with K re-rotated by ``+p``: check ``rope_k`` compares it with ``moved``, every layer, K and V;
+  then copied again with a rotation the model does not use (:func:`control_rope`), which must not
+  match (the negative control, ``core/gate.py``);
 * ``pic``: a one-chunk ``pic`` hit: ``moved``'s first ``3n/4`` tokens copied back to ``0`` with
   ``-p`` (exactly what ``reuse_chunk`` does), then the rest of the text run over them; checks
   ``pic_kv`` (against ``full``, every layer, K and V) and ``pic_logits`` (the rest's logits
@@ -67,6 +69,7 @@ from relaxkv_sglang.core.rope import RopeSpec
 from relaxkv_sglang.schema import default_policy
 from relaxkv_sglang.srt.layer_loop import AnchorAttention, LayerLoop, LoopRows
 from relaxkv_sglang.srt.model_layers import ModelLayers, UnsupportedModelError
+from relaxkv_sglang.srt.pool_kv import PoolKV
 
 if TYPE_CHECKING:
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
@@ -161,6 +164,8 @@ def _run_checks(causal_lm: Optional[torch.nn.Module], cache: Any, context_len: i
             loop.run([_rows(moved_s, p, 0, n, layers.n_layers)], ids)
             cache.pool_kv.copy(full_s, rotated_s, p)
             rope_k = _compare_kv("rope_k", cache, rotated_s, moved_s, tol)
+            PoolKV(kv_pool, control_rope(cache.pool_kv.rope)).copy(full_s, rotated_s, p)
+            control = _compare_kv("rope_control", cache, rotated_s, moved_s, tol)
             cache.pool_kv.copy(moved_s[:n_chunk], pic_s[:n_chunk], -p)
             pic_hidden = loop.run([_rows(pic_s, 0, n_chunk, n, layers.n_layers)], ids[n_chunk:])
             pic_kv = _compare_kv("pic_kv", cache, pic_s, full_s, tol)
@@ -170,7 +175,13 @@ def _run_checks(causal_lm: Optional[torch.nn.Module], cache: Any, context_len: i
             pic_logits = compare_layers("pic_logits", [("query", logits[0])], [logits[1]], tol)
     finally:
         allocator.free(taken)
-    return judge([rope_k, pic_kv, pic_logits], offset=p, n_tokens=n, dtype=dtype_name)
+    return judge([rope_k, pic_kv, pic_logits], offset=p, n_tokens=n, dtype=dtype_name, control=control)
+
+
+def control_rope(rope: RopeSpec) -> RopeSpec:
+    """The negative control's rotation: the served one with twice its theta (every frequency but
+    the first changes), a rotation the model does not use."""
+    return dataclasses.replace(rope, base=2.0 * rope.base)
 
 
 def _rows(slots: torch.Tensor, offset: int, first: int, n: int, n_layers: int) -> LoopRows:
@@ -206,6 +217,8 @@ def _compare_kv(name: str, cache: Any, actual: torch.Tensor, expected: torch.Ten
 def _log(result: GateResult, model_name: str) -> None:
     """One line: the verdict, each check's error, and on failure what is refused."""
     errors = ", ".join(f"{c.name}={c.max_error:.2g}/{c.tolerance:.2g}" for c in result.checks)
+    if result.control is not None:
+        errors += f"; wrong-rotation control {result.control.max_error:.2g}"
     if result.refuses_chunks:
         default = default_policy()
         fallback = ""

@@ -96,6 +96,22 @@ def test_judge_and_its_record():
     assert broken.refuses_chunks and broken.to_dict()["checks"] == {}
 
 
+def test_the_negative_control_must_fail_or_the_gate_refuses():
+    """The control (rope_k under a wrong rotation) must be out of tolerance: a gate that cannot
+    tell a wrong rotation does not vouch for the right one."""
+    ok = [CheckResult(name, 1e-5, 2e-3, "layer 0 K") for name in ("rope_k", "pic_kv", "pic_logits")]
+    told = judge(ok, offset=4048, n_tokens=48, dtype="float32",
+                 control=CheckResult("rope_control", 1.4, 2e-3, "layer 1 K"))
+    assert told.status == "passed" and told.to_dict()["control"] == {
+        "max_error": 1.4, "tolerance": 2e-3, "worst": "layer 1 K", "detected": True}
+    blind = judge(ok, offset=4048, n_tokens=48, dtype="float32",
+                  control=CheckResult("rope_control", 1e-4, 2e-3, "layer 1 K"))
+    assert blind.refuses_chunks and blind.reason == (
+        "the gate cannot tell a wrong rotation on this model: keys re-rotated with twice the RoPE theta give "
+        "rope_control error 0.0001, within the tolerance 0.002")
+    assert judge(ok, offset=1, n_tokens=8, dtype="float32").to_dict()["control"] is None
+
+
 def test_offset_and_token_ids():
     assert gate_offset(8192, 48) == 4096
     assert gate_offset(4096, 48) == 4048

@@ -50,6 +50,7 @@ class TierMovement:
         self.pool_kv = pool_kv
         self.load_no_room = 0  # lower-tier hits not loaded at admission: no free slots
         self.errors = 0  # spills / loads / writes that raised (logged; the chunk is then a miss)
+        self.wrong_size = 0  # records whose token count is not the chunk's (never written into the pool)
 
     def key(self, namespace: Optional[str], tokens: Sequence[int]) -> str:
         """The chunk's content address in every tier."""
@@ -81,7 +82,7 @@ class TierMovement:
             return None
         try:
             record, tier = self.tiers.get(key)
-            if record is None:  # damaged on disk: removed and counted by the tier
+            if record is None or not self._fits(record, len(tokens)):  # damaged: counted by the tier
                 return None
             slots = alloc(len(tokens))
             if slots is None:
@@ -97,12 +98,22 @@ class TierMovement:
         self.tiers.taken(key, tier)  # an exclusive tier gives its copy up
         return entry
 
+    def _fits(self, record: Any, n_tokens: int) -> bool:
+        """Whether a loaded record holds the chunk's ``n_tokens`` tokens (else a counted miss: a value
+        whose own checks pass but that was stored under another chunk's key)."""
+        if record.n_tokens == n_tokens:
+            return True
+        self.wrong_size += 1
+        logger.warning("relaxkv: a lower tier's record has %d tokens for a chunk of %d; computing it",
+                       record.n_tokens, n_tokens)
+        return False
+
     def reuse_into(self, key: str, dst: torch.Tensor, position: int) -> Optional[TierName]:
         """A pool miss served from a lower tier into ``dst`` (int64 [n]), K re-rotated to
         ``position``; the tier it came from, None on a miss."""
         try:
             record, tier = self.tiers.get(key)
-            if record is None:
+            if record is None or not self._fits(record, len(dst)):
                 return None
             self.pool_kv.write(dst, record, position - record.canonical_start)
         except Exception:  # noqa: BLE001 - a lower tier never fails a request: it is a miss
@@ -152,4 +163,5 @@ class TierMovement:
 
     def stats(self) -> dict:
         """The tiers' counters and this movement's own, for /get_server_info."""
-        return {**self.tiers.stats(), "tier_load_no_room": self.load_no_room, "tier_errors": self.errors}
+        return {**self.tiers.stats(), "tier_load_no_room": self.load_no_room, "tier_errors": self.errors,
+                "tier_wrong_size": self.wrong_size}

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import socket
 
 import pytest
 import torch
 from conftest import STRICT_MEMORY_CHECK
-from rag_helpers import SERVER_START_TIMEOUT_S, documents, flush, generate, marked_prompt, relaxkv_state
+from rag_helpers import SERVER_START_TIMEOUT_S, documents, flush, marked_prompt, relaxkv_state
+from test_tiers import _ask, _recompute, _same_output
+from test_tiers import _wait_writes as wait_writes
 
 from relaxkv_sglang.core.tiers import ChunkRecord, ValueLayout, chunk_key, encode_value
 from relaxkv_sglang.core.tiers.paged import page_keys, split_pages
@@ -46,31 +47,8 @@ def _config(model: str, env: dict) -> ServerConfig:
                         startup_timeout_s=SERVER_START_TIMEOUT_S)
 
 
-def _ask(url: str, prompt, salt: str | None = None) -> dict:
-    extra = {"cache_salt": salt} if salt else {}
-    return generate(url, prompt, policy="pic", max_new_tokens=6, logprobs=True, **extra)
-
-
-def _same_output(got: dict, ref: dict) -> None:
-    assert got["output_ids"] == ref["output_ids"]
-    a = [lp for lp, _, _ in got["meta_info"]["output_token_logprobs"]]
-    b = [lp for lp, _, _ in ref["meta_info"]["output_token_logprobs"]]
-    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3, (a, b)
-
-
-def _recompute(url: str, prompt) -> dict:
-    out = _ask(url, prompt, salt=f"ref-{random.random()}")
-    assert out["meta_info"]["relaxkv"]["chunks_hit"] == 0
-    return out
-
-
 def _wait_writes(url: str, timeout: float = 60) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while relaxkv_state(url).get("tier_hicache_pending_writes", 0) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert relaxkv_state(url).get("tier_hicache_pending_writes", 0) == 0
+    wait_writes(url, timeout, tier="hicache")
 
 
 def _from_store(out: dict, n_chunks: int) -> None:

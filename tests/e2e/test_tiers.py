@@ -71,11 +71,12 @@ def _recompute(url: str, prompt) -> dict:
     return out
 
 
-def _wait_writes(url: str, timeout: float = 60) -> None:
+def _wait_writes(url: str, timeout: float = 60, tier: str = "disk") -> None:
+    """Until the server's writes to ``tier`` (a write-through tier) are done."""
     deadline = time.monotonic() + timeout
-    while relaxkv_state(url).get("tier_disk_pending_writes", 0) and time.monotonic() < deadline:
+    while relaxkv_state(url).get(f"tier_{tier}_pending_writes", 0) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert relaxkv_state(url).get("tier_disk_pending_writes", 0) == 0
+    assert relaxkv_state(url).get(f"tier_{tier}_pending_writes", 0) == 0
 
 
 def _scheduler_rss(server: SGLangServer) -> int:

@@ -181,19 +181,33 @@ def _has_path(obj: Any, path: str) -> bool:
 def repair_support(causal_lm: torch.nn.Module) -> tuple[Optional[ModelFamily], str]:
     """(the model's registered family or None, why it is not repaired: "" when it is).
 
-    A model class that overrides ``forward`` itself would bypass the repair pass, and a model of
-    no registered family (or missing a module its family's layer has) has no known layer.
+    A model class that overrides ``forward`` itself would bypass the repair pass, a model of no
+    registered family (or missing a module its family's layer has) has no known layer, and under
+    tensor parallelism a layer whose o_proj is summed over ranks by SGLang's layer boundary
+    (``reduce_results=False``: Qwen2, Qwen3, the MoE families) would be left unsummed by the
+    repair pass, which calls the modules alone.
     """
     inner = getattr(causal_lm, "model", None)
     if inner is None:
         return None, f"{type(causal_lm).__name__} holds no decoder stack (`.model`)"
     try:
-        family = ModelLayers(inner).family
+        layers = ModelLayers(inner)
     except UnsupportedModelError as exc:
         return None, str(exc)
+    family = layers.family
     if getattr(type(inner).forward, "__wrapped__", None) is None:
         return family, f"{type(inner).__name__}.forward is not the hooked one (the {family.name} family's is)"
+    if _reduced_at_the_boundary(layers.layer(0).self_attn.o_proj):
+        return family, ("tensor parallelism: this model's o_proj leaves its all-reduce to SGLang's layer boundary, "
+                        "which the repair pass does not run")
     return family, ""
+
+
+def _reduced_at_the_boundary(o_proj: Any) -> bool:
+    """Whether a row-parallel o_proj is sharded over ranks (its input split) and does not sum
+    its shards itself (``reduce_results`` false: SGLang's layer boundary does, outside the ops)."""
+    full, part = getattr(o_proj, "input_size", None), getattr(o_proj, "input_size_per_partition", None)
+    return getattr(o_proj, "reduce_results", True) is False and part is not None and part != full
 
 
 def supports_repair(causal_lm: torch.nn.Module) -> bool:

@@ -429,3 +429,9 @@ def test_a_stack_without_a_config_is_told_by_its_class_and_the_startup_line_name
                          ["Qwen3ForCausalLM"])
     qwen3.__class__ = wrapped
     assert family_line(SimpleNamespace(model=qwen3), True).endswith("model family qwen3: chunk reuse yes; repair yes")
+    # tensor parallelism: an o_proj sharded over ranks and summed by SGLang's layer boundary
+    o_proj = qwen3.layers[0].self_attn.o_proj
+    o_proj.reduce_results, o_proj.input_size, o_proj.input_size_per_partition = False, 64, 32
+    assert "tensor parallelism" in repair_support(SimpleNamespace(model=qwen3))[1]
+    o_proj.input_size_per_partition = 64  # one rank: SGLang's boundary has nothing to sum
+    assert repair_support(SimpleNamespace(model=qwen3))[1] == ""

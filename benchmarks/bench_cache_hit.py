@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shared-chunk-dir", action="store_true",
                         help="with --replicas: the replicas share one disk tier folder (a temp folder, emptied "
                              "before each run), so a chunk one computes is a disk hit on the others")
+    parser.add_argument("--shared-mooncake", action="store_true",
+                        help="with --replicas: the replicas share a Mooncake store (started here on loopback, "
+                             "emptied before each run) through the HiCache tier; make install-mooncake")
     parser.add_argument("--replica-urls", nargs="+", default=None,
                         help="with --replicas: measure these running replicas (--enable-metrics --enable-cache-report) "
                              "instead of starting them")
@@ -167,8 +170,11 @@ def main(argv: list[str] | None = None) -> None:
     args = common.parse_args(parser, argv, quick={"requests": 40, "clients": 2})
     given = argv if argv is not None else sys.argv[1:]
     check_trace_args(BENCH, args)
-    if args.shared_chunk_dir and (args.replicas < 2 or args.replica_urls):
-        common.fail(BENCH, "--shared-chunk-dir needs --replicas N (N >= 2) started here, not --replica-urls")
+    if args.shared_chunk_dir and args.shared_mooncake:
+        common.fail(BENCH, "--shared-chunk-dir or --shared-mooncake, not both")
+    for flag in ("shared_chunk_dir", "shared_mooncake"):
+        if getattr(args, flag) and (args.replicas < 2 or args.replica_urls):
+            common.fail(BENCH, f"--{flag.replace('_', '-')} needs --replicas N (N >= 2) started here, not --replica-urls")
     if args.replica_urls and args.replicas != len(args.replica_urls):
         args.replicas = len(args.replica_urls)
     if args.replicas > 1:

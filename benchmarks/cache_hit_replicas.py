@@ -15,7 +15,10 @@ own ``/metrics`` (``sglang:num_requests_total``), not from the router.
     python -m benchmarks.bench_cache_hit --replicas 2 --model tiny-llama --quick
 
 With ``--shared-chunk-dir`` the replicas share one disk tier folder (``RELAXKV_CHUNK_DIR``,
-emptied before each run): a chunk one replica computed is a disk hit on the others.
+emptied before each run): a chunk one replica computed is a disk hit on the others. With
+``--shared-mooncake`` they share a Mooncake store instead, through the HiCache tier
+(:class:`~relaxkv_sglang.mooncake_service.MooncakeService` on loopback, emptied before each run;
+``make install-mooncake``).
 """
 
 from __future__ import annotations
@@ -69,6 +72,16 @@ def empty_shared_folder(urls: list[str], folder: pathlib.Path, timeout_s: float 
         path.unlink(missing_ok=True)
 
 
+def empty_shared_store(urls: list[str], service, timeout_s: float = 120) -> None:
+    """Wait until no replica has a store write pending, then remove every object of the store."""
+    deadline = time.monotonic() + timeout_s
+    while any(ServerClient(u).relaxkv_state().get("tier_hicache_pending_writes", 0) for u in urls):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"store writes still pending after {timeout_s:.0f} s")
+        time.sleep(0.2)
+    service.clear()
+
+
 def imbalance(counts: list[int]) -> float | None:
     """max / min requests per replica (None when a replica served none)."""
     return max(counts) / min(counts) if counts and min(counts) > 0 else None
@@ -87,6 +100,13 @@ def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = No
     log = common.RESULTS_DIR / f"{BENCH}-{common.stamp()}.server.log"
     shared = pathlib.Path(tempfile.mkdtemp(prefix="relaxkv-bench-shared-")) if args.shared_chunk_dir else None
     env = {"RELAXKV_CHUNK_DIR": str(shared), "RELAXKV_DISK_CACHE_GB": str(args.disk_cache_gb)} if shared else {}
+    stack = contextlib.ExitStack()
+    store = None
+    if args.shared_mooncake:
+        from relaxkv_sglang.mooncake_service import MooncakeService
+
+        store = stack.enter_context(MooncakeService(segment_mb=1024))
+        env = store.env(page_kb=64)
     base = common.ServerConfig(model_path=model, max_total_tokens=args.max_total_tokens, policy="prefix",
                                log_path=str(log), env=env)
 
@@ -94,6 +114,8 @@ def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = No
         """One replay; requests per replica from the replicas' /metrics, chunk hits from their counters."""
         if shared is not None:  # every run starts from an empty shared folder
             empty_shared_folder(urls, shared)
+        if store is not None:  # or an empty shared store
+            empty_shared_store(urls, store)
         requests_before, state_before = replica_request_counts(urls), client.relaxkv_state()
         row = replay(client, trace, policy, args.clients, args)
         state = client.relaxkv_state()
@@ -101,10 +123,12 @@ def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = No
         row.update(routing=routing, chunk_hit_rate_pct=100.0 * metrics.hit_rate(chunk, row["prompt_tokens"]),
                    per_replica_requests=[a - b for a, b in zip(replica_request_counts(urls), requests_before)])
         row["prefix_hit_rate_pct"] = row["cache_hit_rate_pct"] - row["chunk_hit_rate_pct"]
+        row["tier_loaded_tokens"] = {t: state.get(f"tier_{t}_loaded_tokens", 0) - state_before.get(f"tier_{t}_loaded_tokens", 0)
+                                     for t in ("host", "disk", "hicache") if f"tier_{t}_loaded_tokens" in state}
         return row
 
     rows = []
-    with contextlib.ExitStack() as stack:
+    with stack:
         if args.replica_urls:
             urls = [u.rstrip("/") for u in args.replica_urls]
         else:
@@ -134,7 +158,8 @@ def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = No
         row["imbalance"] = imbalance(row["per_replica_requests"]) if row["routing"] != "single" else None
         row.pop("per_request")
     return {"workload": {**workload, "replicas": len(urls), "kv_pool_tokens": args.max_total_tokens,
-                         "shared_chunk_dir": bool(args.shared_chunk_dir)},
+                         "shared_chunk_dir": bool(args.shared_chunk_dir),
+                         "shared_mooncake": bool(args.shared_mooncake)},
             "results": rows}
 
 
@@ -142,7 +167,8 @@ def print_replicas(result: dict) -> None:
     """One row per (policy, routing): hit rate, its share of one server's, requests per replica."""
     w = result["workload"]
     print(f"\n{w['requests']} requests, {w['clients']} clients, {trace_words(w)}; {w['replicas']} replicas, KV pool "
-          f"{w['kv_pool_tokens']} tokens each" + ("; one shared disk tier folder" if w.get("shared_chunk_dir") else ""))
+          f"{w['kv_pool_tokens']} tokens each" + ("; one shared disk tier folder" if w.get("shared_chunk_dir") else "")
+          + ("; one shared Mooncake store" if w.get("shared_mooncake") else ""))
     columns = [tables.left("policy", 8), tables.left("routing", 13), tables.right("hit rate", 9),
                tables.right("chunk", 8), tables.right("of single", 10), tables.right("req/s", 7),
                tables.left("", 2), tables.left("requests per replica", 22), tables.right("max/min", 8)]

@@ -4,7 +4,8 @@ For the tests and benchmarks that share chunks across servers through Mooncake (
 ``relaxkv_sglang/srt/hicache_tier.py``), and as the shape of a deployment:
 
 * ``mooncake_master --rpc_address 127.0.0.1 --rpc_port P``: the store's metadata (which client
-  holds which object), its eviction (at 90% of the memory by default) and leases;
+  holds which object), its eviction (at 90% of the memory by default) and leases (an object
+  read in the last ``LEASE_MS`` is not removed; 1 s here, 10 s by default);
 * ``mooncake_client --global_segment_size S``: a long-lived process that contributes ``S`` bytes
   of memory, where the objects live. The servers join with ``global_segment_size`` 0, so a
   server's restart loses nothing (a Mooncake client's objects live in the segments of the
@@ -31,6 +32,8 @@ import time
 from typing import Optional
 
 __all__ = ["MooncakeService", "mooncake_binary"]
+
+LEASE_MS = 1000
 
 
 def mooncake_binary(name: str) -> str:
@@ -73,6 +76,7 @@ class MooncakeService:
         self.rpc_port = 0
         self.master: Optional[subprocess.Popen] = None
         self.holder: Optional[subprocess.Popen] = None
+        self._client = None  # a store client of this process, for clear()
 
     @property
     def address(self) -> str:
@@ -104,7 +108,7 @@ class MooncakeService:
         self.master = self._spawn("mooncake_master", [
             "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}", "--metrics_host=127.0.0.1",
             f"--metrics_port={_free_port()}", "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={_free_port()}"])
+            f"--http_metadata_server_port={_free_port()}", f"--default_kv_lease_ttl={LEASE_MS}"])
         _wait_port(self.rpc_port, self.master, 30)
 
     def start_holder(self) -> None:
@@ -138,6 +142,19 @@ class MooncakeService:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+    def clear(self) -> None:
+        """Remove every object (twice, a lease apart: an object read just now is removed the second time)."""
+        from mooncake.store import MooncakeDistributedStore
+
+        if self._client is None:
+            client = MooncakeDistributedStore()
+            if client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", self.address):
+                raise RuntimeError(f"cannot join the Mooncake store at {self.address}")
+            self._client = client
+        self._client.remove_all()
+        time.sleep(LEASE_MS / 1000 + 0.2)
+        self._client.remove_all()
 
     def kill_master(self) -> None:
         """SIGKILL the master (a store that dies mid-run)."""

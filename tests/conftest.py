@@ -5,7 +5,9 @@ processes), and a start keeps about one core busy. So the servers a run needs ar
 when collection ends, the first alone and then two at a time, while the first tests run
 (:class:`ServerPrestart`): the session's two (``server``, ``relaxkv_server``) and those a test
 module declares in its ``PRESTART_SERVERS`` (fixture name -> ``start(tiny_model_path)``, which
-returns the started server or cluster; it has a ``stop()``). A fixture takes its server with
+returns the started server or cluster; it has a ``stop()``), each launched when a collected test
+names its fixture or carries ``pytest.mark.prestart(name)`` (a parametrized fixture's params can:
+one server per param). A fixture takes its server with
 ``prestart.serving(name, start)`` (waiting while it starts; calling ``start()`` then if it was not
 launched), which stops it when the fixture's scope ends, as before. Only servers a collected test
 needs are launched.
@@ -117,11 +119,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     needed: list[str] = []
     for item in session.items:
         starts.update(getattr(getattr(item, "module", None), "PRESTART_SERVERS", {}))
-        needed += [name for name in getattr(item, "fixturenames", ()) if name in starts and name not in needed]
+        names = [*getattr(item, "fixturenames", ()), *(n for mark in item.iter_markers("prestart") for n in mark.args)]
+        needed += [name for name in names if name in starts and name not in needed]
     if needed:
         path = str(assets.model_path("tiny-llama"))
         for name in needed:
             PRESTART.launch(name, lambda start=starts[name]: start(path))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "prestart(name): launch PRESTART_SERVERS[name] when the session starts")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -42,48 +42,22 @@ def family_server_config(model: str):
     return config
 
 
-def _fixture_name(model: str) -> str:
+def _prestart_name(model: str) -> str:
     return model.replace("-", "_") + "_server"  # tiny-qwen3 -> tiny_qwen3_server
 
 
-#: launched at the session's start (conftest), each taken by its fixture below
-PRESTART_SERVERS = {_fixture_name(m): start_server(family_server_config(m)) for m in TINY_MODELS}
+#: launched at the session's start (conftest), one per family; the marks on the fixture's params name them
+PRESTART_SERVERS = {_prestart_name(m): start_server(family_server_config(m)) for m in TINY_MODELS}
 
 
-def _serving(model: str, prestart, tiny_model_path):
-    name = _fixture_name(model)
+@pytest.fixture(scope="module", params=[pytest.param(m, id=m, marks=pytest.mark.prestart(_prestart_name(m)))
+                                        for m in TINY_MODELS])
+def family(request, prestart, tiny_model_path):
+    """(tiny model name, its server): pytest runs one family's tests after another, so one of these
+    servers is held at a time (the others are starting, or stopped)."""
+    name = _prestart_name(request.param)
     with prestart.serving(name, lambda: PRESTART_SERVERS[name](tiny_model_path)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="class")
-def tiny_qwen3_server(prestart, tiny_model_path):
-    yield from _serving("tiny-qwen3", prestart, tiny_model_path)
-
-
-@pytest.fixture(scope="class")
-def tiny_mistral_server(prestart, tiny_model_path):
-    yield from _serving("tiny-mistral", prestart, tiny_model_path)
-
-
-@pytest.fixture(scope="class")
-def tiny_llama3_server(prestart, tiny_model_path):
-    yield from _serving("tiny-llama3", prestart, tiny_model_path)
-
-
-@pytest.fixture(scope="class")
-def tiny_phi3_server(prestart, tiny_model_path):
-    yield from _serving("tiny-phi3", prestart, tiny_model_path)
-
-
-@pytest.fixture(scope="class")
-def tiny_qwen3_moe_server(prestart, tiny_model_path):
-    yield from _serving("tiny-qwen3-moe", prestart, tiny_model_path)
-
-
-@pytest.fixture(scope="class")
-def tiny_mixtral_server(prestart, tiny_model_path):
-    yield from _serving("tiny-mixtral", prestart, tiny_model_path)
+        yield request.param, srv
 
 
 def _run(url: str, prompt, policy: str, anchor: float | None = None, context: float | None = None,
@@ -100,25 +74,8 @@ def _run(url: str, prompt, policy: str, anchor: float | None = None, context: fl
     return out["output_ids"], [lp for lp, _, _ in meta["output_token_logprobs"]], meta
 
 
-class FamilyChecks:
-    """The checks of one family: a subclass names its tiny model and its server fixture."""
-
-    model: str
-
-    def test_gate_passes_and_tells_a_wrong_rotation(self, family_server):
-        _gate_passes_and_tells_a_wrong_rotation(self.model, family_server)
-
-    def test_full_repair_is_full_and_zero_anchors_are_pic(self, family_server):
-        _full_repair_is_full_and_zero_anchors_are_pic(family_server.url)
-
-    def test_served_full_and_repair_match_the_torch_reference(self, family_server):
-        _served_full_and_repair_match_the_torch_reference(self.model, family_server.url)
-
-    def test_frontend_program_and_chat_are_repaired(self, family_server):
-        _frontend_program_and_chat_are_repaired(self.model, family_server.url)
-
-
-def _gate_passes_and_tells_a_wrong_rotation(model: str, server) -> None:
+def test_gate_passes_and_tells_a_wrong_rotation(family):
+    model, server = family
     gate = relaxkv_state(server.url)["gate"]
     assert (gate["status"], gate["reason"]) == ("passed", ""), gate
     for name, check in gate["checks"].items():
@@ -130,7 +87,8 @@ def _gate_passes_and_tells_a_wrong_rotation(model: str, server) -> None:
     assert len(lines) == 1 and lines[0].endswith(f"model family {family}: chunk reuse yes; repair yes"), lines
 
 
-def _full_repair_is_full_and_zero_anchors_are_pic(url: str) -> None:
+def test_full_repair_is_full_and_zero_anchors_are_pic(family):
+    url = family[1].url
     flush(url)
     docs = documents(3, seed=41)
     _run(url, marked_prompt("You are a helpful assistant.", docs, "Question: first?"), "pic", max_new_tokens=1)
@@ -157,10 +115,11 @@ def _reference(model: str):
     return from_hf_state_dict(hf.state_dict(), hf.config.to_dict()), AutoTokenizer.from_pretrained(path)
 
 
-def _served_full_and_repair_match_the_torch_reference(model: str, url: str) -> None:
+def test_served_full_and_repair_match_the_torch_reference(family):
     from relaxkv_sglang.core.reference import reference_prefill, stale_context
     from relaxkv_sglang.core.repair_plan import RepairConfig
 
+    model, url = family[0], family[1].url
     weights, tokenizer = _reference(model)
     flush(url)
     docs = documents(3, seed=43)
@@ -190,7 +149,8 @@ def rag_program(s, docs, question):
     s += "Question: " + question + "\nAnswer:" + sgl.gen("answer", max_tokens=3, temperature=0)
 
 
-def _frontend_program_and_chat_are_repaired(model: str, url: str) -> None:
+def test_frontend_program_and_chat_are_repaired(family):
+    model, url = family[0], family[1].url
     docs = documents(2, seed=45)
     state = rag_program.run(docs=docs, question="What is it about?", backend=RelaxKVEndpoint(url, policy="relaxkv"))
     assert state.error() is None, state.error()
@@ -205,53 +165,3 @@ def _frontend_program_and_chat_are_repaired(model: str, url: str) -> None:
     record = response.json()["choices"][0]["meta_info"]["relaxkv"]
     assert record["chunks_seen"] == 2 and record["chunks_hit"] == 2 and record["repaired"], record
 
-
-# One class per family: its server fixture in a signature, so the session's prestart launches it.
-
-
-class TestQwen3(FamilyChecks):
-    model = "tiny-qwen3"
-
-    @pytest.fixture
-    def family_server(self, tiny_qwen3_server):
-        return tiny_qwen3_server
-
-
-class TestMistral(FamilyChecks):
-    model = "tiny-mistral"
-
-    @pytest.fixture
-    def family_server(self, tiny_mistral_server):
-        return tiny_mistral_server
-
-
-class TestLlama3(FamilyChecks):
-    model = "tiny-llama3"
-
-    @pytest.fixture
-    def family_server(self, tiny_llama3_server):
-        return tiny_llama3_server
-
-
-class TestPhi3(FamilyChecks):
-    model = "tiny-phi3"
-
-    @pytest.fixture
-    def family_server(self, tiny_phi3_server):
-        return tiny_phi3_server
-
-
-class TestQwen3Moe(FamilyChecks):
-    model = "tiny-qwen3-moe"
-
-    @pytest.fixture
-    def family_server(self, tiny_qwen3_moe_server):
-        return tiny_qwen3_moe_server
-
-
-class TestMixtral(FamilyChecks):
-    model = "tiny-mixtral"
-
-    @pytest.fixture
-    def family_server(self, tiny_mixtral_server):
-        return tiny_mixtral_server

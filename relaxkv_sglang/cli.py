@@ -6,7 +6,7 @@
                          [-- extra sglang args [-- extra smg args]]
     relaxkv-sglang serve ... [--host-cache-gb G] [--chunk-dir DIR] [--disk-cache-gb G]
     relaxkv-sglang encode --url URL --input corpus.jsonl|corpus.txt [--separator SEP] [--batch-size N]
-    relaxkv-sglang model smollm2-135m|tiny-llama|qwen2.5-0.5b
+    relaxkv-sglang model smollm2-135m|tiny-llama|qwen2.5-0.5b|tiny-<family>
     relaxkv-sglang data hotpotqa|squad|essays
     relaxkv-sglang --version
 
@@ -297,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("model", help="prepare a model offline and print its folder")
     m.add_argument("name", choices=assets.MODELS,
                    help="; ".join(f"{name}: {spec.description}" for name, spec in assets.GGUF_MODELS.items())
-                   + "; tiny-llama: a 2-layer random-weight model for tests")
+                   + "; tiny-llama: a 2-layer random-weight model for tests; "
+                   + ", ".join(assets.TINY_FAMILY_MODELS) + ": the same for each model family")
     m.add_argument("--no-verify", action="store_true", help="skip the greedy-generation check")
     m.set_defaults(func=cmd_model)
 

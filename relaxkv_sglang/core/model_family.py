@@ -1,6 +1,6 @@
 """Model families the repair serves, and their decoder layer's order of operations, written once.
 
-Every family here has the Llama decoder layer. With ``h`` the residual stream [n, hidden] of n
+Every family here has the Llama decoder layer (its MLP dense or routed experts). With ``h`` the residual stream [n, hidden] of n
 tokens at positions ``p`` (int64 [n]), H query heads and Hkv key/value heads of size d, and
 ``RMSNorm(x) = x / sqrt(mean(x^2) + eps)`` over the last dim:
 
@@ -8,8 +8,9 @@ tokens at positions ``p`` (int64 [n]), H query heads and Hkv key/value heads of 
 2. ``q = x W_q^T (+ b_q)``, ``k = x W_k^T (+ b_k)``, ``v = x W_v^T (+ b_v)``, split per head:
    q [n, H, d], k and v [n, Hkv, d]                  (q/k/v projection; biases: :attr:`ModelFamily.qkv_bias`)
 3. ``q = RMSNorm_d(q) * w_qn``, ``k = RMSNorm_d(k) * w_kn`` over each head's d dims, before
-   RoPE, only where the family says so              (:attr:`ModelFamily.qk_norm`, Qwen3)
-4. ``q, k = RoPE(q, p), RoPE(k, p)``                (neox pairing: dim i with i + rotary_dim/2)
+   RoPE, only where the family says so              (:attr:`ModelFamily.qk_norm`, Qwen3, Qwen3-MoE)
+4. ``q, k = RoPE(q, p), RoPE(k, p)``                (neox pairing: dim i with i + rotary_dim/2; the
+   config's RoPE: partial rotary (Phi-3), llama3 or YaRN scaling)
 5. ``a = attention(q, k, v)`` [n, H, dv]             (the caller's: it decides which keys a row sees)
 6. ``h = h + a W_o^T``                               (o_proj, residual)
 7. ``h = h + MLP(y)``, ``y = RMSNorm(h) * w_post``  (MLP, residual), where MLP is
@@ -20,15 +21,16 @@ tokens at positions ``p`` (int64 [n]), H query heads and Hkv key/value heads of 
 
 Steps 1-4 are :func:`project_qkv`, 6-7 :func:`finish_layer`, both over :class:`LayerOps`, one
 decoder layer's pieces. Two executors supply them: the torch reference over a checkpoint's plain
-tensors (:mod:`.reference`) and the server's repair pass over SGLang's own modules
+tensors (:mod:`.reference_model`) and the server's repair pass over SGLang's own modules
 (``srt/model_layers.py``); the order above is nowhere else.
 
 The registry (:data:`FAMILIES`) is what the plugin serves: for each family the HF
 ``architectures`` (and ``model_type``) it covers, the SGLang decoder-stack class whose ``forward``
 the repair hooks (``srt/plugin.py::HOOKS`` is generated from it, one entry per hooked class), the
 SGLang module names its layers expose and the weights its HF checkpoints hold (Phi-3's q/k/v
-and gate/up fused in one tensor each; an MoE's router and experts). A model outside it
-is served, but its repair-policy requests as ``pic`` (the reason in the report). Adding a family
+and gate/up fused in one tensor each; an MoE's router and experts). A model outside it is
+served ``full`` and ``prefix`` only: the startup gate cannot run its layers, so it refuses chunk
+policies (``srt/gate.py``). Adding a family
 with this layer is one :class:`ModelFamily` entry; a different layer needs new ops (and a new
 field saying so).
 

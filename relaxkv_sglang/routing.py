@@ -28,8 +28,9 @@ so every request routed under it finds at least that document's chunk cached on 
 
 Which documents: the same spans the server chunks. A request with ``relaxkv_chunks`` offsets
 ``[s0, e0, s1, e1, ...]`` has the documents ``text[s_i:e_i]``; an unmarked prompt has the
-paragraphs :func:`relaxkv_sglang.core.segments.auto_chunk` finds (what the server chunks for a
-chunk policy); a chat request has the text parts :mod:`relaxkv_sglang.srt.chat` treats as
+documents the server's block rules find in it (:func:`relaxkv_sglang.core.doc_index.discover_chunks`
+without the server's index of documents seen before, which a client does not have: a document the
+server finds only through that index, one with no structure around it, is not in the key); a chat request has the text parts :mod:`relaxkv_sglang.srt.chat` treats as
 documents (every text part of a list ``content`` but its last). A request without documents gets
 no key (:func:`routing_key` returns None): the router then assigns it by load alone.
 
@@ -43,7 +44,7 @@ import math
 import threading
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from relaxkv_sglang.core.segments import auto_chunk
+from relaxkv_sglang.core.doc_index import discover_chunks
 
 __all__ = [
     "ROUTING_HEADER", "document_hash", "minhash", "routing_key", "routing_key_of_documents",
@@ -109,7 +110,7 @@ def routing_key(text: str, offsets: Optional[Sequence[int]] = None, seed: int = 
     Args:
         text: the prompt.
         offsets: its ``relaxkv_chunks`` value (flat ``[s0, e0, s1, e1, ...]``), or None for an
-            unmarked prompt (then :func:`~relaxkv_sglang.core.segments.auto_chunk`'s paragraphs).
+            unmarked prompt (then the documents the server's block rules find, module doc).
         seed: the MinHash seed.
 
     Returns:
@@ -123,7 +124,7 @@ def prompt_documents(text: str, offsets: Optional[Sequence[int]] = None) -> list
     """The documents of a ``/generate`` prompt as the server chunks them (see :func:`routing_key`);
     ``[]`` for offsets that are not int pairs inside ``text``."""
     if offsets is None:
-        spans = auto_chunk(text)
+        spans = discover_chunks(text, None, None)
     else:
         if len(offsets) % 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in offsets):
             return []

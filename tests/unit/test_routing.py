@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import workloads
 from relaxkv_sglang import routing
-from relaxkv_sglang.core.segments import auto_chunk
+from relaxkv_sglang.core.doc_index import discover_chunks
 
 DOCS = [f"Document {i}: " + " ".join(f"word{i}_{j}" for j in range(30)) for i in range(40)]
 
@@ -45,9 +45,11 @@ def test_key_ignores_order_system_prompt_and_question():
 
 def test_key_uses_the_spans_the_server_chunks():
     text, offsets = workloads.marked_text("System.", DOCS[:3], "Question?")
-    # unmarked: auto_chunk's paragraphs (what the server chunks for a chunk policy)
-    spans = auto_chunk(text)
-    assert routing.routing_key(text) == routing.routing_key_of_documents(text[s:e] for s, e in spans)
+    # unmarked: the documents the server's block rules find (what it chunks for a chunk policy)
+    # (a "Document N:" header is a marker, left out of its document)
+    found = [text[s:e] for s, e in discover_chunks(text, None, None)]
+    assert len(found) == 3 and all(d.endswith(f) for d, f in zip(DOCS[:3], found))
+    assert routing.routing_key(text) == routing.routing_key_of_documents(found)
     # marked: exactly the marked spans; one document marked is that document's key
     assert routing.routing_key(text, offsets[:2]) == routing.routing_key_of_documents([DOCS[0]])
     # no documents, empty marks, or offsets the server rejects: no key

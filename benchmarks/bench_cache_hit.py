@@ -39,6 +39,13 @@ routing).
     python -m benchmarks.bench_cache_hit --pressure --model tiny-llama
     python -m benchmarks.bench_cache_hit --tiers --quick --model tiny-llama
     python -m benchmarks.bench_cache_hit --replicas 2 --model tiny-llama --quick
+
+``--frameworks`` (:mod:`benchmarks.cache_hit_frameworks`) sends the trace unmarked in the prompt
+shapes of LangChain, LlamaIndex (chat and completion) and the OpenAI SDK, beside the same trace as
+content parts, to a server whose default policy is ``pic``: each shape's hit rate against its best
+possible and against the content-parts trace's.
+
+    python -m benchmarks.bench_cache_hit --frameworks --model tiny-llama --max-total-tokens 32768
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import argparse
 import sys
 
 from benchmarks import common, tables
+from benchmarks.cache_hit_frameworks import SHAPES, print_frameworks, run_frameworks
 from benchmarks.cache_hit_pressure import print_pressure, run_pressure
 from benchmarks.cache_hit_replicas import print_replicas, run_replicas
 from benchmarks.cache_hit_tiers import print_tiers, run_tiers
@@ -163,6 +171,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replica-urls", nargs="+", default=None,
                         help="with --replicas: measure these running replicas (--enable-metrics --enable-cache-report) "
                              "instead of starting them")
+    parser.add_argument("--frameworks", action="store_true",
+                        help="the trace unmarked in each RAG framework's prompt shape (LangChain, LlamaIndex chat "
+                             "and completion, OpenAI SDK [n] list) vs content parts, server default policy pic")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES),
+                        help="with --frameworks: the prompt shapes sent")
     parser.add_argument("--policies", nargs="+", default=["prefix", "pic", "pic-auto", "relaxkv"],
                         help="server policies; '<policy>-auto' sends the prompts unmarked (content-defined chunking)")
     parser.epilog = ("A KV pool smaller than the working set shows evictions and the hit rate they cost, e.g. "
@@ -185,6 +198,10 @@ def main(argv: list[str] | None = None) -> None:
         common.run_bench(BENCH, args, run_replicas, report=print_replicas)
     elif args.replicas < 1:
         common.fail(BENCH, f"--replicas {args.replicas}: must be >= 1")
+    elif args.frameworks:
+        if args.pressure or args.tiers:
+            common.fail(BENCH, "--frameworks: drop --pressure / --tiers")
+        common.run_bench(BENCH, args, run_frameworks, report=print_frameworks)
     elif args.tiers:
         if args.url:
             common.fail(BENCH, "--tiers starts and restarts its own servers; drop --url")

@@ -82,11 +82,12 @@ def tokenizer(args: argparse.Namespace) -> Any:
 
 
 @contextlib.contextmanager
-def bench_client(args: argparse.Namespace, bench: str, **config: Any) -> Iterator[ServerClient]:
+def bench_client(args: argparse.Namespace, bench: str, *, policy: str = "prefix",
+                 **config: Any) -> Iterator[ServerClient]:
     """A client of the server to measure: ``--url``, or one started here (and stopped on exit).
 
     The started server serves ``--model`` with a ``--max-total-tokens`` KV
-    pool, default policy ``prefix`` (every request names its own), its log
+    pool, default policy ``policy`` (``prefix``: every request names its own), its log
     under the results folder; ``config`` adds :class:`ServerConfig` fields.
     """
     def make_config() -> ServerConfig:
@@ -94,7 +95,7 @@ def bench_client(args: argparse.Namespace, bench: str, **config: Any) -> Iterato
         log = RESULTS_DIR / f"{bench}-{stamp()}.server.log"
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
         print(f"{bench}: starting sglang with {model} (log: {log})", file=sys.stderr, flush=True)
-        return ServerConfig(model_path=model, max_total_tokens=args.max_total_tokens, policy="prefix",
+        return ServerConfig(model_path=model, max_total_tokens=args.max_total_tokens, policy=policy,
                             log_path=str(log), **config)
 
     with running_server(args.url, make_config) as (url, _):

@@ -1,8 +1,9 @@
 """The per-request report, ``meta_info.relaxkv``: what the fold and the repair did.
 
 Fields (documented for users in ``docs/api.md``): ``policy``, ``chunks_seen``, ``chunks_hit``,
-``chunk_tokens_reused`` (of which ``chunk_tokens_from_host`` and ``chunk_tokens_from_disk`` were loaded
-from the lower tiers, the rest served from the device pool), ``tokens_computed`` (rows computed, the repair's query pass included),
+``chunk_tokens_reused`` (of which ``chunk_tokens_from_<tier>`` were loaded from each lower tier,
+one field per :class:`~relaxkv_sglang.core.tiers.TierName` but the device: ``host``, ``disk``,
+``hicache``; the rest served from the device pool), ``tokens_computed`` (rows computed, the repair's query pass included),
 ``repaired``, ``prefills`` (times the prompt's last token was prefilled: 1, plus one per
 retraction) and ``repairs`` (how many of those ran the repair); for a repaired request
 ``anchor_ratio`` (achieved), ``anchors_per_layer``, ``context_ratio`` (visible key pairs over the
@@ -32,9 +33,11 @@ if TYPE_CHECKING:
     from relaxkv_sglang.srt.query_pass import RequestRows
     from relaxkv_sglang.srt.repair import RepairOutcome
 
+# The hit tokens of each lower tier, one field per tier name (the tiers' one vocabulary).
+_TIER_FIELDS = {tier: f"chunk_tokens_from_{tier.value}" for tier in TierName if tier != TierName.DEVICE}
 # Counters summed over the prefill steps of one request (chunked prefill, retraction).
-_ADDITIVE = ("chunks_seen", "chunks_hit", "chunk_tokens_reused", "chunk_tokens_from_host", "chunk_tokens_from_disk",
-             "tokens_computed", "prefills", "repairs")
+_ADDITIVE = ("chunks_seen", "chunks_hit", "chunk_tokens_reused", *_TIER_FIELDS.values(), "tokens_computed", "prefills",
+             "repairs")
 
 
 def request_record(r: "RequestRows", outcome: Optional["RepairOutcome"]) -> dict:
@@ -48,8 +51,7 @@ def request_record(r: "RequestRows", outcome: Optional["RepairOutcome"]) -> dict
         "chunks_seen": f.chunks_seen,
         "chunks_hit": f.chunks_hit,
         "chunk_tokens_reused": f.hit_tokens,
-        "chunk_tokens_from_host": sources[TierName.HOST],
-        "chunk_tokens_from_disk": sources[TierName.DISK],
+        **{field: sources[tier] for tier, field in _TIER_FIELDS.items()},
         "tokens_computed": r.n_rows + (repair.n_rows if repair is not None else 0),
         "repaired": repair is not None,
         "prefills": int(f.completes_prompt),  # 1: this step decided the repair

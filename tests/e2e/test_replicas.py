@@ -99,7 +99,8 @@ def _trace_args(**over) -> argparse.Namespace:
     args = dict(source="hotpotqa", pool=60, zipf=0.5, docs_per_request=5, requests=40, clients=4, seed=1,
                 topics=12, max_new_tokens=4, anchor_ratio=0.15, pressure=False, policies=["pic"],
                 routings=["document"], assignment_mode="delegate", replicas=2, model=str(assets.model_path("tiny-llama")),
-                max_total_tokens=POOL_TOKENS, url=None, replica_urls=None, shared_chunk_dir=False, disk_cache_gb=8.0)
+                max_total_tokens=POOL_TOKENS, url=None, replica_urls=None, shared_chunk_dir=False, shared_mooncake=False,
+                disk_cache_gb=8.0)
     args.update(over)
     return argparse.Namespace(**args)
 

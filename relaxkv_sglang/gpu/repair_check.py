@@ -26,11 +26,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import types
 from typing import Iterator
 
 import torch
 
+from relaxkv_sglang.core.model_family import finish_layer, project_qkv
 from relaxkv_sglang.core.reference import LlamaWeights, ReferenceLayerOps, StaleContext, apply_neox_rope, stale_context
+from relaxkv_sglang.core.reference_model import rms_norm
 from relaxkv_sglang.core.repair_plan import AnchorPlan, RepairConfig, plan_anchors
 from relaxkv_sglang.core.rope import RopeSpec
 from relaxkv_sglang.srt.layer_loop import AnchorAttention, LayerLoop
@@ -96,19 +99,15 @@ class DeviceLayers:
     """``ModelLayers``' surface (what ``LayerLoop`` calls) over :class:`DeviceLayerOps`."""
 
     def __init__(self, w: LlamaWeights) -> None:
-        from relaxkv_sglang.core.model_family import finish_layer, project_qkv
-        from relaxkv_sglang.core.reference import _rms_norm
-
         self.w, self.n_layers = w, w.n_layers
-        self._project, self._finish = project_qkv, finish_layer
-        self.model = type("Model", (), {"embed_tokens": staticmethod(lambda ids: w.embed[ids].float()),
-                                        "norm": staticmethod(lambda h: _rms_norm(h, w.norm, w.rms_eps))})()
+        self.model = types.SimpleNamespace(embed_tokens=lambda ids: w.embed[ids].float(),
+                                           norm=lambda h: rms_norm(h, w.norm, w.rms_eps))
 
     def qkv(self, l: int, positions: torch.Tensor, hidden: torch.Tensor):
-        return self._project(DeviceLayerOps(self.w, self.w.layers[l]), self.w.family, hidden, positions)
+        return project_qkv(DeviceLayerOps(self.w, self.w.layers[l]), self.w.family, hidden, positions)
 
     def finish(self, l: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        return self._finish(DeviceLayerOps(self.w, self.w.layers[l]), hidden, attn_out)
+        return finish_layer(DeviceLayerOps(self.w, self.w.layers[l]), hidden, attn_out)
 
     def attention_params(self, l: int) -> tuple[int, float]:
         return l, self.w.head_dim ** -0.5
@@ -148,8 +147,7 @@ def repair_pass(w: LlamaWeights, case: RepairCase, stale: StaleContext, plan: An
     on_device = slots.to(device)
     for l, (k, v) in enumerate(stale.kv):  # the stale context at the request's slots, as reused
         k_pool[l][on_device[: k.shape[0]]], v_pool[l][on_device[: v.shape[0]]] = k.to(device, dtype), v.to(device, dtype)
-    pool = type("Pool", (), {"get_key_buffer": staticmethod(lambda l: k_pool[l]),
-                             "get_value_buffer": staticmethod(lambda l: v_pool[l])})()
+    pool = types.SimpleNamespace(get_key_buffer=lambda l: k_pool[l], get_value_buffer=lambda l: v_pool[l])
     wd = _on(w, device, dtype)
     rows = repair_rows(n, plan, slots)
     loop = LayerLoop(DeviceLayers(wd), pool, AnchorAttention(), rope=RopeSpec(head_dim=case.head_dim, base=w.rope_theta))

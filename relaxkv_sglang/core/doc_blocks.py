@@ -23,8 +23,9 @@ the whole text for a plain prompt; text outside every region is template markup 
 
 2. **Blocks.** Consecutive text pieces form one block; any separator ends it. Each block is
    trimmed of surrounding whitespace. Separator pieces are blocks of kind ``"label"`` (rules,
-   headings, metadata, markers, XML-like tags: they introduce a document), ``"question"`` (a
-   question line, rule 4) or ``"markup"`` (chat special tokens and role words).
+   headings, markers, XML-like tags: they introduce a document), ``"meta"`` (metadata lines: they
+   introduce a document too, and belong to it, rule 4), ``"question"`` (a question line, rule 4)
+   or ``"markup"`` (chat special tokens and role words).
 
 3. **Finer cuts** inside a text block: a block whose every line ends a sentence
    (``. ! ?`` and CJK stops, closing quotes allowed) and which has two lines of at least
@@ -36,8 +37,10 @@ the whole text for a plain prompt; text outside every region is template markup 
 4. **Candidates.** A text block of at least ``min_chunk_chars`` code points is a document, except
    the last text block (the question), unless a *question line* follows it (a metadata line keyed
    by one of :data:`QUESTION_KEYS`, with a value: ``Query: ...``), and the first text block unless
-   a label block directly precedes it (the system prompt, but ``[1] doc`` opening a prompt is a
-   document).
+   a label or metadata block directly precedes it (the system prompt, but ``[1] doc`` opening a
+   prompt is a document). A document's span starts at the metadata lines directly before it
+   (``file_path: /a.txt``: the same for the same document in every prompt, so reused with it);
+   markers (``[3]``, ``Document 3:``) stay outside, since their numbers change with the order.
 
 Every rule looks only at a line, its neighbours and its block, so a document between the same kind of
 structures yields the same block in every prompt. False cuts cost quality, never correctness: a
@@ -55,7 +58,7 @@ from typing import Literal, Optional, Sequence
 __all__ = ["Block", "BlockKind", "DOC_LABELS", "QUESTION_KEYS", "MAX_META_CHARS", "MAX_TITLE_CHARS", "find_blocks",
            "candidate_spans"]
 
-BlockKind = Literal["text", "label", "question", "markup"]
+BlockKind = Literal["text", "label", "meta", "question", "markup"]
 
 # Words that label a document at a line's start ("Document 2:", "Sources:", "Context: ...").
 DOC_LABELS = ("context", "contexts", "document", "documents", "doc", "docs", "source", "sources",
@@ -110,7 +113,7 @@ def _line_pieces(text: str, s: int, e: int) -> list[tuple[int, int, str]]:
     pieces: list[tuple[int, int, str]] = []
     marker = _MARKER.match(line)
     if marker is None and len(line) <= MAX_META_CHARS and _META.fullmatch(line):
-        return [(s, e, "question" if _QUESTION.fullmatch(line) else "label")]
+        return [(s, e, "question" if _QUESTION.fullmatch(line) else "meta")]
     lead = marker or _LEAD_TAGS.match(line)
     if lead is not None and lead.end() > 0:
         kind = "markup" if marker is None and _special_tag(lead.group()) else "label"
@@ -239,7 +242,10 @@ def candidate_spans(blocks: Sequence[Block], *, min_chunk_chars: int = 64) -> li
         b = blocks[i]
         if i == last or b.end - b.start < min_chunk_chars:
             continue
-        if i == first and not (i > 0 and blocks[i - 1].kind == "label"):
+        if i == first and not (i > 0 and blocks[i - 1].kind in ("label", "meta")):
             continue
-        spans.append((b.start, b.end))
+        start = i
+        while start > 0 and blocks[start - 1].kind == "meta":
+            start -= 1
+        spans.append((blocks[start].start, b.end))
     return spans

@@ -64,6 +64,8 @@ def test_every_framework_shape_yields_each_document(shape):
     want = [f"Title {i}\n{d}" for i, d in enumerate(DOCS)] if shape == "titled blocks" else DOCS
     if shape == "llamaindex":  # the template's instruction before its question line is one block more
         want = DOCS + ["Given the context information and not prior knowledge, answer the query."]
+    if shape == "metadata":  # a document's metadata lines belong to it (the same in every prompt)
+        want = [f"file_path: /data/{i}.txt\n\n{d}" for i, d in enumerate(DOCS)]
     assert chunks == want, (shape, chunks)
 
 

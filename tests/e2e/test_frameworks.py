@@ -15,6 +15,9 @@ tokens it reports (``usage.prompt_tokens_details.cached_tokens``) must be at lea
 :data:`MIN_SHARE` of the best possible: the documents' tokens plus the prompt's exact common
 prefix with the first call (what the radix cache can serve). The prompts each client sent are
 recorded from its HTTP client, so the bound is computed from what reached the server.
+
+``RELAXKV_FRAMEWORK_MODEL=smollm2-135m`` runs the same tests on another prepared model (an asset
+name of ``relaxkv_sglang.assets``; its server is started by the module, not prestarted).
 """
 
 from __future__ import annotations
@@ -45,10 +48,34 @@ def framework_config(model_path: str) -> ServerConfig:
 PRESTART_SERVERS = {"framework_server": start_server(framework_config)}
 
 
+OTHER_MODEL = os.environ.get("RELAXKV_FRAMEWORK_MODEL")  # an asset name (module doc); None: the tiny model
+
+
 @pytest.fixture(scope="module")
-def framework_server(tiny_model_path, prestart):
+def model_path(tiny_model_path) -> str:
+    from relaxkv_sglang import assets
+
+    return str(assets.model_path(OTHER_MODEL)) if OTHER_MODEL else tiny_model_path
+
+
+@pytest.fixture(scope="module")
+def framework_server(model_path, tiny_model_path, prestart):
+    if model_path != tiny_model_path:
+        srv = PRESTART_SERVERS["framework_server"](model_path)
+        try:
+            yield srv
+        finally:
+            srv.stop()
+        return
     with prestart.serving("framework_server", lambda: PRESTART_SERVERS["framework_server"](tiny_model_path)) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
 
 
 class Recorder:

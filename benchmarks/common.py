@@ -112,6 +112,16 @@ def warm_chunks(client: ServerClient, documents: Sequence[str], system: str) -> 
     client.generate(text, offsets, "pic", max_new_tokens=1)
 
 
+def calibration_line(calibration: dict | None) -> str:
+    """One line naming the server's repair calibration (``ServerClient.calibration``)."""
+    if calibration is None:
+        return "calibration unknown (a stock server, or one that does not report it)"
+    if calibration.get("file") is None:
+        return f"no calibration for {calibration.get('model')}: the default repair knobs"
+    knobs = ", ".join(f"{k}={v}" for k, v in sorted(calibration.get("knobs", {}).items()))
+    return f"calibration {calibration['file']} ({knobs or 'no knob differs from the defaults'})"
+
+
 def relaxkv_report(response: dict) -> dict:
     """The plugin's per-request report (``meta_info.relaxkv``) of a response; ``{}`` when there is none."""
     return response["meta_info"].get("relaxkv") or {}

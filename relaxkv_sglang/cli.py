@@ -5,6 +5,7 @@
     relaxkv-sglang serve --replicas N [--routing document|cache_aware|round_robin] [...]
                          [-- extra sglang args [-- extra smg args]]
     relaxkv-sglang serve ... [--host-cache-gb G] [--chunk-dir DIR] [--disk-cache-gb G]
+    relaxkv-sglang serve ... [--calibration FILE|none]
     relaxkv-sglang encode --url URL --input corpus.jsonl|corpus.txt [--separator SEP] [--batch-size N]
     relaxkv-sglang model smollm2-135m|tiny-llama|qwen2.5-0.5b|tiny-<family>
     relaxkv-sglang data hotpotqa|squad|essays
@@ -30,8 +31,11 @@ first ``--`` go to every replica's ``sglang.launch_server``, after a second ``--
 ``serve --host-cache-gb G --chunk-dir DIR --disk-cache-gb G`` adds the chunk store's lower tiers
 (a bounded host-memory tier and a bounded disk folder, :mod:`relaxkv_sglang.srt.tiers`); they
 reach the server as ``RELAXKV_HOST_CACHE_GB``, ``RELAXKV_CHUNK_DIR`` and ``RELAXKV_DISK_CACHE_GB``,
-the variables a raw ``launch_server`` reads. ``encode`` pre-encodes a corpus into a running
-server's chunk store (:mod:`relaxkv_sglang.encode`).
+the variables a raw ``launch_server`` reads. ``serve --calibration FILE`` serves the model with
+that repair calibration (``RELAXKV_CALIBRATION``, :mod:`relaxkv_sglang.core.calibration`; ``none``:
+the code defaults; without it the server uses the repository's calibration for the model, if
+any). ``encode`` pre-encodes a corpus into a running server's chunk store
+(:mod:`relaxkv_sglang.encode`).
 
 Every failure the user can fix ends in one line, ``relaxkv-sglang: error: ...``,
 and a non-zero exit.
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import signal
 import sys
 import time
@@ -72,6 +77,30 @@ def tier_env(args) -> dict[str, str]:
     elif getattr(args, "disk_cache_gb", None) is not None:
         raise ServerError("--disk-cache-gb needs --chunk-dir DIR")
     return env
+
+
+def calibration_env(args, model_path: str) -> dict[str, str]:
+    """``RELAXKV_CALIBRATION`` for ``--calibration FILE|none`` (nothing without it: the server then
+    finds the repository's calibration for the model itself). The file is read and matched against
+    the model folder here, so a wrong one stops before SGLang's minutes of startup."""
+    if args.calibration is None:
+        return {}
+    from relaxkv_sglang.core.calibration import CALIBRATION_ENV, NO_CALIBRATION, CalibrationError, calibration_for_model
+
+    if args.calibration.strip().lower() == NO_CALIBRATION:
+        return {CALIBRATION_ENV: NO_CALIBRATION}
+    path = os.path.abspath(args.calibration)
+    if pathlib.Path(model_path, "config.json").is_file():  # a hub name is checked by the server
+        try:
+            calibration_for_model(model_path, path)
+        except CalibrationError as exc:
+            raise ServerError(f"--calibration: {exc}") from None
+    return {CALIBRATION_ENV: path}
+
+
+def serve_env(args, model_path: str) -> dict[str, str]:
+    """The server's environment from ``serve``'s flags: the lower tiers and the calibration."""
+    return {**tier_env(args), **calibration_env(args, model_path)}
 
 
 def serve_policy(args) -> str:
@@ -133,10 +162,12 @@ def cmd_serve_replicas(args, extra: list[str]) -> int:
         sglang_extra, router_extra = extra[:cut], extra[cut + 1:]
     policy = serve_policy(args)
     routing = args.routing or "document"
+    model_path = str(assets.resolve_model(args.model))
     base = ServerConfig(
-        model_path=str(assets.resolve_model(args.model)), host=args.host, port=0,
+        model_path=model_path, host=args.host, port=0,
         max_total_tokens=args.max_total_tokens, device=args.device, relaxkv=not args.stock, policy=args.policy,
-        extra_args=sglang_extra, log_path=args.log, startup_timeout_s=args.startup_timeout, env=tier_env(args),
+        extra_args=sglang_extra, log_path=args.log, startup_timeout_s=args.startup_timeout,
+        env=serve_env(args, model_path),
     )
     router = RouterConfig(worker_urls=[], routing=routing, host=args.host, port=args.port,
                           model_path=base.model_path, extra_args=router_extra,
@@ -185,8 +216,9 @@ def cmd_serve(args, extra: list[str]) -> int:
     if "--" in extra:
         raise ServerError("gateway flags (after a second --) need --replicas N with N >= 2")
     policy = serve_policy(args)
+    model_path = str(assets.resolve_model(args.model))
     config = ServerConfig(
-        model_path=str(assets.resolve_model(args.model)),
+        model_path=model_path,
         host=args.host,
         port=args.port,
         max_total_tokens=args.max_total_tokens,
@@ -196,7 +228,7 @@ def cmd_serve(args, extra: list[str]) -> int:
         extra_args=extra,
         log_path=args.log,
         startup_timeout_s=args.startup_timeout,
-        env=tier_env(args),
+        env=serve_env(args, model_path),
     )
     server = SGLangServer(config)
     print(f"starting sglang on {config.host}:{config.port or '(free port)'} "
@@ -279,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chunk-dir", default=None,
                    help="disk tier folder: chunks are written here and served after a restart (may be shared)")
     s.add_argument("--disk-cache-gb", type=float, default=None, help="bound of --chunk-dir in GB (default 10)")
+    s.add_argument("--calibration", default=None, metavar="FILE|none",
+                   help="the repair knobs' calibration file for the model (RELAXKV_CALIBRATION; default: the "
+                        "repository's file for the model, if any; none: the code defaults)")
     s.set_defaults(func=cmd_serve)
 
     e = sub.add_parser("encode", help="pre-encode a corpus into a running server's chunk store")

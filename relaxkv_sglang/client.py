@@ -117,3 +117,9 @@ class ServerClient:
         """The plugin's counters from /get_server_info ({} on a stock server)."""
         info = self.session.get(self.url + "/get_server_info", timeout=60).json()
         return info["internal_states"][0].get("relaxkv", {})
+
+    def calibration(self) -> dict | None:
+        """The repair calibration the server runs with (``relaxkv.calibration`` of /get_server_info:
+        ``file``, ``model``, ``version``, ``knobs``; ``file`` None: the code defaults), or None from a
+        stock server or one from before calibrations."""
+        return self.relaxkv_state().get("calibration")

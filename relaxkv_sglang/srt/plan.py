@@ -29,7 +29,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Optional
 
 from relaxkv_sglang.core.policies import CHUNK_POLICIES, REPAIR_POLICIES
-from relaxkv_sglang.schema import ANCHOR_RATIO, BUDGET, CHUNKS, CONTEXT_RATIO, POLICY, RECORD_KEY, REPAIR_KNOBS
+from relaxkv_sglang.schema import CHUNKS, POLICY, RECORD_KEY, REPAIR_KNOBS
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -55,15 +55,16 @@ def chunk_tree_served(server_args: Any) -> bool:
 class RequestPlan:
     """policy: one of core.policies.SERVER_POLICIES; chunk_spans: token spans [start, end) in
     prompt order; namespace: the tenant key chunks are stored under; anchor_ratio,
-    context_ratio and budget: the repair knobs (defaults: the schema's, i.e. RepairConfig's;
-    a budget, when set, decides the two ratios)."""
+    context_ratio and budget: the repair knobs the request gave (None: not given, so the served
+    model's calibrated value or RepairConfig's default applies, ``repair.repair_config``; a
+    budget, when set, decides the two ratios)."""
 
     policy: str
     chunk_spans: tuple[tuple[int, int], ...]
     namespace: str | None
-    anchor_ratio: float = ANCHOR_RATIO.default
-    context_ratio: float = CONTEXT_RATIO.default
-    budget: float | None = BUDGET.default
+    anchor_ratio: float | None = None
+    context_ratio: float | None = None
+    budget: float | None = None
 
     @property
     def reuses_chunks(self) -> bool:
@@ -140,6 +141,6 @@ def _parsed_plan(req: Req) -> Optional[RequestPlan]:
         return None
     flat = list(params.get(CHUNKS.plan_key) or [])
     spans = tuple((int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2))
-    knobs = {f.config_attr: params.get(f.plan_key, f.default) for f in REPAIR_KNOBS}
+    knobs = {f.config_attr: params.get(f.plan_key) for f in REPAIR_KNOBS}
     knobs = {k: float(v) if v is not None else None for k, v in knobs.items()}
     return RequestPlan(str(params[POLICY.plan_key]), spans, request_namespace(req), **knobs)

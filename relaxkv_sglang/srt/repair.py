@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from relaxkv_sglang.core.repair_plan import AnchorPlan, RepairConfig, plan_anchors
+from relaxkv_sglang.srt.calibration import repair_base
 from relaxkv_sglang.srt.context import forward_context
 from relaxkv_sglang.srt.failures import InvariantError, served_as_pic
 from relaxkv_sglang.srt.layer_loop import LayerLoop, LoopRows
@@ -90,10 +91,12 @@ def repair_stage(cache: "ChunkCache", attn_backend: Any, setup: "ForwardSetup") 
     return RepairStage(cache, attn_backend, setup) if setup.targets else None
 
 
-def repair_config(r: "RequestRows") -> RepairConfig:
-    """The request's knobs (the rest are the defaults every executor shares)."""
+def repair_config(r: "RequestRows", base: RepairConfig) -> RepairConfig:
+    """The request's knobs: ``base`` (the served model's calibration, else the defaults,
+    :func:`~.calibration.repair_base`) with the ratios and budget the request gave."""
     plan = r.fold.plan
-    return RepairConfig(anchor_ratio=plan.anchor_ratio, context_ratio=plan.context_ratio, budget=plan.budget)
+    given = {"anchor_ratio": plan.anchor_ratio, "context_ratio": plan.context_ratio, "budget": plan.budget}
+    return dataclasses.replace(base, **{knob: value for knob, value in given.items() if value is not None})
 
 
 class RepairStage:
@@ -146,8 +149,9 @@ class RepairStage:
         self.cache.publish_chunks(f.plan.namespace, f.misses, f.req_pool_idx)
         scores = r.scores.stacked(n_layers) if r.scores is not None else None
         try:
+            config = repair_config(r, repair_base(self.cache))
             anchor_plan = plan_anchors(f.plan.policy, scores, list(f.plan.chunk_spans), f.plan.query_start, n_layers,
-                                       repair_config(r), self.attn_backend.repair_cost, input_ids=_token_ids(f.req))
+                                       config, self.attn_backend.repair_cost, input_ids=_token_ids(f.req))
             # the pass's bookkeeping lives on the host (layer_loop): the slots are read back once
             return RepairOutcome(repair_rows(f.window_end, anchor_plan, r.slots.cpu()))
         except InvariantError:

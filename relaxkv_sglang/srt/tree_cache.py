@@ -9,8 +9,9 @@ chunk tree, one memory account; its module doc lists its parts), built lazily
 flags, reads the model's RoPE, builds the pool's KV accessor (:class:`~.pool_kv.PoolKV`) and,
 when ``RELAXKV_HOST_CACHE_GB`` or ``RELAXKV_CHUNK_DIR`` is set, the lower tiers
 (:mod:`.tiers`, :mod:`relaxkv_sglang.core.tiers`), then runs the startup correctness gate
-(:mod:`.gate`) once on the loaded model; ``/get_server_info`` shows its verdict
-(``relaxkv.gate``). The scheduler's worker finds its cache through :func:`worker_cache` (the
+(:mod:`.gate`) once on the loaded model, and chooses the model's repair calibration
+(:mod:`.calibration`); ``/get_server_info`` shows the gate's verdict (``relaxkv.gate``) and the
+calibration (``relaxkv.calibration``). The scheduler's worker finds its cache through :func:`worker_cache` (the
 factory attaches it to ``TreeCacheBuildContext.tp_worker``), so no module holds a process-wide
 reference.
 
@@ -24,6 +25,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 from relaxkv_sglang.core.rope import UnsupportedRopeError, rope_spec_from_hf_config
+from relaxkv_sglang.srt.calibration import calibration_state, load_served_calibration
 from relaxkv_sglang.srt.chunk_metrics import ChunkMetrics
 from relaxkv_sglang.srt.gate import gate_state, run_startup_gate, serving_rope
 from relaxkv_sglang.srt.model_layers import family_line, supports_repair
@@ -99,6 +101,7 @@ def make_tree_cache(ctx: "TreeCacheBuildContext") -> Any:
     tiers = _build_tiers(ctx, pool_kv, hf_config)
     cache = build_cache_class()(ctx.params, pool_kv, metrics, tiers)
     setattr(ctx.tp_worker, _WORKER_ATTR, cache)
+    load_served_calibration(cache, server_args.model_path, hf_config, log=ctx.tp_rank == 0)
     # The correctness gate on the loaded model (srt/gate.py): a failure refuses chunk policies.
     gate = run_startup_gate(ctx.tp_worker, cache, int(ctx.model_config.context_len), tp_rank=ctx.tp_rank,
                             enable_metrics=bool(server_args.enable_metrics))
@@ -123,7 +126,8 @@ def around_get_internal_state(original: Any, scheduler: "Scheduler", recv_req: A
     output = original(scheduler, recv_req)
     cache = worker_cache(scheduler.tp_worker)
     if cache is not None:
-        state = dict(cache.stats(), kv_total_tokens=int(scheduler.max_total_num_tokens), gate=gate_state(cache))
+        state = dict(cache.stats(), kv_total_tokens=int(scheduler.max_total_num_tokens), gate=gate_state(cache),
+                     calibration=calibration_state(cache))
         output.internal_state["relaxkv"] = state
     return output
 

@@ -1,0 +1,179 @@
+"""Per-model repair calibrations: the file, its lookup by fingerprint, the server's use of it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import types
+
+import pytest
+
+from relaxkv_sglang.core.calibration import (CALIBRATION_ENV, FORMAT_VERSION, Calibration, CalibrationError,
+                                             base_config, calibration_for_model, changed_knobs, config_fingerprint,
+                                             find_calibration, load_calibration, save_calibration, served_calibration)
+from relaxkv_sglang.core.repair_plan import RepairConfig
+
+HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 128,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048, "rope_theta": 1e4}
+FINGERPRINT = config_fingerprint(HF_CONFIG)
+OTHER = config_fingerprint({**HF_CONFIG, "num_hidden_layers": 24})
+
+
+def _calibration(**knobs) -> Calibration:
+    return Calibration("tiny", FINGERPRINT, knobs or {"stale_shift_scale": 1.0, "layer_value": "uniform"},
+                       {"command": "python -m scripts.calibrate ..."})
+
+
+def _model_dir(tmp_path, config=HF_CONFIG):
+    folder = tmp_path / "model"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_fingerprint_keeps_the_shape_and_defaults_kv_heads():
+    assert FINGERPRINT == {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 128,
+                           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048}
+    no_kv = {k: v for k, v in HF_CONFIG.items() if k != "num_key_value_heads"}
+    assert config_fingerprint(no_kv)["num_key_value_heads"] == 4
+    nested = {"architectures": ["X"], "text_config": {k: v for k, v in HF_CONFIG.items() if k != "architectures"}}
+    assert config_fingerprint(nested) == {**FINGERPRINT, "architectures": ["X"]}
+
+
+def test_save_load_round_trip_and_base_config(tmp_path):
+    path = save_calibration(_calibration(), tmp_path / "tiny.json")
+    loaded = load_calibration(path)
+    assert loaded == _calibration() and loaded.path == str(path)
+    assert json.loads(path.read_text())["version"] == FORMAT_VERSION
+    config = loaded.base_config()
+    assert config.relaxkv.stale_shift_scale == 1.0 and config.relaxkv.layer_value == "uniform"
+    assert config.context_ratio == RepairConfig().context_ratio  # a knob not calibrated keeps its default
+    assert base_config(None) == RepairConfig()
+    assert "stale_shift_scale=1.0" in loaded.describe() and str(path) in loaded.describe()
+
+
+def test_changed_knobs_drops_the_defaults():
+    assert changed_knobs({"stale_shift_scale": 0.5, "layer_value": "uniform", "context_ratio": 0.5}) == \
+        {"layer_value": "uniform"}
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"version": 2}, "format version 2"),
+    ({"knobs": {"stale_shfit_scale": 1.0}}, "unknown repair knob 'stale_shfit_scale'"),
+    ({"knobs": {"anchor_ratio": 0.3}}, "per-request setting"),
+    ({"knobs": {"stale_shift_scale": "1.0"}}, "is not a float"),
+    ({"knobs": {"chunk_sink_tokens": 2.5}}, "is not a int"),
+    ({"knobs": {"stale_shift_scale": 2.0}}, "stale_shift_scale must be in [0, 1]"),
+    ({"fingerprint": {"architectures": ["X"]}}, "fingerprint must have exactly"),
+    ({"extra": 1}, "expected the fields"),
+])
+def test_a_bad_file_is_one_line_naming_it(tmp_path, change, message):
+    data = {**_calibration().to_json(), **change}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(CalibrationError) as info:
+        load_calibration(path)
+    assert message in str(info.value) and str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_lookup_by_fingerprint_override_and_none(tmp_path):
+    repo = tmp_path / "calibrations"
+    save_calibration(_calibration(), repo / "tiny.json")
+    save_calibration(Calibration("big", OTHER, {"context_ratio": 0.25}), repo / "big.json")
+    assert find_calibration(FINGERPRINT, repo).model == "tiny"
+    assert find_calibration(OTHER, repo).knobs == {"context_ratio": 0.25}
+    assert find_calibration(config_fingerprint({**HF_CONFIG, "vocab_size": 7}), repo) is None
+    model = _model_dir(tmp_path)
+    assert calibration_for_model(model, directory=repo).model == "tiny"  # found from the folder's config.json
+    assert calibration_for_model(model, "none", directory=repo) is None
+    assert served_calibration(HF_CONFIG, str(repo / "tiny.json"), repo).knobs["layer_value"] == "uniform"
+    with pytest.raises(CalibrationError, match="is for model big .* not the served model"):
+        served_calibration(HF_CONFIG, str(repo / "big.json"), repo)
+    save_calibration(Calibration("tiny-copy", FINGERPRINT, {}), repo / "tiny-copy.json")
+    with pytest.raises(CalibrationError, match="are for the same model"):
+        find_calibration(FINGERPRINT, repo)
+
+
+def test_the_repository_files_are_valid_and_distinct():
+    from relaxkv_sglang.core.calibration import CALIBRATION_DIR
+
+    found = {}
+    for path in sorted(CALIBRATION_DIR.glob("*.json")):
+        calibration = load_calibration(path)
+        assert path.stem == calibration.model
+        key = json.dumps(calibration.fingerprint, sort_keys=True)
+        assert key not in found, f"{path} and {found.get(key)} are for the same model"
+        found[key] = path
+
+
+# ------------------------------------------------------------------ the server
+
+
+def _rows(**ratios) -> types.SimpleNamespace:
+    from relaxkv_sglang.srt.plan import RequestPlan
+
+    return types.SimpleNamespace(fold=types.SimpleNamespace(plan=RequestPlan("relaxkv", ((2, 6),), None, **ratios)))
+
+
+def test_repair_config_starts_from_the_calibrated_base_and_the_request_overrides():
+    from relaxkv_sglang.srt.repair import repair_config
+
+    base = RepairConfig.from_knobs(context_ratio=0.25, stale_shift_scale=1.0, layer_value="uniform")
+    config = repair_config(_rows(), base)
+    assert config.context_ratio == 0.25 and config.relaxkv.stale_shift_scale == 1.0
+    assert config.anchor_ratio == RepairConfig().anchor_ratio and config.budget is None
+    config = repair_config(_rows(anchor_ratio=0.3, context_ratio=0.75, budget=0.2), base)
+    assert (config.anchor_ratio, config.context_ratio, config.budget) == (0.3, 0.75, 0.2)
+    assert config.relaxkv.layer_value == "uniform"  # what a request cannot set stays calibrated
+    assert repair_config(_rows(), RepairConfig()) == RepairConfig()
+
+
+def test_the_server_loads_logs_and_shows_its_calibration(tmp_path, monkeypatch, caplog):
+    from relaxkv_sglang.srt.calibration import calibration_state, load_served_calibration, repair_base
+
+    cache = types.SimpleNamespace()
+    assert repair_base(cache) == RepairConfig() and calibration_state(cache) is None
+    monkeypatch.delenv(CALIBRATION_ENV, raising=False)
+    with caplog.at_level(logging.INFO, logger="relaxkv_sglang.srt.calibration"):
+        load_served_calibration(cache, "/models/tiny-llama/", HF_CONFIG)
+    assert "relaxkv: no calibration for tiny-llama; repair knobs are the defaults (tuned on SmolLM2-135M)" in caplog.text
+    assert calibration_state(cache)["file"] is None and calibration_state(cache)["knobs"] == {}
+
+    path = save_calibration(_calibration(context_ratio=0.25), tmp_path / "tiny.json")
+    monkeypatch.setenv(CALIBRATION_ENV, str(path))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="relaxkv_sglang.srt.calibration"):
+        load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG)
+    assert f"relaxkv: calibration {path} (knobs: context_ratio=0.25)" in caplog.text
+    assert repair_base(cache).context_ratio == 0.25
+    assert calibration_state(cache) == {"file": str(path), "model": "tiny-llama", "version": FORMAT_VERSION,
+                                        "knobs": {"context_ratio": 0.25}}
+
+    monkeypatch.setenv(CALIBRATION_ENV, str(path))
+    with pytest.raises(SystemExit, match="relaxkv-sglang: calibration .* is for model tiny"):
+        load_served_calibration(cache, "/models/big", {**HF_CONFIG, "num_hidden_layers": 24})
+
+
+def test_serve_checks_the_calibration_before_starting(tmp_path):
+    from relaxkv_sglang.cli import calibration_env
+    from relaxkv_sglang.server import ServerError
+
+    model = _model_dir(tmp_path)
+    path = save_calibration(_calibration(), tmp_path / "tiny.json")
+    assert calibration_env(types.SimpleNamespace(calibration=str(path)), str(model)) == {CALIBRATION_ENV: str(path)}
+    assert calibration_env(types.SimpleNamespace(calibration="none"), str(model)) == {CALIBRATION_ENV: "none"}
+    assert calibration_env(types.SimpleNamespace(calibration=None), str(model)) == {}
+    (tmp_path / "other").mkdir()
+    other = _model_dir(tmp_path / "other", {**HF_CONFIG, "vocab_size": 9})
+    with pytest.raises(ServerError, match="--calibration: calibration .* not the served model"):
+        calibration_env(types.SimpleNamespace(calibration=str(path)), str(other))
+
+
+def test_bench_line_names_the_calibration():
+    from benchmarks.common import calibration_line
+
+    assert calibration_line(None).startswith("calibration unknown")
+    assert calibration_line({"file": None, "model": "m", "knobs": {}}) == \
+        "no calibration for m: the default repair knobs"
+    assert calibration_line({"file": "/c/m.json", "model": "m", "knobs": {"context_ratio": 0.25}}) == \
+        "calibration /c/m.json (context_ratio=0.25)"

@@ -49,6 +49,8 @@ anchor ratios, context ratio, ``--versus`` and ``--kl-only``; an example in two 
 
 Result JSON (beside the benchmark's name, machine and arguments):
 
+* ``calibration``: the repair calibration the server ran with (``ServerClient.calibration``:
+  ``file`` null for the code defaults; null from a stock server);
 * ``split``: ``{"name", "offset", "seed"}`` actually used; ``formats``;
   ``versus``; ``kl_only``; ``tasks``: per task its example count, scorer, ids;
 * ``per_example``: one row per (example, format, policy, anchor ratio) with
@@ -94,6 +96,7 @@ import math
 import pathlib
 import random
 import statistics
+import sys
 from typing import Iterable
 
 import numpy as np
@@ -238,13 +241,18 @@ def run(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     rows: list[dict] = []
     with common.bench_client(args, BENCH) as client:
+        calibration = client.calibration()  # the server's repair knobs; its context ratio unless given
+        print(f"{BENCH}: {common.calibration_line(calibration)}", file=sys.stderr, flush=True)
+        if args.context_ratio is None:
+            args.context_ratio = (calibration or {}).get("knobs", {}).get("context_ratio", CONTEXT_RATIO.default)
         for task, exs in examples.items():
             for example in tqdm(exs, desc=f"{BENCH} {task}", unit="example"):
                 for fmt in args.formats:
                     rows += answer_example(client, example, fmt, cfgs, args, rng)
     tasks = {t: {"examples": len(exs), "scorer": exs[0].scorer, "example_ids": [e.example_id for e in exs]}
              for t, exs in examples.items()}
-    return result_of(rows, {"name": args.split, "offset": args.offset, "seed": args.seed}, tasks, args)
+    split = {"name": args.split, "offset": args.offset, "seed": args.seed}
+    return {**result_of(rows, split, tasks, args), "calibration": calibration}
 
 
 def result_of(rows: list[dict], split: dict, tasks: dict, args: argparse.Namespace) -> dict:
@@ -287,6 +295,8 @@ def merge(paths: list[str], args: argparse.Namespace) -> dict:
             raise RuntimeError(f"--merge {path}: not a {BENCH} result file")
     first = parts[0]["args"]
     for path, part in zip(paths[1:], parts[1:]):
+        if part.get("calibration") != parts[0].get("calibration"):
+            raise RuntimeError(f"--merge {path}: the server's calibration differs from {paths[0]}'s")
         for key in MERGE_AGREE:
             if _setting(part["args"], key) != _setting(first, key):
                 raise RuntimeError(f"--merge {path}: {key} {_setting(part['args'], key)!r} differs from "
@@ -304,7 +314,7 @@ def merge(paths: list[str], args: argparse.Namespace) -> dict:
         setattr(args, key, _setting(first, key))
     rows = [row for part in parts for row in part["per_example"]]
     split = {**parts[0]["split"], "parts": [{**part["split"], "file": path} for path, part in zip(paths, parts)]}
-    return result_of(rows, split, tasks, args)
+    return {**result_of(rows, split, tasks, args), "calibration": parts[0].get("calibration")}
 
 
 # ------------------------------------------------------------------ summaries
@@ -527,7 +537,8 @@ def print_table(result: dict, args: argparse.Namespace) -> None:
     """The summaries as plain-text tables, one per (format, task), then the paired comparisons."""
     split = result["split"]
     print(f"\nsplit {split['name']} (HotpotQA dev from {split['offset']}, synthetic seed {split['seed']}); "
-          f"model {args.model}; relaxkv context ratio {args.context_ratio}"
+          f"model {args.model}; relaxkv context ratio {args.context_ratio}; "
+          f"{common.calibration_line(result.get('calibration'))}"
           + ("; --kl-only: one answer token, so score, F1 and exact are not measured (-)" if result["kl_only"]
              else ""))
     for fmt, task in blocks(result["formats"], list(result["tasks"])):
@@ -662,8 +673,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--versus", default="prophetkv", choices=[p for p in POLICIES if p != "full"],
                         help="the policy every other one is compared with, example by example (default prophetkv)")
     parser.add_argument("--anchor-ratios", type=float, nargs="+", default=[0.05, 0.15, 0.30])
-    parser.add_argument("--context-ratio", type=float, default=CONTEXT_RATIO.default,
-                        help=f"relaxkv's context ratio (default: the server's, {CONTEXT_RATIO.default})")
+    parser.add_argument("--context-ratio", type=float, default=None,
+                        help="relaxkv's context ratio (default: the server's, i.e. its calibration's for the "
+                             f"model, else {CONTEXT_RATIO.default})")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="answer length (default: each task's own: 16 for QA, 40 needle, 32 variable tracking)")
     parser.add_argument("--kl-only", action="store_true",

@@ -377,6 +377,12 @@ def test_merging_parts_gives_the_whole_runs_figures(tmp_path, capsys):
     (tmp_path / "d.json").write_text(json.dumps(other))
     bench_quality.main(["--merge", a, str(tmp_path / "d.json"), "--output", str(tmp_path / "ok.json")])
     assert json.loads((tmp_path / "ok.json").read_text())["args"]["documents"] == 10
+    # parts run against servers with different calibrations are not one run
+    other["calibration"] = {"file": "/c/m.json", "model": "m", "version": 1, "knobs": {"context_ratio": 0.25}}
+    (tmp_path / "e.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit):
+        bench_quality.main(["--merge", a, str(tmp_path / "e.json"), "--output", str(tmp_path / "bad.json")])
+    assert "calibration differs" in capsys.readouterr().err
 
 
 def _timed(fmt, eid, policy, ratio, ttft, kl):

@@ -19,22 +19,30 @@ A variant is ``NAME=POLICY[,knob=value...]`` with repair knobs by their flat nam
 Prints, per format and pooled, each variant's mean KL (over the full vocabulary), top-1 agreement
 with ``full``, mean attended KV pairs, and its paired difference to ``--versus`` (95% bootstrap CI
 over the (example, format) pairs, which the pooled row resamples alike; wins/ties/losses).
+
+Variants start from the model's repair calibration (``core/calibration.py``: the repository's file
+for the model, or ``--calibration FILE``; ``--calibration none``: the code defaults): a variant's
+knobs override the calibrated ones. The calibration used is printed and written to the JSON.
+``scripts/calibrate.py`` runs on the same cases (:func:`reference_cases`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import statistics
 import sys
 import time
+from typing import Any, Iterator, Optional
 
 import torch
 
 from benchmarks import metrics, workloads
 from relaxkv_sglang import assets
-from relaxkv_sglang.core.reference import from_hf_state_dict, reference_prefill, stale_context
+from relaxkv_sglang.core.calibration import Calibration, CalibrationError, calibration_for_model
+from relaxkv_sglang.core.reference import StaleContext, from_hf_state_dict, reference_prefill, stale_context
 from relaxkv_sglang.core.repair_plan import RepairConfig, knob_defaults
 
 
@@ -50,11 +58,11 @@ def parse_variant(text: str) -> tuple[str, str, dict]:
         key, _, value = knob.partition("=")
         if key not in defaults:
             raise argparse.ArgumentTypeError(f"variant {name}: unknown knob {key!r}; the knobs are {', '.join(defaults)}")
-        overrides[key] = _knob_value(defaults[key], value)
+        overrides[key] = parse_knob_value(defaults[key], value)
     return name, policy, overrides
 
 
-def _knob_value(default, value: str):
+def parse_knob_value(default, value: str):
     """``value`` parsed as the type of the knob's default (None defaults are optional floats)."""
     if isinstance(default, bool):
         return value.lower() in ("1", "true", "yes")
@@ -88,34 +96,96 @@ def kl_full_vocab(full: torch.Tensor, other: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum())
 
 
-def run(args: argparse.Namespace) -> list[dict]:
-    """One row per (example, format): every variant's KL, top-1 agreement and attended pairs."""
+@dataclasses.dataclass
+class ReferenceCase:
+    """One (example, format) on the torch reference: its tokens, full prefill's last logits and the
+    stale state every repair variant starts from (computed once).
+
+    Attributes:
+        task, example_id, fmt: which example in which prompt format.
+        ids: int64 [n] the prompt; spans: the chunks' token spans; query_start: the query's first token.
+        full: float [vocab] full prefill's last logits; stale: the stale KV and the query pass over it.
+    """
+
+    task: str
+    example_id: str
+    fmt: str
+    ids: torch.Tensor
+    spans: list
+    query_start: int
+    full: torch.Tensor
+    stale: StaleContext
+
+    def repaired(self, weights: Any, policy: str, config: RepairConfig) -> Any:
+        """The reference's result of ``policy`` with ``config`` on this case (``reference.Result``)."""
+        return reference_prefill(weights, self.ids, self.spans, self.query_start, policy, config, stale=self.stale)
+
+
+def load_reference(model: str) -> tuple[Any, Any, pathlib.Path]:
+    """(reference weights, tokenizer, model folder) of ``model`` (a prepared model's name or a folder)."""
     from transformers import AutoModelForCausalLM
 
-    path = assets.model_path(args.model)
+    path = assets.resolve_model(model)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    weights = from_hf_state_dict(hf.state_dict(), hf.config.to_dict())
-    tokenizer = assets.load_tokenizer(path)
-    rows = []
-    for task in args.tasks:
-        for example in workloads.task_examples(task, args.examples, seed=args.seed, offset=args.offset):
-            for fmt in args.formats:
-                started = time.perf_counter()
+    return from_hf_state_dict(hf.state_dict(), hf.config.to_dict()), assets.load_tokenizer(path), path
+
+
+def reference_cases(weights: Any, tokenizer: Any, tasks: list[str], formats: list[str], examples: int, *,
+                    seed: int, offset: int) -> Iterator[ReferenceCase]:
+    """Every (example, format) of ``tasks`` (``examples`` each, from ``offset``/``seed``), with its
+    full logits and stale state."""
+    for task in tasks:
+        for example in workloads.task_examples(task, examples, seed=seed, offset=offset):
+            for fmt in formats:
                 ids, spans, q0 = request_tokens(tokenizer, example, fmt)
                 full = reference_prefill(weights, ids, spans, q0, "full").last_logits
-                stale = stale_context(weights, ids, spans, q0)
-                row = {"task": task, "example_id": example.example_id, "format": fmt, "tokens": int(ids.numel()),
-                       "variants": {"pic": {"kl": kl_full_vocab(full, stale.pic_logits), "pairs": 0,
-                                            "top1": int(stale.pic_logits.argmax() == full.argmax())}}}
-                for name, policy, overrides in args.variant:
-                    config = RepairConfig.from_knobs(**{"anchor_ratio": args.anchor_ratio, **overrides})
-                    res = reference_prefill(weights, ids, spans, q0, policy, config, stale=stale)
-                    row["variants"][name] = {"kl": kl_full_vocab(full, res.last_logits),
-                                             "top1": int(res.last_logits.argmax() == full.argmax()),
-                                             "pairs": res.report.repair_kv_pairs}
-                rows.append(row)
-                print(f"{task} {fmt} {example.example_id[:12]} {row['tokens']} tok {time.perf_counter() - started:.0f}s "
-                      + " ".join(f"{n}={v['kl']:.3f}" for n, v in row["variants"].items()), file=sys.stderr, flush=True)
+                yield ReferenceCase(task, example.example_id, fmt, ids, spans, q0, full,
+                                    stale_context(weights, ids, spans, q0))
+
+
+def dev_split_error(offset: int, seed: int, examples: int) -> Optional[str]:
+    """Why a run of ``examples`` from ``offset``/``seed`` leaves the development split, or None.
+    Tuning tools run on the development split only (``workloads.QUALITY_SPLITS``)."""
+    dev = workloads.QUALITY_SPLITS["dev"]
+    if not (dev["hotpotqa"][0] <= offset and offset + examples <= dev["hotpotqa"][1]):
+        return f"HotpotQA examples {offset}-{offset + examples - 1} leave the development split {dev['hotpotqa']}"
+    if not (dev["seeds"][0] <= seed and seed + examples <= dev["seeds"][1]):
+        return f"seeds {seed}-{seed + examples - 1} leave the development split {dev['seeds']}"
+    return None
+
+
+def model_calibration(model_dir: pathlib.Path, override: Optional[str]) -> Optional[Calibration]:
+    """The calibration a tool starts from: ``override`` (a file, or ``none``), else the repository's
+    for the model; SystemExit with one line for an unusable one."""
+    try:
+        return calibration_for_model(model_dir, override)
+    except CalibrationError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """One row per (example, format): every variant's KL, top-1 agreement and attended pairs."""
+    weights, tokenizer, _ = load_reference(args.model)
+    calibrated = args.calibration_used.knobs if args.calibration_used is not None else {}
+    rows = []
+    started = time.perf_counter()
+    for case in reference_cases(weights, tokenizer, args.tasks, args.formats, args.examples, seed=args.seed,
+                                offset=args.offset):
+        pic = case.stale.pic_logits
+        row = {"task": case.task, "example_id": case.example_id, "format": case.fmt, "tokens": int(case.ids.numel()),
+               "variants": {"pic": {"kl": kl_full_vocab(case.full, pic), "pairs": 0,
+                                    "top1": int(pic.argmax() == case.full.argmax())}}}
+        for name, policy, overrides in args.variant:
+            config = RepairConfig.from_knobs(**{**calibrated, "anchor_ratio": args.anchor_ratio, **overrides})
+            res = case.repaired(weights, policy, config)
+            row["variants"][name] = {"kl": kl_full_vocab(case.full, res.last_logits),
+                                     "top1": int(res.last_logits.argmax() == case.full.argmax()),
+                                     "pairs": res.report.repair_kv_pairs}
+        rows.append(row)
+        print(f"{case.task} {case.fmt} {case.example_id[:12]} {row['tokens']} tok "
+              f"{time.perf_counter() - started:.0f}s " + " ".join(f"{n}={v['kl']:.3f}" for n, v in row["variants"].items()),
+              file=sys.stderr, flush=True)
+        started = time.perf_counter()
     return rows
 
 
@@ -138,7 +208,9 @@ def summarize(rows: list[dict], versus: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     """``python scripts/ablate_repair.py``: run the variants, print the paired table, write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default="smollm2-135m", help="a prepared model's name or a model folder")
+    parser.add_argument("--calibration", default=None, metavar="FILE|none",
+                        help="the calibration the variants start from (default: the repository's for the model)")
     parser.add_argument("--tasks", nargs="+", default=list(workloads.QUALITY_TASKS), choices=workloads.QUALITY_TASKS)
     parser.add_argument("--formats", nargs="+", default=["plain"], choices=workloads.PROMPT_FORMATS)
     parser.add_argument("--examples", type=int, default=3, help="examples per task")
@@ -150,11 +222,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--versus", default="pic", help="the variant the paired differences are taken against")
     parser.add_argument("--output", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
-    dev = workloads.QUALITY_SPLITS["dev"]
-    if args.offset + args.examples > dev["hotpotqa"][1] or args.seed >= dev["seeds"][1]:
-        parser.error("scripts/ablate_repair.py tunes: it runs on the development split only")
+    outside = dev_split_error(args.offset, args.seed, args.examples)
+    if outside:
+        parser.error(f"scripts/ablate_repair.py tunes: it runs on the development split only ({outside})")
     if args.versus not in ["pic", *(v[0] for v in args.variant)]:
         parser.error(f"--versus {args.versus!r} is not a variant")
+    args.calibration_used = model_calibration(assets.resolve_model(args.model), args.calibration)
+    print(f"calibration: {args.calibration_used.describe() if args.calibration_used else 'none (the defaults)'}",
+          file=sys.stderr, flush=True)
     rows = run(args)
     summary = summarize(rows, args.versus)
     print(f"\n{'format':<9}{'variant':<16}{'n':>4}{'KL':>8}{'top-1':>7}{'pairs':>11}   vs {args.versus}: diff [95% CI] W/T/L")
@@ -164,7 +239,10 @@ def main(argv: list[str] | None = None) -> None:
               f"   {s['diff']:+.4f} [{lo:+.4f}, {hi:+.4f}] {'/'.join(map(str, s['wtl']))}")
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"args": {k: v for k, v in vars(args).items() if k != "output"}, "summary": summary, "rows": rows}
+        calibration = args.calibration_used.to_json() | {"file": args.calibration_used.path} \
+            if args.calibration_used else None
+        payload = {"args": {k: v for k, v in vars(args).items() if k not in ("output", "calibration_used")},
+                   "calibration": calibration, "summary": summary, "rows": rows}
         args.output.write_text(json.dumps(payload, indent=1, default=str))
         print(f"written to {args.output}")
 

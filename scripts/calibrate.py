@@ -1,0 +1,178 @@
+"""Calibrate a model's repair knobs on its development split and write its calibration file.
+
+Coordinate descent on the torch reference (``scripts/ablate_repair.py``'s cases: the prompt split as
+the server splits it, full prefill's last logits and the stale state computed once per (example,
+format)). Starting from the code defaults, each ``--knob`` in turn tries its candidate values in
+order, at ``--anchor-ratio`` under ``--policy``, each measured as the first-token KL to full
+prefill over the whole vocabulary. A candidate replaces the current value only when its paired
+mean KL difference against the current best is below 0 and the 95% paired bootstrap interval
+(``benchmarks.metrics.paired_bootstrap_ci``, the (example, format) pairs resampled) excludes 0;
+otherwise the current value stays. With fewer than two pairs nothing is kept (an interval of one
+pair says nothing). ``--rounds N`` repeats the pass over the knobs until a pass keeps nothing.
+
+    python -m scripts.calibrate --model qwen2.5-0.5b --examples 3 --formats plain document chat \\
+        --knob stale_shift_scale=0.25,0.5,1.0 --knob layer_value=ramp,uniform
+
+Writes ``relaxkv_sglang/calibrations/<model>.json`` (or ``--output``): the knobs whose chosen value
+differs from the code default, the model's fingerprint, and the evidence (the command, the
+development ranges, per knob and candidate: mean KL, paired difference, its interval, W/T/L,
+kept or not; date, git commit). Prints the same as a table. Development split only: a range
+that leaves it is refused, as ``ablate_repair.py`` refuses it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import pathlib
+import statistics
+import subprocess
+import sys
+from typing import Any
+
+from benchmarks import metrics, workloads
+from relaxkv_sglang.core.calibration import (PER_REQUEST_KNOBS, Calibration, calibration_path, changed_knobs,
+                                             model_fingerprint, save_calibration)
+from relaxkv_sglang.core.repair_plan import RepairConfig, knob_defaults
+from scripts.ablate_repair import (ReferenceCase, dev_split_error, kl_full_vocab, load_reference, parse_knob_value,
+                                   reference_cases)
+
+MIN_PAIRS = 2  # a bootstrap interval of one pair is that pair: no evidence
+
+
+def parse_knob(text: str) -> tuple[str, list]:
+    """``NAME=V1,V2,...`` -> (knob, candidate values typed as its default)."""
+    name, _, values = text.partition("=")
+    defaults = knob_defaults()
+    if name not in defaults:
+        raise argparse.ArgumentTypeError(f"unknown knob {name!r}; the knobs are {', '.join(defaults)}")
+    if name in PER_REQUEST_KNOBS:
+        raise argparse.ArgumentTypeError(f"{name} is a per-request setting, not calibrated")
+    candidates = [parse_knob_value(defaults[name], v) for v in values.split(",") if v]
+    if not candidates:
+        raise argparse.ArgumentTypeError(f"knob {name}: expected {name}=V1,V2,...")
+    try:
+        for value in candidates:
+            RepairConfig.from_knobs(**{name: value})
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"knob {name}: {exc}") from None
+    return name, candidates
+
+
+class KLTable:
+    """First-token KL to full of each knob setting on every case, each setting run once."""
+
+    def __init__(self, weights: Any, cases: list[ReferenceCase], policy: str, anchor_ratio: float) -> None:
+        self.weights, self.cases, self.policy, self.anchor_ratio = weights, cases, policy, anchor_ratio
+        self._done: dict[tuple, list[float]] = {}
+
+    def kl(self, knobs: dict[str, Any]) -> list[float]:
+        """float per case: KL(full || the repair with ``knobs`` over the defaults)."""
+        key = tuple(sorted(knobs.items()))
+        if key not in self._done:
+            config = RepairConfig.from_knobs(**{**knobs, "anchor_ratio": self.anchor_ratio})
+            self._done[key] = [kl_full_vocab(c.full, c.repaired(self.weights, self.policy, config).last_logits)
+                               for c in self.cases]
+        return self._done[key]
+
+
+def descend(table: KLTable, knobs: list[tuple[str, list]], rounds: int) -> tuple[dict[str, Any], list[dict]]:
+    """Coordinate descent (module doc): (the chosen knobs, one step per knob and round with every
+    candidate's evidence)."""
+    defaults = knob_defaults()
+    best: dict[str, Any] = {}
+    steps = []
+    for round_ in range(1, rounds + 1):
+        kept_any = False
+        for name, candidates in knobs:
+            best_kl = table.kl(best)
+            step = {"round": round_, "knob": name, "start": best.get(name, defaults[name]), "candidates": []}
+            for value in candidates:
+                current = best.get(name, defaults[name])
+                if value == current:
+                    step["candidates"].append({"value": value, "versus": current, "kl": statistics.mean(best_kl),
+                                               "diff": 0.0, "diff_ci95": None, "wtl": None, "kept": False})
+                    continue
+                kl = table.kl({**best, name: value})
+                ci = metrics.paired_bootstrap_ci(kl, best_kl)
+                diff = statistics.mean(a - b for a, b in zip(kl, best_kl))
+                kept = len(kl) >= MIN_PAIRS and diff < 0 and ci is not None and ci[1] < 0
+                step["candidates"].append({"value": value, "versus": current, "kl": statistics.mean(kl), "diff": diff,
+                                           "diff_ci95": ci, "wtl": metrics.win_counts(kl, best_kl), "kept": kept})
+                if kept:
+                    best, best_kl, kept_any = {**best, name: value}, kl, True
+            step["chosen"] = best.get(name, defaults[name])
+            steps.append(step)
+        if not kept_any:
+            break
+    return best, steps
+
+
+def git_commit() -> str | None:
+    """The checkout's commit (None outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30,
+                             cwd=pathlib.Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def print_steps(steps: list[dict], n_pairs: int) -> None:
+    """The evidence as a table: per knob, every candidate against the best at its turn."""
+    print(f"\n{'round':<6}{'knob':<20}{'value':>10}{'vs':>10}{'KL':>9}{'diff':>9}  {'95% CI':<20}{'W/T/L':<9}kept"
+          f"   ({n_pairs} (example, format) pairs)")
+    for step in steps:
+        for c in step["candidates"]:
+            ci = "-" if c["diff_ci95"] is None else f"[{c['diff_ci95'][0]:+.4f}, {c['diff_ci95'][1]:+.4f}]"
+            wtl = "-" if c["wtl"] is None else "/".join(map(str, c["wtl"]))
+            print(f"{step['round']:<6}{step['knob']:<20}{str(c['value']):>10}{str(c['versus']):>10}{c['kl']:>9.4f}"
+                  f"{c['diff']:>+9.4f}  {ci:<20}{wtl:<9}{'yes' if c['kept'] else 'no'}")
+
+
+def main(argv: list[str] | None = None) -> Calibration:
+    """``python -m scripts.calibrate``: measure, print the table, write the calibration file."""
+    parser = argparse.ArgumentParser(prog="python -m scripts.calibrate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", help="a prepared model's name or a model folder")
+    parser.add_argument("--knob", type=parse_knob, action="append", required=True, metavar="NAME=V1,V2,...",
+                        help="a knob and its candidate values, tried in order (repeatable; the knobs in order)")
+    parser.add_argument("--tasks", nargs="+", default=list(workloads.QUALITY_TASKS), choices=workloads.QUALITY_TASKS)
+    parser.add_argument("--formats", nargs="+", default=["plain"], choices=workloads.PROMPT_FORMATS)
+    parser.add_argument("--examples", type=int, default=3, help="examples per task")
+    parser.add_argument("--offset", type=int, default=0, help="first HotpotQA dev example (dev split: < 3000)")
+    parser.add_argument("--seed", type=int, default=0, help="synthetic tasks' first seed (dev split: < 1000)")
+    parser.add_argument("--anchor-ratio", type=float, default=RepairConfig().anchor_ratio)
+    parser.add_argument("--policy", default="relaxkv", help="the repair policy calibrated (default relaxkv)")
+    parser.add_argument("--rounds", type=int, default=1, help="passes over the knobs (stops early when one keeps nothing)")
+    parser.add_argument("--output", type=pathlib.Path, default=None,
+                        help="the calibration file (default: relaxkv_sglang/calibrations/<model>.json)")
+    args = parser.parse_args(argv)
+    outside = dev_split_error(args.offset, args.seed, args.examples)
+    if outside:
+        parser.error(f"calibration runs on the development split only ({outside})")
+    weights, tokenizer, model_dir = load_reference(args.model)
+    model = model_dir.name
+    cases = list(reference_cases(weights, tokenizer, args.tasks, args.formats, args.examples, seed=args.seed,
+                                 offset=args.offset))
+    best, steps = descend(KLTable(weights, cases, args.policy, args.anchor_ratio), args.knob, args.rounds)
+    print_steps(steps, len(cases))
+    evidence = {
+        "command": "python -m scripts.calibrate " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(), "split": "dev", "policy": args.policy, "anchor_ratio": args.anchor_ratio,
+        "tasks": args.tasks, "formats": args.formats, "examples": args.examples, "pairs": len(cases),
+        "hotpotqa_examples": [args.offset, args.offset + args.examples - 1],
+        "synthetic_seeds": [args.seed, args.seed + args.examples - 1],
+        "rule": "kept when the paired mean KL difference to the current best is < 0 and its 95% bootstrap CI "
+                f"excludes 0 ({MIN_PAIRS}+ pairs)",
+        "steps": steps,
+    }
+    calibration = Calibration(model, model_fingerprint(model_dir), changed_knobs(best), evidence)
+    path = save_calibration(calibration, args.output or calibration_path(model))
+    print(f"\ncalibration of {model}: {calibration.describe()}\nwritten to {path}")
+    return calibration
+
+
+if __name__ == "__main__":
+    main()

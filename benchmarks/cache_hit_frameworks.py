@@ -36,7 +36,6 @@ import argparse
 import os
 import statistics
 import time
-import zlib
 from typing import Callable
 
 from tqdm import tqdm
@@ -44,11 +43,10 @@ from tqdm import tqdm
 from benchmarks import common, metrics, tables
 from benchmarks.replay import (ReplayError, TraceRequest, document_tokens, make_trace, replay_in_order,
                                trace_workload, trace_words)
+# LangChain's tutorial instruction, a LlamaIndex node's file path and the OpenAI-SDK document listing, shared
+# with the quality benchmark's langchain, llamaindex and numbered prompt formats.
+from benchmarks.workloads import LANGCHAIN_SYSTEM, llamaindex_file_path, numbered_parts
 
-# The instruction of LangChain's RAG tutorial (its system message before ``{context}``).
-LANGCHAIN_SYSTEM = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context "
-                    "to answer the question. If you don't know the answer, say that you don't know. Use three "
-                    "sentences maximum and keep the answer concise.")
 DONE_WITHIN_POINTS = 5.0  # issue 33: every framework shape within 5 points of the content-parts hit rate
 
 
@@ -67,11 +65,6 @@ def langchain_chat(req: TraceRequest) -> tuple[str, dict]:
     docs = [Document(page_content=d) for d in req.documents]
     messages = prompt.format_messages(context="\n\n".join(d.page_content for d in docs), input=question_of(req))
     return "chat", {"messages": [_convert_message_to_dict(m) for m in messages]}
-
-
-def llamaindex_file_path(doc: str) -> str:
-    """The ``file_path`` metadata a ``SimpleDirectoryReader`` node of ``doc`` carries (stable per document)."""
-    return f"/data/docs/{zlib.crc32(doc.encode()):08x}.txt"
 
 
 def llamaindex_context(req: TraceRequest) -> str:
@@ -101,9 +94,8 @@ def llamaindex_completion(req: TraceRequest) -> tuple[str, dict]:
 
 def openai_sdk(req: TraceRequest) -> tuple[str, dict]:
     """The OpenAI SDK: the system prompt, then one user string with the documents as a ``[n]`` list and the question."""
-    listing = "\n".join(f"[{i + 1}] {d}" for i, d in enumerate(req.documents))
-    return "chat", {"messages": [{"role": "system", "content": req.system},
-                                 {"role": "user", "content": f"Documents:\n{listing}\n\nQuestion: {question_of(req)}"}]}
+    user = "".join(text for text, _ in numbered_parts(req.documents, f"Question: {question_of(req)}"))
+    return "chat", {"messages": [{"role": "system", "content": req.system}, {"role": "user", "content": user}]}
 
 
 def content_parts(req: TraceRequest) -> tuple[str, dict]:

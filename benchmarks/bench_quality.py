@@ -4,10 +4,22 @@ Tasks (``benchmarks.workloads``, 10 documents as chunks, ~1.5K tokens each):
 HotpotQA dev (its 10 paragraphs), multi-document SQuAD (the gold paragraph
 among 9 from other articles), and RULER-style multi-value needle and variable
 tracking in essay text (seeded). Every example is asked in every prompt format
-of ``--formats`` (:data:`benchmarks.workloads.PROMPT_FORMATS`: ``plain``,
-``Title: text`` documents between blank lines; ``document``, each document a
-``Document: <title>`` line then its text; ``chat``, the ChatML template (SmolLM2-Instruct's and
-Qwen2.5's own) with the documents in the user turn). For each example and format the server is flushed,
+of ``--formats`` (:data:`benchmarks.workloads.PROMPT_FORMATS`; the documents are the chunks, and
+whatever depends on a document's position, such as its number, is glue outside them):
+
+* ``plain``: ``Title: text`` documents between blank lines, the question block last;
+* ``document``: each document a ``Document: <title>`` line then its text, single newlines;
+* ``chat``: the ChatML template (SmolLM2-Instruct's and Qwen2.5's own), documents and question in the user turn;
+* ``langchain``: LangChain's RAG tutorial prompt in ChatML: its instruction and the documents as the
+  system turn, the bare question as the user turn;
+* ``llamaindex``: LlamaIndex's default text-QA completion prompt, each document a node opening with its
+  ``file_path:`` metadata line (part of the chunk);
+* ``tagged``: Anthropic-style ``<document index="n">`` tags around each document's ``<source>`` and
+  ``<document_content>`` (those two inside the chunk), the question last;
+* ``numbered``: the OpenAI-SDK shape in ChatML, a ``Documents:`` list of ``[n] document`` lines, then the question;
+* ``question_first``: ``plain`` with the question stated once before the documents, the answer's lead-in after.
+
+For each example and format the server is flushed,
 the format's chunk texts are cached by a first request (other system prompt,
 reversed order, a placeholder question), then the same prompt is answered by
 ``full`` and ``pic`` once and by every repair policy at every anchor ratio, in a
@@ -85,6 +97,7 @@ as single points: formats and tasks pooled, then each format, then each task.
     python -m benchmarks.bench_quality                               # 10 per task x 5/15/30% anchors, dev split
     python -m benchmarks.bench_quality --formats plain document chat --kl-only --examples 20
     python -m benchmarks.bench_quality --split test --formats plain document chat --examples 20 --versus prophetkv
+    python -m benchmarks.bench_quality --formats langchain llamaindex tagged numbered question_first --kl-only
     python -m benchmarks.bench_quality --tasks hotpotqa --examples 40 --anchor-ratios 0.15
 """
 
@@ -658,7 +671,8 @@ def main(argv: list[str] | None = None) -> None:
                                  quick_help=f"{QUICK_EXAMPLES} examples per task, 15%% anchors only")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     parser.add_argument("--formats", nargs="+", default=["plain"], choices=FORMATS,
-                        help="prompt formats; every example is answered in each (default: plain)")
+                        help="prompt formats; every example is answered in each (default: plain): "
+                             + ", ".join(FORMATS))
     parser.add_argument("--examples", type=int, default=10, help="examples per task")
     parser.add_argument("--documents", type=int, default=workloads.DOCUMENTS_PER_PROMPT,
                         help="documents per prompt, ~150 SmolLM2 tokens each (50: ~7K tokens, the long-context "

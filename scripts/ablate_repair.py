@@ -232,10 +232,10 @@ def main(argv: list[str] | None = None) -> None:
           file=sys.stderr, flush=True)
     rows = run(args)
     summary = summarize(rows, args.versus)
-    print(f"\n{'format':<9}{'variant':<16}{'n':>4}{'KL':>8}{'top-1':>7}{'pairs':>11}   vs {args.versus}: diff [95% CI] W/T/L")
+    print(f"\n{'format':<16}{'variant':<16}{'n':>4}{'KL':>8}{'top-1':>7}{'pairs':>11}   vs {args.versus}: diff [95% CI] W/T/L")
     for s in summary:
         lo, hi = s["diff_ci95"]
-        print(f"{s['format']:<9}{s['variant']:<16}{s['n']:>4}{s['kl']:>8.4f}{s['top1']:>7.2f}{s['pairs']:>11,.0f}"
+        print(f"{s['format']:<16}{s['variant']:<16}{s['n']:>4}{s['kl']:>8.4f}{s['top1']:>7.2f}{s['pairs']:>11,.0f}"
               f"   {s['diff']:+.4f} [{lo:+.4f}, {hi:+.4f}] {'/'.join(map(str, s['wtl']))}")
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)

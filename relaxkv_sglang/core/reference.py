@@ -61,6 +61,7 @@ __all__ = [
     "glue_tokens",
     "StaleContext",
     "stale_context",
+    "query_over",
     "reference_prefill",
 ]
 
@@ -239,11 +240,20 @@ def build_stale_kv(
     return kv
 
 
-def _query_pass(w: LlamaWeights, input_ids: torch.Tensor, query_start: int, stale):
-    """Query tokens over the stale KV.  Returns (logits [vocab], kv per layer, scores [n_layers, query_start])."""
+def query_over(w: LlamaWeights, input_ids: torch.Tensor, query_start: int,
+               context_kv: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+    """The query tokens ``[query_start, n)`` over a given context KV (the stale one for ``pic``; the
+    measurement script also runs it over full prefill's KV and over partly exact KV).
+
+    Args:
+        context_kv: per layer (k [query_start, n_kv_heads, head_dim], v [same]) float32, not modified.
+    Returns:
+        (logits float32 [vocab], per layer the context KV followed by the query's own,
+        scores float32 [n_layers, query_start]: the query's attention mass s_l).
+    """
     n_q = input_ids.numel() - query_start
     kv = [(torch.cat([k, k.new_zeros(n_q, *k.shape[1:])]), torch.cat([v, v.new_zeros(n_q, *v.shape[1:])]))
-          for k, v in stale]
+          for k, v in context_kv]
     h, scores = _fresh_pass(w, input_ids, torch.arange(query_start, input_ids.numel()), kv, score_from=query_start)
     return _logits(w, h[-1]), kv, scores
 
@@ -272,7 +282,7 @@ def stale_context(weights: LlamaWeights, input_ids: torch.Tensor, chunk_spans: S
     """
     input_ids = input_ids.to(torch.long).flatten()
     stale = build_stale_kv(weights, input_ids, chunk_spans, query_start)
-    logits, q_kv, scores = _query_pass(weights, input_ids, query_start, stale)
+    logits, q_kv, scores = query_over(weights, input_ids, query_start, stale)
     return StaleContext(stale, logits, q_kv, scores)
 
 

@@ -48,7 +48,8 @@ from typing import Mapping, Optional
 __all__ = ["Policy", "PolicySpec", "POLICY_SPECS", "policy_spec", "served_policies", "chunk_policies",
            "repair_policies", "RelaxKVOptions", "CacheBlendOptions", "SERVER_POLICIES", "CHUNK_POLICIES",
            "REPAIR_POLICIES", "DEFAULT_POLICY", "CONTEXTS", "ROLES", "LAYER_VALUES", "SINK_ORDERS",
-           "CHUNK_SINK_RULES", "CONTEXT_RANKS", "STALE_SHIFTS"]
+           "CHUNK_SINK_RULES", "CONTEXT_RANKS", "STALE_SHIFTS",
+           "STALE_SHIFT_GROUPS"]
 
 
 class Policy(str, enum.Enum):
@@ -109,6 +110,7 @@ SINK_ORDERS = ("offset", "score")
 CHUNK_SINK_RULES = ("fixed", "shared")
 CONTEXT_RANKS = ("query", "keys", "oracle")
 STALE_SHIFTS = ("none", "v", "kv")
+STALE_SHIFT_GROUPS = ("request", "chunk")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -150,6 +152,11 @@ class RelaxKVOptions:
             (docs/experiments/2026-12-01-stale-shift.md).
         stale_shift_scale: the fraction of that mean deviation added, in [0, 1]; the full mean
             overshoots on some development examples (same section), hence 0.5.
+        stale_shift_group: whose anchors a token's shift is the mean deviation of: ``request``
+            (every anchor of the layer, one shift for the request) or ``chunk`` (its own chunk's
+            anchors, shrunk toward the request's mean: ``stale_shift.group_means``).
+        stale_shift_prior: with ``chunk``, the weight of the request's mean in each chunk's, in
+            anchors (0: the chunk's anchors alone; a chunk without anchors takes the request's).
     """
 
     chunk_sink_tokens: int = 4
@@ -161,6 +168,8 @@ class RelaxKVOptions:
     own_chunk_in_budget: bool = False
     stale_shift: str = "kv"
     stale_shift_scale: float = 0.5
+    stale_shift_group: str = "request"
+    stale_shift_prior: float = 2.0
 
     def __post_init__(self) -> None:
         _check_unit("chunk_sink_share", self.chunk_sink_share)
@@ -170,6 +179,9 @@ class RelaxKVOptions:
         _check_choice("layer_value", self.layer_value, LAYER_VALUES)
         _check_choice("context_rank", self.context_rank, CONTEXT_RANKS)
         _check_choice("stale_shift", self.stale_shift, STALE_SHIFTS)
+        _check_choice("stale_shift_group", self.stale_shift_group, STALE_SHIFT_GROUPS)
+        if self.stale_shift_prior < 0:
+            raise ValueError(f"stale_shift_prior must be >= 0, got {self.stale_shift_prior}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -415,7 +415,9 @@ def _shift_stale(w: LlamaWeights, plan: AnchorPlan, l: int, k_a: torch.Tensor, v
         return apply_neox_rope(k_post, delta, inv_freq, w.rotary_dim)
 
     src = torch.searchsorted(plan.anchor_sets[l], shift_from)
+    group = plan.shift_group_of
     dk, dv = stale_shift(plan.stale_shift, shift_from, k_a[src], v_a[src], keys[shift_from], vals[shift_from],
-                         shift_to, rotate, plan.stale_shift_scale)
+                         shift_to, rotate, plan.stale_shift_scale, group[shift_from], group[shift_to],
+                         plan.n_shift_groups, plan.stale_shift_prior)
     keys[shift_to] += dk
     vals[shift_to] += dv

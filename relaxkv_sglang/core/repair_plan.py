@@ -58,7 +58,7 @@ from .layout import BlockSparseLayout, build_relaxed_layout, build_relaxed_layou
 from .model_family import mlp_width
 from .policies import CacheBlendOptions, Policy, PolicySpec, RelaxKVOptions, policy_spec
 from .selection import anchor_ratio_achieved, kv_deviation, select_anchors
-from .token_sets import chunk_offsets, eligible_tokens, shared_opening_sinks
+from .token_sets import chunk_ids, chunk_offsets, eligible_tokens, shared_opening_sinks
 from .stale_shift import shift_body
 
 Span = tuple[int, int]
@@ -310,6 +310,25 @@ class AnchorPlan:
         if self.stale_shift == "none":
             return torch.zeros(0, dtype=torch.long)
         return shift_body(self.chunk_spans, self.n_context, self.chunk_sinks)
+
+    @property
+    def stale_shift_prior(self) -> float:
+        """The weight of the request's mean in each group's shift (``RelaxKVOptions``)."""
+        return self.config.relaxkv.stale_shift_prior
+
+    @functools.cached_property
+    def shift_group_of(self) -> torch.Tensor:
+        """int64 [n_context]: the stale-shift group of every context token (``RelaxKVOptions.
+        stale_shift_group``): its chunk's index with ``chunk``, else 0 (one group); 0 outside the
+        chunks (no shift lands there)."""
+        if self.config.relaxkv.stale_shift_group != "chunk":
+            return torch.zeros(self.n_context, dtype=torch.long)
+        return chunk_ids(self.chunk_spans, self.n_context).clamp(min=0)
+
+    @property
+    def n_shift_groups(self) -> int:
+        """How many groups :attr:`shift_group_of` numbers."""
+        return len(self.chunk_spans) if self.config.relaxkv.stale_shift_group == "chunk" else 1
 
     @functools.cached_property
     def _shift_body_exits(self) -> torch.Tensor:

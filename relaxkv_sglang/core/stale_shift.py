@@ -24,6 +24,13 @@ to every non-anchor:
 * shifted tokens ``T_l``: the eligible tokens that are not anchors at layer l, outside the first
   ``chunk_sink_tokens`` of their chunk. Prefix, glue and query tokens are never stale.
 
+Groups (``RelaxKVOptions.stale_shift_group``): with ``request`` the mean is over all of S_l, one
+shift for every target; with ``chunk`` each target takes its own chunk's anchors' mean, shrunk
+toward the request's (:func:`group_means`, ``stale_shift_prior`` anchors of it in each chunk).
+What a chunk misses by being computed alone depends on the text around it, so its own anchors
+see its offset best; on Qwen2.5-0.5B's development examples the chunk means lowered the KL of
+every case traced (``docs/experiments/2026-12-03-qwen-calibration.md``).
+
 ``kv`` shifts both, ``v`` only V, ``none`` nothing. The shift is applied to each layer's stale
 K/V before that layer's attention (anchors, glue and query then read shifted values), and the
 request decodes from the shifted K/V. It costs one [n_context, Hkv, d] add (and one rotation)
@@ -49,7 +56,7 @@ from .token_sets import chunk_offsets, eligible_tokens, sinks_of_tokens
 
 Span = tuple[int, int]
 
-__all__ = ["STALE_SHIFTS", "shift_body", "split_body", "shift_sets", "shift_deltas", "stale_shift"]
+__all__ = ["STALE_SHIFTS", "shift_body", "split_body", "shift_sets", "group_means", "shift_deltas", "stale_shift"]
 
 
 #: rotate(k [n or 1, Hkv, d], delta int64 [n]) -> k rotated by delta positions (RoPE composes);
@@ -89,10 +96,36 @@ def shift_sets(anchors: torch.Tensor, chunk_spans: Sequence[Span], n_context: in
     return split_body(shift_body(chunk_spans, n_context, chunk_sink_tokens), anchors)
 
 
+def group_means(rows: torch.Tensor, groups: torch.Tensor | None, n_groups: int, prior: float) -> torch.Tensor:
+    """Each group's mean of ``rows``, shrunk toward the mean of all of them.
+
+    ``m_c = (sum_{i in c} rows_i + prior * m) / (n_c + prior)`` with ``m`` the mean over every row:
+    ``prior`` counts the request's mean as that many rows of each group, so a group with few
+    anchors leans on it and a group with none takes it (also at ``prior = 0``).
+
+    Args:
+        rows: float32 [n, ...] one deviation per source (n >= 1).
+        groups: int64 [n] the group of each row in ``[0, n_groups)``, or None (one group).
+        n_groups: the number of groups.
+        prior: the weight of the overall mean, >= 0.
+    Returns:
+        float32 [n_groups, ...].
+    """
+    mean = rows.mean(dim=0, keepdim=True)
+    if groups is None or n_groups == 1:
+        return mean.expand(n_groups, *rows.shape[1:]).clone()
+    sums = rows.new_zeros(n_groups, *rows.shape[1:]).index_add_(0, groups, rows)
+    counts = rows.new_zeros(n_groups).index_add_(0, groups, rows.new_ones(groups.shape[0]))
+    counts = counts.view(n_groups, *([1] * (rows.dim() - 1)))
+    shrunk = (sums + prior * mean) / (counts + prior).clamp_min(1e-12)
+    return torch.where(counts + prior > 0, shrunk, mean)
+
+
 def shift_deltas(mode: str, sources: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                  k_stale: torch.Tensor, v_stale: torch.Tensor, rotate: Rotate,
-                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's shared shift, once: ``(dk_l before RoPE, dv_l)`` of the module doc, scaled.
+                 scale: float = 1.0, groups: torch.Tensor | None = None, n_groups: int = 1,
+                 prior: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's shift per group, once: ``(dk_l before RoPE, dv_l)`` of the module doc, scaled.
 
     Args:
         mode: one of :data:`STALE_SHIFTS`.
@@ -101,34 +134,40 @@ def shift_deltas(mode: str, sources: torch.Tensor, k_new: torch.Tensor, v_new: t
         k_stale, v_stale: [n_s, Hkv, d] their stale K (post-RoPE, re-rotated) and V.
         rotate: RoPE re-rotation of post-RoPE keys by per-token position deltas.
         scale: the fraction of the mean deviation added (``RelaxKVOptions.stale_shift_scale``).
+        groups, n_groups, prior: the sources' groups (int64 [n_s], on the sources' device; None:
+            one group, the request) and the shrinkage toward the request's mean (:func:`group_means`).
     Returns:
-        (dk float32 [Hkv, d] before RoPE, dv float32 [Hkv, d]); zeros where ``mode`` shifts
-        nothing (``dk`` for ``v``, both for ``none``) or ``sources`` is empty.
+        (dk float32 [n_groups, Hkv, d] before RoPE, dv float32 [n_groups, Hkv, d]); zeros where
+        ``mode`` shifts nothing (``dk`` for ``v``, both for ``none``) or ``sources`` is empty.
     """
     if mode not in STALE_SHIFTS:
         raise ValueError(f"stale_shift must be one of {', '.join(STALE_SHIFTS)}, got {mode!r}")
-    zeros = torch.zeros(v_new.shape[1:], dtype=torch.float32, device=v_new.device)
+    zeros = torch.zeros(n_groups, *v_new.shape[1:], dtype=torch.float32, device=v_new.device)
     if mode == "none" or sources.numel() == 0:
         return zeros, zeros.clone()
-    dv = (v_new.float() - v_stale.float()).mean(dim=0) * scale
+    dv = group_means(v_new.float() - v_stale.float(), groups, n_groups, prior) * scale
     if mode == "v":
         return zeros, dv
-    return rotate(k_new.float() - k_stale.float(), -sources).mean(dim=0) * scale, dv
+    dk = group_means(rotate(k_new.float() - k_stale.float(), -sources), groups, n_groups, prior) * scale
+    return dk, dv
 
 
 def stale_shift(mode: str, sources: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_stale: torch.Tensor,
                 v_stale: torch.Tensor, targets: torch.Tensor, rotate: Rotate,
-                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                scale: float = 1.0, groups: torch.Tensor | None = None, target_groups: torch.Tensor | None = None,
+                n_groups: int = 1, prior: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The shift of the targets' stale K/V (module doc): :func:`shift_deltas` at each target.
 
     Args:
-        mode, sources, k_new, v_new, k_stale, v_stale, rotate, scale: as :func:`shift_deltas`.
-        targets: int64 [n_t] positions of T_l.
+        mode, sources, k_new, v_new, k_stale, v_stale, rotate, scale, groups, n_groups, prior: as
+            :func:`shift_deltas`.
+        targets: int64 [n_t] positions of T_l; target_groups: int64 [n_t] their groups (None: one group).
     Returns:
         (dk float32 [n_t, Hkv, d], dv float32 [n_t, Hkv, d]) to add to the targets' K and V;
         zeros when ``mode`` is ``none`` or ``sources`` is empty.
     """
-    dk_pre, dv = shift_deltas(mode, sources, k_new, v_new, k_stale, v_stale, rotate, scale)
+    dk_pre, dv = shift_deltas(mode, sources, k_new, v_new, k_stale, v_stale, rotate, scale, groups, n_groups, prior)
+    at = target_groups if target_groups is not None else torch.zeros_like(targets)
     n_t = int(targets.numel())
-    dk = rotate(dk_pre[None], targets) if n_t else dk_pre.expand(0, -1, -1)  # R(t) dk_l at each target
-    return dk.float(), dv.expand(n_t, -1, -1).clone()
+    dk = rotate(dk_pre[at], targets) if n_t else dk_pre[:0]  # R(t) dk at each target, its group's
+    return dk.float(), dv[at].clone()

@@ -251,7 +251,8 @@ def _prepare_shift(r: LoopRows, slots: torch.Tensor, rope: Optional[RopeSpec]) -
         return
     if rope is None:
         raise InvariantError("relaxkv: the stale shift needs the served RoPE (LayerLoop(rope=...))")
-    r.shift_target = ShiftTarget(r.slots, plan.shift_body, rope, r.positions, r.exits, device=slots.device)
+    r.shift_target = ShiftTarget(r.slots, plan.shift_body, rope, r.positions, r.exits, device=slots.device,
+                                 groups=plan.shift_group_of[plan.shift_body] if plan.n_shift_groups > 1 else None)
 
 
 def _decide_after_check_layer(r: LoopRows, l: int, rows: torch.Tensor, slots: torch.Tensor, k_new: torch.Tensor,
@@ -290,10 +291,12 @@ def _stale_shift(r: LoopRows, l: int, rows: torch.Tensor, slots: torch.Tensor, k
     at = torch.searchsorted(pos, sources)
     if not torch.equal(pos[at.clamp(max=pos.shape[0] - 1)], sources):
         raise InvariantError("relaxkv: the stale shift's anchors are not the layer's rows")
+    groups = to_device(plan.shift_group_of[sources], k_new.device) if plan.n_shift_groups > 1 else None
     at, sources = to_device(at, k_new.device), to_device(sources, k_new.device)
     pool = slots[sources]
     dk, dv = shift_deltas(plan.stale_shift, sources, k_new.index_select(0, at), v_new.index_select(0, at),
-                          k_cache[pool], v_cache[pool], target.rotate_by, plan.stale_shift_scale)
+                          k_cache[pool], v_cache[pool], target.rotate_by, plan.stale_shift_scale, groups,
+                          plan.n_shift_groups, plan.stale_shift_prior)
     target.add(l, k_cache, v_cache, dk if plan.stale_shift == "kv" else None, dv)
 
 
@@ -309,7 +312,9 @@ class ShiftTarget:
     (:meth:`RotationTable.add_rotated_`); the rows' writes then replace what landed on them. Past
     that layer the adds go over the body's runs of consecutive slots (at most ``MAX_RUNS``); a
     more fragmented body or a lower-precision pool takes an index add of the materialised delta
-    (added in float32 and rounded once, as the reference does).
+    (added in float32 and rounded once, as the reference does). With a shift per chunk
+    (``groups``) each run stays inside one chunk and adds that chunk's delta; the span's one add
+    is not taken.
 
     Args:
         slots: int64 host [>= max position + 1] the request's KV-pool slot of every position.
@@ -318,13 +323,19 @@ class ShiftTarget:
         row_positions: int64 host [n_rows] the pass's rows, ascending; row_exits: int64 host
             [n_rows] the layer each leaves at (``LoopRows.positions``, ``LoopRows.exits``).
         device: the KV pool's (default: the slots').
+        groups: int64 host [n_body] each body token's shift group (``AnchorPlan.shift_group_of``),
+            or None: one group.
     """
 
     MAX_RUNS = 64
 
     def __init__(self, slots: torch.Tensor, body: torch.Tensor, rope: RopeSpec, row_positions: torch.Tensor,
-                 row_exits: torch.Tensor, device: Optional[torch.device] = None) -> None:
+                 row_exits: torch.Tensor, device: Optional[torch.device] = None,
+                 groups: Optional[torch.Tensor] = None) -> None:
         device = slots.device if device is None else device
+        groups = torch.zeros_like(body) if groups is None else groups
+        self.grouped = bool((groups != groups[0]).any())  # else every token takes group ``group0``
+        self.group0, self.groups = int(groups[0]), to_device(groups, device)
         self.first = int(body[0])
         span = int(body[-1]) + 1 - self.first
         # Table row i: position first + i.
@@ -334,7 +345,7 @@ class ShiftTarget:
         self.rows, self.slots = to_device(rows, device), to_device(body_slots, device)
         self.span_slot, self.span = int(slots[self.first]), span
         self.span_until = 0
-        if bool((slots[self.first:self.first + span].diff() == 1).all()):
+        if not self.grouped and bool((slots[self.first:self.first + span].diff() == 1).all()):
             # The exit layer of each position of the span (0: no row of the pass), the body's
             # own not counted: the smallest is the first layer whose writes miss a left-out one.
             exit_at = torch.zeros(span, dtype=torch.long)
@@ -342,11 +353,12 @@ class ShiftTarget:
             exit_at[row_positions[inside] - self.first] = row_exits[inside]
             exit_at[rows] = torch.iinfo(torch.int64).max
             self.span_until = int(exit_at.min())
-        # Runs of the body over consecutive slots and positions: (first slot, table row, length).
-        step = (body_slots.diff() != 1) | (body.diff() != 1)
+        # Runs of the body over consecutive slots and positions, in one group: (first slot, table
+        # row, length, group).
+        step = (body_slots.diff() != 1) | (body.diff() != 1) | (groups.diff() != 0)
         starts = torch.cat([torch.zeros(1, dtype=torch.long), step.nonzero().flatten() + 1]).tolist()
         ends = starts[1:] + [int(body.numel())]
-        self.runs = ([(int(body_slots[a]), int(rows[a]), b - a) for a, b in zip(starts, ends)]
+        self.runs = ([(int(body_slots[a]), int(rows[a]), b - a, int(groups[a])) for a, b in zip(starts, ends)]
                      if len(starts) <= self.MAX_RUNS else None)
 
     def rotate_by(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -356,20 +368,22 @@ class ShiftTarget:
 
     def add(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, dk: Optional[torch.Tensor],
             dv: torch.Tensor) -> None:
-        """Add the layer's shift to the body: K += R(t) dk (dk float32 [Hkv, d] before RoPE, None:
-        K unchanged), V += dv (float32 [Hkv, d])."""
+        """Add the layer's shift to the body: K += R(t) dk_g (dk float32 [n_groups, Hkv, d] before
+        RoPE, None: K unchanged), V += dv_g (float32 [n_groups, Hkv, d]), g each token's group."""
         if k_cache.dtype == v_cache.dtype == torch.float32:
-            pieces = [(self.span_slot, 0, self.span)] if layer < self.span_until else self.runs
+            pieces = [(self.span_slot, 0, self.span, self.group0)] if layer < self.span_until else self.runs
             if pieces is not None:
-                for slot, row, n in pieces:
+                for slot, row, n, group in pieces:
                     if dk is not None:
-                        self.rotation.add_rotated_(k_cache[slot:slot + n], dk, row)
-                    v_cache[slot:slot + n].add_(dv)
+                        self.rotation.add_rotated_(k_cache[slot:slot + n], dk[group], row)
+                    v_cache[slot:slot + n].add_(dv[group])
                 return
         if dk is not None:
-            _add_rows(k_cache, self.slots, self.rotation.rotate(dk[None], rows=self.rows))
+            _add_rows(k_cache, self.slots, self.rotation.rotate(dk[self.groups] if self.grouped else dk[self.group0][None],
+                                                                 rows=self.rows))
         # index_add_ is ~3x slower from an expanded view than from a materialised delta.
-        _add_rows(v_cache, self.slots, dv.expand(self.slots.shape[0], -1, -1).contiguous())
+        delta_v = dv[self.groups] if self.grouped else dv[self.group0].expand(self.slots.shape[0], -1, -1)
+        _add_rows(v_cache, self.slots, delta_v.contiguous())
 
 
 def _add_rows(cache: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor) -> None:

@@ -1,5 +1,7 @@
 """Stale shift (core/stale_shift.py): the sets, the exact recovery of a shared offset, the invariants."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -143,12 +145,14 @@ class _RefLayers:
 
 @pytest.mark.parametrize("mode,slot_layout", [("none", "scattered"), ("kv", "scattered"), ("kv", "two ranges"),
                                               ("kv", "index add"), ("kv", "one range"),
-                                              ("kv", "one range, sinks capped")])
+                                              ("kv", "one range, sinks capped"), ("kv", "one range, per chunk"),
+                                              ("kv", "index add, per chunk")])
 def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, monkeypatch):  # noqa: F811
     """The pool's slots scattered (a fragmented body: the index-add path), in two ranges (the
     shift added over the body's runs), the index-add path forced, or in one range: the shift
     added over the body's whole span, sinks and glue included, as they are rows of every layer
-    (sinks capped: some are not, and the runs are used)."""
+    (sinks capped: some are not, and the runs are used); per chunk: each chunk's own shift, over
+    its runs or by the index add."""
     from types import SimpleNamespace
 
     from relaxkv_sglang.core.reference import stale_context
@@ -159,7 +163,8 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
     hf, w = model
     n = ids.numel()
     config = RepairConfig.from_knobs(anchor_ratio=0.3, context_ratio=0.5, page_size=PS, stale_shift=mode, chunk_sink_tokens=2,
-                          stale_shift_scale=0.5, chunk_sink_share=0.1 if "capped" in slot_layout else 1.0)
+                          stale_shift_scale=0.5, chunk_sink_share=0.1 if "capped" in slot_layout else 1.0,
+                          stale_shift_group="chunk" if "per chunk" in slot_layout else "request")
     ref = reference_prefill(w, ids, GLUE_SPANS, Q0, "relaxkv", config)
     stale = stale_context(w, ids, GLUE_SPANS, Q0)
     plan = plan_anchors("relaxkv", stale.scores, GLUE_SPANS, Q0, w.n_layers, config)
@@ -169,7 +174,7 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
         slots = torch.cat([torch.arange(n // 2), torch.arange(n // 2 + 7, n + 7)])
     if slot_layout.startswith("one range"):
         slots = torch.arange(n) + 5
-    if slot_layout == "index add":
+    if slot_layout.startswith("index add"):
         monkeypatch.setattr(ShiftTarget, "MAX_RUNS", 0)
     k_pool = [torch.zeros(n + 7, w.n_kv_heads, w.head_dim) for _ in range(w.n_layers)]
     v_pool = [torch.zeros(n + 7, w.n_kv_heads, w.head_dim) for _ in range(w.n_layers)]
@@ -183,8 +188,11 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
         runs = rows.shift_target.runs
         if slot_layout == "two ranges":  # slices: the ranges' split and the chunk sinks' gaps
             assert runs is not None and len(runs) <= 4
-        if slot_layout == "index add":
+        if slot_layout.startswith("index add"):
             assert runs is None
+        if slot_layout == "one range, per chunk":  # a run per chunk body, each with its chunk's delta
+            assert rows.shift_target.grouped and runs is not None
+            assert sorted({g for *_, g in runs}) == list(range(len(GLUE_SPANS)))
         span_until = rows.shift_target.span_until
         if slot_layout == "one range":  # every sink an anchor to the last layer, the glue rows throughout
             assert span_until >= w.n_layers
@@ -195,6 +203,11 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
     for l in range(w.n_layers):
         torch.testing.assert_close(k_pool[l][slots], ref.kv[l][0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(v_pool[l][slots], ref.kv[l][1], atol=1e-4, rtol=1e-4)
+    if "per chunk" in slot_layout:  # and differs from the request's one shift
+        request_wide = dataclasses.replace(config, relaxkv=dataclasses.replace(config.relaxkv,
+                                                                               stale_shift_group="request"))
+        one = reference_prefill(w, ids, GLUE_SPANS, Q0, "relaxkv", request_wide)
+        assert not torch.allclose(one.kv[2][1], ref.kv[2][1], atol=1e-4)
     if mode == "kv":  # and the shift is not vacuous here
         targets = plan.shift_sets(2)[1]
         assert targets.numel() and not torch.allclose(ref.kv[2][1][targets], stale.kv[2][1][targets], atol=1e-3)
@@ -221,7 +234,7 @@ def test_shift_span_covers_left_out_rows_only_while_they_are_written():
     for layer in (0, 2):
         k, v = torch.randn(200, 2, 16), torch.randn(200, 2, 16)
         k0, v0 = k.clone(), v.clone()
-        target.add(layer, k, v, dk, dv)
+        target.add(layer, k, v, dk[None], dv[None])
         torch.testing.assert_close(k[slots[body]] - k0[slots[body]], want_k)
         torch.testing.assert_close(v[slots[body]] - v0[slots[body]], dv.expand(7, -1, -1))
         others = torch.ones(200, dtype=torch.bool)
@@ -236,3 +249,38 @@ def test_shift_span_covers_left_out_rows_only_while_they_are_written():
     x = torch.randn(3, 2, 16)
     p = torch.tensor([4, 9, 12])
     torch.testing.assert_close(target.rotate_by(x, -p), rotate_keys(x, -p, spec))
+
+
+def test_group_means_shrink_each_chunk_toward_the_request_mean():
+    from relaxkv_sglang.core.stale_shift import group_means
+
+    rows = torch.tensor([[1.0], [3.0], [10.0], [0.0]])
+    groups = torch.tensor([0, 0, 1, 1])
+    mean = rows.mean()  # 3.5
+    # prior 0: each group's own mean; a group without rows (2) takes the request's
+    torch.testing.assert_close(group_means(rows, groups, 3, 0.0), torch.tensor([[2.0], [5.0], [3.5]]))
+    # prior 2: (sum + 2 * mean) / (n + 2)
+    torch.testing.assert_close(group_means(rows, groups, 3, 2.0),
+                               torch.stack([(4 + 2 * mean) / 4, (10 + 2 * mean) / 4, mean])[:, None])
+    # one group: the request's mean, whatever the prior
+    torch.testing.assert_close(group_means(rows, None, 1, 5.0), torch.tensor([[3.5]]))
+
+
+def test_per_chunk_shift_recovers_a_chunk_offset_exactly():
+    """Each chunk's stale K/V off by its own offset: the chunk means (prior 0) recover every
+    chunk's; the request's mean recovers none."""
+    g = torch.Generator().manual_seed(1)
+    n, hkv, d = 40, 2, 16
+    pos = torch.arange(n)
+    chunk = (pos >= 20).long()
+    k_true, v_true = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
+    ck, cv = torch.randn(2, hkv, d, generator=g), torch.randn(2, hkv, d, generator=g)
+    k_stale_post, k_true_post = rotate(k_true - ck[chunk], pos), rotate(k_true, pos)
+    v_stale = v_true - cv[chunk]
+    src, tgt = pos[pos % 4 == 0], pos[pos % 4 != 0]
+    args = (pos[src], k_true_post[src], v_true[src], k_stale_post[src], v_stale[src], pos[tgt], rotate)
+    dk, dv = stale_shift("kv", *args, groups=chunk[src], target_groups=chunk[tgt], n_groups=2, prior=0.0)
+    torch.testing.assert_close(k_stale_post[tgt] + dk, k_true_post[tgt], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(v_stale[tgt] + dv, v_true[tgt], atol=1e-5, rtol=1e-5)
+    dk1, dv1 = stale_shift("kv", *args)
+    assert float((v_stale[tgt] + dv1 - v_true[tgt]).abs().max()) > 0.1

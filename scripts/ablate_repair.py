@@ -163,6 +163,16 @@ def model_calibration(model_dir: pathlib.Path, override: Optional[str]) -> Optio
         raise SystemExit(f"error: {exc}") from None
 
 
+def add_case_arguments(parser: argparse.ArgumentParser, examples: int = 3) -> None:
+    """The development cases' options the tuning tools share: tasks, formats, examples per task,
+    the first HotpotQA example and synthetic seed."""
+    parser.add_argument("--tasks", nargs="+", default=list(workloads.QUALITY_TASKS), choices=workloads.QUALITY_TASKS)
+    parser.add_argument("--formats", nargs="+", default=["plain"], choices=workloads.PROMPT_FORMATS)
+    parser.add_argument("--examples", type=int, default=examples, help="examples per task")
+    parser.add_argument("--offset", type=int, default=0, help="first HotpotQA dev example (dev split: < 3000)")
+    parser.add_argument("--seed", type=int, default=0, help="synthetic tasks' first seed (dev split: < 1000)")
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     """One row per (example, format): every variant's KL, top-1 agreement and attended pairs."""
     weights, tokenizer, _ = load_reference(args.model)
@@ -211,11 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="a prepared model's name or a model folder")
     parser.add_argument("--calibration", default=None, metavar="FILE|none",
                         help="the calibration the variants start from (default: the repository's for the model)")
-    parser.add_argument("--tasks", nargs="+", default=list(workloads.QUALITY_TASKS), choices=workloads.QUALITY_TASKS)
-    parser.add_argument("--formats", nargs="+", default=["plain"], choices=workloads.PROMPT_FORMATS)
-    parser.add_argument("--examples", type=int, default=3, help="examples per task")
-    parser.add_argument("--offset", type=int, default=0, help="first HotpotQA dev example (dev split: < 3000)")
-    parser.add_argument("--seed", type=int, default=0, help="synthetic tasks' seed (dev split: < 1000)")
+    add_case_arguments(parser)
     parser.add_argument("--anchor-ratio", type=float, default=0.15)
     parser.add_argument("--variant", type=parse_variant, action="append", required=True,
                         help="NAME=POLICY[,knob=value...] (repeatable)")

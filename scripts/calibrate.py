@@ -30,11 +30,11 @@ import subprocess
 import sys
 from typing import Any
 
-from benchmarks import metrics, workloads
+from benchmarks import metrics
 from relaxkv_sglang.core.calibration import (PER_REQUEST_KNOBS, Calibration, calibration_path, changed_knobs,
                                              model_fingerprint, save_calibration)
 from relaxkv_sglang.core.repair_plan import RepairConfig, knob_defaults
-from scripts.ablate_repair import (ReferenceCase, dev_split_error, kl_full_vocab, load_reference, parse_knob_value,
+from scripts.ablate_repair import (ReferenceCase, add_case_arguments, dev_split_error, kl_full_vocab, load_reference, parse_knob_value,
                                    reference_cases)
 
 MIN_PAIRS = 2  # a bootstrap interval of one pair is that pair: no evidence
@@ -137,11 +137,7 @@ def main(argv: list[str] | None = None) -> Calibration:
     parser.add_argument("--model", default="smollm2-135m", help="a prepared model's name or a model folder")
     parser.add_argument("--knob", type=parse_knob, action="append", required=True, metavar="NAME=V1,V2,...",
                         help="a knob and its candidate values, tried in order (repeatable; the knobs in order)")
-    parser.add_argument("--tasks", nargs="+", default=list(workloads.QUALITY_TASKS), choices=workloads.QUALITY_TASKS)
-    parser.add_argument("--formats", nargs="+", default=["plain"], choices=workloads.PROMPT_FORMATS)
-    parser.add_argument("--examples", type=int, default=3, help="examples per task")
-    parser.add_argument("--offset", type=int, default=0, help="first HotpotQA dev example (dev split: < 3000)")
-    parser.add_argument("--seed", type=int, default=0, help="synthetic tasks' first seed (dev split: < 1000)")
+    add_case_arguments(parser)
     parser.add_argument("--anchor-ratio", type=float, default=RepairConfig().anchor_ratio)
     parser.add_argument("--policy", default="relaxkv", help="the repair policy calibrated (default relaxkv)")
     parser.add_argument("--rounds", type=int, default=1, help="passes over the knobs (stops early when one keeps nothing)")

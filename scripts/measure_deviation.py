@@ -40,7 +40,7 @@ import torch
 from benchmarks import workloads
 from relaxkv_sglang.core.reference import query_over, reference_prefill, stale_context
 from relaxkv_sglang.core.token_sets import chunk_offsets, eligible_tokens
-from scripts.ablate_repair import dev_split_error, kl_full_vocab, load_reference, request_tokens
+from scripts.ablate_repair import add_case_arguments, dev_split_error, kl_full_vocab, load_reference, request_tokens
 
 GROUPS = ("opening", "1-3", "body")
 BOUNDS = ("pic", "exact_openings", "exact_top", "exact_random")
@@ -134,11 +134,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     """``python -m scripts.measure_deviation``: measure, print, write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--tasks", nargs="+", default=list(workloads.QUALITY_TASKS), choices=workloads.QUALITY_TASKS)
-    parser.add_argument("--formats", nargs="+", default=["plain"], choices=workloads.PROMPT_FORMATS)
-    parser.add_argument("--examples", type=int, default=1, help="examples per task")
-    parser.add_argument("--offset", type=int, default=0, help="first HotpotQA dev example (dev split: < 3000)")
-    parser.add_argument("--seed", type=int, default=0, help="synthetic tasks' first seed (dev split: < 1000)")
+    add_case_arguments(parser, examples=1)
     parser.add_argument("--anchor-ratio", type=float, default=0.15, help="the share of chunk tokens of the exact sets")
     parser.add_argument("--output", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)

@@ -6,17 +6,22 @@ the context ratio), so a model may carry a :class:`Calibration`: the knobs whose
 differs from the code defaults, measured on the model's development split by
 ``python -m scripts.calibrate``, with the evidence of that measurement.
 
-File format (:data:`FORMAT_VERSION` 1), ``relaxkv_sglang/calibrations/<model-name>.json``::
+File format (:data:`FORMAT_VERSION` 2), ``relaxkv_sglang/calibrations/<model-name>.json``::
 
-    {"version": 1, "model": "qwen2.5-0.5b",
-     "fingerprint": {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 24, ...},
+    {"version": 2, "model": "qwen2.5-0.5b",
+     "fingerprint": {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 24, ...,
+                     "rope": {"rope_theta": 1000000.0, "rope_type": "default"}},
      "knobs": {"stale_shift_scale": 1.0},
      "evidence": {"command": "...", "date": "...", "git_commit": "...", "steps": [...]}}
 
 * ``fingerprint``: :data:`FINGERPRINT_KEYS` of the model's HF config (:func:`config_fingerprint`).
   A file applies only to a model with the same fingerprint: the repository's files are found by
   it (:func:`find_calibration`), so it works for the prepared model folders and for a user's own
-  copy of the same model, and a file given explicitly for another model is an error.
+  copy of the same model, and a file given explicitly for another model is an error. ``rope`` is
+  the positional encoding's parameters (RoPE base and scaling: they set how a chunk's keys rotate
+  when it moves, so two models of one shape with other RoPE settings are calibrated apart), in one
+  form whether the config writes ``rope_parameters`` (newer transformers) or ``rope_theta`` and
+  ``rope_scaling``. Version 1 files lacked it.
 * ``knobs``: flat knob names (``repair_plan.knob_defaults``) -> values, validated through
   ``RepairConfig.from_knobs`` and typed as the defaults are. Per-request settings are not
   calibrated (:data:`PER_REQUEST_KNOBS`: the anchor ratio and budget trade cost for quality; the
@@ -42,14 +47,14 @@ from typing import Any, Mapping, Optional
 from .repair_plan import RepairConfig, knob_defaults
 
 __all__ = ["FORMAT_VERSION", "FINGERPRINT_KEYS", "PER_REQUEST_KNOBS", "CALIBRATION_ENV", "CALIBRATION_DIR",
-           "DEFAULTS_NOTE", "NO_CALIBRATION", "CalibrationError", "Calibration", "config_fingerprint", "model_fingerprint",
+           "DEFAULTS_NOTE", "NO_CALIBRATION", "CalibrationError", "Calibration", "config_fingerprint", "rope_parameters", "model_fingerprint",
            "load_calibration", "save_calibration", "find_calibration", "calibration_for_model",
            "served_calibration", "base_config", "changed_knobs", "calibration_path"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 # What identifies a model's shape: two models that agree on all of these share a calibration file.
 FINGERPRINT_KEYS = ("architectures", "num_hidden_layers", "hidden_size", "num_attention_heads",
-                    "num_key_value_heads", "vocab_size")
+                    "num_key_value_heads", "vocab_size", "rope")
 PER_REQUEST_KNOBS = ("anchor_ratio", "budget", "seed")
 CALIBRATION_ENV = "RELAXKV_CALIBRATION"  # a calibration file, or "none": the code defaults
 NO_CALIBRATION = "none"
@@ -68,10 +73,27 @@ def config_fingerprint(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     if "num_hidden_layers" not in hf_config and isinstance(hf_config.get("text_config"), Mapping):
         source = {**hf_config["text_config"], "architectures": hf_config.get("architectures")}
     fingerprint = {key: source.get(key) for key in FINGERPRINT_KEYS}
+    fingerprint["rope"] = rope_parameters(source)
     if fingerprint["num_key_value_heads"] is None:
         fingerprint["num_key_value_heads"] = fingerprint["num_attention_heads"]
     fingerprint["architectures"] = list(fingerprint["architectures"] or [])
     return fingerprint
+
+
+def rope_parameters(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config's RoPE parameters in one form: ``rope_parameters`` as newer transformers write it,
+    else ``rope_scaling`` (its ``type`` named ``rope_type``) with ``rope_theta``; ``rope_type``
+    ``default`` when unsaid."""
+    params = hf_config.get("rope_parameters")
+    if not isinstance(params, Mapping):
+        params = dict(hf_config.get("rope_scaling") or {})
+        if "type" in params and "rope_type" not in params:
+            params["rope_type"] = params.pop("type")
+        if hf_config.get("rope_theta") is not None:
+            params["rope_theta"] = hf_config["rope_theta"]
+    params = dict(params)
+    params.setdefault("rope_type", "default")
+    return params
 
 
 def _model_config(model_dir: str | os.PathLike) -> dict[str, Any]:

@@ -8,9 +8,11 @@ import types
 
 import pytest
 
+from relaxkv_sglang import assets
 from relaxkv_sglang.core.calibration import (CALIBRATION_ENV, FORMAT_VERSION, Calibration, CalibrationError,
                                              base_config, calibration_for_model, changed_knobs, config_fingerprint,
-                                             find_calibration, load_calibration, save_calibration, served_calibration)
+                                             find_calibration, load_calibration, model_fingerprint, rope_parameters,
+                                             save_calibration, served_calibration)
 from relaxkv_sglang.core.repair_plan import RepairConfig
 
 HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 128,
@@ -33,11 +35,33 @@ def _model_dir(tmp_path, config=HF_CONFIG):
 
 def test_fingerprint_keeps_the_shape_and_defaults_kv_heads():
     assert FINGERPRINT == {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 128,
-                           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048}
+                           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048,
+                           "rope": {"rope_theta": 1e4, "rope_type": "default"}}
     no_kv = {k: v for k, v in HF_CONFIG.items() if k != "num_key_value_heads"}
     assert config_fingerprint(no_kv)["num_key_value_heads"] == 4
     nested = {"architectures": ["X"], "text_config": {k: v for k, v in HF_CONFIG.items() if k != "architectures"}}
     assert config_fingerprint(nested) == {**FINGERPRINT, "architectures": ["X"]}
+
+
+def test_fingerprint_rope_is_one_form_and_tells_rope_settings_apart():
+    # the same model written by older transformers (rope_theta, rope_scaling with "type") and newer
+    # (rope_parameters) has one fingerprint; another RoPE base or scaling is another model
+    scaling = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 1024}
+    old = {**HF_CONFIG, "rope_theta": 5e5, "rope_scaling": scaling}
+    new = {k: v for k, v in HF_CONFIG.items() if k != "rope_theta"}
+    new["rope_parameters"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 1024, "rope_theta": 500000}
+    assert config_fingerprint(old) == config_fingerprint(new)
+    assert config_fingerprint(old) != FINGERPRINT
+    assert config_fingerprint({**HF_CONFIG, "rope_theta": 1e6}) != FINGERPRINT
+    assert rope_parameters({}) == {"rope_type": "default"}
+
+
+def test_prepared_models_of_one_shape_but_other_rope_differ():
+    llama, llama3 = (model_fingerprint(assets.model_path(name)) for name in ("tiny-llama", "tiny-llama3"))
+    assert {k: v for k, v in llama.items() if k != "rope"} == {k: v for k, v in llama3.items() if k != "rope"}
+    assert llama["rope"] != llama3["rope"]
 
 
 def test_save_load_round_trip_and_base_config(tmp_path):
@@ -58,7 +82,7 @@ def test_changed_knobs_drops_the_defaults():
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"version": 2}, "format version 2"),
+    ({"version": 1}, "format version 1"),
     ({"knobs": {"stale_shfit_scale": 1.0}}, "unknown repair knob 'stale_shfit_scale'"),
     ({"knobs": {"anchor_ratio": 0.3}}, "per-request setting"),
     ({"knobs": {"stale_shift_scale": "1.0"}}, "is not a float"),

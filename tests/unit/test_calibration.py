@@ -9,7 +9,7 @@ import types
 import pytest
 
 from relaxkv_sglang import assets
-from relaxkv_sglang.core.calibration import (CALIBRATION_ENV, FORMAT_VERSION, Calibration, CalibrationError,
+from relaxkv_sglang.core.calibration import (CALIBRATION_DIR, CALIBRATION_ENV, FORMAT_VERSION, Calibration, CalibrationError,
                                              base_config, calibration_for_model, changed_knobs, config_fingerprint,
                                              find_calibration, load_calibration, model_fingerprint, rope_parameters,
                                              save_calibration, served_calibration)
@@ -201,3 +201,15 @@ def test_bench_line_names_the_calibration():
         "no calibration for m: the default repair knobs"
     assert calibration_line({"file": "/c/m.json", "model": "m", "knobs": {"context_ratio": 0.25}}) == \
         "calibration /c/m.json (context_ratio=0.25)"
+
+
+def test_the_repository_files_load_and_match_their_prepared_models():
+    # a format or fingerprint change must come with the files rewritten, or the server would refuse them
+    files = sorted(CALIBRATION_DIR.glob("*.json"))
+    assert files, "the repository carries at least Qwen2.5-0.5B's calibration"
+    for path in files:
+        calibration = load_calibration(path)
+        assert calibration.model == path.stem and calibration.model in assets.MODELS
+        folder = assets.cache_root() / "models" / calibration.model
+        if (folder / "config.json").exists():  # optional models (Qwen) may be unprepared
+            assert calibration.matches(model_fingerprint(folder)), path

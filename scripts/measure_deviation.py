@@ -14,7 +14,9 @@ first-token KL ~0.03 on SmolLM2-135M and ~0.3 on Qwen2.5-0.5B? On the torch refe
   over full prefill's KV.
 * **Exact-KV bounds** (first-token KL over the whole vocabulary, as ``scripts/ablate_repair.py``):
   ``pic`` (the stale KV), and the stale KV with full prefill's K/V at every layer for a token set:
-  the chunk openings; the ``--anchor-ratio`` share of the chunk tokens the query scores highest
+  the chunk openings; the openings and the template markup every chunk repeats
+  (``token_sets.shared_runs``: ``</source><document_content>`` in the ``tagged`` layout;
+  ``markup_share`` of the chunk tokens); the ``--anchor-ratio`` share of the chunk tokens the query scores highest
   (mean s_l over layers, the anchors a perfect repair of that ratio would fix); a random set of
   the same size. What the best possible repair of a set leaves is the KL of its exact-KV bound:
   the rest of the error sits in the tokens it does not touch.
@@ -39,11 +41,11 @@ import torch
 
 from benchmarks import workloads
 from relaxkv_sglang.core.reference import query_over, reference_prefill, stale_context
-from relaxkv_sglang.core.token_sets import chunk_offsets, eligible_tokens
+from relaxkv_sglang.core.token_sets import chunk_offsets, eligible_tokens, shared_runs
 from scripts.ablate_repair import add_case_arguments, dev_split_error, kl_full_vocab, load_reference, request_tokens
 
 GROUPS = ("opening", "1-3", "body")
-BOUNDS = ("pic", "exact_openings", "exact_top", "exact_random")
+BOUNDS = ("pic", "exact_openings", "exact_openings_markup", "exact_top", "exact_random")
 
 
 def token_groups(spans: list, n_context: int) -> dict[str, torch.Tensor]:
@@ -90,6 +92,7 @@ def measure_case(weights, ids: torch.Tensor, spans: list, q0: int, anchor_ratio:
     stale = stale_context(weights, ids, spans, q0)
     masks = token_groups(spans, q0)
     chunk = masks["opening"] | masks["1-3"] | masks["body"]
+    markup = shared_runs(ids, spans, q0) & chunk
     _, _, full_scores = query_over(weights, ids, q0, [(k[:q0], v[:q0]) for k, v in full.kv])
 
     def opening_mass(scores: torch.Tensor) -> float:
@@ -104,11 +107,14 @@ def measure_case(weights, ids: torch.Tensor, spans: list, q0: int, anchor_ratio:
     random = torch.zeros(q0, dtype=torch.bool)
     random[chunk_tokens[torch.randperm(chunk_tokens.numel(), generator=generator)[:k]]] = True
     bounds = {"pic": kl_full_vocab(full.last_logits, stale.pic_logits)}
-    for name, tokens in (("exact_openings", masks["opening"]), ("exact_top", top), ("exact_random", random)):
+    sets = (("exact_openings", masks["opening"]), ("exact_openings_markup", masks["opening"] | markup),
+            ("exact_top", top), ("exact_random", random))
+    for name, tokens in sets:
         logits = query_over(weights, ids, q0, exact_at(stale.kv, full.kv, tokens))[0]
         bounds[name] = kl_full_vocab(full.last_logits, logits)
     return {"tokens": int(ids.numel()), "chunks": len(spans), "opening_mass_stale": opening_mass(stale.scores),
             "opening_mass_full": opening_mass(full_scores), "top_has_openings": float(top[masks["opening"]].float().mean()),
+            "markup_share": float(markup.sum()) / max(int(chunk.sum()), 1),
             **bounds, "profile": deviation_profile(stale.kv, full.kv, masks)}
 
 
@@ -119,7 +125,7 @@ def print_summary(rows: list[dict]) -> None:
         if l % 3 == 0 or l == len(rows[0]["profile"]) - 1:
             print(f"  layer {l:>2}  " + "  ".join(f"{g}: {d['k_err']:.2f}/{d['v_err']:.2f}/{d['v_norm']:.2f}"
                                                   for g, d in layer.items()))
-    keys = ("opening_mass_stale", "opening_mass_full", "top_has_openings", *BOUNDS)
+    keys = ("opening_mass_stale", "opening_mass_full", "top_has_openings", "markup_share", *BOUNDS)
     print(f"\n{'format':<16}{'n':>4}" + "".join(f"{k:>20}" for k in keys))
     for fmt in [*dict.fromkeys(r["format"] for r in rows), "all"]:
         cell = [r for r in rows if fmt == "all" or r["format"] == fmt]

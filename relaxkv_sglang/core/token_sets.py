@@ -24,7 +24,7 @@ import torch
 
 Span = tuple[int, int]
 
-__all__ = ["check_spans", "chunk_ids", "eligible_tokens", "chunk_offsets", "shared_opening_sinks", "sinks_of_tokens",
+__all__ = ["check_spans", "chunk_ids", "eligible_tokens", "chunk_offsets", "shared_opening_sinks", "shared_runs", "sinks_of_tokens",
            "anchor_budget"]
 
 
@@ -92,6 +92,35 @@ def shared_opening_sinks(input_ids: torch.Tensor, chunk_spans: Sequence[Span], m
     same = (openings[:, None, :] == openings[None, :, :]).long().cumprod(dim=2).sum(dim=2)  # [n, n]
     same.fill_diagonal_(0)
     return (1 + same.max(dim=1).values).clamp(max=max_sinks)
+
+
+def shared_runs(input_ids: torch.Tensor, chunk_spans: Sequence[Span], n_context: int, run: int = 3) -> torch.Tensor:
+    """The tokens of the template markup every chunk of the request repeats: each token inside some
+    ``run`` consecutive token ids that occur in every chunk (``</source><document_content>`` when a
+    framework wraps each document in tags). Computed alone, each copy of the markup gets the same
+    stale K/V, so the query meets the same wrong structure once per chunk. A diagnosis set
+    (``scripts/measure_deviation.py``); no policy anchors it yet.
+
+    Args:
+        input_ids: int64 [>= n_context] the request's prompt.
+        chunk_spans: the chunks inside it.
+        n_context: the context length.
+        run: how many consecutive ids make a repeated run.
+    Returns:
+        bool [n_context]; all False with fewer than two chunks or no run shared by all.
+    """
+    spans = check_spans(chunk_spans, n_context)
+    marked = torch.zeros(n_context, dtype=torch.bool)
+    if len(spans) < 2 or run < 1:
+        return marked
+    ids = input_ids.flatten()[:n_context].tolist()
+    runs = [{tuple(ids[t:t + run]) for t in range(s, e - run + 1)} for s, e in spans]
+    common = set.intersection(*runs)
+    for s, e in spans:
+        for t in range(s, e - run + 1):
+            if tuple(ids[t:t + run]) in common:
+                marked[t:t + run] = True
+    return marked
 
 
 def sinks_of_tokens(chunk_sink_tokens: int | torch.Tensor, cid: torch.Tensor) -> torch.Tensor | int:

@@ -46,6 +46,7 @@ def test_measure_case_reports_the_profile_and_bounds(case):
     assert set(row["profile"][-1]) == set(GROUPS)
     assert all(row[b] >= 0 for b in BOUNDS) and 0 <= row["opening_mass_stale"] <= 1
     assert row["chunks"] == len(spans)
+    assert 0 < row["markup_share"] < 0.5  # tagged: every chunk repeats its tags, the text differs
 
 
 def test_measure_deviation_refuses_the_test_split():

@@ -432,3 +432,15 @@ def test_only_a_mid_forward_policy_waits_for_its_check_layer():
         assert plan.awaits_check_layer == waits and len(plan.anchor_sets) == (3 if waits else L)
         assert [plan.decides_at(l) for l in range(L)] == [waits and l == 2 for l in range(L)]
         assert plan.stale_shift == ("kv" if policy.spec.stale_shift else "none")
+
+def test_shared_runs_mark_the_markup_every_chunk_repeats():
+    from relaxkv_sglang.core.token_sets import shared_runs
+
+    # three chunks: [7 8 9 | own text | 5 6] - the runs 7 8 9 and (own) 5 6 x; glue 0 between them
+    ids = torch.tensor([0, 7, 8, 9, 1, 2, 5, 6, 0, 7, 8, 9, 3, 5, 6, 0, 7, 8, 9, 4, 4, 5, 6, 0])
+    spans = [(1, 8), (9, 15), (16, 23)]
+    marked = shared_runs(ids, spans, 24, run=3)
+    assert marked.nonzero().flatten().tolist() == [1, 2, 3, 9, 10, 11, 16, 17, 18]  # 5 6 is only 2 long
+    assert shared_runs(ids, spans, 24, run=2)[[6, 7, 13, 14, 21, 22]].all()
+    assert not shared_runs(ids, spans[:1], 24).any()  # one chunk repeats nothing
+    assert not shared_runs(torch.arange(24), spans, 24).any()  # no run in every chunk

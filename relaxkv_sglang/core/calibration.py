@@ -47,7 +47,8 @@ from typing import Any, Mapping, Optional
 from .repair_plan import RepairConfig, knob_defaults
 
 __all__ = ["FORMAT_VERSION", "FINGERPRINT_KEYS", "PER_REQUEST_KNOBS", "CALIBRATION_ENV", "CALIBRATION_DIR",
-           "DEFAULTS_NOTE", "NO_CALIBRATION", "CalibrationError", "Calibration", "config_fingerprint", "rope_parameters", "model_fingerprint",
+           "DEFAULTS_NOTE", "NO_CALIBRATION", "CalibrationError", "Calibration", "config_fingerprint",
+           "rope_parameters", "model_fingerprint",
            "load_calibration", "save_calibration", "find_calibration", "calibration_for_model",
            "served_calibration", "base_config", "changed_knobs", "calibration_path"]
 

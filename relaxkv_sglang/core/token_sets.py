@@ -24,8 +24,8 @@ import torch
 
 Span = tuple[int, int]
 
-__all__ = ["check_spans", "chunk_ids", "eligible_tokens", "chunk_offsets", "shared_opening_sinks", "shared_runs", "sinks_of_tokens",
-           "anchor_budget"]
+__all__ = ["check_spans", "chunk_ids", "eligible_tokens", "chunk_offsets", "shared_opening_sinks", "shared_runs",
+           "sinks_of_tokens", "anchor_budget"]
 
 
 def check_spans(chunk_spans: Sequence[Span], n_context: int) -> list[Span]:

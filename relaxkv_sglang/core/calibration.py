@@ -83,17 +83,18 @@ def config_fingerprint(hf_config: Mapping[str, Any]) -> dict[str, Any]:
 
 def rope_parameters(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """The config's RoPE parameters in one form: ``rope_parameters`` as newer transformers write it,
-    else ``rope_scaling`` (its ``type`` named ``rope_type``) with ``rope_theta``; ``rope_type``
+    else ``rope_scaling`` with ``rope_theta``; the legacy ``type`` key folded into ``rope_type``
+    (SGLang's loaded config carries both, the folder's ``config.json`` one), ``rope_type``
     ``default`` when unsaid."""
     params = hf_config.get("rope_parameters")
-    if not isinstance(params, Mapping):
+    if isinstance(params, Mapping):
+        params = dict(params)
+    else:
         params = dict(hf_config.get("rope_scaling") or {})
-        if "type" in params and "rope_type" not in params:
-            params["rope_type"] = params.pop("type")
         if hf_config.get("rope_theta") is not None:
             params["rope_theta"] = hf_config["rope_theta"]
-    params = dict(params)
-    params.setdefault("rope_type", "default")
+    legacy_type = params.pop("type", None)
+    params.setdefault("rope_type", legacy_type or "default")
     return params
 
 

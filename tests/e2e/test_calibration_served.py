@@ -10,7 +10,8 @@ from conftest import relaxkv_server_config, start_server
 from rag_helpers import documents, flush, generate, marked_prompt
 
 from relaxkv_sglang.client import ServerClient
-from relaxkv_sglang.core.calibration import CALIBRATION_ENV, Calibration, model_fingerprint, save_calibration
+from relaxkv_sglang.core.calibration import (CALIBRATION_ENV, FORMAT_VERSION, Calibration, model_fingerprint,
+                                             save_calibration)
 
 pytestmark = pytest.mark.e2e
 
@@ -50,7 +51,7 @@ def _repair(url: str, docs: list[str], **ratios) -> tuple[list[float], dict]:
 def test_the_server_reports_its_calibration_and_repairs_with_it(calibrated_server, relaxkv_server):
     shown = ServerClient(calibrated_server.url).calibration()
     path = calibrated_server.config.env[CALIBRATION_ENV]
-    assert shown == {"file": path, "model": "tiny-llama", "version": 1, "knobs": KNOBS}
+    assert shown == {"file": path, "model": "tiny-llama", "version": FORMAT_VERSION, "knobs": KNOBS}
     assert f"relaxkv: calibration {path} (knobs: context_ratio=0.25, stale_shift=none)" in \
         pathlib.Path(calibrated_server.log_path).read_text()
     default = ServerClient(relaxkv_server.url).calibration()

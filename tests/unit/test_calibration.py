@@ -56,6 +56,9 @@ def test_fingerprint_rope_is_one_form_and_tells_rope_settings_apart():
     assert config_fingerprint(old) != FINGERPRINT
     assert config_fingerprint({**HF_CONFIG, "rope_theta": 1e6}) != FINGERPRINT
     assert rope_parameters({}) == {"rope_type": "default"}
+    # SGLang's loaded config adds the legacy "type" beside "rope_type"
+    assert rope_parameters({"rope_parameters": {"rope_theta": 1e6, "rope_type": "default", "type": "default"}}) == \
+        {"rope_theta": 1e6, "rope_type": "default"}
 
 
 def test_prepared_models_of_one_shape_but_other_rope_differ():

@@ -48,6 +48,14 @@ label) those tokens come back with the same stale K/V in every chunk, so the que
 false sink once per chunk. It is an ablation, worse than the fixed 4 sinks at 5% and 15% anchors
 (``docs/results/ablate_dev_shared_sinks.json``).
 
+Template markup (``markup``, ``markup_share``; ``RelaxKVOptions.markup_share``): when a framework
+wraps every document in the same tags (``<document_content>...</document_content>``), each chunk
+carries a copy of that markup, computed alone, with the same stale K/V in every chunk.  The
+deviation measurements (``scripts/measure_deviation.py``) put much of such a layout's error on
+those copies.  ``markup`` marks them (``token_sets.shared_runs``: runs of token ids present in
+every chunk); after the chunk sinks they get every layer, query-ranked (summed layer value) and at
+most ``markup_share`` of the budget, then the hull allocation spends the rest.
+
 """
 
 from __future__ import annotations
@@ -153,6 +161,8 @@ def relaxkv_exit_layers(
     layer_value: str = "uniform",
     chunk_sink_share: float = 1.0,
     chunk_sink_order: str = "offset",
+    markup: torch.Tensor | None = None,
+    markup_share: float = 0.0,
 ) -> torch.Tensor:
     """RelaxKV exit layer of every context token (module doc: "RelaxKV exit-layer rule").
 
@@ -168,6 +178,9 @@ def relaxkv_exit_layers(
         chunk_sink_order: which sinks first when they do not all fit: ``offset`` (EPIC order:
             every chunk's first token, then every chunk's second, ...) or ``score`` (their
             value summed over layers, highest first).
+        markup: bool [n_context] the template markup every chunk repeats, or None (module doc,
+            "Template markup").
+        markup_share: the largest share of the budget the markup takes every layer, after the sinks.
     Returns:
         int64 [n_context]; 0 for non-eligible tokens.
     """
@@ -195,6 +208,12 @@ def relaxkv_exit_layers(
     n_full = min(sinks.numel(), int(chunk_sink_share * budget) // L)
     exits[sinks[:n_full]] = L
     budget -= n_full * L
+    if markup is not None and markup_share > 0:
+        marked = markup[elig] & (exits[elig] == 0)
+        order = torch.argsort(-norm.sum(dim=0)[marked], stable=True)  # the query's first
+        n_marked = min(int(marked.sum()), int(markup_share * (budget + n_full * L)) // L, budget // L)
+        exits[elig[marked][order[:n_marked]]] = L
+        budget -= n_marked * L
     rest = elig[exits[elig] == 0]
     if budget > 0 and rest.numel():
         pos_in_elig = torch.searchsorted(elig, rest)

@@ -138,6 +138,9 @@ class RelaxKVOptions:
         chunk_sink_share: the largest share of the budget those sinks take first (an ablation below 1).
         chunk_sink_order: which sinks first when they do not all fit (``offset`` or ``score``, an
             ablation; ``exit_layers.relaxkv_exit_layers``).
+        markup_share: the largest share of the budget the template markup every chunk repeats
+            (``token_sets.shared_runs``) takes at every layer, after the chunk sinks; 0: off
+            (``exit_layers`` module doc, "Template markup").
         layer_value: how correcting a token at each layer is valued (``exit_layers.layer_weights``:
             uniform, skip0, depth, ramp).
         context_rank: how the other pages of an anchor's context are ranked: ``query`` (the query's
@@ -163,6 +166,7 @@ class RelaxKVOptions:
     chunk_sink_rule: str = "fixed"
     chunk_sink_share: float = 1.0
     chunk_sink_order: str = "offset"
+    markup_share: float = 0.0
     layer_value: str = "ramp"
     context_rank: str = "query"
     own_chunk_in_budget: bool = False
@@ -173,6 +177,7 @@ class RelaxKVOptions:
 
     def __post_init__(self) -> None:
         _check_unit("chunk_sink_share", self.chunk_sink_share)
+        _check_unit("markup_share", self.markup_share)
         _check_unit("stale_shift_scale", self.stale_shift_scale)
         _check_choice("chunk_sink_rule", self.chunk_sink_rule, CHUNK_SINK_RULES)
         _check_choice("chunk_sink_order", self.chunk_sink_order, SINK_ORDERS)

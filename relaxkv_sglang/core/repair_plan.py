@@ -15,7 +15,8 @@ Inputs (token indices are absolute prompt positions, as in :mod:`.token_sets`):
 * a :class:`RepairConfig`: the knobs every repair policy shares, and each policy's own options
   (``RepairConfig.relaxkv``, ``RepairConfig.cacheblend``: ``policies.RelaxKVOptions``,
   ``policies.CacheBlendOptions``);
-* the prompt's token ids, when ``chunk_sink_rule`` sizes the chunk sinks from them.
+* the prompt's token ids, when ``chunk_sink_rule`` sizes the chunk sinks from them or
+  ``markup_share`` anchors the template markup the chunks repeat.
 
 Decisions:
 
@@ -58,7 +59,7 @@ from .layout import BlockSparseLayout, build_relaxed_layout, build_relaxed_layou
 from .model_family import mlp_width
 from .policies import CacheBlendOptions, Policy, PolicySpec, RelaxKVOptions, policy_spec
 from .selection import anchor_ratio_achieved, kv_deviation, select_anchors
-from .token_sets import chunk_ids, chunk_offsets, eligible_tokens, shared_opening_sinks
+from .token_sets import chunk_ids, chunk_offsets, eligible_tokens, shared_opening_sinks, shared_runs
 from .stale_shift import shift_body
 
 Span = tuple[int, int]
@@ -411,7 +412,7 @@ def plan_anchors(
         config: the knobs.
         cost: the model's cost model; needed when ``config.budget`` is set.
         input_ids: int64 [>= n_context] the prompt; needed when ``config.relaxkv.chunk_sink_rule`` is
-            ``shared``.
+            ``shared`` or ``config.relaxkv.markup_share`` is above 0.
     Returns:
         AnchorPlan; with a budget, its ``config`` holds the split's anchor and context ratios.
     """
@@ -428,7 +429,8 @@ def plan_anchors(
     sets = select_anchors(policy, scores, spans, n_context, config.anchor_ratio, targets_rng, n_layers=n_layers,
                           check_layer=config.cacheblend.check_layer, chunk_sink_tokens=chunk_sinks,
                           layer_value=relaxkv.layer_value, chunk_sink_share=relaxkv.chunk_sink_share,
-                          chunk_sink_order=relaxkv.chunk_sink_order)
+                          chunk_sink_order=relaxkv.chunk_sink_order,
+                          markup=plan_markup(config, spans, n_context, input_ids), markup_share=relaxkv.markup_share)
     layouts = anchor_layouts(policy, sets, scores, spans, n_context, config)
     return AnchorPlan(policy, spans, n_context, n_layers, config, scores, sets, layouts, chunk_sinks)
 
@@ -441,6 +443,17 @@ def plan_chunk_sinks(config: RepairConfig, chunk_spans: Sequence[Span],
     if input_ids is None:
         raise ValueError("chunk_sink_rule='shared' needs the prompt's input_ids")
     return shared_opening_sinks(input_ids, chunk_spans, config.relaxkv.chunk_sink_tokens)
+
+
+def plan_markup(config: RepairConfig, chunk_spans: Sequence[Span], n_context: int,
+                input_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """bool [n_context] the template markup every chunk repeats, or None when
+    ``config.relaxkv.markup_share`` is 0 (``exit_layers`` module doc, "Template markup")."""
+    if config.relaxkv.markup_share <= 0:
+        return None
+    if input_ids is None:
+        raise ValueError("markup_share above 0 needs the prompt's input_ids")
+    return shared_runs(input_ids, chunk_spans, n_context)
 
 
 def anchor_layouts(

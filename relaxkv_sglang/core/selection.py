@@ -138,8 +138,8 @@ class AnchorInputs:
         rng: the random control's generator.
         deviation: float [n_context] or [n_eligible], cacheblend's K/V deviation, or None.
         check_layer: cacheblend's check layer.
-        chunk_sink_tokens, layer_value, chunk_sink_share, chunk_sink_order: relaxkv's
-            (:func:`relaxkv_exit_layers`).
+        chunk_sink_tokens, layer_value, chunk_sink_share, chunk_sink_order, markup, markup_share:
+            relaxkv's (:func:`relaxkv_exit_layers`).
     """
 
     scores: Optional[torch.Tensor]
@@ -156,6 +156,8 @@ class AnchorInputs:
     layer_value: str = "uniform"
     chunk_sink_share: float = 1.0
     chunk_sink_order: str = "offset"
+    markup: Optional[torch.Tensor] = None
+    markup_share: float = 0.0
 
 
 def _same_every_layer(tokens: torch.Tensor, n_layers: int) -> list[torch.Tensor]:
@@ -219,7 +221,7 @@ def _check_layer_deviation(x: AnchorInputs) -> list[torch.Tensor]:
 def _exit_layers(x: AnchorInputs) -> list[torch.Tensor]:
     """relaxkv and its ablations: nested sets from each token's exit layer (module doc)."""
     exits = relaxkv_exit_layers(x.scores, x.chunk_spans, x.anchor_ratio, x.chunk_sink_tokens, x.layer_value,
-                                x.chunk_sink_share, x.chunk_sink_order)
+                                x.chunk_sink_share, x.chunk_sink_order, x.markup, x.markup_share)
     return exits_to_anchor_sets(exits, x.n_layers)
 
 
@@ -250,6 +252,8 @@ def select_anchors(
     layer_value: str = "uniform",
     chunk_sink_share: float = 1.0,
     chunk_sink_order: str = "offset",
+    markup: Optional[torch.Tensor] = None,
+    markup_share: float = 0.0,
 ) -> list[torch.Tensor]:
     """Anchor set of every layer for one request: the rule its spec names (``ANCHOR_RULES``).
 
@@ -274,6 +278,8 @@ def select_anchors(
         layer_value: relaxkv's layer value rule (:func:`layer_weights`).
         chunk_sink_share, chunk_sink_order: how much of relaxkv's budget the chunk sinks take
             first, and which (:func:`relaxkv_exit_layers`).
+        markup, markup_share: bool [n_context] the template markup every chunk repeats, and the
+            largest share of relaxkv's budget it takes every layer (:func:`relaxkv_exit_layers`).
 
     Returns:
         n_layers int64 tensors of sorted token indices, nested (A_0 ⊇ A_1 ⊇ ...).
@@ -291,7 +297,8 @@ def select_anchors(
     if spec.needs_query_scores and scores is None:
         raise ValueError(f"{spec.policy.value} needs query scores")
     inputs = AnchorInputs(scores, chunk_spans, n_context, n_layers, anchor_ratio, elig, per_layer, rng, deviation,
-                          check_layer, chunk_sink_tokens, layer_value, chunk_sink_share, chunk_sink_order)
+                          check_layer, chunk_sink_tokens, layer_value, chunk_sink_share, chunk_sink_order, markup,
+                          markup_share)
     return ANCHOR_RULES[spec.anchor_rule](inputs)
 
 

@@ -98,8 +98,8 @@ def shared_runs(input_ids: torch.Tensor, chunk_spans: Sequence[Span], n_context:
     """The tokens of the template markup every chunk of the request repeats: each token inside some
     ``run`` consecutive token ids that occur in every chunk (``</source><document_content>`` when a
     framework wraps each document in tags). Computed alone, each copy of the markup gets the same
-    stale K/V, so the query meets the same wrong structure once per chunk. A diagnosis set
-    (``scripts/measure_deviation.py``); no policy anchors it yet.
+    stale K/V, so the query meets the same wrong structure once per chunk (``exit_layers`` module doc,
+    "Template markup"; ``scripts/measure_deviation.py`` measures it).
 
     Args:
         input_ids: int64 [>= n_context] the request's prompt.

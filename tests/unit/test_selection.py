@@ -444,3 +444,39 @@ def test_shared_runs_mark_the_markup_every_chunk_repeats():
     assert shared_runs(ids, spans, 24, run=2)[[6, 7, 13, 14, 21, 22]].all()
     assert not shared_runs(ids, spans[:1], 24).any()  # one chunk repeats nothing
     assert not shared_runs(torch.arange(24), spans, 24).any()  # no run in every chunk
+
+
+def test_markup_takes_every_layer_after_the_sinks_within_its_share():
+    spans = [(4, 24), (24, 44)]
+    s = torch.full((4, 44), 1e-3)
+    s[:, 30] = 1.0  # the query's token, outside the markup
+    markup = torch.zeros(44, dtype=torch.bool)
+    markup[[10, 11, 12, 34, 35, 36]] = True
+    s[:, 35] = 0.5  # the query ranks this copy of the markup first
+    base = relaxkv_exit_layers(s, spans, 0.2, 1)  # 32 token-layers: 2 sinks (8), then the hull
+    assert torch.equal(relaxkv_exit_layers(s, spans, 0.2, 1, markup=markup, markup_share=0.0), base)
+    # share 0.5: 16 token-layers, 4 markup tokens every layer, query-ranked first (35), then offset order
+    ex = relaxkv_exit_layers(s, spans, 0.2, 1, markup=markup, markup_share=0.5)
+    assert ex[[10, 11, 12, 34, 35, 36]].tolist() == [4, 4, 4, 0, 4, 0]
+    assert ex[4] == ex[24] == ex[30] == 4  # the sinks, then the hull's first pick
+    assert int(ex.sum()) == int(base.sum()) == 32  # the budget is met exactly
+    # share 1: whatever the sinks leave; the markup never exceeds it
+    ex = relaxkv_exit_layers(s, spans, 0.2, 1, markup=markup, markup_share=1.0)
+    assert ex[markup].eq(4).all() and int(ex.sum()) == 32
+    assert relaxkv_exit_layers(s, spans, 0.05, 1, markup=markup, markup_share=1.0)[markup].eq(0).all()  # sinks first
+    # the invariants: ratio 1 recomputes everything, ratio 0 nothing
+    assert relaxkv_exit_layers(s, spans, 1.0, 1, markup=markup, markup_share=1.0)[4:].eq(4).all()
+    assert relaxkv_exit_layers(s, spans, 0.0, 1, markup=markup, markup_share=1.0).eq(0).all()
+
+
+def test_plan_anchors_the_markup_the_chunks_repeat():
+    ids = torch.tensor([0, 1, 2, 3] + [7, 8, 9] + list(range(20, 35)) + [7, 8, 9] + list(range(40, 55)))
+    spans, n_ctx = [(4, 22), (22, 40)], 40
+    scores = torch.rand(4, n_ctx, generator=torch.Generator().manual_seed(0))
+    config = RepairConfig.from_knobs(chunk_sink_tokens=1, markup_share=1.0, anchor_ratio=0.25)
+    plan = plan_anchors("relaxkv", scores, spans, n_ctx, 4, config, input_ids=ids)
+    assert set(range(4, 7)) | set(range(22, 25)) <= set(plan.anchor_sets[-1].tolist())
+    with pytest.raises(ValueError, match="input_ids"):
+        plan_anchors("relaxkv", scores, spans, n_ctx, 4, config)
+    with pytest.raises(ValueError, match="markup_share"):
+        RepairConfig.from_knobs(markup_share=1.5)

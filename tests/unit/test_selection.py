@@ -455,6 +455,9 @@ def test_markup_takes_every_layer_after_the_sinks_within_its_share():
     s[:, 35] = 0.5  # the query ranks this copy of the markup first
     base = relaxkv_exit_layers(s, spans, 0.2, 1)  # 32 token-layers: 2 sinks (8), then the hull
     assert torch.equal(relaxkv_exit_layers(s, spans, 0.2, 1, markup=markup, markup_share=0.0), base)
+    # a layout without repeated markup plans as before, whatever the share
+    assert torch.equal(relaxkv_exit_layers(s, spans, 0.2, 1, markup=torch.zeros(44, dtype=torch.bool),
+                                           markup_share=1.0), base)
     # share 0.5: 16 token-layers, 4 markup tokens every layer, query-ranked first (35), then offset order
     ex = relaxkv_exit_layers(s, spans, 0.2, 1, markup=markup, markup_share=0.5)
     assert ex[[10, 11, 12, 34, 35, 36]].tolist() == [4, 4, 4, 0, 4, 0]

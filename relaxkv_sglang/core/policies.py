@@ -140,7 +140,8 @@ class RelaxKVOptions:
             ablation; ``exit_layers.relaxkv_exit_layers``).
         markup_share: the largest share of the budget the template markup every chunk repeats
             (``token_sets.shared_runs``) takes at every layer, after the chunk sinks; 0: off
-            (``exit_layers`` module doc, "Template markup").
+            (``exit_layers`` module doc, "Template markup"). An ablation: 0.5 was not kept by
+            ``scripts/calibrate.py`` for SmolLM2 on two development batches.
         layer_value: how correcting a token at each layer is valued (``exit_layers.layer_weights``:
             uniform, skip0, depth, ramp).
         context_rank: how the other pages of an anchor's context are ranked: ``query`` (the query's

@@ -71,3 +71,24 @@ def test_the_server_reports_its_calibration_and_repairs_with_it(calibrated_serve
     for key in ("anchor_ratio", "repair_kv_pairs", "repair_kv_pairs_executed"):
         assert calibrated[key] == uncalibrated[key], key
     assert lp_calibrated != pytest.approx(lp_default, abs=1e-5)
+
+
+def test_sglang_loaded_configs_find_the_repository_files():
+    # the server fingerprints SGLang's loaded config (tree_cache: ModelConfig.hf_config), which adds
+    # keys the folder's config.json lacks (rope_parameters.type): each prepared model must find its
+    # own repository file, and a model without one none
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from relaxkv_sglang import assets
+    from relaxkv_sglang.core.calibration import CALIBRATION_DIR, served_calibration
+
+    calibrated = {path.stem for path in CALIBRATION_DIR.glob("*.json")}
+    checked = set()
+    for name in assets.MODELS:
+        folder = assets.cache_root() / "models" / name
+        if not (folder / "config.json").exists():
+            continue  # optional models may be unprepared
+        found = served_calibration(ModelConfig(str(folder)).hf_config.to_dict(), None)
+        assert (found.model if found else None) == (name if name in calibrated else None), name
+        checked.add(name)
+    assert "tiny-llama" in checked

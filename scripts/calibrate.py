@@ -16,8 +16,10 @@ pair says nothing). ``--rounds N`` repeats the pass over the knobs until a pass 
 Writes ``relaxkv_sglang/calibrations/<model>.json`` (or ``--output``): the knobs whose chosen value
 differs from the code default, the model's fingerprint, and the evidence (the command, the
 development ranges, per knob and candidate: mean KL, paired difference, its interval, W/T/L,
-kept or not; date, git commit). Prints the same as a table. Development split only: a range
-that leaves it is refused, as ``ablate_repair.py`` refuses it.
+kept or not, and the same per prompt format; date, git commit). Prints the same as a table. When
+no knob differs from the defaults and there is no ``--output``, nothing is written (the model is
+served with the defaults; an existing file is left as it is). Development split only: a range that
+leaves it is refused, as ``ablate_repair.py`` refuses it.
 """
 
 from __future__ import annotations
@@ -94,11 +96,14 @@ def descend(table: KLTable, knobs: list[tuple[str, list]], rounds: int) -> tuple
                                                "diff": 0.0, "diff_ci95": None, "wtl": None, "kept": False})
                     continue
                 kl = table.kl({**best, name: value})
-                ci = metrics.paired_bootstrap_ci(kl, best_kl)
-                diff = statistics.mean(a - b for a, b in zip(kl, best_kl))
-                kept = len(kl) >= MIN_PAIRS and diff < 0 and ci is not None and ci[1] < 0
-                step["candidates"].append({"value": value, "versus": current, "kl": statistics.mean(kl), "diff": diff,
-                                           "diff_ci95": ci, "wtl": metrics.win_counts(kl, best_kl), "kept": kept})
+                evidence = compare(kl, best_kl)
+                kept = len(kl) >= MIN_PAIRS and evidence["diff"] < 0 and evidence["diff_ci95"] is not None \
+                    and evidence["diff_ci95"][1] < 0
+                formats = [c.fmt for c in table.cases]
+                by_format = {fmt: compare(*[[v for v, f in zip(x, formats) if f == fmt] for x in (kl, best_kl)])
+                             for fmt in dict.fromkeys(formats)}
+                step["candidates"].append({"value": value, "versus": current, **evidence, "kept": kept,
+                                           "by_format": by_format})
                 if kept:
                     best, best_kl, kept_any = {**best, name: value}, kl, True
             step["chosen"] = best.get(name, defaults[name])
@@ -106,6 +111,13 @@ def descend(table: KLTable, knobs: list[tuple[str, list]], rounds: int) -> tuple
         if not kept_any:
             break
     return best, steps
+
+
+def compare(kl: list[float], versus: list[float]) -> dict[str, Any]:
+    """A candidate's KL per case against the current best's on the same cases: mean KL, paired mean
+    difference, its 95% bootstrap interval, W/T/L."""
+    return {"kl": statistics.mean(kl), "diff": statistics.mean(a - b for a, b in zip(kl, versus)),
+            "diff_ci95": metrics.paired_bootstrap_ci(kl, versus), "wtl": metrics.win_counts(kl, versus)}
 
 
 def git_commit() -> str | None:
@@ -124,10 +136,14 @@ def print_steps(steps: list[dict], n_pairs: int) -> None:
           f"   ({n_pairs} (example, format) pairs)")
     for step in steps:
         for c in step["candidates"]:
-            ci = "-" if c["diff_ci95"] is None else f"[{c['diff_ci95'][0]:+.4f}, {c['diff_ci95'][1]:+.4f}]"
-            wtl = "-" if c["wtl"] is None else "/".join(map(str, c["wtl"]))
-            print(f"{step['round']:<6}{step['knob']:<20}{str(c['value']):>10}{str(c['versus']):>10}{c['kl']:>9.4f}"
-                  f"{c['diff']:>+9.4f}  {ci:<20}{wtl:<9}{'yes' if c['kept'] else 'no'}")
+            rows = [(step["knob"], c, "yes" if c["kept"] else "no")]
+            if len(c.get("by_format", {})) > 1:
+                rows += [(f"  {fmt}", part, "") for fmt, part in c["by_format"].items()]
+            for label, row, kept in rows:
+                ci = "-" if row["diff_ci95"] is None else f"[{row['diff_ci95'][0]:+.4f}, {row['diff_ci95'][1]:+.4f}]"
+                wtl = "-" if row["wtl"] is None else "/".join(map(str, row["wtl"]))
+                print(f"{step['round']:<6}{label:<20}{str(c['value']):>10}{str(c['versus']):>10}{row['kl']:>9.4f}"
+                      f"{row['diff']:>+9.4f}  {ci:<20}{wtl:<9}{kept}")
 
 
 def main(argv: list[str] | None = None) -> Calibration:
@@ -165,6 +181,10 @@ def main(argv: list[str] | None = None) -> Calibration:
         "steps": steps,
     }
     calibration = Calibration(model, model_fingerprint(model_dir), changed_knobs(best), evidence)
+    if not calibration.knobs and args.output is None:
+        print(f"\ncalibration of {model}: no knob differs from the defaults; nothing written "
+              f"({calibration_path(model)} left as it is)")
+        return calibration
     path = save_calibration(calibration, args.output or calibration_path(model))
     print(f"\ncalibration of {model}: {calibration.describe()}\nwritten to {path}")
     return calibration

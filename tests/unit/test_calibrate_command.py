@@ -28,6 +28,10 @@ def test_calibrate_keeps_a_significant_improvement_and_writes_the_evidence(tmp_p
     no_shift = steps[1]["candidates"][1]
     assert no_shift["value"] == "none" and not no_shift["kept"] and no_shift["diff"] > 0
     assert no_shift["versus"] == "kv" and steps[1]["chosen"] == "kv"
+    # the same comparison per prompt format: one pair each here, both lower
+    assert set(full_context["by_format"]) == {"plain", "document"}
+    assert all(part["wtl"] == [1, 0, 0] and part["diff"] < 0 for part in full_context["by_format"].values())
+    assert sum(part["diff"] for part in full_context["by_format"].values()) / 2 == pytest.approx(full_context["diff"])
     assert calibration.knobs == {"context_ratio": 1.0}  # only what differs from the defaults
     assert calibration.model == "tiny-llama"
     assert calibration.fingerprint == model_fingerprint(assets.model_path("tiny-llama"))
@@ -52,3 +56,13 @@ def test_calibrate_refuses_test_ranges_and_bad_knobs(argv, message, capsys):
     with pytest.raises(SystemExit):
         calibrate.main(base + argv)
     assert message in capsys.readouterr().err
+
+
+def test_calibrate_writes_no_repository_file_when_nothing_is_kept(tmp_path, monkeypatch, capsys):
+    from scripts import calibrate
+
+    monkeypatch.setattr(calibrate, "calibration_path", lambda model: tmp_path / f"{model}.json")
+    calibration = calibrate.main(["--model", "tiny-llama", "--examples", "1", "--tasks", "niah_multivalue",
+                                  "--formats", "plain", "document", "--knob", "stale_shift=none"])
+    assert calibration.knobs == {} and not (tmp_path / "tiny-llama.json").exists()
+    assert "no knob differs from the defaults; nothing written" in capsys.readouterr().out

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from benchmarks import bench_quality, metrics, run_all, workloads
+from benchmarks import bench_quality, metrics, quality_stats, run_all, workloads
 
 # ------------------------------------------------------------ paired statistics
 
@@ -414,7 +414,7 @@ def test_curve_stats_under_weights_equal_the_repeated_rows():
             for i in range(7)]
     units = {("hotpotqa", f"e{i}"): i for i in range(7)}
     weights = np.array([[1] * 7, [0, 3, 1, 0, 2, 1, 0], [0, 0, 0, 0, 0, 0, 7], [2, 0, 0, 1, 0, 0, 1]], dtype=float)
-    ttft, kl = bench_quality._curve_stats(rows, units, weights)[("prophetkv", 0.05)]
+    ttft, kl = quality_stats._curve_stats(rows, units, weights)[("prophetkv", 0.05)]
     for k, w in enumerate(weights):
         repeated = [r for r, times in zip(rows, w) for _ in range(int(times))]
         assert ttft[k] == pytest.approx(statistics.median(r["ttft_s"] for r in repeated))

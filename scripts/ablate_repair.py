@@ -207,12 +207,17 @@ def summarize(rows: list[dict], versus: str) -> list[dict]:
         for name in cell[0]["variants"]:
             kl = [r["variants"][name]["kl"] for r in cell]
             ref = [r["variants"][versus]["kl"] for r in cell]
-            out.append({"format": fmt, "variant": name, "n": len(cell), "kl": statistics.mean(kl),
+            out.append({"format": fmt, "variant": name, "n": len(cell), **paired_kl(kl, ref),
                         "top1": statistics.mean(r["variants"][name]["top1"] for r in cell),
-                        "pairs": statistics.mean(r["variants"][name]["pairs"] for r in cell),
-                        "diff": statistics.mean(k - v for k, v in zip(kl, ref)),
-                        "diff_ci95": metrics.paired_bootstrap_ci(kl, ref), "wtl": metrics.win_counts(kl, ref)})
+                        "pairs": statistics.mean(r["variants"][name]["pairs"] for r in cell)})
     return out
+
+
+def paired_kl(kl: list[float], versus: list[float]) -> dict[str, Any]:
+    """KL per case against ``versus``'s on the same cases: mean KL, paired mean difference, its 95%
+    bootstrap interval (cases resampled), W/T/L."""
+    return {"kl": statistics.mean(kl), "diff": statistics.mean(a - b for a, b in zip(kl, versus)),
+            "diff_ci95": metrics.paired_bootstrap_ci(kl, versus), "wtl": metrics.win_counts(kl, versus)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -32,12 +32,11 @@ import subprocess
 import sys
 from typing import Any
 
-from benchmarks import metrics
 from relaxkv_sglang.core.calibration import (PER_REQUEST_KNOBS, Calibration, calibration_path, changed_knobs,
                                              model_fingerprint, save_calibration)
 from relaxkv_sglang.core.repair_plan import RepairConfig, knob_defaults
-from scripts.ablate_repair import (ReferenceCase, add_case_arguments, dev_split_error, kl_full_vocab, load_reference, parse_knob_value,
-                                   reference_cases)
+from scripts.ablate_repair import (ReferenceCase, add_case_arguments, dev_split_error, kl_full_vocab, load_reference,
+                                   paired_kl, parse_knob_value, reference_cases)
 
 MIN_PAIRS = 2  # a bootstrap interval of one pair is that pair: no evidence
 
@@ -96,11 +95,11 @@ def descend(table: KLTable, knobs: list[tuple[str, list]], rounds: int) -> tuple
                                                "diff": 0.0, "diff_ci95": None, "wtl": None, "kept": False})
                     continue
                 kl = table.kl({**best, name: value})
-                evidence = compare(kl, best_kl)
+                evidence = paired_kl(kl, best_kl)
                 kept = len(kl) >= MIN_PAIRS and evidence["diff"] < 0 and evidence["diff_ci95"] is not None \
                     and evidence["diff_ci95"][1] < 0
                 formats = [c.fmt for c in table.cases]
-                by_format = {fmt: compare(*[[v for v, f in zip(x, formats) if f == fmt] for x in (kl, best_kl)])
+                by_format = {fmt: paired_kl(*[[v for v, f in zip(x, formats) if f == fmt] for x in (kl, best_kl)])
                              for fmt in dict.fromkeys(formats)}
                 step["candidates"].append({"value": value, "versus": current, **evidence, "kept": kept,
                                            "by_format": by_format})
@@ -111,13 +110,6 @@ def descend(table: KLTable, knobs: list[tuple[str, list]], rounds: int) -> tuple
         if not kept_any:
             break
     return best, steps
-
-
-def compare(kl: list[float], versus: list[float]) -> dict[str, Any]:
-    """A candidate's KL per case against the current best's on the same cases: mean KL, paired mean
-    difference, its 95% bootstrap interval, W/T/L."""
-    return {"kl": statistics.mean(kl), "diff": statistics.mean(a - b for a, b in zip(kl, versus)),
-            "diff_ci95": metrics.paired_bootstrap_ci(kl, versus), "wtl": metrics.win_counts(kl, versus)}
 
 
 def git_commit() -> str | None:

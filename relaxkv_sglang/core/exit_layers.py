@@ -193,7 +193,7 @@ def relaxkv_exit_layers(
     weights = layer_weights(L, layer_value)
     elig = eligible_tokens(chunk_spans, n_context)
     exits = torch.zeros(n_context, dtype=torch.long)
-    budget = anchor_budget(anchor_ratio, L * elig.numel())
+    total = budget = anchor_budget(anchor_ratio, L * elig.numel())
     if budget == 0:
         return exits
     s = scores[:, elig].double().clamp(min=0)  # [L, n_elig]
@@ -214,7 +214,7 @@ def relaxkv_exit_layers(
     if markup is not None and markup_share > 0:
         marked = markup[elig] & (exits[elig] == 0)
         order = torch.argsort(-norm.sum(dim=0)[marked], stable=True)  # the query's first
-        n_marked = min(int(marked.sum()), int(markup_share * (budget + n_full * L)) // L, budget // L)
+        n_marked = min(int(marked.sum()), int(markup_share * total) // L, budget // L)
         exits[elig[marked][order[:n_marked]]] = L
         budget -= n_marked * L
     rest = elig[exits[elig] == 0]

@@ -43,7 +43,7 @@ from relaxkv_sglang.core.segments import ChunkSpecError, parse_chunk_offsets
 __all__ = [
     "USER_PREFIX", "RESERVED_PREFIX", "RECORD_KEY", "DEFAULT_POLICY_ENV", "RequestError", "Field",
     "ChunksField", "PolicyField", "RatioField", "CHUNKS", "POLICY", "ANCHOR_RATIO", "CONTEXT_RATIO", "BUDGET",
-    "FIELDS", "FIELD_NAMES", "REPAIR_KNOBS", "PLAN_KEYS", "check_keys", "mentions_fields", "default_policy",
+    "FIELDS", "FIELD_NAMES", "REPAIR_KNOBS", "PLAN_KEYS", "PROMPT_LEN_KEY", "check_keys", "mentions_fields", "default_policy",
     "POLICY_HEADER", "header_policy",
 ]
 
@@ -225,7 +225,11 @@ BUDGET = RatioField(
 FIELDS: tuple[Field, ...] = (CHUNKS, POLICY, ANCHOR_RATIO, CONTEXT_RATIO, BUDGET)
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
 REPAIR_KNOBS: tuple[RatioField, ...] = (ANCHOR_RATIO, CONTEXT_RATIO, BUDGET)
-PLAN_KEYS: tuple[str, ...] = tuple(f.plan_key for f in FIELDS)
+# The length of the prompt the plan's token spans index (internal, set with the spans): SGLang may
+# serve the request on a longer prompt that ends with it (a session turn after its history,
+# ``srt/plan.py``), and the scheduler shifts the spans by the difference.
+PROMPT_LEN_KEY = "_relaxkv_prompt_len"
+PLAN_KEYS: tuple[str, ...] = (*(f.plan_key for f in FIELDS), PROMPT_LEN_KEY)
 
 
 def check_keys(custom_params: Mapping[Any, Any]) -> None:

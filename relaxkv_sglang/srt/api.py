@@ -44,6 +44,7 @@ from relaxkv_sglang.core.segments import split_text, tokenize_parts
 from relaxkv_sglang.schema import (
     CHUNKS,
     POLICY,
+    PROMPT_LEN_KEY,
     RECORD_KEY,
     REPAIR_KNOBS,
     RequestError,
@@ -152,7 +153,8 @@ def plan_item(
     if index is not None and policy in CHUNK_POLICIES:
         index.remember(namespace, segments.chunks)
     flat = [x for span in layout.chunk_spans for x in span]
-    return layout.input_ids, dict(cp, **{POLICY.plan_key: policy, CHUNKS.plan_key: flat}, **knobs)
+    plan = {POLICY.plan_key: policy, CHUNKS.plan_key: flat, PROMPT_LEN_KEY: len(layout.input_ids)}
+    return layout.input_ids, dict(cp, **plan, **knobs)
 
 
 def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput, chunks_refused: str = "",

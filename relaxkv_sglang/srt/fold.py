@@ -16,8 +16,16 @@ inside the extend window:
 
 Prefix, glue and query tokens are computed as usual, attending to everything
 before them. The last token of each request's window, and any token whose
-input logprob was asked for, are always computed normally (SGLang needs their
-logits).
+input logprob was asked for, are always computed (SGLang needs their logits).
+
+**Input logprobs inside a chunk** are those of the chunk's position-independent
+computation, cold or warm: a chunk's KV is what it is. On a miss its rows are
+computed at chunk scope anyway; on a hit the rows SGLang reads (from
+``logprob_start`` on) are computed again at chunk scope, attending to the reused
+KV before them and to one another, so they get the logits and write the KV the
+miss would have (up to the rounding of K's re-rotation). A hit row computed at
+full scope instead would read other logits and write other KV, so the tokens
+generated after it would depend on what the cache held.
 
 **Prompts split across prefill windows** (SGLang's chunked prefill): a chunk is
 looked up in the window that holds the token right after it (the prompt's last
@@ -156,6 +164,7 @@ def _fold_request(cache: "ChunkCache", req: Any, rp: int, pre: int, n: int,
         chunks_seen += 1
         tokens = req.origin_input_ids[cs:ce]
         tier = cache.reuse_chunk(plan.namespace, tokens, row[cs:ce].to(torch.int64), cs)
+        scope[lo:hi] = cs  # a hit row computed after all (input logprobs, below) keeps its chunk scope
         if tier:
             keep[lo:hi] = False  # rows of earlier windows: their KV is overwritten by the copy
             chunks_hit += 1
@@ -163,15 +172,14 @@ def _fold_request(cache: "ChunkCache", req: Any, rp: int, pre: int, n: int,
             if tier != TierName.DEVICE:  # loaded from a lower tier (tree_cache: lower tiers)
                 tier_tokens[tier] = tier_tokens.get(tier, 0) + hi - lo
         else:
-            scope[lo:hi] = cs
             misses.append((tuple(tokens), cs, ce))
-    # SGLang reads logits at the window's last row and input logprobs from
-    # `logprob_start` on; those rows must be computed, normally.
+    # SGLang reads logits at the window's last row and input logprobs from `logprob_start` on, so
+    # those rows must be computed. A hit row among them is computed as its miss would be, at its
+    # chunk scope over the reused KV: the same computation cold and warm (module doc).
     must = n - 1 if logprob_start is None else min(logprob_start, n - 1)
     for i in range(must, n):
         if not keep[i]:
             keep[i] = True
-            scope[i] = 0
             hit_tokens -= 1
     kept = keep.nonzero().flatten()
     return RequestFold(req, rp, pre, n, kept, scope[kept], plan, logprob_start, hit_tokens, chunks_seen,

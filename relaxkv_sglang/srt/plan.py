@@ -16,6 +16,15 @@ gives such a request no plan, so the fold, the repair, the pins and the radix pu
 stub as SGLang does without the plugin, and the batch's other requests are folded and repaired as
 if it were not there.
 
+**Session turns.** A request with ``session_params`` (SGLang's ``Session.create_req``,
+``sglang/srt/session/session_controller.py``) is served on its session's earlier turns (their prompt
+and output, maybe cut at ``offset``) followed by the new turn's ids, less a leading BOS: the planned
+prompt is always the tail of the served one. The HTTP side records the planned prompt's length
+(:data:`~relaxkv_sglang.schema.PROMPT_LEN_KEY`) and :func:`_parsed_plan` shifts the spans by what
+was prepended, so the turn's documents are its chunks wherever its history ends, and the history
+is the exact prefix before them. (The shift holds with the BOS stripped too: the chunks never hold
+position 0, where the prefix keeps the BOS.)
+
 What the scheduler keeps of a request between its steps is one :class:`RequestState` on the
 request itself (:func:`request_state`): its parsed plan, its chunks' keys, whether its chunks'
 prefetch was started. What one forward decides for it travels through the forward's stages
@@ -29,7 +38,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Optional
 
 from relaxkv_sglang.core.policies import CHUNK_POLICIES, REPAIR_POLICIES
-from relaxkv_sglang.schema import CHUNKS, POLICY, RECORD_KEY, REPAIR_KNOBS
+from relaxkv_sglang.schema import CHUNKS, POLICY, PROMPT_LEN_KEY, RECORD_KEY, REPAIR_KNOBS
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -140,7 +149,11 @@ def _parsed_plan(req: Req) -> Optional[RequestPlan]:
     if POLICY.plan_key not in params:
         return None
     flat = list(params.get(CHUNKS.plan_key) or [])
-    spans = tuple((int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2))
+    planned_len = params.get(PROMPT_LEN_KEY)
+    # what SGLang prepended to the planned prompt (a session's history, module doc); a shorter
+    # prompt (an abort stub) keeps the spans, which then do not fit it
+    shift = max(len(req.origin_input_ids) - int(planned_len), 0) if planned_len is not None else 0
+    spans = tuple((int(flat[i]) + shift, int(flat[i + 1]) + shift) for i in range(0, len(flat), 2))
     knobs = {f.config_attr: params.get(f.plan_key) for f in REPAIR_KNOBS}
     knobs = {k: float(v) if v is not None else None for k, v in knobs.items()}
     return RequestPlan(str(params[POLICY.plan_key]), spans, request_namespace(req), **knobs)

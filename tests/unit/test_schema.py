@@ -90,7 +90,7 @@ def test_docs_policy_table_lists_the_server_policies():
 
 def test_names_prefixes_and_plan_keys():
     assert len(set(schema.FIELD_NAMES)) == len(FIELDS)
-    assert len(set(schema.PLAN_KEYS)) == len(FIELDS)
+    assert len(set(schema.PLAN_KEYS)) == len(FIELDS) + 1  # the fields and the planned prompt length
     for field in FIELDS:
         assert field.name.startswith(schema.USER_PREFIX)
         assert field.plan_key.startswith(schema.RESERVED_PREFIX)
@@ -220,6 +220,27 @@ def test_plan_keys_round_trip_from_the_http_side_to_the_scheduler():
     # SGLang's abort (set_finish_with_abort) swaps the prompt for a one-token stub: no plan then
     req.origin_input_ids = [0]
     assert request_plan(req) is None
+
+
+@pytest.mark.parametrize("bos_stripped", [False, True])
+def test_a_session_turn_plans_its_chunks_after_the_history(bos_stripped):
+    """SGLang serves a session turn on its history + the turn's ids (less a leading BOS,
+    ``Session.create_req``): the spans move by what was prepended and still hold the same tokens."""
+    from relaxkv_sglang.srt.api import plan_item
+    from relaxkv_sglang.srt.plan import request_plan
+
+    def encode(text: str, add_special_tokens: bool) -> list[int]:
+        return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+
+    text = "Sys. DOC ONE. DOC TWO. Q?"
+    ids, planned = plan_item(text, {"custom_params": {CHUNKS.name: [5, 13, 14, 22], POLICY.name: "pic"}},
+                             encode, 1 << 20, DEFAULT_POLICY)
+    history = [1] + [ord(c) for c in "an earlier turn and its answer"]
+    served = history + (ids[1:] if bos_stripped else ids)
+    req = types.SimpleNamespace(sampling_params=types.SimpleNamespace(custom_params=planned), origin_input_ids=served)
+    plan = request_plan(req)
+    assert [served[s:e] for s, e in plan.chunk_spans] == [encode("DOC ONE.", False), encode("DOC TWO.", False)]
+    assert plan.exact_len > len(history)  # the history is the exact prefix
 
 
 def test_plan_item_reports_the_first_bad_field():

@@ -25,7 +25,7 @@ import pytest
 import torch
 from conftest import STRICT_MEMORY_CHECK
 from rag_helpers import SERVER_START_TIMEOUT_S, documents, flush, marked_prompt, relaxkv_state
-from test_tiers import _ask, _recompute, _same_output
+from test_tiers import _ask, _recompute, _reload_is_a_copy, _same_output
 from test_tiers import _wait_writes as wait_writes
 
 from relaxkv_sglang.core.tiers import ChunkRecord, ValueLayout, chunk_key, encode_value
@@ -56,7 +56,7 @@ def _from_store(out: dict, n_chunks: int) -> None:
     rec = out["meta_info"]["relaxkv"]
     assert rec["chunks_hit"] == n_chunks and rec["chunk_tokens_reused"] > 0, rec
     assert rec["chunk_tokens_from_host"] == rec["chunk_tokens_from_disk"] == 0
-    assert rec.get("chunk_tokens_from_hicache", rec["chunk_tokens_reused"]) == rec["chunk_tokens_reused"]
+    assert rec["chunk_tokens_from_hicache"] == rec["chunk_tokens_reused"], rec  # a KeyError if not reported
     assert out["meta_info"]["cached_tokens_details"]["storage"] == rec["chunk_tokens_reused"]
 
 
@@ -87,6 +87,7 @@ def test_two_servers_share_chunks_through_mooncake_and_a_restart_serves_them(tin
         out = _ask(b.url, again)  # B's first request for A's documents
         _from_store(out, 4)
         assert relaxkv_state(b.url)["tier_hicache_loads"] == 4
+        _reload_is_a_copy(b.url, again, out)
         _same_output(out, _recompute(b.url, again))
 
         # tenant isolation across servers: only tenant A's requests find tenant A's chunks

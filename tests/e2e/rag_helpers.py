@@ -39,6 +39,34 @@ def marked_prompt(system: str, documents: list[str], question: str, *, glue: boo
     return MarkedPrompt(text + question, offsets)
 
 
+# What surrounds each document in layout_prompt: (before it, after it).
+LAYOUT_FRAMES = {"blank": ("", "\n\n"), "lines": ("", "\n"), "numbered": ("[{n}] ", "\n\n"),
+                 "tagged": ("<doc>\n", "\n</doc>\n")}
+
+
+def layout_prompt(system: str, documents: list[str], question: str, layout: str = "blank") -> MarkedPrompt:
+    """System prompt, documents, question, written as RAG frameworks do (the offsets mark the
+    documents): ``blank`` lines between them, one per line (``lines``), ``[n]``-``numbered``, or
+    ``tagged`` ``<doc>...</doc>``."""
+    before, after = LAYOUT_FRAMES[layout]
+    text, offsets = (system + "\n\n") if system else "", []
+    for n, doc in enumerate(documents, 1):
+        text += before.format(n=n)
+        offsets += [len(text), len(text) + len(doc)]
+        text += doc + after
+    return MarkedPrompt(text + question, offsets)
+
+
+def mid_word_offset(text: str, near: int) -> int:
+    """The offset nearest ``near`` (``0 < near < len(text)``) that falls inside a word (a letter or
+    digit on both sides), or ``near`` itself when the text has none."""
+    for d in range(len(text)):
+        for i in (near - d, near + d):
+            if 0 < i < len(text) and text[i - 1].isalnum() and text[i].isalnum():
+                return i
+    return near
+
+
 @functools.lru_cache(maxsize=1)
 def essay_paragraphs() -> tuple[str, ...]:
     """Real paragraphs (the Paul Graham essays), long enough to be chunks."""

@@ -1,0 +1,156 @@
+"""A cache changes speed, never answers: one example per server bug the property found.
+
+The property (``tests/e2e/test_request_options_property.py``) sends random requests under several
+cache histories; each bug it found (or issue 46 reported) is kept here as a named example on the
+session's relaxkv server (tiny model), so that it stays fixed whatever the property draws:
+
+* input logprobs inside chunks (``logprob_start_len`` 0 or inside a chunk; ``/v1/completions``
+  with ``echo`` + ``logprobs``): a warm request recomputed the rows it read at full scope where a
+  cold one computed them at chunk scope, and generated other tokens (issue 46 item 1, ``srt/fold.py``);
+* session turns: the plan's spans were built on the new turn alone, so a turn whose documents
+  were warm reused none of them and published history fragments as chunks (item 2, ``srt/plan.py``);
+* discovery: an unmarked prompt's documents, once marked by a request of the same namespace, were
+  found whole where before the block rules had cut them in pieces, so the prompt's chunking, and
+  its answer, depended on what was sent before (and survived ``/flush_cache``; item 3,
+  ``core/doc_index.py``).
+
+Each test compares the same request sent cold (after ``/flush_cache``) and under another history:
+equal output ids, output and input logprobs within :data:`LOGPROB_ABS`, and equal chunking.
+Each runs in a namespace of its own (a fresh ``cache_salt``), so what other tests sent cannot matter.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import requests
+from rag_helpers import documents, essay_paragraphs, flush, marked_prompt, part_token_ids
+
+pytestmark = pytest.mark.e2e
+
+LOGPROB_ABS = 1e-4
+TIMEOUT_S = 120
+
+
+def fresh_namespace() -> dict:
+    """A ``cache_salt`` no other request used: an empty chunk tree and document index."""
+    return {"cache_salt": f"regression-{uuid.uuid4().hex}"}
+
+
+def post(url: str, route: str, body: dict) -> dict:
+    response = requests.post(url + route, json=body, timeout=TIMEOUT_S)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def logprobs(rows) -> list:
+    """SGLang's ``[[logprob, token_id, text], ...]`` as ``(logprob, token_id)``."""
+    return [(row[0], row[1]) for row in rows or []]
+
+
+def assert_same_logprobs(cold: list, warm: list, what: str) -> None:
+    assert len(cold) == len(warm), f"{what}: {len(cold)} vs {len(warm)} entries"
+    for i, ((a, ta), (b, tb)) in enumerate(zip(cold, warm)):
+        assert ta == tb, f"{what}[{i}]: token {ta!r} vs {tb!r}"
+        assert (a is None and b is None) or abs(a - b) <= LOGPROB_ABS, f"{what}[{i}]: {a} cold vs {b} warm"
+
+
+def assert_same_answer(cold: dict, warm: dict) -> None:
+    """Equal output ids, output/input logprobs within 1e-4, equal chunking (``chunks_seen``)."""
+    assert warm["output_ids"] == cold["output_ids"]
+    for key in ("output_token_logprobs", "input_token_logprobs"):
+        assert_same_logprobs(logprobs(cold["meta_info"].get(key)), logprobs(warm["meta_info"].get(key)), key)
+    assert warm["meta_info"]["relaxkv"]["chunks_seen"] == cold["meta_info"]["relaxkv"]["chunks_seen"]
+
+
+@pytest.fixture
+def url(relaxkv_server) -> str:
+    return relaxkv_server.url
+
+
+@pytest.mark.parametrize("policy", ["pic", "relaxkv", "prophetkv"])
+@pytest.mark.parametrize("start", ["zero", "inside_second_chunk"])
+def test_input_logprobs_inside_chunks_are_the_same_cold_and_warm(url, tokenizer, policy, start):
+    prompt = marked_prompt("Answer from the documents.", documents(3, seed=91), "Question: what?")
+    spans = part_token_ids(tokenizer, prompt).chunk_spans
+    logprob_start = 0 if start == "zero" else (spans[1][0] + spans[1][1]) // 2
+    body = {"text": prompt.text, "return_logprob": True, "logprob_start_len": logprob_start, **fresh_namespace(),
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                "custom_params": {"relaxkv_chunks": prompt.offsets, "relaxkv_policy": policy}}}
+    flush(url)
+    cold = post(url, "/generate", body)
+    warm = post(url, "/generate", body)
+    assert (cold["meta_info"]["relaxkv"]["chunks_hit"], warm["meta_info"]["relaxkv"]["chunks_hit"]) == (0, 3)
+    assert_same_answer(cold, warm)
+
+
+@pytest.mark.parametrize("policy", ["pic", "relaxkv"])
+def test_completions_echo_logprobs_are_the_same_cold_and_warm(url, policy):
+    prompt = marked_prompt("Answer from the documents.", documents(2, seed=92), "Question: what?")
+    body = {"model": "tiny", "prompt": prompt.text, "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 2,
+            **fresh_namespace(), "custom_params": {"relaxkv_chunks": prompt.offsets, "relaxkv_policy": policy}}
+    flush(url)
+    cold, warm = (post(url, "/v1/completions", body)["choices"][0] for _ in range(2))
+    assert warm["text"] == cold["text"]
+    pairs = [list(zip(c["logprobs"]["token_logprobs"], c["logprobs"]["tokens"])) for c in (cold, warm)]
+    assert len(pairs[0]) > 6  # the prompt's tokens are echoed with their logprobs
+    assert_same_logprobs(*pairs, "token_logprobs")
+
+
+def session_turns(url: str, first: dict, second: dict) -> tuple[dict, dict]:
+    """Two turns of a newly opened session, the second continuing the first (closed after)."""
+    response = requests.post(url + "/open_session", json={"capacity_of_str_len": 1 << 20}, timeout=60)
+    assert response.status_code == 200, response.text
+    session_id, rid = response.json(), f"turn1-{uuid.uuid4().hex}"
+    try:
+        one = post(url, "/generate", dict(first, rid=rid, session_params={"id": session_id}))
+        two = post(url, "/generate", dict(second, rid=f"turn2-{uuid.uuid4().hex}",
+                                          session_params={"id": session_id, "rid": rid}))
+        return one, two
+    finally:
+        requests.post(url + "/close_session", json={"session_id": session_id}, timeout=60)
+
+
+@pytest.mark.parametrize("policy", ["pic", "relaxkv"])
+def test_a_session_turn_answers_the_same_with_its_documents_warm(url, policy):
+    docs = documents(4, seed=93)
+    namespace = fresh_namespace()
+
+    def turn(prompt, max_new_tokens):
+        return {"text": prompt.text, "return_logprob": True, **namespace,
+                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
+                                    "custom_params": {"relaxkv_chunks": prompt.offsets, "relaxkv_policy": policy}}}
+
+    first = turn(marked_prompt("Answer from the documents.", docs[:1], "Q?"), 3)
+    second = turn(marked_prompt("", docs[2:4], "And now?"), 6)
+    flush(url)
+    cold = session_turns(url, first, second)
+    flush(url)
+    warm_docs = marked_prompt("Another system prompt.", docs[2:4][::-1], "Q?")  # the turn's documents, reordered
+    post(url, "/generate", {**turn(warm_docs, 1)})
+    warm = session_turns(url, first, second)
+    assert [t["meta_info"]["relaxkv"]["chunks_hit"] for t in (cold[1], warm[1])] == [0, 2]
+    for c, w in zip(cold, warm):
+        assert_same_answer(c, w)
+
+
+def structured_documents(n: int) -> list[str]:
+    """Essay paragraphs with structure inside (a quoted ``>`` line, a ``**heading**``): the block
+    rules cut them in several pieces where a document index holding them finds them whole."""
+    return [p for p in essay_paragraphs() if "\n>" in p or "**" in p][:n]
+
+
+def test_an_unmarked_prompt_chunks_the_same_after_its_documents_were_marked(url):
+    docs = structured_documents(3)
+    namespace = fresh_namespace()
+    body = {"text": marked_prompt("You are terse.", docs, "Q?").text, "return_logprob": True, **namespace,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "custom_params": {"relaxkv_policy": "pic"}}}
+    flush(url)
+    cold = post(url, "/generate", body)
+    marked = marked_prompt("Another system prompt.", docs[::-1], "Q?")  # the same namespace marks them
+    post(url, "/generate", {"text": marked.text, **namespace, "sampling_params": {
+        "max_new_tokens": 1, "custom_params": {"relaxkv_chunks": marked.offsets, "relaxkv_policy": "pic"}}})
+    flush(url)
+    after = post(url, "/generate", body)
+    assert_same_answer(cold, after)

@@ -51,9 +51,9 @@ Standard library only.
 
 from __future__ import annotations
 
+import itertools
 import re
-from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from typing import Iterator, Literal, NamedTuple, Optional, Sequence
 
 __all__ = ["Block", "BlockKind", "DOC_LABELS", "QUESTION_KEYS", "MAX_META_CHARS", "MAX_TITLE_CHARS", "find_blocks",
            "candidate_spans"]
@@ -71,24 +71,49 @@ MAX_META_CHARS = 160  # a "key: value" line longer than this is text (e.g. "Titl
 _ROLES = r"(?:system|user|assistant|human|ai|model|developer|tool|bot)"
 _LABEL_ALT = "|".join(re.escape(w) for w in sorted(DOC_LABELS, key=len, reverse=True))
 
-_RULE = re.compile(r"[ \t]*(?:-{3,}|={3,}|\*{3,}|_{3,}|~{3,})[ \t]*")
-_HEADING = re.compile(r"[ \t]*#{1,6}[ \t]+\S.*")
-_META = re.compile(r"[ \t]*[A-Za-z_][\w.\-]{0,40}:(?:[ \t].*)?")
-_QUESTION = re.compile(rf"[ \t]*(?:{'|'.join(QUESTION_KEYS)})[ \t]*:[ \t]*\S.*", re.I)
-_TAG = r"<[^<>\n]{1,64}>"
-_TAG_LINE = re.compile(rf"[ \t]*(?:{_TAG}[ \t]*)+(?:{_ROLES}[ \t]*(?:{_TAG}[ \t]*)*)?", re.I)
-_LEAD_TAGS = re.compile(rf"[ \t]*(?:{_TAG}[ \t]*)+")
-_TRAIL_TAGS = re.compile(rf"(?:[ \t]*{_TAG})+[ \t]*$")
+# The line patterns are matched anchored (``match`` / ``fullmatch``), and a run that what follows it
+# cannot continue is possessive (``*+``, ``++``, ``{m,n}+``: no backtracking into it), so one
+# match costs O(line): a line of 100K spaces or tags fails at once instead of retrying every split.
+_RULE = re.compile(r"[ \t]*+(?:-{3,}+|={3,}+|\*{3,}+|_{3,}+|~{3,}+)[ \t]*+")
+_HEADING = re.compile(r"[ \t]*+#{1,6}+[ \t]++\S.*")
+_META = re.compile(r"[ \t]*+[A-Za-z_][\w.\-]{0,40}+:(?:[ \t].*)?")
+_QUESTION = re.compile(rf"[ \t]*+(?:{'|'.join(QUESTION_KEYS)})[ \t]*+:[ \t]*+\S.*", re.I)
+_TAG = r"<[^<>\n]{1,64}+>"
+_TAG_LINE = re.compile(rf"[ \t]*+(?:{_TAG}[ \t]*+)++(?:{_ROLES}[ \t]*+(?:{_TAG}[ \t]*+)*+)?", re.I)
+_LEAD_TAGS = re.compile(rf"[ \t]*+(?:{_TAG}[ \t]*+)++")
+# Trailing tags are matched on the reversed line, anchored at its start (``search`` for a
+# ``$``-anchored pattern retries every start position: quadratic on a long line of tags).
+_TRAIL_TAGS_REVERSED = re.compile(r"[ \t]*+(?:>[^<>\n]{1,64}+<[ \t]*+)++")
 _NUMBER = r"(?:#?\d{1,4}|\[\d{1,4}\])"
 _MARKER = re.compile(  # "[3] ", "(3) ", "Document 3: ", "Document [3]. ", "Sources: "
-    rf"[ \t]*(?:[\[(]\d{{1,4}}[\])](?=\s|$)|(?:{_LABEL_ALT})[ \t]*(?:{_NUMBER}[ \t]*(?:[:.)\]\-]|$)|:))[ \t]*", re.I)
-_SENTENCE_END = re.compile(r"[.!?\u3002\uff01\uff1f][\"'\u201d\u2019)\]]*\s*$")
-_NOT_TITLE_END = re.compile(r"[:,;]\s*$")
+    rf"[ \t]*+(?:[\[(]\d{{1,4}}[\])](?=\s|$)|(?:{_LABEL_ALT})[ \t]*+(?:{_NUMBER}[ \t]*+(?:[:.)\]\-]|$)|:))[ \t]*+",
+    re.I)
+# Searched over a line (unanchored), but every start is a stop or a colon and runs from there to
+# the line's end: the runs after two starts do not overlap, so the search is linear.
+_SENTENCE_END = re.compile(r"[.!?\u3002\uff01\uff1f][\"'\u201d\u2019)\]]*+\s*+$")
+_NOT_TITLE_END = re.compile(r"[:,;]\s*+$")
+_BLANK_LINES = re.compile(r"(?:[^\S\n]*+\n)++")  # whitespace-only lines, each with its newline
+# First characters (after spaces and tabs) that can start a pattern: the others are not tried.
+_RULE_CHARS = "-=*_~"
+_META_START = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz_")
+# ASCII characters no marker starts with (a marker opens with "[", "(" or a label's first letter,
+# in either case; a non-ASCII character is always tried, as re.I folds some onto ASCII letters)
+_NO_MARKER_START = frozenset(chr(i) for i in range(128)) - set("[(") - {
+    x for w in DOC_LABELS for x in (w[0].lower(), w[0].upper())}
+_STOPS = frozenset(".!?\u3002\uff01\uff1f")  # a trimmed line ending in one ends a sentence
+_CLOSERS = frozenset("\"'\u201d\u2019)]")  # ... and one ending in one of these may (quotes after the stop)
+# Lines that may be separators or carry a marker or tags (a superset: each is then looked at on
+# its own): blank; opening (after spaces and tabs) with a rule, heading or tag character, a
+# bracket, a document label or an identifier and a colon; or ending in ">". Every alternative
+# starts at a line start and reads at most that line: one search costs O(text searched).
+_MAYBE_SEPARATOR = re.compile(
+    rf"^(?:[^\S\n]*+$|[ \t]*+(?:[-=*_~#<\[(]|(?:{_LABEL_ALT})|[A-Za-z_][\w.\-]{{0,40}}+:)|[^\n]*?>[ \t]*+$)",
+    re.I | re.M)
 
 
-@dataclass(frozen=True)
-class Block:
-    """A piece of a prompt: ``text[start:end]``, trimmed; ``kind`` "text", "label" or "markup"."""
+class Block(NamedTuple):
+    """A piece of a prompt: ``text[start:end]``, trimmed; ``kind`` "text", "label", "meta",
+    "question" or "markup". (A named tuple: one is made per separator line, cheaply.)"""
 
     start: int
     end: int
@@ -100,111 +125,165 @@ def _special_tag(piece: str) -> bool:
     return "|" in piece or "_of_" in piece or "header" in piece
 
 
-def _line_pieces(text: str, s: int, e: int) -> list[tuple[int, int, str]]:
+def _trailing_tags(line: str) -> int:
+    """Where the markup tags (and the spaces around them) that end ``line`` start; ``len(line)``
+    if it does not end in a tag. One anchored match over the reversed line: linear."""
+    m = _TRAIL_TAGS_REVERSED.match(line[::-1])
+    return len(line) - m.end() if m is not None else len(line)
+
+
+def _line_pieces(text: str, s: int, e: int) -> Optional[list[tuple[int, int, str]]]:
     """(start, end, kind) pieces of the line ``text[s:e]``; kind "text", "own" (text after a marker:
-    a block of its own), "label", "question", "markup" or "blank"."""
+    a block of its own), "label", "question", "markup" or "blank". Every piece but "text", "own"
+    and "blank" is trimmed. None: the whole line is text (the common case; no list is built).
+
+    Each pattern is tried only when the line's first character after spaces and tabs (``c``) can
+    start it, so a line of prose costs two string methods and at most two anchored matches."""
     line = text[s:e]
-    if not line.strip():
+    body = line.lstrip(" \t")
+    if not body.strip():
         return [(s, e, "blank")]
-    if _RULE.fullmatch(line) or _HEADING.fullmatch(line):
-        return [(s, e, "label")]
-    if _TAG_LINE.fullmatch(line):
-        return [(s, e, "markup" if _special_tag(line) or not _LEAD_TAGS.fullmatch(line) else "label")]
+    c = body[0]
+    kind = None
+    if (c in _RULE_CHARS and _RULE.fullmatch(line)) or (c == "#" and _HEADING.fullmatch(line)):
+        kind = "label"
+    elif c == "<" and _TAG_LINE.fullmatch(line):
+        kind = "markup" if _special_tag(line) or not _LEAD_TAGS.fullmatch(line) else "label"
+    marker = _MARKER.match(line) if kind is None and c not in _NO_MARKER_START else None
+    if (kind is None and marker is None and len(line) <= MAX_META_CHARS and c in _META_START
+            and _META.fullmatch(line)):
+        kind = "question" if _QUESTION.fullmatch(line) else "meta"
+    if kind is not None:  # the whole line, trimmed
+        trimmed_start = s + len(line) - len(line.lstrip())
+        return [(trimmed_start, s + len(line.rstrip()), kind)]
+    lead = marker or (_LEAD_TAGS.match(line) if c == "<" else None)
+    trailing = body.rstrip(" \t").endswith(">")
+    if lead is None and not trailing:
+        return None
     pieces: list[tuple[int, int, str]] = []
-    marker = _MARKER.match(line)
-    if marker is None and len(line) <= MAX_META_CHARS and _META.fullmatch(line):
-        return [(s, e, "question" if _QUESTION.fullmatch(line) else "meta")]
-    lead = marker or _LEAD_TAGS.match(line)
     if lead is not None and lead.end() > 0:
         kind = "markup" if marker is None and _special_tag(lead.group()) else "label"
-        pieces.append((s, s + lead.end(), kind))
+        pieces.append((*_trim(text, s, s + lead.end()), kind))
         s += lead.end()
         line = text[s:e]
     text_kind = "own" if marker is not None else "text"
-    trail = _TRAIL_TAGS.search(line)
-    if trail is not None and trail.start() > 0:
-        pieces.append((s, s + trail.start(), text_kind))
-        pieces.append((s + trail.start(), e, "markup" if _special_tag(trail.group()) else "label"))
+    trail = _trailing_tags(line) if trailing else len(line)
+    if 0 < trail < len(line):
+        pieces.append((s, s + trail, text_kind))
+        pieces.append((*_trim(text, s + trail, e), "markup" if _special_tag(line[trail:]) else "label"))
     elif line.strip():
         pieces.append((s, e, text_kind))
     return pieces
 
 
 def _trim(text: str, s: int, e: int) -> tuple[int, int]:
-    while s < e and text[s].isspace():
-        s += 1
-    while e > s and text[e - 1].isspace():
-        e -= 1
-    return s, e
+    """``(s, e)`` less the whitespace at both ends (``(e, e)`` if all of it is)."""
+    piece = text[s:e]
+    kept = piece.strip()
+    if not kept:
+        return e, e
+    s += len(piece) - len(piece.lstrip())
+    return s, s + len(kept)
 
 
 def _region_blocks(text: str, start: int, end: int) -> list[Block]:
-    """Rules 1-2 over ``text[start:end]``."""
+    """Rules 1-2 over ``text[start:end]``.
+
+    Only the region's first line and the lines :data:`_MAYBE_SEPARATOR` finds are looked at one by
+    one (:func:`_line_pieces`); the text lines between them join the current text block at once."""
     blocks: list[Block] = []
-    run: Optional[list[int]] = None  # [start, end] of the text block being built
+    run_start = run_end = -1  # the text block being built (run_start < 0: none)
 
     def close() -> None:
         """End the current text block, if any."""
-        nonlocal run
-        if run is not None:
-            s, e = _trim(text, run[0], run[1])
+        nonlocal run_start
+        if run_start >= 0:
+            s, e = _trim(text, run_start, run_end)
             if s < e:
                 blocks.append(Block(s, e, "text"))
-            run = None
+            run_start = -1
 
-    pos = start
+    pos, line_start = start, start  # the first line is always looked at ("^" needs a newline before)
     while pos < end:
-        nl = text.find("\n", pos, end)
+        if line_start < 0:
+            m = _MAYBE_SEPARATOR.search(text, pos, end)
+            line_start = end if m is None else m.start()
+            if line_start > pos:  # text lines only, up to the newline before line_start (or the end)
+                if run_start < 0:
+                    run_start = pos
+                run_end = line_start - 1 if m is not None else end
+                if m is None:
+                    break
+        nl = text.find("\n", line_start, end)
         line_end = end if nl < 0 else nl
-        for s, e, kind in _line_pieces(text, pos, line_end):
+        pieces = _line_pieces(text, line_start, line_end)
+        if pieces is None:  # a text line after all
+            if run_start < 0:
+                run_start = line_start
+            run_end = line_end
+        pos, line_start = line_end + 1, -1
+        if pieces is None:
+            continue
+        for s, e, kind in pieces:
             if kind == "text":
-                run = [s, e] if run is None else [run[0], e]
+                if run_start < 0:
+                    run_start = s
+                run_end = e
                 continue
-            close()
-            if kind == "own":
-                run = [s, e]
+            if run_start >= 0:
                 close()
-            elif kind != "blank":
-                s, e = _trim(text, s, e)
-                if s < e:
-                    blocks.append(Block(s, e, kind))  # type: ignore[arg-type]
-        pos = line_end + 1
+            if kind == "own":
+                run_start, run_end = s, e
+                close()
+            elif kind == "blank":
+                blank = _BLANK_LINES.match(text, pos, end)  # the blank lines after it, at once
+                if blank is not None:
+                    pos = blank.end()
+            elif s < e:
+                blocks.append(Block(s, e, kind))  # type: ignore[arg-type]
     close()
     return blocks
 
 
-def _lines(text: str, block: Block) -> list[tuple[int, int]]:
-    """The trimmed, non-empty lines of a text block."""
-    out, pos = [], block.start
-    while pos <= block.end:
-        nl = text.find("\n", pos, block.end)
-        line_end = block.end if nl < 0 else nl
-        s, e = _trim(text, pos, line_end)
-        if s < e:
-            out.append((s, e))
-        pos = line_end + 1
-    return out
-
-
 def _finer(text: str, block: Block, min_chunk_chars: int) -> list[Block]:
-    """Rule 3: one document per line, or titled blocks."""
-    lines = _lines(text, block)
-    if len(lines) < 2:
+    """Rule 3: one document per line, or titled blocks. Per line only string methods and
+    comprehensions; offsets are computed for the lines a cut needs."""
+    raw = text[block.start:block.end].split("\n")
+    if len(raw) < 2:
         return [block]
-    ends = [bool(_SENTENCE_END.search(text[s:e])) for s, e in lines]
-    if all(ends) and sum(e - s >= min_chunk_chars for s, e in lines) >= 2:
-        return [Block(s, e, "text") for s, e in lines]
-    cuts = [0]
-    for i in range(1, len(lines) - 1):
-        s, e = lines[i]
-        if (ends[i - 1] and not ends[i] and e - s <= min(MAX_TITLE_CHARS, min_chunk_chars)
-                and 2 * (e - s) <= lines[i + 1][1] - lines[i + 1][0]
-                and not text[s].islower() and not _NOT_TITLE_END.search(text[s:e])):
-            cuts.append(i)
+    kept = [line.strip() for line in raw]
+    if "" in kept:  # a text block holds no blank line (one ends it), but stay exact if it did
+        keep = [i for i, k in enumerate(kept) if k]
+        raw_starts = list(_line_starts(raw, block.start))
+        raw, kept = [raw[i] for i in keep], [kept[i] for i in keep]
+        starts = [raw_starts[i] for i in keep]
+        if len(raw) < 2:
+            return [block]
+    else:
+        starts = list(_line_starts(raw, block.start))
+
+    def span(i: int) -> tuple[int, int]:
+        """Line ``i``'s trimmed offsets."""
+        s = starts[i] + len(raw[i]) - len(raw[i].lstrip())
+        return s, s + len(kept[i])
+
+    lens = [len(k) for k in kept]
+    ends = [k[-1] in _STOPS or (k[-1] in _CLOSERS and _SENTENCE_END.search(k) is not None) for k in kept]
+    if all(ends) and sum(n >= min_chunk_chars for n in lens) >= 2:
+        return [Block(*span(i), "text") for i in range(len(kept))]
+    limit = min(MAX_TITLE_CHARS, min_chunk_chars)
+    cuts = [0] + [i for i in range(1, len(kept) - 1)
+                  if ends[i - 1] and not ends[i] and lens[i] <= limit and 2 * lens[i] <= lens[i + 1]
+                  and not kept[i][0].islower() and not _NOT_TITLE_END.search(kept[i])]
     if len(cuts) == 1:
         return [block]
-    bounds = cuts + [len(lines)]
-    return [Block(lines[a][0], lines[b - 1][1], "text") for a, b in zip(bounds, bounds[1:])]
+    bounds = cuts + [len(kept)]
+    return [Block(span(a)[0], span(b - 1)[1], "text") for a, b in zip(bounds, bounds[1:])]
+
+
+def _line_starts(lines: list[str], start: int) -> Iterator[int]:
+    """Where each of ``lines`` (a text split at newlines, beginning at ``start``) begins."""
+    return itertools.accumulate((len(line) + 1 for line in lines[:-1]), initial=start)
 
 
 def find_blocks(text: str, regions: Optional[Sequence[tuple[int, int]]] = None, *,

@@ -1,31 +1,40 @@
-"""Chunk discovery in unmarked prompts: documents seen before, found anywhere, and new ones.
+"""Chunk discovery in unmarked prompts: new documents by their structure, at token boundaries.
 
 A prompt that marks no documents is split into chunks by :func:`discover_chunks`:
 
-1. **Known documents.** :class:`DocumentIndex` holds the texts the server has planned as chunks
-   (bounded, least recently used first out, one namespace per tenant). Each document ``D`` is
-   filed under one *anchor window*: with ``a`` the first offset ``>= 1`` right after a *boundary*
-   character (whitespace or punctuation, :data:`BOUNDARY`), the key is ``D[a : a + W]``
+1. **Documents by structure** (always). :mod:`relaxkv_sglang.core.doc_blocks` cuts the prompt
+   into blocks along the structures frameworks write and names the blocks that are documents.
+2. **Token boundaries** (always, in the server). Every chunk starts and ends on a *boundary* of
+   the prompt's own tokenization with the server's tokenizer (:func:`token_boundaries`: an
+   offset no token straddles): a candidate span is trimmed and moved inward to the nearest
+   boundaries, then trimmed of what whitespace still ends on one, and kept if still
+   ``min_chunk_chars`` long. So a chunk never cuts a word or a special token in two, and its
+   text, tokenized on its own, is the tokens the whole prompt has there (for tokenizers whose
+   pieces do not depend on what precedes them).
+3. **Documents seen before** (opt-in: the server's ``RELAXKV_DISCOVERY_INDEX=1``).
+   :class:`DocumentIndex` holds chunks discovered in earlier unmarked prompts (never a client's
+   marks), bounded, least recently used first out, one namespace per tenant. Each document ``D``
+   is filed under one *anchor window*: with ``a`` an offset ``>= 1`` right after a *boundary
+   character* (whitespace or punctuation, :data:`BOUNDARY`), the key is ``D[a : a + W]``
    (``W`` = ``window`` code points). If ``D`` occurs in a prompt ``T`` at ``s``, then
    ``T[s + a - 1] = D[a - 1]`` is a boundary character, so ``s + a`` is one of the positions
    right after a boundary character in ``T``, whatever surrounds ``D``. A search visits exactly
    those positions ``p``, looks ``T[p : p + W]`` up in the namespace's table and checks every
-   candidate ``(D, a)`` exactly: ``T[p - a : p - a + len(D)] == D``. So a hit is always the
-   stored text, character for character, and the same text tokenizes to the same ids (each
-   chunk is tokenized on its own), which are the chunk store's key. Of overlapping hits the
-   longest are kept (greedy, longest first); with regions given, a hit must lie inside one.
-   Cost: one pass of a compiled regex and one dict lookup per boundary position, plus one
-   string comparison per candidate: linear in the prompt for a bounded number of documents per
-   key (:attr:`DocumentIndex.max_per_key`).
-2. **New documents.** :mod:`relaxkv_sglang.core.doc_blocks` cuts the prompt into blocks along the
-   structures frameworks write and names the blocks that are documents. A candidate block that
-   overlaps a known document gives up the overlap; what is left of it (trimmed) stays a
-   candidate if still ``min_chunk_chars`` long.
+   candidate ``(D, a)`` exactly: ``T[p - a : p - a + len(D)] == D``, starting and ending on
+   token boundaries of ``T``. So a hit is always the stored text, character for character. Of
+   overlapping hits the longest are kept (greedy, longest first); with regions given, a hit
+   must lie inside one. A candidate block that overlaps a hit gives up the overlap; what is
+   left of it goes through step 2.
 
-The caller remembers the chunks it finally plans (:meth:`DocumentIndex.remember`), so the next
-prompt that holds one of them is split at it, wherever it sits. Documents shorter than
-``min_doc_chars`` or with no boundary character early enough are not filed (they are still found
-by the block rules).
+Without the index, a prompt's chunks are a function of the prompt and the tokenizer alone: the
+same on every server, replica and restart, whatever else was served, in every namespace. The
+index trades that for reuse in prompts whose structure the block rules do not cut (a document
+glued to other text on one line): what it finds depends on what the namespace sent before.
+
+Cost, linear in the prompt: the block rules (each regex anchored or with runs that cannot
+backtrack, :mod:`~relaxkv_sglang.core.doc_blocks`), one ``bisect`` per chunk end; with the
+index, one pass of a compiled regex and one dict lookup per boundary character, plus string
+comparisons bounded by ``compare_factor`` times the prompt's length.
 
 Standard library only.
 """
@@ -34,38 +43,38 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
+import operator
 import re
 import threading
 from typing import Iterable, Optional, Sequence
 
 from relaxkv_sglang.core.doc_blocks import candidate_spans, find_blocks
 
-__all__ = ["BOUNDARY", "DocumentIndex", "discover_chunks"]
+__all__ = ["BOUNDARY", "DocumentIndex", "discover_chunks", "token_boundaries"]
 
 Span = tuple[int, int]
 BOUNDARY = re.compile(r"[\s.,;:!?)\]}>\u3001\u3002\uff0c\uff1b\uff1a\uff01\uff1f]")
 
 
-def _anchor(doc: str, window: int) -> Optional[int]:
-    """Offset of ``doc``'s anchor window (module doc, step 1), or None if it has none."""
-    m = BOUNDARY.search(doc, 0, max(0, len(doc) - window))
-    return m.end() if m is not None else None
-
-
 class DocumentIndex:
-    """Document texts planned as chunks, per namespace, found again by :meth:`find`. Thread-safe.
+    """Document texts discovered before, per namespace, found again by :meth:`find`. Thread-safe.
 
     Bounded: at most ``max_docs`` documents and ``max_chars`` code points in all (least recently
     used or found first out); at most ``max_per_key`` documents share one anchor window (the
-    oldest leaves), so one search costs at most that many comparisons per position.
+    oldest leaves), so one search costs at most that many comparisons per position. A document
+    is filed under the first of its anchor windows that no other document uses (documents that
+    open alike, e.g. under the same ``file_path: /data/folder/`` line, are filed apart), else
+    under the least used one.
     """
 
     def __init__(self, *, max_docs: int = 8192, max_chars: int = 16_000_000, window: int = 24,
-                 max_per_key: int = 8, min_doc_chars: int = 64) -> None:
-        if window < 1 or max_per_key < 1:
-            raise ValueError("window and max_per_key must be >= 1")
+                 max_per_key: int = 8, min_doc_chars: int = 64, compare_factor: int = 16) -> None:
+        if window < 1 or max_per_key < 1 or compare_factor < 1:
+            raise ValueError("window, max_per_key and compare_factor must be >= 1")
         self.max_docs, self.max_chars, self.window = max_docs, max_chars, window
         self.max_per_key, self.min_doc_chars = max_per_key, min_doc_chars
+        self.compare_factor = compare_factor
         self._lock = threading.Lock()
         # (namespace, document) -> anchor offset, least recently used first
         self._docs: collections.OrderedDict[tuple[Optional[str], str], int] = collections.OrderedDict()
@@ -81,24 +90,49 @@ class DocumentIndex:
         """Code points held."""
         return self._chars
 
+    def clear(self) -> None:
+        """Forget every document of every namespace (the server's ``/flush_cache``)."""
+        with self._lock:
+            self._docs.clear()
+            self._keys.clear()
+            self._chars = 0
+
     def remember(self, namespace: Optional[str], texts: Iterable[str]) -> None:
-        """File each text (a chunk just planned) under ``namespace``; a known one becomes most recent."""
+        """File each text (a chunk just discovered) under ``namespace``; a known one becomes most recent."""
         with self._lock:
             for doc in texts:
                 key = (namespace, doc)
                 if key in self._docs:
                     self._docs.move_to_end(key)
                     continue
-                a = _anchor(doc, self.window) if len(doc) >= self.min_doc_chars else None
-                if a is None or len(doc) > self.max_chars:
+                if len(doc) < self.min_doc_chars or len(doc) > self.max_chars:
+                    continue
+                table = self._keys.setdefault(namespace, {})
+                a = self._anchor(doc, table)
+                if a is None:
+                    if not table:
+                        del self._keys[namespace]
                     continue
                 self._docs[key] = a
                 self._chars += len(doc)
-                bucket = self._keys.setdefault(namespace, {}).setdefault(doc[a:a + self.window], [])
+                bucket = table.setdefault(doc[a:a + self.window], [])
                 bucket.append((doc, a))
                 if len(bucket) > self.max_per_key:
                     self._forget((namespace, bucket[0][0]))
                 self._shrink()
+
+    def _anchor(self, doc: str, table: dict[str, list[tuple[str, int]]]) -> Optional[int]:
+        """The offset of the anchor window ``doc`` is filed under (class doc), None if it has none.
+        Reads each of ``doc``'s anchor windows at most once: O(len(doc))."""
+        w, best, best_size = self.window, None, 0
+        for m in BOUNDARY.finditer(doc, 0, max(0, len(doc) - w)):
+            a = m.end()
+            size = len(table.get(doc[a:a + w], ()))
+            if size == 0:
+                return a
+            if best is None or size < best_size:
+                best, best_size = a, size
+        return best
 
     def _shrink(self) -> None:
         while self._docs and (len(self._docs) > self.max_docs or self._chars > self.max_chars):
@@ -116,11 +150,18 @@ class DocumentIndex:
         if not table:
             del self._keys[namespace]
 
-    def find(self, text: str, namespace: Optional[str],
-             regions: Optional[Sequence[Span]] = None) -> list[Span]:
+    def find(self, text: str, namespace: Optional[str], regions: Optional[Sequence[Span]] = None,
+             boundaries: Optional[Sequence[int]] = None) -> list[Span]:
         """Non-overlapping spans of ``text`` that are documents filed under ``namespace``, sorted.
 
         ``regions``: sorted, non-overlapping spans a hit must lie inside one of (None: anywhere).
+        ``boundaries``: sorted character offsets a hit must start and end on (the prompt's token
+        boundaries, :func:`token_boundaries`; None: any offset).
+
+        Linear: a candidate whose document overlaps an earlier hit of the same document is not
+        compared (it would lose to it), and the characters compared are bounded by
+        ``compare_factor * len(text)`` (past that, the search stops where it is: a prompt built so
+        that windows match everywhere costs no more).
         """
         with self._lock:
             table = self._keys.get(namespace)
@@ -128,18 +169,73 @@ class DocumentIndex:
                 return []
             hits = []
             w = self.window
+            budget = self.compare_factor * len(text)
+            last_end: dict[str, int] = {}  # document -> end of its last hit
             for m in BOUNDARY.finditer(text):
                 p = m.end()
                 bucket = table.get(text[p:p + w])
-                if bucket:
-                    for doc, a in bucket:
-                        s = p - a
-                        if s >= 0 and text.startswith(doc, s):
-                            hits.append((s, s + len(doc)))
+                if not bucket:
+                    continue
+                for doc, a in bucket:
+                    s = p - a
+                    e = s + len(doc)
+                    if s < 0 or e > len(text) or last_end.get(doc, -1) > s:
+                        continue
+                    budget -= len(doc)
+                    if text.startswith(doc, s) and _on(boundaries, s) and _on(boundaries, e):
+                        hits.append((s, e))
+                        last_end[doc] = e
+                if budget < 0:
+                    break
             chosen = _longest_disjoint(hits, regions)
             for s, e in chosen:
                 self._docs.move_to_end((namespace, text[s:e]))
             return chosen
+
+
+def token_boundaries(token_spans: Iterable[tuple[int, int]], length: int) -> list[int]:
+    """The character offsets of a text (``length`` code points) that no token of its tokenization
+    straddles: 0, ``length``, and every token's start and end that lies inside no other token.
+
+    ``token_spans``: each token's ``(start, end)`` character span, in token order (a fast
+    tokenizer's offset mapping); empty spans (special tokens the tokenizer added) are skipped.
+    Returns them sorted. O(tokens) when the spans follow each other, as a tokenizer's do.
+    """
+    spans = [span for span in token_spans if span[0] < span[1]]
+    flat = list(itertools.chain.from_iterable(spans))
+    if (all(map(operator.le, flat, itertools.islice(flat, 1, None)))  # each token after the one before
+            and (not flat or (flat[0] >= 0 and flat[-1] <= length))):
+        return list(dict.fromkeys(itertools.chain((0,), flat, (length,))))  # sorted already: drop repeats
+    points = sorted({0, length, *(x for x in flat if 0 <= x <= length)})
+    spans.sort()
+    out, i, reach = [], 0, -1  # reach: the furthest end of the tokens starting before p
+    for p in points:
+        while i < len(spans) and spans[i][0] < p:
+            reach = max(reach, spans[i][1])
+            i += 1
+        if reach <= p:
+            out.append(p)
+    return out
+
+
+def _on(boundaries: Optional[Sequence[int]], offset: int) -> bool:
+    """Whether ``offset`` is one of the sorted ``boundaries`` (None: every offset is)."""
+    if boundaries is None:
+        return True
+    i = bisect.bisect_left(boundaries, offset)
+    return i < len(boundaries) and boundaries[i] == offset
+
+
+def _inward(span: Span, boundaries: Optional[Sequence[int]]) -> Span:
+    """``span`` shrunk to the nearest boundaries inside it (``(s, s)`` if none fits)."""
+    if boundaries is None:
+        return span
+    s, e = span
+    i = bisect.bisect_left(boundaries, s)
+    j = bisect.bisect_right(boundaries, e) - 1
+    if i >= len(boundaries) or j < 0 or boundaries[i] >= boundaries[j]:
+        return s, s
+    return boundaries[i], boundaries[j]
 
 
 def _inside(span: Span, regions: Optional[Sequence[Span]]) -> bool:
@@ -162,45 +258,65 @@ def _longest_disjoint(hits: list[Span], regions: Optional[Sequence[Span]]) -> li
     return chosen
 
 
-def _minus(text: str, span: Span, known: Sequence[Span], min_chars: int) -> list[Span]:
-    """What is left of ``span`` outside the ``known`` spans: trimmed pieces of ``min_chars`` or more."""
-    pieces, pos = [], span[0]
-    for ks, ke in known:
-        if ke <= span[0] or ks >= span[1]:
-            continue
-        pieces.append((pos, min(ks, span[1])))
-        pos = max(pos, ke)
-    pieces.append((pos, span[1]))
-    out = []
-    for s, e in pieces:
-        while s < e and text[s].isspace():
-            s += 1
-        while e > s and text[e - 1].isspace():
-            e -= 1
-        if e - s >= min_chars:
-            out.append((s, e))
+def _trimmed(text: str, s: int, e: int) -> Span:
+    """``(s, e)`` less the whitespace at both ends (``(e, e)`` if all of it is)."""
+    piece = text[s:e]
+    kept = piece.strip()
+    if not kept:
+        return e, e
+    s += len(piece) - len(piece.lstrip())
+    return s, s + len(kept)
+
+
+def _new_chunks(text: str, candidates: Sequence[Span], known: Sequence[Span],
+                boundaries: Optional[Sequence[int]], min_chars: int) -> list[Span]:
+    """The candidates less the ``known`` spans (both sorted and disjoint), trimmed, moved inward to
+    the nearest ``boundaries`` (then trimmed of what whitespace still ends on a boundary), kept if
+    ``min_chars`` long. One pass over both lists: a known span is visited once per candidate it
+    overlaps, and two families of disjoint spans overlap at most ``len(a) + len(b)`` times."""
+    out: list[Span] = []
+    k = 0
+    for cs, ce in candidates:
+        while k < len(known) and known[k][1] <= cs:
+            k += 1
+        pieces, pos, j = [], cs, k
+        while j < len(known) and known[j][0] < ce:
+            pieces.append((pos, max(pos, known[j][0])))
+            pos = max(pos, known[j][1])
+            j += 1
+        pieces.append((pos, ce))
+        for s, e in pieces:
+            s, e = _inward(_trimmed(text, s, e), boundaries)
+            if e - s >= min_chars:
+                ts, te = _trimmed(text, s, e)
+                s, e = (ts if _on(boundaries, ts) else s), (te if _on(boundaries, te) else e)
+            if e - s >= min_chars:
+                out.append((s, e))
     return out
 
 
 def discover_chunks(text: str, index: Optional[DocumentIndex], namespace: Optional[str], *,
-                    regions: Optional[Sequence[Span]] = None, min_chunk_chars: int = 64,
-                    max_chunks: int = 1024) -> list[Span]:
+                    regions: Optional[Sequence[Span]] = None, boundaries: Optional[Sequence[int]] = None,
+                    min_chunk_chars: int = 64, max_chunks: int = 1024) -> list[Span]:
     """The chunks of an unmarked prompt: known documents, then new ones (module doc).
 
     Args:
         text: the prompt.
-        index: the documents planned before (None: only the block rules).
+        index: the documents discovered before (None, the server's default: only the block rules,
+            so the chunks are a function of the prompt alone).
         namespace: the request's tenant namespace; only its documents are found.
         regions: sorted, non-overlapping spans searched (a chat message's content each); None: all.
+        boundaries: sorted character offsets every chunk starts and ends on: the prompt's token
+            boundaries (:func:`token_boundaries` of its tokenization with the server's tokenizer);
+            None: any offset (a client without the tokenizer, e.g. the routing key).
         min_chunk_chars: shortest new document, in code points.
         max_chunks: most chunks returned (the first ones in the prompt).
 
     Returns:
         Sorted, non-overlapping, non-empty ``(start, end)`` spans, usable by ``split_text``.
     """
-    known = index.find(text, namespace, regions) if index is not None else []
-    spans = list(known)
-    for span in candidate_spans(find_blocks(text, regions, min_chunk_chars=min_chunk_chars),
-                                min_chunk_chars=min_chunk_chars):
-        spans.extend(_minus(text, span, known, min_chunk_chars))
+    known = index.find(text, namespace, regions, boundaries) if index is not None else []
+    candidates = candidate_spans(find_blocks(text, regions, min_chunk_chars=min_chunk_chars),
+                                 min_chunk_chars=min_chunk_chars)
+    spans = known + _new_chunks(text, candidates, known, boundaries, min_chunk_chars)
     return sorted(spans)[:max_chunks]

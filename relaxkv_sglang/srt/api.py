@@ -5,12 +5,15 @@ offsets, policy, repair knobs), their types, ranges and defaults are declared in
 :mod:`relaxkv_sglang.schema` and documented in ``docs/api.md``.
 
 Without chunk offsets, a request whose policy reuses chunks is chunked
-automatically (:func:`~relaxkv_sglang.core.doc_index.discover_chunks`): documents this HTTP
-process planned as chunks before are found wherever they sit (the process's
-:class:`~relaxkv_sglang.core.doc_index.DocumentIndex`, :func:`document_index`, one namespace per
-``extra_key`` / ``cache_salt``), new ones by the structures RAG frameworks write
-(:mod:`relaxkv_sglang.core.doc_blocks`). Every chunk a chunk-policy request plans, marked or
-found, is remembered in that index. Each part is
+automatically (:func:`~relaxkv_sglang.core.doc_index.discover_chunks`): documents by the
+structures RAG frameworks write (:mod:`relaxkv_sglang.core.doc_blocks`), every chunk starting and
+ending on a token boundary of the prompt's own tokenization with the server's tokenizer
+(:func:`prompt_boundaries`), so a prompt chunks the same way whatever else the server has served.
+With ``RELAXKV_DISCOVERY_INDEX=1`` (:func:`discovery_index_enabled`) the HTTP process also keeps
+the chunks it discovered (:class:`~relaxkv_sglang.core.doc_index.DocumentIndex`,
+:func:`document_index`, one namespace per ``extra_key`` / ``cache_salt``; never a client's marks)
+and finds them again wherever they sit on token boundaries; ``/flush_cache`` empties it
+(:func:`around_flush_cache`). Each part is
 tokenized on its own, so a document always gets the same token ids, and the
 request reaches the scheduler as ``input_ids`` plus the internal plan entries
 read by :mod:`relaxkv_sglang.srt.plan`. Invalid input raises ``ValueError``
@@ -30,16 +33,19 @@ object per prompt, so that every item's ``custom_params`` is checked). A request
 after this (an invalid grammar, a ``logprob_start_len`` past the prompt, an unknown session)
 gets SGLang's own error: the scheduler drops its plan (:mod:`.plan`).
 
-SGLang file touched: ``sglang/srt/managers/tokenizer_manager.py``
-(``TokenizerManager.generate_request``, wrapped).
+SGLang files touched: ``sglang/srt/managers/tokenizer_manager.py``
+(``TokenizerManager.generate_request``, wrapped) and ``sglang/srt/managers/tokenizer_control_mixin.py``
+(``TokenizerControlMixin.flush_cache``, wrapped: the discovery index is emptied with the cache).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
+import logging
+import os
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Sequence
 
 from relaxkv_sglang.core.policies import CHUNK_POLICIES, Policy
-from relaxkv_sglang.core.doc_index import DocumentIndex, discover_chunks
+from relaxkv_sglang.core.doc_index import DocumentIndex, discover_chunks, token_boundaries
 from relaxkv_sglang.core.segments import split_text, tokenize_parts
 from relaxkv_sglang.schema import (
     CHUNKS,
@@ -60,21 +66,64 @@ if TYPE_CHECKING:
     from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-__all__ = ["RequestError", "check_sglang_fields", "document_index", "item_namespace", "plan_item", "prepare_generate",
-           "around_generate_request"]
+__all__ = ["RequestError", "check_sglang_fields", "discovery_index_enabled", "document_index", "item_namespace",
+           "plan_item", "prepare_generate", "prompt_boundaries", "around_generate_request", "around_flush_cache"]
+
+logger = logging.getLogger(__name__)
 
 Encode = Callable[[str, bool], list[int]]  # (text, add_special_tokens) -> token ids
+# text -> the sorted character offsets of its token boundaries, or None if the tokenizer cannot tell
+Boundaries = Callable[[str], Optional[Sequence[int]]]
 _INDEX_ATTR = "_relaxkv_document_index"  # the attribute of SGLang's TokenizerManager holding the index
+DISCOVERY_INDEX_ENV = "RELAXKV_DISCOVERY_INDEX"  # "1": discovery also finds the chunks it discovered before
+_ENV_ON, _ENV_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
-def document_index(tokenizer_manager: Any) -> DocumentIndex:
-    """The HTTP process's index of documents planned as chunks (made on first use, kept on the
-    ``TokenizerManager``: one per HTTP process, bounded, :class:`DocumentIndex`)."""
+def discovery_index_enabled() -> bool:
+    """Whether the server keeps a :class:`DocumentIndex` of discovered chunks
+    (``RELAXKV_DISCOVERY_INDEX``: ``1`` on; unset or ``0`` off, the default). Any other value stops
+    the process (``SystemExit``): the plugin calls this at startup."""
+    value = os.environ.get(DISCOVERY_INDEX_ENV, "").strip().lower()
+    if value not in _ENV_ON + _ENV_OFF:
+        raise SystemExit(f"relaxkv-sglang: {DISCOVERY_INDEX_ENV}={value!r} is not 1 or 0")
+    return value in _ENV_ON
+
+
+def document_index(tokenizer_manager: Any) -> Optional[DocumentIndex]:
+    """The HTTP process's index of discovered chunks (made on first use, kept on the
+    ``TokenizerManager``: one per HTTP process, bounded, :class:`DocumentIndex`); None unless
+    :func:`discovery_index_enabled`."""
+    if not discovery_index_enabled():
+        return None
     index = getattr(tokenizer_manager, _INDEX_ATTR, None)
     if index is None:
         index = DocumentIndex()
         setattr(tokenizer_manager, _INDEX_ATTR, index)
     return index
+
+
+def prompt_boundaries(tokenizer: Any, text: str) -> Optional[list[int]]:
+    """The token boundaries of ``text`` tokenized by the server's ``tokenizer`` (a fast HF
+    tokenizer's offset mapping, :func:`~relaxkv_sglang.core.doc_index.token_boundaries`); None
+    when the tokenizer gives no offsets (a slow tokenizer: nothing is discovered then)."""
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
+        spans = enc["offset_mapping"]
+    except (NotImplementedError, KeyError, TypeError, ValueError) as exc:
+        logger.warning("relaxkv: the tokenizer gives no character offsets (%s): unmarked prompts are not chunked",
+                       exc)
+        return None
+    return token_boundaries(spans, len(text))
+
+
+async def around_flush_cache(original: Callable[..., Any], tokenizer_manager: Any, *args: Any, **kwargs: Any) -> Any:
+    """Hook on ``TokenizerControlMixin.flush_cache`` (the HTTP process's ``/flush_cache``): a flush
+    that succeeded also empties the discovery index, so a flushed server chunks as a fresh one."""
+    result = await original(tokenizer_manager, *args, **kwargs)
+    index = getattr(tokenizer_manager, _INDEX_ATTR, None)
+    if index is not None and getattr(result, "success", False):
+        index.clear()
+    return result
 
 
 class _Tenant:
@@ -111,14 +160,18 @@ def _custom_params(sampling_params: dict) -> dict:
 def plan_item(
     text: Optional[str], sampling_params: dict, encode: Encode, context_len: int, policy_default: str,
     chunks_refused: str = "", index: Optional[DocumentIndex] = None, namespace: Optional[str] = None,
+    boundaries_of: Optional[Boundaries] = None,
 ) -> Optional[tuple[Optional[list[int]], dict]]:
     """Validate one request item; return (input_ids, custom_params) or None to leave it as is.
 
     encode(text, add_special_tokens) -> list[int] is the server's tokenizer. ``chunks_refused``:
     why the server refuses chunk policies (its startup gate failed, :mod:`.gate`), "" if it serves them.
-    ``index``, ``namespace``: the documents planned before and the item's tenant namespace; an
-    unmarked text under a chunk policy is split at those found in it (and by the block rules),
-    and a chunk-policy item's chunks are remembered there.
+    An unmarked text under a chunk policy is split at the documents discovered in it, each on
+    ``boundaries_of(text)`` (its token boundaries, :func:`prompt_boundaries`; it returning None:
+    nothing is discovered; ``boundaries_of`` None: every offset is one, as for a tokenizer of one
+    token per character). ``index``, ``namespace``: the chunks discovered before (None: the
+    server's default, none) and the item's tenant namespace; the chunks discovered in this text
+    are remembered there (a client's marks never are).
     """
     cp = _custom_params(sampling_params)
     policy = POLICY.validate(cp.get(POLICY.name, policy_default))
@@ -132,9 +185,12 @@ def plan_item(
         if policy == Policy.FULL:
             return None, dict(cp, **{POLICY.plan_key: policy, CHUNKS.plan_key: []})
         return None
+    discovered = spans is None and policy in CHUNK_POLICIES
     if spans is None:
-        found = policy in CHUNK_POLICIES
-        spans = discover_chunks(text, index, namespace, max_chunks=CHUNKS.max_chunks) if found else []
+        spans = []
+        boundaries = boundaries_of(text) if discovered and boundaries_of is not None else None
+        if discovered and (boundaries_of is None or boundaries is not None):
+            spans = discover_chunks(text, index, namespace, boundaries=boundaries, max_chunks=CHUNKS.max_chunks)
     if not spans and policy == Policy.PREFIX:
         return None
     segments = split_text(text, spans)
@@ -150,7 +206,7 @@ def plan_item(
     for i, (s, e) in enumerate(layout.chunk_spans):
         if e - s > context_len:
             raise CHUNKS.error(f"chunk {i} has {e - s} tokens, more than the context length {context_len}")
-    if index is not None and policy in CHUNK_POLICIES:
+    if index is not None and discovered:
         index.remember(namespace, segments.chunks)
     flat = [x for span in layout.chunk_spans for x in span]
     plan = {POLICY.plan_key: policy, CHUNKS.plan_key: flat, PROMPT_LEN_KEY: len(layout.input_ids)}
@@ -188,12 +244,17 @@ def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput,
         """The server's tokenizer, as :func:`plan_item` calls it."""
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def boundaries_of(text: str) -> Optional[list[int]]:
+        """The text's token boundaries with the server's tokenizer, as :func:`plan_item` calls it."""
+        return prompt_boundaries(tokenizer, text)
+
     context_len = int(getattr(tokenizer_manager, "context_len", 1 << 30))
     index = document_index(tokenizer_manager)
     planned = []
     for i, (t, sp) in enumerate(zip(text_items, sp_items)):
         try:
-            planned.append(plan_item(t, sp, encode, context_len, policy, chunks_refused, index, item_namespace(obj, i)))
+            planned.append(plan_item(t, sp, encode, context_len, policy, chunks_refused, index, item_namespace(obj, i),
+                                     boundaries_of))
         except RequestError as exc:
             if single:
                 raise

@@ -38,9 +38,12 @@ request is served unchanged, without chunk reuse, and the reason is logged.
 A chat request without document parts (the documents inline in string content, as LangChain,
 LlamaIndex and most OpenAI-SDK applications send them) under a chunk policy gets its documents
 discovered instead: the same rendered and checked prompt is searched as text
-(:func:`~relaxkv_sglang.core.doc_index.discover_chunks`, each message's content a region: known
-documents anywhere in it, new ones by the block rules; template markup between messages is never
-a chunk), and the documents found become ``relaxkv_chunks``. A request in which nothing is found
+(:func:`~relaxkv_sglang.core.doc_index.discover_chunks`, each message's content a region: documents
+by the block rules, each on token boundaries of the rendered prompt's tokenization
+(:func:`~relaxkv_sglang.srt.api.prompt_boundaries`), and with the opt-in discovery index the chunks
+discovered before, anywhere in it; template markup between messages is never a chunk), and the
+documents found become ``relaxkv_chunks`` (with the index, they are remembered there; a request's
+own marks never are). A request in which nothing is found
 is left exactly as SGLang built it; one that fails the check is served unchanged and logged the
 same way.
 
@@ -60,7 +63,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from relaxkv_sglang.core.doc_index import discover_chunks
 from relaxkv_sglang.schema import CHUNKS, POLICY, RequestError, default_policy, header_policy
-from relaxkv_sglang.srt.api import document_index, item_namespace
+from relaxkv_sglang.srt.api import document_index, item_namespace, prompt_boundaries
 from relaxkv_sglang.srt.plan import chunk_tree_served
 
 if TYPE_CHECKING:
@@ -220,8 +223,14 @@ def discovered_prompt(
     regions = message_regions(text, processed)
     if not regions:
         raise _Skip("no message text found in the rendered template")
+    boundaries = prompt_boundaries(serving.tokenizer_manager.tokenizer, text)
+    if boundaries is None:
+        raise _Skip("the tokenizer gives no character offsets")
     index = document_index(serving.tokenizer_manager)
-    spans = discover_chunks(text, index, namespace, regions=regions, max_chunks=CHUNKS.max_chunks)
+    spans = discover_chunks(text, index, namespace, regions=regions, boundaries=boundaries,
+                            max_chunks=CHUNKS.max_chunks)
+    if index is not None:
+        index.remember(namespace, [text[s:e] for s, e in spans])
     return text, [x for span in spans for x in span]
 
 

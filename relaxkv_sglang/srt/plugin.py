@@ -41,6 +41,8 @@ MODEL_FORWARD_HOOKS = {
 HOOKS = {
     "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request": (
         "relaxkv_sglang.srt.api:around_generate_request", ("self", "obj", "request")),
+    "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.flush_cache": (
+        "relaxkv_sglang.srt.api:around_flush_cache", ("self",)),
     "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation": (
         "relaxkv_sglang.srt.forward:around_forward_batch_generation", ("self", "batch")),
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (
@@ -130,6 +132,9 @@ def register() -> None:
     from relaxkv_sglang.schema import default_policy
 
     default_policy()  # a bad RELAXKV_DEFAULT_POLICY stops the server here
+    from relaxkv_sglang.srt.api import discovery_index_enabled
+
+    discovery_index_enabled()  # ... and a bad RELAXKV_DISCOVERY_INDEX
     _register_backends()
     _register_hooks()
     from relaxkv_sglang.srt.parallel_encoding import register_http_routes

@@ -1,20 +1,25 @@
-"""Chunk discovery in unmarked prompts: the block rules, the document index, and a property test
-that no discovered chunk is ever served as another text's KV (core/doc_blocks.py,
-core/doc_index.py, srt/api.py::plan_item)."""
+"""Chunk discovery in unmarked prompts: the block rules, token boundaries, the opt-in document
+index, and a property test that no discovered chunk is ever served as another text's KV and that
+every one starts and ends on a token boundary (core/doc_blocks.py, core/doc_index.py,
+srt/api.py::plan_item, prompt_boundaries, the index's server setting and its flush hook). The
+regexes' linear time is tested in test_discovery_linear.py."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import zlib
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from relaxkv_sglang.core.doc_blocks import candidate_spans, find_blocks
-from relaxkv_sglang.core.doc_index import DocumentIndex, discover_chunks
+from relaxkv_sglang.core.doc_index import DocumentIndex, discover_chunks, token_boundaries
 from relaxkv_sglang.core.segments import split_text, tokenize_parts
 from relaxkv_sglang.schema import CHUNKS
-from relaxkv_sglang.srt.api import item_namespace, plan_item
+from relaxkv_sglang.srt import api
+from relaxkv_sglang.srt.api import item_namespace, plan_item, prompt_boundaries
 
 WORDS = ("river", "stone", "market", "engine", "signal", "harbor", "lantern", "orbit", "meadow", "copper",
          "violet", "thunder", "canal", "archive", "summit", "falcon")
@@ -160,16 +165,38 @@ def test_the_index_is_bounded():
     assert index.find("S " + many[5] + " Q", None) != []
     index.remember(None, ["x" * 100, "short"])  # no boundary character / too short: not filed
     assert len(index) == 3
-    same = ["Shared opening words here " + "and then a different tail number %d " % i * 3 for i in range(3)]
+    # documents with one anchor window, the same (they differ before their only boundary
+    # character): at most max_per_key of them share it, the oldest leaves
+    same = [f"Opening{i} " + "x" * 70 for i in range(3)]
     index = DocumentIndex(max_per_key=2)
     index.remember(None, same)
     assert len(index) == 2 and index.chars == len(same[1]) + len(same[2])
+    assert [index.find("S " + d + " Q", None) != [] for d in same] == [False, True, True]
     small = DocumentIndex(max_chars=len(DOCS[0]) + len(DOCS[1]))
     small.remember("t", DOCS[:3])
     assert len(small) == 2 and small.chars <= len(DOCS[0]) + len(DOCS[1])
+    small.clear()
+    assert len(small) == 0 and small.chars == 0 and small.find("S " + DOCS[2] + " Q", "t") == []
 
 
-def test_plan_item_remembers_its_chunks_per_namespace():
+@pytest.mark.parametrize("max_per_key", [1, 8])
+def test_documents_that_open_alike_do_not_evict_each_other(max_per_key):
+    """Issue 46 item 4: 20 LlamaIndex nodes of one folder open with the same 40-odd characters
+    (their ``file_path:`` line), more than ``max_per_key`` of them share the first anchor window;
+    each is filed under a window of its own, so every one is still found."""
+    rng = random.Random(46)
+    nodes = [f"file_path: /data/essays/folder_{'x' * 8}/{zlib.crc32(str(i).encode())}.txt\n\n"
+             + " ".join(sentence(rng) for _ in range(2)) for i in range(20)]
+    assert len({n[11:11 + 24] for n in nodes}) == 1  # the window right after "file_path:" is shared
+    index = DocumentIndex(max_per_key=max_per_key)
+    index.remember("t", nodes)
+    assert len(index) == 20
+    for order in (nodes[:10], nodes[10:][::-1], nodes[5:15]):
+        text = "Context information is below.\n---\n" + "\n\n".join(order) + "\n---\nQuery: q?\nAnswer: "
+        assert [text[s:e] for s, e in index.find(text, "t")] == order
+
+
+def test_plan_item_remembers_only_discovered_chunks_per_namespace():
     index = DocumentIndex()
 
     def encode(text: str, special: bool) -> list[int]:
@@ -185,8 +212,158 @@ def test_plan_item_remembers_its_chunks_per_namespace():
     assert len(cp[CHUNKS.plan_key]) == 4
     _, cp = plan_item(glued, sp, encode, 1 << 20, "prefix", "", index, None)
     assert cp[CHUNKS.plan_key] == []
+    # without the index (the server's default) the glued text is not split at them, whatever was sent
+    _, cp = plan_item(glued, sp, encode, 1 << 20, "prefix", "", None, "t")
+    assert cp[CHUNKS.plan_key] == []
     # prefix requests neither find nor remember
     assert plan_item(text, {}, encode, 1 << 20, "prefix", "", index, "u") is None and len(index) == 2
+    # a client's marks are never remembered: they change no other prompt's chunks
+    marked = {"custom_params": {"relaxkv_policy": "pic", "relaxkv_chunks": [0, len(DOCS[3]) + 5]}}
+    plan_item(DOCS[3] + " tail Q?", marked, encode, 1 << 20, "prefix", "", index, "t")
+    assert len(index) == 2
+
+
+def test_a_marked_fragment_never_changes_another_prompts_chunks(tokenizer):
+    """Issue 46 item 3, the reproduction: an unsalted client marks a fragment of a document that
+    starts mid-word; another unsalted prompt holding that document chunks exactly as before, with
+    the index off (the default) and on, and its chunks start and end on its token boundaries."""
+
+    def encode(text: str, special: bool) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=special)
+
+    def boundaries_of(text: str) -> list[int]:
+        return prompt_boundaries(tokenizer, text)
+
+    sp = {"custom_params": {"relaxkv_policy": "pic"}}
+    prompt = "You answer from the documents.\n\n" + "\n\n".join(DOCS[:3]) + "\n\nWhich one is about the harbor?"
+    fragment = DOCS[1][3:]  # starts inside the document's first word
+    other = {"custom_params": {"relaxkv_policy": "pic", "relaxkv_chunks": [6, 6 + len(fragment)]}}
+    for index in (None, DocumentIndex()):
+        before = plan_item(prompt, sp, encode, 1 << 20, "prefix", "", index, None, boundaries_of)
+        plan_item("Text: " + fragment + " and more text after it.", other, encode, 1 << 20, "prefix", "", index,
+                  None, boundaries_of)
+        after = plan_item(prompt, sp, encode, 1 << 20, "prefix", "", index, None, boundaries_of)
+        assert after == before and len(before[1][CHUNKS.plan_key]) == 6
+    spans = discover_chunks(prompt, None, None, boundaries=boundaries_of(prompt))
+    assert [prompt[s:e] for s, e in spans] == DOCS[:3]
+
+
+# ------------------------------------------------------------------ token boundaries
+
+
+def test_token_boundaries_are_the_offsets_no_token_straddles():
+    assert token_boundaries([(0, 2), (2, 5), (5, 6)], 6) == [0, 2, 5, 6]
+    # a special token the tokenizer added has an empty span; a gap (a trimmed space) leaves both ends
+    assert token_boundaries([(0, 0), (0, 3), (4, 7)], 8) == [0, 3, 4, 7, 8]
+    # byte-fallback tokens share one character's span; a token inside another is no boundary
+    assert token_boundaries([(0, 3), (1, 2), (3, 4), (3, 4), (4, 6)], 6) == [0, 3, 4, 6]
+    assert token_boundaries([], 5) == [0, 5]
+
+
+def test_prompt_boundaries_are_the_tokenizations_own(tokenizer):
+    """Every boundary ends one token of the prompt's tokenization and starts the next (the tiny
+    model's small vocabulary cuts words into several tokens: its boundaries fall inside words)."""
+    text = "<|im_start|>system\nAnswer from these.<|im_end|>\n<|im_start|>user\nWhere is the harbor?"
+    spans = [(s, e) for s, e in tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+             if s < e]
+    bounds = prompt_boundaries(tokenizer, text)
+    assert bounds == sorted({0, len(text)} | {s for s, _ in spans} | {e for _, e in spans})
+    assert all(a <= b for (_, a), (b, _) in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "qwen2.5-0.5b"])
+def test_prompt_boundaries_never_cut_a_word_or_a_special_token(model):
+    """With a real vocabulary (skipped where the model is not prepared: nothing is downloaded)."""
+    from relaxkv_sglang import assets
+
+    folder = assets.cache_root() / "models" / model
+    if not folder.is_dir() or assets.manifest_problem(folder) is not None:
+        pytest.skip(f"{model} is not prepared here (relaxkv-sglang model {model})")
+    tok = assets.load_tokenizer(folder)
+    text = "<|im_start|>system\nAnswer from these.<|im_end|>\n<|im_start|>user\nWhere is the harbor?"
+    bounds = prompt_boundaries(tok, text)
+    for piece in ("Answer", "harbor", "<|im_start|>", "<|im_end|>"):
+        at = text.index(piece)
+        assert not any(at < b < at + len(piece) for b in bounds), piece
+    # the documents of a [n] list: their first word's token takes the space before it, so each chunk
+    # starts after that word (and, where a stop and the newline after it are one token, as in
+    # Qwen's vocabulary, ends before the stop): inside its document, the rest of it
+    listing = "Documents:\n" + "\n".join(f"[{i + 1}] {d}" for i, d in enumerate(DOCS[:3])) + "\n\nQuestion: what?"
+    bounds = prompt_boundaries(tok, listing)
+    chunks = discover_chunks(listing, None, None, boundaries=bounds)
+    assert len(chunks) == 3 and set(x for span in chunks for x in span) <= set(bounds)
+    for (s, e), doc in zip(chunks, DOCS):
+        assert listing[s:e].strip() in doc and e - s >= len(doc) - len(doc.split()[0]) - 2, (listing[s:e], doc)
+
+
+def test_a_tokenizer_without_offsets_discovers_nothing(tokenizer):
+    text = "<|im_start|>system\nAnswer from these.<|im_end|>"
+
+    class Slow:  # a tokenizer without offsets (a slow HF tokenizer): nothing is discovered
+        def __call__(self, *args, **kwargs):
+            raise NotImplementedError("return_offset_mapping is not available when using Python tokenizers")
+
+    assert prompt_boundaries(Slow(), text) is None
+    encode = lambda t, special: tokenizer.encode(t, add_special_tokens=special)  # noqa: E731
+    sp = {"custom_params": {"relaxkv_policy": "pic"}}
+    structured = "Sys.\n\n" + "\n\n".join(DOCS[:2]) + "\n\nQ?"
+    _, cp = plan_item(structured, sp, encode, 1 << 20, "prefix", "", None, None, lambda t: None)
+    assert cp[CHUNKS.plan_key] == []
+
+
+def test_candidate_spans_move_inward_to_token_boundaries():
+    text = "Sys.\n\n[1] " + DOCS[0] + "\n[2] " + DOCS[1] + "\n\nQ?"
+    plain = discover_chunks(text, None, None)
+    assert [text[s:e] for s, e in plain] == DOCS[:2]
+    # a tokenizer whose tokens take the space before a word (" The") and keep newlines apart: the
+    # documents' first words start inside a token, so each chunk starts after that word
+    spaces, newlines = ({i for i, c in enumerate(text) if c == sep} for sep in " \n")
+    bounds = sorted({0, len(text)} | spaces | newlines | {i + 1 for i in newlines})
+    spans = discover_chunks(text, None, None, boundaries=bounds)
+    assert spans == [(s + len(d.split()[0]), e) for (s, e), d in zip(plain, DOCS)]
+    # boundaries that leave less than min_chunk_chars of a candidate drop it
+    assert discover_chunks(text, None, None, boundaries=[0, 20, len(text)]) == []
+    # a known document must start and end on boundaries too
+    index = DocumentIndex()
+    index.remember(None, DOCS[2:3])
+    glued = "Sys: xx" + DOCS[2] + " Q?"
+    at = glued.index(DOCS[2])
+    assert index.find(glued, None) == [(at, at + len(DOCS[2]))]
+    assert index.find(glued, None, boundaries=[0, at - 2, at + len(DOCS[2]), len(glued)]) == []
+    assert index.find(glued, None, boundaries=[0, at, at + len(DOCS[2]), len(glued)]) == [(at, at + len(DOCS[2]))]
+
+
+# ------------------------------------------------------------------ the index's server setting and flush
+
+
+def test_the_index_is_off_unless_the_server_turns_it_on(monkeypatch):
+    class TokenizerManager:
+        pass
+
+    tm = TokenizerManager()
+    monkeypatch.delenv(api.DISCOVERY_INDEX_ENV, raising=False)
+    assert not api.discovery_index_enabled() and api.document_index(tm) is None
+    monkeypatch.setenv(api.DISCOVERY_INDEX_ENV, "0")
+    assert api.document_index(tm) is None
+    monkeypatch.setenv(api.DISCOVERY_INDEX_ENV, "1")
+    index = api.document_index(tm)
+    assert isinstance(index, DocumentIndex) and api.document_index(tm) is index
+    monkeypatch.setenv(api.DISCOVERY_INDEX_ENV, "maybe")
+    with pytest.raises(SystemExit, match="RELAXKV_DISCOVERY_INDEX"):
+        api.discovery_index_enabled()
+
+    class Result:
+        def __init__(self, success: bool) -> None:
+            self.success = success
+
+    async def flush(manager, timeout_s=None, success=True):
+        return Result(success)
+
+    monkeypatch.setenv(api.DISCOVERY_INDEX_ENV, "1")
+    index.remember(None, DOCS[:2])
+    asyncio.run(api.around_flush_cache(flush, tm, timeout_s=1.0, success=False))  # refused (busy): kept
+    assert len(index) == 2
+    assert asyncio.run(api.around_flush_cache(flush, tm, timeout_s=1.0)).success and len(index) == 0
 
 
 def test_item_namespace_reads_sglangs_fields():
@@ -245,26 +422,41 @@ def encode(tokenizer):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(requests_(), min_size=2, max_size=6))
-def test_no_discovered_chunk_is_served_as_another_texts_kv(encode, trace):
-    """Each request is planned as the server plans it; a model chunk store keyed like the real one
+def test_no_discovered_chunk_is_served_as_another_texts_kv(encode, tokenizer, trace):
+    """Each request is planned as the server plans it (with the index on; chat: as chat.py
+    discovers and remembers, then marks); a model chunk store keyed like the real one
     ((namespace, token ids) -> the text its KV was computed from) never serves a chunk computed
     from another text; every chunk is exactly the text at its span, tokenized on its own, inside
-    one message; a chunk found by the index is one its own tenant planned before."""
-    index, store, planned = DocumentIndex(), {}, {}
+    one message, starting and ending on a token boundary of the prompt; a chunk found by the index
+    is one its own tenant discovered before; without the index a prompt plans the same at any
+    point of the trace."""
+    index, store, discovered = DocumentIndex(), {}, {}
+
+    def boundaries_of(text: str) -> list[int]:
+        return prompt_boundaries(tokenizer, text)
+
+    def plan_alone(text: str, ns):
+        return plan_item(text, {"custom_params": {"relaxkv_policy": "pic"}}, encode, 1 << 20, "prefix", "", None, ns,
+                         boundaries_of)
+
+    alone = [plan_alone(text, ns) for text, regions, ns in trace if regions is None]
     for text, regions, ns in trace:
-        structural = discover_chunks(text, None, ns, regions=regions)
-        spans = discover_chunks(text, index, ns, regions=regions)
+        bounds = boundaries_of(text)
+        structural = discover_chunks(text, None, ns, regions=regions, boundaries=bounds)
+        spans = discover_chunks(text, index, ns, regions=regions, boundaries=bounds)
         for s, e in spans:
             assert regions is None or any(rs <= s and e <= re_ for rs, re_ in regions), "a chunk crosses messages"
+            assert _on_boundaries(bounds, s, e), "a chunk cuts a token"
             inside_block = any(bs <= s and e <= be for bs, be in structural)
-            assert inside_block or text[s:e] in planned.get(ns, set()), "found from another tenant's documents"
+            assert inside_block or text[s:e] in discovered.get(ns, set()), "found from another tenant's documents"
         if regions is None:  # the native path plans unmarked text itself
             ids, cp = plan_item(text, {"custom_params": {"relaxkv_policy": "pic"}}, encode, 1 << 20, "prefix", "",
-                                index, ns)
-        else:  # chat: the offsets found become relaxkv_chunks
+                                index, ns, boundaries_of)
+        else:  # chat: the offsets found are remembered, then become relaxkv_chunks
+            index.remember(ns, [text[s:e] for s, e in spans])
             flat = [x for span in spans for x in span]
             ids, cp = plan_item(text, {"custom_params": {"relaxkv_policy": "pic", "relaxkv_chunks": flat}}, encode,
-                                1 << 20, "prefix", "", index, ns)
+                                1 << 20, "prefix", "", index, ns, boundaries_of)
         segments = split_text(text, spans if text[spans[-1][1]:] else spans[:-1]) if spans else split_text(text, [])
         layout = tokenize_parts(segments, encode)
         assert ids == layout.input_ids
@@ -274,4 +466,9 @@ def test_no_discovered_chunk_is_served_as_another_texts_kv(encode, trace):
             key = (ns, tuple(ids[ts:te]))
             assert list(key[1]) == encode(chunk_text, False)
             assert store.setdefault(key, chunk_text) == chunk_text, "a chunk reused another text's KV"
-            planned.setdefault(ns, set()).add(chunk_text)
+            discovered.setdefault(ns, set()).add(chunk_text)
+    assert [plan_alone(text, ns) for text, regions, ns in trace if regions is None] == alone
+
+
+def _on_boundaries(bounds: list[int], *offsets: int) -> bool:
+    return set(offsets) <= set(bounds)

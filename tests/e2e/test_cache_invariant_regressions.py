@@ -12,15 +12,19 @@ session's relaxkv server (tiny model), so that it stays fixed whatever the prope
 * discovery: an unmarked prompt's documents, once marked by a request of the same namespace, were
   found whole where before the block rules had cut them in pieces, so the prompt's chunking, and
   its answer, depended on what was sent before (and survived ``/flush_cache``; item 3,
-  ``core/doc_index.py``).
+  ``core/doc_index.py``);
+* a streamed request the plugin refuses (``srt/api.py::around_generate_request`` raises before
+  SGLang normalizes the request) made SGLang's abort task raise 2 s later, and uvicorn dropped the
+  keep-alive connection under the client's next request.
 
-Each test compares the same request sent cold (after ``/flush_cache``) and under another history:
-equal output ids, output and input logprobs within :data:`LOGPROB_ABS`, and equal chunking.
+Each cache test compares the same request sent cold (after ``/flush_cache``) and under another
+history: equal output ids, output and input logprobs within :data:`LOGPROB_ABS`, and equal chunking.
 Each runs in a namespace of its own (a fresh ``cache_salt``), so what other tests sent cannot matter.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -154,3 +158,26 @@ def test_an_unmarked_prompt_chunks_the_same_after_its_documents_were_marked(url)
     flush(url)
     after = post(url, "/generate", body)
     assert_same_answer(cold, after)
+
+
+def test_a_refused_stream_leaves_its_connection_usable(url):
+    """A streamed request the plugin refuses (here ``logprob_start_len`` -2, on every server) ends
+    with its error event; the requests a client sends next on the same keep-alive connection are
+    served. SGLang's stream response carries a task that aborts the request 2 s after it ended
+    (``TokenizerManager.create_abort_task``), and it reads ``obj.is_single``, which SGLang sets only
+    once it normalizes the request: a request refused before that made the task raise, and uvicorn
+    closed the connection under the request then in flight (found by the property: a request lost
+    with ``RemoteDisconnected``)."""
+    http = requests.Session()
+    refused = {"text": "A prompt.", "stream": True, "return_logprob": True, "logprob_start_len": -2,
+               "sampling_params": {"max_new_tokens": 2}}
+    with http.post(url + "/generate", json=refused, stream=True, timeout=TIMEOUT_S) as response:
+        events = [line for line in response.iter_lines() if line]
+    assert response.status_code == 200 and b'"code":400' in events[0], events
+    deadline, served = time.monotonic() + 3.0, 0  # past the abort task's 2 s
+    while time.monotonic() < deadline:
+        answer = http.post(url + "/generate", json={"text": "Another prompt.", "sampling_params": {
+            "max_new_tokens": 4, "temperature": 0}}, timeout=TIMEOUT_S)
+        assert answer.status_code == 200, answer.text
+        served += 1
+    assert served > 1

@@ -607,14 +607,20 @@ class Sender:
     def __init__(self, server) -> None:
         self.server, self.url = server, server.url
         self.http = requests.Session()
+        self.last = "none"  # the last request sent, for a connection the server drops
 
     def send(self, call: Call) -> Answer:
         stream = bool(call.body.get("stream"))
-        with self.http.post(self.url + call.route, json=call.body, headers=call.headers, timeout=TIMEOUT_S,
-                            stream=stream) as response:
-            answer = read_answer(call.route, call.body, response)
-        SENT[(call.route, f"{answer.status // 100}xx")] += 1
         what = f"{call.route} {json.dumps(call.body)[:1500]}"
+        try:
+            with self.http.post(self.url + call.route, json=call.body, headers=call.headers, timeout=TIMEOUT_S,
+                                stream=stream) as response:
+                answer = read_answer(call.route, call.body, response)
+        except requests.ConnectionError as e:  # a keep-alive connection, as clients keep them
+            pytest.fail(f"the server dropped the connection during {what} ({e}; seed {SEED}); the request before "
+                        f"it: {self.last}", pytrace=False)
+        self.last = what
+        SENT[(call.route, f"{answer.status // 100}xx")] += 1
         bad = [c for c in answer.codes if not (c == 200 or 400 <= c < 500)]
         assert not bad, f"status {bad} for {what} (seed {SEED})"
         assert self.server.proc.poll() is None, f"the server exited after {what} (seed {SEED})"

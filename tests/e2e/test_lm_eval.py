@@ -18,7 +18,10 @@ Under ``pic`` and ``relaxkv``: the task is evaluated after ``/flush_cache`` (col
 example's documents are computed by its first request, hits for its other choices) and again
 (warm: every document a hit). Every choice's loglikelihood must agree within 1e-4 and the scores
 exactly, and the warm run must have reused every document (the chunk tree's counters), so the
-comparison cannot pass with nothing reused.
+comparison cannot pass with nothing reused. An echo request asks for input logprobs from the
+prompt's start, so a repair policy serves it as ``pic`` (docs/api.md, "A cache changes speed,
+never answers"): the ``relaxkv`` case checks that path (the header's policy, the fallback), not
+the repair.
 
 lm-eval slices a completion's ``token_logprobs`` by its own tokenization of the context, which
 has no BOS; the server adds the model's BOS, so each sum also holds the context's last token

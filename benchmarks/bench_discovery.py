@@ -5,13 +5,21 @@ text-QA template, a ``[n]`` list, a chat system message) the benchmark builds a 
 ``--requests`` unmarked prompts of about ``--tokens`` tokens (``--model``'s tokenizer), each holding
 as many HotpotQA paragraphs as fill that budget, drawn from a pool of ``--pool`` paragraphs, so
 later prompts hold documents earlier ones held, in other orders. Every prompt goes through exactly what
-``srt/api.py::plan_item`` adds for an unmarked prompt (``core.doc_index.discover_chunks`` against
-the process's :class:`~relaxkv_sglang.core.doc_index.DocumentIndex`, then ``remember`` of the chunks
-found) and, for the chat shape, with its two messages as regions. The time is the process's CPU
-time per request (``time.process_time``), median and 95th percentile over the trace after a warm-up
-pass that fills the index; the share of each prompt's documents found whole is reported beside
-it. Tokenization is not included (the native path tokenizes each part whether or not it
-discovers them).
+``srt/api.py::plan_item`` adds for an unmarked prompt: its token boundaries (the tokenizer's offset
+mapping, ``srt/api.py::prompt_boundaries``: reported on their own, ``boundaries ms``), then
+``core.doc_index.discover_chunks`` on them (``discovery ms``), for the chat shape with its two
+messages as regions; with the opt-in index (``RELAXKV_DISCOVERY_INDEX=1``) also the search of the
+:class:`~relaxkv_sglang.core.doc_index.DocumentIndex` and the ``remember`` of the chunks found,
+after a warm-up pass that fills it. The time is the process's CPU time per request
+(``time.process_time``), median and 95th percentile over the trace; beside it, the share of each
+prompt's documents whose every token is in a chunk (``docs covered``: a chunk starts and ends on
+a token boundary, so a document whose first word's token takes the space before it, as after a
+``[n]`` marker, loses that word to the glue) and the share found whole.
+
+Then the inputs that used to be slow (:data:`ADVERSARIAL`: a line of text then tags, which took
+2.2 s at 24K characters in ``_TRAIL_TAGS.search``; lines of spaces, separators, markers, ...),
+each built to ``--tokens`` tokens: discovery's CPU time (best of ``--repeats`` runs), per 8K
+tokens (``worst ms per 8K tokens``, the figure issue 46 bounds by 5 ms), and the boundaries' time.
 
     python -m benchmarks.bench_discovery            # ~8K-token prompts, 200 requests per shape
     python -m benchmarks.bench_discovery --quick
@@ -20,6 +28,7 @@ discovers them).
 from __future__ import annotations
 
 import argparse
+import bisect
 import random
 import statistics
 import time
@@ -29,6 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 from benchmarks import common, workloads
 from benchmarks.tables import markdown_table
 from relaxkv_sglang.core.doc_index import DocumentIndex, discover_chunks
+from relaxkv_sglang.srt.api import prompt_boundaries
 
 BENCH = "bench_discovery"
 SYSTEM = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context to "
@@ -77,32 +87,102 @@ def build_trace(pool: list[str], tokens_of: Callable[[str], int], tokens: int, n
     return trace
 
 
-def measure(shape: str, trace: list[list[str]], tokens_of: Callable[[str], int]) -> dict[str, Any]:
-    """Warm-up pass (fills the index), then the timed pass: CPU ms per request and documents found."""
+def measure(shape: str, trace: list[list[str]], tokens_of: Callable[[str], int], tok: Any,
+            with_index: bool) -> dict[str, Any]:
+    """CPU ms per request (boundaries, discovery), documents covered and found whole; with the index:
+    a warm-up pass fills it first."""
     make = SHAPES[shape]
-    index = DocumentIndex()
+    index = DocumentIndex() if with_index else None
     prompts = [make(docs, f"question {i}?") for i, docs in enumerate(trace)]
-    for text, regions in prompts:
-        index.remember(None, [text[s:e] for s, e in discover_chunks(text, index, None, regions=regions)])
-    times, found_share = [], []
+    bounds = [prompt_boundaries(tok, text) for text, _ in prompts]
+
+    def discover(text: str, regions: Optional[list[tuple[int, int]]], b: list[int]) -> list[tuple[int, int]]:
+        spans = discover_chunks(text, index, None, regions=regions, boundaries=b)
+        if index is not None:
+            index.remember(None, [text[s:e] for s, e in spans])
+        return spans
+
+    if index is not None:
+        for (text, regions), b in zip(prompts, bounds):
+            discover(text, regions, b)
+    boundary_ms, times, covered, whole = [], [], [], []
     for (text, regions), docs in zip(prompts, trace):
         t0 = time.process_time()
-        spans = discover_chunks(text, index, None, regions=regions)
-        index.remember(None, [text[s:e] for s, e in spans])
-        times.append((time.process_time() - t0) * 1000)
+        b = prompt_boundaries(tok, text)
+        t1 = time.process_time()
+        spans = discover(text, regions, b)
+        t2 = time.process_time()
+        boundary_ms.append((t1 - t0) * 1000)
+        times.append((t2 - t1) * 1000)
         chunks = {text[s:e] for s, e in spans}
-        found_share.append(sum(d in chunks for d in docs) / len(docs))
+        whole.append(sum(d in chunks for d in docs) / len(docs))
+        covered.append(sum(_covered(text, d, spans, b) for d in docs) / len(docs))
     times.sort()
-    return {"shape": shape, "requests": len(trace), "prompt_tokens": statistics.mean(
-                tokens_of(text) for text, _ in prompts[:20]),
+    return {"shape": shape, "index": with_index, "requests": len(trace),
+            "prompt_tokens": statistics.mean(tokens_of(text) for text, _ in prompts[:20]),
             "prompt_chars": statistics.mean(len(text) for text, _ in prompts),
-            "docs_per_prompt": statistics.mean(len(d) for d in trace), "index_docs": len(index),
+            "docs_per_prompt": statistics.mean(len(d) for d in trace), "index_docs": len(index or ()),
+            "boundaries_ms_median": statistics.median(boundary_ms),
             "cpu_ms_median": statistics.median(times), "cpu_ms_p95": times[int(0.95 * (len(times) - 1))],
-            "docs_found": statistics.mean(found_share)}
+            "docs_covered": statistics.mean(covered), "docs_found": statistics.mean(whole)}
+
+
+def _covered(text: str, doc: str, spans: list[tuple[int, int]], bounds: list[int]) -> bool:
+    """Whether every token inside ``doc`` (its first occurrence) lies in one chunk: a chunk spans from
+    the first boundary at or after the document's start to the last at or before its end."""
+    s = text.find(doc)
+    e = s + len(doc)
+    first = bounds[bisect.bisect_left(bounds, s)]
+    last = bounds[bisect.bisect_right(bounds, e) - 1]
+    return any(cs <= first and last <= ce for cs, ce in spans)
+
+
+# The inputs that used to be slow (issue 46): a unit repeated to fill the prompt.
+ADVERSARIAL: dict[str, Callable[[int], str]] = {
+    "text, then a line of tags, then text": lambda n: "x" + "<a>" * n + " x",
+    "text, then a line of spaced tags": lambda n: "x" + "<a> " * n + "x",
+    "a tag line with a role word": lambda n: "<a>" * n + "user" + "<a>" * n + " x",
+    "a line of spaces": lambda n: " " * n + "x",
+    "one-character lines": lambda n: "x\n" * n,
+    "rule lines": lambda n: "---\n" * n,
+    "separators of two kinds": lambda n: "---\n<|a|>\n" * n,
+    "marker lines": lambda n: "[1] x\n" * n,
+    "metadata lines": lambda n: "a: b\n" * n,
+    "tag lines": lambda n: "<a>\n" * n,
+    "title lines": lambda n: "Ab.\nT\n" * n,
+}
+
+
+def adversarial(tok: Any, tokens: int, repeats: int) -> list[dict[str, Any]]:
+    """Each :data:`ADVERSARIAL` input grown to ``tokens`` tokens: discovery's best CPU ms of
+    ``repeats`` runs, scaled to 8K tokens; the boundaries' time beside it."""
+    rows = []
+    for name, make in ADVERSARIAL.items():
+        n = 64
+        while len(tok.encode(make(n), add_special_tokens=False)) < tokens:
+            n *= 2
+        lo, hi = n // 2, n  # the smallest repeat count reaching ``tokens``
+        while hi - lo > max(1, hi // 64):
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if len(tok.encode(make(mid), add_special_tokens=False)) < tokens else (lo, mid)
+        text = make(hi)
+        n_tokens = len(tok.encode(text, add_special_tokens=False))
+        b = prompt_boundaries(tok, text)
+        best, best_b = float("inf"), float("inf")
+        for _ in range(repeats):
+            t0 = time.process_time()
+            discover_chunks(text, None, None, boundaries=b)
+            t1 = time.process_time()
+            prompt_boundaries(tok, text)
+            best, best_b = min(best, t1 - t0), min(best_b, time.process_time() - t1)
+        rows.append({"input": name, "chars": len(text), "tokens": n_tokens, "discovery_ms": best * 1000,
+                     "discovery_ms_per_8k_tokens": best * 1000 * 8192 / n_tokens,
+                     "boundaries_ms_per_8k_tokens": best_b * 1000 * 8192 / n_tokens})
+    return rows
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Every shape over the same trace."""
+    """Every shape over the same trace, without and with the index; then the adversarial inputs."""
     tok = common.tokenizer(args)
     cache: dict[str, int] = {}
 
@@ -114,15 +194,26 @@ def run(args: argparse.Namespace) -> dict:
 
     pool = workloads.document_pool("hotpotqa", args.pool, seed=args.seed)
     trace = build_trace(pool, tokens_of, args.tokens, args.requests, args.seed)
-    return {"rows": [measure(shape, trace, tokens_of) for shape in SHAPES]}
+    rows = [measure(shape, trace, tokens_of, tok, with_index) for with_index in (False, True) for shape in SHAPES]
+    worst = adversarial(tok, args.tokens, args.repeats)
+    return {"rows": rows, "adversarial": worst,
+            "worst_ms_per_8k_tokens": max(r["discovery_ms_per_8k_tokens"] for r in worst)}
 
 
 def report(result: dict) -> None:
-    """One row per shape."""
-    rows = [[r["shape"], f"{r['prompt_tokens']:,.0f}", f"{r['docs_per_prompt']:.0f}", f"{r['index_docs']:,}",
-             f"{r['cpu_ms_median']:.2f}", f"{r['cpu_ms_p95']:.2f}", f"{r['docs_found']:.0%}"] for r in result["rows"]]
-    print("\n".join(markdown_table(["shape", "prompt tokens", "docs", "index docs", "CPU ms median", "CPU ms p95",
-                          "docs found whole"], rows)))
+    """One row per shape and index setting; one per adversarial input."""
+    rows = [[r["shape"], "on" if r["index"] else "off", f"{r['prompt_tokens']:,.0f}", f"{r['docs_per_prompt']:.0f}",
+             f"{r['boundaries_ms_median']:.2f}", f"{r['cpu_ms_median']:.2f}", f"{r['cpu_ms_p95']:.2f}",
+             f"{r['docs_covered']:.0%}", f"{r['docs_found']:.0%}"] for r in result["rows"]]
+    print("\n".join(markdown_table(["shape", "index", "prompt tokens", "docs", "boundaries ms", "discovery ms median",
+                                    "discovery ms p95", "docs covered", "docs found whole"], rows)))
+    print()
+    rows = [[r["input"], f"{r['chars']:,}", f"{r['tokens']:,}", f"{r['discovery_ms']:.2f}",
+             f"{r['discovery_ms_per_8k_tokens']:.2f}", f"{r['boundaries_ms_per_8k_tokens']:.2f}"]
+            for r in result["adversarial"]]
+    print("\n".join(markdown_table(["input (used to be slow)", "chars", "tokens", "discovery ms",
+                                    "discovery ms per 8K tokens", "boundaries ms per 8K tokens"], rows)))
+    print(f"\nworst discovery ms per 8K tokens: {result['worst_ms_per_8k_tokens']:.2f}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -132,6 +223,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--requests", type=int, default=200, help="requests per shape")
     parser.add_argument("--pool", type=int, default=600, help="distinct HotpotQA paragraphs the trace draws from")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each adversarial input (the best is kept)")
     args = common.parse_args(parser, argv, quick={"tokens": 2048, "requests": 40})
     common.run_bench(BENCH, args, run, report=report)
 

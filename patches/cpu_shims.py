@@ -1,4 +1,4 @@
-"""The three CPU shims SGLang 0.5.23 needs on a machine without CUDA.
+"""The four CPU shims SGLang 0.5.23 needs on a machine without CUDA.
 
 =====================  ==========================================================
 shim                   what it works around
@@ -17,6 +17,14 @@ shim                   what it works around
                        its module flag ``_is_cpu`` is true (true only with the
                        sgl-kernel CPU engine, which PyPI lacks). We set the flag,
                        so the native torch RoPE path is used.
+``compile_eager``      with the triton stub, every ``@torch.compile`` function
+                       of SGLang raises on its first call (inductor looks up
+                       ``triton.backends``) inside the scheduler, which ends
+                       the server: a request with ``repetition_penalty`` != 1
+                       killed it (``sampling/penaltylib/repetition_penalty.py``).
+                       Once ``sglang/srt/utils/common.py`` is imported we set
+                       ``torch._dynamo.config.disable``: compiled functions run
+                       eagerly (same results).
 =====================  ==========================================================
 
 Each shim checks the text it relies on before acting and raises
@@ -39,7 +47,7 @@ import types
 
 from relaxkv_patches.import_hooks import hook_finder
 
-SHIMS = ("triton_stub", "torchvision_ops", "rotary_is_cpu")
+SHIMS = ("triton_stub", "torchvision_ops", "rotary_is_cpu", "compile_eager")
 SGLANG_VERSION = "0.5.23"
 
 class ShimError(ImportError):
@@ -141,6 +149,19 @@ def _arm_triton() -> None:
     if "triton" in sys.modules or importlib.util.find_spec("triton") is not None:
         return  # a real triton is installed (GPU stack): nothing to do
     sys.meta_path.append(_TritonStubFinder())
+    hook_finder().add(COMPILE_EAGER_MODULE, _compile_eager, when="after")
+
+
+COMPILE_EAGER_MODULE = "sglang.srt.utils.common"  # imports triton; imported by every SGLang process
+
+
+def _compile_eager(module) -> None:
+    """``torch.compile`` cannot work beside the triton stub: run compiled functions eagerly."""
+    _require_text(module, ["import triton"], "compile_eager")
+    import torch
+
+    torch._dynamo.config.disable = True
+    _record("compile_eager")
 
 
 # ---------------------------------------------------------------------- torchvision

@@ -26,8 +26,9 @@ the gate's reason (the header names a policy as the body does); ``full`` and ``p
 served, and a request naming no policy gets ``prefix`` even if the server default is a chunk policy.
 
 Every request on every server the plugin is loaded into (with the chunk tree or not), whatever its
-policy, passes :func:`check_sglang_fields`: fields SGLang 0.5.23 itself does not check and whose
-bad values stop its scheduler (a ``logprob_start_len`` below -1; measured on a stock server too).
+policy, passes :func:`~.sglang_fields.check_sglang_fields`: fields SGLang 0.5.23 itself does not
+check and whose bad values stop its scheduler (``logprob_start_len`` below -1, ``top_logprobs_num``
+above the vocabulary, token ids outside it, ...; measured on a stock server too).
 On a server with the chunk tree the batch's shape is checked as well (one ``sampling_params``
 object per prompt, so that every item's ``custom_params`` is checked). A request SGLang aborts
 after this (an invalid grammar, a ``logprob_start_len`` past the prompt, an unknown session)
@@ -61,6 +62,7 @@ from relaxkv_sglang.schema import (
 )
 from relaxkv_sglang.srt.gate import chunk_refusal
 from relaxkv_sglang.srt.plan import chunk_tree_served, request_namespace
+from relaxkv_sglang.srt.sglang_fields import check_sglang_fields
 
 if TYPE_CHECKING:
     from sglang.srt.managers.io_struct import GenerateReqInput
@@ -275,23 +277,6 @@ def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput,
     obj.sampling_params = sp_items[0] if single else sp_items
 
 
-def check_sglang_fields(obj: GenerateReqInput) -> None:
-    """Reject what stops SGLang 0.5.23's scheduler (it does not check it itself: the plugin is
-    loaded into every server, so every server gets the check); raises :class:`RequestError` naming
-    the field.
-
-    * ``logprob_start_len`` (a number or one per prompt): -1 (none) or a position >= 0; -2 and below
-      fail an assertion in SGLang's logprob processing, which kills the server under every policy
-      (and a stock server).
-    """
-    for i, value in enumerate(_as_items(obj.logprob_start_len)):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-            where = f" (item {i})" if isinstance(obj.logprob_start_len, list) else ""
-            raise RequestError("logprob_start_len", f"must be -1 (none) or a token position >= 0{where}, got {value!r}")
-
-
 def _check_batch_shape(obj: GenerateReqInput) -> None:
     """A ``sampling_params`` list must hold exactly one object per prompt: a short list is an
     IndexError (HTTP 500) in SGLang; a longer one has its tail ignored by SGLang, and would have it
@@ -309,11 +294,6 @@ def _batch_shape(obj: GenerateReqInput) -> tuple[bool, int]:
         return True, 1
     prompts = texts if texts is not None else obj.input_ids
     return False, len(prompts) if isinstance(prompts, list) else 1
-
-
-def _as_items(value: Any) -> list[Any]:
-    """A per-prompt field's values: the list, or the one value."""
-    return value if isinstance(value, list) else [value]
 
 
 def _wants_plan(sampling_params: dict) -> bool:
@@ -338,7 +318,7 @@ async def around_generate_request(
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     if isinstance(obj, GenerateReqInput):
-        check_sglang_fields(obj)
+        check_sglang_fields(obj, getattr(getattr(tokenizer_manager, "model_config", None), "vocab_size", None))
     if isinstance(obj, GenerateReqInput) and chunk_tree_served(tokenizer_manager.server_args):
         requested = header_policy(getattr(request, "headers", None))
         prepare_generate(tokenizer_manager, obj, await chunk_refusal(tokenizer_manager), requested)

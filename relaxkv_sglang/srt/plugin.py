@@ -14,7 +14,7 @@ Registered:
   admission (``admission.py``: chunk hits pinned until the fold), the forward pipeline (``forward.py``: fold, repair, finish), the repair after
   SGLang's decoder stack (``repair.py``; one hook per decoder-stack class of the registered model
   families, :data:`MODEL_FORWARD_HOOKS` from ``core/model_family.py``), reporting (``report.py``,
-  ``tree_cache.py``).
+  ``tree_cache.py``), the time bound on SGLang's stop-regex matching (``stop_regex.py``).
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ HOOKS = {
         "relaxkv_sglang.srt.chat:around_convert_to_internal_request", ("self", "request", "raw_request")),
     "sglang.srt.entrypoints.http_server.serve_generate_request": (
         "relaxkv_sglang.srt.parallel_encoding:around_serve_generate_request", ("obj", "request")),
+    "sglang.srt.managers.schedule_batch.Req._check_str_based_finish": (
+        "relaxkv_sglang.srt.stop_regex:around_check_str_based_finish", ("self", "new_accepted_len")),
 }
 
 
@@ -137,6 +139,9 @@ def register() -> None:
     discovery_index_enabled()  # ... and a bad RELAXKV_DISCOVERY_INDEX
     _register_backends()
     _register_hooks()
+    from relaxkv_sglang.srt.stop_regex import install
+
+    install()  # stop_regex matching bounded in time (its scheduler otherwise hangs on a catastrophic pattern)
     from relaxkv_sglang.srt.parallel_encoding import register_http_routes
 
     register_http_routes()  # POST /concate_and_append_request on SGLang's FastAPI app

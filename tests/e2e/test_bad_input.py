@@ -310,6 +310,51 @@ HTTP_CASES = [
             headers={"X-RelaxKV-Policy": "cacheblend2"}),
 ]
 
+# SGLang inputs that stop (or hang) SGLang 0.5.23's scheduler, on a stock server too: the server
+# process exits (or stops answering) and every request in flight fails (docs/reliability.md, "SGLang
+# inputs that stop its scheduler"). Each is refused with a 400 naming the field on every server the
+# plugin is loaded into (srt/sglang_fields.py), except a stop regex that backtracks catastrophically
+# on the output, which is aborted with a 400 when its matching runs out of time (srt/stop_regex.py).
+VOCAB = 2048  # the tiny model's vocabulary
+GREEDY_AS = {"regex": "a{40}", "max_new_tokens": 40}  # a grammar forcing an output of "a"s
+SCHEDULER_STOPPERS = [
+    BadCase("top_logprobs_num_above_vocab", G, "invalid top_logprobs_num: must be at most the vocabulary size 2048",
+            gen(return_logprob=True, top_logprobs_num=VOCAB + 1)),
+    BadCase("top_logprobs_num_batch_item", G, "invalid top_logprobs_num: must be at most the vocabulary size 2048 "
+            "(OpenAI: `logprobs` / `top_logprobs`) (item 1), got 1000000",
+            {"text": [TEXT, TEXT], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True,
+             "logprob_start_len": 0, "top_logprobs_num": [1, 10**6]}),
+    BadCase("top_logprobs_num_with_chunks_relaxkv", G, "invalid top_logprobs_num",
+            aborted("relaxkv", return_logprob=True, logprob_start_len=0, top_logprobs_num=VOCAB + 1)),
+    BadCase("completions_logprobs_above_vocab", COMPLETIONS, "invalid top_logprobs_num",
+            {"model": "tiny", "prompt": TEXT, "max_tokens": 2, "logprobs": VOCAB + 1}),
+    BadCase("completions_echo_logprobs_above_vocab", COMPLETIONS, "invalid top_logprobs_num",
+            {"model": "tiny", "prompt": TEXT, "max_tokens": 2, "echo": True, "logprobs": 10**6}),
+    BadCase("chat_top_logprobs_above_vocab", CHAT, "invalid top_logprobs_num", chat(logprobs=True, top_logprobs=VOCAB + 1)),
+    BadCase("top_k_above_int32", G, "invalid sampling_params.top_k: must be -1 (all tokens) or in [1, 2147483647], "
+            "got 2147483648", {"text": TEXT, "sampling_params": {"max_new_tokens": 2, "top_k": 2**31}}),
+    BadCase("chat_top_k_above_int32", CHAT, "invalid sampling_params.top_k", chat(top_k=2**31, temperature=1.0)),
+    BadCase("completions_top_k_huge", COMPLETIONS, "invalid sampling_params.top_k",
+            {"model": "tiny", "prompt": TEXT, "max_tokens": 2, "top_k": 10**12}),
+    BadCase("input_ids_above_vocab", G, "invalid input_ids: token id 2058 at position 2 is outside the vocabulary "
+            "[0, 2048)", {"input_ids": [1, 2, VOCAB + 10], "sampling_params": {"max_new_tokens": 2}}),
+    BadCase("input_ids_negative", G, "invalid input_ids: token id -3 at position 1",
+            {"input_ids": [1, -3, 2], "sampling_params": {"max_new_tokens": 2}}),
+    BadCase("input_ids_batch_item", G, "invalid input_ids: token id 1000000 at position 1 (item 1)",
+            {"input_ids": [[1, 2], [3, 10**6]], "sampling_params": {"max_new_tokens": 2}}),
+    BadCase("completions_token_prompt_above_vocab", COMPLETIONS, "invalid input_ids: token id 2055",
+            {"model": "tiny", "prompt": [1, 2, VOCAB + 7], "max_tokens": 2}),
+    BadCase("chat_input_ids_above_vocab", CHAT, "invalid input_ids: token id 2051", chat(input_ids=[1, VOCAB + 3])),
+    BadCase("positional_embed_overrides_json", G, "invalid positional_embed_overrides: takes SGLang's PositionalEmbeds",
+            gen(positional_embed_overrides={"embeds": [[0.1]], "positions": [0]})),
+    BadCase("stop_regex_catastrophic", G, "stop_regex '(a|aa)+$#': matching it on",
+            {"text": TEXT, "sampling_params": {**GREEDY_AS, "stop_regex": "(a|aa)+$#"}}),
+    BadCase("stop_regex_catastrophic_with_chunks_relaxkv", G, "stop_regex '(a|aa)+$#': matching it on",
+            aborted("relaxkv", {**GREEDY_AS, "stop_regex": ["x", "(a|aa)+$#"]})),
+    BadCase("stop_regex_not_compiling", G, "invalid sampling_params.stop_regex: '(' is not a valid regular expression",
+            {"text": TEXT, "sampling_params": {"max_new_tokens": 2, "stop_regex": "("}}),
+]
+
 
 def error_message(response: requests.Response) -> str:
     """The error text of SGLang's native ({"error": {"message"}}) or OpenAI ({"message"}) body."""
@@ -343,7 +388,7 @@ def probe_output(relaxkv_server) -> list[int]:
 
 
 def test_case_names_are_unique():
-    names = [c.name for c in HTTP_CASES] + [c[0] for c in CLIENT_CASES]
+    names = [c.name for c in HTTP_CASES + SCHEDULER_STOPPERS] + [c[0] for c in CLIENT_CASES]
     assert len(names) == len(set(names))
 
 
@@ -446,6 +491,42 @@ def test_a_stock_server_refuses_what_would_stop_its_scheduler(server):
     assert requests.get(server.url + "/health", timeout=30).status_code == 200
 
 
+NORMAL = {"text": "The quick brown fox", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+
+
+@pytest.mark.parametrize("case", SCHEDULER_STOPPERS, ids=lambda c: c.name)
+@pytest.mark.parametrize("which", ["relaxkv_server", "server"])
+def test_what_stopped_sglangs_scheduler_gets_a_400_and_the_server_serves_on(request, which, case):
+    """On the plugin's server and on a stock one (the plugin loaded, its chunk tree off): the case
+    gets a 400 naming the field, then an ordinary request is served; on the plugin's server
+    (strict idle memory check on) every KV slot is back after a flush."""
+    srv = request.getfixturevalue(which)
+    response = post(srv.url, case)
+    assert response.status_code == 400, f"{case.name}: HTTP {response.status_code}: {response.text[:300]}"
+    assert case.expect in error_message(response), f"{case.name}: {error_message(response)[:500]!r}"
+    normal = requests.post(srv.url + G, json=NORMAL, timeout=60)
+    assert normal.status_code == 200 and normal.json()["meta_info"]["completion_tokens"] == 4, normal.text[:300]
+    if which == "relaxkv_server":
+        flush(srv.url)
+        state = relaxkv_state(srv.url)
+        assert state["kv_available_tokens"] == state["kv_total_tokens"] and state["chunk_tokens_held"] == 0, state
+    assert srv.proc.poll() is None
+    TRIED.append(f"{which}:{case.name}")
+
+
+@pytest.mark.parametrize("which", ["relaxkv_server", "server"])
+def test_sglang_options_that_stopped_a_cpu_server_are_served(request, which):
+    """A repetition penalty (its torch.compile'd scaling raised beside the CPU install's triton
+    stub) and a stop regex that makes Python's re backtrack exponentially but not the bounded
+    matcher: both served to their length, on both servers."""
+    srv = request.getfixturevalue(which)
+    for sampling in [{"repetition_penalty": 1.3}, {"stop_regex": "(.+)+\\Z#", "ignore_eos": True}]:
+        body = {"text": TEXT, "sampling_params": {"max_new_tokens": 24, "temperature": 0, **sampling}}
+        response = requests.post(srv.url + G, json=body, timeout=120)
+        assert response.status_code == 200, f"{sampling}: {response.text[:300]}"
+        assert response.json()["meta_info"]["finish_reason"]["type"] in ("length", "stop"), response.text[:300]
+    assert requests.post(srv.url + G, json=NORMAL, timeout=60).status_code == 200
+
 def test_streamed_bad_request_sends_the_400_as_its_first_event(relaxkv_server):
     body = dict(gen({"relaxkv_chunks": [0, 500]}), stream=True)
     with requests.post(relaxkv_server.url + "/generate", json=body, timeout=60, stream=True) as response:
@@ -504,12 +585,13 @@ def test_server_still_serves_the_same_and_leaks_nothing(relaxkv_server, probe_ou
 
 def test_zz_report_how_many_cases_were_tried(capsys):
     """Last in the file: print the count (shown by pytest -q without -s)."""
-    total = len(HTTP_CASES) + len(CLIENT_CASES)
+    total = len(HTTP_CASES) + 2 * len(SCHEDULER_STOPPERS) + len(CLIENT_CASES)
     routes: dict[str, int] = {}
-    for case in HTTP_CASES:
+    for case in HTTP_CASES + SCHEDULER_STOPPERS:
         routes[case.route] = routes.get(case.route, 0) + 1
     by_route = ", ".join(f"{route} {n}" for route, n in routes.items())
     with capsys.disabled():
         print(f"\nbad-input suite: {len(TRIED)} of {total} malformed requests tried and answered as expected "
-              f"({by_route}, client-side {len(CLIENT_CASES)})")
+              f"({by_route}, client-side {len(CLIENT_CASES)}; the {len(SCHEDULER_STOPPERS)} that stopped SGLang's "
+              f"scheduler on both servers)")
     assert total >= 40

@@ -160,16 +160,18 @@ def test_an_unmarked_prompt_chunks_the_same_after_its_documents_were_marked(url)
     assert_same_answer(cold, after)
 
 
-def test_a_refused_stream_leaves_its_connection_usable(url):
+@pytest.mark.parametrize("prompt", ["A prompt.", ["A prompt.", "And a second one, in a batch."]],
+                         ids=["one_prompt", "batch"])
+def test_a_refused_stream_leaves_its_connection_usable(url, prompt):
     """A streamed request the plugin refuses (here ``logprob_start_len`` -2, on every server) ends
     with its error event; the requests a client sends next on the same keep-alive connection are
     served. SGLang's stream response carries a task that aborts the request 2 s after it ended
     (``TokenizerManager.create_abort_task``), and it reads ``obj.is_single``, which SGLang sets only
-    once it normalizes the request: a request refused before that made the task raise, and uvicorn
-    closed the connection under the request then in flight (found by the property: a request lost
-    with ``RemoteDisconnected``)."""
+    once it normalizes the request, and ``obj.rid`` (a list for a batch, set then too): a request
+    refused before that made the task raise, and uvicorn closed the connection under the request
+    then in flight (found by the property: a request lost with ``RemoteDisconnected``)."""
     http = requests.Session()
-    refused = {"text": "A prompt.", "stream": True, "return_logprob": True, "logprob_start_len": -2,
+    refused = {"text": prompt, "stream": True, "return_logprob": True, "logprob_start_len": -2,
                "sampling_params": {"max_new_tokens": 2}}
     with http.post(url + "/generate", json=refused, stream=True, timeout=TIMEOUT_S) as response:
         events = [line for line in response.iter_lines() if line]

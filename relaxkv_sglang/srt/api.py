@@ -317,13 +317,27 @@ async def around_generate_request(
     """Hook on ``TokenizerManager.generate_request`` (an async generator)."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
-    if isinstance(obj, GenerateReqInput):
-        check_sglang_fields(obj, getattr(getattr(tokenizer_manager, "model_config", None), "vocab_size", None))
-    if isinstance(obj, GenerateReqInput) and chunk_tree_served(tokenizer_manager.server_args):
-        requested = header_policy(getattr(request, "headers", None))
-        prepare_generate(tokenizer_manager, obj, await chunk_refusal(tokenizer_manager), requested)
+    try:
+        if isinstance(obj, GenerateReqInput):
+            check_sglang_fields(obj, getattr(getattr(tokenizer_manager, "model_config", None), "vocab_size", None))
+        if isinstance(obj, GenerateReqInput) and chunk_tree_served(tokenizer_manager.server_args):
+            requested = header_policy(getattr(request, "headers", None))
+            prepare_generate(tokenizer_manager, obj, await chunk_refusal(tokenizer_manager), requested)
+    except RequestError:
+        _shape_for_abort_task(obj)
+        raise
     async for out in original(tokenizer_manager, obj, request, *args, **kwargs):
         yield _one_record(out)
+
+
+def _shape_for_abort_task(obj: Any) -> None:
+    """A request refused here never reaches SGLang's ``normalize_batch_and_arguments``, which sets
+    ``is_single``; a streamed one still gets SGLang's abort task (``create_abort_task`` in
+    ``tokenizer_manager.py``), which reads it 2 s later, and its AttributeError made uvicorn drop
+    the client's keep-alive connection under its next request. Set it as the task needs it: the
+    task then finds no live request under the refused rid(s)."""
+    if not hasattr(obj, "is_single"):
+        obj.is_single = not isinstance(getattr(obj, "rid", None), list)
 
 
 def _one_record(out: Any) -> Any:

@@ -14,7 +14,8 @@ Registered:
   admission (``admission.py``: chunk hits pinned until the fold), the forward pipeline (``forward.py``: fold, repair, finish), the repair after
   SGLang's decoder stack (``repair.py``; one hook per decoder-stack class of the registered model
   families, :data:`MODEL_FORWARD_HOOKS` from ``core/model_family.py``), reporting (``report.py``,
-  ``tree_cache.py``), the time bound on SGLang's stop-regex matching (``stop_regex.py``).
+  ``tree_cache.py``), the time bound on SGLang's stop-regex matching (``stop_regex.py``), no output
+  logprobs for a prefill-only request (``prefill_only.py``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ HOOKS = {
         "relaxkv_sglang.srt.chat:around_convert_to_internal_request", ("self", "request", "raw_request")),
     "sglang.srt.entrypoints.http_server.serve_generate_request": (
         "relaxkv_sglang.srt.parallel_encoding:around_serve_generate_request", ("obj", "request")),
+    "sglang.srt.managers.scheduler_components.logprob_result_processor.SchedulerLogprobResultProcessor"
+    ".add_logprob_return_values": (
+        "relaxkv_sglang.srt.prefill_only:around_add_logprob_return_values", ("self", "i", "req")),
     "sglang.srt.managers.schedule_batch.Req._check_str_based_finish": (
         "relaxkv_sglang.srt.stop_regex:around_check_str_based_finish", ("self", "new_accepted_len")),
 }

@@ -183,3 +183,22 @@ def test_a_refused_stream_leaves_its_connection_usable(url, prompt):
         assert answer.status_code == 200, answer.text
         served += 1
     assert served > 1
+
+
+def test_a_prefill_only_item_reports_no_output_logprob_whatever_its_batch(url):
+    """An item with ``max_new_tokens`` 0 reports no output logprob whether its prefill batch also
+    holds an item that generates (SGLang then samples the whole batch and appended one for it) or
+    not (found by the property, seed 20261204 case 209: a warm-up changed how the two items of a
+    batch were admitted, and with it the prefill-only item's ``output_token_logprobs``)."""
+    docs = documents(2, seed=11)
+    prompts = [marked_prompt("You are terse.", docs, "Q?"), marked_prompt("", docs[::-1], "What?")]
+    params = [{"temperature": 0, "custom_params": {"relaxkv_policy": "pic", "relaxkv_chunks": p.offsets}}
+              for p in prompts]
+    alone = post(url, "/generate", {"text": prompts[1].text, "return_logprob": True,
+                                    "sampling_params": dict(params[1], max_new_tokens=0)})
+    flush(url)
+    batch = post(url, "/generate", {"text": [p.text for p in prompts], "return_logprob": True, "sampling_params": [
+        dict(params[0], max_new_tokens=4), dict(params[1], max_new_tokens=0)]})
+    assert alone["meta_info"]["output_token_logprobs"] == []
+    assert batch[1]["meta_info"]["output_token_logprobs"] == [], batch[1]["meta_info"]["output_token_logprobs"]
+    assert len(batch[0]["meta_info"]["output_token_logprobs"]) == len(batch[0]["output_ids"]) > 0

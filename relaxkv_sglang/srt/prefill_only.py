@@ -1,0 +1,40 @@
+"""A prefill-only request (``max_new_tokens`` 0) reports no output logprobs, whatever its batch.
+
+SGLang 0.5.23 samples a prefill batch unless every request in it is prefill-only
+(``ScheduleBatch.is_prefill_only``). A request with ``max_new_tokens`` 0 that shares its prefill
+batch with one that generates thus gets one output logprob (of a token it never outputs) appended
+by ``SchedulerLogprobResultProcessor.add_logprob_return_values``; alone, or with other
+prefill-only requests, it gets none. Which happens depends on what else the scheduler admitted
+with it, and so on the cache (a warm request's prefill is shorter and is batched otherwise): the
+same request's answer changed with the cache state (found by the request-options property,
+``tests/e2e/test_cache_invariant_regressions.py``). The hook drops the output entries SGLang just
+appended for a prefill-only request, so it always reports what it reports alone: no output token,
+no output logprob. Its input logprobs are untouched.
+
+SGLang file touched: ``sglang/srt/managers/scheduler_components/logprob_result_processor.py``
+(``SchedulerLogprobResultProcessor.add_logprob_return_values``, wrapped). Loaded into every server,
+stock SGLang included (the plugin is loaded into every server from its environment).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["around_add_logprob_return_values"]
+
+# The per-request lists add_logprob_return_values appends one output position to.
+_OUTPUT_LISTS = ("output_token_logprobs_val", "output_token_logprobs_idx", "output_top_logprobs_val",
+                 "output_top_logprobs_idx", "output_token_ids_logprobs_val", "output_token_ids_logprobs_idx")
+
+
+def around_add_logprob_return_values(original: Callable[..., Any], processor: Any, i: int, req: Any,
+                                     *args: Any, **kwargs: Any) -> Any:
+    """Hook: SGLang's own bookkeeping, less the output entries of a prefill-only request."""
+    if not req.is_prefill_only:
+        return original(processor, i, req, *args, **kwargs)
+    logprob = req.logprob
+    lengths = {name: len(getattr(logprob, name)) for name in _OUTPUT_LISTS if getattr(logprob, name, None) is not None}
+    result = original(processor, i, req, *args, **kwargs)
+    for name, n in lengths.items():
+        del getattr(logprob, name)[n:]
+    return result

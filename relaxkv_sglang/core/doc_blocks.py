@@ -64,7 +64,7 @@ import re
 from typing import Iterator, Literal, NamedTuple, Optional, Sequence
 
 __all__ = ["Block", "BlockKind", "DOC_LABELS", "QUESTION_KEYS", "MAX_META_CHARS", "MAX_TITLE_CHARS", "find_blocks",
-           "candidate_spans"]
+           "trim_span", "candidate_spans"]
 
 BlockKind = Literal["text", "label", "meta", "question", "markup"]
 
@@ -178,8 +178,8 @@ def _line_pieces(text: str, s: int, e: int) -> Optional[list[tuple[int, int, str
     text_kind = "own" if marker is not None else "text"
     trail = _trailing_tags(line) if trailing else len(line)
     if 0 < trail < len(line):
-        pieces.append((*_trim(text, s, s + trail), text_kind) if marker is not None else (s, s + trail, text_kind))
-        pieces.append((*_trim(text, s + trail, e), "markup" if _special_tag(line[trail:]) else "label"))
+        pieces.append((*trim_span(text, s, s + trail), text_kind) if marker is not None else (s, s + trail, text_kind))
+        pieces.append((*trim_span(text, s + trail, e), "markup" if _special_tag(line[trail:]) else "label"))
     elif marker is not None:
         kept = line.strip()
         if kept:
@@ -190,7 +190,7 @@ def _line_pieces(text: str, s: int, e: int) -> Optional[list[tuple[int, int, str
     return pieces
 
 
-def _trim(text: str, s: int, e: int) -> tuple[int, int]:
+def trim_span(text: str, s: int, e: int) -> tuple[int, int]:
     """``(s, e)`` less the whitespace at both ends (``(e, e)`` if all of it is)."""
     piece = text[s:e]
     kept = piece.strip()
@@ -214,7 +214,7 @@ def _region_blocks(text: str, start: int, end: int) -> list[Block]:
     def close() -> None:
         """End the current text block, if any (after the separator block before it)."""
         nonlocal run_start, sep_kind
-        s, e = _trim(text, run_start, run_end)
+        s, e = trim_span(text, run_start, run_end)
         if s < e:
             if sep_kind:
                 blocks.append(Block(sep_start, sep_end, sep_kind))  # type: ignore[arg-type]

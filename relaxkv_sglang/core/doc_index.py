@@ -49,7 +49,7 @@ import re
 import threading
 from typing import Iterable, Optional, Sequence
 
-from relaxkv_sglang.core.doc_blocks import candidate_spans, find_blocks
+from relaxkv_sglang.core.doc_blocks import candidate_spans, find_blocks, trim_span
 
 __all__ = ["BOUNDARY", "DocumentIndex", "discover_chunks", "token_boundaries"]
 
@@ -258,16 +258,6 @@ def _longest_disjoint(hits: list[Span], regions: Optional[Sequence[Span]]) -> li
     return chosen
 
 
-def _trimmed(text: str, s: int, e: int) -> Span:
-    """``(s, e)`` less the whitespace at both ends (``(e, e)`` if all of it is)."""
-    piece = text[s:e]
-    kept = piece.strip()
-    if not kept:
-        return e, e
-    s += len(piece) - len(piece.lstrip())
-    return s, s + len(kept)
-
-
 def _new_chunks(text: str, candidates: Sequence[Span], known: Sequence[Span],
                 boundaries: Optional[Sequence[int]], min_chars: int) -> list[Span]:
     """The candidates less the ``known`` spans (both sorted and disjoint), trimmed, moved inward to
@@ -286,9 +276,9 @@ def _new_chunks(text: str, candidates: Sequence[Span], known: Sequence[Span],
             j += 1
         pieces.append((pos, ce))
         for s, e in pieces:
-            s, e = _inward(_trimmed(text, s, e), boundaries)
+            s, e = _inward(trim_span(text, s, e), boundaries)
             if e - s >= min_chars:
-                ts, te = _trimmed(text, s, e)
+                ts, te = trim_span(text, s, e)
                 s, e = (ts if _on(boundaries, ts) else s), (te if _on(boundaries, te) else e)
             if e - s >= min_chars:
                 out.append((s, e))

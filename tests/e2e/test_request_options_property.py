@@ -484,15 +484,11 @@ def _finish(reason) -> Any:
 
 
 def _generate_output(item: dict) -> dict:
-    meta, ids = item.get("meta_info") or {}, item.get("output_ids")
-    logprobs = {k: _pairs(meta[k]) for k in LOGPROB_KEYS if meta.get(k) is not None}
-    tops = {k: _tops(meta[k]) for k in TOP_KEYS if meta.get(k) is not None}
-    if isinstance(ids, list):  # the output tokens' logprobs: a stream of a max_new_tokens 0 request
-        for rows in (logprobs, tops):  # may carry the next token's, by timing (SGLang sends max(len(ids), 1))
-            for k in [k for k in rows if k.startswith("output_")]:
-                rows[k] = rows[k][:len(ids)]
-    return {"text": item.get("text"), "ids": ids, "finish": _finish(meta.get("finish_reason")),
-            "logprobs": logprobs, "tops": tops, "chunks_seen": (meta.get("relaxkv") or {}).get("chunks_seen")}
+    meta = item.get("meta_info") or {}
+    return {"text": item.get("text"), "ids": item.get("output_ids"), "finish": _finish(meta.get("finish_reason")),
+            "logprobs": {k: _pairs(meta[k]) for k in LOGPROB_KEYS if meta.get(k) is not None},
+            "tops": {k: _tops(meta[k]) for k in TOP_KEYS if meta.get(k) is not None},
+            "chunks_seen": (meta.get("relaxkv") or {}).get("chunks_seen")}
 
 
 def _abort_codes(outputs: list[dict]) -> list[int]:

@@ -496,7 +496,15 @@ def _abort_codes(outputs: list[dict]) -> list[int]:
             if isinstance(o["finish"], dict) and o["finish"].get("type") == "abort"]
 
 
-def _openai_output(choices: list[dict], chat: bool) -> dict:
+# SGLang 0.5.23's streamed chat drops the logprobs of a step whose text delta is empty
+# (serving_chat.py: "an empty-delta step has no chunk to attach to"): a token that decodes to an
+# incomplete UTF-8 character, held back by the detokenizer, loses its entry when it is alone in its
+# step, which depends on timing, not on the cache. Those tokens are left out of the comparison of a
+# streamed chat; every other entry is compared. (Not fixed here: the closing note of issue 46.)
+_INCOMPLETE_CHAR = "\ufffd"
+
+
+def _openai_output(choices: list[dict], chat: bool, streamed: bool = False) -> dict:
     """One choice, from its whole answer or its stream's deltas in order."""
     text, lps, tops, finish, seen = "", [], [], None, None
     for c in choices:
@@ -504,6 +512,8 @@ def _openai_output(choices: list[dict], chat: bool) -> dict:
         logprobs = c.get("logprobs") or {}
         if chat:
             for t in logprobs.get("content") or []:
+                if streamed and _INCOMPLETE_CHAR in t["token"]:
+                    continue
                 lps.append((t["logprob"], t["token"]))
                 tops.append([(x["logprob"], x["token"]) for x in t.get("top_logprobs") or []])
         else:
@@ -540,7 +550,8 @@ def read_answer(route: str, body: dict, response: requests.Response) -> Answer:
             for event in events:
                 for choice in event.get("choices") or []:
                     by_index[choice.get("index", 0)].append(choice)
-            outputs = [_openai_output(by_index[i], route == "/v1/chat/completions") for i in sorted(by_index)]
+            outputs = [_openai_output(by_index[i], route == "/v1/chat/completions", streamed=True)
+                       for i in sorted(by_index)]
         return Answer(max(codes), outputs, codes + _abort_codes(outputs))
     out = response.json()
     if route == "/generate":

@@ -62,6 +62,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -497,11 +498,27 @@ def _abort_codes(outputs: list[dict]) -> list[int]:
 
 
 # SGLang 0.5.23's streamed chat drops the logprobs of a step whose text delta is empty
-# (serving_chat.py: "an empty-delta step has no chunk to attach to"): a token that decodes to an
-# incomplete UTF-8 character, held back by the detokenizer, loses its entry when it is alone in its
-# step, which depends on timing, not on the cache. Those tokens are left out of the comparison of a
-# streamed chat; every other entry is compared. (Not fixed here: the closing note of issue 46.)
+# (serving_chat.py: "an empty-delta step has no chunk to attach to"): a token that decodes to no
+# text of its own (an incomplete UTF-8 character the detokenizer holds back, or a special token it
+# skips) loses its entry when it is alone in its step, which depends on timing, not on the cache.
+# Those tokens are left out of the comparison of a streamed chat; every other entry is compared.
+# (Not fixed here: the closing note of issue 46.)
 _INCOMPLETE_CHAR = "\ufffd"
+
+
+@functools.cache
+def _special_tokens() -> frozenset:
+    """The tiny model's special added tokens (the detokenizer skips them: an empty delta)."""
+    from transformers import AutoTokenizer
+
+    from relaxkv_sglang import assets
+
+    tokenizer = AutoTokenizer.from_pretrained(str(assets.model_path("tiny-llama")))
+    return frozenset(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
+
+
+def _no_text_of_its_own(token: str) -> bool:
+    return _INCOMPLETE_CHAR in token or token in _special_tokens()
 
 
 def _openai_output(choices: list[dict], chat: bool, streamed: bool = False) -> dict:
@@ -512,7 +529,7 @@ def _openai_output(choices: list[dict], chat: bool, streamed: bool = False) -> d
         logprobs = c.get("logprobs") or {}
         if chat:
             for t in logprobs.get("content") or []:
-                if streamed and _INCOMPLETE_CHAR in t["token"]:
+                if streamed and _no_text_of_its_own(t["token"]):
                     continue
                 lps.append((t["logprob"], t["token"]))
                 tops.append([(x["logprob"], x["token"]) for x in t.get("top_logprobs") or []])

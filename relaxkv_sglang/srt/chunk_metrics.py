@@ -78,5 +78,6 @@ class ChunkMetrics:
 TIER_METRICS = {f"tier_{tier}_{name}" for tier in LOWER_TIERS for name in (
     "hits", "misses", "loads", "loaded_tokens", "loaded_bytes", "load_seconds", "spills", "spilled_bytes",
     "rejected", "evictions", "evicted_bytes", "writes", "written_bytes", "write_errors", "corrupt", "foreign",
-    "publish_dropped", "spill_rejected", "incomplete", "errors", "unavailable")}
-TIER_GAUGES = ("_bytes_held", "_entries", "_pending_writes")
+    "publish_dropped", "spill_rejected", "incomplete", "errors", "unavailable", "store_lost", "store_timeouts",
+    "store_reconnect_attempts", "store_reconnects")}
+TIER_GAUGES = ("_bytes_held", "_entries", "_pending_writes", "_store_connected")

@@ -26,11 +26,19 @@ builds it (``managers/cache_controller.py``):
 One lock serialises the staging buffer (the scheduler, the writer and the prefetch threads
 share it); a call moves at most ``pages`` pages, more are moved in turns.
 
-**Store down at start.** The backend is built on a thread given ``connect_timeout_s``; a
-Mooncake config's ``master_server_address`` is first probed with a TCP connect (a Mooncake
-client retries a dead master for about 90 s). Either failing: one log line, the server runs
-without this tier. Tested with ``mooncake`` (``tests/e2e/test_mooncake.py``), ``file`` and
-``sim`` (``tests/unit/test_hicache_tier.py``).
+**The store down, slow or back.** The backend is built on a thread given ``connect_timeout_s``;
+a Mooncake config's ``master_server_address`` is first probed with a TCP connect (a Mooncake
+client retries a dead master for about 90 s). The tier is always built, over a
+:class:`~relaxkv_sglang.core.tiers.reconnect.ReconnectingPageStore`: every store call waits at
+most ``call_timeout_s`` (``RELAXKV_HICACHE_CALL_TIMEOUT_S``, default 2 s; a lookup on the scheduler
+thread makes at most two: page 0, then the value's other pages); a store down at start, one that
+raises or one past that bound is down: lookups are misses without asking it, and a thread builds
+the backend again (probe, then build) after 1 s, then after twice the wait each time, at most
+``reconnect_max_s`` (``RELAXKV_HICACHE_RECONNECT_MAX_S``, default 30 s), until one answers; then
+it is used again. One log line per change of state; ``tier_hicache_store_connected``, ``_lost``,
+``_timeouts``, ``_reconnect_attempts``, ``_reconnects`` count it. Tested with ``mooncake``
+(``tests/e2e/test_mooncake.py``, ``tests/e2e/test_mooncake_reconnect.py``), ``file`` and ``sim``
+(``tests/unit/test_hicache_tier.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from relaxkv_sglang.core.tiers import PagedTier, PageStore, TierConfig, TierContext, ValueLayout
+from relaxkv_sglang.core.tiers.reconnect import ReconnectingPageStore
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +125,12 @@ class HiCachePageStore(PageStore):
         """The backend's name."""
         return {"backend": self.name}
 
+    def close(self) -> None:
+        """The backend's ``close``, where it has one (a store dropped for a new connection)."""
+        close = getattr(self.backend, "close", None)
+        if callable(close):
+            close()
+
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each page is stored (``batch_exists`` per key: it answers a prefix count)."""
         return [int(self.backend.batch_exists([k]) or 0) >= 1 for k in keys]
@@ -180,29 +195,41 @@ class HiCacheTierConfig(TierConfig):
         backend: the factory's backend name; None: no such tier.
         extra_config: the backend's extra config (SGLang's ``--hicache-storage-backend-extra-config``).
         page_bytes: bytes per stored page.
-        connect_timeout_s: how long the backend may take to start.
+        connect_timeout_s: how long the backend may take to start (at the server's start).
+        call_timeout_s: the longest a caller waits on one store call (module doc).
+        reconnect_max_s: the longest wait between two attempts to reconnect a store that is down.
     """
 
     backend: Optional[str] = None
     extra_config: dict = dataclasses.field(default_factory=dict)
     page_bytes: int = 256 << 10
     connect_timeout_s: float = 30.0
+    call_timeout_s: float = 2.0
+    reconnect_max_s: float = 30.0
 
     def build(self, ctx: TierContext) -> Optional[PagedTier]:
-        """The tier, or None (and one log line) if the store cannot be reached (module doc)."""
+        """The tier, over a store that may be down now and reconnects (module doc); None without a backend."""
         if not self.backend:
             return None
         why = _probe_master(self.extra_config, min(self.connect_timeout_s, 5.0))
         store = None
         if why is None:
             store, why = self._connect()
-        if store is None:
-            logger.warning("relaxkv: the hicache chunk tier (backend %s) is unavailable, serving without it: %s",
-                           self.backend, why)
-            return None
-        logger.info("relaxkv: hicache chunk tier on backend %s (%s I/O, %d-byte pages)", self.backend,
-                    "zero-copy" if store.zero_copy else "generic", self.page_bytes)
-        return PagedTier(store, ValueLayout.of(ctx.identity, ctx.token_shape, ctx.dtype))
+        if store is not None:
+            logger.info("relaxkv: hicache chunk tier on backend %s (%s I/O, %d-byte pages)", self.backend,
+                        "zero-copy" if store.zero_copy else "generic", self.page_bytes)
+        pages = ReconnectingPageStore(
+            self.reconnect, self.page_bytes, name=f"hicache chunk tier (backend {self.backend})",
+            info={"backend": self.backend}, store=store, why_down=why, call_timeout_s=self.call_timeout_s,
+            backoff_min_s=min(1.0, self.reconnect_max_s), backoff_max_s=self.reconnect_max_s)
+        return PagedTier(pages, ValueLayout.of(ctx.identity, ctx.token_shape, ctx.dtype), slow_s=self.call_timeout_s)
+
+    def reconnect(self) -> HiCachePageStore:
+        """The master probed, then the backend built (on the reconnect thread); raises while it is down."""
+        why = _probe_master(self.extra_config, min(self.connect_timeout_s, 5.0))
+        if why is not None:
+            raise ConnectionError(why)
+        return self.connect()
 
     def _connect(self) -> tuple[Optional[HiCachePageStore], str]:
         """The backend built on a thread within ``connect_timeout_s``: (store, "") or (None, why)."""

@@ -11,7 +11,9 @@ between them and the KV pool. This module holds what needs SGLang's objects:
   ``--hicache-storage-backend`` takes), ``RELAXKV_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG`` (as
   SGLang's ``--hicache-storage-backend-extra-config``: a JSON object, or ``@FILE`` of JSON, TOML
   or YAML), ``RELAXKV_HICACHE_PAGE_KB`` (bytes per stored page / 1024, default 256),
-  ``RELAXKV_HICACHE_CONNECT_TIMEOUT_S`` (default 30); a bad value stops the server at startup
+  ``RELAXKV_HICACHE_CONNECT_TIMEOUT_S`` (default 30), ``RELAXKV_HICACHE_CALL_TIMEOUT_S`` (the
+  longest a caller waits on one store call, default 2) and ``RELAXKV_HICACHE_RECONNECT_MAX_S``
+  (the longest wait between attempts to reconnect a store that is down, default 30); a bad value stops the server at startup
   with one line naming the variable;
 * :func:`model_identity`: the identity chunk keys are salted with: the model path's name, its
   HF config, a fingerprint of each weight file (name, size, sha256 of its first and last MiB),
@@ -44,6 +46,8 @@ HICACHE_BACKEND_ENV = "RELAXKV_HICACHE_STORAGE_BACKEND"
 HICACHE_EXTRA_ENV = "RELAXKV_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG"
 HICACHE_PAGE_KB_ENV = "RELAXKV_HICACHE_PAGE_KB"
 HICACHE_TIMEOUT_ENV = "RELAXKV_HICACHE_CONNECT_TIMEOUT_S"
+HICACHE_CALL_TIMEOUT_ENV = "RELAXKV_HICACHE_CALL_TIMEOUT_S"
+HICACHE_RECONNECT_MAX_ENV = "RELAXKV_HICACHE_RECONNECT_MAX_S"
 DEFAULT_DISK_GB = 10.0
 
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.gguf", "*.pt", "*.pth")
@@ -143,7 +147,13 @@ def hicache_config_from_env(env: dict) -> HiCacheTierConfig:
     if page_kb < 4 or page_kb != int(page_kb):
         raise SystemExit(f"relaxkv-sglang: {HICACHE_PAGE_KB_ENV}={env.get(HICACHE_PAGE_KB_ENV)!r}: must be a whole number >= 4")
     timeout = _gb(env, HICACHE_TIMEOUT_ENV, 30.0, "seconds")
-    return HiCacheTierConfig(backend, extra, int(page_kb) << 10, timeout)
+    bounds = {}
+    for name, field, default in ((HICACHE_CALL_TIMEOUT_ENV, "call_timeout_s", 2.0),
+                                 (HICACHE_RECONNECT_MAX_ENV, "reconnect_max_s", 30.0)):
+        bounds[field] = _gb(env, name, default, "seconds")
+        if bounds[field] <= 0:
+            raise SystemExit(f"relaxkv-sglang: {name}={env.get(name)!r}: must be > 0")
+    return HiCacheTierConfig(backend, extra, int(page_kb) << 10, timeout, **bounds)
 
 
 def _file_fingerprint(path: str) -> str:

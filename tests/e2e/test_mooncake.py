@@ -10,7 +10,8 @@ after ``make install-mooncake`` (about 5 minutes on 2 cores: five server starts)
   host or disk tier, SGLang's ``storage`` source; B's ``tier_hicache_loads``), with the output
   of recomputing; a tenant's chunks are hits only for that tenant on the other server; A
   restarted serves them from the store on its first request;
-* faults: the store down at start (the server serves without the tier, one log line); values of
+* faults: the store down at start (the server serves without it, the tier down and reconnecting,
+  one log line; the store coming back: ``test_mooncake_reconnect.py``); values of
   the wrong checksum, layout or size put in the store (each a counted miss, computed, the output
   of recomputing); the master killed mid-run (every request answered, misses counted).
 """
@@ -123,8 +124,9 @@ def test_mooncake_faults_store_down_bad_values_and_master_killed(tiny_model_path
     with Cluster([_config(tiny_model_path, down_env), _config(tiny_model_path, mooncake.env(page_kb=PAGE_KB))],
                  None) as pair:
         down, up = pair.servers
-        # the store down at start: served without the tier, one log line
-        assert relaxkv_state(down.url)["tiers"] == ["device"]
+        # the store down at start: served without it (the tier down, reconnecting), one log line
+        state = relaxkv_state(down.url)
+        assert state["tiers"] == ["device", "hicache"] and state["tier_hicache_store_connected"] == 0
         with open(down.log_path) as f:
             lines = [line for line in f if "hicache chunk tier (backend mooncake) is unavailable" in line]
         assert len(lines) == 1 and str(dead) in lines[0]

@@ -26,6 +26,7 @@ host          :class:`HostTier` + :class:`HostTierConfig` (bounded host memory)
 value         the self-describing bytes of a stored chunk and the checks a load makes
 disk          :class:`DiskTier` + :class:`DiskTierConfig` (bounded, checksummed folder)
 paged         :class:`PagedTier` over a :class:`PageStore` (values in fixed-size pages)
+reconnect     :class:`ReconnectingPageStore` (a network page store: calls bounded, reconnected with backoff)
 writer        :class:`AsyncWriter` (writes on a background thread, bounded queue)
 prefetch      :class:`PrefetchStage` (reads started ahead of the load, staged)
 store         :class:`TieredChunkStore` (the list of tiers for the server)
@@ -45,9 +46,10 @@ from relaxkv_sglang.core.tiers.memory import release_free_heap
 from relaxkv_sglang.core.tiers.names import LOWER_TIERS, TierName, split_hits
 from relaxkv_sglang.core.tiers.paged import PagedTier, PageStore
 from relaxkv_sglang.core.tiers.prefetch import PrefetchStage
+from relaxkv_sglang.core.tiers.reconnect import ReconnectingPageStore
 from relaxkv_sglang.core.tiers.record import GB, ChunkRecord
 from relaxkv_sglang.core.tiers.simulate import simulate_tier
-from relaxkv_sglang.core.tiers.storage import ChunkStorage
+from relaxkv_sglang.core.tiers.storage import ChunkStorage, StoreUnavailable
 from relaxkv_sglang.core.tiers.store import TieredChunkStore
 from relaxkv_sglang.core.tiers.tier import Tier, TierConfig, TierContext, TierRole
 from relaxkv_sglang.core.tiers.value import Damaged, ValueLayout, decode_value, encode_value
@@ -56,6 +58,6 @@ from relaxkv_sglang.core.tiers.writer import AsyncWriter
 __all__ = [
     "FORMAT_VERSION", "GB", "LOWER_TIERS", "AsyncWriter", "ChunkRecord", "ChunkStorage", "Damaged", "DiskTier",
     "DiskTierConfig", "FrequencySketch", "HostTier", "HostTierConfig", "ModelIdentity", "PageStore", "PagedTier",
-    "PrefetchStage", "Tier", "TierConfig", "TierContext", "TierName", "TierRole", "TieredChunkStore",
+    "PrefetchStage", "ReconnectingPageStore", "StoreUnavailable", "Tier", "TierConfig", "TierContext", "TierName", "TierRole", "TieredChunkStore",
     "ValueLayout", "chunk_key", "decode_value", "encode_value", "release_free_heap", "simulate_tier", "split_hits",
 ]

@@ -24,7 +24,10 @@ value stays until the store evicts it; this server then answers it as absent (up
 and takes the tier out of service for ``backoff_s``: meanwhile every lookup is a miss without
 asking the store (``unavailable``) and writes are dropped, so requests are served from the
 pool and by computing, never waiting on a dead store. One log line when it goes out, one when
-it is asked again.
+it is asked again. A store that handles its own failures (the HiCache tier's
+:class:`~.reconnect.ReconnectingPageStore`: calls bounded in time, reconnected with backoff)
+raises :class:`~.storage.StoreUnavailable` while down: a miss counted ``unavailable``, nothing
+more.
 
 Role: write-through and prefetchable, like the disk tier (:mod:`.tier`).
 """
@@ -40,6 +43,7 @@ from typing import Callable, Optional, Sequence, TypeVar
 
 from relaxkv_sglang.core.tiers.names import TierName
 from relaxkv_sglang.core.tiers.record import ChunkRecord
+from relaxkv_sglang.core.tiers.storage import StoreUnavailable
 from relaxkv_sglang.core.tiers.tier import Tier, TierRole
 from relaxkv_sglang.core.tiers.value import PREFIX_BYTES, Damaged, ValueLayout, decode_value, encode_value, value_info
 
@@ -138,6 +142,9 @@ class PagedTier(Tier):
             logger.warning("relaxkv: asking the %s tier's store again", self.name)
         try:
             out = fn()
+        except StoreUnavailable:  # down and reconnecting on its own (reconnect.py), which logs it
+            self._count("unavailable")
+            return default
         except Exception as exc:  # noqa: BLE001 - the store failing is a miss, never a request error
             self._out_of_service(f"{what} raised {type(exc).__name__}: {exc}")
             return default

@@ -15,7 +15,13 @@ from typing import Optional, Sequence
 
 from relaxkv_sglang.core.tiers.record import ChunkRecord
 
-__all__ = ["ChunkStorage"]
+__all__ = ["ChunkStorage", "StoreUnavailable"]
+
+
+class StoreUnavailable(Exception):
+    """A store is down (not connected yet, lost, or a call past its time bound) and reconnects on its
+    own (:class:`~.reconnect.ReconnectingPageStore`): the caller answers a miss, counted
+    ``unavailable``, without asking it."""
 
 
 class ChunkStorage(ABC):

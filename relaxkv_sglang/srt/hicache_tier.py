@@ -222,7 +222,8 @@ class HiCacheTierConfig(TierConfig):
             self.reconnect, self.page_bytes, name=f"hicache chunk tier (backend {self.backend})",
             info={"backend": self.backend}, store=store, why_down=why, call_timeout_s=self.call_timeout_s,
             backoff_min_s=min(1.0, self.reconnect_max_s), backoff_max_s=self.reconnect_max_s)
-        return PagedTier(pages, ValueLayout.of(ctx.identity, ctx.token_shape, ctx.dtype), slow_s=self.call_timeout_s)
+        return PagedTier(pages, ValueLayout.of(ctx.identity, ctx.token_shape, ctx.dtype, max_tokens=ctx.max_tokens),
+                         slow_s=self.call_timeout_s)
 
     def reconnect(self) -> HiCachePageStore:
         """The master probed, then the backend built (on the reconnect thread); raises while it is down."""

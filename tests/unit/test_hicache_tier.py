@@ -26,7 +26,7 @@ from relaxkv_sglang.core.tiers import (
     ChunkRecord, Damaged, ModelIdentity, PagedTier, PageStore, TierContext, TieredChunkStore, TierName, ValueLayout,
     chunk_key, decode_value, encode_value,
 )
-from relaxkv_sglang.core.tiers.paged import page_keys
+from relaxkv_sglang.core.tiers.paged import SLOTS, page_keys, value_key
 from relaxkv_sglang.core.tiers.value import value_info
 from relaxkv_sglang.srt.hicache_tier import HiCachePageStore, HiCacheTierConfig, StagingPool
 from relaxkv_sglang.srt.tiers import tier_config_from_env
@@ -122,30 +122,102 @@ def test_values_over_pages_round_trip_and_page_zero_commits():
     assert TierName(tier.name) == "hicache" and tier.role.write_through and tier.role.prefetchable
 
 
+HEAD = value_key(key(1), PAGE)  # page 0 of key(1)'s value, slot 0
+
+
 def _damaged_tier(damage) -> tuple[PagedTier, DictPages]:
     store = DictPages()
     tier = PagedTier(store, LAYOUT)
     assert tier.set(key(1), record(1, 70))
-    damage(store.pages, [k for k in store.pages if k != key(1)])
+    damage(store.pages, [k for k in store.pages if k != HEAD])
     return tier, store
 
 
 @pytest.mark.parametrize("damage, kind", [
     (lambda pages, tail: pages.pop(tail[1]), "incomplete"),  # a page evicted by the store
     (lambda pages, tail: pages.__setitem__(tail[0], bytes(PAGE)), "corrupt"),  # a page of zeros
-    (lambda pages, tail: pages.__setitem__(key(1), b"\xff" * PAGE), "corrupt"),  # page 0 is garbage
-    (lambda pages, tail: pages.__setitem__(key(1), pages[key(1)][:-10] + b"X" + pages[key(1)][-9:]), "corrupt"),
-    (lambda pages, tail: pages.__setitem__(key(1), pages[key(1)].replace(b'"n_tokens": 70', b'"n_tokens": 71')),
+    (lambda pages, tail: pages.__setitem__(HEAD, b"\xff" * PAGE), "corrupt"),  # page 0 is garbage
+    (lambda pages, tail: pages.__setitem__(HEAD, pages[HEAD][:-10] + b"X" + pages[HEAD][-9:]), "corrupt"),
+    (lambda pages, tail: pages.__setitem__(HEAD, pages[HEAD].replace(b'"n_tokens": 70', b'"n_tokens": 71')),
      "corrupt"),  # a header that claims another size
 ])
-def test_a_damaged_value_is_a_counted_miss_never_served(damage, kind):
+def test_a_damaged_value_is_a_counted_miss_never_served_and_rewritten_in_the_next_slot(damage, kind, caplog):
     tier, store = _damaged_tier(damage)
-    assert tier.get(key(1)) is None
+    with caplog.at_level("WARNING"):
+        assert tier.get(key(1)) is None
     s = tier.stats()
-    assert s[kind] == 1 and s["misses"] == 1 and s["hits"] == 0 and s["bad_keys"] == 1
+    assert s[kind] == 1 and s["misses"] == 1 and s["hits"] == 0 and s["damaged_slots"] == 1
+    assert sum(f"{kind} value" in r.getMessage() for r in caplog.records) == 1  # logged
+    damaged = dict(store.pages)
+    # never skipped as already present: the chunk, computed again, is written to slot 1 and served
+    assert tier.batch_exists([key(1)]) == [False] and tier.get(key(1)) is None and tier.stats()[kind] == 1
+    assert tier.set(key(1), record(1, 70)) and tier.stats()["rewrites"] == 1
+    assert value_key(key(1), PAGE, 1) in store.pages and all(store.pages[k] == v for k, v in damaged.items())
+    assert tier.batch_exists([key(1)]) == [True] and torch.equal(tier.get(key(1)).kv, record(1, 70).kv)
+    other = PagedTier(store, LAYOUT)  # another server reads slot 0 damaged, then slot 1
+    assert other.get(key(1)) is None and torch.equal(other.get(key(1)).kv, record(1, 70).kv)
+    assert other.stats()[kind] == 1 and other.stats()["hits"] == 1
+
+
+def test_every_slot_damaged_is_absent_for_a_while_then_asked_again():
+    now = [0.0]
+    store = DictPages()
+    tier = PagedTier(store, LAYOUT, bad_ttl_s=60.0, clock=lambda: now[0])
+    for slot in range(SLOTS):
+        store.pages[value_key(key(1), PAGE, slot)] = b"\xff" * PAGE
+        assert tier.get(key(1)) is None
+    assert tier.stats()["corrupt"] == SLOTS and tier.stats()["bad_keys"] == 1
     calls = store.calls
-    assert tier.batch_exists([key(1)]) == [False] and tier.get(key(1)) is None  # absent here now, not read again
-    assert store.calls == calls and tier.stats()[kind] == 1  # the store is not asked: the key is known bad
+    assert tier.batch_exists([key(1)]) == [False] and tier.get(key(1)) is None and not tier.set(key(1), record(1, 3))
+    assert store.calls == calls  # absent here: the store is not asked
+    for slot in range(SLOTS):
+        del store.pages[value_key(key(1), PAGE, slot)]  # the store evicts them
+    now[0] = 61.0
+    assert tier.set(key(1), record(1, 3)) and torch.equal(tier.get(key(1)).kv, record(1, 3).kv)
+    assert value_key(key(1), PAGE, 0) in store.pages and tier.stats()["bad_keys"] == 0
+
+
+def test_a_header_claiming_2_40_bytes_is_rejected_after_one_page_read():
+    """The header's length is bounded by the layout's max_tokens before any other page is asked for."""
+    layout = ValueLayout.of(IDENT, SHAPE, torch.float32, max_tokens=4096)
+    for n_tokens, payload in [((1 << 40) // 128, 1 << 40), (70, 1 << 40), (-1, 0)]:
+        store = DictPages()
+        tier = PagedTier(store, layout)
+        assert tier.set(key(1), record(1, 70))
+        head = store.pages[HEAD]
+        forged = head.replace(b'"n_tokens": 70', b'"n_tokens": %d' % n_tokens).replace(
+            b'"payload_bytes": 8960', b'"payload_bytes": %d' % payload)
+        hlen = int.from_bytes(head[8:12], "little") + len(forged) - len(head)
+        store.pages[HEAD] = (forged[:8] + hlen.to_bytes(4, "little") + forged[12:])[:PAGE]
+        asked = []
+        get = store.get
+        store.get = lambda keys: asked.append(len(keys)) or get(keys)
+        t0 = time.monotonic()
+        assert tier.get(key(1)) is None
+        assert time.monotonic() - t0 < 1.0 and asked == [1]  # page 0 only
+        assert tier.stats()["corrupt"] == 1 and tier.stats()["misses"] == 1
+
+
+def test_two_page_sizes_on_one_store_each_share_with_its_own_kind():
+    """RELAXKV_HICACHE_PAGE_KB differing between servers on one store: never mis-assembled, never
+    skipped as present; each configuration reads what its own kind wrote."""
+    pages: dict = {}
+    small, big = DictPages(PAGE), DictPages(2 * PAGE)
+    small.pages = big.pages = pages  # one store, two page sizes
+    a, b = PagedTier(small, LAYOUT), PagedTier(big, LAYOUT)
+    ra, rb = record(1, 70), record(1, 70)
+    assert a.set(key(1), ra)
+    assert b.batch_exists([key(1)]) == [False] and b.get(key(1)) is None  # not another page size's value
+    assert b.set(key(1), rb) and b.stats()["writes"] == 1 and b.stats()["already_present"] == 0
+    assert torch.equal(b.get(key(1)).kv, rb.kv) and torch.equal(a.get(key(1)).kv, ra.kv)
+    a2, b2 = PagedTier(small, LAYOUT), PagedTier(big, LAYOUT)  # two more servers, one of each kind
+    assert torch.equal(a2.get(key(1)).kv, ra.kv) and torch.equal(b2.get(key(1)).kv, rb.kv)
+    for t in (a, b, a2, b2):
+        s = t.stats()
+        assert s["corrupt"] == s["foreign"] == s["incomplete"] == s["damaged_slots"] == 0, s
+    # and a value of another page size under this one's key (a writer of an older format) is foreign
+    pages[value_key(key(2), 2 * PAGE)] = pages[value_key(key(1), PAGE)].replace(key(1).encode(), key(2).encode())
+    assert b.get(key(2)) is None and b.stats()["foreign"] == 1
 
 
 def test_a_value_of_another_layout_is_foreign():

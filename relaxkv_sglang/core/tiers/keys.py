@@ -1,11 +1,13 @@
 """Content keys of chunks: what two servers must share to share a chunk's KV.
 
 A key is ``sha256("relaxkv-chunk-v1" || identity || namespace || token ids)``, hex (64 chars).
-``identity`` is :class:`ModelIdentity`'s digest: the model (name, config, a fingerprint of its
-weight files), the tokenizer (a hash of its files), the KV dtype and layout (layers, KV heads,
-head dim, the RoPE the canonical K is rotated with) and the file format version. Two servers
-share a key only if they would compute the same KV for the same tokens in the same tenant
-namespace; another namespace, model, dtype or layout never names the same entry. The namespace
+``identity`` is :class:`ModelIdentity`'s digest: what determines the KV bytes and nothing else
+(the server fills it, ``srt/kv_identity.py``: the weights' fingerprint, config, dtype and
+quantization; the tokenizer's contents; the KV dtype; the layout: layers, KV heads, head dim, the
+RoPE the canonical K is rotated with, TP rank) and the value format version. Two servers share a
+key exactly when they would compute the same KV for the same tokens in the same tenant namespace;
+another namespace, model, quantization, dtype or layout never names the same entry, and the same
+model at another path does. The namespace
 ``None`` (the shared default) and ``""`` are distinct (a one-byte tag before it).
 """
 
@@ -21,7 +23,7 @@ from typing import Sequence
 
 __all__ = ["FORMAT_VERSION", "ModelIdentity", "chunk_key"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the header names its page size (core/tiers/value.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +31,9 @@ class ModelIdentity:
     """What must match for two servers to share chunk KV.
 
     Attributes:
-        model: the model's identity (e.g. name + config hash + weight-file fingerprint).
+        model: the model's identity (weights' fingerprint, config hash, dtype, quantization, revision).
         tokenizer: a hash of the tokenizer's files.
-        kv_dtype: the KV pool's dtype, e.g. ``"torch.float32"``.
+        kv_dtype: the KV cache dtype (``--kv-cache-dtype`` and the pool's dtype), e.g. ``"auto/float32"``.
         kv_layout: layers, KV heads, head dim and the RoPE canonical K is rotated with.
     """
 

@@ -2,23 +2,39 @@
 
 SGLang's HiCache storage backends (Mooncake, 3FS, NIXL, a folder, ...) store *pages*: one
 object of a fixed byte size per key, read into (and written from) a buffer of that size. A
-chunk's value (:mod:`.value`: header with key, identity, sizes, layout, dtype and a crc32, then
-the KV) is laid over ``ceil(len(value) / P)`` pages of ``P = page_bytes``, the last one
-zero-padded::
+chunk's value (:mod:`.value`: header with key, identity, sizes, layout, dtype, page size and a
+crc32, then the KV) is laid over ``ceil(len(value) / P)`` pages of ``P = page_bytes``, the last
+one zero-padded::
 
-    page 0 under  <key>             value[0 : P]      (the header and the start of the KV)
-    page i under  <key>.<tag>.<i>   value[i*P : (i+1)*P],   i = 1 .. n-1
-    tag = the header's crc32 of the KV, 8 hex chars
+    page 0 under  V = <key>-p<P>[-r<s>]      value[0 : P]      (the header and the start of the KV)
+    page i under  V.<tag>.<i>               value[i*P : (i+1)*P],   i = 1 .. n-1
+    tag = the header's crc32 of the KV, 8 hex chars; s = the slot (below), absent for slot 0
 
-A write puts pages 1..n-1 first and page 0 last, so page 0 present means the value was
-complete when written. Two servers writing the same key at once write the same page 0 when
-their KV bytes agree; if they differ, the tags differ too, so a reader never combines one
-writer's header with another's KV (and a damaged page 0 still names the pages it was written with). A load reads page 0, learns the length from the header,
-reads the rest in one batch and checks the whole value (:func:`~.value.decode_value`): a
-missing page (``incomplete``), wrong bytes (``corrupt``) or another model, layout or key
-(``foreign``) is a counted miss, never served. HiCache's interface has no delete, so a damaged
-value stays until the store evicts it; this server then answers it as absent (up to
-``BAD_KEYS_KEPT`` keys remembered), computes the chunk and serves its own.
+The page size is in every store key (and in the header): servers configured with other page
+sizes (``RELAXKV_HICACHE_PAGE_KB``) on one store never read each other's pages; each shares with
+the servers of its own page size. A write puts pages 1..n-1 first and page 0 last, so page 0
+present means the value was complete when written. Two servers writing the same key at once
+write the same page 0 when their KV bytes agree; if they differ, the tags differ too, so a reader
+never combines one writer's header with another's KV (and a damaged page 0 still names the
+pages it was written with).
+
+A load reads page 0 and checks its header alone (:func:`~.value.check_header`: key, identity,
+layout, page size, and sizes within what the layout allows, at most ``max_tokens`` tokens) before
+it asks for any other page, so a header claiming any length costs one page read and is answered
+``corrupt``; then it reads the rest in one batch and checks the whole value
+(:func:`~.value.decode_value`). A missing page (``incomplete``), wrong bytes (``corrupt``) or
+another model, layout, page size or key (``foreign``) is a counted miss, never served, and logged
+(the 1st, 10th, 100th, ... of each kind).
+
+**Slots.** HiCache's interface has no delete and a backend may refuse to overwrite a key
+(Mooncake skips keys it holds), so a damaged value would hold its key until the store evicts it.
+Instead a chunk has ``SLOTS`` places: the tier reads and writes the first slot not known damaged
+(``r<s>`` in the key). A value found damaged in slot ``s`` sends this server's next lookups, and
+its next write of the chunk (computed again meanwhile), to slot ``s + 1``; so a damaged value
+never makes the writer skip the chunk as already present. Other servers move on when they read it
+damaged too. With every slot damaged the chunk is absent here (``bad_keys``) until
+``bad_ttl_s`` passes, when slot 0 is asked again (the store may have evicted it). Up to
+``BAD_KEYS_KEPT`` keys are remembered.
 
 **The store failing.** A call that raises, or takes longer than ``slow_s``, counts ``errors``
 and takes the tier out of service for ``backoff_s``: meanwhile every lookup is a miss without
@@ -34,7 +50,9 @@ Role: write-through and prefetchable, like the disk tier (:mod:`.tier`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -45,13 +63,16 @@ from relaxkv_sglang.core.tiers.names import TierName
 from relaxkv_sglang.core.tiers.record import ChunkRecord
 from relaxkv_sglang.core.tiers.storage import StoreUnavailable
 from relaxkv_sglang.core.tiers.tier import Tier, TierRole
-from relaxkv_sglang.core.tiers.value import PREFIX_BYTES, Damaged, ValueLayout, decode_value, encode_value, value_info
+from relaxkv_sglang.core.tiers.value import (
+    PREFIX_BYTES, Damaged, ValueLayout, check_header, decode_value, encode_value, value_info,
+)
 
-__all__ = ["PageStore", "PagedTier", "page_keys", "split_pages"]
+__all__ = ["PageStore", "PagedTier", "page_keys", "split_pages", "value_key"]
 
 logger = logging.getLogger(__name__)
 
 BAD_KEYS_KEPT = 4096
+SLOTS = 2  # places a chunk's value may be written in (module doc)
 _T = TypeVar("_T")
 
 
@@ -80,9 +101,15 @@ class PageStore(ABC):
         return {}
 
 
-def page_keys(key: str, crc: int, n_pages: int) -> list[str]:
-    """The store keys of a value's pages 1..n-1, tagged by its KV's crc32 (module doc)."""
-    return [f"{key}.{crc:08x}.{i}" for i in range(1, n_pages)]
+def value_key(key: str, page_bytes: int, slot: int = 0) -> str:
+    """The store key of page 0 of chunk ``key``'s value in pages of ``page_bytes``, in ``slot`` (module doc)."""
+    return f"{key}-p{page_bytes}" if slot == 0 else f"{key}-p{page_bytes}-r{slot}"
+
+
+def page_keys(head_key: str, crc: int, n_pages: int) -> list[str]:
+    """The store keys of a value's pages 1..n-1 (``head_key``: page 0's, :func:`value_key`), tagged
+    by its KV's crc32 (module doc)."""
+    return [f"{head_key}.{crc:08x}.{i}" for i in range(1, n_pages)]
 
 
 def split_pages(value: bytes, page_bytes: int) -> list[bytes]:
@@ -99,26 +126,29 @@ class PagedTier(Tier):
     role = TierRole(write_through=True, prefetchable=True)
 
     def __init__(self, store: PageStore, layout: ValueLayout, *, slow_s: float = 2.0, backoff_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 bad_ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
         """
         Args:
             store: the pages.
-            layout: this server's identity and KV layout (values that differ are foreign).
+            layout: this server's identity, KV layout and bound on a value's tokens (values that
+                differ are foreign); its page size is taken from the store.
             slow_s: a store call slower than this takes the tier out of service.
             backoff_s: how long it stays out before the store is asked again.
+            bad_ttl_s: how long a chunk whose every slot was found damaged stays absent here.
             clock: monotonic seconds (tests pass their own).
         """
         if store.page_bytes < PREFIX_BYTES + 1024:
             raise ValueError(f"page_bytes {store.page_bytes} cannot hold a value's header")
         self.store = store
-        self.layout = layout
-        self.slow_s, self.backoff_s, self.clock = slow_s, backoff_s, clock
+        self.layout = dataclasses.replace(layout, page_bytes=store.page_bytes)
+        self.slow_s, self.backoff_s, self.bad_ttl_s, self.clock = slow_s, backoff_s, bad_ttl_s, clock
         self.lock = threading.Lock()  # counters and state: the scheduler, writer and prefetch threads
         self.down_until = 0.0
-        self.bad: OrderedDict[str, None] = OrderedDict()  # damaged or incomplete values: absent here
+        # chunk key -> (slots found damaged, when the last was): the slot used is the next one
+        self.bad: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self.counters = dict(hits=0, misses=0, hit_bytes=0, writes=0, written_bytes=0, already_present=0,
                              rejected=0, write_errors=0, corrupt=0, foreign=0, incomplete=0, errors=0,
-                             unavailable=0)
+                             unavailable=0, rewrites=0)
 
     # ------------------------------------------------------------------ the store, guarded
 
@@ -160,65 +190,87 @@ class PagedTier(Tier):
         logger.warning("relaxkv: the %s tier's store failed (%s); lookups are misses for %.0f s",
                        self.name, why, self.backoff_s)
 
-    def _mark_bad(self, key: str, kind: str) -> None:
+    # ------------------------------------------------------------------ slots and damaged values
+
+    def _slot(self, key: str) -> int:
+        """The slot this server reads and writes ``key`` in; ``SLOTS`` when every one is damaged."""
+        with self.lock:
+            found = self.bad.get(key)
+            if found is None:
+                return 0
+            slots, since = found
+            if slots >= SLOTS and self.clock() - since > self.bad_ttl_s:
+                del self.bad[key]  # ask slot 0 again: the store may have evicted the damaged values
+                return 0
+            return slots
+
+    def _value_key(self, key: str, slot: int) -> str:
+        return value_key(key, self.store.page_bytes, slot)
+
+    def _mark_bad(self, key: str, slot: int, kind: str, why: str) -> None:
         with self.lock:
             self.counters[kind] += 1
             self.counters["misses"] += 1
-            self.bad[key] = None
+            seen = self.counters[kind]
+            slots = max(self.bad.get(key, (0, 0.0))[0], slot + 1)
+            self.bad[key] = (slots, self.clock())
             self.bad.move_to_end(key)
             while len(self.bad) > BAD_KEYS_KEPT:
                 self.bad.popitem(last=False)
-
-    def _is_bad(self, key: str) -> bool:
-        with self.lock:
-            return key in self.bad
+        if math.log10(seen).is_integer():  # the 1st, 10th, 100th, ... of each kind
+            logger.warning("relaxkv: %s value in the %s tier's store (%s) under %s; a miss, never served "
+                           "(%d so far)%s", kind, self.name, why, self._value_key(key, slot), seen,
+                           f"; slot {slot + 1} next" if slot + 1 < SLOTS else "; the chunk is absent here for a while")
 
     # ------------------------------------------------------------------ the interface
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        asked = [k for k in keys if not self._is_bad(k)]
-        found = dict(zip(asked, self._call("exists", lambda: self.store.exists(asked), [False] * len(asked))
-                         if asked else []))
-        return [found.get(k, False) for k in keys]
+        asked = {k: self._value_key(k, slot) for k in keys if (slot := self._slot(k)) < SLOTS}
+        heads = list(asked.values())
+        found = dict(zip(heads, self._call("exists", lambda: self.store.exists(heads), [False] * len(heads))
+                         if heads else []))
+        return [k in asked and found.get(asked[k], False) for k in keys]
 
     def batch_get(self, keys: Sequence[str]) -> list[Optional[ChunkRecord]]:
         keys = list(keys)
-        asked = [k for k in keys if not self._is_bad(k)]
-        heads = dict(zip(asked, self._call("get", lambda: self.store.get(asked), [None] * len(asked)) if asked else []))
+        slots = {k: slot for k in keys if (slot := self._slot(k)) < SLOTS}
+        asked = [self._value_key(k, slot) for k, slot in slots.items()]
+        got = self._call("get", lambda: self.store.get(asked), [None] * len(asked)) if asked else []
+        heads = dict(zip(slots, got))
         plans: dict[str, tuple[int, list[str]] | Damaged] = {}
         for key, head in heads.items():
             if head is None:
                 continue
-            try:
-                length, crc = value_info(head)
+            try:  # the header alone, before any other page is asked for (module doc)
+                length, crc = check_header(key, head, self.layout)
             except Damaged as exc:
                 plans[key] = exc
                 continue
-            plans[key] = (length, page_keys(key, crc, -(-length // self.store.page_bytes)))
+            plans[key] = (length, page_keys(self._value_key(key, slots[key]), crc, -(-length // self.store.page_bytes)))
         wanted = [k for plan in plans.values() if not isinstance(plan, Damaged) for k in plan[1]]
         got = self._call("get", lambda: self.store.get(wanted), [None] * len(wanted)) if wanted else []
         pages = dict(zip(wanted, got))
-        return [self._assemble(k, heads.get(k), plans.get(k), pages) for k in keys]
+        return [self._assemble(k, slots.get(k, SLOTS), heads.get(k), plans.get(k), pages) for k in keys]
 
-    def _assemble(self, key: str, head: Optional[bytes], plan: tuple[int, list[str]] | Damaged | None,
+    def _assemble(self, key: str, slot: int, head: Optional[bytes], plan: tuple[int, list[str]] | Damaged | None,
                   pages: dict[str, Optional[bytes]]) -> Optional[ChunkRecord]:
         """One key's record from its pages, checked; None (counted) if absent, incomplete or damaged."""
         if head is None or plan is None:
             self._count("misses")
             return None
         if isinstance(plan, Damaged):
-            self._mark_bad(key, plan.kind)
+            self._mark_bad(key, slot, plan.kind, str(plan))
             return None
         length, tail = plan
         rest = [pages.get(k) for k in tail]
         if any(p is None for p in rest):
-            self._mark_bad(key, "incomplete")
+            self._mark_bad(key, slot, "incomplete", f"{sum(p is None for p in rest)} of {len(rest) + 1} pages missing")
             return None
         data = b"".join([head, *rest])[:length]
         try:
             record = decode_value(key, data, self.layout)
         except Damaged as exc:
-            self._mark_bad(key, exc.kind)
+            self._mark_bad(key, slot, exc.kind, str(exc))
             return None
         with self.lock:
             self.counters["hits"] += 1
@@ -229,9 +281,11 @@ class PagedTier(Tier):
         return [self._set(k, r) for k, r in zip(keys, records)]
 
     def _set(self, key: str, record: ChunkRecord) -> bool:
-        if self._is_bad(key):
-            return False  # a damaged value holds the key until the store evicts it (module doc)
-        present = self._call("exists", lambda: self.store.exists([key]), None)
+        slot = self._slot(key)
+        if slot >= SLOTS:
+            return False  # every slot holds a damaged value: absent here for a while (module doc)
+        head_key = self._value_key(key, slot)
+        present = self._call("exists", lambda: self.store.exists([head_key]), None)
         if present is None:  # out of service, or the store failed: not written
             return False
         if present[0]:
@@ -243,7 +297,7 @@ class PagedTier(Tier):
             self._count("rejected")
             return False
         pages = split_pages(value, self.store.page_bytes)
-        keys = page_keys(key, value_info(value)[1], len(pages)) + [key]  # page 0 last: it commits the value
+        keys = page_keys(head_key, value_info(value)[1], len(pages)) + [head_key]  # page 0 last: it commits
         pages = pages[1:] + pages[:1]
         ok = self._call("put", lambda: self.store.put(keys, pages), [False] * len(keys))
         if not all(ok):
@@ -252,6 +306,7 @@ class PagedTier(Tier):
         with self.lock:
             self.counters["writes"] += 1
             self.counters["written_bytes"] += len(value)
+            self.counters["rewrites"] += int(slot > 0)
         return True
 
     def delete(self, key: str) -> bool:
@@ -260,8 +315,8 @@ class PagedTier(Tier):
 
     def stats(self) -> dict:
         with self.lock:
-            out = dict(self.counters, bad_keys=len(self.bad),
-                       out_of_service=int(self.clock() < self.down_until))
+            out = dict(self.counters, bad_keys=sum(slots >= SLOTS for slots, _ in self.bad.values()),
+                       damaged_slots=len(self.bad), out_of_service=int(self.clock() < self.down_until))
         return out
 
     def describe(self) -> dict:

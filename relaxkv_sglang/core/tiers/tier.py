@@ -28,6 +28,7 @@ import torch
 from relaxkv_sglang.core.tiers.keys import ModelIdentity
 from relaxkv_sglang.core.tiers.names import TierName
 from relaxkv_sglang.core.tiers.storage import ChunkStorage
+from relaxkv_sglang.core.tiers.value import DEFAULT_MAX_TOKENS
 
 __all__ = ["TierRole", "Tier", "TierContext", "TierConfig"]
 
@@ -82,11 +83,13 @@ class TierContext:
         identity: the model identity chunk keys and stored entries are salted with.
         token_shape: one token's KV shape, ``(layers, 2, kv_heads, head_dim)``.
         dtype: the KV dtype.
+        max_tokens: the most tokens a stored value may hold (a stored header claiming more is damaged).
     """
 
     identity: ModelIdentity
     token_shape: Sequence[int]
     dtype: torch.dtype
+    max_tokens: int = DEFAULT_MAX_TOKENS
 
 
 class TierConfig(ABC):

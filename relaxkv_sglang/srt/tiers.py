@@ -15,12 +15,9 @@ between them and the KV pool. This module holds what needs SGLang's objects:
   longest a caller waits on one store call, default 2) and ``RELAXKV_HICACHE_RECONNECT_MAX_S``
   (the longest wait between attempts to reconnect a store that is down, default 30); a bad value stops the server at startup
   with one line naming the variable;
-* :func:`model_identity`: the identity chunk keys are salted with: the model path's name, its
-  HF config, a fingerprint of each weight file (name, size, sha256 of its first and last MiB),
-  a sha256 of the tokenizer's files, the KV dtype, and the layout (layers, KV heads, head dim,
-  the RoPE canonical K is rotated with);
 * :func:`build_tiers`: the lower tiers for the pool's KV layout (read and written through
-  :class:`~.pool_kv.PoolKV`).
+  :class:`~.pool_kv.PoolKV`), under the model identity (:mod:`.kv_identity`: what determines
+  the KV bytes, nothing else), a stored value holding at most the model's context length.
 
 SGLang objects read: ``TreeCacheBuildContext`` (``server_args``, ``model_config``).
 """
@@ -28,13 +25,13 @@ SGLang objects read: ``TreeCacheBuildContext`` (``server_args``, ``model_config`
 from __future__ import annotations
 
 import dataclasses
-import glob
-import hashlib
 import json
 import os
-from typing import Any, Optional
+from typing import Optional
 
-from relaxkv_sglang.core.tiers import GB, DiskTierConfig, HostTier, HostTierConfig, ModelIdentity, TieredChunkStore
+from relaxkv_sglang.core.tiers import (
+    GB, DiskTierConfig, HostTier, HostTierConfig, ModelIdentity, TierContext, TieredChunkStore,
+)
 from relaxkv_sglang.srt.hicache_tier import HiCacheTierConfig, known_backends
 from relaxkv_sglang.srt.pool_kv import PoolKV
 
@@ -49,10 +46,6 @@ HICACHE_TIMEOUT_ENV = "RELAXKV_HICACHE_CONNECT_TIMEOUT_S"
 HICACHE_CALL_TIMEOUT_ENV = "RELAXKV_HICACHE_CALL_TIMEOUT_S"
 HICACHE_RECONNECT_MAX_ENV = "RELAXKV_HICACHE_RECONNECT_MAX_S"
 DEFAULT_DISK_GB = 10.0
-
-_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.gguf", "*.pt", "*.pth")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                    "vocab.txt", "merges.txt", "tokenizer.model", "added_tokens.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,38 +149,10 @@ def hicache_config_from_env(env: dict) -> HiCacheTierConfig:
     return HiCacheTierConfig(backend, extra, int(page_kb) << 10, timeout, **bounds)
 
 
-def _file_fingerprint(path: str) -> str:
-    size = os.path.getsize(path)
-    h = hashlib.sha256(f"{os.path.basename(path)}:{size}".encode())
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-        if size > 2 << 20:
-            f.seek(size - (1 << 20))
-            h.update(f.read(1 << 20))
-    return h.hexdigest()[:16]
-
-
-def model_identity(model_path: str, tokenizer_path: Optional[str], hf_config: dict, kv_dtype: Any,
-                   layout: str) -> ModelIdentity:
-    """The identity chunk keys are salted with (module doc)."""
-    config = json.dumps(hf_config, sort_keys=True, default=str)
-    model = [os.path.basename(os.path.normpath(model_path)), hashlib.sha256(config.encode()).hexdigest()[:16]]
-    if os.path.isdir(model_path):
-        for pattern in _WEIGHT_PATTERNS:
-            model += sorted(_file_fingerprint(p) for p in glob.glob(os.path.join(model_path, pattern)))
-    tok_dir = tokenizer_path or model_path
-    tok = hashlib.sha256(os.path.basename(os.path.normpath(tok_dir)).encode())
-    if os.path.isdir(tok_dir):
-        for name in _TOKENIZER_FILES:
-            p = os.path.join(tok_dir, name)
-            if os.path.isfile(p):
-                with open(p, "rb") as f:
-                    tok.update(name.encode() + b"\0" + f.read())
-    return ModelIdentity(" ".join(model), tok.hexdigest()[:16], str(kv_dtype), layout)
-
-
-def build_tiers(config: TierConfig, pool_kv: PoolKV, identity: ModelIdentity) -> TieredChunkStore:
-    """The lower tiers for this pool's KV layout, fastest first (those the config asks for)."""
-    tiers = [HostTierConfig(config.host_bytes, config.host_policy), DiskTierConfig(config.disk_dir, config.disk_bytes),
-             config.hicache]
-    return TieredChunkStore.from_configs(tiers, identity, pool_kv.token_shape, pool_kv.dtype)
+def build_tiers(config: TierConfig, pool_kv: PoolKV, identity: ModelIdentity, max_tokens: int) -> TieredChunkStore:
+    """The lower tiers for this pool's KV layout, fastest first (those the config asks for);
+    ``max_tokens``: the most tokens a stored value may hold (the context length)."""
+    configs = [HostTierConfig(config.host_bytes, config.host_policy),
+               DiskTierConfig(config.disk_dir, config.disk_bytes), config.hicache]
+    ctx = TierContext(identity, tuple(pool_kv.token_shape), pool_kv.dtype, max_tokens=max_tokens)
+    return TieredChunkStore([tier for c in configs if (tier := c.build(ctx)) is not None], identity)

@@ -11,9 +11,10 @@ when ``RELAXKV_HOST_CACHE_GB`` or ``RELAXKV_CHUNK_DIR`` is set, the lower tiers
 (:mod:`.tiers`, :mod:`relaxkv_sglang.core.tiers`), then runs the startup correctness gate
 (:mod:`.gate`) once on the loaded model, and chooses the model's repair calibration
 (:mod:`.calibration`); ``/get_server_info`` shows the gate's verdict (``relaxkv.gate``) and the
-calibration (``relaxkv.calibration``). The scheduler's worker finds its cache through :func:`worker_cache` (the
-factory attaches it to ``TreeCacheBuildContext.tp_worker``), so no module holds a process-wide
-reference.
+calibration (``relaxkv.calibration``), and the model identity chunk keys are salted with
+(:mod:`.kv_identity`, printed at startup, ``relaxkv.kv_identity``). The scheduler's worker finds
+its cache through :func:`worker_cache` (the factory attaches it to
+``TreeCacheBuildContext.tp_worker``), so no module holds a process-wide reference.
 
 SGLang files touched: ``mem_cache/registry.py`` (the backend), ``managers/scheduler.py``
 ``Scheduler.get_internal_state`` (around, for /get_server_info).
@@ -28,10 +29,11 @@ from relaxkv_sglang.core.rope import UnsupportedRopeError, rope_spec_from_hf_con
 from relaxkv_sglang.srt.calibration import calibration_state, load_served_calibration
 from relaxkv_sglang.srt.chunk_metrics import ChunkMetrics
 from relaxkv_sglang.srt.gate import gate_state, run_startup_gate, serving_rope
+from relaxkv_sglang.srt.kv_identity import KVIdentity, kv_identity
 from relaxkv_sglang.srt.model_layers import family_line, supports_repair
 from relaxkv_sglang.srt.plan import BACKEND_NAME
 from relaxkv_sglang.srt.pool_kv import PoolKV
-from relaxkv_sglang.srt.tiers import build_tiers, model_identity, tier_config_from_env
+from relaxkv_sglang.srt.tiers import build_tiers, tier_config_from_env
 
 if TYPE_CHECKING:
     from sglang.srt.managers.scheduler import Scheduler
@@ -60,17 +62,25 @@ def build_cache_class() -> type:
     return RelaxKVTreeCache
 
 
-def _build_tiers(ctx: "TreeCacheBuildContext", pool_kv: PoolKV, hf_config: dict) -> Optional["TieredChunkStore"]:
+def _kv_identity(ctx: "TreeCacheBuildContext", pool_kv: PoolKV, hf_config: dict) -> KVIdentity:
+    """This scheduler's model identity (:mod:`.kv_identity`), printed in one startup line."""
+    server_args = ctx.server_args
+    # tensor parallelism: each rank holds its own heads' KV, so the rank is part of the layout
+    layout = (f"{pool_kv.layout()} first_layer={pool_kv.layers.start} page_size={ctx.params.page_size} "
+              f"tp={ctx.tp_rank}/{getattr(server_args, 'tp_size', 1)}")
+    identity = kv_identity(server_args, hf_config, model_dtype=ctx.model_config.dtype,
+                           kv_pool_dtype=pool_kv.dtype, layout=layout)
+    logger.info(identity.line())
+    return identity
+
+
+def _build_tiers(ctx: "TreeCacheBuildContext", pool_kv: PoolKV, identity: KVIdentity) -> Optional["TieredChunkStore"]:
     """The lower tiers the environment asks for, or None (a malformed variable stops the server)."""
     tier_config = tier_config_from_env()
     if not tier_config.enabled:
         return None
-    server_args = ctx.server_args
-    # tensor parallelism: each rank holds its own heads' KV, so the rank is part of the layout
-    layout = f"{pool_kv.layout()} tp={ctx.tp_rank}/{getattr(server_args, 'tp_size', 1)}"
-    identity = model_identity(server_args.model_path, server_args.tokenizer_path, hf_config,
-                              pool_kv.dtype, layout)
-    tiers = build_tiers(tier_config, pool_kv, identity)
+    # no chunk is longer than the context: a stored header claiming more is damaged (core/tiers/value.py)
+    tiers = build_tiers(tier_config, pool_kv, identity.model_identity, int(ctx.model_config.context_len))
     logger.info("relaxkv chunk tiers: host %d bytes (%s), disk %s (%d bytes), identity %s",
                 tier_config.host_bytes, tier_config.host_policy, tier_config.disk_dir,
                 tier_config.disk_bytes, identity.digest)
@@ -98,8 +108,10 @@ def make_tree_cache(ctx: "TreeCacheBuildContext") -> Any:
     rope = serving_rope(rope)  # the rope unless a test swaps it (gate.ROPE_OVERRIDE_ENV)
     pool_kv = PoolKV(ctx.params.token_to_kv_pool_allocator.get_kvcache(), rope)
     metrics = ChunkMetrics({"model_name": served_model_name(server_args)}) if server_args.enable_metrics else None
-    tiers = _build_tiers(ctx, pool_kv, hf_config)
+    identity = _kv_identity(ctx, pool_kv, hf_config)
+    tiers = _build_tiers(ctx, pool_kv, identity)
     cache = build_cache_class()(ctx.params, pool_kv, metrics, tiers)
+    cache.kv_identity = identity  # relaxkv.kv_identity on /get_server_info
     setattr(ctx.tp_worker, _WORKER_ATTR, cache)
     load_served_calibration(cache, server_args.model_path, hf_config, log=ctx.tp_rank == 0)
     # The correctness gate on the loaded model (srt/gate.py): a failure refuses chunk policies.
@@ -128,6 +140,9 @@ def around_get_internal_state(original: Any, scheduler: "Scheduler", recv_req: A
     if cache is not None:
         state = dict(cache.stats(), kv_total_tokens=int(scheduler.max_total_num_tokens), gate=gate_state(cache),
                      calibration=calibration_state(cache))
+        identity = getattr(cache, "kv_identity", None)
+        if identity is not None:
+            state["kv_identity"] = identity.describe()
         output.internal_state["relaxkv"] = state
     return output
 

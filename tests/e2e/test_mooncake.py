@@ -10,6 +10,9 @@ after ``make install-mooncake`` (about 5 minutes on 2 cores: five server starts)
   host or disk tier, SGLang's ``storage`` source; B's ``tier_hicache_loads``), with the output
   of recomputing; a tenant's chunks are hits only for that tenant on the other server; A
   restarted serves them from the store on its first request;
+* one identity across paths, one store across page sizes: a byte-identical copy of the model
+  folder at another path shares A's chunks (4/4 from the store), a server with another
+  ``RELAXKV_HICACHE_PAGE_KB`` neither reads them nor skips its own writes, and shares with its kind;
 * faults: the store down at start (the server serves without it, the tier down and reconnecting,
   one log line; the store coming back: ``test_mooncake_reconnect.py``); values of
   the wrong checksum, layout or size put in the store (each a counted miss, computed, the output
@@ -30,7 +33,7 @@ from test_tiers import _ask, _recompute, _reload_is_a_copy, _same_output
 from test_tiers import _wait_writes as wait_writes
 
 from relaxkv_sglang.core.tiers import ChunkRecord, ValueLayout, chunk_key, encode_value
-from relaxkv_sglang.core.tiers.paged import page_keys, split_pages
+from relaxkv_sglang.core.tiers.paged import page_keys, split_pages, value_key
 from relaxkv_sglang.core.tiers.value import value_info
 from relaxkv_sglang.server import Cluster, SGLangServer, ServerConfig
 
@@ -102,13 +105,60 @@ def test_two_servers_share_chunks_through_mooncake_and_a_restart_serves_them(tin
         _same_output(out, _recompute(restarted.url, first))
 
 
+@pytest.mark.e2e
+def test_model_folders_at_other_paths_share_and_page_sizes_keep_apart(tiny_model_path, mooncake, tmp_path):
+    """Issue 48 items 1 and 3 on the real store: A serves the model folder, B a byte-identical copy
+    at another path (one identity: B's first request hits 4/4 from the store); C the copy with
+    another page size (its own keys: nothing foreign or corrupt, nothing skipped as present; it
+    then shares with its own kind)."""
+    import shutil
+
+    copy = tmp_path / "elsewhere" / "another-name"
+    shutil.copytree(tiny_model_path, copy)
+    docs = documents(4, seed=363)
+    first = marked_prompt("Answer from the documents.", docs, "What do they share?")
+    again = marked_prompt("Another system prompt.", docs[::-1], "Which is first?")
+    cfgs = [_config(tiny_model_path, mooncake.env(page_kb=PAGE_KB)), _config(str(copy), mooncake.env(page_kb=PAGE_KB)),
+            _config(str(copy), mooncake.env(page_kb=2 * PAGE_KB))]
+    with Cluster(cfgs, None) as trio:
+        a, b, c = trio.servers
+        ids = [relaxkv_state(s.url)["kv_identity"] for s in (a, b, c)]
+        assert ids[0] == ids[1] == ids[2] and ids[0]["digest"] == relaxkv_state(a.url)["tier_identity"], ids
+        assert str(copy) not in json.dumps(ids[1]) and "quantization" in ids[0] and "kv_cache_dtype" in ids[0]
+        with open(b.log_path) as f:
+            assert any("relaxkv kv identity " in line and ids[1]["digest"] in line for line in f)
+        assert _ask(a.url, first)["meta_info"]["relaxkv"]["chunks_hit"] == 0
+        _wait_writes(a.url)
+        assert relaxkv_state(a.url)["tier_hicache_writes"] == 4
+
+        out = _ask(b.url, again)  # another path, the same bytes: B's first request hits from the store
+        _from_store(out, 4)
+        _same_output(out, _recompute(b.url, again))
+
+        out = _ask(c.url, again)  # another page size: not A's pages
+        assert out["meta_info"]["relaxkv"]["chunks_hit"] == 0
+        _wait_writes(c.url)
+        state_c = relaxkv_state(c.url)
+        assert state_c["tier_hicache_page_bytes"] == 2 * PAGE_KB << 10
+        assert state_c["tier_hicache_writes"] == 4 and state_c["tier_hicache_already_present"] == 0, state_c
+        assert state_c["tier_hicache_corrupt"] == state_c["tier_hicache_foreign"] == 0, state_c
+        flush(c.url)  # C's pool forgets them: the store holds C's own kind
+        _from_store(_ask(c.url, first), 4)
+        flush(a.url)  # and A's, its kind, still
+        _from_store(_ask(a.url, again), 4)
+        for s in (a, b, c):
+            st = relaxkv_state(s.url)
+            assert st["tier_hicache_corrupt"] == st["tier_hicache_foreign"] == st["tier_hicache_incomplete"] == 0, st
+
+
 def _put_value(mooncake, key: str, value: bytes) -> None:
     """Put raw value bytes under ``key`` in the store, as a writer would (pages, page 0 last)."""
     from relaxkv_sglang.srt.hicache_tier import HiCacheTierConfig
 
     store = HiCacheTierConfig("mooncake", mooncake.extra_config(), page_bytes=PAGE_KB << 10).connect()
     pages = split_pages(value, store.page_bytes)
-    keys = page_keys(key, value_info(value)[1], len(pages)) + [key]
+    head = value_key(key, store.page_bytes)
+    keys = page_keys(head, value_info(value)[1], len(pages)) + [head]
     assert all(store.put(keys, pages[1:] + pages[:1]))
 
 
@@ -135,14 +185,14 @@ def test_mooncake_faults_store_down_bad_values_and_master_killed(tiny_model_path
         # values that pass nothing: wrong checksum, wrong layout, wrong size (a consistent value of
         # one token less under the chunk's key); each a counted miss, computed, never served
         identity = relaxkv_state(up.url)["tier_identity"]
-        layout = ValueLayout.of(identity, TOKEN_SHAPE, torch.float32)
+        layout = ValueLayout.of(identity, TOKEN_SHAPE, torch.float32, page_bytes=PAGE_KB << 10)
         bad = docs[2:5]
         keys = [chunk_key(identity, None, tokenizer.encode(d, add_special_tokens=False)) for d in bad]
         n = [len(tokenizer.encode(d, add_special_tokens=False)) for d in bad]
         flipped = bytearray(encode_value(keys[0], ChunkRecord(torch.zeros(n[0], *TOKEN_SHAPE)), layout))
         flipped[-1] ^= 0x40
         _put_value(mooncake, keys[0], bytes(flipped))
-        wide = ValueLayout.of(identity, (2, 2, 1, 64), torch.float32)
+        wide = ValueLayout.of(identity, (2, 2, 1, 64), torch.float32, page_bytes=PAGE_KB << 10)
         _put_value(mooncake, keys[1], encode_value(keys[1], ChunkRecord(torch.zeros(n[1], 2, 2, 1, 64)), wide))
         _put_value(mooncake, keys[2], encode_value(keys[2], ChunkRecord(torch.zeros(n[2] - 1, *TOKEN_SHAPE)), layout))
         prompt = marked_prompt("Answer from the documents.", bad, "Which?")

@@ -11,7 +11,7 @@ import torch
 from relaxkv_sglang import cli
 from relaxkv_sglang.core.chunk_store import ChunkStore
 from relaxkv_sglang.encode import EncodeError, encode_corpus, read_corpus
-from relaxkv_sglang.srt.tiers import GB, model_identity, tier_config_from_env
+from relaxkv_sglang.srt.tiers import GB, tier_config_from_env
 
 
 def test_tier_config_from_env(tmp_path):
@@ -60,23 +60,6 @@ def test_bad_serve_tier_flags_are_one_line(monkeypatch, tmp_path, capsys, args, 
     serve_env(*args)
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"relaxkv-sglang: error: {message}"
-
-
-def test_model_identity_changes_with_weights_tokenizer_dtype_and_layout(tmp_path):
-    model = tmp_path / "m"
-    model.mkdir()
-    (model / "model.safetensors").write_bytes(b"weights-1")
-    (model / "tokenizer.json").write_text('{"v": 1}')
-    base = model_identity(str(model), None, {"a": 1}, torch.float32, "L2").digest
-    assert base == model_identity(str(model), None, {"a": 1}, torch.float32, "L2").digest
-    others = {model_identity(str(model), None, {"a": 2}, torch.float32, "L2").digest,
-              model_identity(str(model), None, {"a": 1}, torch.bfloat16, "L2").digest,
-              model_identity(str(model), None, {"a": 1}, torch.float32, "L3").digest}
-    (model / "model.safetensors").write_bytes(b"weights-2")
-    others.add(model_identity(str(model), None, {"a": 1}, torch.float32, "L2").digest)
-    (model / "tokenizer.json").write_text('{"v": 2}')
-    others.add(model_identity(str(model), None, {"a": 1}, torch.float32, "L2").digest)
-    assert base not in others and len(others) == 5
 
 
 def test_chunk_store_on_evict_sees_the_entry_before_its_slots_are_freed():

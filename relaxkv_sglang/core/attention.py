@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from relaxkv_sglang.core.staging import HostStage, Staged, to_device
+
 __all__ = [
     "AttentionWork",
     "dense_causal_attention",
@@ -26,6 +28,8 @@ __all__ = [
     "scoped_causal_attention",
     "block_sparse_attention",
     "masked_attention",
+    "ScopedCausalPlan",
+    "BlockSparsePlan",
     "to_device",
 ]
 
@@ -47,20 +51,17 @@ class AttentionWork:
     executed: int = 0
     full: int = 0
 
+    def add(self, visible: int, executed: int, full: int) -> None:
+        """Count one call's pairs."""
+        self.visible += visible
+        self.executed += executed
+        self.full += full
+
     def add_layout(self, layout) -> None:
         """Count one layout by its own methods (an executor that does not count as it runs)."""
         self.visible += layout.kv_pairs()
         self.executed += executed_kv_pairs(layout)
         self.full += layout.full_kv_pairs()
-
-
-def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``; on CUDA through pinned memory without blocking (a plain
-    copy from pageable memory synchronizes the stream: a host sync)."""
-    device = torch.device(device)
-    if device.type == "cuda" and x.device.type == "cpu":
-        return x.pin_memory().to(device, non_blocking=True)
-    return x.to(device)
 
 
 def _expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -178,6 +179,40 @@ def gathered_attention(
     return (out[0], lse[0]) if return_lse else out[0]
 
 
+class ScopedCausalPlan:
+    """:func:`scoped_causal_attention` decided on the host: rows sharing a scope start form a
+    group that gathers its key range once.
+
+    Decide once (``__init__``, host tensors), run at every layer (:meth:`run`): the groups' row
+    indices and positions travel on ``stage`` (one copy for everything the stage carries), each
+    group's key positions are made on the device, and no run reads the device back.
+
+    Args:
+        q_pos: int64 host [n] row positions; scope_start: int64 host [n] (scope_start <= q_pos).
+        stage: where the index tensors go (its ``send`` before the first :meth:`run`).
+    """
+
+    def __init__(self, q_pos: torch.Tensor, scope_start: torch.Tensor, stage: HostStage) -> None:
+        self.n_rows = int(q_pos.shape[0])
+        self.groups: list[tuple[Staged, Staged, int, int, bool]] = []  # (rows, positions, scope, end, sees a key)
+        for scope in torch.unique(scope_start).tolist():
+            sel = (scope_start == scope).nonzero().flatten()
+            pos = q_pos[sel]
+            self.groups.append((stage.put(sel), stage.put(pos), scope, int(pos.max()) + 1, bool((pos >= scope).all())))
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows: torch.Tensor,
+            scale: Optional[float] = None) -> torch.Tensor:
+        """q [n, n_heads, d]; k/v [n_k, n_kv_heads, d] (e.g. a KV pool); key_rows int [>= max(q_pos) + 1]
+        row of k/v holding the key at each position, on k's device -> [n, n_heads, dv] in q's dtype."""
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        for rows, pos, scope, end, sees_a_key in self.groups:
+            at = rows.get()
+            key_pos = torch.arange(scope, end, dtype=torch.int64, device=key_rows.device)
+            out[at] = gathered_attention(q.index_select(0, at), k, v, pos.get(), key_idx=key_rows[key_pos],
+                                         key_pos=key_pos, scale=scale, every_row_sees_a_key=sees_a_key)
+        return out
+
+
 def scoped_causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -191,30 +226,23 @@ def scoped_causal_attention(
 
     Scope start 0 is the ordinary causal prefix; a chunk's first position makes
     the chunk attend only to itself (position-independent computation). Rows
-    sharing a scope start gather their key range once.
-
-    The grouping is decided where ``q_pos`` and ``scope_start`` live: given on the host (CPU)
-    beside q/k/v on a GPU, the device receives index copies only, and no host sync happens
-    (every row sees at least its own key, so the fused kernel's precondition is known too).
+    sharing a scope start gather their key range once (:class:`ScopedCausalPlan`, planned and
+    run in one call; a caller running the same rows at many layers keeps the plan).
 
     Args:
         q: [n, n_heads, d]; k/v: [n_k, n_kv_heads, d] (e.g. a KV pool).
-        q_pos: int64 [n] row positions; scope_start: int64 [n] (scope_start <= q_pos).
+        q_pos: int64 [n] row positions; scope_start: int64 [n] (scope_start <= q_pos), on the
+            host (given on a device they are read back first: a host sync).
         key_rows: int [>= max(q_pos) + 1] row of k/v holding the key at each position
             (e.g. a request's ``req_to_token`` row), on k's device.
         scale: softmax scale, default ``d ** -0.5``.
     Returns:
         [n, n_heads, dv] in q's dtype.
     """
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    for scope in torch.unique(scope_start).tolist():
-        sel = (scope_start == scope).nonzero().flatten()
-        pos = q_pos[sel]
-        key_pos = torch.arange(scope, int(pos.max()) + 1, dtype=torch.int64, device=key_rows.device)
-        rows = to_device(sel, q.device)
-        out[rows] = gathered_attention(q.index_select(0, rows), k, v, to_device(pos, key_rows.device), key_idx=key_rows[key_pos], key_pos=key_pos,
-                                       scale=scale, every_row_sees_a_key=bool((pos >= scope).all()))
-    return out
+    stage = HostStage(q.device)
+    plan = ScopedCausalPlan(q_pos.cpu(), scope_start.cpu(), stage)
+    stage.send()
+    return plan.run(q, k, v, key_rows, scale)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
@@ -236,51 +264,33 @@ def block_sparse_attention(
     key_rows: Optional[torch.Tensor] = None,
     work: Optional[AttentionWork] = None,
 ):
-    """Execute a ``BlockSparseLayout`` (see layout.py) block by block.
+    """Execute a ``BlockSparseLayout`` (see layout.py): :class:`BlockSparsePlan`, planned and run
+    in one call (a caller running many layouts of one pass plans them together, on one stage).
 
-    For each row block the key pages it lists are expanded to token rows, K/V rows are
-    gathered, and its queries attend to them with the layout's intra-block causal rule
-    (key position <= query position; keys are stored in prompt order, so the key position is
-    the row index).
+    The key pages a row block lists are expanded to token rows, K/V rows are gathered, and its
+    queries attend to them with the layout's intra-block causal rule (key position <= query
+    position; keys are stored in prompt order, so the key position is the row index).
 
     Args:
         q: [layout.n_rows, n_heads, d] queries of the layout's rows, in row order
             (``layout.q_pos`` gives their positions).
         k: [n_k >= layout.n_keys, n_kv_heads, d]; v: [n_k, n_kv_heads, dv] prompt-ordered KV.
-        layout: BlockSparseLayout.
+        layout: BlockSparseLayout (host tensors).
         scale: softmax scale, default ``d ** -0.5``.
+        return_lse: also return the LSE (each row block its own call).
         key_rows: int64 [>= layout.n_keys], the row of k/v holding the key at each prompt
-            position (e.g. a request's KV-pool slots); default: position j is row j.
-        work: when given, the layout's pairs are added to it, counted from the masks the
-            executor builds (no second pass over the layout).
+            position (e.g. a request's KV-pool slots), on k's device; default: position j is row j.
+        work: when given, the layout's pairs are added to it.
     Returns:
         out [n_rows, n_heads, dv], and lse float32 [n_rows, n_heads] if return_lse.
-        Work = ``layout.kv_pairs()`` visible pairs (+ the masked part of diagonal pages).
+        Work = ``layout.kv_pairs()`` visible pairs (+ the masked part of grouped pages).
     """
-    n_rows, H = q.shape[0], q.shape[1]
-    if n_rows != layout.n_rows:
-        raise ValueError(f"q has {n_rows} rows, layout has {layout.n_rows}")
-    if work is not None:
-        work.full += layout.full_kv_pairs()
-    if not return_lse:
-        return _block_sparse_batched(q, k, v, layout, _default_scale(q, scale), key_rows, work)
-    out = q.new_zeros(n_rows, H, v.shape[-1])
-    lse = torch.full((n_rows, H), float("-inf"), dtype=torch.float32, device=q.device)
-    row_indptr = layout.row_indptr.tolist()
-    for b in range(layout.n_row_blocks):
-        r0, r1 = row_indptr[b], row_indptr[b + 1]
-        if r0 == r1:
-            continue
-        key_idx = layout.block_key_index(b)
-        if key_idx.numel() == 0:
-            continue
-        rows = key_idx if key_rows is None else key_rows[key_idx]
-        o, s = gathered_attention(q[r0:r1], k, v, layout.q_pos[r0:r1], rows, key_idx, scale, True)
-        out[r0:r1], lse[r0:r1] = o, s
-        if work is not None:
-            work.visible += int((key_idx[None, :] <= layout.q_pos[r0:r1, None]).sum())
-            work.executed += (r1 - r0) * key_idx.numel()
-    return (out, lse) if return_lse else out
+    if q.shape[0] != layout.n_rows:
+        raise ValueError(f"q has {q.shape[0]} rows, layout has {layout.n_rows}")
+    stage = HostStage(q.device)
+    plan = BlockSparsePlan(layout, stage, per_block=return_lse)
+    stage.send()
+    return plan.run(q, k, v, _default_scale(q, scale), key_rows, work, return_lse)
 
 
 GROUP_ROWS = 128  # at most this many rows per fused call of the CPU executor (unless one block has more)
@@ -289,41 +299,73 @@ GROUP_ROWS = 128  # at most this many rows per fused call of the CPU executor (u
 GROUP_CALL_PAIRS = 4096
 
 
-def _block_sparse_batched(q, k, v, layout, scale: float, key_rows: Optional[torch.Tensor],
-                          work: Optional[AttentionWork] = None) -> torch.Tensor:
-    """Execute the layout in a few fused SDPA calls instead of one per row block.
+class BlockSparsePlan:
+    """A layout's execution decided on the host: groups of row blocks, each one fused call.
 
-    Consecutive row blocks are grouped (:func:`_block_groups`, by cost); a group gathers the
-    K/V of the *union* of its blocks' pages and each row is masked to its own block's pages and
-    causality. The work executed is ``sum(group rows x union keys)``
-    (:func:`executed_kv_pairs`): blocks share a group only where that costs less than a call.
+    Consecutive row blocks are grouped (:func:`_block_groups`, by cost; ``per_block``: each block
+    alone, as the LSE needs); a group gathers the K/V of the *union* of its blocks' pages and each
+    row is masked to its own block's pages and causality. Each group's key positions and mask go
+    on ``stage`` (one copy for everything it carries), so :meth:`run` neither reads the device nor
+    copies to it. The work executed is ``sum(group rows x union keys)`` (:func:`executed_kv_pairs`).
+
+    Args:
+        layout: BlockSparseLayout (host tensors).
+        stage: where the index tensors go (its ``send`` before :meth:`run`).
+        per_block: one group per row block.
     """
-    n_rows, H, _ = q.shape
-    out = q.new_zeros(n_rows, H, v.shape[-1])
-    ps = layout.page_size
-    row_indptr, indptr = layout.row_indptr.tolist(), layout.indptr.tolist()
-    entry_block = layout.block_of_entry()
-    indices, rows_of_block = layout.indices.long(), layout.row_indptr.long().diff()
-    for b0, b1 in _block_groups(layout, entry_block):
-        r0, r1 = row_indptr[b0], row_indptr[b1]
-        e0, e1 = indptr[b0], indptr[b1]
-        if r1 == r0 or e1 == e0:
-            continue
-        union, page_of_entry = torch.unique(indices[e0:e1], return_inverse=True)  # sorted page ids
-        member = torch.zeros(b1 - b0, union.numel(), dtype=torch.bool)
-        member[entry_block[e0:e1] - b0, page_of_entry] = True
-        key_pos = (union[:, None] * ps + torch.arange(ps)[None, :]).flatten()
-        in_range = key_pos < layout.n_keys
-        rows_pages = member.repeat_interleave(rows_of_block[b0:b1], dim=0)  # [rows, union pages]
-        visible = rows_pages[:, :, None].expand(-1, -1, ps).reshape(r1 - r0, -1)[:, in_range]
-        key_pos = key_pos[in_range]
-        visible &= key_pos[None, :] <= layout.q_pos[r0:r1].long()[:, None]
-        slots = key_pos if key_rows is None else key_rows[key_pos]
+
+    def __init__(self, layout, stage: HostStage, per_block: bool = False) -> None:
+        self.n_rows = layout.n_rows
+        self.full_pairs = layout.full_kv_pairs()
+        self.visible_pairs = self.executed_pairs = 0
+        self.groups: list[tuple[int, int, Staged, Staged]] = []  # (first row, end row, key positions, visible)
+        ps = layout.page_size
+        row_indptr, indptr = layout.row_indptr.tolist(), layout.indptr.tolist()
+        entry_block = layout.block_of_entry()
+        indices, rows_of_block = layout.indices.long(), layout.row_indptr.long().diff()
+        groups = ([(b, b + 1) for b in range(layout.n_row_blocks)] if per_block
+                  else _block_groups(layout, entry_block))
+        for b0, b1 in groups:
+            r0, r1 = row_indptr[b0], row_indptr[b1]
+            e0, e1 = indptr[b0], indptr[b1]
+            if r1 == r0 or e1 == e0:
+                continue
+            union, page_of_entry = torch.unique(indices[e0:e1], return_inverse=True)  # sorted page ids
+            member = torch.zeros(b1 - b0, union.numel(), dtype=torch.bool)
+            member[entry_block[e0:e1] - b0, page_of_entry] = True
+            key_pos = (union[:, None] * ps + torch.arange(ps)[None, :]).flatten()
+            in_range = key_pos < layout.n_keys
+            rows_pages = member.repeat_interleave(rows_of_block[b0:b1], dim=0)  # [rows, union pages]
+            visible = rows_pages[:, :, None].expand(-1, -1, ps).reshape(r1 - r0, -1)[:, in_range]
+            key_pos = key_pos[in_range]
+            visible &= key_pos[None, :] <= layout.q_pos[r0:r1].long()[:, None]
+            self.visible_pairs += int(torch.count_nonzero(visible))
+            self.executed_pairs += visible.numel()
+            self.groups.append((r0, r1, stage.put(key_pos), stage.put(visible)))
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            key_rows: Optional[torch.Tensor] = None, work: Optional[AttentionWork] = None, return_lse: bool = False):
+        """q [n_rows, H, d] in row order; k/v [n_k, Hkv, d]; key_rows int64 [>= n_keys] on k's device
+        (None: position j is row j) -> out [n_rows, H, dv] (q's dtype; 0 for a row that sees no
+        key), and lse float32 [n_rows, H] with ``return_lse`` (-inf for such a row)."""
+        if q.shape[0] != self.n_rows:
+            raise ValueError(f"q has {q.shape[0]} rows, the plan has {self.n_rows}")
         if work is not None:
-            work.visible += int(torch.count_nonzero(visible))
-            work.executed += visible.numel()
-        out[r0:r1] = _sdpa(q[r0:r1], k.index_select(0, slots), v.index_select(0, slots), visible, scale)
-    return out
+            work.visible += self.visible_pairs
+            work.executed += self.executed_pairs
+            work.full += self.full_pairs
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+        lse = (torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
+               if return_lse else None)
+        for r0, r1, key_pos, visible in self.groups:
+            slots = key_pos.get() if key_rows is None else key_rows[key_pos.get()]
+            kg, vg = k.index_select(0, slots), v.index_select(0, slots)
+            if return_lse:
+                o, s = masked_attention(q[None, r0:r1], kg[None], vg[None], visible.get()[None], scale)
+                out[r0:r1], lse[r0:r1] = o[0], s[0]
+            else:
+                out[r0:r1] = _sdpa(q[r0:r1], kg, vg, visible.get(), scale)
+        return (out, lse) if return_lse else out
 
 
 def _page_sets(layout, entry_block: torch.Tensor) -> list[int]:

@@ -14,7 +14,7 @@ delta rotation is exact.  "dynamic" NTK scaling changes the frequencies with the
 sequence length and "longrope" switches frequency sets with it; a key cached
 under one length would be wrong under another, so both are refused.
 
-This module imports only the standard library and torch.
+This module imports only the standard library, torch and :mod:`.staging`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
+
+from .staging import to_device
 
 __all__ = [
     "SUPPORTED_ROPE_TYPES",
@@ -192,8 +194,11 @@ def _compute_inv_freq(spec: RopeSpec) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _inv_freq_cached(spec: RopeSpec, device: str) -> torch.Tensor:
-    """Cached fp32 [rotary_dim // 2] inv_freq on ``device``; callers must not modify it."""
-    return _compute_inv_freq(spec).to(device)
+    """Cached fp32 [rotary_dim // 2] inv_freq on ``device``; callers must not modify it.
+
+    Computed on the host (the values SGLang's and HF's RoPE use, bit for bit) and copied once per
+    (spec, device), without blocking (a GPU pass that builds a rotation never waits for it)."""
+    return to_device(_compute_inv_freq(spec), device)
 
 
 def _as_int(value: Any, what: str) -> int:

@@ -40,12 +40,13 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from relaxkv_sglang.core.attention import to_device
 from relaxkv_sglang.core.layout import BlockSparseLayout
+from relaxkv_sglang.core.staging import HostStage, Staged, pinned_host
 from relaxkv_sglang.gpu.prefill_inputs import (
     AnchorLayerInputs,
     ScopedPrefillInputs,
     anchor_prefill_inputs,
+    expand_runs,
 )
 
 FLASHINFER_VERSION = "0.7.2"
@@ -68,16 +69,10 @@ def import_flashinfer():
     return flashinfer
 
 
-def _host(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host int32 tensor FlashInfer's plan reads on the host (pinned on CUDA, for its copies)."""
-    x = x.to(torch.int32)
-    return x.pin_memory() if device.type == "cuda" else x
-
-
 class _PagedPrefillCall:
     """One FlashInfer paged-prefill wrapper (NHD, page size 1, causal) and its current plan.
 
-    ``new_event``: makes the event recorded after each run (CUDA); None on other devices."""
+    ``new_event``: makes the event recorded after each plan (CUDA); None on other devices."""
 
     def __init__(self, flashinfer: Any, float_workspace: torch.Tensor,
                  new_event: Optional[Callable[[], Any]] = None) -> None:
@@ -85,75 +80,97 @@ class _PagedPrefillCall:
         self.n_qo = -1
         self.kv_indices: Optional[torch.Tensor] = None  # kept alive until the run
         self.new_event = new_event
-        self.last_run: Any = None  # the event after the last run, until the next plan
+        self.staged: Any = None  # the event after the last plan's staged copy, until the next plan
+        self.host_waits = 0
 
-    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, *,
-             num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype,
-             scale: float) -> None:
-        """qo_indptr/kv_indptr: int32 host [n_seg + 1]; kv_indices: int32 [n_kv] pool slots on the device;
-        dtype/kv_dtype: of q and of the KV pool."""
-        if self.last_run is not None:  # the previous plan's staged copy, and its run, are done
-            if not self.last_run.query():  # a host wait only when the device is behind
-                self.last_run.synchronize()
-            self.last_run = None
-        dev = kv_indices.device
+    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, last_page_len: torch.Tensor,
+             kv_indices: torch.Tensor, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+             kv_dtype: torch.dtype, scale: float) -> None:
+        """qo_indptr/kv_indptr: int32 host [n_seg + 1]; last_page_len: int32 host [n_seg] (page-locked
+        on CUDA: FlashInfer copies them itself, without blocking); kv_indices: int32 [n_kv] pool
+        slots on the device; dtype/kv_dtype: of q and of the KV pool."""
+        if self.staged is not None:
+            # FlashInfer writes its schedule into the wrapper's page-locked buffer and copies it to
+            # the device asynchronously: the previous plan's copy must have run first. (The device
+            # buffer it lands in is safe by stream order: this plan's copy follows the last run.)
+            if not self.staged.query():
+                self.staged.synchronize()  # a host wait: the CPU is a ring's worth of plans ahead
+                self.host_waits += 1
+            self.staged = None
         self.kv_indices = kv_indices
         self.n_qo = int(qo_indptr[-1])
-        # FlashInfer reads clamp(pages - 1, 0) + last_page_len keys: a segment listing no key
-        # must say 0, or it reads one key past its end (torch_models.keys_read).
-        last_page_len = (kv_indptr.diff() > 0).to(torch.int32)
         self.wrapper.plan(
-            _host(qo_indptr, dev), _host(kv_indptr, dev), kv_indices, _host(last_page_len, dev),
-            num_qo_heads, num_kv_heads, head_dim, 1,
+            qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, 1,
             causal=True, sm_scale=scale, q_data_type=dtype, kv_data_type=kv_dtype, o_data_type=dtype)
+        if self.new_event is not None:
+            self.staged = self.new_event()
+            self.staged.record()
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """q [n_qo, H, d]; k_cache/v_cache [n_slots, Hkv, d] (the layer's pool) -> [n_qo, H, dv]."""
         if q.shape[0] != self.n_qo:
             raise ValueError(f"q has {q.shape[0]} rows, the plan has {self.n_qo}")
         # [n_slots, page_size=1, Hkv, d]: the pool as FlashInfer's NHD paged cache.
-        out = self.wrapper.run(q, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)))
-        if self.new_event is not None:
-            self.last_run = self.new_event()
-            self.last_run.record()
-        return out
+        return self.wrapper.run(q, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)))
 
 
 class _WrapperRing:
     """At most ``size`` paged-prefill wrappers sharing one float workspace, used in turn (module doc)."""
 
-    def __init__(self, device: torch.device | str, workspace_bytes: int, size: int = RING_SIZE) -> None:
+    def __init__(self, device: torch.device | str, workspace_bytes: int, size: int = RING_SIZE,
+                 float_workspace: Optional[torch.Tensor] = None) -> None:
         self.flashinfer = import_flashinfer()
         self.device = torch.device(device)
-        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        # SGLang's own when given (module doc: nothing the KV pool's sizing did not count)
+        self.workspace = (float_workspace if float_workspace is not None
+                          else torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device))
         self.size = size
         self.calls: list[_PagedPrefillCall] = []
         self.turn = 0
-        # the event recorded after each run: CUDA's on a CUDA pool (nothing runs ahead elsewhere)
-        self.new_event: Optional[Callable[[], Any]] = torch.cuda.Event if self.device.type == "cuda" else None
+        # the event recorded after each plan: CUDA's on a CUDA pool (nothing runs ahead elsewhere)
+        self.new_event: Optional[Callable[[], Any]] = (lambda: torch.cuda.Event()) if self.device.type == "cuda" else None
 
     def next_call(self) -> _PagedPrefillCall:
-        """The next wrapper of the ring (its plan waits for its previous run)."""
+        """The next wrapper of the ring (its plan waits for its previous plan's staged copy)."""
         i = self.turn % self.size
         self.turn += 1
         if i == len(self.calls):
             self.calls.append(_PagedPrefillCall(self.flashinfer, self.workspace, self.new_event))
         return self.calls[i]
 
+    @property
+    def host_waits(self) -> int:
+        """Plans that waited on the host for their wrapper's previous staged copy."""
+        return sum(c.host_waits for c in self.calls)
+
 
 @dataclass
 class _AnchorLayer:
+    """One layer's call: host metadata (page-locked views on CUDA) and the staged device indices."""
+
     inputs: AnchorLayerInputs
-    rows: Optional[torch.Tensor] = None  # device int64 [n_kept] layout rows with keys
-    qo: Optional[torch.Tensor] = None  # device int64 [n_kept] their queries in the call
+    qo_indptr: torch.Tensor  # int32 host [n_seg + 1]
+    kv_indptr: torch.Tensor  # int32 host [n_seg + 1]
+    last_page_len: torch.Tensor  # int32 host [n_seg]
+    rows: Staged  # int64 [n_kept] layout rows with keys
+    qo: Staged  # int64 [n_kept] their queries in the call
+    run_start: Staged  # the call's key runs (AnchorLayerInputs)
+    run_len: Staged
 
 
 class AnchorForwardPlan:
-    """One request's anchors in one pass: every layer's host metadata, built once."""
+    """One request's anchors in one pass: every layer's host metadata, built once, in one
+    page-locked buffer; the device's indices on ``stage``."""
 
-    def __init__(self, layouts: Sequence[BlockSparseLayout]) -> None:
+    def __init__(self, layouts: Sequence[BlockSparseLayout], stage: HostStage) -> None:
         self.layouts = list(layouts)
-        self.layers = [_AnchorLayer(inputs) for inputs in anchor_prefill_inputs(self.layouts)]
+        inputs = anchor_prefill_inputs(self.layouts)
+        host = pinned_host([t for i in inputs for t in (i.qo_indptr, i.kv_indptr, i.last_page_len)], stage.device)
+        self.layers = []
+        for j, i in enumerate(inputs):
+            kept = (i.row_to_qo >= 0).nonzero().squeeze(1)  # host
+            self.layers.append(_AnchorLayer(i, *host[3 * j:3 * j + 3], stage.put(kept), stage.put(i.row_to_qo[kept]),
+                                            stage.put(i.run_start), stage.put(i.run_len)))
 
 
 class FlashInferAnchorAttention:
@@ -161,17 +178,29 @@ class FlashInferAnchorAttention:
 
     Args:
         device: the CUDA device of the KV pool.
-        workspace_bytes: the float workspace shared by the wrappers.
+        workspace_bytes: the float workspace shared by the wrappers, allocated here when
+            ``float_workspace`` (e.g. SGLang's FlashInfer backend's) is not given.
     """
 
-    def __init__(self, device: torch.device | str, workspace_bytes: int = WORKSPACE_BYTES) -> None:
-        self._ring = _WrapperRing(device, workspace_bytes)
+    def __init__(self, device: torch.device | str, workspace_bytes: int = WORKSPACE_BYTES,
+                 float_workspace: Optional[torch.Tensor] = None) -> None:
+        self._ring = _WrapperRing(device, workspace_bytes, float_workspace=float_workspace)
         self.device = self._ring.device
 
-    @staticmethod
-    def plan_forward(layouts: Sequence[BlockSparseLayout]) -> AnchorForwardPlan:
-        """Every layer's host metadata of one request, in one vectorised pass (no device work)."""
-        return AnchorForwardPlan(layouts)
+    @property
+    def host_waits(self) -> int:
+        """Plans that waited on the host for a wrapper of the ring (module doc)."""
+        return self._ring.host_waits
+
+    def plan_forward(self, layouts: Sequence[BlockSparseLayout], stage: Optional[HostStage] = None) -> AnchorForwardPlan:
+        """Every layer's metadata of one request, in one vectorised pass; its device indices on
+        ``stage`` (the caller sends it before the first run; None: a stage of its own, sent here)."""
+        if stage is not None:
+            return AnchorForwardPlan(layouts, stage)
+        stage = HostStage(self.device)
+        plan = AnchorForwardPlan(layouts, stage)
+        stage.send()
+        return plan
 
     def run(self, plan: AnchorForwardPlan, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, key_rows: torch.Tensor, scale: float) -> torch.Tensor:
@@ -194,18 +223,16 @@ class FlashInferAnchorAttention:
         out = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1])
         if inputs.n_segments == 0:
             return out
-        if entry.rows is None:
-            kept = (inputs.row_to_qo >= 0).nonzero().squeeze(1)  # host
-            entry.rows = to_device(kept, q.device)
-            entry.qo = to_device(inputs.row_to_qo.index_select(0, kept), q.device)
         call = self._ring.next_call()
-        call.plan(inputs.qo_indptr, inputs.kv_indptr, inputs.kv_indices(to_device(key_rows, q.device)),
+        kv_positions = expand_runs(entry.run_start.get(), entry.run_len.get(), inputs.n_kv)
+        call.plan(entry.qo_indptr, entry.kv_indptr, entry.last_page_len, key_rows[kv_positions].to(torch.int32),
                   num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[1], head_dim=q.shape[2], dtype=q.dtype,
                   kv_dtype=k_cache.dtype, scale=scale)
         q_call = q.new_zeros(inputs.n_qo, q.shape[1], q.shape[2])  # padding queries stay 0
-        q_call.index_copy_(0, entry.qo, q.index_select(0, entry.rows))
+        rows, qo = entry.rows.get(), entry.qo.get()
+        q_call.index_copy_(0, qo, q.index_select(0, rows))
         o = call.run(q_call, k_cache, v_cache)
-        return out.index_copy_(0, entry.rows, o.index_select(0, entry.qo).to(out.dtype))
+        return out.index_copy_(0, rows, o.index_select(0, qo).to(out.dtype))
 
 
 class FlashInferScopedPrefill:
@@ -215,20 +242,24 @@ class FlashInferScopedPrefill:
 
     Args:
         device: the CUDA device of the KV pool.
-        workspace_bytes: the float workspace.
+        workspace_bytes, float_workspace: as :class:`FlashInferAnchorAttention`'s.
     """
 
-    def __init__(self, device: torch.device | str, workspace_bytes: int = WORKSPACE_BYTES) -> None:
-        self._ring = _WrapperRing(device, workspace_bytes, size=2)
+    def __init__(self, device: torch.device | str, workspace_bytes: int = WORKSPACE_BYTES,
+                 float_workspace: Optional[torch.Tensor] = None) -> None:
+        self._ring = _WrapperRing(device, workspace_bytes, size=2, float_workspace=float_workspace)
         self._call: Optional[_PagedPrefillCall] = None
 
     def plan(self, inputs: ScopedPrefillInputs, req_to_token: torch.Tensor, *, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype, scale: float) -> None:
         """Plan the batch: inputs from :func:`~.prefill_inputs.scoped_prefill_inputs`, keys read
-        through SGLang's ``req_to_token`` [n_req_slots, max_context] (on the device)."""
-        # Two wrappers alternate per forward; each plan waits for its wrapper's last run.
+        through SGLang's ``req_to_token`` [n_req_slots, max_context] (on the device). One staged
+        copy and one page-locked buffer per forward."""
+        # Two wrappers alternate per forward; each plan waits for its wrapper's last staged copy.
         self._call = self._ring.next_call()
-        self._call.plan(inputs.qo_indptr, inputs.kv_indptr, inputs.kv_indices(req_to_token),
+        qo_indptr, kv_indptr, last_page_len = pinned_host([inputs.qo_indptr, inputs.kv_indptr, inputs.last_page_len],
+                                                          req_to_token.device)
+        self._call.plan(qo_indptr, kv_indptr, last_page_len, inputs.kv_indices(req_to_token),
                         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                         kv_dtype=kv_dtype, scale=scale)
 

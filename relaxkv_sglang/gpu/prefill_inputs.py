@@ -49,7 +49,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from relaxkv_sglang.core.attention import to_device
+from relaxkv_sglang.core.staging import HostStage, to_device
 from relaxkv_sglang.core.layout import BlockSparseLayout
 
 __all__ = [
@@ -92,6 +92,11 @@ def _indptr(lengths: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
     out[1:] = torch.cumsum(lengths.cpu(), 0)
     return out
+
+
+def _last_page_len(kv_indptr: torch.Tensor) -> torch.Tensor:
+    """int32 [n_seg] host: 1 for a segment with keys, 0 without (page size 1)."""
+    return (kv_indptr.diff() > 0).to(torch.int32)
 
 
 def expand_runs(run_start: torch.Tensor, run_len: torch.Tensor, total: int) -> torch.Tensor:
@@ -144,6 +149,17 @@ class AnchorLayerInputs:
     def n_kv(self) -> int:
         """Keys the call reads (``kv_indptr[-1]``)."""
         return int(self.kv_indptr[-1])
+
+    @property
+    def last_page_len(self) -> torch.Tensor:
+        """int32 [n_seg] host: FlashInfer reads ``clamp(pages - 1, 0) + last_page_len`` keys, so a
+        segment listing no key says 0 (or it reads one past its end: ``torch_models.keys_read``)."""
+        return _last_page_len(self.kv_indptr)
+
+    @property
+    def executed_pairs(self) -> int:
+        """(query, key) pairs of the call: each segment's queries (padding included) times its keys."""
+        return int((self.qo_indptr.diff().long() * self.kv_indptr.diff().long()).sum())
 
     def kv_positions(self, device: Optional[torch.device] = None) -> torch.Tensor:
         """int64 [n_kv] the call's keys as prompt positions, expanded on ``device``."""
@@ -439,15 +455,22 @@ class ScopedPrefillInputs:
     def n_kv(self) -> int:
         return int(self.kv_indptr[-1])
 
+    @property
+    def last_page_len(self) -> torch.Tensor:
+        """int32 [n_seg] host (:attr:`AnchorLayerInputs.last_page_len`)."""
+        return _last_page_len(self.kv_indptr)
+
     def kv_indices(self, req_to_token: torch.Tensor) -> torch.Tensor:
-        """int32 [n_kv] the call's keys as KV-pool slots, on req_to_token's device.
+        """int32 [n_kv] the call's keys as KV-pool slots, on req_to_token's device (one staged copy).
 
         Args:
             req_to_token: int [n_req_slots, max_context] SGLang's ``req_to_token`` table.
         """
-        dev = req_to_token.device
-        flat_start = to_device(self.seg_req * req_to_token.shape[1] + self.seg_scope, dev)
-        flat = expand_runs(flat_start, to_device(self.seg_len, dev), self.n_kv)
+        stage = HostStage(req_to_token.device)
+        flat_start = stage.put(self.seg_req * req_to_token.shape[1] + self.seg_scope)
+        seg_len = stage.put(self.seg_len)
+        stage.send()
+        flat = expand_runs(flat_start.get(), seg_len.get(), self.n_kv)
         return req_to_token.reshape(-1)[flat].to(torch.int32)
 
 

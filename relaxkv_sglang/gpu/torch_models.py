@@ -10,20 +10,25 @@ bottom-right alignment, ``include/flashinfer/attention/prefill.cuh``).  FlashInf
 (:func:`keys_read`), so a segment listing no page still reads ``last_page_len`` keys past its end;
 given ``last_page_len``, the model applies that rule and refuses a call that would read a key its
 segment does not list.  It returns the natural-log
-LSE of :mod:`relaxkv_sglang.core.attention` (FlashInfer reports base 2).  The tests feed it to
-:mod:`.flashinfer_attention` in place of FlashInfer and compare with the torch executors
+LSE of :mod:`relaxkv_sglang.core.attention` (FlashInfer reports base 2).  The tests, the CUDA-rules
+harness (:mod:`.cuda_rules`) and the check's dry run feed it to :mod:`.flashinfer_attention` in
+place of FlashInfer (:func:`flashinfer_stand_in`: the wrapper's ``plan``/``run`` surface with
+FlashInfer's argument checks) and compare with the torch executors
 (``core.attention.block_sparse_attention``, ``scoped_causal_attention``).  Not on the serving path.
 """
 
 from __future__ import annotations
 
+import types
 from typing import Optional
 
 import torch
 
 from relaxkv_sglang.core.attention import masked_attention
+from relaxkv_sglang.gpu.cuda_rules import device_kernel
 
-__all__ = ["keys_read", "paged_prefill_attention", "paged_prefill_mask"]
+__all__ = ["keys_read", "paged_prefill_attention", "paged_prefill_mask", "PagedPrefillWrapperModel",
+           "flashinfer_stand_in"]
 
 
 def keys_read(kv_indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int = 1) -> torch.Tensor:
@@ -116,3 +121,58 @@ def paged_prefill_attention(
     out[q_rows[q_valid]] = out_b[q_valid]
     lse[q_rows[q_valid]] = lse_b[q_valid]
     return (out, lse) if return_lse else out
+
+
+class PagedPrefillWrapperModel:
+    """``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` (page size 1, causal, NHD, fa2) as
+    :func:`paged_prefill_attention`: ``plan`` checks what FlashInfer's scheduler needs (host int32
+    indptrs and last-page lengths, int32 slot indices on the pool's device), ``run`` checks the
+    planned shapes. ``created`` and ``plans`` count wrappers and their plans."""
+
+    created = 0
+
+    def __init__(self, workspace: torch.Tensor, kv_layout: str, backend: str = "auto") -> None:
+        if kv_layout != "NHD" or backend != "fa2":
+            raise ValueError(f"the plugin plans NHD / fa2, got {kv_layout} / {backend}")
+        type(self).created += 1
+        self.args: Optional[tuple] = None
+        self.plans = 0
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+             *, causal, q_data_type, kv_data_type, sm_scale=None, o_data_type=None) -> None:
+        if page_size != 1 or not causal:
+            raise ValueError("the plugin plans page size 1, causal")
+        # FlashInfer's scheduler reads these on the host: they must already be host tensors.
+        for x in (qo_indptr, kv_indptr, last_page_len):
+            if x.device.type != "cpu" or x.dtype != torch.int32:
+                raise ValueError(f"indptr / last_page_len must be host int32, got {x.device} {x.dtype}")
+        if last_page_len.numel() != qo_indptr.numel() - 1:
+            raise ValueError("one last_page_len per segment")
+        if kv_indices.dtype != torch.int32 or kv_indices.numel() != int(kv_indptr[-1]):
+            raise ValueError("kv_indices: int32, kv_indptr[-1] of them")
+        self.args = (qo_indptr, kv_indptr, kv_indices, sm_scale, last_page_len)
+        self.heads = (num_qo_heads, num_kv_heads, head_dim)
+        self.plans += 1
+
+    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """q [n_qo, H, d]; paged_kv_cache ([pages, 1, Hkv, d], [pages, 1, Hkv, dv]) -> [n_qo, H, dv]."""
+        k_cache, v_cache = paged_kv_cache
+        qo_indptr, kv_indptr, kv_indices, scale, last_page_len = self.args
+        if k_cache.dim() != 4 or k_cache.shape[1] != 1 or q.shape[0] != int(qo_indptr[-1]):
+            raise ValueError("run: an NHD page-size-1 cache and the planned queries")
+        # FlashInfer runs the kernel its plan chose: the tensors must have the planned shapes.
+        if not (q.shape[1], k_cache.shape[2], q.shape[2]) == self.heads == (q.shape[1], v_cache.shape[2],
+                                                                            k_cache.shape[3]):
+            raise ValueError(f"run: heads {tuple(q.shape[1:])} / {tuple(k_cache.shape[2:])}, planned {self.heads}")
+        # A kernel on the device: the harness (cuda_rules) runs it on the stand-in's values unchecked.
+        return device_kernel(paged_prefill_attention)(q, k_cache[:, 0], v_cache[:, 0], qo_indptr, kv_indptr, kv_indices,
+                                                      scale=scale, last_page_len=last_page_len)
+
+
+def flashinfer_stand_in(version: str) -> types.ModuleType:
+    """A ``flashinfer`` module whose paged-prefill wrapper is :class:`PagedPrefillWrapperModel`
+    (put it in ``sys.modules["flashinfer"]``); ``version``: the one the plugin pins."""
+    module = types.ModuleType("flashinfer")
+    module.__version__ = version
+    module.BatchPrefillWithPagedKVCacheWrapper = PagedPrefillWrapperModel
+    return module

@@ -250,7 +250,10 @@ def build_cuda_backend_class() -> type:
         def __init__(self, model_runner: Any) -> None:
             super().__init__(model_runner)
             _plugin_state(self, model_runner)
-            self._scoped = FlashInferScopedPrefill(model_runner.device)
+            # SGLang's FlashInfer workspace, shared (stream-ordered runs): nothing allocated here
+            # that the KV pool's sizing did not leave room for
+            self.anchor_attention = AnchorAttention(float_workspace=self.workspace_buffer)
+            self._scoped = FlashInferScopedPrefill(model_runner.device, float_workspace=self.workspace_buffer)
             self._scoped_batch: Any = None
             self._path: tuple[Any, Any, str] = (None, None, SGLANG)
 

@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from relaxkv_sglang.core.attention import AttentionWork, block_sparse_attention, scoped_causal_attention, to_device
+from relaxkv_sglang.core.attention import AttentionWork, BlockSparsePlan, ScopedCausalPlan
+from relaxkv_sglang.core.staging import HostStage, Staged, to_device
 from relaxkv_sglang.core.layout import BlockSparseLayout
 from relaxkv_sglang.core.repair_plan import AnchorPlan
 from relaxkv_sglang.core.rope import RopeSpec, RotationTable
@@ -94,61 +95,188 @@ class LoopRows:
 class AnchorAttention:
     """The anchors' block-sparse attention over a layer's KV pool, one executor per worker.
 
-    FlashInfer on a GPU (half precision, :mod:`relaxkv_sglang.gpu.flashinfer_attention`; its
-    wrappers and workspace are built on first use and kept), the torch executor otherwise. Both
-    execute the same layout; ``python -m relaxkv_sglang.gpu.check`` compares them. On a GPU a
-    request's layers are planned once per pass: its first anchor call builds every planned
-    layer's FlashInfer inputs (``layouts``), each layer then plans and runs one call. The
-    ``relaxkv`` attention backend owns the worker's instance.
+    FlashInfer on a GPU in half precision (:mod:`relaxkv_sglang.gpu.flashinfer_attention`; its
+    wrappers and workspace are built on first use and kept), the torch executor
+    (:class:`~relaxkv_sglang.core.attention.BlockSparsePlan`) otherwise. Both execute the same
+    layout; ``python -m relaxkv_sglang.gpu.check`` compares them. Decide once, run per layer:
+    :meth:`plan` takes every layer's layout of a request when its pass is planned (host work, the
+    index tensors on the pass's stage); the plan then runs one layer at a time. The ``relaxkv``
+    attention backend owns the worker's instance.
+
+    Args:
+        float_workspace: FlashInfer's float workspace to share (the CUDA backend hands SGLang's).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, float_workspace: Optional[torch.Tensor] = None) -> None:
         self._flashinfer: Any = None  # FlashInferAnchorAttention, once a GPU pool is seen
-        self._plans: dict[int, tuple[list[BlockSparseLayout], Any]] = {}  # id(layouts) -> (layouts, plan)
+        self._float_workspace = float_workspace  # SGLang's FlashInfer workspace, on a GPU
 
     @staticmethod
-    def uses_flashinfer(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    def uses_flashinfer(device: torch.device, dtype: torch.dtype) -> bool:
         """FlashInfer runs on a CUDA pool in half precision; anything else takes the torch executor."""
-        return k_cache.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+        return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
-    def begin_pass(self) -> None:
-        """A new pass of the layer loop: plans are rebuilt (FlashInfer's ring of wrappers carries on)."""
-        self._plans.clear()
+    def plan(self, layouts: list[BlockSparseLayout], stage: HostStage, dtype: torch.dtype) -> "AnchorPlanRun":
+        """Every layer's anchors of one request (``layouts``, host), for a pool of ``dtype`` on
+        ``stage.device``; the index tensors go on ``stage`` (its ``send`` before the first run)."""
+        if self.uses_flashinfer(stage.device, dtype):
+            if self._flashinfer is None:
+                from relaxkv_sglang.gpu.flashinfer_attention import FlashInferAnchorAttention
+
+                self._flashinfer = FlashInferAnchorAttention(stage.device, float_workspace=self._float_workspace)
+            return _FlashInferAnchors(self._flashinfer, self._flashinfer.plan_forward(layouts, stage))
+        return _TorchAnchors([BlockSparsePlan(layout, stage) for layout in layouts])
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BlockSparseLayout,
-                 scale: float, key_rows: torch.Tensor, layer: Optional[int] = None,
-                 layouts: Optional[list[BlockSparseLayout]] = None,
-                 work: Optional[AttentionWork] = None) -> torch.Tensor:
-        """Attend the anchors of one layer.
+                 scale: float, key_rows: torch.Tensor, work: Optional[AttentionWork] = None) -> torch.Tensor:
+        """One layout decided in the layer (the ``layout_at`` ablation), planned and run at once:
+        q [n_rows, H, d] in ``layout.q_pos`` order, the layer's pool [pool_size, Hkv, d], key_rows
+        int64 [>= layout.n_keys] on the pool's device -> [n_rows, H, dv]."""
+        stage = HostStage(k_cache.device)
+        plan = self.plan([layout], stage, k_cache.dtype)
+        stage.send()
+        return plan.run(0, q, k_cache, v_cache, key_rows, scale, work)
 
-        Args:
-            q: [n_rows, H, d] the anchors' queries, rows in ``layout.q_pos`` order.
-            k_cache, v_cache: [pool_size, Hkv, d] the layer's KV pool.
-            layout: the anchors' context.
-            scale: softmax scale.
-            key_rows: int64 [>= layout.n_keys] pool slot of each key position.
-            layer, layouts: the request's planned layouts and this layer's index in them, when
-                ``layout is layouts[layer]`` (GPU: all of them prepared at once).
-            work: the layout's pairs are added to it (the torch executor counts as it runs).
-        Returns:
-            [n_rows, H, dv].
-        """
-        if not self.uses_flashinfer(q, k_cache):
-            return block_sparse_attention(q, k_cache, v_cache, layout, scale=scale, key_rows=key_rows, work=work)
+
+class AnchorPlanRun:
+    """One request's anchors in one pass, planned: :meth:`run` executes layer ``l``'s layout.
+
+    run(l, q [n_rows, H, d], k_cache/v_cache [pool_size, Hkv, d], key_rows int64 on the pool's
+    device, scale, work) -> [n_rows, H, dv]; the layout's pairs are added to ``work``."""
+
+    def run(self, l: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_rows: torch.Tensor,
+            scale: float, work: Optional[AttentionWork] = None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _TorchAnchors(AnchorPlanRun):
+    def __init__(self, plans: list[BlockSparsePlan]) -> None:
+        self.plans = plans
+
+    def run(self, l, q, k_cache, v_cache, key_rows, scale, work=None):
+        return self.plans[l].run(q, k_cache, v_cache, scale, key_rows, work)
+
+
+class _FlashInferAnchors(AnchorPlanRun):
+    def __init__(self, executor: Any, plan: Any) -> None:
+        self.executor, self.plan = executor, plan
+
+    def run(self, l, q, k_cache, v_cache, key_rows, scale, work=None):
         if work is not None:
-            work.add_layout(layout)
-        if self._flashinfer is None:
-            from relaxkv_sglang.gpu.flashinfer_attention import FlashInferAnchorAttention
+            layout = self.plan.layouts[l]
+            # what the call reads: each segment's (padded) queries times its keys
+            work.add(layout.kv_pairs(), self.plan.layers[l].inputs.executed_pairs, layout.full_kv_pairs())
+        return self.executor.run(self.plan, l, q, k_cache, v_cache, key_rows, scale)
 
-            self._flashinfer = FlashInferAnchorAttention(k_cache.device)
-        if layouts is None or layer is None or layouts[layer] is not layout:  # decided in the layer
-            plan, layer = self._flashinfer.plan_forward([layout]), 0
-        else:
-            known = self._plans.get(id(layouts))
-            if known is None or known[0] is not layouts:
-                known = self._plans[id(layouts)] = (layouts, self._flashinfer.plan_forward(layouts))
-            plan = known[1]
-        return self._flashinfer.run(plan, layer, q, k_cache, v_cache, key_rows, scale)
+
+@dataclasses.dataclass
+class _ShiftStep:
+    """One request's stale shift at one layer: its sources among the layer's rows (staged).
+
+    Attributes: at: int64 [n_s] the sources among the request's active rows; sources: int64 [n_s]
+    their positions; pool: int64 [n_s] their pool slots; groups: int64 [n_s] their shift groups
+    (None: one group)."""
+
+    at: Staged
+    sources: Staged
+    pool: Staged
+    groups: Optional[Staged]
+
+
+@dataclasses.dataclass
+class _RequestStep:
+    """One request's rows at one layer, decided on the host; the device's indices on the stage.
+
+    Attributes:
+        rows: int64 host [n] the request's rows taking part (indices into its ``LoopRows``).
+        written: int64 [n] their pool slots (staged).
+        plain: the rows among them attending causally from their scope (staged) and the plan.
+        anchors: the anchors among them (staged), and their positions (host: checked against
+            the layout).
+        shift: the layer's stale shift, if any.
+    """
+
+    rows: torch.Tensor
+    written: Staged
+    plain: Optional[tuple[Staged, ScopedCausalPlan]]
+    anchors: Optional[tuple[Staged, torch.Tensor]]
+    shift: Optional[_ShiftStep]
+
+    @property
+    def n(self) -> int:
+        return int(self.rows.shape[0])
+
+
+@dataclasses.dataclass
+class _LayerStep:
+    """Every request's rows at one layer: ``active`` int64 [sum n] the rows of the pass taking
+    part, ``positions`` int64 [sum n] theirs, ``going_on`` int64 [m] those (among the active) whose
+    hidden state feeds a later layer."""
+
+    requests: list[_RequestStep]
+    active: Staged
+    positions: Staged
+    going_on: Staged
+
+
+class _PassPlan:
+    """A pass's decisions from layer ``first`` on, made on the host and staged in one copy
+    (``stage.send``): every layer's rows, scopes, anchors and shift, the anchors' executor plans,
+    each request's pool slots and stale-shift target. Rebuilt from the next layer when CacheBlend's
+    check layer changes a plan."""
+
+    def __init__(self, requests: list[LoopRows], first: int, n_layers: int, device: torch.device,
+                 anchors: AnchorAttention, kv_dtype: torch.dtype, rope: Optional[RopeSpec]) -> None:
+        stage = HostStage(device)
+        self.slots = [stage.put(r.slots) for r in requests]
+        for r in requests:
+            _prepare_shift(r, stage, rope)
+        self.anchor_runs = [anchors.plan(r.anchor_plan.layouts, stage, kv_dtype)
+                            if r.anchor_plan is not None and not r.anchor_plan.ranks_pages_in_layer else None
+                            for r in requests]
+        self.layers: dict[int, _LayerStep] = {}
+        offsets = [0]
+        for r in requests:
+            offsets.append(offsets[-1] + r.n_rows)
+        for l in range(first, n_layers):
+            layer_rows = [(r.exits > l).nonzero().flatten() for r in requests]
+            if not any(rows.numel() for rows in layer_rows):
+                break
+            steps, going_on, start = [], [], 0
+            for r, rows in zip(requests, layer_rows):
+                steps.append(_request_step(r, l, rows, stage))
+                going_on.append((~(r.anchor[rows] & (r.exits[rows] <= l + 1))).nonzero().flatten() + start)
+                start += rows.numel()
+            active = torch.cat([rows + off for rows, off in zip(layer_rows, offsets)])
+            positions = torch.cat([r.positions[rows] for r, rows in zip(requests, layer_rows)])
+            self.layers[l] = _LayerStep(steps, stage.put(active), stage.put(positions), stage.put(torch.cat(going_on)))
+        stage.send()
+
+
+def _request_step(r: LoopRows, l: int, rows: torch.Tensor, stage: HostStage) -> _RequestStep:
+    """One request's rows at layer l (rows: host int64, its rows taking part)."""
+    pos, scope, anchor = r.positions[rows], r.scope[rows], r.anchor[rows]
+    plain_rows = (~anchor).nonzero().flatten()
+    plain = ((stage.put(plain_rows), ScopedCausalPlan(pos[plain_rows], scope[plain_rows], stage))
+             if plain_rows.numel() else None)
+    anchor_rows = anchor.nonzero().flatten()
+    anchors = (stage.put(anchor_rows), pos[anchor_rows]) if anchor_rows.numel() else None
+    return _RequestStep(rows, stage.put(r.slots[pos]), plain, anchors, _shift_step(r, l, pos, stage))
+
+
+def _shift_step(r: LoopRows, l: int, pos: torch.Tensor, stage: HostStage) -> Optional[_ShiftStep]:
+    """The stale shift's sources at layer l among the request's active rows (pos: their positions)."""
+    plan = r.anchor_plan
+    if r.shift_target is None or pos.numel() == 0:
+        return None
+    sources = plan.shift_sources(l)  # host, as the plan
+    if sources.numel() == 0:
+        return None
+    at = torch.searchsorted(pos, sources)
+    if not torch.equal(pos[at.clamp(max=pos.shape[0] - 1)], sources):
+        raise InvariantError("relaxkv: the stale shift's anchors are not the layer's rows")
+    groups = stage.put(plan.shift_group_of[sources]) if plan.n_shift_groups > 1 else None
+    return _ShiftStep(stage.put(at), stage.put(sources), stage.put(r.slots[sources]), groups)
 
 
 class LayerLoop:
@@ -164,75 +292,76 @@ class LayerLoop:
     def run(self, requests: list[LoopRows], input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids int64 [sum n_rows] (requests' rows in order, on the model's device) ->
         final-normed hidden [sum n_rows, hidden] (module doc: host and device)."""
-        model = self.layers.model
-        device = input_ids.device
-        offsets = [0]
         for r in requests:
             _check_on_host(r)
-            offsets.append(offsets[-1] + r.n_rows)
-        positions = to_device(torch.cat([r.positions for r in requests]), device)
-        slots = [to_device(r.slots, device) for r in requests]
-        for r, on_device in zip(requests, slots):
-            _prepare_shift(r, on_device, self.rope)
+        model = self.layers.model
+        n_layers = self.layers.n_layers
+        kv_dtype = self.kv_pool.get_key_buffer(self.layers.attention_params(0)[0]).dtype if n_layers else None
+        plan = self._plan(requests, 0, input_ids.device, kv_dtype)
         hidden = model.embed_tokens(input_ids)
-        self.anchor_attention.begin_pass()
-        for l in range(self.layers.n_layers):
-            # Recomputed every layer: CacheBlend's check layer may shorten exits.
-            layer_rows = [(r.exits > l).nonzero().flatten() for r in requests]  # host
-            if not any(rows.numel() for rows in layer_rows):
+        for l in range(n_layers):
+            step = plan.layers.get(l)
+            if step is None:
                 break
-            active = to_device(torch.cat([rows + off for rows, off in zip(layer_rows, offsets)]), device)
+            active = step.active.get()
             h = hidden.index_select(0, active)
-            q, k, v = self.layers.qkv(l, positions.index_select(0, active), h)
+            q, k, v = self.layers.qkv(l, step.positions.get(), h)
             layer_id, scale = self.layers.attention_params(l)
             k_cache = self.kv_pool.get_key_buffer(layer_id)
             v_cache = self.kv_pool.get_value_buffer(layer_id)
             out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
             # Write every active row's K/V first: rows attend to each other's new KV.
-            spans, start = [], 0
-            for r, rows, on_device in zip(requests, layer_rows, slots):
-                n = rows.numel()
-                spans.append((start, start + n))
-                if n:
-                    k_r, v_r = k[start:start + n], v[start:start + n]
-                    _decide_after_check_layer(r, l, rows, on_device, k_r, v_r, k_cache, v_cache)
+            spans, start, decided = [], 0, False
+            for i, (r, s) in enumerate(zip(requests, step.requests)):
+                spans.append((start, start + s.n))
+                if s.n:
+                    k_r, v_r = k[start:start + s.n], v[start:start + s.n]
+                    decided |= _decide_after_check_layer(r, l, s, plan.slots[i].get(), k_r, v_r, k_cache, v_cache)
                     # The shift reads the anchors' stale K/V and lands before the rows' writes.
-                    _stale_shift(r, l, rows, on_device, k_r, v_r, k_cache, v_cache)
-                    written = on_device[to_device(r.positions[rows], device)]
+                    _stale_shift(r, l, s, k_r, v_r, k_cache, v_cache)
+                    written = s.written.get()
                     k_cache[written] = k_r.to(k_cache.dtype)
                     v_cache[written] = v_r.to(v_cache.dtype)
-                start += n
-            for r, rows, on_device, (s0, s1) in zip(requests, layer_rows, slots, spans):
+                start += s.n
+            for i, (r, s, (s0, s1)) in enumerate(zip(requests, step.requests, spans)):
                 if s1 > s0:
-                    out[s0:s1] = self._attend(r, l, rows, on_device, q[s0:s1], k_cache, v_cache, scale)
+                    out[s0:s1] = self._attend(r, l, s, plan.slots[i].get(), plan.anchor_runs[i], q[s0:s1], k_cache,
+                                              v_cache, scale)
             # An anchor's hidden state after its last layer feeds nothing (only its K/V of the
             # layers it took part in are kept): o_proj and the MLP run for the other rows only.
-            going_on = to_device(torch.cat([(~(r.anchor[rows] & (r.exits[rows] <= l + 1))).nonzero().flatten() + s0
-                                            for r, rows, (s0, _) in zip(requests, layer_rows, spans)]), device)
+            going_on = step.going_on.get()
             hidden[active.index_select(0, going_on)] = self.layers.finish(l, h.index_select(0, going_on),
                                                                          out.index_select(0, going_on))
+            if decided:  # CacheBlend chose the later layers: decide them again
+                plan = self._plan(requests, l + 1, input_ids.device, kv_dtype)
         return model.norm(hidden)
 
-    def _attend(self, r: LoopRows, l: int, rows: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """One request's active rows at layer l: rows int64 host [n] (its rows taking part),
-        slots int64 [>= positions] on the device, q [n, H, d] -> [n, H, dv]."""
-        pos, scope, anchor = r.positions[rows], r.scope[rows], r.anchor[rows]
+    def _plan(self, requests: list[LoopRows], first: int, device: torch.device,
+              kv_dtype: Optional[torch.dtype]) -> _PassPlan:
+        return _PassPlan(requests, first, self.layers.n_layers, device, self.anchor_attention, kv_dtype, self.rope)
+
+    def _attend(self, r: LoopRows, l: int, s: _RequestStep, slots: torch.Tensor, anchors: Optional[AnchorPlanRun],
+                q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """One request's active rows at layer l (``s``), slots int64 [>= positions] on the device,
+        q [n, H, d] -> [n, H, dv]."""
         out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
-        plain = (~anchor).nonzero().flatten()
-        if plain.numel():
-            at = to_device(plain, q.device)
-            out[at] = scoped_causal_attention(q.index_select(0, at), k_cache, v_cache, pos[plain], scope[plain], slots,
-                                              scale)
-        sel = anchor.nonzero().flatten()
-        if sel.numel():
-            plan, at = r.anchor_plan, to_device(sel, q.device)
+        if s.plain is not None:
+            at, scoped = s.plain[0].get(), s.plain[1]
+            out[at] = scoped.run(q.index_select(0, at), k_cache, v_cache, slots, scale)
+        if s.anchors is not None:
+            at, anchor_pos = s.anchors[0].get(), s.anchors[1]
+            plan = r.anchor_plan
             q_anchors = q.index_select(0, at)
-            layout = (plan.layout_at(l, q_anchors, k_cache[slots[:plan.n_context]]) if plan.ranks_pages_in_layer
-                      else plan.layouts[l])
-            if not torch.equal(layout.q_pos, pos[sel]):
+            if plan.ranks_pages_in_layer:  # the ablation: the layer's queries rank the pages (reads the device)
+                layout = plan.layout_at(l, q_anchors, k_cache[slots[:plan.n_context]])
+            else:
+                layout = plan.layouts[l]
+            if not torch.equal(layout.q_pos, anchor_pos):
                 raise InvariantError("relaxkv: layout rows do not match the layer's anchors")
-            out[at] = self.anchor_attention(q_anchors, k_cache, v_cache, layout, scale, slots, l, plan.layouts, r.work)
+            if anchors is None:
+                out[at] = self.anchor_attention(q_anchors, k_cache, v_cache, layout, scale, slots, r.work)
+            else:
+                out[at] = anchors.run(l, q_anchors, k_cache, v_cache, slots, scale, r.work)
         return out
 
 
@@ -244,57 +373,51 @@ def _check_on_host(r: LoopRows) -> None:
             raise InvariantError(f"relaxkv: the repair pass's {name} must be a host tensor, got {getattr(r, name).device}")
 
 
-def _prepare_shift(r: LoopRows, slots: torch.Tensor, rope: Optional[RopeSpec]) -> None:
-    """Build the request's stale-shift body once, before the pass's first layer (slots: on the device)."""
+def _prepare_shift(r: LoopRows, stage: HostStage, rope: Optional[RopeSpec]) -> None:
+    """Build the request's stale-shift body once, when its pass is planned (its device indices on stage)."""
     plan = r.anchor_plan
     if r.shift_target is not None or plan is None or plan.stale_shift == "none" or plan.shift_body.numel() == 0:
         return
     if rope is None:
         raise InvariantError("relaxkv: the stale shift needs the served RoPE (LayerLoop(rope=...))")
-    r.shift_target = ShiftTarget(r.slots, plan.shift_body, rope, r.positions, r.exits, device=slots.device,
+    r.shift_target = ShiftTarget(r.slots, plan.shift_body, rope, r.positions, r.exits, stage,
                                  groups=plan.shift_group_of[plan.shift_body] if plan.n_shift_groups > 1 else None)
 
 
-def _decide_after_check_layer(r: LoopRows, l: int, rows: torch.Tensor, slots: torch.Tensor, k_new: torch.Tensor,
-                              v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _decide_after_check_layer(r: LoopRows, l: int, s: _RequestStep, slots: torch.Tensor, k_new: torch.Tensor,
+                              v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """CacheBlend: at the check layer, before its K/V are written, hand the recomputed and the
-    cached K/V to the plan, which chooses the later layers (rows: host, the layer's active rows;
-    slots: device)."""
+    cached K/V to the plan, which chooses the later layers (slots: device). Whether it did.
+
+    The one read of the device in a pass (its deviation decides on the host), and the one copy to
+    it outside the pass's stage (the check layer's anchors)."""
     plan = r.anchor_plan
     if plan is None or not plan.decides_at(l):
-        return
-    sel = r.anchor[rows].nonzero().flatten()
-    pos = r.positions[rows][sel]
+        return False
+    sel = r.anchor[s.rows].nonzero().flatten()
+    pos = r.positions[s.rows][sel]
     at, pool = to_device(sel, k_new.device), slots[to_device(pos, slots.device)]
     r.anchor_plan = plan.after_check_layer(pos, k_new.index_select(0, at), v_new.index_select(0, at), k_cache[pool],
                                            v_cache[pool])
     r.exits[r.anchor] = r.anchor_plan.exit_layers()[r.positions[r.anchor]]
+    return True
 
 
-def _stale_shift(r: LoopRows, l: int, rows: torch.Tensor, slots: torch.Tensor, k_new: torch.Tensor,
-                 v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _stale_shift(r: LoopRows, l: int, s: _RequestStep, k_new: torch.Tensor, v_new: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Add the plan's stale shift at layer l (core/stale_shift.py) to the pool, before the layer's
     writes. It goes to the whole shift body, this layer's anchors included: their new K/V are
     written next and replace it, which leaves exactly T_l shifted without splitting the body
     every layer.
 
-    rows: host int64 [n_active] the layer's active rows; slots: the request's, on the device;
     k_new, v_new: [n_active, Hkv, d] the request's active rows' new K/V, rows in position order.
     """
-    plan, target = r.anchor_plan, r.shift_target
-    if target is None:
+    plan, target, shift = r.anchor_plan, r.shift_target, s.shift
+    if target is None or shift is None:
         return
-    sources = plan.shift_sources(l)  # host, as the plan
-    if sources.numel() == 0:
-        return
-    pos = r.positions[rows]
-    at = torch.searchsorted(pos, sources)
-    if not torch.equal(pos[at.clamp(max=pos.shape[0] - 1)], sources):
-        raise InvariantError("relaxkv: the stale shift's anchors are not the layer's rows")
-    groups = to_device(plan.shift_group_of[sources], k_new.device) if plan.n_shift_groups > 1 else None
-    at, sources = to_device(at, k_new.device), to_device(sources, k_new.device)
-    pool = slots[sources]
-    dk, dv = shift_deltas(plan.stale_shift, sources, k_new.index_select(0, at), v_new.index_select(0, at),
+    at, pool = shift.at.get(), shift.pool.get()
+    groups = shift.groups.get() if shift.groups is not None else None
+    dk, dv = shift_deltas(plan.stale_shift, shift.sources.get(), k_new.index_select(0, at), v_new.index_select(0, at),
                           k_cache[pool], v_cache[pool], target.rotate_by, plan.stale_shift_scale, groups,
                           plan.n_shift_groups, plan.stale_shift_prior)
     target.add(l, k_cache, v_cache, dk if plan.stale_shift == "kv" else None, dv)
@@ -322,7 +445,7 @@ class ShiftTarget:
         rope: the served RoPE.
         row_positions: int64 host [n_rows] the pass's rows, ascending; row_exits: int64 host
             [n_rows] the layer each leaves at (``LoopRows.positions``, ``LoopRows.exits``).
-        device: the KV pool's (default: the slots').
+        stage: the pass's (its device is the KV pool's; default: the host, nothing staged).
         groups: int64 host [n_body] each body token's shift group (``AnchorPlan.shift_group_of``),
             or None: one group.
     """
@@ -330,19 +453,21 @@ class ShiftTarget:
     MAX_RUNS = 64
 
     def __init__(self, slots: torch.Tensor, body: torch.Tensor, rope: RopeSpec, row_positions: torch.Tensor,
-                 row_exits: torch.Tensor, device: Optional[torch.device] = None,
+                 row_exits: torch.Tensor, stage: Optional[HostStage] = None,
                  groups: Optional[torch.Tensor] = None) -> None:
-        device = slots.device if device is None else device
+        own_stage = stage is None
+        stage = HostStage(slots.device) if stage is None else stage
+        device = stage.device
         groups = torch.zeros_like(body) if groups is None else groups
         self.grouped = bool((groups != groups[0]).any())  # else every token takes group ``group0``
-        self.group0, self.groups = int(groups[0]), to_device(groups, device)
+        self.group0, self._groups = int(groups[0]), stage.put(groups)
         self.first = int(body[0])
         span = int(body[-1]) + 1 - self.first
-        # Table row i: position first + i.
+        # Table row i: position first + i (made on the device).
         self.rotation = RotationTable(torch.arange(self.first, self.first + span, device=device), rope)
         rows = body - self.first
         body_slots = slots[body]
-        self.rows, self.slots = to_device(rows, device), to_device(body_slots, device)
+        self._rows, self._slots = stage.put(rows), stage.put(body_slots)
         self.span_slot, self.span = int(slots[self.first]), span
         self.span_until = 0
         if not self.grouped and bool((slots[self.first:self.first + span].diff() == 1).all()):
@@ -360,6 +485,23 @@ class ShiftTarget:
         ends = starts[1:] + [int(body.numel())]
         self.runs = ([(int(body_slots[a]), int(rows[a]), b - a, int(groups[a])) for a, b in zip(starts, ends)]
                      if len(starts) <= self.MAX_RUNS else None)
+        if own_stage:
+            stage.send()
+
+    @property
+    def groups(self) -> torch.Tensor:
+        """int64 [n_body] each body token's shift group, on the device."""
+        return self._groups.get()
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """int64 [n_body] each body token's row of the rotation table, on the device."""
+        return self._rows.get()
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """int64 [n_body] each body token's pool slot, on the device."""
+        return self._slots.get()
 
     def rotate_by(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """``stale_shift.Rotate`` from the table: k [n, Hkv, d] rotated by ``delta = -p`` (int64

@@ -32,7 +32,12 @@ from relaxkv_sglang.gpu.flashinfer_attention import (
     FlashInferScopedPrefill,
 )
 from relaxkv_sglang.gpu.prefill_inputs import anchor_prefill_inputs, expand_runs, scoped_prefill_inputs
-from relaxkv_sglang.gpu.torch_models import paged_prefill_attention, paged_prefill_mask
+from relaxkv_sglang.gpu.torch_models import (
+    PagedPrefillWrapperModel,
+    flashinfer_stand_in,
+    paged_prefill_attention,
+    paged_prefill_mask,
+)
 
 LOG2E = 1 / torch.log(torch.tensor(2.0)).item()
 
@@ -284,47 +289,11 @@ def test_scoped_segments_split_on_request_scope_and_gaps():
 # --- the layer, with FlashInfer replaced by the torch model ----------------------------------
 
 
-class _PagedPrefillModel:
-    """torch model of ``BatchPrefillWithPagedKVCacheWrapper`` (page size 1): plan + run."""
-
-    created = 0
-
-    def __init__(self, workspace, kv_layout, backend="auto"):
-        assert kv_layout == "NHD" and backend == "fa2"
-        type(self).created += 1
-        self.args = None
-        self.plans = 0
-
-    def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-             *, causal, q_data_type, kv_data_type, sm_scale=None, o_data_type=None):
-        assert page_size == 1 and causal
-        # FlashInfer's scheduler reads these on the host: they must already be host tensors.
-        for x in (qo_indptr, kv_indptr, last_page_len):
-            assert x.device.type == "cpu" and x.dtype == torch.int32
-        assert last_page_len.numel() == qo_indptr.numel() - 1
-        assert kv_indices.dtype == torch.int32 and kv_indices.numel() == int(kv_indptr[-1])
-        self.args = (qo_indptr, kv_indptr, kv_indices, sm_scale, last_page_len)
-        self.heads = (num_qo_heads, num_kv_heads, head_dim)
-        self.plans += 1
-
-    def run(self, q, paged_kv_cache):
-        k_cache, v_cache = paged_kv_cache
-        assert k_cache.dim() == 4 and k_cache.shape[1] == 1  # [pages, page_size, heads, dim]
-        qo_indptr, kv_indptr, kv_indices, scale, last_page_len = self.args
-        assert q.shape[0] == int(qo_indptr[-1])
-        # FlashInfer runs the kernel its plan chose: the tensors must have the planned shapes.
-        assert (q.shape[1], k_cache.shape[2], q.shape[2]) == self.heads == (q.shape[1], v_cache.shape[2], k_cache.shape[3])
-        return paged_prefill_attention(q, k_cache[:, 0], v_cache[:, 0], qo_indptr, kv_indptr, kv_indices,
-                                       scale=scale, last_page_len=last_page_len)
-
-
 @pytest.fixture
 def flashinfer_model(monkeypatch):
-    module = types.ModuleType("flashinfer")
-    module.__version__ = FLASHINFER_VERSION
-    module.BatchPrefillWithPagedKVCacheWrapper = _PagedPrefillModel
+    module = flashinfer_stand_in(FLASHINFER_VERSION)
     monkeypatch.setitem(sys.modules, "flashinfer", module)
-    _PagedPrefillModel.created = 0
+    PagedPrefillWrapperModel.created = 0
     return module
 
 
@@ -362,7 +331,8 @@ def test_anchor_layer_equals_the_torch_executor(flashinfer_model, seed):
 
 def test_a_wrapper_is_planned_again_only_after_its_last_run(flashinfer_model):
     """The ring on a CUDA pool, modelled with fake events: a wrapper's plan waits for the event
-    recorded after its previous run, so FlashInfer's pinned staging is never overwritten in flight."""
+    recorded after its previous plan (FlashInfer's staged copy of its schedule), so the wrapper's
+    page-locked buffer is never overwritten in flight; each wait is counted."""
     layouts, key_rows, qs, k_cache, v_cache = _request(3)
     attn = FlashInferAnchorAttention("cpu", workspace_bytes=16)
     log = []
@@ -385,9 +355,10 @@ def test_a_wrapper_is_planned_again_only_after_its_last_run(flashinfer_model):
     for turn in range(2 * RING_SIZE):
         attn.run(plan, turn % len(layouts), qs[turn % len(layouts)], k_cache, v_cache, key_rows, 0.3)
     assert len(attn._ring.calls) == RING_SIZE
-    # runs 0..7 record events 0..7; the second round's plans wait for the first round's events
+    # plans 0..7 record events 0..7; the second round's plans wait for the first round's events
     assert [e for e in log if e[0] == "wait"] == [("wait", i) for i in range(RING_SIZE)]
     assert log.index(("wait", 0)) > log.index(("record", RING_SIZE - 1))
+    assert attn.host_waits == RING_SIZE
 
 
 def test_anchor_layer_refuses_wrong_rows(flashinfer_model):
@@ -398,8 +369,9 @@ def test_anchor_layer_refuses_wrong_rows(flashinfer_model):
 
 
 def test_anchor_attention_plans_a_request_once_per_pass(flashinfer_model, monkeypatch):
-    """The layer loop's executor on the GPU path: one host build per request and pass, layouts
-    decided in the layer planned alone."""
+    """The layer loop's executor on the GPU path: one host build per request and pass (all its
+    layers), a layout decided in the layer planned alone."""
+    from relaxkv_sglang.core.staging import HostStage
     from relaxkv_sglang.srt.layer_loop import AnchorAttention
 
     builds = []
@@ -410,23 +382,22 @@ def test_anchor_attention_plans_a_request_once_per_pass(flashinfer_model, monkey
         return real(layouts)
 
     monkeypatch.setattr(flashinfer_attention, "anchor_prefill_inputs", counting)
-    monkeypatch.setattr(AnchorAttention, "uses_flashinfer", staticmethod(lambda q, k_cache: True))
+    monkeypatch.setattr(AnchorAttention, "uses_flashinfer", staticmethod(lambda device, dtype: True))
     layouts, key_rows, qs, k_cache, v_cache = _request(7)
     anchors = AnchorAttention()
-    anchors.begin_pass()
+    stage = HostStage("cpu")
+    planned = anchors.plan(layouts, stage, k_cache.dtype)
+    stage.send()
     for l, (layout, q) in enumerate(zip(layouts, qs)):
-        got = anchors(q, k_cache, v_cache, layout, 0.3, key_rows, l, layouts)
+        got = planned.run(l, q, k_cache, v_cache, key_rows, 0.3)
         torch.testing.assert_close(got, block_sparse_attention(q, k_cache, v_cache, layout, scale=0.3,
                                                                key_rows=key_rows), atol=1e-5, rtol=1e-5)
     assert builds == [len(layouts)]
     decided_in_layer = build_relaxed_layout(layouts[1].q_pos, torch.rand(90), [(4, 30), (30, 61), (61, 90)], 90, 0.5, 8)
-    got = anchors(qs[1], k_cache, v_cache, decided_in_layer, 0.3, key_rows, 1, layouts)
+    got = anchors(qs[1], k_cache, v_cache, decided_in_layer, 0.3, key_rows)
     torch.testing.assert_close(got, block_sparse_attention(qs[1], k_cache, v_cache, decided_in_layer, scale=0.3,
                                                            key_rows=key_rows), atol=1e-5, rtol=1e-5)
     assert builds == [len(layouts), 1]
-    anchors.begin_pass()
-    anchors(qs[0], k_cache, v_cache, layouts[0], 0.3, key_rows, 0, layouts)
-    assert builds == [len(layouts), 1, len(layouts)]
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -687,11 +658,14 @@ def test_a_segment_without_keys_is_planned_to_read_none(flashinfer_model):
     g = torch.Generator().manual_seed(0)
     k_cache, v_cache = torch.randn(8, 2, 4, generator=g), torch.randn(8, 2, 4, generator=g)
     # two segments: 2 queries over slots 5, 6; 1 query that sees no key
-    call.plan(torch.tensor([0, 2, 3]), torch.tensor([0, 2, 2]), torch.tensor([5, 6], dtype=torch.int32),
+    kv_indptr = torch.tensor([0, 2, 2], dtype=torch.int32)
+    last = flashinfer_attention.AnchorLayerInputs(torch.tensor([0, 2, 3]), kv_indptr, torch.zeros(0), torch.zeros(0),
+                                                  torch.zeros(0), 3).last_page_len
+    call.plan(torch.tensor([0, 2, 3], dtype=torch.int32), kv_indptr, last, torch.tensor([5, 6], dtype=torch.int32),
               num_qo_heads=4, num_kv_heads=2, head_dim=4, dtype=torch.float32, kv_dtype=torch.float32, scale=0.5)
     out = call.run(torch.randn(3, 4, 4, generator=g), k_cache, v_cache)
     assert call.wrapper.args[4].tolist() == [1, 0] and not bool(out[2].any())
-    with pytest.raises(AssertionError):  # head counts other than the plan's
+    with pytest.raises(ValueError, match="heads"):  # head counts other than the plan's
         call.run(torch.randn(3, 2, 4, generator=g), k_cache, v_cache)
 
 
@@ -737,3 +711,24 @@ def test_create_backend_picks_the_class_by_device(monkeypatch):
                         lambda: lambda runner: ("flashinfer", runner.device))
     for device, want in (("cpu", "torch"), ("cuda", "flashinfer"), ("cuda:1", "flashinfer")):
         assert attention_backend.create_backend(types.SimpleNamespace(device=device))[0] == want
+
+
+def test_cuda_backend_shares_sglangs_flashinfer_workspace(flashinfer_model, monkeypatch):
+    """Issue 47 item 7: the plugin's wrappers use SGLang's FlashInfer float workspace (allocated
+    before SGLang sized its KV pool), none of their own."""
+    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+    from relaxkv_sglang.srt import attention_backend
+
+    workspace = torch.empty(64, dtype=torch.uint8)
+
+    def sglang_init(self, model_runner):
+        self.workspace_buffer = workspace
+
+    monkeypatch.setattr(FlashInferAttnBackend, "__init__", sglang_init)
+    monkeypatch.setattr(attention_backend, "_plugin_state", lambda backend, model_runner: None)
+    backend = attention_backend.build_cuda_backend_class()(types.SimpleNamespace(device="cpu"))
+    assert backend._scoped._ring.workspace is workspace
+    assert backend.anchor_attention._float_workspace is workspace
+    attn = FlashInferAnchorAttention("cpu", float_workspace=workspace)
+    assert attn._ring.workspace is workspace and attn._ring.calls == []  # wrappers at first use

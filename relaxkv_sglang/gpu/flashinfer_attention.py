@@ -16,16 +16,16 @@ one ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` call: page size 1 over SG
   (the segments are the same at every layer), one ``run`` per layer.
 
 Host syncs: none of our own (the indptrs FlashInfer's scheduler reads on the host are computed
-on the host from CPU tensors; the device only receives copies).  FlashInfer's ``plan`` stages
-its schedule through a pinned buffer owned by the wrapper and copies it asynchronously, so a
-wrapper must not be planned again before its previous plan reached the device. The wrappers are a
-ring of at most ``RING_SIZE`` (FlashInfer allocates 8 MiB of device and 8 MiB of pinned host
-memory per wrapper), reused in turn across layers, requests and passes, all sharing one float
-workspace: each use records a CUDA event after its run, and a wrapper's next plan first waits for
-that event (a host wait only when the ring has come round before the device finished its run).
-Bound per worker: ``WORKSPACE_BYTES`` plus ``RING_SIZE`` x 16 MiB for the anchors, the same for
-scoped batches, allocated at first use, after SGLang sized its KV pool (leave that room with
-``--mem-fraction-static``, docs/gpu.md).
+on the host, in one page-locked buffer per forward; the device's indices arrive on the pass's
+stage, :mod:`relaxkv_sglang.core.staging`). FlashInfer's ``plan`` writes its schedule into a
+page-locked buffer owned by the wrapper and copies it asynchronously, so a wrapper must not be
+planned again before that copy ran. The wrappers are a ring of at most ``RING_SIZE`` (FlashInfer
+allocates 8 MiB of device and 8 MiB of pinned host memory per wrapper, at its first use), reused
+in turn across layers, requests and passes: each plan records a CUDA event after FlashInfer's
+staged copy, and the wrapper's next plan waits for it, a host wait when the CPU is a ring's worth
+of plans ahead of the device (counted: ``host_waits``). The float workspace is SGLang's FlashInfer
+backend's on a server (``float_workspace``; ``WORKSPACE_BYTES`` allocated here otherwise, e.g. by
+the GPU check).
 
 Pinned to flashinfer-python 0.7.2 (the version sglang 0.5.23 requires); another version is
 refused at construction, since the wrappers' signatures move between releases.  The torch model

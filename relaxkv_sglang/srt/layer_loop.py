@@ -19,11 +19,15 @@ anchors' mean K/V deviation to the request's non-anchor chunk tokens in the pool
 the request's own copies, never the chunk tree's).
 
 **Host and device.** A pass's bookkeeping (:class:`LoopRows`: positions, exits, scopes,
-anchors, slots, the plan) lives on the host (CPU), where the planner made it. Each layer decides
-its rows' indices there and copies them to the device; the device computes and is never read
-back, so a layer makes no host sync on a GPU. The exceptions: CacheBlend's check layer (its
-decision reads the layer's K/V deviation) and the ``layout_at`` ablation (its pages are ranked by
-the layer's queries).
+anchors, slots, the plan) lives on the host (CPU), where the planner made it. Decide once, send
+once, run per layer: before the first layer :class:`_PassPlan` decides every layer's rows and the
+anchors' executor plans on the host and puts every index tensor they need on one
+:class:`~relaxkv_sglang.core.staging.HostStage` (one page-locked buffer, one non-blocking copy);
+the layers take device views of it, and the device is never read back. The exceptions:
+CacheBlend's check layer (its decision reads the layer's K/V deviation; the rest of the pass is
+then planned again) and the ``layout_at`` ablation (its pages are ranked by the layer's queries).
+``tests/unit/test_cuda_rules.py`` runs the pass under CUDA's rules on the CPU
+(:mod:`relaxkv_sglang.gpu.cuda_rules`).
 
 It executes decisions; it makes none. The rows and layouts come from the repair planner
 (:mod:`.repair` over :mod:`relaxkv_sglang.core.repair_plan`). The one decision that needs the
@@ -124,8 +128,8 @@ class AnchorAttention:
                 from relaxkv_sglang.gpu.flashinfer_attention import FlashInferAnchorAttention
 
                 self._flashinfer = FlashInferAnchorAttention(stage.device, float_workspace=self._float_workspace)
-            return _FlashInferAnchors(self._flashinfer, self._flashinfer.plan_forward(layouts, stage))
-        return _TorchAnchors([BlockSparsePlan(layout, stage) for layout in layouts])
+            return AnchorPlanRun(flashinfer=self._flashinfer, flashinfer_plan=self._flashinfer.plan_forward(layouts, stage))
+        return AnchorPlanRun(torch_plans=[BlockSparsePlan(layout, stage) for layout in layouts])
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BlockSparseLayout,
                  scale: float, key_rows: torch.Tensor, work: Optional[AttentionWork] = None) -> torch.Tensor:
@@ -139,34 +143,24 @@ class AnchorAttention:
 
 
 class AnchorPlanRun:
-    """One request's anchors in one pass, planned: :meth:`run` executes layer ``l``'s layout.
+    """One request's anchors in one pass, planned (:meth:`AnchorAttention.plan`): the torch
+    executor's plan of every layer, or FlashInfer's executor and its forward plan."""
 
-    run(l, q [n_rows, H, d], k_cache/v_cache [pool_size, Hkv, d], key_rows int64 on the pool's
-    device, scale, work) -> [n_rows, H, dv]; the layout's pairs are added to ``work``."""
+    def __init__(self, torch_plans: Optional[list[BlockSparsePlan]] = None, flashinfer: Any = None,
+                 flashinfer_plan: Any = None) -> None:
+        self.torch_plans, self.flashinfer, self.flashinfer_plan = torch_plans, flashinfer, flashinfer_plan
 
     def run(self, l: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_rows: torch.Tensor,
             scale: float, work: Optional[AttentionWork] = None) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class _TorchAnchors(AnchorPlanRun):
-    def __init__(self, plans: list[BlockSparsePlan]) -> None:
-        self.plans = plans
-
-    def run(self, l, q, k_cache, v_cache, key_rows, scale, work=None):
-        return self.plans[l].run(q, k_cache, v_cache, scale, key_rows, work)
-
-
-class _FlashInferAnchors(AnchorPlanRun):
-    def __init__(self, executor: Any, plan: Any) -> None:
-        self.executor, self.plan = executor, plan
-
-    def run(self, l, q, k_cache, v_cache, key_rows, scale, work=None):
+        """Layer l's anchors: q [n_rows, H, d] in layout row order, k_cache/v_cache [pool_size, Hkv, d],
+        key_rows int64 on the pool's device -> [n_rows, H, dv]; the layout's pairs added to ``work``
+        (FlashInfer's executed pairs: each segment's padded queries times its keys)."""
+        if self.torch_plans is not None:
+            return self.torch_plans[l].run(q, k_cache, v_cache, scale, key_rows, work)
         if work is not None:
-            layout = self.plan.layouts[l]
-            # what the call reads: each segment's (padded) queries times its keys
-            work.add(layout.kv_pairs(), self.plan.layers[l].inputs.executed_pairs, layout.full_kv_pairs())
-        return self.executor.run(self.plan, l, q, k_cache, v_cache, key_rows, scale)
+            layout = self.flashinfer_plan.layouts[l]
+            work.add(layout.kv_pairs(), self.flashinfer_plan.layers[l].inputs.executed_pairs, layout.full_kv_pairs())
+        return self.flashinfer.run(self.flashinfer_plan, l, q, k_cache, v_cache, key_rows, scale)
 
 
 @dataclasses.dataclass
@@ -204,6 +198,7 @@ class _RequestStep:
 
     @property
     def n(self) -> int:
+        """Rows of the request taking part in the layer."""
         return int(self.rows.shape[0])
 
 

@@ -714,8 +714,8 @@ def test_create_backend_picks_the_class_by_device(monkeypatch):
 
 
 def test_cuda_backend_shares_sglangs_flashinfer_workspace(flashinfer_model, monkeypatch):
-    """Issue 47 item 7: the plugin's wrappers use SGLang's FlashInfer float workspace (allocated
-    before SGLang sized its KV pool), none of their own."""
+    """Issue 47 item 7: the plugin's wrappers use SGLang's FlashInfer float workspace (memory
+    SGLang's backend holds anyway), none of their own."""
     from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
     from relaxkv_sglang.srt import attention_backend

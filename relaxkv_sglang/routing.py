@@ -30,9 +30,14 @@ Which documents: the same spans the server chunks. A request with ``relaxkv_chun
 ``[s0, e0, s1, e1, ...]`` has the documents ``text[s_i:e_i]``; an unmarked prompt has the
 documents the server's block rules find in it (:func:`relaxkv_sglang.core.doc_index.discover_chunks`
 without the server's index of documents seen before, which a client does not have: a document the
-server finds only through that index, one with no structure around it, is not in the key); a chat request has the text parts :mod:`relaxkv_sglang.srt.chat` treats as
-documents (every text part of a list ``content`` but its last). A request without documents gets
+server finds only through that index, one with no structure around it, is not in the key); a chat
+request has the documents :mod:`relaxkv_sglang.srt.chat` finds: its document parts (every text
+part of a list ``content`` but its last) or, when it has none, the documents the same block rules
+find in its messages' text, each message's content a region (documents inline in string content,
+as LangChain and LlamaIndex send them; :func:`chat_documents`). A request without documents gets
 no key (:func:`routing_key` returns None): the router then assigns it by load alone.
+:func:`add_routing_header` sets the header on an ``httpx`` request of an OpenAI-compatible client
+(an event hook), so frameworks that build the messages themselves send the key unchanged.
 
 Standard library only; no SGLang, no torch (clients import it).
 """
@@ -49,7 +54,7 @@ from relaxkv_sglang.core.doc_index import discover_chunks
 __all__ = [
     "ROUTING_HEADER", "document_hash", "minhash", "routing_key", "routing_key_of_documents",
     "chat_documents", "chat_routing_key", "routing_headers", "jaccard", "HotKeySplitter",
-    "prompt_documents",
+    "prompt_documents", "add_routing_header", "body_routing_key",
 ]
 
 ROUTING_HEADER = "x-smg-routing-key"  # the smg gateway reads it (--routing-key-headers; case-insensitive)
@@ -134,11 +139,26 @@ def prompt_documents(text: str, offsets: Optional[Sequence[int]] = None) -> list
     return [text[s:e] for s, e in spans]
 
 
+def _message_texts(message: Any) -> list[str]:
+    """A chat message's text: its string ``content``, or the text parts of a list ``content``."""
+    content = message.get("content") if isinstance(message, Mapping) else None
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, list):
+        return []
+    return [p.get("text") for p in content
+            if isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)]
+
+
 def chat_documents(messages: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The documents of an OpenAI chat request, by :mod:`relaxkv_sglang.srt.chat`'s rule.
+    """The documents of an OpenAI chat request, by :mod:`relaxkv_sglang.srt.chat`'s rules.
 
     In a message whose ``content`` is a list of parts, every text part but the message's last
-    text part is a document; string contents and other parts are not.
+    text part is a document. A request with no such part (the documents inline in string content,
+    as LangChain and LlamaIndex send them) has the documents the server discovers in it: the block
+    rules over its messages' text, each message's string content (or text part) a region, as the
+    server searches the rendered chat template (:func:`~relaxkv_sglang.core.doc_index.discover_chunks`
+    without token boundaries or the index, as for an unmarked prompt: module doc).
 
     Args:
         messages: the ``messages`` list of ``/v1/chat/completions``.
@@ -148,13 +168,19 @@ def chat_documents(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     """
     docs: list[str] = []
     for message in messages:
-        content = message.get("content") if isinstance(message, Mapping) else None
-        if not isinstance(content, list):
-            continue
-        texts = [p.get("text") for p in content
-                 if isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)]
-        docs += [t for t in texts[:-1] if t]
-    return docs
+        if isinstance(message, Mapping) and isinstance(message.get("content"), list):
+            docs += [t for t in _message_texts(message)[:-1] if t]
+    if docs:
+        return docs
+    # Discovery: the regions' text joined; what lies between regions (the template's markup on the
+    # server, a blank line here) is never searched, so the blocks found are the server's.
+    text, regions = "", []
+    for message in messages:
+        for part in _message_texts(message):
+            if part.strip():
+                regions.append((len(text), len(text) + len(part)))
+                text += part + "\n\n"
+    return [text[s:e] for s, e in discover_chunks(text, None, None, regions=regions)]
 
 
 def chat_routing_key(messages: Sequence[Mapping[str, Any]], seed: int = 0) -> Optional[str]:
@@ -174,6 +200,46 @@ def routing_headers(text: str, offsets: Optional[Sequence[int]] = None, seed: in
     """``{ROUTING_HEADER: key}`` for a ``/generate`` prompt, or ``{}`` when it has no documents."""
     key = routing_key(text, offsets, seed)
     return {ROUTING_HEADER: key} if key else {}
+
+
+def body_routing_key(body: Any, seed: int = 0) -> Optional[str]:
+    """The routing key of a request body of the OpenAI routes or ``/generate`` (a decoded JSON
+    object): ``messages`` (chat), ``prompt`` (completions, with ``custom_params.relaxkv_chunks``
+    if given) or ``text`` (``/generate``, with ``sampling_params.custom_params.relaxkv_chunks``);
+    None for anything else, or without documents."""
+    if not isinstance(body, Mapping):
+        return None
+    if isinstance(body.get("messages"), list):
+        return chat_routing_key(body["messages"], seed)
+    prompt, custom = body.get("prompt"), body.get("custom_params")
+    if not isinstance(prompt, str):
+        prompt, sp = body.get("text"), body.get("sampling_params")
+        custom = sp.get("custom_params") if isinstance(sp, Mapping) else None
+    if not isinstance(prompt, str):
+        return None
+    offsets = custom.get("relaxkv_chunks") if isinstance(custom, Mapping) else None
+    return routing_key(prompt, offsets if isinstance(offsets, list) else None, seed)
+
+
+def add_routing_header(request: Any) -> None:
+    """An ``httpx`` request event hook: set :data:`ROUTING_HEADER` from the JSON body's documents
+    (:func:`body_routing_key`), unless the request sets it already or has none. With the clients
+    that take an ``http_client`` (the OpenAI SDK, LangChain's ``ChatOpenAI``, LlamaIndex's
+    ``OpenAILike``)::
+
+        http_client=httpx.Client(event_hooks={"request": [add_routing_header]})
+    """
+    import json
+
+    if ROUTING_HEADER in request.headers:
+        return
+    try:
+        body = json.loads(request.content or b"null")
+    except (ValueError, RuntimeError):  # not JSON, or a streamed body not read yet
+        return
+    key = body_routing_key(body)
+    if key:
+        request.headers[ROUTING_HEADER] = key
 
 
 def jaccard(a: Iterable[Any], b: Iterable[Any]) -> float:

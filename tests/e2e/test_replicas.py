@@ -6,6 +6,8 @@ One cluster for the module, started by the CLI as a user would; in order:
   exactly 20/20 on an equal-weight topical trace of 10 keys (the gateway's round-robin turn per new
   key), measured by the benchmark's own ``run_replicas`` (counts from each replica's /metrics);
 * bad input through the gateway gets the same 4xx as directly (``/v1/completions`` and ``/generate``);
+* a LangChain chat request (documents inline in a string) is routed by the documents the server
+  discovers in it: the same documents reordered go to the same replica and are chunk hits there;
 * a replica killed mid-trace: the router stops sending to it, errors stay few and the survivor
   serves the rest;
 * SIGTERM stops the CLI, the router and the replicas: no process left.
@@ -169,6 +171,62 @@ def test_bad_input_through_the_router_gets_the_same_4xx(cluster):
     routed = requests.post(cluster.url + "/generate", json=body, timeout=120)
     assert routed.status_code == direct.status_code == 400, routed.text[:200]
     assert "relaxkv_typo" in routed.text
+
+
+def test_a_langchain_chat_request_is_routed_by_its_discovered_documents(cluster, tiny_model_path):
+    """LangChain's ``ChatOpenAI`` as its RAG tutorial writes it (the documents joined by blank lines in
+    the system message's string content), its HTTP client given ``routing.add_routing_header`` as an
+    event hook: each request carries the key of the documents the server discovers, so the same
+    documents reordered under another question go to the replica that computed them and are chunk
+    hits there; another document set is a new key, the gateway's next turn (the other replica)."""
+    import json
+
+    import httpx
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_openai import ChatOpenAI
+    from transformers import AutoTokenizer
+
+    from benchmarks import workloads
+    from relaxkv_sglang.routing import ROUTING_HEADER, add_routing_header, routing_key_of_documents
+    from relaxkv_sglang.server import replica_request_counts
+
+    model = requests.get(cluster.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    sent, usage = [], []
+
+    def record_request(request: httpx.Request) -> None:
+        sent.append(request.headers.get(ROUTING_HEADER))
+
+    def record_response(response: httpx.Response) -> None:
+        response.read()
+        usage.append(json.loads(response.content)["usage"])
+
+    client = httpx.Client(event_hooks={"request": [add_routing_header, record_request], "response": [record_response]},
+                          timeout=120)
+    llm = ChatOpenAI(model=model, base_url=cluster.url + "/v1", api_key="none", max_tokens=4, temperature=0,
+                     http_client=client, extra_body={"custom_params": {"relaxkv_policy": "pic"}})
+    system = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context "
+              "to answer the question. If you don't know the answer, say that you don't know.\n\n{context}")
+    chain = ChatPromptTemplate.from_messages([("system", system), ("human", "{input}")]) | llm
+    docs = workloads.document_pool("hotpotqa", 10, 48)
+    sets = [docs[:5], docs[5:]]
+    served = []
+    for question, reorder in [("What do they share?", lambda d: d), ("Which is oldest?", lambda d: d[2:] + d[:2][::-1])]:
+        for doc_set in sets:
+            before = replica_request_counts(cluster.replicas)
+            chain.invoke({"context": "\n\n".join(reorder(doc_set)), "input": question})
+            after = replica_request_counts(cluster.replicas)
+            served.append([i for i, (a, b) in enumerate(zip(before, after)) if b > a])
+    keys = [routing_key_of_documents(d) for d in sets]
+    assert sent == keys + keys and None not in keys, sent  # the documents' keys, discovered in the string
+    assert len(served[0]) == len(served[1]) == 1 and served[0] != served[1], served  # two keys, two turns
+    assert served[2:] == served[:2], served  # each set again on its replica
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    for first, again, doc_set in zip(usage[:2], usage[2:], sets):
+        doc_tokens = sum(len(tokenizer.encode(d, add_special_tokens=False)) for d in doc_set)
+        cached = again["prompt_tokens_details"]["cached_tokens"]
+        print(f"reordered on its replica: cached {cached} of {again['prompt_tokens']} prompt tokens "
+              f"(documents {doc_tokens}; first time {first['prompt_tokens_details']['cached_tokens']})")
+        assert cached >= 0.9 * doc_tokens, (cached, doc_tokens)
 
 
 def test_a_replica_killed_mid_trace(cluster):

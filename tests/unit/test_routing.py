@@ -71,6 +71,76 @@ def test_chat_documents_follow_the_chat_rule():
     assert routing.chat_routing_key([{"role": "user", "content": "no documents"}]) is None
 
 
+PROSE = [f"The river town of Alder{i} grew around a mill built in {1700 + 7 * i}, and its stone bridge was rebuilt "
+         f"twice after the floods of {1800 + 3 * i}." for i in range(8)]
+
+
+def _langchain_chat(docs: list[str], question: str) -> list[dict]:
+    """LangChain's RAG tutorial as it reaches the server: the documents joined by blank lines in the
+    system message's string content, the question as the human turn."""
+    system = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context "
+              "to answer the question. If you don't know the answer, say that you don't know.\n\n" + "\n\n".join(docs))
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def test_chat_documents_inline_in_string_content_are_discovered():
+    """Issue 48 item 5: documents inside one string get the key of the documents, in any order,
+    the same key the marked form (one text part per document) gets."""
+    docs = PROSE[:5]
+    messages = _langchain_chat(docs, "Which town is oldest?")
+    assert routing.chat_documents(messages) == docs
+    key = routing.chat_routing_key(messages)
+    assert key is not None and key == routing.routing_key_of_documents(docs)
+    rng = random.Random(5)
+    for _ in range(5):
+        shuffled = rng.sample(docs, len(docs))
+        assert routing.chat_routing_key(_langchain_chat(shuffled, f"Question {rng.random()}?")) == key
+    marked = [{"role": "system", "content": "You answer from documents."},
+              {"role": "user", "content": [{"type": "text", "text": d} for d in docs] + [{"type": "text", "text": "Q?"}]}]
+    assert routing.chat_routing_key(marked) == key
+    # the text the server searches is each message's content (regions): a document is never found
+    # across two messages, and the system prompt and the question are not documents
+    split = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": docs[0]},
+             {"role": "user", "content": docs[1] + "\n\nWhich?"}]
+    assert routing.chat_documents(split) == [docs[0], docs[1]]
+    # LlamaIndex's chat text-QA template: each node under its file_path line, between rule lines
+    nodes = "\n\n".join(f"file_path: /data/{i}.txt\n\n{d}" for i, d in enumerate(docs[:3]))
+    llama = [{"role": "system", "content": "You are an expert Q&A system that is trusted around the world."},
+             {"role": "user", "content": "Context information is below.\n---------------------\n" + nodes
+              + "\n---------------------\nGiven the context information and not prior knowledge, answer the query."
+              "\nQuery: Which?\nAnswer: "}]
+    found = routing.chat_documents(llama)
+    assert [f for f in found if f.startswith("file_path")] == [f"file_path: /data/{i}.txt\n\n{d}"
+                                                              for i, d in enumerate(docs[:3])]
+    assert routing.chat_routing_key(llama) == routing.routing_key_of_documents(found)
+    # no documents: no key
+    assert routing.chat_routing_key([{"role": "user", "content": "What is the capital of France?"}]) is None
+    assert routing.chat_routing_key([{"role": "system", "content": PROSE[0]}, {"role": "user", "content": "Q?"}]) is None
+
+
+def test_the_httpx_hook_sets_the_key_from_the_body():
+    import httpx
+
+    docs = PROSE[2:6]
+    key = routing.routing_key_of_documents(docs)
+    chat = httpx.Request("POST", "http://gw/v1/chat/completions", json={"model": "m", "messages": _langchain_chat(docs, "Q?")})
+    routing.add_routing_header(chat)
+    assert chat.headers[routing.ROUTING_HEADER] == key
+    text, offsets = workloads.marked_text("System.", docs, "Question?")
+    for body, want in [({"model": "m", "prompt": text, "custom_params": {"relaxkv_chunks": offsets}}, key),
+                       ({"text": text, "sampling_params": {"custom_params": {"relaxkv_chunks": offsets}}}, key),
+                       ({"model": "m", "prompt": text}, routing.routing_key(text)),
+                       ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, None),
+                       ({"input": "embed me"}, None)]:
+        req = httpx.Request("POST", "http://gw/x", json=body)
+        routing.add_routing_header(req)
+        assert req.headers.get(routing.ROUTING_HEADER) == want, body
+    kept = httpx.Request("POST", "http://gw/x", json={"model": "m", "prompt": text}, headers={routing.ROUTING_HEADER: "mine"})
+    routing.add_routing_header(kept)
+    assert kept.headers[routing.ROUTING_HEADER] == "mine"
+    routing.add_routing_header(httpx.Request("POST", "http://gw/x", content=b"not json"))  # left alone
+
+
 def test_minhash_collision_probability_is_the_jaccard_similarity():
     """Over 2000 seeds, P[key(A) = key(B)] matches J(A, B) within 4 standard errors, for several overlaps."""
     rng = random.Random(0)

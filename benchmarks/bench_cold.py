@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from benchmarks import common, workloads
+from benchmarks import common, quality_tasks
 from benchmarks.replay import replay_in_order
 from benchmarks.tables import markdown_table
 from relaxkv_sglang.client import ServerClient
@@ -38,7 +38,7 @@ BENCH = "bench_cold"
 
 def make_trace(n_requests: int, offset: int) -> list[tuple[str, list[int]]]:
     """``n_requests`` prompts (text, chunk offsets), one HotpotQA dev example each from ``offset``."""
-    examples = workloads.task_examples("hotpotqa", n_requests, offset=offset)
+    examples = quality_tasks.task_examples("hotpotqa", n_requests, offset=offset)
     return [ex.marked("plain") for ex in examples]
 
 

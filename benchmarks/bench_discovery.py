@@ -35,7 +35,7 @@ import time
 import zlib
 from typing import Any, Callable, Optional, Sequence
 
-from benchmarks import common, workloads
+from benchmarks import common, rag_documents
 from benchmarks.tables import markdown_table
 from relaxkv_sglang.core.doc_index import DocumentIndex, discover_chunks
 from relaxkv_sglang.srt.api import prompt_boundaries
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> dict:
             cache[text] = len(tok.encode(text, add_special_tokens=False))
         return cache[text]
 
-    pool = workloads.document_pool("hotpotqa", args.pool, seed=args.seed)
+    pool = rag_documents.document_pool("hotpotqa", args.pool, seed=args.seed)
     trace = build_trace(pool, tokens_of, args.tokens, args.requests, args.seed)
     rows = [measure(shape, trace, tokens_of, tok, with_index) for with_index in (False, True) for shape in SHAPES]
     worst = adversarial(tok, args.tokens, args.repeats)

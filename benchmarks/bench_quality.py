@@ -1,10 +1,10 @@
 """Quality, fidelity and TTFT of every reuse policy on four tasks, in several prompt formats, across anchor ratios.
 
-Tasks (``benchmarks.workloads``, 10 documents as chunks, ~1.5K tokens each):
+Tasks (``benchmarks.quality_tasks``, 10 documents as chunks, ~1.5K tokens each):
 HotpotQA dev (its 10 paragraphs), multi-document SQuAD (the gold paragraph
 among 9 from other articles), and RULER-style multi-value needle and variable
 tracking in essay text (seeded). Every example is asked in every prompt format
-of ``--formats`` (:data:`benchmarks.workloads.PROMPT_FORMATS`; the documents are the chunks, and
+of ``--formats`` (:data:`benchmarks.prompt_formats.PROMPT_FORMATS`; the documents are the chunks, and
 whatever depends on a document's position, such as its number, is glue outside them):
 
 * ``plain``: ``Title: text`` documents between blank lines, the question block last;
@@ -113,24 +113,24 @@ from typing import Iterable
 
 from tqdm import tqdm
 
-from benchmarks import common, metrics, tables, workloads
+from benchmarks import common, metrics, prompt_formats, quality_tasks, tables
 from benchmarks.quality_stats import ALL, ANSWER_METRICS, equal_ttft, paired_all, summarize_all
 from relaxkv_sglang.client import ServerClient
 from relaxkv_sglang.core.policies import Policy, served_policies
 from relaxkv_sglang.schema import CONTEXT_RATIO
 
 BENCH = "bench_quality"
-TASKS = workloads.QUALITY_TASKS
-FORMATS = workloads.PROMPT_FORMATS
+TASKS = quality_tasks.QUALITY_TASKS
+FORMATS = prompt_formats.PROMPT_FORMATS
 # Every served policy but prefix: SGLang's radix cache computes what full computes.
 POLICIES = tuple(p for p in served_policies() if p != Policy.PREFIX)
 BASELINES = tuple(p for p in POLICIES if not Policy(p).repairs)  # no anchor ratio: answered once per example
-WARM_SYSTEM = workloads.SYSTEM_PROMPTS[1]
+WARM_SYSTEM = prompt_formats.SYSTEM_PROMPTS[1]
 TOP_K = 20
 QUICK_EXAMPLES = 3  # per task: the whole quick run stays under 5 minutes on 2 cores with SmolLM2
 HEADLINE_RATIO = 0.15  # the ratio of the generated quality table (docs/performance.md) and the README's headline
 
-SPLITS = workloads.QUALITY_SPLITS
+SPLITS = quality_tasks.QUALITY_SPLITS
 
 
 def split_origin(split: str, tasks: Iterable[str], examples: int, offset: int | None = None,
@@ -183,7 +183,7 @@ def first_line(text: str) -> str:
     return text.strip().split("\n", 1)[0]
 
 
-def task_score(example: workloads.TaskExample, answer: str) -> float:
+def task_score(example: quality_tasks.TaskExample, answer: str) -> float:
     """The example's task score: QA F1 on the answer's first line, RULER string match on all of it."""
     return metrics.score(example.scorer, first_line(answer) if example.scorer == "qa_f1" else answer, example.answers)
 
@@ -194,7 +194,7 @@ def configs(policies: list[str], ratios: list[float]) -> list[tuple[str, float |
             + [(p, r) for r in ratios for p in policies if p not in BASELINES])
 
 
-def result_row(example: workloads.TaskExample, fmt: str, policy: str, ratio: float | None, out: dict,
+def result_row(example: quality_tasks.TaskExample, fmt: str, policy: str, ratio: float | None, out: dict,
                full: dict, kl_only: bool) -> dict:
     """One per-example row: the answer of ``policy`` at ``ratio`` in ``fmt``, scored against ``full``'s."""
     row = {"task": example.task, "format": fmt, "example_id": example.example_id, "policy": policy,
@@ -215,7 +215,7 @@ def result_row(example: workloads.TaskExample, fmt: str, policy: str, ratio: flo
     return row
 
 
-def answer_example(client: ServerClient, example: workloads.TaskExample, fmt: str,
+def answer_example(client: ServerClient, example: quality_tasks.TaskExample, fmt: str,
                    cfgs: list[tuple[str, float | None]], args: argparse.Namespace, rng: random.Random) -> list[dict]:
     """One example in one format under every config: ``full`` first (its top tokens are the KL support),
     the rest shuffled; the format's chunk texts are cached first."""
@@ -239,7 +239,7 @@ def answer_example(client: ServerClient, example: workloads.TaskExample, fmt: st
 def run(args: argparse.Namespace) -> dict:
     """Every example of every task in every format under every config against one server."""
     try:
-        examples = {t: workloads.task_examples(t, args.examples, seed=args.seed, offset=args.offset,
+        examples = {t: quality_tasks.task_examples(t, args.examples, seed=args.seed, offset=args.offset,
                                                documents=args.documents)
                     for t in args.tasks}
     except ValueError as exc:
@@ -276,7 +276,7 @@ def result_of(rows: list[dict], split: dict, tasks: dict, args: argparse.Namespa
 
 MERGE_AGREE = ("model", "split", "formats", "tasks", "documents", "policies", "anchor_ratios", "context_ratio",
                "versus", "kl_only")
-MERGE_MISSING = {"documents": workloads.DOCUMENTS_PER_PROMPT}  # what files written before a setting existed ran with
+MERGE_MISSING = {"documents": quality_tasks.DOCUMENTS_PER_PROMPT}  # what files written before a setting existed ran with
 
 
 def _setting(part_args: dict, key: str):
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="prompt formats; every example is answered in each (default: plain): "
                              + ", ".join(FORMATS))
     parser.add_argument("--examples", type=int, default=10, help="examples per task")
-    parser.add_argument("--documents", type=int, default=workloads.DOCUMENTS_PER_PROMPT,
+    parser.add_argument("--documents", type=int, default=quality_tasks.DOCUMENTS_PER_PROMPT,
                         help="documents per prompt, ~150 SmolLM2 tokens each (50: ~7K tokens, the long-context "
                              "runs; squad, niah_multivalue and variable_tracking only)")
     parser.add_argument("--split", default="dev", choices=tuple(SPLITS),

@@ -24,7 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks import common, tables, workloads
+from benchmarks import common, prompt_formats, rag_documents, tables
 from relaxkv_sglang import assets
 from relaxkv_sglang.core.policies import repair_policies
 from relaxkv_sglang.schema import CONTEXT_RATIO
@@ -33,7 +33,7 @@ BENCH = "bench_ttft"
 # The peers and the method; the ablations are for bench_quality.
 REPAIR_POLICIES = repair_policies(ablations=False)
 # The warm-up request's system prompt: not the measured one (SYSTEM_PROMPTS[0]).
-WARM_SYSTEM = workloads.SYSTEM_PROMPTS[2]
+WARM_SYSTEM = prompt_formats.SYSTEM_PROMPTS[2]
 
 
 def packed_prompt(tokenizer: Any, target_tokens: int, seed: int) -> tuple[str, list[int], int]:
@@ -41,14 +41,14 @@ def packed_prompt(tokenizer: Any, target_tokens: int, seed: int) -> tuple[str, l
     data = assets.load_data("hotpotqa")
     rng = random.Random(seed)
     start = rng.randrange(len(data) - 200)
-    system, question = workloads.SYSTEM_PROMPTS[0], workloads.question_text(data[start]["question"])
+    system, question = prompt_formats.SYSTEM_PROMPTS[0], prompt_formats.question_text(data[start]["question"])
     docs: list[str] = []
-    used = workloads.token_count(tokenizer, system + question, special=True)
+    used = prompt_formats.token_count(tokenizer, system + question, special=True)
     for example in data[start:]:
-        for doc in workloads.hotpotqa_paragraphs(example):
-            n = workloads.token_count(tokenizer, doc) + 1
+        for doc in rag_documents.hotpotqa_paragraphs(example):
+            n = prompt_formats.token_count(tokenizer, doc) + 1
             if used + n > target_tokens:
-                text, offsets = workloads.marked_text(system, docs, question)
+                text, offsets = prompt_formats.marked_text(system, docs, question)
                 return text, offsets, used
             docs.append(doc)
             used += n
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> dict:
         for length in args.lengths:
             text, offsets, n_tokens = packed_prompt(tokenizer, length, seed=length)
             client.flush()
-            common.warm_chunks(client, workloads.chunk_texts(text, offsets), WARM_SYSTEM)
+            common.warm_chunks(client, prompt_formats.chunk_texts(text, offsets), WARM_SYSTEM)
             samples = {c: [] for c in configs}
             records = {}
             order = list(configs)

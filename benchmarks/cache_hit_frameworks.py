@@ -45,7 +45,7 @@ from benchmarks.replay import (ReplayError, TraceRequest, document_tokens, make_
                                trace_workload, trace_words)
 # LangChain's tutorial instruction, a LlamaIndex node's file path and the OpenAI-SDK document listing, shared
 # with the quality benchmark's langchain, llamaindex and numbered prompt formats.
-from benchmarks.workloads import LANGCHAIN_SYSTEM, llamaindex_file_path, numbered_parts
+from benchmarks.prompt_formats import LANGCHAIN_SYSTEM, llamaindex_file_path, numbered_parts
 
 DONE_WITHIN_POINTS = 5.0  # issue 33: every framework shape within 5 points of the content-parts hit rate
 

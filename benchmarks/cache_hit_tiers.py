@@ -22,7 +22,7 @@ import tempfile
 import time
 import uuid
 
-from benchmarks import common, metrics, tables, workloads
+from benchmarks import common, metrics, prompt_formats, rag_documents, tables
 from benchmarks.cache_hit_pressure import context_length_for, sized_trace
 from benchmarks.replay import best_possible_pct, replay, trace_workload, trace_words
 from relaxkv_sglang.client import ServerClient
@@ -75,7 +75,7 @@ def run_tiers(args: argparse.Namespace) -> dict:
         measured(client, "pool + host tier")
 
     # Pre-encode every document of the trace, restart on the same folder, replay once.
-    docs = workloads.document_pool(args.source, args.pool, args.seed)
+    docs = rag_documents.document_pool(args.source, args.pool, args.seed)
     used = sorted({d for req in trace for d in req.doc_ids})
     chunk_dir = tempfile.mkdtemp(prefix="relaxkv-bench-chunks-")
     corpus = pathlib.Path(chunk_dir + ".jsonl")
@@ -89,15 +89,15 @@ def run_tiers(args: argparse.Namespace) -> dict:
         restarted = measured(client, "pre-encoded, restarted")
         # Disk load vs compute, side by side, on a flushed pool and host tier (the disk stays).
         client.flush()
-        sizes = [workloads.token_count(tokenizer, docs[d]) for d in used]
+        sizes = [prompt_formats.token_count(tokenizer, docs[d]) for d in used]
         sets = doc_sets([docs[d] for d in used], sizes, target, args.disk_load_sets)
-        question = workloads.question_text("What do these documents have in common?")
-        system = workloads.SYSTEM_PROMPTS[0]
-        warm_text, warm_offsets = workloads.marked_text(system, ["A warm-up document."], question)
+        question = prompt_formats.question_text("What do these documents have in common?")
+        system = prompt_formats.SYSTEM_PROMPTS[0]
+        warm_text, warm_offsets = prompt_formats.marked_text(system, ["A warm-up document."], question)
         client.generate(warm_text, warm_offsets, "pic", max_new_tokens=1)
         timing = []
         for k, chosen in enumerate(sets):
-            text, offsets = workloads.marked_text(system, [docs[used[i]] for i in chosen], question)
+            text, offsets = prompt_formats.marked_text(system, [docs[used[i]] for i in chosen], question)
             disk_out = client.generate_stream(text, offsets, "pic", max_new_tokens=1)
             cold_out = client.generate_stream(text, offsets, "pic", max_new_tokens=1,
                                               cache_salt=f"cold-{k}-{uuid.uuid4().hex}")

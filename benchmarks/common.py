@@ -27,7 +27,7 @@ import platform
 import sys
 from typing import Any, Callable, Iterator, NoReturn, Sequence
 
-from benchmarks import workloads
+from benchmarks import prompt_formats
 
 from relaxkv_sglang import assets
 from relaxkv_sglang.client import ServerClient
@@ -108,7 +108,7 @@ def warm_chunks(client: ServerClient, documents: Sequence[str], system: str) -> 
     The measured request then finds every chunk stored, but no radix prefix
     past its system prompt (another system prompt, another order).
     """
-    text, offsets = workloads.marked_text(system, list(documents)[::-1], workloads.question_text("?"))
+    text, offsets = prompt_formats.marked_text(system, list(documents)[::-1], prompt_formats.question_text("?"))
     client.generate(text, offsets, "pic", max_new_tokens=1)
 
 

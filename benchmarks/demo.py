@@ -9,7 +9,7 @@
 It prepares the model and HotpotQA offline (:mod:`relaxkv_sglang.assets`),
 starts ONE SGLang server with the relaxkv plugin's cache and attention backend
 (or uses ``--url``), and for each *mode* flushes the cache and serves the same
-seeded trace (:func:`workloads.hotpotqa_requests`) from ``--clients``
+seeded trace (:func:`rag_documents.hotpotqa_requests`) from ``--clients``
 concurrent client threads. Each request is an SGLang frontend program
 (``@sgl.function``) run with streaming on; the request's own
 ``relaxkv_policy`` selects the mode, so every row comes from the same server
@@ -69,8 +69,8 @@ from benchmarks.common import fmt  # noqa: E402
 from benchmarks.demo_modes import MODES, REFERENCE_MODE, RELAXKV_PARAMS, DemoError, Mode, ModeBackend, serve_one  # noqa: E402
 from benchmarks.replay import ReplayError, replay_in_order  # noqa: E402
 from benchmarks.tables import left, right, text_table  # noqa: E402
-from benchmarks.workloads import (  # noqa: E402
-    SEPARATOR, RagRequest, hotpotqa_requests, render_prompt, token_count, token_ids)
+from benchmarks.prompt_formats import SEPARATOR, token_count, token_ids  # noqa: E402
+from benchmarks.rag_documents import RagRequest, hotpotqa_requests, render_prompt  # noqa: E402
 from relaxkv_sglang import assets  # noqa: E402
 from relaxkv_sglang.client import ServerClient  # noqa: E402
 from relaxkv_sglang.server import SGLangServer, ServerConfig, ServerError, running_server  # noqa: E402

@@ -24,7 +24,8 @@ import sglang as sgl
 from sglang.lang.ir import SglSamplingParams
 
 from benchmarks import metrics
-from benchmarks.workloads import SEPARATOR, RagRequest, prompt_parts
+from benchmarks.prompt_formats import SEPARATOR
+from benchmarks.rag_documents import RagRequest, prompt_parts
 from relaxkv_sglang.lang import RelaxKVEndpoint, document
 from relaxkv_sglang.schema import ANCHOR_RATIO, CONTEXT_RATIO
 
@@ -45,7 +46,7 @@ class DemoError(RuntimeError):
 def plain_rag_program(s, system, documents, question):
     """The RAG request as plain text: what an unmodified SGLang user writes.
 
-    Produces exactly :func:`workloads.render_prompt`'s text (the unit tests
+    Produces exactly :func:`rag_documents.render_prompt`'s text (the unit tests
     check it); the answer is greedy and stops at the end of the line. Its
     length cap comes from ``run(max_new_tokens=...)`` (a program argument of
     that name would be swallowed by ``run``'s own sampling keyword).
@@ -64,7 +65,7 @@ def marked_rag_program(s, system, documents, question):
     Run against :class:`~relaxkv_sglang.lang.RelaxKVEndpoint`, the text sent is
     exactly :func:`plain_rag_program`'s and each document becomes one
     ``relaxkv_chunks`` pair (the separators stay outside the chunks, as in
-    :func:`workloads.marked_text`).
+    :func:`prompt_formats.marked_text`).
     """
     s += system
     for doc in documents:
@@ -88,7 +89,7 @@ class Mode:
     """One row of the table: a name and how its requests are sent.
 
     ``program`` is an ``@sgl.function`` taking ``(s, system, documents,
-    question)`` (the pieces of :func:`workloads.prompt_parts`) that generates
+    question)`` (the pieces of :func:`rag_documents.prompt_parts`) that generates
     into a variable named ``answer`` (its length cap is passed to ``run``); a
     mode that reuses document chunks marks them there (``document(text)``).
     ``custom_params`` are added to every generation request's

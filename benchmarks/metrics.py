@@ -94,7 +94,7 @@ def string_match_all(prediction: str, references: str | Sequence[str]) -> float:
     return sum(ref.lower() in text for ref in refs) / len(refs)
 
 
-# Scorer names used by the quality tasks (workloads.TaskExample.scorer).
+# Scorer names used by the quality tasks (quality_tasks.TaskExample.scorer).
 SCORERS = {"qa_f1": qa_f1, "string_match_all": string_match_all}
 
 

@@ -29,14 +29,14 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
-from benchmarks import common, metrics, workloads
+from benchmarks import common, metrics, prompt_formats, rag_documents
 from relaxkv_sglang.client import ServerClient
 
 @dataclasses.dataclass
 class TraceRequest:
     """One request of the trace: its parts, which pool documents it holds (``doc_ids``, one per
     document), and the prompt they make with its ``relaxkv_chunks`` offsets
-    (:func:`workloads.marked_text`)."""
+    (:func:`prompt_formats.marked_text`)."""
 
     system: str
     documents: list[str]
@@ -46,7 +46,7 @@ class TraceRequest:
     offsets: list[int] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        self.text, self.offsets = workloads.marked_text(self.system, self.documents, self.question)
+        self.text, self.offsets = prompt_formats.marked_text(self.system, self.documents, self.question)
 
 
 def add_trace_args(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +76,7 @@ def make_trace(args: argparse.Namespace) -> list[TraceRequest]:
     documents; a request draws its topic by Zipf(s) and ``k`` distinct documents of it uniformly
     (related questions retrieving overlapping document sets, in another order each time).
     """
-    docs = workloads.document_pool(args.source, args.pool, args.seed)
+    docs = rag_documents.document_pool(args.source, args.pool, args.seed)
     rng = random.Random(args.seed)
     topics = getattr(args, "topics", 0) or 0
     weights = [1.0 / (rank + 1) ** args.zipf for rank in range(topics or len(docs))]
@@ -92,8 +92,8 @@ def make_trace(args: argparse.Namespace) -> list[TraceRequest]:
             pick = rng.choices(range(len(docs)), weights)[0]
             if pick not in chosen:
                 chosen.append(pick)
-        system, documents = rng.choice(workloads.SYSTEM_PROMPTS), [docs[i] for i in chosen]
-        trace.append(TraceRequest(system, documents, workloads.question_text(rng.choice(questions)), chosen))
+        system, documents = rng.choice(prompt_formats.SYSTEM_PROMPTS), [docs[i] for i in chosen]
+        trace.append(TraceRequest(system, documents, prompt_formats.question_text(rng.choice(questions)), chosen))
     return trace
 
 
@@ -199,9 +199,9 @@ def document_tokens(trace: list[TraceRequest], tokenizer: Any) -> dict[int, int]
     """Tokens of each document of the trace, tokenized on its own as the server tokenizes a chunk."""
     doc_tokens: dict[int, int] = {}
     for req in trace:
-        for i, doc in zip(req.doc_ids, workloads.chunk_texts(req.text, req.offsets)):
+        for i, doc in zip(req.doc_ids, prompt_formats.chunk_texts(req.text, req.offsets)):
             if i not in doc_tokens:
-                doc_tokens[i] = workloads.token_count(tokenizer, doc)
+                doc_tokens[i] = prompt_formats.token_count(tokenizer, doc)
     return doc_tokens
 
 
@@ -213,7 +213,7 @@ def best_possible_pct(trace: list[TraceRequest], doc_tokens: dict[int, int], pro
 
 def prompt_tokens(trace: list[TraceRequest], tokenizer: Any) -> list[int]:
     """Tokens of each request's prompt (as one text; the server's per-part count differs by a few)."""
-    return [workloads.token_count(tokenizer, req.text) for req in trace]
+    return [prompt_formats.token_count(tokenizer, req.text) for req in trace]
 
 
 def trace_workload(args: argparse.Namespace) -> dict:

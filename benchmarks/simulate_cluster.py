@@ -140,18 +140,18 @@ def _accumulate(xs: Sequence[float]) -> list[float]:
 
 def bench_trace(bench_args: dict) -> Trace:
     """The trace of a ``bench_cache_hit`` run from its recorded arguments, with the model's token counts."""
-    from benchmarks import replay, workloads
+    from benchmarks import prompt_formats, replay
 
     args = argparse.Namespace(**bench_args)
     trace = replay.make_trace(args)
     tok = common.tokenizer(args)
     sizes = replay.document_tokens(trace, tok)
-    systems = {s: i for i, s in enumerate(workloads.SYSTEM_PROMPTS)}
+    systems = {s: i for i, s in enumerate(prompt_formats.SYSTEM_PROMPTS)}
     out = []
     for i, req in enumerate(trace):
         first = req.offsets[0]
-        prefix = workloads.token_count(tok, req.text[:first], special=True)
-        prompt = prefix + sum(workloads.token_count(tok, part) for part in _parts_after_prefix(req.text, req.offsets))
+        prefix = prompt_formats.token_count(tok, req.text[:first], special=True)
+        prompt = prefix + sum(prompt_formats.token_count(tok, part) for part in _parts_after_prefix(req.text, req.offsets))
         system = next((j for s, j in systems.items() if req.text.startswith(s)), -1)
         out.append(SimRequest(system, tuple(req.doc_ids), prefix, prompt, document_hash(req.text[req.offsets[-1]:]) % 10 ** 6))
     return Trace(out, sizes)

@@ -5,7 +5,7 @@ same planner and the prompt is split into the same parts, glue between chunks in
 knob's effect here is its effect there). No server: the model runs in
 ``core/reference.py`` (float32, CPU), the stale KV and the query pass once per example, then one
 repair pass per variant. Development data only (HotpotQA dev from ``--offset``, synthetic
-``--seed``; see ``workloads.QUALITY_SPLITS``); final figures come from ``bench_quality`` on the
+``--seed``; see ``quality_tasks.QUALITY_SPLITS``); final figures come from ``bench_quality`` on the
 test split.
 
 A variant is ``NAME=POLICY[,knob=value...]`` with repair knobs by their flat names
@@ -39,7 +39,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from benchmarks import metrics, workloads
+from benchmarks import metrics, prompt_formats, quality_tasks
 from relaxkv_sglang import assets
 from relaxkv_sglang.core.calibration import Calibration, CalibrationError, calibration_for_model
 from relaxkv_sglang.core.reference import StaleContext, from_hf_state_dict, reference_prefill, stale_context
@@ -71,22 +71,22 @@ def parse_knob_value(default, value: str):
     return int(value) if isinstance(default, int) else value
 
 
-def request_tokens(tokenizer, example: workloads.TaskExample, fmt: str) -> tuple[torch.Tensor, list, int]:
+def request_tokens(tokenizer, example: quality_tasks.TaskExample, fmt: str) -> tuple[torch.Tensor, list, int]:
     """(input_ids int64 [n], chunk token spans, query start), split as the server splits the request
     (``core.segments``): each part tokenized on its own, the glue between chunks a part of its own
     (computed with the request, never cached)."""
     text, offsets = example.marked(fmt)
-    spans = workloads.chunk_spans(offsets)
-    ids = workloads.token_ids(tokenizer, text[:spans[0][0]], special=True)
+    spans = prompt_formats.chunk_spans(offsets)
+    ids = prompt_formats.token_ids(tokenizer, text[:spans[0][0]], special=True)
     token_spans, prev = [], spans[0][0]
     for start, end in spans:
-        ids += workloads.token_ids(tokenizer, text[prev:start]) if start > prev else []
-        piece = workloads.token_ids(tokenizer, text[start:end])
+        ids += prompt_formats.token_ids(tokenizer, text[prev:start]) if start > prev else []
+        piece = prompt_formats.token_ids(tokenizer, text[start:end])
         token_spans.append((len(ids), len(ids) + len(piece)))
         ids += piece
         prev = end
     query_start = len(ids)
-    ids += workloads.token_ids(tokenizer, text[prev:])
+    ids += prompt_formats.token_ids(tokenizer, text[prev:])
     return torch.tensor(ids), token_spans, query_start
 
 
@@ -135,7 +135,7 @@ def reference_cases(weights: Any, tokenizer: Any, tasks: list[str], formats: lis
     """Every (example, format) of ``tasks`` (``examples`` each, from ``offset``/``seed``), with its
     full logits and stale state."""
     for task in tasks:
-        for example in workloads.task_examples(task, examples, seed=seed, offset=offset):
+        for example in quality_tasks.task_examples(task, examples, seed=seed, offset=offset):
             for fmt in formats:
                 ids, spans, q0 = request_tokens(tokenizer, example, fmt)
                 full = reference_prefill(weights, ids, spans, q0, "full").last_logits
@@ -145,8 +145,8 @@ def reference_cases(weights: Any, tokenizer: Any, tasks: list[str], formats: lis
 
 def dev_split_error(offset: int, seed: int, examples: int) -> Optional[str]:
     """Why a run of ``examples`` from ``offset``/``seed`` leaves the development split, or None.
-    Tuning tools run on the development split only (``workloads.QUALITY_SPLITS``)."""
-    dev = workloads.QUALITY_SPLITS["dev"]
+    Tuning tools run on the development split only (``quality_tasks.QUALITY_SPLITS``)."""
+    dev = quality_tasks.QUALITY_SPLITS["dev"]
     if not (dev["hotpotqa"][0] <= offset and offset + examples <= dev["hotpotqa"][1]):
         return f"HotpotQA examples {offset}-{offset + examples - 1} leave the development split {dev['hotpotqa']}"
     if not (dev["seeds"][0] <= seed and seed + examples <= dev["seeds"][1]):
@@ -166,8 +166,8 @@ def model_calibration(model_dir: pathlib.Path, override: Optional[str]) -> Optio
 def add_case_arguments(parser: argparse.ArgumentParser, examples: int = 3) -> None:
     """The development cases' options the tuning tools share: tasks, formats, examples per task,
     the first HotpotQA example and synthetic seed."""
-    parser.add_argument("--tasks", nargs="+", default=list(workloads.QUALITY_TASKS), choices=workloads.QUALITY_TASKS)
-    parser.add_argument("--formats", nargs="+", default=["plain"], choices=workloads.PROMPT_FORMATS)
+    parser.add_argument("--tasks", nargs="+", default=list(quality_tasks.QUALITY_TASKS), choices=quality_tasks.QUALITY_TASKS)
+    parser.add_argument("--formats", nargs="+", default=["plain"], choices=prompt_formats.PROMPT_FORMATS)
     parser.add_argument("--examples", type=int, default=examples, help="examples per task")
     parser.add_argument("--offset", type=int, default=0, help="first HotpotQA dev example (dev split: < 3000)")
     parser.add_argument("--seed", type=int, default=0, help="synthetic tasks' first seed (dev split: < 1000)")

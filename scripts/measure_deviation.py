@@ -39,7 +39,7 @@ import sys
 
 import torch
 
-from benchmarks import workloads
+from benchmarks import quality_tasks
 from relaxkv_sglang.core.reference import query_over, reference_prefill, stale_context
 from relaxkv_sglang.core.token_sets import chunk_offsets, eligible_tokens, shared_runs
 from scripts.ablate_repair import add_case_arguments, dev_split_error, kl_full_vocab, load_reference, request_tokens
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     torch.set_grad_enabled(False)
     for task in args.tasks:
-        for example in workloads.task_examples(task, args.examples, seed=args.seed, offset=args.offset):
+        for example in quality_tasks.task_examples(task, args.examples, seed=args.seed, offset=args.offset):
             for fmt in args.formats:
                 ids, spans, q0 = request_tokens(tokenizer, example, fmt)
                 row = {"task": task, "example_id": example.example_id, "format": fmt,

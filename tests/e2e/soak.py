@@ -70,7 +70,7 @@ from relaxkv_sglang.client import ServerClient
 from benchmarks.metrics import latency_summary
 from relaxkv_sglang.server import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
 from relaxkv_sglang.core.policies import CHUNK_POLICIES, REPAIR_POLICIES, SERVER_POLICIES
-from benchmarks.workloads import SYSTEM_PROMPTS
+from benchmarks.prompt_formats import SYSTEM_PROMPTS
 
 if __package__:  # python -m tests.e2e.soak
     from .rag_helpers import SERVER_START_TIMEOUT_S, MarkedPrompt, essay_paragraphs, marked_prompt

@@ -112,17 +112,17 @@ def _balanced_trace(topics: int = 10, rounds: int = 4, seed: int = 1) -> list:
     topic's documents in a new order, a random system prompt and question: equal-weight keys."""
     import random
 
+    from benchmarks import prompt_formats, rag_documents
     from benchmarks.replay import TraceRequest
-    from benchmarks import workloads
 
-    docs = workloads.document_pool("hotpotqa", 5 * topics, seed)
+    docs = rag_documents.document_pool("hotpotqa", 5 * topics, seed)
     rng = random.Random(seed)
     trace = []
     for _ in range(rounds):
         for topic in rng.sample(range(topics), topics):
             ids = rng.sample(range(5 * topic, 5 * topic + 5), 5)
-            trace.append(TraceRequest(rng.choice(workloads.SYSTEM_PROMPTS), [docs[i] for i in ids],
-                                      workloads.question_text(f"What links topic {rng.randrange(99)}?"), ids))
+            trace.append(TraceRequest(rng.choice(prompt_formats.SYSTEM_PROMPTS), [docs[i] for i in ids],
+                                      prompt_formats.question_text(f"What links topic {rng.randrange(99)}?"), ids))
     return trace
 
 
@@ -186,7 +186,7 @@ def test_a_langchain_chat_request_is_routed_by_its_discovered_documents(cluster,
     from langchain_openai import ChatOpenAI
     from transformers import AutoTokenizer
 
-    from benchmarks import workloads
+    from benchmarks import rag_documents
     from relaxkv_sglang.routing import ROUTING_HEADER, add_routing_header, routing_key_of_documents
     from relaxkv_sglang.server import replica_request_counts
 
@@ -207,7 +207,7 @@ def test_a_langchain_chat_request_is_routed_by_its_discovered_documents(cluster,
     system = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context "
               "to answer the question. If you don't know the answer, say that you don't know.\n\n{context}")
     chain = ChatPromptTemplate.from_messages([("system", system), ("human", "{input}")]) | llm
-    docs = workloads.document_pool("hotpotqa", 10, 48)
+    docs = rag_documents.document_pool("hotpotqa", 10, 48)
     sets = [docs[:5], docs[5:]]
     served = []
     for question, reorder in [("What do they share?", lambda d: d), ("Which is oldest?", lambda d: d[2:] + d[:2][::-1])]:

@@ -88,7 +88,7 @@ def test_text_table_pads_to_the_widest_cell_and_markdown_rows_are_piped():
 
 
 def test_task_score_uses_the_first_line_for_qa_and_all_text_for_ruler():
-    from benchmarks.workloads import TaskExample
+    from benchmarks.quality_tasks import TaskExample
 
     qa = TaskExample("squad", "q", "S", ["d"], "Q", ["Paris"], "qa_f1", 16)
     assert bench_quality.task_score(qa, " Paris\nRome Rome") == 1.0
@@ -164,13 +164,12 @@ def test_parse_args_applies_the_quick_sizes_only_with_quick():
 
 
 def test_warm_chunks_sends_the_documents_reversed_behind_another_system_prompt():
-    from benchmarks import common
-    from benchmarks import workloads
+    from benchmarks import common, prompt_formats
 
     client = _RecordingClient()
     common.warm_chunks(client, ["doc A", "doc B"], "Other system.")
     (text, offsets, policy, kwargs), = client.sent
-    assert workloads.chunk_texts(text, offsets) == ["doc B", "doc A"] and text.startswith("Other system.")
+    assert prompt_formats.chunk_texts(text, offsets) == ["doc B", "doc A"] and text.startswith("Other system.")
     assert policy == "pic" and kwargs == {"max_new_tokens": 1}
     assert common.relaxkv_report({"meta_info": {"relaxkv": None}}) == {}
     assert common.relaxkv_report({"meta_info": {"relaxkv": {"chunks_hit": 2}}}) == {"chunks_hit": 2}

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from benchmarks import bench_quality, metrics, quality_stats, run_all, workloads
+from benchmarks import bench_quality, metrics, prompt_formats, quality_stats, quality_tasks, run_all
 
 # ------------------------------------------------------------ paired statistics
 
@@ -103,7 +103,7 @@ class _FakeServer:
         self.flushed += 1
 
     def generate(self, text, offsets=None, policy=None, **kwargs):
-        self.warmed.append(workloads.chunk_texts(text, offsets))
+        self.warmed.append(prompt_formats.chunk_texts(text, offsets))
         return {"meta_info": {}}
 
     def generate_stream(self, text, offsets, policy, *, max_new_tokens, anchor_ratio=None, context_ratio=None,
@@ -123,8 +123,8 @@ class _FakeServer:
                 "latency_s": 1.0}
 
 
-def _example() -> workloads.TaskExample:
-    return workloads.TaskExample("hotpotqa", "ex1", "Sys.", ["A: one.", "B: two."], workloads.question_text("Q?"),
+def _example() -> quality_tasks.TaskExample:
+    return quality_tasks.TaskExample("hotpotqa", "ex1", "Sys.", ["A: one.", "B: two."], prompt_formats.question_text("Q?"),
                                  ["Paris"], "qa_f1", 16, titles=["A", "B"])
 
 
@@ -132,7 +132,7 @@ def _args(**kw) -> argparse.Namespace:
     return argparse.Namespace(**{"kl_only": False, "max_new_tokens": None, "context_ratio": 0.25, **kw})
 
 
-@pytest.mark.parametrize("fmt", workloads.PROMPT_FORMATS)
+@pytest.mark.parametrize("fmt", prompt_formats.PROMPT_FORMATS)
 def test_answer_example_warms_and_asks_in_the_format(fmt):
     server, ex = _FakeServer(), _example()
     cfgs = bench_quality.configs(["full", "pic", "relaxkv"], [0.15])
@@ -314,12 +314,12 @@ def test_chat_format_is_the_models_own_chat_template(model):
         pytest.skip(f"{model} is not prepared here (relaxkv-sglang model {model})")
     tok = assets.load_tokenizer(folder)
     system, docs, question = "Answer briefly.", ["A: first doc.", "B: second doc."], "Question: Who?"
-    text, offsets = workloads.render_marked(system, docs, question + "\nAnswer:", "chat")
+    text, offsets = prompt_formats.render_marked(system, docs, question + "\nAnswer:", "chat")
     user = "\n\n".join(docs) + "\n\n" + question
     rendered = tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": user}],
                                        add_generation_prompt=True, tokenize=False)
     assert text == rendered + "Answer:"
-    assert workloads.chunk_texts(text, offsets) == docs
+    assert prompt_formats.chunk_texts(text, offsets) == docs
 
 
 def _part(result: dict, ids: set, path) -> str:

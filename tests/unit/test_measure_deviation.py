@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import workloads
+from benchmarks import quality_tasks
 from relaxkv_sglang.core.reference import query_over, reference_prefill, stale_context
 
 
@@ -14,7 +14,7 @@ def case():
     from scripts.ablate_repair import load_reference, request_tokens
 
     weights, tokenizer, _ = load_reference("tiny-llama")
-    example = workloads.task_examples("niah_multivalue", 1, seed=0)[0]
+    example = quality_tasks.task_examples("niah_multivalue", 1, seed=0)[0]
     return weights, *request_tokens(tokenizer, example, "tagged")
 
 

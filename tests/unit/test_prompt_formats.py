@@ -1,6 +1,6 @@
-"""Unit tests of the quality benchmark's prompt formats (``benchmarks.workloads.render_marked``).
+"""Unit tests of the quality benchmark's prompt formats (``benchmarks.prompt_formats.render_marked``).
 
-Every format of :data:`~benchmarks.workloads.PROMPT_FORMATS` is rendered for examples of every
+Every format of :data:`~benchmarks.prompt_formats.PROMPT_FORMATS` is rendered for examples of every
 quality task (built from small synthetic data by the tasks' own builders); the framework layouts
 are compared with what the installed frameworks render (``langchain_core`` / ``langchain_openai``,
 ``llama_index.core``) and, where a model is prepared, with its own chat template.
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import workloads
+from benchmarks import prompt_formats, quality_tasks
 from benchmarks.replay import TraceRequest
-from benchmarks.workloads import (PROMPT_FORMATS, chunk_spans, chunk_texts, format_document, hotpotqa_examples,
-                                  niah_multivalue, render_marked, squad_multidoc, variable_tracking)
+from benchmarks.prompt_formats import PROMPT_FORMATS, chunk_spans, chunk_texts, format_document, render_marked
+from benchmarks.quality_tasks import hotpotqa_examples, niah_multivalue, squad_multidoc, variable_tracking
 from relaxkv_sglang import assets
 
 NEW_FORMATS = ("langchain", "llamaindex", "tagged", "numbered", "question_first")
@@ -39,7 +39,7 @@ HAYSTACK = " ".join(f"Sentence number {i} talks about {'startups' if i % 3 else 
                     for i in range(2000))
 
 
-def _examples() -> dict[str, workloads.TaskExample]:
+def _examples() -> dict[str, quality_tasks.TaskExample]:
     """One example of every quality task, from the tasks' own builders over synthetic data."""
     return {"hotpotqa": hotpotqa_examples(1, data=_hotpotqa_data())[0],
             "squad": squad_multidoc(1, seed=0, distractors=4, data=_squad_data())[0],
@@ -50,12 +50,12 @@ def _examples() -> dict[str, workloads.TaskExample]:
 EXAMPLES = _examples()
 
 
-def _bare_question(ex: workloads.TaskExample) -> str:
+def _bare_question(ex: quality_tasks.TaskExample) -> str:
     """The question as a user would type it: the block's first line less ``Question: ``."""
     return ex.question.split("\n", 1)[0].removeprefix("Question: ")
 
 
-def _lead_in(ex: workloads.TaskExample) -> str:
+def _lead_in(ex: quality_tasks.TaskExample) -> str:
     """The answer's lead-in: the question block from ``Answer:`` on."""
     return ex.question[ex.question.index("\nAnswer:") + 1:]
 
@@ -66,7 +66,7 @@ def _glue(text: str, offsets: list[int]) -> list[str]:
     return [text[bounds[i]:bounds[i + 1]] for i in range(0, len(bounds), 2)]
 
 
-def _reversed(ex: workloads.TaskExample, fmt: str, system: str | None = None) -> tuple[str, list[int]]:
+def _reversed(ex: quality_tasks.TaskExample, fmt: str, system: str | None = None) -> tuple[str, list[int]]:
     titles = ex.titles[::-1] if ex.titles else None
     return render_marked(ex.system if system is None else system, ex.documents[::-1], ex.question, fmt, titles)
 
@@ -77,7 +77,7 @@ def _chatml(messages: list[dict]) -> str:
 
 
 def test_every_task_example_has_the_tasks_question_block():
-    assert set(EXAMPLES) == set(workloads.QUALITY_TASKS)
+    assert set(EXAMPLES) == set(quality_tasks.QUALITY_TASKS)
     assert all(ex.question.startswith("Question: ") and "\nAnswer:" in ex.question for ex in EXAMPLES.values())
     assert _lead_in(EXAMPLES["hotpotqa"]) == "Answer:"
     assert _lead_in(EXAMPLES["niah_multivalue"]).startswith("Answer: The special magic numbers for ")
@@ -118,7 +118,7 @@ def test_the_tasks_own_system_prompt_opens_the_formats_that_keep_it(fmt):
 def test_framework_formats_write_the_frameworks_instruction_instead():
     for ex in EXAMPLES.values():
         assert ex.system not in ex.marked("langchain")[0] and ex.system not in ex.marked("llamaindex")[0]
-        assert ex.marked("langchain")[0].startswith("<|im_start|>system\n" + workloads.LANGCHAIN_SYSTEM + "\n\n")
+        assert ex.marked("langchain")[0].startswith("<|im_start|>system\n" + prompt_formats.LANGCHAIN_SYSTEM + "\n\n")
 
 
 def test_the_formats_are_the_old_three_then_the_new_layouts():
@@ -134,8 +134,8 @@ def test_unknown_format_is_refused():
 
 
 def _small():
-    return workloads.TaskExample("hotpotqa", "e", "Sys.", ["Ed Wood: Ed Wood is a film.", "Paris: Paris is a city."],
-                                 workloads.question_text("Who?"), ["x"], "qa_f1", 16, titles=["Ed Wood", "Paris"])
+    return quality_tasks.TaskExample("hotpotqa", "e", "Sys.", ["Ed Wood: Ed Wood is a film.", "Paris: Paris is a city."],
+                                 prompt_formats.question_text("Who?"), ["x"], "qa_f1", 16, titles=["Ed Wood", "Paris"])
 
 
 def test_tagged_keeps_the_position_dependent_tags_outside_the_chunks():
@@ -186,13 +186,13 @@ def test_old_formats_are_unchanged():
 # ---------------------------------------------------------------- against the frameworks themselves
 
 
-def _trace_request(ex: workloads.TaskExample) -> TraceRequest:
+def _trace_request(ex: quality_tasks.TaskExample) -> TraceRequest:
     """The example as ``bench_cache_hit --frameworks`` sends a request (its bare question block)."""
-    return TraceRequest(ex.system, list(ex.documents), workloads.question_text(_bare_question(ex)),
+    return TraceRequest(ex.system, list(ex.documents), prompt_formats.question_text(_bare_question(ex)),
                         list(range(len(ex.documents))))
 
 
-def _lead_after_template(ex: workloads.TaskExample) -> str:
+def _lead_after_template(ex: quality_tasks.TaskExample) -> str:
     """What follows the frameworks' own ``Answer: ``: the task's lead-in less ``Answer:``."""
     return _lead_in(ex).removeprefix("Answer:").lstrip()
 
@@ -209,7 +209,7 @@ def test_langchain_is_langchains_rag_prompt_in_chatml(task):
     _, body = fw.langchain_chat(_trace_request(ex))  # what ChatOpenAI sends
     assert [m["role"] for m in body["messages"]] == ["system", "user"]
     assert text == _chatml(body["messages"]) + _lead_in(ex)
-    prompt = ChatPromptTemplate.from_messages([("system", workloads.LANGCHAIN_SYSTEM + "\n\n{context}"),
+    prompt = ChatPromptTemplate.from_messages([("system", prompt_formats.LANGCHAIN_SYSTEM + "\n\n{context}"),
                                                ("human", "{input}")])
     messages = prompt.format_messages(context="\n\n".join(ex.documents), input=_bare_question(ex))
     assert [m.content for m in messages] == [m["content"] for m in body["messages"]]
@@ -224,7 +224,7 @@ def test_llamaindex_is_the_default_text_qa_prompt_with_the_nodes_metadata(task):
 
     from benchmarks import cache_hit_frameworks as fw
 
-    assert workloads.LLAMAINDEX_TEXT_QA_TEMPLATE == DEFAULT_TEXT_QA_PROMPT_TMPL
+    assert prompt_formats.LLAMAINDEX_TEXT_QA_TEMPLATE == DEFAULT_TEXT_QA_PROMPT_TMPL
     ex = EXAMPLES[task]
     text, offsets = ex.marked("llamaindex")
     expected = DEFAULT_TEXT_QA_PROMPT.format(context_str=fw.llamaindex_context(_trace_request(ex)),
@@ -232,7 +232,7 @@ def test_llamaindex_is_the_default_text_qa_prompt_with_the_nodes_metadata(task):
     assert text == expected + _lead_after_template(ex)
     assert fw.llamaindex_completion(_trace_request(ex))[1]["prompt"] == expected
     # Each chunk is a node as LlamaIndex renders it: its metadata line, a blank line, its text.
-    nodes = [TextNode(text=d, metadata={"file_path": workloads.llamaindex_file_path(d)}) for d in ex.documents]
+    nodes = [TextNode(text=d, metadata={"file_path": prompt_formats.llamaindex_file_path(d)}) for d in ex.documents]
     assert chunk_texts(text, offsets) == [n.get_content(metadata_mode=MetadataMode.LLM) for n in nodes]
     assert all(c.startswith("file_path: /data/docs/") for c in chunk_texts(text, offsets))
 
@@ -273,8 +273,8 @@ def test_every_real_task_example_renders_in_every_format_when_prepared():
         folder = assets.cache_root() / "data" / name
         if not folder.exists() or assets.manifest_problem(folder) is not None:
             pytest.skip(f"{name} not prepared (relaxkv-sglang data {name})")
-    for task in workloads.QUALITY_TASKS:
-        for ex in workloads.task_examples(task, 2, seed=0):
+    for task in quality_tasks.QUALITY_TASKS:
+        for ex in quality_tasks.task_examples(task, 2, seed=0):
             bare = _bare_question(ex)
             for fmt in PROMPT_FORMATS:
                 text, offsets = ex.marked(fmt)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from benchmarks import workloads
+from benchmarks import prompt_formats
 from relaxkv_sglang import routing
 from relaxkv_sglang.core.doc_index import discover_chunks
 
@@ -32,8 +32,8 @@ def test_document_hash_is_stable_across_processes():
 
 def test_key_ignores_order_system_prompt_and_question():
     docs = DOCS[:5]
-    a_text, a_off = workloads.marked_text("System A.", docs, "Question: who?")
-    b_text, b_off = workloads.marked_text("Another system prompt entirely.", docs[::-1], "Question: what else?")
+    a_text, a_off = prompt_formats.marked_text("System A.", docs, "Question: who?")
+    b_text, b_off = prompt_formats.marked_text("Another system prompt entirely.", docs[::-1], "Question: what else?")
     key = routing.routing_key(a_text, a_off)
     assert key is not None and len(key) == 16 and int(key, 16) >= 0
     assert routing.routing_key(b_text, b_off) == key
@@ -44,7 +44,7 @@ def test_key_ignores_order_system_prompt_and_question():
 
 
 def test_key_uses_the_spans_the_server_chunks():
-    text, offsets = workloads.marked_text("System.", DOCS[:3], "Question?")
+    text, offsets = prompt_formats.marked_text("System.", DOCS[:3], "Question?")
     # unmarked: the documents the server's block rules find (what it chunks for a chunk policy)
     # (a "Document N:" header is a marker, left out of its document)
     found = [text[s:e] for s, e in discover_chunks(text, None, None)]
@@ -126,7 +126,7 @@ def test_the_httpx_hook_sets_the_key_from_the_body():
     chat = httpx.Request("POST", "http://gw/v1/chat/completions", json={"model": "m", "messages": _langchain_chat(docs, "Q?")})
     routing.add_routing_header(chat)
     assert chat.headers[routing.ROUTING_HEADER] == key
-    text, offsets = workloads.marked_text("System.", docs, "Question?")
+    text, offsets = prompt_formats.marked_text("System.", docs, "Question?")
     for body, want in [({"model": "m", "prompt": text, "custom_params": {"relaxkv_chunks": offsets}}, key),
                        ({"text": text, "sampling_params": {"custom_params": {"relaxkv_chunks": offsets}}}, key),
                        ({"model": "m", "prompt": text}, routing.routing_key(text)),
@@ -229,7 +229,7 @@ def recorder():
 def test_server_client_sends_the_routing_key(recorder):
     from relaxkv_sglang.client import ServerClient
 
-    text, offsets = workloads.marked_text("System.", DOCS[:4], "Question?")
+    text, offsets = prompt_formats.marked_text("System.", DOCS[:4], "Question?")
     ServerClient(recorder.url).generate(text, offsets, "pic", max_new_tokens=1)
     ServerClient(recorder.url).generate("no documents here", None, "pic", max_new_tokens=1)
     ServerClient(recorder.url, routing=False).generate(text, offsets, "pic", max_new_tokens=1)
@@ -289,7 +289,7 @@ def test_hot_key_splitter_is_shared_safely_by_client_threads():
 def test_server_client_uses_the_splitter(recorder):
     from relaxkv_sglang.client import ServerClient
 
-    text, offsets = workloads.marked_text("System.", DOCS[:4], "Question?")
+    text, offsets = prompt_formats.marked_text("System.", DOCS[:4], "Question?")
     client = ServerClient(recorder.url, splitter=routing.HotKeySplitter(replicas=4, window=4, seed=1))
     for _ in range(6):
         client.generate(text, offsets, "pic", max_new_tokens=1)

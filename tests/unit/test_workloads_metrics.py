@@ -1,4 +1,4 @@
-"""Unit tests for benchmarks.workloads, benchmarks.metrics and the demo's client side.
+"""Unit tests for benchmarks.rag_documents, prompt_formats, quality_tasks, metrics and the demo's client side.
 
 No server and no model: the workload tests use synthetic HotpotQA-shaped
 examples (one test reads the real file when it is already prepared), and the
@@ -15,16 +15,8 @@ import numpy as np
 import pytest
 
 from benchmarks import metrics
-from benchmarks.workloads import (
-    SEPARATOR,
-    SYSTEM_PROMPTS,
-    RagRequest,
-    format_paragraph,
-    hotpotqa_requests,
-    prompt_parts,
-    question_text,
-    render_prompt,
-)
+from benchmarks.prompt_formats import SEPARATOR, SYSTEM_PROMPTS, question_text
+from benchmarks.rag_documents import RagRequest, format_paragraph, hotpotqa_requests, prompt_parts, render_prompt
 from relaxkv_sglang import assets
 
 
@@ -61,7 +53,7 @@ def test_format_paragraph_joins_sentences_as_written():
 
 
 def test_chunk_spans_and_texts_split_a_marked_prompt():
-    from benchmarks.workloads import chunk_spans, chunk_texts, marked_text
+    from benchmarks.prompt_formats import chunk_spans, chunk_texts, marked_text
 
     text, offsets = marked_text("Sys.", ["A: one.", "B: two."], question_text("Q?"))
     assert chunk_spans(offsets) == [(6, 13), (15, 22)]
@@ -70,7 +62,7 @@ def test_chunk_spans_and_texts_split_a_marked_prompt():
 
 
 def _titled_example():
-    from benchmarks.workloads import TaskExample
+    from benchmarks.quality_tasks import TaskExample
 
     return TaskExample("hotpotqa", "e", "Sys.", ["Ed Wood: Ed Wood is a film.", "Paris: Paris is a city."],
                        question_text("Who?"), ["x"], "qa_f1", 16, titles=["Ed Wood", "Paris"])
@@ -78,7 +70,8 @@ def _titled_example():
 
 @pytest.mark.parametrize("fmt", ["plain", "document", "chat"])
 def test_marked_offsets_point_at_exactly_the_formatted_documents(fmt):
-    from benchmarks.workloads import PROMPT_FORMATS, chunk_texts, format_document, niah_multivalue
+    from benchmarks.prompt_formats import PROMPT_FORMATS, chunk_texts, format_document
+    from benchmarks.quality_tasks import niah_multivalue
 
     assert fmt in PROMPT_FORMATS
     for ex in (_titled_example(), niah_multivalue(1, n_docs=4, doc_chars=200, n_values=2, haystack=HAYSTACK)[0]):
@@ -93,7 +86,7 @@ def test_marked_offsets_point_at_exactly_the_formatted_documents(fmt):
 
 
 def test_plain_format_is_the_layout_from_before():
-    from benchmarks.workloads import marked_text, render_marked
+    from benchmarks.prompt_formats import marked_text, render_marked
 
     ex = _titled_example()
     assert ex.marked() == ex.marked("plain") == marked_text(ex.system, ex.documents, ex.question)
@@ -106,7 +99,7 @@ def test_plain_format_is_the_layout_from_before():
 
 
 def test_document_format_opens_every_chunk_with_its_title_line():
-    from benchmarks.workloads import format_document
+    from benchmarks.prompt_formats import format_document
 
     ex = _titled_example()
     text, offsets = ex.marked("document")
@@ -122,7 +115,7 @@ def test_document_format_opens_every_chunk_with_its_title_line():
 
 
 def test_chat_format_ends_with_the_assistant_turn_and_the_answer_lead_in():
-    from benchmarks.workloads import niah_multivalue
+    from benchmarks.quality_tasks import niah_multivalue
 
     ex = _titled_example()
     text, offsets = ex.marked("chat")
@@ -138,7 +131,7 @@ def test_chat_format_ends_with_the_assistant_turn_and_the_answer_lead_in():
 
 
 def test_token_ids_and_count_leave_special_tokens_to_the_caller():
-    from benchmarks.workloads import token_count, token_ids
+    from benchmarks.prompt_formats import token_count, token_ids
 
     tok = _CharTokenizer()
     assert token_ids(tok, "ab") == [97, 98] and token_ids(tok, "ab", special=True) == [1, 97, 98]
@@ -146,7 +139,7 @@ def test_token_ids_and_count_leave_special_tokens_to_the_caller():
 
 
 def test_document_pool_is_seeded_distinct_and_from_either_source():
-    from benchmarks.workloads import document_pool, hotpotqa_paragraphs
+    from benchmarks.rag_documents import document_pool, hotpotqa_paragraphs
 
     assert hotpotqa_paragraphs(DATA[0])[:2] == [format_paragraph(t, s) for t, s in DATA[0]["context"][:2]]
     pool = document_pool("hotpotqa", 12, seed=3, data=DATA)
@@ -396,7 +389,7 @@ def test_with_custom_params_copies_and_leaves_plain_params_alone():
 
 def test_demo_marked_program_sends_the_rendered_prompt_with_each_document_as_a_chunk():
     from benchmarks import demo_modes
-    from benchmarks.workloads import marked_text
+    from benchmarks.prompt_formats import marked_text
     from relaxkv_sglang import lang
 
     fake = _FakeBackend([" Paris"])
@@ -562,7 +555,7 @@ HAYSTACK = " ".join(f"Sentence number {i} talks about {'startups' if i % 3 else 
 
 
 def test_squad_multidoc_is_seeded_and_hides_the_gold_paragraph_among_other_articles():
-    from benchmarks.workloads import squad_multidoc
+    from benchmarks.quality_tasks import squad_multidoc
 
     data = _squad(n_articles=12)  # a seed draws from half of the articles
     a = squad_multidoc(5, seed=1, distractors=6, data=data)
@@ -588,7 +581,7 @@ def test_squad_multidoc_is_seeded_and_hides_the_gold_paragraph_among_other_artic
 
 
 def test_squad_test_seeds_share_no_question_or_document_with_dev_seeds():
-    from benchmarks.workloads import squad_multidoc
+    from benchmarks.quality_tasks import squad_multidoc
 
     data = _squad(n_articles=8)
     dev = squad_multidoc(6, seed=3, distractors=5, data=data)
@@ -598,7 +591,7 @@ def test_squad_test_seeds_share_no_question_or_document_with_dev_seeds():
 
 
 def test_niah_multivalue_puts_every_value_in_a_different_document():
-    from benchmarks.workloads import niah_multivalue
+    from benchmarks.quality_tasks import niah_multivalue
 
     a = niah_multivalue(4, seed=5, n_docs=8, doc_chars=300, n_values=3, haystack=HAYSTACK)
     assert [e.documents for e in a] == [e.documents for e in niah_multivalue(4, seed=5, n_docs=8, doc_chars=300,
@@ -625,7 +618,7 @@ def test_niah_multivalue_puts_every_value_in_a_different_document():
 
 
 def test_variable_tracking_chain_is_in_order_across_documents():
-    from benchmarks.workloads import variable_tracking
+    from benchmarks.quality_tasks import variable_tracking
 
     a = variable_tracking(3, seed=2, n_docs=10, doc_chars=250, n_hops=4, haystack=HAYSTACK)
     assert [e.documents for e in a] == [e.documents for e in variable_tracking(3, seed=2, n_docs=10, doc_chars=250,
@@ -647,7 +640,7 @@ def test_variable_tracking_chain_is_in_order_across_documents():
 
 
 def test_hotpotqa_examples_keep_the_file_order_and_dispatch():
-    from benchmarks.workloads import hotpotqa_examples, task_examples
+    from benchmarks.quality_tasks import hotpotqa_examples, task_examples
 
     ex = hotpotqa_examples(3, offset=2, data=DATA)
     assert [e.example_id for e in ex] == ["id2", "id3", "id4"]
@@ -666,7 +659,7 @@ def test_hotpotqa_examples_keep_the_file_order_and_dispatch():
 
 @pytest.mark.parametrize("task", ["squad", "niah_multivalue", "variable_tracking"])
 def test_long_context_examples_have_the_asked_number_of_documents(task):
-    from benchmarks.workloads import task_examples
+    from benchmarks.quality_tasks import task_examples
 
     long = task_examples(task, 2, seed=1000, documents=50)
     short = task_examples(task, 2, seed=1000)
@@ -677,7 +670,7 @@ def test_long_context_examples_have_the_asked_number_of_documents(task):
 
 
 def test_real_task_data_when_prepared():
-    from benchmarks.workloads import QUALITY_TASKS, task_examples
+    from benchmarks.quality_tasks import QUALITY_TASKS, task_examples
 
     for name in ("hotpotqa", "squad", "essays"):
         folder = assets.cache_root() / "data" / name

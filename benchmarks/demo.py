@@ -73,6 +73,7 @@ from benchmarks.prompt_formats import SEPARATOR, token_count, token_ids  # noqa:
 from benchmarks.rag_documents import RagRequest, hotpotqa_requests, render_prompt  # noqa: E402
 from relaxkv_sglang import assets  # noqa: E402
 from relaxkv_sglang.client import ServerClient  # noqa: E402
+from relaxkv_sglang.core.segments import common_prefix_len  # noqa: E402
 from relaxkv_sglang.server import SGLangServer, ServerConfig, ServerError, running_server  # noqa: E402
 
 PROG = "relaxkv-sglang demo"
@@ -161,15 +162,6 @@ def summarize(mode: Mode, run: dict, reference: list[dict] | None) -> dict:
 # ------------------------------------------------------------------ workload
 
 
-def _common_prefix_len(a: list, b: list) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def workload_figures(trace: list[RagRequest], model_dir: pathlib.Path) -> dict:
     """Token counts of the trace with the model's own tokenizer, and its best possible hit rate.
 
@@ -194,7 +186,7 @@ def workload_figures(trace: list[RagRequest], model_dir: pathlib.Path) -> dict:
     reusable_sys, seen_prefixes = 0, []
     for req in trace:
         prefix = token_ids(tok, req.system + SEPARATOR, special=True)
-        reusable_sys += max((_common_prefix_len(prefix, p) for p in seen_prefixes), default=0)
+        reusable_sys += max((common_prefix_len(prefix, p) for p in seen_prefixes), default=0)
         seen_prefixes.append(prefix)
     total = sum(prompt_tokens)
     return {

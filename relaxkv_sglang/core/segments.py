@@ -37,6 +37,7 @@ __all__ = [
     "auto_chunk",
     "TokenLayout",
     "tokenize_parts",
+    "common_prefix_len",
 ]
 
 PartKind = Literal["prefix", "chunk", "glue", "query"]
@@ -352,3 +353,21 @@ def tokenize_parts(
         query_start=query_start,
         part_spans=part_spans,
     )
+
+
+def common_prefix_len(a: Sequence, b: Sequence) -> int:
+    """How many leading items ``a`` and ``b`` share (two texts, two token id lists).
+
+    A binary search over slice comparisons, so long texts compare at C speed.
+
+        >>> common_prefix_len("Sys A.", "Sys B."), common_prefix_len([1, 2, 3], [1, 2])
+        (4, 2)
+    """
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -77,6 +77,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Iterator, 
 from fastapi import Request
 
 from relaxkv_sglang.core.policies import Policy
+from relaxkv_sglang.core.segments import common_prefix_len
 from relaxkv_sglang.schema import CHUNKS, POLICY, default_policy as server_default_policy
 from relaxkv_sglang.srt.plan import chunk_tree_served
 
@@ -236,17 +237,6 @@ class JoinRegistry:
             }
 
 
-def _common_prefix_len(a: str, b: str) -> int:
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a.startswith(b[:mid]):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 def _fork_points(
     text: str, first: str, parent: str, candidates: list[str], n: int, budget: list[int],
 ) -> Iterator[int]:
@@ -265,7 +255,7 @@ def _fork_points(
         return
     pos = len(first)
     for other in candidates:
-        common = _common_prefix_len(first, other)
+        common = common_prefix_len(first, other)
         if common >= len(other) or common >= len(first):
             continue  # the same text, or one a prefix of the other: no sibling of `first`
         for plen in range(common, -1, -1):

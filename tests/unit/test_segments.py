@@ -12,6 +12,7 @@ from relaxkv_sglang.core.segments import (
     TextSegments,
     TokenLayout,
     auto_chunk,
+    common_prefix_len,
     parse_chunk_offsets,
     split_text,
     tokenize_parts,
@@ -331,3 +332,11 @@ def test_text_segments_is_frozen():
     seg = TextSegments((Part("prefix", "a"), Part("query", "")))
     with pytest.raises(Exception):
         seg.parts = ()  # type: ignore[misc]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2), max_size=8), st.lists(st.integers(0, 2), max_size=8))
+def test_common_prefix_len_counts_the_shared_leading_items_of_lists_and_texts(a, b):
+    shared = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    assert common_prefix_len(a, b) == shared
+    assert common_prefix_len("".join(map(str, a)), "".join(map(str, b))) == shared

@@ -207,6 +207,10 @@ def cmd_serve_replicas(args, extra: list[str]) -> int:
 
 
 def cmd_serve(args, extra: list[str]) -> int:
+    """``serve``: one server until Ctrl-C, SIGTERM or its exit (``--replicas N``: :func:`cmd_serve_replicas`).
+
+        relaxkv-sglang serve --model smollm2-135m --policy pic --port 30000
+    """
     if args.replicas < 1:
         raise ServerError(f"--replicas {args.replicas}: must be >= 1")
     if args.replicas > 1:
@@ -236,17 +240,8 @@ def cmd_serve(args, extra: list[str]) -> int:
           f"(log: {args.log or 'a temp file'})", file=sys.stderr, flush=True)
     server.start()
     print(f"ready: {server.url}  (log: {server.log_path}; Ctrl-C stops it)", flush=True)
-    stop = {"now": False}
-
-    def _stop(*_):
-        stop["now"] = True
-
-    signal.signal(signal.SIGTERM, _stop)
     try:
-        while not stop["now"] and server.proc.poll() is None:
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
+        _wait_for_stop(lambda: server.proc.poll() is None)
     finally:
         code = server.proc.poll()
         server.stop()

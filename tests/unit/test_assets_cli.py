@@ -173,6 +173,46 @@ def test_serve_policy_flag_sets_the_servers_default(monkeypatch, tmp_path, capsy
     assert "default policy relaxkv " in capsys.readouterr().err
 
 
+def test_serve_waits_while_the_server_lives_then_stops_it_and_names_its_exit(monkeypatch, tmp_path, capsys):
+    """``serve`` waits (``cli._wait_for_stop``) while the server process runs; when it exits, serve
+    stops it and names the exit code and the server's last error line."""
+    import signal
+
+    polls, stopped = [], []
+
+    class ExitingServer:  # the launcher's interface only: the process exits with code 7 at its third poll
+        url, log_path = "http://127.0.0.1:1", "log"
+
+        def __init__(self, config):
+            self.proc = self
+
+        def start(self):
+            pass
+
+        def poll(self):
+            polls.append(1)
+            return None if len(polls) < 3 else 7
+
+        def stop(self):
+            stopped.append(True)
+
+        def last_error_line(self):
+            return "CUDA out of memory"
+
+    monkeypatch.setattr(cli, "SGLangServer", ExitingServer)
+    monkeypatch.setattr(cli.time, "sleep", lambda seconds: None)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert cli.main(["serve", "--model", str(model), "--port", "0"]) == 1
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert stopped == [True] and len(polls) == 4  # three while waiting, one for the exit code
+    assert "relaxkv-sglang: error: the server exited with code 7: CUDA out of memory" in capsys.readouterr().err
+
+
 def test_bad_default_policy_env_is_one_line_before_anything_starts(monkeypatch, tmp_path, capsys):
     from relaxkv_sglang.schema import POLICY
 

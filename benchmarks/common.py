@@ -39,10 +39,10 @@ RESULTS_DIR = pathlib.Path(os.environ.get("RELAXKV_RESULTS", "results"))
 
 
 def bench_parser(bench: str, doc: str, *, server: bool = True, max_total_tokens: int = 65536,
-                 quick_help: str | None = None) -> argparse.ArgumentParser:
+                 quick: bool = True, quick_help: str | None = None) -> argparse.ArgumentParser:
     """The benchmark's parser with the flags every benchmark has.
 
-    ``--output`` and ``--quick`` always; with ``server`` also ``--model``,
+    ``--output`` always, ``--quick`` with ``quick``; with ``server`` also ``--model``,
     ``--url`` and ``--max-total-tokens`` (the server measured). The
     description is the first paragraph of ``doc`` (the module docstring).
     """
@@ -53,8 +53,9 @@ def bench_parser(bench: str, doc: str, *, server: bool = True, max_total_tokens:
         parser.add_argument("--url", default=None, help="use a running server instead of starting one")
         parser.add_argument("--max-total-tokens", type=int, default=max_total_tokens,
                             help="KV pool of the started server")
-    parser.add_argument("--output", default=None, help=f"result JSON path (default: results/{bench}-<time>.json)")
-    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--output", default=None, help=f"result JSON path (default: {default_output(bench)})")
+    if quick:
+        parser.add_argument("--quick", action="store_true", help=quick_help)
     return parser
 
 
@@ -62,7 +63,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
                quick: dict[str, Any] | None = None) -> argparse.Namespace:
     """Parse ``argv``; with ``--quick``, the ``quick`` sizes replace the parsed values."""
     args = parser.parse_args(argv)
-    if args.quick:
+    if getattr(args, "quick", False):
         for name, value in (quick or {}).items():
             setattr(args, name, value)
     return args
@@ -172,9 +173,14 @@ def machine() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
+def default_output(bench: str, when: str = "<time>") -> pathlib.Path:
+    """Where a run's JSON goes without ``--output``: ``results/<bench>-<when>.json`` (``$RELAXKV_RESULTS``)."""
+    return RESULTS_DIR / f"{bench}-{when}.json"
+
+
 def write_result(bench: str, args: argparse.Namespace, payload: dict) -> pathlib.Path:
     """Write ``payload`` with the benchmark's name, machine and arguments to ``--output`` (or a dated file)."""
-    path = pathlib.Path(args.output) if args.output else RESULTS_DIR / f"{bench}-{stamp()}.json"
+    path = pathlib.Path(args.output) if args.output else default_output(bench, stamp())
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"bench": bench, "machine": machine(), "args": vars(args), **payload}
     path.write_text(json.dumps(payload, indent=1))

@@ -49,11 +49,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import pathlib
-import platform
 import sys
 import time
 
@@ -64,7 +62,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import requests as http  # noqa: E402
 import sglang as sgl  # noqa: E402
 
-from benchmarks import metrics  # noqa: E402
+from benchmarks import common, metrics  # noqa: E402
 from benchmarks.common import fmt  # noqa: E402
 from benchmarks.demo_modes import MODES, REFERENCE_MODE, RELAXKV_PARAMS, DemoError, Mode, ModeBackend, serve_one  # noqa: E402
 from benchmarks.replay import ReplayError, replay_in_order  # noqa: E402
@@ -246,24 +244,19 @@ def _one_line(exc: BaseException) -> str:
     return text[:300]
 
 
-def _default_output() -> str:
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return f"results/demo-{stamp}.json"
-
-
 # ---------------------------------------------------------------------- main
 
 
-def _resolve_model(name_or_path: str) -> pathlib.Path:
-    """The folder of ``--model``: a prepared model of :data:`assets.MODELS`, or a model folder."""
-    path = assets.resolve_model(name_or_path)
+def _resolve_model(args: argparse.Namespace) -> pathlib.Path:
+    """The folder of ``--model`` (:func:`benchmarks.common.model_dir`), refused unless it holds a model."""
+    path = common.model_dir(args)
     if not (path / "config.json").is_file():
-        raise DemoError(f"--model {name_or_path}: neither {' nor '.join(assets.MODELS)} nor a model folder")
+        raise DemoError(f"--model {args.model}: neither {' nor '.join(assets.MODELS)} nor a model folder")
     return path
 
 
-def _served_model_dir(url: str, fallback: str) -> pathlib.Path:
-    """The served model's folder (for the tokenizer): the server's own ``model_path`` if local."""
+def _served_model_dir(url: str, args: argparse.Namespace) -> pathlib.Path:
+    """The served model's folder (for the tokenizer): the server's own ``model_path`` if local, else ``--model``'s."""
     try:
         info = http.get(url.rstrip("/") + "/get_model_info", timeout=10).json()
     except http.ConnectionError as exc:
@@ -273,7 +266,7 @@ def _served_model_dir(url: str, fallback: str) -> pathlib.Path:
     path = pathlib.Path(str(info.get("model_path", "")))
     if (path / "config.json").is_file():
         return path
-    return _resolve_model(fallback)
+    return _resolve_model(args)
 
 
 def _context_length(model_dir: pathlib.Path) -> int | None:
@@ -312,20 +305,17 @@ def server_has_plugin(url: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    """The demo's flags: the benchmarks' own (:func:`benchmarks.common.bench_parser`, no ``--quick``) and its trace's."""
+    p = common.bench_parser("demo", __doc__, max_total_tokens=32768, quick=False)
+    p.prog = PROG  # its errors read "relaxkv-sglang demo: error: ...", as the demo's own do
     p.add_argument("--requests", type=int, default=24, help="requests in the trace (default 24)")
     p.add_argument("--clients", type=int, default=4, help="concurrent client threads (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="answer length cap (default 16)")
-    p.add_argument("--model", default="smollm2-135m",
-                   help=f"model: {', '.join(assets.MODELS)} (tiny-llama: a quick smoke run) or a folder")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    p.add_argument("--max-total-tokens", type=int, default=32768, help="server KV pool size in tokens")
     p.add_argument("--modes", default=None,
                    help=f"comma-separated modes, one table row each, run in this order (available: "
                         f"{', '.join(MODES)}; default: all of them, or only prefix with --server stock); "
                         f"'{REFERENCE_MODE}' is the reference of the fidelity column")
-    p.add_argument("--output", default=None, help="JSON results file (default results/demo-<UTC time>.json)")
-    p.add_argument("--url", default=None, help="use this already-running server instead of starting one")
     p.add_argument("--server", choices=("plugin", "stock"), default="plugin",
                    help="which server to start: SGLang with the relaxkv plugin's cache and attention backend "
                         "(default; serves every mode), or stock SGLang for comparison (serves prefix only)")
@@ -364,7 +354,7 @@ class ServedModes:
 
 def prepare_output(path: str | None) -> pathlib.Path:
     """The JSON results path (``--output`` or a dated default), its folder created."""
-    output = pathlib.Path(path or _default_output())
+    output = pathlib.Path(path) if path else common.default_output("demo", common.stamp())
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -376,11 +366,11 @@ def locate_model(args: argparse.Namespace, modes: list[str]) -> pathlib.Path:
     """The served model's folder; with ``--url``, also refuse plugin modes on a server without the plugin."""
     if args.url:
         url = args.url.rstrip("/")
-        model_dir = _served_model_dir(url, args.model)
+        model_dir = _served_model_dir(url, args)
         if not server_has_plugin(url):
             _refuse_plugin_modes(modes, f"the server at {url}")
     else:
-        model_dir = _resolve_model(args.model)
+        model_dir = _resolve_model(args)
     _log(f"model {model_dir}")
     return model_dir
 
@@ -450,6 +440,7 @@ def build_report(args: argparse.Namespace, modes: list[str], model_dir: pathlib.
     """The JSON report: the run's configuration and machine, the workload, each mode's summary, every request."""
     results = served.results
     reference = results[REFERENCE_MODE]["records"] if REFERENCE_MODE in results else None
+    machine = common.machine()
     return {
         "config": {
             "model": args.model,
@@ -468,11 +459,11 @@ def build_report(args: argparse.Namespace, modes: list[str], model_dir: pathlib.
             "total_wall_s": served.total_wall_s,
             "workload": "hotpotqa dev distractor; pool of requests//3 examples, 10 shuffled paragraphs each",
             "ttft": "client-side: program.run() call to the first streamed event of the answer",
-            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "cpu_count": os.cpu_count(),
+            "date_utc": machine["date"],
+            "cpu_count": machine["cpus"],
             "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "platform": platform.platform(),
-            "python": platform.python_version(),
+            "platform": machine["platform"],
+            "python": machine["python"],
             "sglang": getattr(sgl, "__version__", None),
         },
         "workload": workload,

@@ -530,6 +530,26 @@ def test_demo_cli_errors_are_one_line(capsys):
     assert err.startswith("relaxkv-sglang demo: error: mode relaxkv needs the relaxkv plugin") and "\n" not in err
 
 
+def test_demo_takes_the_benchmarks_model_and_results_folder(monkeypatch, tmp_path):
+    import argparse
+    import re
+
+    from benchmarks import common, demo
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "results")
+    out = demo.prepare_output(None)
+    assert out.parent == tmp_path / "results" and out.parent.is_dir()
+    assert re.fullmatch(r"demo-\d{8}T\d{6}Z\.json", out.name)
+    assert demo.prepare_output(str(tmp_path / "x" / "y.json")) == tmp_path / "x" / "y.json"
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert demo._resolve_model(argparse.Namespace(model=str(model))) == model
+    args = demo.build_parser().parse_args([])
+    assert (args.model, args.url, args.max_total_tokens, args.output) == ("smollm2-135m", None, 32768, None)
+    assert not hasattr(args, "quick")
+
+
 # --------------------------------------------------------------- quality tasks
 
 

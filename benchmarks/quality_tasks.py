@@ -247,6 +247,11 @@ def task_examples(task: str, n: int, *, seed: int = 0, offset: int = 0,
 
     ``documents``: documents (chunks) per prompt, ~150 SmolLM2 tokens each (50 make a ~7K-token
     prompt); other than :data:`DOCUMENTS_PER_PROMPT` only for :data:`SCALABLE_TASKS`.
+
+        >>> example = task_examples("niah_multivalue", 1, seed=0)[0]  # the prepared essays
+        >>> text, offsets = example.marked("chat")
+        >>> len(offsets) // 2, example.scorer
+        (10, 'string_match_all')
     """
     if task not in QUALITY_TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(QUALITY_TASKS)}")

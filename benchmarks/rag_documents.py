@@ -113,6 +113,10 @@ def hotpotqa_requests(
     :data:`SYSTEM_PROMPTS`; finally the trace order is shuffled, so the repeats
     of an example are spread through the trace. ``data`` replaces the HotpotQA
     file (for tests); by default it is ``assets.load_data("hotpotqa")``.
+
+        >>> trace = hotpotqa_requests(6, seed=0)  # the prepared HotpotQA dev file
+        >>> len(trace), len({req.example_id for req in trace}), len(render_prompt(trace[0])) > 0
+        (6, 2, True)
     """
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")

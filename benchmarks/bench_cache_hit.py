@@ -40,6 +40,9 @@ routing).
     python -m benchmarks.bench_cache_hit --tiers --quick --model tiny-llama
     python -m benchmarks.bench_cache_hit --replicas 2 --model tiny-llama --quick
 
+With ``--replicas N --frameworks`` the replicas get the trace unmarked in one framework's shape
+(``--shapes``, default ``langchain-chat``), routed by the documents the server discovers in it.
+
 ``--frameworks`` (:mod:`benchmarks.cache_hit_frameworks`) sends the trace unmarked in the prompt
 shapes of LangChain, LlamaIndex (chat and completion) and the OpenAI SDK, beside the same trace as
 content parts, to a server whose default policy is ``pic``: each shape's hit rate against its best
@@ -195,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
             common.fail(BENCH, "--replicas starts its own servers; drop --url / --pressure")
         if "--policies" not in given:
             args.policies = ["pic"]
+        if args.frameworks and "--shapes" not in given:  # the trace as LangChain sends it
+            args.shapes = ["langchain-chat"]
         common.run_bench(BENCH, args, run_replicas, report=print_replicas)
     elif args.replicas < 1:
         common.fail(BENCH, f"--replicas {args.replicas}: must be >= 1")

@@ -111,17 +111,26 @@ SHAPES: dict[str, Callable[[TraceRequest], tuple[str, dict]]] = {
 ROUTES = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
-def replay_shape(client, model: str, trace: list[TraceRequest], shape: str, args: argparse.Namespace) -> dict:
-    """Send the trace in one shape on a flushed cache under a fresh ``cache_salt``; the shape's sums."""
+def replay_shape(client, model: str, trace: list[TraceRequest], shape: str, args: argparse.Namespace,
+                 routed: bool = False) -> dict:
+    """Send the trace in one shape on a flushed cache under a fresh ``cache_salt``; the shape's sums.
+
+    ``routed``: each request carries the routing key of the documents in its body, as
+    :func:`relaxkv_sglang.routing.add_routing_header` sets it on an unchanged framework's HTTP
+    client (the gateway's document routing)."""
+    from relaxkv_sglang.routing import ROUTING_HEADER, body_routing_key
+
     client.flush()
     salt = f"{shape}-{os.urandom(4).hex()}"
     bodies = [SHAPES[shape](req) for req in trace]
+    keys = [body_routing_key(body) if routed else None for _, body in bodies]
 
     def one(i: int, _client: int, sent_at: float) -> dict:
         route, body = bodies[i]
         body = {**body, "model": model, "max_tokens": args.max_new_tokens, "temperature": 0, "cache_salt": salt}
+        headers = {ROUTING_HEADER: keys[i]} if keys[i] else None
         start = time.perf_counter()
-        response = client.session.post(client.url + ROUTES[route], json=body, timeout=client.timeout)
+        response = client.session.post(client.url + ROUTES[route], json=body, timeout=client.timeout, headers=headers)
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
         usage = response.json()["usage"]
@@ -136,6 +145,7 @@ def replay_shape(client, model: str, trace: list[TraceRequest], shape: str, args
     prompt = sum(r["prompt_tokens"] for r in records)
     cached = sum(r["cached_tokens"] for r in records)
     return {"shape": shape, "route": bodies[0][0], "requests": len(records), "prompt_tokens": prompt,
+            "routing_keys": len({k for k in keys if k}), "requests_per_s": len(records) / wall,
             "total_cached_tokens": cached, "cache_hit_rate_pct": 100.0 * metrics.hit_rate(cached, prompt),
             "latency_mean_s": statistics.mean(r["latency_s"] for r in records), "wall_s": wall,
             "per_request": records}

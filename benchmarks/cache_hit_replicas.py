@@ -19,6 +19,14 @@ emptied before each run): a chunk one replica computed is a disk hit on the othe
 ``--shared-mooncake`` they share a Mooncake store instead, through the HiCache tier
 (:class:`~relaxkv_sglang.mooncake_service.MooncakeService` on loopback, emptied before each run;
 ``make install-mooncake``).
+
+With ``--frameworks`` the trace is sent unmarked, as unchanged RAG frameworks send it (the first
+of ``--shapes``, e.g. ``langchain-chat``: :mod:`benchmarks.cache_hit_frameworks`), the replicas
+serving ``pic`` by default; under ``document`` routing each request carries the key of the
+documents the server discovers in it (:func:`relaxkv_sglang.routing.add_routing_header`).
+
+    python -m benchmarks.bench_cache_hit --replicas 4 --shared-mooncake --frameworks --shapes langchain-chat \
+        --model tiny-llama --quick --topics 10 --max-total-tokens 8192
 """
 
 from __future__ import annotations
@@ -107,8 +115,9 @@ def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = No
 
         store = stack.enter_context(MooncakeService(segment_mb=1024))
         env = store.env(page_kb=64)
-    base = common.ServerConfig(model_path=model, max_total_tokens=args.max_total_tokens, policy="prefix",
-                               log_path=str(log), env=env)
+    frameworks = bool(getattr(args, "frameworks", False))
+    base = common.ServerConfig(model_path=model, max_total_tokens=args.max_total_tokens,
+                               policy="pic" if frameworks else "prefix", log_path=str(log), env=env)
 
     def measure(client: ClusterClient, policy: str, routing: str, urls: list[str]) -> dict:
         """One replay; requests per replica from the replicas' /metrics, chunk hits from their counters."""
@@ -117,7 +126,13 @@ def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = No
         if store is not None:  # or an empty shared store
             empty_shared_store(urls, store)
         requests_before, state_before = replica_request_counts(urls), client.relaxkv_state()
-        row = replay(client, trace, policy, args.clients, args)
+        if frameworks:  # policy: the shape; the replicas' default policy (pic) serves it
+            from benchmarks.cache_hit_frameworks import replay_shape, server_model
+
+            row = replay_shape(client, server_model(client), trace, policy, args, routed=routing.startswith("document"))
+            row["policy"] = policy
+        else:
+            row = replay(client, trace, policy, args.clients, args)
         state = client.relaxkv_state()
         chunk = state.get("chunk_hit_tokens", 0) - state_before.get("chunk_hit_tokens", 0)
         row.update(routing=routing, chunk_hit_rate_pct=100.0 * metrics.hit_rate(chunk, row["prompt_tokens"]),
@@ -140,7 +155,7 @@ def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = No
         for url in urls:
             ServerClient(url).generate(trace[0].text, trace[0].offsets, args.policies[0].removesuffix("-auto"),
                                        max_new_tokens=1)
-        for policy in args.policies:  # one replica alone, then a router per routing
+        for policy in (args.shapes[:1] if frameworks else args.policies):  # one replica alone, then a router per routing
             rows.append(measure(ClusterClient(urls[0], urls), policy, "single", urls))
             for i, routing in enumerate(args.routings):  # a routing may repeat (the e2e test replays it)
                 # document_split: the router's document routing, the client splitting hot keys
@@ -158,7 +173,7 @@ def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = No
         row["imbalance"] = imbalance(row["per_replica_requests"]) if row["routing"] != "single" else None
         row.pop("per_request")
     return {"workload": {**workload, "replicas": len(urls), "kv_pool_tokens": args.max_total_tokens,
-                         "shared_chunk_dir": bool(args.shared_chunk_dir),
+                         "shared_chunk_dir": bool(args.shared_chunk_dir), "frameworks": frameworks,
                          "shared_mooncake": bool(args.shared_mooncake)},
             "results": rows}
 

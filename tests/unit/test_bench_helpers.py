@@ -254,3 +254,47 @@ def test_cold_summary_takes_medians_of_each_rounds_ratio_and_excess_cold_and_war
     assert s["warm_chunks_hit"] == 10
     del rounds[0]["pic"]["warm"]  # a run without warm replays reports none
     assert "median_warm_wall_s" not in bench_cold.summarize(rounds)["pic"]
+
+
+def test_replay_shape_routed_sends_the_discovered_documents_key():
+    """``bench_cache_hit --replicas N --frameworks``: under document routing each LangChain-shaped
+    request carries the key of its documents (discovered in the string content), none otherwise."""
+    import argparse
+
+    from benchmarks import cache_hit_frameworks
+    from benchmarks.replay import TraceRequest
+    from relaxkv_sglang.routing import ROUTING_HEADER, routing_key_of_documents
+
+    docs = [f"The river town of Alder{i} grew around a mill built in {1700 + i}, and its stone bridge was rebuilt "
+            "twice after the floods." for i in range(4)]
+    trace = [TraceRequest("You answer.", docs[:3], "Question: Which?\nAnswer:", [0, 1, 2]),
+             TraceRequest("You answer.", docs[1:][::-1], "Question: What?\nAnswer:", [3, 2, 1])]
+
+    class Response:
+        status_code = 200
+
+        def json(self):
+            return {"usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4}}}
+
+    class Client:
+        url, timeout = "http://gw", 5
+
+        def __init__(self):
+            self.headers = []
+            self.session = self
+
+        def flush(self):
+            pass
+
+        def post(self, url, json, timeout, headers):
+            assert url == "http://gw/v1/chat/completions" and isinstance(json["messages"][0]["content"], str)
+            self.headers.append(headers)
+            return Response()
+
+    args = argparse.Namespace(max_new_tokens=1, clients=1)
+    for routed, want in [(True, [routing_key_of_documents(docs[:3]), routing_key_of_documents(docs[1:])]),
+                         (False, [None, None])]:
+        client = Client()
+        row = cache_hit_frameworks.replay_shape(client, "m", trace, "langchain-chat", args, routed=routed)
+        assert [h and h[ROUTING_HEADER] for h in client.headers] == want
+        assert row["routing_keys"] == (2 if routed else 0) and row["cache_hit_rate_pct"] == 40.0

@@ -17,7 +17,7 @@ The hooks here:
   the pool lacks but the host or disk tier holds is loaded into the pool there
   first (evicting only other unpinned chunks) and pinned the same way. While other requests run
   (or one was admitted this round) the check also runs under
-  :meth:`~.tree_cache_class.RelaxKVTreeCache.admission_hold`: chunks that queued
+  :meth:`~.pins.AdmissionHold.hold`: chunks that queued
   requests need count as not evictable, so a request that only fits by evicting
   them waits for memory to come back instead. A request not admitted drops its
   pins at once; an admitted one keeps those of its window only.
@@ -60,7 +60,7 @@ def around_get_new_batch_prefill(original: Callable, scheduler: Any, running_bat
     try:
         return original(scheduler, running_batch, *args, **kwargs)
     finally:
-        cache.end_admission()
+        cache.hold.end()
 
 
 def around_add_one_req(original: Callable, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -70,7 +70,7 @@ def around_add_one_req(original: Callable, adder: Any, req: Any, *args: Any, **k
         return original(adder, req, *args, **kwargs)
     running = adder.running_batch
     others_run = bool(adder.can_run_list) or (running is not None and not running.is_empty())
-    hold = cache.admission_hold() if others_run else contextlib.nullcontext()
+    hold = cache.hold.hold() if others_run else contextlib.nullcontext()
 
     def check() -> Any:
         """The adder's own check, under the hold."""
@@ -94,10 +94,10 @@ def _check_pinned(cache: Any, adder: Any, req: Any, check: Callable[[], Any]) ->
     try:
         result = check()
     except BaseException:
-        cache.unpin_request(req)
+        cache.admission_pins.unpin(req)
         raise
     if _admitted(adder, req):
-        cache.trim_pins(req, req.extend_end)
+        cache.admission_pins.trim(req, req.extend_end)
     else:
-        cache.unpin_request(req)
+        cache.admission_pins.unpin(req)
     return result

@@ -23,7 +23,7 @@ from relaxkv_sglang.srt.report import merge_record, request_record
 if TYPE_CHECKING:
     from relaxkv_sglang.srt.query_pass import ForwardSetup
     from relaxkv_sglang.srt.repair import RepairOutcome
-    from relaxkv_sglang.srt.tree_cache import ChunkCache
+    from relaxkv_sglang.srt.chunk_cache import ChunkCache
 
 
 def finish_forward(cache: "ChunkCache", setup: "ForwardSetup", outcomes: Mapping[int, "RepairOutcome"]) -> None:

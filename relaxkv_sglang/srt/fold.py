@@ -8,7 +8,7 @@ inside the extend window:
 
 * **hit** (the chunk tree holds it): the cache copies its canonical K/V into the
   request's slots, re-rotating K to where the chunk now sits
-  (:meth:`~.tree_cache.ChunkCache.reuse_chunk`), and its tokens are dropped from
+  (:meth:`~.chunk_reuse.ChunkReuse.reuse`), and its tokens are dropped from
   the batch, so they cost no projection, attention or MLP;
 * **miss**: its tokens stay, computed position-independently (each attends only
   to its own chunk, see ``attention_backend``), and after the forward the cache
@@ -52,7 +52,7 @@ from relaxkv_sglang.core.tiers import TierName, split_hits
 from relaxkv_sglang.srt.plan import RequestPlan, request_plan
 
 if TYPE_CHECKING:
-    from relaxkv_sglang.srt.tree_cache import ChunkCache
+    from relaxkv_sglang.srt.chunk_cache import ChunkCache
 
 # A miss chunk to publish once computed: (token ids, start position, end position).
 MissChunk = tuple[tuple[int, ...], int, int]
@@ -163,7 +163,7 @@ def _fold_request(cache: "ChunkCache", req: Any, rp: int, pre: int, n: int,
             continue
         chunks_seen += 1
         tokens = req.origin_input_ids[cs:ce]
-        tier = cache.reuse_chunk(plan.namespace, tokens, row[cs:ce].to(torch.int64), cs)
+        tier = cache.reuse.reuse(plan.namespace, tokens, row[cs:ce].to(torch.int64), cs)
         scope[lo:hi] = cs  # a hit row computed after all (input logprobs, below) keeps its chunk scope
         if tier:
             keep[lo:hi] = False  # rows of earlier windows: their KV is overwritten by the copy

@@ -46,7 +46,7 @@ from relaxkv_sglang.srt.finish import finish_forward
 from relaxkv_sglang.srt.fold import fold_batch
 from relaxkv_sglang.srt.query_pass import set_up_forward
 from relaxkv_sglang.srt.repair import repair_stage
-from relaxkv_sglang.srt.tree_cache import worker_cache
+from relaxkv_sglang.srt.chunk_cache import worker_cache
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def around_forward_batch_generation(original: Callable, worker: Any, batch: Opti
         # the chunk pins taken at admission (admission.py): copied by the fold, or not
         # needed (a mixed batch is not folded); on a failed forward too
         if batch is not None:
-            cache.unpin_requests(batch.reqs)
+            cache.admission_pins.unpin_all(batch.reqs)
 
 
 def _forward(original: Callable, cache: Any, worker: Any, batch: Optional[Any], *args: Any, **kwargs: Any) -> Any:

@@ -16,7 +16,7 @@ scheduler serves anything. It takes ``4n`` slots from the pool's allocator (``n`
   then copied again with a rotation the model does not use (:func:`control_rope`), which must not
   match (the negative control, ``core/gate.py``);
 * ``pic``: a one-chunk ``pic`` hit: ``moved``'s first ``3n/4`` tokens copied back to ``0`` with
-  ``-p`` (exactly what ``reuse_chunk`` does), then the rest of the text run over them; checks
+  ``-p`` (exactly what ``ChunkReuse.reuse`` does), then the rest of the text run over them; checks
   ``pic_kv`` (against ``full``, every layer, K and V) and ``pic_logits`` (the rest's logits
   against ``full``'s).
 
@@ -136,7 +136,7 @@ def _run_checks(causal_lm: Optional[torch.nn.Module], cache: Any, context_len: i
         layers = ModelLayers(causal_lm.model)
     except UnsupportedModelError as exc:
         return GateResult.failure(f"the gate cannot run this model's layers: {exc}")
-    kv_pool = cache.kv_pool
+    kv_pool = cache.pool_kv.kv_pool
     device = cache.req_to_token.device
     dtype = getattr(kv_pool, "dtype", None) or kv_pool.get_key_buffer(next(iter(cache.pool_kv.layers))).dtype
     dtype_name = str(dtype).replace("torch.", "")
@@ -205,7 +205,7 @@ def _rows(slots: torch.Tensor, offset: int, first: int, n: int, n_layers: int) -
 
 def _compare_kv(name: str, cache: Any, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> CheckResult:
     """Every layer's K and V in slots ``actual`` against ``expected`` (int64 [n] each)."""
-    pool = cache.kv_pool
+    pool = cache.pool_kv.kv_pool
     got, want = [], []
     for layer in cache.pool_kv.layers:
         for kind, buf in (("K", pool.get_key_buffer(layer)), ("V", pool.get_value_buffer(layer))):

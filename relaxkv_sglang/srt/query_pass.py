@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     from relaxkv_sglang.srt.fold import Fold, RequestFold
-    from relaxkv_sglang.srt.tree_cache import ChunkCache
+    from relaxkv_sglang.srt.chunk_cache import ChunkCache
 
 
 @dataclasses.dataclass(frozen=True)

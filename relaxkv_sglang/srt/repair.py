@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
     from relaxkv_sglang.srt.query_pass import ForwardSetup, RequestRows
-    from relaxkv_sglang.srt.tree_cache import ChunkCache
+    from relaxkv_sglang.srt.chunk_cache import ChunkCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +132,7 @@ class RepairStage:
         if not planned:
             return hidden
         ids = torch.cat([_token_ids(r.fold.req)[rows.positions] for _, r, rows in planned])
-        loop = LayerLoop(layers, self.cache.kv_pool, self.attn_backend.anchor_attention,
+        loop = LayerLoop(layers, self.cache.pool_kv.kv_pool, self.attn_backend.anchor_attention,
                          rope=getattr(getattr(self.cache, "pool_kv", None), "rope", None))
         with torch.no_grad():
             repaired = loop.run([rows for _, _, rows in planned], ids.to(hidden.device))

@@ -13,7 +13,7 @@ when ``RELAXKV_HOST_CACHE_GB`` or ``RELAXKV_CHUNK_DIR`` is set, the lower tiers
 (:mod:`.calibration`); ``/get_server_info`` shows the gate's verdict (``relaxkv.gate``) and the
 calibration (``relaxkv.calibration``), and the model identity chunk keys are salted with
 (:mod:`.kv_identity`, printed at startup, ``relaxkv.kv_identity``). The scheduler's worker finds
-its cache through :func:`worker_cache` (the factory attaches it to
+its cache through :func:`~.chunk_cache.worker_cache` (the factory attaches it to
 ``TreeCacheBuildContext.tp_worker``), so no module holds a process-wide reference.
 
 SGLang files touched: ``mem_cache/registry.py`` (the backend), ``managers/scheduler.py``
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from relaxkv_sglang.core.rope import UnsupportedRopeError, rope_spec_from_hf_config
 from relaxkv_sglang.srt.calibration import calibration_state, load_served_calibration
+from relaxkv_sglang.srt.chunk_cache import attach_worker_cache, worker_cache
 from relaxkv_sglang.srt.chunk_metrics import ChunkMetrics
 from relaxkv_sglang.srt.gate import gate_state, run_startup_gate, serving_rope
 from relaxkv_sglang.srt.kv_identity import KVIdentity, kv_identity
@@ -40,19 +41,8 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
     from relaxkv_sglang.core.tiers import TieredChunkStore
-    # The surface the fold and the repair use is the cache's own (reuse_chunk, publish_chunk, ...).
-    from relaxkv_sglang.srt.tree_cache_class import RelaxKVTreeCache as ChunkCache
 
 logger = logging.getLogger(__name__)
-
-# Attribute of SGLang's TpModelWorker that holds its relaxkv tree cache.
-_WORKER_ATTR = "relaxkv_cache"
-
-
-def worker_cache(worker: Any) -> Optional["ChunkCache"]:
-    """The relaxkv tree cache of this scheduler's worker, or None if not selected."""
-    return getattr(worker, _WORKER_ATTR, None)
-
 
 def build_cache_class() -> type:
     """The cache class (:class:`~.tree_cache_class.RelaxKVTreeCache`), imported on first use
@@ -112,7 +102,7 @@ def make_tree_cache(ctx: "TreeCacheBuildContext") -> Any:
     tiers = _build_tiers(ctx, pool_kv, identity)
     cache = build_cache_class()(ctx.params, pool_kv, metrics, tiers)
     cache.kv_identity = identity  # relaxkv.kv_identity on /get_server_info
-    setattr(ctx.tp_worker, _WORKER_ATTR, cache)
+    attach_worker_cache(ctx.tp_worker, cache)
     load_served_calibration(cache, server_args.model_path, hf_config, log=ctx.tp_rank == 0)
     # The correctness gate on the loaded model (srt/gate.py): a failure refuses chunk policies.
     gate = run_startup_gate(ctx.tp_worker, cache, int(ctx.model_config.context_len), tp_rank=ctx.tp_rank,

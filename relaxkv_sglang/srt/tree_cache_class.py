@@ -4,10 +4,11 @@ The radix tree (SGLang's legacy ``RadixCache``, subclassed) still serves exact p
 system prompts, multi-turn history, any request without chunks. Beside it a
 :class:`~relaxkv_sglang.core.chunk_store.ChunkStore` holds each document chunk's KV once,
 keyed by its token ids and tenant namespace. This class holds only SGLang's overrides and the
-names other modules call; the work is done by parts with one concept each:
+:class:`~.chunk_cache.ChunkCache` surface other modules call; the work is done by parts with one
+concept each (reached as the class's attributes ``reuse``, ``admission_pins``, ``hold``):
 
 ==================================  ==========================================================
-:class:`~.chunk_reuse.ChunkReuse`   ``reuse_chunk`` / ``publish_chunk`` (what the fold asks)
+:class:`~.chunk_reuse.ChunkReuse`   ``reuse`` / ``publish`` (what the fold asks)
 :class:`~.pool_kv.PoolKV`           every copy of chunk KV in the pool, K re-rotated
 :class:`~.tier_movement.TierMovement`  spill, load, write-through, prefetch (lower tiers)
 :class:`~.pins.AdmissionPins`       chunk hits locked from admission to the fold
@@ -42,7 +43,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
@@ -60,7 +61,6 @@ from relaxkv_sglang.srt.tier_movement import TierMovement
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
-    from sglang.srt.mem_cache.memory_pool import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -87,22 +87,12 @@ class RelaxKVTreeCache(RadixCache):
         self.hold = AdmissionHold(chunks, enabled=os.environ.get(HOLD_ENV, "1") != "0")
         self.chunks = chunks
 
-    # -------------------------------------------------- what the fold and the repair use
+    # -------------------------------------------------- the ChunkCache surface (chunk_cache.py)
 
     @property
     def req_to_token(self) -> torch.Tensor:
         """int32 [max_requests, max_context] each request's KV slot per position."""
         return self.req_to_token_pool.req_to_token
-
-    @property
-    def kv_pool(self) -> "KVCache":
-        """SGLang's KV pool (per-layer K and V buffers)."""
-        return self.pool_kv.kv_pool
-
-    def reuse_chunk(self, namespace: Optional[str], tokens: Sequence[int], dst: torch.Tensor,
-                    position: int) -> Optional[TierName]:
-        """See :meth:`.chunk_reuse.ChunkReuse.reuse`."""
-        return self.reuse.reuse(namespace, tokens, dst, position)
 
     def publish_chunk(self, namespace: Optional[str], tokens: Sequence[int], src: torch.Tensor,
                       position: int) -> bool:
@@ -156,32 +146,12 @@ class RelaxKVTreeCache(RadixCache):
         return self.movement.load(self.chunks, namespace, tokens,
                                   lambda n: self.alloc_chunk_slots(n, chunks_only=True))
 
-    def trim_pins(self, req: Any, end: int) -> None:
-        """See :meth:`.pins.AdmissionPins.trim`."""
-        self.admission_pins.trim(req, end)
-
-    def unpin_request(self, req: Any) -> None:
-        """See :meth:`.pins.AdmissionPins.unpin`."""
-        self.admission_pins.unpin(req)
-
-    def unpin_requests(self, reqs: Iterable[Any]) -> None:
-        """See :meth:`.pins.AdmissionPins.unpin_all`."""
-        self.admission_pins.unpin_all(reqs)
-
     def begin_admission(self, waiting_queue: list, chunked_req: Any = None) -> None:
         """An admission round starts: the hold learns the queue; the reads of its chunks the
         pool lacks start in the background (:meth:`.tier_movement.TierMovement.prefetch`)."""
         self.hold.begin(waiting_queue, chunked_req)
         if self.movement is not None:
             self.movement.prefetch(self.chunks, waiting_queue[:HOLD_QUEUE_DEPTH])
-
-    def end_admission(self) -> None:
-        """The admission round is over."""
-        self.hold.end()
-
-    def admission_hold(self) -> ContextManager[int]:
-        """See :meth:`.pins.AdmissionHold.hold`."""
-        return self.hold.hold()
 
     # -------------------------------------------------- counters
 
@@ -229,7 +199,7 @@ class RelaxKVTreeCache(RadixCache):
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         """A request's row was freed (finished, aborted, retracted): drop its chunk pins."""
-        self.unpin_request(req)
+        self.admission_pins.unpin(req)
         super().on_release(req, checkpointed=checkpointed)
 
     def match_prefix(self, params: "MatchPrefixParams") -> "MatchResult":

@@ -496,7 +496,7 @@ def _rows(*specs):
 
 
 def test_attention_path_table():
-    from relaxkv_sglang.srt.attention_backend import SCOPED, SGLANG, attention_path
+    from relaxkv_sglang.srt.attention_paths import SCOPED, SGLANG, attention_path
 
     def never():
         raise AssertionError("rows inspected")
@@ -517,7 +517,7 @@ def test_attention_path_table():
 
 
 def test_rows_are_contiguous_tails():
-    from relaxkv_sglang.srt.attention_backend import rows_are_contiguous_tails
+    from relaxkv_sglang.srt.attention_paths import rows_are_contiguous_tails
 
     tails = _rows((3, [4, 5, 6], [0, 0, 0]), (1, [0, 1], [0, 0]))
     assert rows_are_contiguous_tails(tails, [4, 0], [3, 2])
@@ -670,7 +670,7 @@ def test_a_segment_without_keys_is_planned_to_read_none(flashinfer_model):
 
 
 def test_graph_replay_only_for_sglang_batches_without_a_repair():
-    from relaxkv_sglang.srt.attention_backend import SCOPED, SGLANG, may_replay_graph
+    from relaxkv_sglang.srt.attention_paths import SCOPED, SGLANG, may_replay_graph
 
     plain = types.SimpleNamespace(repair=None)
     repaired = types.SimpleNamespace(repair=object())
@@ -688,7 +688,7 @@ def _attention_layer(layer_id, window=-1, cap=0.0, k_scale=None, v_scale=None):
 
 
 def test_attention_settings_the_plugin_would_drop_are_refused_at_startup():
-    from relaxkv_sglang.srt.attention_backend import check_attention_settings, unsupported_settings
+    from relaxkv_sglang.srt.attention_paths import check_attention_settings, unsupported_settings
 
     plain = torch.nn.Sequential(_attention_layer(0), _attention_layer(1, k_scale=1.0, v_scale=1.0))
     assert unsupported_settings(plain) == [] and unsupported_settings(None) == []
@@ -718,7 +718,7 @@ def test_cuda_backend_shares_sglangs_flashinfer_workspace(flashinfer_model, monk
     SGLang's backend holds anyway), none of their own."""
     from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
-    from relaxkv_sglang.srt import attention_backend
+    from relaxkv_sglang.srt import attention_backend, attention_paths
 
     workspace = torch.empty(64, dtype=torch.uint8)
 
@@ -726,8 +726,9 @@ def test_cuda_backend_shares_sglangs_flashinfer_workspace(flashinfer_model, monk
         self.workspace_buffer = workspace
 
     monkeypatch.setattr(FlashInferAttnBackend, "__init__", sglang_init)
-    monkeypatch.setattr(attention_backend, "_plugin_state", lambda backend, model_runner: None)
-    backend = attention_backend.build_cuda_backend_class()(types.SimpleNamespace(device="cpu"))
+    monkeypatch.setattr(attention_paths.RepairCost, "from_hf_config", staticmethod(lambda config, device: None))
+    runner = types.SimpleNamespace(device="cpu", model=None, model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(to_dict=dict)))
+    backend = attention_backend.build_cuda_backend_class()(runner)
     assert backend._scoped._ring.workspace is workspace
     assert backend.anchor_attention._float_workspace is workspace
     attn = FlashInferAnchorAttention("cpu", float_workspace=workspace)

@@ -245,7 +245,7 @@ class TreeCacheMachine(RuleBasedStateMachine):
         self.req_to_token.alloc([req])
         slots = self._alloc(n - req.prefix_len)
         if slots is None:  # no room: not admitted
-            self.cache.unpin_request(req)
+            self.cache.admission_pins.unpin(req)
             self.cache.unlock(req.lock)
             self.req_to_token.free(req)
             return
@@ -328,7 +328,7 @@ class TreeCacheMachine(RuleBasedStateMachine):
                 self._compute_row(row, tokens, ns, r.prefix_len + j, s)
         if fold is not None:
             finish_forward(self.cache, setup, {})
-        self.cache.unpin_requests(reqs)  # the forward hook's finally
+        self.cache.admission_pins.unpin_all(reqs)  # the forward hook's finally
         assert not any(r.rid in self.cache.pins for r in reqs)
         if fold is not None:
             for r, rf, hits in zip(reqs, fold.requests, expect_hits):
@@ -375,7 +375,7 @@ class TreeCacheMachine(RuleBasedStateMachine):
                     if e is not None:
                         need[id(e)] = e
         before = self.cache.evictable_size()
-        with self.cache.admission_hold() as held:
+        with self.cache.hold.hold() as held:
             # the store's learned share, less what is locked in it, is held back too
             reserve = max(0, self.cache.chunks.target_tokens() - self.cache.chunks.locked_tokens())
             assert self.cache.admission_reserve == reserve
@@ -385,7 +385,7 @@ class TreeCacheMachine(RuleBasedStateMachine):
             self.cache.evict(self.sg.EvictParams(num_tokens=POOL))  # as if admission allocated everything
             assert all(self.cache.chunks.peek(e.namespace, e.token_ids) is e for e in need.values())
         assert self.cache.admission_reserve == 0
-        self.cache.end_admission()
+        self.cache.hold.end()
         # Released as the most recently used: the held chunks are evicted last
         # (everything else evictable went above, so only they are left unlocked).
         unlocked = [e for e in need.values() if e.lock_ref == 0]
@@ -666,6 +666,6 @@ def test_a_chunk_held_twice_is_pinned_once_in_the_count(scheduler_context):
         req = machine._make_req(RequestSpec("pic", None, (), ((10, 11, 12), (10, 11, 12)), (7,)))
         req.init_next_round_input(machine.cache)
         assert machine.cache.pin_request(req) == 3
-        machine.cache.unpin_request(req)
+        machine.cache.admission_pins.unpin(req)
     finally:
         machine.teardown()

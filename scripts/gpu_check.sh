@@ -2,8 +2,10 @@
 # The GPU check in one command (docs/gpu.md). On the lent GPU machine, with the device tool:
 #   run  command: bash scripts/gpu_check.sh --quick     carry: [".gpu"]     timeout_s: 600
 # It unpacks the offline bundle built here by `make gpu-bundle` (.gpu/, carried beside the
-# checkout), checks that the bundle holds every source FlashInfer's JIT compiles the paged prefill
-# from, then runs `python -m relaxkv_sglang.gpu.check`: the plugin's repair pass on the GPU against
+# checkout: FlashInfer's trimmed package and the pinned wheels it imports that the image lacks,
+# installed with pip --no-index --no-deps --target into a temporary site), checks that the bundle
+# holds every source FlashInfer's JIT compiles the paged prefill from and every module
+# `import flashinfer` needs (or the image has it), puts the carried ninja on PATH, then runs `python -m relaxkv_sglang.gpu.check`: the plugin's repair pass on the GPU against
 # the CPU (no host sync allowed in it), the plugin's FlashInfer calls against the torch reference,
 # and the repair pass timed against a dense-context repair. Each step prints its time; results go
 # to $OUT (or ./gpu-check-out): gpu_check.json (written after every step), gpu_check.log, device.txt.
@@ -11,8 +13,8 @@
 #   bash scripts/gpu_check.sh [--quick] [--dry-run]
 #
 # --dry-run (any CPU, no GPU): everything but the CUDA calls. The bundle is unpacked and checked
-# as on the GPU machine (the tvm-ffi wheel is for Python 3.12: installed with pip's
-# --python-version 3.12, not imported), FlashInfer is not imported (its torch model stands in),
+# as on the GPU machine (the wheels are for CPython 3.12: installed with pip's --python-version
+# 3.12, not imported), FlashInfer is not imported (its torch model stands in),
 # and the check runs every step at small sizes on the CUDA-rules stand-in device.
 # Exit: 0 all passed; 1 a step or case off; 2 the bundle or the machine is not usable (one line says why).
 set -euo pipefail
@@ -38,8 +40,8 @@ die() { echo "gpu_check: $1" >&2; exit 2; }
 BUNDLE=${RELAXKV_GPU_BUNDLE:-.gpu}  # another folder only for tests
 test -d "$BUNDLE" || die "$BUNDLE/ is missing: run 'make gpu-bundle' here, then carry .gpu with the checkout"
 TAR=$(ls "$BUNDLE"/flashinfer-*-prefill.tar.xz 2>/dev/null | head -n1)
-WHL=$(ls "$BUNDLE"/apache_tvm_ffi-*.whl 2>/dev/null | head -n1)
-[ -n "$TAR" ] && [ -n "$WHL" ] || die "$BUNDLE/ lacks the FlashInfer archive or the tvm-ffi wheel: run 'make gpu-bundle' again and carry .gpu"
+WHEELS=("$BUNDLE"/*.whl)
+[ -n "$TAR" ] && [ -e "${WHEELS[0]}" ] || die "$BUNDLE/ lacks the FlashInfer archive or the wheels: run 'make gpu-bundle' again and carry .gpu"
 echo "gpu_check: $( [ "$DRY" = 1 ] && echo "dry run on $(uname -m), " )python $($PY -c 'import platform; print(platform.python_version())'), bundle $(du -sh "$BUNDLE" | cut -f1)"
 
 SITE=$(mktemp -d "${TMPDIR:-/tmp}/relaxkv-gpu-site.XXXXXX")
@@ -48,12 +50,17 @@ PIP_ARGS=(--no-index --no-deps --no-compile --disable-pip-version-check --target
 if [ "$DRY" = 1 ]; then  # a cp312 wheel on this Python: as the GPU machine would install it
   PIP_ARGS+=(--python-version 3.12 --implementation cp --only-binary=:all:)
 fi
-"$PY" -m pip install -q "${PIP_ARGS[@]}" "$WHL" || die "could not install $WHL (pip)"
+if [ -z "${RELAXKV_GPU_NO_PIP:-}" ] && "$PY" -m pip --version >/dev/null 2>&1; then
+  "$PY" -m pip install -q "${PIP_ARGS[@]}" "${WHEELS[@]}" || die "could not install the ${#WHEELS[@]} wheels of $BUNDLE/ (pip, offline)"
+else  # an image whose Python has no pip (RELAXKV_GPU_NO_PIP=1: as if): the same layout by zipfile
+  PYTHONPATH="$PWD" "$PY" -m relaxkv_sglang.gpu.bundle --install "$SITE" "${WHEELS[@]}" \
+    || die "could not unpack the ${#WHEELS[@]} wheels of $BUNDLE/ (no pip)"
+fi
 # Python's lzma, not tar's: the lent image may lack the xz program.
 "$PY" -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" "$TAR" "$SITE" \
   || die "could not unpack $TAR: run 'make gpu-bundle' again"
 test -f "$SITE/tvm_ffi/__init__.py" || die "the tvm-ffi wheel did not unpack a tvm_ffi package"
-step "bundle unpacked"
+step "bundle unpacked (${#WHEELS[@]} wheels)"
 PYTHONPATH="$PWD" "$PY" -m relaxkv_sglang.gpu.bundle --verify "$SITE" || die "the bundle is incomplete: run 'make gpu-bundle' again and carry .gpu"
 step "bundle checked"
 
@@ -70,6 +77,7 @@ if [ "$DRY" = 1 ]; then
 fi
 
 export PYTHONPATH="$SITE:$PWD"
+export PATH="$SITE/bin:$PATH"  # the carried ninja, which FlashInfer's JIT runs by name
 export MAX_JOBS=$(nproc) FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
 command -v nvidia-smi >/dev/null || die "no nvidia-smi: this is not the GPU machine (use --dry-run on a CPU)"
 nvidia-smi -L | tee "$OUT/device.txt"

@@ -29,7 +29,7 @@ def flashinfer_wheel() -> pathlib.Path:
 def bundle_dir(tmp_path_factory) -> pathlib.Path:
     """``.gpu/`` when this checkout has one (``make gpu-bundle``), else one built for the test."""
     here = bundle.BUNDLE_DIR
-    if (here / bundle.TAR_NAME).is_file() and (here / bundle.TVM_FFI_WHEEL.filename).is_file():
+    if (here / bundle.TAR_NAME).is_file() and all((here / w.filename).is_file() for w in bundle.CARRIED_WHEELS):
         return here
     out = tmp_path_factory.mktemp("gpu-bundle")
     bundle.build(out)
@@ -71,8 +71,12 @@ def test_gpu_check_script_dry_run_passes_end_to_end(bundle_dir, tmp_path):
     machine, then every step of the quick check at small sizes (FlashInfer's torch model)."""
     proc = _script("--quick", "--dry-run", env_extra={"OUT": str(tmp_path), "RELAXKV_GPU_BUNDLE": str(bundle_dir)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "gpu_check: bundle unpacked done" in proc.stdout
     assert "files FlashInfer's JIT reads for the fa2 paged prefill are present" in proc.stdout
+    # every module `import flashinfer` needs, found by the import walk of the unpacked site, is there
+    assert "every module import flashinfer needs is carried or in the GPU image" in proc.stdout
+    assert "and bin/ has ninja" in proc.stdout
+    assert f"bundle unpacked ({len(bundle.CARRIED_WHEELS)} wheels)" in proc.stdout
+    assert sum(f.stat().st_size for f in bundle_dir.iterdir()) < 64 * 2**20  # what one device call carries
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["dry_run"] and result["all_ok"]
     assert [s["step"] for s in result["steps"]] == ["flashinfer", "repair", "cases", "repair timing 192",

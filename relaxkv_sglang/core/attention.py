@@ -284,6 +284,21 @@ def block_sparse_attention(
     Returns:
         out [n_rows, n_heads, dv], and lse float32 [n_rows, n_heads] if return_lse.
         Work = ``layout.kv_pairs()`` visible pairs (+ the masked part of grouped pages).
+    
+    Example (a full causal layout equals dense causal attention on its rows):
+
+    >>> import torch
+    >>> from relaxkv_sglang.core.layout import build_relaxed_layout
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q, k, v = (torch.randn(n, h, 8, generator=g) for n, h in ((3, 2), (32, 1), (32, 1)))
+    >>> rows = torch.tensor([9, 17, 30])
+    >>> layout = build_relaxed_layout(rows, None, [(4, 32)], 32, 1.0, page_size=8, mode="full")
+    >>> out = block_sparse_attention(q, k, v, layout)
+    >>> mask = torch.arange(32)[None, :] <= rows[:, None]  # [rows, keys] causal
+    >>> w = torch.einsum("rhd,khd->rhk", q, k.expand(-1, 2, -1)) * 8 ** -0.5
+    >>> dense = torch.einsum("rhk,khd->rhd", w.masked_fill(~mask[:, None], -torch.inf).softmax(-1), v.expand(-1, 2, -1))
+    >>> out.shape, torch.allclose(out, dense, atol=1e-5)
+    (torch.Size([3, 2, 8]), True)
     """
     if q.shape[0] != layout.n_rows:
         raise ValueError(f"q has {q.shape[0]} rows, layout has {layout.n_rows}")
@@ -294,8 +309,8 @@ def block_sparse_attention(
 
 
 GROUP_ROWS = 128  # at most this many rows per fused call of the CPU executor (unless one block has more)
-# a fused call's fixed cost on a CPU, in (row, key) pairs of attention; chosen on development layouts
-# (docs/experiments/2026-12-02-four-exact-cuts.md)
+# a fused call's fixed cost on a CPU, in (row, key) pairs of attention
+# (why 4096: docs/experiments/INDEX.md#group-call-pairs)
 GROUP_CALL_PAIRS = 4096
 
 

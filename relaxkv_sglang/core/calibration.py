@@ -1,12 +1,9 @@
 """Per-model calibration of the repair knobs: one versioned JSON file per model, found by its config.
 
-The repair knobs' defaults (``repair_plan.RepairConfig``, ``policies.RelaxKVOptions``) were tuned
-on SmolLM2-135M. Some depend on the model (the layer values, the sinks, the stale shift's scale,
-the context ratio), so a model may carry a :class:`Calibration`: the knobs whose measured best
-differs from the code defaults, measured on the model's development split by
-``python -m scripts.calibrate``, with the evidence of that measurement.
-
-File format (:data:`FORMAT_VERSION` 2), ``relaxkv_sglang/calibrations/<model-name>.json``::
+The repair defaults (``repair_plan.RepairConfig``, ``policies.RelaxKVOptions``) were tuned on
+SmolLM2-135M; a model may carry a :class:`Calibration`, the knobs whose best on its development
+split (``python -m scripts.calibrate``) differs from them. File format (:data:`FORMAT_VERSION` 2),
+``relaxkv_sglang/calibrations/<model-name>.json``::
 
     {"version": 2, "model": "qwen2.5-0.5b",
      "fingerprint": {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 24, ...,
@@ -14,26 +11,17 @@ File format (:data:`FORMAT_VERSION` 2), ``relaxkv_sglang/calibrations/<model-nam
      "knobs": {"stale_shift_scale": 1.0},
      "evidence": {"command": "...", "date": "...", "git_commit": "...", "steps": [...]}}
 
-* ``fingerprint``: :data:`FINGERPRINT_KEYS` of the model's HF config (:func:`config_fingerprint`).
-  A file applies only to a model with the same fingerprint: the repository's files are found by
-  it (:func:`find_calibration`), so it works for the prepared model folders and for a user's own
-  copy of the same model, and a file given explicitly for another model is an error. ``rope`` is
-  the positional encoding's parameters (RoPE base and scaling: they set how a chunk's keys rotate
-  when it moves, so two models of one shape with other RoPE settings are calibrated apart), in one
-  form whether the config writes ``rope_parameters`` (newer transformers) or ``rope_theta`` and
-  ``rope_scaling``. Version 1 files lacked it.
-* ``knobs``: flat knob names (``repair_plan.knob_defaults``) -> values, validated through
-  ``RepairConfig.from_knobs`` and typed as the defaults are. Per-request settings are not
-  calibrated (:data:`PER_REQUEST_KNOBS`: the anchor ratio and budget trade cost for quality; the
-  seed only seeds randomness).
-* ``evidence``: free JSON (the command, the development ranges, per-candidate means, date, commit).
+* ``fingerprint``: :data:`FINGERPRINT_KEYS` of the HF config (:func:`config_fingerprint`; ``rope``
+  in one form whether the config writes ``rope_parameters`` or ``rope_theta``/``rope_scaling``). A
+  file applies only to a model with the same fingerprint (:func:`find_calibration`);
+* ``knobs``: flat knob names (``repair_plan.knob_defaults``) -> values, validated by
+  ``RepairConfig.from_knobs``; per-request knobs are never calibrated (:data:`PER_REQUEST_KNOBS`);
+* ``evidence``: free JSON.
 
-Which calibration a server uses (:func:`served_calibration`): ``RELAXKV_CALIBRATION`` (a file, or
-``none`` for the code defaults), else the repository's file whose fingerprint is the served
-model's, else none (the defaults). A malformed file, a wrong version, an unknown knob or a
-fingerprint of another model raise :class:`CalibrationError` with a one-line message.
-
-Standard library and ``repair_plan`` only (no SGLang).
+:func:`served_calibration`: ``RELAXKV_CALIBRATION`` (a file, or ``none``), else the repository's
+file with the served model's fingerprint, else the defaults. A malformed file, wrong version,
+unknown knob or another model's fingerprint raise :class:`CalibrationError`. Standard library and
+``repair_plan`` only.
 """
 
 from __future__ import annotations

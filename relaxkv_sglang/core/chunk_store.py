@@ -1,36 +1,22 @@
 """Host-side bookkeeping of the position-independent chunk cache.
 
-A cached chunk's canonical KV lives in KV-pool slots: one integer slot index
-per token, shared by all layers.  The store maps ``(namespace, token ids)`` to
-an entry holding those slots, reference-counts the requests using an entry
-(locks), and evicts unlocked entries least-recently-used first.  It never
-touches KV tensors; slots leave the store only through the ``free_slots``
-callback given at construction, exactly once each.
+A cached chunk's KV lives in KV-pool slots (one int slot per token, shared by all layers). The
+store maps ``(namespace, token ids)`` to an entry holding those slots, counts the requests using it
+(locks) and evicts unlocked entries least recently used first. It never touches KV tensors; slots
+leave only through the ``free_slots`` callback, exactly once each.
 
-Not thread-safe: meant to be driven by SGLang's single scheduler thread.
-Typical use per request: ``peek``/``lookup`` -> ``lock`` (or compute +
-``insert`` + ``lock``) ... request done ... ``unlock``.  Lock right after
-lookup/insert: an unlocked entry may be evicted by the next ``evict`` call.
-The server locks a request's hits from its admission to its fold (see
-``srt/tree_cache.py``); ``stats().locked_entries`` returns to 0 when idle.
+Not thread-safe (SGLang's scheduler thread drives it). Per request: ``peek``/``lookup`` -> ``lock``
+(or compute + ``insert`` + ``lock``) ... ``unlock``; lock right away, since an unlocked entry may
+go at the next ``evict``. Recency is read off the clock given at construction (the server passes
+``time.monotonic``, the clock of SGLang's radix nodes), so an owner can evict across both in one
+LRU order.
 
-Recency is read off a clock given at construction (default: a counter), so
-an owner that keeps other caches can compare ``last_access`` (and
-``oldest()``) with its own items' last use and evict across both in one LRU
-order; the server passes ``time.monotonic``, the clock of SGLang's radix
-``TreeNode.last_access_time``.
+Target size (``target_tokens``, ARC's ghost-list signal): with ``ghost_capacity > 0`` the store
+remembers the keys of recently evicted entries (up to that many tokens). A miss on one of them
+raises the target by its tokens; a key forgotten without such a miss lowers it; the target stays
+in ``[0, ghost_capacity]``.
 
-The store also learns how much memory it is worth (``target_tokens``), for an
-owner that must split a pool between the store and other users (the server's
-admission): with ``ghost_capacity > 0`` it remembers the keys of recently
-evicted entries (up to that many tokens, oldest forgotten first).  A lookup
-that misses on one of them (a hit lost to eviction: more memory would have
-served it) raises the target by its tokens; a key forgotten without such a miss
-(not reused even within another ``ghost_capacity`` tokens of evictions: more
-memory would not have helped) lowers it.  The same signal as ARC's ghost lists.
-The target stays within ``[0, ghost_capacity]``; ``reset`` forgets both.
-
-This module imports only the standard library and torch.
+Standard library and torch only.
 """
 
 from __future__ import annotations

@@ -1,60 +1,32 @@
 """Where new documents lie in an unmarked prompt: the structures RAG frameworks write.
 
-Frameworks put retrieved documents inline: joined by blank lines (LangChain's tutorials), between
-``---------------------`` rule lines (LlamaIndex's text-QA template), after ``[1]`` or
-``Document 2:`` markers, under metadata lines (``file_path: ...``), inside markup tags, or one per
-line. This module cuts a prompt into *blocks* along those structures; the caller
-(:mod:`relaxkv_sglang.core.doc_index`) takes some blocks as chunks.
+Frameworks put retrieved documents between blank lines, ``---`` rule lines, ``[1]`` or
+``Document 2:`` markers, metadata lines (``file_path: ...``), markup tags, or one per line. This
+module cuts each *region* (a chat message's content; the whole text of a plain prompt; text outside
+every region is template markup) into *blocks*; :mod:`relaxkv_sglang.core.doc_index` takes some as chunks.
 
-The rule, applied to each *region* on its own (a chat message's content in the rendered template;
-the whole text for a plain prompt; text outside every region is template markup and never a block):
+1. **Lines.** A line is a separator if *blank*, a *rule* (3+ of one of ``- = * _ ~``), a *heading*
+   (``#``..``######`` then text), *metadata* (``key: value``, identifier key, at most
+   :data:`MAX_META_CHARS`) or a *tag line* (markup tags, optionally around a chat role word); else
+   text, less a leading *marker* (:data:`DOC_LABELS`: ``[3]``, ``Document 3:``, ``Source:`` ...) and
+   leading/trailing tags, each a separator piece of its own.
+2. **Blocks.** Consecutive text pieces form one block (trimmed); any separator ends it. Separators
+   are blocks of kind ``label`` (rules, headings, markers, tags), ``meta``, ``question`` or
+   ``markup`` (chat special tokens, role words); adjacent ones of one kind merge.
+3. **Finer cuts.** A text block whose every line ends a sentence and which has two lines of at least
+   ``min_chunk_chars`` is cut at every line; otherwise a *title line* (at most
+   :data:`MAX_TITLE_CHARS` and half the next line, not lower-case first, not ending a sentence or in
+   ``: , ;``, after a sentence end) starts a new block.
+4. **Candidates.** A text block of at least ``min_chunk_chars`` code points is a document, except the
+   last (the question) unless a :data:`QUESTION_KEYS` metadata line follows it, and the first unless
+   a label or metadata block directly precedes it. A document's span includes the metadata lines
+   directly before it; markers stay outside (their numbers change with the order).
 
-1. **Lines.** A region is cut into lines at ``"\\n"``. A line is
-
-   * *blank* (whitespace only), a *rule* (three or more of one of ``- = * _ ~`` and nothing else),
-     a *heading* (``#`` to ``######`` then text), a *metadata* line (``key: value`` with an
-     identifier key, at most :data:`MAX_META_CHARS` long: ``file_path: /a.txt``, ``Query: ...``),
-     a *tag line* (markup tags, optionally around a chat role word: ``<document>``,
-     ``<|im_start|>system``): a separator;
-   * otherwise text, less a leading *marker* (``[3]``, ``(3)``, ``Document 3:``, ``Source:``,
-     ``Context:`` ...: a document label from :data:`DOC_LABELS`) and less leading and trailing
-     markup tags (``<doc>...</doc>``), each of which is a separator piece of its own; the text
-     after a marker ends at the line's end.
-
-2. **Blocks.** Consecutive text pieces form one block; any separator ends it. Each block is
-   trimmed of surrounding whitespace. Separator pieces are blocks of kind ``"label"`` (rules,
-   headings, markers, XML-like tags: they introduce a document), ``"meta"`` (metadata lines: they
-   introduce a document too, and belong to it, rule 4), ``"question"`` (a question line, rule 4)
-   or ``"markup"`` (chat special tokens and role words); separator pieces of one kind with no
-   text block between them are one block.
-
-3. **Finer cuts** inside a text block: a block whose every line ends a sentence
-   (``. ! ?`` and CJK stops, closing quotes allowed) and which has two lines of at least
-   ``min_chunk_chars`` is cut at every line (one document per line); otherwise a *title line*
-   (at most :data:`MAX_TITLE_CHARS` and half the next line long, not starting in lower case, not
-   ending a sentence nor in ``: , ;``, after a line that ends a sentence) starts a new block
-   (``Title\\ntext\\nTitle\\ntext``).
-
-4. **Candidates.** A text block of at least ``min_chunk_chars`` code points is a document, except
-   the last text block (the question), unless a *question line* follows it (a metadata line keyed
-   by one of :data:`QUESTION_KEYS`, with a value: ``Query: ...``), and the first text block unless
-   a label or metadata block directly precedes it (the system prompt, but ``[1] doc`` opening a
-   prompt is a document). A document's span starts at the metadata lines directly before it
-   (``file_path: /a.txt``: the same for the same document in every prompt, so reused with it);
-   markers (``[3]``, ``Document 3:``) stay outside, since their numbers change with the order.
-
-Every rule looks only at a line, its neighbours and its block, so a document between the same kind of
-structures yields the same block in every prompt. False cuts cost quality, never correctness: a
-chunk is whatever text the span holds, tokenized on its own.
-
-Linear in the text's length, whatever the text (it runs in SGLang's tokenizer manager, on the event
-loop every client shares): every pattern is matched anchored at a line's start, with possessive
-runs where what follows cannot continue them (no backtracking into a run of spaces or tags), or
-read from the reversed line (trailing tags); one search (:data:`_MAYBE_SEPARATOR`) skips the lines
-that can only be text, and rule 3 reads a block's lines with string methods. Before issue 46,
-``search`` for trailing tags retried every start position: 2.2 s on one 24K-character line of tags.
-
-Standard library only.
+Every rule looks at a line, its neighbours and its block only, so a document between the same
+structures yields the same block in every prompt; a false cut costs quality, never correctness.
+Linear in the text (it runs on the tokenizer manager's event loop): patterns anchored at a line's
+start with possessive runs, trailing tags read from the reversed line
+(docs/experiments/INDEX.md#discovery-linear-time). Standard library only.
 """
 
 from __future__ import annotations

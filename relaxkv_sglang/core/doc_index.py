@@ -1,42 +1,25 @@
 """Chunk discovery in unmarked prompts: new documents by their structure, at token boundaries.
 
-A prompt that marks no documents is split into chunks by :func:`discover_chunks`:
+:func:`discover_chunks` splits a prompt that marks no documents:
 
-1. **Documents by structure** (always). :mod:`relaxkv_sglang.core.doc_blocks` cuts the prompt
-   into blocks along the structures frameworks write and names the blocks that are documents.
-2. **Token boundaries** (always, in the server). Every chunk starts and ends on a *boundary* of
-   the prompt's own tokenization with the server's tokenizer (:func:`token_boundaries`: an
-   offset no token straddles): a candidate span is trimmed and moved inward to the nearest
-   boundaries, then trimmed of what whitespace still ends on one, and kept if still
-   ``min_chunk_chars`` long. So a chunk never cuts a word or a special token in two, and its
-   text, tokenized on its own, is the tokens the whole prompt has there (for tokenizers whose
-   pieces do not depend on what precedes them).
-3. **Documents seen before** (opt-in: the server's ``RELAXKV_DISCOVERY_INDEX=1``).
-   :class:`DocumentIndex` holds chunks discovered in earlier unmarked prompts (never a client's
-   marks), bounded, least recently used first out, one namespace per tenant. Each document ``D``
-   is filed under one *anchor window*: with ``a`` an offset ``>= 1`` right after a *boundary
-   character* (whitespace or punctuation, :data:`BOUNDARY`), the key is ``D[a : a + W]``
-   (``W`` = ``window`` code points). If ``D`` occurs in a prompt ``T`` at ``s``, then
-   ``T[s + a - 1] = D[a - 1]`` is a boundary character, so ``s + a`` is one of the positions
-   right after a boundary character in ``T``, whatever surrounds ``D``. A search visits exactly
-   those positions ``p``, looks ``T[p : p + W]`` up in the namespace's table and checks every
-   candidate ``(D, a)`` exactly: ``T[p - a : p - a + len(D)] == D``, starting and ending on
-   token boundaries of ``T``. So a hit is always the stored text, character for character. Of
-   overlapping hits the longest are kept (greedy, longest first); with regions given, a hit
-   must lie inside one. A candidate block that overlaps a hit gives up the overlap; what is
-   left of it goes through step 2.
+1. **By structure** (always): :mod:`relaxkv_sglang.core.doc_blocks` names the blocks that are documents.
+2. **Token boundaries** (in the server): a span is moved inward to the nearest *boundaries* of the
+   prompt's own tokenization (:func:`token_boundaries`: offsets no token straddles), trimmed of
+   whitespace, and kept if still ``min_chunk_chars`` long; so a chunk tokenized alone has the tokens
+   the whole prompt has there (for tokenizers whose pieces do not depend on what precedes them).
+3. **Seen before** (opt-in, ``RELAXKV_DISCOVERY_INDEX=1``): :class:`DocumentIndex` holds chunks
+   discovered in earlier unmarked prompts, LRU-bounded, one namespace per tenant. A document ``D``
+   is filed under one window ``D[a : a + W]``, ``a >= 1`` right after a boundary character
+   (:data:`BOUNDARY`). If ``D`` occurs in ``T`` at ``s``, ``T[s + a - 1]`` is a boundary character,
+   so visiting every position ``p`` right after one, looking ``T[p : p + W]`` up and checking
+   ``T[p - a : p - a + len(D)] == D`` on token boundaries finds it: a hit is always the stored text.
+   Overlapping hits: longest first; a block overlapping a hit keeps what is left (step 2).
 
-Without the index, a prompt's chunks are a function of the prompt and the tokenizer alone: the
-same on every server, replica and restart, whatever else was served, in every namespace. The
-index trades that for reuse in prompts whose structure the block rules do not cut (a document
-glued to other text on one line): what it finds depends on what the namespace sent before.
-
-Cost, linear in the prompt: the block rules (each regex anchored or with runs that cannot
-backtrack, :mod:`~relaxkv_sglang.core.doc_blocks`), one ``bisect`` per chunk end; with the
-index, one pass of a compiled regex and one dict lookup per boundary character, plus string
-comparisons bounded by ``compare_factor`` times the prompt's length.
-
-Standard library only.
+Without the index a prompt's chunks are a function of the prompt and tokenizer alone (the same on
+every replica and restart); the index trades that for reuse where the block rules do not cut.
+Cost, linear in the prompt: the block rules, one ``bisect`` per chunk end; with the index one regex
+pass and one dict lookup per boundary character, comparisons bounded by ``compare_factor`` times
+the prompt's length. Standard library only.
 """
 
 from __future__ import annotations
@@ -304,6 +287,15 @@ def discover_chunks(text: str, index: Optional[DocumentIndex], namespace: Option
 
     Returns:
         Sorted, non-overlapping, non-empty ``(start, end)`` spans, usable by ``split_text``.
+    
+    Example (two documents between blank lines; the system line and the question stay out):
+
+    >>> text = ("Answer from the documents.\\n\\n"
+    ...         "The first document is about the sea and the ships that sail on it every day.\\n\\n"
+    ...         "The second document is about mountains and the people who climb them.\\n\\n"
+    ...         "Question: which one mentions ships?")
+    >>> [text[s:e][:30] for s, e in discover_chunks(text, None, None)]
+    ['The first document is about th', 'The second document is about m']
     """
     known = index.find(text, namespace, regions, boundaries) if index is not None else []
     candidates = candidate_spans(find_blocks(text, regions, min_chunk_chars=min_chunk_chars),

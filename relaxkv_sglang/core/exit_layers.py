@@ -1,64 +1,31 @@
 """RelaxKV's targets: an exit layer per token from the query's per-layer attention.
 
-Nesting: a token recomputed at layer ``l`` needs its input hidden state at layer ``l``, which
-exists only if it was recomputed at layer ``l-1``.  Every anchor rule therefore returns
-``A_0 ⊇ A_1 ⊇ ...``, equivalently each token ``t`` has an *exit layer* ``e(t)`` in
-``0..n_layers`` and ``t ∈ A_l  <=>  l < e(t)``.  The cost of a token is ``e(t)``
-token-layers, so the budget ``B = round(r * n_layers * n_eligible)`` is a sum of exit layers.
+Nesting: a token recomputed at layer ``l`` needs its input hidden state at ``l``, which exists only
+if it was recomputed at ``l-1``; so every anchor rule returns ``A_0 ⊇ A_1 ⊇ ...``, i.e. an exit
+layer ``e(t)`` in ``0..n_layers`` per token with ``t ∈ A_l <=> l < e(t)``. A token costs ``e(t)``
+token-layers, and the budget ``B = round(r * n_layers * n_eligible)`` is a sum of exit layers.
 
-RelaxKV exit-layer rule (``relaxkv_exit_layers``): a token recomputed at layer ``l`` is worth
-``u_l(t) = s_l(t) / sum_eligible s_l`` (the query's attention mass at that layer, normalised per
-layer so that each layer weighs the same).  Keeping ``t`` until ``e`` is worth
-``C_t(e) = sum_{l<e} u_l(t)`` and costs ``e``.  We maximise ``sum_t C_t(e(t))`` subject to
-``sum_t e(t) = B``: per token take the upper concave hull of ``(e, C_t(e))``, then spend the
-budget on whole hull segments in decreasing slope order (the LP optimum up to the one segment
-that does not fit; that remainder goes to the single extension with the largest real gain).
-A token needed only at a deep layer is thus kept at all shallower layers iff its average value
-per token-layer is high enough.  The budget is met exactly, so mean_l |A_l| is within
-``0.5 / n_layers`` tokens of ``r * n_eligible`` (well within one token per layer).
+Exit-layer rule (:func:`relaxkv_exit_layers`): recomputing ``t`` at ``l`` is worth
+``u_l(t) = w_l s_l(t) / sum_eligible s_l`` (the query's attention mass, normalised per layer, times
+the layer value ``w_l``); keeping ``t`` until ``e`` is worth ``C_t(e) = sum_{l<e} u_l(t)``. Maximise
+``sum_t C_t(e(t))`` subject to ``sum_t e(t) = B``: take each token's upper concave hull of
+``(e, C_t(e))`` and spend the budget on whole hull segments by decreasing slope (the LP optimum up
+to the one segment that does not fit; its remainder goes to the single extension with the largest
+real gain). The budget is met exactly: mean_l |A_l| is within ``0.5 / n_layers`` of ``r * n_eligible``.
 
-Layer value (``layer_weights``, ``RelaxKVOptions.layer_value``): ``u_l(t)`` is multiplied by a
-weight ``w_l``.  A chunk token's layer-0 K/V depend only on the token and its position, so after
-re-rotation they are already exact: recomputing a token at layer 0 alone changes nothing, and
-``w_0 = 0`` for every rule but ``uniform`` (kept for ablations).  The deviation of the stale K/V
-from the full prefill's grows with depth (SmolLM2-135M: relative V error 0 at layer 0, ~0.1 at
-layer 1, ~0.25 by layer 5, ~0.3 at the last layers), and an error in a late layer reaches the
-output with fewer layers left to wash it out. ``ramp`` (the default; ``w_l = min(1, l / R)``,
-``R = round(L / 8)``, 4 layers of SmolLM2's 30) follows that measured shape: it grows over the
-first layers and is flat after; ``depth`` (``w_l = l / (L - 1)``) credits late layers most,
-``skip0`` only drops layer 0. ``ramp`` has the lowest mean KL on the development split
-(``docs/experiments/2026-12-01-glue-correction-ramp.md``; ``docs/results/ablate_ramp_dev.json``).
+Layer value (:func:`layer_weights`): ``uniform`` ``w_l = 1``; ``skip0`` 1 but ``w_0 = 0``;
+``depth`` ``w_l = l / (L - 1)``; ``ramp`` ``w_l = min(1, l / R)``, ``R = max(1, round(L / 8))``.
+Every rule but ``uniform`` has ``w_0 = 0``: a chunk token's layer-0 K/V are exact once re-rotated.
 
-Chunk sinks: each independently computed chunk grows its own attention sink on its first
-tokens (EPIC's finding; StreamingLLM found ~4 initial tokens carry the sink).  In the full
-prompt those tokens are ordinary mid-sequence tokens, so their stale KV is among the most wrong
-and the query's stale attention is drawn to them.  RelaxKV policies therefore give the first
-``chunk_sink_tokens`` (default 4, the StreamingLLM sink size) of each eligible chunk every layer
-first, as long as the budget allows, then run the hull allocation on the rest.
-``chunk_sink_share`` caps the sinks' share of the budget and ``chunk_sink_order`` says which come
-first (``offset``: every chunk's first token, then every second, ...; ``score``: by their summed
-layer value); both are ablations, neither beat the defaults
-(``docs/experiments/2026-12-01-cheap-end.md``; ``docs/results/ablate_dev_sink_share_5pct.json``).
-The count may differ per chunk (``chunk_sink_tokens`` as an int64 [n_chunks] tensor):
-``shared_opening_sinks`` sizes each chunk's sinks from the prompt's tokens, the opening the chunk
-shares with another chunk of the request plus its first token of its own
-(``RelaxKVOptions.chunk_sink_rule="shared"``). The reading behind it: every chunk computed alone
-turns its first token into a sink, and when chunks open with the same tokens (a ``Document:``
-label) those tokens come back with the same stale K/V in every chunk, so the query meets the same
-false sink once per chunk. It is an ablation, worse than the fixed 4 sinks at 5% and 15% anchors
-(``docs/results/ablate_dev_shared_sinks.json``).
+Before the hull allocation, as far as the budget allows, every layer goes to
+* the chunk sinks: the first ``chunk_sink_tokens`` of each eligible chunk (a chunk computed alone
+  makes them its attention sink), at most ``chunk_sink_share`` of the budget, in
+  ``chunk_sink_order`` (``offset``: every chunk's first token, then every second, ...; ``score``:
+  summed layer value); the count may differ per chunk (int64 [n_chunks]);
+* then the template markup (``markup``, bool [n_context]: runs every chunk repeats), query-ranked,
+  at most ``markup_share`` of the budget.
 
-Template markup (``markup``, ``markup_share``; ``RelaxKVOptions.markup_share``): when a framework
-wraps every document in the same tags (``<document_content>...</document_content>``), each chunk
-carries a copy of that markup, computed alone, with the same stale K/V in every chunk.  The
-deviation measurements (``scripts/measure_deviation.py``) put much of such a layout's error on
-those copies.  ``markup`` marks them (``token_sets.shared_runs``: runs of token ids present in
-every chunk); after the chunk sinks they get every layer, query-ranked (summed layer value) and at
-most ``markup_share`` of the budget, then the hull allocation spends the rest.  An ablation, off
-by default: at 0.5 it cut SmolLM2's ``tagged`` KL by 61% on one development batch, but pooled with
-``llamaindex`` (where it is level) the calibration's paired interval included 0 on two batches
-(``docs/experiments/2026-12-03-template-markup.md``).
-
+Why these defaults: docs/experiments/INDEX.md#exit-layers.
 """
 
 from __future__ import annotations

@@ -1,67 +1,30 @@
 """The startup correctness gate: what is compared, how errors are measured, and the tolerances.
 
-Chunk reuse rests on one identity. A text computed alone at positions ``p..p+n-1`` (attending
-only to itself) has, at every layer ``l``, the keys of the same text computed at ``0..n-1``
-rotated by ``p``, and the same values:
+Chunk reuse rests on one identity: a text computed alone at positions ``p..p+n-1`` has, at every
+layer ``l``, the keys of the same text computed at ``0..n-1`` rotated by ``p``, and the same values,
 
     K_l(p) = R(p) · K_l(0),    V_l(p) = V_l(0)
 
-because RoPE attention scores depend only on position differences, so the hidden states (and
-with them K before RoPE and V) do not depend on ``p``. The plugin's cache applies ``R(Δ)``
-itself (:func:`relaxkv_sglang.core.rope.rotate_keys` with the ``RopeSpec`` it built from the
-model's config). If that spec is not the rotation the model's own layers apply (a RoPE scaling
-or theta read wrongly, a different pairing), re-rotated chunks are garbage and every chunk
-policy garbles its output. The gate checks the identity on the loaded model before the server
-serves chunk policies:
+(RoPE scores depend only on position differences). The cache applies ``R(Δ)`` itself
+(:func:`relaxkv_sglang.core.rope.rotate_keys` with the ``RopeSpec`` built from the config); if that
+is not the rotation the model's layers apply, every chunk policy garbles its output. The gate
+checks, on the loaded model:
 
-(a) ``rope_k``: the text at ``0`` and at ``p``, every layer; ``R(p)·K_l(0)`` (the serving
-    rotation) against ``K_l(p)``, and ``V_l(0)`` against ``V_l(p)``.
-(b) ``pic_kv`` / ``pic_logits``: a one-chunk ``pic`` request against ``full``. The chunk's KV
-    cached at canonical start ``p`` (computed there alone) is copied back to position ``0`` with
-    ``R(-p)``, then the rest of the text (the query) runs over it; its KV at every layer and its
-    logits must equal the ordinary causal prefill of the whole text (for a chunk at position 0
-    with nothing before it, ``pic`` is exact).
+(a) ``rope_k``: ``R(p)·K_l(0)`` against ``K_l(p)`` and ``V_l(0)`` against ``V_l(p)``, every layer;
+(b) ``pic_kv`` / ``pic_logits``: a one-chunk ``pic`` request (the chunk cached at ``p``, copied back
+    to 0 with ``R(-p)``, the query run over it) against ``full``: equal KV and logits.
 
-Error measure, for a check over tensors ``x`` (actual) and ``y`` (expected) of shape
-``[n, h, d]`` (keys or values: tokens, heads, head dim; logits are ``[n, 1, vocab]``):
+Error of ``x`` (actual) against ``y`` (expected), both [n, h, d] (logits [n, 1, vocab]):
 
     err = max_{t,h} ‖x_{t,h} − y_{t,h}‖₂ / rms_{t,h} ‖y_{t,h}‖₂
 
-the worst vector's error relative to the layer's typical vector norm (the K norm for keys).
-Dividing by the RMS norm, not each vector's own, keeps a near-zero vector from inflating the
-error; taking the max keeps one bad head from hiding in an average. A check's error is the
-max over layers (and over K and V).
-
-Tolerances (:func:`tolerance_for`): both sides are computed by the same model in the same
-dtype, so only rounding differs, and it enters in three places: the pool's storage of K/V
-(relative ``u`` per element, ``u`` the dtype's unit roundoff: fp32 2⁻²⁴, fp16 2⁻¹¹, bf16 2⁻⁸),
-the model's cos/sin table (SGLang keeps it in the model dtype on a CPU, so cos and sin at
-``p`` carry a rounding of ``u`` that the plugin's fp32 rotation does not), and the angle
-``p·f`` (SGLang computes the frequencies ``f`` with another fp32 expression than the plugin,
-which mirrors HF, and on a GPU on the device: one ulp of ``f`` is ``p·f·2⁻²⁴`` rad at ``p``, up
-to 2.4e-4 at ``p = 4096``). Each enters every layer's hidden state at the level of ``u`` and is carried
-through the layers (RMSNorm keeps it from growing much, but it accumulates: the largest errors
-are in middle and late layers, and in V as much as in K, i.e. drift of the hidden states, not
-rotation). Measured (SmolLM2-135M, 30 layers, 27 tokens, ``p = 4096``): fp32 5.8e-5, bf16
-0.042 (= 11 u, worst at layer 20's V); tiny model fp32 8.7e-5. The tolerance is ``64·u`` for
-the half dtypes (bf16 0.25, fp16 0.031: 6× the bf16 drift measured on SmolLM2, room for deeper
-models), and ``2e-3`` for fp32, where the angle term dominates ``u``. A wrong rotation is not
-a rounding effect: any pair whose angle is off by ``δ`` contributes ``2·sin(δ/2)`` of its
-norm, so a wrong theta, a scaling the model does not use or the other pairing gives errors of
-order 1 at ``p`` in the thousands (measured: 1.5 on the tiny model served with theta 20000
-instead of 10000; 2.0-2.2 for each of those three on a random Llama in the unit tests), above
-every tolerance. A RoPE that is wrong only in the lowest frequencies (a Llama-3 scaling
-misread) is the weakest case; the gate uses the largest ``p`` the model allows (up to 4096) to
-make it as visible as it can, but in bf16 a small enough such error would pass.
-
-A negative control (``control``, not one of :data:`CHECKS`): ``rope_k`` again, the keys
-re-rotated by a RoPE the model does not use (the served one with twice its theta). It must fail;
-if it does not, the check cannot tell a wrong rotation on this model (keys that barely depend on
-the rotation, a text too short), and the gate fails rather than vouch for the rotation
-(:func:`judge`). It runs the same model's layers the real checks ran (no further forward), so
-every served model family shows its gate can refuse a wrong rotation.
-
-This module imports only the standard library and torch.
+max over layers (and K, V). Tolerance (:func:`tolerance_for`): only rounding differs (the pool's
+storage, the model's cos/sin table, the angle ``p·f``), each at the level of the unit roundoff
+``u`` (fp32 2⁻²⁴, fp16 2⁻¹¹, bf16 2⁻⁸) carried through the layers: ``64·u`` for half dtypes,
+``2e-3`` for fp32. A wrong rotation by ``δ`` contributes ``2·sin(δ/2)`` of a pair's norm: order 1
+at the largest ``p`` the model allows (up to 4096). Negative control (``control``): ``rope_k`` with
+twice the served theta must fail, else the gate refuses (:func:`judge`).
+Measured errors behind the tolerances: docs/experiments/INDEX.md#gate-tolerances.
 """
 
 from __future__ import annotations

@@ -1,51 +1,30 @@
 """Relaxed recomputation context of the anchors as a block-sparse (BSR) layout, in plain torch.
 
-Coordinates: keys are the request's context tokens in prompt order, key j at position j;
-pages are ``page_size`` consecutive tokens aligned to the prompt (page i = tokens
-``[i*page_size, (i+1)*page_size)``, the last one clipped to ``n_keys``).
+Coordinates: key j is the context token at prompt position j; page i holds tokens
+``[i*page_size, (i+1)*page_size)`` (aligned to the prompt, the last one clipped to ``n_keys``).
 
-Layout (``BlockSparseLayout``):
+Layout (:class:`BlockSparseLayout`): rows are one layer's anchors sorted by position (``q_pos``);
+row blocks are runs of rows sharing one key-page list (:func:`build_relaxed_layout` makes one per
+(page, chunk) of the anchors); ``indptr`` int32 [n_row_blocks+1] / ``indices`` int32 [nnz] list each
+block's key pages ascending (CSR over pages). Row at position t sees key j iff ``page(j)`` is listed
+for its block **and** ``j <= t`` (in relaxed layouts only the block's own, diagonal page is cut).
 
-* rows = the anchors of one layer, sorted by position (``q_pos``);
-* row blocks = runs of rows that share one key-page list.  ``build_relaxed_layout`` makes one
-  row block per (page, chunk) of the anchors, so a block's anchors share their own-chunk pages
-  and their diagonal page;
-* ``indptr`` [n_row_blocks+1] int32 / ``indices`` [nnz] int32: the key pages of each row block,
-  ascending (CSR over pages, SciPy ``bsr_matrix`` style);
-* intra-block causal rule: row at position t sees key j iff ``page(j)`` is listed for its block
-  **and** ``j <= t``.  In relaxed layouts every listed page except the row block's own page lies
-  strictly before all its rows, so the rule only bites on that one diagonal page.
+Relaxed context of anchor t at layer l, in pages:
 
-Relaxed context of anchor t at layer l (``build_relaxed_layout``), page granular:
+* mandatory: the sink (pages of the first ``sink_tokens`` prompt tokens) and t's own chunk up to t,
+  pages ``page(chunk_start) .. page(t)``;
+* then other pages by ``sum of s_l`` over their tokens (ties: earlier first) until the budget;
+* budget: ``ceil(context_ratio * (page(t) + 1))`` pages, mandatory pages included (kept even when
+  they alone exceed it); with ``own_chunk_in_budget=False``, ``ceil(context_ratio * page(chunk_start))``
+  with the own chunk on top. ``context_ratio = 1``: the full causal prefix. Page sets are nested
+  in ``context_ratio``; the achieved ratio is ``kv_pairs() / full_kv_pairs()`` in tokens;
+* ``row_page_scores`` (``context_rank="keys"``): the same budget per row block, ranked by its own
+  anchors' queries against per-page key bounds (:func:`key_bound_page_scores`, Quest's bound);
+* ``mode='random'``: the same mandatory pages and page count, the rest in a seeded random order;
+  ``mode='full'``: every causal page.
 
-* the sink: the pages holding the first ``sink_tokens`` tokens of the prompt;
-* t's own chunk up to t: pages ``page(chunk_start) .. page(t)``;
-* the most query-relevant other pages: pages ranked by ``sum of s_l`` over their tokens
-  (ties: earlier page first), taken until the budget is met.
-* Budget: ``ceil(context_ratio * (page(t) + 1))`` pages, i.e. a fraction of the anchor's causal
-  prefix counted in pages, **including** the sink and own-chunk pages (they are spent first;
-  when they alone exceed the budget they are still kept, so small ratios floor at
-  sink + own chunk).  With ``own_chunk_in_budget=False`` the budget is
-  ``ceil(context_ratio * page(chunk_start))``, a fraction of the pages *before* the anchor's
-  own chunk (sink pages included), and the own chunk comes on top: an anchor late in a long
-  chunk then still reaches other chunks.  ``context_ratio = 1`` selects every page ``<= page(t)``, i.e. exactly the
-  full causal prefix.  Rounding up to whole pages means a page that straddles a chunk boundary
-  brings a few extra tokens of the previous chunk, never fewer.
-* The achieved ratio is reported in tokens: ``kv_pairs() / full_kv_pairs()``.
-* Because the page ranking is shared and the budget grows with the ratio, the selected page
-  sets are nested in ``context_ratio``, so the work is monotone in it.
-* Per-row-block ranking (``row_page_scores``, ``RepairConfig.context_rank="keys"``): the same
-  budget per row block, filled with the pages its own anchors rank highest, by their queries at
-  the layer against each page's element-wise key minimum and maximum
-  (``key_bound_page_scores``, Quest's bound).  Decided inside the layer, once the anchors'
-  queries exist; an ablation (its development-split result:
-  ``docs/experiments/2026-12-01-test-split-vs-prophetkv.md``).
-* ``mode='random'`` (the ablation): same mandatory pages and the same page count per row
-  block, the optional pages taken in one seeded random order per layer; ``mode='full'``:
-  every causal page (independent of ``context_ratio``).
-
-Executors: ``core.attention.block_sparse_attention`` (torch); accelerated executors map the
-layout onto their kernels outside the core.
+Executor: :func:`relaxkv_sglang.core.attention.block_sparse_attention`. Why the default ratio and
+own-chunk rule: docs/experiments/INDEX.md#context-ratio.
 """
 
 from __future__ import annotations
@@ -246,6 +225,16 @@ def build_relaxed_layout(
             block by the sum over its rows instead of by the shared ``scores``.
     Returns:
         BlockSparseLayout whose rows are ``anchors`` in order.
+    
+    Example (two chunks after a 4-token prefix, pages of 8, half of each anchor's prefix):
+
+    >>> import torch
+    >>> layout = build_relaxed_layout(torch.tensor([20, 21, 40, 63]), torch.arange(64.0),
+    ...                               [(4, 40), (40, 64)], n_context=64, context_ratio=0.5, page_size=8)
+    >>> layout.n_rows, layout.indptr.tolist(), layout.indices.tolist()
+    (4, [0, 3, 6, 10], [0, 1, 2, 0, 4, 5, 0, 5, 6, 7])
+    >>> layout.kv_pairs() < layout.full_kv_pairs()
+    True
     """
     layer_scores = None if scores is None else scores[None, :n_context]
     return build_relaxed_layouts([anchors], layer_scores, chunk_spans, n_context, context_ratio, page_size,

@@ -19,23 +19,15 @@ tokens at positions ``p`` (int64 [n]), H query heads and Hkv key/value heads of 
      logits ``y W_r^T`` [E], softmax in float32, the top-k experts, their weights renormalized to
      sum 1 where the model says so, ``sum_k w_k SwiGLU_{e_k}(y)``.
 
-Steps 1-4 are :func:`project_qkv`, 6-7 :func:`finish_layer`, both over :class:`LayerOps`, one
-decoder layer's pieces. Two executors supply them: the torch reference over a checkpoint's plain
-tensors (:mod:`.reference_model`) and the server's repair pass over SGLang's own modules
-(``srt/model_layers.py``); the order above is nowhere else.
+Steps 1-4 are :func:`project_qkv`, 6-7 :func:`finish_layer`, over :class:`LayerOps` (one decoder
+layer's pieces), supplied by the torch reference (:mod:`.reference_model`) and the server's repair
+pass (``srt/forward/model_layers.py``); the order above is nowhere else.
 
-The registry (:data:`FAMILIES`) is what the plugin serves: for each family the HF
-``architectures`` (and ``model_type``) it covers, the SGLang decoder-stack class whose ``forward``
-the repair hooks (``srt/plugin.py::HOOKS`` is generated from it, one entry per hooked class), the
-SGLang module names its layers expose and the weights its HF checkpoints hold (Phi-3's q/k/v
-and gate/up fused in one tensor each; an MoE's router and experts). A model outside it is
-served ``full`` and ``prefix`` only: the startup gate cannot run its layers, so it refuses chunk
-policies (``srt/gate.py``). Adding a family
-with this layer is one :class:`ModelFamily` entry; a different layer needs new ops (and a new
-field saying so).
-
-This module imports only the standard library and torch; it never imports SGLang (its classes
-are named as strings).
+:data:`FAMILIES` is what the plugin serves: per family the HF ``architectures`` / ``model_type``,
+the SGLang decoder-stack class the repair hooks (``srt/plugin.py::HOOKS`` is generated from it), its
+module names and checkpoint weights. A model outside it is served ``full`` and ``prefix`` only.
+Adding a family with this layer is one :class:`ModelFamily` entry. Standard library and torch only
+(SGLang classes are named as strings).
 """
 
 from __future__ import annotations

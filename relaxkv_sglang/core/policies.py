@@ -1,15 +1,12 @@
 """The policy registry: every way a request can be prefilled, one :class:`PolicySpec` each.
 
 A policy is a declaration, not a branch: :data:`POLICY_SPECS` holds one frozen spec per
-:class:`Policy`, saying what the policy reuses, whether it repairs, what it needs from the forward
-(the query pass's scores, the K/V deviation at a check layer), which anchor rule chooses its
-targets (a name in :data:`relaxkv_sglang.core.selection.ANCHOR_RULES`), which context its anchors
-attend to, whether the stale shift applies, and which options object holds its ablation knobs.
-The server's accepted values, the benchmarks' policy lists and the tests read this table
-(:func:`served_policies`, :func:`chunk_policies`, :func:`repair_policies`), so adding a policy is
-one spec here plus, if it selects anchors in a new way, one rule in ``selection.py``.
+:class:`Policy` (what it reuses, whether it repairs, what it needs from the forward, its anchor
+rule in :data:`relaxkv_sglang.core.selection.ANCHOR_RULES`, its anchors' context, whether the stale
+shift applies, its options object). The server, the benchmarks and the tests read this table, so
+adding a policy is one spec here (plus one rule in ``selection.py`` if it selects anchors anew).
 
-The table below is checked against the registry by ``tests/unit/test_selection.py``:
+Checked against the registry by ``tests/unit/test_selection.py``:
 
 ==================  ========  =============  =======  ============  =============  ========  ========
 policy              served    reuses chunks  repairs  query scores  K/V deviation  context   role
@@ -26,16 +23,9 @@ relaxkv_randctx     yes       yes            yes      yes           no          
 random              no        yes            yes      no            no             full      control
 ==================  ========  =============  =======  ============  =============  ========  ========
 
-``prefix`` is SGLang's own radix cache (the server's baseline); ``random`` is a control the
-torch reference runs but the server does not accept. Roles: ``baseline`` (no repair), ``peer``
-(a published method, run as published), ``method`` (RelaxKV), ``ablation`` (RelaxKV with one part
-replaced), ``control`` (reference-only).
-
-Knobs: what every repair policy shares lives in ``repair_plan.RepairConfig``; a policy's own
-knobs live in its options object (:class:`RelaxKVOptions` for the relaxkv policies,
-:class:`CacheBlendOptions` for cacheblend), a field of ``RepairConfig`` named by
-``PolicySpec.options``. The options are plain data (no torch), so the HTTP process and the
-benchmarks can read them.
+``prefix`` is SGLang's radix cache; ``random`` runs in the torch reference only. Knobs every
+repair shares are in ``repair_plan.RepairConfig``; a policy's own are in its options object
+(:class:`RelaxKVOptions`, :class:`CacheBlendOptions`; plain data, no torch).
 """
 
 from __future__ import annotations
@@ -125,13 +115,12 @@ def _check_unit(name: str, value: float) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class RelaxKVOptions:
-    """The relaxkv policies' own knobs (relaxkv and its two ablations). Defaults are the tuned
-    ones; the evidence for each is in ``docs/experiments/`` (index: ``docs/experiments/README.md``;
-    tuned with ``scripts/ablate_repair.py``).
+    """The relaxkv policies' own knobs (relaxkv and its two ablations). Why each default:
+    docs/experiments/INDEX.md (tuned with ``scripts/ablate_repair.py``).
 
     Attributes:
         chunk_sink_tokens: first tokens of each chunk favoured as targets (with
-            ``chunk_sink_rule="shared"``, the most per chunk; ``exit_layers`` module doc, "Chunk sinks").
+            ``chunk_sink_rule="shared"``, the most per chunk; ``exit_layers`` module doc).
         chunk_sink_rule: ``fixed`` (every chunk ``chunk_sink_tokens``) or ``shared`` (per chunk,
             1 + the opening it shares with another chunk of the request, capped at
             ``chunk_sink_tokens``: ``token_sets.shared_opening_sinks``; an ablation).
@@ -140,8 +129,7 @@ class RelaxKVOptions:
             ablation; ``exit_layers.relaxkv_exit_layers``).
         markup_share: the largest share of the budget the template markup every chunk repeats
             (``token_sets.shared_runs``) takes at every layer, after the chunk sinks; 0: off
-            (``exit_layers`` module doc, "Template markup"). An ablation: 0.5 was not kept by
-            ``scripts/calibrate.py`` for SmolLM2 on two development batches.
+            (``exit_layers`` module doc); an ablation.
         layer_value: how correcting a token at each layer is valued (``exit_layers.layer_weights``:
             uniform, skip0, depth, ramp).
         context_rank: how the other pages of an anchor's context are ranked: ``query`` (the query's
@@ -152,10 +140,8 @@ class RelaxKVOptions:
             (``layout.build_relaxed_layout``).
         stale_shift: how the non-anchors' stale K/V are corrected at each layer (``stale_shift.py``):
             ``none``, ``v`` (V shifted by the layer's anchors' mean deviation) or ``kv`` (K too,
-            compared before RoPE). ``kv`` won on three development batches
-            (docs/experiments/2026-12-01-stale-shift.md).
-        stale_shift_scale: the fraction of that mean deviation added, in [0, 1]; the full mean
-            overshoots on some development examples (same section), hence 0.5.
+            compared before RoPE).
+        stale_shift_scale: the fraction of that mean deviation added, in [0, 1].
         stale_shift_group: whose anchors a token's shift is the mean deviation of: ``request``
             (every anchor of the layer, one shift for the request) or ``chunk`` (its own chunk's
             anchors, shrunk toward the request's mean: ``stale_shift.group_means``).

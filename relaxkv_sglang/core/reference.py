@@ -1,34 +1,21 @@
-"""Layer-by-layer reference executor for one request of a registered model family, for every repair policy.
+"""Layer-by-layer reference executor for one request of a registered model family, every policy.
 
-The model: a registered family's decoder layer (:mod:`.model_family`: RMSNorm, GQA attention
-with neox-style RoPE, q/k/v biases as in Qwen2, per-head q/k RMSNorm as in Qwen3, a SwiGLU or
-routed-experts MLP), run in the order :func:`~.model_family.project_qkv` /
-:func:`~.model_family.finish_layer` write once, over plain weight tensors
-(:mod:`.reference_model`: the weights from a HF checkpoint and :class:`ReferenceLayerOps`).  Everything runs in float32 on
-the CPU and is written for clarity, not speed: it is the numerical reference the SGLang
-integration is checked against.
+The model is a registered family's decoder layer (:mod:`.model_family`), run over plain weight
+tensors (:mod:`.reference_model`) in float32 on the CPU, written for clarity: the numerical
+reference the SGLang integration is checked against.
 
-Request: ``input_ids = [prefix][chunk_1](glue)[chunk_2]...[chunk_n][query]``; ``chunk_spans``
-are the chunks' half-open token spans, sorted, the first at or after the prefix, the last ending
-at ``query_start``. Tokens between two chunks are *glue* (separators such as ``"\n\n"``), as the
-server's ``core.segments`` splits a prompt: glue is never cached, it is computed with its request
-like the query, so it is never stale and never an anchor.
+Request: ``input_ids = [prefix][chunk_1](glue)[chunk_2]...[chunk_n][query]``; ``chunk_spans`` sorted,
+the last ending at ``query_start``. Glue (tokens between chunks) is computed with the request like
+the query: never stale, never an anchor. :func:`reference_prefill`:
 
-``reference_prefill`` follows the brief's algorithm:
-
-1. stale KV: the prefix by ordinary causal prefill (exact); each chunk alone at positions
-   ``0..len-1``, its K then re-rotated by the chunk's start (RoPE rotations compose); the glue
-   computed over that stale context (:func:`_fresh_pass`);
-2. query pass over the stale KV (layer by layer; gives ``pic``'s logits and s_l, the query
-   tokens' attention over the context, glue included);
-3. anchors per layer and their contexts from the planner the server uses (repair_plan.py);
-4. repair pass: at layer l only the tokens of ``A_l``, the glue and the query are computed: q/k/v
-   at their true positions, their K/V written over the stale values, anchors attend to their
-   context (``block_sparse_attention`` over a layout: full causal, relaxed, or random), glue and
-   query attend densely and causally over the repaired KV, then o_proj + MLP for those tokens
-   (the server's repair rows: ``srt/repair.py``). With ``RepairConfig.stale_shift`` the
-   non-anchors' stale K/V of the layer are first shifted by the anchors' mean deviation
-   (:mod:`.stale_shift`).
+1. stale KV: the prefix by causal prefill (exact); each chunk alone at ``0..len-1``, its K
+   re-rotated by the chunk's start; the glue over that stale context;
+2. query pass over the stale KV: ``pic``'s logits and s_l (the query's attention over the context);
+3. anchors and contexts from the server's planner (:func:`~.repair_plan.plan_anchors`);
+4. repair pass: at layer l only ``A_l``, the glue and the query are computed at their true
+   positions and written over the stale K/V (after the stale shift, :mod:`.stale_shift`, where the
+   policy has it); anchors attend to their layout (:func:`~.attention.block_sparse_attention`), glue
+   and query densely and causally; then o_proj + MLP for those tokens.
 """
 
 from __future__ import annotations
@@ -311,6 +298,29 @@ def reference_prefill(
             without recomputing it (computed here when None).
     Returns:
         Result.
+    
+    Example (a 2-layer random model; with every token an anchor at every layer and full context,
+    the repair equals full prefill; ``pic`` does not):
+
+    >>> import torch
+    >>> from relaxkv_sglang.core.reference_model import LlamaWeights
+    >>> g = torch.Generator().manual_seed(0)
+    >>> def rand(*shape): return torch.randn(*shape, generator=g) * 0.3
+    >>> def layer(): return dict(attn_norm=torch.ones(16), q=rand(16, 16), k=rand(8, 16), v=rand(8, 16),
+    ...                          o=rand(16, 16), mlp_norm=torch.ones(16), gate=rand(32, 16),
+    ...                          up=rand(32, 16), down=rand(16, 32))
+    >>> weights = LlamaWeights(embed=rand(50, 16), layers=[layer(), layer()], norm=torch.ones(16),
+    ...                        lm_head=rand(50, 16), n_heads=2, n_kv_heads=1, head_dim=8)
+    >>> ids = torch.randint(0, 50, (40,), generator=g)
+    >>> spans = [(4, 20), (20, 36)]  # prefix 0..3, two chunks, query 36..39
+    >>> full = reference_prefill(weights, ids, spans, 36, "full")
+    >>> repaired = reference_prefill(weights, ids, spans, 36, "relaxkv",
+    ...                              RepairConfig(anchor_ratio=1.0, context_ratio=1.0, page_size=4))
+    >>> pic = reference_prefill(weights, ids, spans, 36, "pic")
+    >>> torch.allclose(repaired.last_logits, full.last_logits, atol=1e-4)
+    True
+    >>> torch.allclose(pic.last_logits, full.last_logits, atol=1e-4)
+    False
     """
     policy = Policy(policy)
     input_ids = input_ids.to(torch.long).flatten()

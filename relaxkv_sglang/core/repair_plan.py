@@ -1,50 +1,29 @@
 """The repair planner: one request's decisions (anchors per layer, their contexts), made once.
 
-Planning and execution are separate. The planner turns what the query pass measured into an
-:class:`AnchorPlan`; an executor (the torch reference in :mod:`.reference`, the server's layer
-loop in ``srt/layer_loop.py``) only runs it. Both use this module, so the server and the
-reference make the same decisions from the same inputs.
+The planner turns what the query pass measured into an :class:`AnchorPlan`; an executor (the
+torch reference in :mod:`.reference`, the server's ``srt/forward/layer_loop.py``) only runs it, so both
+make the same decisions from the same inputs.
 
-Inputs (token indices are absolute prompt positions, as in :mod:`.token_sets`):
+Inputs (absolute prompt positions, as in :mod:`.token_sets`): a repairing ``policy`` (its
+:class:`~.policies.PolicySpec`); ``scores`` float [n_layers, n_context], the query's stale
+attention s_l (or None); ``chunk_spans`` sorted inside ``[0, n_context)``; a :class:`RepairConfig`;
+the prompt's ids when the chunk sinks or the markup are sized from them.
 
-* ``policy``: a :class:`~.policies.Policy` that repairs; its :class:`~.policies.PolicySpec` says
-  which anchor rule, context, stale shift and mid-forward decision apply;
-* ``scores``: float [n_layers, n_context] the query's stale attention mass s_l (policies with
-  ``needs_query_scores``), else None;
-* ``chunk_spans``: the reused chunks, sorted, inside ``[0, n_context)``;
-* a :class:`RepairConfig`: the knobs every repair policy shares, and each policy's own options
-  (``RepairConfig.relaxkv``, ``RepairConfig.cacheblend``: ``policies.RelaxKVOptions``,
-  ``policies.CacheBlendOptions``);
-* the prompt's token ids, when ``chunk_sink_rule`` sizes the chunk sinks from them or
-  ``markup_share`` anchors the template markup the chunks repeat.
+Decisions: targets ``A_0 ⊇ A_1 ⊇ ...`` (:func:`~.selection.select_anchors`, i.e. an exit layer
+``e(t)`` per token) and each layer's context (:func:`~.layout.build_relaxed_layout`; the full
+causal prefix for the peers and ``relaxkv_fullctx``). A policy that ``needs_kv_deviation``
+(CacheBlend) recomputes every eligible token at layers ``0..check_layer``, then
+:meth:`AnchorPlan.after_check_layer` decides the rest from the measured deviation.
 
-Decisions:
+Joint budget (``RepairConfig.budget`` = b): cost as a fraction of recomputing every eligible token
+at every layer with its full causal context, in token-layers of linear work, an attention pair
+costing ``pair_cost`` (:class:`RepairCost`): ``b = cost(A, R) / cost(all eligible, full prefix)`` with
+``cost(A, R) = sum_l sum_{t in A_l} (1 + pair_cost * |R_l(t)|)``. :func:`split_budget` spends b on anchors at the configured context ratio first, then
+on context; the cost is estimated as if the anchors were a uniform sample of the eligible tokens,
+so the achieved cost is near b. b = 0 is ``pic``; b = 1 full prefill.
 
-* targets ``A_0 ⊇ A_1 ⊇ ...`` from :func:`~.selection.select_anchors`; equivalently an exit
-  layer ``e(t)`` per context token (``t ∈ A_l  <=>  l < e(t)``);
-* each layer's context: the anchors' block-sparse layout
-  (:func:`~.layout.build_relaxed_layout`; the full causal prefix for the peers and
-  ``relaxkv_fullctx``).
-
-Mid-forward decisions: a policy whose spec ``needs_kv_deviation`` (CacheBlend) decides in two
-steps: layers ``0..check_layer`` recompute every eligible token; at the check layer
-(:meth:`AnchorPlan.decides_at`) the executor hands the recomputed and the cached K/V to
-:meth:`AnchorPlan.after_check_layer`, which measures the deviation and decides the rest.
-
-Joint allocation (``RepairConfig.budget``): one knob, the repair's cost as a fraction of
-recomputing every eligible token at every layer with its full causal context, in the units of
-:class:`RepairCost` (a token-layer's linear work; an attention pair costs ``pair_cost`` of it).
-:func:`split_budget` turns it into an anchor ratio and a context ratio: anchors first, at the
-configured context ratio (more anchors beat more context in the development ablations), and
-once every eligible token is an anchor at every layer, the rest widens the context. Budget 0 is
-``pic``; budget 1 is every token at every layer with its whole prefix, i.e. full prefill. The
-cost of a candidate split is estimated over the eligible tokens as if the anchors were a
-uniform sample of them (their mean context size), so the achieved cost is near the budget, not
-exactly on it; the plan reports the split it used.
-
-Randomness (the ``random`` control's targets, ``relaxkv_randctx``'s pages) comes from two
-generators seeded from ``RepairConfig.seed``: targets from ``seed``, contexts from ``seed + 1``,
-so a policy's decisions are a function of its inputs.
+Randomness: targets from ``RepairConfig.seed``, contexts from ``seed + 1``. Why these defaults:
+docs/experiments/INDEX.md#anchor-ratio, #context-ratio, #attention-overhead.
 """
 
 from __future__ import annotations
@@ -143,11 +122,8 @@ def knob_defaults() -> dict[str, Any]:
     return {**shared, **{name: getattr(getattr(config, owner), attr) for name, (owner, attr) in _KNOB_OWNERS.items()}}
 
 
-# Measured cost of an attention pair over its multiply-add share, per device type. CPU: a
-# least-squares fit of TTFT medians (27 cells: pic, prophetkv and relaxkv at 5-30% anchors, three
-# prompt formats; docs/results/bench_quality_test.json, 2-core machine, 2026-12-01) on recomputed
-# token-layers and executed pairs gave 42 us per token-layer and 41 ns per pair: a pair costs
-# 9.7e-4 token-layers, 3.0x SmolLM2-135M's multiply-add ratio. GPU: not measured yet (1.0).
+# Measured cost of an attention pair over its multiply-add share, per device type (GPU: not
+# measured, 1.0). The fit: docs/experiments/INDEX.md#attention-overhead.
 ATTENTION_OVERHEAD = {"cpu": 3.0}
 
 
@@ -188,7 +164,7 @@ class RepairCost:
 
 def split_budget(budget: float, policy: Policy, chunk_spans: Sequence[Span], n_context: int,
                  config: RepairConfig, cost: RepairCost) -> tuple[float, float]:
-    """``(anchor_ratio, context_ratio)`` that spend ``budget`` (module doc: "Joint allocation").
+    """``(anchor_ratio, context_ratio)`` that spend ``budget`` (module doc: "Joint budget").
 
     Policies with a full context spend it all on anchors (ratio = budget); relaxed-context
     policies on anchors at ``config.context_ratio`` first, then on context.
@@ -415,6 +391,17 @@ def plan_anchors(
             ``shared`` or ``config.relaxkv.markup_share`` is above 0.
     Returns:
         AnchorPlan; with a budget, its ``config`` holds the split's anchor and context ratios.
+    
+    Example (relaxkv over two chunks, 4 layers, 25% anchors, half-prefix contexts):
+
+    >>> import torch
+    >>> scores = torch.rand(4, 64, generator=torch.Generator().manual_seed(0))
+    >>> plan = plan_anchors("relaxkv", scores, [(8, 40), (40, 64)], 64, 4,
+    ...                     RepairConfig(anchor_ratio=0.25, context_ratio=0.5, page_size=8))
+    >>> sum(len(a) for a in plan.anchor_sets), plan.achieved_anchor_ratio()  # 25% of 4 x 56 token-layers
+    (56, 0.25)
+    >>> all(l.n_rows == len(a) for l, a in zip(plan.layouts, plan.anchor_sets))
+    True
     """
     policy = Policy(policy)
     spans = tuple((int(s), int(e)) for s, e in chunk_spans)
@@ -448,7 +435,7 @@ def plan_chunk_sinks(config: RepairConfig, chunk_spans: Sequence[Span],
 def plan_markup(config: RepairConfig, chunk_spans: Sequence[Span], n_context: int,
                 input_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """bool [n_context] the template markup every chunk repeats, or None when
-    ``config.relaxkv.markup_share`` is 0 (``exit_layers`` module doc, "Template markup")."""
+    ``config.relaxkv.markup_share`` is 0 (``exit_layers`` module doc)."""
     if config.relaxkv.markup_share <= 0:
         return None
     if input_ids is None:

@@ -458,6 +458,16 @@ def rotate_keys(k: torch.Tensor, delta: int | torch.Tensor, spec: RopeSpec) -> t
 
     Returns:
         A new tensor, ``k``'s dtype and shape, computed in fp32.
+    
+    Example (a chunk's keys computed at 0..4, moved to 100..104):
+
+    >>> import torch
+    >>> spec = RopeSpec(head_dim=8)
+    >>> k = torch.randn(5, 2, 8, generator=torch.Generator().manual_seed(0))
+    >>> pos = torch.arange(5)
+    >>> moved = rotate_keys(apply_rope(k, pos, spec), 100, spec)
+    >>> torch.allclose(moved, apply_rope(k, pos + 100, spec), atol=1e-5)
+    True
     """
     _check_heads(k, spec, "k")
     if isinstance(delta, torch.Tensor) and delta.dim() == 1 and delta.shape[0] != k.shape[0] and k.shape[0] != 1:

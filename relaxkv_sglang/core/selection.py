@@ -284,6 +284,16 @@ def select_anchors(
     Returns:
         n_layers int64 tensors of sorted token indices, nested (A_0 ⊇ A_1 ⊇ ...).
         full: every eligible token; pic: empty sets.
+    
+    Example (relaxkv, 25% of two 16-token chunks' token-layers, 4 layers):
+
+    >>> import torch
+    >>> scores = torch.rand(4, 40, generator=torch.Generator().manual_seed(0))
+    >>> sets = select_anchors("relaxkv", scores, [(4, 20), (20, 36)], 40, 0.25, layer_value="ramp")
+    >>> sum(len(a) for a in sets) == round(0.25 * 4 * 32)  # the budget, met exactly
+    True
+    >>> all(set(b.tolist()) <= set(a.tolist()) for a, b in zip(sets, sets[1:]))  # nested
+    True
     """
     spec = policy_spec(policy)
     if scores is not None:

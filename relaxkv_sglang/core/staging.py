@@ -70,6 +70,15 @@ class HostStage:
 
     Args:
         device: where the tensors go.
+    
+    Example (on a CPU nothing is copied; on CUDA ``get`` is a view of the one device copy):
+
+    >>> import torch
+    >>> stage = HostStage("cpu")
+    >>> rows, pos = stage.put(torch.tensor([3, 1, 2])), stage.put(torch.tensor([0.5, 1.5]))
+    >>> stage.send()
+    >>> rows.get().tolist(), pos.get().tolist()
+    ([3, 1, 2], [0.5, 1.5])
     """
 
     def __init__(self, device: torch.device | str) -> None:

@@ -1,48 +1,30 @@
 """Stale shift: correct the non-anchors' stale K/V by the mean deviation the anchors measure.
 
-At layer l the repair recomputes the anchors ``A_l``; for each it then holds both its stale K/V
-(the chunk computed alone, re-rotated) and its recomputed K/V. Their difference is the stale
-K/V's error at that token; its mean over the anchors is the part of the error every stale token
-shares. That part is small in norm (on SmolLM2-135M it changes the non-anchors' relative K/V
-error by a few percent) but it sets how much attention the stale tokens draw. Each chunk computed
-alone drew its attention onto its own first tokens (a chunk-local attention sink), and RelaxKV
-recomputes those first (``chunk_sink_tokens``): the chunks' sinks then no longer absorb the
-query's attention, and the mass flows to the stale body tokens, whose keys still carry the
-offset of the chunk-local computation. Correcting that shared offset moves the query's attention
-on the non-anchor chunk tokens back toward full prefill's, and with it the first-token KL: the
-measurements (one traced example, then 108 development pairs, 102 of them lower at scale 0.5) are
-in ``docs/experiments/2026-12-01-stale-shift.md`` (``docs/results/ablate_stale_shift_dev*.json``).
-
-The shift (``RelaxKVOptions.stale_shift``, scaled by ``stale_shift_scale``) adds that shared part
-to every non-anchor:
+At layer l the repair holds, for each anchor, both its stale K/V (the chunk computed alone,
+re-rotated) and its recomputed K/V; their mean difference is the part of the stale error every
+stale token shares. Adding it to the non-anchors moves the query's attention on them back toward
+full prefill's. With ``R(p)`` the rotation by p positions:
 
 * ``dv_l = mean_{a in S_l} (v_new(a) - v_stale(a))``, per KV head and dimension;
-* ``dk_l = mean_{a in S_l} R(-a) (k_new(a) - k_stale(a))``: K is compared before RoPE (``R(p)``
-  rotates by p positions), then rotated to each shifted token's position, ``k(t) += R(t) dk_l``;
-* ``S_l``: the anchors of layer l outside the first ``chunk_sink_tokens`` of their chunk (a
-  chunk sink's error is its own: it was the chunk's attention sink);
-* shifted tokens ``T_l``: the eligible tokens that are not anchors at layer l, outside the first
-  ``chunk_sink_tokens`` of their chunk. Prefix, glue and query tokens are never stale.
+* ``dk_l = mean_{a in S_l} R(-a) (k_new(a) - k_stale(a))`` (K compared before RoPE), and a shifted
+  token t gets ``k(t) += scale * R(t) dk_l``, ``v(t) += scale * dv_l``;
+* ``S_l``: the anchors of layer l outside the first ``chunk_sink_tokens`` of their chunk (a chunk
+  sink's error is its own);
+* shifted tokens ``T_l``: the eligible non-anchors of layer l outside those sinks. Prefix, glue
+  and query tokens are never stale.
 
-Groups (``RelaxKVOptions.stale_shift_group``): with ``request`` the mean is over all of S_l, one
-shift for every target; with ``chunk`` each target takes its own chunk's anchors' mean, shrunk
-toward the request's (:func:`group_means`, ``stale_shift_prior`` anchors of it in each chunk).
-What a chunk misses by being computed alone depends on the text around it, so its own anchors
-see its offset best; on Qwen2.5-0.5B's development examples the chunk means lowered the KL of
-every case traced (``docs/experiments/2026-12-03-qwen-calibration.md``).
+``RelaxKVOptions.stale_shift``: ``kv`` (both), ``v`` (V only), ``none``; ``stale_shift_scale``:
+the fraction added. Groups (``stale_shift_group``): ``request``, one mean over S_l; ``chunk``, each
+target its own chunk's anchors' mean shrunk toward the request's (:func:`group_means`,
+``stale_shift_prior`` anchors of it).
 
-``kv`` shifts both, ``v`` only V, ``none`` nothing. The shift is applied to each layer's stale
-K/V before that layer's attention (anchors, glue and query then read shifted values), and the
-request decodes from the shifted K/V. It costs one [n_context, Hkv, d] add (and one rotation)
-per layer and no attention pair. The server's layer loop computes the shared delta once
-(:func:`shift_deltas`) and adds it to the whole body (the tokens of :func:`shift_body`) before
-the layer's rows are written: the anchors' recomputed K/V then replace it, which leaves exactly
-T_l shifted without splitting the body at every layer. With no anchor in ``S_l`` (anchor ratio
-0: ``pic``) or no token in ``T_l`` (every token an anchor: full prefill) it changes nothing, so
-both invariants hold.
-The anchors are the tokens the query ranks highest, not a random sample, so their mean can
-overshoot (the full mean moved the mass past full prefill's on some development examples):
-hence the scale.
+Applied to each layer's stale K/V before that layer's attention; the request decodes from the
+shifted K/V. The server computes the delta once (:func:`shift_deltas`) and adds it to the whole
+body (:func:`shift_body`) before the layer's rows are written, so the anchors' recomputed K/V
+overwrite it and exactly T_l stays shifted: one [n_context, Hkv, d] add per layer, no attention
+pair. No anchor in S_l (``pic``) or no token in T_l (full prefill): nothing changes.
+
+Why ``kv`` at 0.5: docs/experiments/INDEX.md#stale-shift.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def chunk_offsets(chunk_spans: Sequence[Span], elig: torch.Tensor, n_context: in
 
 
 def shared_opening_sinks(input_ids: torch.Tensor, chunk_spans: Sequence[Span], max_sinks: int) -> torch.Tensor:
-    """Sinks per chunk from its opening (``exit_layers`` module doc, "Chunk sinks"): 1 + the longest opening it
+    """Sinks per chunk from its opening (``exit_layers`` module doc): 1 + the longest opening it
     shares with another chunk of the request, at most ``max_sinks``.
 
     Args:

@@ -1,50 +1,29 @@
 """GPU check: the plugin's FlashInfer calls against the torch reference, and their cost.
 
-Two kernels run on a GPU (``docs/gpu.md``); each case compares one with its torch executor (float32,
-same GPU) and times it against what SGLang's own FlashInfer backend would run instead:
+Each case compares a kernel path with its torch executor (float32, same GPU) and times it against
+what SGLang's own FlashInfer backend would run instead (``docs/gpu.md``):
 
-* **anchors** (:class:`~relaxkv_sglang.gpu.flashinfer_attention.FlashInferAnchorAttention`,
-  bfloat16): one layer's anchors and layout built exactly as the server does
-  (``select_anchors`` with the ``relaxkv`` policy on peaked random query scores,
-  ``build_relaxed_layout``), the request's KV at scattered slots of a larger pool, against
-  :func:`~relaxkv_sglang.core.attention.block_sparse_attention`; timed against the same anchors
-  with their full causal context (``full_causal_layout``, same path: the work must shrink with the
-  context ratio) and against a dense causal prefill of the whole prompt at one layer (what
-  recomputing it costs);
-* **repair** (:mod:`.repair_check`): the plugin's repair pass itself (layer loop, anchors, stale
-  shift) over stand-in layers with random weights, in float32 and bfloat16 on the GPU under
-  ``torch.cuda.set_sync_debug_mode("error")`` (a host sync in the pass fails it), against the
-  same pass in float32 on the CPU; first, so that it runs within any time limit; each dtype in
-  its own step, each after an untimed warm-up pass (FlashInfer's JIT compile is not timed);
-* **scoped** (:class:`~relaxkv_sglang.gpu.flashinfer_attention.FlashInferScopedPrefill`,
-  bfloat16): an extend batch as the fold leaves it on a cold prompt (8 prefix tokens, every chunk
-  a miss scoped to itself, a 64-token query with scope 0), against
-  :func:`~relaxkv_sglang.core.attention.scoped_causal_attention`; timed against a dense causal
-  prefill of the same rows (SGLang's ordinary extend).
+* **repair** (:mod:`.repair_check`, first): the repair pass (layer loop, anchors, stale shift) over
+  stand-in layers, float32 and bfloat16 on the GPU under ``torch.cuda.set_sync_debug_mode("error")``,
+  against float32 on the CPU; each dtype in its own step after an untimed warm-up;
+* **anchors** (:class:`~.flashinfer_attention.FlashInferAnchorAttention`, bfloat16): a ``relaxkv``
+  layer's anchors and layout, KV at scattered pool slots, against
+  :func:`~relaxkv_sglang.core.attention.block_sparse_attention`; timed against full causal context
+  and a dense prefill of the prompt;
+* **scoped** (:class:`~.flashinfer_attention.FlashInferScopedPrefill`, bfloat16): a cold prompt's
+  extend batch against :func:`~relaxkv_sglang.core.attention.scoped_causal_attention`;
+* **repair timing** (:func:`~.repair_check.time_repair`): one request at 8K and 32K tokens,
+  ``relaxkv`` against ``relaxkv_fullctx`` and ``prophetkv``.
 
-After correctness, **repair timing** (:func:`~.repair_check.time_repair`): the repair pass of
-one request at 8K and 32K tokens, bfloat16, anchors through FlashInfer, ``relaxkv`` against the
-dense-context repair (``relaxkv_fullctx``: the same anchors attending to their whole prefix) and
-``prophetkv`` (its own anchors, whole prefix); ms and ratios.
-
-The steps run in order (:data:`STEPS`), each in its own ``try``; each prints its estimate before
-and its time after (``gpu_check: step ...``); the JSON's ``steps`` say which ran, passed, failed
-(with the error's line) or did not run. Prints a table, writes JSON, exits 1 if any case or step
-is off (max |err| > ``TOLERANCE``), 2 without a CUDA device.
+Steps (:data:`STEPS`) run in order, each in its own ``try``, printing its estimate and time; the
+JSON's ``steps`` say which ran, passed, failed or did not run. Exit 1 if any case is off (max |err|
+> ``TOLERANCE``), 2 without CUDA. ``--dry-run``: every step on the CPU at small sizes with
+FlashInfer's torch model, under the CUDA-rules harness (:class:`~.cuda_rules.CudaRules`) or, with
+``--dry-run-device cpu``, plainly. ``--time-layout``: the host side of the anchors' inputs for one
+6K-token, 30-layer request (:func:`time_layout`).
 
     python -m relaxkv_sglang.gpu.check --out /tmp/gpu-check.json [--quick]
     python -m relaxkv_sglang.gpu.check --quick --dry-run     # any CPU: everything but the CUDA calls
-
-``--dry-run`` runs every step on the CPU at small sizes, FlashInfer replaced by its torch model
-(:func:`~.torch_models.flashinfer_stand_in`), on the CUDA-rules harness's stand-in device
-(:class:`~.cuda_rules.CudaRules`: a host sync or a blocking copy in the pass raises as CUDA
-would) or, with ``--dry-run-device cpu``, on the plain CPU.
-
-``--time-layout`` (any machine, no GPU needed) instead times the host side of the anchors'
-inputs (:func:`~relaxkv_sglang.gpu.prefill_inputs.anchor_prefill_inputs`) for every layer of one
-6K-token, 30-layer request (:func:`time_layout`).
-
-On the lent H200 this runs from ``scripts/gpu_check.sh`` (see docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -1,36 +1,25 @@
 """The plugin's attention on a GPU through FlashInfer's paged prefill: the thin layer.
 
-Every decision is made in torch, shared with the CPU path: the core's layouts
-(:func:`~relaxkv_sglang.core.layout.build_relaxed_layout`) say which keys each anchor sees, the
-fold's rows (:class:`~relaxkv_sglang.srt.context.ExtendRows`) say which keys each chunk-scoped row
-sees, and :mod:`.prefill_inputs` (plain torch, no FlashInfer import) turns both into segments of
-one ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` call: page size 1 over SGLang's KV pool
-(the keys are read straight from the pool slots, no gather), ``causal=True``, ``backend="fa2"``
-(what SGLang's FlashInfer backend uses).  This module only plans and runs those calls:
+Every decision is made in torch and shared with the CPU path (the core's layouts, the fold's
+``ExtendRows``); :mod:`.prefill_inputs` turns them into segments of one
+``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` call (page size 1 over SGLang's KV pool, no
+gather; ``causal=True``, ``backend="fa2"`` as SGLang's FlashInfer backend). This module plans and runs:
 
-* :class:`FlashInferAnchorAttention` (the repair pass's anchors): at the first anchor call of a
-  request in a pass, every layer's host metadata is built in one vectorised pass
-  (:func:`~.prefill_inputs.anchor_prefill_inputs`); each layer then gets one ``plan`` (host
-  indptrs, keys expanded on the device: no device-to-host copy) and one ``run``.
-* :class:`FlashInferScopedPrefill` (an extend batch the fold changed): one ``plan`` per forward
-  (the segments are the same at every layer), one ``run`` per layer.
+* :class:`FlashInferAnchorAttention` (the repair's anchors): every layer's host metadata built once
+  per request and pass, then per layer one ``plan`` (host indptrs; keys expanded on the device) and
+  one ``run``;
+* :class:`FlashInferScopedPrefill` (an extend batch the fold changed): one ``plan`` per forward, one
+  ``run`` per layer.
 
-Host syncs: none of our own (the indptrs FlashInfer's scheduler reads on the host are computed
-on the host, in one page-locked buffer per forward; the device's indices arrive on the pass's
-stage, :mod:`relaxkv_sglang.core.staging`). FlashInfer's ``plan`` writes its schedule into a
-page-locked buffer owned by the wrapper and copies it asynchronously, so a wrapper must not be
-planned again before that copy ran. The wrappers are a ring of at most ``RING_SIZE`` (FlashInfer
-allocates 8 MiB of device and 8 MiB of pinned host memory per wrapper, at its first use), reused
-in turn across layers, requests and passes: each plan records a CUDA event after FlashInfer's
-staged copy, and the wrapper's next plan waits for it, a host wait when the CPU is a ring's worth
-of plans ahead of the device (counted: ``host_waits``). The float workspace is SGLang's FlashInfer
-backend's on a server (``float_workspace``; ``WORKSPACE_BYTES`` allocated here otherwise, e.g. by
-the GPU check).
+No host syncs of our own: indptrs are computed on the host in one page-locked buffer per forward;
+device indices arrive on the pass's stage (:mod:`relaxkv_sglang.core.staging`). ``plan`` copies its
+schedule asynchronously from the wrapper's pinned buffer, so wrappers form a ring of ``RING_SIZE``
+(8 MiB device + 8 MiB pinned each) and a wrapper's next plan waits on the CUDA event its previous
+plan recorded (a host wait, counted ``host_waits``). The float workspace is SGLang's on a server
+(``WORKSPACE_BYTES`` allocated here otherwise).
 
-Pinned to flashinfer-python 0.7.2 (the version sglang 0.5.23 requires); another version is
-refused at construction, since the wrappers' signatures move between releases.  The torch model
-of the call is :func:`~relaxkv_sglang.gpu.torch_models.paged_prefill_attention` (the CPU tests);
-``python -m relaxkv_sglang.gpu.check`` compares the real call with the torch executors on a GPU.
+Pinned to flashinfer-python 0.7.2 (sglang 0.5.23's); another version is refused at construction.
+Torch model of the call: :func:`~.torch_models.paged_prefill_attention`.
 """
 
 from __future__ import annotations

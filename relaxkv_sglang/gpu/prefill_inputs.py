@@ -1,44 +1,28 @@
 """The plugin's rows as FlashInfer paged-prefill batches over SGLang's KV pool (plain torch).
 
-Both kinds of rows the plugin attends on a GPU become one call of FlashInfer 0.7.2's
-``BatchPrefillWithPagedKVCacheWrapper`` with page size 1 (SGLang's KV pool: a "page" is one pool
-slot) and ``causal=True``.  FlashInfer's causal rule is bottom-right aligned: in a request with
-``qo_len`` queries and ``kv_len`` keys, query ``i`` sees keys ``0 .. i + kv_len - qo_len``.  So a
-request whose queries sit at the *consecutive* positions ``t_lo .. t_hi`` and whose key list
-ends with the positions ``t_lo+1 .. t_hi`` (ascending, everything before them ``<= t_lo``) gives
-each query exactly its keys ``<= t``.  This module builds such requests ("segments"):
+Both kinds of rows become one call of FlashInfer 0.7.2's ``BatchPrefillWithPagedKVCacheWrapper``,
+page size 1 (a page is one pool slot), ``causal=True``. Its causal rule is bottom-right aligned:
+with ``qo_len`` queries and ``kv_len`` keys, query ``i`` sees keys ``0 .. i + kv_len - qo_len``. So a
+*segment* whose queries sit at consecutive positions ``t_lo .. t_hi`` and whose key list ends with
+positions ``t_lo+1 .. t_hi`` (everything before them ``<= t_lo``) gives each query its keys ``<= t``.
 
-* **Chunk-scoped rows** (:func:`scoped_prefill_inputs`, the batches the fold changed): a segment
-  is a run of consecutive rows of one request with one scope start ``s`` and consecutive
-  positions ``p0 .. p1``; its keys are the request's slots at positions ``s .. p1``
-  (``req_to_token[req, s:p1+1]``).  Query ``p`` then sees ``s .. p``: the scoped causal rule of
-  :func:`~relaxkv_sglang.core.attention.scoped_causal_attention`.  Rows come in batch order, so
-  the call's queries are the batch's rows as they are (no copy).
-* **Anchors** (:func:`anchor_prefill_inputs`, the repair pass): a segment is a row block of a
-  :class:`~relaxkv_sglang.core.layout.BlockSparseLayout` (anchors sharing one key-page list;
-  in relaxed layouts a block's anchors lie on one page), its queries padded to the consecutive
-  positions ``t_lo .. t_hi`` of its first and last anchor (at most ``page_size`` queries; the
-  padding queries are zeros and their outputs are dropped), its keys the block's listed keys
-  ``j <= t_hi`` in ascending order.  The bottom-right rule then gives each anchor ``t`` exactly
-  the layout's keys ``j <= t`` **when every position in** ``(t_lo, t_hi]`` **is listed** and the
-  first anchor sees a key; relaxed and full layouts always satisfy this (a block's own page is
-  listed).  Any other block (possible in an arbitrary CSR layout) is split into one segment per
-  row, and a row that sees no key gets no segment (its output is 0, as in the torch executor).
+* **Chunk-scoped rows** (:func:`scoped_prefill_inputs`): a segment is a run of one request's rows
+  with one scope start ``s`` and positions ``p0 .. p1``; keys ``req_to_token[req, s:p1+1]``, so query
+  ``p`` sees ``s .. p`` (:func:`~relaxkv_sglang.core.attention.scoped_causal_attention`).
+* **Anchors** (:func:`anchor_prefill_inputs`): a segment is a row block of a
+  :class:`~relaxkv_sglang.core.layout.BlockSparseLayout`, queries padded to ``t_lo .. t_hi`` (at
+  most ``page_size``; padding rows zero and dropped), keys the block's listed keys ``j <= t_hi``.
+  Exact when every position in ``(t_lo, t_hi]`` is listed and the first anchor sees a key (always
+  for relaxed and full layouts); any other block is split into one segment per row, and a row that
+  sees no key gets none (output 0, as in the torch executor).
 
-Work and memory: the anchors' call reads ``sum over segments of kv_len`` keys (each block's
-keys once for all its anchors: 224K per layer for a 6K-token request at 15% anchors and 25%
-context, against 747K visible (anchor, key) pairs) from the pool slots directly (no gather of the
-context's K/V); the padded queries cost at most ``page_size`` rows per block.
-
-What runs where: :func:`anchor_prefill_inputs` takes all layers' layouts of a request (CPU
-tensors, as the planner builds them) and computes, in one vectorised pass with no per-row Python,
-every layer's host-side metadata (``qo_indptr``/``kv_indptr``, what FlashInfer's ``plan`` needs
-on the host) and compact key runs; :meth:`AnchorLayerInputs.kv_indices` expands one layer's runs
-into pool slots on the KV pool's device (``repeat_interleave`` with the size known on the host:
-no device-to-host copy).  The code is device-agnostic torch: given CUDA layouts it runs as is,
-but then reading the host metadata back costs device syncs, so the server hands it the planner's
-CPU layouts.  The tests and the benchmark (``bench_scaling``'s ``gpu inputs ms``) run it on CPU.
-The torch model of the FlashInfer call is :func:`~relaxkv_sglang.gpu.torch_models.paged_prefill_attention`.
+Work: each block's keys are read once for all its anchors, straight from the pool slots.
+:func:`anchor_prefill_inputs` builds every layer's host metadata (``qo_indptr``/``kv_indptr``,
+compact key runs) in one vectorised pass from the planner's CPU layouts;
+:meth:`AnchorLayerInputs.kv_indices` expands a layer's runs on the pool's device
+(``repeat_interleave`` with the size known on the host: no device-to-host copy). Figures:
+docs/experiments/INDEX.md#gpu-anchor-inputs. Torch model of the call:
+:func:`~relaxkv_sglang.gpu.torch_models.paged_prefill_attention`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ its declared role (:class:`TierRole`: exclusive, write-through, prefetchable), n
          v  |                            v
     disk tier (DiskTier, write-through + prefetchable: fsynced, LRU-bounded, shared by processes)
     hicache tier (PagedTier, write-through + prefetchable: values in pages of a HiCache storage
-                  backend such as Mooncake, shared by servers on any host; srt/hicache_tier.py)
+                  backend such as Mooncake, shared by servers on any host; srt/mem_cache/hicache_tier.py)
 
 One module per concept:
 
@@ -33,9 +33,8 @@ store         :class:`TieredChunkStore` (the list of tiers for the server)
 simulate      :func:`simulate_tier` (admission policies replayed offline)
 ============  =================================================================================
 
-Adding a tier is one :class:`Tier` subclass and its :class:`TierConfig`, a :class:`TierName`
-member, and where the server reads its configuration (``srt/tiers.py``). This package imports
-only the standard library and torch.
+A new tier: a :class:`Tier` subclass, its :class:`TierConfig`, a :class:`TierName` member, and
+its configuration read in ``srt/mem_cache/tiers.py``. Standard library and torch only.
 """
 
 from relaxkv_sglang.core.tiers.admission import FrequencySketch

@@ -1,11 +1,9 @@
 """Returning the C heap's free pages to the OS, so a host tier's process stays near its bound.
 
-The per-chunk buffers a server makes while spilling (``>= 128 KiB``) come, once glibc has raised
-its mmap threshold, from the heap and from the arenas of torch's threads, whose free holes stay
-resident: measured here, a process pushing 4x a 64 MiB tier through it grew by 110-133 MiB in
-some runs, 70 in others. The host tier calls :func:`release_free_heap` after every
-``capacity / 16`` bytes (at least 8 MiB) it stores. (Pinning the mmap threshold instead made
-torch's CPU forward 60% slower.) Not glibc: nothing is done.
+The per-chunk buffers a server makes while spilling come, once glibc has raised its mmap
+threshold, from heaps whose free holes stay resident. The host tier calls
+:func:`release_free_heap` after every ``capacity / 16`` bytes (at least 8 MiB) it stores. Not
+glibc: nothing is done. The growth it prevents: docs/experiments/INDEX.md#host-heap-trim.
 """
 
 from __future__ import annotations

@@ -1,49 +1,29 @@
 """A tier over a store of fixed-size pages: how chunk values live in a HiCache storage backend.
 
-SGLang's HiCache storage backends (Mooncake, 3FS, NIXL, a folder, ...) store *pages*: one
-object of a fixed byte size per key, read into (and written from) a buffer of that size. A
-chunk's value (:mod:`.value`: header with key, identity, sizes, layout, dtype, page size and a
-crc32, then the KV) is laid over ``ceil(len(value) / P)`` pages of ``P = page_bytes``, the last
-one zero-padded::
+HiCache backends (Mooncake, 3FS, NIXL, a folder, ...) store *pages*: one object of a fixed size per
+key. A chunk's value (:mod:`.value`: a header with key, identity, sizes, layout, dtype, page size and
+a crc32, then the KV) is laid over ``ceil(len(value) / P)`` pages of ``P = page_bytes``, the last
+zero-padded::
 
     page 0 under  V = <key>-p<P>[-r<s>]      value[0 : P]      (the header and the start of the KV)
     page i under  V.<tag>.<i>               value[i*P : (i+1)*P],   i = 1 .. n-1
     tag = the header's crc32 of the KV, 8 hex chars; s = the slot (below), absent for slot 0
 
-The page size is in every store key (and in the header): servers configured with other page
-sizes (``RELAXKV_HICACHE_PAGE_KB``) on one store never read each other's pages; each shares with
-the servers of its own page size. A write puts pages 1..n-1 first and page 0 last, so page 0
-present means the value was complete when written. Two servers writing the same key at once
-write the same page 0 when their KV bytes agree; if they differ, the tags differ too, so a reader
-never combines one writer's header with another's KV (and a damaged page 0 still names the
-pages it was written with).
+Servers with other page sizes never read each other's pages. Pages 1..n-1 are written first, page 0
+last (page 0 present = complete when written); two writers with different KV bytes have different
+tags, so a header is never combined with another writer's KV. A load checks page 0's header alone
+(:func:`~.value.check_header`, at most ``max_tokens``) before reading the rest in one batch and
+checking the whole value (:func:`~.value.decode_value`); ``incomplete``, ``corrupt`` or ``foreign``
+is a counted, logged miss, never served.
 
-A load reads page 0 and checks its header alone (:func:`~.value.check_header`: key, identity,
-layout, page size, and sizes within what the layout allows, at most ``max_tokens`` tokens) before
-it asks for any other page, so a header claiming any length costs one page read and is answered
-``corrupt``; then it reads the rest in one batch and checks the whole value
-(:func:`~.value.decode_value`). A missing page (``incomplete``), wrong bytes (``corrupt``) or
-another model, layout, page size or key (``foreign``) is a counted miss, never served, and logged
-(the 1st, 10th, 100th, ... of each kind).
+**Slots.** HiCache has no delete and a backend may keep a damaged key, so a chunk has ``SLOTS``
+places (``r<s>``); a value found damaged in slot ``s`` sends this server's lookups and writes to
+``s + 1``. With every slot damaged the chunk is absent (``bad_keys``) for ``bad_ttl_s``.
 
-**Slots.** HiCache's interface has no delete and a backend may refuse to overwrite a key
-(Mooncake skips keys it holds), so a damaged value would hold its key until the store evicts it.
-Instead a chunk has ``SLOTS`` places: the tier reads and writes the first slot not known damaged
-(``r<s>`` in the key). A value found damaged in slot ``s`` sends this server's next lookups, and
-its next write of the chunk (computed again meanwhile), to slot ``s + 1``; so a damaged value
-never makes the writer skip the chunk as already present. Other servers move on when they read it
-damaged too. With every slot damaged the chunk is absent here (``bad_keys``) until
-``bad_ttl_s`` passes, when slot 0 is asked again (the store may have evicted it). Up to
-``BAD_KEYS_KEPT`` keys are remembered.
-
-**The store failing.** A call that raises, or takes longer than ``slow_s``, counts ``errors``
-and takes the tier out of service for ``backoff_s``: meanwhile every lookup is a miss without
-asking the store (``unavailable``) and writes are dropped, so requests are served from the
-pool and by computing, never waiting on a dead store. One log line when it goes out, one when
-it is asked again. A store that handles its own failures (the HiCache tier's
-:class:`~.reconnect.ReconnectingPageStore`: calls bounded in time, reconnected with backoff)
-raises :class:`~.storage.StoreUnavailable` while down: a miss counted ``unavailable``, nothing
-more.
+**The store failing.** A call that raises or takes over ``slow_s`` counts ``errors`` and takes the
+tier out of service for ``backoff_s`` (lookups miss as ``unavailable``, writes dropped). A store that
+handles its own failures (:class:`~.reconnect.ReconnectingPageStore`) raises
+:class:`~.storage.StoreUnavailable` instead: a miss counted ``unavailable``.
 
 Role: write-through and prefetchable, like the disk tier (:mod:`.tier`).
 """

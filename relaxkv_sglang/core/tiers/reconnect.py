@@ -1,29 +1,21 @@
 """A page store that may be down: calls bounded in time, reconnected with backoff when it is lost.
 
-A network store (a HiCache storage backend such as Mooncake) can be down when the server starts,
-die mid-run, or stall a call (a Mooncake ``get`` against a killed master takes about 4 s). Each
-lookup on the scheduler thread that asks the store waits for it, so :class:`ReconnectingPageStore`
-wraps the store built by a ``connect`` callable in a two-state machine:
+A network store (a HiCache backend such as Mooncake) can be down at start, die mid-run or stall a
+call, and the scheduler thread waits for each lookup. :class:`ReconnectingPageStore` wraps the store
+a ``connect`` callable builds in two states:
 
-* **up**: every call (``exists`` / ``get`` / ``put``) runs on a worker thread and the caller waits
-  at most ``call_timeout_s``. A call that raises or passes the bound makes the store **down**
-  (``store_lost``; a call past the bound is also ``store_timeouts``) and raises
-  :class:`~.storage.StoreUnavailable`; the call left running finishes on its worker, unwaited
-  (the page store's own lock keeps it off the buffers later calls use).
-* **down**: every call raises :class:`~.storage.StoreUnavailable` at once, without asking the
-  store (the tier answers a miss, counted ``unavailable``; writes are dropped). One thread
-  (``relaxkv-store-reconnect``) calls ``connect`` after ``backoff_min_s``, then after each failed
-  attempt waits twice as long, at most ``backoff_max_s`` (``store_reconnect_attempts``); the
-  first store it builds makes the state **up** again (``store_reconnects``), with fresh workers.
-  ``connect`` may take as long as it takes: it runs on that thread, never on a caller's.
+* **up**: each call (``exists`` / ``get`` / ``put``) runs on a worker thread, waited at most
+  ``call_timeout_s``; a call that raises or overruns makes it **down** (``store_lost``; overrun
+  also ``store_timeouts``) and raises :class:`~.storage.StoreUnavailable` (the overrunning call
+  finishes unwaited on its worker).
+* **down**: every call raises :class:`~.storage.StoreUnavailable` at once (the tier answers a miss,
+  writes are dropped). One thread (``relaxkv-store-reconnect``) calls ``connect`` after
+  ``backoff_min_s``, doubling the wait after each failure up to ``backoff_max_s``
+  (``store_reconnect_attempts``); the first store built makes it **up** (``store_reconnects``).
 
-So a store down at start is used once it answers, a store that died is used again once it comes
-back, and no caller waits on the store longer than ``call_timeout_s`` per call. One log line per
-change of state (down, with why; up, with the attempts and seconds it took), none per attempt.
-``store_connected`` (1 up, 0 down) and the counters above are reported in :meth:`describe`, so
-they are among the tier's counters (``tier_hicache_store_*``).
-
-Standard library only.
+No caller waits longer than ``call_timeout_s`` per call. One log line per change of state;
+``store_connected`` and the counters are in :meth:`describe`. Why a bound is needed:
+docs/experiments/INDEX.md#store-call-timeout. Standard library only.
 """
 
 from __future__ import annotations

@@ -48,7 +48,25 @@ def _store_counters(tier: Tier) -> dict:
 
 
 class TieredChunkStore:
-    """The lower tiers, fastest first, for the server (module doc)."""
+    """The lower tiers, fastest first, for the server (module doc).
+
+    Example (one host tier; a chunk evicted from the device spills there and loads back):
+
+    >>> import torch
+    >>> from relaxkv_sglang.core.tiers import ChunkRecord, HostTier, ModelIdentity
+    >>> identity = ModelIdentity(model="m", tokenizer="t", kv_dtype="float32", kv_layout="2x1x4")
+    >>> store = TieredChunkStore([HostTier(1 << 20, (2, 2, 1, 4), torch.float32)], identity,
+    ...                          async_writes=False)
+    >>> key = store.key(None, [11, 12, 13])  # content address of the chunk's tokens
+    >>> record = ChunkRecord(torch.randn(3, 2, 2, 1, 4))  # [n_tokens, layers, 2, kv_heads, head_dim]
+    >>> where = store.spill_wanted(key, record.n_tokens)
+    >>> str(where), store.spill(key, record, where)
+    ('host', True)
+    >>> loaded, tier = store.get(key)
+    >>> torch.equal(loaded.kv, record.kv), str(tier)
+    (True, 'host')
+    >>> store.close()
+    """
 
     def __init__(self, tiers: Sequence[Tier], identity: ModelIdentity, *, async_writes: bool = True,
                  max_staged_bytes: int = 256 << 20) -> None:

@@ -1,0 +1,57 @@
+"""Share of docstring and comment lines among non-blank lines, per folder.
+
+    python scripts/doc_share.py relaxkv_sglang/core relaxkv_sglang/gpu
+
+A docstring line is a line of a module, class or function docstring; a comment
+line is a line holding a ``#`` comment (code with a trailing comment counts as
+a comment line too). Also prints the module docstrings longer than 25 lines.
+"""
+
+import ast
+import io
+import sys
+import tokenize
+from pathlib import Path
+
+
+def _counts(path: Path) -> tuple[int, int, int]:
+    """(non-blank lines, docstring or comment lines, module docstring lines)."""
+    text = path.read_text()
+    lines = text.splitlines()
+    non_blank = {i + 1 for i, line in enumerate(lines) if line.strip()}
+    doc_lines: set[int] = set()
+    tree = ast.parse(text)
+    module_doc = 0
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                span = range(body[0].lineno, body[0].end_lineno + 1)
+                doc_lines.update(span)
+                if isinstance(node, ast.Module):
+                    module_doc = len(span)
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.COMMENT:
+            doc_lines.add(token.start[0])
+    return len(non_blank), len(doc_lines & non_blank), module_doc
+
+
+def main(folders: list[str]) -> None:
+    for folder in folders:
+        total = doc = 0
+        long_docs = []
+        for path in sorted(Path(folder).rglob("*.py")):
+            n, d, m = _counts(path)
+            total += n
+            doc += d
+            if m > 25:
+                long_docs.append(f"{path}:{m}")
+        share = doc / total if total else 0.0
+        print(f"{folder}: {doc}/{total} non-blank lines are docstring or comment = {share:.1%}")
+        for item in long_docs:
+            print(f"  module docstring over 25 lines: {item}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["relaxkv_sglang/core", "relaxkv_sglang/gpu"])

@@ -14,6 +14,7 @@ MODULES = [
     "relaxkv_sglang.core.repair_plan",      # plan_anchors
     "relaxkv_sglang.core.rope",             # rotate_keys
     "relaxkv_sglang.core.selection",        # select_anchors
+    "relaxkv_sglang.core.segments",         # common_prefix_len
     "relaxkv_sglang.core.staging",          # HostStage
     "relaxkv_sglang.core.tiers.store",      # TieredChunkStore
 ]

@@ -5,8 +5,8 @@ text-QA template, a ``[n]`` list, a chat system message) the benchmark builds a 
 ``--requests`` unmarked prompts of about ``--tokens`` tokens (``--model``'s tokenizer), each holding
 as many HotpotQA paragraphs as fill that budget, drawn from a pool of ``--pool`` paragraphs, so
 later prompts hold documents earlier ones held, in other orders. Every prompt goes through exactly what
-``srt/api.py::plan_item`` adds for an unmarked prompt: its token boundaries (the tokenizer's offset
-mapping, ``srt/api.py::prompt_boundaries``: reported on their own, ``boundaries ms``), then
+``srt/entrypoints/api.py::plan_item`` adds for an unmarked prompt: its token boundaries (the tokenizer's offset
+mapping, ``srt/entrypoints/api.py::prompt_boundaries``: reported on their own, ``boundaries ms``), then
 ``core.doc_index.discover_chunks`` on them (``discovery ms``), for the chat shape with its two
 messages as regions; with the opt-in index (``RELAXKV_DISCOVERY_INDEX=1``) also the search of the
 :class:`~relaxkv_sglang.core.doc_index.DocumentIndex` and the ``remember`` of the chunks found,
@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 from benchmarks import common, rag_documents
 from benchmarks.tables import markdown_table
 from relaxkv_sglang.core.doc_index import DocumentIndex, discover_chunks
-from relaxkv_sglang.srt.api import prompt_boundaries
+from relaxkv_sglang.srt.entrypoints.api import prompt_boundaries
 
 BENCH = "bench_discovery"
 SYSTEM = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context to "

@@ -11,7 +11,7 @@ requests in the same order) in that format, one row per request::
                                                {"type": "text", "text": "Question: ...\\nAnswer:"}]}],
      "max_tokens": 8, "custom_params": {"relaxkv_policy": "pic"}}
 
-Each document is its own text part, so the server marks it as a chunk (``srt/chat.py``: every text
+Each document is its own text part, so the server marks it as a chunk (``srt/entrypoints/chat.py``: every text
 part of a message but its last); ``custom_params`` carries the per-request policy
 (``--policy none`` leaves it out, for a server default or an ``X-RelaxKV-Policy`` header). 
 ``bench_serving`` renders every row with the tokenizer's chat template to estimate its length

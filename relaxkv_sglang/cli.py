@@ -29,7 +29,7 @@ first ``--`` go to every replica's ``sglang.launch_server``, after a second ``--
 (e.g. ``-- -- --cache-threshold 0.5``).
 
 ``serve --host-cache-gb G --chunk-dir DIR --disk-cache-gb G`` adds the chunk store's lower tiers
-(a bounded host-memory tier and a bounded disk folder, :mod:`relaxkv_sglang.srt.tiers`); they
+(a bounded host-memory tier and a bounded disk folder, :mod:`relaxkv_sglang.srt.mem_cache.tiers`); they
 reach the server as ``RELAXKV_HOST_CACHE_GB``, ``RELAXKV_CHUNK_DIR`` and ``RELAXKV_DISK_CACHE_GB``,
 the variables a raw ``launch_server`` reads. ``serve --calibration FILE`` serves the model with
 that repair calibration (``RELAXKV_CALIBRATION``, :mod:`relaxkv_sglang.core.calibration`; ``none``:

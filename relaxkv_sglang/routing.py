@@ -31,7 +31,7 @@ Which documents: the same spans the server chunks. A request with ``relaxkv_chun
 documents the server's block rules find in it (:func:`relaxkv_sglang.core.doc_index.discover_chunks`
 without the server's index of documents seen before, which a client does not have: a document the
 server finds only through that index, one with no structure around it, is not in the key); a chat
-request has the documents :mod:`relaxkv_sglang.srt.chat` finds: its document parts (every text
+request has the documents :mod:`relaxkv_sglang.srt.entrypoints.chat` finds: its document parts (every text
 part of a list ``content`` but its last) or, when it has none, the documents the same block rules
 find in its messages' text, each message's content a region (documents inline in string content,
 as LangChain and LlamaIndex send them; :func:`chat_documents`). A request without documents gets
@@ -151,7 +151,7 @@ def _message_texts(message: Any) -> list[str]:
 
 
 def chat_documents(messages: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The documents of an OpenAI chat request, by :mod:`relaxkv_sglang.srt.chat`'s rules.
+    """The documents of an OpenAI chat request, by :mod:`relaxkv_sglang.srt.entrypoints.chat`'s rules.
 
     In a message whose ``content`` is a list of parts, every text part but the message's last
     text part is a document. A request with no such part (the documents inline in string content,

@@ -6,7 +6,7 @@ user-facing field is one :class:`Field` below: its name, JSON type, allowed valu
 a one-line doc, and :meth:`Field.validate`, the check of a value (a bad one raises
 :class:`RequestError`, a ``ValueError`` naming the field, which SGLang's HTTP server answers with
 status 400). Every module that reads or writes the fields spells them through this one: the HTTP
-side (``srt/api.py``, ``srt/chat.py``, ``srt/parallel_encoding.py``), the scheduler side
+side (``srt/entrypoints/api.py``, ``srt/entrypoints/chat.py``, ``srt/entrypoints/parallel_encoding.py``), the scheduler side
 (``srt/plan.py``), the frontend (``lang.py``) and the client (``client.py``). ``docs/api.md``'s
 field table is checked against it by ``tests/unit/test_schema.py``.
 

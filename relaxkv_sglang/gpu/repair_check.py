@@ -1,37 +1,22 @@
 """The device check of the plugin's repair pass: the layer loop on a GPU against the same loop on the CPU.
 
-The server's executor (:class:`~relaxkv_sglang.srt.layer_loop.LayerLoop`: anchors through
-:class:`~relaxkv_sglang.srt.layer_loop.AnchorAttention`, glue and query through
-``scoped_causal_attention``, the stale shift) runs over stand-in decoder layers (the torch
-reference's layer maths, :class:`~relaxkv_sglang.core.reference.ReferenceLayerOps`, over random
-weights of a SmolLM2-shaped model) and a KV pool holding one request's stale context at scattered
-slots, as the server leaves it. One request: 10 chunks, 15% anchors, 25% context, the ``relaxkv``
-plan of the torch planner on the reference's query scores.
+The server's executor (:class:`~relaxkv_sglang.srt.forward.layer_loop.LayerLoop`: anchors, glue and query,
+stale shift) runs over stand-in decoder layers (:class:`~relaxkv_sglang.core.reference.ReferenceLayerOps`
+on random SmolLM2-shaped weights) and a KV pool holding one request's stale context at scattered
+slots: 10 chunks, 15% anchors, 25% context, the torch planner's ``relaxkv`` plan.
 
-**Correctness** (:func:`run_repair`): three steps, each in its own ``try`` (one failing never
-hides the next; each row says ``passed``, ``failed`` (off tolerance), ``error`` (raised, with the
-error's line) or ``not run``):
+**Correctness** (:func:`run_repair`): steps ``reference`` (float32, CPU), ``float32`` (torch executors
+on the device) and ``bfloat16`` (anchors through FlashInfer), each in its own ``try`` (``passed``,
+``failed``, ``error`` or ``not run``), each device step after an untimed warm-up (FlashInfer's JIT)
+and under ``torch.cuda.set_sync_debug_mode("error")``. Measured: the last row's logits and the
+repaired K/V (max abs).
 
-* ``reference``: the pass in float32 on the CPU;
-* ``float32``: the torch executors on the device (a device mix or a host read fails or differs here);
-* ``bfloat16``: the anchors through FlashInfer, as served.
+**Speed** (:func:`time_repair`): the same shape at ``n_context`` tokens (random stale K/V, peaked
+random scores), bfloat16, median of ``repeats`` for ``relaxkv``, ``relaxkv_fullctx`` (same anchors,
+whole prefix) and ``prophetkv`` (its own anchors, whole prefix).
 
-Each device step first runs one untimed pass (``warmup_s``: FlashInfer JIT-compiles its paged
-prefill at its first call, minutes; CUDA's lazy init), then the timed, compared pass. Each device
-pass runs under ``torch.cuda.set_sync_debug_mode("error")``: a host sync inside it is an error.
-The error measures are the last row's logits and the request's repaired K/V (max abs).
-
-**Speed** (:func:`time_repair`): the same request shape at ``n_context`` tokens (random stale K/V
-made on the device and peaked random query scores: no CPU reference at 32K), bfloat16, anchors
-through FlashInfer; the pass timed (median of ``repeats``, after one untimed pass) for three plans:
-``relaxkv`` (relaxed context), ``relaxkv_fullctx`` (the same anchors attending to their whole
-prefix: the dense-context repair) and ``prophetkv`` (ProphetKV's own anchors, whole prefix).
-
-Where a pass runs is a :class:`Placement`: a real device (``on(device)``), or the CUDA-rules
-harness's stand-in device on a CPU (``under_rules(rules)``, :mod:`.cuda_rules`; the check's dry
-run), with FlashInfer replaced by its torch model (:func:`~.torch_models.flashinfer_stand_in`).
-The check's setup (weights, stale pool) moves through ``Placement.put`` before the pass, outside
-what is checked; nothing crosses per layer.
+Where a pass runs is a :class:`Placement`: ``on(device)``, or ``under_rules(rules)`` (the CUDA-rules
+harness on a CPU, :mod:`.cuda_rules`, FlashInfer replaced by its torch model).
 
     python -m relaxkv_sglang.gpu.check --repair-only      (part of the full and --quick checks)
 """
@@ -54,8 +39,8 @@ from relaxkv_sglang.core.reference import LlamaWeights, ReferenceLayerOps, Stale
 from relaxkv_sglang.core.reference_model import rms_norm
 from relaxkv_sglang.core.repair_plan import AnchorPlan, RepairConfig, plan_anchors
 from relaxkv_sglang.core.rope import RopeSpec
-from relaxkv_sglang.srt.layer_loop import AnchorAttention, LayerLoop
-from relaxkv_sglang.srt.repair import repair_rows
+from relaxkv_sglang.srt.forward.layer_loop import AnchorAttention, LayerLoop
+from relaxkv_sglang.srt.forward.repair import repair_rows
 
 TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1}  # max |err|; bfloat16 on a CPU: 0.031 (seed 0)
 TIMED_PLANS = ("relaxkv", "relaxkv_fullctx", "prophetkv")  # relaxed, dense context (same anchors), ProphetKV

@@ -7,11 +7,11 @@ The maths (what is compared, the error measure, the tolerances) is
 (``tree_cache.make_tree_cache``), when the model is loaded and the KV pool exists and before the
 scheduler serves anything. It takes ``4n`` slots from the pool's allocator (``n``: the tokens of
 ``core.gate.GATE_TEXT``, ~30), runs the model's own modules with the plugin's layer loop
-(:class:`~relaxkv_sglang.srt.layer_loop.LayerLoop`: real layers, real KV pool):
+(:class:`~relaxkv_sglang.srt.forward.layer_loop.LayerLoop`: real layers, real KV pool):
 
 * ``full``: the text at ``0..n-1`` (ordinary causal prefill, the ``full`` request);
 * ``moved``: the text at ``p..p+n-1``, attending only to itself (a chunk computed where it sits);
-* ``rotated``: ``full`` copied by the cache's own :class:`~relaxkv_sglang.srt.pool_kv.PoolKV`
+* ``rotated``: ``full`` copied by the cache's own :class:`~relaxkv_sglang.srt.mem_cache.pool_kv.PoolKV`
   with K re-rotated by ``+p``: check ``rope_k`` compares it with ``moved``, every layer, K and V;
   then copied again with a rotation the model does not use (:func:`control_rope`), which must not
   match (the negative control, ``core/gate.py``);
@@ -67,9 +67,9 @@ from relaxkv_sglang.core.gate import (
 from relaxkv_sglang.core.policies import CHUNK_POLICIES
 from relaxkv_sglang.core.rope import RopeSpec
 from relaxkv_sglang.schema import default_policy
-from relaxkv_sglang.srt.layer_loop import AnchorAttention, LayerLoop, LoopRows
-from relaxkv_sglang.srt.model_layers import ModelLayers, UnsupportedModelError
-from relaxkv_sglang.srt.pool_kv import PoolKV
+from relaxkv_sglang.srt.forward.layer_loop import AnchorAttention, LayerLoop, LoopRows
+from relaxkv_sglang.srt.forward.model_layers import ModelLayers, UnsupportedModelError
+from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
 
 if TYPE_CHECKING:
     from sglang.srt.managers.tokenizer_manager import TokenizerManager

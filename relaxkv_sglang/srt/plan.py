@@ -1,6 +1,6 @@
 """A request's reuse plan, as the scheduler process sees it.
 
-The HTTP side (:mod:`relaxkv_sglang.srt.api`) validates what the user sent,
+The HTTP side (:mod:`relaxkv_sglang.srt.entrypoints.api`) validates what the user sent,
 tokenizes each part on its own, and hands the scheduler internal entries of
 ``sampling_params.custom_params`` (the plan keys of :mod:`relaxkv_sglang.schema`):
 the policy, the chunks' token spans (a flat list ``[s0, e0, s1, e1, ...]``,
@@ -28,8 +28,8 @@ position 0, where the prefix keeps the BOS.)
 What the scheduler keeps of a request between its steps is one :class:`RequestState` on the
 request itself (:func:`request_state`): its parsed plan, its chunks' keys, whether its chunks'
 prefetch was started. What one forward decides for it travels through the forward's stages
-(:mod:`.forward`); its chunk pins are the cache's (:mod:`.pins`); its report is SGLang's
-``customized_info`` (:mod:`.report`).
+(:mod:`relaxkv_sglang.srt.forward.pipeline`); its chunk pins are the cache's (:mod:`relaxkv_sglang.srt.mem_cache.pins`); its report is SGLang's
+``customized_info`` (:mod:`relaxkv_sglang.srt.forward.report`).
 """
 
 from __future__ import annotations
@@ -113,8 +113,8 @@ class RequestState:
 
     Attributes:
         plan: the plan read from its ``custom_params`` (None: a plain request), parsed once.
-        chunk_keys: (start, end, token ids) of each chunk, once asked (:func:`~.pins.chunk_keys`).
-        prefetched: the reads of its chunks the pool lacks were started (:mod:`.tier_movement`).
+        chunk_keys: (start, end, token ids) of each chunk, once asked (:func:`~relaxkv_sglang.srt.mem_cache.pins.chunk_keys`).
+        prefetched: the reads of its chunks the pool lacks were started (:mod:`relaxkv_sglang.srt.mem_cache.tier_movement`).
     """
 
     plan: Optional[RequestPlan]

@@ -34,41 +34,41 @@ SGLANG_VERSION = "0.5.23"
 #: each serves) -> the model hook.
 MODEL_FORWARD_HOOKS = {
     f"{model_class}.forward": (
-        "relaxkv_sglang.srt.repair:around_model_forward", ("self", "input_ids", "positions", "forward_batch"))
+        "relaxkv_sglang.srt.forward.repair:around_model_forward", ("self", "input_ids", "positions", "forward_batch"))
     for model_class in hooked_model_classes()
 }
 
 # target -> (hook "module:function", parameters the hook relies on)
 HOOKS = {
     "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request": (
-        "relaxkv_sglang.srt.api:around_generate_request", ("self", "obj", "request")),
+        "relaxkv_sglang.srt.entrypoints.api:around_generate_request", ("self", "obj", "request")),
     "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.flush_cache": (
-        "relaxkv_sglang.srt.api:around_flush_cache", ("self",)),
+        "relaxkv_sglang.srt.entrypoints.api:around_flush_cache", ("self",)),
     "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation": (
-        "relaxkv_sglang.srt.forward:around_forward_batch_generation", ("self", "batch")),
+        "relaxkv_sglang.srt.forward.pipeline:around_forward_batch_generation", ("self", "batch")),
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (
-        "relaxkv_sglang.srt.forward:around_forward_batch_init_new", ("cls", "batch", "model_runner")),
+        "relaxkv_sglang.srt.forward.pipeline:around_forward_batch_init_new", ("cls", "batch", "model_runner")),
     **MODEL_FORWARD_HOOKS,
     "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill": (
-        "relaxkv_sglang.srt.admission:around_get_new_batch_prefill", ("self", "running_batch")),
+        "relaxkv_sglang.srt.scheduler.admission:around_get_new_batch_prefill", ("self", "running_batch")),
     "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req": (
-        "relaxkv_sglang.srt.admission:around_add_one_req", ("self", "req")),
+        "relaxkv_sglang.srt.scheduler.admission:around_add_one_req", ("self", "req")),
     "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req": (
-        "relaxkv_sglang.srt.admission:around_add_chunked_req", ("self", "req")),
+        "relaxkv_sglang.srt.scheduler.admission:around_add_chunked_req", ("self", "req")),
     "sglang.srt.managers.scheduler.Scheduler.get_internal_state": (
         "relaxkv_sglang.srt.tree_cache:around_get_internal_state", ("self", "recv_req")),
     "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
     ".is_request_level_customized_info_key": (
-        "relaxkv_sglang.srt.report:around_is_request_level_key", ("self", "key")),
+        "relaxkv_sglang.srt.forward.report:around_is_request_level_key", ("self", "key")),
     "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request": (
-        "relaxkv_sglang.srt.chat:around_convert_to_internal_request", ("self", "request", "raw_request")),
+        "relaxkv_sglang.srt.entrypoints.chat:around_convert_to_internal_request", ("self", "request", "raw_request")),
     "sglang.srt.entrypoints.http_server.serve_generate_request": (
-        "relaxkv_sglang.srt.parallel_encoding:around_serve_generate_request", ("obj", "request")),
+        "relaxkv_sglang.srt.entrypoints.parallel_encoding:around_serve_generate_request", ("obj", "request")),
     "sglang.srt.managers.scheduler_components.logprob_result_processor.SchedulerLogprobResultProcessor"
     ".add_logprob_return_values": (
-        "relaxkv_sglang.srt.prefill_only:around_add_logprob_return_values", ("self", "i", "req")),
+        "relaxkv_sglang.srt.scheduler.prefill_only:around_add_logprob_return_values", ("self", "i", "req")),
     "sglang.srt.managers.schedule_batch.Req._check_str_based_finish": (
-        "relaxkv_sglang.srt.stop_regex:around_check_str_based_finish", ("self", "new_accepted_len")),
+        "relaxkv_sglang.srt.scheduler.stop_regex:around_check_str_based_finish", ("self", "new_accepted_len")),
 }
 
 
@@ -120,7 +120,7 @@ def _register_backends() -> None:
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
-    from relaxkv_sglang.srt.attention_backend import create_backend
+    from relaxkv_sglang.srt.forward.attention_backend import create_backend
     from relaxkv_sglang.srt.plan import BACKEND_NAME
     from relaxkv_sglang.srt.tree_cache import make_tree_cache
 
@@ -138,14 +138,14 @@ def register() -> None:
     from relaxkv_sglang.schema import default_policy
 
     default_policy()  # a bad RELAXKV_DEFAULT_POLICY stops the server here
-    from relaxkv_sglang.srt.api import discovery_index_enabled
+    from relaxkv_sglang.srt.entrypoints.api import discovery_index_enabled
 
     discovery_index_enabled()  # ... and a bad RELAXKV_DISCOVERY_INDEX
     _register_backends()
     _register_hooks()
-    from relaxkv_sglang.srt.stop_regex import install
+    from relaxkv_sglang.srt.scheduler.stop_regex import install
 
     install()  # stop_regex matching bounded in time (its scheduler otherwise hangs on a catastrophic pattern)
-    from relaxkv_sglang.srt.parallel_encoding import register_http_routes
+    from relaxkv_sglang.srt.entrypoints.parallel_encoding import register_http_routes
 
     register_http_routes()  # POST /concate_and_append_request on SGLang's FastAPI app

@@ -1,19 +1,19 @@
 """The ``relaxkv`` tree cache backend: the factory SGLang calls, and how the worker finds it.
 
 Selected with ``--radix-cache-backend relaxkv``. The cache itself is
-:class:`~.tree_cache_class.RelaxKVTreeCache` (SGLang's radix tree plus a position-independent
+:class:`~relaxkv_sglang.srt.mem_cache.tree_cache_class.RelaxKVTreeCache` (SGLang's radix tree plus a position-independent
 chunk tree, one memory account; its module doc lists its parts), built lazily
 (:func:`build_cache_class`) so this module imports without SGLang.
 
 :func:`make_tree_cache` (registered through ``mem_cache/registry.py``) checks the server's
-flags, reads the model's RoPE, builds the pool's KV accessor (:class:`~.pool_kv.PoolKV`) and,
+flags, reads the model's RoPE, builds the pool's KV accessor (:class:`~relaxkv_sglang.srt.mem_cache.pool_kv.PoolKV`) and,
 when ``RELAXKV_HOST_CACHE_GB`` or ``RELAXKV_CHUNK_DIR`` is set, the lower tiers
-(:mod:`.tiers`, :mod:`relaxkv_sglang.core.tiers`), then runs the startup correctness gate
+(:mod:`relaxkv_sglang.srt.mem_cache.tiers`, :mod:`relaxkv_sglang.core.tiers`), then runs the startup correctness gate
 (:mod:`.gate`) once on the loaded model, and chooses the model's repair calibration
 (:mod:`.calibration`); ``/get_server_info`` shows the gate's verdict (``relaxkv.gate``) and the
 calibration (``relaxkv.calibration``), and the model identity chunk keys are salted with
-(:mod:`.kv_identity`, printed at startup, ``relaxkv.kv_identity``). The scheduler's worker finds
-its cache through :func:`~.chunk_cache.worker_cache` (the factory attaches it to
+(:mod:`relaxkv_sglang.srt.mem_cache.kv_identity`, printed at startup, ``relaxkv.kv_identity``). The scheduler's worker finds
+its cache through :func:`~relaxkv_sglang.srt.mem_cache.chunk_cache.worker_cache` (the factory attaches it to
 ``TreeCacheBuildContext.tp_worker``), so no module holds a process-wide reference.
 
 SGLang files touched: ``mem_cache/registry.py`` (the backend), ``managers/scheduler.py``
@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from relaxkv_sglang.core.rope import UnsupportedRopeError, rope_spec_from_hf_config
 from relaxkv_sglang.srt.calibration import calibration_state, load_served_calibration
-from relaxkv_sglang.srt.chunk_cache import attach_worker_cache, worker_cache
-from relaxkv_sglang.srt.chunk_metrics import ChunkMetrics
+from relaxkv_sglang.srt.mem_cache.chunk_cache import attach_worker_cache, worker_cache
+from relaxkv_sglang.srt.mem_cache.chunk_metrics import ChunkMetrics
 from relaxkv_sglang.srt.gate import gate_state, run_startup_gate, serving_rope
-from relaxkv_sglang.srt.kv_identity import KVIdentity, kv_identity
-from relaxkv_sglang.srt.model_layers import family_line, supports_repair
+from relaxkv_sglang.srt.mem_cache.kv_identity import KVIdentity, kv_identity
+from relaxkv_sglang.srt.forward.model_layers import family_line, supports_repair
 from relaxkv_sglang.srt.plan import BACKEND_NAME
-from relaxkv_sglang.srt.pool_kv import PoolKV
-from relaxkv_sglang.srt.tiers import build_tiers, tier_config_from_env
+from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
+from relaxkv_sglang.srt.mem_cache.tiers import build_tiers, tier_config_from_env
 
 if TYPE_CHECKING:
     from sglang.srt.managers.scheduler import Scheduler
@@ -45,15 +45,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 def build_cache_class() -> type:
-    """The cache class (:class:`~.tree_cache_class.RelaxKVTreeCache`), imported on first use
+    """The cache class (:class:`~relaxkv_sglang.srt.mem_cache.tree_cache_class.RelaxKVTreeCache`), imported on first use
     (it imports SGLang)."""
-    from relaxkv_sglang.srt.tree_cache_class import RelaxKVTreeCache
+    from relaxkv_sglang.srt.mem_cache.tree_cache_class import RelaxKVTreeCache
 
     return RelaxKVTreeCache
 
 
 def _kv_identity(ctx: "TreeCacheBuildContext", pool_kv: PoolKV, hf_config: dict) -> KVIdentity:
-    """This scheduler's model identity (:mod:`.kv_identity`), printed in one startup line."""
+    """This scheduler's model identity (:mod:`relaxkv_sglang.srt.mem_cache.kv_identity`), printed in one startup line."""
     server_args = ctx.server_args
     # tensor parallelism: each rank holds its own heads' KV, so the rank is part of the layout
     layout = (f"{pool_kv.layout()} first_layer={pool_kv.layers.start} page_size={ctx.params.page_size} "

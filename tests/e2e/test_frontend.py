@@ -1,9 +1,9 @@
 """The ways of marking chunks besides native ``relaxkv_chunks``, end to end (tiny model).
 
 * SGLang frontend programs: ``relaxkv_sglang.lang.document`` + ``RelaxKVEndpoint``;
-* OpenAI ``/v1/chat/completions``: text content parts (``srt/chat.py``);
+* OpenAI ``/v1/chat/completions``: text content parts (``srt/entrypoints/chat.py``);
 * SGLang's parallel encoding, ``forks.join(mode="concate_and_append")`` on a
-  plain ``sgl.RuntimeEndpoint`` (``srt/parallel_encoding.py``).
+  plain ``sgl.RuntimeEndpoint`` (``srt/entrypoints/parallel_encoding.py``).
 
 For each: the same three documents, sent again in another order after another
 system prompt, are served from the cache (``cached_tokens`` covers them).
@@ -20,7 +20,7 @@ from rag_helpers import documents
 
 from relaxkv_sglang.lang import DOC_END, DOC_START, RelaxKVEndpoint, document, mark_payload, split_marks, strip_marks
 from relaxkv_sglang.server import ServerConfig
-from relaxkv_sglang.srt.parallel_encoding import JoinRegistry
+from relaxkv_sglang.srt.entrypoints.parallel_encoding import JoinRegistry
 
 pytestmark = pytest.mark.e2e
 

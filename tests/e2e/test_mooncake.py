@@ -153,7 +153,7 @@ def test_model_folders_at_other_paths_share_and_page_sizes_keep_apart(tiny_model
 
 def _put_value(mooncake, key: str, value: bytes) -> None:
     """Put raw value bytes under ``key`` in the store, as a writer would (pages, page 0 last)."""
-    from relaxkv_sglang.srt.hicache_tier import HiCacheTierConfig
+    from relaxkv_sglang.srt.mem_cache.hicache_tier import HiCacheTierConfig
 
     store = HiCacheTierConfig("mooncake", mooncake.extra_config(), page_bytes=PAGE_KB << 10).connect()
     pages = split_pages(value, store.page_bytes)

@@ -485,7 +485,7 @@ def test_state_checks_find_what_they_look_for():
 
 
 def _srt_files() -> list[Path]:
-    return sorted((ROOT / "relaxkv_sglang" / "srt").glob("*.py"))
+    return sorted((ROOT / "relaxkv_sglang" / "srt").rglob("*.py"))
 
 
 def _methods_and_functions(tree: ast.Module) -> Iterator[tuple[str, ast.AST, bool]]:

@@ -143,7 +143,7 @@ def _rows(**ratios) -> types.SimpleNamespace:
 
 
 def test_repair_config_starts_from_the_calibrated_base_and_the_request_overrides():
-    from relaxkv_sglang.srt.repair import repair_config
+    from relaxkv_sglang.srt.forward.repair import repair_config
 
     base = RepairConfig.from_knobs(context_ratio=0.25, stale_shift_scale=1.0, layer_value="uniform")
     config = repair_config(_rows(), base)

@@ -425,7 +425,7 @@ def test_prefetch_stages_disk_reads_for_a_later_get(tmp_path):
 
 def test_tier_names_are_one_vocabulary_and_map_once_to_sglang():
     from relaxkv_sglang.core.tiers import LOWER_TIERS, split_hits
-    from relaxkv_sglang.srt.cache_source import by_cache_source, sglang_cache_source
+    from relaxkv_sglang.srt.mem_cache.cache_source import by_cache_source, sglang_cache_source
 
     assert [str(t) for t in TierName] == ["device", "host", "disk", "hicache"]
     assert LOWER_TIERS == (TierName.HOST, TierName.DISK, TierName.HICACHE)

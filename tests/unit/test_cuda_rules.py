@@ -28,9 +28,9 @@ from relaxkv_sglang.gpu.cuda_rules import CudaRuleError, CudaRules
 from relaxkv_sglang.gpu.flashinfer_attention import FLASHINFER_VERSION
 from relaxkv_sglang.gpu.torch_models import flashinfer_stand_in
 from relaxkv_sglang.srt.failures import InvariantError
-from relaxkv_sglang.srt.layer_loop import AnchorAttention, LayerLoop
-from relaxkv_sglang.srt.model_layers import ModelLayers
-from relaxkv_sglang.srt.repair import repair_rows
+from relaxkv_sglang.srt.forward.layer_loop import AnchorAttention, LayerLoop
+from relaxkv_sglang.srt.forward.model_layers import ModelLayers
+from relaxkv_sglang.srt.forward.repair import repair_rows
 
 CUDA = torch.device("cuda", 0)
 
@@ -226,9 +226,9 @@ def test_the_pass_bookkeeping_on_the_device_is_refused():
 
 
 def test_the_query_pass_records_scores_under_cuda_rules():
-    """The attention backend's share of a repair's query pass (srt/context.py::QueryScores): the
+    """The attention backend's share of a repair's query pass (srt/forward/context.py::QueryScores): the
     query's rows are found on the host; the scores are computed where q and the pool are."""
-    from relaxkv_sglang.srt.context import QueryScores
+    from relaxkv_sglang.srt.forward.context import QueryScores
 
     with CudaRules() as rules:
         scores = QueryScores(n_context=7, query_end=9, slots=rules.put(torch.arange(3, 13)))

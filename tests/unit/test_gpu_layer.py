@@ -372,7 +372,7 @@ def test_anchor_attention_plans_a_request_once_per_pass(flashinfer_model, monkey
     """The layer loop's executor on the GPU path: one host build per request and pass (all its
     layers), a layout decided in the layer planned alone."""
     from relaxkv_sglang.core.staging import HostStage
-    from relaxkv_sglang.srt.layer_loop import AnchorAttention
+    from relaxkv_sglang.srt.forward.layer_loop import AnchorAttention
 
     builds = []
     real = flashinfer_attention.anchor_prefill_inputs
@@ -486,7 +486,7 @@ def test_bundle_keeps_python_and_prefill_sources_only():
 
 def _rows(*specs):
     """ExtendRows from (req_pool_idx, positions, scopes), laid end to end."""
-    from relaxkv_sglang.srt.context import ExtendRows
+    from relaxkv_sglang.srt.forward.context import ExtendRows
 
     rows, start = [], 0
     for rp, pos, scope in specs:
@@ -496,7 +496,7 @@ def _rows(*specs):
 
 
 def test_attention_path_table():
-    from relaxkv_sglang.srt.attention_paths import SCOPED, SGLANG, attention_path
+    from relaxkv_sglang.srt.forward.attention_paths import SCOPED, SGLANG, attention_path
 
     def never():
         raise AssertionError("rows inspected")
@@ -517,7 +517,7 @@ def test_attention_path_table():
 
 
 def test_rows_are_contiguous_tails():
-    from relaxkv_sglang.srt.attention_paths import rows_are_contiguous_tails
+    from relaxkv_sglang.srt.forward.attention_paths import rows_are_contiguous_tails
 
     tails = _rows((3, [4, 5, 6], [0, 0, 0]), (1, [0, 1], [0, 0]))
     assert rows_are_contiguous_tails(tails, [4, 0], [3, 2])
@@ -560,8 +560,8 @@ def test_cuda_backend_routes_only_folded_batches_to_the_plugin(monkeypatch):
     # SGLang's module first (it probes for the real flashinfer), then the torch model in its place.
     from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
-    from relaxkv_sglang.srt.attention_backend import build_cuda_backend_class
-    from relaxkv_sglang.srt.context import attach_context
+    from relaxkv_sglang.srt.forward.attention_backend import build_cuda_backend_class
+    from relaxkv_sglang.srt.forward.context import attach_context
 
     def context(rows, **kw):  # a fake fold decision: only what the backend reads
         return types.SimpleNamespace(extend_rows=rows, **kw)
@@ -670,7 +670,7 @@ def test_a_segment_without_keys_is_planned_to_read_none(flashinfer_model):
 
 
 def test_graph_replay_only_for_sglang_batches_without_a_repair():
-    from relaxkv_sglang.srt.attention_paths import SCOPED, SGLANG, may_replay_graph
+    from relaxkv_sglang.srt.forward.attention_paths import SCOPED, SGLANG, may_replay_graph
 
     plain = types.SimpleNamespace(repair=None)
     repaired = types.SimpleNamespace(repair=object())
@@ -688,7 +688,7 @@ def _attention_layer(layer_id, window=-1, cap=0.0, k_scale=None, v_scale=None):
 
 
 def test_attention_settings_the_plugin_would_drop_are_refused_at_startup():
-    from relaxkv_sglang.srt.attention_paths import check_attention_settings, unsupported_settings
+    from relaxkv_sglang.srt.forward.attention_paths import check_attention_settings, unsupported_settings
 
     plain = torch.nn.Sequential(_attention_layer(0), _attention_layer(1, k_scale=1.0, v_scale=1.0))
     assert unsupported_settings(plain) == [] and unsupported_settings(None) == []
@@ -704,7 +704,7 @@ def test_attention_settings_the_plugin_would_drop_are_refused_at_startup():
 
 
 def test_create_backend_picks_the_class_by_device(monkeypatch):
-    from relaxkv_sglang.srt import attention_backend
+    from relaxkv_sglang.srt.forward import attention_backend
 
     monkeypatch.setattr(attention_backend, "build_backend_class", lambda: lambda runner: ("torch", runner.device))
     monkeypatch.setattr(attention_backend, "build_cuda_backend_class",
@@ -718,7 +718,7 @@ def test_cuda_backend_shares_sglangs_flashinfer_workspace(flashinfer_model, monk
     SGLang's backend holds anyway), none of their own."""
     from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
-    from relaxkv_sglang.srt import attention_backend, attention_paths
+    from relaxkv_sglang.srt.forward import attention_backend, attention_paths
 
     workspace = torch.empty(64, dtype=torch.uint8)
 

@@ -25,8 +25,8 @@ from relaxkv_sglang.core.tiers import (
     ChunkRecord, ModelIdentity, PagedTier, PageStore, ReconnectingPageStore, StoreUnavailable, TierContext,
     TieredChunkStore, ValueLayout, chunk_key,
 )
-from relaxkv_sglang.srt.hicache_tier import HiCacheTierConfig
-from relaxkv_sglang.srt.tiers import tier_config_from_env
+from relaxkv_sglang.srt.mem_cache.hicache_tier import HiCacheTierConfig
+from relaxkv_sglang.srt.mem_cache.tiers import tier_config_from_env
 
 SHAPE = (2, 2, 2, 4)  # layers, K/V, kv heads, head dim: 128 bytes a token in float32
 IDENT = ModelIdentity("tiny@cfg1", "tok1", "torch.float32", "L2 H2 D4 rope10000")

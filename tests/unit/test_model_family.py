@@ -29,7 +29,7 @@ from relaxkv_sglang.core.reference import (
     reference_prefill,
 )
 from relaxkv_sglang.core.rope import RopeSpec, apply_rope, rope_spec_from_hf_config
-from relaxkv_sglang.srt.model_layers import (
+from relaxkv_sglang.srt.forward.model_layers import (
     ModelLayers,
     SGLangLayerOps,
     UnsupportedModelError,
@@ -297,7 +297,7 @@ def test_hooks_hold_one_model_forward_per_hooked_class():
     from relaxkv_sglang.srt.plugin import HOOKS, MODEL_FORWARD_HOOKS
 
     model_hooks = {target: entry for target, entry in HOOKS.items()
-                   if entry[0] == "relaxkv_sglang.srt.repair:around_model_forward"}
+                   if entry[0] == "relaxkv_sglang.srt.forward.repair:around_model_forward"}
     assert model_hooks == MODEL_FORWARD_HOOKS
     assert sorted(model_hooks) == ["sglang.srt.models.llama.LlamaModel.forward",
                                    "sglang.srt.models.mixtral.MixtralModel.forward",

@@ -1,6 +1,6 @@
 """The repair's query pass inside SGLang's forward: the scores the attention backend records for a
-request, its set-up, and the repaired rows written over SGLang's output (srt/context.py,
-srt/query_pass.py, srt/repair.py)."""
+request, its set-up, and the repaired rows written over SGLang's output (srt/forward/context.py,
+srt/forward/query_pass.py, srt/forward/repair.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from relaxkv_sglang.core.selection import query_attention_scores
-from relaxkv_sglang.srt.context import ExtendRows, QueryScores, record_query_scores
-from relaxkv_sglang.srt.layer_loop import LoopRows
-from relaxkv_sglang.srt.repair import _replace_rows
+from relaxkv_sglang.srt.forward.context import ExtendRows, QueryScores, record_query_scores
+from relaxkv_sglang.srt.forward.layer_loop import LoopRows
+from relaxkv_sglang.srt.forward.repair import _replace_rows
 
 H, HKV, D = 4, 2, 8
 
@@ -81,7 +81,7 @@ def test_a_repair_that_misses_the_last_row_is_refused():
 
 def _request_fold(policy: str, keep: list[int], n: int = 10) -> "RequestFold":
     """A request of 10 prompt tokens, one chunk at 2..6, query 6..9, window 0..n; ``keep``: its rows."""
-    from relaxkv_sglang.srt.fold import RequestFold
+    from relaxkv_sglang.srt.forward.fold import RequestFold
     from relaxkv_sglang.srt.plan import RequestPlan
 
     req = types.SimpleNamespace(origin_input_ids=list(range(10)), rid=f"req-{policy}", logprob_start_len=-1)
@@ -95,7 +95,7 @@ def _cache() -> types.SimpleNamespace:
 
 
 def test_a_request_whose_query_pass_would_miss_query_rows_is_served_as_pic(caplog):
-    from relaxkv_sglang.srt.query_pass import _set_up_request
+    from relaxkv_sglang.srt.forward.query_pass import _set_up_request
 
     with caplog.at_level("WARNING"):
         broken = _set_up_request(_cache(), _request_fold("relaxkv", [0, 1, 6, 7, 8]), True)  # query row 9 missing
@@ -107,15 +107,15 @@ def test_a_request_whose_query_pass_would_miss_query_rows_is_served_as_pic(caplo
 
 
 def test_a_model_without_the_repair_pass_is_served_as_pic_before_the_forward():
-    from relaxkv_sglang.srt.query_pass import _set_up_request
+    from relaxkv_sglang.srt.forward.query_pass import _set_up_request
 
     rows = _set_up_request(_cache(), _request_fold("relaxkv", [0, 1, 6, 7, 8, 9]), False)
     assert not rows.to_repair and rows.not_repaired_reason.startswith("the model's layer stack")
 
 
 def test_a_request_whose_repair_cannot_be_planned_is_served_as_pic(monkeypatch):
-    from relaxkv_sglang.srt import repair
-    from relaxkv_sglang.srt.query_pass import RequestRows
+    from relaxkv_sglang.srt.forward import repair
+    from relaxkv_sglang.srt.forward.query_pass import RequestRows
 
     def plan_anchors(*args, **kwargs):
         raise ValueError("no anchors fit")
@@ -130,7 +130,7 @@ def test_a_request_whose_repair_cannot_be_planned_is_served_as_pic(monkeypatch):
 
 
 def test_a_broken_invariant_is_not_served_as_pic(monkeypatch):
-    from relaxkv_sglang.srt import query_pass
+    from relaxkv_sglang.srt.forward import query_pass
     from relaxkv_sglang.srt.failures import InvariantError
 
     def broken(*args):

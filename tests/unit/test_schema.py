@@ -200,7 +200,7 @@ def test_default_policy_reads_the_environment(monkeypatch):
 
 
 def test_plan_keys_round_trip_from_the_http_side_to_the_scheduler():
-    from relaxkv_sglang.srt.api import plan_item
+    from relaxkv_sglang.srt.entrypoints.api import plan_item
     from relaxkv_sglang.srt.plan import request_plan
 
     def encode(text: str, add_special_tokens: bool) -> list[int]:
@@ -226,7 +226,7 @@ def test_plan_keys_round_trip_from_the_http_side_to_the_scheduler():
 def test_a_session_turn_plans_its_chunks_after_the_history(bos_stripped):
     """SGLang serves a session turn on its history + the turn's ids (less a leading BOS,
     ``Session.create_req``): the spans move by what was prepended and still hold the same tokens."""
-    from relaxkv_sglang.srt.api import plan_item
+    from relaxkv_sglang.srt.entrypoints.api import plan_item
     from relaxkv_sglang.srt.plan import request_plan
 
     def encode(text: str, add_special_tokens: bool) -> list[int]:
@@ -244,7 +244,7 @@ def test_a_session_turn_plans_its_chunks_after_the_history(bos_stripped):
 
 
 def test_plan_item_reports_the_first_bad_field():
-    from relaxkv_sglang.srt.api import plan_item
+    from relaxkv_sglang.srt.entrypoints.api import plan_item
 
     def encode(text: str, add_special_tokens: bool) -> list[int]:
         return [ord(c) for c in text]
@@ -260,7 +260,7 @@ def test_plan_item_reports_the_first_bad_field():
 
 
 def test_sglang_fields_that_stop_its_scheduler_are_refused_naming_them():
-    from relaxkv_sglang.srt.api import _check_batch_shape, check_sglang_fields
+    from relaxkv_sglang.srt.entrypoints.api import _check_batch_shape, check_sglang_fields
 
     def obj(**fields):
         return types.SimpleNamespace(**{"text": "Hi.", "input_ids": None, "sampling_params": {},

@@ -11,7 +11,7 @@ import torch
 from relaxkv_sglang import cli
 from relaxkv_sglang.core.chunk_store import ChunkStore
 from relaxkv_sglang.encode import EncodeError, encode_corpus, read_corpus
-from relaxkv_sglang.srt.tiers import GB, tier_config_from_env
+from relaxkv_sglang.srt.mem_cache.tiers import GB, tier_config_from_env
 
 
 def test_tier_config_from_env(tmp_path):

@@ -16,11 +16,11 @@ from relaxkv_sglang.core.chunk_store import ChunkStore
 from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
 from relaxkv_sglang.core.tiers import DiskTierConfig, HostTierConfig, ModelIdentity, TieredChunkStore, TierName
 from relaxkv_sglang.schema import CHUNKS, POLICY
-from relaxkv_sglang.srt.chunk_reuse import ChunkReuse
-from relaxkv_sglang.srt.eviction import EvictionOrder
-from relaxkv_sglang.srt.pins import AdmissionHold, AdmissionPins
-from relaxkv_sglang.srt.pool_kv import PoolKV
-from relaxkv_sglang.srt.tier_movement import TierMovement
+from relaxkv_sglang.srt.mem_cache.chunk_reuse import ChunkReuse
+from relaxkv_sglang.srt.mem_cache.eviction import EvictionOrder
+from relaxkv_sglang.srt.mem_cache.pins import AdmissionHold, AdmissionPins
+from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
+from relaxkv_sglang.srt.mem_cache.tier_movement import TierMovement
 
 ROPE = RopeSpec(head_dim=4)
 SLOTS = 32

@@ -118,7 +118,7 @@ class TreeCacheMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        from relaxkv_sglang.srt.pool_kv import PoolKV
+        from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
         from relaxkv_sglang.srt.tree_cache import build_cache_class
 
         sg = self.sg = _sglang()
@@ -264,9 +264,9 @@ class TreeCacheMachine(RuleBasedStateMachine):
 
     def _forward(self, todo: list[Live]) -> None:
         """The project's fold_batch and set_up_forward, a fake forward of the kept rows, finish_forward."""
-        from relaxkv_sglang.srt.finish import finish_forward
-        from relaxkv_sglang.srt.fold import fold_batch
-        from relaxkv_sglang.srt.query_pass import set_up_forward
+        from relaxkv_sglang.srt.forward.finish import finish_forward
+        from relaxkv_sglang.srt.forward.fold import fold_batch
+        from relaxkv_sglang.srt.forward.query_pass import set_up_forward
 
         if not todo:
             return

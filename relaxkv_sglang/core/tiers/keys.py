@@ -2,7 +2,7 @@
 
 A key is ``sha256("relaxkv-chunk-v1" || identity || namespace || token ids)``, hex (64 chars).
 ``identity`` is :class:`ModelIdentity`'s digest: what determines the KV bytes and nothing else
-(the server fills it, ``srt/kv_identity.py``: the weights' fingerprint, config, dtype and
+(the server fills it, ``srt/mem_cache/kv_identity.py``: the weights' fingerprint, config, dtype and
 quantization; the tokenizer's contents; the KV dtype; the layout: layers, KV heads, head dim, the
 RoPE the canonical K is rotated with, TP rank) and the value format version. Two servers share a
 key exactly when they would compute the same KV for the same tokens in the same tenant namespace;

@@ -5,7 +5,7 @@ Every part that names a tier uses :class:`TierName`: a chunk entry's origin
 counters (``tier_<name>_*``), the fold's per-window hit split and the request report
 (``chunk_tokens_from_<name>``). SGLang has its own names for the same places
 (``cache_source`` = device / host / storage); they are mapped once, at the SGLang boundary
-(:func:`relaxkv_sglang.srt.tiers.sglang_cache_source`).
+(:func:`relaxkv_sglang.srt.mem_cache.tiers.sglang_cache_source`).
 
 A :class:`TierName` is a ``str`` (``StrEnum``): it compares, hashes, formats and serialises as
 its value, so ``"host"`` read from a report or a stats dict is the same key.
@@ -25,7 +25,7 @@ class TierName(enum.StrEnum):
     DEVICE = "device"  # the KV pool (ChunkStore)
     HOST = "host"      # host memory (HostTier)
     DISK = "disk"      # a local folder (DiskTier)
-    HICACHE = "hicache"  # a HiCache storage backend of SGLang's, e.g. Mooncake (PagedTier over srt/hicache_tier.py)
+    HICACHE = "hicache"  # a HiCache storage backend of SGLang's, e.g. Mooncake (PagedTier over srt/mem_cache/hicache_tier.py)
 
 
 LOWER_TIERS: tuple[TierName, ...] = tuple(t for t in TierName if t is not TierName.DEVICE)

@@ -26,7 +26,7 @@ the gate's reason (the header names a policy as the body does); ``full`` and ``p
 served, and a request naming no policy gets ``prefix`` even if the server default is a chunk policy.
 
 Every request on every server the plugin is loaded into (with the chunk tree or not), whatever its
-policy, passes :func:`~.sglang_fields.check_sglang_fields`: fields SGLang 0.5.23 itself does not
+policy, passes :func:`~relaxkv_sglang.srt.entrypoints.sglang_fields.check_sglang_fields`: fields SGLang 0.5.23 itself does not
 check and whose bad values stop its scheduler (``logprob_start_len`` below -1, ``top_logprobs_num``
 above the vocabulary, token ids outside it, ...; measured on a stock server too).
 On a server with the chunk tree the batch's shape is checked as well (one ``sampling_params``
@@ -62,7 +62,7 @@ from relaxkv_sglang.schema import (
 )
 from relaxkv_sglang.srt.gate import chunk_refusal
 from relaxkv_sglang.srt.plan import chunk_tree_served, request_namespace
-from relaxkv_sglang.srt.sglang_fields import check_sglang_fields
+from relaxkv_sglang.srt.entrypoints.sglang_fields import check_sglang_fields
 
 if TYPE_CHECKING:
     from sglang.srt.managers.io_struct import GenerateReqInput

@@ -25,7 +25,7 @@ documents back, and records where each one lies in the rendered text. If that
 text tokenizes (the way SGLang's chat path tokenizes it) to exactly the ids
 SGLang produced, the request is rewritten to ``text`` = the rendered prompt
 plus ``custom_params.relaxkv_chunks`` = the documents' offsets, and the
-native path (:mod:`relaxkv_sglang.srt.api`) does the rest: it tokenizes the
+native path (:mod:`relaxkv_sglang.srt.entrypoints.api`) does the rest: it tokenizes the
 text before the first document with the tokenizer's special tokens (as
 ``/generate`` does for ``text``) and every other part without. So a BOS that
 the template renders as text is removed from the text first, not doubled; a
@@ -40,7 +40,7 @@ LlamaIndex and most OpenAI-SDK applications send them) under a chunk policy gets
 discovered instead: the same rendered and checked prompt is searched as text
 (:func:`~relaxkv_sglang.core.doc_index.discover_chunks`, each message's content a region: documents
 by the block rules, each on token boundaries of the rendered prompt's tokenization
-(:func:`~relaxkv_sglang.srt.api.prompt_boundaries`), and with the opt-in discovery index the chunks
+(:func:`~relaxkv_sglang.srt.entrypoints.api.prompt_boundaries`), and with the opt-in discovery index the chunks
 discovered before, anywhere in it; template markup between messages is never a chunk), and the
 documents found become ``relaxkv_chunks`` (with the index, they are remembered there; a request's
 own marks never are). A request in which nothing is found
@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from relaxkv_sglang.core.doc_index import discover_chunks
 from relaxkv_sglang.schema import CHUNKS, POLICY, RequestError, default_policy, header_policy
-from relaxkv_sglang.srt.api import document_index, item_namespace, prompt_boundaries
+from relaxkv_sglang.srt.entrypoints.api import document_index, item_namespace, prompt_boundaries
 from relaxkv_sglang.srt.plan import chunk_tree_served
 
 if TYPE_CHECKING:

@@ -39,7 +39,7 @@ joined request by content, in the HTTP process:
   request and every later one of the program: more ``gen`` calls, ``select``,
   later forks) gets each branch ``b_i`` marked as a chunk in
   ``sampling_params.custom_params.relaxkv_chunks``. The native path
-  (:mod:`relaxkv_sglang.srt.api`) then serves the branches from the chunk tree.
+  (:mod:`relaxkv_sglang.srt.entrypoints.api`) then serves the branches from the chunk tree.
 
 Policy: a request naming a chunk policy (``pic`` or a repair policy) keeps it;
 a request naming none gets the server default (``RELAXKV_DEFAULT_POLICY``)

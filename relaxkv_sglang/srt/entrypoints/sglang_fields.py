@@ -7,7 +7,7 @@ the whole server (every request in flight fails, ``/health`` is refused): measur
 0.5.23 server (the plugin's check switched off) and on this server, ``docs/reliability.md`` has
 the table. The plugin is loaded into every SGLang server, with the chunk tree or not, so
 :func:`check_sglang_fields` runs for every ``GenerateReqInput`` on every server (the
-``TokenizerManager.generate_request`` hook of :mod:`.api`, which passes the model's vocabulary
+``TokenizerManager.generate_request`` hook of :mod:`relaxkv_sglang.srt.entrypoints.api`, which passes the model's vocabulary
 size ``V``); a bad value raises :class:`~relaxkv_sglang.schema.RequestError` naming the field
 (HTTP 400, before anything reaches the scheduler):
 
@@ -26,13 +26,13 @@ field (OpenAI name)                        refused              what SGLang 0.5.
                                                                  ``PositionalEmbeds`` objects are valid)
 ``sampling_params.stop_regex``              a pattern that       ``re.error`` in ``SamplingParams.normalize``:
 (``stop_regex``)                            does not compile     HTTP 500 (the server lives); refused so the
-                                                                 bounded matcher (:mod:`.stop_regex`) gets
+                                                                 bounded matcher (:mod:`relaxkv_sglang.srt.scheduler.stop_regex`) gets
                                                                  only patterns it compiles
 =========================================  ===================  =============================================
 
 A ``stop_regex`` that compiles but backtracks catastrophically on the output hangs the scheduler
 (it is matched on the decoded output at every decode step); no check of the pattern alone can
-tell, so it is bounded where it runs (:mod:`.stop_regex`).
+tell, so it is bounded where it runs (:mod:`relaxkv_sglang.srt.scheduler.stop_regex`).
 
 Values of the wrong JSON type are left to SGLang (its parser answers 400). A per-prompt field is
 one value or one per prompt; an error in a batch names the item.
@@ -146,7 +146,7 @@ def _check_top_k(value: Any, where: str) -> None:
 
 def _check_stop_regex(value: Any, where: str) -> None:
     """Each pattern must compile, with Python's ``re`` (SGLang parses it) and with ``regex`` (the
-    time-bounded matcher of :mod:`.stop_regex` runs it): SGLang answers a pattern ``re`` refuses
+    time-bounded matcher of :mod:`relaxkv_sglang.srt.scheduler.stop_regex` runs it): SGLang answers a pattern ``re`` refuses
     with HTTP 500."""
     for pattern in value if isinstance(value, list) else [value]:
         if not isinstance(pattern, str):

@@ -1,6 +1,6 @@
 """Which attention a batch gets, decided on fake-able batch descriptions (pure; no SGLang import).
 
-The ``relaxkv`` attention backend's decisions (:mod:`.attention_backend` describes the backend):
+The ``relaxkv`` attention backend's decisions (:mod:`relaxkv_sglang.srt.forward.attention_backend` describes the backend):
 :func:`attention_path` (``"sglang"`` or ``"scoped"`` per batch), :func:`may_replay_graph`,
 the rows of a batch (:func:`contiguous_rows`, :func:`rows_are_contiguous_tails`), the attention
 settings the plugin refuses (:func:`check_attention_settings`), the scoped batch's FlashInfer
@@ -15,9 +15,9 @@ import torch
 
 from relaxkv_sglang.core.repair_plan import RepairCost
 from relaxkv_sglang.gpu.prefill_inputs import ScopedPrefillInputs, scoped_prefill_inputs
-from relaxkv_sglang.srt.context import ExtendRows, ForwardContext, forward_context
+from relaxkv_sglang.srt.forward.context import ExtendRows, ForwardContext, forward_context
 from relaxkv_sglang.srt.failures import InvariantError
-from relaxkv_sglang.srt.layer_loop import AnchorAttention
+from relaxkv_sglang.srt.forward.layer_loop import AnchorAttention
 
 SGLANG, SCOPED = "sglang", "scoped"
 

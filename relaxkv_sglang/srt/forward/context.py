@@ -1,6 +1,6 @@
 """What one folded forward pass carries from the fold to the attention backend and the model.
 
-The fold (:mod:`.fold`) decides, before SGLang builds its ``ForwardBatch``, which rows the
+The fold (:mod:`relaxkv_sglang.srt.forward.fold`) decides, before SGLang builds its ``ForwardBatch``, which rows the
 batch keeps and how each attends. Two readers need that decision during the forward: the
 ``relaxkv`` attention backend (rows at explicit positions and scopes; for a request to be
 repaired, it also records the query's attention per layer, :class:`QueryScores`) and the model
@@ -11,7 +11,7 @@ SGLang already passes around.
 1. :func:`attached` puts the folded batch and its context on the ``ScheduleBatch`` the
    scheduler hands to ``TpModelWorker.forward_batch_generation``, and the context on the
    worker's attention backend and the model's decoder stack, for the duration of the forward;
-2. the ``ForwardBatch.init_new`` hook (:mod:`.forward`) builds the ``ForwardBatch`` from the
+2. the ``ForwardBatch.init_new`` hook (:mod:`relaxkv_sglang.srt.forward.pipeline`) builds the ``ForwardBatch`` from the
    folded batch (:func:`pending_forward`);
 3. the backend (on itself) and the model hook (on the decoder stack) read the context back with
    :func:`forward_context`.
@@ -123,7 +123,7 @@ class ForwardContext:
         extend_rows: per request, its rows (positions and scopes) for the attention backend,
             and the query scores it records for a request to be repaired.
         repair: the repair the model hook runs once SGLang's forward has computed the rows
-            (anchors, glue and query of the repaired requests, :mod:`.repair`); None when no
+            (anchors, glue and query of the repaired requests, :mod:`relaxkv_sglang.srt.forward.repair`); None when no
             request of the batch is repaired.
     """
 

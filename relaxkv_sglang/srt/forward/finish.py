@@ -1,7 +1,7 @@
-"""After the forward (the last stage, :mod:`.forward`): misses published, reuse counted, reports.
+"""After the forward (the last stage, :mod:`relaxkv_sglang.srt.forward.pipeline`): misses published, reuse counted, reports.
 
-:func:`finish_forward` takes the forward's rows (:class:`~.query_pass.ForwardSetup`) and what the
-repair did (:attr:`~.repair.RepairStage.outcomes`) and, per request:
+:func:`finish_forward` takes the forward's rows (:class:`~relaxkv_sglang.srt.forward.query_pass.ForwardSetup`) and what the
+repair did (:attr:`~relaxkv_sglang.srt.forward.repair.RepairStage.outcomes`) and, per request:
 
 * hands its miss chunks to the chunk tree, now that their KV is computed (a request the repair
   ran for published its own before the anchors overwrote them);
@@ -10,20 +10,20 @@ repair did (:attr:`~.repair.RepairStage.outcomes`) and, per request:
   (``meta_info.cached_tokens``, ``cached_tokens_details``, ``sglang:cached_tokens_total``), and
   the batch's prefill statistics (the prefill log line, ``sglang:cache_hit_rate``,
   ``sglang:prefill_effective_tokens_total``);
-* merges its ``meta_info.relaxkv`` record (:mod:`.report`).
+* merges its ``meta_info.relaxkv`` record (:mod:`relaxkv_sglang.srt.forward.report`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping
 
-from relaxkv_sglang.srt.cache_source import SGLANG_CACHE_SOURCES, by_cache_source
-from relaxkv_sglang.srt.report import merge_record, request_record
+from relaxkv_sglang.srt.mem_cache.cache_source import SGLANG_CACHE_SOURCES, by_cache_source
+from relaxkv_sglang.srt.forward.report import merge_record, request_record
 
 if TYPE_CHECKING:
-    from relaxkv_sglang.srt.query_pass import ForwardSetup
-    from relaxkv_sglang.srt.repair import RepairOutcome
-    from relaxkv_sglang.srt.chunk_cache import ChunkCache
+    from relaxkv_sglang.srt.forward.query_pass import ForwardSetup
+    from relaxkv_sglang.srt.forward.repair import RepairOutcome
+    from relaxkv_sglang.srt.mem_cache.chunk_cache import ChunkCache
 
 
 def finish_forward(cache: "ChunkCache", setup: "ForwardSetup", outcomes: Mapping[int, "RepairOutcome"]) -> None:

@@ -1,8 +1,8 @@
 """The ``relaxkv`` attention backend's CUDA class: SGLang's FlashInfer backend, with the batches
-the fold changed through the plugin's scoped FlashInfer prefill (:mod:`.attention_backend` says
+the fold changed through the plugin's scoped FlashInfer prefill (:mod:`relaxkv_sglang.srt.forward.attention_backend` says
 which batches and why; docs/gpu.md).
 
-Imported lazily (:func:`~.attention_backend.build_cuda_backend_class`): it subclasses SGLang's class.
+Imported lazily (:func:`~relaxkv_sglang.srt.forward.attention_backend.build_cuda_backend_class`): it subclasses SGLang's class.
 SGLang file touched: ``sglang/srt/layers/attention/flashinfer_backend.py`` (subclassed; its
 constructor, workspace, decode, extend and CUDA-graph hooks reused).
 """
@@ -16,7 +16,7 @@ from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from relaxkv_sglang.gpu.flashinfer_attention import FlashInferScopedPrefill
-from relaxkv_sglang.srt.attention_paths import (
+from relaxkv_sglang.srt.forward.attention_paths import (
     SCOPED,
     SGLANG,
     batch_path,
@@ -24,7 +24,7 @@ from relaxkv_sglang.srt.attention_paths import (
     plugin_state,
     scoped_inputs,
 )
-from relaxkv_sglang.srt.context import forward_context, record_query_scores
+from relaxkv_sglang.srt.forward.context import forward_context, record_query_scores
 from relaxkv_sglang.srt.failures import InvariantError
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ inside the extend window:
 
 * **hit** (the chunk tree holds it): the cache copies its canonical K/V into the
   request's slots, re-rotating K to where the chunk now sits
-  (:meth:`~.chunk_reuse.ChunkReuse.reuse`), and its tokens are dropped from
+  (:meth:`~relaxkv_sglang.srt.mem_cache.chunk_reuse.ChunkReuse.reuse`), and its tokens are dropped from
   the batch, so they cost no projection, attention or MLP;
 * **miss**: its tokens stay, computed position-independently (each attends only
   to its own chunk, see ``attention_backend``), and after the forward the cache
@@ -34,10 +34,10 @@ reused one. Until then its rows are computed position-independently, like a
 miss; a hit then overwrites their KV with the cached chunk's, so the chunk's KV
 is the same however the prompt was split. A repair runs in the window holding
 the prompt's last token (:attr:`RequestFold.completes_prompt`), over the whole
-prompt (:mod:`.repair`).
+prompt (:mod:`relaxkv_sglang.srt.forward.repair`).
 
-This module is the forward's first stage (:mod:`.forward`): it decides and copies, and returns
-a :class:`Fold`, which nothing changes afterwards. The next stage (:mod:`.query_pass`) turns it
+This module is the forward's first stage (:mod:`relaxkv_sglang.srt.forward.pipeline`): it decides and copies, and returns
+a :class:`Fold`, which nothing changes afterwards. The next stage (:mod:`relaxkv_sglang.srt.forward.query_pass`) turns it
 into the rows the forward computes and the folded batch.
 """
 
@@ -52,7 +52,7 @@ from relaxkv_sglang.core.tiers import TierName, split_hits
 from relaxkv_sglang.srt.plan import RequestPlan, request_plan
 
 if TYPE_CHECKING:
-    from relaxkv_sglang.srt.chunk_cache import ChunkCache
+    from relaxkv_sglang.srt.mem_cache.chunk_cache import ChunkCache
 
 # A miss chunk to publish once computed: (token ids, start position, end position).
 MissChunk = tuple[tuple[int, ...], int, int]

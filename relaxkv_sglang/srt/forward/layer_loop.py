@@ -30,14 +30,14 @@ then planned again) and the ``layout_at`` ablation (its pages are ranked by the 
 (:mod:`relaxkv_sglang.gpu.cuda_rules`).
 
 It executes decisions; it makes none. The rows and layouts come from the repair planner
-(:mod:`.repair` over :mod:`relaxkv_sglang.core.repair_plan`). The one decision that needs the
+(:mod:`relaxkv_sglang.srt.forward.repair` over :mod:`relaxkv_sglang.core.repair_plan`). The one decision that needs the
 forward's own values, CacheBlend's check layer, is asked of the plan
 (:meth:`~relaxkv_sglang.core.repair_plan.AnchorPlan.after_check_layer`) when that layer has
 computed its K/V.
 
-SGLang's modules are reached through :class:`~.model_layers.ModelLayers` (the served model's
-family, :mod:`relaxkv_sglang.core.model_family`, says which). The loop is called by the repair (:class:`~.repair.RepairStage`), which the model hook
-runs after SGLang's own decoder stack (:func:`~.repair.around_model_forward`).
+SGLang's modules are reached through :class:`~relaxkv_sglang.srt.forward.model_layers.ModelLayers` (the served model's
+family, :mod:`relaxkv_sglang.core.model_family`, says which). The loop is called by the repair (:class:`~relaxkv_sglang.srt.forward.repair.RepairStage`), which the model hook
+runs after SGLang's own decoder stack (:func:`~relaxkv_sglang.srt.forward.repair.around_model_forward`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from relaxkv_sglang.core.repair_plan import AnchorPlan
 from relaxkv_sglang.core.rope import RopeSpec, RotationTable
 from relaxkv_sglang.core.stale_shift import shift_deltas
 from relaxkv_sglang.srt.failures import InvariantError
-from relaxkv_sglang.srt.model_layers import ModelLayers
+from relaxkv_sglang.srt.forward.model_layers import ModelLayers
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import KVCache

@@ -5,28 +5,28 @@
 ====  ===========================================  ============================================
 step  stage                                        value it returns
 ====  ===========================================  ============================================
-1     :func:`~.fold.fold_batch`                    :class:`~.fold.Fold`: chunk hits copied
+1     :func:`~relaxkv_sglang.srt.forward.fold.fold_batch`                    :class:`~relaxkv_sglang.srt.forward.fold.Fold`: chunk hits copied
                                                    (re-rotated) into the requests' slots and
                                                    dropped; misses kept, scoped to their chunk
-2     :func:`~.query_pass.set_up_forward`          :class:`~.query_pass.ForwardSetup`: every
+2     :func:`~relaxkv_sglang.srt.forward.query_pass.set_up_forward`          :class:`~relaxkv_sglang.srt.forward.query_pass.ForwardSetup`: every
                                                    request's rows; a request to repair gets its
                                                    query pass (scores recorded by the backend)
-3     :func:`~.repair.repair_stage`                :class:`~.repair.RepairStage` (None: no
+3     :func:`~relaxkv_sglang.srt.forward.repair.repair_stage`                :class:`~relaxkv_sglang.srt.forward.repair.RepairStage` (None: no
                                                    request is repaired), run by the model hook
 4     SGLang's forward, under                      the stage's
-      :func:`~.context.attached`                   :attr:`~.repair.RepairStage.outcomes`
-5     :func:`~.finish.finish_forward`              misses published, reuse counted in SGLang's
-                                                   accounting, ``meta_info.relaxkv`` (:mod:`.report`)
+      :func:`~relaxkv_sglang.srt.forward.context.attached`                   :attr:`~relaxkv_sglang.srt.forward.repair.RepairStage.outcomes`
+5     :func:`~relaxkv_sglang.srt.forward.finish.finish_forward`              misses published, reuse counted in SGLang's
+                                                   accounting, ``meta_info.relaxkv`` (:mod:`relaxkv_sglang.srt.forward.report`)
 ====  ===========================================  ============================================
 
 In step 4 SGLang builds its ``ForwardBatch`` through :func:`around_forward_batch_init_new` from
 the folded batch (real positions); the ``relaxkv`` attention backend and the model hook (on the
-decoder stack: after SGLang's layers, the repair) read the :class:`~.context.ForwardContext`.
-Finally the chunk pins the batch's requests took at admission (:mod:`.admission`) are dropped,
+decoder stack: after SGLang's layers, the repair) read the :class:`~relaxkv_sglang.srt.forward.context.ForwardContext`.
+Finally the chunk pins the batch's requests took at admission (:mod:`relaxkv_sglang.srt.scheduler.admission`) are dropped,
 whatever happened above.
 
 A request's own trouble never raises out of here (an aborted request's stub has no plan,
-:mod:`.plan`; a repair that cannot be carried out is served as ``pic``, :mod:`.repair`). A broken
+:mod:`.plan`; a repair that cannot be carried out is served as ``pic``, :mod:`relaxkv_sglang.srt.forward.repair`). A broken
 invariant of the plugin's bookkeeping (:class:`~.failures.InvariantError`) is logged in one line,
 then left to SGLang, which stops the server.
 
@@ -40,13 +40,13 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
-from relaxkv_sglang.srt.context import ForwardContext, PendingForward, attached, pending_forward
+from relaxkv_sglang.srt.forward.context import ForwardContext, PendingForward, attached, pending_forward
 from relaxkv_sglang.srt.failures import InvariantError
-from relaxkv_sglang.srt.finish import finish_forward
-from relaxkv_sglang.srt.fold import fold_batch
-from relaxkv_sglang.srt.query_pass import set_up_forward
-from relaxkv_sglang.srt.repair import repair_stage
-from relaxkv_sglang.srt.chunk_cache import worker_cache
+from relaxkv_sglang.srt.forward.finish import finish_forward
+from relaxkv_sglang.srt.forward.fold import fold_batch
+from relaxkv_sglang.srt.forward.query_pass import set_up_forward
+from relaxkv_sglang.srt.forward.repair import repair_stage
+from relaxkv_sglang.srt.mem_cache.chunk_cache import worker_cache
 
 logger = logging.getLogger(__name__)
 

@@ -1,17 +1,17 @@
 """The rows one forward computes, and the repair's query pass among them (the forward's second stage).
 
-The fold (:mod:`.fold`) left each request the rows ``pic`` computes: the exact prefix's tail,
+The fold (:mod:`relaxkv_sglang.srt.forward.fold`) left each request the rows ``pic`` computes: the exact prefix's tail,
 chunk misses each attending only to its own chunk, glue and query over the stale reused KV.
-:func:`set_up_forward` turns a :class:`~.fold.Fold` into a :class:`ForwardSetup`: per request
+:func:`set_up_forward` turns a :class:`~relaxkv_sglang.srt.forward.fold.Fold` into a :class:`ForwardSetup`: per request
 its :class:`RequestRows`, and from them the folded batch SGLang's forward runs and the rows its
-attention backend reads (:class:`~.context.ExtendRows`).
+attention backend reads (:class:`~relaxkv_sglang.srt.forward.context.ExtendRows`).
 
 For a request the repair decides in this window (:func:`decides_repair`: a repair policy, in the
-window holding the prompt's last token, :attr:`~.fold.RequestFold.completes_prompt`), SGLang's
+window holding the prompt's last token, :attr:`~relaxkv_sglang.srt.forward.fold.RequestFold.completes_prompt`), SGLang's
 forward over these rows is the repair's **query pass**:
 
 * a policy that scores (:attr:`~relaxkv_sglang.core.policies.PolicySpec.needs_query_scores`)
-  gets a :class:`~.context.QueryScores` recorder, which the attention backend fills at every
+  gets a :class:`~relaxkv_sglang.srt.forward.context.QueryScores` recorder, which the attention backend fills at every
   layer with the query's attention mass on the context (``s_l``);
 * its query needs to be whole in the pass: the query's rows of earlier windows of a split prompt
   join the batch (negative ``keep`` offsets, scope 0; they already hold their stale KV, and
@@ -20,7 +20,7 @@ forward over these rows is the repair's **query pass**:
 
 A request that cannot be repaired keeps its rows and is served as ``pic``, with the reason
 (:func:`not_repaired_reason`, or its own failure to be set up,
-:func:`~.failures.served_as_pic`). The repair itself runs inside the forward (:mod:`.repair`).
+:func:`~.failures.served_as_pic`). The repair itself runs inside the forward (:mod:`relaxkv_sglang.srt.forward.repair`).
 
 The folded batch is a shallow copy of the scheduled one with the kept rows, the pattern of
 SGLang's ``model_executor/encoder_swa_replay.py``.
@@ -36,15 +36,15 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from relaxkv_sglang.core.policies import Policy
-from relaxkv_sglang.srt.context import ExtendRows, QueryScores
+from relaxkv_sglang.srt.forward.context import ExtendRows, QueryScores
 from relaxkv_sglang.srt.failures import InvariantError, served_as_pic
-from relaxkv_sglang.srt.model_layers import supports_repair
+from relaxkv_sglang.srt.forward.model_layers import supports_repair
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    from relaxkv_sglang.srt.fold import Fold, RequestFold
-    from relaxkv_sglang.srt.chunk_cache import ChunkCache
+    from relaxkv_sglang.srt.forward.fold import Fold, RequestFold
+    from relaxkv_sglang.srt.mem_cache.chunk_cache import ChunkCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +176,7 @@ def _query_pass_rows(cache: "ChunkCache", f: "RequestFold") -> RequestRows:
 
 def _check_whole_query(rows: torch.Tensor, query_start: int, query_end: int) -> None:
     """Raise ``ValueError`` unless the pass's rows (int64 positions) hold every query position
-    ``[query_start, query_end)`` (what :class:`~.context.QueryScores` records)."""
+    ``[query_start, query_end)`` (what :class:`~relaxkv_sglang.srt.forward.context.QueryScores` records)."""
     held = int(((rows >= query_start) & (rows < query_end)).sum())
     if not query_start < query_end or held != query_end - query_start:
         raise ValueError(f"the pass would hold {held} of the query's rows {query_start}..{query_end - 1}")

@@ -7,17 +7,17 @@ A batch holding a request under a repair policy (``epic``, ``cacheblend``, ``pro
    chunk misses each attending only to its own chunk, glue and query over the stale reused KV),
    through the ``relaxkv`` attention backend (torch SDPA on a CPU, FlashInfer on a GPU). It
    writes their KV; for a policy that scores, the backend also records the query's attention
-   mass on every context token at each layer (``s_l``, :class:`~.context.QueryScores`). It is
-   set up before the forward by :mod:`.query_pass`.
+   mass on every context token at each layer (``s_l``, :class:`~relaxkv_sglang.srt.forward.context.QueryScores`). It is
+   set up before the forward by :mod:`relaxkv_sglang.srt.forward.query_pass`.
 2. **Repair** (:class:`RepairStage`, this module), run by the model hook once SGLang's decoder
    stack has computed the rows (:func:`around_model_forward`): the misses are now final
    position-independent KV and go to the chunk tree; the planner
    (:func:`~relaxkv_sglang.core.repair_plan.plan_anchors`, the same one the torch reference
    uses) chooses each layer's anchors and their contexts from ``s_l``; the **repair pass**
-   (:class:`~.layer_loop.LayerLoop`) runs only the rows that need it, anchors (leaving at their
+   (:class:`~relaxkv_sglang.srt.forward.layer_loop.LayerLoop`) runs only the rows that need it, anchors (leaving at their
    exit layer), glue and query, and its glue and query rows replace SGLang's in the hidden states
    the logits processor reads. SGLang samples as usual. What it did for each request is the
-   stage's :attr:`RepairStage.outcomes`, which the forward's last stage reports (:mod:`.finish`).
+   stage's :attr:`RepairStage.outcomes`, which the forward's last stage reports (:mod:`relaxkv_sglang.srt.forward.finish`).
 
 Every row is computed once by SGLang's forward; the layer loop computes only the repair. So a
 cold request (chunks no request has cached) pays ``pic``'s forward plus the repair, and its
@@ -25,9 +25,9 @@ result is the one the same request gets on warm chunks: its misses' KV is what a
 copies, the query pass sees the same stale KV, and the plan and repair follow from them.
 
 **When**: in the extend window that holds the prompt's last token
-(:attr:`~.fold.RequestFold.completes_prompt`). A prompt longer than SGLang's
+(:attr:`~relaxkv_sglang.srt.forward.fold.RequestFold.completes_prompt`). A prompt longer than SGLang's
 ``--chunked-prefill-size`` is prefilled in several windows; the earlier ones fold hits and
-compute misses position-independently, as ``pic`` does (:mod:`.fold`), and the last one repairs
+compute misses position-independently, as ``pic`` does (:mod:`relaxkv_sglang.srt.forward.fold`), and the last one repairs
 the whole prompt: its query pass runs this window's rows plus any query rows of earlier windows
 (for their scores) over the stale KV already in the request's slots, the plan covers every chunk,
 and the repair pass's anchors and glue may be rows of earlier windows, whose stale KV they
@@ -42,10 +42,10 @@ the rows' construction fails on it) is served as ``pic``, its rows those SGLang'
 computed, with a ``not_repaired_reason`` naming the failure, logged once
 (:func:`~.failures.served_as_pic`); the batch's other requests are repaired as before. Only a
 broken invariant of the plugin's own bookkeeping (:class:`~.failures.InvariantError`) leaves the
-scheduler, logged in one line by :mod:`.forward`.
+scheduler, logged in one line by :mod:`relaxkv_sglang.srt.forward.pipeline`.
 
 This module translates plans into rows; the method's decisions are in ``core/``, the execution
-in :mod:`.layer_loop`.
+in :mod:`relaxkv_sglang.srt.forward.layer_loop`.
 
 SGLang files touched (hooks registered in ``plugin.py``): the ``forward`` of each decoder-stack class
 the model-family registry hooks (``core/model_family.py``: ``models/llama.py`` ``LlamaModel``,
@@ -61,16 +61,16 @@ import torch
 
 from relaxkv_sglang.core.repair_plan import AnchorPlan, RepairConfig, plan_anchors
 from relaxkv_sglang.srt.calibration import repair_base
-from relaxkv_sglang.srt.context import forward_context
+from relaxkv_sglang.srt.forward.context import forward_context
 from relaxkv_sglang.srt.failures import InvariantError, served_as_pic
-from relaxkv_sglang.srt.layer_loop import LayerLoop, LoopRows
-from relaxkv_sglang.srt.model_layers import ModelLayers
+from relaxkv_sglang.srt.forward.layer_loop import LayerLoop, LoopRows
+from relaxkv_sglang.srt.forward.model_layers import ModelLayers
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-    from relaxkv_sglang.srt.query_pass import ForwardSetup, RequestRows
-    from relaxkv_sglang.srt.chunk_cache import ChunkCache
+    from relaxkv_sglang.srt.forward.query_pass import ForwardSetup, RequestRows
+    from relaxkv_sglang.srt.mem_cache.chunk_cache import ChunkCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +105,7 @@ class RepairStage:
     Args:
         cache: the worker's chunk cache (KV pool, publishing the misses).
         attn_backend: the worker's ``relaxkv`` attention backend (anchor executor, cost model).
-        setup: the forward's rows (:mod:`.query_pass`); the stage repairs its targets.
+        setup: the forward's rows (:mod:`relaxkv_sglang.srt.forward.query_pass`); the stage repairs its targets.
 
     Attributes:
         outcomes: index in the batch -> :class:`RepairOutcome`, for every target, once

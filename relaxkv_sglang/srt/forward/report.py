@@ -29,9 +29,9 @@ from relaxkv_sglang.core.tiers import TierName
 from relaxkv_sglang.srt.plan import RECORD_KEY
 
 if TYPE_CHECKING:
-    from relaxkv_sglang.srt.layer_loop import LoopRows
-    from relaxkv_sglang.srt.query_pass import RequestRows
-    from relaxkv_sglang.srt.repair import RepairOutcome
+    from relaxkv_sglang.srt.forward.layer_loop import LoopRows
+    from relaxkv_sglang.srt.forward.query_pass import RequestRows
+    from relaxkv_sglang.srt.forward.repair import RepairOutcome
 
 # The hit tokens of each lower tier, one field per tier name (the tiers' one vocabulary).
 _TIER_FIELDS = {tier: f"chunk_tokens_from_{tier.value}" for tier in TierName if tier != TierName.DEVICE}

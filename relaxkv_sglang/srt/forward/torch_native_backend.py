@@ -1,7 +1,7 @@
 """The ``relaxkv`` attention backend's CPU class: SGLang's ``torch_native`` with extend rows at
-explicit positions and scopes (:mod:`.attention_backend` says which batches and why).
+explicit positions and scopes (:mod:`relaxkv_sglang.srt.forward.attention_backend` says which batches and why).
 
-Imported lazily (:func:`~.attention_backend.build_backend_class`): it subclasses SGLang's class.
+Imported lazily (:func:`~relaxkv_sglang.srt.forward.attention_backend.build_backend_class`): it subclasses SGLang's class.
 SGLang file touched: ``sglang/srt/layers/attention/torch_native_backend.py`` (subclassed; its
 constructor and decode reused).
 """
@@ -15,8 +15,8 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from relaxkv_sglang.core.attention import scoped_causal_attention
-from relaxkv_sglang.srt.attention_paths import contiguous_rows, plugin_state
-from relaxkv_sglang.srt.context import ExtendRows, forward_context, record_query_scores
+from relaxkv_sglang.srt.forward.attention_paths import contiguous_rows, plugin_state
+from relaxkv_sglang.srt.forward.context import ExtendRows, forward_context, record_query_scores
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention

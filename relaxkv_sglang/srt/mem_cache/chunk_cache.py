@@ -1,7 +1,7 @@
 """What the forward stages and admission call on the relaxkv tree cache, and how a worker finds it.
 
 :class:`ChunkCache` is the cache's surface as the rest of the plugin sees it (implemented by
-:class:`~.tree_cache_class.RelaxKVTreeCache`, SGLang's radix tree plus the chunk store): reading
+:class:`~relaxkv_sglang.srt.mem_cache.tree_cache_class.RelaxKVTreeCache`, SGLang's radix tree plus the chunk store): reading
 and writing a request's KV slots, reusing and publishing chunks, and the admission pins. Anything
 else on the class is SGLang's ``BasePrefixCache`` surface. :func:`worker_cache` finds the
 scheduler worker's cache (the factory attaches it), so no module holds a process-wide reference.
@@ -17,9 +17,9 @@ import torch
 
 if TYPE_CHECKING:
     from relaxkv_sglang.core.tiers import TierName
-    from relaxkv_sglang.srt.chunk_reuse import ChunkReuse
-    from relaxkv_sglang.srt.pins import AdmissionHold, AdmissionPins
-    from relaxkv_sglang.srt.pool_kv import PoolKV
+    from relaxkv_sglang.srt.mem_cache.chunk_reuse import ChunkReuse
+    from relaxkv_sglang.srt.mem_cache.pins import AdmissionHold, AdmissionPins
+    from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
 
 # Attribute of SGLang's TpModelWorker that holds its relaxkv tree cache.
 _WORKER_ATTR = "relaxkv_cache"

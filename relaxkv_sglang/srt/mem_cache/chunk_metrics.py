@@ -1,6 +1,6 @@
 """Chunk-tree and lower-tier counters on SGLang's /metrics (``--enable-metrics``).
 
-The tree cache (:mod:`.tree_cache_class`) calls :meth:`ChunkMetrics.publish` with the chunk
+The tree cache (:mod:`relaxkv_sglang.srt.mem_cache.tree_cache_class`) calls :meth:`ChunkMetrics.publish` with the chunk
 store's cumulative :class:`~relaxkv_sglang.core.chunk_store.ChunkStoreStats` (and the tiers'
 counters) after anything that moves them; counters advance by the difference since the last
 call, gauges are set. Series are ``relaxkv:chunk_<name>`` and ``relaxkv:tier_<tier>_<name>``.

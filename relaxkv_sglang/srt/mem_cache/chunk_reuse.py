@@ -6,8 +6,8 @@
 * :meth:`ChunkReuse.publish`: copy a chunk computed position-independently into slots the
   store owns (evicting if needed) and index it; written through to the lower tiers too.
 
-All KV goes through one :class:`~.pool_kv.PoolKV`; tier crossings through
-:class:`~.tier_movement.TierMovement` (None without lower tiers). A chunk computed while
+All KV goes through one :class:`~relaxkv_sglang.srt.mem_cache.pool_kv.PoolKV`; tier crossings through
+:class:`~relaxkv_sglang.srt.mem_cache.tier_movement.TierMovement` (None without lower tiers). A chunk computed while
 another copy was already stored (two requests of a batch, or one that missed it at its fold)
 is counted as a duplicate compute (docs/reliability.md).
 """
@@ -20,8 +20,8 @@ import torch
 
 from relaxkv_sglang.core.chunk_store import ChunkStore
 from relaxkv_sglang.core.tiers import TierName
-from relaxkv_sglang.srt.pool_kv import PoolKV
-from relaxkv_sglang.srt.tier_movement import SlotAllocator, TierMovement
+from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
+from relaxkv_sglang.srt.mem_cache.tier_movement import SlotAllocator, TierMovement
 
 
 class ChunkReuse:

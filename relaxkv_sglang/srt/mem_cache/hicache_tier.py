@@ -9,7 +9,7 @@ builds it (``managers/cache_controller.py``):
   extra_config), host_pool)``, then ``register_mem_pool_host(host_pool)`` and
   ``on_host_pools_registered()``; the name and extra config are those SGLang's
   ``--hicache-storage-backend`` and ``--hicache-storage-backend-extra-config`` take
-  (``RELAXKV_HICACHE_STORAGE_BACKEND[_EXTRA_CONFIG]``, :mod:`.tiers`). ``model_name`` is
+  (``RELAXKV_HICACHE_STORAGE_BACKEND[_EXTRA_CONFIG]``, :mod:`relaxkv_sglang.srt.mem_cache.tiers`). ``model_name`` is
   ``"relaxkv"``, so the backends that prefix keys with it keep these pages apart from HiCache's
   own prefix pages in a shared store; TP and PP are 1 (the content key already names the rank);
 * the host pool: :class:`StagingPool`, ``pages`` buffers of ``page_bytes`` bytes (uint8
@@ -189,7 +189,7 @@ def _probe_master(extra_config: dict, timeout_s: float) -> Optional[str]:
 
 @dataclasses.dataclass(frozen=True)
 class HiCacheTierConfig(TierConfig):
-    """The HiCache tier asked for (``RELAXKV_HICACHE_*``, :mod:`.tiers`).
+    """The HiCache tier asked for (``RELAXKV_HICACHE_*``, :mod:`relaxkv_sglang.srt.mem_cache.tiers`).
 
     Attributes:
         backend: the factory's backend name; None: no such tier.

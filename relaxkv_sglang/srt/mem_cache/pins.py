@@ -1,7 +1,7 @@
 """Admission pins and the admission hold: chunk hits kept in the pool from admission to the fold.
 
 SGLang's ``PrefillAdder`` admits a request if it fits in ``free + evictable_size()``
-(:mod:`.admission` hooks it). Two things here change what counts as evictable:
+(:mod:`relaxkv_sglang.srt.scheduler.admission` hooks it). Two things here change what counts as evictable:
 
 * :class:`AdmissionPins`: when a request is considered, every chunk of its window the store
   holds is locked for it (``pin``), so the adder's budget no longer counts it and nothing (other

@@ -1,9 +1,9 @@
 """Chunk KV moving between the KV pool and the lower tiers: spill, load, write-through, prefetch.
 
-The lower tiers (:mod:`relaxkv_sglang.core.tiers`, built by :mod:`.tiers`) hold chunk KV off
+The lower tiers (:mod:`relaxkv_sglang.core.tiers`, built by :mod:`relaxkv_sglang.srt.mem_cache.tiers`) hold chunk KV off
 the device; the pool's chunks live in a :class:`~relaxkv_sglang.core.chunk_store.ChunkStore`.
 :class:`TierMovement` is every crossing between the two, all KV going through one
-:class:`~.pool_kv.PoolKV`:
+:class:`~relaxkv_sglang.srt.mem_cache.pool_kv.PoolKV`:
 
 * :meth:`~TierMovement.spill`: the store evicts a chunk (its ``on_evict``, while the slots
   still hold its KV): the tiers keep a copy if their admission wants it;
@@ -31,9 +31,9 @@ import torch
 
 from relaxkv_sglang.core.chunk_store import ChunkEntry, ChunkStore
 from relaxkv_sglang.core.tiers import TieredChunkStore, TierName
-from relaxkv_sglang.srt.pins import requests_chunks
+from relaxkv_sglang.srt.mem_cache.pins import requests_chunks
 from relaxkv_sglang.srt.plan import request_state
-from relaxkv_sglang.srt.pool_kv import PoolKV
+from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ between them and the KV pool. This module holds what needs SGLang's objects:
 * :func:`tier_config_from_env`: ``RELAXKV_HOST_CACHE_GB``, ``RELAXKV_CHUNK_DIR``,
   ``RELAXKV_DISK_CACHE_GB``, ``RELAXKV_HOST_CACHE_POLICY`` (``relaxkv-sglang serve
   --host-cache-gb/--chunk-dir/--disk-cache-gb`` set the first three), and the HiCache tier's
-  (:mod:`.hicache_tier`): ``RELAXKV_HICACHE_STORAGE_BACKEND`` (a name SGLang's
+  (:mod:`relaxkv_sglang.srt.mem_cache.hicache_tier`): ``RELAXKV_HICACHE_STORAGE_BACKEND`` (a name SGLang's
   ``--hicache-storage-backend`` takes), ``RELAXKV_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG`` (as
   SGLang's ``--hicache-storage-backend-extra-config``: a JSON object, or ``@FILE`` of JSON, TOML
   or YAML), ``RELAXKV_HICACHE_PAGE_KB`` (bytes per stored page / 1024, default 256),
@@ -16,7 +16,7 @@ between them and the KV pool. This module holds what needs SGLang's objects:
   (the longest wait between attempts to reconnect a store that is down, default 30); a bad value stops the server at startup
   with one line naming the variable;
 * :func:`build_tiers`: the lower tiers for the pool's KV layout (read and written through
-  :class:`~.pool_kv.PoolKV`), under the model identity (:mod:`.kv_identity`: what determines
+  :class:`~relaxkv_sglang.srt.mem_cache.pool_kv.PoolKV`), under the model identity (:mod:`relaxkv_sglang.srt.mem_cache.kv_identity`: what determines
   the KV bytes, nothing else), a stored value holding at most the model's context length.
 
 SGLang objects read: ``TreeCacheBuildContext`` (``server_args``, ``model_config``).
@@ -32,8 +32,8 @@ from typing import Optional
 from relaxkv_sglang.core.tiers import (
     GB, DiskTierConfig, HostTier, HostTierConfig, ModelIdentity, TierContext, TieredChunkStore,
 )
-from relaxkv_sglang.srt.hicache_tier import HiCacheTierConfig, known_backends
-from relaxkv_sglang.srt.pool_kv import PoolKV
+from relaxkv_sglang.srt.mem_cache.hicache_tier import HiCacheTierConfig, known_backends
+from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
 
 HOST_GB_ENV = "RELAXKV_HOST_CACHE_GB"
 CHUNK_DIR_ENV = "RELAXKV_CHUNK_DIR"

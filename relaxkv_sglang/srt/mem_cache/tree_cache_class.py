@@ -4,17 +4,17 @@ The radix tree (SGLang's legacy ``RadixCache``, subclassed) still serves exact p
 system prompts, multi-turn history, any request without chunks. Beside it a
 :class:`~relaxkv_sglang.core.chunk_store.ChunkStore` holds each document chunk's KV once,
 keyed by its token ids and tenant namespace. This class holds only SGLang's overrides and the
-:class:`~.chunk_cache.ChunkCache` surface other modules call; the work is done by parts with one
+:class:`~relaxkv_sglang.srt.mem_cache.chunk_cache.ChunkCache` surface other modules call; the work is done by parts with one
 concept each (reached as the class's attributes ``reuse``, ``admission_pins``, ``hold``):
 
 ==================================  ==========================================================
-:class:`~.chunk_reuse.ChunkReuse`   ``reuse`` / ``publish`` (what the fold asks)
-:class:`~.pool_kv.PoolKV`           every copy of chunk KV in the pool, K re-rotated
-:class:`~.tier_movement.TierMovement`  spill, load, write-through, prefetch (lower tiers)
-:class:`~.pins.AdmissionPins`       chunk hits locked from admission to the fold
-:class:`~.pins.AdmissionHold`       queued requests' chunks held out of one admission check
-:class:`~.eviction.EvictionOrder`   one LRU order over radix leaves and chunks
-:class:`~.chunk_metrics.ChunkMetrics`  the counters on /metrics
+:class:`~relaxkv_sglang.srt.mem_cache.chunk_reuse.ChunkReuse`   ``reuse`` / ``publish`` (what the fold asks)
+:class:`~relaxkv_sglang.srt.mem_cache.pool_kv.PoolKV`           every copy of chunk KV in the pool, K re-rotated
+:class:`~relaxkv_sglang.srt.mem_cache.tier_movement.TierMovement`  spill, load, write-through, prefetch (lower tiers)
+:class:`~relaxkv_sglang.srt.mem_cache.pins.AdmissionPins`       chunk hits locked from admission to the fold
+:class:`~relaxkv_sglang.srt.mem_cache.pins.AdmissionHold`       queued requests' chunks held out of one admission check
+:class:`~relaxkv_sglang.srt.mem_cache.eviction.EvictionOrder`   one LRU order over radix leaves and chunks
+:class:`~relaxkv_sglang.srt.mem_cache.chunk_metrics.ChunkMetrics`  the counters on /metrics
 ==================================  ==========================================================
 
 What the overrides change in the radix tree's behaviour:
@@ -51,13 +51,13 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 
 from relaxkv_sglang.core.chunk_store import ChunkEntry, ChunkStore
 from relaxkv_sglang.core.tiers import TieredChunkStore, TierName
-from relaxkv_sglang.srt.chunk_metrics import ChunkMetrics
-from relaxkv_sglang.srt.chunk_reuse import ChunkReuse
-from relaxkv_sglang.srt.eviction import EvictionOrder
-from relaxkv_sglang.srt.pins import HOLD_ENV, HOLD_QUEUE_DEPTH, AdmissionHold, AdmissionPins
+from relaxkv_sglang.srt.mem_cache.chunk_metrics import ChunkMetrics
+from relaxkv_sglang.srt.mem_cache.chunk_reuse import ChunkReuse
+from relaxkv_sglang.srt.mem_cache.eviction import EvictionOrder
+from relaxkv_sglang.srt.mem_cache.pins import HOLD_ENV, HOLD_QUEUE_DEPTH, AdmissionHold, AdmissionPins
 from relaxkv_sglang.srt.plan import request_plan
-from relaxkv_sglang.srt.pool_kv import PoolKV
-from relaxkv_sglang.srt.tier_movement import TierMovement
+from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
+from relaxkv_sglang.srt.mem_cache.tier_movement import TierMovement
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
@@ -96,7 +96,7 @@ class RelaxKVTreeCache(RadixCache):
 
     def publish_chunk(self, namespace: Optional[str], tokens: Sequence[int], src: torch.Tensor,
                       position: int) -> bool:
-        """See :meth:`.chunk_reuse.ChunkReuse.publish` (slots from :meth:`alloc_chunk_slots`)."""
+        """See :meth:`relaxkv_sglang.srt.mem_cache.chunk_reuse.ChunkReuse.publish` (slots from :meth:`alloc_chunk_slots`)."""
         return self.reuse.publish(namespace, tokens, src, position, self.alloc_chunk_slots)
 
     def publish_chunks(self, namespace: Optional[str], chunks: Sequence[tuple[Sequence[int], int, int]],
@@ -124,7 +124,7 @@ class RelaxKVTreeCache(RadixCache):
         slots = allocator.alloc(n)
         return None if slots is None else slots.to(torch.int64)
 
-    # -------------------------------------------------- admission (srt/admission.py, srt/forward.py)
+    # -------------------------------------------------- admission (srt/scheduler/admission.py, srt/forward/pipeline.py)
 
     @property
     def pins(self) -> dict[str, list[tuple[int, ChunkEntry]]]:
@@ -137,7 +137,7 @@ class RelaxKVTreeCache(RadixCache):
         return self.hold.reserve
 
     def pin_request(self, req: Any) -> int:
-        """See :meth:`.pins.AdmissionPins.pin`; a chunk only a lower tier holds is loaded first."""
+        """See :meth:`relaxkv_sglang.srt.mem_cache.pins.AdmissionPins.pin`; a chunk only a lower tier holds is loaded first."""
         return self.admission_pins.pin(req, self._load if self.movement is not None else None)
 
     def _load(self, namespace: Optional[str], tokens: Sequence[int]) -> Optional[ChunkEntry]:
@@ -148,7 +148,7 @@ class RelaxKVTreeCache(RadixCache):
 
     def begin_admission(self, waiting_queue: list, chunked_req: Any = None) -> None:
         """An admission round starts: the hold learns the queue; the reads of its chunks the
-        pool lacks start in the background (:meth:`.tier_movement.TierMovement.prefetch`)."""
+        pool lacks start in the background (:meth:`relaxkv_sglang.srt.mem_cache.tier_movement.TierMovement.prefetch`)."""
         self.hold.begin(waiting_queue, chunked_req)
         if self.movement is not None:
             self.movement.prefetch(self.chunks, waiting_queue[:HOLD_QUEUE_DEPTH])
@@ -226,7 +226,7 @@ class RelaxKVTreeCache(RadixCache):
 
     def evict(self, params: EvictParams) -> EvictResult:
         """Evict at least ``params.num_tokens`` (if held) in one LRU order over radix leaves and
-        unlocked chunks (:class:`~.eviction.EvictionOrder`)."""
+        unlocked chunks (:class:`~relaxkv_sglang.srt.mem_cache.eviction.EvictionOrder`)."""
         if self.chunks is None:
             return super().evict(params)
         start = time.perf_counter()

@@ -10,14 +10,14 @@ request's slots, evicting what it must, and the batch's forward runs the fold.
 The hooks here:
 
 * around ``PrefillAdder.add_one_req``: before the check, the cache pins the
-  request's chunk hits (:meth:`~.tree_cache_class.RelaxKVTreeCache.pin_request`), so
+  request's chunk hits (:meth:`~relaxkv_sglang.srt.mem_cache.tree_cache_class.RelaxKVTreeCache.pin_request`), so
   they leave the evictable budget (admission counts what the request will copy:
   the slots of its private copy are in its extend, the canonical copy it reads
   is pinned) and no later allocation can evict them. With lower tiers, a chunk
   the pool lacks but the host or disk tier holds is loaded into the pool there
   first (evicting only other unpinned chunks) and pinned the same way. While other requests run
   (or one was admitted this round) the check also runs under
-  :meth:`~.pins.AdmissionHold.hold`: chunks that queued
+  :meth:`~relaxkv_sglang.srt.mem_cache.pins.AdmissionHold.hold`: chunks that queued
   requests need count as not evictable, so a request that only fits by evicting
   them waits for memory to come back instead. A request not admitted drops its
   pins at once; an admitted one keeps those of its window only.
@@ -26,7 +26,7 @@ The hooks here:
 * around ``Scheduler.get_new_batch_prefill``: tells the cache the round's
   waiting queue (whose chunks the hold protects) and ends the round.
 
-The forward hook (:mod:`.forward`) drops the batch's pins once the fold has
+The forward hook (:mod:`relaxkv_sglang.srt.forward.pipeline`) drops the batch's pins once the fold has
 copied them; a released request (``on_release``) and a flush (``reset``) drop
 theirs too. Trade-offs and measurements: docs/reliability.md.
 

@@ -25,7 +25,7 @@ step replaced the abort with an ordinary finish).
 
 Ordinary stop patterns take microseconds on outputs of thousands of characters; the bound only
 ends searches that would take far longer than a decode step. The HTTP side
-(:func:`~.sglang_fields.check_sglang_fields`) refuses patterns that either package cannot compile,
+(:func:`~relaxkv_sglang.srt.entrypoints.sglang_fields.check_sglang_fields`) refuses patterns that either package cannot compile,
 so both agree on what is a pattern.
 
 SGLang file touched: ``sglang/srt/managers/schedule_batch.py`` (its module global ``re``, and
@@ -91,7 +91,7 @@ def install() -> None:
     source = inspect.getsource(module)
     if current is not re or "re.search(stop_regex_str, tail_str)" not in source:
         raise SystemExit(f"relaxkv-sglang: {module.__file__} no longer matches stop_regex with re.search; the "
-                         "time bound of relaxkv_sglang/srt/stop_regex.py was written for sglang 0.5.23")
+                         "time bound of relaxkv_sglang/srt/scheduler/stop_regex.py was written for sglang 0.5.23")
     setattr(module, "re", BoundedRe())
 
 

@@ -26,7 +26,7 @@ in one line (rank 0), put on ``/metrics`` (``--enable-metrics``: ``relaxkv:gate_
 ``relaxkv:gate_max_error{check}``, ``relaxkv:gate_tolerance{check}``) and on
 ``/get_server_info`` under ``relaxkv.gate`` (by ``tree_cache.around_get_internal_state``).
 
-**HTTP process.** :func:`chunk_refusal` asks the scheduler once, through SGLang's own
+**HTTP process.** :func:`~relaxkv_sglang.srt.entrypoints.gate_refusal.chunk_refusal` asks the scheduler once, through SGLang's own
 ``TokenizerManager.get_internal_state`` (the call behind ``/get_server_info``), and keeps the
 answer on the tokenizer manager; ``api.plan_item`` refuses a chunk policy with a 400 naming the
 reason when the gate failed. ``full`` and ``prefix`` are served either way, and a request naming
@@ -39,8 +39,7 @@ does not use, so the gate must fail and the chunk policies must be refused.
 
 SGLang files touched (none hooked): reads ``managers/tp_worker.py``'s ``TpModelWorker``
 (``model_runner.model``, ``tokenizer``), ``mem_cache/allocator/base.py`` (``alloc``/``free``)
-and ``mem_cache/memory_pool.py`` (K/V buffers); calls
-``managers/tokenizer_control_mixin.py`` ``TokenizerManager.get_internal_state``.
+and ``mem_cache/memory_pool.py`` (K/V buffers).
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -67,12 +66,10 @@ from relaxkv_sglang.core.gate import (
 from relaxkv_sglang.core.policies import CHUNK_POLICIES
 from relaxkv_sglang.core.rope import RopeSpec
 from relaxkv_sglang.schema import default_policy
-from relaxkv_sglang.srt.forward.layer_loop import AnchorAttention, LayerLoop, LoopRows
+from relaxkv_sglang.srt.forward.anchor_attention import AnchorAttention
+from relaxkv_sglang.srt.forward.layer_loop import LayerLoop, LoopRows
 from relaxkv_sglang.srt.forward.model_layers import ModelLayers, UnsupportedModelError
 from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
-
-if TYPE_CHECKING:
-    from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +77,6 @@ logger = logging.getLogger(__name__)
 ROPE_OVERRIDE_ENV = "RELAXKV_TEST_ROPE_OVERRIDE"
 
 _GATE_ATTR = "relaxkv_gate"  # on the tree cache: the GateResult
-_REFUSAL_ATTR = "relaxkv_gate_refusal"  # on the TokenizerManager: "" (served) or the reason
 
 
 def serving_rope(rope: RopeSpec) -> RopeSpec:
@@ -246,23 +242,3 @@ def _publish_metrics(result: GateResult) -> None:
     for check in result.checks:
         error.labels(check=check.name).set(check.max_error)
         tolerance.labels(check=check.name).set(check.tolerance)
-
-
-async def chunk_refusal(tokenizer_manager: "TokenizerManager") -> str:
-    """Why chunk policies are refused ("" when served), asked of the scheduler once and kept.
-
-    Reads ``relaxkv.gate`` of every scheduler's internal state (one per data-parallel rank); any
-    failed gate refuses. A state without a gate (the gate never ran) refuses nothing.
-    """
-    known = getattr(tokenizer_manager, _REFUSAL_ATTR, None)
-    if known is not None:
-        return known
-    states = await tokenizer_manager.get_internal_state()
-    reasons = []
-    for state in states:
-        gate = (state or {}).get("relaxkv", {}).get("gate") or {}
-        if gate.get("status") == "failed":
-            reasons.append(gate.get("reason") or "the gate failed")
-    refusal = "; ".join(dict.fromkeys(reasons))
-    setattr(tokenizer_manager, _REFUSAL_ATTR, refusal)
-    return refusal

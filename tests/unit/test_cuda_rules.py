@@ -22,13 +22,14 @@ from test_model_family import hf_model, sglang_model
 
 from relaxkv_sglang.core.reference import from_hf_state_dict, stale_context
 from relaxkv_sglang.core.repair_plan import RepairConfig, plan_anchors
-from relaxkv_sglang.core.rope import rope_spec_from_hf_config
+from relaxkv_sglang.core.rope_config import rope_spec_from_hf_config
 from relaxkv_sglang.core.staging import HostStage, to_device
 from relaxkv_sglang.gpu.cuda_rules import CudaRuleError, CudaRules
 from relaxkv_sglang.gpu.flashinfer_attention import FLASHINFER_VERSION
 from relaxkv_sglang.gpu.torch_models import flashinfer_stand_in
 from relaxkv_sglang.srt.failures import InvariantError
-from relaxkv_sglang.srt.forward.layer_loop import AnchorAttention, LayerLoop
+from relaxkv_sglang.srt.forward.anchor_attention import AnchorAttention
+from relaxkv_sglang.srt.forward.layer_loop import LayerLoop
 from relaxkv_sglang.srt.forward.model_layers import ModelLayers
 from relaxkv_sglang.srt.forward.repair import repair_rows
 

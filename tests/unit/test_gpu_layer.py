@@ -372,7 +372,7 @@ def test_anchor_attention_plans_a_request_once_per_pass(flashinfer_model, monkey
     """The layer loop's executor on the GPU path: one host build per request and pass (all its
     layers), a layout decided in the layer planned alone."""
     from relaxkv_sglang.core.staging import HostStage
-    from relaxkv_sglang.srt.forward.layer_loop import AnchorAttention
+    from relaxkv_sglang.srt.forward.anchor_attention import AnchorAttention
 
     builds = []
     real = flashinfer_attention.anchor_prefill_inputs

@@ -156,8 +156,10 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
     from types import SimpleNamespace
 
     from relaxkv_sglang.core.reference import stale_context
-    from relaxkv_sglang.core.rope import rope_spec_from_hf_config
-    from relaxkv_sglang.srt.forward.layer_loop import AnchorAttention, LayerLoop, ShiftTarget
+    from relaxkv_sglang.core.rope_config import rope_spec_from_hf_config
+    from relaxkv_sglang.srt.forward.anchor_attention import AnchorAttention
+    from relaxkv_sglang.srt.forward.layer_loop import LayerLoop
+    from relaxkv_sglang.srt.forward.shift_target import ShiftTarget
     from relaxkv_sglang.srt.forward.repair import repair_rows
 
     hf, w = model
@@ -220,7 +222,7 @@ def test_shift_span_covers_left_out_rows_only_while_they_are_written():
     """The body's span takes the shift in one slice while every position it leaves out is a row
     of the layer (its write replaces the shift); from the layer one of them leaves, the runs."""
     from relaxkv_sglang.core.rope import RopeSpec, RotationTable, rotate_keys
-    from relaxkv_sglang.srt.forward.layer_loop import ShiftTarget
+    from relaxkv_sglang.srt.forward.shift_target import ShiftTarget
 
     spec = RopeSpec(head_dim=16)
     body = torch.tensor([4, 5, 6, 9, 10, 11, 12])  # 7, 8 left out: a sink and glue

@@ -60,8 +60,8 @@ from relaxkv_sglang.schema import (
     header_policy,
     mentions_fields,
 )
-from relaxkv_sglang.srt.gate import chunk_refusal
 from relaxkv_sglang.srt.plan import chunk_tree_served, request_namespace
+from relaxkv_sglang.srt.entrypoints.gate_refusal import chunk_refusal
 from relaxkv_sglang.srt.entrypoints.sglang_fields import check_sglang_fields
 
 if TYPE_CHECKING:

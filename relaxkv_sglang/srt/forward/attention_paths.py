@@ -17,7 +17,7 @@ from relaxkv_sglang.core.repair_plan import RepairCost
 from relaxkv_sglang.gpu.prefill_inputs import ScopedPrefillInputs, scoped_prefill_inputs
 from relaxkv_sglang.srt.forward.context import ExtendRows, ForwardContext, forward_context
 from relaxkv_sglang.srt.failures import InvariantError
-from relaxkv_sglang.srt.forward.layer_loop import AnchorAttention
+from relaxkv_sglang.srt.forward.anchor_attention import AnchorAttention
 
 SGLANG, SCOPED = "sglang", "scoped"
 

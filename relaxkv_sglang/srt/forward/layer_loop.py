@@ -7,7 +7,7 @@ attends:
 
 * an ordinary row (``anchor`` false) to its causal prefix from its scope start on
   (:func:`~relaxkv_sglang.core.attention.scoped_causal_attention`);
-* an anchor through its layer's block-sparse layout (:class:`AnchorAttention`: FlashInfer on a
+* an anchor through its layer's block-sparse layout (:class:`~.anchor_attention.AnchorAttention`: FlashInfer on a
   GPU, the torch executor on a CPU), so the work follows the chosen context.
 
 At an anchor's last layer only its K/V matter (they are what the repair keeps), so o_proj and
@@ -43,18 +43,19 @@ runs after SGLang's own decoder stack (:func:`~relaxkv_sglang.srt.forward.repair
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from relaxkv_sglang.core.attention import AttentionWork, BlockSparsePlan, ScopedCausalPlan
-from relaxkv_sglang.core.staging import HostStage, Staged, to_device
-from relaxkv_sglang.core.layout import BlockSparseLayout
+from relaxkv_sglang.core.attention import AttentionWork, ScopedCausalPlan
 from relaxkv_sglang.core.repair_plan import AnchorPlan
-from relaxkv_sglang.core.rope import RopeSpec, RotationTable
+from relaxkv_sglang.core.rope import RopeSpec
 from relaxkv_sglang.core.stale_shift import shift_deltas
+from relaxkv_sglang.core.staging import HostStage, Staged, to_device
 from relaxkv_sglang.srt.failures import InvariantError
+from relaxkv_sglang.srt.forward.anchor_attention import AnchorAttention, AnchorPlanRun
 from relaxkv_sglang.srt.forward.model_layers import ModelLayers
+from relaxkv_sglang.srt.forward.shift_target import ShiftTarget
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import KVCache
@@ -75,7 +76,7 @@ class LoopRows:
             (0: its causal prefix; a chunk's start: that chunk only).
         anchor: bool [n] repair targets: they attend through ``anchor_plan.layouts``.
         anchor_plan: the planner's decisions (None: no anchors in this pass).
-        shift_target: the stale shift's body in the pool (:class:`ShiftTarget`), built when
+        shift_target: the stale shift's body in the pool (:class:`~.shift_target.ShiftTarget`), built when
             the pass starts (a relaxkv plan is fixed for the pass; only CacheBlend's changes,
             and it never shifts).
         work: the (row, key) pairs of the anchor layouts executed in this pass (the report's).
@@ -94,73 +95,6 @@ class LoopRows:
     def n_rows(self) -> int:
         """Rows of this request in the pass."""
         return int(self.positions.shape[0])
-
-
-class AnchorAttention:
-    """The anchors' block-sparse attention over a layer's KV pool, one executor per worker.
-
-    FlashInfer on a GPU in half precision (:mod:`relaxkv_sglang.gpu.flashinfer_attention`; its
-    wrappers and workspace are built on first use and kept), the torch executor
-    (:class:`~relaxkv_sglang.core.attention.BlockSparsePlan`) otherwise. Both execute the same
-    layout; ``python -m relaxkv_sglang.gpu.check`` compares them. Decide once, run per layer:
-    :meth:`plan` takes every layer's layout of a request when its pass is planned (host work, the
-    index tensors on the pass's stage); the plan then runs one layer at a time. The ``relaxkv``
-    attention backend owns the worker's instance.
-
-    Args:
-        float_workspace: FlashInfer's float workspace to share (the CUDA backend hands SGLang's).
-    """
-
-    def __init__(self, float_workspace: Optional[torch.Tensor] = None) -> None:
-        self._flashinfer: Any = None  # FlashInferAnchorAttention, once a GPU pool is seen
-        self._float_workspace = float_workspace  # SGLang's FlashInfer workspace, on a GPU
-
-    @staticmethod
-    def uses_flashinfer(device: torch.device, dtype: torch.dtype) -> bool:
-        """FlashInfer runs on a CUDA pool in half precision; anything else takes the torch executor."""
-        return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-
-    def plan(self, layouts: list[BlockSparseLayout], stage: HostStage, dtype: torch.dtype) -> "AnchorPlanRun":
-        """Every layer's anchors of one request (``layouts``, host), for a pool of ``dtype`` on
-        ``stage.device``; the index tensors go on ``stage`` (its ``send`` before the first run)."""
-        if self.uses_flashinfer(stage.device, dtype):
-            if self._flashinfer is None:
-                from relaxkv_sglang.gpu.flashinfer_attention import FlashInferAnchorAttention
-
-                self._flashinfer = FlashInferAnchorAttention(stage.device, float_workspace=self._float_workspace)
-            return AnchorPlanRun(flashinfer=self._flashinfer, flashinfer_plan=self._flashinfer.plan_forward(layouts, stage))
-        return AnchorPlanRun(torch_plans=[BlockSparsePlan(layout, stage) for layout in layouts])
-
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BlockSparseLayout,
-                 scale: float, key_rows: torch.Tensor, work: Optional[AttentionWork] = None) -> torch.Tensor:
-        """One layout decided in the layer (the ``layout_at`` ablation), planned and run at once:
-        q [n_rows, H, d] in ``layout.q_pos`` order, the layer's pool [pool_size, Hkv, d], key_rows
-        int64 [>= layout.n_keys] on the pool's device -> [n_rows, H, dv]."""
-        stage = HostStage(k_cache.device)
-        plan = self.plan([layout], stage, k_cache.dtype)
-        stage.send()
-        return plan.run(0, q, k_cache, v_cache, key_rows, scale, work)
-
-
-class AnchorPlanRun:
-    """One request's anchors in one pass, planned (:meth:`AnchorAttention.plan`): the torch
-    executor's plan of every layer, or FlashInfer's executor and its forward plan."""
-
-    def __init__(self, torch_plans: Optional[list[BlockSparsePlan]] = None, flashinfer: Any = None,
-                 flashinfer_plan: Any = None) -> None:
-        self.torch_plans, self.flashinfer, self.flashinfer_plan = torch_plans, flashinfer, flashinfer_plan
-
-    def run(self, l: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_rows: torch.Tensor,
-            scale: float, work: Optional[AttentionWork] = None) -> torch.Tensor:
-        """Layer l's anchors: q [n_rows, H, d] in layout row order, k_cache/v_cache [pool_size, Hkv, d],
-        key_rows int64 on the pool's device -> [n_rows, H, dv]; the layout's pairs added to ``work``
-        (FlashInfer's executed pairs: each segment's padded queries times its keys)."""
-        if self.torch_plans is not None:
-            return self.torch_plans[l].run(q, k_cache, v_cache, scale, key_rows, work)
-        if work is not None:
-            layout = self.flashinfer_plan.layouts[l]
-            work.add(layout.kv_pairs(), self.flashinfer_plan.layers[l].inputs.executed_pairs, layout.full_kv_pairs())
-        return self.flashinfer.run(self.flashinfer_plan, l, q, k_cache, v_cache, key_rows, scale)
 
 
 @dataclasses.dataclass
@@ -416,120 +350,3 @@ def _stale_shift(r: LoopRows, l: int, s: _RequestStep, k_new: torch.Tensor, v_ne
                           k_cache[pool], v_cache[pool], target.rotate_by, plan.stale_shift_scale, groups,
                           plan.n_shift_groups, plan.stale_shift_prior)
     target.add(l, k_cache, v_cache, dk if plan.stale_shift == "kv" else None, dv)
-
-
-class ShiftTarget:
-    """Where one request's stale shift lands: the pool slots of its shift body, and R(t) over the
-    positions the body spans, built once per pass.
-
-    The body is the request's chunk tokens less each chunk's sinks; the positions between its
-    first and last token that it leaves out (the sinks, the glue between chunks) are rows of the
-    pass, whose K/V the layer writes after the shift. So while those rows take part (layer <
-    ``span_until``) and the span's slots are consecutive (the allocator hands out ranges), a
-    float32 pool takes the whole span as two in-place adds: V broadcasts ``dv``, K adds ``R(t) dk``
-    (:meth:`RotationTable.add_rotated_`); the rows' writes then replace what landed on them. Past
-    that layer the adds go over the body's runs of consecutive slots (at most ``MAX_RUNS``); a
-    more fragmented body or a lower-precision pool takes an index add of the materialised delta
-    (added in float32 and rounded once, as the reference does). With a shift per chunk
-    (``groups``) each run stays inside one chunk and adds that chunk's delta; the span's one add
-    is not taken.
-
-    Args:
-        slots: int64 host [>= max position + 1] the request's KV-pool slot of every position.
-        body: int64 host [n_body >= 1] positions of the shift body, ascending.
-        rope: the served RoPE.
-        row_positions: int64 host [n_rows] the pass's rows, ascending; row_exits: int64 host
-            [n_rows] the layer each leaves at (``LoopRows.positions``, ``LoopRows.exits``).
-        stage: the pass's (its device is the KV pool's; default: the host, nothing staged).
-        groups: int64 host [n_body] each body token's shift group (``AnchorPlan.shift_group_of``),
-            or None: one group.
-    """
-
-    MAX_RUNS = 64
-
-    def __init__(self, slots: torch.Tensor, body: torch.Tensor, rope: RopeSpec, row_positions: torch.Tensor,
-                 row_exits: torch.Tensor, stage: Optional[HostStage] = None,
-                 groups: Optional[torch.Tensor] = None) -> None:
-        own_stage = stage is None
-        stage = HostStage(slots.device) if stage is None else stage
-        device = stage.device
-        groups = torch.zeros_like(body) if groups is None else groups
-        self.grouped = bool((groups != groups[0]).any())  # else every token takes group ``group0``
-        self.group0, self._groups = int(groups[0]), stage.put(groups)
-        self.first = int(body[0])
-        span = int(body[-1]) + 1 - self.first
-        # Table row i: position first + i (made on the device).
-        self.rotation = RotationTable(torch.arange(self.first, self.first + span, device=device), rope)
-        rows = body - self.first
-        body_slots = slots[body]
-        self._rows, self._slots = stage.put(rows), stage.put(body_slots)
-        self.span_slot, self.span = int(slots[self.first]), span
-        self.span_until = 0
-        if not self.grouped and bool((slots[self.first:self.first + span].diff() == 1).all()):
-            # The exit layer of each position of the span (0: no row of the pass), the body's
-            # own not counted: the smallest is the first layer whose writes miss a left-out one.
-            exit_at = torch.zeros(span, dtype=torch.long)
-            inside = (row_positions >= self.first) & (row_positions < self.first + span)
-            exit_at[row_positions[inside] - self.first] = row_exits[inside]
-            exit_at[rows] = torch.iinfo(torch.int64).max
-            self.span_until = int(exit_at.min())
-        # Runs of the body over consecutive slots and positions, in one group: (first slot, table
-        # row, length, group).
-        step = (body_slots.diff() != 1) | (body.diff() != 1) | (groups.diff() != 0)
-        starts = torch.cat([torch.zeros(1, dtype=torch.long), step.nonzero().flatten() + 1]).tolist()
-        ends = starts[1:] + [int(body.numel())]
-        self.runs = ([(int(body_slots[a]), int(rows[a]), b - a, int(groups[a])) for a, b in zip(starts, ends)]
-                     if len(starts) <= self.MAX_RUNS else None)
-        if own_stage:
-            stage.send()
-
-    @property
-    def groups(self) -> torch.Tensor:
-        """int64 [n_body] each body token's shift group, on the device."""
-        return self._groups.get()
-
-    @property
-    def rows(self) -> torch.Tensor:
-        """int64 [n_body] each body token's row of the rotation table, on the device."""
-        return self._rows.get()
-
-    @property
-    def slots(self) -> torch.Tensor:
-        """int64 [n_body] each body token's pool slot, on the device."""
-        return self._slots.get()
-
-    def rotate_by(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """``stale_shift.Rotate`` from the table: k [n, Hkv, d] rotated by ``delta = -p`` (int64
-        [n], p inside the body's span) -> float32 [n, Hkv, d]."""
-        return self.rotation.rotate(k, rows=-delta - self.first, inverse=True)
-
-    def add(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, dk: Optional[torch.Tensor],
-            dv: torch.Tensor) -> None:
-        """Add the layer's shift to the body: K += R(t) dk_g (dk float32 [n_groups, Hkv, d] before
-        RoPE, None: K unchanged), V += dv_g (float32 [n_groups, Hkv, d]), g each token's group."""
-        if k_cache.dtype == v_cache.dtype == torch.float32:
-            pieces = [(self.span_slot, 0, self.span, self.group0)] if layer < self.span_until else self.runs
-            if pieces is not None:
-                for slot, row, n, group in pieces:
-                    if dk is not None:
-                        self.rotation.add_rotated_(k_cache[slot:slot + n], dk[group], row)
-                    v_cache[slot:slot + n].add_(dv[group])
-                return
-        if dk is not None:
-            _add_rows(k_cache, self.slots, self.rotation.rotate(dk[self.groups] if self.grouped else dk[self.group0][None],
-                                                                 rows=self.rows))
-        # index_add_ is ~3x slower from an expanded view than from a materialised delta.
-        delta_v = dv[self.groups] if self.grouped else dv[self.group0].expand(self.slots.shape[0], -1, -1)
-        _add_rows(v_cache, self.slots, delta_v.contiguous())
-
-
-def _add_rows(cache: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor) -> None:
-    """cache[slots] += delta (slots distinct; delta float32 [n, Hkv, d]).
-
-    In place with ``index_add_`` when the pool is float32 (no gather, no second scatter); a
-    lower-precision pool adds in float32 and rounds once, as the reference does."""
-    if cache.dtype == delta.dtype:
-        cache.index_add_(0, slots, delta)
-    else:
-        cache[slots] = (cache[slots].float() + delta).to(cache.dtype)
-

@@ -1,0 +1,36 @@
+"""The startup gate's verdict in the HTTP process: whether chunk policies are refused, and why.
+
+The gate runs in the scheduler (:mod:`relaxkv_sglang.srt.gate`) and puts its verdict on
+``/get_server_info`` under ``relaxkv.gate``; :func:`chunk_refusal` asks for it once, through
+SGLang's own ``TokenizerManager.get_internal_state``, and keeps the answer on the tokenizer
+manager, so a chunk policy is refused with a 400 naming the reason (:mod:`.api`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+_REFUSAL_ATTR = "relaxkv_gate_refusal"  # on the TokenizerManager: "" (served) or the reason
+
+
+async def chunk_refusal(tokenizer_manager: "TokenizerManager") -> str:
+    """Why chunk policies are refused ("" when served), asked of the scheduler once and kept.
+
+    Reads ``relaxkv.gate`` of every scheduler's internal state (one per data-parallel rank); any
+    failed gate refuses. A state without a gate (the gate never ran) refuses nothing.
+    """
+    known = getattr(tokenizer_manager, _REFUSAL_ATTR, None)
+    if known is not None:
+        return known
+    states = await tokenizer_manager.get_internal_state()
+    reasons = []
+    for state in states:
+        gate = (state or {}).get("relaxkv", {}).get("gate") or {}
+        if gate.get("status") == "failed":
+            reasons.append(gate.get("reason") or "the gate failed")
+    refusal = "; ".join(dict.fromkeys(reasons))
+    setattr(tokenizer_manager, _REFUSAL_ATTR, refusal)
+    return refusal

@@ -6,7 +6,7 @@ decoder layer's ops over them (:class:`~.model_family.LayerOps`), in float32 on 
 by the head counts), biases (Qwen2), per-head q/k norms (Qwen3, Qwen3-MoE), a SwiGLU MLP (Phi-3's
 fused ``gate_up_proj`` split in halves, gate first) or routed experts (Qwen3-MoE, Mixtral: the
 router [E, hidden] and each expert's gate/up/down stacked [E, ...]). The RoPE is the config's
-(``core.rope.rope_spec_from_hf_config``: default, linear, llama3, YaRN; partial rotary).
+(``core.rope_config.rope_spec_from_hf_config``: default, linear, llama3, YaRN; partial rotary).
 :class:`ReferenceLayerOps` computes each step in plain torch, independently of SGLang's kernels:
 it is what the server's repair pass is checked against.
 
@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .model_family import ModelFamily, family_for_config
-from .rope import rope_spec_from_hf_config
+from .rope_config import rope_spec_from_hf_config
 
 __all__ = [
     "LlamaWeights",
@@ -108,7 +108,7 @@ def from_hf_state_dict(
         sd: ``model.state_dict()`` (``model.layers.{i}...``, ``model.embed_tokens.weight``,
             ``model.norm.weight``, ``lm_head.weight`` unless embeddings are tied).
         config_dict: ``config.to_dict()``; RoPE from ``rope_parameters`` (transformers 5) or the
-            legacy ``rope_theta`` / ``rope_scaling`` (``core.rope.rope_spec_from_hf_config``).
+            legacy ``rope_theta`` / ``rope_scaling`` (``core.rope_config.rope_spec_from_hf_config``).
         dtype: dtype of the returned tensors.
     Raises:
         UnknownModelFamilyError: the config's architecture is not registered.

@@ -25,7 +25,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Optional
 
-from relaxkv_sglang.core.rope import UnsupportedRopeError, rope_spec_from_hf_config
+from relaxkv_sglang.core.rope import UnsupportedRopeError
+from relaxkv_sglang.core.rope_config import rope_spec_from_hf_config
 from relaxkv_sglang.srt.calibration import calibration_state, load_served_calibration
 from relaxkv_sglang.srt.mem_cache.chunk_cache import attach_worker_cache, worker_cache
 from relaxkv_sglang.srt.mem_cache.chunk_metrics import ChunkMetrics

@@ -21,7 +21,8 @@ from relaxkv_sglang.core.gate import (
     tolerance_for,
 )
 from relaxkv_sglang.core.reference import _causal_prefill, from_hf_state_dict
-from relaxkv_sglang.core.rope import RopeSpec, rope_spec_from_hf_config, rotate_keys
+from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
+from relaxkv_sglang.core.rope_config import rope_spec_from_hf_config
 
 transformers = pytest.importorskip("transformers")
 

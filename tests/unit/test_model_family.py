@@ -28,7 +28,8 @@ from relaxkv_sglang.core.reference import (
     from_hf_state_dict,
     reference_prefill,
 )
-from relaxkv_sglang.core.rope import RopeSpec, apply_rope, rope_spec_from_hf_config
+from relaxkv_sglang.core.rope import RopeSpec, apply_rope
+from relaxkv_sglang.core.rope_config import rope_spec_from_hf_config
 from relaxkv_sglang.srt.forward.model_layers import (
     ModelLayers,
     SGLangLayerOps,

@@ -1,4 +1,4 @@
-"""Unit tests for relaxkv_sglang.core.rope.
+"""Unit tests for relaxkv_sglang.core.rope and core.rope_config.
 
 The invariant the project relies on: a key computed at position p0 and
 re-rotated by (p1 - p0) equals the key computed at p1, for every supported RoPE
@@ -21,9 +21,9 @@ from relaxkv_sglang.core.rope import (
     UnsupportedRopeError,
     apply_rope,
     rope_cos_sin,
-    rope_spec_from_hf_config,
     rotate_keys,
 )
+from relaxkv_sglang.core.rope_config import rope_spec_from_hf_config
 
 VARIANTS = {
     "default_neox": RopeSpec(head_dim=64, base=10000.0),

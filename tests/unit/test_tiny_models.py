@@ -10,7 +10,7 @@ import pytest
 
 from relaxkv_sglang import assets
 from relaxkv_sglang.core.model_family import family_for_config
-from relaxkv_sglang.core.rope import rope_spec_from_hf_config
+from relaxkv_sglang.core.rope_config import rope_spec_from_hf_config
 from relaxkv_sglang.tiny_models import TINY_MODELS, build_tiny_model
 
 pytest.importorskip("transformers")

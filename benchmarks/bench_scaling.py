@@ -28,7 +28,7 @@ import time
 import torch
 
 from benchmarks import common, tables
-from relaxkv_sglang.core.attention import block_sparse_attention
+from relaxkv_sglang.core.block_sparse import block_sparse_attention
 from relaxkv_sglang.core.chunk_store import ChunkStore
 from relaxkv_sglang.core.layout import build_relaxed_layout, full_causal_layout
 from relaxkv_sglang.core.rope import RopeSpec, rotate_keys

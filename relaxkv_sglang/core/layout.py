@@ -23,7 +23,7 @@ Relaxed context of anchor t at layer l, in pages:
 * ``mode='random'``: the same mandatory pages and page count, the rest in a seeded random order;
   ``mode='full'``: every causal page.
 
-Executor: :func:`relaxkv_sglang.core.attention.block_sparse_attention`. Why the default ratio and
+Executor: :func:`relaxkv_sglang.core.block_sparse.block_sparse_attention`. Why the default ratio and
 own-chunk rule: docs/experiments/INDEX.md#context-ratio.
 """
 

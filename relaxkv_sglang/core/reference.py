@@ -14,7 +14,7 @@ the query: never stale, never an anchor. :func:`reference_prefill`:
 3. anchors and contexts from the server's planner (:func:`~.repair_plan.plan_anchors`);
 4. repair pass: at layer l only ``A_l``, the glue and the query are computed at their true
    positions and written over the stale K/V (after the stale shift, :mod:`.stale_shift`, where the
-   policy has it); anchors attend to their layout (:func:`~.attention.block_sparse_attention`), glue
+   policy has it); anchors attend to their layout (:func:`~.block_sparse.block_sparse_attention`), glue
    and query densely and causally; then o_proj + MLP for those tokens.
 """
 
@@ -25,7 +25,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .attention import block_sparse_attention, dense_causal_attention
+from .attention import dense_causal_attention
+from .block_sparse import block_sparse_attention
 from .layout import BlockSparseLayout
 from .model_family import finish_layer, project_qkv
 from .policies import Policy

@@ -8,7 +8,7 @@ what SGLang's own FlashInfer backend would run instead (``docs/gpu.md``):
   against float32 on the CPU; each dtype in its own step after an untimed warm-up;
 * **anchors** (:class:`~.flashinfer_attention.FlashInferAnchorAttention`, bfloat16): a ``relaxkv``
   layer's anchors and layout, KV at scattered pool slots, against
-  :func:`~relaxkv_sglang.core.attention.block_sparse_attention`; timed against full causal context
+  :func:`~relaxkv_sglang.core.block_sparse.block_sparse_attention`; timed against full causal context
   and a dense prefill of the prompt;
 * **scoped** (:class:`~.flashinfer_attention.FlashInferScopedPrefill`, bfloat16): a cold prompt's
   extend batch against :func:`~relaxkv_sglang.core.attention.scoped_causal_attention`;
@@ -41,7 +41,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from relaxkv_sglang.core.attention import block_sparse_attention, scoped_causal_attention
+from relaxkv_sglang.core.attention import scoped_causal_attention
+from relaxkv_sglang.core.block_sparse import block_sparse_attention
 from relaxkv_sglang.core.layout import Span, build_relaxed_layout, full_causal_layout
 from relaxkv_sglang.core.selection import select_anchors
 from relaxkv_sglang.gpu.prefill_inputs import ScopedPrefillInputs, anchor_prefill_inputs, scoped_prefill_inputs

@@ -14,7 +14,7 @@ LSE of :mod:`relaxkv_sglang.core.attention` (FlashInfer reports base 2).  The te
 harness (:mod:`.cuda_rules`) and the check's dry run feed it to :mod:`.flashinfer_attention` in
 place of FlashInfer (:func:`flashinfer_stand_in`: the wrapper's ``plan``/``run`` surface with
 FlashInfer's argument checks) and compare with the torch executors
-(``core.attention.block_sparse_attention``, ``scoped_causal_attention``).  Not on the serving path.
+(``core.block_sparse.block_sparse_attention``, ``core.attention.scoped_causal_attention``).  Not on the serving path.
 """
 
 from __future__ import annotations

@@ -5,14 +5,13 @@ import math
 import pytest
 import torch
 
-from relaxkv_sglang.core.attention import (
+from relaxkv_sglang.core.attention import dense_causal_attention, gathered_attention
+from relaxkv_sglang.core.block_sparse import (
     GROUP_ROWS,
     AttentionWork,
     _block_groups,
-    executed_kv_pairs,
     block_sparse_attention,
-    dense_causal_attention,
-    gathered_attention,
+    executed_kv_pairs,
 )
 from relaxkv_sglang.core.layout import BlockSparseLayout, build_relaxed_layout, full_causal_layout
 

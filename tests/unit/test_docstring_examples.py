@@ -7,7 +7,7 @@ import pytest
 
 # Modules whose public entry points end their docstring in a runnable example.
 MODULES = [
-    "relaxkv_sglang.core.attention",        # block_sparse_attention
+    "relaxkv_sglang.core.block_sparse",     # block_sparse_attention
     "relaxkv_sglang.core.doc_index",        # discover_chunks
     "relaxkv_sglang.core.layout",           # build_relaxed_layout
     "relaxkv_sglang.core.reference",        # reference_prefill

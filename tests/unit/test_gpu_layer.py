@@ -21,7 +21,8 @@ import types
 import pytest
 import torch
 
-from relaxkv_sglang.core.attention import block_sparse_attention, scoped_causal_attention
+from relaxkv_sglang.core.attention import scoped_causal_attention
+from relaxkv_sglang.core.block_sparse import block_sparse_attention
 from relaxkv_sglang.core.layout import BlockSparseLayout, build_relaxed_layout, full_causal_layout
 from relaxkv_sglang.core.selection import select_anchors
 from relaxkv_sglang.gpu import bundle, flashinfer_attention

@@ -3,7 +3,7 @@
 :class:`AnchorAttention` executes a layer's block-sparse layout (the core's
 :class:`~relaxkv_sglang.core.layout.BlockSparseLayout`): FlashInfer on a CUDA pool in half
 precision (:mod:`relaxkv_sglang.gpu.flashinfer_attention`), the torch executor
-(:class:`~relaxkv_sglang.core.attention.BlockSparsePlan`) otherwise. Decide once, run per layer:
+(:class:`~relaxkv_sglang.core.block_sparse.BlockSparsePlan`) otherwise. Decide once, run per layer:
 :meth:`AnchorAttention.plan` takes every layer's layout of a request when its pass is planned
 (host work; the index tensors on the pass's :class:`~relaxkv_sglang.core.staging.HostStage`), and
 the returned :class:`AnchorPlanRun` runs one layer at a time (:mod:`.layer_loop`).
@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from relaxkv_sglang.core.attention import AttentionWork, BlockSparsePlan
+from relaxkv_sglang.core.block_sparse import AttentionWork, BlockSparsePlan
 from relaxkv_sglang.core.layout import BlockSparseLayout
 from relaxkv_sglang.core.staging import HostStage
 
@@ -25,7 +25,7 @@ class AnchorAttention:
 
     FlashInfer on a GPU in half precision (:mod:`relaxkv_sglang.gpu.flashinfer_attention`; its
     wrappers and workspace are built on first use and kept), the torch executor
-    (:class:`~relaxkv_sglang.core.attention.BlockSparsePlan`) otherwise. Both execute the same
+    (:class:`~relaxkv_sglang.core.block_sparse.BlockSparsePlan`) otherwise. Both execute the same
     layout; ``python -m relaxkv_sglang.gpu.check`` compares them. Decide once, run per layer:
     :meth:`plan` takes every layer's layout of a request when its pass is planned (host work, the
     index tensors on the pass's stage); the plan then runs one layer at a time. The ``relaxkv``

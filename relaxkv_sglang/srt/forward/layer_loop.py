@@ -47,7 +47,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from relaxkv_sglang.core.attention import AttentionWork, ScopedCausalPlan
+from relaxkv_sglang.core.attention import ScopedCausalPlan
+from relaxkv_sglang.core.block_sparse import AttentionWork
 from relaxkv_sglang.core.repair_plan import AnchorPlan
 from relaxkv_sglang.core.rope import RopeSpec
 from relaxkv_sglang.core.stale_shift import shift_deltas

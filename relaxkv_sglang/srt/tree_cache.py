@@ -35,7 +35,7 @@ from relaxkv_sglang.srt.mem_cache.kv_identity import KVIdentity, kv_identity
 from relaxkv_sglang.srt.forward.model_layers import family_line, supports_repair
 from relaxkv_sglang.srt.plan import BACKEND_NAME
 from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
-from relaxkv_sglang.srt.mem_cache.tiers import build_tiers, tier_config_from_env
+from relaxkv_sglang.srt.mem_cache.tiers import build_tiers, tier_configs_from_env
 
 if TYPE_CHECKING:
     from sglang.srt.managers.scheduler import Scheduler
@@ -67,14 +67,12 @@ def _kv_identity(ctx: "TreeCacheBuildContext", pool_kv: PoolKV, hf_config: dict)
 
 def _build_tiers(ctx: "TreeCacheBuildContext", pool_kv: PoolKV, identity: KVIdentity) -> Optional["TieredChunkStore"]:
     """The lower tiers the environment asks for, or None (a malformed variable stops the server)."""
-    tier_config = tier_config_from_env()
-    if not tier_config.enabled:
+    configs = tier_configs_from_env()
+    if not configs:
         return None
     # no chunk is longer than the context: a stored header claiming more is damaged (core/tiers/value.py)
-    tiers = build_tiers(tier_config, pool_kv, identity.model_identity, int(ctx.model_config.context_len))
-    logger.info("relaxkv chunk tiers: host %d bytes (%s), disk %s (%d bytes), identity %s",
-                tier_config.host_bytes, tier_config.host_policy, tier_config.disk_dir,
-                tier_config.disk_bytes, identity.digest)
+    tiers = build_tiers(configs, pool_kv, identity.model_identity, int(ctx.model_config.context_len))
+    logger.info("relaxkv chunk tiers: %s; identity %s", ", ".join(c.summary() for c in configs), identity.digest)
     return tiers
 
 

@@ -26,7 +26,7 @@ from relaxkv_sglang.core.tiers import (
     TieredChunkStore, ValueLayout, chunk_key,
 )
 from relaxkv_sglang.srt.mem_cache.hicache_tier import HiCacheTierConfig
-from relaxkv_sglang.srt.mem_cache.tiers import tier_config_from_env
+from relaxkv_sglang.srt.mem_cache.tiers import tier_configs_from_env
 
 SHAPE = (2, 2, 2, 4)  # layers, K/V, kv heads, head dim: 128 bytes a token in float32
 IDENT = ModelIdentity("tiny@cfg1", "tok1", "torch.float32", "L2 H2 D4 rope10000")
@@ -290,14 +290,14 @@ def test_the_tiered_store_reports_the_connection():
 
 def test_reconnect_env():
     base = {"RELAXKV_HICACHE_STORAGE_BACKEND": "file"}
-    c = tier_config_from_env(base).hicache
+    c = HiCacheTierConfig.from_env(base)
     assert c.call_timeout_s == 2.0 and c.reconnect_max_s == 30.0
-    c = tier_config_from_env({**base, "RELAXKV_HICACHE_CALL_TIMEOUT_S": "0.5",
-                              "RELAXKV_HICACHE_RECONNECT_MAX_S": "5"}).hicache
+    c = HiCacheTierConfig.from_env({**base, "RELAXKV_HICACHE_CALL_TIMEOUT_S": "0.5",
+                                    "RELAXKV_HICACHE_RECONNECT_MAX_S": "5"})
     assert c.call_timeout_s == 0.5 and c.reconnect_max_s == 5.0
     for name, raw, message in [("RELAXKV_HICACHE_CALL_TIMEOUT_S", "0", "must be > 0"),
                                ("RELAXKV_HICACHE_RECONNECT_MAX_S", "soon", "not a number of seconds")]:
         with pytest.raises(SystemExit) as exc:
-            tier_config_from_env({**base, name: raw})
+            tier_configs_from_env({**base, name: raw})
         text = str(exc.value)
         assert text.startswith(f"relaxkv-sglang: {name}=") and message in text and "\n" not in text

@@ -29,7 +29,12 @@ from relaxkv_sglang.core.tiers import (
 from relaxkv_sglang.core.tiers.paged import SLOTS, page_keys, value_key
 from relaxkv_sglang.core.tiers.value import value_info
 from relaxkv_sglang.srt.mem_cache.hicache_tier import HiCachePageStore, HiCacheTierConfig, StagingPool
-from relaxkv_sglang.srt.mem_cache.tiers import tier_config_from_env
+from relaxkv_sglang.srt.mem_cache.tiers import tier_configs_from_env
+
+
+def tier_config_from_env(env):
+    """The HiCache tier the environment asks for (None: none), through the server's table."""
+    return next((c for c in tier_configs_from_env(env) if isinstance(c, HiCacheTierConfig)), None)
 
 SHAPE = (2, 2, 2, 4)  # layers, K/V, kv heads, head dim: 128 bytes a token in float32
 IDENT = ModelIdentity("tiny@cfg1", "tok1", "torch.float32", "L2 H2 D4 rope10000")
@@ -376,15 +381,15 @@ def test_hicache_env(tmp_path):
     extra = {"master_server_address": "127.0.0.1:50051", "protocol": "tcp"}
     c = tier_config_from_env({"RELAXKV_HICACHE_STORAGE_BACKEND": "mooncake",
                               "RELAXKV_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG": json.dumps(extra)})
-    assert c.enabled and c.hicache.backend == "mooncake" and c.hicache.extra_config == extra
-    assert c.hicache.page_bytes == 256 << 10 and c.hicache.connect_timeout_s == 30.0
+    assert c.backend == "mooncake" and c.extra_config == extra
+    assert c.page_bytes == 256 << 10 and c.connect_timeout_s == 30.0
     (tmp_path / "mc.toml").write_text('master_server_address = "127.0.0.1:1"\nprotocol = "tcp"\n')
     c = tier_config_from_env({"RELAXKV_HICACHE_STORAGE_BACKEND": "mooncake", "RELAXKV_HICACHE_PAGE_KB": "64",
                               "RELAXKV_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG": f"@{tmp_path}/mc.toml",
                               "RELAXKV_HICACHE_CONNECT_TIMEOUT_S": "5"})
-    assert c.hicache.extra_config["master_server_address"] == "127.0.0.1:1" and c.hicache.page_bytes == 64 << 10
-    assert c.hicache.connect_timeout_s == 5.0
-    assert tier_config_from_env({}).hicache.backend is None
+    assert c.extra_config["master_server_address"] == "127.0.0.1:1" and c.page_bytes == 64 << 10
+    assert c.connect_timeout_s == 5.0
+    assert tier_config_from_env({}) is None
 
 
 @pytest.mark.parametrize("env, message", [

@@ -3,7 +3,9 @@ store's eviction callback and ``relaxkv-sglang encode``'s input handling."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import types
 
 import pytest
 import torch
@@ -11,17 +13,73 @@ import torch
 from relaxkv_sglang import cli
 from relaxkv_sglang.core.chunk_store import ChunkStore
 from relaxkv_sglang.encode import EncodeError, encode_corpus, read_corpus
-from relaxkv_sglang.srt.mem_cache.tiers import GB, tier_config_from_env
+from relaxkv_sglang.core.tiers import GB, DiskTierConfig, HostTierConfig, ModelIdentity, Tier, TierConfig, TierName
+from relaxkv_sglang.core.tiers.tier import TierRole
+from relaxkv_sglang.srt.mem_cache.tiers import TIER_CONFIGS, build_tiers, tier_configs_from_env
 
 
-def test_tier_config_from_env(tmp_path):
-    assert not tier_config_from_env({}).enabled
-    c = tier_config_from_env({"RELAXKV_HOST_CACHE_GB": "0.5", "RELAXKV_CHUNK_DIR": str(tmp_path / "d")})
-    assert c.host_bytes == GB // 2 and c.disk_bytes == 10 * GB and c.disk_dir == str(tmp_path / "d")
-    assert (tmp_path / "d").is_dir() and c.host_policy == "tinylfu"
-    c = tier_config_from_env({"RELAXKV_CHUNK_DIR": str(tmp_path / "d"), "RELAXKV_DISK_CACHE_GB": "2",
-                              "RELAXKV_HOST_CACHE_POLICY": "lru"})
-    assert c.host_bytes == 0 and c.disk_bytes == 2 * GB and c.host_policy == "lru" and c.enabled
+def test_tier_configs_from_env(tmp_path):
+    assert tier_configs_from_env({}) == []
+    configs = tier_configs_from_env({"RELAXKV_HOST_CACHE_GB": "0.5", "RELAXKV_CHUNK_DIR": str(tmp_path / "d")})
+    assert configs == [HostTierConfig(GB // 2, "tinylfu"), DiskTierConfig(str(tmp_path / "d"), 10 * GB)]
+    assert (tmp_path / "d").is_dir()
+    configs = tier_configs_from_env({"RELAXKV_CHUNK_DIR": str(tmp_path / "d"), "RELAXKV_DISK_CACHE_GB": "2",
+                                     "RELAXKV_HOST_CACHE_POLICY": "lru"})
+    assert configs == [DiskTierConfig(str(tmp_path / "d"), 2 * GB)]  # a policy alone asks for no host tier
+
+
+class _NoOpTier(Tier):
+    """Holds nothing (the no-op tier of the registry test)."""
+
+    name = TierName.HOST  # the vocabulary's name for its slot; this server has no host tier
+    role = TierRole(exclusive=True)
+
+    def __init__(self) -> None:
+        self.counters = {"gets": 0}
+
+    def batch_exists(self, keys):
+        return [False] * len(keys)
+
+    def batch_get(self, keys):
+        self.counters["gets"] += len(keys)
+        return [None] * len(keys)
+
+    def batch_set(self, keys, records):
+        return [False] * len(keys)
+
+    def delete(self, key):
+        return False
+
+    def stats(self):
+        return dict(self.counters)
+
+    def clear(self):
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoOpTierConfig(TierConfig):
+    """The no-op tier's configuration: it reads its own variable."""
+
+    @classmethod
+    def from_env(cls, env):
+        return cls() if env.get("RELAXKV_NOOP_TIER") == "1" else None
+
+    def build(self, ctx):
+        return _NoOpTier()
+
+
+def test_a_new_tier_is_its_module_plus_one_entry_in_the_table(tmp_path):
+    """Issue 49 item 3: a tier's configuration class (reading its own variable) and one entry in the
+    table are all the server's side needs; the store then serves it like any other."""
+    table = TIER_CONFIGS + (_NoOpTierConfig,)
+    env = {"RELAXKV_NOOP_TIER": "1", "RELAXKV_CHUNK_DIR": str(tmp_path / "d")}
+    configs = tier_configs_from_env(env, table)
+    assert [type(c) for c in configs] == [DiskTierConfig, _NoOpTierConfig]
+    pool_kv = types.SimpleNamespace(token_shape=(2, 2, 1, 4), dtype=torch.float32)
+    store = build_tiers(configs, pool_kv, ModelIdentity("m", "t", "float32", "l"), max_tokens=64)
+    assert list(store.names) == [TierName.DISK, TierName.HOST]
+    assert tier_configs_from_env({}, table) == []
 
 
 @pytest.mark.parametrize("env, message", [
@@ -36,7 +94,7 @@ def test_bad_tier_env_is_one_line(tmp_path, env, message):
     (tmp_path / "file").write_text("x")
     env = {k: v.replace("{tmp}", str(tmp_path)) for k, v in env.items()}
     with pytest.raises(SystemExit) as exc:
-        tier_config_from_env(env)
+        tier_configs_from_env(env)
     text = str(exc.value)
     assert text.startswith("relaxkv-sglang: ") and message in text and "\n" not in text
 

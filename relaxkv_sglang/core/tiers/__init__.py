@@ -33,12 +33,14 @@ store         :class:`TieredChunkStore` (the list of tiers for the server)
 simulate      :func:`simulate_tier` (admission policies replayed offline)
 ============  =================================================================================
 
-A new tier: a :class:`Tier` subclass, its :class:`TierConfig`, a :class:`TierName` member, and
-its configuration read in ``srt/mem_cache/tiers.py``. Standard library and torch only.
+A new tier: a :class:`Tier` subclass and its :class:`TierConfig` (which reads its own variables,
+``from_env``) in one module, a :class:`TierName` member, and one entry in
+``srt/mem_cache/tiers.py::TIER_CONFIGS``. Standard library and torch only.
 """
 
 from relaxkv_sglang.core.tiers.admission import FrequencySketch
 from relaxkv_sglang.core.tiers.disk import DiskTier, DiskTierConfig
+from relaxkv_sglang.core.tiers.env import TierConfigError, env_number
 from relaxkv_sglang.core.tiers.host import HostTier, HostTierConfig
 from relaxkv_sglang.core.tiers.keys import FORMAT_VERSION, ModelIdentity, chunk_key
 from relaxkv_sglang.core.tiers.memory import release_free_heap
@@ -57,6 +59,6 @@ from relaxkv_sglang.core.tiers.writer import AsyncWriter
 __all__ = [
     "FORMAT_VERSION", "GB", "LOWER_TIERS", "AsyncWriter", "ChunkRecord", "ChunkStorage", "Damaged", "DiskTier",
     "DiskTierConfig", "FrequencySketch", "HostTier", "HostTierConfig", "ModelIdentity", "PageStore", "PagedTier",
-    "PrefetchStage", "ReconnectingPageStore", "StoreUnavailable", "Tier", "TierConfig", "TierContext", "TierName", "TierRole", "TieredChunkStore",
-    "ValueLayout", "chunk_key", "decode_value", "encode_value", "release_free_heap", "simulate_tier", "split_hits",
+    "PrefetchStage", "ReconnectingPageStore", "StoreUnavailable", "Tier", "TierConfig", "TierConfigError", "TierContext", "TierName", "TierRole", "TieredChunkStore",
+    "ValueLayout", "chunk_key", "decode_value", "encode_value", "env_number", "release_free_heap", "simulate_tier", "split_hits",
 ]

@@ -27,13 +27,15 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
 from relaxkv_sglang.core.tiers.keys import ModelIdentity
 from relaxkv_sglang.core.tiers.names import TierName
 from relaxkv_sglang.core.tiers.record import ChunkRecord
+from relaxkv_sglang.core.tiers.env import TierConfigError, env_number
+from relaxkv_sglang.core.tiers.record import GB
 from relaxkv_sglang.core.tiers.tier import Tier, TierConfig, TierContext, TierRole
 from relaxkv_sglang.core.tiers.value import MAGIC, Damaged, ValueLayout, decode_value, encode_value
 
@@ -293,6 +295,34 @@ class DiskTierConfig(TierConfig):
 
     root: Optional[str] = None
     capacity_bytes: int = 0
+
+    DIR_ENV = "RELAXKV_CHUNK_DIR"
+    GB_ENV = "RELAXKV_DISK_CACHE_GB"
+    DEFAULT_GB = 10.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Optional["DiskTierConfig"]:
+        """``RELAXKV_CHUNK_DIR`` (unset: none; created if missing, must be a writable folder) and
+        ``RELAXKV_DISK_CACHE_GB`` (default 10, > 0 with a folder)."""
+        root = env.get(cls.DIR_ENV) or None
+        gb = env_number(env, cls.GB_ENV, cls.DEFAULT_GB, "GB")
+        if root is None:
+            return None
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise TierConfigError(f"{cls.DIR_ENV}={root!r}: exists and is not a directory")
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as exc:
+            raise TierConfigError(f"{cls.DIR_ENV}={root!r}: cannot create it ({exc.strerror})") from None
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise TierConfigError(f"{cls.DIR_ENV}={root!r}: not writable")
+        if gb <= 0:
+            raise TierConfigError(f"{cls.GB_ENV}={env.get(cls.GB_ENV)!r}: must be > 0 with {cls.DIR_ENV}")
+        return cls(root, int(gb * GB))
+
+    def summary(self) -> str:
+        """The startup line's phrase: the folder and its bound."""
+        return f"disk {self.root} ({self.capacity_bytes} bytes)"
 
     def build(self, ctx: TierContext) -> Optional[DiskTier]:
         if not self.root:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -28,6 +28,8 @@ from relaxkv_sglang.core.tiers.admission import FrequencySketch
 from relaxkv_sglang.core.tiers.memory import release_free_heap
 from relaxkv_sglang.core.tiers.names import TierName
 from relaxkv_sglang.core.tiers.record import ChunkRecord, token_bytes
+from relaxkv_sglang.core.tiers.env import TierConfigError, env_number
+from relaxkv_sglang.core.tiers.record import GB
 from relaxkv_sglang.core.tiers.tier import Tier, TierConfig, TierContext, TierRole
 
 __all__ = ["HostTier", "HostTierConfig"]
@@ -183,6 +185,22 @@ class HostTierConfig(TierConfig):
 
     capacity_bytes: int = 0
     policy: str = "tinylfu"
+
+    GB_ENV = "RELAXKV_HOST_CACHE_GB"
+    POLICY_ENV = "RELAXKV_HOST_CACHE_POLICY"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Optional["HostTierConfig"]:
+        """``RELAXKV_HOST_CACHE_GB`` (default 0: none) and ``RELAXKV_HOST_CACHE_POLICY`` (default tinylfu)."""
+        gb = env_number(env, cls.GB_ENV, 0.0, "GB")
+        policy = env.get(cls.POLICY_ENV) or "tinylfu"
+        if policy not in HostTier.POLICIES:
+            raise TierConfigError(f"{cls.POLICY_ENV}={policy!r}: must be one of {', '.join(HostTier.POLICIES)}")
+        return cls(int(gb * GB), policy) if gb > 0 else None
+
+    def summary(self) -> str:
+        """The startup line's phrase: the bound and the admission policy."""
+        return f"host {self.capacity_bytes} bytes ({self.policy})"
 
     def build(self, ctx: TierContext) -> Optional[HostTier]:
         if self.capacity_bytes <= 0:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import ClassVar, Optional, Sequence
+from typing import ClassVar, Mapping, Optional, Sequence
 
 import torch
 
@@ -93,8 +93,20 @@ class TierContext:
 
 
 class TierConfig(ABC):
-    """One tier's configuration (frozen dataclasses in the tier's module); ``build`` makes it."""
+    """One tier's configuration (a frozen dataclass in the tier's module): ``from_env`` reads it,
+    ``build`` makes the tier. A server's tiers are the table ``srt/mem_cache/tiers.py::TIER_CONFIGS``:
+    a new tier is its module plus one entry there."""
+
+    @classmethod
+    @abstractmethod
+    def from_env(cls, env: Mapping[str, str]) -> Optional["TierConfig"]:
+        """The tier the environment asks for, None when it asks for none; :class:`~.env.TierConfigError`
+        (naming the variable) for a malformed value."""
 
     @abstractmethod
     def build(self, ctx: TierContext) -> Optional[Tier]:
         """The tier, or None when this configuration asks for none (e.g. a zero bound)."""
+
+    def summary(self) -> str:
+        """One phrase for the startup line (default: the dataclass's fields)."""
+        return repr(self)

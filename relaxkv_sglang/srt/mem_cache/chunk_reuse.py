@@ -7,7 +7,7 @@
   store owns (evicting if needed) and index it; written through to the lower tiers too.
 
 All KV goes through one :class:`~relaxkv_sglang.srt.mem_cache.pool_kv.PoolKV`; tier crossings through
-:class:`~relaxkv_sglang.srt.mem_cache.tier_movement.TierMovement` (None without lower tiers). A chunk computed while
+:class:`~relaxkv_sglang.srt.mem_cache.tier_movement.TierMovement` (:class:`~relaxkv_sglang.srt.mem_cache.tier_movement.NoTierMovement` without lower tiers). A chunk computed while
 another copy was already stored (two requests of a batch, or one that missed it at its fold)
 is counted as a duplicate compute (docs/reliability.md).
 """
@@ -21,17 +21,18 @@ import torch
 from relaxkv_sglang.core.chunk_store import ChunkStore
 from relaxkv_sglang.core.tiers import TierName
 from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
-from relaxkv_sglang.srt.mem_cache.tier_movement import SlotAllocator, TierMovement
+from relaxkv_sglang.srt.mem_cache.tier_movement import NoTierMovement, SlotAllocator, TierMovement
 
 
 class ChunkReuse:
     """A chunk's KV into a request (reuse) and out of one (publish), module doc."""
 
-    def __init__(self, chunks: ChunkStore, pool_kv: PoolKV, movement: Optional[TierMovement] = None) -> None:
-        """chunks: the pool's chunk store; pool_kv: the pool's KV; movement: the lower tiers, if any."""
+    def __init__(self, chunks: ChunkStore, pool_kv: PoolKV,
+                 movement: "TierMovement | NoTierMovement | None" = None) -> None:
+        """chunks: the pool's chunk store; pool_kv: the pool's KV; movement: the lower tiers (None: none)."""
         self.chunks = chunks
         self.pool_kv = pool_kv
-        self.movement = movement
+        self.movement = movement if movement is not None else NoTierMovement()
         self.duplicate_computes = 0  # miss chunks computed while another copy was already stored
         self.duplicate_compute_tokens = 0
 
@@ -49,7 +50,7 @@ class ChunkReuse:
             ``TierName.DEVICE``, or the lower tier a chunk was loaded from (at admission, or
             here when the pool lacks it); None on a miss.
         """
-        key = self.movement.seen(namespace, tokens) if self.movement is not None else None
+        key = self.movement.seen(namespace, tokens)
         entry = self.chunks.lookup(namespace, tokens)
         if entry is None:
             return self.movement.reuse_into(key, dst, position) if key is not None else None
@@ -83,6 +84,6 @@ class ChunkReuse:
         if slots is not None:
             self.pool_kv.copy(src, slots, 0)
             self.chunks.insert(namespace, tokens, slots, canonical_start=position)
-        if self.movement is not None:  # kept for restarts even when the pool had no room
-            self.movement.write_through(namespace, tokens, src, position)
+        # kept for restarts even when the pool had no room
+        self.movement.write_through(namespace, tokens, src, position)
         return slots is not None

@@ -44,14 +44,18 @@ it is used again. One log line per change of state; ``tier_hicache_store_connect
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import socket
 import threading
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from relaxkv_sglang.core.tiers import PagedTier, PageStore, TierConfig, TierContext, ValueLayout
+from relaxkv_sglang.core.tiers import (
+    PagedTier, PageStore, TierConfig, TierConfigError, TierContext, ValueLayout, env_number,
+)
 from relaxkv_sglang.core.tiers.reconnect import ReconnectingPageStore
 
 logger = logging.getLogger(__name__)
@@ -187,9 +191,35 @@ def _probe_master(extra_config: dict, timeout_s: float) -> Optional[str]:
         return f"master_server_address {address}: {exc}"
 
 
+def _extra_config(raw: str) -> dict:
+    """SGLang's extra-config convention: a JSON object, or ``@FILE`` (.json, .toml, .yaml/.yml)."""
+    if not raw.startswith("@"):
+        value = json.loads(raw)
+    else:
+        path = raw[1:]
+        ext = os.path.splitext(path)[1].lower()
+        with open(path, "rb") as f:
+            if ext == ".json":
+                value = json.load(f)
+            elif ext == ".toml":
+                import tomllib
+
+                value = tomllib.load(f)
+            elif ext in (".yaml", ".yml"):
+                import yaml
+
+                value = yaml.safe_load(f)
+            else:
+                raise ValueError(f"{path}: not a .json, .toml or .yaml file")
+    if not isinstance(value, dict):
+        raise ValueError("not an object")
+    return value
+
+
+
 @dataclasses.dataclass(frozen=True)
 class HiCacheTierConfig(TierConfig):
-    """The HiCache tier asked for (``RELAXKV_HICACHE_*``, :mod:`relaxkv_sglang.srt.mem_cache.tiers`).
+    """The HiCache tier asked for (``RELAXKV_HICACHE_*``, :meth:`from_env`).
 
     Attributes:
         backend: the factory's backend name; None: no such tier.
@@ -206,6 +236,47 @@ class HiCacheTierConfig(TierConfig):
     connect_timeout_s: float = 30.0
     call_timeout_s: float = 2.0
     reconnect_max_s: float = 30.0
+
+    BACKEND_ENV = "RELAXKV_HICACHE_STORAGE_BACKEND"
+    EXTRA_ENV = "RELAXKV_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG"
+    PAGE_KB_ENV = "RELAXKV_HICACHE_PAGE_KB"
+    CONNECT_TIMEOUT_ENV = "RELAXKV_HICACHE_CONNECT_TIMEOUT_S"
+    CALL_TIMEOUT_ENV = "RELAXKV_HICACHE_CALL_TIMEOUT_S"
+    RECONNECT_MAX_ENV = "RELAXKV_HICACHE_RECONNECT_MAX_S"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Optional["HiCacheTierConfig"]:
+        """``RELAXKV_HICACHE_STORAGE_BACKEND`` (a name SGLang's ``--hicache-storage-backend`` takes;
+        unset: none), ``..._EXTRA_CONFIG`` (as SGLang's: a JSON object, or ``@FILE`` of JSON, TOML or
+        YAML), ``RELAXKV_HICACHE_PAGE_KB`` (bytes per stored page / 1024, default 256),
+        ``RELAXKV_HICACHE_CONNECT_TIMEOUT_S`` (default 30), ``..._CALL_TIMEOUT_S`` (the longest a caller
+        waits on one store call, default 2), ``..._RECONNECT_MAX_S`` (the longest wait between attempts
+        to reconnect a store that is down, default 30)."""
+        backend = env.get(cls.BACKEND_ENV) or None
+        if backend is None:
+            return None
+        if backend not in known_backends():
+            raise TierConfigError(f"{cls.BACKEND_ENV}={backend!r}: must be one of {', '.join(known_backends())}")
+        raw = env.get(cls.EXTRA_ENV) or "{}"
+        try:
+            extra = _extra_config(raw)
+        except (OSError, ValueError) as exc:
+            raise TierConfigError(f"{cls.EXTRA_ENV}={raw!r}: {exc}") from None
+        page_kb = env_number(env, cls.PAGE_KB_ENV, 256.0, "KB")
+        if page_kb < 4 or page_kb != int(page_kb):
+            raise TierConfigError(f"{cls.PAGE_KB_ENV}={env.get(cls.PAGE_KB_ENV)!r}: must be a whole number >= 4")
+        timeout = env_number(env, cls.CONNECT_TIMEOUT_ENV, 30.0, "seconds")
+        bounds = {}
+        for name, field, default in ((cls.CALL_TIMEOUT_ENV, "call_timeout_s", 2.0),
+                                     (cls.RECONNECT_MAX_ENV, "reconnect_max_s", 30.0)):
+            bounds[field] = env_number(env, name, default, "seconds")
+            if bounds[field] <= 0:
+                raise TierConfigError(f"{name}={env.get(name)!r}: must be > 0")
+        return cls(backend, extra, int(page_kb) << 10, timeout, **bounds)
+
+    def summary(self) -> str:
+        """The startup line's phrase: the backend and its page size."""
+        return f"hicache {self.backend} ({self.page_bytes}-byte pages)"
 
     def build(self, ctx: TierContext) -> Optional[PagedTier]:
         """The tier, over a store that may be down now and reconnects (module doc); None without a backend."""

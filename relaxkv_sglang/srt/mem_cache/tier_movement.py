@@ -161,7 +161,50 @@ class TierMovement:
         """The lower tiers, fastest first."""
         return list(self.tiers.names)
 
+    def tier_stats(self) -> dict:
+        """The tiers' own counters (the /metrics exporter's)."""
+        return self.tiers.stats()
+
     def stats(self) -> dict:
         """The tiers' counters and this movement's own, for /get_server_info."""
         return {**self.tiers.stats(), "tier_load_no_room": self.load_no_room, "tier_errors": self.errors,
                 "tier_wrong_size": self.wrong_size}
+
+
+class NoTierMovement:
+    """:class:`TierMovement` for a cache without lower tiers: nothing moves, nothing is counted
+    (so the cache calls its movement the same way with or without tiers)."""
+
+    def seen(self, namespace: Optional[str], tokens: Sequence[int]) -> None:
+        """No tier to look in: no key."""
+        return None
+
+    def spill(self, entry: ChunkEntry) -> None:
+        """No tier to keep an evicted chunk."""
+
+    def load(self, chunks: ChunkStore, namespace: Optional[str], tokens: Sequence[int],
+             alloc: SlotAllocator) -> Optional[ChunkEntry]:
+        """No tier to load from."""
+        return None
+
+    def write_through(self, namespace: Optional[str], tokens: Sequence[int], src: torch.Tensor,
+                      position: int) -> None:
+        """No tier to write to."""
+
+    def prefetch(self, chunks: ChunkStore, waiting: Iterable[Any]) -> None:
+        """No tier to read ahead from."""
+
+    def clear(self) -> None:
+        """Nothing held."""
+
+    def names(self) -> list[TierName]:
+        """No lower tier."""
+        return []
+
+    def tier_stats(self) -> None:
+        """No tier counters (the /metrics exporter skips them)."""
+        return None
+
+    def stats(self) -> dict:
+        """No counters."""
+        return {}

@@ -57,7 +57,7 @@ from relaxkv_sglang.srt.mem_cache.eviction import EvictionOrder
 from relaxkv_sglang.srt.mem_cache.pins import HOLD_ENV, HOLD_QUEUE_DEPTH, AdmissionHold, AdmissionPins
 from relaxkv_sglang.srt.plan import request_plan
 from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
-from relaxkv_sglang.srt.mem_cache.tier_movement import TierMovement
+from relaxkv_sglang.srt.mem_cache.tier_movement import NoTierMovement, TierMovement
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
@@ -74,14 +74,14 @@ class RelaxKVTreeCache(RadixCache):
         /metrics counters (``--enable-metrics``); tiers: the lower tiers, if configured."""
         self.chunks: Optional[ChunkStore] = None  # reset() runs in RadixCache.__init__, before it exists
         self.pool_kv = pool_kv
-        self.movement = TierMovement(tiers, pool_kv) if tiers is not None and tiers.enabled else None
+        self.movement = TierMovement(tiers, pool_kv) if tiers is not None and tiers.enabled else NoTierMovement()
         self.metrics = metrics
         super().__init__(params)
         # time.monotonic: the clock of TreeNode.last_access_time, so one LRU order spans both trees.
         # ghost_capacity: the store learns what it is worth, up to the whole pool (admission hold).
         chunks = ChunkStore(free_slots=self.token_to_kv_pool_allocator.free, clock=time.monotonic,
                             ghost_capacity=int(self.token_to_kv_pool_allocator.size),
-                            on_evict=self.movement.spill if self.movement is not None else None)
+                            on_evict=self.movement.spill)
         self.reuse = ChunkReuse(chunks, pool_kv, self.movement)
         self.admission_pins = AdmissionPins(chunks)
         self.hold = AdmissionHold(chunks, enabled=os.environ.get(HOLD_ENV, "1") != "0")
@@ -138,7 +138,7 @@ class RelaxKVTreeCache(RadixCache):
 
     def pin_request(self, req: Any) -> int:
         """See :meth:`relaxkv_sglang.srt.mem_cache.pins.AdmissionPins.pin`; a chunk only a lower tier holds is loaded first."""
-        return self.admission_pins.pin(req, self._load if self.movement is not None else None)
+        return self.admission_pins.pin(req, self._load)
 
     def _load(self, namespace: Optional[str], tokens: Sequence[int]) -> Optional[ChunkEntry]:
         """A lower-tier hit into the pool; only chunks are evicted for it (the request's radix
@@ -150,16 +150,14 @@ class RelaxKVTreeCache(RadixCache):
         """An admission round starts: the hold learns the queue; the reads of its chunks the
         pool lacks start in the background (:meth:`relaxkv_sglang.srt.mem_cache.tier_movement.TierMovement.prefetch`)."""
         self.hold.begin(waiting_queue, chunked_req)
-        if self.movement is not None:
-            self.movement.prefetch(self.chunks, waiting_queue[:HOLD_QUEUE_DEPTH])
+        self.movement.prefetch(self.chunks, waiting_queue[:HOLD_QUEUE_DEPTH])
 
     # -------------------------------------------------- counters
 
     def update_metrics(self) -> None:
         """Push the chunk counters to /metrics (when ``--enable-metrics``)."""
         if self.metrics is not None:
-            tier_stats = self.movement.tiers.stats() if self.movement is not None else None
-            self.metrics.publish(self.chunks.stats(), tier_stats)
+            self.metrics.publish(self.chunks.stats(), self.movement.tier_stats())
 
     def stats(self) -> dict:
         """Chunk tree counters and KV pool occupancy, for /get_server_info."""
@@ -175,12 +173,12 @@ class RelaxKVTreeCache(RadixCache):
             "radix_protected_tokens": self.protected_size(),
             "kv_available_tokens": int(self.token_to_kv_pool_allocator.available_size()),
             "tiers": self.tier_names(),
-            **(self.movement.stats() if self.movement is not None else {}),
+            **self.movement.stats(),
         }
 
     def tier_names(self) -> list[str]:
         """The tiers this cache serves from, top first (plain strings: they leave the process)."""
-        return [str(n) for n in [TierName.DEVICE, *(self.movement.names() if self.movement is not None else [])]]
+        return [str(n) for n in [TierName.DEVICE, *self.movement.names()]]
 
     # -------------------------------------------------- RadixCache overrides
 
@@ -193,8 +191,7 @@ class RelaxKVTreeCache(RadixCache):
                 logger.warning("relaxkv: reset drops the chunk pins of %d requests", len(self.pins))
                 self.admission_pins.drop_all()
             self.chunks.reset()
-            if self.movement is not None:
-                self.movement.clear()
+            self.movement.clear()
         super().reset()
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:

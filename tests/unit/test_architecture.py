@@ -6,7 +6,14 @@
 * No module rebinds module-level state at run time: no ``global`` statement in a function, no
   assignment to (or ``setattr``/``del`` of) an attribute of one of the project's modules, no
   in-place mutation of a module-level container from a function (a process-wide registry).
-* ``relaxkv_sglang/srt/*.py``: every parameter is annotated (``self``/``cls`` excepted,
+* Imports run one way. ``core/`` and ``gpu/`` import nothing of ``srt/``. Inside ``srt/`` the
+  packages import only downward (:data:`SRT_MAY_IMPORT`): ``entrypoints`` (the HTTP process) none
+  of the scheduler's packages, ``mem_cache`` nothing of ``forward`` or ``scheduler``, and no
+  package imports a top module of ``srt`` but the base ones (:data:`SRT_BASE`).
+* No module over :data:`MAX_MODULE_LINES` lines outside ``benchmarks/``.
+* ``docs/architecture.md`` matches the tree: every ``.py`` file it names exists, and every package
+  of ``relaxkv_sglang`` is named in it.
+* ``relaxkv_sglang/srt/**.py``: every parameter is annotated (``self``/``cls`` excepted,
   ``*args``/``**kwargs`` included) and every public function or method has a docstring.
 
 Each failure lists every offender as ``path:line``.  Nothing is allow-listed.
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -275,6 +283,123 @@ def test_cycle_finder_reports_a_cycle():
     assert _strongly_connected(graph) == [["a", "b", "c"]]
     assert _shortest_cycle("a", {"a", "b", "c"}, graph) == ["a", "b", "c", "a"]
     assert _shortest_cycle("a", {"a", "b"}, {"a": {"b": 1}, "b": {"a": 2}}) == ["a", "b", "a"]
+
+
+# --- which way imports run ---------------------------------------------------------------------
+
+SRT = "relaxkv_sglang.srt"
+#: srt package -> the other srt packages it may import (the scheduler's stages reach the cache, not
+#: the other way; the HTTP process imports nothing of the scheduler's)
+SRT_MAY_IMPORT = {"entrypoints": set(), "scheduler": {"mem_cache"}, "mem_cache": set(), "forward": {"mem_cache"}}
+#: top modules of srt any package may import (what requests, failures and calibrations are)
+SRT_BASE = {"plan", "failures", "calibration"}
+
+
+def _srt_place(name: str) -> Optional[tuple[str, str]]:
+    """("package", its name) for a module inside an srt package, ("top", its name) for a top module
+    of srt, None outside srt."""
+    if not name.startswith(SRT + "."):
+        return None
+    first = name[len(SRT) + 1:].split(".")[0]
+    return ("package", first) if first in SRT_MAY_IMPORT else ("top", first)
+
+
+def upward_imports(modules: dict[str, Module], graph: dict[str, dict[str, int]]) -> list[str]:
+    """``path:line module -> imported`` for every import that runs against the rules (module doc)."""
+    bad = []
+    for name, deps in sorted(graph.items()):
+        here = _srt_place(name)
+        for dep, line in sorted(deps.items()):
+            there = _srt_place(dep)
+            if there is None:
+                continue
+            where = f"{modules[name].rel}:{line} {name} -> {dep}"
+            if any(name == top or name.startswith(top + ".") for top in ("relaxkv_sglang.core", "relaxkv_sglang.gpu")):
+                bad.append(where + " (core/ and gpu/ import no srt)")
+            elif here is not None and here[0] == "package":
+                kind, target = there
+                if kind == "package" and target != here[1] and target not in SRT_MAY_IMPORT[here[1]]:
+                    bad.append(where + f" ({here[1]} may import {sorted(SRT_MAY_IMPORT[here[1]]) or 'no other package'})")
+                elif kind == "top" and target not in SRT_BASE:
+                    bad.append(where + f" (a package imports only the base modules {sorted(SRT_BASE)})")
+            elif here is not None and here[1] in SRT_BASE and there[0] == "package":
+                bad.append(where + " (a base module imports no package)")
+    return bad
+
+
+def test_imports_run_one_way():
+    bad = upward_imports(*import_graph())
+    assert not bad, "imports against the direction of the layers:\n" + "\n".join(bad)
+
+
+def test_the_direction_check_finds_what_it_looks_for():
+    cases = {  # (module, source) -> how many offenders
+        ("relaxkv_sglang.srt.mem_cache._probe_", "from relaxkv_sglang.srt.forward import fold\n"): 1,
+        ("relaxkv_sglang.srt.entrypoints._probe_", "def f():\n    import relaxkv_sglang.srt.mem_cache.pins\n"): 1,
+        ("relaxkv_sglang.srt.forward._probe_", "from relaxkv_sglang.srt import gate\n"): 1,
+        ("relaxkv_sglang.gpu._probe_", "from relaxkv_sglang.srt import plan\n"): 1,
+        ("relaxkv_sglang.gpu_check_probe_", "from relaxkv_sglang.srt import plan\n"): 0,  # not gpu/
+        ("relaxkv_sglang.srt.forward._probe_",
+         "from relaxkv_sglang.srt.mem_cache import chunk_cache\nfrom relaxkv_sglang.srt import plan\n"): 0,
+    }
+    for (name, src), n in cases.items():
+        with _probe(src, name) as (module, modules):
+            graph = {module.name: {dep: line for dep, line in imports_of(module, modules)}}
+            assert len(upward_imports(modules, graph)) == n, (name, src)
+
+
+# --- module size ---------------------------------------------------------------------------------
+
+MAX_MODULE_LINES = 450
+
+
+def long_modules() -> list[str]:
+    """``path: N lines`` for every project module over :data:`MAX_MODULE_LINES` (benchmarks are not
+    a package of pyproject.toml, so they are not read)."""
+    return [f"{m.rel}: {n} lines" for m in project_modules().values()
+            if (n := len(m.path.read_text().splitlines())) > MAX_MODULE_LINES]
+
+
+def test_no_module_over_the_line_limit():
+    assert not long_modules(), f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(long_modules())
+
+
+# --- docs/architecture.md names the tree ---------------------------------------------------------
+
+ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
+_SOURCE_ROOTS = ("", "relaxkv_sglang", "patches")  # a path in the doc is read from one of these
+
+
+def doc_tree_mismatches(text: Optional[str] = None) -> list[str]:
+    """What the architecture doc names that is not in the tree, and packages it leaves out."""
+    text = ARCHITECTURE_DOC.read_text() if text is None else text
+    files = [p for folder in ("relaxkv_sglang", "patches", "benchmarks", "scripts", "tests")
+             for p in (ROOT / folder).rglob("*.py")]
+    names = {p.name for p in files}
+    bad = []
+    for ref in sorted(set(re.findall(r"[\w/]*\w\.py\b", text))):
+        found = (any((ROOT / base / ref).is_file() for base in _SOURCE_ROOTS) if "/" in ref
+                 else ref in names)
+        if not found:
+            bad.append(f"names {ref}, which is not in the tree")
+    for init in sorted((ROOT / "relaxkv_sglang").rglob("__init__.py")):
+        package = init.parent.relative_to(ROOT / "relaxkv_sglang").as_posix()
+        if package != "." and f"{package}/" not in text:
+            bad.append(f"does not name the package {package}/")
+    return bad
+
+
+def test_the_architecture_doc_matches_the_tree():
+    bad = doc_tree_mismatches()
+    assert not bad, "docs/architecture.md:\n" + "\n".join(bad)
+
+
+def test_the_doc_check_finds_what_it_looks_for():
+    text = ARCHITECTURE_DOC.read_text()
+    before = set(doc_tree_mismatches(text))
+    assert set(doc_tree_mismatches(text + "\nsrt/forward/no_such_module.py")) - before == {
+        "names srt/forward/no_such_module.py, which is not in the tree"}
+    assert "does not name the package srt/mem_cache/" in doc_tree_mismatches(text.replace("mem_cache/", "mem_cache"))
 
 
 # --- module-level state -----------------------------------------------------------------------

@@ -5,7 +5,7 @@ Every part that names a tier uses :class:`TierName`: a chunk entry's origin
 counters (``tier_<name>_*``), the fold's per-window hit split and the request report
 (``chunk_tokens_from_<name>``). SGLang has its own names for the same places
 (``cache_source`` = device / host / storage); they are mapped once, at the SGLang boundary
-(:func:`relaxkv_sglang.srt.mem_cache.tiers.sglang_cache_source`).
+(``srt/mem_cache/cache_source.py::sglang_cache_source``).
 
 A :class:`TierName` is a ``str`` (``StrEnum``): it compares, hashes, formats and serialises as
 its value, so ``"host"`` read from a report or a stats dict is the same key.

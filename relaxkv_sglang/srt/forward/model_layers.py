@@ -119,7 +119,8 @@ class ModelLayers:
     """The decoder stack of a served model of a registered family, as the layer loop calls it.
 
     Args:
-        model: SGLang's decoder stack (``causal_lm.model``: LlamaModel, Qwen2Model, Qwen3Model).
+        model: SGLang's decoder stack (``causal_lm.model``: LlamaModel, Qwen2Model, Qwen3Model,
+            Qwen2MoeModel, MixtralModel).
 
     Raises:
         UnsupportedModelError: no registered family, or a module the family's layer has is missing.

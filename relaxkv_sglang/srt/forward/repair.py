@@ -48,8 +48,8 @@ This module translates plans into rows; the method's decisions are in ``core/``,
 in :mod:`relaxkv_sglang.srt.forward.layer_loop`.
 
 SGLang files touched (hooks registered in ``plugin.py``): the ``forward`` of each decoder-stack class
-the model-family registry hooks (``core/model_family.py``: ``models/llama.py`` ``LlamaModel``,
-``models/qwen2.py`` ``Qwen2Model``, ``models/qwen3.py`` ``Qwen3Model``; around).
+the model-family registry hooks (``core/model_family.py::hooked_model_classes``: ``LlamaModel``,
+``Qwen2Model``, ``Qwen3Model``, ``Qwen2MoeModel``, ``MixtralModel``; around).
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from relaxkv_sglang.core.repair_plan import AnchorPlan, RepairConfig, plan_anchors
+from relaxkv_sglang.core.repair_config import RepairConfig
+from relaxkv_sglang.core.repair_plan import AnchorPlan, plan_anchors
 from relaxkv_sglang.srt.calibration import repair_base
 from relaxkv_sglang.srt.forward.context import forward_context
 from relaxkv_sglang.srt.failures import InvariantError, served_as_pic
@@ -208,7 +209,7 @@ def repair_rows(end: int, anchor_plan: AnchorPlan, slots: torch.Tensor) -> LoopR
 def around_model_forward(original: Callable, model: torch.nn.Module, input_ids: torch.Tensor,
                          positions: torch.Tensor, forward_batch: "ForwardBatch", *args: Any, **kwargs: Any) -> Any:
     """Hook on each registered family's decoder-stack ``forward`` (``LlamaModel``, ``Qwen2Model``,
-    ``Qwen3Model``): SGLang's forward (for a batch with a repair, its query pass), then the repair,
+    ``Qwen3Model``, ``Qwen2MoeModel``, ``MixtralModel``): SGLang's forward (for a batch with a repair, its query pass), then the repair,
     which replaces the repaired requests' glue and query rows of the output (:class:`RepairStage`)."""
     hidden = original(model, input_ids, positions, forward_batch, *args, **kwargs)
     context = forward_context(model)

@@ -25,7 +25,7 @@ Also declared here:
   ``sglang.bench_serving`` build themselves). ``custom_params.relaxkv_policy`` in the body wins.
 
 The policies come from :mod:`relaxkv_sglang.core.policies`; the repair knobs' defaults from
-:class:`relaxkv_sglang.core.repair_plan.RepairConfig`, read on first use (that module needs torch;
+:class:`relaxkv_sglang.core.repair_config.RepairConfig`, read on first use (that module needs torch;
 this one is imported by light clients). Imports only the standard library and
 ``relaxkv_sglang.core``; no SGLang.
 """
@@ -68,8 +68,8 @@ class RequestError(ValueError):
 
 @functools.cache
 def _repair_defaults() -> dict[str, Any]:
-    """RepairConfig's field defaults (imported on first use: core.repair_plan needs torch)."""
-    from relaxkv_sglang.core.repair_plan import RepairConfig
+    """RepairConfig's field defaults (imported on first use: core.repair_config needs torch)."""
+    from relaxkv_sglang.core.repair_config import RepairConfig
 
     return {f.name: f.default for f in dataclasses.fields(RepairConfig)}
 
@@ -165,7 +165,7 @@ class PolicyField(Field):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RatioField(Field):
     """A repair knob: a number (not a bool) in ``[low, high]``, named after the
-    :class:`~relaxkv_sglang.core.repair_plan.RepairConfig` attribute it sets.
+    :class:`~relaxkv_sglang.core.repair_config.RepairConfig` attribute it sets.
 
     Attributes:
         low, high: the closed range.

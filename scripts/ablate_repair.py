@@ -1,6 +1,6 @@
 """Ablate repair knobs on the torch reference: first-token KL to full prefill, paired, per format.
 
-The tuning tool behind the defaults of ``core/repair_plan.py::RepairConfig`` (the server runs the
+The tuning tool behind the defaults of ``core/repair_config.py::RepairConfig`` (the server runs the
 same planner and the prompt is split into the same parts, glue between chunks included, so a
 knob's effect here is its effect there). No server: the model runs in
 ``core/reference.py`` (float32, CPU), the stale KV and the query pass once per example, then one
@@ -9,7 +9,7 @@ repair pass per variant. Development data only (HotpotQA dev from ``--offset``, 
 test split.
 
 A variant is ``NAME=POLICY[,knob=value...]`` with repair knobs by their flat names
-(``repair_plan.knob_defaults``: RepairConfig's shared knobs and the policies' options), e.g.::
+(``repair_config.knob_defaults``: RepairConfig's shared knobs and the policies' options), e.g.::
 
     python scripts/ablate_repair.py --examples 3 --formats plain document chat \\
         --variant prophetkv=prophetkv \\
@@ -43,7 +43,7 @@ from benchmarks import metrics, prompt_formats, quality_tasks
 from relaxkv_sglang import assets
 from relaxkv_sglang.core.calibration import Calibration, CalibrationError, calibration_for_model
 from relaxkv_sglang.core.reference import StaleContext, from_hf_state_dict, reference_prefill, stale_context
-from relaxkv_sglang.core.repair_plan import RepairConfig, knob_defaults
+from relaxkv_sglang.core.repair_config import RepairConfig, knob_defaults
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:

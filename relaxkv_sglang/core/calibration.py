@@ -1,6 +1,6 @@
 """Per-model calibration of the repair knobs: one versioned JSON file per model, found by its config.
 
-The repair defaults (``repair_plan.RepairConfig``, ``policies.RelaxKVOptions``) were tuned on
+The repair defaults (``repair_config.RepairConfig``, ``policies.RelaxKVOptions``) were tuned on
 SmolLM2-135M; a model may carry a :class:`Calibration`, the knobs whose best on its development
 split (``python -m scripts.calibrate``) differs from them. File format (:data:`FORMAT_VERSION` 2),
 ``relaxkv_sglang/calibrations/<model-name>.json``::
@@ -14,14 +14,14 @@ split (``python -m scripts.calibrate``) differs from them. File format (:data:`F
 * ``fingerprint``: :data:`FINGERPRINT_KEYS` of the HF config (:func:`config_fingerprint`; ``rope``
   in one form whether the config writes ``rope_parameters`` or ``rope_theta``/``rope_scaling``). A
   file applies only to a model with the same fingerprint (:func:`find_calibration`);
-* ``knobs``: flat knob names (``repair_plan.knob_defaults``) -> values, validated by
+* ``knobs``: flat knob names (``repair_config.knob_defaults``) -> values, validated by
   ``RepairConfig.from_knobs``; per-request knobs are never calibrated (:data:`PER_REQUEST_KNOBS`);
 * ``evidence``: free JSON.
 
 :func:`served_calibration`: ``RELAXKV_CALIBRATION`` (a file, or ``none``), else the repository's
 file with the served model's fingerprint, else the defaults. A malformed file, wrong version,
 unknown knob or another model's fingerprint raise :class:`CalibrationError`. Standard library and
-``repair_plan`` only.
+``repair_config`` only.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import os
 import pathlib
 from typing import Any, Mapping, Optional
 
-from .repair_plan import RepairConfig, knob_defaults
+from .repair_config import RepairConfig, knob_defaults
 
 __all__ = ["FORMAT_VERSION", "FINGERPRINT_KEYS", "PER_REQUEST_KNOBS", "CALIBRATION_ENV", "CALIBRATION_DIR",
            "DEFAULTS_NOTE", "NO_CALIBRATION", "CalibrationError", "Calibration", "config_fingerprint",

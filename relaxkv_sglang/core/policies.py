@@ -24,7 +24,7 @@ random              no        yes            yes      no            no          
 ==================  ========  =============  =======  ============  =============  ========  ========
 
 ``prefix`` is SGLang's radix cache; ``random`` runs in the torch reference only. Knobs every
-repair shares are in ``repair_plan.RepairConfig``; a policy's own are in its options object
+repair shares are in ``repair_config.RepairConfig``; a policy's own are in its options object
 (:class:`RelaxKVOptions`, :class:`CacheBlendOptions`; plain data, no torch).
 """
 

@@ -32,7 +32,8 @@ from .model_family import finish_layer, project_qkv
 from .policies import Policy
 from .reference_model import LlamaWeights, ReferenceLayerOps, apply_neox_rope, from_hf_state_dict
 from .reference_model import rms_norm as _rms_norm
-from .repair_plan import AnchorPlan, RepairConfig, RepairCost, plan_anchors
+from .repair_config import RepairConfig, RepairCost
+from .repair_plan import AnchorPlan, plan_anchors
 from .selection import eligible_tokens, query_attention_scores
 from .stale_shift import stale_shift
 

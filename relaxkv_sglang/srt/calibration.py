@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from relaxkv_sglang.core.calibration import (CALIBRATION_ENV, DEFAULTS_NOTE, Calibration, CalibrationError,
                                              served_calibration)
-from relaxkv_sglang.core.repair_plan import RepairConfig
+from relaxkv_sglang.core.repair_config import RepairConfig
 
 logger = logging.getLogger(__name__)
 

@@ -117,7 +117,7 @@ def _reference(model: str):
 
 def test_served_full_and_repair_match_the_torch_reference(family):
     from relaxkv_sglang.core.reference import reference_prefill, stale_context
-    from relaxkv_sglang.core.repair_plan import RepairConfig
+    from relaxkv_sglang.core.repair_config import RepairConfig
 
     model, url = family[0], family[1].url
     weights, tokenizer = _reference(model)

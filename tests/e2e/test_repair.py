@@ -148,7 +148,7 @@ def test_cold_full_repair_is_full_prefill_and_zero_anchors_are_pic(relaxkv_serve
 
 def _reference_logprobs(weights, tokenizer, prompt, policy, anchor, context):
     from relaxkv_sglang.core.reference import reference_prefill
-    from relaxkv_sglang.core.repair_plan import RepairConfig
+    from relaxkv_sglang.core.repair_config import RepairConfig
 
     layout = part_token_ids(tokenizer, prompt)
     result = reference_prefill(weights, torch.tensor(layout.input_ids), layout.chunk_spans, layout.query_start,

@@ -13,7 +13,7 @@ from relaxkv_sglang.core.calibration import (CALIBRATION_DIR, CALIBRATION_ENV, F
                                              base_config, calibration_for_model, changed_knobs, config_fingerprint,
                                              find_calibration, load_calibration, model_fingerprint, rope_parameters,
                                              save_calibration, served_calibration)
-from relaxkv_sglang.core.repair_plan import RepairConfig
+from relaxkv_sglang.core.repair_config import RepairConfig
 
 HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 128,
              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048, "rope_theta": 1e4}

@@ -21,7 +21,8 @@ import torch
 from test_model_family import hf_model, sglang_model
 
 from relaxkv_sglang.core.reference import from_hf_state_dict, stale_context
-from relaxkv_sglang.core.repair_plan import RepairConfig, plan_anchors
+from relaxkv_sglang.core.repair_config import RepairConfig
+from relaxkv_sglang.core.repair_plan import plan_anchors
 from relaxkv_sglang.core.rope_config import rope_spec_from_hf_config
 from relaxkv_sglang.core.staging import HostStage, to_device
 from relaxkv_sglang.gpu.cuda_rules import CudaRuleError, CudaRules

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from relaxkv_sglang.core.repair_plan import RepairConfig
+from relaxkv_sglang.core.repair_config import RepairConfig
 from relaxkv_sglang.core.reference import (
     apply_neox_rope,
     build_stale_kv,

@@ -11,7 +11,7 @@ import pytest
 
 from relaxkv_sglang import schema
 from relaxkv_sglang.core.policies import DEFAULT_POLICY, SERVER_POLICIES
-from relaxkv_sglang.core.repair_plan import RepairConfig
+from relaxkv_sglang.core.repair_config import RepairConfig
 from relaxkv_sglang.schema import (
     ANCHOR_RATIO,
     CHUNKS,

@@ -20,7 +20,8 @@ from relaxkv_sglang.core.selection import (
     select_anchors,
     shared_opening_sinks,
 )
-from relaxkv_sglang.core.repair_plan import RepairConfig, plan_anchors
+from relaxkv_sglang.core.repair_config import RepairConfig
+from relaxkv_sglang.core.repair_plan import plan_anchors
 
 PREFIX = 6
 SPANS = [(6, 26), (26, 40), (40, 71), (71, 90)]
@@ -328,7 +329,7 @@ def test_ratio_is_validated():
 
 
 def test_split_budget_spends_anchors_first_then_context():
-    from relaxkv_sglang.core.repair_plan import RepairConfig, RepairCost, split_budget
+    from relaxkv_sglang.core.repair_config import RepairConfig, RepairCost, split_budget
 
     spans = [(40 + 130 * i, 40 + 130 * (i + 1)) for i in range(10)]
     n = 1340
@@ -402,7 +403,7 @@ def test_registry_queries():
 
 def test_policy_knobs_live_with_their_policy():
     from relaxkv_sglang.core.policies import CacheBlendOptions, RelaxKVOptions
-    from relaxkv_sglang.core.repair_plan import RepairConfig, knob_defaults
+    from relaxkv_sglang.core.repair_config import RepairConfig, knob_defaults
 
     config = RepairConfig.from_knobs(anchor_ratio=0.2, layer_value="depth", check_layer=3, cacheblend_use_k=True)
     assert config.anchor_ratio == 0.2
@@ -420,7 +421,8 @@ def test_policy_knobs_live_with_their_policy():
 
 
 def test_only_a_mid_forward_policy_waits_for_its_check_layer():
-    from relaxkv_sglang.core.repair_plan import RepairConfig, plan_anchors
+    from relaxkv_sglang.core.repair_config import RepairConfig
+    from relaxkv_sglang.core.repair_plan import plan_anchors
 
     scores = torch.rand(L, N_CTX, generator=torch.Generator().manual_seed(0))
     config = RepairConfig.from_knobs(anchor_ratio=0.2, check_layer=2)

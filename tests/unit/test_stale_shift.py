@@ -7,7 +7,8 @@ import torch
 
 from relaxkv_sglang.core.policies import policy_spec, repair_policies
 from relaxkv_sglang.core.reference import apply_neox_rope, build_stale_kv, reference_prefill
-from relaxkv_sglang.core.repair_plan import RepairConfig, plan_anchors
+from relaxkv_sglang.core.repair_config import RepairConfig
+from relaxkv_sglang.core.repair_plan import plan_anchors
 from relaxkv_sglang.core.stale_shift import shift_sets, stale_shift
 
 from test_reference import GLUE_SPANS, PS, Q0, SPANS, close, full, ids, model, run  # noqa: F401 (fixtures)

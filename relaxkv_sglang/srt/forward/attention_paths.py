@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from relaxkv_sglang.core.repair_plan import RepairCost
+from relaxkv_sglang.core.repair_config import RepairCost
 from relaxkv_sglang.gpu.prefill_inputs import ScopedPrefillInputs, scoped_prefill_inputs
 from relaxkv_sglang.srt.forward.context import ExtendRows, ForwardContext, forward_context
 from relaxkv_sglang.srt.failures import InvariantError

@@ -20,7 +20,7 @@ keys          :class:`ModelIdentity`, :func:`chunk_key` (content addresses)
 record        :class:`ChunkRecord` (``[n_tokens, layers, 2, kv_heads, head_dim]`` on the CPU)
 storage       :class:`ChunkStorage`, the HiCache-shaped storage interface
 tier          :class:`Tier` (a storage with a name and a role), :class:`TierConfig`
-admission     :class:`FrequencySketch` (TinyLFU's count-min sketch)
+frequency_sketch  :class:`FrequencySketch` (TinyLFU's count-min sketch)
 memory        :func:`release_free_heap` (glibc ``malloc_trim``)
 host          :class:`HostTier` + :class:`HostTierConfig` (bounded host memory)
 value         the self-describing bytes of a stored chunk and the checks a load makes
@@ -38,7 +38,7 @@ A new tier: a :class:`Tier` subclass and its :class:`TierConfig` (which reads it
 ``srt/mem_cache/tiers.py::TIER_CONFIGS``. Standard library and torch only.
 """
 
-from relaxkv_sglang.core.tiers.admission import FrequencySketch
+from relaxkv_sglang.core.tiers.frequency_sketch import FrequencySketch
 from relaxkv_sglang.core.tiers.disk import DiskTier, DiskTierConfig
 from relaxkv_sglang.core.tiers.env import TierConfigError, env_number
 from relaxkv_sglang.core.tiers.host import HostTier, HostTierConfig

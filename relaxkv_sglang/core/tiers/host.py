@@ -24,7 +24,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from relaxkv_sglang.core.tiers.admission import FrequencySketch
+from relaxkv_sglang.core.tiers.frequency_sketch import FrequencySketch
 from relaxkv_sglang.core.tiers.memory import release_free_heap
 from relaxkv_sglang.core.tiers.names import TierName
 from relaxkv_sglang.core.tiers.record import ChunkRecord, token_bytes

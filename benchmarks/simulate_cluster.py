@@ -4,7 +4,7 @@ A trace-driven simulation of the cluster of ``relaxkv-sglang serve --replicas N`
 the project's REAL chunk store (:class:`relaxkv_sglang.core.chunk_store.ChunkStore`, through its
 public API only: ``lookup`` / ``lock`` / ``unlock`` / ``insert`` / ``evict`` / ``total_tokens``) with
 a KV pool of ``--pool-tokens``; the router is a model of the ``smg`` gateway's policies as
-``serve --replicas`` configures them (:data:`relaxkv_sglang.server.ROUTINGS`):
+``serve --replicas`` configures them (:data:`relaxkv_sglang.cluster.ROUTINGS`):
 
 * ``document``: sticky routing keyed by the MinHash of the request's documents
   (:func:`relaxkv_sglang.routing.routing_key_of_documents`, the key the clients send): a key seen

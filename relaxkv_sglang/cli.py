@@ -20,7 +20,7 @@ sglang.launch_server`` with the plugin; ``--policy`` sets it for the one server.
 ``sglang.launch_server`` unchanged, as it does the flags after ``--``.
 
 ``serve --replicas N`` (N >= 2) starts N plugin servers on free ports and one ``smg`` gateway on
-``--port`` in front of them (:class:`relaxkv_sglang.server.Cluster`), prints the gateway's URL and
+``--port`` in front of them (:class:`relaxkv_sglang.cluster.Cluster`), prints the gateway's URL and
 stops all of them on Ctrl-C or SIGTERM. ``--routing document`` (default) is sticky routing keyed by
 ``x-smg-routing-key``, the MinHash of each request's documents that the project's clients send
 (:mod:`relaxkv_sglang.routing`), a new key placed by the gateway's round-robin turn (balanced by
@@ -150,7 +150,8 @@ def _interrupt(*_) -> None:
 
 def cmd_serve_replicas(args, extra: list[str]) -> int:
     """``serve --replicas N``: N plugin servers and one smg gateway in front, until Ctrl-C/SIGTERM."""
-    from relaxkv_sglang.server import Cluster, RouterConfig, port_in_use, replica_configs, router_installed
+    from relaxkv_sglang.cluster import Cluster, RouterConfig, replica_configs, router_installed
+    from relaxkv_sglang.server import port_in_use
 
     if not router_installed():
         raise ServerError("smg (the gateway) is not installed (make install pins it); --replicas needs it")

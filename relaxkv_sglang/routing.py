@@ -2,7 +2,7 @@
 
 Behind the ``smg`` gateway as ``serve --replicas`` starts it, every request carrying the header
 ``x-smg-routing-key`` goes to the replica its key was first assigned to (sticky; a new key takes
-the gateway's next round-robin turn, :data:`relaxkv_sglang.server.ROUTINGS`). The key
+the gateway's next round-robin turn, :data:`relaxkv_sglang.cluster.ROUTINGS`). The key
 computed here makes requests that share their documents share a replica, so a document's chunks
 are computed once per cluster instead of once per replica, whatever the documents' order, system
 prompt or question.

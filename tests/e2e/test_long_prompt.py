@@ -24,7 +24,8 @@ import pytest
 import requests
 
 from relaxkv_sglang import assets
-from relaxkv_sglang.server import STRICT_MEMORY_CHECK, Cluster, SGLangServer, ServerConfig
+from relaxkv_sglang.cluster import Cluster
+from relaxkv_sglang.server import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
 
 if __package__:
     from .rag_helpers import SERVER_START_TIMEOUT_S, documents, flush, marked_prompt, part_token_ids

@@ -35,7 +35,8 @@ from test_tiers import _wait_writes as wait_writes
 from relaxkv_sglang.core.tiers import ChunkRecord, ValueLayout, chunk_key, encode_value
 from relaxkv_sglang.core.tiers.paged import page_keys, split_pages, value_key
 from relaxkv_sglang.core.tiers.value import value_info
-from relaxkv_sglang.server import Cluster, SGLangServer, ServerConfig
+from relaxkv_sglang.cluster import Cluster
+from relaxkv_sglang.server import SGLangServer, ServerConfig
 
 pytestmark = pytest.mark.skipif(os.environ.get("RELAXKV_MOONCAKE_TESTS") != "1",
                                 reason="Mooncake tests run on demand: RELAXKV_MOONCAKE_TESTS=1 (make install-mooncake)")

@@ -36,7 +36,8 @@ from conftest import STRICT_MEMORY_CHECK
 from rag_helpers import SERVER_START_TIMEOUT_S, documents, essay_paragraphs, generate, marked_prompt, relaxkv_state
 
 from relaxkv_sglang.core.tiers import DiskTier, ModelIdentity, chunk_key
-from relaxkv_sglang.server import Cluster, SGLangServer, ServerConfig
+from relaxkv_sglang.cluster import Cluster
+from relaxkv_sglang.server import SGLangServer, ServerConfig
 
 POOL = 1536  # KV tokens: about three requests' chunks, so a working set of 12+ documents spills
 HOST_MB = 8

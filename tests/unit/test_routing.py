@@ -303,7 +303,8 @@ def test_server_client_uses_the_splitter(recorder):
 
 
 def test_router_command_lines():
-    from relaxkv_sglang.server import ROUTER_DEFAULTS, RouterConfig, ServerConfig, replica_configs
+    from relaxkv_sglang.cluster import ROUTER_DEFAULTS, RouterConfig, replica_configs
+    from relaxkv_sglang.server import ServerConfig
 
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     cmd = RouterConfig(worker_urls=urls, routing="document", port=5, extra_args=["--cache-threshold", "0.5"]).command()

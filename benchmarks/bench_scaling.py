@@ -10,7 +10,7 @@ without a server, so each cost is isolated:
 * repair attention: the anchors' attention at 15%, relaxed (25%) vs full causal
   context, through the same executor;
 * GPU inputs: the host side of the anchors' FlashInfer inputs for every layer's relaxed
-  layout (``gpu/prefill_inputs.py::anchor_prefill_inputs``, one vectorised pass over all 30
+  layout (``gpu/anchor_inputs.py::anchor_prefill_inputs``, one vectorised pass over all 30
   layers): the CPU work a GPU repair adds per request (the FlashInfer calls themselves need a GPU).
 
 Medians of several repetitions; the machine is shared, so read ratios.
@@ -33,7 +33,7 @@ from relaxkv_sglang.core.chunk_store import ChunkStore
 from relaxkv_sglang.core.layout import build_relaxed_layout, full_causal_layout
 from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
 from relaxkv_sglang.core.selection import select_anchors
-from relaxkv_sglang.gpu.prefill_inputs import anchor_prefill_inputs
+from relaxkv_sglang.gpu.anchor_inputs import anchor_prefill_inputs
 
 BENCH = "bench_scaling"
 LAYERS, KV_HEADS, HEADS, HEAD_DIM = 30, 3, 9, 64

@@ -5,7 +5,7 @@
 # checkout: FlashInfer's trimmed package and the pinned wheels it imports that the image lacks,
 # installed with pip --no-index --no-deps --target into a temporary site), checks that the bundle
 # holds every source FlashInfer's JIT compiles the paged prefill from and every module
-# `import flashinfer` needs (or the image has it), puts the carried ninja on PATH, then runs `python -m relaxkv_sglang.gpu.check`: the plugin's repair pass on the GPU against
+# `import flashinfer` needs (or the image has it), puts the carried ninja on PATH, then runs `python -m relaxkv_sglang.gpu_check`: the plugin's repair pass on the GPU against
 # the CPU (no host sync allowed in it), the plugin's FlashInfer calls against the torch reference,
 # and the repair pass timed against a dense-context repair. Each step prints its time; results go
 # to $OUT (or ./gpu-check-out): gpu_check.json (written after every step), gpu_check.log, device.txt.
@@ -69,7 +69,7 @@ if [ "$DRY" = 1 ]; then
   # FlashInfer is not imported here (tvm-ffi is built for Python 3.12): its torch model stands in.
   export PYTHONPATH="$PWD"
   set +e
-  "$PY" -m relaxkv_sglang.gpu.check "${QUICK[@]}" --dry-run --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
+  "$PY" -m relaxkv_sglang.gpu_check "${QUICK[@]}" --dry-run --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
   rc=${PIPESTATUS[0]}
   set -e
   step "check (dry run, exit $rc)"
@@ -85,7 +85,7 @@ nvidia-smi -L | tee "$OUT/device.txt"
 "$PY" -c "import torch; print('torch', torch.__version__, '| cuda', torch.version.cuda, '| ninja', __import__('shutil').which('ninja'))" | tee -a "$OUT/device.txt" || true
 step "device listed"
 set +e
-"$PY" -m relaxkv_sglang.gpu.check "${QUICK[@]}" --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
+"$PY" -m relaxkv_sglang.gpu_check "${QUICK[@]}" --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
 rc=${PIPESTATUS[0]}
 set -e
 step "check (exit $rc)"

@@ -1,7 +1,7 @@
 """The plugin's attention on a GPU through FlashInfer's paged prefill: the thin layer.
 
 Every decision is made in torch and shared with the CPU path (the core's layouts, the fold's
-``ExtendRows``); :mod:`.prefill_inputs` turns them into segments of one
+``ExtendRows``); :mod:`.anchor_inputs` and :mod:`.prefill_inputs` turn them into segments of one
 ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` call (page size 1 over SGLang's KV pool, no
 gather; ``causal=True``, ``backend="fa2"`` as SGLang's FlashInfer backend). This module plans and runs:
 
@@ -31,12 +31,8 @@ import torch
 
 from relaxkv_sglang.core.layout import BlockSparseLayout
 from relaxkv_sglang.core.staging import HostStage, Staged, pinned_host
-from relaxkv_sglang.gpu.prefill_inputs import (
-    AnchorLayerInputs,
-    ScopedPrefillInputs,
-    anchor_prefill_inputs,
-    expand_runs,
-)
+from relaxkv_sglang.gpu.anchor_inputs import AnchorLayerInputs, anchor_prefill_inputs
+from relaxkv_sglang.gpu.prefill_inputs import ScopedPrefillInputs, expand_runs
 
 FLASHINFER_VERSION = "0.7.2"
 WORKSPACE_BYTES = 128 * 1024 * 1024

@@ -204,7 +204,7 @@ def test_the_repair_pass_keeps_cuda_rules_and_gives_the_cpu_values(flashinfer_mo
     with CudaRules() as rules:
         got = _pass(hf, w, policy, dtype, rules)
     tol = 0 if dtype == torch.float32 else 0.1  # float32: the CPU's kernels on the same values; bf16: the
-    # FlashInfer model rounds otherwise than the torch executor (repair_check.TOLERANCE)
+    # FlashInfer model rounds otherwise than the torch executor (gpu_check.repair.TOLERANCE)
     for name, a, b in zip(("hidden", "K", "V"), got, expected):
         assert (a - b).abs().max().item() <= tol, (name, (a - b).abs().max().item())
     t = rules.traffic

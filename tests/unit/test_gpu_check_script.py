@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from relaxkv_sglang import assets
-from relaxkv_sglang.gpu import bundle, check, repair_check
+from relaxkv_sglang.gpu import bundle, jit_needs
+from relaxkv_sglang.gpu_check import repair, run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -37,7 +38,7 @@ def bundle_dir(tmp_path_factory) -> pathlib.Path:
 
 
 def test_the_jit_needs_are_derived_from_flashinfers_own_jit_code(flashinfer_wheel):
-    needs = bundle.wheel_needs(flashinfer_wheel)
+    needs = jit_needs.wheel_needs(flashinfer_wheel)
     csrc = {p.rsplit("/", 1)[1] for p in needs.files if p.startswith("flashinfer/data/csrc/")}
     # the fa2 branch of gen_customize_batch_prefill_module: templates, host sources, paged header
     assert {"batch_prefill.cu", "batch_prefill_jit_binding.cu", "batch_prefill_paged_kernel_inst.jinja",
@@ -108,15 +109,15 @@ def test_an_incomplete_unpacked_bundle_is_named(bundle_dir, tmp_path, flashinfer
 
 
 def test_a_float32_failure_does_not_hide_the_bfloat16_run(monkeypatch):
-    real = repair_check.repair_pass
+    real = repair.repair_pass
 
     def failing_float32(w, case, stale, plan, ids, slots, place, dtype, warmup=False):
         if place.device.type == "cpu" and dtype == torch.float32 and warmup:
             raise RuntimeError("a blocking copy")
         return real(w, case, stale, plan, ids, slots, place, dtype, warmup)
 
-    monkeypatch.setattr(repair_check, "repair_pass", failing_float32)
-    rows = repair_check.run_repair("cpu", seed=1, case=repair_check.RepairCase(n_context=256, n_layers=2, n_chunks=4,
+    monkeypatch.setattr(repair, "repair_pass", failing_float32)
+    rows = repair.run_repair("cpu", seed=1, case=repair.RepairCase(n_context=256, n_layers=2, n_chunks=4,
                                                                                query=16))
     assert [(r["step"], r["status"]) for r in rows] == [("repair float32", "error"), ("repair bfloat16", "passed")]
     assert rows[0]["error"].startswith("RuntimeError at ") and "a blocking copy" in rows[0]["error"]
@@ -125,7 +126,7 @@ def test_a_float32_failure_does_not_hide_the_bfloat16_run(monkeypatch):
 
 def test_a_step_past_the_budget_is_not_run_and_the_json_says_so(tmp_path):
     out = tmp_path / "r.json"
-    rc = check.main(["--dry-run", "--dry-run-device", "cpu", "--repair-only", "--budget-s", "1", "--out", str(out)])
+    rc = run.main(["--dry-run", "--dry-run-device", "cpu", "--repair-only", "--budget-s", "1", "--out", str(out)])
     result = json.loads(out.read_text())
     assert rc == 1 and not result["all_ok"]
     steps = {s["step"]: s for s in result["steps"]}

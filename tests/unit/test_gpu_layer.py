@@ -1,7 +1,8 @@
 """The GPU path checked on the CPU: the plugin's rows as FlashInfer paged-prefill calls.
 
-FlashInfer runs only on a GPU (``python -m relaxkv_sglang.gpu.check`` there). Here the inputs
-built by ``gpu/prefill_inputs.py`` (vectorised, every layer of a request at once) are checked on
+FlashInfer runs only on a GPU (``python -m relaxkv_sglang.gpu_check`` there). Here the inputs
+built by ``gpu/anchor_inputs.py`` and ``gpu/prefill_inputs.py`` (vectorised, every layer of a
+request at once) are checked on
 random layouts and rows: the pairs the call reads (in pool-slot space) equal the layout's visible
 pairs / the scoped causal masks exactly, and the call's torch model
 (``gpu/torch_models.py::paged_prefill_attention``, FlashInfer's bottom-right causal rule) gives
@@ -32,7 +33,8 @@ from relaxkv_sglang.gpu.flashinfer_attention import (
     FlashInferAnchorAttention,
     FlashInferScopedPrefill,
 )
-from relaxkv_sglang.gpu.prefill_inputs import anchor_prefill_inputs, expand_runs, scoped_prefill_inputs
+from relaxkv_sglang.gpu.anchor_inputs import anchor_prefill_inputs
+from relaxkv_sglang.gpu.prefill_inputs import expand_runs, scoped_prefill_inputs
 from relaxkv_sglang.gpu.torch_models import (
     PagedPrefillWrapperModel,
     flashinfer_stand_in,
@@ -432,24 +434,24 @@ def test_scoped_prefill_run_before_plan_is_refused(flashinfer_model):
 def test_gpu_check_runs_its_cases_on_the_torch_model(flashinfer_model, monkeypatch):
     """The GPU check's case code end to end on the CPU (FlashInfer replaced by its model, no
     timing): what runs on the lent GPU is not run there for the first time."""
-    from relaxkv_sglang.gpu import check
+    from relaxkv_sglang.gpu_check import kernels
 
-    monkeypatch.setattr(check, "_time_ms", lambda fn, repeats: (fn(), 1.0)[1])
-    for case in (check.Case("anchors", "tiny", 4, 2, 16, 300, 16, 0.25),
-                 check.Case("anchors", "tiny", 4, 2, 16, 250, 64, 1.0),
-                 check.Case("scoped", "tiny", 4, 2, 16, 300)):
-        run = check.run_anchors if case.kind == "anchors" else check.run_scoped
+    monkeypatch.setattr(kernels, "device_ms", lambda fn, repeats: (fn(), 1.0)[1])
+    for case in (kernels.Case("anchors", "tiny", 4, 2, 16, 300, 16, 0.25),
+                 kernels.Case("anchors", "tiny", 4, 2, 16, 250, 64, 1.0),
+                 kernels.Case("scoped", "tiny", 4, 2, 16, 300)):
+        run = kernels.run_anchors if case.kind == "anchors" else kernels.run_scoped
         r = run(case, torch.device("cpu"), flashinfer_model, 1, 0)
-        assert r["ok"] and r["max_abs_err"] < check.TOLERANCE, r
+        assert r["ok"] and r["max_abs_err"] < kernels.TOLERANCE, r
         assert r["keys_read"] > 0 and r["dense_prefill_ms"] == 1.0
-    assert len(check.default_cases()) == 28
-    assert {c.kind for c in check.default_cases()} == {"anchors", "scoped"}
+    assert len(kernels.default_cases()) == 28
+    assert {c.kind for c in kernels.default_cases()} == {"anchors", "scoped"}
 
 
 def test_the_repair_check_compares_its_pass_with_the_cpu_run():
     """The device check of the repair pass, run with the CPU as its device: float32 equals the
     reference run exactly, bfloat16 within the check's tolerance (what a GPU run is held to)."""
-    from relaxkv_sglang.gpu.repair_check import TOLERANCE, RepairCase, run_repair
+    from relaxkv_sglang.gpu_check.repair import TOLERANCE, RepairCase, run_repair
 
     rows = run_repair(torch.device("cpu"), seed=1, case=RepairCase(n_context=384, n_layers=2, n_chunks=4, query=16))
     assert [r["dtype"] for r in rows] == ["float32", "bfloat16"] and all(r["ok"] for r in rows)

@@ -16,9 +16,9 @@ random scores), bfloat16, median of ``repeats`` for ``relaxkv``, ``relaxkv_fullc
 whole prefix) and ``prophetkv`` (its own anchors, whole prefix).
 
 Where a pass runs is a :class:`Placement`: ``on(device)``, or ``under_rules(rules)`` (the CUDA-rules
-harness on a CPU, :mod:`.cuda_rules`, FlashInfer replaced by its torch model).
+harness on a CPU, :mod:`relaxkv_sglang.gpu.cuda_rules`, FlashInfer replaced by its torch model).
 
-    python -m relaxkv_sglang.gpu.check --repair-only      (part of the full and --quick checks)
+    python -m relaxkv_sglang.gpu_check --repair-only      (part of the full and --quick checks)
 """
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ import torch
 from relaxkv_sglang.core.model_family import finish_layer, project_qkv
 from relaxkv_sglang.core.reference import LlamaWeights, ReferenceLayerOps, StaleContext, apply_neox_rope, stale_context
 from relaxkv_sglang.core.reference_model import rms_norm
-from relaxkv_sglang.core.repair_plan import AnchorPlan, RepairConfig, plan_anchors
+from relaxkv_sglang.core.repair_config import RepairConfig
+from relaxkv_sglang.core.repair_plan import AnchorPlan, plan_anchors
 from relaxkv_sglang.core.rope import RopeSpec
-from relaxkv_sglang.srt.forward.layer_loop import AnchorAttention, LayerLoop
+from relaxkv_sglang.srt.forward.anchor_attention import AnchorAttention
+from relaxkv_sglang.srt.forward.layer_loop import LayerLoop
 from relaxkv_sglang.srt.forward.repair import repair_rows
 
 TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1}  # max |err|; bfloat16 on a CPU: 0.031 (seed 0)

@@ -1,41 +1,20 @@
 """The startup correctness gate on the loaded model, and its verdict in both processes.
 
-The maths (what is compared, the error measure, the tolerances) is
-:mod:`relaxkv_sglang.core.gate`; this module runs it on SGLang's objects.
+The maths (what is compared, the error measure, the tolerances) is :mod:`relaxkv_sglang.core.gate`;
+this module runs it on SGLang's objects. :func:`run_startup_gate` is called once by the tree
+cache's factory, after the model and KV pool exist and before anything is served. It takes ``4n``
+pool slots (``n`` ~30: ``core.gate.GATE_TEXT``) and runs the real layers with
+:class:`~relaxkv_sglang.srt.forward.layer_loop.LayerLoop` for four cases: ``full`` (the text at
+``0..n-1``), ``moved`` (at ``p..p+n-1``, attending only to itself), ``rotated`` (``full`` copied by
+:class:`~relaxkv_sglang.srt.mem_cache.pool_kv.PoolKV` with K re-rotated by ``+p``; check ``rope_k``
+against ``moved``, plus a wrong rotation, :func:`control_rope`, that must fail) and ``pic`` (a
+one-chunk hit copied back with ``-p``, the rest run over it; checks ``pic_kv`` and ``pic_logits``
+against ``full``). Every slot is freed, nothing else written. The verdict (:func:`gate_state`) is
+logged, on ``/metrics`` (``relaxkv:gate_*``) and on ``/get_server_info`` under ``relaxkv.gate``;
+the HTTP process reads it in :mod:`relaxkv_sglang.srt.entrypoints.gate_refusal`.
 
-**Scheduler.** :func:`run_startup_gate` is called once by the tree cache's factory
-(``tree_cache.make_tree_cache``), when the model is loaded and the KV pool exists and before the
-scheduler serves anything. It takes ``4n`` slots from the pool's allocator (``n``: the tokens of
-``core.gate.GATE_TEXT``, ~30), runs the model's own modules with the plugin's layer loop
-(:class:`~relaxkv_sglang.srt.forward.layer_loop.LayerLoop`: real layers, real KV pool):
-
-* ``full``: the text at ``0..n-1`` (ordinary causal prefill, the ``full`` request);
-* ``moved``: the text at ``p..p+n-1``, attending only to itself (a chunk computed where it sits);
-* ``rotated``: ``full`` copied by the cache's own :class:`~relaxkv_sglang.srt.mem_cache.pool_kv.PoolKV`
-  with K re-rotated by ``+p``: check ``rope_k`` compares it with ``moved``, every layer, K and V;
-  then copied again with a rotation the model does not use (:func:`control_rope`), which must not
-  match (the negative control, ``core/gate.py``);
-* ``pic``: a one-chunk ``pic`` hit: ``moved``'s first ``3n/4`` tokens copied back to ``0`` with
-  ``-p`` (exactly what ``ChunkReuse.reuse`` does), then the rest of the text run over them; checks
-  ``pic_kv`` (against ``full``, every layer, K and V) and ``pic_logits`` (the rest's logits
-  against ``full``'s).
-
-Every slot is freed before it returns (on failure too), and nothing else is written: no
-request, no radix or chunk entry. The verdict is kept on the cache (:func:`gate_state`), logged
-in one line (rank 0), put on ``/metrics`` (``--enable-metrics``: ``relaxkv:gate_passed``,
-``relaxkv:gate_max_error{check}``, ``relaxkv:gate_tolerance{check}``) and on
-``/get_server_info`` under ``relaxkv.gate`` (by ``tree_cache.around_get_internal_state``).
-
-**HTTP process.** :func:`~relaxkv_sglang.srt.entrypoints.gate_refusal.chunk_refusal` asks the scheduler once, through SGLang's own
-``TokenizerManager.get_internal_state`` (the call behind ``/get_server_info``), and keeps the
-answer on the tokenizer manager; ``api.plan_item`` refuses a chunk policy with a 400 naming the
-reason when the gate failed. ``full`` and ``prefix`` are served either way, and a request naming
-no policy gets ``prefix`` even when the server default (``RELAXKV_DEFAULT_POLICY``) is a chunk
-policy (so SGLang's own warmup request, and clients that never name a policy, keep working).
-
-For tests only, :data:`ROPE_OVERRIDE_ENV` replaces fields of the RoPE spec the cache serves with
-(``tree_cache.make_tree_cache`` reads it through :func:`serving_rope`): a rotation the model
-does not use, so the gate must fail and the chunk policies must be refused.
+For tests only, :data:`ROPE_OVERRIDE_ENV` makes the cache serve a rotation the model does not use
+(:func:`serving_rope`), so the gate must fail and chunk policies be refused.
 
 SGLang files touched (none hooked): reads ``managers/tp_worker.py``'s ``TpModelWorker``
 (``model_runner.model``, ``tokenizer``), ``mem_cache/allocator/base.py`` (``alloc``/``free``)

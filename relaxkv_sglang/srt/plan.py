@@ -1,35 +1,18 @@
 """A request's reuse plan, as the scheduler process sees it.
 
-The HTTP side (:mod:`relaxkv_sglang.srt.entrypoints.api`) validates what the user sent,
-tokenizes each part on its own, and hands the scheduler internal entries of
-``sampling_params.custom_params`` (the plan keys of :mod:`relaxkv_sglang.schema`):
-the policy, the chunks' token spans (a flat list ``[s0, e0, s1, e1, ...]``,
-since custom params carry only flat lists) and the repair knobs. This module
-reads them back once per request.
+The HTTP side (:mod:`relaxkv_sglang.srt.entrypoints.api`) hands the scheduler internal entries of
+``sampling_params.custom_params`` (the plan keys of :mod:`relaxkv_sglang.schema`): the policy, the
+chunks' token spans as a flat list ``[s0, e0, s1, e1, ...]`` and the repair knobs; this module reads
+them back once per request into a :class:`RequestState` kept on the request
+(:func:`request_state`: parsed plan, chunk keys, whether prefetch started).
 
-A plan describes the prompt it was built for. SGLang can replace that prompt after the HTTP side
-planned it: a request it aborts before its prefill (an invalid grammar, ``logprob_start_len``
-past the prompt, an unknown session, a prompt over the KV budget: ``Req.set_finish_with_abort``)
-keeps its place in the queue and runs one prefill of a one-token stub, so that its error goes out
-through the ordinary finish path. Its chunk spans then point past its prompt; :func:`request_plan`
-gives such a request no plan, so the fold, the repair, the pins and the radix publishing treat the
-stub as SGLang does without the plugin, and the batch's other requests are folded and repaired as
-if it were not there.
-
-**Session turns.** A request with ``session_params`` (SGLang's ``Session.create_req``,
-``sglang/srt/session/session_controller.py``) is served on its session's earlier turns (their prompt
-and output, maybe cut at ``offset``) followed by the new turn's ids, less a leading BOS: the planned
-prompt is always the tail of the served one. The HTTP side records the planned prompt's length
-(:data:`~relaxkv_sglang.schema.PROMPT_LEN_KEY`) and :func:`_parsed_plan` shifts the spans by what
-was prepended, so the turn's documents are its chunks wherever its history ends, and the history
-is the exact prefix before them. (The shift holds with the BOS stripped too: the chunks never hold
-position 0, where the prefix keeps the BOS.)
-
-What the scheduler keeps of a request between its steps is one :class:`RequestState` on the
-request itself (:func:`request_state`): its parsed plan, its chunks' keys, whether its chunks'
-prefetch was started. What one forward decides for it travels through the forward's stages
-(:mod:`relaxkv_sglang.srt.forward.pipeline`); its chunk pins are the cache's (:mod:`relaxkv_sglang.srt.mem_cache.pins`); its report is SGLang's
-``customized_info`` (:mod:`relaxkv_sglang.srt.forward.report`).
+A request SGLang aborts before its prefill (``Req.set_finish_with_abort``) runs one prefill of a
+one-token stub whose spans point past it: :func:`request_plan` gives it no plan, so everything
+treats it as SGLang does without the plugin. A session turn (``session_params``,
+``sglang/srt/session/session_controller.py``) is served after its session's history: the HTTP side
+records the planned prompt's length (:data:`~relaxkv_sglang.schema.PROMPT_LEN_KEY`) and
+:func:`_parsed_plan` shifts the spans by what was prepended (the chunks never hold position 0, so a
+stripped BOS does not matter).
 """
 
 from __future__ import annotations

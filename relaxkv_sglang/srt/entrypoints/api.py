@@ -1,38 +1,19 @@
 """Request fields of the native API, validated and tokenized in the HTTP process.
 
-A request opts in through ``sampling_params.custom_params``; the fields (chunk
-offsets, policy, repair knobs), their types, ranges and defaults are declared in
-:mod:`relaxkv_sglang.schema` and documented in ``docs/api.md``.
+A request opts in through ``sampling_params.custom_params`` (fields, types and defaults:
+:mod:`relaxkv_sglang.schema`, ``docs/api.md``). Each part (prefix, chunk, glue, query) is
+tokenized on its own, so a document always gets the same token ids, and the request reaches the
+scheduler as ``input_ids`` plus the plan entries :mod:`relaxkv_sglang.srt.plan` reads. Without
+chunk offsets, a chunk policy's prompt is chunked by
+:func:`~relaxkv_sglang.core.doc_index.discover_chunks` on the token boundaries of the server's own
+tokenization (:func:`prompt_boundaries`); ``RELAXKV_DISCOVERY_INDEX=1`` also keeps the chunks found
+(:func:`document_index`, emptied by ``/flush_cache``).
 
-Without chunk offsets, a request whose policy reuses chunks is chunked
-automatically (:func:`~relaxkv_sglang.core.doc_index.discover_chunks`): documents by the
-structures RAG frameworks write (:mod:`relaxkv_sglang.core.doc_blocks`), every chunk starting and
-ending on a token boundary of the prompt's own tokenization with the server's tokenizer
-(:func:`prompt_boundaries`), so a prompt chunks the same way whatever else the server has served.
-With ``RELAXKV_DISCOVERY_INDEX=1`` (:func:`discovery_index_enabled`) the HTTP process also keeps
-the chunks it discovered (:class:`~relaxkv_sglang.core.doc_index.DocumentIndex`,
-:func:`document_index`, one namespace per ``extra_key`` / ``cache_salt``; never a client's marks)
-and finds them again wherever they sit on token boundaries; ``/flush_cache`` empties it
-(:func:`around_flush_cache`). Each part is
-tokenized on its own, so a document always gets the same token ids, and the
-request reaches the scheduler as ``input_ids`` plus the internal plan entries
-read by :mod:`relaxkv_sglang.srt.plan`. Invalid input raises ``ValueError``
-(:class:`~relaxkv_sglang.schema.RequestError`) naming the field, which SGLang's
-HTTP server answers with status 400. A request's ``X-RelaxKV-Policy`` header
-(:func:`~relaxkv_sglang.schema.header_policy`) replaces the server default policy for that
-request; ``custom_params.relaxkv_policy`` still wins. When the server's startup correctness gate failed
-(:mod:`.gate`), a request naming a chunk policy is refused the same way, the message naming
-the gate's reason (the header names a policy as the body does); ``full`` and ``prefix`` are
-served, and a request naming no policy gets ``prefix`` even if the server default is a chunk policy.
-
-Every request on every server the plugin is loaded into (with the chunk tree or not), whatever its
-policy, passes :func:`~relaxkv_sglang.srt.entrypoints.sglang_fields.check_sglang_fields`: fields SGLang 0.5.23 itself does not
-check and whose bad values stop its scheduler (``logprob_start_len`` below -1, ``top_logprobs_num``
-above the vocabulary, token ids outside it, ...; measured on a stock server too).
-On a server with the chunk tree the batch's shape is checked as well (one ``sampling_params``
-object per prompt, so that every item's ``custom_params`` is checked). A request SGLang aborts
-after this (an invalid grammar, a ``logprob_start_len`` past the prompt, an unknown session)
-gets SGLang's own error: the scheduler drops its plan (:mod:`.plan`).
+Invalid input raises :class:`~relaxkv_sglang.schema.RequestError` (a ``ValueError`` naming the
+field: SGLang answers 400). Policy: ``custom_params.relaxkv_policy``, else the
+``X-RelaxKV-Policy`` header, else the server default; a chunk policy is refused while the startup
+gate has failed (:mod:`.gate_refusal`). Every request on every server also passes
+:func:`~.sglang_fields.check_sglang_fields`.
 
 SGLang files touched: ``sglang/srt/managers/tokenizer_manager.py``
 (``TokenizerManager.generate_request``, wrapped) and ``sglang/srt/managers/tokenizer_control_mixin.py``

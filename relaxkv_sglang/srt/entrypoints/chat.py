@@ -1,55 +1,23 @@
 """Documents in OpenAI ``/v1/chat/completions`` requests become chunks.
 
-Rule: in a message whose ``content`` is a list of parts, every text part
-(``{"type": "text", "text": ...}``) except the message's last text part is a
-document. Messages with string content, the last text part of each message
-(the question or instruction), and non-text parts are never documents::
+Rule: in a message whose ``content`` is a list of parts, every text part except the message's
+last is a document; string content, each message's last text part (the question) and non-text
+parts never are::
 
     {"role": "user", "content": [
-        {"type": "text", "text": DOC_1},         # document
-        {"type": "text", "text": DOC_2},         # document
+        {"type": "text", "text": DOC_1},           # document
         {"type": "text", "text": "Question: ..."}  # not a document
     ]}
 
-The rule is applied only when the request's effective policy reuses chunks
-(``pic`` or a repair policy): ``custom_params.relaxkv_policy`` in the request
-body (``extra_body`` with the OpenAI client), or, without one, the request's
-``X-RelaxKV-Policy`` header (``extra_headers``), or the server default
-(``RELAXKV_DEFAULT_POLICY``). Any other request is left exactly as
-SGLang builds it.
-
-How: SGLang's ``OpenAIServingChat._convert_to_internal_request`` renders the
-chat template and tokenizes it into a ``GenerateReqInput``. This hook renders
-the template again with a placeholder in place of each document, puts the
-documents back, and records where each one lies in the rendered text. If that
-text tokenizes (the way SGLang's chat path tokenizes it) to exactly the ids
-SGLang produced, the request is rewritten to ``text`` = the rendered prompt
-plus ``custom_params.relaxkv_chunks`` = the documents' offsets, and the
-native path (:mod:`relaxkv_sglang.srt.entrypoints.api`) does the rest: it tokenizes the
-text before the first document with the tokenizer's special tokens (as
-``/generate`` does for ``text``) and every other part without. So a BOS that
-the template renders as text is removed from the text first, not doubled; a
-tokenizer that adds a BOS the template does not render (rare: the project's
-tiny test model) gets it once at the start. When the check fails (tool
-calls, ``--chat-template NAME`` conversation templates, multimodal models,
-``continue_final_message``, a template that alters document text), the
-request is served unchanged, without chunk reuse, and the reason is logged.
-
-A chat request without document parts (the documents inline in string content, as LangChain,
-LlamaIndex and most OpenAI-SDK applications send them) under a chunk policy gets its documents
-discovered instead: the same rendered and checked prompt is searched as text
-(:func:`~relaxkv_sglang.core.doc_index.discover_chunks`, each message's content a region: documents
-by the block rules, each on token boundaries of the rendered prompt's tokenization
-(:func:`~relaxkv_sglang.srt.entrypoints.api.prompt_boundaries`), and with the opt-in discovery index the chunks
-discovered before, anywhere in it; template markup between messages is never a chunk), and the
-documents found become ``relaxkv_chunks`` (with the index, they are remembered there; a request's
-own marks never are). A request in which nothing is found
-is left exactly as SGLang built it; one that fails the check is served unchanged and logged the
-same way.
-
-A request that sets ``custom_params.relaxkv_chunks`` itself is not touched (its
-offsets cannot point into a prompt the client never sees, and the native path
-answers 400 for offsets without ``text``).
+Applied only under a chunk policy (body, header or server default, as in
+:mod:`.api`); a request that sets ``relaxkv_chunks`` itself is left alone. The hook renders the
+chat template again with a placeholder per document, puts the documents back and records their
+offsets; only if that text tokenizes to exactly the ids SGLang produced is the request rewritten
+to ``text`` + ``relaxkv_chunks`` for the native path (:mod:`.api`). Otherwise (tool calls, named
+conversation templates, multimodal, a template that alters the text) it is served unchanged and
+the reason logged. Without document parts, the rendered prompt's documents are discovered
+(:func:`~relaxkv_sglang.core.doc_index.discover_chunks`, each message a region; template markup is
+never a chunk). Details: ``docs/api.md``.
 
 SGLang file touched: ``sglang/srt/entrypoints/openai/serving_chat.py``
 (``OpenAIServingChat._convert_to_internal_request``, wrapped).

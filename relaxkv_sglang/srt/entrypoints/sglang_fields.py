@@ -1,41 +1,20 @@
 """SGLang's own request fields whose bad values stop its scheduler: refused in the HTTP process.
 
-SGLang 0.5.23 checks most of its request surface itself (``SamplingParams.verify``,
-``token_ids_logprob``, ``routed_dp_rank``, the context length, ...) and answers a bad value with a
-400. The values below pass those checks and then raise inside the scheduler process, which ends
-the whole server (every request in flight fails, ``/health`` is refused): measured on a stock
-0.5.23 server (the plugin's check switched off) and on this server, ``docs/reliability.md`` has
-the table. The plugin is loaded into every SGLang server, with the chunk tree or not, so
-:func:`check_sglang_fields` runs for every ``GenerateReqInput`` on every server (the
-``TokenizerManager.generate_request`` hook of :mod:`relaxkv_sglang.srt.entrypoints.api`, which passes the model's vocabulary
-size ``V``); a bad value raises :class:`~relaxkv_sglang.schema.RequestError` naming the field
-(HTTP 400, before anything reaches the scheduler):
+SGLang 0.5.23 validates most of its request surface itself, but a few values pass its checks and
+then raise inside the scheduler process, ending the server. :func:`check_sglang_fields` runs for
+every ``GenerateReqInput`` on every server (from the ``generate_request`` hook of :mod:`.api`,
+with the vocabulary size ``V``) and raises :class:`~relaxkv_sglang.schema.RequestError` naming the
+field (HTTP 400) for:
 
-=========================================  ===================  =============================================
-field (OpenAI name)                        refused              what SGLang 0.5.23 does with it
-=========================================  ===================  =============================================
-``logprob_start_len`` (``echo``)            below -1             an assertion in ``logprob_result_processor``
-``top_logprobs_num`` (completions           above ``V``          ``torch.topk``: "selected index k out of
-``logprobs``, chat ``top_logprobs``)                             range" in the logits processor
-``sampling_params.top_k`` (``top_k``)       above 2**31 - 1      ``torch.tensor(..., dtype=int32)`` overflows
-                                                                 building the sampling batch
-``input_ids`` (a token prompt, chat         outside ``[0, V)``   the embedding lookup: ``IndexError`` (on
-``input_ids``)                                                   CUDA a device-side assert)
-``positional_embed_overrides``              any JSON value       the scheduler calls ``.reconstruct`` on the
-                                                                 dict or list (only the Engine API's
-                                                                 ``PositionalEmbeds`` objects are valid)
-``sampling_params.stop_regex``              a pattern that       ``re.error`` in ``SamplingParams.normalize``:
-(``stop_regex``)                            does not compile     HTTP 500 (the server lives); refused so the
-                                                                 bounded matcher (:mod:`relaxkv_sglang.srt.scheduler.stop_regex`) gets
-                                                                 only patterns it compiles
-=========================================  ===================  =============================================
+* ``logprob_start_len`` below -1; ``top_logprobs_num`` above ``V``;
+* ``sampling_params.top_k`` above 2**31 - 1; ``input_ids`` outside ``[0, V)``;
+* ``positional_embed_overrides`` given at all (only the Engine API's objects are valid);
+* a ``stop_regex`` that does not compile (a compiling one that backtracks is bounded where it
+  runs, :mod:`relaxkv_sglang.srt.scheduler.stop_regex`).
 
-A ``stop_regex`` that compiles but backtracks catastrophically on the output hangs the scheduler
-(it is matched on the decoded output at every decode step); no check of the pattern alone can
-tell, so it is bounded where it runs (:mod:`relaxkv_sglang.srt.scheduler.stop_regex`).
-
-Values of the wrong JSON type are left to SGLang (its parser answers 400). A per-prompt field is
-one value or one per prompt; an error in a batch names the item.
+What SGLang does with each: the table in ``docs/reliability.md``. Values of the wrong JSON type
+are left to SGLang's parser (400). A per-prompt field is one value or one per prompt; an error in
+a batch names the item.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ class AnchorAttention:
     FlashInfer on a GPU in half precision (:mod:`relaxkv_sglang.gpu.flashinfer_attention`; its
     wrappers and workspace are built on first use and kept), the torch executor
     (:class:`~relaxkv_sglang.core.block_sparse.BlockSparsePlan`) otherwise. Both execute the same
-    layout; ``python -m relaxkv_sglang.gpu.check`` compares them. Decide once, run per layer:
+    layout; ``python -m relaxkv_sglang.gpu_check`` compares them. Decide once, run per layer:
     :meth:`plan` takes every layer's layout of a request when its pass is planned (host work, the
     index tensors on the pass's stage); the plan then runs one layer at a time. The ``relaxkv``
     attention backend owns the worker's instance.

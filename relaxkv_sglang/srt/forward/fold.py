@@ -1,44 +1,20 @@
-"""Folding chunk reuse into SGLang's extend batch.
+"""The forward's first stage: chunk reuse folded into SGLang's extend batch.
 
-The scheduler plans a request with chunks like any other: its extend covers
-every token after the exact radix prefix, and it allocates a KV slot for each
-(so the memory budget counts the request's private copy of every chunk). Just
-before the forward pass, :func:`fold_batch` decides per request, for each chunk
-inside the extend window:
+The scheduler plans and allocates a chunked request like any other (a slot for every token after
+the exact prefix). Before the forward, :func:`fold_batch` decides per chunk in the extend window:
 
-* **hit** (the chunk tree holds it): the cache copies its canonical K/V into the
-  request's slots, re-rotating K to where the chunk now sits
-  (:meth:`~relaxkv_sglang.srt.mem_cache.chunk_reuse.ChunkReuse.reuse`), and its tokens are dropped from
-  the batch, so they cost no projection, attention or MLP;
-* **miss**: its tokens stay, computed position-independently (each attends only
-  to its own chunk, see ``attention_backend``), and after the forward the cache
-  copies their K/V into slots the chunk tree owns (:attr:`RequestFold.misses`).
+* **hit** (the chunk tree holds it): its canonical K/V is copied into the request's slots, K
+  re-rotated to where the chunk sits (:meth:`~relaxkv_sglang.srt.mem_cache.chunk_reuse.ChunkReuse.reuse`), and its
+  rows leave the batch;
+* **miss**: its rows stay, each attending only to its own chunk; after the forward their K/V go
+  to the chunk tree (:attr:`RequestFold.misses`).
 
-Prefix, glue and query tokens are computed as usual, attending to everything
-before them. The last token of each request's window, and any token whose
-input logprob was asked for, are always computed (SGLang needs their logits).
-
-**Input logprobs inside a chunk** are those of the chunk's position-independent
-computation, cold or warm: a chunk's KV is what it is. On a miss its rows are
-computed at chunk scope anyway; on a hit the rows SGLang reads (from
-``logprob_start`` on) are computed again at chunk scope, attending to the reused
-KV before them and to one another, so they get the logits and write the KV the
-miss would have (up to the rounding of K's re-rotation). A hit row computed at
-full scope instead would read other logits and write other KV, so the tokens
-generated after it would depend on what the cache held.
-
-**Prompts split across prefill windows** (SGLang's chunked prefill): a chunk is
-looked up in the window that holds the token right after it (the prompt's last
-window for a chunk ending the prompt), so that window's last row is never a
-reused one. Until then its rows are computed position-independently, like a
-miss; a hit then overwrites their KV with the cached chunk's, so the chunk's KV
-is the same however the prompt was split. A repair runs in the window holding
-the prompt's last token (:attr:`RequestFold.completes_prompt`), over the whole
-prompt (:mod:`relaxkv_sglang.srt.forward.repair`).
-
-This module is the forward's first stage (:mod:`relaxkv_sglang.srt.forward.pipeline`): it decides and copies, and returns
-a :class:`Fold`, which nothing changes afterwards. The next stage (:mod:`relaxkv_sglang.srt.forward.query_pass`) turns it
-into the rows the forward computes and the folded batch.
+Prefix, glue and query rows attend to everything before them. Each window's last row and any row
+whose input logprob is asked for are always computed; a hit's logprob rows are recomputed at chunk
+scope, so they read and write what a miss would (logprobs never depend on the cache). With
+chunked prefill a chunk is looked up in the window holding the token after it; a repair runs in
+the window holding the prompt's last token (:attr:`RequestFold.completes_prompt`). The result is a
+:class:`Fold`, never changed afterwards; :mod:`.query_pass` turns it into rows.
 """
 
 from __future__ import annotations

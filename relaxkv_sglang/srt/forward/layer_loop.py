@@ -1,43 +1,20 @@
 """The repair's executor: SGLang's model modules run layer by layer over rows that change per layer.
 
-:class:`LayerLoop` runs the embedding, every decoder layer and the final norm of an SGLang
-Llama/Qwen2 model over a set of rows, each row taking part in layers ``[0, exit)``. It writes
-each active row's K/V into the KV pool before attending (rows see each other's new KV), then
-attends:
+:class:`LayerLoop` runs the embedding, every decoder layer and the final norm of the served model
+(reached through :class:`~.model_layers.ModelLayers`) over rows, each in layers ``[0, exit)``. Per
+layer it writes the active rows' K/V into the pool, then attends: an ordinary row to its causal
+prefix from its scope start (:func:`~relaxkv_sglang.core.attention.scoped_causal_attention`), an
+anchor through its layer's block-sparse layout (:class:`~.anchor_attention.AnchorAttention`). At an
+anchor's last layer only its K/V matter, so o_proj and the MLP skip it. With the stale shift
+(``RepairConfig.stale_shift``) the anchors' mean K/V deviation is added to the request's own
+copies of its non-anchor chunk tokens (:mod:`.shift_target`).
 
-* an ordinary row (``anchor`` false) to its causal prefix from its scope start on
-  (:func:`~relaxkv_sglang.core.attention.scoped_causal_attention`);
-* an anchor through its layer's block-sparse layout (:class:`~.anchor_attention.AnchorAttention`: FlashInfer on a
-  GPU, the torch executor on a CPU), so the work follows the chosen context.
-
-At an anchor's last layer only its K/V matter (they are what the repair keeps), so o_proj and
-the MLP run for the other rows alone.
-
-With the plan's stale shift (``RepairConfig.stale_shift``,
-:mod:`relaxkv_sglang.core.stale_shift`) it also adds, before each layer's attention, the
-anchors' mean K/V deviation to the request's non-anchor chunk tokens in the pool (their slots are
-the request's own copies, never the chunk tree's).
-
-**Host and device.** A pass's bookkeeping (:class:`LoopRows`: positions, exits, scopes,
-anchors, slots, the plan) lives on the host (CPU), where the planner made it. Decide once, send
-once, run per layer: before the first layer :class:`_PassPlan` decides every layer's rows and the
-anchors' executor plans on the host and puts every index tensor they need on one
-:class:`~relaxkv_sglang.core.staging.HostStage` (one page-locked buffer, one non-blocking copy);
-the layers take device views of it, and the device is never read back. The exceptions:
-CacheBlend's check layer (its decision reads the layer's K/V deviation; the rest of the pass is
-then planned again) and the ``layout_at`` ablation (its pages are ranked by the layer's queries).
-``tests/unit/test_cuda_rules.py`` runs the pass under CUDA's rules on the CPU
-(:mod:`relaxkv_sglang.gpu.cuda_rules`).
-
-It executes decisions; it makes none. The rows and layouts come from the repair planner
-(:mod:`relaxkv_sglang.srt.forward.repair` over :mod:`relaxkv_sglang.core.repair_plan`). The one decision that needs the
-forward's own values, CacheBlend's check layer, is asked of the plan
-(:meth:`~relaxkv_sglang.core.repair_plan.AnchorPlan.after_check_layer`) when that layer has
-computed its K/V.
-
-SGLang's modules are reached through :class:`~relaxkv_sglang.srt.forward.model_layers.ModelLayers` (the served model's
-family, :mod:`relaxkv_sglang.core.model_family`, says which). The loop is called by the repair (:class:`~relaxkv_sglang.srt.forward.repair.RepairStage`), which the model hook
-runs after SGLang's own decoder stack (:func:`~relaxkv_sglang.srt.forward.repair.around_model_forward`).
+Host and device: a pass's bookkeeping (:class:`LoopRows`) is on the host; every layer's rows and
+executor plans are decided up front and sent in one
+:class:`~relaxkv_sglang.core.staging.HostStage` copy, and the device is never read back, except at
+CacheBlend's check layer and for the ``layout_at`` ablation (``tests/unit/test_cuda_rules.py``
+checks this on the CPU). It executes decisions and makes none: they come from :mod:`.repair`
+over :mod:`relaxkv_sglang.core.repair_plan`; it is called by :class:`~.repair.RepairStage`.
 """
 
 from __future__ import annotations

@@ -1,34 +1,18 @@
 """The scheduler-side pipeline of one forward pass: one-way stages, each taking the last one's value.
 
-``TpModelWorker.forward_batch_generation`` is wrapped by :func:`around_forward_batch_generation`:
+:func:`around_forward_batch_generation` wraps ``TpModelWorker.forward_batch_generation``:
 
-====  ===========================================  ============================================
-step  stage                                        value it returns
-====  ===========================================  ============================================
-1     :func:`~relaxkv_sglang.srt.forward.fold.fold_batch`                    :class:`~relaxkv_sglang.srt.forward.fold.Fold`: chunk hits copied
-                                                   (re-rotated) into the requests' slots and
-                                                   dropped; misses kept, scoped to their chunk
-2     :func:`~relaxkv_sglang.srt.forward.query_pass.set_up_forward`          :class:`~relaxkv_sglang.srt.forward.query_pass.ForwardSetup`: every
-                                                   request's rows; a request to repair gets its
-                                                   query pass (scores recorded by the backend)
-3     :func:`~relaxkv_sglang.srt.forward.repair.repair_stage`                :class:`~relaxkv_sglang.srt.forward.repair.RepairStage` (None: no
-                                                   request is repaired), run by the model hook
-4     SGLang's forward, under                      the stage's
-      :func:`~relaxkv_sglang.srt.forward.context.attached`                   :attr:`~relaxkv_sglang.srt.forward.repair.RepairStage.outcomes`
-5     :func:`~relaxkv_sglang.srt.forward.finish.finish_forward`              misses published, reuse counted in SGLang's
-                                                   accounting, ``meta_info.relaxkv`` (:mod:`relaxkv_sglang.srt.forward.report`)
-====  ===========================================  ============================================
+1. :func:`~.fold.fold_batch` -> :class:`~.fold.Fold` (hits copied and dropped, misses scoped);
+2. :func:`~.query_pass.set_up_forward` -> :class:`~.query_pass.ForwardSetup` (every request's
+   rows; a request to repair gets its query pass);
+3. :func:`~.repair.repair_stage` -> :class:`~.repair.RepairStage` or None, run by the model hook;
+4. SGLang's forward under :func:`~.context.attached` (``ForwardBatch`` built from the folded batch
+   by :func:`around_forward_batch_init_new`) -> the stage's :attr:`~.repair.RepairStage.outcomes`;
+5. :func:`~.finish.finish_forward`: misses published, reuse counted, ``meta_info.relaxkv``.
 
-In step 4 SGLang builds its ``ForwardBatch`` through :func:`around_forward_batch_init_new` from
-the folded batch (real positions); the ``relaxkv`` attention backend and the model hook (on the
-decoder stack: after SGLang's layers, the repair) read the :class:`~relaxkv_sglang.srt.forward.context.ForwardContext`.
-Finally the chunk pins the batch's requests took at admission (:mod:`relaxkv_sglang.srt.scheduler.admission`) are dropped,
-whatever happened above.
-
-A request's own trouble never raises out of here (an aborted request's stub has no plan,
-:mod:`.plan`; a repair that cannot be carried out is served as ``pic``, :mod:`relaxkv_sglang.srt.forward.repair`). A broken
-invariant of the plugin's bookkeeping (:class:`~.failures.InvariantError`) is logged in one line,
-then left to SGLang, which stops the server.
+Then the batch's admission pins are dropped, whatever happened. A request's own trouble never
+raises out of here (it is served as ``pic``); a broken invariant
+(:class:`~relaxkv_sglang.srt.failures.InvariantError`) is logged in one line and left to SGLang.
 
 SGLang files touched (hooks registered in ``plugin.py``): ``managers/tp_worker.py``
 ``TpModelWorker.forward_batch_generation`` (around) and

@@ -1,29 +1,15 @@
 """The rows one forward computes, and the repair's query pass among them (the forward's second stage).
 
-The fold (:mod:`relaxkv_sglang.srt.forward.fold`) left each request the rows ``pic`` computes: the exact prefix's tail,
-chunk misses each attending only to its own chunk, glue and query over the stale reused KV.
-:func:`set_up_forward` turns a :class:`~relaxkv_sglang.srt.forward.fold.Fold` into a :class:`ForwardSetup`: per request
-its :class:`RequestRows`, and from them the folded batch SGLang's forward runs and the rows its
-attention backend reads (:class:`~relaxkv_sglang.srt.forward.context.ExtendRows`).
-
-For a request the repair decides in this window (:func:`decides_repair`: a repair policy, in the
-window holding the prompt's last token, :attr:`~relaxkv_sglang.srt.forward.fold.RequestFold.completes_prompt`), SGLang's
-forward over these rows is the repair's **query pass**:
-
-* a policy that scores (:attr:`~relaxkv_sglang.core.policies.PolicySpec.needs_query_scores`)
-  gets a :class:`~relaxkv_sglang.srt.forward.context.QueryScores` recorder, which the attention backend fills at every
-  layer with the query's attention mass on the context (``s_l``);
-* its query needs to be whole in the pass: the query's rows of earlier windows of a split prompt
-  join the batch (negative ``keep`` offsets, scope 0; they already hold their stale KV, and
-  recomputing them writes the same KV), and a pass that would still miss one is refused here,
-  before the forward, so the recorder never meets such a request.
-
-A request that cannot be repaired keeps its rows and is served as ``pic``, with the reason
-(:func:`not_repaired_reason`, or its own failure to be set up,
-:func:`~.failures.served_as_pic`). The repair itself runs inside the forward (:mod:`relaxkv_sglang.srt.forward.repair`).
-
-The folded batch is a shallow copy of the scheduled one with the kept rows, the pattern of
-SGLang's ``model_executor/encoder_swa_replay.py``.
+:func:`set_up_forward` turns a :class:`~.fold.Fold` into a :class:`ForwardSetup`: per request its
+:class:`RequestRows` (what ``pic`` computes: the prefix's tail, misses scoped to their chunk, glue
+and query over the stale reused KV), the folded batch SGLang runs and the rows the attention
+backend reads (:class:`~.context.ExtendRows`). For a request the repair decides in this window
+(:func:`decides_repair`), that forward is the repair's **query pass**: a scoring policy gets a
+:class:`~.context.QueryScores` recorder (``s_l``, filled by the backend at every layer), and the
+query's rows from earlier windows of a split prompt join the batch (negative ``keep`` offsets,
+scope 0) so the query is whole. A request that cannot be repaired is served as ``pic`` with the
+reason (:func:`not_repaired_reason`). The folded batch is a shallow copy of the scheduled one,
+the pattern of SGLang's ``model_executor/encoder_swa_replay.py``.
 """
 
 from __future__ import annotations

@@ -1,51 +1,22 @@
 """Cache repair inside SGLang's prefill: SGLang's forward is the query pass, then the anchors.
 
 A batch holding a request under a repair policy (``epic``, ``cacheblend``, ``prophetkv``,
-``relaxkv`` and the ablations) runs its repair inside the one scheduled forward, in two passes:
+``relaxkv``, the ablations) repairs it inside the one scheduled forward:
 
-1. **Query pass: SGLang's own forward** over the rows ``pic`` computes (the exact prefix's tail,
-   chunk misses each attending only to its own chunk, glue and query over the stale reused KV),
-   through the ``relaxkv`` attention backend (torch SDPA on a CPU, FlashInfer on a GPU). It
-   writes their KV; for a policy that scores, the backend also records the query's attention
-   mass on every context token at each layer (``s_l``, :class:`~relaxkv_sglang.srt.forward.context.QueryScores`). It is
-   set up before the forward by :mod:`relaxkv_sglang.srt.forward.query_pass`.
-2. **Repair** (:class:`RepairStage`, this module), run by the model hook once SGLang's decoder
-   stack has computed the rows (:func:`around_model_forward`): the misses are now final
-   position-independent KV and go to the chunk tree; the planner
-   (:func:`~relaxkv_sglang.core.repair_plan.plan_anchors`, the same one the torch reference
-   uses) chooses each layer's anchors and their contexts from ``s_l``; the **repair pass**
-   (:class:`~relaxkv_sglang.srt.forward.layer_loop.LayerLoop`) runs only the rows that need it, anchors (leaving at their
-   exit layer), glue and query, and its glue and query rows replace SGLang's in the hidden states
-   the logits processor reads. SGLang samples as usual. What it did for each request is the
-   stage's :attr:`RepairStage.outcomes`, which the forward's last stage reports (:mod:`relaxkv_sglang.srt.forward.finish`).
+1. **Query pass**: SGLang's own forward over the rows ``pic`` computes (set up by
+   :mod:`.query_pass`); for a scoring policy the backend records the query's attention mass on
+   the context at every layer (``s_l``, :class:`~.context.QueryScores`).
+2. **Repair** (:class:`RepairStage`), run by the model hook after SGLang's decoder stack
+   (:func:`around_model_forward`): the misses' final KV go to the chunk tree; the planner
+   (:func:`~relaxkv_sglang.core.repair_plan.plan_anchors`, shared with the torch reference) picks
+   each layer's anchors and contexts from ``s_l``; :class:`~.layer_loop.LayerLoop` runs anchors
+   (to their exit layer), glue and query, whose hidden states replace SGLang's before the logits.
 
-Every row is computed once by SGLang's forward; the layer loop computes only the repair. So a
-cold request (chunks no request has cached) pays ``pic``'s forward plus the repair, and its
-result is the one the same request gets on warm chunks: its misses' KV is what a later hit
-copies, the query pass sees the same stale KV, and the plan and repair follow from them.
-
-**When**: in the extend window that holds the prompt's last token
-(:attr:`~relaxkv_sglang.srt.forward.fold.RequestFold.completes_prompt`). A prompt longer than SGLang's
-``--chunked-prefill-size`` is prefilled in several windows; the earlier ones fold hits and
-compute misses position-independently, as ``pic`` does (:mod:`relaxkv_sglang.srt.forward.fold`), and the last one repairs
-the whole prompt: its query pass runs this window's rows plus any query rows of earlier windows
-(for their scores) over the stale KV already in the request's slots, the plan covers every chunk,
-and the repair pass's anchors and glue may be rows of earlier windows, whose stale KV they
-overwrite layer by layer. The result does not depend on where the windows fell. A request
-SGLang retracted under memory pressure is prefilled again with its generated tokens: the same
-window repairs it again (the query's scores stop at the prompt's end; the generated tokens are
-recomputed like the query). When a repair-policy request is not repaired, the report says why
-(``not_repaired_reason``).
-
-**One request never stops the server.** A request whose repair cannot be planned (the planner or
-the rows' construction fails on it) is served as ``pic``, its rows those SGLang's forward
-computed, with a ``not_repaired_reason`` naming the failure, logged once
-(:func:`~.failures.served_as_pic`); the batch's other requests are repaired as before. Only a
-broken invariant of the plugin's own bookkeeping (:class:`~.failures.InvariantError`) leaves the
-scheduler, logged in one line by :mod:`relaxkv_sglang.srt.forward.pipeline`.
-
-This module translates plans into rows; the method's decisions are in ``core/``, the execution
-in :mod:`relaxkv_sglang.srt.forward.layer_loop`.
+A cold request's result equals its warm one (misses' KV is what a later hit copies). The repair
+runs in the window holding the prompt's last token, over the whole prompt, so it does not depend
+on chunked prefill's windows; a retracted request is repaired again the same way. A request whose
+repair cannot be planned is served as ``pic`` with a ``not_repaired_reason``
+(:func:`~relaxkv_sglang.srt.failures.served_as_pic`); only a broken invariant leaves the scheduler.
 
 SGLang files touched (hooks registered in ``plugin.py``): the ``forward`` of each decoder-stack class
 the model-family registry hooks (``core/model_family.py::hooked_model_classes``: ``LlamaModel``,

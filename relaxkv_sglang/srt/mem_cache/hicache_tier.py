@@ -1,44 +1,22 @@
 """The chunk tier on SGLang's HiCache storage backends (Mooncake, 3FS, NIXL, a folder, ...).
 
-:class:`~relaxkv_sglang.core.tiers.paged.PagedTier` stores each chunk's self-describing value in
-fixed-size pages of a :class:`~relaxkv_sglang.core.tiers.paged.PageStore`; this module is that
-store over any backend SGLang's ``StorageBackendFactory`` knows, built the way SGLang's HiCache
-builds it (``managers/cache_controller.py``):
+A :class:`~relaxkv_sglang.core.tiers.paged.PageStore` (the pages a
+:class:`~relaxkv_sglang.core.tiers.paged.PagedTier` stores chunk values in) over any backend
+SGLang's ``StorageBackendFactory`` knows, built as ``managers/cache_controller.py`` builds it:
+``create_backend(name, HiCacheStorageConfig(..., extra_config), host_pool)``, then
+``register_mem_pool_host`` and ``on_host_pools_registered`` (name and config as SGLang's
+``--hicache-storage-backend[-extra-config]``, from ``RELAXKV_HICACHE_STORAGE_BACKEND[_EXTRA_CONFIG]``;
+``model_name`` ``"relaxkv"`` keeps these pages apart from HiCache's own). The host pool is
+:class:`StagingPool`, uint8 ``[pages, page_bytes]``, one page per index, each a K and a V half.
+Zero-copy backends (:data:`ZERO_COPY_BACKENDS`) go through ``batch_get_v1`` / ``batch_set_v1``,
+the others through ``get`` / ``set``; one lock serialises the staging buffer.
 
-* the backend: ``StorageBackendFactory.create_backend(name, HiCacheStorageConfig(...,
-  extra_config), host_pool)``, then ``register_mem_pool_host(host_pool)`` and
-  ``on_host_pools_registered()``; the name and extra config are those SGLang's
-  ``--hicache-storage-backend`` and ``--hicache-storage-backend-extra-config`` take
-  (``RELAXKV_HICACHE_STORAGE_BACKEND[_EXTRA_CONFIG]``, :mod:`relaxkv_sglang.srt.mem_cache.tiers`). ``model_name`` is
-  ``"relaxkv"``, so the backends that prefix keys with it keep these pages apart from HiCache's
-  own prefix pages in a shared store; TP and PP are 1 (the content key already names the rank);
-* the host pool: :class:`StagingPool`, ``pages`` buffers of ``page_bytes`` bytes (uint8
-  ``[pages, page_bytes]``), the buffer the backend registers (Mooncake) and reads into / writes
-  from. It answers what the zero-copy backends ask of a ``HostKVCache``: one page per index
-  (``page_size`` 1), ``page_first`` layout, each page as a K half and a V half
-  (``get_page_buffer_meta``);
-* the I/O convention, SGLang's: the backends HiCache drives zero-copy (:data:`ZERO_COPY_BACKENDS`,
-  and ``dynamic`` with ``"interface_v1"`` in its config) through ``batch_get_v1`` /
-  ``batch_set_v1`` with page indices of the pool; the others (``file``, ``sim``, ``dynamic``)
-  through ``get`` / ``set`` with one page tensor per key. Existence through ``batch_exists``
-  (one key at a time: it answers a prefix count).
-
-One lock serialises the staging buffer (the scheduler, the writer and the prefetch threads
-share it); a call moves at most ``pages`` pages, more are moved in turns.
-
-**The store down, slow or back.** The backend is built on a thread given ``connect_timeout_s``;
-a Mooncake config's ``master_server_address`` is first probed with a TCP connect (a Mooncake
-client retries a dead master for about 90 s). The tier is always built, over a
-:class:`~relaxkv_sglang.core.tiers.reconnect.ReconnectingPageStore`: every store call waits at
-most ``call_timeout_s`` (``RELAXKV_HICACHE_CALL_TIMEOUT_S``, default 2 s; a lookup on the scheduler
-thread makes at most two: page 0, then the value's other pages); a store down at start, one that
-raises or one past that bound is down: lookups are misses without asking it, and a thread builds
-the backend again (probe, then build) after 1 s, then after twice the wait each time, at most
-``reconnect_max_s`` (``RELAXKV_HICACHE_RECONNECT_MAX_S``, default 30 s), until one answers; then
-it is used again. One log line per change of state; ``tier_hicache_store_connected``, ``_lost``,
-``_timeouts``, ``_reconnect_attempts``, ``_reconnects`` count it. Tested with ``mooncake``
-(``tests/e2e/test_mooncake.py``, ``tests/e2e/test_mooncake_reconnect.py``), ``file`` and ``sim``
-(``tests/unit/test_hicache_tier.py``).
+The store down, slow or back: the tier always runs over a
+:class:`~relaxkv_sglang.core.tiers.reconnect.ReconnectingPageStore`; a call waits at most
+``RELAXKV_HICACHE_CALL_TIMEOUT_S`` (2 s), a store that fails or times out is down (lookups miss
+without asking it) and is rebuilt in the background with backoff up to
+``RELAXKV_HICACHE_RECONNECT_MAX_S`` (30 s); ``tier_hicache_store_*`` count it. Details:
+``docs/api.md``. Tests: ``tests/unit/test_hicache_tier.py``, ``tests/e2e/test_mooncake*.py``.
 """
 
 from __future__ import annotations

@@ -1,48 +1,21 @@
 """The model identity chunk keys are salted with: what determines a chunk's KV bytes, nothing else.
 
-Two servers share a stored chunk (the disk folder, a HiCache store) exactly when their
-identities' digests agree, so the identity must change with everything that changes the KV
-bytes of a token sequence, and with nothing else (a model folder at another path, another
-``transformers`` release, a chat template, a served name must not stop sharing):
+Two servers share a stored chunk (the disk folder, a HiCache store) exactly when their identities'
+digests agree, so the identity changes with everything that changes a token sequence's KV bytes
+and with nothing else (another model path, ``transformers`` release, chat template or served name
+still share). Fields: ``weights`` (:func:`weights_fingerprint`), ``config`` (sha256 of the HF
+config less :data:`VOLATILE_CONFIG_KEYS`), ``dtype``, ``quantization``, ``kv_cache_dtype``,
+``revision``, ``tokenizer`` (sha256 of :data:`TOKENIZER_FILES`' contents) and ``layout`` (layers,
+KV heads, head dim, the canonical RoPE, page size, TP rank/size).
 
-=================  =======================================================================
-``weights``        :func:`weights_fingerprint` of the weight files (below); ``dummy`` for
-                   ``--load-format dummy``
-``config``         sha256 of the HF config (``model_config.hf_config.to_dict()``: architecture,
-                   sizes, RoPE parameters, ``quantization_config``, any ``--json-model-override-args``)
-                   without :data:`VOLATILE_CONFIG_KEYS` (the folder's path, the writing
-                   ``transformers`` version, the attention implementation, the declared dtype)
-``dtype``          the dtype the model runs in (``--dtype`` resolved)
-``quantization``   ``--quantization`` (``none`` without; e.g. online ``fp8`` of a bf16 checkpoint)
-``kv_cache_dtype`` ``--kv-cache-dtype`` (``auto``, ``fp8_e4m3``, ...) and the KV pool's torch dtype
-``revision``       ``--revision`` (``none`` without)
-``tokenizer``      sha256 of the tokenizer files' contents (:data:`TOKENIZER_FILES`; not their folder)
-``layout``         layers (first and count), KV heads, head dim, the RoPE canonical K is rotated
-                   with, the pool's page size and the tensor-parallel rank / size
-=================  =======================================================================
-
-**The weights' fingerprint** (:func:`weights_fingerprint`) is cheap at startup: per weight file
-in the folder (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf``, by file name)
-its size and
-
-* for a file in a Hugging Face hub cache (a link to ``blobs/<sha256>``): that sha256, the hub's
-  own hash of every byte (free);
-* for a ``.safetensors`` file: sha256 of its header (every tensor's name, dtype, shape and byte
-  range) and of 256 bytes at the start, middle and end of every tensor's data (3 reads a tensor);
-* for another format: its first and last MiB and 14 evenly spaced 64 KiB windows.
-
-Why that is enough: two checkpoints that differ in any tensor's name, dtype or shape differ in
-the header; two of one architecture with different values (a fine-tune, a merged LoRA, another
-seed) differ throughout every tensor they change, which three windows per tensor see. What it
-does not see is an edit confined to bytes no window covers (a single row changed in place in a
-local file); ``RELAXKV_WEIGHTS_FINGERPRINT=full`` hashes every byte instead (one read of the
-weights at startup). A model path that is neither a folder nor found in the local hub cache
-keeps its path (and revision) as the fingerprint, so such servers share only with the same path.
-
-The identity is computed once per scheduler (:func:`kv_identity`, from the server arguments, the
-HF config and the pool's layout: no server needed), printed in one startup line and shown on
-``/get_server_info`` as ``relaxkv.kv_identity`` (every field and the digest), so an operator can
-compare two servers field by field.
+The weights' fingerprint is cheap: per weight file its size and the hub cache's blob sha256, or
+for ``.safetensors`` the header plus 256 bytes at the start, middle and end of every tensor, or
+for other formats sampled windows. Enough because checkpoints that differ in a tensor's name,
+dtype or shape differ in the header, and a fine-tune changes every tensor it touches throughout;
+an in-place edit no window covers is missed (``RELAXKV_WEIGHTS_FINGERPRINT=full`` hashes every
+byte). A path neither a folder nor in the local hub cache is its own fingerprint.
+:func:`kv_identity` is computed once per scheduler, logged at startup and shown on
+``/get_server_info`` as ``relaxkv.kv_identity``.
 """
 
 from __future__ import annotations

@@ -1,34 +1,22 @@
 """``RelaxKVTreeCache``: SGLang's radix tree plus the chunk store, with one memory account.
 
-The radix tree (SGLang's legacy ``RadixCache``, subclassed) still serves exact prefixes:
-system prompts, multi-turn history, any request without chunks. Beside it a
-:class:`~relaxkv_sglang.core.chunk_store.ChunkStore` holds each document chunk's KV once,
-keyed by its token ids and tenant namespace. This class holds only SGLang's overrides and the
-:class:`~relaxkv_sglang.srt.mem_cache.chunk_cache.ChunkCache` surface other modules call; the work is done by parts with one
-concept each (reached as the class's attributes ``reuse``, ``admission_pins``, ``hold``):
+The radix tree (SGLang's legacy ``RadixCache``, subclassed) serves exact prefixes; beside it a
+:class:`~relaxkv_sglang.core.chunk_store.ChunkStore` holds each document chunk's KV once, keyed by
+token ids and tenant namespace. This class holds SGLang's overrides and the
+:class:`~relaxkv_sglang.srt.mem_cache.chunk_cache.ChunkCache` surface; the work is in parts reached
+as attributes: ``reuse`` (:class:`~.chunk_reuse.ChunkReuse`: reuse, publish, over
+:class:`~.pool_kv.PoolKV`), ``movement`` (:class:`~.tier_movement.TierMovement`), ``admission_pins``
+and ``hold`` (:mod:`.pins`), ``metrics`` (:class:`~.chunk_metrics.ChunkMetrics`). What the
+overrides change:
 
-==================================  ==========================================================
-:class:`~relaxkv_sglang.srt.mem_cache.chunk_reuse.ChunkReuse`   ``reuse`` / ``publish`` (what the fold asks)
-:class:`~relaxkv_sglang.srt.mem_cache.pool_kv.PoolKV`           every copy of chunk KV in the pool, K re-rotated
-:class:`~relaxkv_sglang.srt.mem_cache.tier_movement.TierMovement`  spill, load, write-through, prefetch (lower tiers)
-:class:`~relaxkv_sglang.srt.mem_cache.pins.AdmissionPins`       chunk hits locked from admission to the fold
-:class:`~relaxkv_sglang.srt.mem_cache.pins.AdmissionHold`       queued requests' chunks held out of one admission check
-:class:`~relaxkv_sglang.srt.mem_cache.eviction.EvictionOrder`   one LRU order over radix leaves and chunks
-:class:`~relaxkv_sglang.srt.mem_cache.chunk_metrics.ChunkMetrics`  the counters on /metrics
-==================================  ==========================================================
-
-What the overrides change in the radix tree's behaviour:
-
-* ``match_prefix``: a ``full`` request matches nothing (no reuse at all); a request that reuses
-  chunks matches at most its prefix before the first chunk, so a policy means the same thing
-  whatever else is cached.
-* ``checkpoint`` (a finished request's KV published): a request whose chunks were reused or
-  computed position-independently publishes only its exact part; its chunk KV is not the exact
-  causal KV and must never answer an exact prefix match.
-* ``evictable_size`` / ``evict`` / ``reset`` / ``total_size`` cover both trees, so the
-  scheduler's accounting (free + evictable) sees every chunk slot and a flushed idle server has
-  every slot back in the free list. ``evict`` pops victims from one :class:`EvictionOrder`.
-* ``on_release`` (a request's row freed): drops its chunk pins, if any.
+* ``match_prefix``: ``full`` matches nothing; a chunk-reusing request matches at most its prefix
+  before the first chunk, so a policy means the same whatever is cached;
+* ``checkpoint``: such a request publishes only its exact part (chunk KV never answers an exact
+  prefix match);
+* ``evictable_size`` / ``evict`` / ``reset`` / ``total_size`` cover both trees (one LRU order,
+  :class:`~.eviction.EvictionOrder`), so
+  the scheduler's free + evictable sees every chunk slot;
+* ``on_release``: drops the request's chunk pins.
 
 SGLang files touched: ``sglang/srt/mem_cache/radix_cache.py`` (subclassed; ``evict`` reads its
 ``evictable_leaves`` and ``eviction_strategy`` and evicts a leaf as ``RadixCache.evict`` does:

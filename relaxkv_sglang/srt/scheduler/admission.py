@@ -1,34 +1,20 @@
 """Admission: chunk hits pinned from the moment a request is admitted until its fold.
 
-SGLang admits requests in ``Scheduler.get_new_batch_prefill``: for each queued
-request it matches the prefix (``Req.init_next_round_input`` ->
-``RelaxKVTreeCache.match_prefix``), then ``PrefillAdder.add_one_req`` checks the
-request against the budget ``free + tree_cache.evictable_size()`` (read live) and
-commits it; after the loop ``prepare_for_extend`` allocates every admitted
-request's slots, evicting what it must, and the batch's forward runs the fold.
+SGLang admits in ``Scheduler.get_new_batch_prefill``: per queued request ``match_prefix``, then
+``PrefillAdder.add_one_req`` checks it against ``free + tree_cache.evictable_size()`` and
+commits it; ``prepare_for_extend`` then allocates (evicting) and the forward runs the fold. Hooks:
 
-The hooks here:
+* around ``add_one_req``: before the check, the request's chunk hits are pinned
+  (:meth:`~relaxkv_sglang.srt.mem_cache.tree_cache_class.RelaxKVTreeCache.pin_request`; a chunk
+  only a lower tier holds is loaded first), so they leave the evictable budget and no allocation
+  can evict them; while others run, the check also runs under
+  :meth:`~relaxkv_sglang.srt.mem_cache.pins.AdmissionHold.hold` (queued requests' chunks count as
+  not evictable). A request not admitted drops its pins; an admitted one keeps its window's;
+* around ``add_chunked_req``: a chunked prefill's next window pins its hits the same way;
+* around ``get_new_batch_prefill``: tells the cache the round's waiting queue, ends the round.
 
-* around ``PrefillAdder.add_one_req``: before the check, the cache pins the
-  request's chunk hits (:meth:`~relaxkv_sglang.srt.mem_cache.tree_cache_class.RelaxKVTreeCache.pin_request`), so
-  they leave the evictable budget (admission counts what the request will copy:
-  the slots of its private copy are in its extend, the canonical copy it reads
-  is pinned) and no later allocation can evict them. With lower tiers, a chunk
-  the pool lacks but the host or disk tier holds is loaded into the pool there
-  first (evicting only other unpinned chunks) and pinned the same way. While other requests run
-  (or one was admitted this round) the check also runs under
-  :meth:`~relaxkv_sglang.srt.mem_cache.pins.AdmissionHold.hold`: chunks that queued
-  requests need count as not evictable, so a request that only fits by evicting
-  them waits for memory to come back instead. A request not admitted drops its
-  pins at once; an admitted one keeps those of its window only.
-* around ``PrefillAdder.add_chunked_req``: the next window of a chunked prefill
-  pins its chunk hits the same way.
-* around ``Scheduler.get_new_batch_prefill``: tells the cache the round's
-  waiting queue (whose chunks the hold protects) and ends the round.
-
-The forward hook (:mod:`relaxkv_sglang.srt.forward.pipeline`) drops the batch's pins once the fold has
-copied them; a released request (``on_release``) and a flush (``reset``) drop
-theirs too. Trade-offs and measurements: docs/reliability.md.
+Pins are dropped after the fold (:mod:`relaxkv_sglang.srt.forward.pipeline`), on release and on a
+flush. Trade-offs and measurements: docs/reliability.md.
 
 SGLang files touched (hooks registered in ``plugin.py``): ``managers/schedule_policy.py``
 ``PrefillAdder.add_one_req`` and ``PrefillAdder.add_chunked_req`` (around),

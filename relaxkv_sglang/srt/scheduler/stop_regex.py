@@ -1,32 +1,17 @@
 """A time bound on SGLang's ``stop_regex`` matching, which otherwise can hang its scheduler.
 
-SGLang 0.5.23 matches each ``stop_regex`` pattern with Python's ``re.search`` on the tail of the
-decoded output at every decode step of the request, in the scheduler's one thread
-(``Req._check_str_based_finish``; for a pattern without a length bound the tail is the whole
-output). A pattern that backtracks catastrophically on the output it meets (``(.+)+\\Z#`` on any
-text; ``(a|aa)+#`` on an output of ``a``s, which a client can force with a grammar or a logit bias)
-holds that thread for hours: no request is served, ``/health`` fails, and nothing ends it but a
-restart (measured on a stock server: 40 output tokens of ``(.+)+\\Z#`` never finished). Whether
-a pattern blows up depends on the text it meets, so no check of the pattern alone can refuse
-exactly the bad ones; the bound is where the matching runs.
-
-Inside ``sglang/srt/managers/schedule_batch.py`` the module name ``re`` is rebound to
-:class:`BoundedRe`: its ``search`` runs the pattern with the ``regex`` package (its ``VERSION0``,
-the ``re``-compatible syntax and semantics, which also avoids many of ``re``'s exponential cases)
-with a timeout of :data:`SEARCH_TIMEOUT_S`; everything else is ``re``'s. A search that runs out of
-time raises :class:`StopRegexTimeout`; the hook on ``Req._check_str_based_finish``
-(:func:`around_check_str_based_finish`) turns it into SGLang's own abort of that request with
-status 400 naming ``stop_regex`` (the request is finished and released as any aborted request;
-the batch's other requests go on). So a scheduler step spends at most about
-:data:`SEARCH_TIMEOUT_S` (the ``regex`` package checks its clock between steps: up to ~3x over
-measured) per bad request, once. The same hook keeps SGLang's own abort of a pattern that fails
-to compile there (it then returned ``False``, and a stop token or the length limit in the same
-step replaced the abort with an ordinary finish).
-
-Ordinary stop patterns take microseconds on outputs of thousands of characters; the bound only
-ends searches that would take far longer than a decode step. The HTTP side
-(:func:`~relaxkv_sglang.srt.entrypoints.sglang_fields.check_sglang_fields`) refuses patterns that either package cannot compile,
-so both agree on what is a pattern.
+SGLang 0.5.23 matches each ``stop_regex`` with ``re.search`` on the decoded output at every decode
+step, in the scheduler's one thread (``Req._check_str_based_finish``); a pattern that backtracks
+catastrophically on the output it meets (``(a|aa)+#`` on ``a``s) holds that thread until a restart
+(docs/reliability.md has the cases). Whether it blows up depends on the text, so the bound is
+where the matching runs: inside ``schedule_batch.py`` the name ``re`` is rebound to
+:class:`BoundedRe`, whose ``search`` runs the ``regex`` package (``VERSION0``, ``re``'s syntax)
+with a timeout of :data:`SEARCH_TIMEOUT_S`; everything else is ``re``'s. A timeout raises
+:class:`StopRegexTimeout`, which :func:`around_check_str_based_finish` turns into SGLang's abort
+of that request (400 naming ``stop_regex``), so a step spends at most about that bound per bad
+request, once; the hook also keeps SGLang's abort of a pattern that fails to compile. The HTTP side
+(:func:`~relaxkv_sglang.srt.entrypoints.sglang_fields.check_sglang_fields`) refuses patterns either
+package cannot compile.
 
 SGLang file touched: ``sglang/srt/managers/schedule_batch.py`` (its module global ``re``, and
 ``Req._check_str_based_finish``, wrapped).

@@ -20,7 +20,7 @@ from rag_helpers import documents
 
 from relaxkv_sglang.lang import DOC_END, DOC_START, RelaxKVEndpoint, document, mark_payload, split_marks, strip_marks
 from relaxkv_sglang.server import ServerConfig
-from relaxkv_sglang.srt.entrypoints.parallel_encoding import JoinRegistry
+from relaxkv_sglang.srt.entrypoints.join_registry import JoinRegistry
 
 pytestmark = pytest.mark.e2e
 

@@ -5,7 +5,7 @@
 the model's fingerprint, else none), logs one line saying which, and keeps it on the tree cache.
 An unusable file (malformed, another version, an unknown knob, another model's fingerprint) stops
 the server with one line. Every repair's ``RepairConfig`` starts from :func:`repair_base` (the
-request's own ratios override it, ``repair.repair_config``); ``/get_server_info`` shows
+request's own ratios override it, ``repair.request_repair_config``); ``/get_server_info`` shows
 :func:`calibration_state` as ``relaxkv.calibration``.
 """
 

@@ -48,7 +48,7 @@ class RequestPlan:
     """policy: one of core.policies.SERVER_POLICIES; chunk_spans: token spans [start, end) in
     prompt order; namespace: the tenant key chunks are stored under; anchor_ratio,
     context_ratio and budget: the repair knobs the request gave (None: not given, so the served
-    model's calibrated value or RepairConfig's default applies, ``repair.repair_config``; a
+    model's calibrated value or RepairConfig's default applies, ``repair.request_repair_config``; a
     budget, when set, decides the two ratios)."""
 
     policy: str

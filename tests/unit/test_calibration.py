@@ -143,16 +143,16 @@ def _rows(**ratios) -> types.SimpleNamespace:
 
 
 def test_repair_config_starts_from_the_calibrated_base_and_the_request_overrides():
-    from relaxkv_sglang.srt.forward.repair import repair_config
+    from relaxkv_sglang.srt.forward.repair import request_repair_config
 
     base = RepairConfig.from_knobs(context_ratio=0.25, stale_shift_scale=1.0, layer_value="uniform")
-    config = repair_config(_rows(), base)
+    config = request_repair_config(_rows(), base)
     assert config.context_ratio == 0.25 and config.relaxkv.stale_shift_scale == 1.0
     assert config.anchor_ratio == RepairConfig().anchor_ratio and config.budget is None
-    config = repair_config(_rows(anchor_ratio=0.3, context_ratio=0.75, budget=0.2), base)
+    config = request_repair_config(_rows(anchor_ratio=0.3, context_ratio=0.75, budget=0.2), base)
     assert (config.anchor_ratio, config.context_ratio, config.budget) == (0.3, 0.75, 0.2)
     assert config.relaxkv.layer_value == "uniform"  # what a request cannot set stays calibrated
-    assert repair_config(_rows(), RepairConfig()) == RepairConfig()
+    assert request_repair_config(_rows(), RepairConfig()) == RepairConfig()
 
 
 def test_the_server_loads_logs_and_shows_its_calibration(tmp_path, monkeypatch, caplog):

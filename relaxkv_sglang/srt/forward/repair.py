@@ -63,7 +63,7 @@ def repair_stage(cache: "ChunkCache", attn_backend: Any, setup: "ForwardSetup") 
     return RepairStage(cache, attn_backend, setup) if setup.targets else None
 
 
-def repair_config(r: "RequestRows", base: RepairConfig) -> RepairConfig:
+def request_repair_config(r: "RequestRows", base: RepairConfig) -> RepairConfig:
     """The request's knobs: ``base`` (the served model's calibration, else the defaults,
     :func:`~.calibration.repair_base`) with the ratios and budget the request gave."""
     plan = r.fold.plan
@@ -121,7 +121,7 @@ class RepairStage:
         self.cache.publish_chunks(f.plan.namespace, f.misses, f.req_pool_idx)
         scores = r.scores.stacked(n_layers) if r.scores is not None else None
         try:
-            config = repair_config(r, repair_base(self.cache))
+            config = request_repair_config(r, repair_base(self.cache))
             anchor_plan = plan_anchors(f.plan.policy, scores, list(f.plan.chunk_spans), f.plan.query_start, n_layers,
                                        config, self.attn_backend.repair_cost, input_ids=_token_ids(f.req))
             # the pass's bookkeeping lives on the host (layer_loop): the slots are read back once

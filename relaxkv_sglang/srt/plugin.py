@@ -1,21 +1,16 @@
 """SGLang plugin entry point (group ``sglang.srt.plugins``, name ``relaxkv``).
 
-SGLang calls :func:`register` in the launching process and again in every
-scheduler process it spawns. It only registers things; the adapters live in
-the sibling modules. Every SGLang function hooked here is listed in
-:data:`HOOKS` with the parameters the hook relies on; a release that changes
-one stops the server at startup with a message naming it, instead of letting
-a hook misbehave.
+SGLang calls :func:`register` in the launching process and again in every scheduler process it
+spawns. It only registers things; the adapters live in the subpackages. Every SGLang function
+hooked is listed in :data:`HOOKS` with the parameters the hook relies on, so a release that
+changes one stops the server at startup naming it, instead of a hook misbehaving.
 
-Registered:
-* attention backend ``relaxkv`` (``attention_backend.py``),
-* tree cache backend ``relaxkv`` (``tree_cache.py``),
-* hooks: request preparation (``api.py``, ``chat.py``, ``parallel_encoding.py``),
-  admission (``admission.py``: chunk hits pinned until the fold), the forward pipeline (``forward.py``: fold, repair, finish), the repair after
-  SGLang's decoder stack (``repair.py``; one hook per decoder-stack class of the registered model
-  families, :data:`MODEL_FORWARD_HOOKS` from ``core/model_family.py``), reporting (``report.py``,
-  ``tree_cache.py``), the time bound on SGLang's stop-regex matching (``stop_regex.py``), no output
-  logprobs for a prefill-only request (``prefill_only.py``).
+Registered: attention backend ``relaxkv`` (``forward/attention_backend.py``), tree cache backend
+``relaxkv`` (``tree_cache.py``), and hooks: request preparation (``entrypoints/``), admission
+(``scheduler/admission.py``), the forward pipeline (``forward/pipeline.py``: fold, repair,
+finish), the repair after SGLang's decoder stack (``forward/repair.py``; one hook per class in
+:data:`MODEL_FORWARD_HOOKS`, from ``core/model_family.py``), reporting (``forward/report.py``,
+``tree_cache.py``), the stop-regex time bound and prefill-only logprobs (``scheduler/``).
 """
 
 from __future__ import annotations

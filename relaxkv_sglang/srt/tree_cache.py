@@ -1,20 +1,15 @@
 """The ``relaxkv`` tree cache backend: the factory SGLang calls, and how the worker finds it.
 
-Selected with ``--radix-cache-backend relaxkv``. The cache itself is
-:class:`~relaxkv_sglang.srt.mem_cache.tree_cache_class.RelaxKVTreeCache` (SGLang's radix tree plus a position-independent
-chunk tree, one memory account; its module doc lists its parts), built lazily
-(:func:`build_cache_class`) so this module imports without SGLang.
-
-:func:`make_tree_cache` (registered through ``mem_cache/registry.py``) checks the server's
-flags, reads the model's RoPE, builds the pool's KV accessor (:class:`~relaxkv_sglang.srt.mem_cache.pool_kv.PoolKV`) and,
-when ``RELAXKV_HOST_CACHE_GB`` or ``RELAXKV_CHUNK_DIR`` is set, the lower tiers
-(:mod:`relaxkv_sglang.srt.mem_cache.tiers`, :mod:`relaxkv_sglang.core.tiers`), then runs the startup correctness gate
-(:mod:`.gate`) once on the loaded model, and chooses the model's repair calibration
-(:mod:`.calibration`); ``/get_server_info`` shows the gate's verdict (``relaxkv.gate``) and the
-calibration (``relaxkv.calibration``), and the model identity chunk keys are salted with
-(:mod:`relaxkv_sglang.srt.mem_cache.kv_identity`, printed at startup, ``relaxkv.kv_identity``). The scheduler's worker finds
-its cache through :func:`~relaxkv_sglang.srt.mem_cache.chunk_cache.worker_cache` (the factory attaches it to
-``TreeCacheBuildContext.tp_worker``), so no module holds a process-wide reference.
+Selected with ``--radix-cache-backend relaxkv``. :func:`make_tree_cache` (registered through
+``mem_cache/registry.py``) checks the server's flags, reads the model's RoPE, builds
+:class:`~relaxkv_sglang.srt.mem_cache.pool_kv.PoolKV`, the lower tiers if configured
+(:mod:`relaxkv_sglang.srt.mem_cache.tiers`) and the cache,
+:class:`~relaxkv_sglang.srt.mem_cache.tree_cache_class.RelaxKVTreeCache` (imported lazily,
+:func:`build_cache_class`, so this module imports without SGLang); then it runs the startup gate
+(:mod:`.gate`) and chooses the repair calibration (:mod:`.calibration`). ``/get_server_info``
+shows ``relaxkv.gate``, ``relaxkv.calibration`` and ``relaxkv.kv_identity``. The worker finds its
+cache through :func:`~relaxkv_sglang.srt.mem_cache.chunk_cache.worker_cache` (attached to
+``TreeCacheBuildContext.tp_worker``): no process-wide reference.
 
 SGLang files touched: ``mem_cache/registry.py`` (the backend), ``managers/scheduler.py``
 ``Scheduler.get_internal_state`` (around, for /get_server_info).

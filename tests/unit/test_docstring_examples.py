@@ -17,6 +17,9 @@ MODULES = [
     "relaxkv_sglang.core.segments",         # common_prefix_len
     "relaxkv_sglang.core.staging",          # HostStage
     "relaxkv_sglang.core.tiers.store",      # TieredChunkStore
+    "relaxkv_sglang.srt.entrypoints.api",   # plan_item
+    "relaxkv_sglang.srt.entrypoints.sglang_fields",  # check_sglang_fields
+    "relaxkv_sglang.srt.scheduler.stop_regex",       # BoundedRe.search
 ]
 
 

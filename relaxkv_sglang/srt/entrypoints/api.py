@@ -155,6 +155,17 @@ def plan_item(
     token per character). ``index``, ``namespace``: the chunks discovered before (None: the
     server's default, none) and the item's tenant namespace; the chunks discovered in this text
     are remembered there (a client's marks never are).
+
+    Example (a tokenizer of one token per character):
+
+    >>> encode = lambda text, add_special_tokens: [ord(c) for c in text]
+    >>> ids, params = plan_item("Doc one. Doc two. Question?",
+    ...     {"custom_params": {"relaxkv_policy": "pic", "relaxkv_chunks": [0, 9, 9, 18]}},
+    ...     encode, context_len=4096, policy_default="prefix")
+    >>> params["_relaxkv_token_spans"], params["_relaxkv_prompt_len"]
+    ([0, 9, 9, 18], 27)
+    >>> plan_item("Hello", {}, encode, context_len=4096, policy_default="prefix") is None
+    True
     """
     cp = _custom_params(sampling_params)
     policy = POLICY.validate(cp.get(POLICY.name, policy_default))

@@ -32,11 +32,19 @@ INT32_MAX = 2**31 - 1  # SGLang builds its per-batch top_k tensor as int32
 
 
 def check_sglang_fields(obj: Any, vocab_size: Optional[int] = None) -> None:
-    """Refuse what stops SGLang 0.5.23's scheduler (the table in the module docstring).
+    """Refuse what stops SGLang 0.5.23's scheduler (the list in the module docstring).
 
     ``obj`` is SGLang's ``GenerateReqInput`` as the HTTP server parsed it (before SGLang
     normalizes it); ``vocab_size`` is the model's (``model_config.vocab_size``; None skips the
-    checks that need it). Raises :class:`RequestError` naming the field."""
+    checks that need it). Raises :class:`RequestError` naming the field.
+
+    >>> from types import SimpleNamespace
+    >>> check_sglang_fields(SimpleNamespace(input_ids=[1, 5], sampling_params={"stop_regex": "END"}), 100)
+    >>> check_sglang_fields(SimpleNamespace(input_ids=[1, 500]), vocab_size=100)
+    Traceback (most recent call last):
+    ...
+    relaxkv_sglang.schema.RequestError: invalid input_ids: token id 500 at position 1 is outside the vocabulary [0, 100)
+    """
     _check_logprob_start_len(getattr(obj, "logprob_start_len", None))
     if vocab_size is not None:
         _check_top_logprobs_num(getattr(obj, "top_logprobs_num", None), vocab_size)

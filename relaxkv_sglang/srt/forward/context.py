@@ -1,22 +1,12 @@
 """What one folded forward pass carries from the fold to the attention backend and the model.
 
-The fold (:mod:`relaxkv_sglang.srt.forward.fold`) decides, before SGLang builds its ``ForwardBatch``, which rows the
-batch keeps and how each attends. Two readers need that decision during the forward: the
-``relaxkv`` attention backend (rows at explicit positions and scopes; for a request to be
-repaired, it also records the query's attention per layer, :class:`QueryScores`) and the model
-hook (which runs the repair once SGLang's own forward has computed the rows). Neither imports
-the fold: the decision travels as a :class:`ForwardContext` object attached to the objects
-SGLang already passes around.
-
-1. :func:`attached` puts the folded batch and its context on the ``ScheduleBatch`` the
-   scheduler hands to ``TpModelWorker.forward_batch_generation``, and the context on the
-   worker's attention backend and the model's decoder stack, for the duration of the forward;
-2. the ``ForwardBatch.init_new`` hook (:mod:`relaxkv_sglang.srt.forward.pipeline`) builds the ``ForwardBatch`` from the
-   folded batch (:func:`pending_forward`);
-3. the backend (on itself) and the model hook (on the decoder stack) read the context back with
-   :func:`forward_context`.
-
-Nothing here is module-level state: a context lives exactly as long as the forward it is for.
+The fold's decision (which rows the batch keeps, how each attends, the repair to run) is a
+:class:`ForwardContext`, read during the forward by the ``relaxkv`` attention backend (rows at
+explicit positions and scopes; the query's scores, :class:`QueryScores`) and by the model hook
+(the repair). Neither imports the fold: :func:`attached` puts the folded batch on the
+``ScheduleBatch`` and the context on the backend and the decoder stack for the length of the
+forward; the ``ForwardBatch.init_new`` hook builds from :func:`pending_forward`; readers call
+:func:`forward_context`. No module-level state: a context lives as long as its forward.
 """
 
 from __future__ import annotations

@@ -1,22 +1,19 @@
 """The served model's decoder layers as the repair pass calls them: SGLang's modules as the ops of
 :mod:`relaxkv_sglang.core.model_family`.
 
-:class:`ModelLayers` looks up the served model's family in the registry
-(:func:`~relaxkv_sglang.core.model_family.family_for_config` on the model's HF config), checks that
-the decoder stack has the SGLang modules that family declares, and runs a layer's steps in the
-order the registry writes once (:func:`~relaxkv_sglang.core.model_family.project_qkv`,
-:func:`~relaxkv_sglang.core.model_family.finish_layer`) over :class:`SGLangLayerOps`, one decoder
-layer's modules. :func:`repair_support` says whether a served model runs the repair at all (its
-decoder stack's ``forward`` hooked, its layers known) and why not; a model that does not is
-served ``pic`` (:func:`supports_repair`), and :func:`family_line` is the startup log's line.
+:class:`ModelLayers` finds the model's family in the registry
+(:func:`~relaxkv_sglang.core.model_family.family_for_config`), checks the decoder stack has the
+modules the family declares, and runs a layer's steps in the registry's order
+(:func:`~relaxkv_sglang.core.model_family.project_qkv`,
+:func:`~relaxkv_sglang.core.model_family.finish_layer`) over :class:`SGLangLayerOps`.
+:func:`repair_support` says whether a model runs the repair at all and why not (otherwise it is
+served ``pic``); :func:`family_line` is the startup log's line.
 
 SGLang modules used (names from the family): ``embed_tokens``, ``layers[i].{input_layernorm,
 self_attn.{qkv_proj, q_norm, k_norm (Qwen3, Qwen3-MoE), rotary_emb, o_proj, attn},
-post_attention_layernorm, <mlp>}`` where ``<mlp>`` is the family's MLP module (``mlp``; Mixtral's
-``block_sparse_moe``), called as SGLang's layer calls it, ``mlp(y)``: an MoE block routes
-each row itself (its router's top-k, SGLang's fused-experts kernel); ``norm``;
-``config.architectures`` / ``config.model_type`` (the family), or, for a stack without a config
-(MixtralModel), its class. Their dtype is the served one (the model's).
+post_attention_layernorm, <mlp>}`` (``<mlp>``: ``mlp``, Mixtral's ``block_sparse_moe``; called as
+SGLang's layer calls it, so an MoE block routes each row itself), ``norm``, and
+``config.architectures`` / ``config.model_type`` (or, without a config, the stack's class).
 """
 
 from __future__ import annotations

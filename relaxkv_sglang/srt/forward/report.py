@@ -1,19 +1,12 @@
 """The per-request report, ``meta_info.relaxkv``: what the fold and the repair did.
 
-Fields (documented for users in ``docs/api.md``): ``policy``, ``chunks_seen``, ``chunks_hit``,
-``chunk_tokens_reused`` (of which ``chunk_tokens_from_<tier>`` were loaded from each lower tier,
-one field per :class:`~relaxkv_sglang.core.tiers.TierName` but the device: ``host``, ``disk``,
-``hicache``; the rest served from the device pool), ``tokens_computed`` (rows computed, the repair's query pass included),
-``repaired``, ``prefills`` (times the prompt's last token was prefilled: 1, plus one per
-retraction) and ``repairs`` (how many of those ran the repair); for a repaired request
-``anchor_ratio`` (achieved), ``anchors_per_layer``, ``context_ratio`` (visible key pairs over the
-full causal prefix's), ``repair_kv_pairs`` (visible) and ``repair_kv_pairs_executed`` (what the
-executor computes, whole pages included); for a repair-policy request that was not repaired,
-``not_repaired_reason``.
-
-A request may take several prefill steps: the windows of a prompt longer than the chunked-prefill
-size, and a retracted request's prefill again. Counters are summed; ``repaired`` and the repair
-fields are those of the last step that completed the prompt (the one that decides the repair).
+Fields (documented in ``docs/api.md``): ``policy``, ``chunks_seen``, ``chunks_hit``,
+``chunk_tokens_reused`` (and ``chunk_tokens_from_<tier>`` per lower
+:class:`~relaxkv_sglang.core.tiers.TierName`), ``tokens_computed``, ``repaired``, ``prefills``,
+``repairs``; for a repaired request ``anchor_ratio``, ``anchors_per_layer``, ``context_ratio``,
+``repair_kv_pairs`` and ``repair_kv_pairs_executed``; otherwise, under a repair policy,
+``not_repaired_reason``. Over several prefill steps (chunked prefill windows, a retraction)
+counters are summed and the repair fields are those of the step that completed the prompt.
 
 SGLang carries ``req.customized_info`` to the HTTP process; the key is declared request-level
 (:func:`around_is_request_level_key`), so the record is sent once, not sliced per output token.

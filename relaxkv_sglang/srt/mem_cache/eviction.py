@@ -1,20 +1,12 @@
 """One eviction order over the radix tree's leaves and the chunk store's entries.
 
-The pool's evictable KV is held by two trees: radix leaves nobody locks (SGLang's
-``RadixCache``) and unlocked chunks (:class:`~relaxkv_sglang.core.chunk_store.ChunkStore`).
-The chunk store runs on ``time.monotonic``, the clock of ``TreeNode.last_access_time``, so
-last use is comparable across both. Each victim is the older (by last use) of the radix tree's
-next leaf and the chunk store's least recently used entry; the leaf goes first on a tie.
-
-The radix tree's next leaf is the one its own eviction strategy ranks first
-(``eviction_strategy.get_priority``; under SGLang's default ``lru`` that is its last use, so
-the order is one LRU order over both trees). :class:`EvictionOrder` keeps the leaves in one
-heap, built once per eviction; a parent that becomes an unlocked leaf is pushed as its last
-child goes, as ``RadixCache.evict`` does. The chunks need no heap of their own: the store keeps
-its unlocked entries in LRU order, and nothing but this eviction changes it meanwhile.
-
-Leaves are any objects with ``last_access_time`` (SGLang's ``TreeNode``); the caller evicts
-what :meth:`EvictionOrder.next` names.
+Each victim is the older (by last use) of the radix tree's next leaf (as its eviction strategy
+ranks them: under SGLang's default ``lru``, last use) and the chunk store's least recently used
+entry; the leaf goes first on a tie. Both run on ``time.monotonic`` (the clock of
+``TreeNode.last_access_time``), so this is one LRU order over both trees. :class:`EvictionOrder`
+keeps the leaves in a heap built once per eviction, pushing a parent as its last child goes (as
+``RadixCache.evict`` does); the store already keeps its unlocked entries in LRU order. Leaves are
+objects with ``last_access_time``; the caller evicts what :meth:`EvictionOrder.next` names.
 """
 
 from __future__ import annotations

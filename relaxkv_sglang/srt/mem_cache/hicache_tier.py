@@ -13,10 +13,10 @@ the others through ``get`` / ``set``; one lock serialises the staging buffer.
 
 The store down, slow or back: the tier always runs over a
 :class:`~relaxkv_sglang.core.tiers.reconnect.ReconnectingPageStore`; a call waits at most
-``RELAXKV_HICACHE_CALL_TIMEOUT_S`` (2 s), a store that fails or times out is down (lookups miss
-without asking it) and is rebuilt in the background with backoff up to
-``RELAXKV_HICACHE_RECONNECT_MAX_S`` (30 s); ``tier_hicache_store_*`` count it. Details:
-``docs/api.md``. Tests: ``tests/unit/test_hicache_tier.py``, ``tests/e2e/test_mooncake*.py``.
+``RELAXKV_HICACHE_CALL_TIMEOUT_S`` (2 s; a Mooncake master is first probed with a TCP connect),
+a store that fails or times out is down (lookups miss without asking it) and is rebuilt in the
+background with backoff up to ``RELAXKV_HICACHE_RECONNECT_MAX_S`` (30 s); ``tier_hicache_store_*``
+count it. Details: ``docs/api.md``. Tests: ``tests/unit/test_hicache_tier.py``, ``tests/e2e/test_mooncake*.py``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,19 @@
 """Admission pins and the admission hold: chunk hits kept in the pool from admission to the fold.
 
 SGLang's ``PrefillAdder`` admits a request if it fits in ``free + evictable_size()``
-(:mod:`relaxkv_sglang.srt.scheduler.admission` hooks it). Two things here change what counts as evictable:
+(hooked in :mod:`relaxkv_sglang.srt.scheduler.admission`). Two things change what is evictable:
 
-* :class:`AdmissionPins`: when a request is considered, every chunk of its window the store
-  holds is locked for it (``pin``), so the adder's budget no longer counts it and nothing (other
-  admissions, ``alloc_for_extend``, another request's publish) can evict it before the fold
-  copies it. A request not admitted drops its pins at once, an admitted one keeps those of its
-  window (``trim``); the forward hook drops a batch's pins once it ran, a released request and
-  a flush drop theirs. ``stats()["chunk_locked_entries"]`` is 0 whenever no admitted request
-  waits for its forward.
-* :class:`AdmissionHold`: while other requests run, for the length of one admission check,
-  the chunks queued requests need are locked (they count as not evictable; unlocked after as
-  the most recently used, so other chunks go first), and the store's learned share of the pool
-  (``ChunkStore.target_tokens``, less what is locked) is taken off ``evictable_size``: a request
-  is admitted only if it fits without evicting them (docs/reliability.md, "Chunk hits under
-  memory pressure"). ``RELAXKV_ADMISSION_HOLD=0`` turns it off (more concurrency, fewer hits).
+* :class:`AdmissionPins`: the chunks of a considered request's window that the store holds are
+  locked for it, so nothing evicts them before the fold copies them; dropped at once if it is not
+  admitted, else after its forward (or on release, or a flush).
+  ``stats()["chunk_locked_entries"]`` is 0 whenever no admitted request waits for its forward.
+* :class:`AdmissionHold`: while others run, for one admission check, the chunks queued requests
+  need are locked and the store's learned share of the pool (``ChunkStore.target_tokens``) is
+  taken off ``evictable_size``, so a request that fits only by evicting them waits
+  (``RELAXKV_ADMISSION_HOLD=0``: off; docs/reliability.md, "Chunk hits under memory pressure").
 
 Requests are SGLang ``Req`` objects; only ``rid``, ``prefix_len``, ``origin_input_ids`` and the
-plan (:func:`~.plan.request_plan`) are read. The store is a
-:class:`~relaxkv_sglang.core.chunk_store.ChunkStore`.
+plan (:func:`~relaxkv_sglang.srt.plan.request_plan`) are read.
 """
 
 from __future__ import annotations

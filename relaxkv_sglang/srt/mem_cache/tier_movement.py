@@ -1,25 +1,17 @@
 """Chunk KV moving between the KV pool and the lower tiers: spill, load, write-through, prefetch.
 
-The lower tiers (:mod:`relaxkv_sglang.core.tiers`, built by :mod:`relaxkv_sglang.srt.mem_cache.tiers`) hold chunk KV off
-the device; the pool's chunks live in a :class:`~relaxkv_sglang.core.chunk_store.ChunkStore`.
-:class:`TierMovement` is every crossing between the two, all KV going through one
-:class:`~relaxkv_sglang.srt.mem_cache.pool_kv.PoolKV`:
+:class:`TierMovement` is every crossing between the pool's
+:class:`~relaxkv_sglang.core.chunk_store.ChunkStore` and the lower tiers
+(:mod:`relaxkv_sglang.core.tiers`), all KV through one
+:class:`~relaxkv_sglang.srt.mem_cache.pool_kv.PoolKV`: :meth:`~TierMovement.spill` (an evicted
+chunk, while its slots still hold it), :meth:`~TierMovement.load` (at admission, from the fastest
+tier holding it; ``origin`` names the tier until its first hit), :meth:`~TierMovement.reuse_into`
+(the fold's pool miss served straight into the request), :meth:`~TierMovement.write_through`
+(in the background, from the request's own slots) and :meth:`~TierMovement.prefetch` (reads
+started when a request is first queued). :class:`NoTierMovement` stands in without lower tiers.
 
-* :meth:`~TierMovement.spill`: the store evicts a chunk (its ``on_evict``, while the slots
-  still hold its KV): the tiers keep a copy if their admission wants it;
-* :meth:`~TierMovement.load`: at admission, a chunk the pool lacks is loaded from the
-  fastest tier holding it into store-owned slots (the entry's ``origin`` names the tier until
-  its first hit reports it); an exclusive tier gives its copy up;
-* :meth:`~TierMovement.reuse_into`: the fold's own pool miss served from a tier, straight
-  into the request's slots;
-* :meth:`~TierMovement.write_through`: a chunk computed here goes to the write-through tiers
-  (in the background), from the request's own slots, so it is kept even when the pool had no room;
-* :meth:`~TierMovement.prefetch`: the reads of queued requests' chunks start when a request is
-  first seen in the waiting queue, so by its admission the read is often done.
-
-A lower tier never fails a request: an exception is logged and counted (``tier_errors``) and
-the chunk is a miss (computed). Keys are content addresses over the model identity, the
-namespace and the tokens, so tenants stay apart in every tier.
+A lower tier never fails a request: an exception is logged and counted (``tier_errors``) and the
+chunk is a miss. Keys are content addresses over the model identity, namespace and tokens.
 """
 
 from __future__ import annotations

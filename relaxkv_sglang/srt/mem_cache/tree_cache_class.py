@@ -14,8 +14,7 @@ overrides change:
 * ``checkpoint``: such a request publishes only its exact part (chunk KV never answers an exact
   prefix match);
 * ``evictable_size`` / ``evict`` / ``reset`` / ``total_size`` cover both trees (one LRU order,
-  :class:`~.eviction.EvictionOrder`), so
-  the scheduler's free + evictable sees every chunk slot;
+  :class:`~.eviction.EvictionOrder`), so the scheduler's free + evictable sees every chunk slot;
 * ``on_release``: drops the request's chunk pins.
 
 SGLang files touched: ``sglang/srt/mem_cache/radix_cache.py`` (subclassed; ``evict`` reads its

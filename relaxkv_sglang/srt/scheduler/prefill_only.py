@@ -1,19 +1,14 @@
 """A prefill-only request (``max_new_tokens`` 0) reports no output logprobs, whatever its batch.
 
-SGLang 0.5.23 samples a prefill batch unless every request in it is prefill-only
-(``ScheduleBatch.is_prefill_only``). A request with ``max_new_tokens`` 0 that shares its prefill
-batch with one that generates thus gets one output logprob (of a token it never outputs) appended
-by ``SchedulerLogprobResultProcessor.add_logprob_return_values``; alone, or with other
-prefill-only requests, it gets none. Which happens depends on what else the scheduler admitted
-with it, and so on the cache (a warm request's prefill is shorter and is batched otherwise): the
-same request's answer changed with the cache state (found by the request-options property,
-``tests/e2e/test_cache_invariant_regressions.py``). The hook drops the output entries SGLang just
-appended for a prefill-only request, so it always reports what it reports alone: no output token,
-no output logprob. Its input logprobs are untouched.
+SGLang 0.5.23 samples a prefill batch unless every request in it is prefill-only, so such a
+request batched with a generating one gets one output logprob appended (of a token it never
+outputs), and alone gets none: its answer depended on the cache state, which changes batching
+(``tests/e2e/test_cache_invariant_regressions.py``). The hook drops the output entries SGLang just
+appended for a prefill-only request; its input logprobs are untouched.
 
 SGLang file touched: ``sglang/srt/managers/scheduler_components/logprob_result_processor.py``
 (``SchedulerLogprobResultProcessor.add_logprob_return_values``, wrapped). Loaded into every server,
-stock SGLang included (the plugin is loaded into every server from its environment).
+stock SGLang included.
 """
 
 from __future__ import annotations

@@ -54,7 +54,11 @@ class BoundedRe:
     def search(pattern: str, string: str, flags: int = 0) -> Any:
         """``re.search`` with the ``regex`` package (``VERSION0``) and a timeout of
         :data:`SEARCH_TIMEOUT_S`; raises :class:`StopRegexTimeout` when it runs out, ``re.error``
-        when the pattern does not compile."""
+        when the pattern does not compile.
+
+        >>> BoundedRe.search("[0-9]+", "answer: 42").group()
+        '42'
+        """
         try:
             return regex.search(pattern, string, flags | regex.VERSION0, timeout=SEARCH_TIMEOUT_S)
         except TimeoutError as exc:

@@ -30,7 +30,7 @@ import torch
 from benchmarks import common, tables
 from relaxkv_sglang.core.block_sparse import block_sparse_attention
 from relaxkv_sglang.core.chunk_store import ChunkStore
-from relaxkv_sglang.core.layout import build_relaxed_layout, full_causal_layout
+from relaxkv_sglang.core.layout import RelaxedContextSpec, build_relaxed_layout, full_causal_layout
 from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
 from relaxkv_sglang.core.selection import select_anchors
 from relaxkv_sglang.gpu.anchor_inputs import anchor_prefill_inputs
@@ -69,7 +69,8 @@ def measure(n_tokens: int, n_chunks: int, repeats: int) -> dict:
 
     def select():
         sets = select_anchors("relaxkv", scores, spans, n_context, 0.15, n_layers=LAYERS)
-        return sets, [build_relaxed_layout(a, scores[l], spans, n_context, 0.25) for l, a in enumerate(sets)]
+        context = RelaxedContextSpec(spans, n_context, 0.25)
+        return sets, [build_relaxed_layout(a, scores[l], context) for l, a in enumerate(sets)]
 
     selection = _median_time(select, repeats)
     sets, relaxed = select()

@@ -94,11 +94,11 @@ def block_sparse_attention(
     Example (a full causal layout equals dense causal attention on its rows):
 
     >>> import torch
-    >>> from relaxkv_sglang.core.layout import build_relaxed_layout
+    >>> from relaxkv_sglang.core.layout import RelaxedContextSpec, build_relaxed_layout
     >>> g = torch.Generator().manual_seed(0)
     >>> q, k, v = (torch.randn(n, h, 8, generator=g) for n, h in ((3, 2), (32, 1), (32, 1)))
     >>> rows = torch.tensor([9, 17, 30])
-    >>> layout = build_relaxed_layout(rows, None, [(4, 32)], 32, 1.0, page_size=8, mode="full")
+    >>> layout = build_relaxed_layout(rows, None, RelaxedContextSpec([(4, 32)], 32, page_size=8, mode="full"))
     >>> out = block_sparse_attention(q, k, v, layout)
     >>> mask = torch.arange(32)[None, :] <= rows[:, None]  # [rows, keys] causal
     >>> w = torch.einsum("rhd,khd->rhk", q, k.expand(-1, 2, -1)) * 8 ** -0.5

@@ -9,7 +9,7 @@ row blocks are runs of rows sharing one key-page list (:func:`build_relaxed_layo
 block's key pages ascending (CSR over pages). Row at position t sees key j iff ``page(j)`` is listed
 for its block **and** ``j <= t`` (in relaxed layouts only the block's own, diagonal page is cut).
 
-Relaxed context of anchor t at layer l, in pages:
+Relaxed context of anchor t at layer l, in pages (the request-level knobs: :class:`RelaxedContextSpec`):
 
 * mandatory: the sink (pages of the first ``sink_tokens`` prompt tokens) and t's own chunk up to t,
   pages ``page(chunk_start) .. page(t)``;
@@ -38,6 +38,7 @@ Span = tuple[int, int]
 
 __all__ = [
     "BlockSparseLayout",
+    "RelaxedContextSpec",
     "page_scores",
     "build_relaxed_layout",
     "build_relaxed_layouts",
@@ -190,86 +191,96 @@ def page_scores(scores: torch.Tensor, page_size: int) -> torch.Tensor:
     return padded.view(*scores.shape[:-1], -1, page_size).sum(dim=-1)
 
 
+@dataclass(frozen=True)
+class RelaxedContextSpec:
+    """One request's relaxed context, described once (module doc): what every layer's layout shares.
+
+    Attributes:
+        chunk_spans: sorted ``(start, end)`` chunk spans inside ``[0, n_context)``; a token outside
+            every chunk has no own-chunk pages beyond its diagonal page.
+        n_context: context tokens (= ``n_keys`` of the layouts); anchors are ``< n_context``.
+        context_ratio: fraction of each anchor's causal prefix, in pages, in [0, 1].
+        page_size: tokens per page (aligned to the prompt).
+        sink_tokens: the first tokens of the prompt, always attended.
+        mode: 'topk' (query-relevant pages), 'random' (seeded random pages, same count),
+            'full' (every causal page; ``context_ratio`` is then unused).
+        own_chunk_in_budget: True: the budget is a fraction of the whole causal prefix, own chunk
+            included; False: of the pages before the anchor's own chunk, the own chunk on top.
+    Per-call inputs (anchors, scores, a random generator, per-row page scores) stay arguments.
+    """
+
+    chunk_spans: tuple[Span, ...]
+    n_context: int
+    context_ratio: float = 1.0
+    page_size: int = 16
+    sink_tokens: int = 4
+    mode: str = "topk"
+    own_chunk_in_budget: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "chunk_spans", tuple((int(s), int(e)) for s, e in self.chunk_spans))
+        if self.mode not in ("topk", "random", "full"):
+            raise ValueError(f"unknown context mode {self.mode!r}")
+        if not 0.0 <= self.context_ratio <= 1.0:
+            raise ValueError(f"context_ratio must be in [0, 1], got {self.context_ratio}")
+
+
 def build_relaxed_layout(
     anchors: torch.Tensor,
     scores: Optional[torch.Tensor],
-    chunk_spans: Sequence[Span],
-    n_context: int,
-    context_ratio: float,
-    page_size: int = 16,
-    sink_tokens: int = 4,
-    mode: str = "topk",
+    context: RelaxedContextSpec,
     generator: Optional[torch.Generator] = None,
-    own_chunk_in_budget: bool = True,
     row_page_scores: Optional[torch.Tensor] = None,
 ) -> BlockSparseLayout:
     """The relaxed context R_l(t) of every anchor of one layer, as a BSR layout (module doc).
 
     Args:
-        anchors: int64 [n_anchors] sorted anchor tokens of layer l, all < n_context.
+        anchors: int64 [n_anchors] sorted anchor tokens of layer l, all < ``context.n_context``.
         scores: float [n_context] s_l (query relevance); may be None for mode 'full'/'random'.
-        chunk_spans: chunk spans inside the context (a token outside every chunk has no
-            own-chunk pages beyond its diagonal page).
-        n_context: number of context tokens (= n_keys of the layout).
-        context_ratio: fraction of each anchor's causal prefix, in pages, in [0, 1].
-        page_size: tokens per page (aligned to the prompt).
-        sink_tokens: the first tokens of the prompt always attended.
-        mode: 'topk' (query-relevant pages), 'random' (seeded random pages, same count),
-            'full' (every causal page).
+        context: the request's relaxed context (:class:`RelaxedContextSpec`).
         generator: torch.Generator for mode 'random'.
-        own_chunk_in_budget: True: the budget is a fraction of the whole causal prefix, own
-            chunk included; False: of the pages before the anchor's own chunk, the own chunk
-            coming on top (module doc).
         row_page_scores: float [n_anchors, n_pages] or None: each anchor's own relevance of
             each page (e.g. :func:`key_bound_page_scores`); mode 'topk' then ranks pages per row
             block by the sum over its rows instead of by the shared ``scores``.
     Returns:
         BlockSparseLayout whose rows are ``anchors`` in order.
-    
+
     Example (two chunks after a 4-token prefix, pages of 8, half of each anchor's prefix):
 
     >>> import torch
-    >>> layout = build_relaxed_layout(torch.tensor([20, 21, 40, 63]), torch.arange(64.0),
-    ...                               [(4, 40), (40, 64)], n_context=64, context_ratio=0.5, page_size=8)
+    >>> context = RelaxedContextSpec([(4, 40), (40, 64)], n_context=64, context_ratio=0.5, page_size=8)
+    >>> layout = build_relaxed_layout(torch.tensor([20, 21, 40, 63]), torch.arange(64.0), context)
     >>> layout.n_rows, layout.indptr.tolist(), layout.indices.tolist()
     (4, [0, 3, 6, 10], [0, 1, 2, 0, 4, 5, 0, 5, 6, 7])
     >>> layout.kv_pairs() < layout.full_kv_pairs()
     True
     """
-    layer_scores = None if scores is None else scores[None, :n_context]
-    return build_relaxed_layouts([anchors], layer_scores, chunk_spans, n_context, context_ratio, page_size,
-                                 sink_tokens, mode, generator, own_chunk_in_budget, row_page_scores)[0]
+    layer_scores = None if scores is None else scores[None, :context.n_context]
+    return build_relaxed_layouts([anchors], layer_scores, context, generator, row_page_scores)[0]
 
 
 def build_relaxed_layouts(
     anchor_sets: Sequence[torch.Tensor],
     scores: Optional[torch.Tensor],
-    chunk_spans: Sequence[Span],
-    n_context: int,
-    context_ratio: float,
-    page_size: int = 16,
-    sink_tokens: int = 4,
-    mode: str = "topk",
+    context: RelaxedContextSpec,
     generator: Optional[torch.Generator] = None,
-    own_chunk_in_budget: bool = True,
     row_page_scores: Optional[torch.Tensor] = None,
 ) -> list[BlockSparseLayout]:
     """:func:`build_relaxed_layout` for several layers at once (a request's plan): the same
     layouts from one pass of tensor operations instead of one pass per layer.
 
     Args:
-        anchor_sets: n_sets int64 tensors, each sorted, all < n_context.
+        anchor_sets: n_sets int64 tensors, each sorted, all < ``context.n_context``.
         scores: float [n_sets, >= n_context] each set's s_l, or None (modes 'full'/'random').
+        context: the request's relaxed context, shared by every set.
+        generator: draws one page order per set that has anchors, in set order (mode 'random').
         row_page_scores: only with a single set (see :func:`build_relaxed_layout`).
-        The rest: as :func:`build_relaxed_layout`; ``generator`` draws one page order per
-        set that has anchors, in set order.
     Returns:
         one BlockSparseLayout per set.
     """
-    if mode not in ("topk", "random", "full"):
-        raise ValueError(f"unknown context mode {mode!r}")
-    if not 0.0 <= context_ratio <= 1.0:
-        raise ValueError(f"context_ratio must be in [0, 1], got {context_ratio}")
+    chunk_spans, n_context, context_ratio = context.chunk_spans, context.n_context, context.context_ratio
+    page_size, sink_tokens, mode = context.page_size, context.sink_tokens, context.mode
+    own_chunk_in_budget = context.own_chunk_in_budget
     if row_page_scores is not None and len(anchor_sets) != 1:
         raise ValueError("row_page_scores ranks the pages of one layer's anchors only")
     n_sets = len(anchor_sets)
@@ -398,6 +409,6 @@ def full_causal_layout(
 ) -> BlockSparseLayout:
     """Layout of the full causal prefix for every anchor (the peers' context).
 
-    Args: as ``build_relaxed_layout``.  Returns: BlockSparseLayout.
+    Args: as :class:`RelaxedContextSpec`.  Returns: BlockSparseLayout.
     """
-    return build_relaxed_layout(anchors, None, chunk_spans, n_context, 1.0, page_size, mode="full")
+    return build_relaxed_layout(anchors, None, RelaxedContextSpec(chunk_spans, n_context, 1.0, page_size, mode="full"))

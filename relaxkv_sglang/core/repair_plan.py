@@ -11,9 +11,9 @@ attention s_l (or None); ``chunk_spans`` sorted inside ``[0, n_context)``; a
 sized from them.
 
 Decisions: targets ``A_0 ⊇ A_1 ⊇ ...`` (:func:`~.selection.select_anchors`, i.e. an exit layer
-``e(t)`` per token) and each layer's context (:func:`~.layout.build_relaxed_layout`; the full
-causal prefix for the peers and ``relaxkv_fullctx``). A policy that ``needs_kv_deviation``
-(CacheBlend) recomputes every eligible token at layers ``0..check_layer``, then
+``e(t)`` per token) and each layer's context (:func:`relaxed_context`, a
+:class:`~.layout.RelaxedContextSpec`; the full causal prefix for the peers and ``relaxkv_fullctx``).
+A policy that ``needs_kv_deviation`` (CacheBlend) recomputes every eligible token at layers ``0..check_layer``, then
 :meth:`AnchorPlan.after_check_layer` decides the rest from the measured deviation.
 
 The knobs, the cost model and the joint budget's split: :mod:`.repair_config`.
@@ -30,7 +30,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .layout import BlockSparseLayout, build_relaxed_layout, build_relaxed_layouts, key_bound_page_scores
+from .layout import (BlockSparseLayout, RelaxedContextSpec, build_relaxed_layout, build_relaxed_layouts,
+                     key_bound_page_scores)
 from .policies import Policy, PolicySpec, policy_spec
 from .repair_config import RepairConfig, RepairCost, split_budget
 from .selection import anchor_ratio_achieved, kv_deviation, select_anchors
@@ -39,7 +40,7 @@ from .stale_shift import shift_body
 
 Span = tuple[int, int]
 
-__all__ = ["AnchorPlan", "plan_anchors", "anchor_layouts"]
+__all__ = ["AnchorPlan", "plan_anchors", "anchor_layouts", "relaxed_context"]
 
 
 @dataclasses.dataclass
@@ -158,6 +159,11 @@ class AnchorPlan:
         tokens recomputed past ``l`` (``exits > l``), no per-layer set search."""
         return self.exit_layers()[self.shift_body]
 
+    @functools.cached_property
+    def context(self) -> RelaxedContextSpec:
+        """The anchors' relaxed context (:func:`relaxed_context` of the plan's policy and config)."""
+        return relaxed_context(self.policy, self.chunk_spans, self.n_context, self.config)
+
     @property
     def ranks_pages_in_layer(self) -> bool:
         """Whether :meth:`layout_at` decides the context in the layer (it needs the keys then)."""
@@ -181,14 +187,11 @@ class AnchorPlan:
         planned = self.layouts[layer]
         if not self.ranks_pages_in_layer or planned.n_rows == 0:
             return planned
-        c = self.config
         # The layouts live on the host: an ablation that reads the layer's queries on a GPU
         # copies them back at every layer.
-        row_scores = key_bound_page_scores(q_anchors.cpu(), planned.q_pos, keys.cpu(), self.n_context, c.page_size,
-                                           exact=c.relaxkv.context_rank == "oracle")
-        return build_relaxed_layout(self.anchor_sets[layer], None, self.chunk_spans, self.n_context,
-                                    c.context_ratio, c.page_size, c.sink_tokens,
-                                    own_chunk_in_budget=c.relaxkv.own_chunk_in_budget, row_page_scores=row_scores)
+        row_scores = key_bound_page_scores(q_anchors.cpu(), planned.q_pos, keys.cpu(), self.n_context,
+                                           self.context.page_size, exact=self.config.relaxkv.context_rank == "oracle")
+        return build_relaxed_layout(self.anchor_sets[layer], None, self.context, row_page_scores=row_scores)
 
     def after_check_layer(self, tokens: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                           k_stale: torch.Tensor, v_stale: torch.Tensor) -> "AnchorPlan":
@@ -207,8 +210,7 @@ class AnchorPlan:
         sets = select_anchors(self.policy, None, self.chunk_spans, self.n_context, self.config.anchor_ratio,
                               n_layers=self.n_layers, deviation=deviation, check_layer=self.check_layer)
         done = len(self.layouts)
-        layouts = self.layouts + anchor_layouts(self.policy, sets[done:], None, self.chunk_spans, self.n_context,
-                                                self.config, first_layer=done)
+        layouts = self.layouts + anchor_layouts(self.context, sets[done:], None, self.config.seed, first_layer=done)
         return dataclasses.replace(self, anchor_sets=sets, layouts=layouts)
 
 
@@ -263,7 +265,7 @@ def plan_anchors(
                           layer_value=relaxkv.layer_value, chunk_sink_share=relaxkv.chunk_sink_share,
                           chunk_sink_order=relaxkv.chunk_sink_order,
                           markup=plan_markup(config, spans, n_context, input_ids), markup_share=relaxkv.markup_share)
-    layouts = anchor_layouts(policy, sets, scores, spans, n_context, config)
+    layouts = anchor_layouts(relaxed_context(policy, spans, n_context, config), sets, scores, config.seed)
     return AnchorPlan(policy, spans, n_context, n_layers, config, scores, sets, layouts, chunk_sinks)
 
 
@@ -288,27 +290,33 @@ def plan_markup(config: RepairConfig, chunk_spans: Sequence[Span], n_context: in
     return shared_runs(input_ids, chunk_spans, n_context)
 
 
+def relaxed_context(policy: Policy, chunk_spans: Sequence[Span], n_context: int,
+                    config: RepairConfig) -> RelaxedContextSpec:
+    """The anchors' context of ``policy`` under ``config``: relaxed for relaxkv (and its random
+    ablation), the full causal prefix for the others (ratio 1)."""
+    mode = policy_spec(policy).context
+    return RelaxedContextSpec(chunk_spans, n_context, config.context_ratio if mode != "full" else 1.0,
+                              config.page_size, config.sink_tokens, mode, config.relaxkv.own_chunk_in_budget)
+
+
 def anchor_layouts(
-    policy: Policy,
+    context: RelaxedContextSpec,
     anchor_sets: Sequence[torch.Tensor],
     scores: Optional[torch.Tensor],
-    chunk_spans: Sequence[Span],
-    n_context: int,
-    config: RepairConfig,
+    seed: int,
     first_layer: int = 0,
 ) -> list[BlockSparseLayout]:
-    """Each layer's anchors' context: relaxed for relaxkv (and its random ablation), else causal.
+    """Each layer's anchors' layout in ``context`` (:func:`relaxed_context`).
 
     Args:
+        context: the request's anchor context.
         anchor_sets: the sets of layers ``first_layer, first_layer + 1, ...``.
         scores: float [n_layers, n_context] or None (needed by the 'topk' context).
+        seed: ``RepairConfig.seed``; mode 'random' draws its page orders from ``seed + 1``.
     Returns:
         one layout per set.
     """
-    mode = policy_spec(policy).context
-    ratio = config.context_ratio if mode != "full" else 1.0
-    context_rng = torch.Generator().manual_seed(config.seed + 1)
-    layer_scores = scores[first_layer:first_layer + len(anchor_sets)] if scores is not None and mode == "topk" else None
-    return build_relaxed_layouts(anchor_sets, layer_scores, chunk_spans, n_context, ratio, config.page_size,
-                                 config.sink_tokens, mode=mode, generator=context_rng,
-                                 own_chunk_in_budget=config.relaxkv.own_chunk_in_budget)
+    context_rng = torch.Generator().manual_seed(seed + 1)
+    topk = scores is not None and context.mode == "topk"
+    layer_scores = scores[first_layer:first_layer + len(anchor_sets)] if topk else None
+    return build_relaxed_layouts(anchor_sets, layer_scores, context, context_rng)

@@ -23,7 +23,7 @@ import torch
 
 from relaxkv_sglang.core.attention import scoped_causal_attention
 from relaxkv_sglang.core.block_sparse import block_sparse_attention
-from relaxkv_sglang.core.layout import Span, build_relaxed_layout, full_causal_layout
+from relaxkv_sglang.core.layout import RelaxedContextSpec, Span, build_relaxed_layout, full_causal_layout
 from relaxkv_sglang.core.selection import select_anchors
 from relaxkv_sglang.gpu.anchor_inputs import anchor_prefill_inputs
 from relaxkv_sglang.gpu.prefill_inputs import ScopedPrefillInputs, scoped_prefill_inputs
@@ -160,7 +160,7 @@ def run_anchors(case: Case, where: Placement | torch.device | str, flashinfer, r
     n = case.n_context
     spans, scores, anchor_sets = request_anchors(n, 1, case.anchor_ratio, case.n_chunks, g)
     anchors = anchor_sets[0]
-    layout = build_relaxed_layout(anchors, scores[0], spans, n, case.context_ratio, case.page_size)
+    layout = build_relaxed_layout(anchors, scores[0], RelaxedContextSpec(spans, n, case.context_ratio, case.page_size))
     full = full_causal_layout(anchors, spans, n, case.page_size)
     key_rows, k_cache, v_cache = _pool(case, n, place, g)
     q = place.put(torch.randn(anchors.numel(), case.num_qo_heads, case.head_dim, generator=g).to(torch.bfloat16))
@@ -226,8 +226,8 @@ def time_layout(n_context: int = 6144, n_layers: int = 30, anchor_ratio: float =
     the CPU work a GPU repair adds per request before its first anchor call."""
     spans, scores, anchor_sets = request_anchors(n_context, n_layers, anchor_ratio, 10,
                                                  torch.Generator().manual_seed(seed))
-    layouts = [build_relaxed_layout(a, scores[l], spans, n_context, context_ratio, page_size)
-               for l, a in enumerate(anchor_sets)]
+    context = RelaxedContextSpec(spans, n_context, context_ratio, page_size)
+    layouts = [build_relaxed_layout(a, scores[l], context) for l, a in enumerate(anchor_sets)]
     anchor_prefill_inputs(layouts)
     times = []
     for _ in range(repeats):

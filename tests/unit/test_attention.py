@@ -13,7 +13,7 @@ from relaxkv_sglang.core.block_sparse import (
     block_sparse_attention,
     executed_kv_pairs,
 )
-from relaxkv_sglang.core.layout import BlockSparseLayout, build_relaxed_layout, full_causal_layout
+from relaxkv_sglang.core.layout import BlockSparseLayout, RelaxedContextSpec, build_relaxed_layout, full_causal_layout
 
 H, HKV, D = 4, 2, 8
 
@@ -109,7 +109,7 @@ def test_block_sparse_reads_only_listed_pages():
     anchors = torch.tensor([21, 22, 35])
     s = torch.zeros(n)
     s[9] = 1.0
-    lay = build_relaxed_layout(anchors, s, [(4, 20), (20, 40)], n, 0.3, page_size=4)
+    lay = build_relaxed_layout(anchors, s, RelaxedContextSpec([(4, 20), (20, 40)], n, 0.3, page_size=4))
     listed = lay.to_dense_mask().any(0)
     kp, vp = k.clone(), v.clone()
     kp[~listed], vp[~listed] = float("nan"), float("nan")
@@ -130,8 +130,6 @@ def test_fully_masked_row_is_zero_not_nan():
 
 def test_batched_block_sparse_equals_the_block_loop():
     """The serving path (one padded SDPA call) equals the per-block reference loop."""
-    from relaxkv_sglang.core.layout import build_relaxed_layout
-
     g = torch.Generator().manual_seed(7)
     n_ctx, H, Hkv, d = 200, 4, 2, 16
     q_all = torch.randn(n_ctx, H, d, generator=g)
@@ -141,7 +139,7 @@ def test_batched_block_sparse_equals_the_block_loop():
     anchors = torch.tensor([12, 13, 40, 71, 72, 99, 120, 151, 170, 199])
     scores = torch.rand(n_ctx, generator=g)
     for ratio in (0.0, 0.3, 1.0):
-        layout = build_relaxed_layout(anchors, scores, spans, n_ctx, ratio, page_size=8)
+        layout = build_relaxed_layout(anchors, scores, RelaxedContextSpec(spans, n_ctx, ratio, page_size=8))
         q = q_all[anchors]
         batched = block_sparse_attention(q, k, v, layout)
         looped, _ = block_sparse_attention(q, k, v, layout, return_lse=True)

@@ -24,7 +24,7 @@ import torch
 
 from relaxkv_sglang.core.attention import scoped_causal_attention
 from relaxkv_sglang.core.block_sparse import block_sparse_attention
-from relaxkv_sglang.core.layout import BlockSparseLayout, build_relaxed_layout, full_causal_layout
+from relaxkv_sglang.core.layout import BlockSparseLayout, RelaxedContextSpec, build_relaxed_layout, full_causal_layout
 from relaxkv_sglang.core.selection import select_anchors
 from relaxkv_sglang.gpu import bundle, flashinfer_attention
 from relaxkv_sglang.gpu.flashinfer_attention import (
@@ -69,17 +69,17 @@ def _random_layouts(seed: int) -> list[tuple[str, BlockSparseLayout]]:
         ratio = [0.0, 0.1, 0.25, 0.5, 1.0][int(torch.randint(0, 5, (1,), generator=g))]
         sink = int(torch.randint(0, 9, (1,), generator=g))
         out.append((f"topk ps={page_size} n={n} k={k} r={ratio}",
-                    build_relaxed_layout(anchors, scores, spans, n, ratio, page_size, sink_tokens=sink)))
+                    build_relaxed_layout(anchors, scores, RelaxedContextSpec(spans, n, ratio, page_size, sink))))
         out.append((f"random ps={page_size} n={n}", build_relaxed_layout(
-            anchors, None, spans, n, ratio, page_size, mode="random", generator=g)))
+            anchors, None, RelaxedContextSpec(spans, n, ratio, page_size, mode="random"), generator=g)))
         out.append((f"full ps={page_size} n={n}", full_causal_layout(anchors, spans, n, page_size)))
         out.append((f"empty ps={page_size} n={n}", build_relaxed_layout(
-            torch.zeros(0, dtype=torch.long), scores, spans, n, ratio, page_size)))
+            torch.zeros(0, dtype=torch.long), scores, RelaxedContextSpec(spans, n, ratio, page_size))))
         # The server's anchors: relaxkv's per-layer sets on random query scores.
         layer_scores = torch.rand(3, n, generator=g) ** 4
+        context = RelaxedContextSpec(spans, n, 0.25, page_size)
         for l, a in enumerate(select_anchors("relaxkv", layer_scores, spans, n, 0.15)):
-            out.append((f"relaxkv layer {l} ps={page_size} n={n}",
-                        build_relaxed_layout(a, layer_scores[l], spans, n, 0.25, page_size)))
+            out.append((f"relaxkv layer {l} ps={page_size} n={n}", build_relaxed_layout(a, layer_scores[l], context)))
         # Arbitrary CSR: empty row blocks, rows with no fully visible page, pages after rows,
         # several partially visible pages per block.
         n_rows = int(torch.randint(0, 30, (1,), generator=g))
@@ -102,8 +102,8 @@ def _edge_layouts() -> list[tuple[str, BlockSparseLayout]]:
     out of order and repeated positions (beyond the layout's contract); holes on the diagonal."""
     empty = BlockSparseLayout.from_page_mask(torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.int32),
                                              torch.zeros(0, 3, dtype=torch.bool), 4, 10)
-    first_page = build_relaxed_layout(torch.tensor([1, 3, 6]), torch.linspace(0, 1, 40), [(0, 40)], 40, 0.5, 8,
-                                      sink_tokens=1)
+    first_page = build_relaxed_layout(torch.tensor([1, 3, 6]), torch.linspace(0, 1, 40),
+                                      RelaxedContextSpec([(0, 40)], 40, 0.5, 8, sink_tokens=1))
     big_page = full_causal_layout(torch.tensor([0, 5, 9]), [(2, 10)], 10, 64)
     shuffled = BlockSparseLayout(q_pos=torch.tensor([9, 12, 30, 31]),
                                  row_indptr=torch.tensor([0, 2, 4], dtype=torch.int32),
@@ -208,7 +208,7 @@ def test_relaxed_layouts_take_one_padded_segment_per_row_block():
     n, spans = 900, [(8, 300), (300, 620), (620, 900)]
     scores = torch.rand(4, n, generator=g) ** 4
     sets = select_anchors("relaxkv", scores, spans, n, 0.15)
-    layouts = [build_relaxed_layout(a, scores[l], spans, n, 0.25, 16) for l, a in enumerate(sets)]
+    layouts = [build_relaxed_layout(a, scores[l], RelaxedContextSpec(spans, n, 0.25, 16)) for l, a in enumerate(sets)]
     for layout, inputs in zip(layouts, anchor_prefill_inputs(layouts)):
         assert inputs.n_segments == layout.n_row_blocks
         assert int(inputs.qo_indptr.diff().max()) <= 16
@@ -305,7 +305,8 @@ def _request(seed: int, n: int = 90, n_layers: int = 3, page_size: int = 8):
     spans = [(4, 30), (30, 61), (61, n)]
     scores = torch.rand(n_layers, n, generator=g) ** 3
     sets = select_anchors("relaxkv", scores, spans, n, 0.3)
-    layouts = [build_relaxed_layout(a, scores[l], spans, n, 0.3, page_size) for l, a in enumerate(sets)]
+    context = RelaxedContextSpec(spans, n, 0.3, page_size)
+    layouts = [build_relaxed_layout(a, scores[l], context) for l, a in enumerate(sets)]
     layouts[-1] = full_causal_layout(sets[-1], spans, n, page_size)
     pool = 3 * n
     key_rows = torch.randperm(pool, generator=g)[:n]
@@ -396,7 +397,8 @@ def test_anchor_attention_plans_a_request_once_per_pass(flashinfer_model, monkey
         torch.testing.assert_close(got, block_sparse_attention(q, k_cache, v_cache, layout, scale=0.3,
                                                                key_rows=key_rows), atol=1e-5, rtol=1e-5)
     assert builds == [len(layouts)]
-    decided_in_layer = build_relaxed_layout(layouts[1].q_pos, torch.rand(90), [(4, 30), (30, 61), (61, 90)], 90, 0.5, 8)
+    decided_in_layer = build_relaxed_layout(layouts[1].q_pos, torch.rand(90),
+                                            RelaxedContextSpec([(4, 30), (30, 61), (61, 90)], 90, 0.5, 8))
     got = anchors(qs[1], k_cache, v_cache, decided_in_layer, 0.3, key_rows)
     torch.testing.assert_close(got, block_sparse_attention(qs[1], k_cache, v_cache, decided_in_layer, scale=0.3,
                                                            key_rows=key_rows), atol=1e-5, rtol=1e-5)

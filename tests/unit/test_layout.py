@@ -7,6 +7,7 @@ import torch
 
 from relaxkv_sglang.core.layout import (
     BlockSparseLayout,
+    RelaxedContextSpec,
     build_relaxed_layout,
     build_relaxed_layouts,
     full_causal_layout,
@@ -21,6 +22,11 @@ N_CTX = 70
 
 def _anchors():
     return torch.tensor([6, 7, 13, 26, 27, 30, 44, 46, 52, 53, 69])
+
+
+def _ctx(ratio, **knobs):
+    """The tests' relaxed context: SPANS over N_CTX tokens in pages of PS."""
+    return RelaxedContextSpec(SPANS, N_CTX, ratio, page_size=PS, **knobs)
 
 
 def _scores():
@@ -40,7 +46,7 @@ def test_page_scores_sum_tokens():
 def test_full_ratio_is_exactly_the_causal_prefix():
     a = _anchors()
     for lay in (
-        build_relaxed_layout(a, _scores(), SPANS, N_CTX, 1.0, page_size=PS),
+        build_relaxed_layout(a, _scores(), _ctx(1.0)),
         full_causal_layout(a, SPANS, N_CTX, page_size=PS),
     ):
         expect = torch.arange(N_CTX)[None, :] <= a[:, None]
@@ -50,7 +56,7 @@ def test_full_ratio_is_exactly_the_causal_prefix():
 
 
 def test_row_blocks_group_by_page_and_chunk():
-    lay = build_relaxed_layout(_anchors(), _scores(), SPANS, N_CTX, 0.5, page_size=PS)
+    lay = build_relaxed_layout(_anchors(), _scores(), _ctx(0.5))
     # 26 (chunk 0) and 27 (chunk 1) share page 6 but not a chunk: two row blocks.
     groups = [lay.q_pos[lay.row_indptr[b]:lay.row_indptr[b + 1]].tolist() for b in range(lay.n_row_blocks)]
     assert groups == [[6, 7], [13], [26], [27], [30], [44], [46], [52, 53], [69]]
@@ -60,7 +66,7 @@ def test_row_blocks_group_by_page_and_chunk():
 
 def test_relaxed_context_contents_and_budget():
     # Page ranking by summed score: 9 (3.03) > 5 (2.03) > 2 (2.02) > 14 (0.53) > ties (0.04).
-    lay = build_relaxed_layout(_anchors(), _scores(), SPANS, N_CTX, 0.5, page_size=PS, sink_tokens=4)
+    lay = build_relaxed_layout(_anchors(), _scores(), _ctx(0.5, sink_tokens=4))
     by_first_row = {int(lay.q_pos[lay.row_indptr[b]]): lay.block_pages(b).tolist() for b in range(lay.n_row_blocks)}
     # Anchor 69 (page 17, chunk 2 starts at 45 = page 11): sink page 0 + own pages 11..17 = 8,
     # budget ceil(0.5 * 18) = 9 -> one more page: the best scored, page 9.
@@ -71,11 +77,11 @@ def test_relaxed_context_contents_and_budget():
     # Anchor 30 (page 7, chunk 1 starts at page 6): budget 4 = sink, 6, 7 + best of 1..5 (5).
     assert by_first_row[30] == [0, 5, 6, 7]
     # Budgets round up to whole pages: 0.4 * 12 = 4.8 -> 5 pages for anchor 46.
-    lay4 = build_relaxed_layout(_anchors(), _scores(), SPANS, N_CTX, 0.4, page_size=PS)
+    lay4 = build_relaxed_layout(_anchors(), _scores(), _ctx(0.4))
     b46 = int((lay4.q_pos[lay4.row_indptr[:-1].long()] == 46).nonzero())
     assert lay4.block_pages(b46).tolist() == [0, 2, 5, 9, 11]
     # Mandatory pages exceed a tiny budget: still kept (floor = sink + own chunk).
-    tiny = build_relaxed_layout(_anchors(), _scores(), SPANS, N_CTX, 0.01, page_size=PS)
+    tiny = build_relaxed_layout(_anchors(), _scores(), _ctx(0.01))
     pages = {int(tiny.q_pos[tiny.row_indptr[b]]): tiny.block_pages(b).tolist() for b in range(tiny.n_row_blocks)}
     assert pages[69] == [0, 11, 12, 13, 14, 15, 16, 17]
     # Causal: nothing after the anchor.
@@ -88,12 +94,12 @@ def test_relaxed_context_contents_and_budget():
 def test_own_chunk_outside_the_budget():
     a = _anchors()
     # Ratio 1 is still exactly the causal prefix; ratio 0 is sink + own chunk only.
-    full = build_relaxed_layout(a, _scores(), SPANS, N_CTX, 1.0, page_size=PS, own_chunk_in_budget=False)
+    full = build_relaxed_layout(a, _scores(), _ctx(1.0, own_chunk_in_budget=False))
     assert torch.equal(full.to_dense_mask(), torch.arange(N_CTX)[None, :] <= a[:, None])
-    bare = build_relaxed_layout(a, _scores(), SPANS, N_CTX, 0.0, page_size=PS, own_chunk_in_budget=False)
+    bare = build_relaxed_layout(a, _scores(), _ctx(0.0, own_chunk_in_budget=False))
     pages = {int(bare.q_pos[bare.row_indptr[b]]): bare.block_pages(b).tolist() for b in range(bare.n_row_blocks)}
     assert pages[69] == [0, 11, 12, 13, 14, 15, 16, 17]
-    lay = build_relaxed_layout(a, _scores(), SPANS, N_CTX, 0.5, page_size=PS, own_chunk_in_budget=False)
+    lay = build_relaxed_layout(a, _scores(), _ctx(0.5, own_chunk_in_budget=False))
     pages = {int(lay.q_pos[lay.row_indptr[b]]): lay.block_pages(b).tolist() for b in range(lay.n_row_blocks)}
     # Anchor 69: 11 pages before its chunk (page 11), budget ceil(0.5 * 11) = 6 = sink + the five best
     # (9, 5, 2, then the tied 1, 3); inside the budget it got one page besides sink and own chunk.
@@ -101,7 +107,7 @@ def test_own_chunk_outside_the_budget():
     # Anchor 30 (chunk from page 6): budget ceil(0.5 * 6) = 3 = sink + 5 + 2.
     assert pages[30] == [0, 2, 5, 6, 7]
     # Never fewer pages than with the own chunk counted in the budget.
-    inside = build_relaxed_layout(a, _scores(), SPANS, N_CTX, 0.5, page_size=PS)
+    inside = build_relaxed_layout(a, _scores(), _ctx(0.5))
     assert not (inside.to_dense_mask() & ~lay.to_dense_mask()).any()
 
 
@@ -109,7 +115,7 @@ def test_work_shrinks_monotonically_and_sets_nest():
     a = torch.arange(6, 70, 3)
     masks, pairs = [], []
     for ratio in (1.0, 0.5, 0.25):
-        lay = build_relaxed_layout(a, _scores(), SPANS, N_CTX, ratio, page_size=PS)
+        lay = build_relaxed_layout(a, _scores(), _ctx(ratio))
         masks.append(lay.to_dense_mask())
         pairs.append(lay.kv_pairs())
         assert lay.kv_pairs() == int(masks[-1].sum())
@@ -119,9 +125,9 @@ def test_work_shrinks_monotonically_and_sets_nest():
 
 def test_random_context_same_budget_seeded():
     a = _anchors()
-    top = build_relaxed_layout(a, _scores(), SPANS, N_CTX, 0.5, page_size=PS)
-    r1 = build_relaxed_layout(a, None, SPANS, N_CTX, 0.5, PS, mode="random", generator=torch.Generator().manual_seed(1))
-    r2 = build_relaxed_layout(a, None, SPANS, N_CTX, 0.5, PS, mode="random", generator=torch.Generator().manual_seed(1))
+    top = build_relaxed_layout(a, _scores(), _ctx(0.5))
+    r1 = build_relaxed_layout(a, None, _ctx(0.5, mode="random"), generator=torch.Generator().manual_seed(1))
+    r2 = build_relaxed_layout(a, None, _ctx(0.5, mode="random"), generator=torch.Generator().manual_seed(1))
     assert torch.equal(r1.indices, r2.indices)
     assert torch.equal(top.indptr, r1.indptr)  # same page count per row block
     assert not torch.equal(top.indices, r1.indices)
@@ -146,17 +152,27 @@ def test_kv_pairs_hand_count_and_from_page_mask():
 
 
 def test_empty_anchor_set():
-    lay = build_relaxed_layout(torch.zeros(0, dtype=torch.long), _scores(), SPANS, N_CTX, 0.5, PS)
+    lay = build_relaxed_layout(torch.zeros(0, dtype=torch.long), _scores(), _ctx(0.5))
     assert lay.n_rows == 0 and lay.n_row_blocks == 0 and lay.kv_pairs() == 0
 
 
 def test_bad_arguments():
     with pytest.raises(ValueError):
-        build_relaxed_layout(torch.tensor([9, 7]), _scores(), SPANS, N_CTX, 0.5, PS)
+        build_relaxed_layout(torch.tensor([9, 7]), _scores(), _ctx(0.5))
     with pytest.raises(ValueError):
-        build_relaxed_layout(_anchors(), _scores(), SPANS, N_CTX, 1.2, PS)
+        build_relaxed_layout(_anchors(), _scores(), _ctx(1.2))
     with pytest.raises(ValueError):
-        build_relaxed_layout(_anchors(), None, SPANS, N_CTX, 0.5, PS, mode="topk")
+        build_relaxed_layout(_anchors(), None, _ctx(0.5, mode="topk"))
+    with pytest.raises(ValueError, match="unknown context mode"):
+        _ctx(0.5, mode="dense")
+
+
+def test_context_spec_is_one_frozen_value():
+    context = _ctx(0.5)
+    assert context.chunk_spans == ((6, 27), (27, 45), (45, 70))  # a list of spans becomes a tuple
+    assert context == _ctx(0.5) and hash(context) == hash(_ctx(0.5))
+    with pytest.raises(AttributeError):
+        context.context_ratio = 0.3
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -185,17 +201,18 @@ def test_row_ranking_with_the_shared_scores_is_the_shared_layout():
     shared = page_scores(_scores(), PS)
     for own in (True, False):
         for ratio in (0.0, 0.3, 0.6, 1.0):
-            ref = build_relaxed_layout(a, _scores(), SPANS, N_CTX, ratio, PS, own_chunk_in_budget=own)
-            per_row = build_relaxed_layout(a, None, SPANS, N_CTX, ratio, PS, own_chunk_in_budget=own,
-                                           row_page_scores=shared.expand(a.numel(), -1))
+            context = _ctx(ratio, own_chunk_in_budget=own)
+            ref = build_relaxed_layout(a, _scores(), context)
+            per_row = build_relaxed_layout(a, None, context, row_page_scores=shared.expand(a.numel(), -1))
             assert torch.equal(ref.to_dense_mask(), per_row.to_dense_mask())
 
 
 def test_row_ranking_keeps_each_blocks_page_count_and_follows_its_own_rows():
     a, q, k = _qk()
-    shared = build_relaxed_layout(a, _scores(), SPANS, N_CTX, 0.5, PS, own_chunk_in_budget=False)
+    context = _ctx(0.5, own_chunk_in_budget=False)
+    shared = build_relaxed_layout(a, _scores(), context)
     rows = key_bound_page_scores(q, a, k, N_CTX, PS)
-    own = build_relaxed_layout(a, None, SPANS, N_CTX, 0.5, PS, own_chunk_in_budget=False, row_page_scores=rows)
+    own = build_relaxed_layout(a, None, context, row_page_scores=rows)
     assert torch.equal(own.row_indptr, shared.row_indptr)
     assert own.indptr.diff().tolist() == shared.indptr.diff().tolist()  # same budget per block
     # A block whose rows favour one optional page takes it.
@@ -205,7 +222,7 @@ def test_row_ranking_keeps_each_blocks_page_count_and_follows_its_own_rows():
     listed = set(shared.block_pages(last).tolist())
     target = next(p for p in range(1, int(a[r0]) // PS) if p not in listed and p * PS >= 6 and p < 6)
     boosted[r0:r1, target] = 100.0
-    lay = build_relaxed_layout(a, None, SPANS, N_CTX, 0.5, PS, own_chunk_in_budget=False, row_page_scores=boosted)
+    lay = build_relaxed_layout(a, None, context, row_page_scores=boosted)
     assert target in lay.block_pages(last).tolist()
 
 
@@ -250,15 +267,13 @@ def test_layouts_of_several_layers_at_once_equal_one_at_a_time(mode, own_chunk_i
     a0 = _anchors()
     sets = [a0, a0[[0, 2, 3, 5, 9]], torch.zeros(0, dtype=torch.long), a0[[3, 9, 10]], a0[[10]]]
     scores = torch.rand(len(sets), N_CTX, generator=g) ** 4
-    args = (SPANS, N_CTX, 0.3, PS, 4)
-    together = build_relaxed_layouts(sets, scores, *args, mode=mode, generator=torch.Generator().manual_seed(7),
-                                     own_chunk_in_budget=own_chunk_in_budget)
+    context = _ctx(0.3, sink_tokens=4, mode=mode, own_chunk_in_budget=own_chunk_in_budget)
+    together = build_relaxed_layouts(sets, scores, context, generator=torch.Generator().manual_seed(7))
     one_rng = torch.Generator().manual_seed(7)  # one order drawn per non-empty set, in set order
     for i, a in enumerate(sets):
-        alone = build_relaxed_layout(a, scores[i], *args, mode=mode, generator=one_rng,
-                                     own_chunk_in_budget=own_chunk_in_budget)
+        alone = build_relaxed_layout(a, scores[i], context, generator=one_rng)
         for field in ("q_pos", "row_indptr", "indptr", "indices"):
             assert torch.equal(getattr(together[i], field), getattr(alone, field)), (i, field)
     assert together[2].n_rows == 0 and together[2].nnz == 0
     with pytest.raises(ValueError, match="strictly increasing"):
-        build_relaxed_layouts([a0, a0.flip(0)], scores[:2], *args)
+        build_relaxed_layouts([a0, a0.flip(0)], scores[:2], context)

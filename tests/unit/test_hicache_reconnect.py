@@ -20,9 +20,10 @@ import time
 import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+from test_hicache_tier import DictPages
 
 from relaxkv_sglang.core.tiers import (
-    ChunkRecord, ModelIdentity, PagedTier, PageStore, ReconnectingPageStore, StoreUnavailable, TierContext,
+    ChunkRecord, ModelIdentity, PagedTier, ReconnectingPageStore, StoreUnavailable, TierContext,
     TieredChunkStore, ValueLayout, chunk_key,
 )
 from relaxkv_sglang.srt.mem_cache.hicache_tier import HiCacheTierConfig
@@ -192,34 +193,10 @@ def test_a_store_started_after_the_server_is_used_within_seconds(caplog):
     assert "is unavailable" in lines[0] and "is back" in lines[1] and "failed" in lines[2] and "is back" in lines[3]
 
 
-class _Pages(PageStore):
-    """Pages in a dict; ``hang`` (an Event) makes every call wait for it (a store that stalls)."""
-
-    def __init__(self) -> None:
-        self.page_bytes, self.pages, self.hang = PAGE, {}, None
-
-    def _called(self) -> None:
-        if self.hang is not None:
-            self.hang.wait(30)
-
-    def exists(self, keys):
-        self._called()
-        return [k in self.pages for k in keys]
-
-    def get(self, keys):
-        self._called()
-        return [self.pages.get(k) for k in keys]
-
-    def put(self, keys, pages):
-        self._called()
-        self.pages.update(zip(keys, pages))
-        return [True] * len(keys)
-
-
 def test_no_call_waits_on_a_stalled_store_past_the_bound():
     """A store that stalls (a dead Mooncake master: about 4 s a call) costs a caller at most the
     bound, once; then lookups are misses at once until the reconnected store answers."""
-    first, second = _Pages(), _Pages()
+    first, second = DictPages(), DictPages()
     built = []
 
     def connect():
@@ -271,7 +248,7 @@ def test_reconnect_backoff_doubles_up_to_its_bound():
     def down():
         raise ConnectionError("refused")
 
-    store = ReconnectingPageStore(down, PAGE, store=_Pages(), backoff_min_s=1.0, backoff_max_s=8.0)  # up: no thread
+    store = ReconnectingPageStore(down, PAGE, store=DictPages(), backoff_min_s=1.0, backoff_max_s=8.0)  # up: no thread
     store.closed = Waits()
     store._reconnect()  # the reconnect thread's loop, on this thread
     assert store.closed.delays == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0]
@@ -279,7 +256,7 @@ def test_reconnect_backoff_doubles_up_to_its_bound():
 
 
 def test_the_tiered_store_reports_the_connection():
-    store = ReconnectingPageStore(lambda: _Pages(), PAGE, info={"backend": "x"}, store=_Pages())
+    store = ReconnectingPageStore(lambda: DictPages(), PAGE, info={"backend": "x"}, store=DictPages())
     t = TieredChunkStore([PagedTier(store, LAYOUT)], IDENT, async_writes=False)
     stats = t.stats()
     assert stats["tier_hicache_store_connected"] == 1 and stats["tier_hicache_backend"] == "x"

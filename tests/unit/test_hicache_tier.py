@@ -52,13 +52,16 @@ def key(i: int, ns: str | None = None) -> str:
 
 
 class DictPages(PageStore):
-    """Pages in a dict; ``fail`` raises on every call, ``delay`` sleeps in each."""
+    """Pages in a dict (a key written once, as Mooncake keeps it); ``fail`` raises on every call,
+    ``hang`` (an Event) makes every call wait for it (a store that stalls)."""
 
     def __init__(self, page_bytes: int = PAGE) -> None:
-        self.page_bytes, self.pages, self.fail, self.calls = page_bytes, {}, False, 0
+        self.page_bytes, self.pages, self.fail, self.calls, self.hang = page_bytes, {}, False, 0, None
 
     def _called(self) -> None:
         self.calls += 1
+        if self.hang is not None:
+            self.hang.wait(30)
         if self.fail:
             raise ConnectionError("store down")
 

@@ -311,7 +311,7 @@ class CudaRules(TorchFunctionMode):
             if isinstance(data, torch.Tensor):
                 if _is_device(data):
                     return NotImplemented
-                return self._to(data, True, kwargs.get("dtype"), False, f"torch.{name}")
+                return self._to(data, kwargs.get("dtype"), False, f"torch.{name}")
             self._refuse(f"torch.{name}(data, device=cuda): a blocking copy from pageable memory")
         if name == "new_tensor" and _is_device(args[0]):
             self._refuse("new_tensor on a device tensor: a blocking copy from pageable memory")
@@ -324,7 +324,7 @@ class CudaRules(TorchFunctionMode):
             src = args[0]
             if _is_device(src):
                 return src
-            return self._to(src, True, None, bool(kwargs.get("non_blocking", False)), ".cuda()")
+            return self._to(src, None, bool(kwargs.get("non_blocking", False)), ".cuda()")
         if name == "copy_":
             dst, src = args[0], args[1]
             non_blocking = bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
@@ -360,7 +360,7 @@ class CudaRules(TorchFunctionMode):
             return NotImplemented
         to_cuda = _is_cuda_device(target_dev)
         if to_cuda and not _is_device(src):
-            return self._to(src, True, dtype, non_blocking, ".to(cuda)")
+            return self._to(src, dtype, non_blocking, ".to(cuda)")
         if not to_cuda and _is_device(src):
             self._read(".to(cpu)")
             out = self.take(src)
@@ -371,8 +371,9 @@ class CudaRules(TorchFunctionMode):
             out = plain.to(dtype=dtype if dtype is not None else plain.dtype, copy=copy)
         return _mark(out) if _is_device(src) else out
 
-    def _to(self, src: torch.Tensor, _to_cuda: bool, dtype: Optional[torch.dtype], non_blocking: bool,
-            what: str) -> torch.Tensor:
+    def _to(self, src: torch.Tensor, dtype: Optional[torch.dtype], non_blocking: bool, what: str) -> torch.Tensor:
+        """A host tensor copied to the stand-in device (``dtype``: converted too), if CUDA would copy it
+        without a host sync."""
         self._h2d(src, non_blocking, what)
         with torch._C.DisableTorchFunction():
             out = src.to(dtype=dtype if dtype is not None else src.dtype, copy=True)

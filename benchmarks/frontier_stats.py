@@ -186,27 +186,30 @@ def equal_ttft_gap(rows: list[dict], fmt: str, method: str, peer: str, *, rounds
     draws = [np.arange(len(examples))] + [rng.integers(0, len(examples), len(examples)) for _ in range(rounds)]
     weights = [np.bincount(d, minlength=len(examples)) for d in draws]
 
-    def point(units: dict[Unit, dict], w: np.ndarray) -> tuple[float, float]:
-        """(median extra TTFT, mean KL) of one point with example weights ``w`` (repeated rows)."""
-        rs = [(r["extra_ttft_s"], r["kl_first_token"], int(w[index[u[:2]]])) for u, r in units.items()]
-        rs = [x for x in rs if x[2] > 0]
-        extra = np.repeat([x[0] for x in rs], [x[2] for x in rs])
-        kl = np.repeat([x[1] for x in rs], [x[2] for x in rs])
-        return float(np.median(extra)), float(kl.mean())
+    def arrays(units: dict[Unit, dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(extra TTFT, KL, example index) of one point's rows."""
+        rs = list(units.items())
+        return (np.array([r["extra_ttft_s"] for _, r in rs]), np.array([r["kl_first_token"] for _, r in rs]),
+                np.array([index[u[:2]] for u, _ in rs]))
 
+    def point(data: tuple[np.ndarray, np.ndarray, np.ndarray], w: np.ndarray) -> tuple[float, float]:
+        """(median extra TTFT, mean KL) of one point with example weights ``w`` (rows repeated)."""
+        extra, kl, idx = data
+        counts = w[idx]
+        return float(np.median(np.repeat(extra, counts))), float((kl * counts).sum() / counts.sum())
+
+    mine_data = {ratio: arrays(units) for ratio, units in mine.items()}
+    peer_data = [arrays(units) for units in theirs.values()]
+    curves = [[point(d, w) for d in peer_data] for w in weights]  # the peer's curve, once per resample
     out = []
-    for ratio, units in sorted(mine.items()):
-        gaps, results = [], []
-        for w in weights:
-            x, kl = point(units, w)
-            curve = [point(t, w) for t in theirs.values()]
-            at = interpolate([c[0] for c in curve], [c[1] for c in curve], x)
-            results.append((x, kl, at, curve))
-            if at is not None:
-                gaps.append(kl - at)
-        x, kl, at, curve = results[0]
-        boot = [kl_b - at_b for _, kl_b, at_b, _ in results[1:] if at_b is not None]
-        lo_x = min(c[0] for c in curve)
+    for ratio, data in sorted(mine_data.items()):
+        results = []
+        for w, curve in zip(weights, curves):
+            x, kl = point(data, w)
+            results.append((x, kl, interpolate([c[0] for c in curve], [c[1] for c in curve], x)))
+        x, kl, at = results[0]
+        boot = [kl_b - at_b for _, kl_b, at_b in results[1:] if at_b is not None]
+        lo_x = min(c[0] for c in curves[0])
         where = "between" if at is not None else "cheaper" if x < lo_x else "dearer"
         ci = (metrics.percentile(boot, 2.5), metrics.percentile(boot, 97.5)) if boot and at is not None else None
         out.append({"format": fmt, "method": method, "peer": peer, "cost": "extra_ttft_s", "ratio": ratio,

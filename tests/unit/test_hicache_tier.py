@@ -202,7 +202,7 @@ def test_a_header_claiming_2_40_bytes_is_rejected_after_one_page_read():
         store.get = lambda keys: asked.append(len(keys)) or get(keys)
         t0 = time.monotonic()
         assert tier.get(key(1)) is None
-        assert time.monotonic() - t0 < 1.0 and asked == [1]  # page 0 only
+        assert asked == [1] and time.monotonic() - t0 < 10  # page 0 only (before: ~4M keys sized by the header)
         assert tier.stats()["corrupt"] == 1 and tier.stats()["misses"] == 1
 
 

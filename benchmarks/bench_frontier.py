@@ -37,7 +37,7 @@ import sys
 
 from tqdm import tqdm
 
-from benchmarks import bench_quality, common, frontier_stats, quality_tasks, tables
+from benchmarks import bench_quality, common, frontier_stats, quality_stats, quality_tasks, tables
 from benchmarks.frontier_stats import ALL
 from relaxkv_sglang.core.repair_config import RepairCost
 from relaxkv_sglang.schema import CONTEXT_RATIO
@@ -62,9 +62,12 @@ def analyse(rows: list[dict], args: argparse.Namespace, n_layers: int, pair_cost
     cells = [*args.formats, ALL] if len(args.formats) > 1 else list(args.formats)
     peers = [p for p in args.policies if p not in (args.method, "full", "pic")]
     compared = frontier_stats.equal_cost_all(rows, list(args.formats), args.method, peers)
+    equal_ratio = [{"format": f, "peer": p, "ratio": r,
+                    **quality_stats.paired_cell([x for x in rows if f in (ALL, x["format"])], (args.method, r), (p, r))}
+                   for f in cells for p in peers for r in args.anchor_ratios]
     return {"formats": list(args.formats), "n_layers": n_layers, "pair_cost": pair_cost,
             "points": [p for f in cells for p in frontier_stats.frontier_points(rows, f)],
-            "equal_work": compared["work"], "equal_ttft": compared["extra_ttft_s"], "per_example": rows}
+            "equal_work": compared["work"], "equal_ttft": compared["extra_ttft_s"], "equal_ratio": equal_ratio, "per_example": rows}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -151,6 +154,15 @@ def print_report(result: dict, args: argparse.Namespace) -> None:
          f"{p['kl']:.3f} {_ci(p['kl_ci95'])}", common.fmt(p["extra_ttft_median_s"], "+.3f"),
          common.fmt(p["token_layers"], ",.0f"), common.fmt(p["pairs"], ",.0f"), common.fmt(p["work"], ",.0f")]
         for p in result["points"]])
+    print(f"\n{args.method} against each peer at the same asked ratio (diff = {args.method} − peer per example, "
+          f"95% CI over examples; W/T/L over prompts)")
+    columns = [tables.left("format", 14), tables.left("peer", 11), tables.right("anchors", 8), tables.right("KL", 7),
+               tables.right("peer KL", 8), tables.right("diff [95% CI]", 26), tables.right("W/T/L", 10)]
+    tables.print_text_table(columns, [
+        [r["format"], r["peer"], f"{r['ratio']:.0%}", common.fmt(r["kl"], ".3f"), common.fmt(r["kl_versus"], ".3f"),
+         "-" if r["diff"] is None else f"{r['diff']:+.3f} {_ci(r['diff_ci95'], '+.3f')}",
+         f"{r['wins']}/{r['ties']}/{r['losses']}"]
+        for r in result.get("equal_ratio", [])])
     print(f"\n{args.method} against each peer at equal work, per prompt (the peer's KL interpolated on its own "
           f"work curve for that prompt; diff = {args.method} − peer, 95% CI over examples)")
     columns = [tables.left("format", 14), tables.left("peer", 11), tables.right("anchors", 8),

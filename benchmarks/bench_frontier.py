@@ -32,15 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import random
-import sys
-
-from tqdm import tqdm
 
 from benchmarks import bench_quality, common, frontier_stats, quality_stats, quality_tasks, tables
 from benchmarks.frontier_stats import ALL
 from relaxkv_sglang.core.repair_config import RepairCost
-from relaxkv_sglang.schema import CONTEXT_RATIO
 
 BENCH = "bench_frontier"
 PEERS = ("relaxkv", "prophetkv", "cacheblend", "epic")
@@ -72,26 +67,8 @@ def analyse(rows: list[dict], args: argparse.Namespace, n_layers: int, pair_cost
 
 def run(args: argparse.Namespace) -> dict:
     """Every example of every task in every format under full, pic and every (policy, ratio)."""
-    try:
-        examples = {t: quality_tasks.task_examples(t, args.examples, seed=args.seed, offset=args.offset,
-                                                   documents=args.documents) for t in args.tasks}
-    except ValueError as exc:
-        raise RuntimeError(str(exc)) from exc
     n_layers, pair_cost = model_costs(args)
-    cfgs = bench_quality.configs(["full", "pic", *args.policies], args.anchor_ratios)
-    rng = random.Random(args.seed)
-    rows: list[dict] = []
-    with common.bench_client(args, BENCH) as client:
-        calibration = client.calibration()
-        print(f"{BENCH}: {common.calibration_line(calibration)}", file=sys.stderr, flush=True)
-        if args.context_ratio is None:
-            args.context_ratio = (calibration or {}).get("knobs", {}).get("context_ratio", CONTEXT_RATIO.default)
-        for task, exs in examples.items():
-            for example in tqdm(exs, desc=f"{BENCH} {task}", unit="example"):
-                for fmt in args.formats:
-                    rows += bench_quality.answer_example(client, example, fmt, cfgs, args, rng)
-    tasks = {t: {"examples": len(exs), "example_ids": [e.example_id for e in exs]} for t, exs in examples.items()}
-    split = {"name": args.split, "offset": args.offset, "seed": args.seed}
+    rows, tasks, split, calibration = bench_quality.answer_all(args, ["full", "pic", *args.policies], BENCH)
     return {"split": split, "tasks": tasks, "calibration": calibration,
             **analyse(rows, args, n_layers, pair_cost)}
 

@@ -109,7 +109,7 @@ import math
 import pathlib
 import random
 import sys
-from typing import Iterable
+from typing import Iterable, Optional, Sequence
 
 from tqdm import tqdm
 
@@ -236,29 +236,38 @@ def answer_example(client: ServerClient, example: quality_tasks.TaskExample, fmt
             for policy, ratio in cfgs]
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Every example of every task in every format under every config against one server."""
+def answer_all(args: argparse.Namespace, policies: Sequence[str],
+               bench: str = BENCH) -> tuple[list[dict], dict, dict, Optional[dict]]:
+    """Every example of every task in every format under every config of ``policies`` against one
+    server: (per-example rows, tasks, split, the server's calibration). ``args.context_ratio`` is
+    the server's when not given."""
     try:
         examples = {t: quality_tasks.task_examples(t, args.examples, seed=args.seed, offset=args.offset,
                                                documents=args.documents)
                     for t in args.tasks}
     except ValueError as exc:
         raise RuntimeError(str(exc)) from exc
-    cfgs = configs(args.policies, args.anchor_ratios)
+    cfgs = configs(policies, args.anchor_ratios)
     rng = random.Random(args.seed)
     rows: list[dict] = []
-    with common.bench_client(args, BENCH) as client:
+    with common.bench_client(args, bench) as client:
         calibration = client.calibration()  # the server's repair knobs; its context ratio unless given
-        print(f"{BENCH}: {common.calibration_line(calibration)}", file=sys.stderr, flush=True)
+        print(f"{bench}: {common.calibration_line(calibration)}", file=sys.stderr, flush=True)
         if args.context_ratio is None:
             args.context_ratio = (calibration or {}).get("knobs", {}).get("context_ratio", CONTEXT_RATIO.default)
         for task, exs in examples.items():
-            for example in tqdm(exs, desc=f"{BENCH} {task}", unit="example"):
+            for example in tqdm(exs, desc=f"{bench} {task}", unit="example"):
                 for fmt in args.formats:
                     rows += answer_example(client, example, fmt, cfgs, args, rng)
     tasks = {t: {"examples": len(exs), "scorer": exs[0].scorer, "example_ids": [e.example_id for e in exs]}
              for t, exs in examples.items()}
     split = {"name": args.split, "offset": args.offset, "seed": args.seed}
+    return rows, tasks, split, calibration
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Every example of every task in every format under every config against one server."""
+    rows, tasks, split, calibration = answer_all(args, args.policies)
     return {**result_of(rows, split, tasks, args), "calibration": calibration}
 
 

@@ -20,32 +20,11 @@ import time
 import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
-from test_hicache_tier import DictPages
+from test_hicache_tier import IDENT, LAYOUT, PAGE, DictPages, _ctx, key, record
 
-from relaxkv_sglang.core.tiers import (
-    ChunkRecord, ModelIdentity, PagedTier, ReconnectingPageStore, StoreUnavailable, TierContext,
-    TieredChunkStore, ValueLayout, chunk_key,
-)
+from relaxkv_sglang.core.tiers import PagedTier, ReconnectingPageStore, StoreUnavailable, TieredChunkStore
 from relaxkv_sglang.srt.mem_cache.hicache_tier import HiCacheTierConfig
 from relaxkv_sglang.srt.mem_cache.tiers import tier_configs_from_env
-
-SHAPE = (2, 2, 2, 4)  # layers, K/V, kv heads, head dim: 128 bytes a token in float32
-IDENT = ModelIdentity("tiny@cfg1", "tok1", "torch.float32", "L2 H2 D4 rope10000")
-LAYOUT = ValueLayout.of(IDENT, SHAPE, torch.float32)
-PAGE = 2048
-
-
-def record(seed: int, n: int, start: int = 0) -> ChunkRecord:
-    g = torch.Generator().manual_seed(seed)
-    return ChunkRecord(torch.randn((n, *SHAPE), generator=g), start)
-
-
-def key(i: int) -> str:
-    return chunk_key(IDENT, None, [i, i + 1, i + 2])
-
-
-def _ctx() -> TierContext:
-    return TierContext(IDENT, SHAPE, torch.float32)
 
 
 def _wait_until(condition, timeout_s: float) -> float:

@@ -116,6 +116,11 @@ def _ci(ci, spec: str = ".3f") -> str:
     return "[-]" if ci is None else f"[{format(ci[0], spec)},{format(ci[1], spec)}]"
 
 
+def _signed(row: dict, name: str) -> str:
+    """A difference column of a comparison row with its CI (``name`` and ``name_ci95``), "-" when none."""
+    return "-" if row[name] is None else f"{row[name]:+.3f} {_ci(row[name + '_ci95'], '+.3f')}"
+
+
 def print_report(result: dict, args: argparse.Namespace) -> None:
     """The frontier points per cell, then the equal-cost comparisons."""
     split = result["split"]
@@ -137,7 +142,7 @@ def print_report(result: dict, args: argparse.Namespace) -> None:
                tables.right("peer KL", 8), tables.right("diff [95% CI]", 26), tables.right("W/T/L", 10)]
     tables.print_text_table(columns, [
         [r["format"], r["peer"], f"{r['ratio']:.0%}", common.fmt(r["kl"], ".3f"), common.fmt(r["kl_versus"], ".3f"),
-         "-" if r["diff"] is None else f"{r['diff']:+.3f} {_ci(r['diff_ci95'], '+.3f')}",
+         _signed(r, "diff"),
          f"{r['wins']}/{r['ties']}/{r['losses']}"]
         for r in result.get("equal_ratio", [])])
     print(f"\n{args.method} against each peer at equal work, per prompt (the peer's KL interpolated on its own "
@@ -148,7 +153,7 @@ def print_report(result: dict, args: argparse.Namespace) -> None:
     tables.print_text_table(columns, [
         [r["format"], r["peer"], f"{r['ratio']:.0%}", common.fmt(r["method_cost"], ",.0f"), common.fmt(r["kl"], ".3f"),
          common.fmt(r["kl_peer_at_cost"], ".3f"),
-         "-" if r["diff"] is None else f"{r['diff']:+.3f} {_ci(r['diff_ci95'], '+.3f')}",
+         _signed(r, "diff"),
          f"{r['wins']}/{r['ties']}/{r['losses']}", f"{r['n_units']}/{r['n_outside']}"]
         for r in result["equal_work"]])
     print(f"\n{args.method} against each peer at equal median extra TTFT (TTFT − pic's, same prompt, same run; "
@@ -159,7 +164,7 @@ def print_report(result: dict, args: argparse.Namespace) -> None:
     tables.print_text_table(columns, [
         [r["format"], r["peer"], f"{r['ratio']:.0%}", f"{r['extra_ttft_s']:+.3f}", f"{r['kl']:.3f}",
          common.fmt(r["kl_peer_at_cost"], ".3f"),
-         "-" if r["gap"] is None else f"{r['gap']:+.3f} {_ci(r['gap_ci95'], '+.3f')}",
+         _signed(r, "gap"),
          r["verdict"] or "-", r["where"]]
         for r in result["equal_ttft"]])
 

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from relaxkv_sglang.core.staging import HostStage, Staged, to_device
+from relaxkv_sglang.core.staging import HostStage, Staged
 
 __all__ = [
     "dense_causal_attention",
@@ -28,7 +28,6 @@ __all__ = [
     "sdpa_attention",
     "softmax_scale",
     "ScopedCausalPlan",
-    "to_device",
 ]
 
 

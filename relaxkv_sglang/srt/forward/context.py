@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional, Protocol, Sequence
 
 import torch
 
-from relaxkv_sglang.core.attention import to_device
+from relaxkv_sglang.core.staging import to_device
 from relaxkv_sglang.core.selection import query_attention_scores
 from relaxkv_sglang.srt.failures import InvariantError
 

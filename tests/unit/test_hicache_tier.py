@@ -32,7 +32,7 @@ from relaxkv_sglang.srt.mem_cache.hicache_tier import HiCachePageStore, HiCacheT
 from relaxkv_sglang.srt.mem_cache.tiers import tier_configs_from_env
 
 
-def tier_config_from_env(env):
+def hicache_config_from_env(env):
     """The HiCache tier the environment asks for (None: none), through the server's table."""
     return next((c for c in tier_configs_from_env(env) if isinstance(c, HiCacheTierConfig)), None)
 
@@ -382,17 +382,17 @@ def test_zero_copy_convention_moves_pages_by_their_halves_in_turns():
 
 def test_hicache_env(tmp_path):
     extra = {"master_server_address": "127.0.0.1:50051", "protocol": "tcp"}
-    c = tier_config_from_env({"RELAXKV_HICACHE_STORAGE_BACKEND": "mooncake",
+    c = hicache_config_from_env({"RELAXKV_HICACHE_STORAGE_BACKEND": "mooncake",
                               "RELAXKV_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG": json.dumps(extra)})
     assert c.backend == "mooncake" and c.extra_config == extra
     assert c.page_bytes == 256 << 10 and c.connect_timeout_s == 30.0
     (tmp_path / "mc.toml").write_text('master_server_address = "127.0.0.1:1"\nprotocol = "tcp"\n')
-    c = tier_config_from_env({"RELAXKV_HICACHE_STORAGE_BACKEND": "mooncake", "RELAXKV_HICACHE_PAGE_KB": "64",
+    c = hicache_config_from_env({"RELAXKV_HICACHE_STORAGE_BACKEND": "mooncake", "RELAXKV_HICACHE_PAGE_KB": "64",
                               "RELAXKV_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG": f"@{tmp_path}/mc.toml",
                               "RELAXKV_HICACHE_CONNECT_TIMEOUT_S": "5"})
     assert c.extra_config["master_server_address"] == "127.0.0.1:1" and c.page_bytes == 64 << 10
     assert c.connect_timeout_s == 5.0
-    assert tier_config_from_env({}) is None
+    assert hicache_config_from_env({}) is None
 
 
 @pytest.mark.parametrize("env, message", [
@@ -406,6 +406,6 @@ def test_hicache_env(tmp_path):
 def test_bad_hicache_env_is_one_line(env, message):
     env = {"RELAXKV_HICACHE_STORAGE_BACKEND": "file", **env}
     with pytest.raises(SystemExit) as exc:
-        tier_config_from_env(env)
+        hicache_config_from_env(env)
     text = str(exc.value)
     assert text.startswith("relaxkv-sglang: ") and message in text and "\n" not in text

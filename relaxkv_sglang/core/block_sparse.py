@@ -53,12 +53,6 @@ class AttentionWork:
         self.executed += executed
         self.full += full
 
-    def add_layout(self, layout) -> None:
-        """Count one layout by its own methods (an executor that does not count as it runs)."""
-        self.visible += layout.kv_pairs()
-        self.executed += executed_kv_pairs(layout)
-        self.full += layout.full_kv_pairs()
-
 
 def block_sparse_attention(
     q: torch.Tensor,

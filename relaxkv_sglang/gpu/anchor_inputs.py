@@ -77,14 +77,20 @@ class AnchorLayerInputs:
         """(query, key) pairs of the call: each segment's queries (padding included) times its keys."""
         return int((self.qo_indptr.diff().long() * self.kv_indptr.diff().long()).sum())
 
-    def kv_positions(self, device: Optional[torch.device] = None) -> torch.Tensor:
-        """int64 [n_kv] the call's keys as prompt positions, expanded on ``device``."""
+    def kv_positions(self, device: Optional[torch.device] = None, run_start: Optional[torch.Tensor] = None,
+                     run_len: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """int64 [n_kv] the call's keys as prompt positions, expanded on ``device``; ``run_start`` /
+        ``run_len``: the runs already there (staged), else copied from the host."""
         device = self.run_start.device if device is None else device
-        return expand_runs(to_device(self.run_start, device), to_device(self.run_len, device), self.n_kv)
+        run_start = to_device(self.run_start, device) if run_start is None else run_start
+        run_len = to_device(self.run_len, device) if run_len is None else run_len
+        return expand_runs(run_start, run_len, self.n_kv)
 
-    def kv_indices(self, key_rows: torch.Tensor) -> torch.Tensor:
-        """int32 [n_kv] the call's keys as KV-pool slots (``key_rows[position]``), on key_rows' device."""
-        return key_rows[self.kv_positions(key_rows.device)].to(torch.int32)
+    def kv_indices(self, key_rows: torch.Tensor, run_start: Optional[torch.Tensor] = None,
+                   run_len: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """int32 [n_kv] the call's keys as KV-pool slots (``key_rows[position]``), on key_rows' device
+        (``run_start`` / ``run_len`` as for :meth:`kv_positions`)."""
+        return key_rows[self.kv_positions(key_rows.device, run_start, run_len)].to(torch.int32)
 
 
 def anchor_prefill_inputs(layouts: Sequence[BlockSparseLayout]) -> list[AnchorLayerInputs]:

@@ -32,7 +32,7 @@ import torch
 from relaxkv_sglang.core.layout import BlockSparseLayout
 from relaxkv_sglang.core.staging import HostStage, Staged, pinned_host
 from relaxkv_sglang.gpu.anchor_inputs import AnchorLayerInputs, anchor_prefill_inputs
-from relaxkv_sglang.gpu.prefill_inputs import ScopedPrefillInputs, expand_runs
+from relaxkv_sglang.gpu.prefill_inputs import ScopedPrefillInputs
 
 FLASHINFER_VERSION = "0.7.2"
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -209,8 +209,8 @@ class FlashInferAnchorAttention:
         if inputs.n_segments == 0:
             return out
         call = self._ring.next_call()
-        kv_positions = expand_runs(entry.run_start.get(), entry.run_len.get(), inputs.n_kv)
-        call.plan(entry.qo_indptr, entry.kv_indptr, entry.last_page_len, key_rows[kv_positions].to(torch.int32),
+        kv_indices = inputs.kv_indices(key_rows, entry.run_start.get(), entry.run_len.get())  # staged runs
+        call.plan(entry.qo_indptr, entry.kv_indptr, entry.last_page_len, kv_indices,
                   num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[1], head_dim=q.shape[2], dtype=q.dtype,
                   kv_dtype=k_cache.dtype, scale=scale)
         q_call = q.new_zeros(inputs.n_qo, q.shape[1], q.shape[2])  # padding queries stay 0

@@ -188,7 +188,17 @@ def task_score(example: quality_tasks.TaskExample, answer: str) -> float:
     return metrics.score(example.scorer, first_line(answer) if example.scorer == "qa_f1" else answer, example.answers)
 
 
-def configs(policies: list[str], ratios: list[float]) -> list[tuple[str, float | None]]:
+AUTO_PREFIX = "auto:"  # a config's "ratio" AUTO_PREFIX + quality: relaxkv_budget auto at that quality
+
+
+def budget_fields(ratio: float | str | None) -> dict:
+    """The request fields of a config's ratio: an anchor ratio, or ``auto:<quality>`` (an auto budget)."""
+    if isinstance(ratio, str) and ratio.startswith(AUTO_PREFIX):
+        return {"budget": "auto", "quality": ratio.removeprefix(AUTO_PREFIX)}
+    return {"anchor_ratio": ratio}
+
+
+def configs(policies: list[str], ratios: list[float | str]) -> list[tuple[str, float | str | None]]:
     """(policy, anchor ratio) pairs one example is answered under; baselines once, with ratio None."""
     return ([(p, None) for p in policies if p in BASELINES]
             + [(p, r) for r in ratios for p in policies if p not in BASELINES])
@@ -230,24 +240,24 @@ def answer_example(client: ServerClient, example: quality_tasks.TaskExample, fmt
     outs = {("full", None): full}
     for policy, ratio in order:
         outs[(policy, ratio)] = client.generate_stream(
-            text, offsets, policy, max_new_tokens=max_new, anchor_ratio=ratio,
+            text, offsets, policy, max_new_tokens=max_new, **budget_fields(ratio),
             context_ratio=args.context_ratio if ratio is not None else None, token_ids_logprob=top_ids)
     return [result_row(example, fmt, policy, ratio, outs[(policy, ratio)], full, args.kl_only)
             for policy, ratio in cfgs]
 
 
-def answer_all(args: argparse.Namespace, policies: Sequence[str],
-               bench: str = BENCH) -> tuple[list[dict], dict, dict, Optional[dict]]:
-    """Every example of every task in every format under every config of ``policies`` against one
-    server: (per-example rows, tasks, split, the server's calibration). ``args.context_ratio`` is
-    the server's when not given."""
+def answer_all(args: argparse.Namespace, policies: Sequence[str], bench: str = BENCH,
+               cfgs: Optional[list[tuple[str, float | str | None]]] = None) -> tuple[list[dict], dict, dict, Optional[dict]]:
+    """Every example of every task in every format under every config (``cfgs``, else every policy of
+    ``policies`` at every ``args.anchor_ratios``) against one server: (per-example rows, tasks,
+    split, the server's calibration). ``args.context_ratio`` is the server's when not given."""
     try:
         examples = {t: quality_tasks.task_examples(t, args.examples, seed=args.seed, offset=args.offset,
                                                documents=args.documents)
                     for t in args.tasks}
     except ValueError as exc:
         raise RuntimeError(str(exc)) from exc
-    cfgs = configs(policies, args.anchor_ratios)
+    cfgs = cfgs if cfgs is not None else configs(policies, args.anchor_ratios)
     rng = random.Random(args.seed)
     rows: list[dict] = []
     with common.bench_client(args, bench) as client:

@@ -21,7 +21,7 @@ from typing import Iterator
 import requests
 
 from relaxkv_sglang.routing import ROUTING_HEADER, HotKeySplitter, prompt_documents, routing_key_of_documents
-from relaxkv_sglang.schema import ANCHOR_RATIO, BUDGET, CHUNKS, CONTEXT_RATIO, POLICY
+from relaxkv_sglang.schema import ANCHOR_RATIO, BUDGET, CHUNKS, CONTEXT_RATIO, POLICY, QUALITY
 
 
 class ServerClient:
@@ -35,12 +35,13 @@ class ServerClient:
 
     def generate(self, text: str, offsets: list[int] | None = None, policy: str | None = None, *,
                  max_new_tokens: int = 16, anchor_ratio: float | None = None, context_ratio: float | None = None,
-                 budget: float | None = None,
+                 budget: float | str | None = None, quality: str | float | None = None,
                  stop=None, top_logprobs: int = 0, token_ids_logprob: list[int] | None = None,
                  return_logprob: bool = False, **extra) -> dict:
-        """POST /generate, greedy; ``client_latency_s`` is added to the response."""
+        """POST /generate, greedy; ``client_latency_s`` is added to the response. ``budget`` may be
+        ``"auto"`` (then ``quality``: a level or a target KL)."""
         body = self._body(text, offsets, policy, max_new_tokens=max_new_tokens, anchor_ratio=anchor_ratio,
-                          context_ratio=context_ratio, budget=budget, stop=stop, top_logprobs=top_logprobs,
+                          context_ratio=context_ratio, budget=budget, quality=quality, stop=stop, top_logprobs=top_logprobs,
                           token_ids_logprob=token_ids_logprob, return_logprob=return_logprob, **extra)
         out, elapsed = self._post_json("/generate", body, text, offsets)
         out["client_latency_s"] = elapsed
@@ -91,9 +92,9 @@ class ServerClient:
 
     @staticmethod
     def _body(text, offsets, policy, *, max_new_tokens, anchor_ratio=None, context_ratio=None, budget=None,
-              stop=None, top_logprobs=0, token_ids_logprob=None, return_logprob=False, **extra) -> dict:
+              quality=None, stop=None, top_logprobs=0, token_ids_logprob=None, return_logprob=False, **extra) -> dict:
         fields = ((POLICY, policy), (CHUNKS, offsets), (ANCHOR_RATIO, anchor_ratio), (CONTEXT_RATIO, context_ratio),
-                  (BUDGET, budget))
+                  (BUDGET, budget), (QUALITY, quality))
         custom = {field.name: value for field, value in fields if value is not None}
         sampling = {"max_new_tokens": max_new_tokens, "temperature": 0}
         if custom:

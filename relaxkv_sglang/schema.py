@@ -38,11 +38,14 @@ import os
 from typing import Any, Mapping, Optional
 
 from relaxkv_sglang.core.policies import CHUNK_POLICIES, DEFAULT_POLICY, SERVER_POLICIES
+from relaxkv_sglang.core.quality import AUTO as AUTO_BUDGET
+from relaxkv_sglang.core.quality import DEFAULT_QUALITY, QUALITY_LEVELS, parse_quality
 from relaxkv_sglang.core.segments import ChunkSpecError, parse_chunk_offsets
 
 __all__ = [
     "USER_PREFIX", "RESERVED_PREFIX", "RECORD_KEY", "DEFAULT_POLICY_ENV", "RequestError", "Field",
-    "ChunksField", "PolicyField", "RatioField", "CHUNKS", "POLICY", "ANCHOR_RATIO", "CONTEXT_RATIO", "BUDGET",
+    "ChunksField", "PolicyField", "RatioField", "BudgetField", "QualityField", "CHUNKS", "POLICY", "ANCHOR_RATIO",
+    "CONTEXT_RATIO", "BUDGET", "QUALITY", "AUTO_BUDGET", "QUALITY_LEVELS", "default_quality", "default_budget",
     "FIELDS", "FIELD_NAMES", "REPAIR_KNOBS", "PLAN_KEYS", "PROMPT_LEN_KEY", "check_keys", "mentions_fields", "default_policy",
     "POLICY_HEADER", "header_policy",
 ]
@@ -52,6 +55,8 @@ RESERVED_PREFIX = "_relaxkv_"  # the server's internal plan keys, present and fu
 RECORD_KEY = "relaxkv"  # meta_info key of the per-request report (SGLang carries it as customized_info)
 DEFAULT_POLICY_ENV = "RELAXKV_DEFAULT_POLICY"  # the server default policy (default: core.policies.DEFAULT_POLICY)
 POLICY_HEADER = "X-RelaxKV-Policy"  # a request's default policy (HTTP header names are case-insensitive)
+DEFAULT_BUDGET_ENV = "RELAXKV_DEFAULT_BUDGET"  # a repair request's budget when it gives no ratio nor budget
+QUALITY_ENV = "RELAXKV_QUALITY"  # what an auto budget aims at unless the request says (default medium)
 
 
 class RequestError(ValueError):
@@ -191,6 +196,55 @@ class RatioField(Field):
             raise self.error(f"must be a number in [{self.low}, {self.high}], got {value!r}")
         return float(value)
 
+    def from_plan(self, value: Any) -> Any:
+        """The planned value as the scheduler reads it back (None: not given)."""
+        return None if value is None else float(value)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BudgetField(RatioField):
+    """``relaxkv_budget``: a cost share in ``[low, high]``, or :data:`AUTO_BUDGET` (the budget chosen per
+    request from the query pass, ``core/auto_budget.py``)."""
+
+    type: str = "number or string"
+
+    def validate(self, value: Any, *, text: Optional[str] = None) -> float | str:
+        """``value`` as a float in range, or ``"auto"``."""
+        if value == AUTO_BUDGET:
+            return AUTO_BUDGET
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not self.low <= value <= self.high:
+            raise self.error(f"must be a number in [{self.low}, {self.high}] or {AUTO_BUDGET!r}, got {value!r}")
+        return float(value)
+
+    def from_plan(self, value: Any) -> Any:
+        return value if value in (None, AUTO_BUDGET) else float(value)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QualityField(Field):
+    """``relaxkv_quality``: what an ``auto`` budget aims at, a level of :data:`QUALITY_LEVELS` or a
+    target mean KL (a number above 0); the server's default is ``RELAXKV_QUALITY``."""
+
+    type: str = "string or number"
+
+    @property
+    def config_attr(self) -> str:
+        return self.name.removeprefix(USER_PREFIX)
+
+    @property
+    def default(self) -> str:
+        return default_quality()
+
+    def validate(self, value: Any, *, text: Optional[str] = None) -> str | float:
+        """A level name (lower-cased) or a float above 0."""
+        try:
+            return parse_quality(value)
+        except ValueError as exc:
+            raise self.error(str(exc)) from None
+
+    def from_plan(self, value: Any) -> Any:
+        return None if value is None else parse_quality(value)
+
 
 CHUNKS = ChunksField(
     name="relaxkv_chunks",
@@ -216,15 +270,19 @@ CONTEXT_RATIO = RatioField(
         "(its own chunk and the first tokens always)",
 )
 
-BUDGET = RatioField(
+BUDGET = BudgetField(
     name="relaxkv_budget", plan_key="_relaxkv_budget",
-    doc="repair policies: the repair's cost as a share of recomputing the chunks in full; "
-        "sets the anchor and context ratios (joint allocation)",
+    doc="repair policies: the repair's cost as a share of recomputing the chunks in full (sets the anchor "
+        "and context ratios, joint allocation), or `auto`: the anchor ratio chosen per request for `relaxkv_quality`",
+)
+QUALITY = QualityField(
+    name="relaxkv_quality", plan_key="_relaxkv_quality",
+    doc="with an `auto` budget: what it aims at, `low`, `medium`, `high` or a target mean first-token KL",
 )
 
-FIELDS: tuple[Field, ...] = (CHUNKS, POLICY, ANCHOR_RATIO, CONTEXT_RATIO, BUDGET)
+FIELDS: tuple[Field, ...] = (CHUNKS, POLICY, ANCHOR_RATIO, CONTEXT_RATIO, BUDGET, QUALITY)
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
-REPAIR_KNOBS: tuple[RatioField, ...] = (ANCHOR_RATIO, CONTEXT_RATIO, BUDGET)
+REPAIR_KNOBS: tuple[RatioField | QualityField, ...] = (ANCHOR_RATIO, CONTEXT_RATIO, BUDGET, QUALITY)
 # The length of the prompt the plan's token spans index (internal, set with the spans): SGLang may
 # serve the request on a longer prompt that ends with it (a session turn after its history,
 # ``srt/plan.py``), and the scheduler shifts the spans by the difference.
@@ -258,6 +316,29 @@ def default_policy() -> str:
     if not POLICY.is_valid(policy):
         raise SystemExit(f"relaxkv-sglang: {DEFAULT_POLICY_ENV}={policy!r} is not one of {', '.join(POLICY.choices)}")
     return policy
+
+
+def default_quality() -> str | float:
+    """The server's quality for an ``auto`` budget: ``RELAXKV_QUALITY``, else :data:`DEFAULT_QUALITY`;
+    an invalid value stops the process (called at startup)."""
+    value = os.environ.get(QUALITY_ENV, DEFAULT_QUALITY)
+    try:
+        return parse_quality(value)
+    except ValueError as exc:
+        raise SystemExit(f"relaxkv-sglang: {QUALITY_ENV}={value!r}: {exc}") from None
+
+
+def default_budget() -> float | str | None:
+    """The budget of a repair request that gives no ``relaxkv_anchor_ratio`` nor ``relaxkv_budget``:
+    ``RELAXKV_DEFAULT_BUDGET`` (``auto`` or a share), else None (the anchor ratio's default); an
+    invalid value stops the process."""
+    value = os.environ.get(DEFAULT_BUDGET_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        return BUDGET.validate(value if value == AUTO_BUDGET else float(value))
+    except ValueError as exc:
+        raise SystemExit(f"relaxkv-sglang: {DEFAULT_BUDGET_ENV}={value!r}: {exc}") from None
 
 
 def header_policy(headers: Optional[Mapping[str, str]]) -> Optional[str]:

@@ -32,9 +32,11 @@ import subprocess
 import sys
 from typing import Any
 
+from relaxkv_sglang import assets
 from relaxkv_sglang.core.calibration import (PER_REQUEST_KNOBS, Calibration, calibration_path, changed_knobs,
-                                             model_fingerprint, save_calibration)
+                                             load_calibration, model_fingerprint, save_calibration)
 from relaxkv_sglang.core.repair_config import RepairConfig, knob_defaults
+from scripts import calibrate_budget
 from scripts.ablate_repair import (ReferenceCase, add_case_arguments, dev_split_error, kl_full_vocab, load_reference,
                                    paired_kl, parse_knob_value, reference_cases)
 
@@ -112,6 +114,10 @@ def descend(table: KLTable, knobs: list[tuple[str, list]], rounds: int) -> tuple
     return best, steps
 
 
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def git_commit() -> str | None:
     """The checkout's commit (None outside a git checkout)."""
     try:
@@ -143,8 +149,11 @@ def main(argv: list[str] | None = None) -> Calibration:
     parser = argparse.ArgumentParser(prog="python -m scripts.calibrate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="a prepared model's name or a model folder")
-    parser.add_argument("--knob", type=parse_knob, action="append", required=True, metavar="NAME=V1,V2,...",
+    parser.add_argument("--knob", type=parse_knob, action="append", metavar="NAME=V1,V2,...",
                         help="a knob and its candidate values, tried in order (repeatable; the knobs in order)")
+    parser.add_argument("--budget", nargs="+", metavar="FRONTIER_JSON", default=None,
+                        help="instead of knobs: fit the auto budget from these bench_frontier results of the "
+                             "development split (scripts/calibrate_budget.py)")
     add_case_arguments(parser)
     parser.add_argument("--anchor-ratio", type=float, default=RepairConfig().anchor_ratio)
     parser.add_argument("--policy", default="relaxkv", help="the repair policy calibrated (default relaxkv)")
@@ -152,6 +161,13 @@ def main(argv: list[str] | None = None) -> Calibration:
     parser.add_argument("--output", type=pathlib.Path, default=None,
                         help="the calibration file (default: relaxkv_sglang/calibrations/<model>.json)")
     args = parser.parse_args(argv)
+    command = "python -m scripts.calibrate " + " ".join(sys.argv[1:] if argv is None else argv)
+    if bool(args.knob) == bool(args.budget):
+        parser.error("give either --knob (the repair knobs) or --budget (the auto budget)")
+    if args.budget:
+        model_dir = assets.resolve_model(args.model)
+        return calibrate_budget.calibrate(model_dir.name, model_dir, args.budget, args.output, command,
+                                          {"date": _now(), "git_commit": git_commit(), "split": "dev"})
     outside = dev_split_error(args.offset, args.seed, args.examples)
     if outside:
         parser.error(f"calibration runs on the development split only ({outside})")
@@ -162,8 +178,7 @@ def main(argv: list[str] | None = None) -> Calibration:
     best, steps = descend(KLTable(weights, cases, args.policy, args.anchor_ratio), args.knob, args.rounds)
     print_steps(steps, len(cases))
     evidence = {
-        "command": "python -m scripts.calibrate " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command, "date": _now(),
         "git_commit": git_commit(), "split": "dev", "policy": args.policy, "anchor_ratio": args.anchor_ratio,
         "tasks": args.tasks, "formats": args.formats, "examples": args.examples, "pairs": len(cases),
         "hotpotqa_examples": [args.offset, args.offset + args.examples - 1],
@@ -172,12 +187,16 @@ def main(argv: list[str] | None = None) -> Calibration:
                 f"excludes 0 ({MIN_PAIRS}+ pairs)",
         "steps": steps,
     }
-    calibration = Calibration(model, model_fingerprint(model_dir), changed_knobs(best), evidence)
-    if not calibration.knobs and args.output is None:
+    path = args.output or calibration_path(model)
+    kept = load_calibration(path) if path.exists() else None  # its budget model stays (fitted on its own run)
+    calibration = Calibration(model, model_fingerprint(model_dir), changed_knobs(best), evidence,
+                              budget_model=kept.budget_model if kept is not None and kept.matches(model_fingerprint(model_dir)) else None,
+                              budget_evidence=kept.budget_evidence if kept is not None else {})
+    if not calibration.knobs and calibration.budget_model is None and args.output is None:
         print(f"\ncalibration of {model}: no knob differs from the defaults; nothing written "
               f"({calibration_path(model)} left as it is)")
         return calibration
-    path = save_calibration(calibration, args.output or calibration_path(model))
+    path = save_calibration(calibration, path)
     print(f"\ncalibration of {model}: {calibration.describe()}\nwritten to {path}")
     return calibration
 

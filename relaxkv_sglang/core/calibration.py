@@ -9,14 +9,18 @@ split (``python -m scripts.calibrate``) differs from them. File format (:data:`F
      "fingerprint": {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 24, ...,
                      "rope": {"rope_theta": 1000000.0, "rope_type": "default"}},
      "knobs": {"stale_shift_scale": 1.0},
-     "evidence": {"command": "...", "date": "...", "git_commit": "...", "steps": [...]}}
+     "evidence": {"command": "...", "date": "...", "git_commit": "...", "steps": [...]},
+     "budget_model": {"features": [...], "coefficients": [...], "prices": {"medium": 0.4, ...}, ...}}
 
 * ``fingerprint``: :data:`FINGERPRINT_KEYS` of the HF config (:func:`config_fingerprint`; ``rope``
   in one form whether the config writes ``rope_parameters`` or ``rope_theta``/``rope_scaling``). A
   file applies only to a model with the same fingerprint (:func:`find_calibration`);
 * ``knobs``: flat knob names (``repair_config.knob_defaults``) -> values, validated by
   ``RepairConfig.from_knobs``; per-request knobs are never calibrated (:data:`PER_REQUEST_KNOBS`);
-* ``evidence``: free JSON.
+* ``evidence``: free JSON;
+* ``budget_model`` (optional): the ``auto`` budget's predictor and prices
+  (:class:`~.auto_budget.BudgetModel`, fitted by ``scripts/calibrate.py --budget`` with its own
+  evidence inside); without it an ``auto`` budget falls back to the anchor ratio's default.
 
 :func:`served_calibration`: ``RELAXKV_CALIBRATION`` (a file, or ``none``), else the repository's
 file with the served model's fingerprint, else the defaults. A malformed file, wrong version,
@@ -32,6 +36,7 @@ import os
 import pathlib
 from typing import Any, Mapping, Optional
 
+from .auto_budget import BudgetModel
 from .repair_config import RepairConfig, knob_defaults
 
 __all__ = ["FORMAT_VERSION", "FINGERPRINT_KEYS", "PER_REQUEST_KNOBS", "CALIBRATION_ENV", "CALIBRATION_DIR",
@@ -128,6 +133,8 @@ class Calibration:
         evidence: how they were measured (free JSON).
         version: the file format's version (:data:`FORMAT_VERSION`).
         path: the file it was read from (None: not read from a file).
+        budget_model: the ``auto`` budget's model (None: not calibrated).
+        budget_evidence: how it was fitted (free JSON).
     """
 
     model: str
@@ -136,6 +143,8 @@ class Calibration:
     evidence: dict[str, Any] = dataclasses.field(default_factory=dict)
     version: int = FORMAT_VERSION
     path: Optional[str] = dataclasses.field(default=None, compare=False)
+    budget_model: Optional[BudgetModel] = None
+    budget_evidence: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.version != FORMAT_VERSION:
@@ -165,12 +174,18 @@ class Calibration:
 
     def to_json(self) -> dict[str, Any]:
         """The file's content."""
-        return {"version": self.version, "model": self.model, "fingerprint": dict(self.fingerprint),
+        data = {"version": self.version, "model": self.model, "fingerprint": dict(self.fingerprint),
                 "knobs": dict(sorted(self.knobs.items())), "evidence": dict(self.evidence)}
+        if self.budget_model is not None:
+            data["budget_model"] = {**self.budget_model.to_json(), "evidence": dict(self.budget_evidence)}
+        return data
 
     def state(self) -> dict[str, Any]:
-        """What a client sees of it (the server's info route): file, model, version, knobs."""
-        return {"file": self.path, "model": self.model, "version": self.version, "knobs": dict(self.knobs)}
+        """What a client sees of it (the server's info route): file, model, version, knobs, and the
+        auto budget's prices (None: no budget model)."""
+        prices = dict(self.budget_model.prices) if self.budget_model is not None else None
+        return {"file": self.path, "model": self.model, "version": self.version, "knobs": dict(self.knobs),
+                "budget_prices": prices}
 
 
 def changed_knobs(knobs: Mapping[str, Any]) -> dict[str, Any]:
@@ -188,15 +203,21 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
         raise CalibrationError(f"calibration {path}: cannot read it ({exc})") from None
     if not isinstance(data, dict):
         raise CalibrationError(f"calibration {path}: not a JSON object")
-    unknown = set(data) - {"version", "model", "fingerprint", "knobs", "evidence"}
+    unknown = set(data) - {"version", "model", "fingerprint", "knobs", "evidence", "budget_model"}
     if unknown or not {"version", "model", "fingerprint", "knobs"} <= set(data):
         raise CalibrationError(f"calibration {path}: expected the fields version, model, fingerprint, knobs, "
-                               f"evidence; got {', '.join(sorted(data))}")
+                               f"evidence, budget_model; got {', '.join(sorted(data))}")
     if not isinstance(data["knobs"], dict) or not isinstance(data["fingerprint"], dict):
         raise CalibrationError(f"calibration {path}: knobs and fingerprint must be JSON objects")
+    budget = data.get("budget_model")
+    try:
+        model = BudgetModel.from_json(budget) if budget is not None else None
+    except ValueError as exc:
+        raise CalibrationError(f"calibration {path}: {exc}") from None
     try:
         return Calibration(str(data["model"]), data["fingerprint"], data["knobs"], data.get("evidence") or {},
-                           data["version"], path=str(path))
+                           data["version"], path=str(path), budget_model=model,
+                           budget_evidence=dict((budget or {}).get("evidence") or {}))
     except CalibrationError as exc:
         raise CalibrationError(f"calibration {path}: {exc}") from None
 

@@ -7,6 +7,11 @@ An unusable file (malformed, another version, an unknown knob, another model's f
 the server with one line. Every repair's ``RepairConfig`` starts from :func:`repair_base` (the
 request's own ratios override it, ``repair.request_repair_config``); ``/get_server_info`` shows
 :func:`calibration_state` as ``relaxkv.calibration``.
+
+The ``auto`` budget's server settings are read here too, at the same startup: ``RELAXKV_DEFAULT_BUDGET``
+(a repair request's budget when it gives neither ratio nor budget) and ``RELAXKV_QUALITY`` (what an
+auto budget aims at); a default ``auto`` budget for a model whose calibration has no budget model
+stops the server with one line (:func:`served_budget` for the forward).
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ from typing import Any, Optional
 
 from relaxkv_sglang.core.calibration import (CALIBRATION_ENV, DEFAULTS_NOTE, Calibration, CalibrationError,
                                              served_calibration)
+from relaxkv_sglang.core.auto_budget import BudgetModel
+from relaxkv_sglang.core.quality import AUTO
 from relaxkv_sglang.core.repair_config import RepairConfig
+from relaxkv_sglang.schema import default_budget, default_quality
 
 logger = logging.getLogger(__name__)
 
@@ -34,23 +42,37 @@ class ServedCalibration:
         model: the served model's name (its path's last part).
         calibration: the calibration, or None (the code defaults).
         base: the RepairConfig every repair starts from.
+        default_budget: ``RELAXKV_DEFAULT_BUDGET``: ``"auto"``, a cost share, or None (unset).
+        quality: ``RELAXKV_QUALITY``: what an auto budget aims at unless the request says.
     """
 
     model: str
     calibration: Optional[Calibration]
     base: RepairConfig
+    default_budget: float | str | None = None
+    quality: str | float = "medium"
+
+    @property
+    def budget_model(self) -> Optional[BudgetModel]:
+        """The auto budget's model (None: the calibration has none)."""
+        return self.calibration.budget_model if self.calibration is not None else None
 
     def line(self) -> str:
         """The startup log's line."""
+        budget = (f"; default budget {self.default_budget}, quality {self.quality}"
+                  if self.default_budget is not None else "")
         if self.calibration is None:
-            return f"relaxkv: no calibration for {self.model}; {DEFAULTS_NOTE}"
-        return f"relaxkv: calibration {self.calibration.describe()}"
+            return f"relaxkv: no calibration for {self.model}; {DEFAULTS_NOTE}{budget}"
+        auto = "auto budget calibrated" if self.budget_model is not None else "no auto budget model"
+        return f"relaxkv: calibration {self.calibration.describe()}; {auto}{budget}"
 
     def state(self) -> dict[str, Any]:
         """``relaxkv.calibration`` of /get_server_info: ``file`` None and ``knobs`` {} without one."""
+        budget = {"default_budget": self.default_budget, "quality": self.quality}
         if self.calibration is None:
-            return {"file": None, "model": self.model, "version": None, "knobs": {}, "note": DEFAULTS_NOTE}
-        return {**self.calibration.state(), "model": self.model}
+            return {"file": None, "model": self.model, "version": None, "knobs": {}, "budget_prices": None,
+                    "note": DEFAULTS_NOTE, **budget}
+        return {**self.calibration.state(), "model": self.model, **budget}
 
 
 def load_served_calibration(cache: Any, model_path: str, hf_config: dict, *, log: bool = True) -> ServedCalibration:
@@ -61,7 +83,12 @@ def load_served_calibration(cache: Any, model_path: str, hf_config: dict, *, log
     except CalibrationError as exc:
         raise SystemExit(f"relaxkv-sglang: {exc} ({CALIBRATION_ENV} or relaxkv_sglang/calibrations/)") from None
     base = calibration.base_config() if calibration is not None else RepairConfig()
-    served = ServedCalibration(pathlib.Path(str(model_path).rstrip("/")).name, calibration, base)
+    served = ServedCalibration(pathlib.Path(str(model_path).rstrip("/")).name, calibration, base,
+                               default_budget(), default_quality())
+    if served.default_budget == AUTO and served.budget_model is None:
+        raise SystemExit(f"relaxkv-sglang: RELAXKV_DEFAULT_BUDGET=auto needs a budget model in {served.model}'s "
+                         f"calibration (python -m scripts.calibrate --budget ...); "
+                         f"{'it has none' if calibration else 'there is no calibration'}")
     setattr(cache, _CALIBRATION_ATTR, served)
     if log:
         logger.info(served.line())
@@ -72,6 +99,12 @@ def repair_base(cache: Any) -> RepairConfig:
     """The RepairConfig the server's repairs start from (the defaults before a calibration is loaded)."""
     served = getattr(cache, _CALIBRATION_ATTR, None)
     return served.base if served is not None else RepairConfig()
+
+
+def served_budget(cache: Any) -> ServedCalibration:
+    """The served calibration with the budget settings (before startup chose it: the defaults)."""
+    served = getattr(cache, _CALIBRATION_ATTR, None)
+    return served if served is not None else ServedCalibration("", None, RepairConfig())
 
 
 def calibration_state(cache: Any) -> Optional[dict]:

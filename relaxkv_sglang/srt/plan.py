@@ -49,14 +49,16 @@ class RequestPlan:
     prompt order; namespace: the tenant key chunks are stored under; anchor_ratio,
     context_ratio and budget: the repair knobs the request gave (None: not given, so the served
     model's calibrated value or RepairConfig's default applies, ``repair.request_repair_config``; a
-    budget, when set, decides the two ratios)."""
+    budget, when set, decides the two ratios; ``"auto"``: the anchor ratio is chosen from the query
+    pass, ``core/auto_budget.py``); quality: what an auto budget aims at (None: the server's)."""
 
     policy: str
     chunk_spans: tuple[tuple[int, int], ...]
     namespace: str | None
     anchor_ratio: float | None = None
     context_ratio: float | None = None
-    budget: float | None = None
+    budget: float | str | None = None
+    quality: str | float | None = None
 
     @property
     def reuses_chunks(self) -> bool:
@@ -137,6 +139,5 @@ def _parsed_plan(req: Req) -> Optional[RequestPlan]:
     # prompt (an abort stub) keeps the spans, which then do not fit it
     shift = max(len(req.origin_input_ids) - int(planned_len), 0) if planned_len is not None else 0
     spans = tuple((int(flat[i]) + shift, int(flat[i + 1]) + shift) for i in range(0, len(flat), 2))
-    knobs = {f.config_attr: params.get(f.plan_key) for f in REPAIR_KNOBS}
-    knobs = {k: float(v) if v is not None else None for k, v in knobs.items()}
+    knobs = {f.config_attr: f.from_plan(params.get(f.plan_key)) for f in REPAIR_KNOBS}
     return RequestPlan(str(params[POLICY.plan_key]), spans, request_namespace(req), **knobs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import types
@@ -150,7 +151,7 @@ def test_repair_config_starts_from_the_calibrated_base_and_the_request_overrides
     assert config.context_ratio == 0.25 and config.relaxkv.stale_shift_scale == 1.0
     assert config.anchor_ratio == RepairConfig().anchor_ratio and config.budget is None
     config = request_repair_config(_rows(anchor_ratio=0.3, context_ratio=0.75, budget=0.2), base)
-    assert (config.anchor_ratio, config.context_ratio, config.budget) == (0.3, 0.75, 0.2)
+    assert (config.anchor_ratio, config.context_ratio, config.budget) == (0.3, 0.75, None)  # budget: forward/budget.py
     assert config.relaxkv.layer_value == "uniform"  # what a request cannot set stays calibrated
     assert request_repair_config(_rows(), RepairConfig()) == RepairConfig()
 
@@ -171,10 +172,11 @@ def test_the_server_loads_logs_and_shows_its_calibration(tmp_path, monkeypatch, 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="relaxkv_sglang.srt.calibration"):
         load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG)
-    assert f"relaxkv: calibration {path} (knobs: context_ratio=0.25)" in caplog.text
+    assert f"relaxkv: calibration {path} (knobs: context_ratio=0.25); no auto budget model" in caplog.text
     assert repair_base(cache).context_ratio == 0.25
     assert calibration_state(cache) == {"file": str(path), "model": "tiny-llama", "version": FORMAT_VERSION,
-                                        "knobs": {"context_ratio": 0.25}}
+                                        "knobs": {"context_ratio": 0.25}, "budget_prices": None,
+                                        "default_budget": None, "quality": "medium"}
 
     monkeypatch.setenv(CALIBRATION_ENV, str(path))
     with pytest.raises(SystemExit, match="relaxkv-sglang: calibration .* is for model tiny"):
@@ -216,3 +218,45 @@ def test_the_repository_files_load_and_match_their_prepared_models():
         folder = assets.cache_root() / "models" / calibration.model
         if (folder / "config.json").exists():  # optional models (Qwen) may be unprepared
             assert calibration.matches(model_fingerprint(folder)), path
+
+
+def test_a_budget_model_travels_in_the_calibration_file_and_sets_the_server_budget(tmp_path, monkeypatch, caplog):
+    from relaxkv_sglang.core.auto_budget import BudgetModel
+    from relaxkv_sglang.srt.calibration import calibration_state, load_served_calibration, served_budget
+
+    model = BudgetModel(("one", "log_ratio"), (-5.0, -1.0), prices={"low": 1.0, "medium": 0.3, "high": 0.05})
+    with_budget = dataclasses.replace(_calibration(context_ratio=0.25), budget_model=model,
+                                      budget_evidence={"prompts": 96})
+    path = save_calibration(with_budget, tmp_path / "tiny.json")
+    loaded = load_calibration(path)
+    assert loaded.budget_model == model and loaded.budget_evidence == {"prompts": 96}
+    assert json.loads(path.read_text())["budget_model"]["evidence"] == {"prompts": 96}
+
+    cache = types.SimpleNamespace()
+    monkeypatch.setenv(CALIBRATION_ENV, str(path))
+    monkeypatch.setenv("RELAXKV_DEFAULT_BUDGET", "auto")
+    monkeypatch.setenv("RELAXKV_QUALITY", "High")
+    with caplog.at_level(logging.INFO, logger="relaxkv_sglang.srt.calibration"):
+        load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG)
+    assert "auto budget calibrated; default budget auto, quality high" in caplog.text
+    served = served_budget(cache)
+    assert (served.default_budget, served.quality, served.budget_model) == ("auto", "high", model)
+    assert calibration_state(cache)["budget_prices"] == {"low": 1.0, "medium": 0.3, "high": 0.05}
+
+    broken = json.loads(path.read_text())
+    broken["budget_model"]["features"] = ["one", "moon_phase"]
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    with pytest.raises(CalibrationError, match="broken.json: unknown budget features"):
+        load_calibration(tmp_path / "broken.json")
+
+    plain = save_calibration(_calibration(), tmp_path / "plain.json")
+    monkeypatch.setenv(CALIBRATION_ENV, str(plain))
+    with pytest.raises(SystemExit, match="RELAXKV_DEFAULT_BUDGET=auto needs a budget model"):
+        load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG)
+    monkeypatch.setenv("RELAXKV_DEFAULT_BUDGET", "lots")
+    with pytest.raises(SystemExit, match="RELAXKV_DEFAULT_BUDGET='lots'"):
+        load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG)
+    monkeypatch.setenv("RELAXKV_DEFAULT_BUDGET", "0.2")
+    monkeypatch.setenv("RELAXKV_QUALITY", "best")
+    with pytest.raises(SystemExit, match="RELAXKV_QUALITY='best'"):
+        load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG)

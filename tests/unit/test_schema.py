@@ -66,7 +66,8 @@ def test_docs_field_table_row_matches_the_schema(field_table, field):
     row = field_table[field.name]
     assert row["type"] == field.type
     assert row["meaning"].replace("`", "") == field.doc.replace("`", "")
-    defaults = [t for t in _ticked(row["default"]) if t != schema.DEFAULT_POLICY_ENV]
+    server_settings = (schema.DEFAULT_POLICY_ENV, schema.DEFAULT_BUDGET_ENV, schema.QUALITY_ENV)
+    defaults = [t for t in _ticked(row["default"]) if t not in server_settings]
     assert defaults == ([] if field.default is None else [str(field.default)]), row["default"]
 
 
@@ -180,7 +181,7 @@ def test_custom_params_keys():
         check_keys({"_relaxkv_future": 1})
     with pytest.raises(ValueError, match=r"^invalid custom_params.relaxkv_chunk: unknown field; the relaxkv fields "
                                          r"are relaxkv_chunks, relaxkv_policy, relaxkv_anchor_ratio, "
-                                         r"relaxkv_context_ratio, relaxkv_budget$"):
+                                         r"relaxkv_context_ratio, relaxkv_budget, relaxkv_quality$"):
         check_keys({"relaxkv_chunk": [0, 5]})
     assert mentions_fields({"_relaxkv_policy": "pic"}) and mentions_fields({"relaxkv_x": 1})
     assert not mentions_fields({"other": 1, 3: "x"})
@@ -276,3 +277,18 @@ def test_sglang_fields_that_stop_its_scheduler_are_refused_naming_them():
     for texts, sps in ((["a"], [{}, {"custom_params": {"relaxkv_policy": "bogus"}}]), (["a", "b"], [{}]), ("a", [{}, {}])):
         with pytest.raises(RequestError, match=r"invalid sampling_params: a list needs one object per prompt"):
             _check_batch_shape(obj(text=texts, sampling_params=sps))
+
+
+def test_budget_takes_a_share_or_auto_and_quality_a_level_or_a_target():
+    from relaxkv_sglang.schema import BUDGET, QUALITY
+
+    assert BUDGET.validate("auto") == "auto" and BUDGET.validate(0.2) == 0.2 and BUDGET.validate(1) == 1.0
+    for bad in ("Auto", "0.2", 1.5, True, None):
+        with pytest.raises(ValueError, match=r"^invalid relaxkv_budget: must be a number in \[0, 1\] or 'auto'"):
+            BUDGET.validate(bad)
+    assert QUALITY.validate("HIGH") == "high" and QUALITY.validate(0.03) == 0.03
+    for bad in ("best", 0, -0.1, False, None):
+        with pytest.raises(ValueError, match="^invalid relaxkv_quality: must be one of low, medium, high"):
+            QUALITY.validate(bad)
+    assert BUDGET.from_plan("auto") == "auto" and BUDGET.from_plan(0.5) == 0.5 and BUDGET.from_plan(None) is None
+    assert QUALITY.from_plan("low") == "low" and QUALITY.from_plan(None) is None

@@ -32,7 +32,8 @@ import torch
 
 from relaxkv_sglang.core.repair_config import RepairConfig
 from relaxkv_sglang.core.repair_plan import AnchorPlan, plan_anchors
-from relaxkv_sglang.srt.calibration import repair_base
+from relaxkv_sglang.srt.calibration import repair_base, served_budget
+from relaxkv_sglang.srt.forward.budget import decide_budget
 from relaxkv_sglang.srt.forward.context import forward_context
 from relaxkv_sglang.srt.failures import InvariantError, served_as_pic
 from relaxkv_sglang.srt.forward.layer_loop import LayerLoop, LoopRows
@@ -52,10 +53,12 @@ class RepairOutcome:
     Attributes:
         rows: the repair pass's rows (None: served as pic).
         not_repaired_reason: why not, when ``rows`` is None.
+        budget_report: the budget's report fields (:mod:`.budget`).
     """
 
     rows: Optional[LoopRows]
     not_repaired_reason: Optional[str] = None
+    budget_report: dict = dataclasses.field(default_factory=dict)
 
 
 def repair_stage(cache: "ChunkCache", attn_backend: Any, setup: "ForwardSetup") -> Optional["RepairStage"]:
@@ -65,9 +68,9 @@ def repair_stage(cache: "ChunkCache", attn_backend: Any, setup: "ForwardSetup") 
 
 def request_repair_config(r: "RequestRows", base: RepairConfig) -> RepairConfig:
     """The request's knobs: ``base`` (the served model's calibration, else the defaults,
-    :func:`~.calibration.repair_base`) with the ratios and budget the request gave."""
+    :func:`~.calibration.repair_base`) with the ratios the request gave (its budget: :mod:`.budget`)."""
     plan = r.fold.plan
-    given = {"anchor_ratio": plan.anchor_ratio, "context_ratio": plan.context_ratio, "budget": plan.budget}
+    given = {"anchor_ratio": plan.anchor_ratio, "context_ratio": plan.context_ratio}
     return dataclasses.replace(base, **{knob: value for knob, value in given.items() if value is not None})
 
 
@@ -121,11 +124,13 @@ class RepairStage:
         self.cache.publish_chunks(f.plan.namespace, f.misses, f.req_pool_idx)
         scores = r.scores.stacked(n_layers) if r.scores is not None else None
         try:
-            config = request_repair_config(r, repair_base(self.cache))
+            ids = _token_ids(f.req)
+            budget = decide_budget(request_repair_config(r, repair_base(self.cache)), f.plan,
+                                   served_budget(self.cache), scores, ids)
             anchor_plan = plan_anchors(f.plan.policy, scores, list(f.plan.chunk_spans), f.plan.query_start, n_layers,
-                                       config, self.attn_backend.repair_cost, input_ids=_token_ids(f.req))
+                                       budget.config, self.attn_backend.repair_cost, input_ids=ids)
             # the pass's bookkeeping lives on the host (layer_loop): the slots are read back once
-            return RepairOutcome(repair_rows(f.window_end, anchor_plan, r.slots.cpu()))
+            return RepairOutcome(repair_rows(f.window_end, anchor_plan, r.slots.cpu()), budget_report=budget.report)
         except InvariantError:
             raise
         except Exception as exc:  # this request's plan, not the server: serve it as pic

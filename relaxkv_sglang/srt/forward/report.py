@@ -4,7 +4,8 @@ Fields (documented in ``docs/api.md``): ``policy``, ``chunks_seen``, ``chunks_hi
 ``chunk_tokens_reused`` (and ``chunk_tokens_from_<tier>`` per lower
 :class:`~relaxkv_sglang.core.tiers.TierName`), ``tokens_computed``, ``repaired``, ``prefills``,
 ``repairs``; for a repaired request ``anchor_ratio``, ``anchors_per_layer``, ``context_ratio``,
-``repair_kv_pairs`` and ``repair_kv_pairs_executed``; otherwise, under a repair policy,
+``repair_kv_pairs``, ``repair_kv_pairs_executed`` and the budget's fields (``budget``,
+``budget_choice``, ``budget_signal``: ``forward/budget.py``); otherwise, under a repair policy,
 ``not_repaired_reason``. Over several prefill steps (chunked prefill windows, a retraction)
 counters are summed and the repair fields are those of the step that completed the prompt.
 
@@ -53,6 +54,7 @@ def request_record(r: "RequestRows", outcome: Optional["RepairOutcome"]) -> dict
     reason = outcome.not_repaired_reason if outcome is not None else r.not_repaired_reason
     if repair is not None:
         record.update(repair_record(repair))
+        record.update(outcome.budget_report)
     elif reason is not None:
         record["not_repaired_reason"] = reason
     return record
@@ -71,7 +73,6 @@ def repair_record(rows: "LoopRows") -> dict:
         "context_ratio": work.visible / work.full if work.full else 1.0,
         "repair_kv_pairs": work.visible,
         "repair_kv_pairs_executed": work.executed,
-        "budget": plan.config.budget,
     }
 
 

@@ -154,18 +154,21 @@ def replay(client: ServerClient, trace: list[TraceRequest], policy: str, clients
     """Send the whole trace under ``policy`` from ``clients`` threads on a flushed cache; the policy's row.
 
     ``policy`` ``"<policy>-auto"`` sends the same prompts unmarked, chunked by content on the
-    server. ``args`` gives ``max_new_tokens``, ``anchor_ratio`` and ``pressure`` (keep the
+    server; ``"<policy>@auto"`` asks for ``relaxkv_budget: auto`` (the server's quality) instead of
+    ``args.anchor_ratio``. ``args`` gives ``max_new_tokens``, ``anchor_ratio`` and ``pressure`` (keep the
     responses in the row); ``desc`` labels the progress bar.
     """
     client.flush()
     before = client.relaxkv_state()
-    server_policy, auto = policy.removesuffix("-auto"), policy.endswith("-auto")
+    name, _, budget = policy.partition("@")
+    server_policy, auto = name.removesuffix("-auto"), name.endswith("-auto")
+    repairs = server_policy not in ("prefix", "pic")
+    knobs = {"budget": budget} if budget else {"anchor_ratio": args.anchor_ratio if repairs else None}
 
     def one(i: int, _client: int, sent_at: float) -> dict:
         req = trace[i]
         out = client.generate_stream(
-            req.text, None if auto else req.offsets, server_policy, max_new_tokens=args.max_new_tokens,
-            anchor_ratio=args.anchor_ratio if server_policy not in ("prefix", "pic") else None)
+            req.text, None if auto else req.offsets, server_policy, max_new_tokens=args.max_new_tokens, **knobs)
         out["sent_at"], out["first_token_at"] = sent_at, sent_at + out["ttft_s"]
         return out
 
@@ -184,6 +187,8 @@ def replay(client: ServerClient, trace: list[TraceRequest], policy: str, clients
         "chunk_hit_rate_pct": 100.0 * metrics.hit_rate(chunk, prompt),
         "requests_per_s": len(results) / wall, "tokens_per_s": (prompt + completion) / wall, "wall_s": wall,
         "ttft_s": ttft,
+        "anchor_ratio_mean": metrics.mean(common.relaxkv_report(r)["anchor_ratio"] for r in results
+                                          if "anchor_ratio" in common.relaxkv_report(r)),
         "chunk_evictions": after.get("chunk_evictions", 0) - before.get("chunk_evictions", 0),
         "chunk_evicted_tokens": after.get("chunk_evicted_tokens", 0) - before.get("chunk_evicted_tokens", 0),
         "per_request": [{"prompt_tokens": r["meta_info"]["prompt_tokens"], "cached_tokens": r["meta_info"]["cached_tokens"],

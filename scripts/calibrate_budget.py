@@ -37,6 +37,11 @@ FEATURE_SETS: dict[str, tuple[str, ...]] = {
     "shares": ("one", "log_ratio", "log_uncovered", "chunk_share", "markup_lift", "opening_lift"),
     "all": ("one", "log_ratio", "log_uncovered", "chunk_share", "markup_lift", "opening_lift", "log_chunks",
             "log_eligible", "log_ratio_x_markup", "log_ratio_x_chunk_share"),
+    "answer": ("one", "log_ratio", "answer_entropy", "answer_top1", "log_answer_tail"),
+    "answer+attention": ("one", "log_ratio", "answer_entropy", "answer_top1", "log_answer_tail", "log_uncovered",
+                         "markup_lift", "opening_lift"),
+    "answer+slope": ("one", "log_ratio", "answer_entropy", "answer_top1", "log_answer_tail",
+                     "log_ratio_x_answer_entropy", "markup_lift", "log_ratio_x_markup"),
 }
 
 Unit = tuple[str, str, str]

@@ -12,7 +12,12 @@ eligible (reusable) tokens:
 * ``markup_lift`` / ``opening_lift``: the share of chunk mass on the markup every chunk repeats
   (``token_sets.shared_runs``) and on each chunk's first :data:`OPENING_TOKENS`, over their share
   of chunk tokens (1: read like any other token; 0: none there);
-* ``n_chunks``, ``n_eligible``.
+* ``n_chunks``, ``n_eligible``;
+* the query pass's own answer (its next-token distribution over stale KV, ``pic``'s answer):
+  ``answer_entropy`` (nats), ``answer_top1`` (the top token's probability) and
+  ``answer_tail = 1 - `` the top :data:`ANSWER_TOP` tokens' mass. An uncertain answer moves more
+  when the context is repaired (on SmolLM2's development split, the tail's correlation with log KL
+  at 15% is the strongest of the signals).
 
 **Model** (:class:`BudgetModel`, fitted per model on the development split by
 ``scripts/calibrate.py --budget``): ``log KL(r) ~= theta . phi(signal, r)``, features ``phi`` named
@@ -42,13 +47,14 @@ from .token_sets import check_spans, eligible_tokens, shared_runs
 
 Span = tuple[int, int]
 
-__all__ = ["RATIO_LADDER", "OPENING_TOKENS", "KL_FLOOR", "FEATURES", "BudgetSignal",
-           "budget_signal", "BudgetChoice", "BudgetModel", "fit_budget_model", "choose_ratios",
+__all__ = ["RATIO_LADDER", "OPENING_TOKENS", "ANSWER_TOP", "KL_FLOOR", "FEATURES", "ANSWER_FEATURES", "BudgetSignal",
+           "answer_uncertainty", "budget_signal", "BudgetChoice", "BudgetModel", "fit_budget_model", "choose_ratios",
            "LEVEL_REFERENCE_RATIOS", "PRICE_GRID", "PromptCurve", "price_curve", "calibrate_prices"]
 
 # The anchor ratios a choice is made among (and the calibration measures).
 RATIO_LADDER: tuple[float, ...] = (0.02, 0.04, 0.06, 0.08, 0.10, 0.15, 0.20, 0.30)
 OPENING_TOKENS = 4  # a chunk's opening: its first tokens, read as the chunk's own sink
+ANSWER_TOP = 20  # the answer's tail: the mass outside its most likely tokens
 KL_FLOOR = 1e-3  # log KL is fitted on max(KL, floor): below it, differences are rounding
 
 
@@ -63,6 +69,8 @@ class BudgetSignal:
         uncovered: per :data:`RATIO_LADDER` ratio, the share of ``E``'s mass outside its top tokens.
         markup_lift: markup's mass share over its token share (0: no markup).
         opening_lift: the chunk openings' mass share over their token share.
+        answer_entropy, answer_top1, answer_tail: the query pass's answer (module doc); None when
+            it was not measured.
     """
 
     n_chunks: int
@@ -71,6 +79,9 @@ class BudgetSignal:
     uncovered: tuple[float, ...]
     markup_lift: float
     opening_lift: float
+    answer_entropy: Optional[float] = None
+    answer_top1: Optional[float] = None
+    answer_tail: Optional[float] = None
 
     def uncovered_at(self, ratio: float) -> float:
         """``uncovered(ratio)``, interpolated linearly between the ladder's ratios."""
@@ -87,13 +98,18 @@ class BudgetSignal:
         """The report's form (``meta_info.relaxkv.budget_signal``), rounded."""
         return {"n_chunks": self.n_chunks, "n_eligible": self.n_eligible, "chunk_share": round(self.chunk_share, 4),
                 "uncovered": [round(u, 4) for u in self.uncovered], "markup_lift": round(self.markup_lift, 3),
-                "opening_lift": round(self.opening_lift, 3)}
+                "opening_lift": round(self.opening_lift, 3),
+                **{name: None if value is None else round(value, 5) for name, value in
+                   (("answer_entropy", self.answer_entropy), ("answer_top1", self.answer_top1),
+                    ("answer_tail", self.answer_tail))}}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "BudgetSignal":
+        answer = [None if data.get(k) is None else float(data[k])
+                  for k in ("answer_entropy", "answer_top1", "answer_tail")]
         return cls(int(data["n_chunks"]), int(data["n_eligible"]), float(data["chunk_share"]),
                    tuple(float(u) for u in data["uncovered"]), float(data["markup_lift"]),
-                   float(data["opening_lift"]))
+                   float(data["opening_lift"]), *answer)
 
 
 def _lift(mass: torch.Tensor, elig_mass: torch.Tensor, marked: torch.Tensor) -> float:
@@ -106,8 +122,18 @@ def _lift(mass: torch.Tensor, elig_mass: torch.Tensor, marked: torch.Tensor) -> 
     return float(share / (n_marked / marked.numel()))
 
 
+def answer_uncertainty(logits: torch.Tensor) -> tuple[float, float, float]:
+    """(entropy in nats, top-1 probability, mass outside the top :data:`ANSWER_TOP`) of one
+    next-token distribution; logits float [vocab] (any dtype, read in float32)."""
+    logp = torch.log_softmax(logits.float().flatten(), dim=0)
+    p = logp.exp()
+    top = torch.topk(p, min(ANSWER_TOP, p.numel())).values
+    return float(-(p * logp).sum()), float(top[0]), float((1 - top.sum()).clamp_min(0))
+
+
 def budget_signal(scores: torch.Tensor, chunk_spans: Sequence[Span], n_context: int,
-                  input_ids: Optional[torch.Tensor] = None) -> BudgetSignal:
+                  input_ids: Optional[torch.Tensor] = None,
+                  answer_logits: Optional[torch.Tensor] = None) -> BudgetSignal:
     """The request's :class:`BudgetSignal` (module doc).
 
     Args:
@@ -115,14 +141,17 @@ def budget_signal(scores: torch.Tensor, chunk_spans: Sequence[Span], n_context: 
         chunk_spans: the reused chunks inside ``[0, n_context)``.
         n_context: context tokens.
         input_ids: int64 [>= n_context] the prompt (None: no markup is looked for).
+        answer_logits: float [vocab] the query pass's logits at the prompt's last token (None: the
+            answer fields are None).
     Returns:
         BudgetSignal; with no eligible token, shares 0 and every ``uncovered`` 0.
     """
     spans = check_spans(chunk_spans, n_context)
     elig = eligible_tokens(spans, n_context)
     n_elig = int(elig.numel())
+    answer = answer_uncertainty(answer_logits) if answer_logits is not None else (None, None, None)
     if n_elig == 0:
-        return BudgetSignal(len(spans), 0, 0.0, tuple(0.0 for _ in RATIO_LADDER), 0.0, 0.0)
+        return BudgetSignal(len(spans), 0, 0.0, tuple(0.0 for _ in RATIO_LADDER), 0.0, 0.0, *answer)
     s = scores.float().clamp_min(0)
     total = s.sum(dim=1).clamp_min(1e-12)  # [L]
     mass = s[:, elig]  # [L, |E|]
@@ -135,7 +164,7 @@ def budget_signal(scores: torch.Tensor, chunk_spans: Sequence[Span], n_context: 
         openings[start:min(start + OPENING_TOKENS, end)] = True
     markup = shared_runs(input_ids, spans, n_context) if input_ids is not None else torch.zeros(n_context, dtype=torch.bool)
     return BudgetSignal(len(spans), n_elig, float((elig_mass / total).mean()), uncovered,
-                        _lift(mass, elig_mass, markup[elig]), _lift(mass, elig_mass, openings[elig]))
+                        _lift(mass, elig_mass, markup[elig]), _lift(mass, elig_mass, openings[elig]), *answer)
 
 
 # --------------------------------------------------------------------------------- the model
@@ -153,7 +182,13 @@ FEATURES: dict[str, Callable[[BudgetSignal, float], float]] = {
     "log_eligible": lambda s, r: math.log(max(s.n_eligible, 1)),
     "log_ratio_x_markup": lambda s, r: math.log(r) * s.markup_lift,
     "log_ratio_x_chunk_share": lambda s, r: math.log(r) * s.chunk_share,
+    "answer_entropy": lambda s, r: _answer(s.answer_entropy),
+    "answer_top1": lambda s, r: _answer(s.answer_top1),
+    "log_answer_tail": lambda s, r: math.log(max(_answer(s.answer_tail), 1e-4)),
+    "log_ratio_x_answer_entropy": lambda s, r: math.log(r) * _answer(s.answer_entropy),
 }
+# The features that read the query pass's answer (a signal without it cannot use them).
+ANSWER_FEATURES = frozenset(f for f in FEATURES if "answer" in f)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +246,11 @@ class BudgetModel:
         if self.prices and missing:
             raise ValueError(f"prices lack the quality levels {missing}")
 
+    @property
+    def reads_answer(self) -> bool:
+        """Whether a choice needs the query pass's answer (:data:`ANSWER_FEATURES`)."""
+        return any(f in ANSWER_FEATURES for f in self.features)
+
     def predicted_kl(self, signal: BudgetSignal, ratio: float) -> float:
         """exp(theta . phi(signal, ratio))."""
         z = sum(c * FEATURES[f](signal, ratio) for f, c in zip(self.features, self.coefficients))
@@ -255,6 +295,12 @@ class BudgetModel:
                        tuple((float(p), float(k)) for p, k in data.get("price_curve") or ()))
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"budget_model: {exc!r}") from None
+
+
+def _answer(value: Optional[float]) -> float:
+    if value is None:
+        raise ValueError("this budget model reads the query pass's answer, which was not measured")
+    return value
 
 
 def fit_budget_model(samples: Sequence[tuple[BudgetSignal, float, float]], features: Sequence[str],

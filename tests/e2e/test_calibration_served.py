@@ -103,6 +103,7 @@ def test_auto_budget_chooses_per_request_reports_why_and_the_cache_does_not_chan
     assert cold["anchor_ratio"] == pytest.approx(choice["anchor_ratio"], abs=0.02)  # what was chosen is what ran
     signal = cold["budget_signal"]
     assert signal["n_chunks"] == 3 and 0 < signal["chunk_share"] <= 1
+    assert signal["answer_entropy"] > 0 and 0 < signal["answer_top1"] <= 1 and 0 <= signal["answer_tail"] < 1
     assert signal["uncovered"] == sorted(signal["uncovered"], reverse=True)
     # the same request on warm chunks: the same signal, the same choice, the same answer
     warm_ids, warm_lp, warm = _auto(url, prompt)

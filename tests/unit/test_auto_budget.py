@@ -8,8 +8,9 @@ import random
 import pytest
 import torch
 
-from relaxkv_sglang.core.auto_budget import (RATIO_LADDER, BudgetModel, BudgetSignal, PromptCurve, budget_signal,
-                                             calibrate_prices, choose_ratios, fit_budget_model, price_curve)
+from relaxkv_sglang.core.auto_budget import (ANSWER_TOP, RATIO_LADDER, BudgetModel, BudgetSignal, PromptCurve,
+                                             answer_uncertainty, budget_signal, calibrate_prices, choose_ratios,
+                                             fit_budget_model, price_curve)
 from relaxkv_sglang.core.quality import parse_quality
 
 SPANS = [(4, 20), (20, 36), (36, 52)]
@@ -55,6 +56,24 @@ def test_markup_and_openings_lift_measure_their_share_of_the_chunks_mass():
 def test_a_chunk_at_position_zero_is_not_eligible():
     signal = budget_signal(_scores(), [(0, 52)], N_CONTEXT)
     assert signal.n_eligible == 0 and signal.chunk_share == 0.0
+
+
+def test_the_answer_signal_is_the_query_pass_next_token_uncertainty():
+    certain = torch.full((1000,), -20.0)
+    certain[3] = 20.0
+    entropy, top1, tail = answer_uncertainty(certain)
+    assert entropy < 1e-6 and top1 == pytest.approx(1.0) and tail == pytest.approx(0.0, abs=1e-6)
+    entropy, top1, tail = answer_uncertainty(torch.zeros(1000))  # uniform
+    assert entropy == pytest.approx(math.log(1000), rel=1e-5) and top1 == pytest.approx(1e-3)
+    assert tail == pytest.approx(1 - ANSWER_TOP / 1000, rel=1e-5)
+    signal = budget_signal(_scores(), SPANS, N_CONTEXT, answer_logits=torch.zeros(1000))
+    assert signal.answer_entropy == pytest.approx(math.log(1000), rel=1e-5)
+    assert BudgetSignal.from_json(signal.to_json()).answer_top1 == pytest.approx(1e-3)
+    assert budget_signal(_scores(), SPANS, N_CONTEXT).answer_entropy is None
+    model = BudgetModel(("one", "log_ratio", "answer_entropy"), (-5.0, -1.0, 0.5), prices={"low": 1.0, "medium": 0.5, "high": 0.1})
+    assert model.reads_answer and not BudgetModel(("one", "log_ratio"), (0.0, -1.0)).reads_answer
+    with pytest.raises(ValueError, match="answer, which was not measured"):
+        model.predicted_kl(budget_signal(_scores(), SPANS, N_CONTEXT), 0.1)
 
 
 def _signal(level: float) -> BudgetSignal:

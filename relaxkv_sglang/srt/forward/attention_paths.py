@@ -143,3 +143,7 @@ def plugin_state(backend: Any, model_runner: Any, float_workspace: Optional[torc
     # The model's repair cost model, for relaxkv_budget (decided once, read per repair).
     backend.repair_cost = RepairCost.from_hf_config(model_runner.model_config.hf_config.to_dict(),
                                                     str(model_runner.device).split(":")[0])
+    # The auto budget reads the query pass's answer: the LM head over the whole vocabulary, which a
+    # tensor-parallel rank holds only a shard of (then no answer is measured, forward/budget.py).
+    whole_vocab = int(getattr(model_runner, "tp_size", 1) or 1) == 1
+    backend.lm_head = getattr(getattr(model_runner, "model", None), "lm_head", None) if whole_vocab else None

@@ -4,8 +4,10 @@ anchor ratio chosen from its query pass (:mod:`relaxkv_sglang.core.auto_budget`)
 Which budget applies: the request's ``relaxkv_budget``; else, when it gives no
 ``relaxkv_anchor_ratio`` either, the server's ``RELAXKV_DEFAULT_BUDGET``; else none (the anchor
 ratio as given or calibrated). ``auto`` needs the query's stale attention (a policy that records
-it: ``relaxkv`` and its ablations, ``prophetkv``) and the served model's budget model; without
-either the request is repaired at the anchor ratio it would have had, and the report says why
+it: ``relaxkv`` and its ablations, ``prophetkv``), the served model's budget model and, for a model
+that reads it, the query pass's answer (its logits at the last row, ``repair.RepairStage``; not
+measured under tensor parallelism, where each rank holds a shard of the vocabulary); without
+them the request is repaired at the anchor ratio it would have had, and the report says why
 (``fallback``). The report's fields (``meta_info.relaxkv``): ``budget`` (the setting),
 ``budget_choice`` (for ``auto``: quality, anchor ratio, predicted KL, price, or fallback) and
 ``budget_signal`` (what the query pass measured, for every request with query scores).
@@ -46,7 +48,7 @@ def request_budget(plan: RequestPlan, served: ServedCalibration) -> float | str 
 
 
 def decide_budget(config: RepairConfig, plan: RequestPlan, served: ServedCalibration, scores: Optional[torch.Tensor],
-                  input_ids: torch.Tensor) -> BudgetDecision:
+                  input_ids: torch.Tensor, answer_logits: Optional[torch.Tensor] = None) -> BudgetDecision:
     """The request's budget applied to ``config`` (the request's knobs over the calibration's).
 
     Args:
@@ -55,9 +57,11 @@ def decide_budget(config: RepairConfig, plan: RequestPlan, served: ServedCalibra
         served: the served calibration and the server's budget settings.
         scores: float [n_layers, n_context] the query's stale attention, or None (not recorded).
         input_ids: int64 [>= n_context] the prompt.
+        answer_logits: float [vocab] the query pass's logits at the last row (None: not measured).
     """
     budget = request_budget(plan, served)
-    signal = budget_signal(scores, plan.chunk_spans, plan.query_start, input_ids) if scores is not None else None
+    signal = (budget_signal(scores, plan.chunk_spans, plan.query_start, input_ids, answer_logits)
+              if scores is not None else None)
     report: dict[str, Any] = {"budget": budget}
     if signal is not None:
         report["budget_signal"] = signal.to_json()
@@ -65,9 +69,10 @@ def decide_budget(config: RepairConfig, plan: RequestPlan, served: ServedCalibra
         return BudgetDecision(dataclasses.replace(config, budget=budget) if budget is not None else config, report)
     quality = plan.quality if plan.quality is not None else served.quality
     model = served.budget_model
-    if model is None or signal is None:
+    if model is None or signal is None or (model.reads_answer and signal.answer_entropy is None):
         why = (f"no budget model in {served.model or 'the model'}'s calibration" if model is None
-               else f"policy {plan.policy} records no query scores")
+               else f"policy {plan.policy} records no query scores" if signal is None
+               else "the query pass's answer was not measured (the LM head is split over tensor-parallel ranks)")
         report["budget_choice"] = {"mode": AUTO, "quality": quality, "anchor_ratio": config.anchor_ratio,
                                    "fallback": f"{why}: the anchor ratio it would have had"}
         return BudgetDecision(dataclasses.replace(config, budget=None), report)

@@ -101,7 +101,7 @@ class RepairStage:
         planned = []
         for i in self.setup.targets:
             r = self.setup.requests[i]
-            self.outcomes[i] = self._plan(r, layers.n_layers)
+            self.outcomes[i] = self._plan(r, layers.n_layers, self._answer_logits(hidden, i))
             if self.outcomes[i].rows is not None:
                 planned.append((i, r, self.outcomes[i].rows))
         if not planned:
@@ -117,16 +117,29 @@ class RepairStage:
             offset += rows.n_rows
         return hidden
 
-    def _plan(self, r: "RequestRows", n_layers: int) -> RepairOutcome:
+    def _answer_logits(self, hidden: torch.Tensor, i: int) -> Optional[torch.Tensor]:
+        """float [vocab] the query pass's logits at request ``i``'s last row (pic's answer), for the
+        budget's signal (reported for every request with query scores, so a calibration can be
+        fitted from fixed-ratio runs; one row through the LM head); None without query scores or
+        a whole LM head."""
+        lm_head = getattr(self.attn_backend, "lm_head", None)
+        if lm_head is None or self.setup.requests[i].scores is None:
+            return None
+        last = self.setup.row_starts[i] + self.setup.requests[i].n_rows - 1
+        weight = lm_head.weight  # [vocab, hidden]
+        return torch.nn.functional.linear(hidden[last].to(weight.dtype), weight).float().cpu()
+
+    def _plan(self, r: "RequestRows", n_layers: int, answer_logits: Optional[torch.Tensor] = None) -> RepairOutcome:
         """Publish the request's misses (final position-independent KV, before anchors overwrite
-        it) and plan its repair pass; served as pic when its plan cannot be made (module doc)."""
+        it) and plan its repair pass; served as pic when its plan cannot be made (module doc).
+        ``answer_logits``: float [vocab] the query pass's answer, for an auto budget (or None)."""
         f = r.fold
         self.cache.publish_chunks(f.plan.namespace, f.misses, f.req_pool_idx)
         scores = r.scores.stacked(n_layers) if r.scores is not None else None
         try:
             ids = _token_ids(f.req)
             budget = decide_budget(request_repair_config(r, repair_base(self.cache)), f.plan,
-                                   served_budget(self.cache), scores, ids)
+                                   served_budget(self.cache), scores, ids, answer_logits)
             anchor_plan = plan_anchors(f.plan.policy, scores, list(f.plan.chunk_spans), f.plan.query_start, n_layers,
                                        budget.config, self.attn_backend.repair_cost, input_ids=ids)
             # the pass's bookkeeping lives on the host (layer_loop): the slots are read back once

@@ -20,6 +20,10 @@ kept or not, and the same per prompt format; date, git commit). Prints the same 
 no knob differs from the defaults and there is no ``--output``, nothing is written (the model is
 served with the defaults; an existing file is left as it is). Development split only: a range that
 leaves it is refused, as ``ablate_repair.py`` refuses it.
+
+``--budget FRONTIER_JSON ...`` instead fits the ``auto`` budget's model from ``bench_frontier``
+results of the development split (``scripts/calibrate_budget.py``) and writes it into the same
+file, its knobs kept; a knob calibration keeps the file's budget model.
 """
 
 from __future__ import annotations
@@ -188,10 +192,14 @@ def main(argv: list[str] | None = None) -> Calibration:
         "steps": steps,
     }
     path = args.output or calibration_path(model)
-    kept = load_calibration(path) if path.exists() else None  # its budget model stays (fitted on its own run)
-    calibration = Calibration(model, model_fingerprint(model_dir), changed_knobs(best), evidence,
-                              budget_model=kept.budget_model if kept is not None and kept.matches(model_fingerprint(model_dir)) else None,
-                              budget_evidence=kept.budget_evidence if kept is not None else {})
+    fingerprint = model_fingerprint(model_dir)
+    kept = load_calibration(path) if path.exists() else None
+    if kept is None or not kept.matches(fingerprint):
+        kept = None
+    # the file's budget model stays: it was fitted on its own run (calibrate --budget)
+    calibration = Calibration(model, fingerprint, changed_knobs(best), evidence,
+                              budget_model=kept.budget_model if kept else None,
+                              budget_evidence=kept.budget_evidence if kept else {})
     if not calibration.knobs and calibration.budget_model is None and args.output is None:
         print(f"\ncalibration of {model}: no knob differs from the defaults; nothing written "
               f"({calibration_path(model)} left as it is)")

@@ -24,7 +24,7 @@ import pathlib
 import statistics
 from typing import Any, Sequence
 
-from relaxkv_sglang.core.auto_budget import (LEVEL_REFERENCE_RATIOS, RATIO_LADDER, BudgetModel, BudgetSignal,
+from relaxkv_sglang.core.auto_budget import (ANSWER_FEATURES, LEVEL_REFERENCE_RATIOS, RATIO_LADDER, BudgetModel, BudgetSignal,
                                              PromptCurve, calibrate_prices, choose_ratios, fit_budget_model)
 from relaxkv_sglang.core.calibration import (Calibration, calibration_path, load_calibration, model_fingerprint,
                                              save_calibration)
@@ -116,7 +116,10 @@ def cross_validate(prompts: Sequence[DevPrompt], features: Sequence[str]) -> dic
 def choose_features(prompts: Sequence[DevPrompt], sets: dict[str, tuple[str, ...]] = FEATURE_SETS,
                     slack: float = 0.0) -> tuple[str, dict[str, dict]]:
     """The feature set (name) whose held-out ``medium`` mean KL is within ``target + slack`` at the
-    least mean ratio (none within: the least KL), and every set's cross-validation."""
+    least mean ratio (none within: the least KL), and every set's cross-validation; sets reading the
+    query pass's answer only when every prompt's signal has it."""
+    answered = all(p.curve.signal.answer_entropy is not None for p in prompts)  # else no answer feature
+    sets = {n: f for n, f in sets.items() if answered or not ANSWER_FEATURES.intersection(f)}
     scores = {name: cross_validate(prompts, features) for name, features in sets.items()}
     within = [n for n, s in scores.items() if s["medium"]["kl"] <= s["medium"]["target_kl"] + slack]
     if within:

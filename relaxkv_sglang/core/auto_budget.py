@@ -334,7 +334,7 @@ def choose_ratios(model: BudgetModel, signals: Sequence[BudgetSignal], price: fl
 # Each quality level aims at the mean KL a fixed anchor ratio reaches on the development split:
 # medium spends like the 15% default is asked to perform, low like 8%, high like 30%.
 LEVEL_REFERENCE_RATIOS: dict[str, float] = {"low": 0.08, "medium": 0.15, "high": 0.30}
-PRICE_GRID: tuple[float, ...] = tuple(round(10 ** (k / 8), 6) for k in range(-32, 17))  # 1e-4 .. 100
+PRICE_GRID: tuple[float, ...] = tuple(round(10 ** (k / 32), 6) for k in range(-128, 65))  # 1e-4 .. 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,4 +371,6 @@ def calibrate_prices(model: BudgetModel, prompts: Sequence[PromptCurve],
     least = min(curve, key=lambda c: (c[1], -c[0]))[0]
     prices = {level: max((p for p, kl, _ in curve if kl <= target), default=least)
               for level, target in targets.items()}
-    return dataclasses.replace(model, prices=prices, price_curve=tuple((p, kl) for p, kl, _ in curve))
+    # a numeric quality takes the largest price meeting it: of a run of prices with one mean KL, the last
+    kept = [(p, kl) for i, (p, kl, _) in enumerate(curve) if i + 1 == len(curve) or curve[i + 1][1] != kl]
+    return dataclasses.replace(model, prices=prices, price_curve=tuple(kept))

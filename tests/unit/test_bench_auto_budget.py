@@ -98,3 +98,25 @@ def test_the_analysis_pairs_auto_with_the_reference_in_kl_and_cost():
     assert plain_peer["diff"] == pytest.approx(0.06 - 0.2) and plain_peer["wins"] == 4
     assert "work_ratio" not in plain_peer
 
+
+
+def test_calibrate_writes_the_budget_beside_the_knobs_it_keeps(tmp_path, capsys):
+    from relaxkv_sglang.core.calibration import Calibration, load_calibration, model_fingerprint, save_calibration
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512, "rope_theta": 1e4}))
+    path = save_calibration(Calibration("tiny", model_fingerprint(model_dir), {"stale_shift_scale": 1.0}),
+                            tmp_path / "tiny.json")
+    frontier = _frontier(tmp_path / "dev.json", 8)
+    written = calibrate_budget.calibrate("tiny", model_dir, [frontier], path, "python -m scripts.calibrate ...",
+                                         {"split": "dev"})
+    loaded = load_calibration(path)
+    assert loaded.knobs == {"stale_shift_scale": 1.0} and loaded.budget_model == written.budget_model
+    assert set(loaded.budget_model.prices) == {"low", "medium", "high"}
+    assert loaded.budget_evidence["sources"] == [frontier] and loaded.budget_evidence["prompts"] == 16
+    assert "written to" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="at least 3 examples"):
+        calibrate_budget.calibrate("tiny", model_dir, [_frontier(tmp_path / "small.json", 2)], path, "", {})

@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES),
                         help="with --frameworks: the prompt shapes sent")
     parser.add_argument("--policies", nargs="+", default=["prefix", "pic", "pic-auto", "relaxkv"],
-                        help="server policies; '<policy>-auto' sends the prompts unmarked (content-defined chunking)")
+                        help="server policies; '<policy>-auto' sends the prompts unmarked (content-defined chunking), "
+                             "'<policy>@auto' asks for relaxkv_budget auto")
     parser.epilog = ("A KV pool smaller than the working set shows evictions and the hit rate they cost, e.g. "
                      "--quick --max-total-tokens 4096 --policies pic relaxkv")
     args = common.parse_args(parser, argv, quick={"requests": 40, "clients": 2})

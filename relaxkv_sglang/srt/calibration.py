@@ -25,7 +25,7 @@ from typing import Any, Optional
 from relaxkv_sglang.core.calibration import (CALIBRATION_ENV, DEFAULTS_NOTE, Calibration, CalibrationError,
                                              served_calibration)
 from relaxkv_sglang.core.auto_budget import BudgetModel
-from relaxkv_sglang.core.quality import AUTO
+from relaxkv_sglang.core.quality import AUTO, DEFAULT_QUALITY
 from relaxkv_sglang.core.repair_config import RepairConfig
 from relaxkv_sglang.schema import default_budget, default_quality
 
@@ -50,7 +50,7 @@ class ServedCalibration:
     calibration: Optional[Calibration]
     base: RepairConfig
     default_budget: float | str | None = None
-    quality: str | float = "medium"
+    quality: str | float = DEFAULT_QUALITY
 
     @property
     def budget_model(self) -> Optional[BudgetModel]:

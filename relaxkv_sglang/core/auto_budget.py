@@ -31,6 +31,7 @@ mean cost at a mean KL"); a hard request (large predicted KL) gets more anchors,
 fewer. ``quality`` (``low``/``medium``/``high``, or a target mean KL) picks the price from the
 calibration's table of (price, mean KL on the development split) (:meth:`BudgetModel.price_for`).
 
+Why these values (ladder, levels, SmolLM2's features): docs/experiments/INDEX.md#auto-budget.
 Standard library and torch only.
 """
 

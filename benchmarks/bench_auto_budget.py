@@ -130,16 +130,16 @@ def print_report(result: dict, args: argparse.Namespace) -> None:
           f"+TTFT over pic on the same prompt)")
     print_md(["layout", "config", "n", "KL [95% CI]", "chosen ratio", "work", "+TTFT p50", "fallbacks"],
                        [[s["format"], _label(s["policy"], s["config"]), s["n"],
-                         f"{s['kl']:.3f} {bench_frontier._ci(s['kl_ci95'])}", common.fmt(s["chosen_ratio"], ".1%"),
+                         f"{s['kl']:.3f} {common.ci_text(s['kl_ci95'], '.3f')}", common.fmt(s["chosen_ratio"], ".1%"),
                          common.fmt(s["work"], ",.0f"), common.fmt(s["extra_ttft_median_s"], "+.2f") + " s",
                          s["fallbacks"]] for s in result["summary"]])
     print(f"\n{BENCH}: auto against the fixed reference (paired over examples)")
     print_md(["layout", "auto", "versus", "KL auto", "KL versus", "diff [95% CI]", "W/T/L",
                         "work ratio [95% CI]", "+TTFT ratio"],
                        [[v["format"], v["auto"], v["versus"], common.fmt(v["kl"], ".3f"), common.fmt(v["kl_versus"], ".3f"),
-                         f"{common.fmt(v['diff'], '+.3f')} {bench_frontier._ci(v['diff_ci95'], '+.3f')}",
+                         f"{common.fmt(v['diff'], '+.3f')} {common.ci_text(v['diff_ci95'], '+.3f')}",
                          f"{v['wins']}/{v['ties']}/{v['losses']}",
-                         (f"{v['work_ratio']:.2f} {bench_frontier._ci(v['work_ratio_ci95'], '.2f')}"
+                         (f"{v['work_ratio']:.2f} {common.ci_text(v['work_ratio_ci95'], '.2f')}"
                           if v.get("work_ratio") is not None else ""),
                          common.fmt(v.get("extra_ttft_ratio"), ".2f", "")] for v in result["versus"]])
 

@@ -112,13 +112,9 @@ def merge(paths: list[str], args: argparse.Namespace) -> dict:
 # ------------------------------------------------------------------- report
 
 
-def _ci(ci, spec: str = ".3f") -> str:
-    return "[-]" if ci is None else f"[{format(ci[0], spec)},{format(ci[1], spec)}]"
-
-
 def _signed(row: dict, name: str) -> str:
     """A difference column of a comparison row with its CI (``name`` and ``name_ci95``), "-" when none."""
-    return "-" if row[name] is None else f"{row[name]:+.3f} {_ci(row[name + '_ci95'], '+.3f')}"
+    return "-" if row[name] is None else f"{row[name]:+.3f} {common.ci_text(row[name + '_ci95'], '+.3f')}"
 
 
 def print_report(result: dict, args: argparse.Namespace) -> None:
@@ -133,7 +129,7 @@ def print_report(result: dict, args: argparse.Namespace) -> None:
                tables.right("tok-layers", 11), tables.right("pairs", 12), tables.right("work", 11)]
     tables.print_text_table(columns, [
         [p["format"], p["policy"], common.fmt(p["anchor_ratio"], ".0%"), common.fmt(p["anchor_ratio_achieved"], ".1%"),
-         f"{p['kl']:.3f} {_ci(p['kl_ci95'])}", common.fmt(p["extra_ttft_median_s"], "+.3f"),
+         f"{p['kl']:.3f} {common.ci_text(p['kl_ci95'], '.3f')}", common.fmt(p["extra_ttft_median_s"], "+.3f"),
          common.fmt(p["token_layers"], ",.0f"), common.fmt(p["pairs"], ",.0f"), common.fmt(p["work"], ",.0f")]
         for p in result["points"]])
     print(f"\n{args.method} against each peer at the same asked ratio (diff = {args.method} − peer per example, "

@@ -367,10 +367,6 @@ def blocks(formats: list[str], tasks: list[str]) -> list[tuple[str, str]]:
     return [(f, t) for f in fmts for t in tsks]
 
 
-def _ci(ci: tuple[float, float] | None, spec: str = ".2f") -> str:
-    return "[-]" if ci is None else f"[{format(ci[0], spec)},{format(ci[1], spec)}]"
-
-
 def print_table(result: dict, args: argparse.Namespace) -> None:
     """The summaries as plain-text tables, one per (format, task), then the paired comparisons."""
     split = result["split"]
@@ -391,9 +387,9 @@ def print_table(result: dict, args: argparse.Namespace) -> None:
         tables.print_text_table(columns, [
             [s["policy"], common.fmt(s["anchor_ratio"], ".0%"), common.fmt(s["anchor_ratio_achieved"], ".1%"),
              common.fmt(s["score"], ".3f"),
-             "-" if s["f1_to_full"] is None else f"{s['f1_to_full']:.3f} {_ci(s['f1_to_full_ci95'])}",
+             "-" if s["f1_to_full"] is None else f"{s['f1_to_full']:.3f} {common.ci_text(s['f1_to_full_ci95'], '.2f')}",
              common.fmt(s["exact_to_full"], ".3f"), common.fmt(s["top1_to_full"], ".3f"),
-             f"{s['kl_first_token']:.3f} {_ci(s['kl_first_token_ci95'])}", f"{s['ttft_median_s']:.2f}s",
+             f"{s['kl_first_token']:.3f} {common.ci_text(s['kl_first_token_ci95'], '.2f')}", f"{s['ttft_median_s']:.2f}s",
              common.fmt(s["context_ratio"], ".2f"), common.fmt(s["repair_kv_pairs"], ",.0f"),
              common.fmt(s["repair_kv_pairs_executed"], ",.0f")]
             for s in result["summary"] if (s["format"], s["task"]) == (fmt, task)])
@@ -414,7 +410,7 @@ def print_paired(result: dict) -> None:
     shown = set(blocks(result["formats"], list(result["tasks"])))
     tables.print_text_table(columns, [
         [p["format"], p["task"], p["policy"], ratio_label(p["policy_anchor_ratio"], p["anchor_ratio_achieved"]),
-         f"{p['kl']:.3f}", f"{p['kl_versus']:.3f}", f"{p['diff']:+.3f}", _ci(p["diff_ci95"], "+.3f"),
+         f"{p['kl']:.3f}", f"{p['kl_versus']:.3f}", f"{p['diff']:+.3f}", common.ci_text(p["diff_ci95"], "+.3f"),
          f"{p['wins']}/{p['ties']}/{p['losses']}", str(p["n_examples"])]
         for p in result["paired"] if (p["format"], p["task"]) in shown and p["n_examples"] > 0])
     refs = {p["anchor_ratio"]: p["anchor_ratio_achieved_versus"] for p in result["paired"]
@@ -439,7 +435,7 @@ def print_equal_ttft(result: dict) -> None:
                tables.right("where", 9), tables.right("gap [95% CI]", 28), tables.right("verdict", 9)]
     tables.print_text_table(columns, [
         [r["format"], r["policy"], common.fmt(r["anchor_ratio"], ".0%"), f"{r['ttft_s']:.2f}s", f"{r['kl']:.3f}",
-         f"{r['kl_versus_at_ttft']:.3f}", r["where"], f"{r['gap']:+.3f} {_ci(r['gap_ci95'], '+.3f')}", r["verdict"]]
+         f"{r['kl_versus_at_ttft']:.3f}", r["where"], f"{r['gap']:+.3f} {common.ci_text(r['gap_ci95'], '+.3f')}", r["verdict"]]
         for r in rows])
 
 

@@ -157,6 +157,11 @@ def run_bench(bench: str, args: argparse.Namespace, run: Callable[[argparse.Name
     return path
 
 
+def ci_text(ci: Sequence[float] | None, spec: str) -> str:
+    """A 95% interval as a table cell, ``[lo,hi]`` with ``spec``; ``[-]`` when there is none."""
+    return "[-]" if ci is None else f"[{format(ci[0], spec)},{format(ci[1], spec)}]"
+
+
 def fmt(value: float | None, spec: str, missing: str = "-") -> str:
     """``value`` formatted with ``spec`` (``".0%"``, ``","``, ...) for a table cell, ``missing`` when None."""
     return missing if value is None else format(value, spec)

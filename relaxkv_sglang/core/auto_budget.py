@@ -194,26 +194,24 @@ ANSWER_FEATURES = frozenset(f for f in FEATURES if "answer" in f)
 
 @dataclasses.dataclass(frozen=True)
 class BudgetChoice:
-    """One request's budget decision, as ``meta_info.relaxkv.budget`` reports it.
+    """One request's budget decision, as ``meta_info.relaxkv.budget_choice`` reports it (the signal
+    it was chosen from is reported beside it, ``budget_signal``).
 
     Attributes:
         anchor_ratio: the chosen ratio (one of the ladder's).
         predicted_kl: the model's KL at that ratio.
         quality: the setting it served (a level, or a target KL).
         price: the KL one unit of anchor ratio was worth.
-        signal: what it was chosen from.
     """
 
     anchor_ratio: float
     predicted_kl: float
     quality: str | float
     price: float
-    signal: BudgetSignal
 
     def to_json(self) -> dict[str, Any]:
         return {"mode": AUTO, "quality": self.quality, "anchor_ratio": self.anchor_ratio,
-                "predicted_kl": round(self.predicted_kl, 4), "price": round(self.price, 4),
-                "signal": self.signal.to_json()}
+                "predicted_kl": round(self.predicted_kl, 4), "price": round(self.price, 4)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,9 +273,9 @@ class BudgetModel:
 
     def choose_at_price(self, signal: BudgetSignal, price: float, quality: str | float = "") -> BudgetChoice:
         if signal.n_eligible == 0:
-            return BudgetChoice(min(self.ladder), 0.0, quality, price, signal)
+            return BudgetChoice(min(self.ladder), 0.0, quality, price)
         best = min(self.ladder, key=lambda r: (self.predicted_kl(signal, r) + price * r, r))
-        return BudgetChoice(best, self.predicted_kl(signal, best), quality, price, signal)
+        return BudgetChoice(best, self.predicted_kl(signal, best), quality, price)
 
     def to_json(self) -> dict[str, Any]:
         return {"features": list(self.features), "coefficients": [float(c) for c in self.coefficients],

@@ -77,5 +77,5 @@ def decide_budget(config: RepairConfig, plan: RequestPlan, served: ServedCalibra
                                    "fallback": f"{why}: the anchor ratio it would have had"}
         return BudgetDecision(dataclasses.replace(config, budget=None), report)
     choice = model.choose(signal, quality)
-    report["budget_choice"] = {k: v for k, v in choice.to_json().items() if k != "signal"}
+    report["budget_choice"] = choice.to_json()
     return BudgetDecision(dataclasses.replace(config, anchor_ratio=choice.anchor_ratio, budget=None), report)

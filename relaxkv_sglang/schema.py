@@ -96,6 +96,12 @@ class Field:
     plan_key: str
 
     @property
+    def config_attr(self) -> str:
+        """Its name without :data:`USER_PREFIX`: the attribute a repair knob sets (``RequestPlan``'s,
+        and ``RepairConfig``'s for the ratios)."""
+        return self.name.removeprefix(USER_PREFIX)
+
+    @property
     def default(self) -> Any:
         """The value a request without the field gets (None: no value)."""
         return None
@@ -181,19 +187,19 @@ class RatioField(Field):
     high: int = 1
 
     @property
-    def config_attr(self) -> str:
-        """The ``RepairConfig`` attribute it sets: its name without :data:`USER_PREFIX`."""
-        return self.name.removeprefix(USER_PREFIX)
-
-    @property
     def default(self) -> Optional[float]:
         """``RepairConfig``'s default of :attr:`config_attr` (None: unset)."""
         return _repair_defaults()[self.config_attr]
 
+    @property
+    def expected(self) -> str:
+        """What a valid value is, as the error says it."""
+        return f"a number in [{self.low}, {self.high}]"
+
     def validate(self, value: Any, *, text: Optional[str] = None) -> float:
         """``value`` as a float if it is a number in range."""
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not self.low <= value <= self.high:
-            raise self.error(f"must be a number in [{self.low}, {self.high}], got {value!r}")
+            raise self.error(f"must be {self.expected}, got {value!r}")
         return float(value)
 
     def from_plan(self, value: Any) -> Any:
@@ -208,16 +214,16 @@ class BudgetField(RatioField):
 
     type: str = "number or string"
 
+    @property
+    def expected(self) -> str:
+        return f"{super().expected} or {AUTO_BUDGET!r}"
+
     def validate(self, value: Any, *, text: Optional[str] = None) -> float | str:
         """``value`` as a float in range, or ``"auto"``."""
-        if value == AUTO_BUDGET:
-            return AUTO_BUDGET
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not self.low <= value <= self.high:
-            raise self.error(f"must be a number in [{self.low}, {self.high}] or {AUTO_BUDGET!r}, got {value!r}")
-        return float(value)
+        return AUTO_BUDGET if value == AUTO_BUDGET else super().validate(value, text=text)
 
     def from_plan(self, value: Any) -> Any:
-        return value if value in (None, AUTO_BUDGET) else float(value)
+        return AUTO_BUDGET if value == AUTO_BUDGET else super().from_plan(value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -226,10 +232,6 @@ class QualityField(Field):
     target mean KL (a number above 0); the server's default is ``RELAXKV_QUALITY``."""
 
     type: str = "string or number"
-
-    @property
-    def config_attr(self) -> str:
-        return self.name.removeprefix(USER_PREFIX)
 
     @property
     def default(self) -> str:

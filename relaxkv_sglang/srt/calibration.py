@@ -11,7 +11,7 @@ request's own ratios override it, ``repair.request_repair_config``); ``/get_serv
 The ``auto`` budget's server settings are read here too, at the same startup: ``RELAXKV_DEFAULT_BUDGET``
 (a repair request's budget when it gives neither ratio nor budget) and ``RELAXKV_QUALITY`` (what an
 auto budget aims at); a default ``auto`` budget for a model whose calibration has no budget model
-stops the server with one line (:func:`served_budget` for the forward).
+stops the server with one line (:func:`served_settings` for the forward).
 """
 
 from __future__ import annotations
@@ -95,16 +95,15 @@ def load_served_calibration(cache: Any, model_path: str, hf_config: dict, *, log
     return served
 
 
-def repair_base(cache: Any) -> RepairConfig:
-    """The RepairConfig the server's repairs start from (the defaults before a calibration is loaded)."""
-    served = getattr(cache, _CALIBRATION_ATTR, None)
-    return served.base if served is not None else RepairConfig()
-
-
-def served_budget(cache: Any) -> ServedCalibration:
-    """The served calibration with the budget settings (before startup chose it: the defaults)."""
+def served_settings(cache: Any) -> ServedCalibration:
+    """The served calibration and budget settings (before startup chose them: the defaults)."""
     served = getattr(cache, _CALIBRATION_ATTR, None)
     return served if served is not None else ServedCalibration("", None, RepairConfig())
+
+
+def repair_base(cache: Any) -> RepairConfig:
+    """The RepairConfig the server's repairs start from (the defaults before a calibration is loaded)."""
+    return served_settings(cache).base
 
 
 def calibration_state(cache: Any) -> Optional[dict]:

@@ -222,7 +222,7 @@ def test_the_repository_files_load_and_match_their_prepared_models():
 
 def test_a_budget_model_travels_in_the_calibration_file_and_sets_the_server_budget(tmp_path, monkeypatch, caplog):
     from relaxkv_sglang.core.auto_budget import BudgetModel
-    from relaxkv_sglang.srt.calibration import calibration_state, load_served_calibration, served_budget
+    from relaxkv_sglang.srt.calibration import calibration_state, load_served_calibration, served_settings
 
     model = BudgetModel(("one", "log_ratio"), (-5.0, -1.0), prices={"low": 1.0, "medium": 0.3, "high": 0.05})
     with_budget = dataclasses.replace(_calibration(context_ratio=0.25), budget_model=model,
@@ -239,7 +239,7 @@ def test_a_budget_model_travels_in_the_calibration_file_and_sets_the_server_budg
     with caplog.at_level(logging.INFO, logger="relaxkv_sglang.srt.calibration"):
         load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG)
     assert "auto budget calibrated; default budget auto, quality high" in caplog.text
-    served = served_budget(cache)
+    served = served_settings(cache)
     assert (served.default_budget, served.quality, served.budget_model) == ("auto", "high", model)
     assert calibration_state(cache)["budget_prices"] == {"low": 1.0, "medium": 0.3, "high": 0.05}
 

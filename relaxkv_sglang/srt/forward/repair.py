@@ -32,7 +32,7 @@ import torch
 
 from relaxkv_sglang.core.repair_config import RepairConfig
 from relaxkv_sglang.core.repair_plan import AnchorPlan, plan_anchors
-from relaxkv_sglang.srt.calibration import repair_base, served_budget
+from relaxkv_sglang.srt.calibration import served_settings
 from relaxkv_sglang.srt.forward.budget import decide_budget
 from relaxkv_sglang.srt.forward.context import forward_context
 from relaxkv_sglang.srt.failures import InvariantError, served_as_pic
@@ -68,7 +68,7 @@ def repair_stage(cache: "ChunkCache", attn_backend: Any, setup: "ForwardSetup") 
 
 def request_repair_config(r: "RequestRows", base: RepairConfig) -> RepairConfig:
     """The request's knobs: ``base`` (the served model's calibration, else the defaults,
-    :func:`~.calibration.repair_base`) with the ratios the request gave (its budget: :mod:`.budget`)."""
+    :func:`~.calibration.served_settings`) with the ratios the request gave (its budget: :mod:`.budget`)."""
     plan = r.fold.plan
     given = {"anchor_ratio": plan.anchor_ratio, "context_ratio": plan.context_ratio}
     return dataclasses.replace(base, **{knob: value for knob, value in given.items() if value is not None})
@@ -138,8 +138,8 @@ class RepairStage:
         scores = r.scores.stacked(n_layers) if r.scores is not None else None
         try:
             ids = _token_ids(f.req)
-            budget = decide_budget(request_repair_config(r, repair_base(self.cache)), f.plan,
-                                   served_budget(self.cache), scores, ids, answer_logits)
+            served = served_settings(self.cache)
+            budget = decide_budget(request_repair_config(r, served.base), f.plan, served, scores, ids, answer_logits)
             anchor_plan = plan_anchors(f.plan.policy, scores, list(f.plan.chunk_spans), f.plan.query_start, n_layers,
                                        budget.config, self.attn_backend.repair_cost, input_ids=ids)
             # the pass's bookkeeping lives on the host (layer_loop): the slots are read back once

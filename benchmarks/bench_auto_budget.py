@@ -12,8 +12,8 @@ request against ``pic`` on the same prompt (``frontier_stats.add_costs``): +TTFT
   examples) and the cost ratios (mean work, median +TTFT), with the ratio's CI resampling examples;
 * ``auto`` against each peer at the reference: the paired KL difference.
 
-The server's calibration must hold a budget model (``scripts/calibrate.py --budget``), else every
-auto request reports a fallback and the run stops with one line.
+The server's calibration must hold a budget model (``scripts/calibrate.py --budget``), else the
+run stops with one line before the first request.
 """
 
 from __future__ import annotations
@@ -108,12 +108,17 @@ def analyse(rows: list[dict], args: argparse.Namespace, n_layers: int, pair_cost
             "versus": versus, "per_example": rows}
 
 
+def require_budget_model(calibration: dict | None) -> None:
+    """Stop before the run when the server's calibration has no budget model (auto would fall back)."""
+    if not (calibration or {}).get("budget_prices"):
+        raise RuntimeError("the server's calibration has no budget model: auto requests would fall back "
+                           "(python -m scripts.calibrate --budget ...)")
+
+
 def run(args: argparse.Namespace) -> dict:
     n_layers, pair_cost = bench_frontier.model_costs(args)
-    rows, tasks, split, calibration = bench_quality.answer_all(args, [], BENCH, cfgs=configs(args))
-    if not (calibration or {}).get("budget_prices"):
-        raise RuntimeError("the server's calibration has no budget model: auto requests fell back "
-                           "(python -m scripts.calibrate --budget ...)")
+    rows, tasks, split, calibration = bench_quality.answer_all(args, [], BENCH, cfgs=configs(args),
+                                                               check_calibration=require_budget_model)
     return {"split": split, "tasks": tasks, "calibration": calibration, **analyse(rows, args, n_layers, pair_cost)}
 
 

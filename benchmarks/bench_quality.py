@@ -109,7 +109,7 @@ import math
 import pathlib
 import random
 import sys
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from tqdm import tqdm
 
@@ -247,10 +247,14 @@ def answer_example(client: ServerClient, example: quality_tasks.TaskExample, fmt
 
 
 def answer_all(args: argparse.Namespace, policies: Sequence[str], bench: str = BENCH,
-               cfgs: Optional[list[tuple[str, float | str | None]]] = None) -> tuple[list[dict], dict, dict, Optional[dict]]:
+               cfgs: Optional[list[tuple[str, float | str | None]]] = None,
+               check_calibration: Optional[Callable[[Optional[dict]], None]] = None,
+               ) -> tuple[list[dict], dict, dict, Optional[dict]]:
     """Every example of every task in every format under every config (``cfgs``, else every policy of
     ``policies`` at every ``args.anchor_ratios``) against one server: (per-example rows, tasks,
-    split, the server's calibration). ``args.context_ratio`` is the server's when not given."""
+    split, the server's calibration). ``args.context_ratio`` is the server's when not given;
+    ``check_calibration`` sees the server's calibration before any example is sent (it raises
+    ``RuntimeError`` to stop the run)."""
     try:
         examples = {t: quality_tasks.task_examples(t, args.examples, seed=args.seed, offset=args.offset,
                                                documents=args.documents)
@@ -263,6 +267,8 @@ def answer_all(args: argparse.Namespace, policies: Sequence[str], bench: str = B
     with common.bench_client(args, bench) as client:
         calibration = client.calibration()  # the server's repair knobs; its context ratio unless given
         print(f"{bench}: {common.calibration_line(calibration)}", file=sys.stderr, flush=True)
+        if check_calibration is not None:
+            check_calibration(calibration)
         if args.context_ratio is None:
             args.context_ratio = (calibration or {}).get("knobs", {}).get("context_ratio", CONTEXT_RATIO.default)
         for task, exs in examples.items():

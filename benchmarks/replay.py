@@ -187,8 +187,8 @@ def replay(client: ServerClient, trace: list[TraceRequest], policy: str, clients
         "chunk_hit_rate_pct": 100.0 * metrics.hit_rate(chunk, prompt),
         "requests_per_s": len(results) / wall, "tokens_per_s": (prompt + completion) / wall, "wall_s": wall,
         "ttft_s": ttft,
-        "anchor_ratio_mean": metrics.mean(common.relaxkv_report(r)["anchor_ratio"] for r in results
-                                          if "anchor_ratio" in common.relaxkv_report(r)),
+        "anchor_ratio_mean": metrics.mean(rep["anchor_ratio"] for rep in map(common.relaxkv_report, results)
+                                          if "anchor_ratio" in rep),
         "chunk_evictions": after.get("chunk_evictions", 0) - before.get("chunk_evictions", 0),
         "chunk_evicted_tokens": after.get("chunk_evicted_tokens", 0) - before.get("chunk_evicted_tokens", 0),
         "per_request": [{"prompt_tokens": r["meta_info"]["prompt_tokens"], "cached_tokens": r["meta_info"]["cached_tokens"],

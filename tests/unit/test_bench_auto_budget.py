@@ -120,3 +120,11 @@ def test_calibrate_writes_the_budget_beside_the_knobs_it_keeps(tmp_path, capsys)
     assert "written to" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="at least 3 examples"):
         calibrate_budget.calibrate("tiny", model_dir, [_frontier(tmp_path / "small.json", 2)], path, "", {})
+
+
+def test_the_run_stops_before_any_request_without_a_budget_model():
+    with pytest.raises(RuntimeError, match="no budget model"):
+        bench_auto_budget.require_budget_model({"file": None, "budget_prices": None})
+    with pytest.raises(RuntimeError, match="no budget model"):
+        bench_auto_budget.require_budget_model(None)
+    bench_auto_budget.require_budget_model({"budget_prices": {"low": 1.0, "medium": 0.5, "high": 0.1}})

@@ -41,9 +41,10 @@ import shutil
 from typing import Any, Sequence
 
 from benchmarks import common
-from benchmarks.replay import TraceRequest, add_trace_args, check_trace_args, make_trace
+from benchmarks.replay import TraceRequest, add_trace_args, check_trace_args, make_trace, policy_spec
 from relaxkv_sglang import assets
-from relaxkv_sglang.schema import POLICY
+from relaxkv_sglang.client import custom_params
+from relaxkv_sglang.schema import FIELDS, POLICY
 
 BENCH = "rag_dataset"
 
@@ -62,24 +63,44 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt")
 
 
-def chat_row(request: TraceRequest, max_tokens: int, policy: str | None) -> dict[str, Any]:
-    """One request as an OpenAI chat body without ``model`` (bench_serving's ``openai`` row)."""
+def chat_row(request: TraceRequest, max_tokens: int, custom: dict | None) -> dict[str, Any]:
+    """One request as an OpenAI chat body without ``model`` (bench_serving's ``openai`` row);
+    ``custom``: its ``custom_params`` (None or empty: none)."""
     parts = [{"type": "text", "text": text} for text in (*request.documents, request.question)]
     row: dict[str, Any] = {
         "messages": [{"role": "system", "content": request.system}, {"role": "user", "content": parts}],
         "max_tokens": max_tokens,
     }
-    if policy is not None:
-        row["custom_params"] = {POLICY.name: policy}
+    if custom:
+        row["custom_params"] = dict(custom)
     return row
 
 
-def write_dataset(path: pathlib.Path, trace: Sequence[TraceRequest], max_tokens: int, policy: str | None) -> int:
-    """Write ``trace`` to ``path`` as JSONL chat rows; the number of rows."""
+def policy_params(policy: str | None, anchor_ratio: float | None) -> dict:
+    """``custom_params`` of every row under ``policy`` (a :func:`~benchmarks.replay.policy_spec`
+    name; None: none); a ``-auto`` policy's prompts would go unmarked, which content parts cannot
+    say (ValueError)."""
+    if policy is None:
+        return {}
+    spec = policy_spec(policy, anchor_ratio)
+    if spec.unmarked:
+        raise ValueError(f"{policy}: every document is its own content part here (marked); "
+                         "send the unmarked shapes with bench_cache_hit --frameworks")
+    return custom_params(spec.server_policy, **spec.knobs)
+
+
+def check_params(custom: dict) -> dict:
+    """``custom`` as the server takes it (each field validated and normalized, ``schema.py``: a
+    budget given as text becomes a number), else ValueError naming the field."""
+    return {field.name: field.validate(custom[field.name]) for field in FIELDS if field.name in custom}
+
+
+def write_dataset(path: pathlib.Path, trace: Sequence[TraceRequest], max_tokens: int, custom: dict | None) -> int:
+    """Write ``trace`` to ``path`` as JSONL chat rows with ``custom`` params; the number of rows."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
         for request in trace:
-            f.write(json.dumps(chat_row(request, max_tokens, policy), ensure_ascii=False) + "\n")
+            f.write(json.dumps(chat_row(request, max_tokens, custom), ensure_ascii=False) + "\n")
     return len(trace)
 
 
@@ -107,8 +128,11 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m benchmarks.rag_dataset``: write the trace as a bench_serving dataset."""
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{BENCH}", description=__doc__.split("\n\n")[0])
     add_trace_args(parser)
-    parser.add_argument("--policy", default="pic", choices=[*POLICY.choices, "none"],
-                        help="custom_params.relaxkv_policy of every row; 'none' leaves it out")
+    parser.add_argument("--policy", default="pic",
+                        help="custom_params.relaxkv_policy of every row (%s; '<policy>@auto' adds relaxkv_budget "
+                             "auto); 'none' leaves it out" % ", ".join(POLICY.choices))
+    parser.add_argument("--anchor-ratio", type=float, default=None,
+                        help="custom_params.relaxkv_anchor_ratio of a repair policy's rows (default: the server's)")
     parser.add_argument("--output", required=True, help="the JSONL file to write")
     parser.add_argument("--model", default="smollm2-135m",
                         help="whose tokenizer bench_serving gets: a model name (%s) or folder" % ", ".join(assets.MODELS))
@@ -118,13 +142,16 @@ def main(argv: list[str] | None = None) -> None:
     check_trace_args(BENCH, args)
     if args.max_new_tokens < 1:
         common.fail(BENCH, f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
-    policy = None if args.policy == "none" else args.policy
+    try:
+        custom = check_params(policy_params(None if args.policy == "none" else args.policy, args.anchor_ratio))
+    except ValueError as exc:
+        common.fail(BENCH, f"--policy {args.policy}: {exc}")
     tokenizer_out = pathlib.Path(args.tokenizer_out or f"{args.output}.tokenizer")
     try:
         write_bench_tokenizer(assets.resolve_model(args.model), tokenizer_out)
     except (ValueError, OSError) as exc:
         common.fail(BENCH, f"--model {args.model}: {exc}")
-    rows = write_dataset(pathlib.Path(args.output), make_trace(args), args.max_new_tokens, policy)
+    rows = write_dataset(pathlib.Path(args.output), make_trace(args), args.max_new_tokens, custom)
     print(f"{BENCH}: wrote {rows} requests ({args.docs_per_request} documents each, policy "
           f"{args.policy}) to {args.output}, and bench_serving's tokenizer to {tokenizer_out}")
 

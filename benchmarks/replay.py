@@ -20,6 +20,7 @@ appearance in the trace, unlimited memory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import queue
 import random
@@ -31,6 +32,8 @@ from tqdm import tqdm
 
 from benchmarks import common, metrics, prompt_formats, rag_documents
 from relaxkv_sglang.client import ServerClient
+from relaxkv_sglang.core.policies import REPAIR_POLICIES
+
 
 @dataclasses.dataclass
 class TraceRequest:
@@ -149,6 +152,34 @@ def replay_in_order(send: Callable[[int, int, float], dict], count: int, clients
     return records, time.perf_counter() - start  # type: ignore[return-value]
 
 
+@dataclasses.dataclass(frozen=True)
+class PolicySpec:
+    """A policy as the benchmarks name it: ``<policy>``, ``<policy>-auto`` (the prompts sent
+    unmarked, chunked by content on the server) or ``<policy>@<budget>`` (``relaxkv_budget``,
+    e.g. ``relaxkv@auto``).
+
+    Attributes: server_policy: the ``relaxkv_policy`` sent; unmarked: no ``relaxkv_chunks``;
+    knobs: the repair's fields as :func:`~relaxkv_sglang.client.custom_params` takes them.
+    """
+
+    server_policy: str
+    unmarked: bool
+    knobs: dict
+
+
+def policy_spec(policy: str, anchor_ratio: float | None) -> PolicySpec:
+    """``policy`` parsed (:class:`PolicySpec`); a repair policy without a budget gets ``anchor_ratio``."""
+    name, _, budget = policy.partition("@")
+    server_policy = name.removesuffix("-auto")
+    if budget:
+        knobs = {"budget": budget}  # 'auto' or a number (the server's field checks it)
+        with contextlib.suppress(ValueError):
+            knobs["budget"] = float(budget)
+    else:
+        knobs = {"anchor_ratio": anchor_ratio} if server_policy in REPAIR_POLICIES and anchor_ratio is not None else {}
+    return PolicySpec(server_policy, name.endswith("-auto"), knobs)
+
+
 def replay(client: ServerClient, trace: list[TraceRequest], policy: str, clients: int,
            args: argparse.Namespace, desc: str = "bench_cache_hit") -> dict:
     """Send the whole trace under ``policy`` from ``clients`` threads on a flushed cache; the policy's row.
@@ -160,15 +191,12 @@ def replay(client: ServerClient, trace: list[TraceRequest], policy: str, clients
     """
     client.flush()
     before = client.relaxkv_state()
-    name, _, budget = policy.partition("@")
-    server_policy, auto = name.removesuffix("-auto"), name.endswith("-auto")
-    repairs = server_policy not in ("prefix", "pic")
-    knobs = {"budget": budget} if budget else {"anchor_ratio": args.anchor_ratio if repairs else None}
+    spec = policy_spec(policy, args.anchor_ratio)
 
     def one(i: int, _client: int, sent_at: float) -> dict:
         req = trace[i]
-        out = client.generate_stream(
-            req.text, None if auto else req.offsets, server_policy, max_new_tokens=args.max_new_tokens, **knobs)
+        out = client.generate_stream(req.text, None if spec.unmarked else req.offsets, spec.server_policy,
+                                     max_new_tokens=args.max_new_tokens, **spec.knobs)
         out["sent_at"], out["first_token_at"] = sent_at, sent_at + out["ttft_s"]
         return out
 

@@ -24,6 +24,15 @@ from relaxkv_sglang.routing import ROUTING_HEADER, HotKeySplitter, prompt_docume
 from relaxkv_sglang.schema import ANCHOR_RATIO, BUDGET, CHUNKS, CONTEXT_RATIO, POLICY, QUALITY
 
 
+def custom_params(policy: str | None = None, offsets: list[int] | None = None, *, anchor_ratio: float | None = None,
+                  context_ratio: float | None = None, budget: float | str | None = None,
+                  quality: float | str | None = None) -> dict:
+    """The request's relaxkv fields as ``custom_params`` carries them (``schema.py``), the unset ones left out."""
+    fields = ((POLICY, policy), (CHUNKS, offsets), (ANCHOR_RATIO, anchor_ratio), (CONTEXT_RATIO, context_ratio),
+              (BUDGET, budget), (QUALITY, quality))
+    return {field.name: value for field, value in fields if value is not None}
+
+
 class ServerClient:
     def __init__(self, url: str, timeout: float = 600, *, routing: bool = True,
                  splitter: HotKeySplitter | None = None):
@@ -93,9 +102,8 @@ class ServerClient:
     @staticmethod
     def _body(text, offsets, policy, *, max_new_tokens, anchor_ratio=None, context_ratio=None, budget=None,
               quality=None, stop=None, top_logprobs=0, token_ids_logprob=None, return_logprob=False, **extra) -> dict:
-        fields = ((POLICY, policy), (CHUNKS, offsets), (ANCHOR_RATIO, anchor_ratio), (CONTEXT_RATIO, context_ratio),
-                  (BUDGET, budget), (QUALITY, quality))
-        custom = {field.name: value for field, value in fields if value is not None}
+        custom = custom_params(policy, offsets, anchor_ratio=anchor_ratio, context_ratio=context_ratio, budget=budget,
+                               quality=quality)
         sampling = {"max_new_tokens": max_new_tokens, "temperature": 0}
         if custom:
             sampling["custom_params"] = custom

@@ -30,7 +30,7 @@ def test_bench_serving_reports_the_hit_rate_bench_cache_hit_measures(relaxkv_ser
                               seed=3, max_new_tokens=2, anchor_ratio=None, pressure=False)
     trace = replay.make_trace(args)
     dataset, tokenizer = tmp_path / "rag.jsonl", tmp_path / "tokenizer"
-    assert rag_dataset.write_dataset(dataset, trace, args.max_new_tokens, "pic") == len(trace)
+    assert rag_dataset.write_dataset(dataset, trace, args.max_new_tokens, {"relaxkv_policy": "pic"}) == len(trace)
     rag_dataset.write_bench_tokenizer(pathlib.Path(tiny_model_path), tokenizer)
 
     # one client on each side: with several, a repeat sent while its documents' first request is

@@ -31,7 +31,7 @@ from benchmarks import prompt_formats
 
 from relaxkv_sglang import assets
 from relaxkv_sglang.client import ServerClient
-from relaxkv_sglang.server import ServerConfig, running_server
+from relaxkv_sglang.server import SGLangServer, ServerConfig, running_server
 
 RESULTS_DIR = pathlib.Path(os.environ.get("RELAXKV_RESULTS", "results"))
 
@@ -85,7 +85,16 @@ def tokenizer(args: argparse.Namespace) -> Any:
 @contextlib.contextmanager
 def bench_client(args: argparse.Namespace, bench: str, *, policy: str = "prefix",
                  **config: Any) -> Iterator[ServerClient]:
-    """A client of the server to measure: ``--url``, or one started here (and stopped on exit).
+    """A client of the server to measure (:func:`bench_server`'s)."""
+    with bench_server(args, bench, policy=policy, **config) as (client, _):
+        yield client
+
+
+@contextlib.contextmanager
+def bench_server(args: argparse.Namespace, bench: str, *, policy: str = "prefix",
+                 **config: Any) -> Iterator[tuple[ServerClient, SGLangServer | None]]:
+    """A client of the server to measure and the server: ``--url`` (server None), or one started
+    here (and stopped on exit).
 
     The started server serves ``--model`` with a ``--max-total-tokens`` KV
     pool, default policy ``policy`` (``prefix``: every request names its own), its log
@@ -99,8 +108,8 @@ def bench_client(args: argparse.Namespace, bench: str, *, policy: str = "prefix"
         return ServerConfig(model_path=model, max_total_tokens=args.max_total_tokens, policy=policy,
                             log_path=str(log), **config)
 
-    with running_server(args.url, make_config) as (url, _):
-        yield ServerClient(url)
+    with running_server(args.url, make_config) as (url, server):
+        yield ServerClient(url), server
 
 
 def warm_chunks(client: ServerClient, documents: Sequence[str], system: str) -> None:

@@ -26,7 +26,7 @@ import sys
 import tempfile
 
 from benchmarks import common, rag_dataset, tables
-from benchmarks.replay import add_trace_args, check_trace_args, make_trace, trace_words
+from benchmarks.replay import add_trace_args, check_trace_args, make_trace, trace_words, trace_workload
 
 BENCH = "bench_serving_rag"
 POLICIES = ["full", "prefix", "pic", "relaxkv", "prophetkv", "relaxkv@auto"]
@@ -85,13 +85,11 @@ def run(args: argparse.Namespace) -> dict:
             print(f"{BENCH}: {policy} through bench_serving", file=sys.stderr, flush=True)
             done = subprocess.run(command, capture_output=True, text=True, timeout=BENCH_SERVING_TIMEOUT_S)
             if done.returncode != 0 or not output.is_file():
-                raise RuntimeError(f"bench_serving failed for {policy} (exit {done.returncode}): "
-                                   f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+                last = ((done.stderr or done.stdout).strip().splitlines() or ["no output"])[-1]
+                raise RuntimeError(f"bench_serving failed for {policy} (exit {done.returncode}): {last}")
             rows.append(policy_row(policy, json.loads(output.read_text().splitlines()[-1]), len(trace)))
     add_ratios(rows)
-    return {"workload": {"source": args.source, "pool": args.pool, "zipf": args.zipf, "k": args.docs_per_request,
-                         "topics": args.topics, "requests": args.requests, "clients": args.clients, "seed": args.seed,
-                         "anchor_ratio": args.anchor_ratio, "max_new_tokens": args.max_new_tokens,
+    return {"workload": {**trace_workload(args), "anchor_ratio": args.anchor_ratio, "max_new_tokens": args.max_new_tokens,
                          "kv_pool_tokens": None if args.url else args.max_total_tokens},
             "results": rows}
 

@@ -138,6 +138,8 @@ class BlockSparsePlan:
         row_indptr, indptr = layout.row_indptr.tolist(), layout.indptr.tolist()
         entry_block = layout.block_of_entry()
         indices, rows_of_block = layout.indices.long(), layout.row_indptr.long().diff()
+        q_pos = layout.q_pos.long()
+        block_of_row = torch.repeat_interleave(torch.arange(layout.n_row_blocks), rows_of_block)
         groups = ([(b, b + 1) for b in range(layout.n_row_blocks)] if per_block
                   else _block_groups(layout, entry_block))
         for b0, b1 in groups:
@@ -148,12 +150,18 @@ class BlockSparsePlan:
             union, page_of_entry = torch.unique(indices[e0:e1], return_inverse=True)  # sorted page ids
             member = torch.zeros(b1 - b0, union.numel(), dtype=torch.bool)
             member[entry_block[e0:e1] - b0, page_of_entry] = True
+            # Keys ascend with the sorted pages, so the ones past n_keys (the last page's tail) end the list.
             key_pos = (union[:, None] * ps + torch.arange(ps)[None, :]).flatten()
-            in_range = key_pos < layout.n_keys
-            rows_pages = member.repeat_interleave(rows_of_block[b0:b1], dim=0)  # [rows, union pages]
-            visible = rows_pages[:, :, None].expand(-1, -1, ps).reshape(r1 - r0, -1)[:, in_range]
-            key_pos = key_pos[in_range]
-            visible &= key_pos[None, :] <= layout.q_pos[r0:r1].long()[:, None]
+            n_in = int(torch.searchsorted(key_pos, layout.n_keys))
+            key_pos = key_pos[:n_in]
+            # Pages to keys once per block, then each row takes its block's: [blocks, keys] -> [rows, keys].
+            block_keys = member[:, :, None].expand(-1, -1, ps).reshape(b1 - b0, -1)[:, :n_in]
+            visible = block_keys.index_select(0, block_of_row[r0:r1] - b0)
+            rows_pos = q_pos[r0:r1]
+            # Causality masks only the keys after the group's first row (the keys ascend).
+            j0 = int(torch.searchsorted(key_pos, rows_pos.min(), right=True))
+            if j0 < n_in:
+                visible[:, j0:] &= key_pos[None, j0:] <= rows_pos[:, None]
             self.visible_pairs += int(torch.count_nonzero(visible))
             self.executed_pairs += visible.numel()
             self.groups.append((r0, r1, stage.put(key_pos), stage.put(visible)))

@@ -33,6 +33,8 @@ import tempfile
 import zipfile
 from typing import Any
 
+from relaxkv_sglang.settings import asset_cache_root as cache_root  # $RELAXKV_CACHE, else ~/.cache/relaxkv-sglang
+
 
 class AssetError(RuntimeError):
     """An asset cannot be produced; the message is one line for the user."""
@@ -127,12 +129,6 @@ TINY_FAMILY_MODELS = ("tiny-qwen3", "tiny-mistral", "tiny-llama3", "tiny-phi3", 
 MODELS = ("smollm2-135m", "tiny-llama", "qwen2.5-0.5b", *TINY_FAMILY_MODELS)
 # Models prepared only on demand (large; no test or default command needs them).
 OPTIONAL_MODELS = tuple(name for name, spec in GGUF_MODELS.items() if spec.optional)
-
-
-def cache_root() -> pathlib.Path:
-    """Where wheels, models and data are cached: ``$RELAXKV_CACHE`` or ``~/.cache/relaxkv-sglang``."""
-    root = os.environ.get("RELAXKV_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "relaxkv-sglang")
-    return pathlib.Path(root)
 
 
 def _log(msg: str) -> None:

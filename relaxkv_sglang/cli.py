@@ -11,7 +11,7 @@
     relaxkv-sglang data hotpotqa|squad|essays
     relaxkv-sglang --version
 
-``serve``'s default policy is the plugin's (:func:`relaxkv_sglang.schema.default_policy`:
+``serve``'s default policy is the plugin's (:attr:`relaxkv_sglang.settings.ServerSettings.default_policy`:
 ``RELAXKV_DEFAULT_POLICY``, else ``prefix``), the same as a raw ``python -m
 sglang.launch_server`` with the plugin; ``--policy`` sets it for the one server.
 
@@ -51,8 +51,9 @@ import sys
 import time
 
 from relaxkv_sglang import __version__, assets
-from relaxkv_sglang.schema import DEFAULT_POLICY_ENV, POLICY, default_policy
+from relaxkv_sglang.schema import POLICY
 from relaxkv_sglang.server import SGLangServer, ServerConfig, ServerError
+from relaxkv_sglang.settings import CALIBRATION_ENV, DEFAULT_POLICY_ENV, ServerSettings, child_environment
 
 TIER_ENV = {"host_cache_gb": "RELAXKV_HOST_CACHE_GB", "chunk_dir": "RELAXKV_CHUNK_DIR",
             "disk_cache_gb": "RELAXKV_DISK_CACHE_GB"}
@@ -85,7 +86,7 @@ def calibration_env(args, model_path: str) -> dict[str, str]:
     the model folder here, so a wrong one stops before SGLang's minutes of startup."""
     if args.calibration is None:
         return {}
-    from relaxkv_sglang.core.calibration import CALIBRATION_ENV, NO_CALIBRATION, CalibrationError, calibration_for_model
+    from relaxkv_sglang.core.calibration import NO_CALIBRATION, CalibrationError, calibration_for_model
 
     if args.calibration.strip().lower() == NO_CALIBRATION:
         return {CALIBRATION_ENV: NO_CALIBRATION}
@@ -113,13 +114,13 @@ def serve_policy(args) -> str:
     if args.policy is not None:
         return args.policy
     try:
-        return default_policy()
+        return ServerSettings.from_env(child_environment()).default_policy  # what the launched server reads
     except SystemExit as exc:  # a bad RELAXKV_DEFAULT_POLICY
         raise ServerError(str(exc).removeprefix("relaxkv-sglang: ")) from None
 
 
 def _policy_help() -> str:
-    env = os.environ.get(DEFAULT_POLICY_ENV)
+    env = child_environment().get(DEFAULT_POLICY_ENV)  # what the launched server reads
     if env:
         default = f"{env}, from ${DEFAULT_POLICY_ENV}; without it {POLICY.default}"
     else:

@@ -15,7 +15,6 @@ sglang-router 0.3.2 could not promise this: its new keys went to the fewest requ
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 
@@ -23,6 +22,7 @@ import requests
 
 from relaxkv_sglang.routing import ROUTING_HEADER
 from relaxkv_sglang.server import SGLangServer, ServerConfig, ServerError, free_port
+from relaxkv_sglang.settings import child_environment
 
 
 ROUTINGS: dict[str, list[str]] = {
@@ -81,7 +81,7 @@ class RouterProcess(SGLangServer):
     def start(self) -> "RouterProcess":
         if not router_installed():
             raise ServerError("smg (the gateway) is not installed (make install pins it); --replicas needs it")
-        return self._launch(dict(os.environ, NO_COLOR="1", RUST_LOG_STYLE="never"), "relaxkv-sglang-router-")
+        return self._launch(child_environment(NO_COLOR="1", RUST_LOG_STYLE="never"), "relaxkv-sglang-router-")
 
     def _wait_ready(self) -> None:
         cfg = self.config

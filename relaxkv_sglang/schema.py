@@ -18,7 +18,6 @@ Also declared here:
 * :data:`USER_PREFIX`: a client key under it must be one of :data:`FIELD_NAMES` (a typo is an error,
   not a request silently served without reuse);
 * :data:`RECORD_KEY`, the ``meta_info`` key of the per-request report;
-* the server default policy: :data:`DEFAULT_POLICY_ENV` and :func:`default_policy`;
 * the per-request policy header :data:`POLICY_HEADER` (:func:`header_policy`): a request's
   default policy where the body cannot carry one without replacing other fields (SGLang's native
   ``/generate`` takes ``custom_params`` inside ``sampling_params``, which load generators such as
@@ -34,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any, Mapping, Optional
 
 from relaxkv_sglang.core.policies import CHUNK_POLICIES, DEFAULT_POLICY, SERVER_POLICIES
@@ -43,20 +41,17 @@ from relaxkv_sglang.core.quality import DEFAULT_QUALITY, QUALITY_LEVELS, parse_q
 from relaxkv_sglang.core.segments import ChunkSpecError, parse_chunk_offsets
 
 __all__ = [
-    "USER_PREFIX", "RESERVED_PREFIX", "RECORD_KEY", "DEFAULT_POLICY_ENV", "RequestError", "Field",
+    "USER_PREFIX", "RESERVED_PREFIX", "RECORD_KEY", "RequestError", "Field",
     "ChunksField", "PolicyField", "RatioField", "BudgetField", "QualityField", "CHUNKS", "POLICY", "ANCHOR_RATIO",
-    "CONTEXT_RATIO", "BUDGET", "QUALITY", "AUTO_BUDGET", "QUALITY_LEVELS", "default_quality", "default_budget",
-    "FIELDS", "FIELD_NAMES", "REPAIR_KNOBS", "PLAN_KEYS", "PROMPT_LEN_KEY", "check_keys", "mentions_fields", "default_policy",
+    "CONTEXT_RATIO", "BUDGET", "QUALITY", "AUTO_BUDGET", "QUALITY_LEVELS",
+    "FIELDS", "FIELD_NAMES", "REPAIR_KNOBS", "PLAN_KEYS", "PROMPT_LEN_KEY", "check_keys", "mentions_fields",
     "POLICY_HEADER", "header_policy",
 ]
 
 USER_PREFIX = "relaxkv_"  # every user-facing field; another key under it is a typo (an error)
 RESERVED_PREFIX = "_relaxkv_"  # the server's internal plan keys, present and future: clients may not send them
 RECORD_KEY = "relaxkv"  # meta_info key of the per-request report (SGLang carries it as customized_info)
-DEFAULT_POLICY_ENV = "RELAXKV_DEFAULT_POLICY"  # the server default policy (default: core.policies.DEFAULT_POLICY)
 POLICY_HEADER = "X-RelaxKV-Policy"  # a request's default policy (HTTP header names are case-insensitive)
-DEFAULT_BUDGET_ENV = "RELAXKV_DEFAULT_BUDGET"  # a repair request's budget when it gives no ratio nor budget
-QUALITY_ENV = "RELAXKV_QUALITY"  # what an auto budget aims at unless the request says (default medium)
 
 
 class RequestError(ValueError):
@@ -159,7 +154,7 @@ class PolicyField(Field):
 
     @property
     def default(self) -> str:
-        """The server default policy when ``RELAXKV_DEFAULT_POLICY`` is not set."""
+        """The server default policy when ``RELAXKV_DEFAULT_POLICY`` is not set (``settings.py``)."""
         return DEFAULT_POLICY
 
     def validate(self, value: Any, *, text: Optional[str] = None) -> str:
@@ -229,13 +224,13 @@ class BudgetField(RatioField):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QualityField(Field):
     """``relaxkv_quality``: what an ``auto`` budget aims at, a level of :data:`QUALITY_LEVELS` or a
-    target mean KL (a number above 0); the server's default is ``RELAXKV_QUALITY``."""
+    target mean KL (a number above 0); the server's default is ``RELAXKV_QUALITY`` (``settings.py``)."""
 
     type: str = "string or number"
 
     @property
     def default(self) -> str:
-        return default_quality()
+        return DEFAULT_QUALITY
 
     def validate(self, value: Any, *, text: Optional[str] = None) -> str | float:
         """A level name (lower-cased) or a float above 0."""
@@ -306,41 +301,6 @@ def check_keys(custom_params: Mapping[Any, Any]) -> None:
 def mentions_fields(custom_params: Mapping[Any, Any]) -> bool:
     """Whether any key is a field or under one of the two prefixes (so :func:`check_keys` must see it)."""
     return any(isinstance(k, str) and k.startswith((USER_PREFIX, RESERVED_PREFIX)) for k in custom_params)
-
-
-def default_policy() -> str:
-    """The server default policy: ``RELAXKV_DEFAULT_POLICY``, else :attr:`POLICY.default`.
-
-    A value that is not a served policy stops the process (``SystemExit``): the plugin calls this
-    at startup, so a misconfigured server does not start.
-    """
-    policy = os.environ.get(DEFAULT_POLICY_ENV, POLICY.default)
-    if not POLICY.is_valid(policy):
-        raise SystemExit(f"relaxkv-sglang: {DEFAULT_POLICY_ENV}={policy!r} is not one of {', '.join(POLICY.choices)}")
-    return policy
-
-
-def default_quality() -> str | float:
-    """The server's quality for an ``auto`` budget: ``RELAXKV_QUALITY``, else :data:`DEFAULT_QUALITY`;
-    an invalid value stops the process (called at startup)."""
-    value = os.environ.get(QUALITY_ENV, DEFAULT_QUALITY)
-    try:
-        return parse_quality(value)
-    except ValueError as exc:
-        raise SystemExit(f"relaxkv-sglang: {QUALITY_ENV}={value!r}: {exc}") from None
-
-
-def default_budget() -> float | str | None:
-    """The budget of a repair request that gives no ``relaxkv_anchor_ratio`` nor ``relaxkv_budget``:
-    ``RELAXKV_DEFAULT_BUDGET`` (``auto`` or a share), else None (the anchor ratio's default); an
-    invalid value stops the process."""
-    value = os.environ.get(DEFAULT_BUDGET_ENV, "").strip()
-    if not value:
-        return None
-    try:
-        return BUDGET.validate(value if value == AUTO_BUDGET else float(value))
-    except ValueError as exc:
-        raise SystemExit(f"relaxkv-sglang: {DEFAULT_BUDGET_ENV}={value!r}: {exc}") from None
 
 
 def header_policy(headers: Optional[Mapping[str, str]]) -> Optional[str]:

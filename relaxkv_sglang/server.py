@@ -24,6 +24,8 @@ from typing import Callable, Iterator
 
 import requests
 
+from relaxkv_sglang.settings import DEFAULT_POLICY_ENV, child_environment
+
 CPU_DEFAULTS = {
     "--device": "cpu",
     "--attention-backend": "torch_native",
@@ -149,9 +151,9 @@ class SGLangServer:
     def start(self) -> "SGLangServer":
         cfg = self.config
         check_model_path(cfg.model_path)
-        env = dict(os.environ, **cfg.env)
+        env = child_environment(**cfg.env)
         if cfg.policy is not None:
-            env["RELAXKV_DEFAULT_POLICY"] = cfg.policy
+            env[DEFAULT_POLICY_ENV] = cfg.policy
         return self._launch(env, "relaxkv-sglang-server-")
 
     def _launch(self, env: dict, log_prefix: str) -> "SGLangServer":

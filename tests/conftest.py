@@ -211,3 +211,22 @@ def serve_env(serve_launch):
     """``serve_env(*ARGS)``: the environment of :func:`serve_launch`'s server process ({} when serve
     stops before launching)."""
     return lambda *args: serve_launch(*args)[1]
+
+
+@pytest.fixture
+def settings_env(monkeypatch):
+    """``settings_env(NAME=value, ...)``: set (None: unset) ``RELAXKV_*`` variables and read this
+    process's server settings again, as a server starting with them would; the settings are read
+    afresh from the restored environment after the test."""
+    from relaxkv_sglang.settings import server_settings
+
+    def set_env(**env: Optional[str]) -> None:
+        for name, value in env.items():
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        server_settings.cache_clear()
+
+    yield set_env
+    server_settings.cache_clear()

@@ -39,7 +39,7 @@ from typing import Any, Mapping, Optional
 from .auto_budget import BudgetModel
 from .repair_config import RepairConfig, knob_defaults
 
-__all__ = ["FORMAT_VERSION", "FINGERPRINT_KEYS", "PER_REQUEST_KNOBS", "CALIBRATION_ENV", "CALIBRATION_DIR",
+__all__ = ["FORMAT_VERSION", "FINGERPRINT_KEYS", "PER_REQUEST_KNOBS", "CALIBRATION_DIR",
            "DEFAULTS_NOTE", "NO_CALIBRATION", "CalibrationError", "Calibration", "config_fingerprint",
            "rope_parameters", "model_fingerprint",
            "load_calibration", "save_calibration", "find_calibration", "calibration_for_model",
@@ -50,8 +50,7 @@ FORMAT_VERSION = 2
 FINGERPRINT_KEYS = ("architectures", "num_hidden_layers", "hidden_size", "num_attention_heads",
                     "num_key_value_heads", "vocab_size", "rope")
 PER_REQUEST_KNOBS = ("anchor_ratio", "budget", "seed")
-CALIBRATION_ENV = "RELAXKV_CALIBRATION"  # a calibration file, or "none": the code defaults
-NO_CALIBRATION = "none"
+NO_CALIBRATION = "none"  # the override that serves the code defaults (RELAXKV_CALIBRATION=none)
 CALIBRATION_DIR = pathlib.Path(__file__).resolve().parent.parent / "calibrations"
 DEFAULTS_NOTE = "repair knobs are the defaults (tuned on SmolLM2-135M)"
 

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import pathlib
 from typing import Any, Optional
 
-from relaxkv_sglang.core.calibration import (CALIBRATION_ENV, DEFAULTS_NOTE, Calibration, CalibrationError,
-                                             served_calibration)
+from relaxkv_sglang.core.calibration import DEFAULTS_NOTE, Calibration, CalibrationError, served_calibration
 from relaxkv_sglang.core.auto_budget import BudgetModel
 from relaxkv_sglang.core.quality import AUTO, DEFAULT_QUALITY
 from relaxkv_sglang.core.repair_config import RepairConfig
-from relaxkv_sglang.schema import default_budget, default_quality
+from relaxkv_sglang.settings import CALIBRATION_ENV, DEFAULT_BUDGET_ENV, ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -75,18 +73,20 @@ class ServedCalibration:
         return {**self.calibration.state(), "model": self.model, **budget}
 
 
-def load_served_calibration(cache: Any, model_path: str, hf_config: dict, *, log: bool = True) -> ServedCalibration:
-    """Choose the served model's calibration (module doc), keep it on ``cache`` and log it (``log``:
-    this rank logs); SystemExit with one line for an unusable file."""
+def load_served_calibration(cache: Any, model_path: str, hf_config: dict, settings: ServerSettings, *,
+                            log: bool = True) -> ServedCalibration:
+    """Choose the served model's calibration (module doc; ``settings``: the server's, its override and
+    budget settings), keep it on ``cache`` and log it (``log``: this rank logs); SystemExit with one
+    line for an unusable file."""
     try:
-        calibration = served_calibration(hf_config, os.environ.get(CALIBRATION_ENV) or None)
+        calibration = served_calibration(hf_config, settings.calibration)
     except CalibrationError as exc:
         raise SystemExit(f"relaxkv-sglang: {exc} ({CALIBRATION_ENV} or relaxkv_sglang/calibrations/)") from None
     base = calibration.base_config() if calibration is not None else RepairConfig()
     served = ServedCalibration(pathlib.Path(str(model_path).rstrip("/")).name, calibration, base,
-                               default_budget(), default_quality())
+                               settings.default_budget, settings.quality)
     if served.default_budget == AUTO and served.budget_model is None:
-        raise SystemExit(f"relaxkv-sglang: RELAXKV_DEFAULT_BUDGET=auto needs a budget model in {served.model}'s "
+        raise SystemExit(f"relaxkv-sglang: {DEFAULT_BUDGET_ENV}=auto needs a budget model in {served.model}'s "
                          f"calibration (python -m scripts.calibrate --budget ...); "
                          f"{'it has none' if calibration else 'there is no calibration'}")
     setattr(cache, _CALIBRATION_ATTR, served)

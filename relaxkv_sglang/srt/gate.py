@@ -13,7 +13,7 @@ against ``full``). Every slot is freed, nothing else written. The verdict (:func
 logged, on ``/metrics`` (``relaxkv:gate_*``) and on ``/get_server_info`` under ``relaxkv.gate``;
 the HTTP process reads it in :mod:`relaxkv_sglang.srt.entrypoints.gate_refusal`.
 
-For tests only, :data:`ROPE_OVERRIDE_ENV` makes the cache serve a rotation the model does not use
+For tests only, ``RELAXKV_TEST_ROPE_OVERRIDE`` (``settings.py``) makes the cache serve a rotation the model does not use
 (:func:`serving_rope`), so the gate must fail and chunk policies be refused.
 
 SGLang files touched (none hooked): reads ``managers/tp_worker.py``'s ``TpModelWorker``
@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 from typing import Any, Optional
 
@@ -44,7 +43,7 @@ from relaxkv_sglang.core.gate import (
 )
 from relaxkv_sglang.core.policies import CHUNK_POLICIES
 from relaxkv_sglang.core.rope import RopeSpec
-from relaxkv_sglang.schema import default_policy
+from relaxkv_sglang.settings import ROPE_OVERRIDE_ENV, server_settings
 from relaxkv_sglang.srt.forward.anchor_attention import AnchorAttention
 from relaxkv_sglang.srt.forward.layer_loop import LayerLoop, LoopRows
 from relaxkv_sglang.srt.forward.model_layers import ModelLayers, UnsupportedModelError
@@ -52,20 +51,17 @@ from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
 
 logger = logging.getLogger(__name__)
 
-#: Tests only: JSON object of ``RopeSpec`` fields replacing the served rotation's, e.g. ``{"base": 20000}``.
-ROPE_OVERRIDE_ENV = "RELAXKV_TEST_ROPE_OVERRIDE"
-
 _GATE_ATTR = "relaxkv_gate"  # on the tree cache: the GateResult
 
 
-def serving_rope(rope: RopeSpec) -> RopeSpec:
-    """The RoPE spec the cache serves with: ``rope``, unless a test overrides fields of it."""
-    override = os.environ.get(ROPE_OVERRIDE_ENV)
+def serving_rope(rope: RopeSpec, override: Optional[dict[str, Any]]) -> RopeSpec:
+    """The RoPE spec the cache serves with: ``rope``, unless a test overrides fields of it
+    (``override``: ``RopeSpec`` fields, the server's ``RELAXKV_TEST_ROPE_OVERRIDE``, e.g. ``{"base": 20000}``)."""
     if not override:
         return rope
-    fields = json.loads(override)
-    logger.warning("relaxkv: %s=%s: serving a RoPE the model does not use (tests only)", ROPE_OVERRIDE_ENV, override)
-    return dataclasses.replace(rope, **fields)
+    logger.warning("relaxkv: %s=%s: serving a RoPE the model does not use (tests only)", ROPE_OVERRIDE_ENV,
+                   json.dumps(override))
+    return dataclasses.replace(rope, **override)
 
 
 def run_startup_gate(worker: Any, cache: Any, context_len: int, *, tp_rank: int = 0,
@@ -195,7 +191,7 @@ def _log(result: GateResult, model_name: str) -> None:
     if result.control is not None:
         errors += f"; wrong-rotation control {result.control.max_error:.2g}"
     if result.refuses_chunks:
-        default = default_policy()
+        default = server_settings().default_policy
         fallback = ""
         if default in CHUNK_POLICIES:
             fallback = f"; requests naming no policy get prefix, not the default {default}"

@@ -130,12 +130,9 @@ def _register_backends() -> None:
 def register() -> None:
     """Called by ``sglang.srt.plugins.load_plugins`` in each SGLang process."""
     _check_cpu_shims()
-    from relaxkv_sglang.schema import default_policy
+    from relaxkv_sglang.settings import server_settings
 
-    default_policy()  # a bad RELAXKV_DEFAULT_POLICY stops the server here
-    from relaxkv_sglang.srt.entrypoints.api import discovery_index_enabled
-
-    discovery_index_enabled()  # ... and a bad RELAXKV_DISCOVERY_INDEX
+    server_settings()  # read once per process: a bad RELAXKV_* value stops the server here
     _register_backends()
     _register_hooks()
     from relaxkv_sglang.srt.scheduler.stop_regex import install

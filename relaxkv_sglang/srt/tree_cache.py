@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from relaxkv_sglang.core.rope import UnsupportedRopeError
 from relaxkv_sglang.core.rope_config import rope_spec_from_hf_config
+from relaxkv_sglang.settings import ServerSettings, server_settings
 from relaxkv_sglang.srt.calibration import calibration_state, load_served_calibration
 from relaxkv_sglang.srt.mem_cache.chunk_cache import attach_worker_cache, worker_cache
 from relaxkv_sglang.srt.mem_cache.chunk_metrics import ChunkMetrics
@@ -48,21 +49,23 @@ def build_cache_class() -> type:
     return RelaxKVTreeCache
 
 
-def _kv_identity(ctx: "TreeCacheBuildContext", pool_kv: PoolKV, hf_config: dict) -> KVIdentity:
-    """This scheduler's model identity (:mod:`relaxkv_sglang.srt.mem_cache.kv_identity`), printed in one startup line."""
+def _kv_identity(ctx: "TreeCacheBuildContext", pool_kv: PoolKV, hf_config: dict, fingerprint_mode: str) -> KVIdentity:
+    """This scheduler's model identity (:mod:`relaxkv_sglang.srt.mem_cache.kv_identity`; ``fingerprint_mode``:
+    how its weights are hashed), printed in one startup line."""
     server_args = ctx.server_args
     # tensor parallelism: each rank holds its own heads' KV, so the rank is part of the layout
     layout = (f"{pool_kv.layout()} first_layer={pool_kv.layers.start} page_size={ctx.params.page_size} "
               f"tp={ctx.tp_rank}/{getattr(server_args, 'tp_size', 1)}")
     identity = kv_identity(server_args, hf_config, model_dtype=ctx.model_config.dtype,
-                           kv_pool_dtype=pool_kv.dtype, layout=layout)
+                           kv_pool_dtype=pool_kv.dtype, layout=layout, fingerprint_mode=fingerprint_mode)
     logger.info(identity.line())
     return identity
 
 
-def _build_tiers(ctx: "TreeCacheBuildContext", pool_kv: PoolKV, identity: KVIdentity) -> Optional["TieredChunkStore"]:
-    """The lower tiers the environment asks for, or None (a malformed variable stops the server)."""
-    configs = tier_configs_from_env()
+def _build_tiers(ctx: "TreeCacheBuildContext", pool_kv: PoolKV, identity: KVIdentity,
+                 settings: ServerSettings) -> Optional["TieredChunkStore"]:
+    """The lower tiers the server's settings ask for, or None (a malformed variable stops the server)."""
+    configs = tier_configs_from_env(settings.environment)
     if not configs:
         return None
     # no chunk is longer than the context: a stored header claiming more is damaged (core/tiers/value.py)
@@ -89,15 +92,16 @@ def make_tree_cache(ctx: "TreeCacheBuildContext") -> Any:
         rope = rope_spec_from_hf_config(hf_config, is_neox_style=_is_neox_style(model))
     except UnsupportedRopeError as exc:
         raise SystemExit(f"relaxkv-sglang: {exc}") from exc
-    rope = serving_rope(rope)  # the rope unless a test swaps it (gate.ROPE_OVERRIDE_ENV)
+    settings = server_settings()
+    rope = serving_rope(rope, settings.rope_override)  # the rope unless a test swaps it
     pool_kv = PoolKV(ctx.params.token_to_kv_pool_allocator.get_kvcache(), rope)
     metrics = ChunkMetrics({"model_name": served_model_name(server_args)}) if server_args.enable_metrics else None
-    identity = _kv_identity(ctx, pool_kv, hf_config)
-    tiers = _build_tiers(ctx, pool_kv, identity)
-    cache = build_cache_class()(ctx.params, pool_kv, metrics, tiers)
+    identity = _kv_identity(ctx, pool_kv, hf_config, settings.weights_fingerprint)
+    tiers = _build_tiers(ctx, pool_kv, identity, settings)
+    cache = build_cache_class()(ctx.params, pool_kv, metrics, tiers, admission_hold=settings.admission_hold)
     cache.kv_identity = identity  # relaxkv.kv_identity on /get_server_info
     attach_worker_cache(ctx.tp_worker, cache)
-    load_served_calibration(cache, server_args.model_path, hf_config, log=ctx.tp_rank == 0)
+    load_served_calibration(cache, server_args.model_path, hf_config, settings, log=ctx.tp_rank == 0)
     # The correctness gate on the loaded model (srt/gate.py): a failure refuses chunk policies.
     gate = run_startup_gate(ctx.tp_worker, cache, int(ctx.model_config.context_len), tp_rank=ctx.tp_rank,
                             enable_metrics=bool(server_args.enable_metrics))

@@ -11,9 +11,8 @@ from rag_helpers import documents, flush, generate, marked_prompt
 
 from relaxkv_sglang.client import ServerClient
 from relaxkv_sglang.core.auto_budget import RATIO_LADDER, BudgetModel
-from relaxkv_sglang.core.calibration import (CALIBRATION_ENV, FORMAT_VERSION, Calibration, model_fingerprint,
-                                             save_calibration)
-from relaxkv_sglang.schema import DEFAULT_BUDGET_ENV
+from relaxkv_sglang.core.calibration import FORMAT_VERSION, Calibration, model_fingerprint, save_calibration
+from relaxkv_sglang.settings import CALIBRATION_ENV, DEFAULT_BUDGET_ENV
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,7 @@ from rag_helpers import SERVER_START_TIMEOUT_S, documents, flush, generate, mark
 
 from relaxkv_sglang.core.policies import CHUNK_POLICIES
 from relaxkv_sglang.server import STRICT_MEMORY_CHECK, ServerConfig
-from relaxkv_sglang.srt.gate import ROPE_OVERRIDE_ENV
+from relaxkv_sglang.settings import ROPE_OVERRIDE_ENV
 
 pytestmark = pytest.mark.e2e
 

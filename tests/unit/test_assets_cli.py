@@ -134,20 +134,19 @@ def test_version_is_the_package_version():
 
 
 def test_serve_and_a_raw_launch_server_share_the_default_policy(monkeypatch, tmp_path, capsys, serve_env):
-    """Without --policy, serve sets nothing: the server reads schema.default_policy() as a raw
+    """Without --policy, serve sets nothing: the server reads its settings as a raw
     launch_server with the plugin does, from the same environment."""
     from relaxkv_sglang import schema
+    from relaxkv_sglang.settings import DEFAULT_POLICY_ENV, ServerSettings
 
     for env_value, expected in ((None, schema.POLICY.default), ("pic", "pic")):
         if env_value is None:
-            monkeypatch.delenv(schema.DEFAULT_POLICY_ENV, raising=False)
+            monkeypatch.delenv(DEFAULT_POLICY_ENV, raising=False)
         else:
-            monkeypatch.setenv(schema.DEFAULT_POLICY_ENV, env_value)
+            monkeypatch.setenv(DEFAULT_POLICY_ENV, env_value)
         env = serve_env()
-        assert env.get(schema.DEFAULT_POLICY_ENV) == env_value  # inherited, not chosen by serve
-        with monkeypatch.context() as m:  # the plugin's reading of that environment
-            m.setattr(schema.os, "environ", env)
-            assert schema.default_policy() == expected
+        assert env.get(DEFAULT_POLICY_ENV) == env_value  # inherited, not chosen by serve
+        assert ServerSettings.from_env(env).default_policy == expected  # the plugin's reading of it
         assert f"default policy {expected} " in capsys.readouterr().err
     assert schema.POLICY.default == "prefix"
 
@@ -219,7 +218,7 @@ def test_bad_default_policy_env_is_one_line_before_anything_starts(monkeypatch, 
     monkeypatch.setenv("RELAXKV_DEFAULT_POLICY", "bogus")
     assert cli.main(["serve", "--model", str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"relaxkv-sglang: error: RELAXKV_DEFAULT_POLICY='bogus' is not one of {', '.join(POLICY.choices)}"]
+    assert err == [f"relaxkv-sglang: error: RELAXKV_DEFAULT_POLICY='bogus': not one of {', '.join(POLICY.choices)}"]
 
 
 @pytest.mark.parametrize("env_value, shown", [(None, "default: prefix (SGLang's radix cache)"),

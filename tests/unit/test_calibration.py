@@ -10,7 +10,8 @@ import types
 import pytest
 
 from relaxkv_sglang import assets
-from relaxkv_sglang.core.calibration import (CALIBRATION_DIR, CALIBRATION_ENV, FORMAT_VERSION, Calibration, CalibrationError,
+from relaxkv_sglang.settings import CALIBRATION_ENV, ServerSettings
+from relaxkv_sglang.core.calibration import (CALIBRATION_DIR, FORMAT_VERSION, Calibration, CalibrationError,
                                              base_config, calibration_for_model, changed_knobs, config_fingerprint,
                                              find_calibration, load_calibration, model_fingerprint, rope_parameters,
                                              save_calibration, served_calibration)
@@ -156,31 +157,33 @@ def test_repair_config_starts_from_the_calibrated_base_and_the_request_overrides
     assert request_repair_config(_rows(), RepairConfig()) == RepairConfig()
 
 
-def test_the_server_loads_logs_and_shows_its_calibration(tmp_path, monkeypatch, caplog):
+def _settings(**env: str) -> ServerSettings:
+    return ServerSettings.from_env(env)
+
+
+def test_the_server_loads_logs_and_shows_its_calibration(tmp_path, caplog):
     from relaxkv_sglang.srt.calibration import calibration_state, load_served_calibration, repair_base
 
     cache = types.SimpleNamespace()
     assert repair_base(cache) == RepairConfig() and calibration_state(cache) is None
-    monkeypatch.delenv(CALIBRATION_ENV, raising=False)
     with caplog.at_level(logging.INFO, logger="relaxkv_sglang.srt.calibration"):
-        load_served_calibration(cache, "/models/tiny-llama/", HF_CONFIG)
+        load_served_calibration(cache, "/models/tiny-llama/", HF_CONFIG, _settings())
     assert "relaxkv: no calibration for tiny-llama; repair knobs are the defaults (tuned on SmolLM2-135M)" in caplog.text
     assert calibration_state(cache)["file"] is None and calibration_state(cache)["knobs"] == {}
 
     path = save_calibration(_calibration(context_ratio=0.25), tmp_path / "tiny.json")
-    monkeypatch.setenv(CALIBRATION_ENV, str(path))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="relaxkv_sglang.srt.calibration"):
-        load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG)
+        load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG, _settings(RELAXKV_CALIBRATION=str(path)))
     assert f"relaxkv: calibration {path} (knobs: context_ratio=0.25); no auto budget model" in caplog.text
     assert repair_base(cache).context_ratio == 0.25
     assert calibration_state(cache) == {"file": str(path), "model": "tiny-llama", "version": FORMAT_VERSION,
                                         "knobs": {"context_ratio": 0.25}, "budget_prices": None,
                                         "default_budget": None, "quality": "medium"}
 
-    monkeypatch.setenv(CALIBRATION_ENV, str(path))
     with pytest.raises(SystemExit, match="relaxkv-sglang: calibration .* is for model tiny"):
-        load_served_calibration(cache, "/models/big", {**HF_CONFIG, "num_hidden_layers": 24})
+        load_served_calibration(cache, "/models/big", {**HF_CONFIG, "num_hidden_layers": 24},
+                                _settings(RELAXKV_CALIBRATION=str(path)))
 
 
 def test_serve_checks_the_calibration_before_starting(tmp_path):
@@ -220,7 +223,7 @@ def test_the_repository_files_load_and_match_their_prepared_models():
             assert calibration.matches(model_fingerprint(folder)), path
 
 
-def test_a_budget_model_travels_in_the_calibration_file_and_sets_the_server_budget(tmp_path, monkeypatch, caplog):
+def test_a_budget_model_travels_in_the_calibration_file_and_sets_the_server_budget(tmp_path, caplog):
     from relaxkv_sglang.core.auto_budget import BudgetModel
     from relaxkv_sglang.srt.calibration import calibration_state, load_served_calibration, served_settings
 
@@ -233,11 +236,9 @@ def test_a_budget_model_travels_in_the_calibration_file_and_sets_the_server_budg
     assert json.loads(path.read_text())["budget_model"]["evidence"] == {"prompts": 96}
 
     cache = types.SimpleNamespace()
-    monkeypatch.setenv(CALIBRATION_ENV, str(path))
-    monkeypatch.setenv("RELAXKV_DEFAULT_BUDGET", "auto")
-    monkeypatch.setenv("RELAXKV_QUALITY", "High")
+    auto = _settings(RELAXKV_CALIBRATION=str(path), RELAXKV_DEFAULT_BUDGET="auto", RELAXKV_QUALITY="High")
     with caplog.at_level(logging.INFO, logger="relaxkv_sglang.srt.calibration"):
-        load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG)
+        load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG, auto)
     assert "auto budget calibrated; default budget auto, quality high" in caplog.text
     served = served_settings(cache)
     assert (served.default_budget, served.quality, served.budget_model) == ("auto", "high", model)
@@ -250,13 +251,10 @@ def test_a_budget_model_travels_in_the_calibration_file_and_sets_the_server_budg
         load_calibration(tmp_path / "broken.json")
 
     plain = save_calibration(_calibration(), tmp_path / "plain.json")
-    monkeypatch.setenv(CALIBRATION_ENV, str(plain))
     with pytest.raises(SystemExit, match="RELAXKV_DEFAULT_BUDGET=auto needs a budget model"):
-        load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG)
-    monkeypatch.setenv("RELAXKV_DEFAULT_BUDGET", "lots")
+        load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG,
+                                _settings(RELAXKV_CALIBRATION=str(plain), RELAXKV_DEFAULT_BUDGET="auto"))
     with pytest.raises(SystemExit, match="RELAXKV_DEFAULT_BUDGET='lots'"):
-        load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG)
-    monkeypatch.setenv("RELAXKV_DEFAULT_BUDGET", "0.2")
-    monkeypatch.setenv("RELAXKV_QUALITY", "best")
+        _settings(RELAXKV_DEFAULT_BUDGET="lots")
     with pytest.raises(SystemExit, match="RELAXKV_QUALITY='best'"):
-        load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG)
+        _settings(RELAXKV_DEFAULT_BUDGET="0.2", RELAXKV_QUALITY="best")

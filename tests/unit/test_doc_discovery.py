@@ -336,21 +336,21 @@ def test_candidate_spans_move_inward_to_token_boundaries():
 # ------------------------------------------------------------------ the index's server setting and flush
 
 
-def test_the_index_is_off_unless_the_server_turns_it_on(monkeypatch):
+def test_the_index_is_off_unless_the_server_turns_it_on(settings_env):
     class TokenizerManager:
         pass
 
     tm = TokenizerManager()
-    monkeypatch.delenv(api.DISCOVERY_INDEX_ENV, raising=False)
-    assert not api.discovery_index_enabled() and api.document_index(tm) is None
-    monkeypatch.setenv(api.DISCOVERY_INDEX_ENV, "0")
+    settings_env(RELAXKV_DISCOVERY_INDEX=None)
     assert api.document_index(tm) is None
-    monkeypatch.setenv(api.DISCOVERY_INDEX_ENV, "1")
+    settings_env(RELAXKV_DISCOVERY_INDEX="0")
+    assert api.document_index(tm) is None
+    settings_env(RELAXKV_DISCOVERY_INDEX="1")
     index = api.document_index(tm)
     assert isinstance(index, DocumentIndex) and api.document_index(tm) is index
-    monkeypatch.setenv(api.DISCOVERY_INDEX_ENV, "maybe")
-    with pytest.raises(SystemExit, match="RELAXKV_DISCOVERY_INDEX"):
-        api.discovery_index_enabled()
+    settings_env(RELAXKV_DISCOVERY_INDEX="maybe")
+    with pytest.raises(SystemExit, match="RELAXKV_DISCOVERY_INDEX='maybe': must be 1 or 0"):
+        api.document_index(tm)
 
     class Result:
         def __init__(self, success: bool) -> None:
@@ -359,7 +359,7 @@ def test_the_index_is_off_unless_the_server_turns_it_on(monkeypatch):
     async def flush(manager, timeout_s=None, success=True):
         return Result(success)
 
-    monkeypatch.setenv(api.DISCOVERY_INDEX_ENV, "1")
+    settings_env(RELAXKV_DISCOVERY_INDEX="1")
     index.remember(None, DOCS[:2])
     asyncio.run(api.around_flush_cache(flush, tm, timeout_s=1.0, success=False))  # refused (busy): kept
     assert len(index) == 2

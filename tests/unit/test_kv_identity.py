@@ -142,7 +142,7 @@ def test_weights_fingerprint_takes_a_hub_blobs_sha256_and_is_cheap(tmp_path, tin
     (blobs / ("b" * 64)).write_bytes(bytes(size))
     assert weights_fingerprint(str(snap), "sampled") != first
     assert weights_fingerprint(str(tiny_model_path), "sampled")  # a real checkpoint's folder
-    with pytest.raises(SystemExit, match="RELAXKV_WEIGHTS_FINGERPRINT='fast'"):
+    with pytest.raises(ValueError, match="mode 'fast': must be sampled or full"):
         weights_fingerprint(str(snap), "fast")
 
 

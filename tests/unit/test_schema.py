@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from relaxkv_sglang import schema
+from relaxkv_sglang import schema, settings
 from relaxkv_sglang.core.policies import DEFAULT_POLICY, SERVER_POLICIES
 from relaxkv_sglang.core.repair_config import RepairConfig
 from relaxkv_sglang.schema import (
@@ -20,7 +20,6 @@ from relaxkv_sglang.schema import (
     POLICY,
     RequestError,
     check_keys,
-    default_policy,
     mentions_fields,
 )
 
@@ -66,14 +65,14 @@ def test_docs_field_table_row_matches_the_schema(field_table, field):
     row = field_table[field.name]
     assert row["type"] == field.type
     assert row["meaning"].replace("`", "") == field.doc.replace("`", "")
-    server_settings = (schema.DEFAULT_POLICY_ENV, schema.DEFAULT_BUDGET_ENV, schema.QUALITY_ENV)
+    server_settings = (settings.DEFAULT_POLICY_ENV, settings.DEFAULT_BUDGET_ENV, settings.QUALITY_ENV)
     defaults = [t for t in _ticked(row["default"]) if t not in server_settings]
     assert defaults == ([] if field.default is None else [str(field.default)]), row["default"]
 
 
 def test_docs_field_table_allowed_values_match_the_schema(field_table):
     assert _ticked(field_table[POLICY.name]["allowed"]) == list(SERVER_POLICIES)
-    assert schema.DEFAULT_POLICY_ENV in _ticked(field_table[POLICY.name]["default"])
+    assert settings.DEFAULT_POLICY_ENV in _ticked(field_table[POLICY.name]["default"])
     for knob in (ANCHOR_RATIO, CONTEXT_RATIO):
         assert _ticked(field_table[knob.name]["allowed"]) == [f"[{knob.low}, {knob.high}]"]
     assert str(CHUNKS.max_chunks) in _ticked(field_table[CHUNKS.name]["allowed"])
@@ -185,16 +184,6 @@ def test_custom_params_keys():
         check_keys({"relaxkv_chunk": [0, 5]})
     assert mentions_fields({"_relaxkv_policy": "pic"}) and mentions_fields({"relaxkv_x": 1})
     assert not mentions_fields({"other": 1, 3: "x"})
-
-
-def test_default_policy_reads_the_environment(monkeypatch):
-    monkeypatch.delenv(schema.DEFAULT_POLICY_ENV, raising=False)
-    assert default_policy() == DEFAULT_POLICY == "prefix"
-    monkeypatch.setenv(schema.DEFAULT_POLICY_ENV, "pic")
-    assert default_policy() == "pic"
-    monkeypatch.setenv(schema.DEFAULT_POLICY_ENV, "bogus")
-    with pytest.raises(SystemExit, match="RELAXKV_DEFAULT_POLICY='bogus' is not one of full, prefix, pic"):
-        default_policy()
 
 
 # ------------------------------------------------------------------ HTTP side -> scheduler

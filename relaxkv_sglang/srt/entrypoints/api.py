@@ -23,7 +23,6 @@ SGLang files touched: ``sglang/srt/managers/tokenizer_manager.py``
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Sequence
 
 from relaxkv_sglang.core.policies import CHUNK_POLICIES, Policy
@@ -37,10 +36,10 @@ from relaxkv_sglang.schema import (
     REPAIR_KNOBS,
     RequestError,
     check_keys,
-    default_policy,
     header_policy,
     mentions_fields,
 )
+from relaxkv_sglang.settings import server_settings
 from relaxkv_sglang.srt.plan import chunk_tree_served, request_namespace
 from relaxkv_sglang.srt.entrypoints.gate_refusal import chunk_refusal
 from relaxkv_sglang.srt.entrypoints.sglang_fields import check_sglang_fields
@@ -49,7 +48,7 @@ if TYPE_CHECKING:
     from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-__all__ = ["RequestError", "check_sglang_fields", "discovery_index_enabled", "document_index", "item_namespace",
+__all__ = ["RequestError", "check_sglang_fields", "document_index", "item_namespace",
            "plan_item", "prepare_generate", "prompt_boundaries", "around_generate_request", "around_flush_cache"]
 
 logger = logging.getLogger(__name__)
@@ -58,25 +57,11 @@ Encode = Callable[[str, bool], list[int]]  # (text, add_special_tokens) -> token
 # text -> the sorted character offsets of its token boundaries, or None if the tokenizer cannot tell
 Boundaries = Callable[[str], Optional[Sequence[int]]]
 _INDEX_ATTR = "_relaxkv_document_index"  # the attribute of SGLang's TokenizerManager holding the index
-DISCOVERY_INDEX_ENV = "RELAXKV_DISCOVERY_INDEX"  # "1": discovery also finds the chunks it discovered before
-_ENV_ON, _ENV_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
-
-
-def discovery_index_enabled() -> bool:
-    """Whether the server keeps a :class:`DocumentIndex` of discovered chunks
-    (``RELAXKV_DISCOVERY_INDEX``: ``1`` on; unset or ``0`` off, the default). Any other value stops
-    the process (``SystemExit``): the plugin calls this at startup."""
-    value = os.environ.get(DISCOVERY_INDEX_ENV, "").strip().lower()
-    if value not in _ENV_ON + _ENV_OFF:
-        raise SystemExit(f"relaxkv-sglang: {DISCOVERY_INDEX_ENV}={value!r} is not 1 or 0")
-    return value in _ENV_ON
-
-
 def document_index(tokenizer_manager: Any) -> Optional[DocumentIndex]:
     """The HTTP process's index of discovered chunks (made on first use, kept on the
     ``TokenizerManager``: one per HTTP process, bounded, :class:`DocumentIndex`); None unless
-    :func:`discovery_index_enabled`."""
-    if not discovery_index_enabled():
+    the server's settings say so (``RELAXKV_DISCOVERY_INDEX``, ``settings.py``)."""
+    if not server_settings().discovery_index:
         return None
     index = getattr(tokenizer_manager, _INDEX_ATTR, None)
     if index is None:
@@ -224,7 +209,7 @@ def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput,
         sp_items = [dict(sps or {}) for _ in range(n)]
     texts = obj.text
     text_items = [texts] if single else (list(texts) if texts is not None else [None] * n)
-    policy = requested_policy or default_policy()
+    policy = requested_policy or server_settings().default_policy
     if chunks_refused and policy in CHUNK_POLICIES and not requested_policy:
         policy = Policy.PREFIX.value  # the gate failed: a request naming no policy gets SGLang's radix cache
     if not any(_wants_plan(sp) for sp in sp_items) and policy == Policy.PREFIX:

@@ -30,7 +30,8 @@ import re
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from relaxkv_sglang.core.doc_index import discover_chunks
-from relaxkv_sglang.schema import CHUNKS, POLICY, RequestError, default_policy, header_policy
+from relaxkv_sglang.schema import CHUNKS, POLICY, RequestError, header_policy
+from relaxkv_sglang.settings import server_settings
 from relaxkv_sglang.srt.entrypoints.api import document_index, item_namespace, prompt_boundaries
 from relaxkv_sglang.srt.plan import chunk_tree_served
 
@@ -221,7 +222,7 @@ def mark_documents(serving: OpenAIServingChat, request: ChatCompletionRequest, a
     cp = cp or {}
     if CHUNKS.name in cp:
         return False
-    if not POLICY.reuses_chunks(cp.get(POLICY.name, requested_policy or default_policy())):
+    if not POLICY.reuses_chunks(cp.get(POLICY.name, requested_policy or server_settings().default_policy)):
         return False  # a malformed policy is reported by the native path
     parts = bool(document_parts(request.messages))
     if parts:

@@ -48,7 +48,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Optional
 from fastapi import Request
 
 from relaxkv_sglang.core.policies import Policy
-from relaxkv_sglang.schema import CHUNKS, POLICY, default_policy as server_default_policy
+from relaxkv_sglang.schema import CHUNKS, POLICY
+from relaxkv_sglang.settings import server_settings
 from relaxkv_sglang.srt.entrypoints.join_registry import JoinRegistry
 from relaxkv_sglang.srt.plan import chunk_tree_served
 
@@ -107,7 +108,7 @@ def apply_to_request(
     else:
         sp_items = [sps if isinstance(sps, dict) else {} for _ in items]
     if default_policy is None:
-        default_policy = server_default_policy()
+        default_policy = server_settings().default_policy
     changed = False
     new_items = []
     for text, sp in zip(items, sp_items):

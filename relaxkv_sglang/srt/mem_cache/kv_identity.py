@@ -32,11 +32,11 @@ from typing import Any, Optional
 import torch
 
 from relaxkv_sglang.core.tiers import ModelIdentity
+from relaxkv_sglang.settings import FINGERPRINT_MODES
 
-__all__ = ["FINGERPRINT_ENV", "KVIdentity", "TOKENIZER_FILES", "VOLATILE_CONFIG_KEYS", "kv_identity",
+__all__ = ["KVIdentity", "TOKENIZER_FILES", "VOLATILE_CONFIG_KEYS", "kv_identity",
            "resolve_folder", "tokenizer_fingerprint", "weights_fingerprint"]
 
-FINGERPRINT_ENV = "RELAXKV_WEIGHTS_FINGERPRINT"
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.gguf", "*.pt", "*.pth")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "vocab.txt", "merges.txt", "tokenizer.model", "added_tokens.json")
@@ -148,16 +148,16 @@ def _full_digest(path: str, h: "hashlib._Hash") -> None:
             h.update(chunk)
 
 
-def weights_fingerprint(folder: str, mode: Optional[str] = None) -> str:
+def weights_fingerprint(folder: str, mode: str = FINGERPRINT_MODES[0]) -> str:
     """32 hex chars over the weight files in ``folder`` (module doc: what it covers and why).
 
     Args:
         folder: the model folder.
-        mode: ``"sampled"`` (default) or ``"full"`` (every byte); None reads :data:`FINGERPRINT_ENV`.
+        mode: ``"sampled"`` (default) or ``"full"`` (every byte): the server's
+            ``RELAXKV_WEIGHTS_FINGERPRINT`` (``settings.py``).
     """
-    mode = mode or os.environ.get(FINGERPRINT_ENV) or "sampled"
-    if mode not in ("sampled", "full"):
-        raise SystemExit(f"relaxkv-sglang: {FINGERPRINT_ENV}={mode!r}: must be sampled or full")
+    if mode not in FINGERPRINT_MODES:
+        raise ValueError(f"weights fingerprint mode {mode!r}: must be {' or '.join(FINGERPRINT_MODES)}")
     files = sorted({p for pattern in WEIGHT_PATTERNS for p in glob.glob(os.path.join(folder, pattern))})
     out = hashlib.sha256(b"relaxkv-weights-v1\0" + mode.encode())
     for path in files:
@@ -207,7 +207,7 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def kv_identity(server_args: Any, hf_config: dict, *, model_dtype: Any, kv_pool_dtype: torch.dtype, layout: str,
-                weights: Optional[str] = None) -> KVIdentity:
+                weights: Optional[str] = None, fingerprint_mode: str = FINGERPRINT_MODES[0]) -> KVIdentity:
     """The identity of a server (module doc).
 
     Args:
@@ -219,6 +219,7 @@ def kv_identity(server_args: Any, hf_config: dict, *, model_dtype: Any, kv_pool_
         layout: layers, heads, head dim, RoPE, page size and TP rank (the caller's string).
         weights: the weights' fingerprint if known (else :func:`weights_fingerprint` of the
             model's folder, or its path if it has none).
+        fingerprint_mode: how :func:`weights_fingerprint` reads the weights.
     """
     model_path = str(server_args.model_path)
     revision = getattr(server_args, "revision", None)
@@ -227,7 +228,7 @@ def kv_identity(server_args: Any, hf_config: dict, *, model_dtype: Any, kv_pool_
         if str(getattr(server_args, "load_format", "auto")) == "dummy":
             weights = "dummy"
         elif folder is not None:
-            weights = weights_fingerprint(folder)
+            weights = weights_fingerprint(folder, fingerprint_mode)
         else:
             weights = f"path:{model_path}"
     tok_path = getattr(server_args, "tokenizer_path", None) or model_path

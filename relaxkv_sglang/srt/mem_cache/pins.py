@@ -24,9 +24,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 from relaxkv_sglang.core.chunk_store import ChunkEntry, ChunkStore
 from relaxkv_sglang.srt.plan import request_plan, request_state
 
-# RELAXKV_ADMISSION_HOLD=0 turns off the admission hold on chunks queued
+# RELAXKV_ADMISSION_HOLD=0 (settings.py) turns off the admission hold on chunks queued
 # requests need (pins of admitted requests stay): more concurrency, fewer hits.
-HOLD_ENV = "RELAXKV_ADMISSION_HOLD"
 # Queued requests (in queue order) whose chunks the admission hold protects.
 HOLD_QUEUE_DEPTH = 256
 

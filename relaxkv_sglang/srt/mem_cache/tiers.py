@@ -13,8 +13,7 @@ SGLang objects read: none (the factory, ``srt/tree_cache.py``, passes the pool a
 
 from __future__ import annotations
 
-import os
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Sequence
 
 from relaxkv_sglang.core.tiers import (
     DiskTierConfig, HostTierConfig, ModelIdentity, TierConfig, TierConfigError, TierContext, TieredChunkStore,
@@ -26,11 +25,9 @@ from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
 TIER_CONFIGS: tuple[type[TierConfig], ...] = (HostTierConfig, DiskTierConfig, HiCacheTierConfig)
 
 
-def tier_configs_from_env(env: Optional[Mapping[str, str]] = None,
-                          kinds: Sequence[type[TierConfig]] = TIER_CONFIGS) -> list[TierConfig]:
-    """The tiers the environment asks for, fastest first (empty: none); SystemExit with one line if
-    a variable is malformed."""
-    env = os.environ if env is None else env
+def tier_configs_from_env(env: Mapping[str, str], kinds: Sequence[type[TierConfig]] = TIER_CONFIGS) -> list[TierConfig]:
+    """The tiers ``env`` asks for (the server's: ``ServerSettings.environment``), fastest first
+    (empty: none); SystemExit with one line if a variable is malformed."""
     try:
         return [config for kind in kinds if (config := kind.from_env(env)) is not None]
     except TierConfigError as exc:

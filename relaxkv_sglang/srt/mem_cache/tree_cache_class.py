@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -41,7 +40,7 @@ from relaxkv_sglang.core.tiers import TieredChunkStore, TierName
 from relaxkv_sglang.srt.mem_cache.chunk_metrics import ChunkMetrics
 from relaxkv_sglang.srt.mem_cache.chunk_reuse import ChunkReuse
 from relaxkv_sglang.srt.mem_cache.eviction import EvictionOrder
-from relaxkv_sglang.srt.mem_cache.pins import HOLD_ENV, HOLD_QUEUE_DEPTH, AdmissionHold, AdmissionPins
+from relaxkv_sglang.srt.mem_cache.pins import HOLD_QUEUE_DEPTH, AdmissionHold, AdmissionPins
 from relaxkv_sglang.srt.plan import request_plan
 from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
 from relaxkv_sglang.srt.mem_cache.tier_movement import NoTierMovement, TierMovement
@@ -56,9 +55,10 @@ class RelaxKVTreeCache(RadixCache):
     """SGLang's radix tree plus the chunk store, with one memory account (module doc)."""
 
     def __init__(self, params: Any, pool_kv: PoolKV, metrics: Optional[ChunkMetrics] = None,
-                 tiers: Optional[TieredChunkStore] = None) -> None:
+                 tiers: Optional[TieredChunkStore] = None, admission_hold: bool = True) -> None:
         """params: SGLang's ``CacheInitParams``; pool_kv: the pool's KV accessor; metrics: the
-        /metrics counters (``--enable-metrics``); tiers: the lower tiers, if configured."""
+        /metrics counters (``--enable-metrics``); tiers: the lower tiers, if configured;
+        admission_hold: whether queued requests' chunks are held (``RELAXKV_ADMISSION_HOLD``)."""
         self.chunks: Optional[ChunkStore] = None  # reset() runs in RadixCache.__init__, before it exists
         self.pool_kv = pool_kv
         self.movement = TierMovement(tiers, pool_kv) if tiers is not None and tiers.enabled else NoTierMovement()
@@ -71,7 +71,7 @@ class RelaxKVTreeCache(RadixCache):
                             on_evict=self.movement.spill)
         self.reuse = ChunkReuse(chunks, pool_kv, self.movement)
         self.admission_pins = AdmissionPins(chunks)
-        self.hold = AdmissionHold(chunks, enabled=os.environ.get(HOLD_ENV, "1") != "0")
+        self.hold = AdmissionHold(chunks, enabled=admission_hold)
         self.chunks = chunks
 
     # -------------------------------------------------- the ChunkCache surface (chunk_cache.py)

@@ -35,7 +35,6 @@ from typing import Sequence
 
 import torch
 
-from .policies import LAYER_VALUES, SINK_ORDERS
 from .token_sets import anchor_budget, chunk_offsets, eligible_tokens, sinks_of_tokens
 
 Span = tuple[int, int]
@@ -111,8 +110,8 @@ def layer_weights(n_layers: int, rule: str) -> torch.Tensor:
     Returns:
         float64 [L].
     """
-    if rule not in LAYER_VALUES:
-        raise ValueError(f"unknown layer value rule {rule!r}; choose one of {', '.join(LAYER_VALUES)}")
+    if rule not in ("uniform", "skip0", "depth", "ramp"):  # policies.relaxkv.LAYER_VALUES, checked equal
+        raise ValueError(f"unknown layer value rule {rule!r}")
     w = torch.ones(n_layers, dtype=torch.float64)
     if rule == "depth":
         w = torch.arange(n_layers, dtype=torch.float64) / max(n_layers - 1, 1)
@@ -154,8 +153,8 @@ def relaxkv_exit_layers(
     Returns:
         int64 [n_context]; 0 for non-eligible tokens.
     """
-    if chunk_sink_order not in SINK_ORDERS:
-        raise ValueError(f"chunk_sink_order must be one of {', '.join(SINK_ORDERS)}, got {chunk_sink_order!r}")
+    if chunk_sink_order not in ("offset", "score"):  # policies.relaxkv.SINK_ORDERS, checked equal
+        raise ValueError(f"unknown chunk_sink_order {chunk_sink_order!r}")
     L, n_context = scores.shape
     weights = layer_weights(L, layer_value)
     elig = eligible_tokens(chunk_spans, n_context)

@@ -13,8 +13,8 @@ the query: never stale, never an anchor. :func:`reference_prefill`:
 2. query pass over the stale KV: ``pic``'s logits and s_l (the query's attention over the context);
 3. anchors and contexts from the server's planner (:func:`~.repair_plan.plan_anchors`);
 4. repair pass: at layer l only ``A_l``, the glue and the query are computed at their true
-   positions and written over the stale K/V (after the stale shift, :mod:`.stale_shift`, where the
-   policy has it); anchors attend to their layout (:func:`~.block_sparse.block_sparse_attention`), glue
+   positions and written over the stale K/V (after the policy's step, ``policies.base``, where it
+   has one: the stale shift); anchors attend to their layout (:func:`~.block_sparse.block_sparse_attention`), glue
    and query densely and causally; then o_proj + MLP for those tokens.
 """
 
@@ -29,13 +29,13 @@ from .attention import dense_causal_attention
 from .block_sparse import block_sparse_attention
 from .layout import BlockSparseLayout
 from .model_family import finish_layer, project_qkv
-from .policies import Policy
+from .policies.base import LayerEdit, MeasuredKV
+from .policies import Policy, PolicySpec, policy_spec
 from .reference_model import LlamaWeights, ReferenceLayerOps, apply_neox_rope, from_hf_state_dict
 from .reference_model import rms_norm as _rms_norm
 from .repair_config import RepairConfig, RepairCost
 from .repair_plan import AnchorPlan, plan_anchors
 from .selection import eligible_tokens, query_attention_scores
-from .stale_shift import stale_shift
 
 Span = tuple[int, int]
 
@@ -280,7 +280,7 @@ def reference_prefill(
     input_ids: torch.Tensor,
     chunk_spans: Sequence[Span],
     query_start: int,
-    policy: Policy | str,
+    policy: Policy | str | PolicySpec,
     config: RepairConfig = RepairConfig(),
     stale: Optional[StaleContext] = None,
 ) -> Result:
@@ -294,7 +294,7 @@ def reference_prefill(
         input_ids: int64 [n_tokens] = prefix + chunks (glue between them) + query.
         chunk_spans: sorted chunk spans ``[(start, end), ...]`` ending at ``query_start``.
         query_start: index of the first query token (>= 1 query token required).
-        policy: Policy or its value (full, pic, or a repair policy; ``random`` included).
+        policy: Policy, its value or a spec (full, pic, or a repair policy; ``random`` included).
         config: the repair's knobs (ignored by full/pic).
         stale: this request's :func:`stale_context`, to compare several policies or knobs
             without recomputing it (computed here when None).
@@ -324,29 +324,29 @@ def reference_prefill(
     >>> torch.allclose(pic.last_logits, full.last_logits, atol=1e-4)
     False
     """
-    policy = Policy(policy)
+    spec = policy_spec(policy)
     input_ids = input_ids.to(torch.long).flatten()
     spans = _check_request(input_ids, chunk_spans, query_start)
     n, L = input_ids.numel(), weights.n_layers
     elig = eligible_tokens(spans, query_start)
-    report = RepairReport(policy=policy.value, n_context=query_start, n_eligible=int(elig.numel()))
+    report = RepairReport(policy=spec.name, n_context=query_start, n_eligible=int(elig.numel()))
     # Glue and query: computed at every layer, each over its causal prefix.
     fresh = torch.cat([glue_tokens(spans, query_start), torch.arange(query_start, n)])
     report.query_kv_pairs = int((fresh + 1).sum()) * L
     no_anchors = [torch.zeros(0, dtype=torch.long)] * L
-    if not policy.reuses_chunks:
+    if not spec.reuses_chunks:
         kv, h = _causal_prefill(weights, input_ids, torch.arange(n))
         return Result(_logits(weights, h[-1]), kv, report, no_anchors)
     if stale is None:
         stale = stale_context(weights, input_ids, spans, query_start)
-    if policy is Policy.PIC:
+    if not spec.repairs:  # pic
         return Result(stale.pic_logits, stale.query_kv, report, no_anchors, stale.scores)
 
-    scores = stale.scores if policy.needs_query_scores else None
+    scores = stale.scores if spec.needs_query_scores else None
     w = weights
     cost = RepairCost.from_dims(w.embed.shape[1], w.mlp_width, w.n_heads, w.n_kv_heads, w.head_dim,
                                 device_type="cpu")  # the reference runs on a CPU
-    plan = plan_anchors(policy, scores, spans, query_start, L, config, cost, input_ids=input_ids)
+    plan = plan_anchors(spec, scores, spans, query_start, L, config, cost, input_ids=input_ids)
     plan, kv_out, h_last = _repair_pass(weights, input_ids, plan, stale.kv, elig, fresh, report)
     report.anchors_per_layer = [int(a.numel()) for a in plan.anchor_sets]
     report.recomputed_token_layers = sum(report.anchors_per_layer)
@@ -401,11 +401,11 @@ def _repair_layer(w: LlamaWeights, l: int, plan: AnchorPlan, h_a: torch.Tensor, 
     q, k, v = _project_qkv(w, w.layers[l], torch.cat([h_a, h_q]), torch.cat([anchors, fresh]))
     keys = torch.cat([stale[0], stale[0].new_zeros(n - n_ctx, *stale[0].shape[1:])])
     vals = torch.cat([stale[1], stale[1].new_zeros(n - n_ctx, *stale[1].shape[1:])])
-    _shift_stale(w, plan, l, k[:n_a], v[:n_a], keys, vals)  # reads the anchors' stale K/V before they are overwritten
+    edit = _layer_step(w, plan, l, k[:n_a], v[:n_a], keys, vals)  # reads the anchors' stale K/V before they are overwritten
     keys[anchors], vals[anchors] = k[:n_a], v[:n_a]
     keys[fresh], vals[fresh] = k[n_a:], v[n_a:]
-    if plan.decides_at(l):
-        plan = plan.after_check_layer(anchors, k[:n_a], v[:n_a], stale[0][anchors], stale[1][anchors])
+    if edit is not None and edit.later_sets is not None:
+        plan = plan.with_later_layers(edit.later_sets)
     K, V = keys[:n_ctx], vals[:n_ctx]  # the context: what anchors may attend to
     layout = plan.layout_at(l, q[:n_a], K)
     o_a = block_sparse_attention(q[:n_a], K, V, layout)
@@ -414,22 +414,28 @@ def _repair_layer(w: LlamaWeights, l: int, plan: AnchorPlan, h_a: torch.Tensor, 
     return plan, (keys, vals), h, layout
 
 
-def _shift_stale(w: LlamaWeights, plan: AnchorPlan, l: int, k_a: torch.Tensor, v_a: torch.Tensor,
-                 keys: torch.Tensor, vals: torch.Tensor) -> None:
-    """The plan's stale shift at layer l (:mod:`.stale_shift`), added in place to keys and vals
-    [n, Hkv, d] (the stale KV, not yet overwritten); k_a, v_a: [n_a, Hkv, d] the anchors' new K/V."""
-    shift_from, shift_to = plan.shift_sets(l)
-    if not shift_from.numel():
-        return
+def _layer_step(w: LlamaWeights, plan: AnchorPlan, l: int, k_a: torch.Tensor, v_a: torch.Tensor,
+                keys: torch.Tensor, vals: torch.Tensor) -> Optional[LayerEdit]:
+    """The policy's step at layer l (``policies.base``), if it reads there: its body's delta added
+    in place to keys and vals [n, Hkv, d] (the stale KV, not yet overwritten by the layer's rows);
+    k_a, v_a: [n_a, Hkv, d] the anchors' new K/V. Returns its edit (None: no step at l)."""
+    step = plan.layer_step
+    read = step.reads(l) if step is not None else None
+    if read is None:
+        return None
     inv_freq = w.rope_inv_freq()
 
     def rotate(k_post: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:  # re-rotation (no YaRN mscale)
         return apply_neox_rope(k_post, delta, inv_freq, w.rotary_dim)
 
-    src = torch.searchsorted(plan.anchor_sets[l], shift_from)
-    group = plan.shift_group_of
-    dk, dv = stale_shift(plan.stale_shift, shift_from, k_a[src], v_a[src], keys[shift_from], vals[shift_from],
-                         shift_to, rotate, plan.stale_shift_scale, group[shift_from], group[shift_to],
-                         plan.n_shift_groups, plan.stale_shift_prior)
-    keys[shift_to] += dk
-    vals[shift_to] += dv
+    at, pos = torch.searchsorted(plan.anchor_sets[l], read.positions), read.positions
+    edit = step.run(l, MeasuredKV(pos, read.groups, k_a[at], v_a[at], keys[pos], vals[pos], rotate))
+    if edit.body_dk is None and edit.body_dv is None:
+        return edit
+    body = step.body
+    groups = step.body_groups if step.body_groups is not None else torch.zeros_like(body)
+    if edit.body_dk is not None:
+        keys[body] += rotate(edit.body_dk[groups], body).float()
+    if edit.body_dv is not None:
+        vals[body] += edit.body_dv[groups]
+    return edit

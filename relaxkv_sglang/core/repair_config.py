@@ -1,8 +1,9 @@
 """What a repair is asked to do and what it costs: :class:`RepairConfig`, :class:`RepairCost`, the budget split.
 
 The knobs every repairing policy shares live in :class:`RepairConfig`, each policy's own in its
-options object (:mod:`.policies`); :meth:`RepairConfig.from_knobs` routes flat knob names (the
-ablation script's, a calibration's) to their owner.
+options object (``PolicySpec.options``: ``config.relaxkv``, ``config.cacheblend``, one per option
+group of the registry); :meth:`RepairConfig.from_knobs` routes flat knob names (the ablation
+script's, a calibration's) to their owner.
 
 Joint budget (``RepairConfig.budget`` = b): cost as a fraction of recomputing every eligible token
 at every layer with its full causal context, in token-layers of linear work, an attention pair
@@ -21,7 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .model_family import mlp_width
-from .policies import CacheBlendOptions, Policy, RelaxKVOptions, policy_spec
+from .policies import OPTION_GROUPS, Policy, PolicySpec, policy_spec
 from .token_sets import chunk_offsets, eligible_tokens
 
 Span = tuple[int, int]
@@ -44,8 +45,9 @@ class RepairConfig:
         seed: seeds the random control and the random-context ablation.
         budget: None, or the repair's cost as a fraction of full recomputation of the chunks;
             then :func:`split_budget` sets ``anchor_ratio`` and ``context_ratio`` (module doc).
-        relaxkv: the relaxkv policies' own knobs (``policies.RelaxKVOptions``).
-        cacheblend: CacheBlend's own knobs (``policies.CacheBlendOptions``).
+        options: one options object per option group of the registry (``policies.OPTION_GROUPS``,
+            in its order), each read as an attribute by its group's name (``config.relaxkv``);
+            :meth:`with_options` replaces some.
     """
 
     anchor_ratio: float = 0.15
@@ -54,10 +56,11 @@ class RepairConfig:
     sink_tokens: int = 4
     seed: int = 0
     budget: Optional[float] = None
-    relaxkv: RelaxKVOptions = RelaxKVOptions()
-    cacheblend: CacheBlendOptions = CacheBlendOptions()
+    options: tuple[Any, ...] = tuple(group.type() for group in OPTION_GROUPS)
 
     def __post_init__(self) -> None:
+        if [type(o) for o in self.options] != [group.type for group in OPTION_GROUPS]:
+            raise TypeError(f"options must be one of each of {', '.join(g.type.__name__ for g in OPTION_GROUPS)}")
         for name in ("anchor_ratio", "context_ratio", "budget"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value <= 1.0:
@@ -65,36 +68,45 @@ class RepairConfig:
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
 
+    def __getattr__(self, name: str) -> Any:
+        """A policy's options by its group's name (``config.relaxkv``)."""
+        index = _GROUP_INDEX.get(name)
+        if index is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return self.options[index]
+
+    def with_options(self, **groups: Any) -> "RepairConfig":
+        """This config with some options objects replaced, by group name (``relaxkv=...``)."""
+        unknown = set(groups) - set(_GROUP_INDEX)
+        if unknown:
+            raise TypeError(f"unknown option group {sorted(unknown)[0]!r}; groups: {', '.join(_GROUP_INDEX)}")
+        options = tuple(groups.get(group.name, current) for group, current in zip(OPTION_GROUPS, self.options))
+        return dataclasses.replace(self, options=options)
+
     @classmethod
     def from_knobs(cls, **knobs: Any) -> "RepairConfig":
         """A config from flat knob names (:func:`knob_defaults`), each routed to its owner: the
         names ``scripts/ablate_repair.py`` variants and the tests use. TypeError for an unknown one."""
-        owned: dict[str, dict[str, Any]] = {owner: {} for owner in _OPTION_FIELDS}
+        owned: dict[str, dict[str, Any]] = {group.name: {} for group in OPTION_GROUPS}
         shared = {}
         for name, value in knobs.items():
             owner, attr = _KNOB_OWNERS.get(name, (None, name))
             if owner is None and name not in _SHARED_KNOBS:
                 raise TypeError(f"unknown repair knob {name!r}; knobs: {', '.join(knob_defaults())}")
             (owned[owner] if owner else shared)[attr] = value
-        options = {owner: _OPTION_FIELDS[owner](**kw) for owner, kw in owned.items() if kw}
-        return cls(**shared, **options)
+        options = tuple(group.type(**owned[group.name]) for group in OPTION_GROUPS)
+        return cls(**shared, options=options)
 
-    def options_of(self, policy: Policy | str) -> Optional[Any]:
+    def options_of(self, policy: Policy | str | PolicySpec) -> Optional[Any]:
         """The options object of ``policy`` (``PolicySpec.options``), or None when it has none."""
-        name = policy_spec(policy).options
-        return getattr(self, name) if name else None
+        group = policy_spec(policy).options
+        return getattr(self, group.name) if group else None
 
 
-# The policy options a RepairConfig holds, by field name (PolicySpec.options).
-_OPTION_FIELDS = {"relaxkv": RelaxKVOptions, "cacheblend": CacheBlendOptions}
-_SHARED_KNOBS = tuple(f.name for f in dataclasses.fields(RepairConfig) if f.name not in _OPTION_FIELDS)
-# Flat knob name -> (options field, attribute). CacheBlend's use_k keeps its policy in its flat
-# name, as the ablation variants spell it.
-_KNOB_OWNERS = {
-    **{f.name: ("relaxkv", f.name) for f in dataclasses.fields(RelaxKVOptions)},
-    "check_layer": ("cacheblend", "check_layer"),
-    "cacheblend_use_k": ("cacheblend", "use_k"),
-}
+_GROUP_INDEX = {group.name: i for i, group in enumerate(OPTION_GROUPS)}
+_SHARED_KNOBS = tuple(f.name for f in dataclasses.fields(RepairConfig) if f.name != "options")
+# Flat knob name -> (option group, attribute), as each group declares them.
+_KNOB_OWNERS = {flat: (group.name, attr) for group in OPTION_GROUPS for flat, attr in group.flat_knobs().items()}
 
 
 def knob_defaults() -> dict[str, Any]:
@@ -144,7 +156,7 @@ class RepairCost:
         return 1.0 + self.pair_cost * keys
 
 
-def split_budget(budget: float, policy: Policy, chunk_spans: Sequence[Span], n_context: int,
+def split_budget(budget: float, policy: Policy | PolicySpec, chunk_spans: Sequence[Span], n_context: int,
                  config: RepairConfig, cost: RepairCost) -> tuple[float, float]:
     """``(anchor_ratio, context_ratio)`` that spend ``budget`` (module doc: "Joint budget").
 

@@ -13,8 +13,9 @@ sized from them.
 Decisions: targets ``A_0 ⊇ A_1 ⊇ ...`` (:func:`~.selection.select_anchors`, i.e. an exit layer
 ``e(t)`` per token) and each layer's context (:func:`relaxed_context`, a
 :class:`~.layout.RelaxedContextSpec`; the full causal prefix for the peers and ``relaxkv_fullctx``).
-A policy that ``needs_kv_deviation`` (CacheBlend) recomputes every eligible token at layers ``0..check_layer``, then
-:meth:`AnchorPlan.after_check_layer` decides the rest from the measured deviation.
+A policy with a step inside the forward (:class:`~.policies.base.LayerStep`) gets it from
+:attr:`AnchorPlan.layer_step`; one that decides mid-forward (CacheBlend) plans only the layers up
+to its step, which hands the rest to :meth:`AnchorPlan.with_later_layers`.
 
 The knobs, the cost model and the joint budget's split: :mod:`.repair_config`.
 
@@ -33,10 +34,10 @@ import torch
 from .layout import (BlockSparseLayout, RelaxedContextSpec, build_relaxed_layout, build_relaxed_layouts,
                      key_bound_page_scores)
 from .policies import Policy, PolicySpec, policy_spec
+from .policies.base import AnchorInputs, LayerStep
 from .repair_config import RepairConfig, RepairCost, split_budget
-from .selection import anchor_ratio_achieved, kv_deviation, select_anchors
-from .token_sets import chunk_ids, eligible_tokens, shared_opening_sinks, shared_runs
-from .stale_shift import shift_body
+from .selection import anchor_ratio_achieved, select_anchors
+from .token_sets import anchor_budget, eligible_tokens, shared_opening_sinks, shared_runs
 
 Span = tuple[int, int]
 
@@ -48,19 +49,19 @@ class AnchorPlan:
     """One request's repair decisions.
 
     Attributes:
-        policy: the repair policy.
+        spec: the repair policy's spec (``policies.policy_spec``).
         chunk_spans: the reused chunks.
         n_context: context tokens (the query starts here).
         n_layers: layers of the model.
         config: the knobs it was planned with.
         scores: float [n_layers, n_context] s_l, or None.
-        anchor_sets: per planned layer, int64 [|A_l|] sorted anchors (nested). CacheBlend's
-            plan holds only layers ``0..check_layer`` until :meth:`after_check_layer`.
+        anchor_sets: per planned layer, int64 [|A_l|] sorted anchors (nested). A policy that
+            decides mid-forward holds only the layers up to its step until :meth:`with_later_layers`.
         layouts: per planned layer, the anchors' layout (rows = ``anchor_sets[l]``).
         chunk_sinks: int64 [n_chunks] each chunk's sink tokens (``RelaxKVOptions.chunk_sink_rule``).
     """
 
-    policy: Policy
+    spec: PolicySpec
     chunk_spans: tuple[Span, ...]
     n_context: int
     n_layers: int
@@ -71,24 +72,19 @@ class AnchorPlan:
     chunk_sinks: torch.Tensor
 
     @property
-    def spec(self) -> PolicySpec:
-        """What the policy declares (``policies.POLICY_SPECS``)."""
-        return policy_spec(self.policy)
-
-    @property
     def n_eligible(self) -> int:
         return int(eligible_tokens(self.chunk_spans, self.n_context).numel())
 
     @property
-    def check_layer(self) -> int:
-        """The layer a mid-forward decision is made at (``CacheBlendOptions.check_layer``)."""
-        return self.config.cacheblend.check_layer
+    def decided_layers(self) -> int:
+        """Layers whose anchors are decided (``n_layers`` but for a mid-forward policy before its step)."""
+        return len(self.anchor_sets)
 
-    @property
-    def awaits_check_layer(self) -> bool:
-        """A mid-forward policy (CacheBlend) before its check layer has run: later layers are not
-        decided yet."""
-        return len(self.anchor_sets) < self.n_layers
+    @functools.cached_property
+    def layer_step(self) -> Optional[LayerStep]:
+        """The policy's step inside the forward for this request (``PolicySpec.layer_step``), or None."""
+        make = self.spec.layer_step
+        return make(self) if make is not None else None
 
     def exit_layers(self) -> torch.Tensor:
         """int64 [n_context]: e(t), the layers ``[0, e(t))`` token t is recomputed at (0: never)."""
@@ -100,69 +96,10 @@ class AnchorPlan:
     def achieved_anchor_ratio(self) -> float:
         return anchor_ratio_achieved(self.anchor_sets, self.n_eligible)
 
-    def decides_at(self, layer: int) -> bool:
-        """True at the check layer of a policy that decides mid-forward (its spec's
-        ``decides_mid_forward``: CacheBlend) while the later layers are undecided."""
-        return self.spec.decides_mid_forward and self.awaits_check_layer and layer == self.check_layer
-
-    @property
-    def stale_shift(self) -> str:
-        """The stale shift the executor applies (:mod:`.stale_shift`): the config's for the relaxkv
-        policies, ``none`` for the peers (they run as published)."""
-        return self.config.relaxkv.stale_shift if self.spec.stale_shift else "none"
-
-    @property
-    def stale_shift_scale(self) -> float:
-        """The fraction of the anchors' mean deviation the stale shift adds (``RelaxKVOptions``)."""
-        return self.config.relaxkv.stale_shift_scale
-
-    def shift_sets(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(S_l, T_l) of :mod:`.stale_shift` at ``layer``: the anchors whose deviation is averaged
-        and the tokens shifted, int64 sorted positions (both empty when the plan does not shift)."""
-        recomputed = self._shift_body_exits > layer
-        return self.shift_body[recomputed], self.shift_body[~recomputed]
-
-    def shift_sources(self, layer: int) -> torch.Tensor:
-        """int64 [|S_l|]: the first of :meth:`shift_sets` alone (what the server's loop needs)."""
-        return self.shift_body[self._shift_body_exits > layer]
-
-    @functools.cached_property
-    def shift_body(self) -> torch.Tensor:
-        """int64 [n_body]: the tokens every layer's shift sets split (``stale_shift.shift_body``),
-        computed once; empty when the plan does not shift."""
-        if self.stale_shift == "none":
-            return torch.zeros(0, dtype=torch.long)
-        return shift_body(self.chunk_spans, self.n_context, self.chunk_sinks)
-
-    @property
-    def stale_shift_prior(self) -> float:
-        """The weight of the request's mean in each group's shift (``RelaxKVOptions``)."""
-        return self.config.relaxkv.stale_shift_prior
-
-    @functools.cached_property
-    def shift_group_of(self) -> torch.Tensor:
-        """int64 [n_context]: the stale-shift group of every context token (``RelaxKVOptions.
-        stale_shift_group``): its chunk's index with ``chunk``, else 0 (one group); 0 outside the
-        chunks (no shift lands there)."""
-        if self.config.relaxkv.stale_shift_group != "chunk":
-            return torch.zeros(self.n_context, dtype=torch.long)
-        return chunk_ids(self.chunk_spans, self.n_context).clamp(min=0)
-
-    @property
-    def n_shift_groups(self) -> int:
-        """How many groups :attr:`shift_group_of` numbers."""
-        return len(self.chunk_spans) if self.config.relaxkv.stale_shift_group == "chunk" else 1
-
-    @functools.cached_property
-    def _shift_body_exits(self) -> torch.Tensor:
-        """int64 [n_body]: each body token's exit layer; the sets are nested, so S_l is the body
-        tokens recomputed past ``l`` (``exits > l``), no per-layer set search."""
-        return self.exit_layers()[self.shift_body]
-
     @functools.cached_property
     def context(self) -> RelaxedContextSpec:
         """The anchors' relaxed context (:func:`relaxed_context` of the plan's policy and config)."""
-        return relaxed_context(self.policy, self.chunk_spans, self.n_context, self.config)
+        return relaxed_context(self.spec, self.chunk_spans, self.n_context, self.config)
 
     @property
     def ranks_pages_in_layer(self) -> bool:
@@ -193,29 +130,25 @@ class AnchorPlan:
                                            self.context.page_size, exact=self.config.relaxkv.context_rank == "oracle")
         return build_relaxed_layout(self.anchor_sets[layer], None, self.context, row_page_scores=row_scores)
 
-    def after_check_layer(self, tokens: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                          k_stale: torch.Tensor, v_stale: torch.Tensor) -> "AnchorPlan":
-        """CacheBlend: the full plan once the check layer has recomputed its tokens' K/V.
+    def anchor_inputs(self) -> AnchorInputs:
+        """What the policy's anchor rule read for this plan (its step decides more from it)."""
+        elig = eligible_tokens(self.chunk_spans, self.n_context)
+        return AnchorInputs(self.scores, self.chunk_spans, self.n_context, self.n_layers, self.config.anchor_ratio,
+                            elig, anchor_budget(self.config.anchor_ratio, elig.numel()),
+                            options=self.config.options_of(self.spec), chunk_sink_tokens=self.chunk_sinks)
 
-        Args:
-            tokens: int64 [n] the tokens recomputed at the check layer.
-            k_new, v_new: [n, Hkv, d] their recomputed K/V.
-            k_stale, v_stale: [n, Hkv, d] their cached (stale) K/V.
-        Returns:
-            a new plan with every layer decided; layers ``0..check_layer`` unchanged.
-        """
-        # The plan lives on the host: K/V of a GPU pool are read back here, once per request.
-        deviation = torch.zeros(self.n_context)
-        deviation[tokens.cpu()] = kv_deviation(k_new, v_new, k_stale, v_stale, self.config.cacheblend.use_k).cpu()
-        sets = select_anchors(self.policy, None, self.chunk_spans, self.n_context, self.config.anchor_ratio,
-                              n_layers=self.n_layers, deviation=deviation, check_layer=self.check_layer)
-        done = len(self.layouts)
-        layouts = self.layouts + anchor_layouts(self.context, sets[done:], None, self.config.seed, first_layer=done)
-        return dataclasses.replace(self, anchor_sets=sets, layouts=layouts)
+    def with_later_layers(self, later_sets: Sequence[torch.Tensor]) -> "AnchorPlan":
+        """The plan once a mid-forward step has decided the layers after :attr:`decided_layers` - 1
+        (``later_sets``: theirs, nested); the decided layers unchanged."""
+        done = self.decided_layers
+        if done + len(later_sets) != self.n_layers:
+            raise ValueError(f"{self.spec.name}: {len(later_sets)} later sets for layers {done}..{self.n_layers - 1}")
+        layouts = self.layouts + anchor_layouts(self.context, later_sets, None, self.config.seed, first_layer=done)
+        return dataclasses.replace(self, anchor_sets=self.anchor_sets + list(later_sets), layouts=layouts)
 
 
 def plan_anchors(
-    policy: Policy | str,
+    policy: Policy | str | PolicySpec,
     scores: Optional[torch.Tensor],
     chunk_spans: Sequence[Span],
     n_context: int,
@@ -227,7 +160,7 @@ def plan_anchors(
     """Targets and contexts of one request (module doc).
 
     Args:
-        policy: a repairing Policy or its value.
+        policy: a repairing Policy, its value, or a spec.
         scores: float [n_layers, n_context] s_l, required when ``policy.needs_query_scores``.
         chunk_spans: the reused chunks inside ``[0, n_context)``.
         n_context: context tokens.
@@ -250,23 +183,20 @@ def plan_anchors(
     >>> all(l.n_rows == len(a) for l, a in zip(plan.layouts, plan.anchor_sets))
     True
     """
-    policy = Policy(policy)
+    spec = policy_spec(policy)
     spans = tuple((int(s), int(e)) for s, e in chunk_spans)
     if config.budget is not None:
         if cost is None:
             raise ValueError("a repair budget needs the model's RepairCost")
-        anchor_ratio, context_ratio = split_budget(config.budget, policy, spans, n_context, config, cost)
+        anchor_ratio, context_ratio = split_budget(config.budget, spec, spans, n_context, config, cost)
         config = dataclasses.replace(config, anchor_ratio=min(anchor_ratio, 1.0), context_ratio=context_ratio)
     chunk_sinks = plan_chunk_sinks(config, spans, input_ids)
     targets_rng = torch.Generator().manual_seed(config.seed)
-    relaxkv = config.relaxkv
-    sets = select_anchors(policy, scores, spans, n_context, config.anchor_ratio, targets_rng, n_layers=n_layers,
-                          check_layer=config.cacheblend.check_layer, chunk_sink_tokens=chunk_sinks,
-                          layer_value=relaxkv.layer_value, chunk_sink_share=relaxkv.chunk_sink_share,
-                          chunk_sink_order=relaxkv.chunk_sink_order,
-                          markup=plan_markup(config, spans, n_context, input_ids), markup_share=relaxkv.markup_share)
-    layouts = anchor_layouts(relaxed_context(policy, spans, n_context, config), sets, scores, config.seed)
-    return AnchorPlan(policy, spans, n_context, n_layers, config, scores, sets, layouts, chunk_sinks)
+    sets = select_anchors(spec, scores, spans, n_context, config.anchor_ratio, targets_rng, n_layers=n_layers,
+                          options=config.options_of(spec), chunk_sink_tokens=chunk_sinks,
+                          markup=plan_markup(config, spans, n_context, input_ids))
+    layouts = anchor_layouts(relaxed_context(spec, spans, n_context, config), sets, scores, config.seed)
+    return AnchorPlan(spec, spans, n_context, n_layers, config, scores, sets, layouts, chunk_sinks)
 
 
 def plan_chunk_sinks(config: RepairConfig, chunk_spans: Sequence[Span],
@@ -290,7 +220,7 @@ def plan_markup(config: RepairConfig, chunk_spans: Sequence[Span], n_context: in
     return shared_runs(input_ids, chunk_spans, n_context)
 
 
-def relaxed_context(policy: Policy, chunk_spans: Sequence[Span], n_context: int,
+def relaxed_context(policy: Policy | PolicySpec, chunk_spans: Sequence[Span], n_context: int,
                     config: RepairConfig) -> RelaxedContextSpec:
     """The anchors' context of ``policy`` under ``config``: relaxed for relaxkv (and its random
     ablation), the full causal prefix for the others (ratio 1)."""

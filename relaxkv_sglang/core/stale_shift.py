@@ -33,12 +33,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from .policies import STALE_SHIFTS
 from .token_sets import chunk_offsets, eligible_tokens, sinks_of_tokens
 
 Span = tuple[int, int]
 
-__all__ = ["STALE_SHIFTS", "shift_body", "split_body", "shift_sets", "group_means", "shift_deltas", "stale_shift"]
+__all__ = ["shift_body", "split_body", "shift_sets", "group_means", "shift_deltas", "stale_shift"]
 
 
 #: rotate(k [n or 1, Hkv, d], delta int64 [n]) -> k rotated by delta positions (RoPE composes);
@@ -110,7 +109,7 @@ def shift_deltas(mode: str, sources: torch.Tensor, k_new: torch.Tensor, v_new: t
     """The layer's shift per group, once: ``(dk_l before RoPE, dv_l)`` of the module doc, scaled.
 
     Args:
-        mode: one of :data:`STALE_SHIFTS`.
+        mode: ``none``, ``v`` or ``kv`` (``RelaxKVOptions.stale_shift``).
         sources: int64 [n_s] positions of S_l.
         k_new, v_new: [n_s, Hkv, d] their recomputed K (post-RoPE) and V.
         k_stale, v_stale: [n_s, Hkv, d] their stale K (post-RoPE, re-rotated) and V.
@@ -122,8 +121,8 @@ def shift_deltas(mode: str, sources: torch.Tensor, k_new: torch.Tensor, v_new: t
         (dk float32 [n_groups, Hkv, d] before RoPE, dv float32 [n_groups, Hkv, d]); zeros where
         ``mode`` shifts nothing (``dk`` for ``v``, both for ``none``) or ``sources`` is empty.
     """
-    if mode not in STALE_SHIFTS:
-        raise ValueError(f"stale_shift must be one of {', '.join(STALE_SHIFTS)}, got {mode!r}")
+    if mode not in ("none", "v", "kv"):  # policies.relaxkv.STALE_SHIFTS, checked equal
+        raise ValueError(f"unknown stale_shift {mode!r}")
     zeros = torch.zeros(n_groups, *v_new.shape[1:], dtype=torch.float32, device=v_new.device)
     if mode == "none" or sources.numel() == 0:
         return zeros, zeros.clone()

@@ -14,12 +14,12 @@ from relaxkv_sglang.core.selection import (
     chunk_ids,
     eligible_tokens,
     exits_to_anchor_sets,
-    kv_deviation,
     query_attention_scores,
     relaxkv_exit_layers,
     select_anchors,
     shared_opening_sinks,
 )
+from relaxkv_sglang.core.policies.cacheblend import CacheBlendOptions, check_layer_deviation, kv_deviation
 from relaxkv_sglang.core.repair_config import RepairConfig
 from relaxkv_sglang.core.repair_plan import plan_anchors
 
@@ -137,7 +137,9 @@ def test_cacheblend_full_check_layers_then_top_deviation():
     dev = torch.zeros(N_CTX)
     dev[[7, 30, 50, 88]] = torch.tensor([4.0, 3.0, 2.0, 1.0])
     dev[2] = 100.0  # prefix deviation is ignored
-    sets = select_anchors("cacheblend", None, SPANS, N_CTX, 3 / 84, n_layers=5, deviation=dev, check_layer=1)
+    plan = plan_anchors("cacheblend", None, SPANS, N_CTX, 5, RepairConfig(anchor_ratio=3 / 84))
+    assert plan.decided_layers == 2 and plan.config.cacheblend == CacheBlendOptions(check_layer=1)
+    sets = check_layer_deviation(plan.anchor_inputs(), dev)
     el = list(range(6, 90))
     assert sets[0].tolist() == el and sets[1].tolist() == el
     assert all(a.tolist() == [7, 30, 50] for a in sets[2:])
@@ -284,7 +286,7 @@ def test_plan_sizes_sinks_by_the_configured_rule():
                           RepairConfig.from_knobs(chunk_sink_tokens=4, chunk_sink_rule="shared"), input_ids=ids)
     assert shared.chunk_sinks.tolist() == [3, 3, 1]
     # The stale shift leaves the same per-chunk sinks out of its body.
-    assert shared.shift_body.tolist()[:2] == [7, 8] and 41 in shared.shift_body.tolist()
+    assert shared.layer_step.body.tolist()[:2] == [7, 8] and 41 in shared.layer_step.body.tolist()
     with pytest.raises(ValueError, match="input_ids"):
         plan_anchors("relaxkv", scores, spans, n_ctx, 4, RepairConfig.from_knobs(chunk_sink_rule="shared"))
     with pytest.raises(ValueError, match="chunk_sink_rule"):
@@ -370,25 +372,49 @@ def test_the_policies_docstring_table_is_the_registry():
     from relaxkv_sglang.core import policies
 
     yes = {True: "yes", False: "no"}
-    want = [[s.policy.value, yes[s.served], yes[s.reuses_chunks], yes[s.repairs], yes[s.needs_query_scores],
-             yes[s.needs_kv_deviation], s.context if s.repairs else "(none)" if s.reuses_chunks else "(causal)",
-             s.role] for s in policies.POLICY_SPECS.values()]
+    want = [[name, yes[s.served], yes[s.reuses_chunks], yes[s.repairs], yes[s.needs_query_scores],
+             "decides" if s.decides_mid_forward else "step" if s.layer_step else "no",
+             s.context if s.repairs else "(none)" if s.reuses_chunks else "(causal)", s.role]
+            for name, s in policies.POLICY_SPECS.items()]
     assert _docstring_table(policies.__doc__) == want
 
 
-def test_every_policy_has_a_spec_and_its_anchor_rule():
-    from relaxkv_sglang.core.policies import POLICY_SPECS
-    from relaxkv_sglang.core.selection import ANCHOR_RULES
+def test_every_policy_has_a_spec_module_and_an_enum_member():
+    import importlib
 
-    assert list(POLICY_SPECS) == list(Policy)
-    assert {s.anchor_rule for s in POLICY_SPECS.values()} == set(ANCHOR_RULES)
-    for policy, spec in POLICY_SPECS.items():
-        assert spec.policy is policy and policy.spec is spec
+    from relaxkv_sglang.core.policies import OPTION_GROUPS, POLICY_SPECS
+
+    assert list(POLICY_SPECS) == [p.value for p in Policy]
+    for name, spec in POLICY_SPECS.items():
+        assert spec.name == name and Policy(name).spec is spec
         # The enum's properties are the spec's (what srt/ and the reference read).
+        policy = Policy(name)
         assert (policy.served, policy.reuses_chunks, policy.repairs, policy.needs_query_scores, policy.context_mode) \
             == (spec.served, spec.reuses_chunks, spec.repairs, spec.needs_query_scores, spec.context)
-        assert spec.options in (None, "relaxkv", "cacheblend")
-        assert spec.decides_mid_forward == (policy is Policy.CACHEBLEND)
+        # Its rule lives in its own module (one module per policy; relaxkv's ablations in relaxkv's).
+        module = importlib.import_module(spec.anchor_rule.__module__)
+        assert module.__name__.startswith("relaxkv_sglang.core.policies.")
+        assert spec.options is None or spec.options in OPTION_GROUPS
+    assert [g.name for g in OPTION_GROUPS] == ["cacheblend", "relaxkv"]
+    assert [n for n, s in POLICY_SPECS.items() if s.decides_mid_forward] == ["cacheblend"]
+
+
+def test_the_relaxkv_vocabularies_are_the_ones_the_maths_implements():
+    from relaxkv_sglang.core.policies.relaxkv import LAYER_VALUES, SINK_ORDERS, STALE_SHIFTS
+    from relaxkv_sglang.core.stale_shift import shift_deltas
+
+    scores = torch.rand(3, 20, generator=torch.Generator().manual_seed(0))
+    for rule in LAYER_VALUES:
+        assert layer_weights(3, rule).shape == (3,)
+    for order in SINK_ORDERS:
+        relaxkv_exit_layers(scores, [(4, 20)], 0.2, 2, "uniform", 0.5, order)
+    with pytest.raises(ValueError, match="chunk_sink_order"):
+        relaxkv_exit_layers(scores, [(4, 20)], 0.2, 2, "uniform", 0.5, "random")
+    kv = torch.rand(2, 1, 4)
+    for mode in STALE_SHIFTS:
+        shift_deltas(mode, torch.tensor([5, 6]), kv, kv, kv, kv, lambda k, d: k)
+    with pytest.raises(ValueError, match="stale_shift"):
+        shift_deltas("k", torch.tensor([5, 6]), kv, kv, kv, kv, lambda k, d: k)
 
 
 def test_registry_queries():
@@ -411,6 +437,14 @@ def test_policy_knobs_live_with_their_policy():
     assert config.cacheblend == CacheBlendOptions(check_layer=3, use_k=True)
     assert config.options_of("relaxkv_randctx") is config.relaxkv and config.options_of("epic") is None
     assert config.options_of(Policy.CACHEBLEND) is config.cacheblend
+    assert config.with_options(cacheblend=CacheBlendOptions()).cacheblend == CacheBlendOptions()
+    assert config.with_options(cacheblend=CacheBlendOptions()).relaxkv is config.relaxkv
+    with pytest.raises(TypeError, match="option group"):
+        config.with_options(prophetkv=CacheBlendOptions())
+    with pytest.raises(AttributeError):
+        config.prophetkv  # noqa: B018
+    with pytest.raises(TypeError, match="options must be"):
+        RepairConfig(options=(RelaxKVOptions(),))
     assert RepairConfig.from_knobs(**knob_defaults()) == RepairConfig()
     with pytest.raises(TypeError, match="unknown repair knob"):
         RepairConfig.from_knobs(sink_count=3)
@@ -421,6 +455,8 @@ def test_policy_knobs_live_with_their_policy():
 
 
 def test_only_a_mid_forward_policy_waits_for_its_check_layer():
+    from relaxkv_sglang.core.policies.cacheblend import CheckLayerStep
+    from relaxkv_sglang.core.policies.relaxkv import StaleShiftStep
     from relaxkv_sglang.core.repair_config import RepairConfig
     from relaxkv_sglang.core.repair_plan import plan_anchors
 
@@ -431,9 +467,16 @@ def test_only_a_mid_forward_policy_waits_for_its_check_layer():
             continue
         plan = plan_anchors(policy, scores if policy.needs_query_scores else None, SPANS, N_CTX, L, config)
         waits = policy.spec.decides_mid_forward
-        assert plan.awaits_check_layer == waits and len(plan.anchor_sets) == (3 if waits else L)
-        assert [plan.decides_at(l) for l in range(L)] == [waits and l == 2 for l in range(L)]
-        assert plan.stale_shift == ("kv" if policy.spec.stale_shift else "none")
+        assert plan.decided_layers == (3 if waits else L)
+        step = plan.layer_step
+        if waits:
+            assert isinstance(step, CheckLayerStep)
+            assert [step.reads(l) is not None for l in range(L)] == [l == 2 for l in range(L)]
+        else:  # the relaxkv policies shift; the peers run as published
+            assert isinstance(step, StaleShiftStep) == policy.value.startswith("relaxkv"), policy
+            assert step is None or step.reads(0) is not None
+    off = RepairConfig.from_knobs(stale_shift="none")
+    assert plan_anchors("relaxkv", scores, SPANS, N_CTX, L, off).layer_step is None
 
 def test_shared_runs_mark_the_markup_every_chunk_repeats():
     from relaxkv_sglang.core.token_sets import shared_runs

@@ -86,11 +86,11 @@ def test_shift_moves_exactly_the_non_anchors_by_the_anchors_mean(model, ids):  #
     assert not close(res.last_logits, plain.last_logits, 1e-4)  # the shift does something
     plan = plan_anchors("relaxkv", res.scores, GLUE_SPANS, Q0, w.n_layers, config)
     l = 2
-    src, tgt = plan.shift_sets(l)
+    src, tgt = plan.layer_step.shift_sets(l)
     assert src.numel() and tgt.numel()
     for layer in range(w.n_layers):  # the plan's split by exit layers is the definition's, by anchor set
         want = shift_sets(plan.anchor_sets[layer], GLUE_SPANS, plan.n_context, chunk_sink_tokens=2)
-        assert all(torch.equal(a, b) for a, b in zip(plan.shift_sets(layer), want)), layer
+        assert all(torch.equal(a, b) for a, b in zip(plan.layer_step.shift_sets(layer), want)), layer
     anchors = plan.anchor_sets[l]
     # The prefix and the chunk sinks that are not anchors keep their stale K/V.
     sinks = torch.tensor([s + i for s, _ in GLUE_SPANS for i in range(2)])
@@ -111,7 +111,7 @@ def test_the_default_shifts_kv_by_half():
     assert (RepairConfig().relaxkv.stale_shift, RepairConfig().relaxkv.stale_shift_scale) == ("kv", 0.5)
 
 
-@pytest.mark.parametrize("policy", [p for p in repair_policies() if not policy_spec(p).stale_shift])
+@pytest.mark.parametrize("policy", [p for p in repair_policies() if policy_spec(p).layer_step is None])
 def test_peers_never_shift(model, ids, policy):  # noqa: F811
     a = run(model, ids, policy, 0.3, stale_shift="kv")
     b = run(model, ids, policy, 0.3, stale_shift="none")
@@ -144,6 +144,28 @@ class _RefLayers:
         return l, self.w.head_dim ** -0.5
 
 
+def run_layer_loop(model, ids, plan, stale, slots, n_slots):
+    """The server's LayerLoop over one request on the CPU: a pool of ``n_slots`` holding the stale
+    context at ``slots`` (as reused). Returns (its LoopRows, the final hidden, (K, V) per layer, the pool)."""
+    from types import SimpleNamespace
+
+    from relaxkv_sglang.core.rope_config import rope_spec_from_hf_config
+    from relaxkv_sglang.srt.forward.anchor_attention import AnchorAttention
+    from relaxkv_sglang.srt.forward.layer_loop import LayerLoop
+    from relaxkv_sglang.srt.forward.repair import repair_rows
+
+    hf, w = model
+    k_pool = [torch.zeros(n_slots, w.n_kv_heads, w.head_dim) for _ in range(w.n_layers)]
+    v_pool = [torch.zeros(n_slots, w.n_kv_heads, w.head_dim) for _ in range(w.n_layers)]
+    for l in range(w.n_layers):
+        k_pool[l][slots[:plan.n_context]], v_pool[l][slots[:plan.n_context]] = stale.kv[l]
+    pool = SimpleNamespace(get_key_buffer=lambda l: k_pool[l], get_value_buffer=lambda l: v_pool[l])
+    rows = repair_rows(ids.numel(), plan, slots)
+    rope = rope_spec_from_hf_config(hf.config.to_dict())
+    out = LayerLoop(_RefLayers(w), pool, AnchorAttention(), rope=rope).run([rows], ids[rows.positions])
+    return rows, out, (k_pool, v_pool), pool
+
+
 @pytest.mark.parametrize("mode,slot_layout", [("none", "scattered"), ("kv", "scattered"), ("kv", "two ranges"),
                                               ("kv", "index add"), ("kv", "one range"),
                                               ("kv", "one range, sinks capped"), ("kv", "one range, per chunk"),
@@ -154,16 +176,13 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
     added over the body's whole span, sinks and glue included, as they are rows of every layer
     (sinks capped: some are not, and the runs are used); per chunk: each chunk's own shift, over
     its runs or by the index add."""
-    from types import SimpleNamespace
-
     from relaxkv_sglang.core.reference import stale_context
-    from relaxkv_sglang.core.rope_config import rope_spec_from_hf_config
     from relaxkv_sglang.srt.forward.anchor_attention import AnchorAttention
     from relaxkv_sglang.srt.forward.layer_loop import LayerLoop
-    from relaxkv_sglang.srt.forward.shift_target import ShiftTarget
     from relaxkv_sglang.srt.forward.repair import repair_rows
+    from relaxkv_sglang.srt.forward.shift_target import ShiftTarget
 
-    hf, w = model
+    _, w = model
     n = ids.numel()
     config = RepairConfig.from_knobs(anchor_ratio=0.3, context_ratio=0.5, page_size=PS, stale_shift=mode, chunk_sink_tokens=2,
                           stale_shift_scale=0.5, chunk_sink_share=0.1 if "capped" in slot_layout else 1.0,
@@ -179,14 +198,7 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
         slots = torch.arange(n) + 5
     if slot_layout.startswith("index add"):
         monkeypatch.setattr(ShiftTarget, "MAX_RUNS", 0)
-    k_pool = [torch.zeros(n + 7, w.n_kv_heads, w.head_dim) for _ in range(w.n_layers)]
-    v_pool = [torch.zeros(n + 7, w.n_kv_heads, w.head_dim) for _ in range(w.n_layers)]
-    for l in range(w.n_layers):
-        k_pool[l][slots[:Q0]], v_pool[l][slots[:Q0]] = stale.kv[l]
-    pool = SimpleNamespace(get_key_buffer=lambda l: k_pool[l], get_value_buffer=lambda l: v_pool[l])
-    rows = repair_rows(n, plan, slots)
-    rope = rope_spec_from_hf_config(hf.config.to_dict())
-    out = LayerLoop(_RefLayers(w), pool, AnchorAttention(), rope=rope).run([rows], ids[rows.positions])
+    rows, out, (k_pool, v_pool), pool = run_layer_loop(model, ids, plan, stale, slots, n + 7)
     if mode == "kv":
         runs = rows.shift_target.runs
         if slot_layout == "two ranges":  # slices: the ranges' split and the chunk sinks' gaps
@@ -207,12 +219,11 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
         torch.testing.assert_close(k_pool[l][slots], ref.kv[l][0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(v_pool[l][slots], ref.kv[l][1], atol=1e-4, rtol=1e-4)
     if "per chunk" in slot_layout:  # and differs from the request's one shift
-        request_wide = dataclasses.replace(config, relaxkv=dataclasses.replace(config.relaxkv,
-                                                                               stale_shift_group="request"))
+        request_wide = config.with_options(relaxkv=dataclasses.replace(config.relaxkv, stale_shift_group="request"))
         one = reference_prefill(w, ids, GLUE_SPANS, Q0, "relaxkv", request_wide)
         assert not torch.allclose(one.kv[2][1], ref.kv[2][1], atol=1e-4)
     if mode == "kv":  # and the shift is not vacuous here
-        targets = plan.shift_sets(2)[1]
+        targets = plan.layer_step.shift_sets(2)[1]
         assert targets.numel() and not torch.allclose(ref.kv[2][1][targets], stale.kv[2][1][targets], atol=1e-3)
         with pytest.raises(RuntimeError, match="RoPE"):
             LayerLoop(_RefLayers(w), pool, AnchorAttention()).run([repair_rows(n, plan, slots)],

@@ -5,14 +5,15 @@
 layer it writes the active rows' K/V into the pool, then attends: an ordinary row to its causal
 prefix from its scope start (:func:`~relaxkv_sglang.core.attention.scoped_causal_attention`), an
 anchor through its layer's block-sparse layout (:class:`~.anchor_attention.AnchorAttention`). At an
-anchor's last layer only its K/V matter, so o_proj and the MLP skip it. With the stale shift
-(``RepairConfig.stale_shift``) the anchors' mean K/V deviation is added to the request's own
-copies of its non-anchor chunk tokens (:mod:`.shift_target`).
+anchor's last layer only its K/V matter, so o_proj and the MLP skip it. A policy's step
+(``AnchorPlan.layer_step``: CacheBlend's check layer, relaxkv's stale shift) runs before a layer's
+writes, on the anchors' new and pooled K/V it reads; its delta lands on its body in the pool
+(:mod:`.shift_target`), its later layers' anchors replan the pass.
 
 Host and device: a pass's bookkeeping (:class:`LoopRows`) is on the host; every layer's rows and
 executor plans are decided up front and sent in one
 :class:`~relaxkv_sglang.core.staging.HostStage` copy, and the device is never read back, except at
-CacheBlend's check layer and for the ``layout_at`` ablation (``tests/unit/test_cuda_rules.py``
+in a step that reads it (CacheBlend's deviation) and for the ``layout_at`` ablation (``tests/unit/test_cuda_rules.py``
 checks this on the CPU). It executes decisions and makes none: they come from :mod:`.repair`
 over :mod:`relaxkv_sglang.core.repair_plan`; it is called by :class:`~.repair.RepairStage`.
 """
@@ -26,10 +27,10 @@ import torch
 
 from relaxkv_sglang.core.attention import ScopedCausalPlan
 from relaxkv_sglang.core.block_sparse import AttentionWork
+from relaxkv_sglang.core.policies.base import LayerEdit, MeasuredKV
 from relaxkv_sglang.core.repair_plan import AnchorPlan
-from relaxkv_sglang.core.rope import RopeSpec
-from relaxkv_sglang.core.stale_shift import shift_deltas
-from relaxkv_sglang.core.staging import HostStage, Staged, to_device
+from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
+from relaxkv_sglang.core.staging import HostStage, Staged
 from relaxkv_sglang.srt.failures import InvariantError
 from relaxkv_sglang.srt.forward.anchor_attention import AnchorAttention, AnchorPlanRun
 from relaxkv_sglang.srt.forward.model_layers import ModelLayers
@@ -54,9 +55,8 @@ class LoopRows:
             (0: its causal prefix; a chunk's start: that chunk only).
         anchor: bool [n] repair targets: they attend through ``anchor_plan.layouts``.
         anchor_plan: the planner's decisions (None: no anchors in this pass).
-        shift_target: the stale shift's body in the pool (:class:`~.shift_target.ShiftTarget`), built when
-            the pass starts (a relaxkv plan is fixed for the pass; only CacheBlend's changes,
-            and it never shifts).
+        shift_target: where the plan's step's body lies in the pool (:class:`~.shift_target.ShiftTarget`),
+            built when the pass is planned (again after a step replans).
         work: the (row, key) pairs of the anchor layouts executed in this pass (the report's).
     """
 
@@ -76,15 +76,14 @@ class LoopRows:
 
 
 @dataclasses.dataclass
-class _ShiftStep:
-    """One request's stale shift at one layer: its sources among the layer's rows (staged).
+class _StepRead:
+    """One request's step read at one layer (``LayerStep.reads``), staged.
 
-    Attributes: at: int64 [n_s] the sources among the request's active rows; sources: int64 [n_s]
-    their positions; pool: int64 [n_s] their pool slots; groups: int64 [n_s] their shift groups
-    (None: one group)."""
+    Attributes: at: int64 [n_s] the read among the request's active rows; positions: int64 [n_s]
+    theirs; pool: int64 [n_s] their pool slots; groups: int64 [n_s] the read's tags (or None)."""
 
     at: Staged
-    sources: Staged
+    positions: Staged
     pool: Staged
     groups: Optional[Staged]
 
@@ -99,14 +98,14 @@ class _RequestStep:
         plain: the rows among them attending causally from their scope (staged) and the plan.
         anchors: the anchors among them (staged), and their positions (host: checked against
             the layout).
-        shift: the layer's stale shift, if any.
+        read: what the plan's step reads at the layer, if anything.
     """
 
     rows: torch.Tensor
     written: Staged
     plain: Optional[tuple[Staged, ScopedCausalPlan]]
     anchors: Optional[tuple[Staged, torch.Tensor]]
-    shift: Optional[_ShiftStep]
+    read: Optional[_StepRead]
 
     @property
     def n(self) -> int:
@@ -128,16 +127,16 @@ class _LayerStep:
 
 class _PassPlan:
     """A pass's decisions from layer ``first`` on, made on the host and staged in one copy
-    (``stage.send``): every layer's rows, scopes, anchors and shift, the anchors' executor plans,
-    each request's pool slots and stale-shift target. Rebuilt from the next layer when CacheBlend's
-    check layer changes a plan."""
+    (``stage.send``): every layer's rows, scopes, anchors and step reads, the anchors' executor
+    plans, each request's pool slots and step target. Rebuilt from the next layer when a step
+    replans."""
 
     def __init__(self, requests: list[LoopRows], first: int, n_layers: int, device: torch.device,
                  anchors: AnchorAttention, kv_dtype: torch.dtype, rope: Optional[RopeSpec]) -> None:
         stage = HostStage(device)
         self.slots = [stage.put(r.slots) for r in requests]
         for r in requests:
-            _prepare_shift(r, stage, rope)
+            _prepare_step_target(r, stage, rope)
         self.anchor_runs = [anchors.plan(r.anchor_plan.layouts, stage, kv_dtype)
                             if r.anchor_plan is not None and not r.anchor_plan.ranks_pages_in_layer else None
                             for r in requests]
@@ -152,12 +151,23 @@ class _PassPlan:
             steps, going_on, start = [], [], 0
             for r, rows in zip(requests, layer_rows):
                 steps.append(_request_step(r, l, rows, stage))
-                going_on.append((~(r.anchor[rows] & (r.exits[rows] <= l + 1))).nonzero().flatten() + start)
+                going_on.append((~_leaves_after(r, l, rows)).nonzero().flatten() + start)
                 start += rows.numel()
             active = torch.cat([rows + off for rows, off in zip(layer_rows, offsets)])
             positions = torch.cat([r.positions[rows] for r, rows in zip(requests, layer_rows)])
             self.layers[l] = _LayerStep(steps, stage.put(active), stage.put(positions), stage.put(torch.cat(going_on)))
         stage.send()
+
+
+def _leaves_after(r: LoopRows, l: int, rows: torch.Tensor) -> torch.Tensor:
+    """bool [n]: which of the request's rows (host int64 [n]) are anchors at their last layer l,
+    whose hidden state then feeds nothing. Not so at the last decided layer of a plan a step is
+    still to decide: an anchor kept past it needs its hidden state from that layer."""
+    leaves = r.anchor[rows] & (r.exits[rows] <= l + 1)
+    plan = r.anchor_plan
+    if plan is not None and plan.decided_layers < plan.n_layers:
+        leaves &= r.exits[rows] < plan.decided_layers
+    return leaves
 
 
 def _request_step(r: LoopRows, l: int, rows: torch.Tensor, stage: HostStage) -> _RequestStep:
@@ -168,22 +178,20 @@ def _request_step(r: LoopRows, l: int, rows: torch.Tensor, stage: HostStage) -> 
              if plain_rows.numel() else None)
     anchor_rows = anchor.nonzero().flatten()
     anchors = (stage.put(anchor_rows), pos[anchor_rows]) if anchor_rows.numel() else None
-    return _RequestStep(rows, stage.put(r.slots[pos]), plain, anchors, _shift_step(r, l, pos, stage))
+    return _RequestStep(rows, stage.put(r.slots[pos]), plain, anchors, _step_read(r, l, pos, stage))
 
 
-def _shift_step(r: LoopRows, l: int, pos: torch.Tensor, stage: HostStage) -> Optional[_ShiftStep]:
-    """The stale shift's sources at layer l among the request's active rows (pos: their positions)."""
-    plan = r.anchor_plan
-    if r.shift_target is None or pos.numel() == 0:
+def _step_read(r: LoopRows, l: int, pos: torch.Tensor, stage: HostStage) -> Optional[_StepRead]:
+    """What the plan's step reads at layer l among the request's active rows (pos: their positions)."""
+    step = r.anchor_plan.layer_step if r.anchor_plan is not None else None
+    read = step.reads(l) if step is not None and pos.numel() else None
+    if read is None or read.positions.numel() == 0:
         return None
-    sources = plan.shift_sources(l)  # host, as the plan
-    if sources.numel() == 0:
-        return None
-    at = torch.searchsorted(pos, sources)
-    if not torch.equal(pos[at.clamp(max=pos.shape[0] - 1)], sources):
-        raise InvariantError("relaxkv: the stale shift's anchors are not the layer's rows")
-    groups = stage.put(plan.shift_group_of[sources]) if plan.n_shift_groups > 1 else None
-    return _ShiftStep(stage.put(at), stage.put(sources), stage.put(r.slots[sources]), groups)
+    at = torch.searchsorted(pos, read.positions)
+    if not torch.equal(pos[at.clamp(max=pos.shape[0] - 1)], read.positions):
+        raise InvariantError("relaxkv: a layer step reads positions that are not the layer's rows")
+    groups = stage.put(read.groups) if read.groups is not None else None
+    return _StepRead(stage.put(at), stage.put(read.positions), stage.put(r.slots[read.positions]), groups)
 
 
 class LayerLoop:
@@ -218,14 +226,13 @@ class LayerLoop:
             v_cache = self.kv_pool.get_value_buffer(layer_id)
             out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
             # Write every active row's K/V first: rows attend to each other's new KV.
-            spans, start, decided = [], 0, False
-            for i, (r, s) in enumerate(zip(requests, step.requests)):
+            spans, start, replanned = [], 0, False
+            for r, s in zip(requests, step.requests):
                 spans.append((start, start + s.n))
                 if s.n:
                     k_r, v_r = k[start:start + s.n], v[start:start + s.n]
-                    decided |= _decide_after_check_layer(r, l, s, plan.slots[i].get(), k_r, v_r, k_cache, v_cache)
-                    # The shift reads the anchors' stale K/V and lands before the rows' writes.
-                    _stale_shift(r, l, s, k_r, v_r, k_cache, v_cache)
+                    # The step reads the anchors' pooled K/V and its delta lands before the rows' writes.
+                    replanned |= self._layer_step(r, l, s, k_r, v_r, k_cache, v_cache)
                     written = s.written.get()
                     k_cache[written] = k_r.to(k_cache.dtype)
                     v_cache[written] = v_r.to(v_cache.dtype)
@@ -239,13 +246,45 @@ class LayerLoop:
             going_on = step.going_on.get()
             hidden[active.index_select(0, going_on)] = self.layers.finish(l, h.index_select(0, going_on),
                                                                          out.index_select(0, going_on))
-            if decided:  # CacheBlend chose the later layers: decide them again
+            if replanned:  # a step chose the later layers: decide them again
                 plan = self._plan(requests, l + 1, input_ids.device, kv_dtype)
         return model.norm(hidden)
 
     def _plan(self, requests: list[LoopRows], first: int, device: torch.device,
               kv_dtype: Optional[torch.dtype]) -> _PassPlan:
         return _PassPlan(requests, first, self.layers.n_layers, device, self.anchor_attention, kv_dtype, self.rope)
+
+    def _layer_step(self, r: LoopRows, l: int, s: _RequestStep, k_new: torch.Tensor, v_new: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """Run the plan's step at layer l, before the layer's writes (k_new, v_new: [n_active, Hkv, d]
+        the request's active rows' new K/V, rows in position order): its delta added to its body in
+        the pool, its later layers planned. Whether it replanned."""
+        read = s.read
+        if read is None:
+            return False
+        plan, target = r.anchor_plan, r.shift_target
+        at, pool = read.at.get(), read.pool.get()
+        rotate = target.rotate_by if target is not None else self._rotate
+        edit: LayerEdit = plan.layer_step.run(l, MeasuredKV(
+            read.positions.get(), read.groups.get() if read.groups is not None else None, k_new.index_select(0, at),
+            v_new.index_select(0, at), k_cache[pool], v_cache[pool], rotate))
+        if edit.body_dv is not None or edit.body_dk is not None:
+            if target is None:
+                raise InvariantError("relaxkv: a layer step returned a delta but declares no body")
+            dv = edit.body_dv if edit.body_dv is not None else torch.zeros_like(edit.body_dk)
+            target.add(l, k_cache, v_cache, edit.body_dk, dv)
+        if edit.later_sets is None:
+            return False
+        r.anchor_plan = plan.with_later_layers(edit.later_sets)
+        r.exits[r.anchor] = r.anchor_plan.exit_layers()[r.positions[r.anchor]]
+        r.shift_target = None  # the new plan's step, if any, has its own body
+        return True
+
+    def _rotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``MeasuredKV.rotate`` of a step without a body: the served RoPE's re-rotation."""
+        if self.rope is None:
+            raise InvariantError("relaxkv: a layer step needs the served RoPE (LayerLoop(rope=...))")
+        return rotate_keys(k, delta, self.rope)
 
     def _attend(self, r: LoopRows, l: int, s: _RequestStep, slots: torch.Tensor, anchors: Optional[AnchorPlanRun],
                 q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
@@ -280,51 +319,12 @@ def _check_on_host(r: LoopRows) -> None:
             raise InvariantError(f"relaxkv: the repair pass's {name} must be a host tensor, got {getattr(r, name).device}")
 
 
-def _prepare_shift(r: LoopRows, stage: HostStage, rope: Optional[RopeSpec]) -> None:
-    """Build the request's stale-shift body once, when its pass is planned (its device indices on stage)."""
+def _prepare_step_target(r: LoopRows, stage: HostStage, rope: Optional[RopeSpec]) -> None:
+    """Build where the plan's step's body lies in the pool, once per plan (its device indices on stage)."""
     plan = r.anchor_plan
-    if r.shift_target is not None or plan is None or plan.stale_shift == "none" or plan.shift_body.numel() == 0:
+    step = plan.layer_step if plan is not None else None
+    if r.shift_target is not None or step is None or step.body is None or step.body.numel() == 0:
         return
     if rope is None:
-        raise InvariantError("relaxkv: the stale shift needs the served RoPE (LayerLoop(rope=...))")
-    r.shift_target = ShiftTarget(r.slots, plan.shift_body, rope, r.positions, r.exits, stage,
-                                 groups=plan.shift_group_of[plan.shift_body] if plan.n_shift_groups > 1 else None)
-
-
-def _decide_after_check_layer(r: LoopRows, l: int, s: _RequestStep, slots: torch.Tensor, k_new: torch.Tensor,
-                              v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """CacheBlend: at the check layer, before its K/V are written, hand the recomputed and the
-    cached K/V to the plan, which chooses the later layers (slots: device). Whether it did.
-
-    The one read of the device in a pass (its deviation decides on the host), and the one copy to
-    it outside the pass's stage (the check layer's anchors)."""
-    plan = r.anchor_plan
-    if plan is None or not plan.decides_at(l):
-        return False
-    sel = r.anchor[s.rows].nonzero().flatten()
-    pos = r.positions[s.rows][sel]
-    at, pool = to_device(sel, k_new.device), slots[to_device(pos, slots.device)]
-    r.anchor_plan = plan.after_check_layer(pos, k_new.index_select(0, at), v_new.index_select(0, at), k_cache[pool],
-                                           v_cache[pool])
-    r.exits[r.anchor] = r.anchor_plan.exit_layers()[r.positions[r.anchor]]
-    return True
-
-
-def _stale_shift(r: LoopRows, l: int, s: _RequestStep, k_new: torch.Tensor, v_new: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """Add the plan's stale shift at layer l (core/stale_shift.py) to the pool, before the layer's
-    writes. It goes to the whole shift body, this layer's anchors included: their new K/V are
-    written next and replace it, which leaves exactly T_l shifted without splitting the body
-    every layer.
-
-    k_new, v_new: [n_active, Hkv, d] the request's active rows' new K/V, rows in position order.
-    """
-    plan, target, shift = r.anchor_plan, r.shift_target, s.shift
-    if target is None or shift is None:
-        return
-    at, pool = shift.at.get(), shift.pool.get()
-    groups = shift.groups.get() if shift.groups is not None else None
-    dk, dv = shift_deltas(plan.stale_shift, shift.sources.get(), k_new.index_select(0, at), v_new.index_select(0, at),
-                          k_cache[pool], v_cache[pool], target.rotate_by, plan.stale_shift_scale, groups,
-                          plan.n_shift_groups, plan.stale_shift_prior)
-    target.add(l, k_cache, v_cache, dk if plan.stale_shift == "kv" else None, dv)
+        raise InvariantError("relaxkv: a layer step with a body needs the served RoPE (LayerLoop(rope=...))")
+    r.shift_target = ShiftTarget(r.slots, step.body, rope, r.positions, r.exits, stage, groups=step.body_groups)

@@ -40,7 +40,7 @@ class ShiftTarget:
         row_positions: int64 host [n_rows] the pass's rows, ascending; row_exits: int64 host
             [n_rows] the layer each leaves at (``LoopRows.positions``, ``LoopRows.exits``).
         stage: the pass's (its device is the KV pool's; default: the host, nothing staged).
-        groups: int64 host [n_body] each body token's shift group (``AnchorPlan.shift_group_of``),
+        groups: int64 host [n_body] each body token's shift group (``StaleShiftStep.body_groups``),
             or None: one group.
     """
 

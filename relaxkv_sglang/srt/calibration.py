@@ -26,10 +26,9 @@ from relaxkv_sglang.core.auto_budget import BudgetModel
 from relaxkv_sglang.core.quality import AUTO, DEFAULT_QUALITY
 from relaxkv_sglang.core.repair_config import RepairConfig
 from relaxkv_sglang.settings import CALIBRATION_ENV, DEFAULT_BUDGET_ENV, ServerSettings
+from relaxkv_sglang.srt import state
 
 logger = logging.getLogger(__name__)
-
-_CALIBRATION_ATTR = "relaxkv_calibration"  # on the tree cache: the ServedCalibration
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +88,7 @@ def load_served_calibration(cache: Any, model_path: str, hf_config: dict, settin
         raise SystemExit(f"relaxkv-sglang: {DEFAULT_BUDGET_ENV}=auto needs a budget model in {served.model}'s "
                          f"calibration (python -m scripts.calibrate --budget ...); "
                          f"{'it has none' if calibration else 'there is no calibration'}")
-    setattr(cache, _CALIBRATION_ATTR, served)
+    state.record(cache, state.CacheState).calibration = served
     if log:
         logger.info(served.line())
     return served
@@ -97,7 +96,7 @@ def load_served_calibration(cache: Any, model_path: str, hf_config: dict, settin
 
 def served_settings(cache: Any) -> ServedCalibration:
     """The served calibration and budget settings (before startup chose them: the defaults)."""
-    served = getattr(cache, _CALIBRATION_ATTR, None)
+    served = _served(cache)
     return served if served is not None else ServedCalibration("", None, RepairConfig())
 
 
@@ -108,5 +107,10 @@ def repair_base(cache: Any) -> RepairConfig:
 
 def calibration_state(cache: Any) -> Optional[dict]:
     """What /get_server_info shows (None before the calibration was chosen)."""
-    served = getattr(cache, _CALIBRATION_ATTR, None)
+    served = _served(cache)
     return None if served is None else served.state()
+
+
+def _served(cache: Any) -> Optional[ServedCalibration]:
+    held = state.record(cache, state.CacheState, create=False)
+    return held.calibration if held is not None else None

@@ -44,14 +44,13 @@ from relaxkv_sglang.core.gate import (
 from relaxkv_sglang.core.policies import CHUNK_POLICIES
 from relaxkv_sglang.core.rope import RopeSpec
 from relaxkv_sglang.settings import ROPE_OVERRIDE_ENV, server_settings
+from relaxkv_sglang.srt import state
 from relaxkv_sglang.srt.forward.anchor_attention import AnchorAttention
 from relaxkv_sglang.srt.forward.layer_loop import LayerLoop, LoopRows
 from relaxkv_sglang.srt.forward.model_layers import ModelLayers, UnsupportedModelError
 from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
 
 logger = logging.getLogger(__name__)
-
-_GATE_ATTR = "relaxkv_gate"  # on the tree cache: the GateResult
 
 
 def serving_rope(rope: RopeSpec, override: Optional[dict[str, Any]]) -> RopeSpec:
@@ -85,7 +84,7 @@ def run_startup_gate(worker: Any, cache: Any, context_len: int, *, tp_rank: int 
         logger.debug("relaxkv: correctness gate raised", exc_info=True)
         result = GateResult.failure(f"the gate could not run: {type(exc).__name__}: {exc}")
     result = dataclasses.replace(result, seconds=round(time.perf_counter() - start, 3))
-    setattr(cache, _GATE_ATTR, result)
+    state.record(cache, state.CacheState).gate = result
     if tp_rank == 0:
         _log(result, type(causal_lm).__name__)
     if enable_metrics:
@@ -95,8 +94,8 @@ def run_startup_gate(worker: Any, cache: Any, context_len: int, *, tp_rank: int 
 
 def gate_state(cache: Any) -> Optional[dict]:
     """The verdict as /get_server_info shows it (``relaxkv.gate``), None before the gate ran."""
-    result = getattr(cache, _GATE_ATTR, None)
-    return None if result is None else result.to_dict()
+    held = state.record(cache, state.CacheState, create=False)
+    return None if held is None or held.gate is None else held.gate.to_dict()
 
 
 def _run_checks(causal_lm: Optional[torch.nn.Module], cache: Any, context_len: int, tokenizer: Any) -> GateResult:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from relaxkv_sglang.core.policies import CHUNK_POLICIES, REPAIR_POLICIES
 from relaxkv_sglang.schema import CHUNKS, POLICY, PROMPT_LEN_KEY, RECORD_KEY, REPAIR_KNOBS
+from relaxkv_sglang.srt import state
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -31,8 +32,6 @@ __all__ = ["BACKEND_NAME", "RECORD_KEY", "RequestPlan", "RequestState", "chunk_t
 
 # The name the plugin registers its tree cache and attention backend under.
 BACKEND_NAME = "relaxkv"
-# The attribute of SGLang's Req that holds its RequestState.
-_STATE_ATTR = "relaxkv_state"
 
 
 def chunk_tree_served(server_args: Any) -> bool:
@@ -109,10 +108,8 @@ class RequestState:
 
 def request_state(req: Req) -> RequestState:
     """The request's :class:`RequestState`, made on first use."""
-    state = req.__dict__.get(_STATE_ATTR)
-    if state is None:
-        state = req.__dict__[_STATE_ATTR] = RequestState(_parsed_plan(req))
-    return state
+    held = state.record(req, RequestState, create=False)
+    return held if held is not None else state.attach(req, RequestState(_parsed_plan(req)))
 
 
 def request_plan(req: Req) -> RequestPlan | None:

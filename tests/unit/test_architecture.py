@@ -292,7 +292,7 @@ SRT = "relaxkv_sglang.srt"
 #: the other way; the HTTP process imports nothing of the scheduler's)
 SRT_MAY_IMPORT = {"entrypoints": set(), "scheduler": {"mem_cache"}, "mem_cache": set(), "forward": {"mem_cache"}}
 #: top modules of srt any package may import (what requests, failures and calibrations are)
-SRT_BASE = {"plan", "failures", "calibration"}
+SRT_BASE = {"plan", "failures", "calibration", "state"}
 
 
 def _srt_place(name: str) -> Optional[tuple[str, str]]:

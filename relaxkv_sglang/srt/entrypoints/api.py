@@ -40,6 +40,7 @@ from relaxkv_sglang.schema import (
     mentions_fields,
 )
 from relaxkv_sglang.settings import server_settings
+from relaxkv_sglang.srt import state
 from relaxkv_sglang.srt.plan import chunk_tree_served, request_namespace
 from relaxkv_sglang.srt.entrypoints.gate_refusal import chunk_refusal
 from relaxkv_sglang.srt.entrypoints.sglang_fields import check_sglang_fields
@@ -56,18 +57,16 @@ logger = logging.getLogger(__name__)
 Encode = Callable[[str, bool], list[int]]  # (text, add_special_tokens) -> token ids
 # text -> the sorted character offsets of its token boundaries, or None if the tokenizer cannot tell
 Boundaries = Callable[[str], Optional[Sequence[int]]]
-_INDEX_ATTR = "_relaxkv_document_index"  # the attribute of SGLang's TokenizerManager holding the index
 def document_index(tokenizer_manager: Any) -> Optional[DocumentIndex]:
     """The HTTP process's index of discovered chunks (made on first use, kept on the
     ``TokenizerManager``: one per HTTP process, bounded, :class:`DocumentIndex`); None unless
     the server's settings say so (``RELAXKV_DISCOVERY_INDEX``, ``settings.py``)."""
     if not server_settings().discovery_index:
         return None
-    index = getattr(tokenizer_manager, _INDEX_ATTR, None)
-    if index is None:
-        index = DocumentIndex()
-        setattr(tokenizer_manager, _INDEX_ATTR, index)
-    return index
+    held = state.record(tokenizer_manager, state.TokenizerState)
+    if held.document_index is None:
+        held.document_index = DocumentIndex()
+    return held.document_index
 
 
 def prompt_boundaries(tokenizer: Any, text: str) -> Optional[list[int]]:
@@ -88,7 +87,8 @@ async def around_flush_cache(original: Callable[..., Any], tokenizer_manager: An
     """Hook on ``TokenizerControlMixin.flush_cache`` (the HTTP process's ``/flush_cache``): a flush
     that succeeded also empties the discovery index, so a flushed server chunks as a fresh one."""
     result = await original(tokenizer_manager, *args, **kwargs)
-    index = getattr(tokenizer_manager, _INDEX_ATTR, None)
+    held = state.record(tokenizer_manager, state.TokenizerState, create=False)
+    index = held.document_index if held is not None else None
     if index is not None and getattr(result, "success", False):
         index.clear()
     return result

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from relaxkv_sglang.srt import state
+
 if TYPE_CHECKING:
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
-
-_REFUSAL_ATTR = "relaxkv_gate_refusal"  # on the TokenizerManager: "" (served) or the reason
 
 
 async def chunk_refusal(tokenizer_manager: "TokenizerManager") -> str:
@@ -22,15 +22,15 @@ async def chunk_refusal(tokenizer_manager: "TokenizerManager") -> str:
     Reads ``relaxkv.gate`` of every scheduler's internal state (one per data-parallel rank); any
     failed gate refuses. A state without a gate (the gate never ran) refuses nothing.
     """
-    known = getattr(tokenizer_manager, _REFUSAL_ATTR, None)
-    if known is not None:
-        return known
+    held = state.record(tokenizer_manager, state.TokenizerState)
+    if held.gate_refusal is not None:
+        return held.gate_refusal
     states = await tokenizer_manager.get_internal_state()
     reasons = []
-    for state in states:
-        gate = (state or {}).get("relaxkv", {}).get("gate") or {}
+    for internal in states:
+        gate = (internal or {}).get("relaxkv", {}).get("gate") or {}
         if gate.get("status") == "failed":
             reasons.append(gate.get("reason") or "the gate failed")
     refusal = "; ".join(dict.fromkeys(reasons))
-    setattr(tokenizer_manager, _REFUSAL_ATTR, refusal)
+    held.gate_refusal = refusal
     return refusal

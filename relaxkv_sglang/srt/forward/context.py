@@ -20,11 +20,7 @@ import torch
 from relaxkv_sglang.core.staging import to_device
 from relaxkv_sglang.core.selection import query_attention_scores
 from relaxkv_sglang.srt.failures import InvariantError
-
-
-# Attribute names on SGLang's objects; one place, so a reader can grep for them.
-_CONTEXT_ATTR = "relaxkv_context"
-_PENDING_ATTR = "relaxkv_pending"
+from relaxkv_sglang.srt import state
 
 
 @dataclasses.dataclass
@@ -140,28 +136,33 @@ def attached(schedule_batch: Any, readers: Sequence[Any], pending: PendingForwar
     """For the duration of one forward: the folded batch on the scheduled ``ScheduleBatch``, its
     context on each object that reads it (the worker's attention backend, the decoder stack);
     removed afterwards, whatever happened."""
-    setattr(schedule_batch, _PENDING_ATTR, pending)
+    state.attach(schedule_batch, state.BatchState(pending))
     for reader in readers:
         attach_context(reader, pending.context)
     try:
         yield
     finally:
-        schedule_batch.__dict__.pop(_PENDING_ATTR, None)
+        state.detach(schedule_batch)
         for reader in readers:
             attach_context(reader, None)
 
 
 def pending_forward(schedule_batch: Any) -> Optional[PendingForward]:
     """The folded batch attached to a ``ScheduleBatch``, if any."""
-    return getattr(schedule_batch, _PENDING_ATTR, None)
+    held = state.record(schedule_batch, state.BatchState, create=False)
+    return held.pending if held is not None else None
 
 
 def attach_context(reader: Any, context: Optional[ForwardContext]) -> None:
     """Attach (or, with None, remove) the fold's decision on an object that reads it during
     one forward (the worker's attention backend, the model's decoder stack)."""
-    setattr(reader, _CONTEXT_ATTR, context)
+    if context is None:
+        state.detach(reader)
+    else:
+        state.attach(reader, state.ReaderState(context))
 
 
 def forward_context(reader: Any) -> Optional[ForwardContext]:
     """The fold's decision for the forward running now on this object, if any."""
-    return getattr(reader, _CONTEXT_ATTR, None)
+    held = state.record(reader, state.ReaderState, create=False)
+    return held.context if held is not None else None

@@ -15,15 +15,13 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol, Sequence
 
 import torch
 
+from relaxkv_sglang.srt import state
+
 if TYPE_CHECKING:
     from relaxkv_sglang.core.tiers import TierName
     from relaxkv_sglang.srt.mem_cache.chunk_reuse import ChunkReuse
     from relaxkv_sglang.srt.mem_cache.pins import AdmissionHold, AdmissionPins
     from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
-
-# Attribute of SGLang's TpModelWorker that holds its relaxkv tree cache.
-_WORKER_ATTR = "relaxkv_cache"
-
 
 class ChunkCache(Protocol):
     """The relaxkv tree cache as the fold, the query pass, the repair, the finish and admission use it.
@@ -61,12 +59,13 @@ class ChunkCache(Protocol):
 
 def worker_cache(worker: Any) -> Optional[ChunkCache]:
     """The relaxkv tree cache of this scheduler's worker, or None if not selected."""
-    return getattr(worker, _WORKER_ATTR, None)
+    held = state.record(worker, state.WorkerState, create=False)
+    return held.chunk_cache if held is not None else None
 
 
 def attach_worker_cache(worker: Any, cache: ChunkCache) -> None:
     """Make ``cache`` the one :func:`worker_cache` finds for ``worker`` (the factory's call)."""
-    setattr(worker, _WORKER_ATTR, cache)
+    state.record(worker, state.WorkerState).chunk_cache = cache
 
 
 __all__ = ["ChunkCache", "worker_cache", "attach_worker_cache"]

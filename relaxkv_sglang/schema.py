@@ -12,8 +12,8 @@ field table is checked against it by ``tests/unit/test_schema.py``.
 
 Also declared here:
 
-* the internal plan keys (:attr:`Field.plan_key`, :data:`PLAN_KEYS`): what the HTTP side hands the
-  scheduler in ``custom_params`` once a request is validated and tokenized; every key under
+* :data:`PLAN_KEY`, the internal ``custom_params`` key under which the HTTP side hands the scheduler
+  the request's validated plan (``srt/plan.py``'s ``RequestPlan``); every key under
   :data:`RESERVED_PREFIX`, which clients may not use;
 * :data:`USER_PREFIX`: a client key under it must be one of :data:`FIELD_NAMES` (a typo is an error,
   not a request silently served without reuse);
@@ -44,12 +44,13 @@ __all__ = [
     "USER_PREFIX", "RESERVED_PREFIX", "RECORD_KEY", "RequestError", "Field",
     "ChunksField", "PolicyField", "RatioField", "BudgetField", "QualityField", "CHUNKS", "POLICY", "ANCHOR_RATIO",
     "CONTEXT_RATIO", "BUDGET", "QUALITY", "AUTO_BUDGET", "QUALITY_LEVELS",
-    "FIELDS", "FIELD_NAMES", "REPAIR_KNOBS", "PLAN_KEYS", "PROMPT_LEN_KEY", "check_keys", "mentions_fields",
+    "FIELDS", "FIELD_NAMES", "REPAIR_KNOBS", "PLAN_KEY", "check_keys", "mentions_fields",
     "POLICY_HEADER", "header_policy",
 ]
 
 USER_PREFIX = "relaxkv_"  # every user-facing field; another key under it is a typo (an error)
-RESERVED_PREFIX = "_relaxkv_"  # the server's internal plan keys, present and future: clients may not send them
+RESERVED_PREFIX = "_relaxkv_"  # the server's internal keys, present and future: clients may not send them
+PLAN_KEY = RESERVED_PREFIX + "plan"  # the validated plan the HTTP side hands the scheduler
 RECORD_KEY = "relaxkv"  # meta_info key of the per-request report (SGLang carries it as customized_info)
 POLICY_HEADER = "X-RelaxKV-Policy"  # a request's default policy (HTTP header names are case-insensitive)
 
@@ -82,13 +83,11 @@ class Field:
         name: the key in ``custom_params``.
         type: its JSON type, as documented.
         doc: one line: what it means.
-        plan_key: the internal ``custom_params`` key the HTTP side hands the scheduler for it.
     """
 
     name: str
     type: str
     doc: str
-    plan_key: str
 
     @property
     def config_attr(self) -> str:
@@ -197,10 +196,6 @@ class RatioField(Field):
             raise self.error(f"must be {self.expected}, got {value!r}")
         return float(value)
 
-    def from_plan(self, value: Any) -> Any:
-        """The planned value as the scheduler reads it back (None: not given)."""
-        return None if value is None else float(value)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BudgetField(RatioField):
@@ -216,9 +211,6 @@ class BudgetField(RatioField):
     def validate(self, value: Any, *, text: Optional[str] = None) -> float | str:
         """``value`` as a float in range, or ``"auto"``."""
         return AUTO_BUDGET if value == AUTO_BUDGET else super().validate(value, text=text)
-
-    def from_plan(self, value: Any) -> Any:
-        return AUTO_BUDGET if value == AUTO_BUDGET else super().from_plan(value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -239,52 +231,42 @@ class QualityField(Field):
         except ValueError as exc:
             raise self.error(str(exc)) from None
 
-    def from_plan(self, value: Any) -> Any:
-        return None if value is None else parse_quality(value)
-
 
 CHUNKS = ChunksField(
     name="relaxkv_chunks",
     type="array of integers",
     doc="flat character offsets [s0, e0, s1, e1, ...] into `text`; each pair is one document chunk",
-    plan_key="_relaxkv_token_spans",  # the chunks' token spans, flat, after per-part tokenization
     max_chunks=1024,
 )
 POLICY = PolicyField(
     name="relaxkv_policy",
     type="string",
     doc="what the request reuses: nothing, SGLang's radix cache, or chunks (then maybe repaired)",
-    plan_key="_relaxkv_policy",
     choices=SERVER_POLICIES,
 )
 ANCHOR_RATIO = RatioField(
-    name="relaxkv_anchor_ratio", plan_key="_relaxkv_anchor_ratio",
+    name="relaxkv_anchor_ratio",
     doc="repair policies: mean share of reusable chunk tokens recomputed per layer",
 )
 CONTEXT_RATIO = RatioField(
-    name="relaxkv_context_ratio", plan_key="_relaxkv_context_ratio",
+    name="relaxkv_context_ratio",
     doc="relaxkv, relaxkv_randctx: share of the context before each anchor's own chunk it attends to "
         "(its own chunk and the first tokens always)",
 )
 
 BUDGET = BudgetField(
-    name="relaxkv_budget", plan_key="_relaxkv_budget",
+    name="relaxkv_budget",
     doc="repair policies: the repair's cost as a share of recomputing the chunks in full (sets the anchor "
         "and context ratios, joint allocation), or `auto`: the anchor ratio chosen per request for `relaxkv_quality`",
 )
 QUALITY = QualityField(
-    name="relaxkv_quality", plan_key="_relaxkv_quality",
+    name="relaxkv_quality",
     doc="with an `auto` budget: what it aims at, `low`, `medium`, `high` or a target mean first-token KL",
 )
 
 FIELDS: tuple[Field, ...] = (CHUNKS, POLICY, ANCHOR_RATIO, CONTEXT_RATIO, BUDGET, QUALITY)
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
 REPAIR_KNOBS: tuple[RatioField | QualityField, ...] = (ANCHOR_RATIO, CONTEXT_RATIO, BUDGET, QUALITY)
-# The length of the prompt the plan's token spans index (internal, set with the spans): SGLang may
-# serve the request on a longer prompt that ends with it (a session turn after its history,
-# ``srt/plan.py``), and the scheduler shifts the spans by the difference.
-PROMPT_LEN_KEY = "_relaxkv_prompt_len"
-PLAN_KEYS: tuple[str, ...] = (*(f.plan_key for f in FIELDS), PROMPT_LEN_KEY)
 
 
 def check_keys(custom_params: Mapping[Any, Any]) -> None:

@@ -1,17 +1,19 @@
 """A request's reuse plan, as the scheduler process sees it.
 
-The HTTP side (:mod:`relaxkv_sglang.srt.entrypoints.api`) hands the scheduler internal entries of
-``sampling_params.custom_params`` (the plan keys of :mod:`relaxkv_sglang.schema`): the policy, the
-chunks' token spans as a flat list ``[s0, e0, s1, e1, ...]`` and the repair knobs; this module reads
-them back once per request into a :class:`RequestState` kept on the request
-(:func:`request_state`: parsed plan, chunk keys, whether prefetch started).
+The HTTP side (:mod:`relaxkv_sglang.srt.entrypoints.api`) validates a request's fields once into a
+:class:`RequestPlan` (policy, the chunks' token spans, the repair knobs) and hands it to the
+scheduler under ``sampling_params.custom_params[PLAN_KEY]`` (:data:`relaxkv_sglang.schema.PLAN_KEY`;
+SGLang pickles ``custom_params`` to the scheduler). The scheduler adds only what SGLang decides
+there, the tenant namespace and a session's history, and keeps the result in a
+:class:`RequestState` on the request (:func:`request_state`: the plan, chunk keys, whether prefetch
+started).
 
 A request SGLang aborts before its prefill (``Req.set_finish_with_abort``) runs one prefill of a
 one-token stub whose spans point past it: :func:`request_plan` gives it no plan, so everything
 treats it as SGLang does without the plugin. A session turn (``session_params``,
-``sglang/srt/session/session_controller.py``) is served after its session's history: the HTTP side
-records the planned prompt's length (:data:`~relaxkv_sglang.schema.PROMPT_LEN_KEY`) and
-:func:`_parsed_plan` shifts the spans by what was prepended (the chunks never hold position 0, so a
+``sglang/srt/session/session_controller.py``) is served after its session's history: the plan
+records the planned prompt's length (:attr:`RequestPlan.prompt_len`) and :func:`_scheduled_plan`
+shifts the spans by what was prepended (the chunks never hold position 0, so a
 stripped BOS does not matter).
 """
 
@@ -21,7 +23,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Optional
 
 from relaxkv_sglang.core.policies import CHUNK_POLICIES, REPAIR_POLICIES
-from relaxkv_sglang.schema import CHUNKS, POLICY, PROMPT_LEN_KEY, RECORD_KEY, REPAIR_KNOBS
+from relaxkv_sglang.schema import PLAN_KEY, RECORD_KEY
 from relaxkv_sglang.srt import state
 
 if TYPE_CHECKING:
@@ -45,19 +47,22 @@ def chunk_tree_served(server_args: Any) -> bool:
 @dataclasses.dataclass(frozen=True)
 class RequestPlan:
     """policy: one of core.policies.SERVER_POLICIES; chunk_spans: token spans [start, end) in
-    prompt order; namespace: the tenant key chunks are stored under; anchor_ratio,
+    prompt order; namespace: the tenant key chunks are stored under (set by the scheduler,
+    :func:`request_namespace`); anchor_ratio,
     context_ratio and budget: the repair knobs the request gave (None: not given, so the served
     model's calibrated value or RepairConfig's default applies, ``repair.request_repair_config``; a
     budget, when set, decides the two ratios; ``"auto"``: the anchor ratio is chosen from the query
-    pass, ``core/auto_budget.py``); quality: what an auto budget aims at (None: the server's)."""
+    pass, ``core/auto_budget.py``); quality: what an auto budget aims at (None: the server's);
+    prompt_len: the length of the prompt the spans index (None: no prompt was planned)."""
 
     policy: str
     chunk_spans: tuple[tuple[int, int], ...]
-    namespace: str | None
+    namespace: str | None = None
     anchor_ratio: float | None = None
     context_ratio: float | None = None
     budget: float | str | None = None
     quality: str | float | None = None
+    prompt_len: int | None = None
 
     @property
     def reuses_chunks(self) -> bool:
@@ -96,7 +101,7 @@ class RequestState:
     """The plugin's state of one SGLang request in the scheduler (module doc).
 
     Attributes:
-        plan: the plan read from its ``custom_params`` (None: a plain request), parsed once.
+        plan: the plan the HTTP side made, as scheduled (None: a plain request).
         chunk_keys: (start, end, token ids) of each chunk, once asked (:func:`~relaxkv_sglang.srt.mem_cache.pins.chunk_keys`).
         prefetched: the reads of its chunks the pool lacks were started (:mod:`relaxkv_sglang.srt.mem_cache.tier_movement`).
     """
@@ -109,7 +114,7 @@ class RequestState:
 def request_state(req: Req) -> RequestState:
     """The request's :class:`RequestState`, made on first use."""
     held = state.record(req, RequestState, create=False)
-    return held if held is not None else state.attach(req, RequestState(_parsed_plan(req)))
+    return held if held is not None else state.attach(req, RequestState(_scheduled_plan(req)))
 
 
 def request_plan(req: Req) -> RequestPlan | None:
@@ -125,16 +130,16 @@ def fits_prompt(plan: RequestPlan, req: Req) -> bool:
     return not plan.chunk_spans or plan.query_start < len(req.origin_input_ids)
 
 
-def _parsed_plan(req: Req) -> Optional[RequestPlan]:
-    """The plan read from the request's ``custom_params`` (None: it has none)."""
+def _scheduled_plan(req: Req) -> Optional[RequestPlan]:
+    """The HTTP side's plan in the request's ``custom_params`` with its namespace, and its spans
+    shifted past what SGLang prepended (None: it has none; a value not made by the HTTP side, as
+    from a client that bypassed it, is not a plan)."""
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
-    if POLICY.plan_key not in params:
+    plan = params.get(PLAN_KEY)
+    if not isinstance(plan, RequestPlan):
         return None
-    flat = list(params.get(CHUNKS.plan_key) or [])
-    planned_len = params.get(PROMPT_LEN_KEY)
     # what SGLang prepended to the planned prompt (a session's history, module doc); a shorter
     # prompt (an abort stub) keeps the spans, which then do not fit it
-    shift = max(len(req.origin_input_ids) - int(planned_len), 0) if planned_len is not None else 0
-    spans = tuple((int(flat[i]) + shift, int(flat[i + 1]) + shift) for i in range(0, len(flat), 2))
-    knobs = {f.config_attr: f.from_plan(params.get(f.plan_key)) for f in REPAIR_KNOBS}
-    return RequestPlan(str(params[POLICY.plan_key]), spans, request_namespace(req), **knobs)
+    shift = max(len(req.origin_input_ids) - plan.prompt_len, 0) if plan.prompt_len is not None else 0
+    spans = tuple((s + shift, e + shift) for s, e in plan.chunk_spans)
+    return dataclasses.replace(plan, chunk_spans=spans, namespace=request_namespace(req))

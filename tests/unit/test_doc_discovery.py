@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from relaxkv_sglang.core.doc_blocks import candidate_spans, find_blocks
 from relaxkv_sglang.core.doc_index import DocumentIndex, discover_chunks, token_boundaries
 from relaxkv_sglang.core.segments import split_text, tokenize_parts
-from relaxkv_sglang.schema import CHUNKS
+from relaxkv_sglang.schema import PLAN_KEY
 from relaxkv_sglang.srt.entrypoints import api
 from relaxkv_sglang.srt.entrypoints.api import item_namespace, plan_item, prompt_boundaries
 
@@ -205,16 +205,16 @@ def test_plan_item_remembers_only_discovered_chunks_per_namespace():
     sp = {"custom_params": {"relaxkv_policy": "pic"}}
     text = "Sys.\n\n" + "\n\n".join(DOCS[:2]) + "\n\nQ?"
     ids, cp = plan_item(text, sp, encode, 1 << 20, "prefix", "", index, "t")
-    assert len(cp[CHUNKS.plan_key]) == 4 and len(index) == 2
+    assert len(cp[PLAN_KEY].chunk_spans) == 2 and len(index) == 2
     # the same documents glued to other text are found in the same namespace only
     glued = "Sys: " + DOCS[1] + " " + DOCS[0] + " Q?"
     _, cp = plan_item(glued, sp, encode, 1 << 20, "prefix", "", index, "t")
-    assert len(cp[CHUNKS.plan_key]) == 4
+    assert len(cp[PLAN_KEY].chunk_spans) == 2
     _, cp = plan_item(glued, sp, encode, 1 << 20, "prefix", "", index, None)
-    assert cp[CHUNKS.plan_key] == []
+    assert cp[PLAN_KEY].chunk_spans == ()
     # without the index (the server's default) the glued text is not split at them, whatever was sent
     _, cp = plan_item(glued, sp, encode, 1 << 20, "prefix", "", None, "t")
-    assert cp[CHUNKS.plan_key] == []
+    assert cp[PLAN_KEY].chunk_spans == ()
     # prefix requests neither find nor remember
     assert plan_item(text, {}, encode, 1 << 20, "prefix", "", index, "u") is None and len(index) == 2
     # a client's marks are never remembered: they change no other prompt's chunks
@@ -243,7 +243,7 @@ def test_a_marked_fragment_never_changes_another_prompts_chunks(tokenizer):
         plan_item("Text: " + fragment + " and more text after it.", other, encode, 1 << 20, "prefix", "", index,
                   None, boundaries_of)
         after = plan_item(prompt, sp, encode, 1 << 20, "prefix", "", index, None, boundaries_of)
-        assert after == before and len(before[1][CHUNKS.plan_key]) == 6
+        assert after == before and len(before[1][PLAN_KEY].chunk_spans) == 3
     spans = discover_chunks(prompt, None, None, boundaries=boundaries_of(prompt))
     assert [prompt[s:e] for s, e in spans] == DOCS[:3]
 
@@ -308,7 +308,7 @@ def test_a_tokenizer_without_offsets_discovers_nothing(tokenizer):
     sp = {"custom_params": {"relaxkv_policy": "pic"}}
     structured = "Sys.\n\n" + "\n\n".join(DOCS[:2]) + "\n\nQ?"
     _, cp = plan_item(structured, sp, encode, 1 << 20, "prefix", "", None, None, lambda t: None)
-    assert cp[CHUNKS.plan_key] == []
+    assert cp[PLAN_KEY].chunk_spans == ()
 
 
 def test_candidate_spans_move_inward_to_token_boundaries():
@@ -460,8 +460,7 @@ def test_no_discovered_chunk_is_served_as_another_texts_kv(encode, tokenizer, tr
         segments = split_text(text, spans if text[spans[-1][1]:] else spans[:-1]) if spans else split_text(text, [])
         layout = tokenize_parts(segments, encode)
         assert ids == layout.input_ids
-        token_spans = cp[CHUNKS.plan_key]
-        assert list(zip(token_spans[::2], token_spans[1::2])) == layout.chunk_spans
+        assert list(cp[PLAN_KEY].chunk_spans) == [tuple(span) for span in layout.chunk_spans]
         for chunk_text, (ts, te) in zip(segments.chunks, layout.chunk_spans):
             key = (ns, tuple(ids[ts:te]))
             assert list(key[1]) == encode(chunk_text, False)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
+import pickle
 import re
 import types
 
@@ -88,12 +90,11 @@ def test_docs_policy_table_lists_the_server_policies():
 # ------------------------------------------------------------------ declarations
 
 
-def test_names_prefixes_and_plan_keys():
+def test_names_and_prefixes():
     assert len(set(schema.FIELD_NAMES)) == len(FIELDS)
-    assert len(set(schema.PLAN_KEYS)) == len(FIELDS) + 1  # the fields and the planned prompt length
     for field in FIELDS:
         assert field.name.startswith(schema.USER_PREFIX)
-        assert field.plan_key.startswith(schema.RESERVED_PREFIX)
+    assert schema.PLAN_KEY.startswith(schema.RESERVED_PREFIX)  # so no client can send one
 
 
 def test_defaults_come_from_the_registries():
@@ -189,9 +190,9 @@ def test_custom_params_keys():
 # ------------------------------------------------------------------ HTTP side -> scheduler
 
 
-def test_plan_keys_round_trip_from_the_http_side_to_the_scheduler():
+def test_the_http_side_parses_once_into_the_plan_the_scheduler_reads():
     from relaxkv_sglang.srt.entrypoints.api import plan_item
-    from relaxkv_sglang.srt.plan import request_plan
+    from relaxkv_sglang.srt.plan import request_namespace, request_plan
 
     def encode(text: str, add_special_tokens: bool) -> list[int]:
         return ([1] if add_special_tokens else []) + [ord(c) for c in text]
@@ -200,15 +201,23 @@ def test_plan_keys_round_trip_from_the_http_side_to_the_scheduler():
     cp = {CHUNKS.name: [5, 13], POLICY.name: "relaxkv", ANCHOR_RATIO.name: 0.3, "other": 7}
     ids, planned = plan_item(text, {"custom_params": cp}, encode, 1 << 20, DEFAULT_POLICY)
     assert ids == encode(text[:5], True) + encode(text[5:13], False) + encode(text[13:], False)
-    assert planned["other"] == 7 and CONTEXT_RATIO.plan_key not in planned
-    req = types.SimpleNamespace(sampling_params=types.SimpleNamespace(custom_params=planned), origin_input_ids=ids)
+    assert planned["other"] == 7
+    # SGLang pickles custom_params to the scheduler, which only adds the namespace SGLang decides
+    planned = pickle.loads(pickle.dumps(planned))
+    req = types.SimpleNamespace(sampling_params=types.SimpleNamespace(custom_params=planned), origin_input_ids=ids,
+                                extra_key="tenant", cache_salt=None)
     plan = request_plan(req)
+    assert plan == dataclasses.replace(planned[schema.PLAN_KEY], namespace=request_namespace(req))
     assert (plan.policy, plan.chunk_spans) == ("relaxkv", ((6, 14),))
     # a ratio the request did not give stays unset: the served model's calibration (or the default) applies
     assert (plan.anchor_ratio, plan.context_ratio) == (0.3, None)
     assert plan.repairs and plan.reuses_chunks
     # SGLang's abort (set_finish_with_abort) swaps the prompt for a one-token stub: no plan then
     req.origin_input_ids = [0]
+    assert request_plan(req) is None
+    # a plan-shaped value from anywhere but the HTTP side (a client past it) is not a plan
+    shaped = {schema.PLAN_KEY: {"policy": "relaxkv", "chunk_spans": [[6, 14]]}}
+    req = types.SimpleNamespace(sampling_params=types.SimpleNamespace(custom_params=shaped), origin_input_ids=ids)
     assert request_plan(req) is None
 
 
@@ -279,5 +288,3 @@ def test_budget_takes_a_share_or_auto_and_quality_a_level_or_a_target():
     for bad in ("best", 0, -0.1, False, None):
         with pytest.raises(ValueError, match="^invalid relaxkv_quality: must be one of low, medium, high"):
             QUALITY.validate(bad)
-    assert BUDGET.from_plan("auto") == "auto" and BUDGET.from_plan(0.5) == 0.5 and BUDGET.from_plan(None) is None
-    assert QUALITY.from_plan("low") == "low" and QUALITY.from_plan(None) is None

@@ -15,11 +15,12 @@ import torch
 from relaxkv_sglang.core.chunk_store import ChunkStore
 from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
 from relaxkv_sglang.core.tiers import DiskTierConfig, HostTierConfig, ModelIdentity, TieredChunkStore, TierName
-from relaxkv_sglang.schema import CHUNKS, POLICY
+from relaxkv_sglang.schema import PLAN_KEY
 from relaxkv_sglang.srt.mem_cache.chunk_reuse import ChunkReuse
 from relaxkv_sglang.srt.mem_cache.eviction import EvictionOrder
 from relaxkv_sglang.srt.mem_cache.pins import AdmissionHold, AdmissionPins
 from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
+from relaxkv_sglang.srt.plan import RequestPlan
 from relaxkv_sglang.srt.mem_cache.tier_movement import TierMovement
 
 ROPE = RopeSpec(head_dim=4)
@@ -59,7 +60,7 @@ class _Slots:
 
 def _req(rid: str, tokens: list[int], spans: list[int], prefix_len: int = 0, policy: str = "pic"):
     """A stand-in for SGLang's Req with the fields the plan and the pins read."""
-    params = {POLICY.plan_key: policy, CHUNKS.plan_key: spans}
+    params = {PLAN_KEY: RequestPlan(policy, tuple(zip(spans[::2], spans[1::2])))}
     return SimpleNamespace(rid=rid, origin_input_ids=tokens, prefix_len=prefix_len, extra_key=None,
                            cache_salt=None, sampling_params=SimpleNamespace(custom_params=params))
 

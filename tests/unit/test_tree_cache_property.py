@@ -43,8 +43,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
 from relaxkv_sglang.core.tiers import TierName
-from relaxkv_sglang.schema import CHUNKS, POLICY
-from relaxkv_sglang.srt.plan import request_namespace, request_plan
+from relaxkv_sglang.schema import PLAN_KEY
+from relaxkv_sglang.srt.plan import RequestPlan, request_namespace, request_plan
 
 POOL = 32  # KV slots 1..POOL (slot 0 is SGLang's padding slot)
 MAX_LIVE = 4  # requests holding KV at once
@@ -87,10 +87,10 @@ class RequestSpec:
     docs: tuple[tuple[int, ...], ...]
     query: tuple[int, ...]
 
-    def tokens_and_spans(self) -> tuple[list[int], list[int]]:
-        tokens, spans = list(self.system), []
+    def tokens_and_spans(self) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+        tokens, spans = list(self.system), ()
         for doc in self.docs:
-            spans += [len(tokens), len(tokens) + len(doc)]
+            spans += ((len(tokens), len(tokens) + len(doc)),)
             tokens += doc
         return tokens + list(self.query), spans
 
@@ -194,7 +194,7 @@ class TreeCacheMachine(RuleBasedStateMachine):
 
     def _make_req(self, spec: RequestSpec):
         tokens, spans = spec.tokens_and_spans()
-        custom = None if spec.policy is None else {POLICY.plan_key: spec.policy, CHUNKS.plan_key: spans}
+        custom = None if spec.policy is None else {PLAN_KEY: RequestPlan(spec.policy, spans)}
         sp = self.sg.SamplingParams(temperature=0, max_new_tokens=8, custom_params=custom)
         return self.sg.Req(rid=f"r{next(self.rids)}", origin_input_text="", origin_input_ids=array("q", tokens),
                            sampling_params=sp, extra_key=spec.extra_key)

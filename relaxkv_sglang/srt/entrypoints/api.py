@@ -3,7 +3,8 @@
 A request opts in through ``sampling_params.custom_params`` (fields, types and defaults:
 :mod:`relaxkv_sglang.schema`, ``docs/api.md``). Each part (prefix, chunk, glue, query) is
 tokenized on its own, so a document always gets the same token ids, and the request reaches the
-scheduler as ``input_ids`` plus the plan entries :mod:`relaxkv_sglang.srt.plan` reads. Without
+scheduler as ``input_ids`` plus its :class:`~relaxkv_sglang.srt.plan.RequestPlan`, the one
+parse of its fields. Without
 chunk offsets, a chunk policy's prompt is chunked by
 :func:`~relaxkv_sglang.core.doc_index.discover_chunks` on the token boundaries of the server's own
 tokenization (:func:`prompt_boundaries`); ``RELAXKV_DISCOVERY_INDEX=1`` also keeps the chunks found
@@ -30,8 +31,8 @@ from relaxkv_sglang.core.doc_index import DocumentIndex, discover_chunks, token_
 from relaxkv_sglang.core.segments import split_text, tokenize_parts
 from relaxkv_sglang.schema import (
     CHUNKS,
+    PLAN_KEY,
     POLICY,
-    PROMPT_LEN_KEY,
     RECORD_KEY,
     REPAIR_KNOBS,
     RequestError,
@@ -41,7 +42,7 @@ from relaxkv_sglang.schema import (
 )
 from relaxkv_sglang.settings import server_settings
 from relaxkv_sglang.srt import state
-from relaxkv_sglang.srt.plan import chunk_tree_served, request_namespace
+from relaxkv_sglang.srt.plan import RequestPlan, chunk_tree_served, request_namespace
 from relaxkv_sglang.srt.entrypoints.gate_refusal import chunk_refusal
 from relaxkv_sglang.srt.entrypoints.sglang_fields import check_sglang_fields
 
@@ -131,6 +132,8 @@ def plan_item(
     boundaries_of: Optional[Boundaries] = None,
 ) -> Optional[tuple[Optional[list[int]], dict]]:
     """Validate one request item; return (input_ids, custom_params) or None to leave it as is.
+    The returned ``custom_params`` hold the item's :class:`~relaxkv_sglang.srt.plan.RequestPlan`
+    under :data:`~relaxkv_sglang.schema.PLAN_KEY`.
 
     encode(text, add_special_tokens) -> list[int] is the server's tokenizer. ``chunks_refused``:
     why the server refuses chunk policies (its startup gate failed, :mod:`.gate`), "" if it serves them.
@@ -147,8 +150,8 @@ def plan_item(
     >>> ids, params = plan_item("Doc one. Doc two. Question?",
     ...     {"custom_params": {"relaxkv_policy": "pic", "relaxkv_chunks": [0, 9, 9, 18]}},
     ...     encode, context_len=4096, policy_default="prefix")
-    >>> params["_relaxkv_token_spans"], params["_relaxkv_prompt_len"]
-    ([0, 9, 9, 18], 27)
+    >>> params["_relaxkv_plan"].chunk_spans, params["_relaxkv_plan"].prompt_len
+    (((0, 9), (9, 18)), 27)
     >>> plan_item("Hello", {}, encode, context_len=4096, policy_default="prefix") is None
     True
     """
@@ -157,12 +160,12 @@ def plan_item(
     if chunks_refused and policy in CHUNK_POLICIES:
         raise POLICY.error(f"{policy!r} is refused by this server: its startup correctness gate failed "
                            f"({chunks_refused}); 'full' and 'prefix' are served")
-    knobs = {f.plan_key: f.validate(cp[f.name]) for f in REPAIR_KNOBS if f.name in cp}
+    knobs = {f.config_attr: f.validate(cp[f.name]) for f in REPAIR_KNOBS if f.name in cp}
     # null is not "absent": like every field, a present one must be a valid value
     spans = CHUNKS.validate(cp[CHUNKS.name], text=text) if CHUNKS.name in cp else None
     if text is None:
         if policy == Policy.FULL:
-            return None, dict(cp, **{POLICY.plan_key: policy, CHUNKS.plan_key: []})
+            return None, dict(cp, **{PLAN_KEY: RequestPlan(policy, (), **knobs)})
         return None
     discovered = spans is None and policy in CHUNK_POLICIES
     if spans is None:
@@ -187,9 +190,9 @@ def plan_item(
             raise CHUNKS.error(f"chunk {i} has {e - s} tokens, more than the context length {context_len}")
     if index is not None and discovered:
         index.remember(namespace, segments.chunks)
-    flat = [x for span in layout.chunk_spans for x in span]
-    plan = {POLICY.plan_key: policy, CHUNKS.plan_key: flat, PROMPT_LEN_KEY: len(layout.input_ids)}
-    return layout.input_ids, dict(cp, **plan, **knobs)
+    spans = tuple((int(s), int(e)) for s, e in layout.chunk_spans)
+    plan = RequestPlan(policy, spans, prompt_len=len(layout.input_ids), **knobs)
+    return layout.input_ids, dict(cp, **{PLAN_KEY: plan})
 
 
 def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput, chunks_refused: str = "",

@@ -55,7 +55,7 @@ bench-quick: install
 
 # What scripts/gpu_check.sh carries to a GPU machine (docs/gpu.md).
 gpu-bundle: install
-	$(PY) -m relaxkv_sglang.gpu.bundle
+	$(PY) -m relaxkv_sglang.gpu_check.bundle
 
 # Mooncake's store for the HiCache chunk tier (docs/scaling.md); apt needs root.
 install-mooncake: install

@@ -13,5 +13,5 @@ checkout (``make demo``, ``make bench``, ``python -m benchmarks.*``), with the p
 sets and the ``results/`` and ``docs/results/`` folders beside it, and the wheel is what a
 server needs. Evaluation reaches the server as any client would: over HTTP through
 :mod:`relaxkv_sglang.client`, the frontend of :mod:`relaxkv_sglang.lang`, and server processes
-started by :mod:`relaxkv_sglang.server`.
+started by :mod:`relaxkv_sglang.server.launch`.
 """

@@ -31,7 +31,7 @@ from benchmarks import common, quality_tasks
 from benchmarks.replay import replay_in_order
 from benchmarks.tables import markdown_table
 from relaxkv_sglang.client import ServerClient
-from relaxkv_sglang.core.policies import Policy
+from relaxkv_sglang.repair.policies import Policy
 
 BENCH = "bench_cold"
 

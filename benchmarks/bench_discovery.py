@@ -5,11 +5,11 @@ text-QA template, a ``[n]`` list, a chat system message) the benchmark builds a 
 ``--requests`` unmarked prompts of about ``--tokens`` tokens (``--model``'s tokenizer), each holding
 as many HotpotQA paragraphs as fill that budget, drawn from a pool of ``--pool`` paragraphs, so
 later prompts hold documents earlier ones held, in other orders. Every prompt goes through exactly what
-``srt/entrypoints/api.py::plan_item`` adds for an unmarked prompt: its token boundaries (the tokenizer's offset
-mapping, ``srt/entrypoints/api.py::prompt_boundaries``: reported on their own, ``boundaries ms``), then
+``request/sglang/api.py::plan_item`` adds for an unmarked prompt: its token boundaries (the tokenizer's offset
+mapping, ``request/sglang/api.py::prompt_boundaries``: reported on their own, ``boundaries ms``), then
 ``core.doc_index.discover_chunks`` on them (``discovery ms``), for the chat shape with its two
 messages as regions; with the opt-in index (``RELAXKV_DISCOVERY_INDEX=1``) also the search of the
-:class:`~relaxkv_sglang.core.doc_index.DocumentIndex` and the ``remember`` of the chunks found,
+:class:`~relaxkv_sglang.request.doc_index.DocumentIndex` and the ``remember`` of the chunks found,
 after a warm-up pass that fills it. The time is the process's CPU time per request
 (``time.process_time``), median and 95th percentile over the trace; beside it, the share of each
 prompt's documents whose every token is in a chunk (``docs covered``: a chunk starts and ends on
@@ -37,8 +37,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from benchmarks import common, rag_documents
 from benchmarks.tables import markdown_table
-from relaxkv_sglang.core.doc_index import DocumentIndex, discover_chunks
-from relaxkv_sglang.srt.entrypoints.api import prompt_boundaries
+from relaxkv_sglang.request.doc_index import DocumentIndex, discover_chunks
+from relaxkv_sglang.request.sglang.api import prompt_boundaries
 
 BENCH = "bench_discovery"
 SYSTEM = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context to "

@@ -35,7 +35,7 @@ import pathlib
 
 from benchmarks import bench_quality, common, frontier_stats, quality_stats, quality_tasks, tables
 from benchmarks.frontier_stats import ALL
-from relaxkv_sglang.core.repair_config import RepairCost
+from relaxkv_sglang.repair.repair_config import RepairCost
 
 BENCH = "bench_frontier"
 PEERS = ("relaxkv", "prophetkv", "cacheblend", "epic")

@@ -116,8 +116,8 @@ from tqdm import tqdm
 from benchmarks import common, metrics, prompt_formats, quality_tasks, tables
 from benchmarks.quality_stats import ALL, ANSWER_METRICS, equal_ttft, paired_all, summarize_all
 from relaxkv_sglang.client import ServerClient
-from relaxkv_sglang.core.policies import Policy, served_policies
-from relaxkv_sglang.schema import CONTEXT_RATIO
+from relaxkv_sglang.repair.policies import Policy, served_policies
+from relaxkv_sglang.request.schema import CONTEXT_RATIO
 
 BENCH = "bench_quality"
 TASKS = quality_tasks.QUALITY_TASKS

@@ -10,7 +10,7 @@ without a server, so each cost is isolated:
 * repair attention: the anchors' attention at 15%, relaxed (25%) vs full causal
   context, through the same executor;
 * GPU inputs: the host side of the anchors' FlashInfer inputs for every layer's relaxed
-  layout (``gpu/anchor_inputs.py::anchor_prefill_inputs``, one vectorised pass over all 30
+  layout (``attention/gpu/anchor_inputs.py::anchor_prefill_inputs``, one vectorised pass over all 30
   layers): the CPU work a GPU repair adds per request (the FlashInfer calls themselves need a GPU).
 
 Medians of several repetitions; the machine is shared, so read ratios.
@@ -28,12 +28,12 @@ import time
 import torch
 
 from benchmarks import common, tables
-from relaxkv_sglang.core.block_sparse import block_sparse_attention
-from relaxkv_sglang.core.chunk_store import ChunkStore
-from relaxkv_sglang.core.layout import RelaxedContextSpec, build_relaxed_layout, full_causal_layout
-from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
-from relaxkv_sglang.core.selection import select_anchors
-from relaxkv_sglang.gpu.anchor_inputs import anchor_prefill_inputs
+from relaxkv_sglang.attention.block_sparse import block_sparse_attention
+from relaxkv_sglang.cache.chunk_store import ChunkStore
+from relaxkv_sglang.attention.layout import RelaxedContextSpec, build_relaxed_layout, full_causal_layout
+from relaxkv_sglang.model.rope import RopeSpec, rotate_keys
+from relaxkv_sglang.repair.selection import select_anchors
+from relaxkv_sglang.attention.gpu.anchor_inputs import anchor_prefill_inputs
 
 BENCH = "bench_scaling"
 LAYERS, KV_HEADS, HEADS, HEAD_DIM = 30, 3, 9, 64

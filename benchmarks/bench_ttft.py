@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from benchmarks import common, prompt_formats, rag_documents, tables
 from relaxkv_sglang import assets
-from relaxkv_sglang.core.policies import repair_policies
-from relaxkv_sglang.schema import CONTEXT_RATIO
+from relaxkv_sglang.repair.policies import repair_policies
+from relaxkv_sglang.request.schema import CONTEXT_RATIO
 
 BENCH = "bench_ttft"
 # The peers and the method; the ablations are for bench_quality.

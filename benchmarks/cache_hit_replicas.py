@@ -1,7 +1,7 @@
 """``bench_cache_hit --replicas N``: routing over N servers behind the ``smg`` gateway.
 
 N servers (N >= 2), each with the KV pool ``--max-total-tokens``, and the ``smg`` gateway in
-front (:class:`relaxkv_sglang.cluster.Cluster`). The same trace is replayed under ``pic``
+front (:class:`relaxkv_sglang.server.cluster.Cluster`). The same trace is replayed under ``pic``
 (``--policies``) once against one replica alone (the single-server reference) and once through
 the gateway per ``--routings``: ``document`` (sticky routing keyed by the MinHash of each
 request's documents, which the client sends as ``x-smg-routing-key``, a new key placed by the
@@ -98,7 +98,7 @@ def imbalance(counts: list[int]) -> float | None:
 def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = None) -> dict:
     """The trace (``make_trace(args)`` unless given) under one policy through the router per routing,
     and against one replica alone."""
-    from relaxkv_sglang.cluster import Cluster, RouterConfig, RouterProcess, replica_configs, replica_request_counts
+    from relaxkv_sglang.server.cluster import Cluster, RouterConfig, RouterProcess, replica_configs, replica_request_counts
 
     # A trace passed in (the e2e test builds its own) is not what the trace flags describe.
     workload = trace_workload(args) if trace is None else {"given": True, "requests": len(trace), "clients": args.clients}

@@ -10,7 +10,7 @@ report that prints it and, if it draws one, a plot. Its ``main`` is
 
 Benchmarks talk to the server over HTTP only (``/generate``, ``/flush_cache``,
 ``/get_server_info``, through :class:`relaxkv_sglang.client.ServerClient`), as
-any client would, and start it through :mod:`relaxkv_sglang.server`. Concurrent
+any client would, and start it through :mod:`relaxkv_sglang.server.launch`. Concurrent
 requests go through the one replay (:func:`benchmarks.replay.replay_in_order`),
 tables through the one printer (:mod:`benchmarks.tables`).
 """
@@ -31,7 +31,7 @@ from benchmarks import prompt_formats
 
 from relaxkv_sglang import assets
 from relaxkv_sglang.client import ServerClient
-from relaxkv_sglang.server import SGLangServer, ServerConfig, running_server
+from relaxkv_sglang.server.launch import SGLangServer, ServerConfig, running_server
 
 RESULTS_DIR = pathlib.Path(os.environ.get("RELAXKV_RESULTS", "results"))
 

@@ -71,8 +71,8 @@ from benchmarks.prompt_formats import SEPARATOR, token_count, token_ids  # noqa:
 from benchmarks.rag_documents import RagRequest, hotpotqa_requests, render_prompt  # noqa: E402
 from relaxkv_sglang import assets  # noqa: E402
 from relaxkv_sglang.client import ServerClient  # noqa: E402
-from relaxkv_sglang.core.segments import common_prefix_len  # noqa: E402
-from relaxkv_sglang.server import SGLangServer, ServerConfig, ServerError, running_server  # noqa: E402
+from relaxkv_sglang.request.segments import common_prefix_len  # noqa: E402
+from relaxkv_sglang.server.launch import SGLangServer, ServerConfig, ServerError, running_server  # noqa: E402
 
 PROG = "relaxkv-sglang demo"
 

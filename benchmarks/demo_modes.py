@@ -27,7 +27,7 @@ from benchmarks import metrics
 from benchmarks.prompt_formats import SEPARATOR
 from benchmarks.rag_documents import RagRequest, prompt_parts
 from relaxkv_sglang.lang import RelaxKVEndpoint, document
-from relaxkv_sglang.schema import ANCHOR_RATIO, CONTEXT_RATIO
+from relaxkv_sglang.request.schema import ANCHOR_RATIO, CONTEXT_RATIO
 
 # The frontend's worker thread reports a failed request as a warning with a
 # full traceback before recording it; the demo reports it itself, in one line.

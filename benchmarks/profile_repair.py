@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import psutil
 
 from benchmarks import bench_ttft, common, prompt_formats, tables
-from relaxkv_sglang.core.segments import split_text, tokenize_parts
+from relaxkv_sglang.request.segments import split_text, tokenize_parts
 
 BENCH = "profile_repair"
 SAMPLE_RATE_HZ = 100
@@ -47,9 +47,9 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("repair: budget", ("RepairStage._plan", "decide_budget")),
     ("repair: planning (exits, layouts)", ("RepairStage._plan",)),
     ("repair: planning (pass staging)", ("LayerLoop._plan",)),
-    ("loop: anchor attention", ("LayerLoop._attend", "AnchorPlanRun.run")),
+    ("loop: anchor attention", ("LayerLoop._attend", "PreparedAnchors.run")),
     ("loop: anchor attention", ("LayerLoop._attend", "AnchorAttention.__call__")),
-    ("loop: glue+query attention", ("LayerLoop._attend", "ScopedCausalPlan.run")),
+    ("loop: glue+query attention", ("LayerLoop._attend", "ScopedCausalGroups.run")),
     ("loop: QKV+RoPE", ("LayerLoop.run", "ModelLayers.qkv")),
     ("loop: o_proj+MLP", ("LayerLoop.run", "ModelLayers.finish")),
     ("loop: stale shift", ("LayerLoop.run", "_stale_shift")),
@@ -144,7 +144,7 @@ def profile_requests(client: Any, pid: int, text: str, offsets: list[int], polic
 
 def tokenization_ms(tokenizer: Any, text: str, offsets: list[int], rounds: int = 5) -> dict[str, float]:
     """The HTTP process's tokenization of the request, median ms: every part encoded on its own
-    (``core/segments.py::tokenize_parts``, marked chunks), and unmarked the whole text's offsets
+    (``request/segments.py::tokenize_parts``, marked chunks), and unmarked the whole text's offsets
     too (discovery's token boundaries, a second encoding)."""
     spans = list(zip(offsets[::2], offsets[1::2]))
 

@@ -16,7 +16,7 @@ from typing import Iterable
 import numpy as np
 
 from benchmarks import metrics
-from relaxkv_sglang.core.policies import Policy
+from relaxkv_sglang.repair.policies import Policy
 
 __all__ = ["ALL", "ANSWER_METRICS", "METRICS", "REPORT_KEYS", "in_cell", "achieved_ratio", "summarize",
            "summarize_all", "paired_cell", "paired_all", "equal_ttft"]

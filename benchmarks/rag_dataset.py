@@ -11,7 +11,7 @@ requests in the same order) in that format, one row per request::
                                                {"type": "text", "text": "Question: ...\\nAnswer:"}]}],
      "max_tokens": 8, "custom_params": {"relaxkv_policy": "pic"}}
 
-Each document is its own text part, so the server marks it as a chunk (``srt/entrypoints/chat.py``: every text
+Each document is its own text part, so the server marks it as a chunk (``request/sglang/chat.py``: every text
 part of a message but its last); ``custom_params`` carries the per-request policy
 (``--policy none`` leaves it out, for a server default or an ``X-RelaxKV-Policy`` header). 
 ``bench_serving`` renders every row with the tokenizer's chat template to estimate its length
@@ -44,7 +44,7 @@ from benchmarks import common
 from benchmarks.replay import TraceRequest, add_trace_args, check_trace_args, make_trace, policy_spec
 from relaxkv_sglang import assets
 from relaxkv_sglang.client import custom_params
-from relaxkv_sglang.schema import FIELDS, POLICY
+from relaxkv_sglang.request.schema import FIELDS, POLICY
 
 BENCH = "rag_dataset"
 
@@ -90,7 +90,7 @@ def policy_params(policy: str | None, anchor_ratio: float | None) -> dict:
 
 
 def check_params(custom: dict) -> dict:
-    """``custom`` as the server takes it (each field validated and normalized, ``schema.py``: a
+    """``custom`` as the server takes it (each field validated and normalized, ``request/schema.py``: a
     budget given as text becomes a number), else ValueError naming the field."""
     return {field.name: field.validate(custom[field.name]) for field in FIELDS if field.name in custom}
 

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from benchmarks import common, metrics, prompt_formats, rag_documents
 from relaxkv_sglang.client import ServerClient
-from relaxkv_sglang.core.policies import REPAIR_POLICIES
+from relaxkv_sglang.repair.policies import REPAIR_POLICIES
 
 
 @dataclasses.dataclass

@@ -1,10 +1,10 @@
 """Simulate N replicas behind a router: chunk hit rate and load imbalance per routing policy, no model.
 
 A trace-driven simulation of the cluster of ``relaxkv-sglang serve --replicas N``: each replica is
-the project's REAL chunk store (:class:`relaxkv_sglang.core.chunk_store.ChunkStore`, through its
+the project's REAL chunk store (:class:`relaxkv_sglang.cache.chunk_store.ChunkStore`, through its
 public API only: ``lookup`` / ``lock`` / ``unlock`` / ``insert`` / ``evict`` / ``total_tokens``) with
 a KV pool of ``--pool-tokens``; the router is a model of the ``smg`` gateway's policies as
-``serve --replicas`` configures them (:data:`relaxkv_sglang.cluster.ROUTINGS`):
+``serve --replicas`` configures them (:data:`relaxkv_sglang.server.cluster.ROUTINGS`):
 
 * ``document``: sticky routing keyed by the MinHash of the request's documents
   (:func:`relaxkv_sglang.routing.routing_key_of_documents`, the key the clients send): a key seen
@@ -63,7 +63,7 @@ from typing import Sequence
 import torch
 
 from benchmarks import common, tables
-from relaxkv_sglang.core.chunk_store import ChunkStore
+from relaxkv_sglang.cache.chunk_store import ChunkStore
 from relaxkv_sglang.routing import HotKeySplitter, document_hash, routing_key_of_documents
 
 BENCH = "simulate_cluster"

@@ -33,7 +33,7 @@ import tempfile
 import zipfile
 from typing import Any
 
-from relaxkv_sglang.settings import asset_cache_root as cache_root  # $RELAXKV_CACHE, else ~/.cache/relaxkv-sglang
+from relaxkv_sglang.server.settings import asset_cache_root as cache_root  # $RELAXKV_CACHE, else ~/.cache/relaxkv-sglang
 
 
 class AssetError(RuntimeError):

@@ -11,7 +11,7 @@
     relaxkv-sglang data hotpotqa|squad|essays
     relaxkv-sglang --version
 
-``serve``'s default policy is the plugin's (:attr:`relaxkv_sglang.settings.ServerSettings.default_policy`:
+``serve``'s default policy is the plugin's (:attr:`relaxkv_sglang.server.settings.ServerSettings.default_policy`:
 ``RELAXKV_DEFAULT_POLICY``, else ``prefix``), the same as a raw ``python -m
 sglang.launch_server`` with the plugin; ``--policy`` sets it for the one server.
 
@@ -20,7 +20,7 @@ sglang.launch_server`` with the plugin; ``--policy`` sets it for the one server.
 ``sglang.launch_server`` unchanged, as it does the flags after ``--``.
 
 ``serve --replicas N`` (N >= 2) starts N plugin servers on free ports and one ``smg`` gateway on
-``--port`` in front of them (:class:`relaxkv_sglang.cluster.Cluster`), prints the gateway's URL and
+``--port`` in front of them (:class:`relaxkv_sglang.server.cluster.Cluster`), prints the gateway's URL and
 stops all of them on Ctrl-C or SIGTERM. ``--routing document`` (default) is sticky routing keyed by
 ``x-smg-routing-key``, the MinHash of each request's documents that the project's clients send
 (:mod:`relaxkv_sglang.routing`), a new key placed by the gateway's round-robin turn (balanced by
@@ -29,10 +29,10 @@ first ``--`` go to every replica's ``sglang.launch_server``, after a second ``--
 (e.g. ``-- -- --cache-threshold 0.5``).
 
 ``serve --host-cache-gb G --chunk-dir DIR --disk-cache-gb G`` adds the chunk store's lower tiers
-(a bounded host-memory tier and a bounded disk folder, :mod:`relaxkv_sglang.srt.mem_cache.tiers`); they
+(a bounded host-memory tier and a bounded disk folder, :mod:`relaxkv_sglang.cache.sglang.tier_configs`); they
 reach the server as ``RELAXKV_HOST_CACHE_GB``, ``RELAXKV_CHUNK_DIR`` and ``RELAXKV_DISK_CACHE_GB``,
 the variables a raw ``launch_server`` reads. ``serve --calibration FILE`` serves the model with
-that repair calibration (``RELAXKV_CALIBRATION``, :mod:`relaxkv_sglang.core.calibration`; ``none``:
+that repair calibration (``RELAXKV_CALIBRATION``, :mod:`relaxkv_sglang.repair.calibration`; ``none``:
 the code defaults; without it the server uses the repository's calibration for the model, if
 any). ``encode`` pre-encodes a corpus into a running server's chunk store
 (:mod:`relaxkv_sglang.encode`).
@@ -51,9 +51,9 @@ import sys
 import time
 
 from relaxkv_sglang import __version__, assets
-from relaxkv_sglang.schema import POLICY
-from relaxkv_sglang.server import SGLangServer, ServerConfig, ServerError
-from relaxkv_sglang.settings import CALIBRATION_ENV, DEFAULT_POLICY_ENV, ServerSettings, child_environment
+from relaxkv_sglang.request.schema import POLICY
+from relaxkv_sglang.server.launch import SGLangServer, ServerConfig, ServerError
+from relaxkv_sglang.server.settings import CALIBRATION_ENV, DEFAULT_POLICY_ENV, ServerSettings, child_environment
 
 TIER_ENV = {"host_cache_gb": "RELAXKV_HOST_CACHE_GB", "chunk_dir": "RELAXKV_CHUNK_DIR",
             "disk_cache_gb": "RELAXKV_DISK_CACHE_GB"}
@@ -86,7 +86,7 @@ def calibration_env(args, model_path: str) -> dict[str, str]:
     the model folder here, so a wrong one stops before SGLang's minutes of startup."""
     if args.calibration is None:
         return {}
-    from relaxkv_sglang.core.calibration import NO_CALIBRATION, CalibrationError, calibration_for_model
+    from relaxkv_sglang.repair.calibration import NO_CALIBRATION, CalibrationError, calibration_for_model
 
     if args.calibration.strip().lower() == NO_CALIBRATION:
         return {CALIBRATION_ENV: NO_CALIBRATION}
@@ -151,8 +151,8 @@ def _interrupt(*_) -> None:
 
 def cmd_serve_replicas(args, extra: list[str]) -> int:
     """``serve --replicas N``: N plugin servers and one smg gateway in front, until Ctrl-C/SIGTERM."""
-    from relaxkv_sglang.cluster import Cluster, RouterConfig, replica_configs, router_installed
-    from relaxkv_sglang.server import port_in_use
+    from relaxkv_sglang.server.cluster import Cluster, RouterConfig, replica_configs, router_installed
+    from relaxkv_sglang.server.launch import port_in_use
 
     if not router_installed():
         raise ServerError("smg (the gateway) is not installed (make install pins it); --replicas needs it")

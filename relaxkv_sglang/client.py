@@ -21,13 +21,13 @@ from typing import Iterator
 import requests
 
 from relaxkv_sglang.routing import ROUTING_HEADER, HotKeySplitter, prompt_documents, routing_key_of_documents
-from relaxkv_sglang.schema import ANCHOR_RATIO, BUDGET, CHUNKS, CONTEXT_RATIO, POLICY, QUALITY
+from relaxkv_sglang.request.schema import ANCHOR_RATIO, BUDGET, CHUNKS, CONTEXT_RATIO, POLICY, QUALITY
 
 
 def custom_params(policy: str | None = None, offsets: list[int] | None = None, *, anchor_ratio: float | None = None,
                   context_ratio: float | None = None, budget: float | str | None = None,
                   quality: float | str | None = None) -> dict:
-    """The request's relaxkv fields as ``custom_params`` carries them (``schema.py``), the unset ones left out."""
+    """The request's relaxkv fields as ``custom_params`` carries them (``request/schema.py``), the unset ones left out."""
     fields = ((POLICY, policy), (CHUNKS, offsets), (ANCHOR_RATIO, anchor_ratio), (CONTEXT_RATIO, context_ratio),
               (BUDGET, budget), (QUALITY, quality))
     return {field.name: value for field, value in fields if value is not None}

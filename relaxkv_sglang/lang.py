@@ -59,9 +59,9 @@ from sglang.lang.backend import runtime_endpoint as _runtime_endpoint
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from sglang.utils import HttpResponse
 
-from relaxkv_sglang.core.policies import Policy
+from relaxkv_sglang.repair.policies import Policy
 from relaxkv_sglang.routing import ROUTING_HEADER, routing_key, routing_key_of_documents
-from relaxkv_sglang.schema import CHUNKS, POLICY
+from relaxkv_sglang.request.schema import CHUNKS, POLICY
 
 __all__ = ["DOC_START", "DOC_END", "document", "strip_marks", "split_marks", "RelaxKVEndpoint"]
 

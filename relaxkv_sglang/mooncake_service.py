@@ -1,7 +1,7 @@
 """A Mooncake store on this machine, on loopback: ``mooncake_master`` and one memory-holding client.
 
 For the tests and benchmarks that share chunks across servers through Mooncake (the HiCache tier,
-``relaxkv_sglang/srt/mem_cache/hicache_tier.py``), and as the shape of a deployment:
+``relaxkv_sglang/cache/sglang/hicache_tier.py``), and as the shape of a deployment:
 
 * ``mooncake_master --rpc_address 127.0.0.1 --rpc_port P``: the store's metadata (which client
   holds which object), its eviction (at 90% of the memory by default) and leases (an object

@@ -2,7 +2,7 @@
 
 Behind the ``smg`` gateway as ``serve --replicas`` starts it, every request carrying the header
 ``x-smg-routing-key`` goes to the replica its key was first assigned to (sticky; a new key takes
-the gateway's next round-robin turn, :data:`relaxkv_sglang.cluster.ROUTINGS`). The key
+the gateway's next round-robin turn, :data:`relaxkv_sglang.server.cluster.ROUTINGS`). The key
 computed here makes requests that share their documents share a replica, so a document's chunks
 are computed once per cluster instead of once per replica, whatever the documents' order, system
 prompt or question.
@@ -28,10 +28,10 @@ so every request routed under it finds at least that document's chunk cached on 
 
 Which documents: the same spans the server chunks. A request with ``relaxkv_chunks`` offsets
 ``[s0, e0, s1, e1, ...]`` has the documents ``text[s_i:e_i]``; an unmarked prompt has the
-documents the server's block rules find in it (:func:`relaxkv_sglang.core.doc_index.discover_chunks`
+documents the server's block rules find in it (:func:`relaxkv_sglang.request.doc_index.discover_chunks`
 without the server's index of documents seen before, which a client does not have: a document the
 server finds only through that index, one with no structure around it, is not in the key); a chat
-request has the documents :mod:`relaxkv_sglang.srt.entrypoints.chat` finds: its document parts (every text
+request has the documents :mod:`relaxkv_sglang.request.sglang.chat` finds: its document parts (every text
 part of a list ``content`` but its last) or, when it has none, the documents the same block rules
 find in its messages' text, each message's content a region (documents inline in string content,
 as LangChain and LlamaIndex send them; :func:`chat_documents`). A request without documents gets
@@ -49,7 +49,7 @@ import math
 import threading
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from relaxkv_sglang.core.doc_index import discover_chunks
+from relaxkv_sglang.request.doc_index import discover_chunks
 
 __all__ = [
     "ROUTING_HEADER", "document_hash", "minhash", "routing_key", "routing_key_of_documents",
@@ -151,13 +151,13 @@ def _message_texts(message: Any) -> list[str]:
 
 
 def chat_documents(messages: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The documents of an OpenAI chat request, by :mod:`relaxkv_sglang.srt.entrypoints.chat`'s rules.
+    """The documents of an OpenAI chat request, by :mod:`relaxkv_sglang.request.sglang.chat`'s rules.
 
     In a message whose ``content`` is a list of parts, every text part but the message's last
     text part is a document. A request with no such part (the documents inline in string content,
     as LangChain and LlamaIndex send them) has the documents the server discovers in it: the block
     rules over its messages' text, each message's string content (or text part) a region, as the
-    server searches the rendered chat template (:func:`~relaxkv_sglang.core.doc_index.discover_chunks`
+    server searches the rendered chat template (:func:`~relaxkv_sglang.request.doc_index.discover_chunks`
     without token boundaries or the index, as for an unmarked prompt: module doc).
 
     Args:

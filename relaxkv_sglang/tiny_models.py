@@ -1,6 +1,6 @@
 """Tiny random-weight models of each registered model family, for tests: built offline in seconds.
 
-Each is a 2-layer model of one family (``core/model_family.py``) built from the family's HF
+Each is a 2-layer model of one family (``model/model_family.py``) built from the family's HF
 config class, with the tiny Llama's byte-level BPE tokenizer (copied from ``tiny-llama``), so
 the e2e tests serve every family with the real SGLang. What each one exercises beyond the tiny
 Llama is in its description: Qwen3's per-head q/k norms, Mistral's config, Llama 3.x's llama3

@@ -1,9 +1,9 @@
 """Ablate repair knobs on the torch reference: first-token KL to full prefill, paired, per format.
 
-The tuning tool behind the defaults of ``core/repair_config.py::RepairConfig`` (the server runs the
+The tuning tool behind the defaults of ``repair/repair_config.py::RepairConfig`` (the server runs the
 same planner and the prompt is split into the same parts, glue between chunks included, so a
 knob's effect here is its effect there). No server: the model runs in
-``core/reference.py`` (float32, CPU), the stale KV and the query pass once per example, then one
+``model/reference.py`` (float32, CPU), the stale KV and the query pass once per example, then one
 repair pass per variant. Development data only (HotpotQA dev from ``--offset``, synthetic
 ``--seed``; see ``quality_tasks.QUALITY_SPLITS``); final figures come from ``bench_quality`` on the
 test split.
@@ -20,7 +20,7 @@ Prints, per format and pooled, each variant's mean KL (over the full vocabulary)
 with ``full``, mean attended KV pairs, and its paired difference to ``--versus`` (95% bootstrap CI
 over the (example, format) pairs, which the pooled row resamples alike; wins/ties/losses).
 
-Variants start from the model's repair calibration (``core/calibration.py``: the repository's file
+Variants start from the model's repair calibration (``repair/calibration.py``: the repository's file
 for the model, or ``--calibration FILE``; ``--calibration none``: the code defaults): a variant's
 knobs override the calibrated ones. The calibration used is printed and written to the JSON.
 ``scripts/calibrate.py`` runs on the same cases (:func:`reference_cases`).
@@ -41,9 +41,9 @@ import torch
 
 from benchmarks import metrics, prompt_formats, quality_tasks
 from relaxkv_sglang import assets
-from relaxkv_sglang.core.calibration import Calibration, CalibrationError, calibration_for_model
-from relaxkv_sglang.core.reference import StaleContext, from_hf_state_dict, reference_prefill, stale_context
-from relaxkv_sglang.core.repair_config import RepairConfig, knob_defaults
+from relaxkv_sglang.repair.calibration import Calibration, CalibrationError, calibration_for_model
+from relaxkv_sglang.model.reference import StaleContext, from_hf_state_dict, reference_prefill, stale_context
+from relaxkv_sglang.repair.repair_config import RepairConfig, knob_defaults
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:

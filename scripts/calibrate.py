@@ -37,9 +37,9 @@ import sys
 from typing import Any
 
 from relaxkv_sglang import assets
-from relaxkv_sglang.core.calibration import (PER_REQUEST_KNOBS, Calibration, calibration_path, changed_knobs,
+from relaxkv_sglang.repair.calibration import (PER_REQUEST_KNOBS, Calibration, calibration_path, changed_knobs,
                                              load_calibration, model_fingerprint, save_calibration)
-from relaxkv_sglang.core.repair_config import RepairConfig, knob_defaults
+from relaxkv_sglang.repair.repair_config import RepairConfig, knob_defaults
 from scripts import calibrate_budget
 from scripts.ablate_repair import (ReferenceCase, add_case_arguments, dev_split_error, kl_full_vocab, load_reference,
                                    paired_kl, parse_knob_value, reference_cases)

@@ -1,4 +1,4 @@
-"""Fit a model's ``auto`` budget (``core/auto_budget.py``) from its measured development frontier.
+"""Fit a model's ``auto`` budget (``repair/auto_budget.py``) from its measured development frontier.
 
 Input: ``bench_frontier`` result files of the development split (``--split dev``, ``relaxkv`` at
 every ratio of ``auto_budget.RATIO_LADDER``), whose rows carry each prompt's query-pass signal
@@ -24,9 +24,9 @@ import pathlib
 import statistics
 from typing import Any, Sequence
 
-from relaxkv_sglang.core.auto_budget import (ANSWER_FEATURES, LEVEL_REFERENCE_RATIOS, RATIO_LADDER, BudgetModel, BudgetSignal,
+from relaxkv_sglang.repair.auto_budget import (ANSWER_FEATURES, LEVEL_REFERENCE_RATIOS, RATIO_LADDER, BudgetModel, BudgetSignal,
                                              PromptCurve, calibrate_prices, choose_ratios, fit_budget_model)
-from relaxkv_sglang.core.calibration import (Calibration, calibration_path, load_calibration, model_fingerprint,
+from relaxkv_sglang.repair.calibration import (Calibration, calibration_path, load_calibration, model_fingerprint,
                                              save_calibration)
 
 # Candidate feature sets, from the plainest (a power law in the ratio with a per-prompt level) up.

@@ -1,6 +1,7 @@
 """Share of docstring and comment lines among non-blank lines, per folder.
 
-    python scripts/doc_share.py relaxkv_sglang/core relaxkv_sglang/gpu
+    python scripts/doc_share.py                        # every room's SGLang adapter, and all of them
+    python scripts/doc_share.py relaxkv_sglang/repair  # any folders
 
 A docstring line is a line of a module, class or function docstring; a comment
 line is a line holding a ``#`` comment (code with a trailing comment counts as
@@ -37,21 +38,30 @@ def _counts(path: Path) -> tuple[int, int, int]:
     return len(non_blank), len(doc_lines & non_blank), module_doc
 
 
+def _report(name: str, paths: list[Path]) -> None:
+    total = doc = 0
+    long_docs = []
+    for path in paths:
+        n, d, m = _counts(path)
+        total += n
+        doc += d
+        if m > 25:
+            long_docs.append(f"{path}:{m}")
+    share = doc / total if total else 0.0
+    print(f"{name}: {doc}/{total} non-blank lines are docstring or comment = {share:.1%}")
+    for item in long_docs:
+        print(f"  module docstring over 25 lines: {item}")
+
+
 def main(folders: list[str]) -> None:
+    adapters = not folders
+    if adapters:
+        folders = [str(p) for p in sorted(Path("relaxkv_sglang").glob("*/sglang"))]
     for folder in folders:
-        total = doc = 0
-        long_docs = []
-        for path in sorted(Path(folder).rglob("*.py")):
-            n, d, m = _counts(path)
-            total += n
-            doc += d
-            if m > 25:
-                long_docs.append(f"{path}:{m}")
-        share = doc / total if total else 0.0
-        print(f"{folder}: {doc}/{total} non-blank lines are docstring or comment = {share:.1%}")
-        for item in long_docs:
-            print(f"  module docstring over 25 lines: {item}")
+        _report(folder, sorted(Path(folder).rglob("*.py")))
+    if adapters:
+        _report("the adapters together", sorted(p for f in folders for p in Path(f).rglob("*.py")))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["relaxkv_sglang/core", "relaxkv_sglang/gpu"])
+    main(sys.argv[1:])

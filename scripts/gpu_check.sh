@@ -53,7 +53,7 @@ fi
 if [ -z "${RELAXKV_GPU_NO_PIP:-}" ] && "$PY" -m pip --version >/dev/null 2>&1; then
   "$PY" -m pip install -q "${PIP_ARGS[@]}" "${WHEELS[@]}" || die "could not install the ${#WHEELS[@]} wheels of $BUNDLE/ (pip, offline)"
 else  # an image whose Python has no pip (RELAXKV_GPU_NO_PIP=1: as if): the same layout by zipfile
-  PYTHONPATH="$PWD" "$PY" -m relaxkv_sglang.gpu.bundle --install "$SITE" "${WHEELS[@]}" \
+  PYTHONPATH="$PWD" "$PY" -m relaxkv_sglang.gpu_check.bundle --install "$SITE" "${WHEELS[@]}" \
     || die "could not unpack the ${#WHEELS[@]} wheels of $BUNDLE/ (no pip)"
 fi
 # Python's lzma, not tar's: the lent image may lack the xz program.
@@ -61,7 +61,7 @@ fi
   || die "could not unpack $TAR: run 'make gpu-bundle' again"
 test -f "$SITE/tvm_ffi/__init__.py" || die "the tvm-ffi wheel did not unpack a tvm_ffi package"
 step "bundle unpacked (${#WHEELS[@]} wheels)"
-PYTHONPATH="$PWD" "$PY" -m relaxkv_sglang.gpu.bundle --verify "$SITE" || die "the bundle is incomplete: run 'make gpu-bundle' again and carry .gpu"
+PYTHONPATH="$PWD" "$PY" -m relaxkv_sglang.gpu_check.bundle --verify "$SITE" || die "the bundle is incomplete: run 'make gpu-bundle' again and carry .gpu"
 step "bundle checked"
 
 export PYTHONUNBUFFERED=1

@@ -2,7 +2,7 @@
 
 Document routing (``relaxkv-sglang serve --replicas N --routing document``) relies on the ``smg``
 gateway placing each new ``x-smg-routing-key`` on a replica and keeping it there. Where is
-``--assignment-mode``: ``delegate`` (the project's setting, :data:`relaxkv_sglang.cluster.ROUTINGS`:
+``--assignment-mode``: ``delegate`` (the project's setting, :data:`relaxkv_sglang.server.cluster.ROUTINGS`:
 the next round-robin turn), ``min_load`` (the fewest requests in flight), ``min_group`` (the fewest
 keys with requests in flight) or ``random``. This probe runs the real gateway (the pinned ``smg``
 wheel) in front of N stand-in workers: small stdlib HTTP servers that answer the gateway's health
@@ -37,8 +37,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import requests
 
 from relaxkv_sglang.routing import ROUTING_HEADER
-from relaxkv_sglang.cluster import RouterConfig, RouterProcess
-from relaxkv_sglang.server import free_port
+from relaxkv_sglang.server.cluster import RouterConfig, RouterProcess
+from relaxkv_sglang.server.launch import free_port
 
 
 class StandInWorker:

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from relaxkv_sglang import assets
-from relaxkv_sglang.server import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
+from relaxkv_sglang.server.launch import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
 
 TINY_POOL_TOKENS = 8192
 PRESTART_AT_ONCE = 2  # launches in flight together: each keeps ~1 of 2 cores busy while it imports (measured
@@ -175,7 +175,7 @@ def tokenizer(tiny_model_path):
 def reference_weights(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
-    from relaxkv_sglang.core.reference import from_hf_state_dict
+    from relaxkv_sglang.model.reference import from_hf_state_dict
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     return from_hf_state_dict(model.state_dict(), model.config.to_dict())
@@ -186,7 +186,8 @@ def serve_launch(monkeypatch, tmp_path):
     """``serve_launch(*ARGS, model_flag="--model")``: the command line and environment
     ``relaxkv-sglang serve MODEL_FLAG DIR --port 0 --log FILE ARGS`` would start the server process
     with (``(None, {})`` when serve stops before launching); nothing is started."""
-    from relaxkv_sglang import cli, server
+    from relaxkv_sglang import cli
+    from relaxkv_sglang.server import launch as server
 
     def run(*args: str, model_flag: str = "--model") -> tuple:
         launched = []
@@ -218,7 +219,7 @@ def settings_env(monkeypatch):
     """``settings_env(NAME=value, ...)``: set (None: unset) ``RELAXKV_*`` variables and read this
     process's server settings again, as a server starting with them would; the settings are read
     afresh from the restored environment after the test."""
-    from relaxkv_sglang.settings import server_settings
+    from relaxkv_sglang.server.settings import server_settings
 
     def set_env(**env: Optional[str]) -> None:
         for name, value in env.items():

@@ -1,12 +1,12 @@
 """The plugin's FlashInfer calls against the torch reference on one device, and their cost.
 
-* **anchors** (:func:`run_anchors`, :class:`~relaxkv_sglang.gpu.flashinfer_attention.FlashInferAnchorAttention`,
+* **anchors** (:func:`run_anchors`, :class:`~relaxkv_sglang.attention.gpu.flashinfer_attention.FlashInferAnchorAttention`,
   bfloat16): a ``relaxkv`` layer's anchors and layout, KV at scattered pool slots, against
-  :func:`~relaxkv_sglang.core.block_sparse.block_sparse_attention`; timed against full causal context
+  :func:`~relaxkv_sglang.attention.block_sparse.block_sparse_attention`; timed against full causal context
   and a dense prefill of the prompt (SGLang's ordinary extend);
-* **scoped** (:func:`run_scoped`, :class:`~relaxkv_sglang.gpu.flashinfer_attention.FlashInferScopedPrefill`,
+* **scoped** (:func:`run_scoped`, :class:`~relaxkv_sglang.attention.gpu.flashinfer_attention.FlashInferScopedPrefill`,
   bfloat16): a cold prompt's extend batch against
-  :func:`~relaxkv_sglang.core.attention.scoped_causal_attention`;
+  :func:`~relaxkv_sglang.attention.causal.scoped_causal_attention`;
 * :func:`time_layout`: the host side of the anchors' inputs for one 6K-token, 30-layer request.
 
 A case is off when max |out - ref| > :data:`TOLERANCE` or the output is not finite.
@@ -21,12 +21,12 @@ from typing import Callable, Optional
 
 import torch
 
-from relaxkv_sglang.core.attention import scoped_causal_attention
-from relaxkv_sglang.core.block_sparse import block_sparse_attention
-from relaxkv_sglang.core.layout import RelaxedContextSpec, Span, build_relaxed_layout, full_causal_layout
-from relaxkv_sglang.core.selection import select_anchors
-from relaxkv_sglang.gpu.anchor_inputs import anchor_prefill_inputs
-from relaxkv_sglang.gpu.prefill_inputs import ScopedPrefillInputs, scoped_prefill_inputs
+from relaxkv_sglang.attention.causal import scoped_causal_attention
+from relaxkv_sglang.attention.block_sparse import block_sparse_attention
+from relaxkv_sglang.attention.layout import RelaxedContextSpec, Span, build_relaxed_layout, full_causal_layout
+from relaxkv_sglang.repair.selection import select_anchors
+from relaxkv_sglang.attention.gpu.anchor_inputs import anchor_prefill_inputs
+from relaxkv_sglang.attention.gpu.prefill_inputs import ScopedPrefillInputs, scoped_prefill_inputs
 from relaxkv_sglang.gpu_check.repair import Placement
 
 TOLERANCE = 2e-2  # max |out - ref| for bfloat16 inputs, outputs of O(1)
@@ -138,7 +138,7 @@ def _pool(case: Case, n: int, place: Placement, g: torch.Generator):
 def _dense_prefill_ms(flashinfer, place: Placement, case: Case, key_rows, q_len: int, kv_len: int, k_cache, v_cache,
                       repeats: int, timer: Callable) -> float:
     """SGLang's ordinary extend: one request, ``q_len`` new rows over ``kv_len`` keys, causal."""
-    from relaxkv_sglang.gpu.flashinfer_attention import WORKSPACE_BYTES
+    from relaxkv_sglang.attention.gpu.flashinfer_attention import WORKSPACE_BYTES
 
     w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
         torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=place.device), "NHD", backend="fa2")
@@ -153,7 +153,7 @@ def _dense_prefill_ms(flashinfer, place: Placement, case: Case, key_rows, q_len:
 
 def run_anchors(case: Case, where: Placement | torch.device | str, flashinfer, repeats: int, seed: int,
                 timer: Optional[Callable] = None) -> dict:
-    from relaxkv_sglang.gpu.flashinfer_attention import FlashInferAnchorAttention
+    from relaxkv_sglang.attention.gpu.flashinfer_attention import FlashInferAnchorAttention
 
     place, timer = _placement(where), timer or device_ms
     g = torch.Generator().manual_seed(seed)
@@ -169,7 +169,7 @@ def run_anchors(case: Case, where: Placement | torch.device | str, flashinfer, r
     errs, times, finite = [], [], True
     for lay in (layout, full):
         t0 = time.perf_counter()
-        plan = attn.plan_forward([lay])
+        plan = attn.pass_metadata([lay])
         host_ms = (time.perf_counter() - t0) * 1e3
 
         def call():
@@ -190,7 +190,7 @@ def run_anchors(case: Case, where: Placement | torch.device | str, flashinfer, r
 
 def run_scoped(case: Case, where: Placement | torch.device | str, flashinfer, repeats: int, seed: int,
                timer: Optional[Callable] = None) -> dict:
-    from relaxkv_sglang.gpu.flashinfer_attention import FlashInferScopedPrefill
+    from relaxkv_sglang.attention.gpu.flashinfer_attention import FlashInferScopedPrefill
 
     place, timer = _placement(where), timer or device_ms
     g = torch.Generator().manual_seed(seed)
@@ -222,7 +222,7 @@ def time_layout(n_context: int = 6144, n_layers: int = 30, anchor_ratio: float =
                 page_size: int = 16, repeats: int = 7, seed: int = 0) -> float:
     """Median wall time in ms (of ``repeats`` runs) of the host side of every layer's anchor inputs
     of one request (:func:`request_anchors`, ``build_relaxed_layout``, then
-    :func:`~relaxkv_sglang.gpu.anchor_inputs.anchor_prefill_inputs` over all layers at once):
+    :func:`~relaxkv_sglang.attention.gpu.anchor_inputs.anchor_prefill_inputs` over all layers at once):
     the CPU work a GPU repair adds per request before its first anchor call."""
     spans, scores, anchor_sets = request_anchors(n_context, n_layers, anchor_ratio, 10,
                                                  torch.Generator().manual_seed(seed))

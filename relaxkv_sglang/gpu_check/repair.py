@@ -1,7 +1,7 @@
 """The device check of the plugin's repair pass: the layer loop on a GPU against the same loop on the CPU.
 
-The server's executor (:class:`~relaxkv_sglang.srt.forward.layer_loop.LayerLoop`: anchors, glue and query,
-stale shift) runs over stand-in decoder layers (:class:`~relaxkv_sglang.core.reference.ReferenceLayerOps`
+The server's executor (:class:`~relaxkv_sglang.repair.sglang.layer_loop.LayerLoop`: anchors, glue and query,
+stale shift) runs over stand-in decoder layers (:class:`~relaxkv_sglang.model.reference.ReferenceLayerOps`
 on random SmolLM2-shaped weights) and a KV pool holding one request's stale context at scattered
 slots: 10 chunks, 15% anchors, 25% context, the torch planner's ``relaxkv`` plan.
 
@@ -16,7 +16,7 @@ random scores), bfloat16, median of ``repeats`` for ``relaxkv``, ``relaxkv_fullc
 whole prefix) and ``prophetkv`` (its own anchors, whole prefix).
 
 Where a pass runs is a :class:`Placement`: ``on(device)``, or ``under_rules(rules)`` (the CUDA-rules
-harness on a CPU, :mod:`relaxkv_sglang.gpu.cuda_rules`, FlashInfer replaced by its torch model).
+harness on a CPU, :mod:`relaxkv_sglang.attention.gpu.cuda_rules`, FlashInfer replaced by its torch model).
 
     python -m relaxkv_sglang.gpu_check --repair-only      (part of the full and --quick checks)
 """
@@ -34,15 +34,15 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 
-from relaxkv_sglang.core.model_family import finish_layer, project_qkv
-from relaxkv_sglang.core.reference import LlamaWeights, ReferenceLayerOps, StaleContext, apply_neox_rope, stale_context
-from relaxkv_sglang.core.reference_model import rms_norm
-from relaxkv_sglang.core.repair_config import RepairConfig
-from relaxkv_sglang.core.repair_plan import AnchorPlan, plan_anchors
-from relaxkv_sglang.core.rope import RopeSpec
-from relaxkv_sglang.srt.forward.anchor_attention import AnchorAttention
-from relaxkv_sglang.srt.forward.layer_loop import LayerLoop
-from relaxkv_sglang.srt.forward.repair import repair_rows
+from relaxkv_sglang.model.model_family import finish_layer, project_qkv
+from relaxkv_sglang.model.reference import LlamaWeights, ReferenceLayerOps, StaleContext, apply_neox_rope, stale_context
+from relaxkv_sglang.model.reference_model import rms_norm
+from relaxkv_sglang.repair.repair_config import RepairConfig
+from relaxkv_sglang.repair.anchor_schedule import AnchorSchedule, schedule_anchors
+from relaxkv_sglang.model.rope import RopeSpec
+from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention
+from relaxkv_sglang.repair.sglang.layer_loop import LayerLoop
+from relaxkv_sglang.repair.sglang.repair_stage import repair_rows
 
 TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1}  # max |err|; bfloat16 on a CPU: 0.031 (seed 0)
 TIMED_PLANS = ("relaxkv", "relaxkv_fullctx", "prophetkv")  # relaxed, dense context (same anchors), ProphetKV
@@ -227,7 +227,7 @@ class PreparedPass:
 
 
 def prepare_pass(w: LlamaWeights, case: RepairCase, stale_kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]],
-                 plan: AnchorPlan, ids: torch.Tensor, slots: torch.Tensor, place: Placement, dtype: torch.dtype,
+                 plan: AnchorSchedule, ids: torch.Tensor, slots: torch.Tensor, place: Placement, dtype: torch.dtype,
                  anchors: Optional[AnchorAttention] = None) -> PreparedPass:
     """The request's pass on ``place`` in ``dtype``: the weights, a pool holding the stale context
     at ``slots`` (``stale_kv``: per layer host (k, v) [n_context, Hkv, d]; None: random values made
@@ -261,7 +261,7 @@ def prepare_pass(w: LlamaWeights, case: RepairCase, stale_kv: Optional[list[tupl
     return PreparedPass(loop, rows, input_ids, k_pool, v_pool, on_device, wd.lm_head, place)
 
 
-def repair_pass(w: LlamaWeights, case: RepairCase, stale: StaleContext, plan: AnchorPlan, ids: torch.Tensor,
+def repair_pass(w: LlamaWeights, case: RepairCase, stale: StaleContext, plan: AnchorSchedule, ids: torch.Tensor,
                 slots: torch.Tensor, place: Placement, dtype: torch.dtype,
                 warmup: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
     """One repair pass of the request on ``place`` in ``dtype``, after an untimed one if ``warmup``.
@@ -298,7 +298,7 @@ def request(case: RepairCase, seed: int):
     ids = torch.randint(0, case.vocab, (n,), generator=g)
     spans = _spans(case, case.n_context)
     stale = stale_context(w, ids, spans, case.n_context)
-    plan = plan_anchors("relaxkv", stale.scores, spans, case.n_context, case.n_layers, _config())
+    plan = schedule_anchors("relaxkv", stale.scores, spans, case.n_context, case.n_layers, _config())
     slots = torch.randperm(2 * n, generator=g)[:n]
     return w, ids, stale, plan, slots
 
@@ -370,7 +370,7 @@ def timing_request(case: RepairCase, seed: int, policy: str):
     n = case.n_context + case.query
     ids = torch.randint(0, case.vocab, (n,), generator=g)
     scores = torch.rand(case.n_layers, case.n_context, generator=g) ** 4
-    plan = plan_anchors(policy, scores, _spans(case, case.n_context), case.n_context, case.n_layers, _config())
+    plan = schedule_anchors(policy, scores, _spans(case, case.n_context), case.n_context, case.n_layers, _config())
     slots = torch.randperm(2 * n, generator=g)[:n]
     return w, ids, plan, slots
 

@@ -1,6 +1,6 @@
 """The GPU check's run: its steps, their sizes and budget, the result JSON, the command line.
 
-Steps (:func:`run_plan`) run in order, each in its own ``try`` (:class:`Steps`), printing its
+Steps (:func:`run_scope`) run in order, each in its own ``try`` (:class:`Steps`), printing its
 estimate and time; the JSON's ``steps`` say which ran, passed, failed or did not run:
 
 * **flashinfer**: the import (its torch model in the dry run);
@@ -11,7 +11,7 @@ estimate and time; the JSON's ``steps`` say which ran, passed, failed or did not
 
 Exit 1 if any case is off, 2 without CUDA. ``--dry-run``: every step on the CPU at small sizes
 with FlashInfer's torch model, under the CUDA-rules harness
-(:class:`~relaxkv_sglang.gpu.cuda_rules.CudaRules`) or, with ``--dry-run-device cpu``, plainly.
+(:class:`~relaxkv_sglang.attention.gpu.cuda_rules.CudaRules`) or, with ``--dry-run-device cpu``, plainly.
 ``--time-layout``: :func:`~.kernels.time_layout` only.
 
     python -m relaxkv_sglang.gpu_check --out /tmp/gpu-check.json [--quick]
@@ -44,7 +44,7 @@ DESCRIPTION = ("GPU check: the plugin's repair pass and FlashInfer calls on a GP
 
 
 @dataclass(frozen=True)
-class RunPlan:
+class RunScope:
     """What one run checks and how long each step is expected to take (seconds, H200 estimates:
     not measured until a GPU has run it; the dry run's are this 2-core CPU's)."""
 
@@ -65,7 +65,7 @@ GPU_ESTIMATES = {"flashinfer": 15.0, "repair": 20.0 + JIT_ESTIMATE_S, "case": 2.
                  "timing": {8192: 15.0, 32768: 45.0}}
 
 
-def run_plan(quick: bool, dry_run: bool, repair_only: bool, repeats: int) -> RunPlan:
+def run_scope(quick: bool, dry_run: bool, repair_only: bool, repeats: int) -> RunScope:
     """The steps' sizes: ``--quick`` the SmolLM2 shape at 1.5K and 6K tokens and the repair timing
     at 8K and 32K over 4 layers; the full run adds the Llama-8B shape (a second JIT compile) and
     32K cases; the dry run the same steps at small sizes (module doc)."""
@@ -79,7 +79,7 @@ def run_plan(quick: bool, dry_run: bool, repair_only: bool, repeats: int) -> Run
             est["cases"] = (sum(GPU_ESTIMATES["case" if c.shape == "smollm2-135m" else "case_llama"] for c in cases)
                             + (JIT_ESTIMATE_S if any(c.head_dim != 64 for c in cases) else 0.0))
         est.update({f"repair timing {n}": GPU_ESTIMATES["timing"][n] for n in timing})
-        return RunPlan(RepairCase(), cases, timing, 4, repeats, 5, est)
+        return RunScope(RepairCase(), cases, timing, 4, repeats, 5, est)
     # small sizes on the CPU: the same code paths, the torch model in FlashInfer's place
     small = {1536: 128, 6144: 256, 32768: 384, 1000: 200}
     cases = [replace(c, n_context=small[c.n_context], n_chunks=4) for c in cases]
@@ -88,15 +88,15 @@ def run_plan(quick: bool, dry_run: bool, repair_only: bool, repeats: int) -> Run
     if cases:
         est["cases"] = 0.6 * len(cases)
     est.update({f"repair timing {n}": 4.0 * n / 192 for n in timing})
-    return RunPlan(RepairCase(n_context=384, n_layers=2, n_chunks=4, query=16), cases, timing, 2, 1, 1, est)
+    return RunScope(RepairCase(n_context=384, n_layers=2, n_chunks=4, query=16), cases, timing, 2, 1, 1, est)
 
 
 @contextlib.contextmanager
 def dry_run_placement(device: str) -> Iterator[Placement]:
     """The dry run's device with FlashInfer's torch model as ``flashinfer``: the CUDA-rules
     harness's stand-in device (``device='rules'``) or the plain CPU (``'cpu'``)."""
-    from relaxkv_sglang.gpu.flashinfer_attention import FLASHINFER_VERSION
-    from relaxkv_sglang.gpu.torch_models import flashinfer_stand_in
+    from relaxkv_sglang.attention.gpu.flashinfer_attention import FLASHINFER_VERSION
+    from relaxkv_sglang.attention.gpu.torch_models import flashinfer_stand_in
 
     saved = sys.modules.get("flashinfer")
     sys.modules["flashinfer"] = flashinfer_stand_in(FLASHINFER_VERSION)
@@ -104,7 +104,7 @@ def dry_run_placement(device: str) -> Iterator[Placement]:
         if device == "cpu":
             yield Placement.on("cpu", anchors=FlashInferOnAnyDevice)
         else:
-            from relaxkv_sglang.gpu.cuda_rules import CudaRules
+            from relaxkv_sglang.attention.gpu.cuda_rules import CudaRules
 
             with CudaRules() as rules:
                 yield Placement.under_rules(rules)
@@ -178,7 +178,7 @@ def _timing_line(r: dict) -> str:
     return "  ".join(parts)
 
 
-def run_checks(place: Placement, flashinfer_or_error: Any, plan: RunPlan, steps: Steps, rows: list[dict],
+def run_checks(place: Placement, flashinfer_or_error: Any, plan: RunScope, steps: Steps, rows: list[dict],
                seed: int, timer: Callable) -> None:
     """The steps after FlashInfer's import (module doc), appending result rows to ``rows``."""
     def repair() -> None:
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("relaxkv gpu check: no CUDA device; this check runs only on a GPU (or use --dry-run)", file=sys.stderr)
         return 2
-    plan = run_plan(args.quick, args.dry_run, args.repair_only, args.repeats)
+    plan = run_scope(args.quick, args.dry_run, args.repair_only, args.repeats)
     budget = args.budget_s if args.budget_s is not None else (480.0 if args.quick else 1e9)
     rows: list[dict] = []
     result: dict = {"dry_run": args.dry_run, "quick": args.quick, "torch": torch.__version__,
@@ -284,7 +284,7 @@ def main(argv=None) -> int:
         else:
             place, timer = Placement.on("cuda"), device_ms
             result["device"] = torch.cuda.get_device_name(place.device)
-        from relaxkv_sglang.gpu.flashinfer_attention import import_flashinfer
+        from relaxkv_sglang.attention.gpu.flashinfer_attention import import_flashinfer
 
         flashinfer = steps.run("flashinfer", plan.estimates["flashinfer"], import_flashinfer)
         if flashinfer is None:

@@ -8,7 +8,7 @@ import random
 
 from relaxkv_sglang import assets
 from relaxkv_sglang.client import ServerClient
-from relaxkv_sglang.core.segments import split_text, tokenize_parts
+from relaxkv_sglang.request.segments import split_text, tokenize_parts
 
 # Seconds a test's own server may take to become ready (ServerConfig.startup_timeout_s). A launch
 # takes 20-40 s on a quiet 2-core machine; on a loaded one (load average 11-15) 170-190 s were

@@ -68,8 +68,8 @@ import requests
 from relaxkv_sglang import assets
 from relaxkv_sglang.client import ServerClient
 from benchmarks.metrics import latency_summary
-from relaxkv_sglang.server import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
-from relaxkv_sglang.core.policies import CHUNK_POLICIES, REPAIR_POLICIES, SERVER_POLICIES
+from relaxkv_sglang.server.launch import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
+from relaxkv_sglang.repair.policies import CHUNK_POLICIES, REPAIR_POLICIES, SERVER_POLICIES
 from benchmarks.prompt_formats import SYSTEM_PROMPTS
 
 if __package__:  # python -m tests.e2e.soak
@@ -153,7 +153,7 @@ class Probe:
 # anchors are chosen from that KV with fixed seeds. That holds wherever SGLang's
 # chunked prefill splits the prompt (a chunk is looked up in the window after it,
 # computed position-independently until then; the repair runs in the last window
-# over the whole prompt, srt/forward/fold.py and srt/forward/repair.py), and the soak's server
+# over the whole prompt, cache/sglang/fold.py and repair/sglang/repair_stage.py), and the soak's server
 # splits prompts (server_config). What keeps it from being exact, and the probes avoid:
 # * a hit on a chunk cached at another position is re-rotated (fp rounding). The
 #   probe's documents appear in no other request, so its hits are always at

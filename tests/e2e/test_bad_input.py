@@ -315,8 +315,8 @@ HTTP_CASES = [
 # SGLang inputs that stop (or hang) SGLang 0.5.23's scheduler, on a stock server too: the server
 # process exits (or stops answering) and every request in flight fails (docs/reliability.md, "SGLang
 # inputs that stop its scheduler"). Each is refused with a 400 naming the field on every server the
-# plugin is loaded into (srt/entrypoints/sglang_fields.py), except a stop regex that backtracks catastrophically
-# on the output, which is aborted with a 400 when its matching runs out of time (srt/scheduler/stop_regex.py).
+# plugin is loaded into (request/sglang/sglang_fields.py), except a stop regex that backtracks catastrophically
+# on the output, which is aborted with a 400 when its matching runs out of time (request/sglang/stop_regex.py).
 VOCAB = 2048  # the tiny model's vocabulary
 GREEDY_AS = {"regex": "a{40}", "max_new_tokens": 40}  # a grammar forcing an output of "a"s
 SCHEDULER_STOPPERS = [

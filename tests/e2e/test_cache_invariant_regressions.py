@@ -6,14 +6,14 @@ session's relaxkv server (tiny model), so that it stays fixed whatever the prope
 
 * input logprobs inside chunks (``logprob_start_len`` 0 or inside a chunk; ``/v1/completions``
   with ``echo`` + ``logprobs``): a warm request recomputed the rows it read at full scope where a
-  cold one computed them at chunk scope, and generated other tokens (issue 46 item 1, ``srt/forward/fold.py``);
+  cold one computed them at chunk scope, and generated other tokens (issue 46 item 1, ``cache/sglang/fold.py``);
 * session turns: the plan's spans were built on the new turn alone, so a turn whose documents
-  were warm reused none of them and published history fragments as chunks (item 2, ``srt/plan.py``);
+  were warm reused none of them and published history fragments as chunks (item 2, ``request/plan.py``);
 * discovery: an unmarked prompt's documents, once marked by a request of the same namespace, were
   found whole where before the block rules had cut them in pieces, so the prompt's chunking, and
   its answer, depended on what was sent before (and survived ``/flush_cache``; item 3,
-  ``core/doc_index.py``);
-* a streamed request the plugin refuses (``srt/entrypoints/api.py::around_generate_request`` raises before
+  ``request/doc_index.py``);
+* a streamed request the plugin refuses (``request/sglang/api.py::around_generate_request`` raises before
   SGLang normalizes the request) made SGLang's abort task raise 2 s later, and uvicorn dropped the
   keep-alive connection under the client's next request.
 

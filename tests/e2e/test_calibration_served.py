@@ -10,9 +10,9 @@ from conftest import relaxkv_server_config, start_server
 from rag_helpers import documents, flush, generate, marked_prompt
 
 from relaxkv_sglang.client import ServerClient
-from relaxkv_sglang.core.auto_budget import RATIO_LADDER, BudgetModel
-from relaxkv_sglang.core.calibration import FORMAT_VERSION, Calibration, model_fingerprint, save_calibration
-from relaxkv_sglang.settings import CALIBRATION_ENV, DEFAULT_BUDGET_ENV
+from relaxkv_sglang.repair.auto_budget import RATIO_LADDER, BudgetModel
+from relaxkv_sglang.repair.calibration import FORMAT_VERSION, Calibration, model_fingerprint, save_calibration
+from relaxkv_sglang.server.settings import CALIBRATION_ENV, DEFAULT_BUDGET_ENV
 
 pytestmark = pytest.mark.e2e
 
@@ -130,7 +130,7 @@ def test_sglang_loaded_configs_find_the_repository_files():
     from sglang.srt.configs.model_config import ModelConfig
 
     from relaxkv_sglang import assets
-    from relaxkv_sglang.core.calibration import CALIBRATION_DIR, served_calibration
+    from relaxkv_sglang.repair.calibration import CALIBRATION_DIR, served_calibration
 
     calibrated = {path.stem for path in CALIBRATION_DIR.glob("*.json")}
     checked = set()

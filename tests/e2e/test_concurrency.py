@@ -10,7 +10,7 @@ import pytest
 from conftest import STRICT_MEMORY_CHECK, start_server
 from rag_helpers import SERVER_START_TIMEOUT_S, documents, flush, generate, marked_prompt, relaxkv_state
 
-from relaxkv_sglang.server import ServerConfig
+from relaxkv_sglang.server.launch import ServerConfig
 
 pytestmark = pytest.mark.e2e
 

@@ -22,7 +22,7 @@ import pytest
 from conftest import TINY_POOL_TOKENS, start_server
 from rag_helpers import MarkedPrompt, documents, flush, generate
 
-from relaxkv_sglang.server import STRICT_MEMORY_CHECK, ServerConfig
+from relaxkv_sglang.server.launch import STRICT_MEMORY_CHECK, ServerConfig
 
 pytestmark = pytest.mark.e2e
 

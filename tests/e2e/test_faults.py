@@ -22,7 +22,7 @@ from conftest import STRICT_MEMORY_CHECK
 from rag_helpers import SERVER_START_TIMEOUT_S, documents, generate, marked_prompt, relaxkv_state
 
 from relaxkv_sglang import assets
-from relaxkv_sglang.server import SGLangServer, ServerConfig, free_port, port_in_use
+from relaxkv_sglang.server.launch import SGLangServer, ServerConfig, free_port, port_in_use
 
 CLIENTS = 4
 

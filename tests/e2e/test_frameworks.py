@@ -40,7 +40,7 @@ from conftest import TINY_POOL_TOKENS, start_server
 from rag_helpers import documents, flush, relaxkv_state
 
 from relaxkv_sglang import assets
-from relaxkv_sglang.server import STRICT_MEMORY_CHECK, ServerConfig
+from relaxkv_sglang.server.launch import STRICT_MEMORY_CHECK, ServerConfig
 
 pytestmark = pytest.mark.e2e
 

@@ -1,9 +1,9 @@
 """The ways of marking chunks besides native ``relaxkv_chunks``, end to end (tiny model).
 
 * SGLang frontend programs: ``relaxkv_sglang.lang.document`` + ``RelaxKVEndpoint``;
-* OpenAI ``/v1/chat/completions``: text content parts (``srt/entrypoints/chat.py``);
+* OpenAI ``/v1/chat/completions``: text content parts (``request/sglang/chat.py``);
 * SGLang's parallel encoding, ``forks.join(mode="concate_and_append")`` on a
-  plain ``sgl.RuntimeEndpoint`` (``srt/entrypoints/parallel_encoding.py``).
+  plain ``sgl.RuntimeEndpoint`` (``request/sglang/parallel_encoding.py``).
 
 For each: the same three documents, sent again in another order after another
 system prompt, are served from the cache (``cached_tokens`` covers them).
@@ -19,8 +19,8 @@ import sglang as sgl
 from rag_helpers import documents
 
 from relaxkv_sglang.lang import DOC_END, DOC_START, RelaxKVEndpoint, document, mark_payload, split_marks, strip_marks
-from relaxkv_sglang.server import ServerConfig
-from relaxkv_sglang.srt.entrypoints.join_registry import JoinRegistry
+from relaxkv_sglang.server.launch import ServerConfig
+from relaxkv_sglang.request.sglang.join_registry import JoinRegistry
 
 pytestmark = pytest.mark.e2e
 

@@ -1,7 +1,7 @@
 """Document routing's balance guarantee, on the real gateway, without a model.
 
 ``serve --replicas N --routing document`` starts ``smg`` with sticky routing keys whose NEW keys
-take the gateway's round-robin turn (:data:`relaxkv_sglang.cluster.ROUTINGS`). The promise: the k-th
+take the gateway's round-robin turn (:data:`relaxkv_sglang.server.cluster.ROUTINGS`). The promise: the k-th
 distinct key goes to the k-th replica in turn, so after K keys every replica holds floor(K/N) or
 ceil(K/N) of them, however fast each replica answers. Checked here with the stand-in workers of
 ``scripts/probe_router_placement.py`` (stdlib HTTP servers, seconds per trial) under the timing
@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from relaxkv_sglang.cluster import RouterConfig, RouterProcess, router_installed
+from relaxkv_sglang.server.cluster import RouterConfig, RouterProcess, router_installed
 
 pytestmark = pytest.mark.skipif(not router_installed(), reason="smg (the gateway) not installed (make install)")
 

@@ -36,7 +36,7 @@ import torch
 from conftest import STRICT_MEMORY_CHECK, start_server
 from rag_helpers import documents, flush, marked_prompt
 
-from relaxkv_sglang.server import ServerConfig
+from relaxkv_sglang.server.launch import ServerConfig
 
 pytestmark = pytest.mark.e2e
 

@@ -2,7 +2,7 @@
 
 SGLang prefills such a prompt in several extend windows. The earlier windows fold hits and
 compute misses position-independently, as ``pic`` does; the window holding the prompt's last
-token repairs the whole prompt (``srt/forward/repair.py``). Two servers on the same model: one splits a
+token repairs the whole prompt (``repair/sglang/repair_stage.py``). Two servers on the same model: one splits a
 ~3.9K-token prompt into 1,024-token windows, the other (the session's ``relaxkv_server``)
 prefills it whole. Every policy must give the same greedy tokens and logprobs on both, and the
 split run must report ``repaired: true``.
@@ -24,8 +24,8 @@ import pytest
 import requests
 
 from relaxkv_sglang import assets
-from relaxkv_sglang.cluster import Cluster
-from relaxkv_sglang.server import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
+from relaxkv_sglang.server.cluster import Cluster
+from relaxkv_sglang.server.launch import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
 
 if __package__:
     from .rag_helpers import SERVER_START_TIMEOUT_S, documents, flush, marked_prompt, part_token_ids

@@ -32,11 +32,11 @@ from rag_helpers import SERVER_START_TIMEOUT_S, documents, flush, marked_prompt,
 from test_tiers import _ask, _recompute, _reload_is_a_copy, _same_output
 from test_tiers import _wait_writes as wait_writes
 
-from relaxkv_sglang.core.tiers import ChunkRecord, ValueLayout, chunk_key, encode_value
-from relaxkv_sglang.core.tiers.paged import page_keys, split_pages, value_key
-from relaxkv_sglang.core.tiers.value import value_info
-from relaxkv_sglang.cluster import Cluster
-from relaxkv_sglang.server import SGLangServer, ServerConfig
+from relaxkv_sglang.cache.tiers import ChunkRecord, ValueLayout, chunk_key, encode_value
+from relaxkv_sglang.cache.tiers.paged import page_keys, split_pages, value_key
+from relaxkv_sglang.cache.tiers.value import value_info
+from relaxkv_sglang.server.cluster import Cluster
+from relaxkv_sglang.server.launch import SGLangServer, ServerConfig
 
 pytestmark = pytest.mark.skipif(os.environ.get("RELAXKV_MOONCAKE_TESTS") != "1",
                                 reason="Mooncake tests run on demand: RELAXKV_MOONCAKE_TESTS=1 (make install-mooncake)")
@@ -154,7 +154,7 @@ def test_model_folders_at_other_paths_share_and_page_sizes_keep_apart(tiny_model
 
 def _put_value(mooncake, key: str, value: bytes) -> None:
     """Put raw value bytes under ``key`` in the store, as a writer would (pages, page 0 last)."""
-    from relaxkv_sglang.srt.mem_cache.hicache_tier import HiCacheTierConfig
+    from relaxkv_sglang.cache.sglang.hicache_tier import HiCacheTierConfig
 
     store = HiCacheTierConfig("mooncake", mooncake.extra_config(), page_bytes=PAGE_KB << 10).connect()
     pages = split_pages(value, store.page_bytes)

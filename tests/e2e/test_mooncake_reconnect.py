@@ -26,7 +26,7 @@ from rag_helpers import documents, flush, marked_prompt, relaxkv_state
 from test_mooncake import PAGE_KB, _config, _from_store, _wait_writes
 from test_tiers import _ask, _recompute, _same_output
 
-from relaxkv_sglang.server import SGLangServer
+from relaxkv_sglang.server.launch import SGLangServer
 
 pytestmark = pytest.mark.skipif(os.environ.get("RELAXKV_MOONCAKE_TESTS") != "1",
                                 reason="Mooncake tests run on demand: RELAXKV_MOONCAKE_TESTS=1 (make install-mooncake)")

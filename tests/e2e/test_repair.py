@@ -99,7 +99,7 @@ def test_partial_repair_moves_toward_full(relaxkv_server, warm_prompt):
 
 
 # Cold chunks (no request has cached them): the request's misses run through SGLang's forward,
-# as pic's do, and that forward is the repair's query pass (srt/forward/repair.py). The repair it gets is
+# as pic's do, and that forward is the repair's query pass (repair/sglang/repair_stage.py). The repair it gets is
 # the one the same request gets on warm chunks, and the invariants hold as on warm chunks.
 
 @pytest.fixture(scope="module")
@@ -147,8 +147,8 @@ def test_cold_full_repair_is_full_prefill_and_zero_anchors_are_pic(relaxkv_serve
 
 
 def _reference_logprobs(weights, tokenizer, prompt, policy, anchor, context):
-    from relaxkv_sglang.core.reference import reference_prefill
-    from relaxkv_sglang.core.repair_config import RepairConfig
+    from relaxkv_sglang.model.reference import reference_prefill
+    from relaxkv_sglang.repair.repair_config import RepairConfig
 
     layout = part_token_ids(tokenizer, prompt)
     result = reference_prefill(weights, torch.tensor(layout.input_ids), layout.chunk_spans, layout.query_start,

@@ -29,8 +29,8 @@ import pytest
 import requests
 
 from relaxkv_sglang.client import ServerClient
-from relaxkv_sglang.cluster import replica_request_counts, router_installed
-from relaxkv_sglang.server import free_port
+from relaxkv_sglang.server.cluster import replica_request_counts, router_installed
+from relaxkv_sglang.server.launch import free_port
 
 pytestmark = pytest.mark.skipif(not router_installed(), reason="smg (the gateway) not installed (make install)")
 
@@ -189,7 +189,7 @@ def test_a_langchain_chat_request_is_routed_by_its_discovered_documents(cluster,
 
     from benchmarks import rag_documents
     from relaxkv_sglang.routing import ROUTING_HEADER, add_routing_header, routing_key_of_documents
-    from relaxkv_sglang.cluster import replica_request_counts
+    from relaxkv_sglang.server.cluster import replica_request_counts
 
     model = requests.get(cluster.url + "/v1/models", timeout=30).json()["data"][0]["id"]
     sent, usage = [], []

@@ -76,8 +76,8 @@ import pytest
 import requests
 from rag_helpers import documents, flush, layout_prompt, mid_word_offset, part_token_ids, relaxkv_state
 
-from relaxkv_sglang.core.policies import CHUNK_POLICIES, SERVER_POLICIES
-from relaxkv_sglang.schema import POLICY_HEADER
+from relaxkv_sglang.repair.policies import CHUNK_POLICIES, SERVER_POLICIES
+from relaxkv_sglang.request.schema import POLICY_HEADER
 
 pytestmark = pytest.mark.e2e
 

@@ -15,9 +15,9 @@ import requests
 from conftest import start_server
 from rag_helpers import SERVER_START_TIMEOUT_S, documents, flush, generate, marked_prompt, relaxkv_state
 
-from relaxkv_sglang.core.policies import CHUNK_POLICIES
-from relaxkv_sglang.server import STRICT_MEMORY_CHECK, ServerConfig
-from relaxkv_sglang.settings import ROPE_OVERRIDE_ENV
+from relaxkv_sglang.repair.policies import CHUNK_POLICIES
+from relaxkv_sglang.server.launch import STRICT_MEMORY_CHECK, ServerConfig
+from relaxkv_sglang.server.settings import ROPE_OVERRIDE_ENV
 
 pytestmark = pytest.mark.e2e
 

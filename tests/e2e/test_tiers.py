@@ -35,9 +35,9 @@ import pytest
 from conftest import STRICT_MEMORY_CHECK
 from rag_helpers import SERVER_START_TIMEOUT_S, documents, essay_paragraphs, generate, marked_prompt, relaxkv_state
 
-from relaxkv_sglang.core.tiers import DiskTier, ModelIdentity, chunk_key
-from relaxkv_sglang.cluster import Cluster
-from relaxkv_sglang.server import SGLangServer, ServerConfig
+from relaxkv_sglang.cache.tiers import DiskTier, ModelIdentity, chunk_key
+from relaxkv_sglang.server.cluster import Cluster
+from relaxkv_sglang.server.launch import SGLangServer, ServerConfig
 
 POOL = 1536  # KV tokens: about three requests' chunks, so a working set of 12+ documents spills
 HOST_MB = 8
@@ -59,7 +59,7 @@ def _ask(url: str, prompt, salt: str | None = None) -> dict:
 
 
 # Output logprobs of a request with reused chunks against the same request computing them: a hit's K
-# is the stored K re-rotated from where it was computed (srt/forward/fold.py), a miss's is computed where it
+# is the stored K re-rotated from where it was computed (cache/sglang/fold.py), a miss's is computed where it
 # sits, so the two differ by float32 rounding, not by what a tier did (a reload is a copy: see
 # _reload_is_a_copy). Measured on the tiny model: at most 3e-6 on the spill test's requests.
 RECOMPUTE_TOLERANCE = 1e-5

@@ -6,14 +6,16 @@
 * No module rebinds module-level state at run time: no ``global`` statement in a function, no
   assignment to (or ``setattr``/``del`` of) an attribute of one of the project's modules, no
   in-place mutation of a module-level container from a function (a process-wide registry).
-* Imports run one way. ``core/`` and ``gpu/`` import nothing of ``srt/``. Inside ``srt/`` the
-  packages import only downward (:data:`SRT_MAY_IMPORT`): ``entrypoints`` (the HTTP process) none
-  of the scheduler's packages, ``mem_cache`` nothing of ``forward`` or ``scheduler``, and no
-  package imports a top module of ``srt`` but the base ones (:data:`SRT_BASE`).
+* The code is grouped in rooms by subsystem (``request``, ``cache``, ``repair``, ``model``,
+  ``attention``, ``server``), each with its SGLang adapter in ``<room>/sglang/``. Only an adapter
+  imports SGLang at run time (besides ``lang.py``, over SGLang's frontend, and the CPU shims) and
+  only an adapter imports an adapter (besides ``gpu_check``, which runs them on a GPU). Adapters
+  import one way (:data:`ADAPTER_MAY_IMPORT`), and the HTTP process's modules
+  (:data:`HTTP_PROCESS`) import nothing of the scheduler's.
 * No module over :data:`MAX_MODULE_LINES` lines outside ``benchmarks/``.
 * ``docs/architecture.md`` matches the tree: every ``.py`` file it names exists, and every package
   of ``relaxkv_sglang`` is named in it.
-* ``relaxkv_sglang/srt/**.py``: every parameter is annotated (``self``/``cls`` excepted,
+* ``relaxkv_sglang/<room>/sglang/**.py``: every parameter is annotated (``self``/``cls`` excepted,
   ``*args``/``**kwargs`` included) and every public function or method has a docstring.
 
 Each failure lists every offender as ``path:line``.  Nothing is allow-listed.
@@ -64,7 +66,7 @@ def _parse(path: Path) -> ast.Module:
 
 
 @contextlib.contextmanager
-def _probe(src: str, name: str = "relaxkv_sglang.core._probe_") -> Iterator[tuple[Module, dict[str, Module]]]:
+def _probe(src: str, name: str = "relaxkv_sglang.attention._probe_") -> Iterator[tuple[Module, dict[str, Module]]]:
     """A synthetic module ``name`` with source ``src``, next to the real ones (tests of the checks)."""
     path = ROOT.joinpath(*name.split(".")).with_suffix(".py")
     _TREES[path] = ast.parse(src)
@@ -241,9 +243,9 @@ def import_cycles() -> list[str]:
 
 def test_import_graph_is_read_from_the_source():
     modules, graph = import_graph()
-    assert "relaxkv_sglang.gpu.prefill_inputs" in graph["relaxkv_sglang.gpu.flashinfer_attention"]
-    assert "relaxkv_sglang.gpu.flashinfer_attention" in graph["relaxkv_sglang.gpu_check.kernels"]  # in functions
-    assert "relaxkv_sglang.core.layout" in graph["relaxkv_sglang.gpu.anchor_inputs"]
+    assert "relaxkv_sglang.attention.gpu.prefill_inputs" in graph["relaxkv_sglang.attention.gpu.flashinfer_attention"]
+    assert "relaxkv_sglang.attention.gpu.flashinfer_attention" in graph["relaxkv_sglang.gpu_check.kernels"]  # in functions
+    assert "relaxkv_sglang.attention.layout" in graph["relaxkv_sglang.attention.gpu.anchor_inputs"]
     assert "relaxkv_patches.cpu_shims" in graph["relaxkv_patches"]
     assert any(m.startswith("relaxkv_patches.") for m in modules)
 
@@ -253,24 +255,24 @@ def test_imports_are_read_in_every_form():
         "from typing import TYPE_CHECKING\n"
         "import torch\n"
         "from . import layout\n"                              # from pkg import module (relative)
-        "from .attention import block_sparse_attention\n"      # from module import name (relative)
-        "from ..gpu import prefill_inputs as pi\n"             # two levels up
-        "import relaxkv_sglang.core.rope\n"
+        "from .causal import dense_causal_attention\n"        # from module import name (relative)
+        "from ..model import rope_config as rc\n"              # two levels up
+        "import relaxkv_sglang.model.rope\n"
         "if TYPE_CHECKING:\n"
-        "    from relaxkv_sglang.srt import plan\n"            # not at run time
+        "    from relaxkv_sglang.request import plan\n"        # not at run time
         "else:\n"
-        "    from relaxkv_sglang import schema\n"
+        "    from relaxkv_sglang.request import schema\n"
         "def f():\n"
-        "    from relaxkv_sglang.core.segments import auto_chunk\n"  # inside a function
+        "    from relaxkv_sglang.request.segments import auto_chunk\n"  # inside a function
         "    import importlib\n"
         "    return importlib.import_module('relaxkv_sglang.routing')\n")
     with _probe(src) as (module, modules):
         found = imports_of(module, modules)
     assert sorted({m for m, _ in found}) == [
-        "relaxkv_sglang.core.attention", "relaxkv_sglang.core.layout", "relaxkv_sglang.core.rope",
-        "relaxkv_sglang.core.segments", "relaxkv_sglang.gpu.prefill_inputs", "relaxkv_sglang.routing",
-        "relaxkv_sglang.schema"]
-    assert ("relaxkv_sglang.core.segments", 12) in found
+        "relaxkv_sglang.attention.causal", "relaxkv_sglang.attention.layout", "relaxkv_sglang.model.rope",
+        "relaxkv_sglang.model.rope_config", "relaxkv_sglang.request.schema", "relaxkv_sglang.request.segments",
+        "relaxkv_sglang.routing"]
+    assert ("relaxkv_sglang.request.segments", 12) in found
 
 
 def test_no_import_cycles():
@@ -287,43 +289,67 @@ def test_cycle_finder_reports_a_cycle():
 
 # --- which way imports run ---------------------------------------------------------------------
 
-SRT = "relaxkv_sglang.srt"
-#: srt package -> the other srt packages it may import (the scheduler's stages reach the cache, not
-#: the other way; the HTTP process imports nothing of the scheduler's)
-SRT_MAY_IMPORT = {"entrypoints": set(), "scheduler": {"mem_cache"}, "mem_cache": set(), "forward": {"mem_cache"}}
-#: top modules of srt any package may import (what requests, failures and calibrations are)
-SRT_BASE = {"plan", "failures", "calibration", "state"}
+PACKAGE = "relaxkv_sglang"
+ADAPTER = "sglang"  # each room's SGLang adapter: relaxkv_sglang.<room>.sglang
+#: room -> the rooms whose adapter its own adapter may import (the forward's stages reach the cache,
+#: the attention and the model, never the other way; the server wires them all)
+ADAPTER_MAY_IMPORT = {"request": set(), "cache": set(), "attention": set(), "model": set(),
+                      "repair": {"cache", "attention", "model"},
+                      "server": {"request", "cache", "attention", "model", "repair"}}
+#: the HTTP process's adapter modules: they import no adapter module of the scheduler's
+HTTP_PROCESS = {f"{PACKAGE}.request.sglang.{m}" for m in ("api", "chat", "parallel_encoding", "join_registry",
+                                                         "sglang_fields")} | {f"{PACKAGE}.server.sglang.gate_refusal"}
+#: modules above the adapters (they run the adapters outside SGLang, on a GPU)
+ABOVE_ADAPTERS = (f"{PACKAGE}.gpu_check",)
+#: modules that import SGLang besides the adapters: SGLang's frontend language, and the CPU shims
+SGLANG_ELSEWHERE = (f"{PACKAGE}.lang", "relaxkv_patches")
 
 
-def _srt_place(name: str) -> Optional[tuple[str, str]]:
-    """("package", its name) for a module inside an srt package, ("top", its name) for a top module
-    of srt, None outside srt."""
-    if not name.startswith(SRT + "."):
-        return None
-    first = name[len(SRT) + 1:].split(".")[0]
-    return ("package", first) if first in SRT_MAY_IMPORT else ("top", first)
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def adapter_room(name: str) -> Optional[str]:
+    """The room whose SGLang adapter holds module ``name``, None for a module outside every adapter."""
+    parts = name.split(".")
+    if len(parts) >= 3 and parts[0] == PACKAGE and parts[1] in ADAPTER_MAY_IMPORT and parts[2] == ADAPTER:
+        return parts[1]
+    return None
 
 
 def upward_imports(modules: dict[str, Module], graph: dict[str, dict[str, int]]) -> list[str]:
     """``path:line module -> imported`` for every import that runs against the rules (module doc)."""
     bad = []
     for name, deps in sorted(graph.items()):
-        here = _srt_place(name)
+        here = adapter_room(name)
         for dep, line in sorted(deps.items()):
-            there = _srt_place(dep)
+            there = adapter_room(dep)
             if there is None:
                 continue
             where = f"{modules[name].rel}:{line} {name} -> {dep}"
-            if any(name == top or name.startswith(top + ".") for top in ("relaxkv_sglang.core", "relaxkv_sglang.gpu")):
-                bad.append(where + " (core/ and gpu/ import no srt)")
-            elif here is not None and here[0] == "package":
-                kind, target = there
-                if kind == "package" and target != here[1] and target not in SRT_MAY_IMPORT[here[1]]:
-                    bad.append(where + f" ({here[1]} may import {sorted(SRT_MAY_IMPORT[here[1]]) or 'no other package'})")
-                elif kind == "top" and target not in SRT_BASE:
-                    bad.append(where + f" (a package imports only the base modules {sorted(SRT_BASE)})")
-            elif here is not None and here[1] in SRT_BASE and there[0] == "package":
-                bad.append(where + " (a base module imports no package)")
+            if here is None:
+                if not _under(name, ABOVE_ADAPTERS):
+                    bad.append(where + " (only an adapter imports an adapter)")
+            elif name in HTTP_PROCESS:
+                if dep not in HTTP_PROCESS:
+                    bad.append(where + " (the HTTP process imports nothing of the scheduler's)")
+            elif there != here and there not in ADAPTER_MAY_IMPORT[here]:
+                allowed = sorted(ADAPTER_MAY_IMPORT[here]) or "no other room"
+                bad.append(where + f" ({here}'s adapter may import the adapters of {allowed})")
+    return bad
+
+
+def sglang_imports(modules: dict[str, Module]) -> list[str]:
+    """``path:line module`` for every run-time import of SGLang outside the adapters (module doc)."""
+    bad = []
+    for name, module in sorted(modules.items()):
+        if adapter_room(name) is not None or _under(name, SGLANG_ELSEWHERE):
+            continue
+        for node in _walk_runtime(module.tree()):
+            targets = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(t == "sglang" or t.startswith("sglang.") for t in targets):
+                bad.append(f"{module.rel}:{node.lineno} {name}")
     return bad
 
 
@@ -332,20 +358,33 @@ def test_imports_run_one_way():
     assert not bad, "imports against the direction of the layers:\n" + "\n".join(bad)
 
 
+def test_only_the_adapters_import_sglang():
+    bad = sglang_imports(project_modules())
+    assert not bad, "SGLang imported outside the adapters:\n" + "\n".join(bad)
+
+
 def test_the_direction_check_finds_what_it_looks_for():
     cases = {  # (module, source) -> how many offenders
-        ("relaxkv_sglang.srt.mem_cache._probe_", "from relaxkv_sglang.srt.forward import fold\n"): 1,
-        ("relaxkv_sglang.srt.entrypoints._probe_", "def f():\n    import relaxkv_sglang.srt.mem_cache.pins\n"): 1,
-        ("relaxkv_sglang.srt.forward._probe_", "from relaxkv_sglang.srt import gate\n"): 1,
-        ("relaxkv_sglang.gpu._probe_", "from relaxkv_sglang.srt import plan\n"): 1,
-        ("relaxkv_sglang.gpu_check_probe_", "from relaxkv_sglang.srt import plan\n"): 0,  # not gpu/
-        ("relaxkv_sglang.srt.forward._probe_",
-         "from relaxkv_sglang.srt.mem_cache import chunk_cache\nfrom relaxkv_sglang.srt import plan\n"): 0,
+        ("relaxkv_sglang.cache.sglang._probe_", "from relaxkv_sglang.repair.sglang import query_pass\n"): 1,
+        ("relaxkv_sglang.request.sglang.api", "def f():\n    import relaxkv_sglang.cache.sglang.pins\n"): 1,
+        ("relaxkv_sglang.request.sglang.api", "from relaxkv_sglang.server.sglang import gate_refusal\n"): 0,
+        ("relaxkv_sglang.request.sglang._probe_", "from relaxkv_sglang.server.sglang import gate\n"): 1,
+        ("relaxkv_sglang.attention.gpu._probe_", "from relaxkv_sglang.attention.sglang import context\n"): 1,
+        ("relaxkv_sglang.gpu_check._probe_", "from relaxkv_sglang.repair.sglang import layer_loop\n"): 0,
+        ("relaxkv_sglang.repair.sglang._probe_",
+         "from relaxkv_sglang.cache.sglang import relaxkv_cache\nfrom relaxkv_sglang.request import plan\n"): 0,
     }
     for (name, src), n in cases.items():
         with _probe(src, name) as (module, modules):
             graph = {module.name: {dep: line for dep, line in imports_of(module, modules)}}
             assert len(upward_imports(modules, graph)) == n, (name, src)
+
+
+def test_the_sglang_check_finds_what_it_looks_for():
+    src = "import torch\nif TYPE_CHECKING:\n    import sglang\ndef f():\n    from sglang.srt import utils\n"
+    for name, n in (("relaxkv_sglang.repair._probe_", 1), ("relaxkv_sglang.repair.sglang._probe_", 0)):
+        with _probe(src, name) as (module, modules):
+            assert len([b for b in sglang_imports(modules) if "_probe_" in b]) == n, name
 
 
 # --- module size ---------------------------------------------------------------------------------
@@ -397,9 +436,9 @@ def test_the_architecture_doc_matches_the_tree():
 def test_the_doc_check_finds_what_it_looks_for():
     text = ARCHITECTURE_DOC.read_text()
     before = set(doc_tree_mismatches(text))
-    assert set(doc_tree_mismatches(text + "\nsrt/forward/no_such_module.py")) - before == {
-        "names srt/forward/no_such_module.py, which is not in the tree"}
-    assert "does not name the package srt/mem_cache/" in doc_tree_mismatches(text.replace("mem_cache/", "mem_cache"))
+    assert set(doc_tree_mismatches(text + "\nrepair/sglang/no_such_module.py")) - before == {
+        "names repair/sglang/no_such_module.py, which is not in the tree"}
+    assert "does not name the package model/sglang/" in doc_tree_mismatches(text.replace("model/sglang/", "model/sglang"))
 
 
 # --- module-level state -----------------------------------------------------------------------
@@ -573,25 +612,25 @@ def test_no_module_level_container_mutated_at_run_time():
 
 def test_state_checks_find_what_they_look_for():
     src = (
-        "import relaxkv_sglang.core.layout as L\n"
-        "from relaxkv_sglang.core import attention\n"
-        "import relaxkv_sglang.core.rope\n"
+        "import relaxkv_sglang.attention.layout as L\n"
+        "from relaxkv_sglang.attention import causal as attention\n"
+        "import relaxkv_sglang.model.rope\n"
         "REG = {}\n"
         "def f(x):\n"
         "    global G\n"
         "    REG[x] = 1\n"
         "    L.page_scores = None\n"
         "    setattr(attention, 'y', 1)\n"
-        "    relaxkv_sglang.core.rope.X = 2\n"
+        "    relaxkv_sglang.model.rope.X = 2\n"
         "    def g(REG):\n"
         "        REG[0] = 1\n"
         "        REG.update(a=1)\n")
     with _probe(src) as (module, modules):
         aliases = _module_aliases(module, modules)
-        assert aliases == {"L": "relaxkv_sglang.core.layout", "attention": "relaxkv_sglang.core.attention",
+        assert aliases == {"L": "relaxkv_sglang.attention.layout", "attention": "relaxkv_sglang.attention.causal",
                            "relaxkv_sglang": "relaxkv_sglang"}
-        assert _as_module(ast.parse("relaxkv_sglang.core.rope", mode="eval").body, aliases, modules) == \
-            "relaxkv_sglang.core.rope"
+        assert _as_module(ast.parse("relaxkv_sglang.model.rope", mode="eval").body, aliases, modules) == \
+            "relaxkv_sglang.model.rope"
         funcs = dict(_functions(module.tree()))
         assert set(funcs) == {"f", "f.<locals>.g"}
         assert sum(isinstance(n, ast.Global) for n in _own_nodes(funcs["f"])) == 1
@@ -600,17 +639,17 @@ def test_state_checks_find_what_they_look_for():
         mine = lambda found: [o for o in found if o.startswith(module.rel)]  # noqa: E731
         assert mine(global_statements(modules)) == [f"{module.rel}:6 f(): global G"]
         assert mine(foreign_module_writes(modules)) == [
-            f"{module.rel}:10 writes relaxkv_sglang.core.rope.X",
-            f"{module.rel}:8 writes relaxkv_sglang.core.layout.page_scores",
-            f"{module.rel}:9 setattr(relaxkv_sglang.core.attention, ...)"]
+            f"{module.rel}:10 writes relaxkv_sglang.model.rope.X",
+            f"{module.rel}:8 writes relaxkv_sglang.attention.layout.page_scores",
+            f"{module.rel}:9 setattr(relaxkv_sglang.attention.causal, ...)"]
         assert mine(module_state_mutations(modules)) == [f"{module.rel}:7 f() mutates module-level REG"]
 
 
-# --- srt/: annotations and docstrings ---------------------------------------------------------
+# --- the adapters: annotations and docstrings -------------------------------------------------
 
 
-def _srt_files() -> list[Path]:
-    return sorted((ROOT / "relaxkv_sglang" / "srt").rglob("*.py"))
+def _adapter_files() -> list[Path]:
+    return sorted(p for room in ADAPTER_MAY_IMPORT for p in (ROOT / PACKAGE / room / ADAPTER).rglob("*.py"))
 
 
 def _methods_and_functions(tree: ast.Module) -> Iterator[tuple[str, ast.AST, bool]]:
@@ -658,7 +697,7 @@ def missing_docstrings(path: Path) -> list[str]:
             if not func.name.startswith("_") and ast.get_docstring(func) is None]
 
 
-def test_srt_checks_find_what_they_look_for():
+def test_adapter_checks_find_what_they_look_for():
     src = (
         "class C:\n"
         "    def method(self, a: int, b, *args, c: int = 0, **kw) -> None:\n"
@@ -675,7 +714,7 @@ def test_srt_checks_find_what_they_look_for():
         "def top(q: int) -> int:\n"
         "    'Doc.'\n"
         "    return (lambda u: u)(q)\n")
-    with _probe(src, "relaxkv_sglang.srt._probe_") as (module, _):
+    with _probe(src, "relaxkv_sglang.cache.sglang._probe_") as (module, _):
         rel = module.rel
         assert unannotated_parameters(module.path) == [
             f"{rel}:2 C.method(): parameter b has no annotation",
@@ -688,11 +727,12 @@ def test_srt_checks_find_what_they_look_for():
             f"{rel}:11 C._private.<locals>.inner(): public, no docstring"]
 
 
-def test_srt_parameters_are_annotated():
-    offenders = [o for path in _srt_files() for o in unannotated_parameters(path)]
-    assert not offenders, f"{len(offenders)} unannotated parameters in srt/:\n" + "\n".join(offenders)
+def test_adapter_parameters_are_annotated():
+    offenders = [o for path in _adapter_files() for o in unannotated_parameters(path)]
+    assert not offenders, f"{len(offenders)} unannotated parameters in the adapters:\n" + "\n".join(offenders)
 
 
-def test_srt_public_functions_have_docstrings():
-    offenders = [o for path in _srt_files() for o in missing_docstrings(path)]
-    assert not offenders, f"{len(offenders)} public functions without a docstring in srt/:\n" + "\n".join(offenders)
+def test_adapter_public_functions_have_docstrings():
+    offenders = [o for path in _adapter_files() for o in missing_docstrings(path)]
+    assert not offenders, f"{len(offenders)} public functions without a docstring in the adapters:\n" + "\n".join(
+        offenders)

@@ -86,7 +86,7 @@ def test_resolve_model_prepares_known_names_and_passes_paths_through(monkeypatch
 
 
 def test_running_server_uses_a_given_url_and_starts_nothing():
-    from relaxkv_sglang.server import running_server
+    from relaxkv_sglang.server.launch import running_server
 
     def no_config():
         raise AssertionError("a server was started although a URL was given")
@@ -136,8 +136,8 @@ def test_version_is_the_package_version():
 def test_serve_and_a_raw_launch_server_share_the_default_policy(monkeypatch, tmp_path, capsys, serve_env):
     """Without --policy, serve sets nothing: the server reads its settings as a raw
     launch_server with the plugin does, from the same environment."""
-    from relaxkv_sglang import schema
-    from relaxkv_sglang.settings import DEFAULT_POLICY_ENV, ServerSettings
+    from relaxkv_sglang.request import schema
+    from relaxkv_sglang.server.settings import DEFAULT_POLICY_ENV, ServerSettings
 
     for env_value, expected in ((None, schema.POLICY.default), ("pic", "pic")):
         if env_value is None:
@@ -213,7 +213,7 @@ def test_serve_waits_while_the_server_lives_then_stops_it_and_names_its_exit(mon
 
 
 def test_bad_default_policy_env_is_one_line_before_anything_starts(monkeypatch, tmp_path, capsys):
-    from relaxkv_sglang.schema import POLICY
+    from relaxkv_sglang.request.schema import POLICY
 
     monkeypatch.setenv("RELAXKV_DEFAULT_POLICY", "bogus")
     assert cli.main(["serve", "--model", str(tmp_path / "nope")]) == 1

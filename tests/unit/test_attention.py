@@ -5,15 +5,15 @@ import math
 import pytest
 import torch
 
-from relaxkv_sglang.core.attention import dense_causal_attention, gathered_attention
-from relaxkv_sglang.core.block_sparse import (
+from relaxkv_sglang.attention.causal import dense_causal_attention, gathered_attention
+from relaxkv_sglang.attention.block_sparse import (
     GROUP_ROWS,
     AttentionWork,
     _block_groups,
     block_sparse_attention,
     executed_kv_pairs,
 )
-from relaxkv_sglang.core.layout import BlockSparseLayout, RelaxedContextSpec, build_relaxed_layout, full_causal_layout
+from relaxkv_sglang.attention.layout import BlockSparseLayout, RelaxedContextSpec, build_relaxed_layout, full_causal_layout
 
 H, HKV, D = 4, 2, 8
 
@@ -154,7 +154,7 @@ def test_batched_block_sparse_equals_the_block_loop():
 
 def test_scoped_causal_attention_sees_exactly_its_scope():
     """Rows see keys [scope start, own position], read through a slot map."""
-    from relaxkv_sglang.core.attention import scoped_causal_attention
+    from relaxkv_sglang.attention.causal import scoped_causal_attention
 
     g = torch.Generator().manual_seed(3)
     n, H, Hkv, d = 40, 4, 2, 8

@@ -1,4 +1,4 @@
-"""The auto budget's signal, model, choice and prices (core/auto_budget.py), and its fit (scripts/calibrate_budget.py)."""
+"""The auto budget's signal, model, choice and prices (repair/auto_budget.py), and its fit (scripts/calibrate_budget.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from relaxkv_sglang.core.auto_budget import (ANSWER_TOP, RATIO_LADDER, BudgetModel, BudgetSignal, PromptCurve,
+from relaxkv_sglang.repair.auto_budget import (ANSWER_TOP, RATIO_LADDER, BudgetModel, BudgetSignal, PromptCurve,
                                              answer_uncertainty, budget_signal, calibrate_prices, choose_ratios,
                                              fit_budget_model, price_curve)
-from relaxkv_sglang.core.quality import parse_quality
+from relaxkv_sglang.repair.quality import parse_quality
 
 SPANS = [(4, 20), (20, 36), (36, 52)]
 N_CONTEXT = 52

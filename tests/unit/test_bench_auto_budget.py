@@ -11,7 +11,7 @@ import random
 import pytest
 
 from benchmarks import bench_auto_budget
-from relaxkv_sglang.core.auto_budget import RATIO_LADDER
+from relaxkv_sglang.repair.auto_budget import RATIO_LADDER
 from scripts import calibrate_budget
 
 N_LAYERS, PAIR_COST = 30, 1e-3
@@ -101,7 +101,7 @@ def test_the_analysis_pairs_auto_with_the_reference_in_kl_and_cost():
 
 
 def test_calibrate_writes_the_budget_beside_the_knobs_it_keeps(tmp_path, capsys):
-    from relaxkv_sglang.core.calibration import Calibration, load_calibration, model_fingerprint, save_calibration
+    from relaxkv_sglang.repair.calibration import Calibration, load_calibration, model_fingerprint, save_calibration
 
     model_dir = tmp_path / "model"
     model_dir.mkdir()

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from relaxkv_sglang import assets
-from relaxkv_sglang.core.calibration import load_calibration, model_fingerprint
+from relaxkv_sglang.repair.calibration import load_calibration, model_fingerprint
 
 
 def test_calibrate_keeps_a_significant_improvement_and_writes_the_evidence(tmp_path):

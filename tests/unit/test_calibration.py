@@ -10,12 +10,12 @@ import types
 import pytest
 
 from relaxkv_sglang import assets
-from relaxkv_sglang.settings import CALIBRATION_ENV, ServerSettings
-from relaxkv_sglang.core.calibration import (CALIBRATION_DIR, FORMAT_VERSION, Calibration, CalibrationError,
+from relaxkv_sglang.server.settings import CALIBRATION_ENV, ServerSettings
+from relaxkv_sglang.repair.calibration import (CALIBRATION_DIR, FORMAT_VERSION, Calibration, CalibrationError,
                                              base_config, calibration_for_model, changed_knobs, config_fingerprint,
                                              find_calibration, load_calibration, model_fingerprint, rope_parameters,
                                              save_calibration, served_calibration)
-from relaxkv_sglang.core.repair_config import RepairConfig
+from relaxkv_sglang.repair.repair_config import RepairConfig
 
 HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 128,
              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048, "rope_theta": 1e4}
@@ -124,7 +124,7 @@ def test_lookup_by_fingerprint_override_and_none(tmp_path):
 
 
 def test_the_repository_files_are_valid_and_distinct():
-    from relaxkv_sglang.core.calibration import CALIBRATION_DIR
+    from relaxkv_sglang.repair.calibration import CALIBRATION_DIR
 
     found = {}
     for path in sorted(CALIBRATION_DIR.glob("*.json")):
@@ -139,20 +139,20 @@ def test_the_repository_files_are_valid_and_distinct():
 
 
 def _rows(**ratios) -> types.SimpleNamespace:
-    from relaxkv_sglang.srt.plan import RequestPlan
+    from relaxkv_sglang.request.plan import RequestPlan
 
     return types.SimpleNamespace(fold=types.SimpleNamespace(plan=RequestPlan("relaxkv", ((2, 6),), None, **ratios)))
 
 
 def test_repair_config_starts_from_the_calibrated_base_and_the_request_overrides():
-    from relaxkv_sglang.srt.forward.repair import request_repair_config
+    from relaxkv_sglang.repair.sglang.repair_stage import request_repair_config
 
     base = RepairConfig.from_knobs(context_ratio=0.25, stale_shift_scale=1.0, layer_value="uniform")
     config = request_repair_config(_rows(), base)
     assert config.context_ratio == 0.25 and config.relaxkv.stale_shift_scale == 1.0
     assert config.anchor_ratio == RepairConfig().anchor_ratio and config.budget is None
     config = request_repair_config(_rows(anchor_ratio=0.3, context_ratio=0.75, budget=0.2), base)
-    assert (config.anchor_ratio, config.context_ratio, config.budget) == (0.3, 0.75, None)  # budget: forward/budget.py
+    assert (config.anchor_ratio, config.context_ratio, config.budget) == (0.3, 0.75, None)  # budget: repair/sglang/budget.py
     assert config.relaxkv.layer_value == "uniform"  # what a request cannot set stays calibrated
     assert request_repair_config(_rows(), RepairConfig()) == RepairConfig()
 
@@ -162,18 +162,18 @@ def _settings(**env: str) -> ServerSettings:
 
 
 def test_the_server_loads_logs_and_shows_its_calibration(tmp_path, caplog):
-    from relaxkv_sglang.srt.calibration import calibration_state, load_served_calibration, repair_base
+    from relaxkv_sglang.repair.sglang.served_calibration import calibration_state, load_served_calibration, repair_base
 
     cache = types.SimpleNamespace()
     assert repair_base(cache) == RepairConfig() and calibration_state(cache) is None
-    with caplog.at_level(logging.INFO, logger="relaxkv_sglang.srt.calibration"):
+    with caplog.at_level(logging.INFO, logger="relaxkv_sglang.repair.sglang.served_calibration"):
         load_served_calibration(cache, "/models/tiny-llama/", HF_CONFIG, _settings())
     assert "relaxkv: no calibration for tiny-llama; repair knobs are the defaults (tuned on SmolLM2-135M)" in caplog.text
     assert calibration_state(cache)["file"] is None and calibration_state(cache)["knobs"] == {}
 
     path = save_calibration(_calibration(context_ratio=0.25), tmp_path / "tiny.json")
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="relaxkv_sglang.srt.calibration"):
+    with caplog.at_level(logging.INFO, logger="relaxkv_sglang.repair.sglang.served_calibration"):
         load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG, _settings(RELAXKV_CALIBRATION=str(path)))
     assert f"relaxkv: calibration {path} (knobs: context_ratio=0.25); no auto budget model" in caplog.text
     assert repair_base(cache).context_ratio == 0.25
@@ -188,7 +188,7 @@ def test_the_server_loads_logs_and_shows_its_calibration(tmp_path, caplog):
 
 def test_serve_checks_the_calibration_before_starting(tmp_path):
     from relaxkv_sglang.cli import calibration_env
-    from relaxkv_sglang.server import ServerError
+    from relaxkv_sglang.server.launch import ServerError
 
     model = _model_dir(tmp_path)
     path = save_calibration(_calibration(), tmp_path / "tiny.json")
@@ -224,8 +224,8 @@ def test_the_repository_files_load_and_match_their_prepared_models():
 
 
 def test_a_budget_model_travels_in_the_calibration_file_and_sets_the_server_budget(tmp_path, caplog):
-    from relaxkv_sglang.core.auto_budget import BudgetModel
-    from relaxkv_sglang.srt.calibration import calibration_state, load_served_calibration, served_settings
+    from relaxkv_sglang.repair.auto_budget import BudgetModel
+    from relaxkv_sglang.repair.sglang.served_calibration import calibration_state, load_served_calibration, served_settings
 
     model = BudgetModel(("one", "log_ratio"), (-5.0, -1.0), prices={"low": 1.0, "medium": 0.3, "high": 0.05})
     with_budget = dataclasses.replace(_calibration(context_ratio=0.25), budget_model=model,
@@ -237,7 +237,7 @@ def test_a_budget_model_travels_in_the_calibration_file_and_sets_the_server_budg
 
     cache = types.SimpleNamespace()
     auto = _settings(RELAXKV_CALIBRATION=str(path), RELAXKV_DEFAULT_BUDGET="auto", RELAXKV_QUALITY="High")
-    with caplog.at_level(logging.INFO, logger="relaxkv_sglang.srt.calibration"):
+    with caplog.at_level(logging.INFO, logger="relaxkv_sglang.repair.sglang.served_calibration"):
         load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG, auto)
     assert "auto budget calibrated; default budget auto, quality high" in caplog.text
     served = served_settings(cache)

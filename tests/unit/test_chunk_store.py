@@ -1,4 +1,4 @@
-"""Unit tests for relaxkv_sglang.core.chunk_store."""
+"""Unit tests for relaxkv_sglang.cache.chunk_store."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relaxkv_sglang.core.chunk_store import ChunkEntry, ChunkStore, ChunkStoreStats
+from relaxkv_sglang.cache.chunk_store import ChunkEntry, ChunkStore, ChunkStoreStats
 
 
 class FakeAllocator:

@@ -1,4 +1,4 @@
-"""Unit tests for relaxkv_sglang.core.tiers: keys, host tier, disk tier, faults, admission, the tiered store."""
+"""Unit tests for relaxkv_sglang.cache.tiers: keys, host tier, disk tier, faults, admission, the tiered store."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from relaxkv_sglang.core.tiers import (
+from relaxkv_sglang.cache.tiers import (
     AsyncWriter, ChunkRecord, DiskTier, DiskTierConfig, FrequencySketch, HostTier, HostTierConfig, ModelIdentity,
     TieredChunkStore, TierName, chunk_key, disk as disk_module, simulate_tier,
 )
@@ -145,7 +145,7 @@ def test_host_tier_resident_memory_stays_within_its_bound():
     """RSS of a process that pushes 4x the bound through a 128 MiB tier grows by at most 10% over it."""
     script = textwrap.dedent("""
         import torch
-        from relaxkv_sglang.core.tiers import ChunkRecord, HostTier
+        from relaxkv_sglang.cache.tiers import ChunkRecord, HostTier
         def rss():
             for line in open("/proc/self/status"):
                 if line.startswith("VmRSS:"):
@@ -316,7 +316,7 @@ def test_kill_9_during_writes_leaves_only_complete_chunks(tmp_path):
         import sys, torch
         sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
         from test_chunk_tiers import IDENT, SHAPE, key, record
-        from relaxkv_sglang.core.tiers import DiskTier
+        from relaxkv_sglang.cache.tiers import DiskTier
         d = DiskTier({str(root)!r}, 1 << 30, IDENT, SHAPE, torch.float32)
         i = 0
         while True:
@@ -424,8 +424,8 @@ def test_prefetch_stages_disk_reads_for_a_later_get(tmp_path):
 
 
 def test_tier_names_are_one_vocabulary_and_map_once_to_sglang():
-    from relaxkv_sglang.core.tiers import LOWER_TIERS, split_hits
-    from relaxkv_sglang.srt.mem_cache.cache_source import by_cache_source, sglang_cache_source
+    from relaxkv_sglang.cache.tiers import LOWER_TIERS, split_hits
+    from relaxkv_sglang.cache.sglang.cache_source import by_cache_source, sglang_cache_source
 
     assert [str(t) for t in TierName] == ["device", "host", "disk", "hicache"]
     assert LOWER_TIERS == (TierName.HOST, TierName.DISK, TierName.HICACHE)
@@ -443,7 +443,7 @@ def test_tier_names_are_one_vocabulary_and_map_once_to_sglang():
 def test_a_tier_added_to_the_list_is_used_by_its_role(tmp_path):
     """Adding a tier is one class: a write-through dict tier below the disk gets every publish and
     the loads the tiers above it miss, counted under its own name."""
-    from relaxkv_sglang.core.tiers import Tier, TierRole
+    from relaxkv_sglang.cache.tiers import Tier, TierRole
 
     class DictTier(Tier):
         name = TierName.DEVICE  # any distinct member; a real tier adds its own to TierName

@@ -1,4 +1,4 @@
-"""The repair pass under CUDA's rules, on the CPU (gpu/cuda_rules.py; issue 47).
+"""The repair pass under CUDA's rules, on the CPU (attention/gpu/cuda_rules.py; issue 47).
 
 CI has no GPU, so this is the GPU path's real test: the model, the KV pool and the hidden states
 live on the harness's stand-in CUDA device, which raises on what CUDA would refuse or synchronize
@@ -20,19 +20,19 @@ import pytest
 import torch
 from test_model_family import hf_model, sglang_model
 
-from relaxkv_sglang.core.reference import from_hf_state_dict, stale_context
-from relaxkv_sglang.core.repair_config import RepairConfig
-from relaxkv_sglang.core.repair_plan import plan_anchors
-from relaxkv_sglang.core.rope_config import rope_spec_from_hf_config
-from relaxkv_sglang.core.staging import HostStage, to_device
-from relaxkv_sglang.gpu.cuda_rules import CudaRuleError, CudaRules
-from relaxkv_sglang.gpu.flashinfer_attention import FLASHINFER_VERSION
-from relaxkv_sglang.gpu.torch_models import flashinfer_stand_in
-from relaxkv_sglang.srt.failures import InvariantError
-from relaxkv_sglang.srt.forward.anchor_attention import AnchorAttention
-from relaxkv_sglang.srt.forward.layer_loop import LayerLoop
-from relaxkv_sglang.srt.forward.model_layers import ModelLayers
-from relaxkv_sglang.srt.forward.repair import repair_rows
+from relaxkv_sglang.model.reference import from_hf_state_dict, stale_context
+from relaxkv_sglang.repair.repair_config import RepairConfig
+from relaxkv_sglang.repair.anchor_schedule import schedule_anchors
+from relaxkv_sglang.model.rope_config import rope_spec_from_hf_config
+from relaxkv_sglang.attention.staging import HostStage, to_device
+from relaxkv_sglang.attention.gpu.cuda_rules import CudaRuleError, CudaRules
+from relaxkv_sglang.attention.gpu.flashinfer_attention import FLASHINFER_VERSION
+from relaxkv_sglang.attention.gpu.torch_models import flashinfer_stand_in
+from relaxkv_sglang.server.failures import InvariantError
+from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention
+from relaxkv_sglang.repair.sglang.layer_loop import LayerLoop
+from relaxkv_sglang.model.sglang.model_layers import ModelLayers
+from relaxkv_sglang.repair.sglang.repair_stage import repair_rows
 
 CUDA = torch.device("cuda", 0)
 
@@ -147,7 +147,7 @@ def _pass(hf, w, policy: str, dtype: torch.dtype, rules: CudaRules | None):
     config = RepairConfig.from_knobs(anchor_ratio=0.3, context_ratio=0.5, page_size=PAGE,
                                      stale_shift="kv" if policy == "relaxkv" else "none", chunk_sink_tokens=1)
     stale = stale_context(w, ids, SPANS, Q0)
-    plan = plan_anchors(policy, stale.scores, SPANS, Q0, w.n_layers, config)
+    plan = schedule_anchors(policy, stale.scores, SPANS, Q0, w.n_layers, config)
     slots = torch.randperm(2 * N, generator=torch.Generator().manual_seed(4))[:N]
     rows = repair_rows(N, plan, slots)
     put = rules.put if rules is not None else (lambda t: t.clone())
@@ -218,7 +218,7 @@ def test_the_repair_pass_keeps_cuda_rules_and_gives_the_cpu_values(flashinfer_mo
 def test_the_pass_bookkeeping_on_the_device_is_refused():
     """A LoopRows tensor on the device would be read back at every layer: refused up front."""
     hf, w = _model("llama")
-    plan = plan_anchors("epic", None, SPANS, Q0, w.n_layers, RepairConfig(anchor_ratio=0.3, page_size=PAGE))
+    plan = schedule_anchors("epic", None, SPANS, Q0, w.n_layers, RepairConfig(anchor_ratio=0.3, page_size=PAGE))
     with CudaRules():
         rows = repair_rows(N, plan, CudaRules.put(torch.arange(N)))
         layers = types.SimpleNamespace(n_layers=1, model=types.SimpleNamespace(embed_tokens=lambda ids: ids.float()))
@@ -228,9 +228,9 @@ def test_the_pass_bookkeeping_on_the_device_is_refused():
 
 
 def test_the_query_pass_records_scores_under_cuda_rules():
-    """The attention backend's share of a repair's query pass (srt/forward/context.py::QueryScores): the
+    """The attention backend's share of a repair's query pass (attention/sglang/context.py::QueryScores): the
     query's rows are found on the host; the scores are computed where q and the pool are."""
-    from relaxkv_sglang.srt.forward.context import QueryScores
+    from relaxkv_sglang.attention.sglang.context import QueryScores
 
     with CudaRules() as rules:
         scores = QueryScores(n_context=7, query_end=9, slots=rules.put(torch.arange(3, 13)))
@@ -241,7 +241,7 @@ def test_the_query_pass_records_scores_under_cuda_rules():
 
 
 def test_rope_frequencies_reach_the_device_once_without_blocking():
-    from relaxkv_sglang.core.rope import RopeSpec, RotationTable
+    from relaxkv_sglang.model.rope import RopeSpec, RotationTable
 
     spec = RopeSpec(head_dim=8, base=12345.0)
     with CudaRules() as rules:

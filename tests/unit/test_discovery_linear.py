@@ -3,7 +3,7 @@
 Discovery runs in SGLang's tokenizer manager, on the event loop every client shares, so one prompt
 built to make a regex backtrack stalls every request. Three kinds of tests:
 
-* the patterns of ``core/doc_blocks.py`` (possessive runs, trailing tags read from the reversed
+* the patterns of ``request/doc_blocks.py`` (possessive runs, trailing tags read from the reversed
   line) answer exactly as the patterns they replaced, on short lines where those are fast;
 * named regressions: the inputs that took seconds before (a 24K-character line of tags took 2.2 s
   in ``_TRAIL_TAGS.search``), at 64K characters, each bounded in CPU time per character;
@@ -27,8 +27,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relaxkv_sglang.core import doc_blocks
-from relaxkv_sglang.core.doc_index import DocumentIndex, discover_chunks
+from relaxkv_sglang.request import doc_blocks
+from relaxkv_sglang.request.doc_index import DocumentIndex, discover_chunks
 
 MAX_US_PER_CHAR = 4.0
 REPEATS = 3

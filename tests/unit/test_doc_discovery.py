@@ -1,7 +1,7 @@
 """Chunk discovery in unmarked prompts: the block rules, token boundaries, the opt-in document
 index, and a property test that no discovered chunk is ever served as another text's KV and that
-every one starts and ends on a token boundary (core/doc_blocks.py, core/doc_index.py,
-srt/entrypoints/api.py::plan_item, prompt_boundaries, the index's server setting and its flush hook). The
+every one starts and ends on a token boundary (request/doc_blocks.py, request/doc_index.py,
+request/sglang/api.py::plan_item, prompt_boundaries, the index's server setting and its flush hook). The
 regexes' linear time is tested in test_discovery_linear.py."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relaxkv_sglang.core.doc_blocks import candidate_spans, find_blocks
-from relaxkv_sglang.core.doc_index import DocumentIndex, discover_chunks, token_boundaries
-from relaxkv_sglang.core.segments import split_text, tokenize_parts
-from relaxkv_sglang.schema import PLAN_KEY
-from relaxkv_sglang.srt.entrypoints import api
-from relaxkv_sglang.srt.entrypoints.api import item_namespace, plan_item, prompt_boundaries
+from relaxkv_sglang.request.doc_blocks import candidate_spans, find_blocks
+from relaxkv_sglang.request.doc_index import DocumentIndex, discover_chunks, token_boundaries
+from relaxkv_sglang.request.segments import split_text, tokenize_parts
+from relaxkv_sglang.request.schema import PLAN_KEY
+from relaxkv_sglang.request.sglang import api
+from relaxkv_sglang.request.sglang.api import item_namespace, plan_item, prompt_boundaries
 
 WORDS = ("river", "stone", "market", "engine", "signal", "harbor", "lantern", "orbit", "meadow", "copper",
          "violet", "thunder", "canal", "archive", "summit", "falcon")

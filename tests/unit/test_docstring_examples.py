@@ -7,19 +7,19 @@ import pytest
 
 # Modules whose public entry points end their docstring in a runnable example.
 MODULES = [
-    "relaxkv_sglang.core.block_sparse",     # block_sparse_attention
-    "relaxkv_sglang.core.doc_index",        # discover_chunks
-    "relaxkv_sglang.core.layout",           # build_relaxed_layout
-    "relaxkv_sglang.core.reference",        # reference_prefill
-    "relaxkv_sglang.core.repair_plan",      # plan_anchors
-    "relaxkv_sglang.core.rope",             # rotate_keys
-    "relaxkv_sglang.core.selection",        # select_anchors
-    "relaxkv_sglang.core.segments",         # common_prefix_len
-    "relaxkv_sglang.core.staging",          # HostStage
-    "relaxkv_sglang.core.tiers.store",      # TieredChunkStore
-    "relaxkv_sglang.srt.entrypoints.api",   # plan_item
-    "relaxkv_sglang.srt.entrypoints.sglang_fields",  # check_sglang_fields
-    "relaxkv_sglang.srt.scheduler.stop_regex",       # BoundedRe.search
+    "relaxkv_sglang.attention.block_sparse",     # block_sparse_attention
+    "relaxkv_sglang.request.doc_index",        # discover_chunks
+    "relaxkv_sglang.attention.layout",           # build_relaxed_layout
+    "relaxkv_sglang.model.reference",        # reference_prefill
+    "relaxkv_sglang.repair.anchor_schedule",      # schedule_anchors
+    "relaxkv_sglang.model.rope",             # rotate_keys
+    "relaxkv_sglang.repair.selection",        # select_anchors
+    "relaxkv_sglang.request.segments",         # common_prefix_len
+    "relaxkv_sglang.attention.staging",          # HostStage
+    "relaxkv_sglang.cache.tiers.store",      # TieredChunkStore
+    "relaxkv_sglang.request.sglang.api",   # plan_item
+    "relaxkv_sglang.request.sglang.sglang_fields",  # check_sglang_fields
+    "relaxkv_sglang.request.sglang.stop_regex",       # BoundedRe.search
 ]
 
 

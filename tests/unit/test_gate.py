@@ -1,4 +1,4 @@
-"""Unit tests for relaxkv_sglang.core.gate: the error measure, the tolerances, the verdict, and the
+"""Unit tests for relaxkv_sglang.server.gate: the error measure, the tolerances, the verdict, and the
 identity the gate checks (K at p == K at 0 re-rotated by p) on a small random Llama, where a
 wrong rotation must fail by orders of magnitude."""
 
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from relaxkv_sglang.core.gate import (
+from relaxkv_sglang.server.gate import (
     CheckResult,
     GateResult,
     compare_layers,
@@ -20,9 +20,9 @@ from relaxkv_sglang.core.gate import (
     relative_error,
     tolerance_for,
 )
-from relaxkv_sglang.core.reference import _causal_prefill, from_hf_state_dict
-from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
-from relaxkv_sglang.core.rope_config import rope_spec_from_hf_config
+from relaxkv_sglang.model.reference import _causal_prefill, from_hf_state_dict
+from relaxkv_sglang.model.rope import RopeSpec, rotate_keys
+from relaxkv_sglang.model.rope_config import rope_spec_from_hf_config
 
 transformers = pytest.importorskip("transformers")
 

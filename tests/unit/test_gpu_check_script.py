@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from relaxkv_sglang import assets
-from relaxkv_sglang.gpu import bundle, jit_needs
+from relaxkv_sglang.gpu_check import bundle, jit_needs
 from relaxkv_sglang.gpu_check import repair, run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

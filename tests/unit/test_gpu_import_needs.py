@@ -1,4 +1,4 @@
-"""What ``import flashinfer`` needs on the GPU machine (gpu/import_needs.py, gpu/import_sites.py,
+"""What ``import flashinfer`` needs on the GPU machine (gpu_check/import_needs.py, gpu_check/import_sites.py,
 bundle.CARRIED_WHEELS): the static import walk's rules on small sources, and the pinned FlashInfer
 0.7.2 walked with the bundle's wheels: every module it needs is carried or in the image, and the
 check fails when a needed wheel is left out."""
@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from relaxkv_sglang import assets
-from relaxkv_sglang.gpu import bundle, import_needs, import_sites
+from relaxkv_sglang.gpu_check import bundle, import_needs, import_sites
 
 SOURCE = textwrap.dedent('''
     import sys, contextlib
@@ -136,14 +136,14 @@ def test_an_unpacked_site_lacking_a_carried_package_is_named(wheels, tmp_path):
 
 
 def test_the_checks_own_modules_import_only_the_image_and_the_bundle(wheels):
-    """`python -m relaxkv_sglang.gpu_check` and `python -m relaxkv_sglang.gpu.bundle` run on the GPU machine
+    """`python -m relaxkv_sglang.gpu_check` and `python -m relaxkv_sglang.gpu_check.bundle` run on the GPU machine
     from the checkout."""
     import zipfile
 
     root = pathlib.Path(bundle.__file__).resolve().parents[2]
     files = {p.relative_to(root).as_posix() for p in (root / "relaxkv_sglang").rglob("*.py")}
     report = import_needs.report(files, lambda path: (root / path).read_text(),
-                                 roots=["relaxkv_sglang.gpu_check.run", "relaxkv_sglang.gpu.bundle"])
+                                 roots=["relaxkv_sglang.gpu_check.run", "relaxkv_sglang.gpu_check.bundle"])
     carried = {m.split("/")[0].split(".")[0] for w in wheels[1] for m in zipfile.ZipFile(w).namelist()}
     assert set(report.uncovered) <= carried, "\n".join(report.lines())
     assert "torch" in report.needed

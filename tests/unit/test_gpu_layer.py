@@ -1,11 +1,11 @@
 """The GPU path checked on the CPU: the plugin's rows as FlashInfer paged-prefill calls.
 
 FlashInfer runs only on a GPU (``python -m relaxkv_sglang.gpu_check`` there). Here the inputs
-built by ``gpu/anchor_inputs.py`` and ``gpu/prefill_inputs.py`` (vectorised, every layer of a
+built by ``attention/gpu/anchor_inputs.py`` and ``attention/gpu/prefill_inputs.py`` (vectorised, every layer of a
 request at once) are checked on
 random layouts and rows: the pairs the call reads (in pool-slot space) equal the layout's visible
 pairs / the scoped causal masks exactly, and the call's torch model
-(``gpu/torch_models.py::paged_prefill_attention``, FlashInfer's bottom-right causal rule) gives
+(``attention/gpu/torch_models.py::paged_prefill_attention``, FlashInfer's bottom-right causal rule) gives
 the torch executors' outputs. FlashInfer's wrapper is then replaced by that model, with its
 conventions (host indptrs, an NHD paged cache with page size 1, base-2 log-sum-exp), so what the
 thin layer itself does (padding queries, slot mapping, one plan per layer, one wrapper per
@@ -22,20 +22,21 @@ import types
 import pytest
 import torch
 
-from relaxkv_sglang.core.attention import scoped_causal_attention
-from relaxkv_sglang.core.block_sparse import block_sparse_attention
-from relaxkv_sglang.core.layout import BlockSparseLayout, RelaxedContextSpec, build_relaxed_layout, full_causal_layout
-from relaxkv_sglang.core.selection import select_anchors
-from relaxkv_sglang.gpu import bundle, flashinfer_attention
-from relaxkv_sglang.gpu.flashinfer_attention import (
+from relaxkv_sglang.attention.causal import scoped_causal_attention
+from relaxkv_sglang.attention.block_sparse import block_sparse_attention
+from relaxkv_sglang.attention.layout import BlockSparseLayout, RelaxedContextSpec, build_relaxed_layout, full_causal_layout
+from relaxkv_sglang.repair.selection import select_anchors
+from relaxkv_sglang.gpu_check import bundle
+from relaxkv_sglang.attention.gpu import flashinfer_attention
+from relaxkv_sglang.attention.gpu.flashinfer_attention import (
     FLASHINFER_VERSION,
     RING_SIZE,
     FlashInferAnchorAttention,
     FlashInferScopedPrefill,
 )
-from relaxkv_sglang.gpu.anchor_inputs import anchor_prefill_inputs
-from relaxkv_sglang.gpu.prefill_inputs import expand_runs, scoped_prefill_inputs
-from relaxkv_sglang.gpu.torch_models import (
+from relaxkv_sglang.attention.gpu.anchor_inputs import anchor_prefill_inputs
+from relaxkv_sglang.attention.gpu.prefill_inputs import expand_runs, scoped_prefill_inputs
+from relaxkv_sglang.attention.gpu.torch_models import (
     PagedPrefillWrapperModel,
     flashinfer_stand_in,
     paged_prefill_attention,
@@ -319,7 +320,7 @@ def _request(seed: int, n: int = 90, n_layers: int = 3, page_size: int = 8):
 def test_anchor_layer_equals_the_torch_executor(flashinfer_model, seed):
     layouts, key_rows, qs, k_cache, v_cache = _request(seed)
     attn = FlashInferAnchorAttention("cpu", workspace_bytes=16)
-    plan = attn.plan_forward(layouts)
+    plan = attn.pass_metadata(layouts)
     for l, (layout, q) in enumerate(zip(layouts, qs)):
         got = attn.run(plan, l, q, k_cache, v_cache, key_rows, 0.3)
         want = block_sparse_attention(q, k_cache, v_cache, layout, scale=0.3, key_rows=key_rows)
@@ -355,7 +356,7 @@ def test_a_wrapper_is_planned_again_only_after_its_last_run(flashinfer_model):
             log.append(("wait", self.n))
 
     attn._ring.new_event = Event
-    plan = attn.plan_forward(layouts)
+    plan = attn.pass_metadata(layouts)
     for turn in range(2 * RING_SIZE):
         attn.run(plan, turn % len(layouts), qs[turn % len(layouts)], k_cache, v_cache, key_rows, 0.3)
     assert len(attn._ring.calls) == RING_SIZE
@@ -369,14 +370,14 @@ def test_anchor_layer_refuses_wrong_rows(flashinfer_model):
     layouts, key_rows, qs, k_cache, v_cache = _request(5)
     attn = FlashInferAnchorAttention("cpu", workspace_bytes=16)
     with pytest.raises(ValueError, match="rows"):
-        attn.run(attn.plan_forward(layouts), 0, qs[0][1:], k_cache, v_cache, key_rows, 0.3)
+        attn.run(attn.pass_metadata(layouts), 0, qs[0][1:], k_cache, v_cache, key_rows, 0.3)
 
 
 def test_anchor_attention_plans_a_request_once_per_pass(flashinfer_model, monkeypatch):
     """The layer loop's executor on the GPU path: one host build per request and pass (all its
     layers), a layout decided in the layer planned alone."""
-    from relaxkv_sglang.core.staging import HostStage
-    from relaxkv_sglang.srt.forward.anchor_attention import AnchorAttention
+    from relaxkv_sglang.attention.staging import HostStage
+    from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention
 
     builds = []
     real = flashinfer_attention.anchor_prefill_inputs
@@ -491,7 +492,7 @@ def test_bundle_keeps_python_and_prefill_sources_only():
 
 def _rows(*specs):
     """ExtendRows from (req_pool_idx, positions, scopes), laid end to end."""
-    from relaxkv_sglang.srt.forward.context import ExtendRows
+    from relaxkv_sglang.attention.sglang.context import ExtendRows
 
     rows, start = [], 0
     for rp, pos, scope in specs:
@@ -501,7 +502,7 @@ def _rows(*specs):
 
 
 def test_attention_path_table():
-    from relaxkv_sglang.srt.forward.attention_paths import SCOPED, SGLANG, attention_path
+    from relaxkv_sglang.attention.sglang.attention_paths import SCOPED, SGLANG, attention_path
 
     def never():
         raise AssertionError("rows inspected")
@@ -522,7 +523,7 @@ def test_attention_path_table():
 
 
 def test_rows_are_contiguous_tails():
-    from relaxkv_sglang.srt.forward.attention_paths import rows_are_contiguous_tails
+    from relaxkv_sglang.attention.sglang.attention_paths import rows_are_contiguous_tails
 
     tails = _rows((3, [4, 5, 6], [0, 0, 0]), (1, [0, 1], [0, 0]))
     assert rows_are_contiguous_tails(tails, [4, 0], [3, 2])
@@ -565,8 +566,8 @@ def test_cuda_backend_routes_only_folded_batches_to_the_plugin(monkeypatch):
     # SGLang's module first (it probes for the real flashinfer), then the torch model in its place.
     from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
-    from relaxkv_sglang.srt.forward.attention_backend import build_cuda_backend_class
-    from relaxkv_sglang.srt.forward.context import attach_context
+    from relaxkv_sglang.attention.sglang.attention_backend import build_cuda_backend_class
+    from relaxkv_sglang.attention.sglang.context import attach_context
 
     def context(rows, **kw):  # a fake fold decision: only what the backend reads
         return types.SimpleNamespace(extend_rows=rows, **kw)
@@ -648,7 +649,7 @@ def test_cuda_backend_routes_only_folded_batches_to_the_plugin(monkeypatch):
 
 
 def test_the_stand_in_reads_keys_as_flashinfer_does():
-    from relaxkv_sglang.gpu.torch_models import keys_read
+    from relaxkv_sglang.attention.gpu.torch_models import keys_read
 
     kv_indptr = torch.tensor([0, 3, 3, 5], dtype=torch.int32)  # segment 1 lists no key
     assert keys_read(kv_indptr, torch.tensor([1, 0, 1])).tolist() == [3, 0, 2]
@@ -657,7 +658,7 @@ def test_the_stand_in_reads_keys_as_flashinfer_does():
 
 
 def test_a_segment_without_keys_is_planned_to_read_none(flashinfer_model):
-    from relaxkv_sglang.gpu.flashinfer_attention import _PagedPrefillCall
+    from relaxkv_sglang.attention.gpu.flashinfer_attention import _PagedPrefillCall
 
     call = _PagedPrefillCall(flashinfer_model, torch.empty(16, dtype=torch.uint8))
     g = torch.Generator().manual_seed(0)
@@ -675,7 +676,7 @@ def test_a_segment_without_keys_is_planned_to_read_none(flashinfer_model):
 
 
 def test_graph_replay_only_for_sglang_batches_without_a_repair():
-    from relaxkv_sglang.srt.forward.attention_paths import SCOPED, SGLANG, may_replay_graph
+    from relaxkv_sglang.attention.sglang.attention_paths import SCOPED, SGLANG, may_replay_graph
 
     plain = types.SimpleNamespace(repair=None)
     repaired = types.SimpleNamespace(repair=object())
@@ -693,7 +694,7 @@ def _attention_layer(layer_id, window=-1, cap=0.0, k_scale=None, v_scale=None):
 
 
 def test_attention_settings_the_plugin_would_drop_are_refused_at_startup():
-    from relaxkv_sglang.srt.forward.attention_paths import check_attention_settings, unsupported_settings
+    from relaxkv_sglang.attention.sglang.attention_paths import check_attention_settings, unsupported_settings
 
     plain = torch.nn.Sequential(_attention_layer(0), _attention_layer(1, k_scale=1.0, v_scale=1.0))
     assert unsupported_settings(plain) == [] and unsupported_settings(None) == []
@@ -709,7 +710,7 @@ def test_attention_settings_the_plugin_would_drop_are_refused_at_startup():
 
 
 def test_create_backend_picks_the_class_by_device(monkeypatch):
-    from relaxkv_sglang.srt.forward import attention_backend
+    from relaxkv_sglang.attention.sglang import attention_backend
 
     monkeypatch.setattr(attention_backend, "build_backend_class", lambda: lambda runner: ("torch", runner.device))
     monkeypatch.setattr(attention_backend, "build_cuda_backend_class",
@@ -723,7 +724,7 @@ def test_cuda_backend_shares_sglangs_flashinfer_workspace(flashinfer_model, monk
     SGLang's backend holds anyway), none of their own."""
     from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
-    from relaxkv_sglang.srt.forward import attention_backend, attention_paths
+    from relaxkv_sglang.attention.sglang import attention_backend, attention_paths
 
     workspace = torch.empty(64, dtype=torch.uint8)
 

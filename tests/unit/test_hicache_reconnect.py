@@ -22,9 +22,9 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 from test_hicache_tier import IDENT, LAYOUT, PAGE, DictPages, _ctx, key, record
 
-from relaxkv_sglang.core.tiers import PagedTier, ReconnectingPageStore, StoreUnavailable, TieredChunkStore
-from relaxkv_sglang.srt.mem_cache.hicache_tier import HiCacheTierConfig
-from relaxkv_sglang.srt.mem_cache.tiers import tier_configs_from_env
+from relaxkv_sglang.cache.tiers import PagedTier, ReconnectingPageStore, StoreUnavailable, TieredChunkStore
+from relaxkv_sglang.cache.sglang.hicache_tier import HiCacheTierConfig
+from relaxkv_sglang.cache.sglang.tier_configs import tier_configs_from_env
 
 
 def _wait_until(condition, timeout_s: float) -> float:

@@ -22,14 +22,14 @@ import time
 import pytest
 import torch
 
-from relaxkv_sglang.core.tiers import (
+from relaxkv_sglang.cache.tiers import (
     ChunkRecord, Damaged, ModelIdentity, PagedTier, PageStore, TierContext, TieredChunkStore, TierName, ValueLayout,
     chunk_key, decode_value, encode_value,
 )
-from relaxkv_sglang.core.tiers.paged import SLOTS, page_keys, value_key
-from relaxkv_sglang.core.tiers.value import value_info
-from relaxkv_sglang.srt.mem_cache.hicache_tier import HiCachePageStore, HiCacheTierConfig, StagingPool
-from relaxkv_sglang.srt.mem_cache.tiers import tier_configs_from_env
+from relaxkv_sglang.cache.tiers.paged import SLOTS, page_keys, value_key
+from relaxkv_sglang.cache.tiers.value import value_info
+from relaxkv_sglang.cache.sglang.hicache_tier import HiCachePageStore, HiCacheTierConfig, StagingPool
+from relaxkv_sglang.cache.sglang.tier_configs import tier_configs_from_env
 
 
 def hicache_config_from_env(env):

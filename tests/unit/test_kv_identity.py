@@ -1,4 +1,4 @@
-"""The model identity chunk keys are salted with (``srt/mem_cache/kv_identity.py``), computed from server
+"""The model identity chunk keys are salted with (``cache/sglang/kv_identity.py``), computed from server
 arguments, the HF config and the weights' fingerprint, no server needed.
 
 * it changes with everything that changes the KV bytes: ``--quantization``, ``--kv-cache-dtype``,
@@ -20,7 +20,7 @@ import types
 import pytest
 import torch
 
-from relaxkv_sglang.srt.mem_cache.kv_identity import kv_identity, weights_fingerprint
+from relaxkv_sglang.cache.sglang.kv_identity import kv_identity, weights_fingerprint
 
 LAYOUT = "layers=2 kv_heads=2 head_dim=32 rope=... first_layer=0 page_size=1 tp=0/1"
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from relaxkv_sglang.core.layout import (
+from relaxkv_sglang.attention.layout import (
     BlockSparseLayout,
     RelaxedContextSpec,
     build_relaxed_layout,

@@ -1,4 +1,4 @@
-"""The model-family registry (core/model_family.py): one decoder layer, run by the torch
+"""The model-family registry (model/model_family.py): one decoder layer, run by the torch
 reference over HF weights and by the server over SGLang-shaped modules, with the same values;
 lookups by HF config; the model hooks generated from it."""
 
@@ -11,14 +11,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from relaxkv_sglang.core.model_family import (
+from relaxkv_sglang.model.model_family import (
     FAMILIES,
     UnknownModelFamilyError,
     family_for_config,
     hooked_model_classes,
     project_qkv,
 )
-from relaxkv_sglang.core.reference import (
+from relaxkv_sglang.model.reference import (
     ReferenceLayerOps,
     apply_neox_rope,
     _causal_prefill,
@@ -28,9 +28,9 @@ from relaxkv_sglang.core.reference import (
     from_hf_state_dict,
     reference_prefill,
 )
-from relaxkv_sglang.core.rope import RopeSpec, apply_rope
-from relaxkv_sglang.core.rope_config import rope_spec_from_hf_config
-from relaxkv_sglang.srt.forward.model_layers import (
+from relaxkv_sglang.model.rope import RopeSpec, apply_rope
+from relaxkv_sglang.model.rope_config import rope_spec_from_hf_config
+from relaxkv_sglang.model.sglang.model_layers import (
     ModelLayers,
     SGLangLayerOps,
     UnsupportedModelError,
@@ -295,10 +295,10 @@ def test_the_server_refuses_a_model_of_no_family_or_missing_a_module_its_family_
 
 
 def test_hooks_hold_one_model_forward_per_hooked_class():
-    from relaxkv_sglang.srt.plugin import HOOKS, MODEL_FORWARD_HOOKS
+    from relaxkv_sglang.server.sglang.plugin import HOOKS, MODEL_FORWARD_HOOKS
 
     model_hooks = {target: entry for target, entry in HOOKS.items()
-                   if entry[0] == "relaxkv_sglang.srt.forward.repair:around_model_forward"}
+                   if entry[0] == "relaxkv_sglang.repair.sglang.repair_stage:around_model_forward"}
     assert model_hooks == MODEL_FORWARD_HOOKS
     assert sorted(model_hooks) == ["sglang.srt.models.llama.LlamaModel.forward",
                                    "sglang.srt.models.mixtral.MixtralModel.forward",

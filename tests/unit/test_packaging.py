@@ -7,7 +7,7 @@ copy of the project's files, so nothing is written into the checkout. It is inst
 venv's site-packages (sglang, torch: the dependencies), after the fresh venv's own. A ``.pth``
 line adds a folder to ``sys.path`` without running the ``.pth`` files in it, so the checkout's
 editable install stays out of reach. Every module of ``relaxkv_sglang`` and ``relaxkv_patches``
-(``relaxkv_sglang.gpu`` included: it imports FlashInfer only when a kernel is built) must then
+(``relaxkv_sglang.attention.gpu`` included: it imports FlashInfer only when a kernel is built) must then
 import, from the fresh venv's site-packages.
 
 Also checked here: the wheel's metadata (version, Python range, license, extras, entry points)
@@ -145,7 +145,7 @@ def test_wheel_metadata(wheel):
     assert meta["License-Expression"] == "Apache-2.0"
     assert set(meta.get_all("Provides-Extra")) == {"cpu", "gpu", "bench", "dev"}
     assert "relaxkv-sglang = relaxkv_sglang.cli:main" in entry_points
-    assert "[sglang.srt.plugins]\nrelaxkv = relaxkv_sglang.srt.plugin:register" in entry_points
+    assert "[sglang.srt.plugins]\nrelaxkv = relaxkv_sglang.server.sglang.plugin:register" in entry_points
 
 
 def test_every_module_imports_from_the_installed_wheel(venv):
@@ -159,7 +159,7 @@ for name in json.loads(sys.argv[1]):
     except Exception as exc:
         out["errors"][name] = f"{type(exc).__name__}: {exc}"
 import importlib.metadata as md, pkgutil
-from relaxkv_sglang.srt.plugin import HOOKS
+from relaxkv_sglang.server.sglang.plugin import HOOKS
 for target, (hook, _params) in HOOKS.items():
     pkgutil.resolve_name(hook)  # every hook the plugin registers exists in the installed package
 (ep,) = [e for e in md.entry_points(group="sglang.srt.plugins") if e.name == "relaxkv"]
@@ -169,7 +169,7 @@ out["armed_at_start"] = sys.modules["relaxkv_patches"].__file__ if "relaxkv_patc
 print(json.dumps(out))
 """
     names = module_names()
-    assert "relaxkv_sglang.gpu.flashinfer_attention" in names and "relaxkv_patches.install_pth" in names
+    assert "relaxkv_sglang.attention.gpu.flashinfer_attention" in names and "relaxkv_patches.install_pth" in names
     # -I: no PYTHONPATH, no user site, not the current folder on sys.path.
     got = json.loads(_run([venv / "bin" / "python", "-I", "-c", script, json.dumps(names)], venv,
                           timeout=IMPORT_ALL_TIMEOUT_S).strip().splitlines()[-1])
@@ -177,7 +177,7 @@ print(json.dumps(out))
     elsewhere = {name: f for name, f in got["files"].items() if not f.startswith(f"{site}/")}
     assert not elsewhere, f"imported from outside the installed wheel: {elsewhere}"
     assert sorted(got["files"]) == sorted(names)
-    assert got["plugin"].startswith(f"{site}/relaxkv_sglang/srt/")
+    assert got["plugin"].startswith(f"{site}/relaxkv_sglang/server/sglang/")
     assert got["version"] == source_version()
     assert got["armed_at_start"] == f"{site}/relaxkv_patches/__init__.py"  # the .pth the shim step wrote
 

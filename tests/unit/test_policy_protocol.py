@@ -9,12 +9,12 @@ the torch reference and the server's layer loop run it from its spec, and give t
 import pytest
 import torch
 
-from relaxkv_sglang.core.policies import REGISTERED, policy_spec, registry
-from relaxkv_sglang.core.policies.base import (AnchorInputs, LayerEdit, LayerRead, MeasuredKV, PolicySpec,
+from relaxkv_sglang.repair.policies import REGISTERED, policy_spec, registry
+from relaxkv_sglang.repair.policies.base import (AnchorInputs, LayerEdit, LayerRead, MeasuredKV, PolicySpec,
                                                top_tokens)
-from relaxkv_sglang.core.reference import reference_prefill, stale_context
-from relaxkv_sglang.core.repair_config import RepairConfig
-from relaxkv_sglang.core.repair_plan import plan_anchors
+from relaxkv_sglang.model.reference import reference_prefill, stale_context
+from relaxkv_sglang.repair.repair_config import RepairConfig
+from relaxkv_sglang.repair.anchor_schedule import schedule_anchors
 
 from test_reference import GLUE_SPANS, PS, Q0, ids, model  # noqa: F401 (fixtures)
 from test_stale_shift import run_layer_loop
@@ -66,7 +66,7 @@ def test_the_reference_runs_its_step(model, ids):  # noqa: F811
     config = RepairConfig.from_knobs(anchor_ratio=0.2, context_ratio=1.0, page_size=PS)
     res = reference_prefill(w, ids, GLUE_SPANS, Q0, SPEC, config)
     stale = stale_context(w, ids, GLUE_SPANS, Q0)
-    plan = plan_anchors(SPEC, None, GLUE_SPANS, Q0, w.n_layers, config)
+    plan = schedule_anchors(SPEC, None, GLUE_SPANS, Q0, w.n_layers, config)
     every = plan.anchor_sets[0]
     assert [a.numel() for a in res.anchors[:DECIDE_AT + 1]] == [every.numel()] * (DECIDE_AT + 1)
     later = res.anchors[DECIDE_AT + 1]
@@ -93,11 +93,11 @@ def test_the_server_layer_loop_runs_it_as_the_reference_does(model, ids, policy)
     config = RepairConfig.from_knobs(anchor_ratio=0.2, context_ratio=1.0, page_size=PS)
     ref = reference_prefill(w, ids, GLUE_SPANS, Q0, policy, config)
     stale = stale_context(w, ids, GLUE_SPANS, Q0)
-    plan = plan_anchors(policy, None, GLUE_SPANS, Q0, w.n_layers, config)
+    plan = schedule_anchors(policy, None, GLUE_SPANS, Q0, w.n_layers, config)
     slots = torch.randperm(ids.numel() + 5, generator=torch.Generator().manual_seed(1))[:ids.numel()]
     rows, out, (k_pool, v_pool), _ = run_layer_loop(model, ids, plan, stale, slots, ids.numel() + 5)
-    assert rows.anchor_plan.decided_layers == w.n_layers  # the step replanned the pass
-    assert all(torch.equal(a, b) for a, b in zip(rows.anchor_plan.anchor_sets, ref.anchors))
+    assert rows.anchor_schedule.decided_layers == w.n_layers  # the step replanned the pass
+    assert all(torch.equal(a, b) for a, b in zip(rows.anchor_schedule.anchor_sets, ref.anchors))
     logits = torch.nn.functional.linear(out[-1], w.lm_head)
     torch.testing.assert_close(logits, ref.last_logits, atol=1e-4, rtol=1e-4)
     for l in range(w.n_layers):

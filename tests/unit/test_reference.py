@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from relaxkv_sglang.core.repair_config import RepairConfig
-from relaxkv_sglang.core.reference import (
+from relaxkv_sglang.repair.repair_config import RepairConfig
+from relaxkv_sglang.model.reference import (
     apply_neox_rope,
     build_stale_kv,
     from_hf_state_dict,

@@ -1,4 +1,4 @@
-"""Unit tests for relaxkv_sglang.core.rope and core.rope_config.
+"""Unit tests for relaxkv_sglang.model.rope and core.rope_config.
 
 The invariant the project relies on: a key computed at position p0 and
 re-rotated by (p1 - p0) equals the key computed at p1, for every supported RoPE
@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from relaxkv_sglang.core.rope import (
+from relaxkv_sglang.model.rope import (
     SUPPORTED_ROPE_TYPES,
     RopeSpec,
     RotationTable,
@@ -23,7 +23,7 @@ from relaxkv_sglang.core.rope import (
     rope_cos_sin,
     rotate_keys,
 )
-from relaxkv_sglang.core.rope_config import rope_spec_from_hf_config
+from relaxkv_sglang.model.rope_config import rope_spec_from_hf_config
 
 VARIANTS = {
     "default_neox": RopeSpec(head_dim=64, base=10000.0),

@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import prompt_formats
 from relaxkv_sglang import routing
-from relaxkv_sglang.core.doc_index import discover_chunks
+from relaxkv_sglang.request.doc_index import discover_chunks
 
 DOCS = [f"Document {i}: " + " ".join(f"word{i}_{j}" for j in range(30)) for i in range(40)]
 
@@ -303,8 +303,8 @@ def test_server_client_uses_the_splitter(recorder):
 
 
 def test_router_command_lines():
-    from relaxkv_sglang.cluster import ROUTER_DEFAULTS, RouterConfig, replica_configs
-    from relaxkv_sglang.server import ServerConfig
+    from relaxkv_sglang.server.cluster import ROUTER_DEFAULTS, RouterConfig, replica_configs
+    from relaxkv_sglang.server.launch import ServerConfig
 
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     cmd = RouterConfig(worker_urls=urls, routing="document", port=5, extra_args=["--cache-threshold", "0.5"]).command()

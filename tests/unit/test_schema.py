@@ -1,4 +1,4 @@
-"""The wire schema (relaxkv_sglang/schema.py): its field checks, and docs/api.md's field table against it."""
+"""The wire schema (relaxkv_sglang/request/schema.py): its field checks, and docs/api.md's field table against it."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import types
 
 import pytest
 
-from relaxkv_sglang import schema, settings
-from relaxkv_sglang.core.policies import DEFAULT_POLICY, SERVER_POLICIES
-from relaxkv_sglang.core.repair_config import RepairConfig
-from relaxkv_sglang.schema import (
+from relaxkv_sglang.request import schema
+from relaxkv_sglang.server import settings
+from relaxkv_sglang.repair.policies import DEFAULT_POLICY, SERVER_POLICIES
+from relaxkv_sglang.repair.repair_config import RepairConfig
+from relaxkv_sglang.request.schema import (
     ANCHOR_RATIO,
     CHUNKS,
     CONTEXT_RATIO,
@@ -191,8 +192,8 @@ def test_custom_params_keys():
 
 
 def test_the_http_side_parses_once_into_the_plan_the_scheduler_reads():
-    from relaxkv_sglang.srt.entrypoints.api import plan_item
-    from relaxkv_sglang.srt.plan import request_namespace, request_plan
+    from relaxkv_sglang.request.sglang.api import plan_item
+    from relaxkv_sglang.request.plan import request_namespace, request_plan
 
     def encode(text: str, add_special_tokens: bool) -> list[int]:
         return ([1] if add_special_tokens else []) + [ord(c) for c in text]
@@ -225,8 +226,8 @@ def test_the_http_side_parses_once_into_the_plan_the_scheduler_reads():
 def test_a_session_turn_plans_its_chunks_after_the_history(bos_stripped):
     """SGLang serves a session turn on its history + the turn's ids (less a leading BOS,
     ``Session.create_req``): the spans move by what was prepended and still hold the same tokens."""
-    from relaxkv_sglang.srt.entrypoints.api import plan_item
-    from relaxkv_sglang.srt.plan import request_plan
+    from relaxkv_sglang.request.sglang.api import plan_item
+    from relaxkv_sglang.request.plan import request_plan
 
     def encode(text: str, add_special_tokens: bool) -> list[int]:
         return ([1] if add_special_tokens else []) + [ord(c) for c in text]
@@ -243,7 +244,7 @@ def test_a_session_turn_plans_its_chunks_after_the_history(bos_stripped):
 
 
 def test_plan_item_reports_the_first_bad_field():
-    from relaxkv_sglang.srt.entrypoints.api import plan_item
+    from relaxkv_sglang.request.sglang.api import plan_item
 
     def encode(text: str, add_special_tokens: bool) -> list[int]:
         return [ord(c) for c in text]
@@ -259,7 +260,7 @@ def test_plan_item_reports_the_first_bad_field():
 
 
 def test_sglang_fields_that_stop_its_scheduler_are_refused_naming_them():
-    from relaxkv_sglang.srt.entrypoints.api import _check_batch_shape, check_sglang_fields
+    from relaxkv_sglang.request.sglang.api import _check_batch_shape, check_sglang_fields
 
     def obj(**fields):
         return types.SimpleNamespace(**{"text": "Hi.", "input_ids": None, "sampling_params": {},
@@ -278,7 +279,7 @@ def test_sglang_fields_that_stop_its_scheduler_are_refused_naming_them():
 
 
 def test_budget_takes_a_share_or_auto_and_quality_a_level_or_a_target():
-    from relaxkv_sglang.schema import BUDGET, QUALITY
+    from relaxkv_sglang.request.schema import BUDGET, QUALITY
 
     assert BUDGET.validate("auto") == "auto" and BUDGET.validate(0.2) == 0.2 and BUDGET.validate(1) == 1.0
     for bad in ("Auto", "0.2", 1.5, True, None):

@@ -1,4 +1,4 @@
-"""Unit tests for relaxkv_sglang.core.segments."""
+"""Unit tests for relaxkv_sglang.request.segments."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relaxkv_sglang.core.segments import (
+from relaxkv_sglang.request.segments import (
     ChunkSpecError,
     Part,
     TextSegments,

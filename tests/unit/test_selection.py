@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from relaxkv_sglang.core.policies import Policy
-from relaxkv_sglang.core.exit_layers import _hull_exit_allocation
-from relaxkv_sglang.core.selection import (
+from relaxkv_sglang.repair.policies import Policy
+from relaxkv_sglang.repair.exit_layers import _hull_exit_allocation
+from relaxkv_sglang.repair.selection import (
     layer_weights,
     anchor_ratio_achieved,
     chunk_ids,
@@ -19,9 +19,9 @@ from relaxkv_sglang.core.selection import (
     select_anchors,
     shared_opening_sinks,
 )
-from relaxkv_sglang.core.policies.cacheblend import CacheBlendOptions, check_layer_deviation, kv_deviation
-from relaxkv_sglang.core.repair_config import RepairConfig
-from relaxkv_sglang.core.repair_plan import plan_anchors
+from relaxkv_sglang.repair.policies.cacheblend import CacheBlendOptions, check_layer_deviation, kv_deviation
+from relaxkv_sglang.repair.repair_config import RepairConfig
+from relaxkv_sglang.repair.anchor_schedule import schedule_anchors
 
 PREFIX = 6
 SPANS = [(6, 26), (26, 40), (40, 71), (71, 90)]
@@ -137,7 +137,7 @@ def test_cacheblend_full_check_layers_then_top_deviation():
     dev = torch.zeros(N_CTX)
     dev[[7, 30, 50, 88]] = torch.tensor([4.0, 3.0, 2.0, 1.0])
     dev[2] = 100.0  # prefix deviation is ignored
-    plan = plan_anchors("cacheblend", None, SPANS, N_CTX, 5, RepairConfig(anchor_ratio=3 / 84))
+    plan = schedule_anchors("cacheblend", None, SPANS, N_CTX, 5, RepairConfig(anchor_ratio=3 / 84))
     assert plan.decided_layers == 2 and plan.config.cacheblend == CacheBlendOptions(check_layer=1)
     sets = check_layer_deviation(plan.anchor_inputs(), dev)
     el = list(range(6, 90))
@@ -280,15 +280,15 @@ def test_plan_sizes_sinks_by_the_configured_rule():
     ids = torch.tensor([0, 1, 2, 3] + [9, 8, 7] * 6 + [9, 8, 5] * 6 + [1, 2] * 10 + [3, 3])
     spans, n_ctx = [(4, 22), (22, 40), (40, 60)], 60
     scores = torch.rand(4, n_ctx, generator=torch.Generator().manual_seed(0))
-    fixed = plan_anchors("relaxkv", scores, spans, n_ctx, 4, RepairConfig.from_knobs(chunk_sink_tokens=4))
+    fixed = schedule_anchors("relaxkv", scores, spans, n_ctx, 4, RepairConfig.from_knobs(chunk_sink_tokens=4))
     assert fixed.chunk_sinks.tolist() == [4, 4, 4]
-    shared = plan_anchors("relaxkv", scores, spans, n_ctx, 4,
+    shared = schedule_anchors("relaxkv", scores, spans, n_ctx, 4,
                           RepairConfig.from_knobs(chunk_sink_tokens=4, chunk_sink_rule="shared"), input_ids=ids)
     assert shared.chunk_sinks.tolist() == [3, 3, 1]
     # The stale shift leaves the same per-chunk sinks out of its body.
     assert shared.layer_step.body.tolist()[:2] == [7, 8] and 41 in shared.layer_step.body.tolist()
     with pytest.raises(ValueError, match="input_ids"):
-        plan_anchors("relaxkv", scores, spans, n_ctx, 4, RepairConfig.from_knobs(chunk_sink_rule="shared"))
+        schedule_anchors("relaxkv", scores, spans, n_ctx, 4, RepairConfig.from_knobs(chunk_sink_rule="shared"))
     with pytest.raises(ValueError, match="chunk_sink_rule"):
         RepairConfig.from_knobs(chunk_sink_rule="score")
 
@@ -316,7 +316,7 @@ def test_layer_zero_is_worth_nothing_without_later_layers():
 
 
 def test_ramp_layer_value_grows_then_stays_flat():
-    from relaxkv_sglang.core.selection import layer_weights
+    from relaxkv_sglang.repair.selection import layer_weights
 
     assert layer_weights(30, "ramp").tolist() == [0.0, 0.25, 0.5, 0.75] + [1.0] * 26
     assert layer_weights(4, "ramp").tolist() == [0.0, 1.0, 1.0, 1.0]  # R = max(1, round(4 / 8))
@@ -331,7 +331,7 @@ def test_ratio_is_validated():
 
 
 def test_split_budget_spends_anchors_first_then_context():
-    from relaxkv_sglang.core.repair_config import RepairConfig, RepairCost, split_budget
+    from relaxkv_sglang.repair.repair_config import RepairConfig, RepairCost, split_budget
 
     spans = [(40 + 130 * i, 40 + 130 * (i + 1)) for i in range(10)]
     n = 1340
@@ -369,7 +369,7 @@ def _docstring_table(doc: str) -> list[list[str]]:
 
 
 def test_the_policies_docstring_table_is_the_registry():
-    from relaxkv_sglang.core import policies
+    from relaxkv_sglang.repair import policies
 
     yes = {True: "yes", False: "no"}
     want = [[name, yes[s.served], yes[s.reuses_chunks], yes[s.repairs], yes[s.needs_query_scores],
@@ -382,26 +382,26 @@ def test_the_policies_docstring_table_is_the_registry():
 def test_every_policy_has_a_spec_module_and_an_enum_member():
     import importlib
 
-    from relaxkv_sglang.core.policies import OPTION_GROUPS, POLICY_SPECS
+    from relaxkv_sglang.repair.policies import OPTION_GROUPS, POLICY_SPECS
 
     assert list(POLICY_SPECS) == [p.value for p in Policy]
     for name, spec in POLICY_SPECS.items():
         assert spec.name == name and Policy(name).spec is spec
-        # The enum's properties are the spec's (what srt/ and the reference read).
+        # The enum's properties are the spec's (what the server's adapters and the reference read).
         policy = Policy(name)
         assert (policy.served, policy.reuses_chunks, policy.repairs, policy.needs_query_scores, policy.context_mode) \
             == (spec.served, spec.reuses_chunks, spec.repairs, spec.needs_query_scores, spec.context)
         # Its rule lives in its own module (one module per policy; relaxkv's ablations in relaxkv's).
         module = importlib.import_module(spec.anchor_rule.__module__)
-        assert module.__name__.startswith("relaxkv_sglang.core.policies.")
+        assert module.__name__.startswith("relaxkv_sglang.repair.policies.")
         assert spec.options is None or spec.options in OPTION_GROUPS
     assert [g.name for g in OPTION_GROUPS] == ["cacheblend", "relaxkv"]
     assert [n for n, s in POLICY_SPECS.items() if s.decides_mid_forward] == ["cacheblend"]
 
 
 def test_the_relaxkv_vocabularies_are_the_ones_the_maths_implements():
-    from relaxkv_sglang.core.policies.relaxkv import LAYER_VALUES, SINK_ORDERS, STALE_SHIFTS
-    from relaxkv_sglang.core.stale_shift import shift_deltas
+    from relaxkv_sglang.repair.policies.relaxkv import LAYER_VALUES, SINK_ORDERS, STALE_SHIFTS
+    from relaxkv_sglang.repair.stale_shift import shift_deltas
 
     scores = torch.rand(3, 20, generator=torch.Generator().manual_seed(0))
     for rule in LAYER_VALUES:
@@ -418,7 +418,7 @@ def test_the_relaxkv_vocabularies_are_the_ones_the_maths_implements():
 
 
 def test_registry_queries():
-    from relaxkv_sglang.core.policies import (CHUNK_POLICIES, REPAIR_POLICIES, SERVER_POLICIES, chunk_policies,
+    from relaxkv_sglang.repair.policies import (CHUNK_POLICIES, REPAIR_POLICIES, SERVER_POLICIES, chunk_policies,
                                               repair_policies, served_policies)
 
     assert served_policies() == SERVER_POLICIES == tuple(p.value for p in Policy if p is not Policy.RANDOM)
@@ -428,8 +428,8 @@ def test_registry_queries():
 
 
 def test_policy_knobs_live_with_their_policy():
-    from relaxkv_sglang.core.policies import CacheBlendOptions, RelaxKVOptions
-    from relaxkv_sglang.core.repair_config import RepairConfig, knob_defaults
+    from relaxkv_sglang.repair.policies import CacheBlendOptions, RelaxKVOptions
+    from relaxkv_sglang.repair.repair_config import RepairConfig, knob_defaults
 
     config = RepairConfig.from_knobs(anchor_ratio=0.2, layer_value="depth", check_layer=3, cacheblend_use_k=True)
     assert config.anchor_ratio == 0.2
@@ -455,17 +455,17 @@ def test_policy_knobs_live_with_their_policy():
 
 
 def test_only_a_mid_forward_policy_waits_for_its_check_layer():
-    from relaxkv_sglang.core.policies.cacheblend import CheckLayerStep
-    from relaxkv_sglang.core.policies.relaxkv import StaleShiftStep
-    from relaxkv_sglang.core.repair_config import RepairConfig
-    from relaxkv_sglang.core.repair_plan import plan_anchors
+    from relaxkv_sglang.repair.policies.cacheblend import CheckLayerStep
+    from relaxkv_sglang.repair.policies.relaxkv import StaleShiftStep
+    from relaxkv_sglang.repair.repair_config import RepairConfig
+    from relaxkv_sglang.repair.anchor_schedule import schedule_anchors
 
     scores = torch.rand(L, N_CTX, generator=torch.Generator().manual_seed(0))
     config = RepairConfig.from_knobs(anchor_ratio=0.2, check_layer=2)
     for policy in Policy:
         if not policy.repairs:
             continue
-        plan = plan_anchors(policy, scores if policy.needs_query_scores else None, SPANS, N_CTX, L, config)
+        plan = schedule_anchors(policy, scores if policy.needs_query_scores else None, SPANS, N_CTX, L, config)
         waits = policy.spec.decides_mid_forward
         assert plan.decided_layers == (3 if waits else L)
         step = plan.layer_step
@@ -476,10 +476,10 @@ def test_only_a_mid_forward_policy_waits_for_its_check_layer():
             assert isinstance(step, StaleShiftStep) == policy.value.startswith("relaxkv"), policy
             assert step is None or step.reads(0) is not None
     off = RepairConfig.from_knobs(stale_shift="none")
-    assert plan_anchors("relaxkv", scores, SPANS, N_CTX, L, off).layer_step is None
+    assert schedule_anchors("relaxkv", scores, SPANS, N_CTX, L, off).layer_step is None
 
 def test_shared_runs_mark_the_markup_every_chunk_repeats():
-    from relaxkv_sglang.core.token_sets import shared_runs
+    from relaxkv_sglang.repair.token_sets import shared_runs
 
     # three chunks: [7 8 9 | own text | 5 6] - the runs 7 8 9 and (own) 5 6 x; glue 0 between them
     ids = torch.tensor([0, 7, 8, 9, 1, 2, 5, 6, 0, 7, 8, 9, 3, 5, 6, 0, 7, 8, 9, 4, 4, 5, 6, 0])
@@ -522,9 +522,9 @@ def test_plan_anchors_the_markup_the_chunks_repeat():
     spans, n_ctx = [(4, 22), (22, 40)], 40
     scores = torch.rand(4, n_ctx, generator=torch.Generator().manual_seed(0))
     config = RepairConfig.from_knobs(chunk_sink_tokens=1, markup_share=1.0, anchor_ratio=0.25)
-    plan = plan_anchors("relaxkv", scores, spans, n_ctx, 4, config, input_ids=ids)
+    plan = schedule_anchors("relaxkv", scores, spans, n_ctx, 4, config, input_ids=ids)
     assert set(range(4, 7)) | set(range(22, 25)) <= set(plan.anchor_sets[-1].tolist())
     with pytest.raises(ValueError, match="input_ids"):
-        plan_anchors("relaxkv", scores, spans, n_ctx, 4, config)
+        schedule_anchors("relaxkv", scores, spans, n_ctx, 4, config)
     with pytest.raises(ValueError, match="markup_share"):
         RepairConfig.from_knobs(markup_share=1.5)

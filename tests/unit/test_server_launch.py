@@ -1,4 +1,4 @@
-"""The launcher's port handling (relaxkv_sglang/server.py), without SGLang.
+"""The launcher's port handling (relaxkv_sglang/server/launch.py), without SGLang.
 
 A stand-in command plays the server: on its first start it logs uvicorn's failed-bind line and
 hangs (what SGLang 0.5.23 does when its HTTP port was taken between the pick and the bind); on
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from relaxkv_sglang import server
+from relaxkv_sglang.server import launch as server
 
 STAND_IN = r'''
 import http.server, pathlib, sys, time

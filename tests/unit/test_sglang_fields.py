@@ -1,5 +1,5 @@
-"""The checks of SGLang's own request fields (srt/entrypoints/sglang_fields.py) and the time bound on its
-stop-regex matching (srt/scheduler/stop_regex.py), without a server (tests/e2e/test_bad_input.py sends each
+"""The checks of SGLang's own request fields (request/sglang/sglang_fields.py) and the time bound on its
+stop-regex matching (request/sglang/stop_regex.py), without a server (tests/e2e/test_bad_input.py sends each
 case to real servers)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from relaxkv_sglang.schema import RequestError
-from relaxkv_sglang.srt.entrypoints.sglang_fields import INT32_MAX, check_sglang_fields
-from relaxkv_sglang.srt.scheduler.stop_regex import SEARCH_TIMEOUT_S, BoundedRe, StopRegexTimeout, around_check_str_based_finish
+from relaxkv_sglang.request.schema import RequestError
+from relaxkv_sglang.request.sglang.sglang_fields import INT32_MAX, check_sglang_fields
+from relaxkv_sglang.request.sglang.stop_regex import SEARCH_TIMEOUT_S, BoundedRe, StopRegexTimeout, around_check_str_based_finish
 
 VOCAB = 2048
 

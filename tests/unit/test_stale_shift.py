@@ -1,15 +1,15 @@
-"""Stale shift (core/stale_shift.py): the sets, the exact recovery of a shared offset, the invariants."""
+"""Stale shift (repair/stale_shift.py): the sets, the exact recovery of a shared offset, the invariants."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from relaxkv_sglang.core.policies import policy_spec, repair_policies
-from relaxkv_sglang.core.reference import apply_neox_rope, build_stale_kv, reference_prefill
-from relaxkv_sglang.core.repair_config import RepairConfig
-from relaxkv_sglang.core.repair_plan import plan_anchors
-from relaxkv_sglang.core.stale_shift import shift_sets, stale_shift
+from relaxkv_sglang.repair.policies import policy_spec, repair_policies
+from relaxkv_sglang.model.reference import apply_neox_rope, build_stale_kv, reference_prefill
+from relaxkv_sglang.repair.repair_config import RepairConfig
+from relaxkv_sglang.repair.anchor_schedule import schedule_anchors
+from relaxkv_sglang.repair.stale_shift import shift_sets, stale_shift
 
 from test_reference import GLUE_SPANS, PS, Q0, SPANS, close, full, ids, model, run  # noqa: F401 (fixtures)
 
@@ -84,7 +84,7 @@ def test_shift_moves_exactly_the_non_anchors_by_the_anchors_mean(model, ids):  #
     plain = reference_prefill(w, ids, GLUE_SPANS, Q0, "relaxkv", unshifted)
     stale = build_stale_kv(w, ids, GLUE_SPANS, Q0)
     assert not close(res.last_logits, plain.last_logits, 1e-4)  # the shift does something
-    plan = plan_anchors("relaxkv", res.scores, GLUE_SPANS, Q0, w.n_layers, config)
+    plan = schedule_anchors("relaxkv", res.scores, GLUE_SPANS, Q0, w.n_layers, config)
     l = 2
     src, tgt = plan.layer_step.shift_sets(l)
     assert src.numel() and tgt.numel()
@@ -118,7 +118,7 @@ def test_peers_never_shift(model, ids, policy):  # noqa: F811
     assert torch.equal(a.last_logits, b.last_logits)
 
 
-# --- the server's executor (srt/forward/layer_loop.py) on the CPU, over the reference's model pieces ---
+# --- the server's executor (repair/sglang/layer_loop.py) on the CPU, over the reference's model pieces ---
 
 
 class _RefLayers:
@@ -127,7 +127,7 @@ class _RefLayers:
     def __init__(self, w):
         from types import SimpleNamespace
 
-        from relaxkv_sglang.core import reference as R
+        from relaxkv_sglang.model import reference as R
 
         self.w, self.R = w, R
         self.model = SimpleNamespace(embed_tokens=lambda i: w.embed[i].float(),
@@ -149,10 +149,10 @@ def run_layer_loop(model, ids, plan, stale, slots, n_slots):
     context at ``slots`` (as reused). Returns (its LoopRows, the final hidden, (K, V) per layer, the pool)."""
     from types import SimpleNamespace
 
-    from relaxkv_sglang.core.rope_config import rope_spec_from_hf_config
-    from relaxkv_sglang.srt.forward.anchor_attention import AnchorAttention
-    from relaxkv_sglang.srt.forward.layer_loop import LayerLoop
-    from relaxkv_sglang.srt.forward.repair import repair_rows
+    from relaxkv_sglang.model.rope_config import rope_spec_from_hf_config
+    from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention
+    from relaxkv_sglang.repair.sglang.layer_loop import LayerLoop
+    from relaxkv_sglang.repair.sglang.repair_stage import repair_rows
 
     hf, w = model
     k_pool = [torch.zeros(n_slots, w.n_kv_heads, w.head_dim) for _ in range(w.n_layers)]
@@ -176,11 +176,11 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
     added over the body's whole span, sinks and glue included, as they are rows of every layer
     (sinks capped: some are not, and the runs are used); per chunk: each chunk's own shift, over
     its runs or by the index add."""
-    from relaxkv_sglang.core.reference import stale_context
-    from relaxkv_sglang.srt.forward.anchor_attention import AnchorAttention
-    from relaxkv_sglang.srt.forward.layer_loop import LayerLoop
-    from relaxkv_sglang.srt.forward.repair import repair_rows
-    from relaxkv_sglang.srt.forward.shift_target import ShiftTarget
+    from relaxkv_sglang.model.reference import stale_context
+    from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention
+    from relaxkv_sglang.repair.sglang.layer_loop import LayerLoop
+    from relaxkv_sglang.repair.sglang.repair_stage import repair_rows
+    from relaxkv_sglang.repair.sglang.shift_target import ShiftTarget
 
     _, w = model
     n = ids.numel()
@@ -189,7 +189,7 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
                           stale_shift_group="chunk" if "per chunk" in slot_layout else "request")
     ref = reference_prefill(w, ids, GLUE_SPANS, Q0, "relaxkv", config)
     stale = stale_context(w, ids, GLUE_SPANS, Q0)
-    plan = plan_anchors("relaxkv", stale.scores, GLUE_SPANS, Q0, w.n_layers, config)
+    plan = schedule_anchors("relaxkv", stale.scores, GLUE_SPANS, Q0, w.n_layers, config)
     # A pool with the request's slots scattered in it, holding the stale context (as reused).
     slots = torch.randperm(n + 7, generator=torch.Generator().manual_seed(3))[:n]
     if slot_layout == "two ranges":
@@ -233,8 +233,8 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
 def test_shift_span_covers_left_out_rows_only_while_they_are_written():
     """The body's span takes the shift in one slice while every position it leaves out is a row
     of the layer (its write replaces the shift); from the layer one of them leaves, the runs."""
-    from relaxkv_sglang.core.rope import RopeSpec, RotationTable, rotate_keys
-    from relaxkv_sglang.srt.forward.shift_target import ShiftTarget
+    from relaxkv_sglang.model.rope import RopeSpec, RotationTable, rotate_keys
+    from relaxkv_sglang.repair.sglang.shift_target import ShiftTarget
 
     spec = RopeSpec(head_dim=16)
     body = torch.tensor([4, 5, 6, 9, 10, 11, 12])  # 7, 8 left out: a sink and glue
@@ -266,7 +266,7 @@ def test_shift_span_covers_left_out_rows_only_while_they_are_written():
 
 
 def test_group_means_shrink_each_chunk_toward_the_request_mean():
-    from relaxkv_sglang.core.stale_shift import group_means
+    from relaxkv_sglang.repair.stale_shift import group_means
 
     rows = torch.tensor([[1.0], [3.0], [10.0], [0.0]])
     groups = torch.tensor([0, 0, 1, 1])

@@ -1,4 +1,4 @@
-"""srt/state.py: one attribute per SGLang object, one kind of record on it."""
+"""server/state.py: one attribute per SGLang object, one kind of record on it."""
 
 import ast
 import pathlib
@@ -7,8 +7,8 @@ import types
 import pytest
 import torch
 
-from relaxkv_sglang.srt import state
-from relaxkv_sglang.srt.failures import InvariantError
+from relaxkv_sglang.server import state
+from relaxkv_sglang.server.failures import InvariantError
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "relaxkv_sglang"
 
@@ -54,7 +54,7 @@ def _relaxkv_attribute_names(source: str) -> list[int]:
 def test_no_other_relaxkv_attribute_on_sglang_objects():
     found = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
              if path.name != "state.py" for line in _relaxkv_attribute_names(path.read_text())]
-    assert not found, f"state on an object outside srt/state.py: {found}"
+    assert not found, f"state on an object outside server/state.py: {found}"
 
 
 def test_attribute_finder_sees_both_forms():

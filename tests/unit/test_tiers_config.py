@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from relaxkv_sglang import cli
-from relaxkv_sglang.core.chunk_store import ChunkStore
+from relaxkv_sglang.cache.chunk_store import ChunkStore
 from relaxkv_sglang.encode import EncodeError, encode_corpus, read_corpus
-from relaxkv_sglang.core.tiers import GB, DiskTierConfig, HostTierConfig, ModelIdentity, Tier, TierConfig, TierName
-from relaxkv_sglang.core.tiers.tier import TierRole
-from relaxkv_sglang.srt.mem_cache.tiers import TIER_CONFIGS, build_tiers, tier_configs_from_env
+from relaxkv_sglang.cache.tiers import GB, DiskTierConfig, HostTierConfig, ModelIdentity, Tier, TierConfig, TierName
+from relaxkv_sglang.cache.tiers.tier import TierRole
+from relaxkv_sglang.cache.sglang.tier_configs import TIER_CONFIGS, build_tiers, tier_configs_from_env
 
 
 def test_tier_configs_from_env(tmp_path):

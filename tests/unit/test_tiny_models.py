@@ -9,8 +9,8 @@ import json
 import pytest
 
 from relaxkv_sglang import assets
-from relaxkv_sglang.core.model_family import family_for_config
-from relaxkv_sglang.core.rope_config import rope_spec_from_hf_config
+from relaxkv_sglang.model.model_family import family_for_config
+from relaxkv_sglang.model.rope_config import rope_spec_from_hf_config
 from relaxkv_sglang.tiny_models import TINY_MODELS, build_tiny_model
 
 pytest.importorskip("transformers")
@@ -27,7 +27,7 @@ def test_a_tiny_model_builds_offline_as_its_family(name, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from relaxkv_sglang.core.reference import from_hf_state_dict
+    from relaxkv_sglang.model.reference import from_hf_state_dict
 
     tokenizer_dir = assets.model_path("tiny-llama")
     build_tiny_model(name, tmp_path, tokenizer_dir)

@@ -12,16 +12,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from relaxkv_sglang.core.chunk_store import ChunkStore
-from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
-from relaxkv_sglang.core.tiers import DiskTierConfig, HostTierConfig, ModelIdentity, TieredChunkStore, TierName
-from relaxkv_sglang.schema import PLAN_KEY
-from relaxkv_sglang.srt.mem_cache.chunk_reuse import ChunkReuse
-from relaxkv_sglang.srt.mem_cache.eviction import EvictionOrder
-from relaxkv_sglang.srt.mem_cache.pins import AdmissionHold, AdmissionPins
-from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
-from relaxkv_sglang.srt.plan import RequestPlan
-from relaxkv_sglang.srt.mem_cache.tier_movement import TierMovement
+from relaxkv_sglang.cache.chunk_store import ChunkStore
+from relaxkv_sglang.model.rope import RopeSpec, rotate_keys
+from relaxkv_sglang.cache.tiers import DiskTierConfig, HostTierConfig, ModelIdentity, TieredChunkStore, TierName
+from relaxkv_sglang.request.schema import PLAN_KEY
+from relaxkv_sglang.cache.sglang.chunk_reuse import ChunkReuse
+from relaxkv_sglang.cache.sglang.eviction import EvictionOrder
+from relaxkv_sglang.cache.sglang.pins import AdmissionHold, AdmissionPins
+from relaxkv_sglang.cache.sglang.pool_kv import PoolKV
+from relaxkv_sglang.request.plan import RequestPlan
+from relaxkv_sglang.cache.sglang.tier_movement import TierMovement
 
 ROPE = RopeSpec(head_dim=4)
 SLOTS = 32

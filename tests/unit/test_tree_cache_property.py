@@ -41,10 +41,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from relaxkv_sglang.core.rope import RopeSpec, rotate_keys
-from relaxkv_sglang.core.tiers import TierName
-from relaxkv_sglang.schema import PLAN_KEY
-from relaxkv_sglang.srt.plan import RequestPlan, request_namespace, request_plan
+from relaxkv_sglang.model.rope import RopeSpec, rotate_keys
+from relaxkv_sglang.cache.tiers import TierName
+from relaxkv_sglang.request.schema import PLAN_KEY
+from relaxkv_sglang.request.plan import RequestPlan, request_namespace, request_plan
 
 POOL = 32  # KV slots 1..POOL (slot 0 is SGLang's padding slot)
 MAX_LIVE = 4  # requests holding KV at once
@@ -118,8 +118,8 @@ class TreeCacheMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        from relaxkv_sglang.srt.mem_cache.pool_kv import PoolKV
-        from relaxkv_sglang.srt.tree_cache import build_cache_class
+        from relaxkv_sglang.cache.sglang.pool_kv import PoolKV
+        from relaxkv_sglang.server.sglang.startup import build_cache_class
 
         sg = self.sg = _sglang()
         self.kv = sg.MHATokenToKVPool(size=POOL, page_size=1, dtype=torch.float32, head_num=1, head_dim=2,
@@ -264,9 +264,9 @@ class TreeCacheMachine(RuleBasedStateMachine):
 
     def _forward(self, todo: list[Live]) -> None:
         """The project's fold_batch and set_up_forward, a fake forward of the kept rows, finish_forward."""
-        from relaxkv_sglang.srt.forward.finish import finish_forward
-        from relaxkv_sglang.srt.forward.fold import fold_batch
-        from relaxkv_sglang.srt.forward.query_pass import set_up_forward
+        from relaxkv_sglang.cache.sglang.finish import finish_forward
+        from relaxkv_sglang.cache.sglang.fold import fold_batch
+        from relaxkv_sglang.repair.sglang.query_pass import set_up_forward
 
         if not todo:
             return
@@ -609,7 +609,7 @@ def test_tree_cache_matches_model(scheduler_context):
 
 class TieredTreeCacheMachine(TreeCacheMachine):
     """The same machine with a small host tier (TinyLFU) and a disk tier below the pool: evicted
-    chunks spill, admissions load them back (core/tiers/, tree_cache: lower tiers). Every
+    chunks spill, admissions load them back (cache/tiers/, tree_cache: lower tiers). Every
     invariant above still holds (one owner per slot, each chunk entry holding its own KV at its
     canonical position, reused rows holding the chunk's KV re-rotated); a chunk hits iff the pool
     or a lower tier holds it."""
@@ -617,7 +617,7 @@ class TieredTreeCacheMachine(TreeCacheMachine):
     def _build_cache(self, cls, params, pool_kv):
         import tempfile
 
-        from relaxkv_sglang.core.tiers import DiskTierConfig, HostTierConfig, ModelIdentity, TieredChunkStore
+        from relaxkv_sglang.cache.tiers import DiskTierConfig, HostTierConfig, ModelIdentity, TieredChunkStore
         self.tmp = tempfile.TemporaryDirectory(prefix="relaxkv-tiers-")
         host_tokens = self.draw_host_tokens if hasattr(self, "draw_host_tokens") else 6
         token_bytes = 1 * 2 * 1 * 2 * 4

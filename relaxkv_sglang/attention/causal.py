@@ -1,0 +1,222 @@
+"""Torch attention over gathered KV: dense, gathered and scoped causal (block-sparse: :mod:`.block_sparse`).
+
+This is the numerical reference every accelerated executor must match.  All
+functions take token-major tensors ``[tokens, heads, head_dim]`` (SGLang's layout), support
+GQA (query head ``h`` reads kv head ``h // (n_heads // n_kv_heads)``, as HF's ``repeat_kv``),
+compute the softmax in float32 and return outputs in the query dtype.  The LSE they return is
+the natural log of the softmax denominator, float32 ``[n_q, n_heads]``; ``-inf`` for a query
+that sees no key (its output is then 0).  Kernels that report log2 LSEs must be converted.
+
+Work scales with the gathered key set: the sparse functions index K/V rows first and then run
+dense attention on the small set; masks are applied only inside that set (causality on the
+diagonal, padding of ragged rows), never over the full sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from relaxkv_sglang.attention.staging import HostStage, Staged
+
+__all__ = [
+    "dense_causal_attention",
+    "gathered_attention",
+    "scoped_causal_attention",
+    "masked_attention",
+    "sdpa_attention",
+    "softmax_scale",
+    "ScopedCausalGroups",
+]
+
+
+def _expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """[n, n_kv, d] -> [n, n_heads, d] by repeating each kv head over its query group."""
+    n_kv = x.shape[1]
+    if n_heads % n_kv:
+        raise ValueError(f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv}")
+    return x if n_kv == n_heads else x.repeat_interleave(n_heads // n_kv, dim=1)
+
+
+def softmax_scale(q: torch.Tensor, scale: Optional[float]) -> float:
+    """The softmax scale: ``scale``, default ``d ** -0.5`` for q [..., d]."""
+    return q.shape[-1] ** -0.5 if scale is None else float(scale)
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: Optional[torch.Tensor],
+    scale: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched attention under an explicit mask, with its LSE: what the other functions build on.
+
+    Args:
+        q: [B, n_q, H, d]; k: [B, n_k, H_kv, d]; v: [B, n_k, H_kv, dv].
+        visible: bool [B, n_q, n_k] or None (every key visible).
+        scale: softmax scale, default ``d ** -0.5``.
+    Returns:
+        out [B, n_q, H, dv] (q dtype; 0 for a query that sees no key) and lse float32
+        [B, n_q, H] (natural log, -inf for such a query).
+    """
+    scale = softmax_scale(q, scale)
+    H = q.shape[2]
+    kf = _expand_kv(k.flatten(0, 1), H).unflatten(0, k.shape[:2]).float()  # [B, n_k, H, d]
+    vf = _expand_kv(v.flatten(0, 1), H).unflatten(0, v.shape[:2]).float()
+    logits = torch.einsum("bqhd,bkhd->bhqk", q.float(), kf) * scale
+    if visible is not None:
+        logits = logits.masked_fill(~visible[:, None, :, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [B, H, n_q]
+    # A fully masked row has lse=-inf; exp(-inf - -inf) would be NaN, so zero it instead.
+    probs = torch.exp(logits - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    probs = torch.where(torch.isinf(lse)[..., None], torch.zeros_like(probs), probs)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
+    return out.to(q.dtype), lse.transpose(1, 2).contiguous()
+
+
+def dense_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: Optional[torch.Tensor] = None,
+    k_pos: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+):
+    """Dense attention with the causal rule ``k_pos <= q_pos``; the test reference.
+
+    Args:
+        q: [n_q, n_heads, d]; k: [n_k, n_kv_heads, d]; v: [n_k, n_kv_heads, dv].
+        q_pos: int64 [n_q] positions of the queries, default ``n_k - n_q + arange(n_q)``
+            (queries are the last n_q keys, as in prefill with a cached prefix).
+        k_pos: int64 [n_k] positions of the keys, default ``arange(n_k)``.
+        scale: softmax scale, default ``d ** -0.5``.
+    Returns:
+        out [n_q, n_heads, dv] (q dtype), and lse float32 [n_q, n_heads] if return_lse.
+    """
+    n_q, n_k = q.shape[0], k.shape[0]
+    if k_pos is None:
+        k_pos = torch.arange(n_k, device=q.device)
+    if q_pos is None:
+        q_pos = torch.arange(n_k - n_q, n_k, device=q.device)
+    visible = k_pos[None, :] <= q_pos[:, None]
+    out, lse = masked_attention(q[None], k[None], v[None], visible[None], scale)
+    return (out[0], lse[0]) if return_lse else out[0]
+
+
+def gathered_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    key_idx: torch.Tensor,
+    key_pos: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    every_row_sees_a_key: Optional[bool] = None,
+):
+    """All queries attend to one gathered key set, causally by position.
+
+    Args:
+        q: [n_q, n_heads, d] queries.
+        k: [n_k, n_kv_heads, d], v: [n_k, n_kv_heads, dv] the whole KV (e.g. a request's).
+        q_pos: int64 [n_q] query positions.
+        key_idx: int64 [n_sel] rows of k/v to gather (only these are read).
+        key_pos: int64 [n_sel] positions of the gathered keys, default ``key_idx`` (KV stored
+            in prompt order).
+        scale: softmax scale, default ``d ** -0.5``.
+        every_row_sees_a_key: whether every query sees at least one gathered key, when the caller
+            knows it on the host (None: read from the mask, a host sync on a GPU).
+    Returns:
+        out [n_q, n_heads, dv], and lse float32 [n_q, n_heads] if return_lse.
+        Cost is O(n_q * n_sel), independent of n_k.
+    """
+    key_idx = key_idx.to(torch.long)
+    key_pos = key_idx if key_pos is None else key_pos.to(torch.long)
+    kg, vg = k.index_select(0, key_idx), v.index_select(0, key_idx)
+    visible = key_pos[None, :] <= q_pos.to(key_pos.device, torch.long)[:, None]
+    if every_row_sees_a_key is None:
+        every_row_sees_a_key = bool(visible.any(dim=1).all())
+    if not return_lse and every_row_sees_a_key:
+        # The serving path: torch's fused SDPA kernel on the gathered set (the
+        # einsum path below materialises [H, n_q, n_sel] logits and is far slower).
+        return sdpa_attention(q, kg, vg, visible, softmax_scale(q, scale))
+    out, lse = masked_attention(q[None], kg[None], vg[None], visible[None], scale)
+    return (out[0], lse[0]) if return_lse else out[0]
+
+
+class ScopedCausalGroups:
+    """:func:`scoped_causal_attention` decided on the host: rows sharing a scope start form a
+    group that gathers its key range once.
+
+    Decide once (``__init__``, host tensors), run at every layer (:meth:`run`): the groups' row
+    indices and positions travel on ``stage`` (one copy for everything the stage carries), each
+    group's key positions are made on the device, and no run reads the device back.
+
+    Args:
+        q_pos: int64 host [n] row positions; scope_start: int64 host [n] (scope_start <= q_pos).
+        stage: where the index tensors go (its ``send`` before the first :meth:`run`).
+    """
+
+    def __init__(self, q_pos: torch.Tensor, scope_start: torch.Tensor, stage: HostStage) -> None:
+        self.n_rows = int(q_pos.shape[0])
+        self.groups: list[tuple[Staged, Staged, int, int, bool]] = []  # (rows, positions, scope, end, sees a key)
+        for scope in torch.unique(scope_start).tolist():
+            sel = (scope_start == scope).nonzero().flatten()
+            pos = q_pos[sel]
+            self.groups.append((stage.put(sel), stage.put(pos), scope, int(pos.max()) + 1, bool((pos >= scope).all())))
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows: torch.Tensor,
+            scale: Optional[float] = None) -> torch.Tensor:
+        """q [n, n_heads, d]; k/v [n_k, n_kv_heads, d] (e.g. a KV pool); key_rows int [>= max(q_pos) + 1]
+        row of k/v holding the key at each position, on k's device -> [n, n_heads, dv] in q's dtype."""
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        for rows, pos, scope, end, sees_a_key in self.groups:
+            at = rows.get()
+            key_pos = torch.arange(scope, end, dtype=torch.int64, device=key_rows.device)
+            out[at] = gathered_attention(q.index_select(0, at), k, v, pos.get(), key_idx=key_rows[key_pos],
+                                         key_pos=key_pos, scale=scale, every_row_sees_a_key=sees_a_key)
+        return out
+
+
+def scoped_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    scope_start: torch.Tensor,
+    key_rows: torch.Tensor,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Each row attends causally to the keys from its scope start up to its own position.
+
+    Scope start 0 is the ordinary causal prefix; a chunk's first position makes
+    the chunk attend only to itself (position-independent computation). Rows
+    sharing a scope start gather their key range once (:class:`ScopedCausalGroups`, planned and
+    run in one call; a caller running the same rows at many layers keeps the plan).
+
+    Args:
+        q: [n, n_heads, d]; k/v: [n_k, n_kv_heads, d] (e.g. a KV pool).
+        q_pos: int64 [n] row positions; scope_start: int64 [n] (scope_start <= q_pos), on the
+            host (given on a device they are read back first: a host sync).
+        key_rows: int [>= max(q_pos) + 1] row of k/v holding the key at each position
+            (e.g. a request's ``req_to_token`` row), on k's device.
+        scale: softmax scale, default ``d ** -0.5``.
+    Returns:
+        [n, n_heads, dv] in q's dtype.
+    """
+    stage = HostStage(q.device)
+    plan = ScopedCausalGroups(q_pos.cpu(), scope_start.cpu(), stage)
+    stage.send()
+    return plan.run(q, k, v, key_rows, scale)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n_q, H, d], k/v [n_k, H_kv, d], visible bool [n_q, n_k] (every row sees a key) -> [n_q, H, dv]."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype),
+        attn_mask=visible.to(q.device), scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[0].transpose(0, 1)

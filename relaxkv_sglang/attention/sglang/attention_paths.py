@@ -1,0 +1,149 @@
+"""Which attention a batch gets, decided on fake-able batch descriptions (pure; no SGLang import).
+
+The ``relaxkv`` attention backend's decisions (:mod:`relaxkv_sglang.attention.sglang.attention_backend` describes the backend):
+:func:`attention_path` (``"sglang"`` or ``"scoped"`` per batch), :func:`may_replay_graph`,
+the rows of a batch (:func:`contiguous_rows`, :func:`rows_are_contiguous_tails`), the attention
+settings the plugin refuses (:func:`check_attention_settings`), the scoped batch's FlashInfer
+segments (:func:`scoped_inputs`) and what both backend classes carry (:func:`plugin_state`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import torch
+
+from relaxkv_sglang.repair.repair_config import RepairCost
+from relaxkv_sglang.attention.gpu.prefill_inputs import ScopedPrefillInputs, scoped_prefill_inputs
+from relaxkv_sglang.attention.sglang.context import ExtendRows, ForwardContext, forward_context
+from relaxkv_sglang.server.failures import InvariantError
+from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention
+
+SGLANG, SCOPED = "sglang", "scoped"
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+
+def contiguous_rows(forward_batch: "ForwardBatch") -> list[ExtendRows]:
+    """Rows of an ordinary extend batch: each request's tail, scope start 0."""
+    rows, start = [], 0
+    pool_idx = forward_batch.req_pool_indices.tolist()
+    prefix = forward_batch.extend_prefix_lens_cpu
+    lens = forward_batch.extend_seq_lens_cpu
+    for rp, pre, n in zip(pool_idx, prefix, lens):
+        pos = torch.arange(pre, pre + n, dtype=torch.int64)
+        rows.append(ExtendRows(rp, start, pos, torch.zeros(n, dtype=torch.int64)))
+        start += n
+    return rows
+
+
+def rows_are_contiguous_tails(rows: Sequence[ExtendRows], prefix_lens: Sequence[int],
+                              extend_lens: Sequence[int]) -> bool:
+    """Whether the fold's rows are exactly the batch's ordinary rows: request i's tail
+    ``[prefix_lens[i], prefix_lens[i] + extend_lens[i])`` in batch order, scope start 0."""
+    if len(rows) != len(prefix_lens) or len(rows) != len(extend_lens):
+        return False
+    start = 0
+    for r, pre, n in zip(rows, prefix_lens, extend_lens):
+        if r.row_start != start or r.n_rows != n:
+            return False
+        if n and not (torch.equal(r.positions, torch.arange(pre, pre + n, dtype=r.positions.dtype))
+                      and not bool(r.scope_start.any())):
+            return False
+        start += n
+    return True
+
+
+def attention_path(is_extend: bool, context: Optional[ForwardContext], ordinary_rows: Callable[[], bool]) -> str:
+    """Who attends a batch (module doc): ``"sglang"`` or ``"scoped"``.
+
+    Args:
+        is_extend: the batch is an extend (prefill) batch (``ForwardMode.is_extend``).
+        context: the fold's decision attached for this forward (None: SGLang's own batch; every
+            decode batch and every CUDA-graph capture has none).
+        ordinary_rows: evaluated only when nothing else decides: whether the folded rows are
+            every request's contiguous tail with scope 0 (:func:`rows_are_contiguous_tails`).
+    Returns:
+        ``"scoped"`` when the backend must record the query's scores (``records_scores``) or
+        the rows are not the ordinary tails; else ``"sglang"``.
+    """
+    if context is None or not is_extend:
+        return SGLANG
+    if getattr(context, "records_scores", False):
+        return SCOPED
+    return SGLANG if ordinary_rows() else SCOPED
+
+
+def may_replay_graph(path: str, context: Optional[ForwardContext]) -> bool:
+    """Whether a batch may replay SGLang's prefill CUDA graph: only SGLang's own batches, and never
+    one whose context carries a repair. A graph holds SGLang's kernels, and its replay swaps the
+    decoder stack's ``forward`` for the captured body (an instance attribute that shadows the
+    plugin's class-level model hook), so a repair would silently not run."""
+    return path == SGLANG and getattr(context, "repair", None) is None
+
+
+def unsupported_settings(model: Any) -> list[str]:
+    """What the plugin's attention (scoped rows and anchors, on either device) does not apply, per
+    attention layer of ``model`` (SGLang's ``RadixAttention`` modules): a sliding window, a logit
+    soft cap, K/V scales (an FP8 KV cache with scales). Empty when every layer is plain causal."""
+    found = []
+    for module in model.modules() if model is not None else ():
+        if not (hasattr(module, "sliding_window_size") and hasattr(module, "layer_id")):
+            continue
+        where = f"layer {module.layer_id}"
+        if module.sliding_window_size not in (None, -1):
+            found.append(f"{where}: a sliding window of {module.sliding_window_size} tokens")
+        if getattr(module, "logit_cap", 0):
+            found.append(f"{where}: a logit soft cap of {module.logit_cap}")
+        for kind in ("k", "v"):
+            scale = getattr(module, f"{kind}_scale_float", None)
+            if scale not in (None, 1.0):
+                found.append(f"{where}: a {kind.upper()} scale of {scale}")
+    return found
+
+
+def check_attention_settings(model: Any) -> None:
+    """Refuse, in one line, a model whose attention layers use a setting the plugin's attention
+    does not apply (:func:`unsupported_settings`): its scoped rows and anchors would attend
+    without it, silently wrong."""
+    found = unsupported_settings(model)
+    if found:
+        more = f" (and {len(found) - 2} more)" if len(found) > 2 else ""
+        raise RuntimeError(f"relaxkv: the relaxkv attention backend does not apply {'; '.join(found[:2])}{more}; "
+                           "serve this model with another --attention-backend and without the relaxkv tree cache")
+
+
+def batch_path(backend: Any, forward_batch: "ForwardBatch") -> str:
+    """:func:`attention_path` of a live ``ForwardBatch`` on the backend it runs on."""
+    context = forward_context(backend)
+    return attention_path(
+        forward_batch.forward_mode.is_extend(), context,
+        lambda: rows_are_contiguous_tails(context.extend_rows, forward_batch.extend_prefix_lens_cpu,
+                                          forward_batch.extend_seq_lens_cpu))
+
+
+def scoped_inputs(rows: Sequence[ExtendRows]) -> ScopedPrefillInputs:
+    """The fold's rows (batch order) as one paged-prefill call's segments."""
+    start = 0
+    for r in rows:
+        if r.row_start != start:
+            raise InvariantError("relaxkv: the fold's rows do not tile the batch")
+        start += r.n_rows
+    req = torch.cat([torch.full((r.n_rows,), r.req_pool_idx, dtype=torch.int64) for r in rows])
+    return scoped_prefill_inputs(req, torch.cat([r.positions for r in rows]), torch.cat([r.scope_start for r in rows]))
+
+
+def plugin_state(backend: Any, model_runner: Any, float_workspace: Optional[torch.Tensor] = None) -> None:
+    """What both classes carry for the rest of the plugin (after refusing a model whose attention
+    settings it would drop); ``float_workspace``: FlashInfer's, shared by the repair's anchors."""
+    check_attention_settings(getattr(model_runner, "model", None))
+    backend.anchor_attention = AnchorAttention(float_workspace)  # the repair pass's anchors (layer_loop)
+    # The model's repair cost model, for relaxkv_budget (decided once, read per repair).
+    backend.repair_cost = RepairCost.from_hf_config(model_runner.model_config.hf_config.to_dict(),
+                                                    str(model_runner.device).split(":")[0])
+    # The auto budget reads the query pass's answer: the LM head over the whole vocabulary, which a
+    # tensor-parallel rank holds only a shard of (then no answer is measured, repair/sglang/budget.py).
+    whole_vocab = int(getattr(model_runner, "tp_size", 1) or 1) == 1
+    backend.lm_head = getattr(getattr(model_runner, "model", None), "lm_head", None) if whole_vocab else None

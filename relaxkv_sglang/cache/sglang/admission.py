@@ -1,0 +1,89 @@
+"""Admission: chunk hits pinned from the moment a request is admitted until its fold.
+
+SGLang admits in ``Scheduler.get_new_batch_prefill``: per queued request ``match_prefix``, then
+``PrefillAdder.add_one_req`` checks it against ``free + tree_cache.evictable_size()`` and
+commits it; ``prepare_for_extend`` then allocates (evicting) and the forward runs the fold. Hooks:
+
+* around ``add_one_req``: before the check, the request's chunk hits are pinned
+  (:meth:`~relaxkv_sglang.cache.sglang.tree_cache_class.RelaxKVTreeCache.pin_request`; a chunk
+  only a lower tier holds is loaded first), so they leave the evictable budget and no allocation
+  can evict them; while others run, the check also runs under
+  :meth:`~relaxkv_sglang.cache.sglang.pins.AdmissionHold.hold` (queued requests' chunks count as
+  not evictable). A request not admitted drops its pins; an admitted one keeps its window's;
+* around ``add_chunked_req``: a chunked prefill's next window pins its hits the same way;
+* around ``get_new_batch_prefill``: tells the cache the round's waiting queue, ends the round.
+
+Pins are dropped after the fold (:mod:`relaxkv_sglang.server.sglang.pipeline`), on release and on a
+flush. Trade-offs and measurements: docs/reliability.md.
+
+SGLang files touched (hooks registered in ``plugin.py``): ``managers/schedule_policy.py``
+``PrefillAdder.add_one_req`` and ``PrefillAdder.add_chunked_req`` (around),
+``managers/scheduler.py`` ``Scheduler.get_new_batch_prefill`` (around).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+
+def _relaxkv_cache(tree_cache: Any) -> Any:
+    """The tree cache if it is the plugin's (it pins), else None."""
+    return tree_cache if hasattr(tree_cache, "pin_request") else None
+
+
+def _admitted(adder: Any, req: Any) -> bool:
+    return any(r is req for r in adder.can_run_list)
+
+
+def around_get_new_batch_prefill(original: Callable, scheduler: Any, running_batch: Any,
+                                 *args: Any, **kwargs: Any) -> Any:
+    """Hook on ``Scheduler.get_new_batch_prefill``: one admission round."""
+    cache = _relaxkv_cache(scheduler.tree_cache)
+    if cache is None:
+        return original(scheduler, running_batch, *args, **kwargs)
+    cache.begin_admission(scheduler.waiting_queue, scheduler.chunked_req)
+    try:
+        return original(scheduler, running_batch, *args, **kwargs)
+    finally:
+        cache.hold.end()
+
+
+def around_add_one_req(original: Callable, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """Hook on ``PrefillAdder.add_one_req``: pin the request's hits, check it under the hold."""
+    cache = _relaxkv_cache(adder.tree_cache)
+    if cache is None:
+        return original(adder, req, *args, **kwargs)
+    running = adder.running_batch
+    others_run = bool(adder.can_run_list) or (running is not None and not running.is_empty())
+    hold = cache.hold.hold() if others_run else contextlib.nullcontext()
+
+    def check() -> Any:
+        """The adder's own check, under the hold."""
+        with hold:
+            return original(adder, req, *args, **kwargs)
+
+    return _check_pinned(cache, adder, req, check)
+
+
+def around_add_chunked_req(original: Callable, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """Hook on ``PrefillAdder.add_chunked_req``: the next window pins its hits."""
+    cache = _relaxkv_cache(adder.tree_cache)
+    if cache is None:
+        return original(adder, req, *args, **kwargs)
+    return _check_pinned(cache, adder, req, lambda: original(adder, req, *args, **kwargs))
+
+
+def _check_pinned(cache: Any, adder: Any, req: Any, check: Callable[[], Any]) -> Any:
+    """Pin ``req``'s hits, run the adder's ``check``; keep the admitted window's pins, else drop them."""
+    cache.pin_request(req)
+    try:
+        result = check()
+    except BaseException:
+        cache.admission_pins.unpin(req)
+        raise
+    if _admitted(adder, req):
+        cache.admission_pins.trim(req, req.extend_end)
+    else:
+        cache.admission_pins.unpin(req)
+    return result

@@ -1,0 +1,32 @@
+"""The tier vocabulary at the SGLang boundary: our tier names in SGLang's ``cache_source`` names.
+
+The plugin names tiers with :class:`~relaxkv_sglang.cache.tiers.TierName` (device / host /
+disk) everywhere. SGLang counts cached tokens by its own sources, ``device`` / ``host`` /
+``storage`` (``Req.cached_tokens_<source>``, ``cached_tokens_details``,
+``sglang:cached_tokens_total{cache_source}``, the prefill stats' ``log_<source>_hit_tokens``);
+this module is the one place that maps one onto the other. A tier below host memory is SGLang's
+``storage`` (its L3), whatever it is called here (the disk tier; a distributed store).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from relaxkv_sglang.cache.tiers import TierName
+
+SGLANG_CACHE_SOURCES = ("device", "host", "storage")
+
+_SOURCE = {TierName.DEVICE: "device", TierName.HOST: "host"}
+
+
+def sglang_cache_source(tier: str) -> str:
+    """SGLang's ``cache_source`` for tokens served from ``tier``."""
+    return _SOURCE.get(tier, "storage")
+
+
+def by_cache_source(tokens_by_tier: Mapping[str, int]) -> dict[str, int]:
+    """Token counts per tier summed per SGLang ``cache_source``, every source present, SGLang's order."""
+    out = dict.fromkeys(SGLANG_CACHE_SOURCES, 0)
+    for tier, tokens in tokens_by_tier.items():
+        out[sglang_cache_source(tier)] += tokens
+    return out

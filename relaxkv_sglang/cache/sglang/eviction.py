@@ -1,0 +1,47 @@
+"""One eviction order over the radix tree's leaves and the chunk store's entries.
+
+Each victim is the older (by last use) of the radix tree's next leaf (as its eviction strategy
+ranks them: under SGLang's default ``lru``, last use) and the chunk store's least recently used
+entry; the leaf goes first on a tie. Both run on ``time.monotonic`` (the clock of
+``TreeNode.last_access_time``), so this is one LRU order over both trees. :class:`EvictionOrder`
+keeps the leaves in a heap built once per eviction, pushing a parent as its last child goes (as
+``RadixCache.evict`` does); the store already keeps its unlocked entries in LRU order. Leaves are
+objects with ``last_access_time``; the caller evicts what :meth:`EvictionOrder.next` names.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Any, Callable, Iterable, Optional, Union
+
+from relaxkv_sglang.cache.chunk_store import ChunkEntry, ChunkStore
+
+
+class EvictionOrder:
+    """The next victim of one eviction, radix leaf or chunk (module doc)."""
+
+    def __init__(self, leaves: Iterable[Any], priority: Callable[[Any], Any], chunks: ChunkStore) -> None:
+        """leaves: the evictable radix leaves; priority: the radix strategy's rank of a leaf
+        (lowest first); chunks: the chunk store (its unlocked entries, oldest first)."""
+        self.priority = priority
+        self.chunks = chunks
+        self._seq = itertools.count()  # ties in priority keep insertion order (nodes need not compare)
+        self._heap = [(priority(leaf), next(self._seq), leaf) for leaf in leaves]
+        heapq.heapify(self._heap)
+
+    def push_leaf(self, leaf: Any) -> None:
+        """A node became an evictable leaf (its last child was evicted)."""
+        heapq.heappush(self._heap, (self.priority(leaf), next(self._seq), leaf))
+
+    def next(self) -> Optional[Union[Any, ChunkEntry]]:
+        """The next victim: a radix leaf (taken off the heap) or the oldest unlocked chunk
+        (the caller evicts it from the store); None when neither tree has one."""
+        entry = self.chunks.oldest()
+        if not self._heap:
+            return entry
+        leaf = self._heap[0][2]
+        if entry is None or leaf.last_access_time <= entry.last_access:
+            heapq.heappop(self._heap)
+            return leaf
+        return entry

@@ -1,0 +1,162 @@
+"""The forward's first stage: chunk reuse folded into SGLang's extend batch.
+
+The scheduler plans and allocates a chunked request like any other (a slot for every token after
+the exact prefix). Before the forward, :func:`fold_batch` decides per chunk in the extend window:
+
+* **hit** (the chunk tree holds it): its canonical K/V is copied into the request's slots, K
+  re-rotated to where the chunk sits (:meth:`~relaxkv_sglang.cache.sglang.chunk_reuse.ChunkReuse.reuse`), and its
+  rows leave the batch;
+* **miss**: its rows stay, each attending only to its own chunk; after the forward their K/V go
+  to the chunk tree (:attr:`RequestFold.misses`).
+
+Prefix, glue and query rows attend to everything before them. Each window's last row and any row
+whose input logprob is asked for are always computed; a hit's logprob rows are recomputed at chunk
+scope, so they read and write what a miss would (logprobs never depend on the cache). With
+chunked prefill a chunk is looked up in the window holding the token after it; a repair runs in
+the window holding the prompt's last token (:attr:`RequestFold.completes_prompt`). The result is a
+:class:`Fold`, never changed afterwards; :mod:`.query_pass` turns it into rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from relaxkv_sglang.cache.tiers import TierName, split_hits
+from relaxkv_sglang.request.plan import RequestPlan, request_plan
+
+if TYPE_CHECKING:
+    from relaxkv_sglang.cache.sglang.relaxkv_cache import RelaxKVCache
+
+# A miss chunk to publish once computed: (token ids, start position, end position).
+MissChunk = tuple[tuple[int, ...], int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestFold:
+    """What the fold decided for one request of the batch.
+
+    Attributes:
+        req: SGLang's ``Req``.
+        req_pool_idx: its row in ``req_to_token``.
+        window_start: first position of this extend window (SGLang's prefix length).
+        window_len: tokens in this extend window.
+        keep: int64 [n_kept] window offsets of the tokens the fold leaves to compute, ascending.
+        scope_start: int64 [n_kept] first key position each kept token may attend to.
+        plan: the request's plan (None: a plain request in a folded batch).
+        logprob_start: window offset input logprobs start at, if asked.
+        hit_tokens / chunks_seen / chunks_hit: reuse counted for this window.
+        tier_tokens: of the hit tokens, those of chunks loaded from a lower tier
+            (lower :class:`~relaxkv_sglang.cache.tiers.TierName` -> tokens); the rest came from the device pool.
+        misses: the miss chunks settled in this window, to publish once computed.
+    """
+
+    req: Any
+    req_pool_idx: int
+    window_start: int
+    window_len: int
+    keep: torch.Tensor
+    scope_start: torch.Tensor
+    plan: Optional[RequestPlan]
+    logprob_start: Optional[int] = None
+    hit_tokens: int = 0
+    chunks_seen: int = 0
+    chunks_hit: int = 0
+    tier_tokens: dict[TierName, int] = dataclasses.field(default_factory=dict)
+    misses: tuple[MissChunk, ...] = ()
+
+    @property
+    def window_end(self) -> int:
+        """One past the last prompt position this extend window covers."""
+        return self.window_start + self.window_len
+
+    @property
+    def completes_prompt(self) -> bool:
+        """This window holds the prompt's last token: the window that decides the repair
+        (the last of a split prompt; also a retracted request's prefill again, whose window
+        runs on over its generated tokens)."""
+        return self.window_start < len(self.req.origin_input_ids) <= self.window_end
+
+    def hit_sources(self) -> dict[TierName, int]:
+        """The window's chunk hit tokens by the tier they came from (device: the pool), summing to
+        ``hit_tokens`` (:func:`~relaxkv_sglang.cache.tiers.split_hits`)."""
+        return split_hits(self.hit_tokens, self.tier_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fold:
+    """A batch's fold: the scheduled batch and, per request in batch order, what the fold decided."""
+
+    source: Any  # the ScheduleBatch the scheduler built
+    requests: tuple[RequestFold, ...]
+
+
+def fold_batch(cache: "RelaxKVCache", batch: Any) -> Optional[Fold]:
+    """Decide, copy reused KV; None if the batch is not an extend or no request has a plan."""
+    if batch is None or not batch.forward_mode.is_extend() or batch.forward_mode.is_mixed():
+        return None
+    if all(request_plan(r) is None for r in batch.reqs):
+        return None
+    logprob_starts = batch.extend_logprob_start_lens if batch.return_logprob else None
+    pool_idx = batch.req_pool_indices_cpu.tolist()
+    requests = [
+        _fold_request(cache, req, pool_idx[i], batch.prefix_lens[i], batch.extend_lens[i],
+                      logprob_starts[i] if logprob_starts is not None else None)
+        for i, req in enumerate(batch.reqs)
+    ]
+    return Fold(batch, tuple(requests))
+
+
+def settles_in_window(chunk_end: int, window_start: int, window_end: int, prompt_len: int) -> bool:
+    """Whether a chunk ending at ``chunk_end`` is looked up (copied on a hit, published on a
+    miss) in the extend window ``[window_start, window_end)``: the window holding the token
+    right after it, or, for a chunk that ends the prompt, the window holding its last token
+    (module doc). Exactly one window of a prefill settles each chunk."""
+    return (window_start <= chunk_end < window_end
+            or (chunk_end == prompt_len and window_start < chunk_end <= window_end))
+
+
+def _fold_request(cache: "RelaxKVCache", req: Any, rp: int, pre: int, n: int,
+                  logprob_start: Optional[int]) -> RequestFold:
+    plan = request_plan(req)
+    if plan is None or not plan.reuses_chunks:
+        every = torch.arange(n, dtype=torch.int64)
+        return RequestFold(req, rp, pre, n, every, torch.zeros(n, dtype=torch.int64), plan, logprob_start)
+    keep = torch.ones(n, dtype=torch.bool)
+    scope = torch.zeros(n, dtype=torch.int64)
+    hit_tokens = chunks_seen = chunks_hit = 0
+    tier_tokens: dict[TierName, int] = {}
+    misses: list[MissChunk] = []
+    row = cache.req_to_token[rp]
+    end, prompt_len = pre + n, len(req.origin_input_ids)
+    for cs, ce in plan.chunk_spans:
+        lo, hi = max(cs, pre) - pre, max(min(ce, end) - pre, 0)  # this window's rows of the chunk
+        if not settles_in_window(ce, pre, end, prompt_len):
+            if cs < end and ce > pre:
+                scope[lo:hi] = cs  # computed position-independently until then
+            continue
+        chunks_seen += 1
+        tokens = req.origin_input_ids[cs:ce]
+        tier = cache.reuse.reuse(plan.namespace, tokens, row[cs:ce].to(torch.int64), cs)
+        scope[lo:hi] = cs  # a hit row computed after all (input logprobs, below) keeps its chunk scope
+        if tier:
+            keep[lo:hi] = False  # rows of earlier windows: their KV is overwritten by the copy
+            chunks_hit += 1
+            hit_tokens += hi - lo
+            if tier != TierName.DEVICE:  # loaded from a lower tier (tree_cache: lower tiers)
+                tier_tokens[tier] = tier_tokens.get(tier, 0) + hi - lo
+        else:
+            misses.append((tuple(tokens), cs, ce))
+    # SGLang reads logits at the window's last row and input logprobs from `logprob_start` on, so
+    # those rows must be computed. A hit row among them is computed as its miss would be, at its
+    # chunk scope over the reused KV: the same computation cold and warm (module doc).
+    must = n - 1 if logprob_start is None else min(logprob_start, n - 1)
+    for i in range(must, n):
+        if not keep[i]:
+            keep[i] = True
+            hit_tokens -= 1
+    kept = keep.nonzero().flatten()
+    return RequestFold(req, rp, pre, n, kept, scope[kept], plan, logprob_start, hit_tokens, chunks_seen,
+                       chunks_hit, tier_tokens, tuple(misses))

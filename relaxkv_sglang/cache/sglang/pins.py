@@ -1,0 +1,174 @@
+"""Admission pins and the admission hold: chunk hits kept in the pool from admission to the fold.
+
+SGLang's ``PrefillAdder`` admits a request if it fits in ``free + evictable_size()``
+(hooked in :mod:`relaxkv_sglang.cache.sglang.admission`). Two things change what is evictable:
+
+* :class:`AdmissionPins`: the chunks of a considered request's window that the store holds are
+  locked for it, so nothing evicts them before the fold copies them; dropped at once if it is not
+  admitted, else after its forward (or on release, or a flush).
+  ``stats()["chunk_locked_entries"]`` is 0 whenever no admitted request waits for its forward.
+* :class:`AdmissionHold`: while others run, for one admission check, the chunks queued requests
+  need are locked and the store's learned share of the pool (``ChunkStore.target_tokens``) is
+  taken off ``evictable_size``, so a request that fits only by evicting them waits
+  (``RELAXKV_ADMISSION_HOLD=0``: off; docs/reliability.md, "Chunk hits under memory pressure").
+
+Requests are SGLang ``Req`` objects; only ``rid``, ``prefix_len``, ``origin_input_ids`` and the
+plan (:func:`~relaxkv_sglang.request.plan.request_plan`) are read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+from relaxkv_sglang.cache.chunk_store import ChunkEntry, ChunkStore
+from relaxkv_sglang.request.plan import request_plan, request_state
+
+# RELAXKV_ADMISSION_HOLD=0 (server/settings.py) turns off the admission hold on chunks queued
+# requests need (pins of admitted requests stay): more concurrency, fewer hits.
+# Queued requests (in queue order) whose chunks the admission hold protects.
+HOLD_QUEUE_DEPTH = 256
+
+# Loads a chunk the pool lacks from a lower tier: (namespace, tokens) -> its entry, or None.
+ChunkLoader = Callable[[Optional[str], Sequence[int]], Optional[ChunkEntry]]
+
+
+def chunk_keys(req: Any, plan: Any) -> list[tuple[int, int, tuple[int, ...]]]:
+    """(start, end, token ids) of each chunk of the request, computed once per request."""
+    state = request_state(req)
+    if state.chunk_keys is None:
+        ids = req.origin_input_ids
+        state.chunk_keys = [(cs, ce, tuple(ids[cs:ce])) for cs, ce in plan.chunk_spans]
+    return state.chunk_keys
+
+
+def requests_chunks(reqs: Iterable[Any]) -> Iterator[tuple[Optional[str], tuple[int, ...]]]:
+    """(namespace, token ids) of every chunk of the requests that reuse chunks, in order."""
+    for req in reqs:
+        plan = request_plan(req)
+        if plan is None or not plan.reuses_chunks:
+            continue
+        for _cs, _ce, tokens in chunk_keys(req, plan):
+            yield plan.namespace, tokens
+
+
+class AdmissionPins:
+    """Chunk entries locked for admitted requests until their fold (module doc)."""
+
+    def __init__(self, chunks: ChunkStore) -> None:
+        """chunks: the pool's chunk store."""
+        self.chunks = chunks
+        self.by_request: dict[str, list[tuple[int, ChunkEntry]]] = {}  # rid -> [(chunk end, entry)]
+        self.dropped_at_reset = 0  # requests whose pins a flush found (a leak: flushes happen when idle)
+
+    def pin(self, req: Any, load: Optional[ChunkLoader] = None) -> int:
+        """Lock every chunk of ``req`` after its matched prefix that the store holds (or
+        ``load`` brings in from a lower tier).
+
+        Idempotent per request: earlier pins of the same request are dropped first. Returns the
+        pool tokens pinned: a chunk the request holds twice is locked twice but counted once.
+        """
+        self.unpin(req)
+        plan = request_plan(req)
+        if plan is None or not plan.reuses_chunks:
+            return 0
+        start = req.prefix_len
+        pins = []
+        for _cs, ce, tokens in chunk_keys(req, plan):
+            if ce < start:  # settled by an earlier window (fold.settles_in_window)
+                continue
+            entry = self.chunks.peek(plan.namespace, tokens)
+            if entry is None and load is not None:
+                entry = load(plan.namespace, tokens)
+            if entry is not None:
+                self.chunks.lock(entry)
+                pins.append((ce, entry))
+        if pins:
+            self.by_request[req.rid] = pins
+        return sum(e.num_tokens for e in {id(e): e for _, e in pins}.values())
+
+    def trim(self, req: Any, end: int) -> None:
+        """Keep only the pins of chunks that end by ``end`` (the admitted window's end)."""
+        pins = self.by_request.get(req.rid)
+        if not pins:
+            return
+        keep = []
+        for ce, entry in pins:
+            if ce > end:
+                self.chunks.unlock(entry)
+            else:
+                keep.append((ce, entry))
+        if keep:
+            self.by_request[req.rid] = keep
+        else:
+            del self.by_request[req.rid]
+
+    def unpin(self, req: Any) -> None:
+        """Drop the request's pins (copied, not admitted, finished, aborted)."""
+        for _, entry in self.by_request.pop(req.rid, ()):
+            self.chunks.unlock(entry)
+
+    def unpin_all(self, reqs: Iterable[Any]) -> None:
+        """Drop the pins of a batch's requests (after its forward)."""
+        if self.by_request:
+            for req in reqs:
+                self.unpin(req)
+
+    def drop_all(self) -> int:
+        """A flush: unlock every pin; returns the requests that still held some (counted)."""
+        n = len(self.by_request)
+        self.dropped_at_reset += n
+        for rid in list(self.by_request):
+            for _, entry in self.by_request.pop(rid):
+                self.chunks.unlock(entry)
+        return n
+
+
+class AdmissionHold:
+    """The chunks queued requests need, held out of the adder's budget for one check (module doc)."""
+
+    def __init__(self, chunks: ChunkStore, enabled: bool = True) -> None:
+        """chunks: the pool's chunk store; enabled: False with ``RELAXKV_ADMISSION_HOLD=0``."""
+        self.chunks = chunks
+        self.enabled = enabled
+        self.queue: Optional[list] = None  # the waiting queue, during an admission round
+        self.hot: Optional[list[ChunkEntry]] = None  # entries queued requests need, once per round
+        self.reserve = 0  # tokens admission leaves to the chunk store, during one admission check
+
+    def begin(self, waiting_queue: list, chunked_req: Any = None) -> None:
+        """An admission round starts over ``waiting_queue`` (and the chunked request, first)."""
+        self.queue = ([chunked_req] if chunked_req is not None else []) + list(waiting_queue)
+        self.hot = None
+
+    def end(self) -> None:
+        """The admission round is over."""
+        self.queue = self.hot = None
+
+    def _hot_entries(self) -> list[ChunkEntry]:
+        """Stored chunks the first HOLD_QUEUE_DEPTH queued requests need, each once."""
+        if self.hot is None:
+            seen: dict[int, ChunkEntry] = {}
+            for namespace, tokens in requests_chunks((self.queue or ())[:HOLD_QUEUE_DEPTH]):
+                entry = self.chunks.peek(namespace, tokens)
+                if entry is not None:
+                    seen.setdefault(id(entry), entry)
+            self.hot = list(seen.values())
+        return self.hot
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[int]:
+        """For one admission check: lock the queued requests' chunks and reserve the store's
+        learned share (less what is locked); yields the tokens held back (locked + reserved)."""
+        if not self.enabled:
+            yield 0
+            return
+        held = [e for e in self._hot_entries() if self.chunks.peek(e.namespace, e.token_ids) is e]
+        for entry in held:
+            self.chunks.lock(entry)
+        try:
+            self.reserve = max(0, self.chunks.target_tokens() - self.chunks.locked_tokens())
+            yield sum(e.num_tokens for e in held) + self.reserve
+        finally:
+            self.reserve = 0
+            for entry in held:
+                self.chunks.unlock(entry)

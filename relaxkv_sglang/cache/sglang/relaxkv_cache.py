@@ -1,0 +1,71 @@
+"""What the forward stages and admission call on the relaxkv tree cache, and how a worker finds it.
+
+:class:`RelaxKVCache` is the cache's surface as the rest of the plugin sees it (implemented by
+:class:`~relaxkv_sglang.cache.sglang.tree_cache_class.RelaxKVTreeCache`, SGLang's radix tree plus the chunk store): reading
+and writing a request's KV slots, reusing and publishing chunks, and the admission pins. Anything
+else on the class is SGLang's ``BasePrefixCache`` surface. :func:`worker_cache` finds the
+scheduler worker's cache (the factory attaches it), so no module holds a process-wide reference.
+
+Imports no SGLang at run time.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol, Sequence
+
+import torch
+
+from relaxkv_sglang.server import state
+
+if TYPE_CHECKING:
+    from relaxkv_sglang.cache.tiers import TierName
+    from relaxkv_sglang.cache.sglang.chunk_reuse import ChunkReuse
+    from relaxkv_sglang.cache.sglang.pins import AdmissionHold, AdmissionPins
+    from relaxkv_sglang.cache.sglang.pool_kv import PoolKV
+
+class RelaxKVCache(Protocol):
+    """The relaxkv tree cache as the fold, the query pass, the repair, the finish and admission use it.
+
+    Attributes:
+        pool_kv: the KV pool's accessor (per-layer K/V buffers, the RoPE they were written with).
+        reuse: chunk lookups and copies into a request's slots (``reuse.reuse``: fold).
+        admission_pins: chunk hits locked from admission to the fold (``pin``, ``trim``, ``unpin``,
+            ``unpin_all``).
+        hold: the admission hold (``hold.hold()`` around an admission check, ``hold.end()``).
+    """
+
+    pool_kv: "PoolKV"
+    reuse: "ChunkReuse"
+    admission_pins: "AdmissionPins"
+    hold: "AdmissionHold"
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        """int32 [max_requests, max_context] each request's KV slot per position."""
+
+    def publish_chunks(self, namespace: Optional[str], chunks: Sequence[tuple[Sequence[int], int, int]],
+                       req_pool_idx: int) -> None:
+        """Publish a request's miss chunks, (token ids, start, end) of its ``req_to_token`` row."""
+
+    def pin_request(self, req: Any) -> int:
+        """Lock the request's chunk hits until its fold (a lower tier's hit loaded first); tokens pinned."""
+
+    def begin_admission(self, waiting_queue: list, chunked_req: Any = None) -> None:
+        """An admission round starts (the hold learns the queue; lower-tier reads start)."""
+
+    def update_metrics(self) -> None:
+        """Push the chunk counters to /metrics."""
+
+
+def worker_cache(worker: Any) -> Optional[RelaxKVCache]:
+    """The relaxkv tree cache of this scheduler's worker, or None if not selected."""
+    held = state.record(worker, state.WorkerState, create=False)
+    return held.cache if held is not None else None
+
+
+def attach_worker_cache(worker: Any, cache: RelaxKVCache) -> None:
+    """Make ``cache`` the one :func:`worker_cache` finds for ``worker`` (the factory's call)."""
+    state.record(worker, state.WorkerState).cache = cache
+
+
+__all__ = ["RelaxKVCache", "worker_cache", "attach_worker_cache"]

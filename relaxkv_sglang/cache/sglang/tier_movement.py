@@ -1,0 +1,202 @@
+"""Chunk KV moving between the KV pool and the lower tiers: spill, load, write-through, prefetch.
+
+:class:`TierMovement` is every crossing between the pool's
+:class:`~relaxkv_sglang.cache.chunk_store.ChunkStore` and the lower tiers
+(:mod:`relaxkv_sglang.cache.tiers`), all KV through one
+:class:`~relaxkv_sglang.cache.sglang.pool_kv.PoolKV`: :meth:`~TierMovement.spill` (an evicted
+chunk, while its slots still hold it), :meth:`~TierMovement.load` (at admission, from the fastest
+tier holding it; ``origin`` names the tier until its first hit), :meth:`~TierMovement.reuse_into`
+(the fold's pool miss served straight into the request), :meth:`~TierMovement.write_through`
+(in the background, from the request's own slots) and :meth:`~TierMovement.prefetch` (reads
+started when a request is first queued). :class:`NoTierMovement` stands in without lower tiers.
+
+A lower tier never fails a request: an exception is logged and counted (``tier_errors``) and the
+chunk is a miss. Keys are content addresses over the model identity, namespace and tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+
+from relaxkv_sglang.cache.chunk_store import ChunkEntry, ChunkStore
+from relaxkv_sglang.cache.tiers import TieredChunkStore, TierName
+from relaxkv_sglang.cache.sglang.pins import requests_chunks
+from relaxkv_sglang.request.plan import request_state
+from relaxkv_sglang.cache.sglang.pool_kv import PoolKV
+
+logger = logging.getLogger(__name__)
+
+# Allocates n pool slots for a chunk (int64 [n]), evicting what it may; None if no room.
+SlotAllocator = Callable[[int], Optional[torch.Tensor]]
+
+
+class TierMovement:
+    """Every move of chunk KV between the pool and the lower tiers (module doc)."""
+
+    def __init__(self, tiers: TieredChunkStore, pool_kv: PoolKV) -> None:
+        """tiers: the enabled lower tiers; pool_kv: the pool's KV accessor."""
+        self.tiers = tiers
+        self.pool_kv = pool_kv
+        self.load_no_room = 0  # lower-tier hits not loaded at admission: no free slots
+        self.errors = 0  # spills / loads / writes that raised (logged; the chunk is then a miss)
+        self.wrong_size = 0  # records whose token count is not the chunk's (never written into the pool)
+
+    def key(self, namespace: Optional[str], tokens: Sequence[int]) -> str:
+        """The chunk's content address in every tier."""
+        return self.tiers.key(namespace, tokens)
+
+    def seen(self, namespace: Optional[str], tokens: Sequence[int]) -> str:
+        """A chunk lookup happened: the admission sketch counts it; returns its key."""
+        key = self.tiers.key(namespace, tokens)
+        self.tiers.record_access(key)
+        return key
+
+    def spill(self, entry: ChunkEntry) -> None:
+        """``ChunkStore`` evicts ``entry``: keep its KV in a lower tier (while its slots hold it)."""
+        try:
+            key = self.tiers.key(entry.namespace, entry.token_ids)
+            tier = self.tiers.spill_wanted(key, entry.num_tokens)
+            if tier is not None:
+                self.tiers.spill(key, self.pool_kv.read(entry.slots, entry.canonical_start), tier)
+        except Exception:  # noqa: BLE001 - eviction must go on; the chunk is just gone
+            logger.exception("relaxkv: spilling an evicted chunk failed")
+            self.errors += 1
+
+    def load(self, chunks: ChunkStore, namespace: Optional[str], tokens: Sequence[int],
+             alloc: SlotAllocator) -> Optional[ChunkEntry]:
+        """A chunk the pool lacks, loaded from a lower tier into slots from ``alloc`` and inserted
+        into ``chunks`` (unlocked); None if no tier holds it, it is damaged, or there is no room."""
+        key = self.tiers.key(namespace, tokens)
+        if self.tiers.where(key) is None:
+            return None
+        try:
+            record, tier = self.tiers.get(key)
+            if record is None or not self._fits(record, len(tokens)):  # damaged: counted by the tier
+                return None
+            slots = alloc(len(tokens))
+            if slots is None:
+                self.load_no_room += 1
+                return None
+            self.pool_kv.write(slots, record)
+        except Exception:  # noqa: BLE001
+            logger.exception("relaxkv: loading a chunk from a lower tier failed; computing it")
+            self.errors += 1
+            return None
+        entry = chunks.insert(namespace, tokens, slots, canonical_start=record.canonical_start)
+        entry.origin = tier
+        self.tiers.taken(key, tier)  # an exclusive tier gives its copy up
+        return entry
+
+    def _fits(self, record: Any, n_tokens: int) -> bool:
+        """Whether a loaded record holds the chunk's ``n_tokens`` tokens (else a counted miss: a value
+        whose own checks pass but that was stored under another chunk's key)."""
+        if record.n_tokens == n_tokens:
+            return True
+        self.wrong_size += 1
+        logger.warning("relaxkv: a lower tier's record has %d tokens for a chunk of %d; computing it",
+                       record.n_tokens, n_tokens)
+        return False
+
+    def reuse_into(self, key: str, dst: torch.Tensor, position: int) -> Optional[TierName]:
+        """A pool miss served from a lower tier into ``dst`` (int64 [n]), K re-rotated to
+        ``position``; the tier it came from, None on a miss."""
+        try:
+            record, tier = self.tiers.get(key)
+            if record is None or not self._fits(record, len(dst)):
+                return None
+            self.pool_kv.write(dst, record, position - record.canonical_start)
+        except Exception:  # noqa: BLE001 - a lower tier never fails a request: it is a miss
+            logger.exception("relaxkv: loading a chunk from a lower tier failed; computing it")
+            self.errors += 1
+            return None
+        return tier
+
+    def write_through(self, namespace: Optional[str], tokens: Sequence[int], src: torch.Tensor,
+                      position: int) -> None:
+        """A chunk computed here at ``position`` in slots ``src`` (int64 [n]) to the
+        write-through tiers, if they lack it."""
+        key = self.tiers.key(namespace, tokens)
+        if not self.tiers.publish_wanted(key):
+            return
+        try:
+            self.tiers.publish(key, self.pool_kv.read(src, position))
+        except Exception:  # noqa: BLE001
+            logger.exception("relaxkv: writing a chunk to disk failed")
+            self.errors += 1
+
+    def prefetch(self, chunks: ChunkStore, waiting: Iterable[Any]) -> None:
+        """Start the reads of the chunks the pool lacks of each newly queued request in ``waiting``
+        (SGLang ``Req``s, once per request)."""
+        if not self.tiers.can_prefetch:
+            return
+        keys = []
+        for req in waiting:
+            state = request_state(req)
+            if state.prefetched:
+                continue
+            state.prefetched = True
+            keys += [self.tiers.key(namespace, tokens) for namespace, tokens in requests_chunks([req])
+                     if chunks.peek(namespace, tokens) is None]
+        if keys:
+            self.tiers.prefetch(keys)
+
+    def clear(self) -> None:
+        """A flush: the exclusive tiers and staged reads go; write-through tiers stay (what a
+        restart serves)."""
+        self.tiers.clear_exclusive()
+        self.tiers.clear_staged()
+
+    def names(self) -> list[TierName]:
+        """The lower tiers, fastest first."""
+        return list(self.tiers.names)
+
+    def tier_stats(self) -> dict:
+        """The tiers' own counters (the /metrics exporter's)."""
+        return self.tiers.stats()
+
+    def stats(self) -> dict:
+        """The tiers' counters and this movement's own, for /get_server_info."""
+        return {**self.tiers.stats(), "tier_load_no_room": self.load_no_room, "tier_errors": self.errors,
+                "tier_wrong_size": self.wrong_size}
+
+
+class NoTierMovement:
+    """:class:`TierMovement` for a cache without lower tiers: nothing moves, nothing is counted
+    (so the cache calls its movement the same way with or without tiers)."""
+
+    def seen(self, namespace: Optional[str], tokens: Sequence[int]) -> None:
+        """No tier to look in: no key."""
+        return None
+
+    def spill(self, entry: ChunkEntry) -> None:
+        """No tier to keep an evicted chunk."""
+
+    def load(self, chunks: ChunkStore, namespace: Optional[str], tokens: Sequence[int],
+             alloc: SlotAllocator) -> Optional[ChunkEntry]:
+        """No tier to load from."""
+        return None
+
+    def write_through(self, namespace: Optional[str], tokens: Sequence[int], src: torch.Tensor,
+                      position: int) -> None:
+        """No tier to write to."""
+
+    def prefetch(self, chunks: ChunkStore, waiting: Iterable[Any]) -> None:
+        """No tier to read ahead from."""
+
+    def clear(self) -> None:
+        """Nothing held."""
+
+    def names(self) -> list[TierName]:
+        """No lower tier."""
+        return []
+
+    def tier_stats(self) -> None:
+        """No tier counters (the /metrics exporter skips them)."""
+        return None
+
+    def stats(self) -> dict:
+        """No counters."""
+        return {}

@@ -1,0 +1,268 @@
+"""The lower tiers together, for the server: an ordered list of tiers, each used by its role.
+
+``TieredChunkStore(tiers, identity)`` takes the tiers fastest first (:mod:`.tier`); nothing in it
+names a tier. What the server asks of it:
+
+* ``key`` (the content key, :mod:`.keys`) and ``record_access`` (every lookup, for admission);
+* ``get``: the record from the first tier holding it (a staged prefetch first), and that tier's
+  name (:class:`~.names.TierName`, the chunk entry's ``origin``); ``where``: that tier, as a hint;
+* ``spill_wanted`` / ``spill``: a chunk the pool evicts goes to the first exclusive tier whose
+  admission takes it (asked before its KV leaves the pool), else to the first write-through
+  tier that lacks it; ``taken``: a chunk loaded back into the pool leaves an exclusive tier;
+* ``publish_wanted`` / ``publish``: a newly computed chunk goes to every write-through tier,
+  on that tier's :class:`~.writer.AsyncWriter` (bounded; dropped and counted when full);
+* ``prefetch``: reads of chunks queued requests will need, from prefetchable tiers, staged
+  (:class:`~.prefetch.PrefetchStage`);
+* ``stats``: flat counters ``tier_<name>_<counter>``: each tier's own, and the store's per tier
+  (loads for all; spills for exclusive and write-through tiers; publishes for write-through
+  ones; prefetches for prefetchable ones).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from relaxkv_sglang.cache.tiers.keys import ModelIdentity, chunk_key
+from relaxkv_sglang.cache.tiers.names import TierName
+from relaxkv_sglang.cache.tiers.prefetch import PrefetchStage
+from relaxkv_sglang.cache.tiers.record import ChunkRecord
+from relaxkv_sglang.cache.tiers.tier import Tier, TierConfig, TierContext
+from relaxkv_sglang.cache.tiers.writer import AsyncWriter
+
+__all__ = ["TieredChunkStore"]
+
+
+def _store_counters(tier: Tier) -> dict:
+    """The store's counters of one tier, by its role (module doc)."""
+    counters = dict(loads=0, loaded_tokens=0, loaded_bytes=0, load_seconds=0.0)
+    if tier.role.exclusive:
+        counters.update(spills=0, spilled_bytes=0, spill_rejected=0)
+    if tier.role.write_through:
+        counters.update(spills=0, publishes=0, publish_dropped=0)
+    if tier.role.prefetchable:
+        counters.update(prefetched=0, prefetch_used=0, prefetch_dropped=0)
+    return counters
+
+
+class TieredChunkStore:
+    """The lower tiers, fastest first, for the server (module doc).
+
+    Example (one host tier; a chunk evicted from the device spills there and loads back):
+
+    >>> import torch
+    >>> from relaxkv_sglang.cache.tiers import ChunkRecord, HostTier, ModelIdentity
+    >>> identity = ModelIdentity(model="m", tokenizer="t", kv_dtype="float32", kv_layout="2x1x4")
+    >>> store = TieredChunkStore([HostTier(1 << 20, (2, 2, 1, 4), torch.float32)], identity,
+    ...                          async_writes=False)
+    >>> key = store.key(None, [11, 12, 13])  # content address of the chunk's tokens
+    >>> record = ChunkRecord(torch.randn(3, 2, 2, 1, 4))  # [n_tokens, layers, 2, kv_heads, head_dim]
+    >>> where = store.spill_wanted(key, record.n_tokens)
+    >>> str(where), store.spill(key, record, where)
+    ('host', True)
+    >>> loaded, tier = store.get(key)
+    >>> torch.equal(loaded.kv, record.kv), str(tier)
+    (True, 'host')
+    >>> store.close()
+    """
+
+    def __init__(self, tiers: Sequence[Tier], identity: ModelIdentity, *, async_writes: bool = True,
+                 max_staged_bytes: int = 256 << 20) -> None:
+        """
+        Args:
+            tiers: the tiers, fastest first, names distinct.
+            identity: the model identity chunk keys are salted with.
+            async_writes: write-through writes on a background thread (False: on the caller's).
+            max_staged_bytes: the bound on prefetched records waiting for their load.
+        """
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be distinct, got {names}")
+        self.tiers: dict[TierName, Tier] = {t.name: t for t in tiers}
+        self.identity = identity
+        self.digest = identity.digest
+        self.writers = {t.name: AsyncWriter(t) for t in tiers if t.role.write_through and async_writes}
+        self.stage = PrefetchStage(max_staged_bytes, self._count_prefetch)
+        self.counters = {t.name: _store_counters(t) for t in tiers}
+
+    @classmethod
+    def from_configs(cls, configs: Iterable[TierConfig], identity: ModelIdentity, token_shape: Sequence[int],
+                     dtype: torch.dtype, **kwargs) -> "TieredChunkStore":
+        """The store of the tiers ``configs`` ask for (in their order); ``kwargs`` as for the constructor."""
+        ctx = TierContext(identity, tuple(int(s) for s in token_shape), dtype)
+        built = (config.build(ctx) for config in configs)
+        return cls([tier for tier in built if tier is not None], identity, **kwargs)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tiers)
+
+    @property
+    def names(self) -> list[TierName]:
+        """The tiers' names, fastest first."""
+        return list(self.tiers)
+
+    def tier(self, name: str) -> Optional[Tier]:
+        """The tier named ``name``, or None."""
+        return self.tiers.get(name)
+
+    @property
+    def can_prefetch(self) -> bool:
+        """Some tier is prefetchable."""
+        return any(t.role.prefetchable for t in self.tiers.values())
+
+    def key(self, namespace: str | None, token_ids: Sequence[int]) -> str:
+        return chunk_key(self.digest, namespace, token_ids)
+
+    def record_access(self, key: str) -> None:
+        for tier in self.tiers.values():
+            tier.record_access(key)
+
+    def where(self, key: str) -> Optional[TierName]:
+        """The first tier holding ``key``, or None (a hint; ``get`` verifies)."""
+        for name, tier in self.tiers.items():
+            if tier.exists(key):
+                return name
+        return None
+
+    # ------------------------------------------------------------------ loads
+
+    def get(self, key: str) -> tuple[Optional[ChunkRecord], Optional[TierName]]:
+        """The record from the first tier holding it (verified), and that tier's name.
+
+        A record a prefetch already read is taken from the stage (its read time is counted in
+        ``load_seconds`` as the prefetch measured it)."""
+        read = self.stage.take(key)
+        if read is not None:
+            self.counters[read.tier]["prefetch_used"] += 1
+            self._count_load(read.tier, read.record, read.seconds)
+            return read.record, read.tier
+        for name, tier in self.tiers.items():
+            t0 = time.perf_counter()
+            record = tier.get(key)
+            if record is not None:
+                self._count_load(name, record, time.perf_counter() - t0)
+                return record, name
+        return None, None
+
+    def _count_load(self, name: TierName, record: ChunkRecord, seconds: float) -> None:
+        c = self.counters[name]
+        c["loads"] += 1
+        c["loaded_tokens"] += record.n_tokens
+        c["loaded_bytes"] += record.nbytes
+        c["load_seconds"] += seconds
+
+    def taken(self, key: str, name: str) -> None:
+        """A chunk loaded from ``name`` is now in the pool: an exclusive tier gives up its copy (it
+        spills back, through admission, when the pool evicts it)."""
+        tier = self.tiers.get(name)
+        if tier is not None and tier.role.exclusive:
+            tier.delete(key)
+
+    def prefetch(self, keys: Iterable[str]) -> int:
+        """Start reading (and verifying) ``keys`` from prefetchable tiers on a background thread,
+        for a later :meth:`get`: only keys whose first holding tier is prefetchable and that are
+        not staged already. Returns how many were queued."""
+        if not self.can_prefetch:
+            return 0
+        queued = 0
+        for key in keys:
+            if not self.stage.wants(key):
+                continue
+            name = self.where(key)
+            if name is None or not self.tiers[name].role.prefetchable:
+                continue
+            self.stage.queue(key, self.tiers[name])
+            queued += 1
+        return queued
+
+    def _count_prefetch(self, name: str, event: str) -> None:
+        self.counters[name][event] += 1
+
+    def clear_staged(self) -> None:
+        self.stage.clear()
+
+    # ------------------------------------------------------------------ spills and publishes
+
+    def spill_wanted(self, key: str, n_tokens: int) -> Optional[TierName]:
+        """Where a chunk evicted from the device would go (module doc), or None."""
+        for name, tier in self.tiers.items():
+            if tier.role.exclusive:
+                if tier.would_admit(key, n_tokens):
+                    return name
+                self.counters[name]["spill_rejected"] += 1
+                tier.count_refused()
+            elif tier.role.write_through and not self._holds(name, key):
+                return name
+        return None
+
+    def spill(self, key: str, record: ChunkRecord, name: str) -> bool:
+        """Store a chunk evicted from the device in tier ``name`` (from :meth:`spill_wanted`)."""
+        tier, c = self.tiers[name], self.counters[name]
+        if tier.role.exclusive:
+            ok = tier.set(key, record)
+            if ok:
+                c["spills"] += 1
+                c["spilled_bytes"] += record.nbytes
+            return ok
+        c["spills"] += 1
+        return self._write(name, key, record)
+
+    def publish_wanted(self, key: str) -> bool:
+        """Whether a newly computed chunk should be written through (some write-through tier lacks it)."""
+        return any(t.role.write_through and not self._holds(n, key) for n, t in self.tiers.items())
+
+    def publish(self, key: str, record: ChunkRecord) -> bool:
+        """Write a newly computed chunk to every write-through tier; True if every write was taken."""
+        ok = True
+        for name, tier in self.tiers.items():
+            if tier.role.write_through:
+                self.counters[name]["publishes"] += 1
+                ok = self._write(name, key, record) and ok
+        return ok
+
+    def _holds(self, name: TierName, key: str) -> bool:
+        """Tier ``name`` holds ``key``, or its writer has it queued."""
+        writer = self.writers.get(name)
+        return (writer is not None and writer.is_pending(key)) or self.tiers[name].exists(key)
+
+    def _write(self, name: TierName, key: str, record: ChunkRecord) -> bool:
+        writer = self.writers.get(name)
+        if writer is None:
+            return self.tiers[name].set(key, record)
+        ok = writer.submit(key, record)
+        if not ok:
+            self.counters[name]["publish_dropped"] += 1
+        return ok
+
+    # ------------------------------------------------------------------ upkeep and counters
+
+    def clear_exclusive(self) -> None:
+        """Empty the exclusive tiers (a cache flush; the write-through tiers are what a restart serves)."""
+        for tier in self.tiers.values():
+            if tier.role.exclusive:
+                tier.clear()
+
+    def pending_writes(self) -> int:
+        return sum(w.pending() for w in self.writers.values())
+
+    def stats(self) -> dict:
+        """Flat counters ``tier_<name>_<counter>`` (module doc) and the identity."""
+        out: dict = {"tier_identity": self.digest}
+        for name, tier in self.tiers.items():
+            row = {**tier.stats(), **self.counters[name]}
+            if tier.role.write_through:
+                writer = self.writers.get(name)
+                row["pending_writes"] = writer.pending() if writer is not None else 0
+            if tier.role.prefetchable:
+                row["staged_bytes"] = self.stage.bytes_from(name)
+            row.update(tier.describe())
+            out.update((f"tier_{name}_{k}", v) for k, v in row.items())
+        return out
+
+    def close(self) -> None:
+        for writer in self.writers.values():
+            writer.close()
+        self.stage.close()

@@ -1,0 +1,1 @@
+"""The served model's family over SGLang's modules (:mod:`.model_layers`)."""

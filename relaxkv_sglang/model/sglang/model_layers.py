@@ -1,0 +1,232 @@
+"""The served model's decoder layers as the repair pass calls them: SGLang's modules as the ops of
+:mod:`relaxkv_sglang.model.model_family`.
+
+:class:`ModelLayers` finds the model's family in the registry
+(:func:`~relaxkv_sglang.model.model_family.family_for_config`), checks the decoder stack has the
+modules the family declares, and runs a layer's steps in the registry's order
+(:func:`~relaxkv_sglang.model.model_family.project_qkv`,
+:func:`~relaxkv_sglang.model.model_family.finish_layer`) over :class:`SGLangLayerOps`.
+:func:`repair_support` says whether a model runs the repair at all and why not (otherwise it is
+served ``pic``); :func:`family_line` is the startup log's line.
+
+SGLang modules used (names from the family): ``embed_tokens``, ``layers[i].{input_layernorm,
+self_attn.{qkv_proj, q_norm, k_norm (Qwen3, Qwen3-MoE), rotary_emb, o_proj, attn},
+post_attention_layernorm, <mlp>}`` (``<mlp>``: ``mlp``, Mixtral's ``block_sparse_moe``; called as
+SGLang's layer calls it, so an MoE block routes each row itself), ``norm``, and
+``config.architectures`` / ``config.model_type`` (or, without a config, the stack's class).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from relaxkv_sglang.model.model_family import (
+    SGLANG_MODEL_MODULES,
+    ModelFamily,
+    UnknownModelFamilyError,
+    families_of_model_class,
+    family_for_config,
+    finish_layer,
+    project_qkv,
+)
+
+
+class UnsupportedModelError(RuntimeError):
+    """The model is not of a registered family, or lacks a module its family's layer has."""
+
+
+def family_of_model(model: torch.nn.Module) -> ModelFamily:
+    """The registered family of an SGLang decoder stack (``causal_lm.model``), from its HF config;
+    a stack without one (MixtralModel) by its class, when one family alone hooks that class.
+
+    Raises:
+        UnsupportedModelError: no registered family (the message names what the model says).
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        cls = type(model)
+        by_class = families_of_model_class(f"{cls.__module__}.{cls.__qualname__}")
+        if len(by_class) == 1:
+            return by_class[0]
+    described = {key: getattr(config, key, None) for key in ("architectures", "model_type")}
+    try:
+        return family_for_config(described)
+    except UnknownModelFamilyError as exc:
+        raise UnsupportedModelError(f"{type(model).__name__}: {exc}") from exc
+
+
+class SGLangLayerOps:
+    """:class:`~relaxkv_sglang.model.model_family.LayerOps` over one SGLang decoder layer; n rows,
+    H = ``attn.tp_q_head_num`` and Hkv = ``attn.tp_k_head_num`` (this rank's heads), d =
+    ``attn.head_dim``; the served dtype.
+
+    Args:
+        layer: ``model.layers[i]`` (LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer,
+            Qwen3MoeDecoderLayer, MixtralDecoderLayer).
+        mlp_module: the family's MLP module name in the layer (``ModelFamily.mlp_module``).
+    """
+
+    def __init__(self, layer: torch.nn.Module, mlp_module: str = "mlp") -> None:
+        self.layer = layer
+        self.attn = layer.self_attn
+        self.radix = layer.self_attn.attn  # RadixAttention: this rank's head counts and sizes
+        self.mlp_block = getattr(layer, mlp_module)
+
+    def input_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> [n, hidden]."""
+        return self.layer.input_layernorm(hidden)
+
+    def qkv_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [n, hidden] -> q [n, H, d], k [n, Hkv, d], v [n, Hkv, d] (the fused projection, its biases included)."""
+        qkv, _ = self.attn.qkv_proj(x)
+        q, k, v = qkv.split([self.attn.q_size, self.attn.kv_size, self.attn.kv_size], dim=-1)
+        n, r = x.shape[0], self.radix
+        return (q.reshape(n, r.tp_q_head_num, r.head_dim), k.reshape(n, r.tp_k_head_num, r.head_dim),
+                v.reshape(n, r.tp_v_head_num, r.head_dim))
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [n, H, d], k [n, Hkv, d] -> each head RMS-normed over d (``q_norm``, ``k_norm``), same shapes."""
+        d = self.radix.head_dim
+        return self.attn.q_norm(q.reshape(-1, d)).view(q.shape), self.attn.k_norm(k.reshape(-1, d)).view(k.shape)
+
+    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions int64 [n]; q [n, H, d], k [n, Hkv, d] -> rotated by the layer's ``rotary_emb``
+        (which takes the heads flattened, [n, H * d]), same shapes."""
+        n = q.shape[0]
+        q_rot, k_rot = self.attn.rotary_emb(positions, q.reshape(n, -1), k.reshape(n, -1))
+        return q_rot.reshape(q.shape), k_rot.reshape(k.shape)
+
+    def o_proj(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """attn_out [n, H, dv] -> [n, hidden]."""
+        out, _ = self.attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
+        return out
+
+    def post_attention_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> [n, hidden]."""
+        return self.layer.post_attention_layernorm(hidden)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden] -> [n, hidden] (an MoE block routes the rows itself)."""
+        return self.mlp_block(x)
+
+
+class ModelLayers:
+    """The decoder stack of a served model of a registered family, as the layer loop calls it.
+
+    Args:
+        model: SGLang's decoder stack (``causal_lm.model``: LlamaModel, Qwen2Model, Qwen3Model,
+            Qwen2MoeModel, MixtralModel).
+
+    Raises:
+        UnsupportedModelError: no registered family, or a module the family's layer has is missing.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.family = family_of_model(model)
+        for name in SGLANG_MODEL_MODULES:
+            if not hasattr(model, name):
+                raise UnsupportedModelError(f"{type(model).__name__} has no `{name}`; the {self.family.name} "
+                                            "family's decoder stack has one")
+        self.start = getattr(model, "start_layer", 0)
+        self.end = getattr(model, "end_layer", len(model.layers))
+        first = model.layers[self.start]
+        for path in self.family.sglang_layer_modules:
+            if not _has_path(first, path):
+                raise UnsupportedModelError(f"{type(first).__name__} has no `{path}`; the {self.family.name} "
+                                            "family's decoder layer has one")
+
+    @property
+    def n_layers(self) -> int:
+        """Decoder layers this worker runs (its pipeline stage's share)."""
+        return self.end - self.start
+
+    def layer(self, l: int) -> torch.nn.Module:
+        """The l-th decoder layer of this rank."""
+        return self.model.layers[self.start + l]
+
+    def qkv(self, l: int, positions: torch.Tensor,
+            hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [n, hidden] (pre-norm) at positions int64 [n] -> q [n, H, d], k [n, Hkv, d] post-RoPE,
+        v [n, Hkv, d]."""
+        return project_qkv(self._ops(l), self.family, hidden, positions)
+
+    def finish(self, l: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual adds around o_proj and the MLP; hidden [n, hidden], attn_out [n, H, dv] -> [n, hidden]."""
+        return finish_layer(self._ops(l), hidden, attn_out)
+
+    def _ops(self, l: int) -> SGLangLayerOps:
+        """The ops of layer l."""
+        return SGLangLayerOps(self.layer(l), self.family.mlp_module)
+
+    def attention_params(self, l: int) -> tuple[int, float]:
+        """(KV-pool layer id, softmax scale) of layer l."""
+        radix = self.layer(l).self_attn.attn
+        return radix.layer_id, radix.scaling
+
+
+def _has_path(obj: Any, path: str) -> bool:
+    """Whether ``obj.<path>`` (dotted) exists."""
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def repair_support(causal_lm: torch.nn.Module) -> tuple[Optional[ModelFamily], str]:
+    """(the model's registered family or None, why it is not repaired: "" when it is).
+
+    A model class that overrides ``forward`` itself would bypass the repair pass, a model of no
+    registered family (or missing a module its family's layer has) has no known layer, and under
+    tensor parallelism a layer whose o_proj is summed over ranks by SGLang's layer boundary
+    (``reduce_results=False``: Qwen2, Qwen3, the MoE families) would be left unsummed by the
+    repair pass, which calls the modules alone.
+    """
+    inner = getattr(causal_lm, "model", None)
+    if inner is None:
+        return None, f"{type(causal_lm).__name__} holds no decoder stack (`.model`)"
+    try:
+        layers = ModelLayers(inner)
+    except UnsupportedModelError as exc:
+        return None, str(exc)
+    family = layers.family
+    if getattr(type(inner).forward, "__wrapped__", None) is None:
+        return family, f"{type(inner).__name__}.forward is not the hooked one (the {family.name} family's is)"
+    if _reduced_at_the_boundary(layers.layer(0).self_attn.o_proj):
+        return family, ("tensor parallelism: this model's o_proj leaves its all-reduce to SGLang's layer boundary, "
+                        "which the repair pass does not run")
+    return family, ""
+
+
+def _reduced_at_the_boundary(o_proj: Any) -> bool:
+    """Whether a row-parallel o_proj is sharded over ranks (its input split) and does not sum
+    its shards itself (``reduce_results`` false: SGLang's layer boundary does, outside the ops)."""
+    full, part = getattr(o_proj, "input_size", None), getattr(o_proj, "input_size_per_partition", None)
+    return getattr(o_proj, "reduce_results", True) is False and part is not None and part != full
+
+
+def supports_repair(causal_lm: torch.nn.Module) -> bool:
+    """Whether the model's layer stack runs through the hooked forward (a registered family's,
+    :func:`repair_support`); a model that does not has its requests served as ``pic``
+    (``repaired`` false, with a ``not_repaired_reason``)."""
+    return not repair_support(causal_lm)[1]
+
+
+def family_line(causal_lm: Optional[torch.nn.Module], chunk_reuse: bool) -> str:
+    """The startup log's one line on the served model: its class, its family, whether chunk reuse
+    is served (the startup gate passed) and whether the repair runs (and why not)."""
+    if causal_lm is None:
+        return "relaxkv: no model on the worker: no chunk reuse, no repair"
+    family, reason = repair_support(causal_lm)
+    reuse = "chunk reuse yes" if chunk_reuse else "chunk reuse no (the startup gate failed: chunk policies get HTTP 400)"
+    if not reason:
+        repair = "repair yes"
+    elif chunk_reuse:
+        repair = f"repair no, repair policies are served as pic ({reason})"
+    else:
+        repair = f"repair no ({reason})"
+    name = family.name if family is not None else "none registered"
+    return f"relaxkv: {type(causal_lm).__name__}, model family {name}: {reuse}; {repair}"

@@ -1,0 +1,116 @@
+"""``cacheblend`` (CacheBlend): every eligible token recomputed at layers ``0..check_layer``; the
+K/V deviation measured there (recomputed vs cached) picks the top-r tokens of every later layer,
+full causal context.
+
+The later layers are decided in the forward: the anchor rule plans the check layers only, and the
+policy's :class:`CheckLayerStep` reads the check layer's K/V and returns the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Optional
+
+from relaxkv_sglang.repair.policies.base import AnchorInputs, LayerEdit, LayerRead, MeasuredKV, OptionGroup, PolicySpec, top_tokens
+
+if TYPE_CHECKING:
+    import torch
+
+    from relaxkv_sglang.repair.anchor_schedule import AnchorSchedule
+
+__all__ = ["CacheBlendOptions", "kv_deviation", "check_layer_deviation", "CheckLayerStep", "SPEC"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheBlendOptions:
+    """CacheBlend's own knobs.
+
+    Attributes:
+        check_layer: layers ``0..check_layer`` recompute every eligible token; the deviation measured
+            at ``check_layer`` chooses the later layers' tokens.
+        use_k: the deviation also counts K (else V only).
+    """
+
+    check_layer: int = 1
+    use_k: bool = False
+
+    def __post_init__(self) -> None:
+        if self.check_layer < 0:
+            raise ValueError(f"check_layer must be >= 0, got {self.check_layer}")
+
+
+def kv_deviation(k_new: "torch.Tensor", v_new: "torch.Tensor", k_old: "torch.Tensor", v_old: "torch.Tensor",
+                 use_k: bool = False) -> "torch.Tensor":
+    """CacheBlend's per-token deviation between recomputed and cached KV at the check layer.
+
+    Args:
+        k_new, k_old: [n, n_kv_heads, d] float (post-RoPE, same positions).
+        v_new, v_old: [n, n_kv_heads, d] float.
+        use_k: also add the L2 deviation of K.
+    Returns:
+        float32 [n]: ||v_new - v_old||_2 over heads and dims (+ the same for K).
+    """
+    dev = (v_new.float() - v_old.float()).flatten(1).norm(dim=1)
+    if use_k:
+        dev = dev + (k_new.float() - k_old.float()).flatten(1).norm(dim=1)
+    return dev
+
+
+def check_layer_deviation(x: AnchorInputs, deviation: Optional["torch.Tensor"] = None) -> "list[torch.Tensor]":
+    """Every eligible token at layers 0..check_layer; with the deviation (float [n_context], or
+    [n_eligible] aligned with ``x.eligible``) measured there, the top tokens by it at the later
+    layers (without it, only the check layers: the step decides the rest)."""
+    import torch
+
+    check_layer = (x.options or CacheBlendOptions()).check_layer
+    n_full = min(check_layer + 1, x.n_layers)
+    sets = [x.eligible.clone() for _ in range(n_full)]
+    if deviation is None:
+        return sets
+    dev = deviation.float()
+    n_elig = x.eligible.numel()
+    if dev.numel() == n_elig and n_elig != x.n_context:
+        full = torch.zeros(x.n_context)
+        full[x.eligible] = dev
+        dev = full
+    chosen = torch.sort(top_tokens(dev, x.eligible, x.per_layer)).values
+    return sets + [chosen.clone() for _ in range(x.n_layers - n_full)]
+
+
+class CheckLayerStep:
+    """At the check layer, the deviation of every recomputed token decides the later layers."""
+
+    body = None
+    body_groups = None
+
+    def __init__(self, plan: "AnchorSchedule") -> None:
+        self.plan = plan
+        self.check_layer = plan.config.cacheblend.check_layer
+
+    @classmethod
+    def of(cls, plan: "AnchorSchedule") -> Optional["CheckLayerStep"]:
+        """The step of a plan whose later layers are still undecided."""
+        return cls(plan) if plan.decided_layers < plan.n_layers else None
+
+    def reads(self, layer: int) -> Optional[LayerRead]:
+        """The check layer's anchors (every eligible token)."""
+        return LayerRead(self.plan.anchor_sets[layer]) if layer == self.check_layer else None
+
+    def run(self, layer: int, kv: MeasuredKV) -> LayerEdit:
+        """The later layers' sets from the measured deviation (read back to the host: the plan's
+        decisions live there; once per request)."""
+        import torch
+
+        plan = self.plan
+        deviation = torch.zeros(plan.n_context)
+        deviation[kv.positions.cpu()] = kv_deviation(kv.k_new, kv.v_new, kv.k_stale, kv.v_stale,
+                                                     plan.config.cacheblend.use_k).cpu()
+        sets = check_layer_deviation(plan.anchor_inputs(), deviation)
+        return LayerEdit(later_sets=sets[layer + 1:])
+
+
+SPEC = PolicySpec("cacheblend", "all tokens up to a check layer, then top-r by K/V deviation, full context", "peer",
+                  check_layer_deviation,
+                  options=OptionGroup("cacheblend", CacheBlendOptions,
+                                      (("check_layer", "check_layer"), ("cacheblend_use_k", "use_k"))),
+                  layer_step=CheckLayerStep.of, decides_mid_forward=True)

@@ -1,0 +1,10 @@
+"""``prefix``: SGLang's radix cache, exact prefix reuse only (the default: installing the plugin
+changes nothing until a request asks for chunk reuse)."""
+
+from __future__ import annotations
+
+from relaxkv_sglang.repair.policies.base import PolicySpec
+from relaxkv_sglang.repair.policies.full import every_eligible
+
+SPEC = PolicySpec("prefix", "SGLang's radix cache: exact prefix reuse only", "baseline", every_eligible,
+                  reuses_chunks=False, repairs=False)

@@ -1,0 +1,158 @@
+"""Repair targets: the query's attention scores and every policy's per-layer anchor sets.
+
+The token vocabulary (context, chunk spans, eligible tokens, anchor ratio) is in
+:mod:`.token_sets`; RelaxKV's exit-layer rule, layer values and chunk sinks in :mod:`.exit_layers`.
+A policy's rule is in its module (:mod:`.policies`); :func:`select_anchors` checks the inputs once,
+builds an :class:`~.policies.base.AnchorInputs` and calls it. Every rule returns nested sets
+``A_0 ⊇ A_1 ⊇ ...`` (:mod:`.policies.base`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from relaxkv_sglang.repair.exit_layers import exits_to_anchor_sets, layer_weights, relaxkv_exit_layers
+from relaxkv_sglang.repair.policies import Policy, PolicySpec, policy_spec
+from relaxkv_sglang.repair.policies.base import AnchorInputs
+from relaxkv_sglang.repair.token_sets import (anchor_budget, chunk_ids, chunk_offsets, eligible_tokens, shared_opening_sinks,
+                         sinks_of_tokens)
+
+Span = tuple[int, int]
+
+# The token-set and exit-layer names stay importable from here (callers choose anchors with them).
+__all__ = [
+    "query_attention_scores",
+    "eligible_tokens",
+    "chunk_ids",
+    "chunk_offsets",
+    "shared_opening_sinks",
+    "sinks_of_tokens",
+    "layer_weights",
+    "relaxkv_exit_layers",
+    "exits_to_anchor_sets",
+    "select_anchors",
+    "anchor_ratio_achieved",
+]
+
+
+# ----------------------------------------------------------------------------- scores
+
+
+def query_attention_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    n_context: int,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Query attention mass per context token: ``s(t) = sum_{q, heads} softmax(q K^T)[t]``.
+
+    Args:
+        q: [n_q, n_heads, d] (or [n_layers, n_q, n_heads, d]) float; the query tokens' queries,
+           post-RoPE.  Query token i sits at key index ``n_context + i``.
+        k: [n_context + n_q, n_kv_heads, d] (or with a leading n_layers dim) float; the stale
+           context keys followed by the query tokens' own keys, post-RoPE.
+        n_context: number of context keys (columns kept in the result).
+        scale: softmax scale, default ``d ** -0.5``.
+
+    GQA: head h reads kv head ``h // (n_heads // n_kv_heads)``.  The softmax runs over all keys
+    a query token can see (context + query keys up to itself, causal), so mass spent on the
+    query's own tokens is not handed to the context; only context columns are returned.
+
+    Returns:
+        float32 [n_context] (or [n_layers, n_context]).
+    """
+    if q.dim() == 4:
+        return torch.stack(
+            [query_attention_scores(q[i], k[i], n_context, scale) for i in range(q.shape[0])]
+        )
+    n_q, n_heads, d = q.shape
+    n_keys, n_kv, _ = k.shape
+    if n_keys != n_context + n_q:
+        raise ValueError(f"k has {n_keys} keys, expected n_context + n_q = {n_context + n_q}")
+    if n_heads % n_kv:
+        raise ValueError("n_heads must be a multiple of n_kv_heads")
+    scale = d ** -0.5 if scale is None else scale
+    group = n_heads // n_kv
+    # One batched matmul per KV head over its `group` query heads: K is read as it is stored
+    # (no copy per query head); head h = kv * group + j, as in the GQA rule above.
+    q_grouped = q.float().reshape(n_q, n_kv, group, d).permute(1, 2, 0, 3).reshape(n_kv, group * n_q, d)
+    logits = torch.bmm(q_grouped, k.float().permute(1, 2, 0)).mul_(scale).view(n_kv, group, n_q, n_keys)
+    # Query i sees every context key and query keys 0..i.
+    after_self = torch.ones(n_q, n_q, dtype=torch.bool, device=q.device).triu_(1)
+    logits[..., n_context:].masked_fill_(after_self, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return probs[..., :n_context].sum(dim=(0, 1, 2)).to(torch.float32)
+
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def select_anchors(
+    policy: Policy | str | PolicySpec,
+    scores: Optional[torch.Tensor],
+    chunk_spans: Sequence[Span],
+    n_context: int,
+    anchor_ratio: float,
+    rng: Optional[torch.Generator] = None,
+    *,
+    n_layers: Optional[int] = None,
+    options: Optional[Any] = None,
+    chunk_sink_tokens: int | torch.Tensor = 4,
+    markup: Optional[torch.Tensor] = None,
+) -> list[torch.Tensor]:
+    """Anchor set of every layer for one request: its spec's ``anchor_rule``.
+
+    Args:
+        policy: a ``Policy``, its string value, or a ``PolicySpec``.
+        scores: float [n_layers, n_context] query scores s_l; required by the policies whose spec
+            ``needs_query_scores``, ignored otherwise.
+        chunk_spans: chunk spans (see module doc); anchors come only from eligible tokens.
+        n_context: number of context tokens.
+        anchor_ratio: r in [0, 1] (module doc): met within one token per layer; CacheBlend's layers
+            0..check_layer recompute every eligible token (its mean ratio is higher than r).
+        rng: generator for the ``random`` policy.
+        n_layers: needed when ``scores`` is None.
+        options: the policy's options object (``PolicySpec.options``; None: its defaults).
+        chunk_sink_tokens: relaxkv's favoured first tokens of each chunk (one count, or int64 [n_chunks]).
+        markup: bool [n_context] the template markup every chunk repeats (relaxkv's ``markup_share``).
+
+    Returns:
+        int64 tensors of sorted token indices, nested (A_0 ⊇ A_1 ⊇ ...): one per layer, or (a policy
+        that decides mid-forward) the layers up to its step.
+        full: every eligible token; pic: empty sets.
+
+    Example (relaxkv, 25% of two 16-token chunks' token-layers, 4 layers):
+
+    >>> import torch
+    >>> scores = torch.rand(4, 40, generator=torch.Generator().manual_seed(0))
+    >>> sets = select_anchors("relaxkv", scores, [(4, 20), (20, 36)], 40, 0.25)
+    >>> sum(len(a) for a in sets) == round(0.25 * 4 * 32)  # the budget, met exactly
+    True
+    >>> all(set(b.tolist()) <= set(a.tolist()) for a, b in zip(sets, sets[1:]))  # nested
+    True
+    """
+    spec = policy_spec(policy)
+    if scores is not None:
+        if scores.dim() != 2 or scores.shape[1] != n_context:
+            raise ValueError(f"scores must be [n_layers, {n_context}], got {tuple(scores.shape)}")
+        n_layers = scores.shape[0] if n_layers is None else n_layers
+    if n_layers is None:
+        raise ValueError("n_layers is required when scores is None")
+    if spec.needs_query_scores and scores is None:
+        raise ValueError(f"{spec.name} needs query scores")
+    if options is None and spec.options is not None:
+        options = spec.options.type()
+    elig = eligible_tokens(chunk_spans, n_context)
+    inputs = AnchorInputs(scores, chunk_spans, n_context, n_layers, anchor_ratio, elig,
+                          anchor_budget(anchor_ratio, elig.numel()), rng, options, chunk_sink_tokens, markup)
+    return spec.anchor_rule(inputs)
+
+
+def anchor_ratio_achieved(anchor_sets: Sequence[torch.Tensor], n_eligible: int) -> float:
+    """mean over layers of |A_l| / n_eligible (0.0 when nothing is eligible)."""
+    if n_eligible == 0 or not anchor_sets:
+        return 0.0
+    return sum(int(a.numel()) for a in anchor_sets) / (len(anchor_sets) * n_eligible)

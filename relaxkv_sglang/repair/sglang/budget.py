@@ -1,0 +1,81 @@
+"""A request's repair budget in the scheduler: its own setting or the server's, and for ``auto`` the
+anchor ratio chosen from its query pass (:mod:`relaxkv_sglang.repair.auto_budget`).
+
+Which budget applies: the request's ``relaxkv_budget``; else, when it gives no
+``relaxkv_anchor_ratio`` either, the server's ``RELAXKV_DEFAULT_BUDGET``; else none (the anchor
+ratio as given or calibrated). ``auto`` needs the query's stale attention (a policy that records
+it: ``relaxkv`` and its ablations, ``prophetkv``), the served model's budget model and, for a model
+that reads it, the query pass's answer (its logits at the last row, ``repair.RepairStage``; not
+measured under tensor parallelism, where each rank holds a shard of the vocabulary); without
+them the request is repaired at the anchor ratio it would have had, and the report says why
+(``fallback``). The report's fields (``meta_info.relaxkv``): ``budget`` (the setting),
+``budget_choice`` (for ``auto``: quality, anchor ratio, predicted KL, price, or fallback) and
+``budget_signal`` (what the query pass measured, for every request with query scores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from relaxkv_sglang.repair.auto_budget import budget_signal
+from relaxkv_sglang.repair.quality import AUTO
+from relaxkv_sglang.repair.repair_config import RepairConfig
+from relaxkv_sglang.repair.sglang.served_calibration import ServedCalibration
+from relaxkv_sglang.request.plan import RequestPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetDecision:
+    """What the budget made of a request's config, and its report.
+
+    Attributes:
+        config: the RepairConfig to plan with.
+        report: the ``meta_info.relaxkv`` fields of the budget (module doc).
+    """
+
+    config: RepairConfig
+    report: dict[str, Any]
+
+
+def request_budget(plan: RequestPlan, served: ServedCalibration) -> float | str | None:
+    """The budget setting that applies to the request (module doc)."""
+    if plan.budget is not None:
+        return plan.budget
+    return served.default_budget if plan.anchor_ratio is None else None
+
+
+def decide_budget(config: RepairConfig, plan: RequestPlan, served: ServedCalibration, scores: Optional[torch.Tensor],
+                  input_ids: torch.Tensor, answer_logits: Optional[torch.Tensor] = None) -> BudgetDecision:
+    """The request's budget applied to ``config`` (the request's knobs over the calibration's).
+
+    Args:
+        config: the RepairConfig before the budget.
+        plan: the request's plan (chunks, knobs, quality).
+        served: the served calibration and the server's budget settings.
+        scores: float [n_layers, n_context] the query's stale attention, or None (not recorded).
+        input_ids: int64 [>= n_context] the prompt.
+        answer_logits: float [vocab] the query pass's logits at the last row (None: not measured).
+    """
+    budget = request_budget(plan, served)
+    signal = (budget_signal(scores, plan.chunk_spans, plan.query_start, input_ids, answer_logits)
+              if scores is not None else None)
+    report: dict[str, Any] = {"budget": budget}
+    if signal is not None:
+        report["budget_signal"] = signal.to_json()
+    if budget != AUTO:
+        return BudgetDecision(dataclasses.replace(config, budget=budget) if budget is not None else config, report)
+    quality = plan.quality if plan.quality is not None else served.quality
+    model = served.budget_model
+    if model is None or signal is None or (model.reads_answer and signal.answer_entropy is None):
+        why = (f"no budget model in {served.model or 'the model'}'s calibration" if model is None
+               else f"policy {plan.policy} records no query scores" if signal is None
+               else "the query pass's answer was not measured (the LM head is split over tensor-parallel ranks)")
+        report["budget_choice"] = {"mode": AUTO, "quality": quality, "anchor_ratio": config.anchor_ratio,
+                                   "fallback": f"{why}: the anchor ratio it would have had"}
+        return BudgetDecision(dataclasses.replace(config, budget=None), report)
+    choice = model.choose(signal, quality)
+    report["budget_choice"] = choice.to_json()
+    return BudgetDecision(dataclasses.replace(config, anchor_ratio=choice.anchor_ratio, budget=None), report)

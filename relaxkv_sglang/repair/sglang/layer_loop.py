@@ -1,0 +1,330 @@
+"""The repair's executor: SGLang's model modules run layer by layer over rows that change per layer.
+
+:class:`LayerLoop` runs the embedding, every decoder layer and the final norm of the served model
+(reached through :class:`~.model_layers.ModelLayers`) over rows, each in layers ``[0, exit)``. Per
+layer it writes the active rows' K/V into the pool, then attends: an ordinary row to its causal
+prefix from its scope start (:func:`~relaxkv_sglang.attention.causal.scoped_causal_attention`), an
+anchor through its layer's block-sparse layout (:class:`~.anchor_attention.AnchorAttention`). At an
+anchor's last layer only its K/V matter, so o_proj and the MLP skip it. A policy's step
+(``AnchorSchedule.layer_step``: CacheBlend's check layer, relaxkv's stale shift) runs before a layer's
+writes, on the anchors' new and pooled K/V it reads; its delta lands on its body in the pool
+(:mod:`.shift_target`), its later layers' anchors replan the pass.
+
+Host and device: a pass's bookkeeping (:class:`LoopRows`) is on the host; every layer's rows and
+executor plans are decided up front and sent in one
+:class:`~relaxkv_sglang.attention.staging.HostStage` copy, and the device is never read back, except at
+in a step that reads it (CacheBlend's deviation) and for the ``layout_at`` ablation (``tests/unit/test_cuda_rules.py``
+checks this on the CPU). It executes decisions and makes none: they come from :mod:`.repair`
+over :mod:`relaxkv_sglang.repair.anchor_schedule`; it is called by :class:`~.repair.RepairStage`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from relaxkv_sglang.attention.causal import ScopedCausalGroups
+from relaxkv_sglang.attention.block_sparse import AttentionWork
+from relaxkv_sglang.repair.policies.base import LayerEdit, MeasuredKV
+from relaxkv_sglang.repair.anchor_schedule import AnchorSchedule
+from relaxkv_sglang.model.rope import RopeSpec, rotate_keys
+from relaxkv_sglang.attention.staging import HostStage, Staged
+from relaxkv_sglang.server.failures import InvariantError
+from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention, PreparedAnchors
+from relaxkv_sglang.model.sglang.model_layers import ModelLayers
+from relaxkv_sglang.repair.sglang.shift_target import ShiftTarget
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import KVCache
+
+
+@dataclasses.dataclass
+class LoopRows:
+    """One request's rows in a pass of the layer loop.
+
+    Every tensor lives on the host (CPU); :class:`LayerLoop` copies what the device needs.
+
+    Attributes:
+        slots: int64 [>= max position + 1] KV-pool slot of every position (the
+            request's ``req_to_token`` row, read once).
+        positions: int64 [n] position of each row, ascending.
+        exits: int64 [n] a row takes part in layers ``[0, exits[i])``.
+        scope: int64 [n] first key position a non-anchor row attends to
+            (0: its causal prefix; a chunk's start: that chunk only).
+        anchor: bool [n] repair targets: they attend through ``anchor_schedule.layouts``.
+        anchor_schedule: the planner's decisions (None: no anchors in this pass).
+        shift_target: where the plan's step's body lies in the pool (:class:`~.shift_target.ShiftTarget`),
+            built when the pass is planned (again after a step replans).
+        work: the (row, key) pairs of the anchor layouts executed in this pass (the report's).
+    """
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    exits: torch.Tensor
+    scope: torch.Tensor
+    anchor: torch.Tensor
+    anchor_schedule: Optional[AnchorSchedule] = None
+    shift_target: Optional["ShiftTarget"] = None
+    work: AttentionWork = dataclasses.field(default_factory=AttentionWork)
+
+    @property
+    def n_rows(self) -> int:
+        """Rows of this request in the pass."""
+        return int(self.positions.shape[0])
+
+
+@dataclasses.dataclass
+class _StepRead:
+    """One request's step read at one layer (``LayerStep.reads``), staged.
+
+    Attributes: at: int64 [n_s] the read among the request's active rows; positions: int64 [n_s]
+    theirs; pool: int64 [n_s] their pool slots; groups: int64 [n_s] the read's tags (or None)."""
+
+    at: Staged
+    positions: Staged
+    pool: Staged
+    groups: Optional[Staged]
+
+
+@dataclasses.dataclass
+class _RequestStep:
+    """One request's rows at one layer, decided on the host; the device's indices on the stage.
+
+    Attributes:
+        rows: int64 host [n] the request's rows taking part (indices into its ``LoopRows``).
+        written: int64 [n] their pool slots (staged).
+        plain: the rows among them attending causally from their scope (staged) and the plan.
+        anchors: the anchors among them (staged), and their positions (host: checked against
+            the layout).
+        read: what the plan's step reads at the layer, if anything.
+    """
+
+    rows: torch.Tensor
+    written: Staged
+    plain: Optional[tuple[Staged, ScopedCausalGroups]]
+    anchors: Optional[tuple[Staged, torch.Tensor]]
+    read: Optional[_StepRead]
+
+    @property
+    def n(self) -> int:
+        """Rows of the request taking part in the layer."""
+        return int(self.rows.shape[0])
+
+
+@dataclasses.dataclass
+class _LayerStep:
+    """Every request's rows at one layer: ``active`` int64 [sum n] the rows of the pass taking
+    part, ``positions`` int64 [sum n] theirs, ``going_on`` int64 [m] those (among the active) whose
+    hidden state feeds a later layer."""
+
+    requests: list[_RequestStep]
+    active: Staged
+    positions: Staged
+    going_on: Staged
+
+
+class _PassDecisions:
+    """A pass's decisions from layer ``first`` on, made on the host and staged in one copy
+    (``stage.send``): every layer's rows, scopes, anchors and step reads, the anchors' executor
+    plans, each request's pool slots and step target. Rebuilt from the next layer when a step
+    replans."""
+
+    def __init__(self, requests: list[LoopRows], first: int, n_layers: int, device: torch.device,
+                 anchors: AnchorAttention, kv_dtype: torch.dtype, rope: Optional[RopeSpec]) -> None:
+        stage = HostStage(device)
+        self.slots = [stage.put(r.slots) for r in requests]
+        for r in requests:
+            _prepare_step_target(r, stage, rope)
+        self.anchor_runs = [anchors.plan(r.anchor_schedule.layouts, stage, kv_dtype)
+                            if r.anchor_schedule is not None and not r.anchor_schedule.ranks_pages_in_layer else None
+                            for r in requests]
+        self.layers: dict[int, _LayerStep] = {}
+        offsets = [0]
+        for r in requests:
+            offsets.append(offsets[-1] + r.n_rows)
+        for l in range(first, n_layers):
+            layer_rows = [(r.exits > l).nonzero().flatten() for r in requests]
+            if not any(rows.numel() for rows in layer_rows):
+                break
+            steps, going_on, start = [], [], 0
+            for r, rows in zip(requests, layer_rows):
+                steps.append(_request_step(r, l, rows, stage))
+                going_on.append((~_leaves_after(r, l, rows)).nonzero().flatten() + start)
+                start += rows.numel()
+            active = torch.cat([rows + off for rows, off in zip(layer_rows, offsets)])
+            positions = torch.cat([r.positions[rows] for r, rows in zip(requests, layer_rows)])
+            self.layers[l] = _LayerStep(steps, stage.put(active), stage.put(positions), stage.put(torch.cat(going_on)))
+        stage.send()
+
+
+def _leaves_after(r: LoopRows, l: int, rows: torch.Tensor) -> torch.Tensor:
+    """bool [n]: which of the request's rows (host int64 [n]) are anchors at their last layer l,
+    whose hidden state then feeds nothing. Not so at the last decided layer of a plan a step is
+    still to decide: an anchor kept past it needs its hidden state from that layer."""
+    leaves = r.anchor[rows] & (r.exits[rows] <= l + 1)
+    plan = r.anchor_schedule
+    if plan is not None and plan.decided_layers < plan.n_layers:
+        leaves &= r.exits[rows] < plan.decided_layers
+    return leaves
+
+
+def _request_step(r: LoopRows, l: int, rows: torch.Tensor, stage: HostStage) -> _RequestStep:
+    """One request's rows at layer l (rows: host int64, its rows taking part)."""
+    pos, scope, anchor = r.positions[rows], r.scope[rows], r.anchor[rows]
+    plain_rows = (~anchor).nonzero().flatten()
+    plain = ((stage.put(plain_rows), ScopedCausalGroups(pos[plain_rows], scope[plain_rows], stage))
+             if plain_rows.numel() else None)
+    anchor_rows = anchor.nonzero().flatten()
+    anchors = (stage.put(anchor_rows), pos[anchor_rows]) if anchor_rows.numel() else None
+    return _RequestStep(rows, stage.put(r.slots[pos]), plain, anchors, _step_read(r, l, pos, stage))
+
+
+def _step_read(r: LoopRows, l: int, pos: torch.Tensor, stage: HostStage) -> Optional[_StepRead]:
+    """What the plan's step reads at layer l among the request's active rows (pos: their positions)."""
+    step = r.anchor_schedule.layer_step if r.anchor_schedule is not None else None
+    read = step.reads(l) if step is not None and pos.numel() else None
+    if read is None or read.positions.numel() == 0:
+        return None
+    at = torch.searchsorted(pos, read.positions)
+    if not torch.equal(pos[at.clamp(max=pos.shape[0] - 1)], read.positions):
+        raise InvariantError("relaxkv: a layer step reads positions that are not the layer's rows")
+    groups = stage.put(read.groups) if read.groups is not None else None
+    return _StepRead(stage.put(at), stage.put(read.positions), stage.put(r.slots[read.positions]), groups)
+
+
+class LayerLoop:
+    """Runs the model layer by layer over rows that may leave at any layer."""
+
+    def __init__(self, layers: ModelLayers, kv_pool: "KVCache", anchor_attention: AnchorAttention,
+                 rope: Optional[RopeSpec] = None) -> None:
+        self.layers = layers
+        self.kv_pool = kv_pool
+        self.anchor_attention = anchor_attention
+        self.rope = rope  # the served RoPE: the stale shift compares K before it (repair/stale_shift.py)
+
+    def run(self, requests: list[LoopRows], input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids int64 [sum n_rows] (requests' rows in order, on the model's device) ->
+        final-normed hidden [sum n_rows, hidden] (module doc: host and device)."""
+        for r in requests:
+            _check_on_host(r)
+        model = self.layers.model
+        n_layers = self.layers.n_layers
+        kv_dtype = self.kv_pool.get_key_buffer(self.layers.attention_params(0)[0]).dtype if n_layers else None
+        plan = self._plan(requests, 0, input_ids.device, kv_dtype)
+        hidden = model.embed_tokens(input_ids)
+        for l in range(n_layers):
+            step = plan.layers.get(l)
+            if step is None:
+                break
+            active = step.active.get()
+            h = hidden.index_select(0, active)
+            q, k, v = self.layers.qkv(l, step.positions.get(), h)
+            layer_id, scale = self.layers.attention_params(l)
+            k_cache = self.kv_pool.get_key_buffer(layer_id)
+            v_cache = self.kv_pool.get_value_buffer(layer_id)
+            out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+            # Write every active row's K/V first: rows attend to each other's new KV.
+            spans, start, replanned = [], 0, False
+            for r, s in zip(requests, step.requests):
+                spans.append((start, start + s.n))
+                if s.n:
+                    k_r, v_r = k[start:start + s.n], v[start:start + s.n]
+                    # The step reads the anchors' pooled K/V and its delta lands before the rows' writes.
+                    replanned |= self._layer_step(r, l, s, k_r, v_r, k_cache, v_cache)
+                    written = s.written.get()
+                    k_cache[written] = k_r.to(k_cache.dtype)
+                    v_cache[written] = v_r.to(v_cache.dtype)
+                start += s.n
+            for i, (r, s, (s0, s1)) in enumerate(zip(requests, step.requests, spans)):
+                if s1 > s0:
+                    out[s0:s1] = self._attend(r, l, s, plan.slots[i].get(), plan.anchor_runs[i], q[s0:s1], k_cache,
+                                              v_cache, scale)
+            # An anchor's hidden state after its last layer feeds nothing (only its K/V of the
+            # layers it took part in are kept): o_proj and the MLP run for the other rows only.
+            going_on = step.going_on.get()
+            hidden[active.index_select(0, going_on)] = self.layers.finish(l, h.index_select(0, going_on),
+                                                                         out.index_select(0, going_on))
+            if replanned:  # a step chose the later layers: decide them again
+                plan = self._plan(requests, l + 1, input_ids.device, kv_dtype)
+        return model.norm(hidden)
+
+    def _plan(self, requests: list[LoopRows], first: int, device: torch.device,
+              kv_dtype: Optional[torch.dtype]) -> _PassDecisions:
+        return _PassDecisions(requests, first, self.layers.n_layers, device, self.anchor_attention, kv_dtype, self.rope)
+
+    def _layer_step(self, r: LoopRows, l: int, s: _RequestStep, k_new: torch.Tensor, v_new: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """Run the plan's step at layer l, before the layer's writes (k_new, v_new: [n_active, Hkv, d]
+        the request's active rows' new K/V, rows in position order): its delta added to its body in
+        the pool, its later layers planned. Whether it replanned."""
+        read = s.read
+        if read is None:
+            return False
+        plan, target = r.anchor_schedule, r.shift_target
+        at, pool = read.at.get(), read.pool.get()
+        rotate = target.rotate_by if target is not None else self._rotate
+        edit: LayerEdit = plan.layer_step.run(l, MeasuredKV(
+            read.positions.get(), read.groups.get() if read.groups is not None else None, k_new.index_select(0, at),
+            v_new.index_select(0, at), k_cache[pool], v_cache[pool], rotate))
+        if edit.body_dv is not None or edit.body_dk is not None:
+            if target is None:
+                raise InvariantError("relaxkv: a layer step returned a delta but declares no body")
+            dv = edit.body_dv if edit.body_dv is not None else torch.zeros_like(edit.body_dk)
+            target.add(l, k_cache, v_cache, edit.body_dk, dv)
+        if edit.later_sets is None:
+            return False
+        r.anchor_schedule = plan.with_later_layers(edit.later_sets)
+        r.exits[r.anchor] = r.anchor_schedule.exit_layers()[r.positions[r.anchor]]
+        r.shift_target = None  # the new plan's step, if any, has its own body
+        return True
+
+    def _rotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``MeasuredKV.rotate`` of a step without a body: the served RoPE's re-rotation."""
+        if self.rope is None:
+            raise InvariantError("relaxkv: a layer step needs the served RoPE (LayerLoop(rope=...))")
+        return rotate_keys(k, delta, self.rope)
+
+    def _attend(self, r: LoopRows, l: int, s: _RequestStep, slots: torch.Tensor, anchors: Optional[PreparedAnchors],
+                q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """One request's active rows at layer l (``s``), slots int64 [>= positions] on the device,
+        q [n, H, d] -> [n, H, dv]."""
+        out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
+        if s.plain is not None:
+            at, scoped = s.plain[0].get(), s.plain[1]
+            out[at] = scoped.run(q.index_select(0, at), k_cache, v_cache, slots, scale)
+        if s.anchors is not None:
+            at, anchor_pos = s.anchors[0].get(), s.anchors[1]
+            plan = r.anchor_schedule
+            q_anchors = q.index_select(0, at)
+            if plan.ranks_pages_in_layer:  # the ablation: the layer's queries rank the pages (reads the device)
+                layout = plan.layout_at(l, q_anchors, k_cache[slots[:plan.n_context]])
+            else:
+                layout = plan.layouts[l]
+            if not torch.equal(layout.q_pos, anchor_pos):
+                raise InvariantError("relaxkv: layout rows do not match the layer's anchors")
+            if anchors is None:
+                out[at] = self.anchor_attention(q_anchors, k_cache, v_cache, layout, scale, slots, r.work)
+            else:
+                out[at] = anchors.run(l, q_anchors, k_cache, v_cache, slots, scale, r.work)
+        return out
+
+
+def _check_on_host(r: LoopRows) -> None:
+    """The pass's bookkeeping stays on the host (module doc); a device tensor here would make
+    every layer read it back."""
+    for name in ("slots", "positions", "exits", "scope", "anchor"):
+        if getattr(r, name).device.type != "cpu":
+            raise InvariantError(f"relaxkv: the repair pass's {name} must be a host tensor, got {getattr(r, name).device}")
+
+
+def _prepare_step_target(r: LoopRows, stage: HostStage, rope: Optional[RopeSpec]) -> None:
+    """Build where the plan's step's body lies in the pool, once per plan (its device indices on stage)."""
+    plan = r.anchor_schedule
+    step = plan.layer_step if plan is not None else None
+    if r.shift_target is not None or step is None or step.body is None or step.body.numel() == 0:
+        return
+    if rope is None:
+        raise InvariantError("relaxkv: a layer step with a body needs the served RoPE (LayerLoop(rope=...))")
+    r.shift_target = ShiftTarget(r.slots, step.body, rope, r.positions, r.exits, stage, groups=step.body_groups)

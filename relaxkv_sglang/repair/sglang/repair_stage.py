@@ -1,0 +1,210 @@
+"""Cache repair inside SGLang's prefill: SGLang's forward is the query pass, then the anchors.
+
+A batch holding a request under a repair policy (``epic``, ``cacheblend``, ``prophetkv``,
+``relaxkv``, the ablations) repairs it inside the one scheduled forward:
+
+1. **Query pass**: SGLang's own forward over the rows ``pic`` computes (set up by
+   :mod:`.query_pass`); for a scoring policy the backend records the query's attention mass on
+   the context at every layer (``s_l``, :class:`~.context.QueryScores`).
+2. **Repair** (:class:`RepairStage`), run by the model hook after SGLang's decoder stack
+   (:func:`around_model_forward`): the misses' final KV go to the chunk tree; the planner
+   (:func:`~relaxkv_sglang.repair.anchor_schedule.schedule_anchors`, shared with the torch reference) picks
+   each layer's anchors and contexts from ``s_l``; :class:`~.layer_loop.LayerLoop` runs anchors
+   (to their exit layer), glue and query, whose hidden states replace SGLang's before the logits.
+
+A cold request's result equals its warm one (misses' KV is what a later hit copies). The repair
+runs in the window holding the prompt's last token, over the whole prompt, so it does not depend
+on chunked prefill's windows; a retracted request is repaired again the same way. A request whose
+repair cannot be planned is served as ``pic`` with a ``not_repaired_reason``
+(:func:`~relaxkv_sglang.server.failures.served_as_pic`); only a broken invariant leaves the scheduler.
+
+SGLang files touched (hooks registered in ``plugin.py``): the ``forward`` of each decoder-stack class
+the model-family registry hooks (``model/model_family.py::hooked_model_classes``: ``LlamaModel``,
+``Qwen2Model``, ``Qwen3Model``, ``Qwen2MoeModel``, ``MixtralModel``; around).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from relaxkv_sglang.repair.repair_config import RepairConfig
+from relaxkv_sglang.repair.anchor_schedule import AnchorSchedule, schedule_anchors
+from relaxkv_sglang.repair.sglang.served_calibration import served_settings
+from relaxkv_sglang.repair.sglang.budget import decide_budget
+from relaxkv_sglang.attention.sglang.context import forward_context
+from relaxkv_sglang.server.failures import InvariantError, served_as_pic
+from relaxkv_sglang.repair.sglang.layer_loop import LayerLoop, LoopRows
+from relaxkv_sglang.model.sglang.model_layers import ModelLayers
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    from relaxkv_sglang.repair.sglang.query_pass import ForwardSetup, RequestRows
+    from relaxkv_sglang.cache.sglang.relaxkv_cache import RelaxKVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class RepairOutcome:
+    """What the repair did for one request it ran for.
+
+    Attributes:
+        rows: the repair pass's rows (None: served as pic).
+        not_repaired_reason: why not, when ``rows`` is None.
+        budget_report: the budget's report fields (:mod:`.budget`).
+    """
+
+    rows: Optional[LoopRows]
+    not_repaired_reason: Optional[str] = None
+    budget_report: dict = dataclasses.field(default_factory=dict)
+
+
+def repair_stage(cache: "RelaxKVCache", attn_backend: Any, setup: "ForwardSetup") -> Optional["RepairStage"]:
+    """The batch's repair, when some request is to be repaired in this forward (else None)."""
+    return RepairStage(cache, attn_backend, setup) if setup.targets else None
+
+
+def request_repair_config(r: "RequestRows", base: RepairConfig) -> RepairConfig:
+    """The request's knobs: ``base`` (the served model's calibration, else the defaults,
+    :func:`~.calibration.served_settings`) with the ratios the request gave (its budget: :mod:`.budget`)."""
+    plan = r.fold.plan
+    given = {"anchor_ratio": plan.anchor_ratio, "context_ratio": plan.context_ratio}
+    return dataclasses.replace(base, **{knob: value for knob, value in given.items() if value is not None})
+
+
+class RepairStage:
+    """The batch's repair, run by the model hook after SGLang's forward (module doc, step 2).
+
+    Args:
+        cache: the worker's chunk cache (KV pool, publishing the misses).
+        attn_backend: the worker's ``relaxkv`` attention backend (anchor executor, cost model).
+        setup: the forward's rows (:mod:`relaxkv_sglang.repair.sglang.query_pass`); the stage repairs its targets.
+
+    Attributes:
+        outcomes: index in the batch -> :class:`RepairOutcome`, for every target, once
+            :meth:`run` has run (SGLang's forward returns only hidden states, so the stage keeps
+            what it did for the forward's last stage).
+    """
+
+    def __init__(self, cache: "RelaxKVCache", attn_backend: Any, setup: "ForwardSetup") -> None:
+        self.cache = cache
+        self.attn_backend = attn_backend
+        self.setup = setup
+        self.outcomes: dict[int, RepairOutcome] = {}
+
+    def run(self, model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n_rows, hidden] SGLang's final-normed output of the folded batch -> the same,
+        the targets' glue and query rows replaced by the repair pass's."""
+        layers = ModelLayers(model)
+        planned = []
+        for i in self.setup.targets:
+            r = self.setup.requests[i]
+            self.outcomes[i] = self._plan(r, layers.n_layers, self._answer_logits(hidden, i))
+            if self.outcomes[i].rows is not None:
+                planned.append((i, r, self.outcomes[i].rows))
+        if not planned:
+            return hidden
+        ids = torch.cat([_token_ids(r.fold.req)[rows.positions] for _, r, rows in planned])
+        loop = LayerLoop(layers, self.cache.pool_kv.kv_pool, self.attn_backend.anchor_attention,
+                         rope=getattr(getattr(self.cache, "pool_kv", None), "rope", None))
+        with torch.no_grad():
+            repaired = loop.run([rows for _, _, rows in planned], ids.to(hidden.device))
+        offset = 0
+        for i, r, rows in planned:
+            _replace_rows(hidden, self.setup.row_starts[i], r.positions, repaired[offset: offset + rows.n_rows], rows)
+            offset += rows.n_rows
+        return hidden
+
+    def _answer_logits(self, hidden: torch.Tensor, i: int) -> Optional[torch.Tensor]:
+        """float [vocab] the query pass's logits at request ``i``'s last row (pic's answer), for the
+        budget's signal (reported for every request with query scores, so a calibration can be
+        fitted from fixed-ratio runs; one row through the LM head); None without query scores or
+        a whole LM head."""
+        lm_head = getattr(self.attn_backend, "lm_head", None)
+        if lm_head is None or self.setup.requests[i].scores is None:
+            return None
+        last = self.setup.row_starts[i] + self.setup.requests[i].n_rows - 1
+        weight = lm_head.weight  # [vocab, hidden]
+        return torch.nn.functional.linear(hidden[last].to(weight.dtype), weight).float().cpu()
+
+    def _plan(self, r: "RequestRows", n_layers: int, answer_logits: Optional[torch.Tensor] = None) -> RepairOutcome:
+        """Publish the request's misses (final position-independent KV, before anchors overwrite
+        it) and plan its repair pass; served as pic when its plan cannot be made (module doc).
+        ``answer_logits``: float [vocab] the query pass's answer, for an auto budget (or None)."""
+        f = r.fold
+        self.cache.publish_chunks(f.plan.namespace, f.misses, f.req_pool_idx)
+        scores = r.scores.stacked(n_layers) if r.scores is not None else None
+        try:
+            ids = _token_ids(f.req)
+            served = served_settings(self.cache)
+            budget = decide_budget(request_repair_config(r, served.base), f.plan, served, scores, ids, answer_logits)
+            anchor_schedule = schedule_anchors(f.plan.policy, scores, list(f.plan.chunk_spans), f.plan.query_start, n_layers,
+                                       budget.config, self.attn_backend.repair_cost, input_ids=ids)
+            # the pass's bookkeeping lives on the host (layer_loop): the slots are read back once
+            return RepairOutcome(repair_rows(f.window_end, anchor_schedule, r.slots.cpu()), budget_report=budget.report)
+        except InvariantError:
+            raise
+        except Exception as exc:  # this request's plan, not the server: serve it as pic
+            return RepairOutcome(None, served_as_pic(f.req, f"its repair could not be planned ({exc})"))
+
+
+def _replace_rows(hidden: torch.Tensor, start: int, batch_positions: torch.Tensor, repaired: torch.Tensor,
+                  rows: LoopRows) -> None:
+    """Write one request's repaired glue and query rows over its rows of SGLang's output.
+
+    Args:
+        hidden: [n_batch_rows, hidden] modified in place.
+        start: the request's first row in ``hidden``; batch_positions int64 [n] its rows' positions.
+        repaired: [rows.n_rows, hidden] the repair pass's output; rows: its rows.
+    """
+    fresh = (~rows.anchor).nonzero().flatten()
+    pos = rows.positions[fresh]
+    idx = torch.searchsorted(batch_positions, pos).clamp(max=batch_positions.shape[0] - 1)
+    present = batch_positions[idx] == pos  # glue of earlier windows is not in this batch
+    if not bool(present[-1]) or int(pos[-1]) != int(batch_positions[-1]):
+        raise InvariantError("relaxkv: the repair pass does not end at the request's last row")
+    hidden[(start + idx[present]).to(hidden.device)] = repaired[fresh[present].to(repaired.device)].to(hidden.dtype)
+
+
+def _token_ids(req: Any) -> torch.Tensor:
+    """int64 [prompt + generated tokens] the request's token ids (a retracted request's prefill
+    again covers its generated tokens too)."""
+    ids = getattr(req, "full_untruncated_fill_ids", None)
+    return torch.tensor(ids if ids is not None and len(ids) else req.origin_input_ids, dtype=torch.int64)
+
+
+def repair_rows(end: int, anchor_schedule: AnchorSchedule, slots: torch.Tensor) -> LoopRows:
+    """The repair pass's rows of one request: anchors (until their exit layer), glue and query
+    (every layer), in position order, up to position ``end`` (the window's end); slots int64 host
+    [>= end] the request's pool slots."""
+    n_context = anchor_schedule.n_context
+    exit_of = anchor_schedule.exit_layers()
+    in_chunk = torch.zeros(end, dtype=torch.bool)
+    for s, e in anchor_schedule.chunk_spans:
+        in_chunk[s:e] = True
+    glue_and_query = torch.arange(anchor_schedule.chunk_spans[0][0], end)
+    glue_and_query = glue_and_query[~in_chunk[glue_and_query]]
+    anchors = (exit_of > 0).nonzero().flatten()
+    positions, order = torch.sort(torch.cat([anchors, glue_and_query]))
+    is_anchor = order < anchors.shape[0]
+    exits = torch.where(is_anchor, exit_of[positions.clamp(max=n_context - 1)],
+                        torch.tensor(anchor_schedule.n_layers))
+    return LoopRows(slots=slots, positions=positions, exits=exits, scope=torch.zeros_like(positions),
+                    anchor=is_anchor, anchor_schedule=anchor_schedule)
+
+
+def around_model_forward(original: Callable, model: torch.nn.Module, input_ids: torch.Tensor,
+                         positions: torch.Tensor, forward_batch: "ForwardBatch", *args: Any, **kwargs: Any) -> Any:
+    """Hook on each registered family's decoder-stack ``forward`` (``LlamaModel``, ``Qwen2Model``,
+    ``Qwen3Model``, ``Qwen2MoeModel``, ``MixtralModel``): SGLang's forward (for a batch with a repair, its query pass), then the repair,
+    which replaces the repaired requests' glue and query rows of the output (:class:`RepairStage`)."""
+    hidden = original(model, input_ids, positions, forward_batch, *args, **kwargs)
+    context = forward_context(model)
+    if context is None or context.repair is None or not forward_batch.forward_mode.is_extend():
+        return hidden
+    if not isinstance(hidden, torch.Tensor):
+        raise InvariantError("relaxkv: a repair needs the decoder stack's hidden states alone "
+                           "(no auxiliary hidden states, no pipeline stages)")
+    return context.repair.run(model, hidden)

@@ -1,0 +1,116 @@
+"""The served model's repair calibration in the scheduler: chosen once at startup, read by every repair.
+
+:func:`load_served_calibration` (called by the tree cache factory) picks the calibration
+(:mod:`relaxkv_sglang.repair.calibration`: ``RELAXKV_CALIBRATION``, else the repository's file for
+the model's fingerprint, else none), logs one line saying which, and keeps it on the tree cache.
+An unusable file (malformed, another version, an unknown knob, another model's fingerprint) stops
+the server with one line. Every repair's ``RepairConfig`` starts from :func:`repair_base` (the
+request's own ratios override it, ``repair.request_repair_config``); ``/get_server_info`` shows
+:func:`calibration_state` as ``relaxkv.calibration``.
+
+The ``auto`` budget's server settings are read here too, at the same startup: ``RELAXKV_DEFAULT_BUDGET``
+(a repair request's budget when it gives neither ratio nor budget) and ``RELAXKV_QUALITY`` (what an
+auto budget aims at); a default ``auto`` budget for a model whose calibration has no budget model
+stops the server with one line (:func:`served_settings` for the forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+from typing import Any, Optional
+
+from relaxkv_sglang.repair.calibration import DEFAULTS_NOTE, Calibration, CalibrationError, served_calibration
+from relaxkv_sglang.repair.auto_budget import BudgetModel
+from relaxkv_sglang.repair.quality import AUTO, DEFAULT_QUALITY
+from relaxkv_sglang.repair.repair_config import RepairConfig
+from relaxkv_sglang.server.settings import CALIBRATION_ENV, DEFAULT_BUDGET_ENV, ServerSettings
+from relaxkv_sglang.server import state
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedCalibration:
+    """The calibration a server runs with.
+
+    Attributes:
+        model: the served model's name (its path's last part).
+        calibration: the calibration, or None (the code defaults).
+        base: the RepairConfig every repair starts from.
+        default_budget: ``RELAXKV_DEFAULT_BUDGET``: ``"auto"``, a cost share, or None (unset).
+        quality: ``RELAXKV_QUALITY``: what an auto budget aims at unless the request says.
+    """
+
+    model: str
+    calibration: Optional[Calibration]
+    base: RepairConfig
+    default_budget: float | str | None = None
+    quality: str | float = DEFAULT_QUALITY
+
+    @property
+    def budget_model(self) -> Optional[BudgetModel]:
+        """The auto budget's model (None: the calibration has none)."""
+        return self.calibration.budget_model if self.calibration is not None else None
+
+    def line(self) -> str:
+        """The startup log's line."""
+        budget = (f"; default budget {self.default_budget}, quality {self.quality}"
+                  if self.default_budget is not None else "")
+        if self.calibration is None:
+            return f"relaxkv: no calibration for {self.model}; {DEFAULTS_NOTE}{budget}"
+        auto = "auto budget calibrated" if self.budget_model is not None else "no auto budget model"
+        return f"relaxkv: calibration {self.calibration.describe()}; {auto}{budget}"
+
+    def state(self) -> dict[str, Any]:
+        """``relaxkv.calibration`` of /get_server_info: ``file`` None and ``knobs`` {} without one."""
+        budget = {"default_budget": self.default_budget, "quality": self.quality}
+        if self.calibration is None:
+            return {"file": None, "model": self.model, "version": None, "knobs": {}, "budget_prices": None,
+                    "note": DEFAULTS_NOTE, **budget}
+        return {**self.calibration.state(), "model": self.model, **budget}
+
+
+def load_served_calibration(cache: Any, model_path: str, hf_config: dict, settings: ServerSettings, *,
+                            log: bool = True) -> ServedCalibration:
+    """Choose the served model's calibration (module doc; ``settings``: the server's, its override and
+    budget settings), keep it on ``cache`` and log it (``log``: this rank logs); SystemExit with one
+    line for an unusable file."""
+    try:
+        calibration = served_calibration(hf_config, settings.calibration)
+    except CalibrationError as exc:
+        raise SystemExit(f"relaxkv-sglang: {exc} ({CALIBRATION_ENV} or relaxkv_sglang/calibrations/)") from None
+    base = calibration.base_config() if calibration is not None else RepairConfig()
+    served = ServedCalibration(pathlib.Path(str(model_path).rstrip("/")).name, calibration, base,
+                               settings.default_budget, settings.quality)
+    if served.default_budget == AUTO and served.budget_model is None:
+        raise SystemExit(f"relaxkv-sglang: {DEFAULT_BUDGET_ENV}=auto needs a budget model in {served.model}'s "
+                         f"calibration (python -m scripts.calibrate --budget ...); "
+                         f"{'it has none' if calibration else 'there is no calibration'}")
+    state.record(cache, state.CacheState).calibration = served
+    if log:
+        logger.info(served.line())
+    return served
+
+
+def served_settings(cache: Any) -> ServedCalibration:
+    """The served calibration and budget settings (before startup chose them: the defaults)."""
+    served = _served(cache)
+    return served if served is not None else ServedCalibration("", None, RepairConfig())
+
+
+def repair_base(cache: Any) -> RepairConfig:
+    """The RepairConfig the server's repairs start from (the defaults before a calibration is loaded)."""
+    return served_settings(cache).base
+
+
+def calibration_state(cache: Any) -> Optional[dict]:
+    """What /get_server_info shows (None before the calibration was chosen)."""
+    served = _served(cache)
+    return None if served is None else served.state()
+
+
+def _served(cache: Any) -> Optional[ServedCalibration]:
+    held = state.record(cache, state.CacheState, create=False)
+    return held.calibration if held is not None else None

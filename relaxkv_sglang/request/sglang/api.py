@@ -1,0 +1,330 @@
+"""Request fields of the native API, validated and tokenized in the HTTP process.
+
+A request opts in through ``sampling_params.custom_params`` (fields, types and defaults:
+:mod:`relaxkv_sglang.request.schema`, ``docs/api.md``). Each part (prefix, chunk, glue, query) is
+tokenized on its own, so a document always gets the same token ids, and the request reaches the
+scheduler as ``input_ids`` plus its :class:`~relaxkv_sglang.request.plan.RequestPlan`, the one
+parse of its fields. Without
+chunk offsets, a chunk policy's prompt is chunked by
+:func:`~relaxkv_sglang.request.doc_index.discover_chunks` on the token boundaries of the server's own
+tokenization (:func:`prompt_boundaries`); ``RELAXKV_DISCOVERY_INDEX=1`` also keeps the chunks found
+(:func:`document_index`, emptied by ``/flush_cache``).
+
+Invalid input raises :class:`~relaxkv_sglang.request.schema.RequestError` (a ``ValueError`` naming the
+field: SGLang answers 400). Policy: ``custom_params.relaxkv_policy``, else the
+``X-RelaxKV-Policy`` header, else the server default; a chunk policy is refused while the startup
+gate has failed (:mod:`.gate_refusal`). Every request on every server also passes
+:func:`~.sglang_fields.check_sglang_fields`.
+
+SGLang files touched: ``sglang/srt/managers/tokenizer_manager.py``
+(``TokenizerManager.generate_request``, wrapped) and ``sglang/srt/managers/tokenizer_control_mixin.py``
+(``TokenizerControlMixin.flush_cache``, wrapped: the discovery index is emptied with the cache).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Sequence
+
+from relaxkv_sglang.repair.policies import CHUNK_POLICIES, Policy
+from relaxkv_sglang.request.doc_index import DocumentIndex, discover_chunks, token_boundaries
+from relaxkv_sglang.request.segments import split_text, tokenize_parts
+from relaxkv_sglang.request.schema import (
+    CHUNKS,
+    PLAN_KEY,
+    POLICY,
+    RECORD_KEY,
+    REPAIR_KNOBS,
+    RequestError,
+    check_keys,
+    header_policy,
+    mentions_fields,
+)
+from relaxkv_sglang.server.settings import server_settings
+from relaxkv_sglang.server import state
+from relaxkv_sglang.request.plan import RequestPlan, chunk_tree_served, request_namespace
+from relaxkv_sglang.server.sglang.gate_refusal import chunk_refusal
+from relaxkv_sglang.request.sglang.sglang_fields import check_sglang_fields
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+__all__ = ["RequestError", "check_sglang_fields", "document_index", "item_namespace",
+           "plan_item", "prepare_generate", "prompt_boundaries", "around_generate_request", "around_flush_cache"]
+
+logger = logging.getLogger(__name__)
+
+Encode = Callable[[str, bool], list[int]]  # (text, add_special_tokens) -> token ids
+# text -> the sorted character offsets of its token boundaries, or None if the tokenizer cannot tell
+Boundaries = Callable[[str], Optional[Sequence[int]]]
+def document_index(tokenizer_manager: Any) -> Optional[DocumentIndex]:
+    """The HTTP process's index of discovered chunks (made on first use, kept on the
+    ``TokenizerManager``: one per HTTP process, bounded, :class:`DocumentIndex`); None unless
+    the server's settings say so (``RELAXKV_DISCOVERY_INDEX``, ``server/settings.py``)."""
+    if not server_settings().discovery_index:
+        return None
+    held = state.record(tokenizer_manager, state.TokenizerState)
+    if held.document_index is None:
+        held.document_index = DocumentIndex()
+    return held.document_index
+
+
+def prompt_boundaries(tokenizer: Any, text: str) -> Optional[list[int]]:
+    """The token boundaries of ``text`` tokenized by the server's ``tokenizer`` (a fast HF
+    tokenizer's offset mapping, :func:`~relaxkv_sglang.request.doc_index.token_boundaries`); None
+    when the tokenizer gives no offsets (a slow tokenizer: nothing is discovered then)."""
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
+        spans = enc["offset_mapping"]
+    except (NotImplementedError, KeyError, TypeError, ValueError) as exc:
+        logger.warning("relaxkv: the tokenizer gives no character offsets (%s): unmarked prompts are not chunked",
+                       exc)
+        return None
+    return token_boundaries(spans, len(text))
+
+
+async def around_flush_cache(original: Callable[..., Any], tokenizer_manager: Any, *args: Any, **kwargs: Any) -> Any:
+    """Hook on ``TokenizerControlMixin.flush_cache`` (the HTTP process's ``/flush_cache``): a flush
+    that succeeded also empties the discovery index, so a flushed server chunks as a fresh one."""
+    result = await original(tokenizer_manager, *args, **kwargs)
+    held = state.record(tokenizer_manager, state.TokenizerState, create=False)
+    index = held.document_index if held is not None else None
+    if index is not None and getattr(result, "success", False):
+        index.clear()
+    return result
+
+
+class _Tenant:
+    """The two SGLang fields that name a request's chunk namespace (:func:`~.plan.request_namespace`)."""
+
+    def __init__(self, extra_key: Optional[str], cache_salt: Optional[str]) -> None:
+        self.extra_key, self.cache_salt = extra_key, cache_salt
+
+
+def item_namespace(obj: Any, i: int = 0) -> Optional[str]:
+    """The chunk namespace of item ``i`` of a ``GenerateReqInput`` (its ``extra_key`` and
+    ``cache_salt``, each one value or one per item), as the scheduler will name it."""
+
+    def value(name: str) -> Optional[str]:
+        """Item ``i``'s value of the field ``name``."""
+        v = getattr(obj, name, None)
+        if isinstance(v, list):
+            v = v[i] if i < len(v) else None
+        return v if isinstance(v, str) and v else None
+
+    return request_namespace(_Tenant(value("extra_key"), value("cache_salt")))
+
+
+def _custom_params(sampling_params: dict) -> dict:
+    cp = sampling_params.get("custom_params")
+    if cp is None:
+        return {}
+    if not isinstance(cp, dict):
+        raise RequestError("sampling_params.custom_params", f"must be an object, got {type(cp).__name__}")
+    check_keys(cp)
+    return cp
+
+
+def plan_item(
+    text: Optional[str], sampling_params: dict, encode: Encode, context_len: int, policy_default: str,
+    chunks_refused: str = "", index: Optional[DocumentIndex] = None, namespace: Optional[str] = None,
+    boundaries_of: Optional[Boundaries] = None,
+) -> Optional[tuple[Optional[list[int]], dict]]:
+    """Validate one request item; return (input_ids, custom_params) or None to leave it as is.
+    The returned ``custom_params`` hold the item's :class:`~relaxkv_sglang.request.plan.RequestPlan`
+    under :data:`~relaxkv_sglang.request.schema.PLAN_KEY`.
+
+    encode(text, add_special_tokens) -> list[int] is the server's tokenizer. ``chunks_refused``:
+    why the server refuses chunk policies (its startup gate failed, :mod:`.gate`), "" if it serves them.
+    An unmarked text under a chunk policy is split at the documents discovered in it, each on
+    ``boundaries_of(text)`` (its token boundaries, :func:`prompt_boundaries`; it returning None:
+    nothing is discovered; ``boundaries_of`` None: every offset is one, as for a tokenizer of one
+    token per character). ``index``, ``namespace``: the chunks discovered before (None: the
+    server's default, none) and the item's tenant namespace; the chunks discovered in this text
+    are remembered there (a client's marks never are).
+
+    Example (a tokenizer of one token per character):
+
+    >>> encode = lambda text, add_special_tokens: [ord(c) for c in text]
+    >>> ids, params = plan_item("Doc one. Doc two. Question?",
+    ...     {"custom_params": {"relaxkv_policy": "pic", "relaxkv_chunks": [0, 9, 9, 18]}},
+    ...     encode, context_len=4096, policy_default="prefix")
+    >>> params["_relaxkv_plan"].chunk_spans, params["_relaxkv_plan"].prompt_len
+    (((0, 9), (9, 18)), 27)
+    >>> plan_item("Hello", {}, encode, context_len=4096, policy_default="prefix") is None
+    True
+    """
+    cp = _custom_params(sampling_params)
+    policy = POLICY.validate(cp.get(POLICY.name, policy_default))
+    if chunks_refused and policy in CHUNK_POLICIES:
+        raise POLICY.error(f"{policy!r} is refused by this server: its startup correctness gate failed "
+                           f"({chunks_refused}); 'full' and 'prefix' are served")
+    knobs = {f.config_attr: f.validate(cp[f.name]) for f in REPAIR_KNOBS if f.name in cp}
+    # null is not "absent": like every field, a present one must be a valid value
+    spans = CHUNKS.validate(cp[CHUNKS.name], text=text) if CHUNKS.name in cp else None
+    if text is None:
+        if policy == Policy.FULL:
+            return None, dict(cp, **{PLAN_KEY: RequestPlan(policy, (), **knobs)})
+        return None
+    discovered = spans is None and policy in CHUNK_POLICIES
+    if spans is None:
+        spans = []
+        boundaries = boundaries_of(text) if discovered and boundaries_of is not None else None
+        if discovered and (boundaries_of is None or boundaries is not None):
+            spans = discover_chunks(text, index, namespace, boundaries=boundaries, max_chunks=CHUNKS.max_chunks)
+    if not spans and policy == Policy.PREFIX:
+        return None
+    segments = split_text(text, spans)
+    if spans and not segments.query:
+        # SGLang needs at least one computed token for the first output's
+        # logits: a prompt ending in a chunk keeps that last chunk uncached.
+        spans = spans[:-1]
+        segments = split_text(text, spans)
+    try:
+        layout = tokenize_parts(segments, encode)
+    except ValueError as exc:
+        raise CHUNKS.error(str(exc)) from exc
+    for i, (s, e) in enumerate(layout.chunk_spans):
+        if e - s > context_len:
+            raise CHUNKS.error(f"chunk {i} has {e - s} tokens, more than the context length {context_len}")
+    if index is not None and discovered:
+        index.remember(namespace, segments.chunks)
+    spans = tuple((int(s), int(e)) for s, e in layout.chunk_spans)
+    plan = RequestPlan(policy, spans, prompt_len=len(layout.input_ids), **knobs)
+    return layout.input_ids, dict(cp, **{PLAN_KEY: plan})
+
+
+def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput, chunks_refused: str = "",
+                     requested_policy: Optional[str] = None) -> None:
+    """Rewrite a ``GenerateReqInput`` in place: chunked items become input_ids + plan.
+
+    ``chunks_refused``: see :func:`plan_item`. ``requested_policy``: the request's
+    ``X-RelaxKV-Policy`` header (validated), the default of every item that names no policy.
+    Every request's batch shape is checked first, whatever its policy (:func:`_check_batch_shape`).
+    """
+    _check_batch_shape(obj)
+    single, n = _batch_shape(obj)
+    sps = obj.sampling_params
+    if isinstance(sps, list):
+        sp_items = [dict(sp or {}) for sp in sps]
+    else:
+        sp_items = [dict(sps or {}) for _ in range(n)]
+    texts = obj.text
+    text_items = [texts] if single else (list(texts) if texts is not None else [None] * n)
+    policy = requested_policy or server_settings().default_policy
+    if chunks_refused and policy in CHUNK_POLICIES and not requested_policy:
+        policy = Policy.PREFIX.value  # the gate failed: a request naming no policy gets SGLang's radix cache
+    if not any(_wants_plan(sp) for sp in sp_items) and policy == Policy.PREFIX:
+        return
+    if obj.text is not None and obj.input_ids is not None:
+        # SGLang would serve input_ids and the plan would be built from text: refuse the ambiguity.
+        raise RequestError("input_ids", "give the prompt as `text` or as `input_ids`, not both")
+    tokenizer = tokenizer_manager.tokenizer
+
+    def encode(text: str, add_special_tokens: bool) -> list[int]:
+        """The server's tokenizer, as :func:`plan_item` calls it."""
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def boundaries_of(text: str) -> Optional[list[int]]:
+        """The text's token boundaries with the server's tokenizer, as :func:`plan_item` calls it."""
+        return prompt_boundaries(tokenizer, text)
+
+    context_len = int(getattr(tokenizer_manager, "context_len", 1 << 30))
+    index = document_index(tokenizer_manager)
+    planned = []
+    for i, (t, sp) in enumerate(zip(text_items, sp_items)):
+        try:
+            planned.append(plan_item(t, sp, encode, context_len, policy, chunks_refused, index, item_namespace(obj, i),
+                                     boundaries_of))
+        except RequestError as exc:
+            if single:
+                raise
+            raise RequestError(exc.field, f"batch item {i}: {exc.message}") from exc
+    if all(p is None for p in planned):
+        return
+    ids = []
+    for i, (text, sp, p) in enumerate(zip(text_items, sp_items, planned)):
+        if p is not None:
+            item_ids, sp["custom_params"] = p
+        else:
+            item_ids = None
+        if item_ids is None:
+            item_ids = encode(text, True) if text is not None else (obj.input_ids if single else obj.input_ids[i])
+        ids.append(item_ids)
+    obj.text = None
+    obj.input_ids = ids[0] if single else ids
+    obj.sampling_params = sp_items[0] if single else sp_items
+
+
+def _check_batch_shape(obj: GenerateReqInput) -> None:
+    """A ``sampling_params`` list must hold exactly one object per prompt: a short list is an
+    IndexError (HTTP 500) in SGLang; a longer one has its tail ignored by SGLang, and would have it
+    skipped by the plugin's per-item checks (a bad ``custom_params`` there would be served)."""
+    _, n = _batch_shape(obj)
+    if isinstance(obj.sampling_params, list) and len(obj.sampling_params) != n:
+        raise RequestError("sampling_params", f"a list needs one object per prompt ({n}), got {len(obj.sampling_params)}")
+
+
+def _batch_shape(obj: GenerateReqInput) -> tuple[bool, int]:
+    """(whether the request is one prompt, how many prompts it holds), from text or input_ids."""
+    texts = obj.text
+    single = isinstance(texts, str) or (texts is None and not _is_batch_ids(obj.input_ids))
+    if single:
+        return True, 1
+    prompts = texts if texts is not None else obj.input_ids
+    return False, len(prompts) if isinstance(prompts, list) else 1
+
+
+def _wants_plan(sampling_params: dict) -> bool:
+    """Whether the item must go through plan_item (which also rejects reserved keys)."""
+    cp = sampling_params.get("custom_params")
+    if cp is None:
+        return False
+    if not isinstance(cp, dict):
+        return True
+    return mentions_fields(cp)
+
+
+def _is_batch_ids(input_ids: Any) -> bool:
+    return isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+
+
+async def around_generate_request(
+    original: Callable[..., AsyncIterator[Any]], tokenizer_manager: TokenizerManager, obj: Any,
+    request: Any = None, *args: Any, **kwargs: Any,
+) -> AsyncIterator[Any]:
+    """Hook on ``TokenizerManager.generate_request`` (an async generator)."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    try:
+        if isinstance(obj, GenerateReqInput):
+            check_sglang_fields(obj, getattr(getattr(tokenizer_manager, "model_config", None), "vocab_size", None))
+        if isinstance(obj, GenerateReqInput) and chunk_tree_served(tokenizer_manager.server_args):
+            requested = header_policy(getattr(request, "headers", None))
+            prepare_generate(tokenizer_manager, obj, await chunk_refusal(tokenizer_manager), requested)
+    except RequestError:
+        _shape_for_abort_task(obj)
+        raise
+    async for out in original(tokenizer_manager, obj, request, *args, **kwargs):
+        yield _one_record(out)
+
+
+def _shape_for_abort_task(obj: Any) -> None:
+    """A request refused here never reaches SGLang's ``normalize_batch_and_arguments``, which sets
+    ``is_single``; a streamed one still gets SGLang's abort task (``create_abort_task`` in
+    ``tokenizer_manager.py``), which reads it 2 s later, and its AttributeError made uvicorn drop
+    the client's keep-alive connection under its next request. Set it as the task needs it: the
+    task then finds no live request under the refused rid(s)."""
+    if not hasattr(obj, "is_single"):
+        obj.is_single = not isinstance(getattr(obj, "rid", None), list)
+
+
+def _one_record(out: Any) -> Any:
+    """``meta_info.relaxkv`` as one record: SGLang carries it as a list (customized_info)."""
+    for item in out if isinstance(out, list) else [out]:
+        meta = item.get("meta_info") if isinstance(item, dict) else None
+        records = meta.get(RECORD_KEY) if meta else None
+        if isinstance(records, list):
+            meta[RECORD_KEY] = records[-1] if records else None
+    return out

@@ -1,0 +1,146 @@
+"""SGLang's own request fields whose bad values stop its scheduler: refused in the HTTP process.
+
+SGLang 0.5.23 validates most of its request surface itself, but a few values pass its checks and
+then raise inside the scheduler process, ending the server. :func:`check_sglang_fields` runs for
+every ``GenerateReqInput`` on every server (from the ``generate_request`` hook of :mod:`.api`,
+with the vocabulary size ``V``) and raises :class:`~relaxkv_sglang.request.schema.RequestError` naming the
+field (HTTP 400) for:
+
+* ``logprob_start_len`` below -1; ``top_logprobs_num`` above ``V``;
+* ``sampling_params.top_k`` above 2**31 - 1; ``input_ids`` outside ``[0, V)``;
+* ``positional_embed_overrides`` given at all (only the Engine API's objects are valid);
+* a ``stop_regex`` that does not compile (a compiling one that backtracks is bounded where it
+  runs, :mod:`relaxkv_sglang.request.sglang.stop_regex`).
+
+What SGLang does with each: the table in ``docs/reliability.md``. Values of the wrong JSON type
+are left to SGLang's parser (400). A per-prompt field is one value or one per prompt; an error in
+a batch names the item.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import regex
+
+from relaxkv_sglang.request.schema import RequestError
+
+__all__ = ["INT32_MAX", "check_sglang_fields"]
+
+INT32_MAX = 2**31 - 1  # SGLang builds its per-batch top_k tensor as int32
+
+
+def check_sglang_fields(obj: Any, vocab_size: Optional[int] = None) -> None:
+    """Refuse what stops SGLang 0.5.23's scheduler (the list in the module docstring).
+
+    ``obj`` is SGLang's ``GenerateReqInput`` as the HTTP server parsed it (before SGLang
+    normalizes it); ``vocab_size`` is the model's (``model_config.vocab_size``; None skips the
+    checks that need it). Raises :class:`RequestError` naming the field.
+
+    >>> from types import SimpleNamespace
+    >>> check_sglang_fields(SimpleNamespace(input_ids=[1, 5], sampling_params={"stop_regex": "END"}), 100)
+    >>> check_sglang_fields(SimpleNamespace(input_ids=[1, 500]), vocab_size=100)
+    Traceback (most recent call last):
+    ...
+    relaxkv_sglang.request.schema.RequestError: invalid input_ids: token id 500 at position 1 is outside the vocabulary [0, 100)
+    """
+    _check_logprob_start_len(getattr(obj, "logprob_start_len", None))
+    if vocab_size is not None:
+        _check_top_logprobs_num(getattr(obj, "top_logprobs_num", None), vocab_size)
+        _check_input_ids(getattr(obj, "input_ids", None), vocab_size)
+    _check_positional_embed_overrides(getattr(obj, "positional_embed_overrides", None))
+    sampling_params = getattr(obj, "sampling_params", None)
+    items = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+    for i, sp in enumerate(items):
+        if isinstance(sp, dict):
+            where = f" (item {i})" if isinstance(sampling_params, list) else ""
+            _check_top_k(sp.get("top_k"), where)
+            _check_stop_regex(sp.get("stop_regex"), where)
+
+
+def _where(value: Any, i: int) -> str:
+    """`` (item i)`` when a per-prompt field was given as a list."""
+    return f" (item {i})" if isinstance(value, list) else ""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_logprob_start_len(value: Any) -> None:
+    """-1 (no input logprobs) or a position >= 0; -2 and below fail an assertion in SGLang's logprob
+    processing under every policy (and on a stock server)."""
+    for i, item in enumerate(value if isinstance(value, list) else [value]):
+        if item is None:
+            continue
+        if not _is_int(item) or item < -1:
+            raise RequestError("logprob_start_len",
+                               f"must be -1 (none) or a token position >= 0{_where(value, i)}, got {item!r}")
+
+
+def _check_top_logprobs_num(value: Any, vocab_size: int) -> None:
+    """At most the vocabulary: SGLang takes ``topk`` of that many logprobs per position, and above
+    the vocabulary ``torch.topk`` raises in the scheduler. Refused whatever ``return_logprob`` says
+    (SGLang ignores it then, but a value above the vocabulary means nothing). Negative values are
+    SGLang's "none" and pass."""
+    for i, item in enumerate(value if isinstance(value, list) else [value]):
+        if _is_int(item) and item > vocab_size:
+            raise RequestError("top_logprobs_num", f"must be at most the vocabulary size {vocab_size} (OpenAI: "
+                                                   f"`logprobs` / `top_logprobs`){_where(value, i)}, got {item}")
+
+
+def _check_input_ids(value: Any, vocab_size: int) -> None:
+    """Every token id in ``[0, vocab_size)``: the embedding lookup of an id outside raises in the
+    scheduler. ``input_ids`` is one prompt (a list of ids) or a batch (a list of lists)."""
+    if not isinstance(value, list) or not value:
+        return
+    batch = isinstance(value[0], list)
+    for i, ids in enumerate(value if batch else [value]):
+        if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
+            continue  # SGLang's own parser refuses a malformed list; an empty one may be a session turn
+        low, high = min(ids), max(ids)
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            where = f" (item {i})" if batch else ""
+            raise RequestError("input_ids", f"token id {bad} at position {ids.index(bad)}{where} is outside the "
+                                            f"vocabulary [0, {vocab_size})")
+
+
+def _check_positional_embed_overrides(value: Any) -> None:
+    """Only SGLang's ``PositionalEmbeds`` objects (tensors: the in-process Engine API); a JSON value
+    cannot express one, and the scheduler fails on the dict or list it gets."""
+    if value is None:
+        return
+    from sglang.srt.managers.embed_types import PositionalEmbeds
+
+    items = value if isinstance(value, list) else [value]
+    for item in items:
+        if item is not None and not isinstance(item, PositionalEmbeds):
+            raise RequestError("positional_embed_overrides",
+                               f"takes SGLang's PositionalEmbeds objects (the Engine API), which JSON cannot "
+                               f"express; got {type(item).__name__}")
+
+
+def _check_top_k(value: Any, where: str) -> None:
+    """-1 (all) or 1 .. 2**31 - 1 (SGLang itself refuses 0 and below -1): a larger top_k overflows
+    the int32 tensor SGLang builds for the batch, in the scheduler. Any top_k at or above the
+    vocabulary size already means "all tokens"."""
+    if _is_int(value) and value > INT32_MAX:
+        raise RequestError("sampling_params.top_k", f"must be -1 (all tokens) or in [1, {INT32_MAX}]{where}, "
+                                                    f"got {value}")
+
+
+def _check_stop_regex(value: Any, where: str) -> None:
+    """Each pattern must compile, with Python's ``re`` (SGLang parses it) and with ``regex`` (the
+    time-bounded matcher of :mod:`relaxkv_sglang.request.sglang.stop_regex` runs it): SGLang answers a pattern ``re`` refuses
+    with HTTP 500."""
+    for pattern in value if isinstance(value, list) else [value]:
+        if not isinstance(pattern, str):
+            continue  # SGLang's parser refuses other types
+        try:
+            re.compile(pattern)
+            regex.compile(pattern)
+        except (re.error, regex.error, RecursionError, OverflowError) as exc:
+            raise RequestError("sampling_params.stop_regex", f"{pattern!r} is not a valid regular expression"
+                                                             f"{where}: {exc}") from exc

@@ -1,0 +1,288 @@
+"""Start, wait for and stop a real SGLang server process.
+
+Used by ``relaxkv-sglang serve``, ``make demo``, the benchmarks and the
+end-to-end test fixture, so every caller launches SGLang the same way: in its
+own process group (so stopping it also stops the scheduler and detokenizer
+children), on a port checked to be free, with the log in a file, ready only
+once ``/health_generate`` has generated a token.  Replicas behind a gateway:
+:mod:`relaxkv_sglang.server.cluster`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Iterator
+
+import requests
+
+from relaxkv_sglang.server.settings import DEFAULT_POLICY_ENV, child_environment
+
+CPU_DEFAULTS = {
+    "--device": "cpu",
+    "--attention-backend": "torch_native",
+    "--dtype": "float32",
+}
+# SGLang's scheduler polls in a busy loop when idle unless told to sleep; on a
+# shared CPU machine that steals a core from the clients it serves.
+CPU_FLAGS = ["--sleep-on-idle"]
+# The plugin's cache and attention backend; the overlap scheduler is off because
+# chunk reuse folds the batch right before its forward pass.
+RELAXKV_FLAGS = ["--attention-backend", "relaxkv", "--radix-cache-backend", "relaxkv", "--disable-overlap-schedule"]
+# Environment for tests: SGLang checks its KV accounting whenever the scheduler
+# idles, and with this set a leaked or double-freed slot stops the server
+# instead of logging a warning.
+STRICT_MEMORY_CHECK = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
+
+
+SGLANG_WORKER_PREFIX = "sglang::"  # SGLang names its worker processes so (sglang::scheduler, ...)
+
+
+def _sglang_workers_running(group: int) -> bool:
+    """Whether a live (not zombie) SGLang worker process is in process group ``group``, from Linux's
+    /proc; without /proc, True (the launcher is then waited for until it exits)."""
+    if not os.path.isdir("/proc"):
+        return True
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        comm, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp == group and state != "Z" and comm.startswith(SGLANG_WORKER_PREFIX):
+            return True
+    return False
+
+
+class ServerError(RuntimeError):
+    """The server could not be started; the message is one line for the user."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def check_model_path(model_path: str) -> None:
+    path = pathlib.Path(model_path)
+    if not path.is_dir():
+        raise ServerError(f"--model-path {model_path}: no such directory")
+    if not (path / "config.json").is_file():
+        raise ServerError(f"--model-path {model_path}: not a model folder (no config.json)")
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port
+    max_total_tokens: int = 16384
+    device: str = "cpu"
+    relaxkv: bool = True  # False: stock SGLang (the plugin loads but stays inert)
+    policy: str | None = None  # server default policy (RELAXKV_DEFAULT_POLICY)
+    extra_args: list[str] = dataclasses.field(default_factory=list)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    log_path: str | None = None
+    startup_timeout_s: float = 300.0
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", self.model_path,
+            "--host", self.host, "--port", str(self.port),
+            "--max-total-tokens", str(self.max_total_tokens),
+        ]
+        given = set(self.extra_args)
+        if self.relaxkv:
+            cmd += RELAXKV_FLAGS
+            given |= set(RELAXKV_FLAGS[::2])
+        if self.device == "cpu":
+            for flag, value in CPU_DEFAULTS.items():
+                if flag not in given:
+                    cmd += [flag, value]
+            cmd += [flag for flag in CPU_FLAGS if flag not in given]
+        return cmd + list(self.extra_args)
+
+
+PORT_ATTEMPTS = 3  # starts on a fresh free port when the picked one was taken meanwhile
+BIND_FAILED = "error while attempting to bind on address"  # uvicorn's line (sglang 0.5.23) for a taken port
+
+
+class PortTaken(ServerError):
+    """The server's HTTP port was bound by another process between the pick and the bind."""
+
+
+class SGLangServer:
+    """A running ``sglang.launch_server`` process group. Use as a context manager."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.proc: subprocess.Popen | None = None
+        self._log_file = None
+        self.log_path: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def start(self) -> "SGLangServer":
+        cfg = self.config
+        check_model_path(cfg.model_path)
+        env = child_environment(**cfg.env)
+        if cfg.policy is not None:
+            env[DEFAULT_POLICY_ENV] = cfg.policy
+        return self._launch(env, "relaxkv-sglang-server-")
+
+    def _launch(self, env: dict, log_prefix: str) -> "SGLangServer":
+        """Start ``config.command()`` on its port (0: a free one) with its log, and wait until ready.
+
+        A port picked here can be taken by another process before the server binds it (a
+        sibling replica's internal ports, an outgoing connection's ephemeral port); then the
+        server is stopped and started again on another free port, up to :data:`PORT_ATTEMPTS`
+        times. A port the caller chose is never swapped: that is a clear error instead."""
+        cfg = self.config
+        picked = cfg.port == 0
+        if not picked and port_in_use(cfg.host, cfg.port):
+            raise ServerError(f"port {cfg.port} on {cfg.host} is in use; pick another with --port")
+        if cfg.log_path is None:
+            fd, cfg.log_path = tempfile.mkstemp(prefix=log_prefix, suffix=".log")
+            os.close(fd)
+        self.log_path = cfg.log_path
+        for attempt in range(PORT_ATTEMPTS if picked else 1):
+            if picked:
+                cfg.port = free_port()
+            self._log_file = open(cfg.log_path, "w")
+            self.proc = subprocess.Popen(
+                cfg.command(), stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,  # own process group: stop() reaches the children
+            )
+            try:
+                self._wait_ready()
+                return self
+            except PortTaken:
+                self.stop()
+                if not picked or attempt == PORT_ATTEMPTS - 1:
+                    raise
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(
+                    f"sglang server exited with code {self.proc.returncode} during startup: "
+                    f"{self.last_error_line()} (log: {self.log_path})"
+                )
+            if self._bind_failed():
+                # uvicorn logs the failed bind and then waits (SGLang's process stays up), so
+                # without this check the start would only end at the timeout.
+                raise PortTaken(f"port {self.config.port} on {self.config.host} was taken before the "
+                                f"server could bind it (log: {self.log_path})")
+            try:
+                r = requests.get(self.url + "/health_generate", timeout=10)
+                if r.status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise ServerError(f"sglang server not ready after {self.config.startup_timeout_s:.0f} s (log: {self.log_path})")
+
+    def _log_text(self) -> str | None:
+        """The server's log so far (None when it cannot be read)."""
+        try:
+            return pathlib.Path(self.log_path).read_text(errors="replace")
+        except OSError:
+            return None
+
+    def _bind_failed(self) -> bool:
+        """Whether the server's log says its HTTP port could not be bound."""
+        return BIND_FAILED in (self._log_text() or "")
+
+    def last_error_line(self) -> str:
+        text = self._log_text()
+        if text is None:
+            return "no log"
+        lines = text.splitlines()
+        for line in reversed(lines):
+            if "Error" in line or "error:" in line:
+                return line.strip()[-300:]
+        return lines[-1].strip()[-300:] if lines else "empty log"
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the process group; once SGLang's workers have exited, end the launcher too.
+
+        The scheduler and detokenizer exit on the signal itself. SGLang's launcher process only
+        acts on it at its drain watchdog's next tick (every 5 s) and then finds its workers gone,
+        so it is killed as soon as they are rather than waited for; after ``timeout_s`` the whole
+        group is killed."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                deadline = time.monotonic() + timeout_s
+                while self.proc.poll() is None and _sglang_workers_running(self.proc.pid):
+                    if time.monotonic() > deadline:
+                        raise subprocess.TimeoutExpired(self.proc.args, timeout_s)
+                    time.sleep(0.05)
+                if self.proc.poll() is None:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=timeout_s)
+            except ProcessLookupError:
+                pass
+        if self.proc is not None:
+            try:  # children that outlived the leader (same group)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> "SGLangServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def running_server(url: str | None,
+                   make_config: Callable[[], ServerConfig]) -> Iterator[tuple[str, SGLangServer | None]]:
+    """``(url, None)`` for a server already running at ``url``, else ``(its url, the server)``.
+
+    Without ``url`` a server is started from ``make_config()`` (called only
+    then) and stopped on exit: how the demo and the benchmarks get theirs.
+    """
+    if url:
+        yield url.rstrip("/"), None
+        return
+    with SGLangServer(make_config()) as server:
+        yield server.url, server

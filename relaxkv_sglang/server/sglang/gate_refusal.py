@@ -1,0 +1,36 @@
+"""The startup gate's verdict in the HTTP process: whether chunk policies are refused, and why.
+
+The gate runs in the scheduler (:mod:`relaxkv_sglang.server.sglang.gate`) and puts its verdict on
+``/get_server_info`` under ``relaxkv.gate``; :func:`chunk_refusal` asks for it once, through
+SGLang's own ``TokenizerManager.get_internal_state``, and keeps the answer on the tokenizer
+manager, so a chunk policy is refused with a 400 naming the reason (:mod:`.api`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from relaxkv_sglang.server import state
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+
+async def chunk_refusal(tokenizer_manager: "TokenizerManager") -> str:
+    """Why chunk policies are refused ("" when served), asked of the scheduler once and kept.
+
+    Reads ``relaxkv.gate`` of every scheduler's internal state (one per data-parallel rank); any
+    failed gate refuses. A state without a gate (the gate never ran) refuses nothing.
+    """
+    held = state.record(tokenizer_manager, state.TokenizerState)
+    if held.gate_refusal is not None:
+        return held.gate_refusal
+    states = await tokenizer_manager.get_internal_state()
+    reasons = []
+    for internal in states:
+        gate = (internal or {}).get("relaxkv", {}).get("gate") or {}
+        if gate.get("status") == "failed":
+            reasons.append(gate.get("reason") or "the gate failed")
+    refusal = "; ".join(dict.fromkeys(reasons))
+    held.gate_refusal = refusal
+    return refusal

@@ -1,0 +1,88 @@
+"""The scheduler-side pipeline of one forward pass: one-way stages, each taking the last one's value.
+
+:func:`around_forward_batch_generation` wraps ``TpModelWorker.forward_batch_generation``:
+
+1. :func:`~.fold.fold_batch` -> :class:`~.fold.Fold` (hits copied and dropped, misses scoped);
+2. :func:`~.query_pass.set_up_forward` -> :class:`~.query_pass.ForwardSetup` (every request's
+   rows; a request to repair gets its query pass);
+3. :func:`~.repair.repair_stage` -> :class:`~.repair.RepairStage` or None, run by the model hook;
+4. SGLang's forward under :func:`~.context.attached` (``ForwardBatch`` built from the folded batch
+   by :func:`around_forward_batch_init_new`) -> the stage's :attr:`~.repair.RepairStage.outcomes`;
+5. :func:`~.finish.finish_forward`: misses published, reuse counted, ``meta_info.relaxkv``.
+
+Then the batch's admission pins are dropped, whatever happened. A request's own trouble never
+raises out of here (it is served as ``pic``); a broken invariant
+(:class:`~relaxkv_sglang.server.failures.InvariantError`) is logged in one line and left to SGLang.
+
+SGLang files touched (hooks registered in ``plugin.py``): ``managers/tp_worker.py``
+``TpModelWorker.forward_batch_generation`` (around) and
+``model_executor/forward_batch_info.py`` ``ForwardBatch.init_new`` (around).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+from relaxkv_sglang.attention.sglang.context import ForwardContext, PendingForward, attached, pending_forward
+from relaxkv_sglang.server.failures import InvariantError
+from relaxkv_sglang.cache.sglang.finish import finish_forward
+from relaxkv_sglang.cache.sglang.fold import fold_batch
+from relaxkv_sglang.repair.sglang.query_pass import set_up_forward
+from relaxkv_sglang.repair.sglang.repair_stage import repair_stage
+from relaxkv_sglang.cache.sglang.relaxkv_cache import worker_cache
+
+logger = logging.getLogger(__name__)
+
+
+def around_forward_batch_generation(original: Callable, worker: Any, batch: Optional[Any] = None,
+                                    *args: Any, **kwargs: Any) -> Any:
+    """Hook on ``TpModelWorker.forward_batch_generation``: fold, repair, forward, finish."""
+    cache = worker_cache(worker)
+    if cache is None:
+        return original(worker, batch, *args, **kwargs)
+    try:
+        return _forward(original, cache, worker, batch, *args, **kwargs)
+    except InvariantError as exc:
+        logger.error("relaxkv: a broken invariant of the server stops it: %s (batch of %d requests)",
+                     exc, len(batch.reqs) if batch is not None else 0)
+        raise
+    finally:
+        # the chunk pins taken at admission (admission.py): copied by the fold, or not
+        # needed (a mixed batch is not folded); on a failed forward too
+        if batch is not None:
+            cache.admission_pins.unpin_all(batch.reqs)
+
+
+def _forward(original: Callable, cache: Any, worker: Any, batch: Optional[Any], *args: Any, **kwargs: Any) -> Any:
+    fold = fold_batch(cache, batch)
+    if fold is None:
+        return original(worker, batch, *args, **kwargs)
+    runner = worker.model_runner
+    setup = set_up_forward(cache, runner, fold)
+    stage = repair_stage(cache, runner.attn_backend, setup)
+    context = ForwardContext(setup.positions, list(setup.extend_rows), stage)
+    with attached(batch, _context_readers(worker), PendingForward(setup.batch, context)):
+        result = original(worker, batch, *args, **kwargs)
+    finish_forward(cache, setup, stage.outcomes if stage is not None else {})
+    return result
+
+
+def _context_readers(worker: Any) -> list[Any]:
+    """The objects that read the context during the forward: the attention backend, and the
+    decoder stack whose ``forward`` the repair hook wraps."""
+    runner = worker.model_runner
+    inner = getattr(runner.model, "model", None)
+    return [runner.attn_backend] + ([inner] if inner is not None else [])
+
+
+def around_forward_batch_init_new(original: Callable, cls: type, batch: Any, model_runner: Any,
+                                  *args: Any, **kwargs: Any) -> Any:
+    """Hook on the classmethod ``ForwardBatch.init_new``: build it from the folded batch."""
+    pending = pending_forward(batch)
+    if pending is None:
+        return original(cls, batch, model_runner, *args, **kwargs)
+    forward_batch = original(cls, pending.batch, model_runner, *args, **kwargs)
+    positions = pending.context.positions
+    forward_batch.positions = positions.to(forward_batch.positions.dtype).to(forward_batch.positions.device)
+    return forward_batch

@@ -1,7 +1,7 @@
 """The GPU check: the plugin's GPU layer (:mod:`relaxkv_sglang.attention.gpu`) and the server's repair pass
-(:mod:`relaxkv_sglang.srt.forward`) run on a GPU, against the CPU and the torch reference.
+(:mod:`relaxkv_sglang.repair.sglang`) run on a GPU, against the CPU and the torch reference.
 
-It sits above both (it imports ``attention/gpu/`` and ``srt/``; neither imports it) and runs in no SGLang
+It sits above both (it imports ``attention/gpu/`` and the adapters; none imports it) and runs in no SGLang
 process: ``scripts/gpu_check.sh`` runs it on a lent GPU machine, the dry run on any CPU
 (docs/gpu.md).
 

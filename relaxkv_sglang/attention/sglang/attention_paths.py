@@ -1,11 +1,6 @@
 """Which attention a batch gets, decided on fake-able batch descriptions (pure; no SGLang import).
 
-The ``relaxkv`` attention backend's decisions (:mod:`relaxkv_sglang.attention.sglang.attention_backend` describes the backend):
-:func:`attention_path` (``"sglang"`` or ``"scoped"`` per batch), :func:`may_replay_graph`,
-the rows of a batch (:func:`contiguous_rows`, :func:`rows_are_contiguous_tails`), the attention
-settings the plugin refuses (:func:`check_attention_settings`), the scoped batch's FlashInfer
-segments (:func:`scoped_inputs`) and what both backend classes carry (:func:`plugin_state`).
-"""
+The decisions of the backend :mod:`.attention_backend` describes, and what both its classes carry."""
 
 from __future__ import annotations
 
@@ -41,8 +36,7 @@ def contiguous_rows(forward_batch: "ForwardBatch") -> list[ExtendRows]:
 
 def rows_are_contiguous_tails(rows: Sequence[ExtendRows], prefix_lens: Sequence[int],
                               extend_lens: Sequence[int]) -> bool:
-    """Whether the fold's rows are exactly the batch's ordinary rows: request i's tail
-    ``[prefix_lens[i], prefix_lens[i] + extend_lens[i])`` in batch order, scope start 0."""
+    """Whether the fold's rows are exactly the batch's ordinary rows (:func:`contiguous_rows`), in batch order."""
     if len(rows) != len(prefix_lens) or len(rows) != len(extend_lens):
         return False
     start = 0
@@ -57,18 +51,8 @@ def rows_are_contiguous_tails(rows: Sequence[ExtendRows], prefix_lens: Sequence[
 
 
 def attention_path(is_extend: bool, context: Optional[ForwardContext], ordinary_rows: Callable[[], bool]) -> str:
-    """Who attends a batch (module doc): ``"sglang"`` or ``"scoped"``.
-
-    Args:
-        is_extend: the batch is an extend (prefill) batch (``ForwardMode.is_extend``).
-        context: the fold's decision attached for this forward (None: SGLang's own batch; every
-            decode batch and every CUDA-graph capture has none).
-        ordinary_rows: evaluated only when nothing else decides: whether the folded rows are
-            every request's contiguous tail with scope 0 (:func:`rows_are_contiguous_tails`).
-    Returns:
-        ``"scoped"`` when the backend must record the query's scores (``records_scores``) or
-        the rows are not the ordinary tails; else ``"sglang"``.
-    """
+    """``"scoped"`` for an extend whose ``context`` records scores or whose rows are not ``ordinary_rows()``
+    (evaluated last); else ``"sglang"``. ``context`` is None for SGLang's own batches (every decode and capture)."""
     if context is None or not is_extend:
         return SGLANG
     if getattr(context, "records_scores", False):
@@ -77,17 +61,15 @@ def attention_path(is_extend: bool, context: Optional[ForwardContext], ordinary_
 
 
 def may_replay_graph(path: str, context: Optional[ForwardContext]) -> bool:
-    """Whether a batch may replay SGLang's prefill CUDA graph: only SGLang's own batches, and never
-    one whose context carries a repair. A graph holds SGLang's kernels, and its replay swaps the
-    decoder stack's ``forward`` for the captured body (an instance attribute that shadows the
-    plugin's class-level model hook), so a repair would silently not run."""
+    """Only SGLang's own batches without a repair may replay SGLang's prefill CUDA graph: the replay swaps the
+    decoder stack's ``forward`` for the captured body (an instance attribute shadowing the plugin's class-level
+    model hook), so a repair would silently not run."""
     return path == SGLANG and getattr(context, "repair", None) is None
 
 
 def unsupported_settings(model: Any) -> list[str]:
-    """What the plugin's attention (scoped rows and anchors, on either device) does not apply, per
-    attention layer of ``model`` (SGLang's ``RadixAttention`` modules): a sliding window, a logit
-    soft cap, K/V scales (an FP8 KV cache with scales). Empty when every layer is plain causal."""
+    """Per ``RadixAttention`` layer of ``model``, what the plugin's attention does not apply: a sliding window,
+    a logit soft cap, K/V scales (FP8). Empty when every layer is plain causal."""
     found = []
     for module in model.modules() if model is not None else ():
         if not (hasattr(module, "sliding_window_size") and hasattr(module, "layer_id")):
@@ -105,9 +87,7 @@ def unsupported_settings(model: Any) -> list[str]:
 
 
 def check_attention_settings(model: Any) -> None:
-    """Refuse, in one line, a model whose attention layers use a setting the plugin's attention
-    does not apply (:func:`unsupported_settings`): its scoped rows and anchors would attend
-    without it, silently wrong."""
+    """Refuse, in one line, a model with :func:`unsupported_settings`: the plugin would silently drop them."""
     found = unsupported_settings(model)
     if found:
         more = f" (and {len(found) - 2} more)" if len(found) > 2 else ""
@@ -136,14 +116,13 @@ def scoped_inputs(rows: Sequence[ExtendRows]) -> ScopedPrefillInputs:
 
 
 def plugin_state(backend: Any, model_runner: Any, float_workspace: Optional[torch.Tensor] = None) -> None:
-    """What both classes carry for the rest of the plugin (after refusing a model whose attention
-    settings it would drop); ``float_workspace``: FlashInfer's, shared by the repair's anchors."""
+    """What both classes carry for the rest of the plugin, after :func:`check_attention_settings`;
+    ``float_workspace``: FlashInfer's, shared by the repair's anchors."""
     check_attention_settings(getattr(model_runner, "model", None))
     backend.anchor_attention = AnchorAttention(float_workspace)  # the repair pass's anchors (layer_loop)
-    # The model's repair cost model, for relaxkv_budget (decided once, read per repair).
+    # for relaxkv_budget (decided once, read per repair)
     backend.repair_cost = RepairCost.from_hf_config(model_runner.model_config.hf_config.to_dict(),
                                                     str(model_runner.device).split(":")[0])
-    # The auto budget reads the query pass's answer: the LM head over the whole vocabulary, which a
-    # tensor-parallel rank holds only a shard of (then no answer is measured, repair/sglang/budget.py).
+    # the auto budget needs the whole vocabulary's LM head; a TP rank holds a shard (repair/sglang/budget.py)
     whole_vocab = int(getattr(model_runner, "tp_size", 1) or 1) == 1
     backend.lm_head = getattr(getattr(model_runner, "model", None), "lm_head", None) if whole_vocab else None

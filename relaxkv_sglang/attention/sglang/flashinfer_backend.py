@@ -1,8 +1,6 @@
-"""The ``relaxkv`` attention backend's CUDA class: SGLang's FlashInfer backend, with the batches
-the fold changed through the plugin's scoped FlashInfer prefill (:mod:`relaxkv_sglang.attention.sglang.attention_backend` says
-which batches and why; docs/gpu.md).
+"""The ``relaxkv`` attention backend's CUDA class: SGLang's FlashInfer backend, the fold's batches through the
+plugin's scoped FlashInfer prefill (:mod:`.attention_backend` says which batches and why; docs/gpu.md).
 
-Imported lazily (:func:`~relaxkv_sglang.attention.sglang.attention_backend.build_cuda_backend_class`): it subclasses SGLang's class.
 SGLang file touched: ``sglang/srt/layers/attention/flashinfer_backend.py`` (subclassed; its
 constructor, workspace, decode, extend and CUDA-graph hooks reused).
 """
@@ -54,8 +52,7 @@ class RelaxKVFlashInferBackend(FlashInferAttnBackend):
         """SGLang's planning for its own batches; none for the plugin's."""
         if self.path(forward_batch) == SGLANG:
             return super().init_forward_metadata(forward_batch)
-        # The plugin's batch: SGLang's wrappers are not planned (the scoped call is planned at
-        # its first layer).
+        # the plugin's batch: SGLang's wrappers unplanned (the scoped call plans at its first layer)
         self.forward_metadata = None
         self._scoped_batch = None
 
@@ -65,8 +62,7 @@ class RelaxKVFlashInferBackend(FlashInferAttnBackend):
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
                        forward_batch: "ForwardBatch", save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
-        """SGLang's FlashInfer extend, or, for a batch the fold changed, write the rows' K/V and
-        attend each scope run causally (one FlashInfer call, planned at the first layer)."""
+        """SGLang's extend, or for a folded batch write the rows' K/V and attend each scope run (planned at layer 0)."""
         path = self.path(forward_batch)
         if path == SGLANG:
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)

@@ -1,7 +1,6 @@
-"""The ``relaxkv`` attention backend's CPU class: SGLang's ``torch_native`` with extend rows at
-explicit positions and scopes (:mod:`relaxkv_sglang.attention.sglang.attention_backend` says which batches and why).
+"""The ``relaxkv`` attention backend's CPU class: SGLang's ``torch_native`` with extend rows at explicit positions
+and scopes (:mod:`.attention_backend` says which batches and why).
 
-Imported lazily (:func:`~relaxkv_sglang.attention.sglang.attention_backend.build_backend_class`): it subclasses SGLang's class.
 SGLang file touched: ``sglang/srt/layers/attention/torch_native_backend.py`` (subclassed; its
 constructor and decode reused).
 """
@@ -33,11 +32,8 @@ class RelaxKVAttnBackend(TorchNativeAttnBackend):
         plugin_state(self, model_runner)
 
     def extend_rows(self, forward_batch: "ForwardBatch") -> list[ExtendRows]:
-        """The batch's rows: the fold's, or each request's contiguous tail (read once per batch).
-
-        Read at the first layer, not in ``init_forward_metadata``: SGLang plans the backend
-        inside ``ForwardBatch.init_new``, before the fold's context is attached to the batch.
-        """
+        """The batch's rows (the fold's, or each request's tail), read once per batch at the first layer: SGLang
+        plans the backend in ``ForwardBatch.init_new``, before the fold's context is attached."""
         if self._rows_batch is not forward_batch:
             context = forward_context(self)
             self._rows = context.extend_rows if context is not None else contiguous_rows(forward_batch)

@@ -1,20 +1,9 @@
 """Admission: chunk hits pinned from the moment a request is admitted until its fold.
 
-SGLang admits in ``Scheduler.get_new_batch_prefill``: per queued request ``match_prefix``, then
-``PrefillAdder.add_one_req`` checks it against ``free + tree_cache.evictable_size()`` and
-commits it; ``prepare_for_extend`` then allocates (evicting) and the forward runs the fold. Hooks:
-
-* around ``add_one_req``: before the check, the request's chunk hits are pinned
-  (:meth:`~relaxkv_sglang.cache.sglang.tree_cache_class.RelaxKVTreeCache.pin_request`; a chunk
-  only a lower tier holds is loaded first), so they leave the evictable budget and no allocation
-  can evict them; while others run, the check also runs under
-  :meth:`~relaxkv_sglang.cache.sglang.pins.AdmissionHold.hold` (queued requests' chunks count as
-  not evictable). A request not admitted drops its pins; an admitted one keeps its window's;
-* around ``add_chunked_req``: a chunked prefill's next window pins its hits the same way;
-* around ``get_new_batch_prefill``: tells the cache the round's waiting queue, ends the round.
-
-Pins are dropped after the fold (:mod:`relaxkv_sglang.server.sglang.pipeline`), on release and on a
-flush. Trade-offs and measurements: docs/reliability.md.
+Before ``PrefillAdder`` checks a request against ``free + evictable_size()``, its chunk hits are
+pinned so no allocation evicts them; while others run, the check also runs under
+:meth:`~relaxkv_sglang.cache.sglang.pins.AdmissionHold.hold`. Pins are dropped after the fold
+(:mod:`relaxkv_sglang.server.sglang.pipeline`), on release and on a flush; docs/reliability.md.
 
 SGLang files touched (hooks registered in ``plugin.py``): ``managers/schedule_policy.py``
 ``PrefillAdder.add_one_req`` and ``PrefillAdder.add_chunked_req`` (around),

@@ -1,11 +1,7 @@
 """The tier vocabulary at the SGLang boundary: our tier names in SGLang's ``cache_source`` names.
 
-The plugin names tiers with :class:`~relaxkv_sglang.cache.tiers.TierName` (device / host /
-disk) everywhere. SGLang counts cached tokens by its own sources, ``device`` / ``host`` /
-``storage`` (``Req.cached_tokens_<source>``, ``cached_tokens_details``,
-``sglang:cached_tokens_total{cache_source}``, the prefill stats' ``log_<source>_hit_tokens``);
-this module is the one place that maps one onto the other. A tier below host memory is SGLang's
-``storage`` (its L3), whatever it is called here (the disk tier; a distributed store).
+The one place mapping :class:`~relaxkv_sglang.cache.tiers.TierName` onto SGLang's ``device`` /
+``host`` / ``storage`` (``Req.cached_tokens_<source>``); any tier below host memory is ``storage``.
 """
 
 from __future__ import annotations

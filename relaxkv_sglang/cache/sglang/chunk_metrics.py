@@ -1,9 +1,6 @@
 """Chunk-tree and lower-tier counters on SGLang's /metrics (``--enable-metrics``).
 
-The tree cache (:mod:`relaxkv_sglang.cache.sglang.tree_cache_class`) calls :meth:`ChunkMetrics.publish` with the chunk
-store's cumulative :class:`~relaxkv_sglang.cache.chunk_store.ChunkStoreStats` (and the tiers'
-counters) after anything that moves them; counters advance by the difference since the last
-call, gauges are set. Series are ``relaxkv:chunk_<name>`` and ``relaxkv:tier_<tier>_<name>``.
+Series are ``relaxkv:chunk_<name>`` and ``relaxkv:tier_<tier>_<name>``.
 """
 
 from __future__ import annotations
@@ -14,12 +11,8 @@ from relaxkv_sglang.cache.chunk_store import ChunkStoreStats
 from relaxkv_sglang.cache.tiers import LOWER_TIERS
 
 class ChunkMetrics:
-    """Chunk-tree counters on SGLang's /metrics (``--enable-metrics``).
-
-    Created in the scheduler process, where SGLang's prometheus client runs in
-    multiprocess mode, so /metrics in the HTTP process collects them. Every series carries
-    ``labels`` (SGLang's ``model_name``), so dashboards filter them as SGLang's own.
-    """
+    """Chunk-tree counters, made in the scheduler process (SGLang's prometheus multiprocess mode lets
+    the HTTP process collect them); every series carries ``labels`` (SGLang's ``model_name``)."""
 
     COUNTERS = ("lookups", "hits", "misses", "hit_tokens", "miss_tokens", "inserts", "evictions", "evicted_tokens")
     GAUGES = {"tokens_held": "KV tokens held by the chunk tree.", "entries": "Chunks held by the chunk tree."}
@@ -46,7 +39,7 @@ class ChunkMetrics:
         return gauge.labels(**self.labels) if self.labels else gauge
 
     def publish(self, stats: ChunkStoreStats, tier_stats: Optional[dict] = None) -> None:
-        """Advance the counters to the store's totals (and the lower tiers', when present)."""
+        """Advance the counters by the cumulative totals' growth since the last call; set the gauges."""
         for name, counter in self.counters.items():
             value = getattr(stats, name)
             if value > self.last[name]:

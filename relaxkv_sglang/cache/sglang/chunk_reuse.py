@@ -1,15 +1,6 @@
 """Chunk reuse and publish: the two operations the fold asks of the cache.
 
-* :meth:`ChunkReuse.reuse`: look a chunk up (the pool first, then the lower tiers) and copy its
-  KV into a request's slots, K re-rotated from where it was computed (``canonical_start``) to
-  where it now sits; the copy is read under a lock, so nothing evicts the chunk meanwhile.
-* :meth:`ChunkReuse.publish`: copy a chunk computed position-independently into slots the
-  store owns (evicting if needed) and index it; written through to the lower tiers too.
-
-All KV goes through one :class:`~relaxkv_sglang.cache.sglang.pool_kv.PoolKV`; tier crossings through
-:class:`~relaxkv_sglang.cache.sglang.tier_movement.TierMovement` (:class:`~relaxkv_sglang.cache.sglang.tier_movement.NoTierMovement` without lower tiers). A chunk computed while
-another copy was already stored (two requests of a batch, or one that missed it at its fold)
-is counted as a duplicate compute (docs/reliability.md).
+KV goes through :class:`~.pool_kv.PoolKV`, tier crossings through :class:`~.tier_movement.TierMovement`.
 """
 
 from __future__ import annotations
@@ -38,18 +29,8 @@ class ChunkReuse:
 
     def reuse(self, namespace: Optional[str], tokens: Sequence[int], dst: torch.Tensor,
               position: int) -> Optional[TierName]:
-        """Copy a cached chunk into a request's slots, K re-rotated to ``position``.
-
-        Args:
-            namespace: the tenant namespace (see ``plan.request_namespace``).
-            tokens: the chunk's token ids (counted as a lookup).
-            dst: int64 [len(tokens)] the request's slots for the chunk.
-            position: where the chunk's first token sits in the request.
-        Returns:
-            On a hit (``dst`` now holds the chunk's KV) the tier it was served from:
-            ``TierName.DEVICE``, or the lower tier a chunk was loaded from (at admission, or
-            here when the pool lacks it); None on a miss.
-        """
+        """Copy a cached chunk (pool first, then lower tiers) into ``dst`` (int64 [len(tokens)]), K
+        re-rotated to ``position``; the tier it came from (``DEVICE``, or where it was loaded from), None on a miss."""
         key = self.movement.seen(namespace, tokens)
         entry = self.chunks.lookup(namespace, tokens)
         if entry is None:
@@ -64,18 +45,8 @@ class ChunkReuse:
 
     def publish(self, namespace: Optional[str], tokens: Sequence[int], src: torch.Tensor, position: int,
                 alloc: SlotAllocator) -> bool:
-        """Copy a chunk computed position-independently into slots the chunk store owns.
-
-        Args:
-            namespace: the tenant namespace.
-            tokens: the chunk's token ids.
-            src: int64 [len(tokens)] the request's slots holding its KV.
-            position: where it was computed (its canonical start).
-            alloc: gives the store's new slots (evicting if needed).
-        Returns:
-            True if stored now; False if already held (another request of the batch
-            published it) or no room even after eviction (a cache may skip an insert).
-        """
+        """Copy a chunk computed at ``position`` in slots ``src`` (int64 [len(tokens)]) into slots from
+        ``alloc``; False if already held (counted as a duplicate compute) or no room."""
         if self.chunks.peek(namespace, tokens) is not None:
             self.duplicate_computes += 1
             self.duplicate_compute_tokens += len(tokens)

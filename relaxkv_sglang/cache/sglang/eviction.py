@@ -1,12 +1,7 @@
 """One eviction order over the radix tree's leaves and the chunk store's entries.
 
-Each victim is the older (by last use) of the radix tree's next leaf (as its eviction strategy
-ranks them: under SGLang's default ``lru``, last use) and the chunk store's least recently used
-entry; the leaf goes first on a tie. Both run on ``time.monotonic`` (the clock of
-``TreeNode.last_access_time``), so this is one LRU order over both trees. :class:`EvictionOrder`
-keeps the leaves in a heap built once per eviction, pushing a parent as its last child goes (as
-``RadixCache.evict`` does); the store already keeps its unlocked entries in LRU order. Leaves are
-objects with ``last_access_time``; the caller evicts what :meth:`EvictionOrder.next` names.
+Each victim is the older by last use of the strategy's next leaf and the store's LRU entry (leaf
+first on a tie); both use ``time.monotonic``, so this is one LRU order over both trees.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """The forward's first stage: chunk reuse folded into SGLang's extend batch.
 
-The scheduler plans and allocates a chunked request like any other (a slot for every token after
-the exact prefix). Before the forward, :func:`fold_batch` decides per chunk in the extend window:
-
-* **hit** (the chunk tree holds it): its canonical K/V is copied into the request's slots, K
-  re-rotated to where the chunk sits (:meth:`~relaxkv_sglang.cache.sglang.chunk_reuse.ChunkReuse.reuse`), and its
-  rows leave the batch;
-* **miss**: its rows stay, each attending only to its own chunk; after the forward their K/V go
-  to the chunk tree (:attr:`RequestFold.misses`).
-
-Prefix, glue and query rows attend to everything before them. Each window's last row and any row
-whose input logprob is asked for are always computed; a hit's logprob rows are recomputed at chunk
-scope, so they read and write what a miss would (logprobs never depend on the cache). With
-chunked prefill a chunk is looked up in the window holding the token after it; a repair runs in
-the window holding the prompt's last token (:attr:`RequestFold.completes_prompt`). The result is a
-:class:`Fold`, never changed afterwards; :mod:`.query_pass` turns it into rows.
+Per chunk in the extend window: a **hit** is copied into the request's slots and its rows leave
+the batch; a **miss** keeps its rows, each attending only to its own chunk, and is published after
+the forward. Rows SGLang reads (the window's last, input logprobs) are always computed, a hit's at
+chunk scope, so logprobs never depend on the cache. :mod:`.query_pass` turns the :class:`Fold` into rows.
 """
 
 from __future__ import annotations
@@ -39,18 +28,11 @@ class RequestFold:
     """What the fold decided for one request of the batch.
 
     Attributes:
-        req: SGLang's ``Req``.
-        req_pool_idx: its row in ``req_to_token``.
         window_start: first position of this extend window (SGLang's prefix length).
-        window_len: tokens in this extend window.
-        keep: int64 [n_kept] window offsets of the tokens the fold leaves to compute, ascending.
+        keep: int64 [n_kept] window offsets of the tokens left to compute, ascending.
         scope_start: int64 [n_kept] first key position each kept token may attend to.
-        plan: the request's plan (None: a plain request in a folded batch).
-        logprob_start: window offset input logprobs start at, if asked.
-        hit_tokens / chunks_seen / chunks_hit: reuse counted for this window.
-        tier_tokens: of the hit tokens, those of chunks loaded from a lower tier
-            (lower :class:`~relaxkv_sglang.cache.tiers.TierName` -> tokens); the rest came from the device pool.
-        misses: the miss chunks settled in this window, to publish once computed.
+        plan: None for a plain request in a folded batch.
+        tier_tokens: hit tokens of chunks loaded from a lower tier, per tier (the rest: the pool).
     """
 
     req: Any
@@ -74,14 +56,12 @@ class RequestFold:
 
     @property
     def completes_prompt(self) -> bool:
-        """This window holds the prompt's last token: the window that decides the repair
-        (the last of a split prompt; also a retracted request's prefill again, whose window
-        runs on over its generated tokens)."""
+        """This window holds the prompt's last token, so it decides the repair (also a retracted
+        request's prefill again, whose window runs on over its generated tokens)."""
         return self.window_start < len(self.req.origin_input_ids) <= self.window_end
 
     def hit_sources(self) -> dict[TierName, int]:
-        """The window's chunk hit tokens by the tier they came from (device: the pool), summing to
-        ``hit_tokens`` (:func:`~relaxkv_sglang.cache.tiers.split_hits`)."""
+        """The window's chunk hit tokens by source tier, summing to ``hit_tokens``."""
         return split_hits(self.hit_tokens, self.tier_tokens)
 
 
@@ -110,10 +90,8 @@ def fold_batch(cache: "RelaxKVCache", batch: Any) -> Optional[Fold]:
 
 
 def settles_in_window(chunk_end: int, window_start: int, window_end: int, prompt_len: int) -> bool:
-    """Whether a chunk ending at ``chunk_end`` is looked up (copied on a hit, published on a
-    miss) in the extend window ``[window_start, window_end)``: the window holding the token
-    right after it, or, for a chunk that ends the prompt, the window holding its last token
-    (module doc). Exactly one window of a prefill settles each chunk."""
+    """Whether the window ``[window_start, window_end)`` settles the chunk: the one holding the token
+    after it, or its last token if it ends the prompt; exactly one window of a prefill does."""
     return (window_start <= chunk_end < window_end
             or (chunk_end == prompt_len and window_start < chunk_end <= window_end))
 
@@ -149,9 +127,8 @@ def _fold_request(cache: "RelaxKVCache", req: Any, rp: int, pre: int, n: int,
                 tier_tokens[tier] = tier_tokens.get(tier, 0) + hi - lo
         else:
             misses.append((tuple(tokens), cs, ce))
-    # SGLang reads logits at the window's last row and input logprobs from `logprob_start` on, so
-    # those rows must be computed. A hit row among them is computed as its miss would be, at its
-    # chunk scope over the reused KV: the same computation cold and warm (module doc).
+    # Rows SGLang reads (last row, input logprobs) are computed; a hit row among them at its chunk
+    # scope over the reused KV, the same computation cold and warm.
     must = n - 1 if logprob_start is None else min(logprob_start, n - 1)
     for i in range(must, n):
         if not keep[i]:

@@ -1,22 +1,11 @@
 """The chunk tier on SGLang's HiCache storage backends (Mooncake, 3FS, NIXL, a folder, ...).
 
-A :class:`~relaxkv_sglang.cache.tiers.paged.PageStore` (the pages a
-:class:`~relaxkv_sglang.cache.tiers.paged.PagedTier` stores chunk values in) over any backend
-SGLang's ``StorageBackendFactory`` knows, built as ``managers/cache_controller.py`` builds it:
-``create_backend(name, HiCacheStorageConfig(..., extra_config), host_pool)``, then
-``register_mem_pool_host`` and ``on_host_pools_registered`` (name and config as SGLang's
-``--hicache-storage-backend[-extra-config]``, from ``RELAXKV_HICACHE_STORAGE_BACKEND[_EXTRA_CONFIG]``;
-``model_name`` ``"relaxkv"`` keeps these pages apart from HiCache's own). The host pool is
-:class:`StagingPool`, uint8 ``[pages, page_bytes]``, one page per index, each a K and a V half.
-Zero-copy backends (:data:`ZERO_COPY_BACKENDS`) go through ``batch_get_v1`` / ``batch_set_v1``,
-the others through ``get`` / ``set``; one lock serialises the staging buffer.
-
-The store down, slow or back: the tier always runs over a
-:class:`~relaxkv_sglang.cache.tiers.reconnect.ReconnectingPageStore`; a call waits at most
-``RELAXKV_HICACHE_CALL_TIMEOUT_S`` (2 s; a Mooncake master is first probed with a TCP connect),
-a store that fails or times out is down (lookups miss without asking it) and is rebuilt in the
-background with backoff up to ``RELAXKV_HICACHE_RECONNECT_MAX_S`` (30 s); ``tier_hicache_store_*``
-count it. Details: ``docs/api.md``. Tests: ``tests/unit/test_hicache_tier.py``, ``tests/e2e/test_mooncake*.py``.
+A :class:`~relaxkv_sglang.cache.tiers.paged.PageStore` over any backend SGLang's
+``StorageBackendFactory`` knows, built as ``managers/cache_controller.py`` builds it (``model_name``
+``"relaxkv"`` keeps these pages apart from HiCache's own). Zero-copy backends use ``batch_get_v1`` /
+``batch_set_v1``, the others ``get`` / ``set``; one lock serialises the staging buffer. The tier runs
+over a :class:`~relaxkv_sglang.cache.tiers.reconnect.ReconnectingPageStore` (a Mooncake master is
+first probed with a TCP connect); details: ``docs/api.md``.
 """
 
 from __future__ import annotations
@@ -57,11 +46,7 @@ def uses_zero_copy(backend: str, extra_config: dict) -> bool:
 
 
 class StagingPool:
-    """The host pool a backend registers and moves pages through (module doc).
-
-    Attributes:
-        kv_buffer: uint8 ``[pages, page_bytes]``.
-    """
+    """The host pool a backend registers and moves pages through: ``kv_buffer`` uint8 ``[pages, page_bytes]``."""
 
     page_size = 1  # one page per index
     layout = "page_first"
@@ -197,16 +182,7 @@ def _extra_config(raw: str) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class HiCacheTierConfig(TierConfig):
-    """The HiCache tier asked for (``RELAXKV_HICACHE_*``, :meth:`from_env`).
-
-    Attributes:
-        backend: the factory's backend name; None: no such tier.
-        extra_config: the backend's extra config (SGLang's ``--hicache-storage-backend-extra-config``).
-        page_bytes: bytes per stored page.
-        connect_timeout_s: how long the backend may take to start (at the server's start).
-        call_timeout_s: the longest a caller waits on one store call (module doc).
-        reconnect_max_s: the longest wait between two attempts to reconnect a store that is down.
-    """
+    """The HiCache tier asked for (``RELAXKV_HICACHE_*``, :meth:`from_env`); ``backend`` None: no such tier."""
 
     backend: Optional[str] = None
     extra_config: dict = dataclasses.field(default_factory=dict)
@@ -224,12 +200,8 @@ class HiCacheTierConfig(TierConfig):
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Optional["HiCacheTierConfig"]:
-        """``RELAXKV_HICACHE_STORAGE_BACKEND`` (a name SGLang's ``--hicache-storage-backend`` takes;
-        unset: none), ``..._EXTRA_CONFIG`` (as SGLang's: a JSON object, or ``@FILE`` of JSON, TOML or
-        YAML), ``RELAXKV_HICACHE_PAGE_KB`` (bytes per stored page / 1024, default 256),
-        ``RELAXKV_HICACHE_CONNECT_TIMEOUT_S`` (default 30), ``..._CALL_TIMEOUT_S`` (the longest a caller
-        waits on one store call, default 2), ``..._RECONNECT_MAX_S`` (the longest wait between attempts
-        to reconnect a store that is down, default 30)."""
+        """The ``*_ENV`` variables, named and read as SGLang's ``--hicache-storage-backend[-extra-config]``;
+        ``..._CALL_TIMEOUT_S``: the longest wait on one store call; ``..._RECONNECT_MAX_S``: the longest backoff."""
         backend = env.get(cls.BACKEND_ENV) or None
         if backend is None:
             return None

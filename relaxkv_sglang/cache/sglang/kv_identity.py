@@ -1,21 +1,10 @@
 """The model identity chunk keys are salted with: what determines a chunk's KV bytes, nothing else.
 
-Two servers share a stored chunk (the disk folder, a HiCache store) exactly when their identities'
-digests agree, so the identity changes with everything that changes a token sequence's KV bytes
-and with nothing else (another model path, ``transformers`` release, chat template or served name
-still share). Fields: ``weights`` (:func:`weights_fingerprint`), ``config`` (sha256 of the HF
-config less :data:`VOLATILE_CONFIG_KEYS`), ``dtype``, ``quantization``, ``kv_cache_dtype``,
-``revision``, ``tokenizer`` (sha256 of :data:`TOKENIZER_FILES`' contents) and ``layout`` (layers,
-KV heads, head dim, the canonical RoPE, page size, TP rank/size).
-
-The weights' fingerprint is cheap: per weight file its size and the hub cache's blob sha256, or
-for ``.safetensors`` the header plus 256 bytes at the start, middle and end of every tensor, or
-for other formats sampled windows. Enough because checkpoints that differ in a tensor's name,
-dtype or shape differ in the header, and a fine-tune changes every tensor it touches throughout;
-an in-place edit no window covers is missed (``RELAXKV_WEIGHTS_FINGERPRINT=full`` hashes every
-byte). A path neither a folder nor in the local hub cache is its own fingerprint.
-:func:`kv_identity` is computed once per scheduler, logged at startup and shown on
-``/get_server_info`` as ``relaxkv.kv_identity``.
+Two servers share a stored chunk exactly when their digests agree (another model path, ``transformers``
+release, chat template or served name still share). The weights' fingerprint samples: per file the
+hub blob sha256, or the safetensors header plus 256 bytes at the start, middle and end of every tensor
+(a fine-tune changes every tensor it touches; a renamed, retyped or reshaped tensor changes the header),
+or sampled windows; ``RELAXKV_WEIGHTS_FINGERPRINT=full`` hashes every byte.
 """
 
 from __future__ import annotations
@@ -149,13 +138,7 @@ def _full_digest(path: str, h: "hashlib._Hash") -> None:
 
 
 def weights_fingerprint(folder: str, mode: str = FINGERPRINT_MODES[0]) -> str:
-    """32 hex chars over the weight files in ``folder`` (module doc: what it covers and why).
-
-    Args:
-        folder: the model folder.
-        mode: ``"sampled"`` (default) or ``"full"`` (every byte): the server's
-            ``RELAXKV_WEIGHTS_FINGERPRINT`` (``server/settings.py``).
-    """
+    """32 hex chars over the weight files in ``folder``; ``mode``: ``"sampled"`` or ``"full"`` (module doc)."""
     if mode not in FINGERPRINT_MODES:
         raise ValueError(f"weights fingerprint mode {mode!r}: must be {' or '.join(FINGERPRINT_MODES)}")
     files = sorted({p for pattern in WEIGHT_PATTERNS for p in glob.glob(os.path.join(folder, pattern))})
@@ -208,19 +191,8 @@ def _dtype_name(dtype: Any) -> str:
 
 def kv_identity(server_args: Any, hf_config: dict, *, model_dtype: Any, kv_pool_dtype: torch.dtype, layout: str,
                 weights: Optional[str] = None, fingerprint_mode: str = FINGERPRINT_MODES[0]) -> KVIdentity:
-    """The identity of a server (module doc).
-
-    Args:
-        server_args: SGLang's ``ServerArgs`` (read: ``model_path``, ``tokenizer_path``,
-            ``revision``, ``quantization``, ``kv_cache_dtype``, ``load_format``).
-        hf_config: ``model_config.hf_config.to_dict()``.
-        model_dtype: the dtype the model runs in (``model_config.dtype``).
-        kv_pool_dtype: the KV pool's dtype.
-        layout: layers, heads, head dim, RoPE, page size and TP rank (the caller's string).
-        weights: the weights' fingerprint if known (else :func:`weights_fingerprint` of the
-            model's folder, or its path if it has none).
-        fingerprint_mode: how :func:`weights_fingerprint` reads the weights.
-    """
+    """The identity of a server, from SGLang's ``ServerArgs`` and ``hf_config.to_dict()``; ``layout``:
+    layers, heads, head dim, RoPE, page size and TP rank; ``weights``: the fingerprint if known."""
     model_path = str(server_args.model_path)
     revision = getattr(server_args, "revision", None)
     folder = resolve_folder(model_path, revision)

@@ -1,19 +1,9 @@
 """Admission pins and the admission hold: chunk hits kept in the pool from admission to the fold.
 
-SGLang's ``PrefillAdder`` admits a request if it fits in ``free + evictable_size()``
-(hooked in :mod:`relaxkv_sglang.cache.sglang.admission`). Two things change what is evictable:
-
-* :class:`AdmissionPins`: the chunks of a considered request's window that the store holds are
-  locked for it, so nothing evicts them before the fold copies them; dropped at once if it is not
-  admitted, else after its forward (or on release, or a flush).
-  ``stats()["chunk_locked_entries"]`` is 0 whenever no admitted request waits for its forward.
-* :class:`AdmissionHold`: while others run, for one admission check, the chunks queued requests
-  need are locked and the store's learned share of the pool (``ChunkStore.target_tokens``) is
-  taken off ``evictable_size``, so a request that fits only by evicting them waits
-  (``RELAXKV_ADMISSION_HOLD=0``: off; docs/reliability.md, "Chunk hits under memory pressure").
-
-Requests are SGLang ``Req`` objects; only ``rid``, ``prefix_len``, ``origin_input_ids`` and the
-plan (:func:`~relaxkv_sglang.request.plan.request_plan`) are read.
+Both change what ``PrefillAdder`` sees as evictable (hooks: :mod:`.admission`). The hold also takes the
+store's learned share of the pool off ``evictable_size``, so a request that fits only by evicting queued
+requests' chunks waits (``RELAXKV_ADMISSION_HOLD=0``: off; docs/reliability.md, "Chunk hits under
+memory pressure"). ``stats()["chunk_locked_entries"]`` is 0 whenever no admitted request waits.
 """
 
 from __future__ import annotations
@@ -24,8 +14,6 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 from relaxkv_sglang.cache.chunk_store import ChunkEntry, ChunkStore
 from relaxkv_sglang.request.plan import request_plan, request_state
 
-# RELAXKV_ADMISSION_HOLD=0 (server/settings.py) turns off the admission hold on chunks queued
-# requests need (pins of admitted requests stay): more concurrency, fewer hits.
 # Queued requests (in queue order) whose chunks the admission hold protects.
 HOLD_QUEUE_DEPTH = 256
 
@@ -62,12 +50,8 @@ class AdmissionPins:
         self.dropped_at_reset = 0  # requests whose pins a flush found (a leak: flushes happen when idle)
 
     def pin(self, req: Any, load: Optional[ChunkLoader] = None) -> int:
-        """Lock every chunk of ``req`` after its matched prefix that the store holds (or
-        ``load`` brings in from a lower tier).
-
-        Idempotent per request: earlier pins of the same request are dropped first. Returns the
-        pool tokens pinned: a chunk the request holds twice is locked twice but counted once.
-        """
+        """Lock every held (or ``load``ed) chunk of ``req`` after its matched prefix, replacing earlier
+        pins; the pool tokens pinned (a chunk held twice is locked twice, counted once)."""
         self.unpin(req)
         plan = request_plan(req)
         if plan is None or not plan.reuses_chunks:

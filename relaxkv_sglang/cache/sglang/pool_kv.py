@@ -1,15 +1,7 @@
 """The one accessor of chunk KV in SGLang's KV pool: copy between slots, read out, write back.
 
-A chunk's KV lives in the pool as, for every layer ``l``, rows of ``get_key_buffer(l)`` and
-``get_value_buffer(l)`` (``[slots, kv_heads, head_dim]``). Every move of chunk KV goes through
-:class:`PoolKV`, and a move to another position re-rotates K by the position difference
-``delta`` (RoPE composes: K at ``p + delta`` is K at ``p`` rotated by ``delta``,
-:func:`~relaxkv_sglang.model.rope.rotate_keys`); V carries no position and is copied as is.
-
-* :meth:`PoolKV.copy`: pool slots to pool slots (a reuse, a publish, the startup gate);
-* :meth:`PoolKV.read`: pool slots to a CPU :class:`~relaxkv_sglang.cache.tiers.ChunkRecord`
-  (``[n, layers, 2, kv_heads, head_dim]``), for a lower tier;
-* :meth:`PoolKV.write`: a record back into pool slots, K re-rotated.
+Per layer the pool holds ``[slots, kv_heads, head_dim]`` K and V buffers. A move by ``delta`` positions
+re-rotates K (RoPE composes: K at ``p + delta`` is K at ``p`` rotated by ``delta``); V is copied as is.
 
 SGLang objects read: the KV pool (``get_key_buffer`` / ``get_value_buffer``, ``start_layer``,
 ``layer_num``); any object with these works (the unit tests use a stand-in).
@@ -41,11 +33,7 @@ class PoolKV:
 
     @property
     def token_shape(self) -> tuple[int, int, int, int]:
-        """(layers, 2, kv_heads, head_dim): one token's KV in a record.
-
-        Raises:
-            ValueError: K and V differ per token (a record stacks them, so tiers cannot hold it).
-        """
+        """(layers, 2, kv_heads, head_dim): one token's KV in a record; ValueError if K and V differ."""
         k0 = self.kv_pool.get_key_buffer(self.layers.start)
         v0 = self.kv_pool.get_value_buffer(self.layers.start)
         if k0.shape[1:] != v0.shape[1:]:
@@ -67,7 +55,7 @@ class PoolKV:
             v_buf[dst] = v_buf[src]
 
     def read(self, slots: torch.Tensor, canonical_start: int) -> ChunkRecord:
-        """The KV of ``slots`` (int64 [n]), computed at ``canonical_start``, as a CPU record."""
+        """The KV of ``slots`` (int64 [n]), computed at ``canonical_start``, as a CPU record [n, L, 2, H, D]."""
         per_layer = []
         for layer in self.layers:
             k = self.kv_pool.get_key_buffer(layer)[slots]

@@ -1,12 +1,7 @@
 """What the forward stages and admission call on the relaxkv tree cache, and how a worker finds it.
 
-:class:`RelaxKVCache` is the cache's surface as the rest of the plugin sees it (implemented by
-:class:`~relaxkv_sglang.cache.sglang.tree_cache_class.RelaxKVTreeCache`, SGLang's radix tree plus the chunk store): reading
-and writing a request's KV slots, reusing and publishing chunks, and the admission pins. Anything
-else on the class is SGLang's ``BasePrefixCache`` surface. :func:`worker_cache` finds the
-scheduler worker's cache (the factory attaches it), so no module holds a process-wide reference.
-
-Imports no SGLang at run time.
+Implemented by :class:`~.tree_cache_class.RelaxKVTreeCache`; the factory attaches it to the worker, so
+no module holds a process-wide reference. Imports no SGLang at run time.
 """
 
 from __future__ import annotations
@@ -24,15 +19,7 @@ if TYPE_CHECKING:
     from relaxkv_sglang.cache.sglang.pool_kv import PoolKV
 
 class RelaxKVCache(Protocol):
-    """The relaxkv tree cache as the fold, the query pass, the repair, the finish and admission use it.
-
-    Attributes:
-        pool_kv: the KV pool's accessor (per-layer K/V buffers, the RoPE they were written with).
-        reuse: chunk lookups and copies into a request's slots (``reuse.reuse``: fold).
-        admission_pins: chunk hits locked from admission to the fold (``pin``, ``trim``, ``unpin``,
-            ``unpin_all``).
-        hold: the admission hold (``hold.hold()`` around an admission check, ``hold.end()``).
-    """
+    """The relaxkv tree cache as the fold, the query pass, the repair, the finish and admission use it."""
 
     pool_kv: "PoolKV"
     reuse: "ChunkReuse"

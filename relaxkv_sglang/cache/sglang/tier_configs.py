@@ -1,12 +1,7 @@
 """The server's lower chunk tiers: which the environment asks for, and building them for the pool.
 
-The tiers themselves are :mod:`relaxkv_sglang.cache.tiers` (bounded host memory, a bounded disk
-folder) and :mod:`.hicache_tier` (a HiCache storage backend); each tier's configuration class
-reads its own variables (``from_env``: ``RELAXKV_HOST_CACHE_*``, ``RELAXKV_CHUNK_DIR`` and
-``RELAXKV_DISK_CACHE_GB``, ``RELAXKV_HICACHE_*``; ``relaxkv-sglang serve --host-cache-gb/--chunk-dir/
---disk-cache-gb`` set the first ones). :data:`TIER_CONFIGS` is the table of the tiers a server may
-have, fastest first: a new tier is its module plus one entry here. A bad value stops the server
-at startup with one line naming the variable.
+Each tier's configuration class reads its own variables (``from_env``); a new tier is its module plus
+one entry in :data:`TIER_CONFIGS`.
 
 SGLang objects read: none (the factory, ``server/sglang/startup.py``, passes the pool and the context length).
 """

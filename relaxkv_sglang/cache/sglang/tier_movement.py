@@ -1,15 +1,5 @@
 """Chunk KV moving between the KV pool and the lower tiers: spill, load, write-through, prefetch.
 
-:class:`TierMovement` is every crossing between the pool's
-:class:`~relaxkv_sglang.cache.chunk_store.ChunkStore` and the lower tiers
-(:mod:`relaxkv_sglang.cache.tiers`), all KV through one
-:class:`~relaxkv_sglang.cache.sglang.pool_kv.PoolKV`: :meth:`~TierMovement.spill` (an evicted
-chunk, while its slots still hold it), :meth:`~TierMovement.load` (at admission, from the fastest
-tier holding it; ``origin`` names the tier until its first hit), :meth:`~TierMovement.reuse_into`
-(the fold's pool miss served straight into the request), :meth:`~TierMovement.write_through`
-(in the background, from the request's own slots) and :meth:`~TierMovement.prefetch` (reads
-started when a request is first queued). :class:`NoTierMovement` stands in without lower tiers.
-
 A lower tier never fails a request: an exception is logged and counted (``tier_errors``) and the
 chunk is a miss. Keys are content addresses over the model identity, namespace and tokens.
 """
@@ -67,8 +57,8 @@ class TierMovement:
 
     def load(self, chunks: ChunkStore, namespace: Optional[str], tokens: Sequence[int],
              alloc: SlotAllocator) -> Optional[ChunkEntry]:
-        """A chunk the pool lacks, loaded from a lower tier into slots from ``alloc`` and inserted
-        into ``chunks`` (unlocked); None if no tier holds it, it is damaged, or there is no room."""
+        """A chunk loaded from the fastest lower tier holding it into slots from ``alloc`` and inserted
+        into ``chunks`` (unlocked, ``origin`` its tier until its first hit); None if absent, damaged or no room."""
         key = self.tiers.key(namespace, tokens)
         if self.tiers.where(key) is None:
             return None
@@ -164,8 +154,7 @@ class TierMovement:
 
 
 class NoTierMovement:
-    """:class:`TierMovement` for a cache without lower tiers: nothing moves, nothing is counted
-    (so the cache calls its movement the same way with or without tiers)."""
+    """:class:`TierMovement` for a cache without lower tiers: nothing moves, nothing is counted."""
 
     def seen(self, namespace: Optional[str], tokens: Sequence[int]) -> None:
         """No tier to look in: no key."""

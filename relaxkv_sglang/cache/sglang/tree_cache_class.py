@@ -1,21 +1,9 @@
 """``RelaxKVTreeCache``: SGLang's radix tree plus the chunk store, with one memory account.
 
-The radix tree (SGLang's legacy ``RadixCache``, subclassed) serves exact prefixes; beside it a
-:class:`~relaxkv_sglang.cache.chunk_store.ChunkStore` holds each document chunk's KV once, keyed by
-token ids and tenant namespace. This class holds SGLang's overrides and the
-:class:`~relaxkv_sglang.cache.sglang.relaxkv_cache.RelaxKVCache` surface; the work is in parts reached
-as attributes: ``reuse`` (:class:`~.chunk_reuse.ChunkReuse`: reuse, publish, over
-:class:`~.pool_kv.PoolKV`), ``movement`` (:class:`~.tier_movement.TierMovement`), ``admission_pins``
-and ``hold`` (:mod:`.pins`), ``metrics`` (:class:`~.chunk_metrics.ChunkMetrics`). What the
-overrides change:
-
-* ``match_prefix``: ``full`` matches nothing; a chunk-reusing request matches at most its prefix
-  before the first chunk, so a policy means the same whatever is cached;
-* ``checkpoint``: such a request publishes only its exact part (chunk KV never answers an exact
-  prefix match);
-* ``evictable_size`` / ``evict`` / ``reset`` / ``total_size`` cover both trees (one LRU order,
-  :class:`~.eviction.EvictionOrder`), so the scheduler's free + evictable sees every chunk slot;
-* ``on_release``: drops the request's chunk pins.
+The radix tree serves exact prefixes; the :class:`~relaxkv_sglang.cache.chunk_store.ChunkStore` holds
+each document chunk's KV once, keyed by token ids and tenant namespace. ``match_prefix`` stops a
+chunk-reusing request before its first chunk (``full``: nothing), so a policy means the same whatever
+is cached; the size and eviction overrides cover both trees, so free + evictable sees every chunk slot.
 
 SGLang files touched: ``sglang/srt/mem_cache/radix_cache.py`` (subclassed; ``evict`` reads its
 ``evictable_leaves`` and ``eviction_strategy`` and evicts a leaf as ``RadixCache.evict`` does:
@@ -56,9 +44,7 @@ class RelaxKVTreeCache(RadixCache):
 
     def __init__(self, params: Any, pool_kv: PoolKV, metrics: Optional[ChunkMetrics] = None,
                  tiers: Optional[TieredChunkStore] = None, admission_hold: bool = True) -> None:
-        """params: SGLang's ``CacheInitParams``; pool_kv: the pool's KV accessor; metrics: the
-        /metrics counters (``--enable-metrics``); tiers: the lower tiers, if configured;
-        admission_hold: whether queued requests' chunks are held (``RELAXKV_ADMISSION_HOLD``)."""
+        """params: SGLang's ``CacheInitParams``; admission_hold: ``RELAXKV_ADMISSION_HOLD``."""
         self.chunks: Optional[ChunkStore] = None  # reset() runs in RadixCache.__init__, before it exists
         self.pool_kv = pool_kv
         self.movement = TierMovement(tiers, pool_kv) if tiers is not None and tiers.enabled else NoTierMovement()
@@ -88,8 +74,7 @@ class RelaxKVTreeCache(RadixCache):
 
     def publish_chunks(self, namespace: Optional[str], chunks: Sequence[tuple[Sequence[int], int, int]],
                        req_pool_idx: int) -> None:
-        """Publish a request's miss chunks once their KV is computed in its slots: each chunk as
-        (token ids, start, end) positions of the request's ``req_to_token`` row (:meth:`publish_chunk`)."""
+        """Publish a request's computed miss chunks, (token ids, start, end) of its ``req_to_token`` row."""
         row = self.req_to_token[req_pool_idx]
         for tokens, start, end in chunks:
             self.publish_chunk(namespace, tokens, row[start:end].to(torch.int64), start)

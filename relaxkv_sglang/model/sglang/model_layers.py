@@ -1,14 +1,6 @@
 """The served model's decoder layers as the repair pass calls them: SGLang's modules as the ops of
 :mod:`relaxkv_sglang.model.model_family`.
 
-:class:`ModelLayers` finds the model's family in the registry
-(:func:`~relaxkv_sglang.model.model_family.family_for_config`), checks the decoder stack has the
-modules the family declares, and runs a layer's steps in the registry's order
-(:func:`~relaxkv_sglang.model.model_family.project_qkv`,
-:func:`~relaxkv_sglang.model.model_family.finish_layer`) over :class:`SGLangLayerOps`.
-:func:`repair_support` says whether a model runs the repair at all and why not (otherwise it is
-served ``pic``); :func:`family_line` is the startup log's line.
-
 SGLang modules used (names from the family): ``embed_tokens``, ``layers[i].{input_layernorm,
 self_attn.{qkv_proj, q_norm, k_norm (Qwen3, Qwen3-MoE), rotary_emb, o_proj, attn},
 post_attention_layernorm, <mlp>}`` (``<mlp>``: ``mlp``, Mixtral's ``block_sparse_moe``; called as
@@ -38,12 +30,8 @@ class UnsupportedModelError(RuntimeError):
 
 
 def family_of_model(model: torch.nn.Module) -> ModelFamily:
-    """The registered family of an SGLang decoder stack (``causal_lm.model``), from its HF config;
-    a stack without one (MixtralModel) by its class, when one family alone hooks that class.
-
-    Raises:
-        UnsupportedModelError: no registered family (the message names what the model says).
-    """
+    """The registered family of a decoder stack (``causal_lm.model``): by its HF config, else (MixtralModel) by
+    its class when one family alone hooks it; UnsupportedModelError names what the model says."""
     config = getattr(model, "config", None)
     if config is None:
         cls = type(model)
@@ -58,15 +46,9 @@ def family_of_model(model: torch.nn.Module) -> ModelFamily:
 
 
 class SGLangLayerOps:
-    """:class:`~relaxkv_sglang.model.model_family.LayerOps` over one SGLang decoder layer; n rows,
-    H = ``attn.tp_q_head_num`` and Hkv = ``attn.tp_k_head_num`` (this rank's heads), d =
-    ``attn.head_dim``; the served dtype.
-
-    Args:
-        layer: ``model.layers[i]`` (LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer,
-            Qwen3MoeDecoderLayer, MixtralDecoderLayer).
-        mlp_module: the family's MLP module name in the layer (``ModelFamily.mlp_module``).
-    """
+    """:class:`~relaxkv_sglang.model.model_family.LayerOps` over ``model.layers[i]`` (``mlp_module``:
+    ``ModelFamily.mlp_module``); n rows, H / Hkv = ``attn.tp_q_head_num`` / ``attn.tp_k_head_num`` (this rank's
+    heads), d = ``attn.head_dim``; the served dtype."""
 
     def __init__(self, layer: torch.nn.Module, mlp_module: str = "mlp") -> None:
         self.layer = layer
@@ -92,8 +74,7 @@ class SGLangLayerOps:
         return self.attn.q_norm(q.reshape(-1, d)).view(q.shape), self.attn.k_norm(k.reshape(-1, d)).view(k.shape)
 
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions int64 [n]; q [n, H, d], k [n, Hkv, d] -> rotated by the layer's ``rotary_emb``
-        (which takes the heads flattened, [n, H * d]), same shapes."""
+        """positions int64 [n]; q [n, H, d], k [n, Hkv, d] -> rotated (``rotary_emb`` takes [n, H * d]), same."""
         n = q.shape[0]
         q_rot, k_rot = self.attn.rotary_emb(positions, q.reshape(n, -1), k.reshape(n, -1))
         return q_rot.reshape(q.shape), k_rot.reshape(k.shape)
@@ -113,15 +94,8 @@ class SGLangLayerOps:
 
 
 class ModelLayers:
-    """The decoder stack of a served model of a registered family, as the layer loop calls it.
-
-    Args:
-        model: SGLang's decoder stack (``causal_lm.model``: LlamaModel, Qwen2Model, Qwen3Model,
-            Qwen2MoeModel, MixtralModel).
-
-    Raises:
-        UnsupportedModelError: no registered family, or a module the family's layer has is missing.
-    """
+    """A registered family's decoder stack (``causal_lm.model``: LlamaModel, Qwen2Model, Qwen3Model,
+    Qwen2MoeModel, MixtralModel) as the layer loop calls it; UnsupportedModelError: no family, or a module missing."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -149,8 +123,7 @@ class ModelLayers:
 
     def qkv(self, l: int, positions: torch.Tensor,
             hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden [n, hidden] (pre-norm) at positions int64 [n] -> q [n, H, d], k [n, Hkv, d] post-RoPE,
-        v [n, Hkv, d]."""
+        """hidden [n, hidden] (pre-norm), positions int64 [n] -> q [n, H, d], k [n, Hkv, d] post-RoPE, v [n, Hkv, d]."""
         return project_qkv(self._ops(l), self.family, hidden, positions)
 
     def finish(self, l: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -158,7 +131,6 @@ class ModelLayers:
         return finish_layer(self._ops(l), hidden, attn_out)
 
     def _ops(self, l: int) -> SGLangLayerOps:
-        """The ops of layer l."""
         return SGLangLayerOps(self.layer(l), self.family.mlp_module)
 
     def attention_params(self, l: int) -> tuple[int, float]:
@@ -179,12 +151,9 @@ def _has_path(obj: Any, path: str) -> bool:
 def repair_support(causal_lm: torch.nn.Module) -> tuple[Optional[ModelFamily], str]:
     """(the model's registered family or None, why it is not repaired: "" when it is).
 
-    A model class that overrides ``forward`` itself would bypass the repair pass, a model of no
-    registered family (or missing a module its family's layer has) has no known layer, and under
-    tensor parallelism a layer whose o_proj is summed over ranks by SGLang's layer boundary
-    (``reduce_results=False``: Qwen2, Qwen3, the MoE families) would be left unsummed by the
-    repair pass, which calls the modules alone.
-    """
+    Not repaired: a stack whose ``forward`` is not the hooked one, no family or a missing module, and under tensor
+    parallelism an o_proj summed by SGLang's layer boundary (``reduce_results=False``: Qwen2, Qwen3, the MoE
+    families), which the repair pass, calling the modules alone, would leave unsummed."""
     inner = getattr(causal_lm, "model", None)
     if inner is None:
         return None, f"{type(causal_lm).__name__} holds no decoder stack (`.model`)"
@@ -202,22 +171,18 @@ def repair_support(causal_lm: torch.nn.Module) -> tuple[Optional[ModelFamily], s
 
 
 def _reduced_at_the_boundary(o_proj: Any) -> bool:
-    """Whether a row-parallel o_proj is sharded over ranks (its input split) and does not sum
-    its shards itself (``reduce_results`` false: SGLang's layer boundary does, outside the ops)."""
+    """Whether a row-parallel o_proj is sharded (its input split) and leaves the sum to SGLang's layer boundary."""
     full, part = getattr(o_proj, "input_size", None), getattr(o_proj, "input_size_per_partition", None)
     return getattr(o_proj, "reduce_results", True) is False and part is not None and part != full
 
 
 def supports_repair(causal_lm: torch.nn.Module) -> bool:
-    """Whether the model's layer stack runs through the hooked forward (a registered family's,
-    :func:`repair_support`); a model that does not has its requests served as ``pic``
-    (``repaired`` false, with a ``not_repaired_reason``)."""
+    """Whether :func:`repair_support` finds no reason (else requests are served as ``pic``, with the reason)."""
     return not repair_support(causal_lm)[1]
 
 
 def family_line(causal_lm: Optional[torch.nn.Module], chunk_reuse: bool) -> str:
-    """The startup log's one line on the served model: its class, its family, whether chunk reuse
-    is served (the startup gate passed) and whether the repair runs (and why not)."""
+    """The startup log's line on the served model: class, family, chunk reuse (the startup gate), repair (why not)."""
     if causal_lm is None:
         return "relaxkv: no model on the worker: no chunk reuse, no repair"
     family, reason = repair_support(causal_lm)

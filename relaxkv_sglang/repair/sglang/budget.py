@@ -1,16 +1,9 @@
 """A request's repair budget in the scheduler: its own setting or the server's, and for ``auto`` the
 anchor ratio chosen from its query pass (:mod:`relaxkv_sglang.repair.auto_budget`).
 
-Which budget applies: the request's ``relaxkv_budget``; else, when it gives no
-``relaxkv_anchor_ratio`` either, the server's ``RELAXKV_DEFAULT_BUDGET``; else none (the anchor
-ratio as given or calibrated). ``auto`` needs the query's stale attention (a policy that records
-it: ``relaxkv`` and its ablations, ``prophetkv``), the served model's budget model and, for a model
-that reads it, the query pass's answer (its logits at the last row, ``repair.RepairStage``; not
-measured under tensor parallelism, where each rank holds a shard of the vocabulary); without
-them the request is repaired at the anchor ratio it would have had, and the report says why
-(``fallback``). The report's fields (``meta_info.relaxkv``): ``budget`` (the setting),
-``budget_choice`` (for ``auto``: quality, anchor ratio, predicted KL, price, or fallback) and
-``budget_signal`` (what the query pass measured, for every request with query scores).
+``auto`` needs the query's stale attention, the budget model and, for a model that reads it, the query pass's
+answer (not measured under tensor parallelism: the vocabulary is sharded); without them the request keeps the
+anchor ratio it would have had and ``budget_choice.fallback`` says why.
 """
 
 from __future__ import annotations
@@ -29,19 +22,14 @@ from relaxkv_sglang.request.plan import RequestPlan
 
 @dataclasses.dataclass(frozen=True)
 class BudgetDecision:
-    """What the budget made of a request's config, and its report.
-
-    Attributes:
-        config: the RepairConfig to plan with.
-        report: the ``meta_info.relaxkv`` fields of the budget (module doc).
-    """
+    """What the budget made of a request's config (to plan with) and its ``meta_info.relaxkv`` fields."""
 
     config: RepairConfig
     report: dict[str, Any]
 
 
 def request_budget(plan: RequestPlan, served: ServedCalibration) -> float | str | None:
-    """The budget setting that applies to the request (module doc)."""
+    """The request's ``relaxkv_budget``, else (no anchor ratio given either) ``RELAXKV_DEFAULT_BUDGET``, else None."""
     if plan.budget is not None:
         return plan.budget
     return served.default_budget if plan.anchor_ratio is None else None
@@ -52,9 +40,6 @@ def decide_budget(config: RepairConfig, plan: RequestPlan, served: ServedCalibra
     """The request's budget applied to ``config`` (the request's knobs over the calibration's).
 
     Args:
-        config: the RepairConfig before the budget.
-        plan: the request's plan (chunks, knobs, quality).
-        served: the served calibration and the server's budget settings.
         scores: float [n_layers, n_context] the query's stale attention, or None (not recorded).
         input_ids: int64 [>= n_context] the prompt.
         answer_logits: float [vocab] the query pass's logits at the last row (None: not measured).

@@ -1,21 +1,14 @@
 """The repair's executor: SGLang's model modules run layer by layer over rows that change per layer.
 
-:class:`LayerLoop` runs the embedding, every decoder layer and the final norm of the served model
-(reached through :class:`~.model_layers.ModelLayers`) over rows, each in layers ``[0, exit)``. Per
-layer it writes the active rows' K/V into the pool, then attends: an ordinary row to its causal
-prefix from its scope start (:func:`~relaxkv_sglang.attention.causal.scoped_causal_attention`), an
-anchor through its layer's block-sparse layout (:class:`~.anchor_attention.AnchorAttention`). At an
-anchor's last layer only its K/V matter, so o_proj and the MLP skip it. A policy's step
-(``AnchorSchedule.layer_step``: CacheBlend's check layer, relaxkv's stale shift) runs before a layer's
-writes, on the anchors' new and pooled K/V it reads; its delta lands on its body in the pool
-(:mod:`.shift_target`), its later layers' anchors replan the pass.
+Each row runs layers ``[0, exit)``: per layer the active rows' K/V go into the pool, then an ordinary row attends
+causally from its scope start, an anchor through its layer's block-sparse layout
+(:class:`~.anchor_attention.AnchorAttention`). A policy's step (``AnchorSchedule.layer_step``) runs before a layer's
+writes; its delta lands on its body in the pool (:mod:`.shift_target`), its later layers' anchors replan the pass.
 
-Host and device: a pass's bookkeeping (:class:`LoopRows`) is on the host; every layer's rows and
-executor plans are decided up front and sent in one
-:class:`~relaxkv_sglang.attention.staging.HostStage` copy, and the device is never read back, except at
-in a step that reads it (CacheBlend's deviation) and for the ``layout_at`` ablation (``tests/unit/test_cuda_rules.py``
-checks this on the CPU). It executes decisions and makes none: they come from :mod:`.repair`
-over :mod:`relaxkv_sglang.repair.anchor_schedule`; it is called by :class:`~.repair.RepairStage`.
+Bookkeeping (:class:`LoopRows`) stays on the host and is staged in one
+:class:`~relaxkv_sglang.attention.staging.HostStage` copy; the device is read back only by a step that needs it
+(CacheBlend's deviation) and the ``layout_at`` ablation (``tests/unit/test_cuda_rules.py`` checks this).
+Called by :class:`~.repair_stage.RepairStage`.
 """
 
 from __future__ import annotations
@@ -42,22 +35,17 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass
 class LoopRows:
-    """One request's rows in a pass of the layer loop.
-
-    Every tensor lives on the host (CPU); :class:`LayerLoop` copies what the device needs.
+    """One request's rows in a pass of the layer loop; every tensor on the host (:class:`LayerLoop` stages them).
 
     Attributes:
-        slots: int64 [>= max position + 1] KV-pool slot of every position (the
-            request's ``req_to_token`` row, read once).
+        slots: int64 [>= max position + 1] KV-pool slot of every position (its ``req_to_token`` row, read once).
         positions: int64 [n] position of each row, ascending.
         exits: int64 [n] a row takes part in layers ``[0, exits[i])``.
-        scope: int64 [n] first key position a non-anchor row attends to
-            (0: its causal prefix; a chunk's start: that chunk only).
-        anchor: bool [n] repair targets: they attend through ``anchor_schedule.layouts``.
+        scope: int64 [n] first key position a non-anchor row attends to (0: its causal prefix; or a chunk's start).
+        anchor: bool [n] repair targets, attending through ``anchor_schedule.layouts``.
         anchor_schedule: the planner's decisions (None: no anchors in this pass).
-        shift_target: where the plan's step's body lies in the pool (:class:`~.shift_target.ShiftTarget`),
-            built when the pass is planned (again after a step replans).
-        work: the (row, key) pairs of the anchor layouts executed in this pass (the report's).
+        shift_target: where the step's body lies in the pool, built when the pass is (re)planned.
+        work: the (row, key) pairs of the anchor layouts executed (the report's).
     """
 
     slots: torch.Tensor
@@ -77,10 +65,8 @@ class LoopRows:
 
 @dataclasses.dataclass
 class _StepRead:
-    """One request's step read at one layer (``LayerStep.reads``), staged.
-
-    Attributes: at: int64 [n_s] the read among the request's active rows; positions: int64 [n_s]
-    theirs; pool: int64 [n_s] their pool slots; groups: int64 [n_s] the read's tags (or None)."""
+    """One request's step read at one layer (``LayerStep.reads``), staged: int64 [n_s] ``at`` (among its active
+    rows), ``positions``, ``pool`` slots and ``groups`` (tags, or None)."""
 
     at: Staged
     positions: Staged
@@ -90,16 +76,9 @@ class _StepRead:
 
 @dataclasses.dataclass
 class _RequestStep:
-    """One request's rows at one layer, decided on the host; the device's indices on the stage.
-
-    Attributes:
-        rows: int64 host [n] the request's rows taking part (indices into its ``LoopRows``).
-        written: int64 [n] their pool slots (staged).
-        plain: the rows among them attending causally from their scope (staged) and the plan.
-        anchors: the anchors among them (staged), and their positions (host: checked against
-            the layout).
-        read: what the plan's step reads at the layer, if anything.
-    """
+    """One request's rows at one layer, decided on the host: ``rows`` int64 host [n] (indices into its
+    ``LoopRows``), their pool slots ``written`` (staged), the ``plain`` rows (causal from their scope, staged, and
+    the plan), the ``anchors`` (staged; host positions checked against the layout) and the step's ``read``."""
 
     rows: torch.Tensor
     written: Staged
@@ -126,10 +105,8 @@ class _LayerStep:
 
 
 class _PassDecisions:
-    """A pass's decisions from layer ``first`` on, made on the host and staged in one copy
-    (``stage.send``): every layer's rows, scopes, anchors and step reads, the anchors' executor
-    plans, each request's pool slots and step target. Rebuilt from the next layer when a step
-    replans."""
+    """A pass's decisions from layer ``first`` on (rows, scopes, anchors, step reads, executor plans, pool slots,
+    step targets), made on the host and staged in one copy; rebuilt from the next layer when a step replans."""
 
     def __init__(self, requests: list[LoopRows], first: int, n_layers: int, device: torch.device,
                  anchors: AnchorAttention, kv_dtype: torch.dtype, rope: Optional[RopeSpec]) -> None:
@@ -160,9 +137,8 @@ class _PassDecisions:
 
 
 def _leaves_after(r: LoopRows, l: int, rows: torch.Tensor) -> torch.Tensor:
-    """bool [n]: which of the request's rows (host int64 [n]) are anchors at their last layer l,
-    whose hidden state then feeds nothing. Not so at the last decided layer of a plan a step is
-    still to decide: an anchor kept past it needs its hidden state from that layer."""
+    """bool [n]: which rows (host int64 [n]) are anchors at their last layer l, whose hidden state feeds nothing;
+    not at a plan's last decided layer, since an anchor a step keeps past it needs that hidden state."""
     leaves = r.anchor[rows] & (r.exits[rows] <= l + 1)
     plan = r.anchor_schedule
     if plan is not None and plan.decided_layers < plan.n_layers:
@@ -241,12 +217,11 @@ class LayerLoop:
                 if s1 > s0:
                     out[s0:s1] = self._attend(r, l, s, plan.slots[i].get(), plan.anchor_runs[i], q[s0:s1], k_cache,
                                               v_cache, scale)
-            # An anchor's hidden state after its last layer feeds nothing (only its K/V of the
-            # layers it took part in are kept): o_proj and the MLP run for the other rows only.
+            # An anchor's hidden state after its last layer feeds nothing: o_proj and the MLP skip it.
             going_on = step.going_on.get()
             hidden[active.index_select(0, going_on)] = self.layers.finish(l, h.index_select(0, going_on),
                                                                          out.index_select(0, going_on))
-            if replanned:  # a step chose the later layers: decide them again
+            if replanned:
                 plan = self._plan(requests, l + 1, input_ids.device, kv_dtype)
         return model.norm(hidden)
 
@@ -256,9 +231,8 @@ class LayerLoop:
 
     def _layer_step(self, r: LoopRows, l: int, s: _RequestStep, k_new: torch.Tensor, v_new: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        """Run the plan's step at layer l, before the layer's writes (k_new, v_new: [n_active, Hkv, d]
-        the request's active rows' new K/V, rows in position order): its delta added to its body in
-        the pool, its later layers planned. Whether it replanned."""
+        """Run the plan's step at layer l before its writes (k_new, v_new [n_active, Hkv, d]: the active rows' new
+        K/V, in position order): its delta added to its body, its later layers planned. Whether it replanned."""
         read = s.read
         if read is None:
             return False
@@ -288,8 +262,7 @@ class LayerLoop:
 
     def _attend(self, r: LoopRows, l: int, s: _RequestStep, slots: torch.Tensor, anchors: Optional[PreparedAnchors],
                 q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """One request's active rows at layer l (``s``), slots int64 [>= positions] on the device,
-        q [n, H, d] -> [n, H, dv]."""
+        """One request's active rows ``s`` at layer l: q [n, H, d] -> [n, H, dv]; slots int64 on the device."""
         out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
         if s.plain is not None:
             at, scoped = s.plain[0].get(), s.plain[1]
@@ -312,8 +285,7 @@ class LayerLoop:
 
 
 def _check_on_host(r: LoopRows) -> None:
-    """The pass's bookkeeping stays on the host (module doc); a device tensor here would make
-    every layer read it back."""
+    """The pass's bookkeeping stays on the host: a device tensor here would make every layer read it back."""
     for name in ("slots", "positions", "exits", "scope", "anchor"):
         if getattr(r, name).device.type != "cpu":
             raise InvariantError(f"relaxkv: the repair pass's {name} must be a host tensor, got {getattr(r, name).device}")

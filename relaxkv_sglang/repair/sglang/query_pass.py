@@ -1,15 +1,9 @@
 """The rows one forward computes, and the repair's query pass among them (the forward's second stage).
 
-:func:`set_up_forward` turns a :class:`~.fold.Fold` into a :class:`ForwardSetup`: per request its
-:class:`RequestRows` (what ``pic`` computes: the prefix's tail, misses scoped to their chunk, glue
-and query over the stale reused KV), the folded batch SGLang runs and the rows the attention
-backend reads (:class:`~.context.ExtendRows`). For a request the repair decides in this window
-(:func:`decides_repair`), that forward is the repair's **query pass**: a scoring policy gets a
-:class:`~.context.QueryScores` recorder (``s_l``, filled by the backend at every layer), and the
-query's rows from earlier windows of a split prompt join the batch (negative ``keep`` offsets,
-scope 0) so the query is whole. A request that cannot be repaired is served as ``pic`` with the
-reason (:func:`not_repaired_reason`). The folded batch is a shallow copy of the scheduled one,
-the pattern of SGLang's ``model_executor/encoder_swa_replay.py``.
+:func:`set_up_forward` turns a :class:`~.fold.Fold` into a :class:`ForwardSetup`. For a request the repair decides in
+this window the forward is its **query pass**: a scoring policy gets a :class:`~.context.QueryScores` recorder, and
+the query's rows from earlier windows join the batch (negative ``keep``, scope 0) so the query is whole. The folded
+batch is a shallow copy of the scheduled one, the pattern of SGLang's ``model_executor/encoder_swa_replay.py``.
 """
 
 from __future__ import annotations
@@ -35,18 +29,10 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class RequestRows:
-    """One request's rows in this forward.
-
-    Attributes:
-        fold: what the fold decided for the request.
-        keep: int64 [n_rows] window offsets of the rows computed, ascending (negative: query
-            rows of earlier windows, added for a repair's query pass).
-        scope_start: int64 [n_rows] first key position each row may attend to.
-        to_repair: the repair runs for this request in this forward (its query pass set up).
-        slots: int64 [window_end] the request's KV-pool slots, for a request to repair.
-        scores: the recorder of the query's attention (a request to repair whose policy scores).
-        not_repaired_reason: why a request the repair decides in this window is not repaired.
-    """
+    """One request's rows in this forward: ``keep`` int64 [n_rows] window offsets of the rows computed, ascending
+    (negative: query rows of earlier windows, for a query pass); ``scope_start`` int64 [n_rows] first key position
+    each row may attend to; when ``to_repair``, ``slots`` int64 [window_end] its KV-pool slots and ``scores`` the
+    query's attention recorder (a scoring policy); ``not_repaired_reason``: why a request due for repair is not."""
 
     fold: "RequestFold"
     keep: torch.Tensor
@@ -69,19 +55,9 @@ class RequestRows:
 
 @dataclasses.dataclass(frozen=True)
 class ForwardSetup:
-    """What the forward computes, decided once before it.
-
-    Attributes:
-        source: the ScheduleBatch the scheduler built.
-        requests: per request, in batch order, its rows.
-        row_starts: first row of each request in the folded batch.
-        targets: indices in the batch of the requests the repair runs for.
-        batch: the batch to build the ForwardBatch from: ``source``, or its shallow copy with the
-            kept rows (:func:`_folded_copy`).
-        positions: int64 [n_rows] absolute position of every row of ``batch``.
-        extend_rows: per request, its rows for the attention backend (and the recorder of its
-            query's scores).
-    """
+    """What the forward computes, decided once before it: per request (batch order) its rows, first row in the
+    folded batch and attention-backend rows; ``targets``: the batch indices the repair runs for; ``batch``:
+    ``source`` (the scheduled ScheduleBatch) or its folded copy; ``positions`` int64 [n_rows] of every row."""
 
     source: Any
     requests: tuple[RequestRows, ...]
@@ -121,8 +97,7 @@ def not_repaired_reason(f: "RequestFold", model_supports_repair: bool) -> Option
     if not model_supports_repair:
         return "the model's layer stack does not run through the repair pass (served as pic)"
     if f.logprob_start is not None:
-        # The request's own start (earlier windows of a split prompt had their share already);
-        # -1: none asked, SGLang's window offset then points past the window.
+        # The request's own start, not the window's; -1: none asked (SGLang's offset then points past the window).
         asked = getattr(f.req, "logprob_start_len", -1)
         first = asked if isinstance(asked, int) and asked >= 0 else f.window_start + f.logprob_start
         if first < f.plan.query_start:
@@ -141,7 +116,7 @@ def _set_up_request(cache: "RelaxKVCache", f: "RequestFold", model_supports_repa
         return _query_pass_rows(cache, f)
     except InvariantError:
         raise
-    except Exception as exc:  # this request's plan, not the server: serve it as pic
+    except Exception as exc:
         reason = served_as_pic(f.req, f"its query pass could not be set up ({exc})")
         return RequestRows(f, f.keep, f.scope_start, not_repaired_reason=reason)
 
@@ -161,8 +136,7 @@ def _query_pass_rows(cache: "RelaxKVCache", f: "RequestFold") -> RequestRows:
 
 
 def _check_whole_query(rows: torch.Tensor, query_start: int, query_end: int) -> None:
-    """Raise ``ValueError`` unless the pass's rows (int64 positions) hold every query position
-    ``[query_start, query_end)`` (what :class:`~relaxkv_sglang.attention.sglang.context.QueryScores` records)."""
+    """Raise ``ValueError`` unless the rows (int64 positions) hold every query position ``[query_start, query_end)``."""
     held = int(((rows >= query_start) & (rows < query_end)).sum())
     if not query_start < query_end or held != query_end - query_start:
         raise ValueError(f"the pass would hold {held} of the query's rows {query_start}..{query_end - 1}")
@@ -177,13 +151,8 @@ def _batch_of(batch: Any, requests: list[RequestRows]) -> Any:
 
 
 def _folded_copy(batch: Any, requests: list[RequestRows]) -> Any:
-    """A shallow copy of the ScheduleBatch holding only the kept rows.
-
-    A repaired request's query rows of earlier windows (negative ``keep``) are not in the
-    scheduled batch: their token ids come from the request, their slots from its
-    ``req_to_token`` row (``RequestRows.slots``), appended after the batch's rows and indexed
-    from there.
-    """
+    """A shallow copy of the ScheduleBatch holding only the kept rows; query rows of earlier windows (negative
+    ``keep``) take their ids from the request and slots from ``RequestRows.slots``, appended after the batch's."""
     if getattr(batch, "global_num_tokens", None) is not None:
         raise InvariantError("relaxkv: data-parallel attention is not supported with chunk reuse")
     offsets, start, total = [], 0, sum(batch.extend_lens)

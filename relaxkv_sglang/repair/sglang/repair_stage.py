@@ -1,22 +1,10 @@
 """Cache repair inside SGLang's prefill: SGLang's forward is the query pass, then the anchors.
 
-A batch holding a request under a repair policy (``epic``, ``cacheblend``, ``prophetkv``,
-``relaxkv``, the ablations) repairs it inside the one scheduled forward:
-
-1. **Query pass**: SGLang's own forward over the rows ``pic`` computes (set up by
-   :mod:`.query_pass`); for a scoring policy the backend records the query's attention mass on
-   the context at every layer (``s_l``, :class:`~.context.QueryScores`).
-2. **Repair** (:class:`RepairStage`), run by the model hook after SGLang's decoder stack
-   (:func:`around_model_forward`): the misses' final KV go to the chunk tree; the planner
-   (:func:`~relaxkv_sglang.repair.anchor_schedule.schedule_anchors`, shared with the torch reference) picks
-   each layer's anchors and contexts from ``s_l``; :class:`~.layer_loop.LayerLoop` runs anchors
-   (to their exit layer), glue and query, whose hidden states replace SGLang's before the logits.
-
-A cold request's result equals its warm one (misses' KV is what a later hit copies). The repair
-runs in the window holding the prompt's last token, over the whole prompt, so it does not depend
-on chunked prefill's windows; a retracted request is repaired again the same way. A request whose
-repair cannot be planned is served as ``pic`` with a ``not_repaired_reason``
-(:func:`~relaxkv_sglang.server.failures.served_as_pic`); only a broken invariant leaves the scheduler.
+The query pass (:mod:`.query_pass`) records a scoring policy's ``s_l``; then :class:`RepairStage`, run by the model
+hook after the decoder stack, publishes the misses, plans the anchors
+(:func:`~relaxkv_sglang.repair.anchor_schedule.schedule_anchors`) and runs :class:`~.layer_loop.LayerLoop`, whose glue
+and query rows replace SGLang's. It runs in the window holding the prompt's last token, over the whole prompt, so a
+cold request equals its warm one whatever the windows; an unplannable request is served as ``pic``.
 
 SGLang files touched (hooks registered in ``plugin.py``): the ``forward`` of each decoder-stack class
 the model-family registry hooks (``model/model_family.py::hooked_model_classes``: ``LlamaModel``,
@@ -48,13 +36,8 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class RepairOutcome:
-    """What the repair did for one request it ran for.
-
-    Attributes:
-        rows: the repair pass's rows (None: served as pic).
-        not_repaired_reason: why not, when ``rows`` is None.
-        budget_report: the budget's report fields (:mod:`.budget`).
-    """
+    """What the repair did for one request: its pass's ``rows`` (None: served as pic, ``not_repaired_reason``
+    says why) and the budget's report fields (:mod:`.budget`)."""
 
     rows: Optional[LoopRows]
     not_repaired_reason: Optional[str] = None
@@ -67,26 +50,16 @@ def repair_stage(cache: "RelaxKVCache", attn_backend: Any, setup: "ForwardSetup"
 
 
 def request_repair_config(r: "RequestRows", base: RepairConfig) -> RepairConfig:
-    """The request's knobs: ``base`` (the served model's calibration, else the defaults,
-    :func:`~.calibration.served_settings`) with the ratios the request gave (its budget: :mod:`.budget`)."""
+    """``base`` (the served calibration's, :func:`~.served_calibration.repair_base`) with the request's ratios."""
     plan = r.fold.plan
     given = {"anchor_ratio": plan.anchor_ratio, "context_ratio": plan.context_ratio}
     return dataclasses.replace(base, **{knob: value for knob, value in given.items() if value is not None})
 
 
 class RepairStage:
-    """The batch's repair, run by the model hook after SGLang's forward (module doc, step 2).
-
-    Args:
-        cache: the worker's chunk cache (KV pool, publishing the misses).
-        attn_backend: the worker's ``relaxkv`` attention backend (anchor executor, cost model).
-        setup: the forward's rows (:mod:`relaxkv_sglang.repair.sglang.query_pass`); the stage repairs its targets.
-
-    Attributes:
-        outcomes: index in the batch -> :class:`RepairOutcome`, for every target, once
-            :meth:`run` has run (SGLang's forward returns only hidden states, so the stage keeps
-            what it did for the forward's last stage).
-    """
+    """The batch's repair of ``setup``'s targets (:mod:`.query_pass`), run by the model hook after SGLang's forward;
+    ``attn_backend``: the worker's ``relaxkv`` backend (anchor executor, cost model). ``outcomes`` (batch index ->
+    :class:`RepairOutcome`) outlives :meth:`run` because SGLang's forward returns only hidden states."""
 
     def __init__(self, cache: "RelaxKVCache", attn_backend: Any, setup: "ForwardSetup") -> None:
         self.cache = cache
@@ -118,10 +91,8 @@ class RepairStage:
         return hidden
 
     def _answer_logits(self, hidden: torch.Tensor, i: int) -> Optional[torch.Tensor]:
-        """float [vocab] the query pass's logits at request ``i``'s last row (pic's answer), for the
-        budget's signal (reported for every request with query scores, so a calibration can be
-        fitted from fixed-ratio runs; one row through the LM head); None without query scores or
-        a whole LM head."""
+        """float [vocab] the query pass's logits at request ``i``'s last row (one row through the LM head), for the
+        budget signal of every scored request (fixed-ratio runs fit calibrations); None without scores or LM head."""
         lm_head = getattr(self.attn_backend, "lm_head", None)
         if lm_head is None or self.setup.requests[i].scores is None:
             return None
@@ -130,9 +101,8 @@ class RepairStage:
         return torch.nn.functional.linear(hidden[last].to(weight.dtype), weight).float().cpu()
 
     def _plan(self, r: "RequestRows", n_layers: int, answer_logits: Optional[torch.Tensor] = None) -> RepairOutcome:
-        """Publish the request's misses (final position-independent KV, before anchors overwrite
-        it) and plan its repair pass; served as pic when its plan cannot be made (module doc).
-        ``answer_logits``: float [vocab] the query pass's answer, for an auto budget (or None)."""
+        """Publish the request's misses (final position-independent KV, before anchors overwrite it) and plan its
+        pass (``answer_logits`` float [vocab]: for an auto budget); served as pic when it cannot be planned."""
         f = r.fold
         self.cache.publish_chunks(f.plan.namespace, f.misses, f.req_pool_idx)
         scores = r.scores.stacked(n_layers) if r.scores is not None else None
@@ -146,19 +116,14 @@ class RepairStage:
             return RepairOutcome(repair_rows(f.window_end, anchor_schedule, r.slots.cpu()), budget_report=budget.report)
         except InvariantError:
             raise
-        except Exception as exc:  # this request's plan, not the server: serve it as pic
+        except Exception as exc:
             return RepairOutcome(None, served_as_pic(f.req, f"its repair could not be planned ({exc})"))
 
 
 def _replace_rows(hidden: torch.Tensor, start: int, batch_positions: torch.Tensor, repaired: torch.Tensor,
                   rows: LoopRows) -> None:
-    """Write one request's repaired glue and query rows over its rows of SGLang's output.
-
-    Args:
-        hidden: [n_batch_rows, hidden] modified in place.
-        start: the request's first row in ``hidden``; batch_positions int64 [n] its rows' positions.
-        repaired: [rows.n_rows, hidden] the repair pass's output; rows: its rows.
-    """
+    """Write one request's repaired glue and query rows (``repaired`` [rows.n_rows, hidden]) in place over its rows
+    of ``hidden`` [n_batch_rows, hidden] from row ``start``; batch_positions int64 [n] their positions."""
     fresh = (~rows.anchor).nonzero().flatten()
     pos = rows.positions[fresh]
     idx = torch.searchsorted(batch_positions, pos).clamp(max=batch_positions.shape[0] - 1)
@@ -176,9 +141,8 @@ def _token_ids(req: Any) -> torch.Tensor:
 
 
 def repair_rows(end: int, anchor_schedule: AnchorSchedule, slots: torch.Tensor) -> LoopRows:
-    """The repair pass's rows of one request: anchors (until their exit layer), glue and query
-    (every layer), in position order, up to position ``end`` (the window's end); slots int64 host
-    [>= end] the request's pool slots."""
+    """One request's pass rows up to position ``end`` (the window's end), in position order: anchors (until their
+    exit layer), glue and query (every layer); slots int64 host [>= end] the request's pool slots."""
     n_context = anchor_schedule.n_context
     exit_of = anchor_schedule.exit_layers()
     in_chunk = torch.zeros(end, dtype=torch.bool)
@@ -197,9 +161,8 @@ def repair_rows(end: int, anchor_schedule: AnchorSchedule, slots: torch.Tensor) 
 
 def around_model_forward(original: Callable, model: torch.nn.Module, input_ids: torch.Tensor,
                          positions: torch.Tensor, forward_batch: "ForwardBatch", *args: Any, **kwargs: Any) -> Any:
-    """Hook on each registered family's decoder-stack ``forward`` (``LlamaModel``, ``Qwen2Model``,
-    ``Qwen3Model``, ``Qwen2MoeModel``, ``MixtralModel``): SGLang's forward (for a batch with a repair, its query pass), then the repair,
-    which replaces the repaired requests' glue and query rows of the output (:class:`RepairStage`)."""
+    """Hook on each registered family's decoder-stack ``forward``: SGLang's forward (a repair's query pass), then
+    :class:`RepairStage`, which replaces the repaired requests' glue and query rows of the output."""
     hidden = original(model, input_ids, positions, forward_batch, *args, **kwargs)
     context = forward_context(model)
     if context is None or context.repair is None or not forward_batch.forward_mode.is_extend():

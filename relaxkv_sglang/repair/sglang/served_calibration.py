@@ -1,17 +1,6 @@
 """The served model's repair calibration in the scheduler: chosen once at startup, read by every repair.
 
-:func:`load_served_calibration` (called by the tree cache factory) picks the calibration
-(:mod:`relaxkv_sglang.repair.calibration`: ``RELAXKV_CALIBRATION``, else the repository's file for
-the model's fingerprint, else none), logs one line saying which, and keeps it on the tree cache.
-An unusable file (malformed, another version, an unknown knob, another model's fingerprint) stops
-the server with one line. Every repair's ``RepairConfig`` starts from :func:`repair_base` (the
-request's own ratios override it, ``repair.request_repair_config``); ``/get_server_info`` shows
-:func:`calibration_state` as ``relaxkv.calibration``.
-
-The ``auto`` budget's server settings are read here too, at the same startup: ``RELAXKV_DEFAULT_BUDGET``
-(a repair request's budget when it gives neither ratio nor budget) and ``RELAXKV_QUALITY`` (what an
-auto budget aims at); a default ``auto`` budget for a model whose calibration has no budget model
-stops the server with one line (:func:`served_settings` for the forward).
+The ``auto`` budget's server settings (``RELAXKV_DEFAULT_BUDGET``, ``RELAXKV_QUALITY``) are read at the same startup.
 """
 
 from __future__ import annotations
@@ -33,15 +22,9 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class ServedCalibration:
-    """The calibration a server runs with.
-
-    Attributes:
-        model: the served model's name (its path's last part).
-        calibration: the calibration, or None (the code defaults).
-        base: the RepairConfig every repair starts from.
-        default_budget: ``RELAXKV_DEFAULT_BUDGET``: ``"auto"``, a cost share, or None (unset).
-        quality: ``RELAXKV_QUALITY``: what an auto budget aims at unless the request says.
-    """
+    """The calibration a server runs with: ``model`` the served model's name (its path's last part),
+    ``calibration`` None for the code defaults, ``base`` what every repair starts from, ``default_budget``
+    (``"auto"``, a cost share, None) and ``quality`` (an auto budget's aim) from the server settings."""
 
     model: str
     calibration: Optional[Calibration]
@@ -74,9 +57,8 @@ class ServedCalibration:
 
 def load_served_calibration(cache: Any, model_path: str, hf_config: dict, settings: ServerSettings, *,
                             log: bool = True) -> ServedCalibration:
-    """Choose the served model's calibration (module doc; ``settings``: the server's, its override and
-    budget settings), keep it on ``cache`` and log it (``log``: this rank logs); SystemExit with one
-    line for an unusable file."""
+    """Choose the calibration (``RELAXKV_CALIBRATION``, else the repository's file for the model's fingerprint, else
+    none), keep it on ``cache``, log it (``log``: this rank); SystemExit with one line for an unusable file."""
     try:
         calibration = served_calibration(hf_config, settings.calibration)
     except CalibrationError as exc:

@@ -1,10 +1,7 @@
 """Where one request's stale shift lands in the KV pool, built once per repair pass.
 
-The stale shift (:mod:`relaxkv_sglang.repair.stale_shift`) adds, before each layer's attention, the
-anchors' mean K/V deviation to the request's non-anchor chunk tokens (the shift body) in the pool:
-V += dv, K += R(t) dk (dk before RoPE, rotated to each token's position t). :class:`ShiftTarget`
-holds the body's pool slots and the rotation table R over the body's span, and adds a layer's
-shift in as few passes over the pool as the slots allow (:mod:`.layer_loop` calls it).
+The stale shift (:mod:`relaxkv_sglang.repair.stale_shift`) adds V += dv, K += R(t) dk (dk before RoPE) to the
+non-anchor chunk tokens (the body) before each layer's attention; :mod:`.layer_loop` calls :class:`ShiftTarget`.
 """
 
 from __future__ import annotations
@@ -18,30 +15,19 @@ from relaxkv_sglang.attention.staging import HostStage
 
 
 class ShiftTarget:
-    """Where one request's stale shift lands: the pool slots of its shift body, and R(t) over the
-    positions the body spans, built once per pass.
+    """The pool slots of one request's shift body (chunk tokens less each chunk's sinks), and R(t) over its span.
 
-    The body is the request's chunk tokens less each chunk's sinks; the positions between its
-    first and last token that it leaves out (the sinks, the glue between chunks) are rows of the
-    pass, whose K/V the layer writes after the shift. So while those rows take part (layer <
-    ``span_until``) and the span's slots are consecutive (the allocator hands out ranges), a
-    float32 pool takes the whole span as two in-place adds: V broadcasts ``dv``, K adds ``R(t) dk``
-    (:meth:`RotationTable.add_rotated_`); the rows' writes then replace what landed on them. Past
-    that layer the adds go over the body's runs of consecutive slots (at most ``MAX_RUNS``); a
-    more fragmented body or a lower-precision pool takes an index add of the materialised delta
-    (added in float32 and rounded once, as the reference does). With a shift per chunk
-    (``groups``) each run stays inside one chunk and adds that chunk's delta; the span's one add
-    is not taken.
+    While the positions the span leaves out are rows of the pass (layer < ``span_until``: their writes replace what
+    lands on them) and its slots are consecutive, a float32 pool takes the span as two in-place adds; past that, one
+    add per run of consecutive slots (at most ``MAX_RUNS``, each inside one group); else, or for a lower-precision
+    pool, an index add of the materialised delta (rounded once, as the reference does). Grouped: no span add.
 
     Args:
         slots: int64 host [>= max position + 1] the request's KV-pool slot of every position.
         body: int64 host [n_body >= 1] positions of the shift body, ascending.
-        rope: the served RoPE.
-        row_positions: int64 host [n_rows] the pass's rows, ascending; row_exits: int64 host
-            [n_rows] the layer each leaves at (``LoopRows.positions``, ``LoopRows.exits``).
+        row_positions, row_exits: int64 host [n_rows] the pass's rows, ascending, and the layer each leaves at.
         stage: the pass's (its device is the KV pool's; default: the host, nothing staged).
-        groups: int64 host [n_body] each body token's shift group (``StaleShiftStep.body_groups``),
-            or None: one group.
+        groups: int64 host [n_body] each body token's shift group (``StaleShiftStep.body_groups``), None: one.
     """
 
     MAX_RUNS = 64
@@ -65,15 +51,13 @@ class ShiftTarget:
         self.span_slot, self.span = int(slots[self.first]), span
         self.span_until = 0
         if not self.grouped and bool((slots[self.first:self.first + span].diff() == 1).all()):
-            # The exit layer of each position of the span (0: no row of the pass), the body's
-            # own not counted: the smallest is the first layer whose writes miss a left-out one.
+            # Exit layer per span position (0: no row; body excluded): the min is the first missing a left-out write.
             exit_at = torch.zeros(span, dtype=torch.long)
             inside = (row_positions >= self.first) & (row_positions < self.first + span)
             exit_at[row_positions[inside] - self.first] = row_exits[inside]
             exit_at[rows] = torch.iinfo(torch.int64).max
             self.span_until = int(exit_at.min())
-        # Runs of the body over consecutive slots and positions, in one group: (first slot, table
-        # row, length, group).
+        # Runs over consecutive slots and positions in one group: (first slot, table row, length, group).
         step = (body_slots.diff() != 1) | (body.diff() != 1) | (groups.diff() != 0)
         starts = torch.cat([torch.zeros(1, dtype=torch.long), step.nonzero().flatten() + 1]).tolist()
         ends = starts[1:] + [int(body.numel())]
@@ -117,16 +101,13 @@ class ShiftTarget:
         if dk is not None:
             _add_rows(k_cache, self.slots, self.rotation.rotate(dk[self.groups] if self.grouped else dk[self.group0][None],
                                                                  rows=self.rows))
-        # index_add_ is ~3x slower from an expanded view than from a materialised delta.
+        # Materialised: index_add_ from an expanded view is slower.
         delta_v = dv[self.groups] if self.grouped else dv[self.group0].expand(self.slots.shape[0], -1, -1)
         _add_rows(v_cache, self.slots, delta_v.contiguous())
 
 
 def _add_rows(cache: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor) -> None:
-    """cache[slots] += delta (slots distinct; delta float32 [n, Hkv, d]).
-
-    In place with ``index_add_`` when the pool is float32 (no gather, no second scatter); a
-    lower-precision pool adds in float32 and rounds once, as the reference does."""
+    """cache[slots] += delta (slots distinct; delta float32 [n, Hkv, d]); a lower-precision pool rounds once."""
     if cache.dtype == delta.dtype:
         cache.index_add_(0, slots, delta)
     else:

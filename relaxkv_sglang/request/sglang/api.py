@@ -1,20 +1,10 @@
 """Request fields of the native API, validated and tokenized in the HTTP process.
 
-A request opts in through ``sampling_params.custom_params`` (fields, types and defaults:
-:mod:`relaxkv_sglang.request.schema`, ``docs/api.md``). Each part (prefix, chunk, glue, query) is
-tokenized on its own, so a document always gets the same token ids, and the request reaches the
-scheduler as ``input_ids`` plus its :class:`~relaxkv_sglang.request.plan.RequestPlan`, the one
-parse of its fields. Without
-chunk offsets, a chunk policy's prompt is chunked by
-:func:`~relaxkv_sglang.request.doc_index.discover_chunks` on the token boundaries of the server's own
-tokenization (:func:`prompt_boundaries`); ``RELAXKV_DISCOVERY_INDEX=1`` also keeps the chunks found
-(:func:`document_index`, emptied by ``/flush_cache``).
-
-Invalid input raises :class:`~relaxkv_sglang.request.schema.RequestError` (a ``ValueError`` naming the
-field: SGLang answers 400). Policy: ``custom_params.relaxkv_policy``, else the
-``X-RelaxKV-Policy`` header, else the server default; a chunk policy is refused while the startup
-gate has failed (:mod:`.gate_refusal`). Every request on every server also passes
-:func:`~.sglang_fields.check_sglang_fields`.
+Fields: ``sampling_params.custom_params`` (:mod:`relaxkv_sglang.request.schema`, ``docs/api.md``).
+Each part (prefix, chunk, glue, query) is tokenized on its own, so a document always gets the same
+ids; the request reaches the scheduler as ``input_ids`` plus its
+:class:`~relaxkv_sglang.request.plan.RequestPlan`. Invalid input raises
+:class:`~relaxkv_sglang.request.schema.RequestError` (HTTP 400).
 
 SGLang files touched: ``sglang/srt/managers/tokenizer_manager.py``
 (``TokenizerManager.generate_request``, wrapped) and ``sglang/srt/managers/tokenizer_control_mixin.py``
@@ -59,9 +49,8 @@ Encode = Callable[[str, bool], list[int]]  # (text, add_special_tokens) -> token
 # text -> the sorted character offsets of its token boundaries, or None if the tokenizer cannot tell
 Boundaries = Callable[[str], Optional[Sequence[int]]]
 def document_index(tokenizer_manager: Any) -> Optional[DocumentIndex]:
-    """The HTTP process's index of discovered chunks (made on first use, kept on the
-    ``TokenizerManager``: one per HTTP process, bounded, :class:`DocumentIndex`); None unless
-    the server's settings say so (``RELAXKV_DISCOVERY_INDEX``, ``server/settings.py``)."""
+    """The HTTP process's :class:`DocumentIndex` (kept on the ``TokenizerManager``); None unless
+    ``RELAXKV_DISCOVERY_INDEX`` is set."""
     if not server_settings().discovery_index:
         return None
     held = state.record(tokenizer_manager, state.TokenizerState)
@@ -71,9 +60,8 @@ def document_index(tokenizer_manager: Any) -> Optional[DocumentIndex]:
 
 
 def prompt_boundaries(tokenizer: Any, text: str) -> Optional[list[int]]:
-    """The token boundaries of ``text`` tokenized by the server's ``tokenizer`` (a fast HF
-    tokenizer's offset mapping, :func:`~relaxkv_sglang.request.doc_index.token_boundaries`); None
-    when the tokenizer gives no offsets (a slow tokenizer: nothing is discovered then)."""
+    """The token boundaries of ``text`` under the server's ``tokenizer`` (its offset mapping); None
+    when it gives no offsets (a slow tokenizer)."""
     try:
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
         spans = enc["offset_mapping"]
@@ -85,8 +73,7 @@ def prompt_boundaries(tokenizer: Any, text: str) -> Optional[list[int]]:
 
 
 async def around_flush_cache(original: Callable[..., Any], tokenizer_manager: Any, *args: Any, **kwargs: Any) -> Any:
-    """Hook on ``TokenizerControlMixin.flush_cache`` (the HTTP process's ``/flush_cache``): a flush
-    that succeeded also empties the discovery index, so a flushed server chunks as a fresh one."""
+    """Hook on ``TokenizerControlMixin.flush_cache``: a successful flush also empties the discovery index."""
     result = await original(tokenizer_manager, *args, **kwargs)
     held = state.record(tokenizer_manager, state.TokenizerState, create=False)
     index = held.document_index if held is not None else None
@@ -103,8 +90,7 @@ class _Tenant:
 
 
 def item_namespace(obj: Any, i: int = 0) -> Optional[str]:
-    """The chunk namespace of item ``i`` of a ``GenerateReqInput`` (its ``extra_key`` and
-    ``cache_salt``, each one value or one per item), as the scheduler will name it."""
+    """The chunk namespace of item ``i`` of a ``GenerateReqInput``, as the scheduler will name it."""
 
     def value(name: str) -> Optional[str]:
         """Item ``i``'s value of the field ``name``."""
@@ -131,18 +117,13 @@ def plan_item(
     chunks_refused: str = "", index: Optional[DocumentIndex] = None, namespace: Optional[str] = None,
     boundaries_of: Optional[Boundaries] = None,
 ) -> Optional[tuple[Optional[list[int]], dict]]:
-    """Validate one request item; return (input_ids, custom_params) or None to leave it as is.
-    The returned ``custom_params`` hold the item's :class:`~relaxkv_sglang.request.plan.RequestPlan`
-    under :data:`~relaxkv_sglang.request.schema.PLAN_KEY`.
+    """Validate one request item; return (input_ids, custom_params with the plan under
+    :data:`~relaxkv_sglang.request.schema.PLAN_KEY`) or None to leave it as is.
 
-    encode(text, add_special_tokens) -> list[int] is the server's tokenizer. ``chunks_refused``:
-    why the server refuses chunk policies (its startup gate failed, :mod:`.gate`), "" if it serves them.
-    An unmarked text under a chunk policy is split at the documents discovered in it, each on
-    ``boundaries_of(text)`` (its token boundaries, :func:`prompt_boundaries`; it returning None:
-    nothing is discovered; ``boundaries_of`` None: every offset is one, as for a tokenizer of one
-    token per character). ``index``, ``namespace``: the chunks discovered before (None: the
-    server's default, none) and the item's tenant namespace; the chunks discovered in this text
-    are remembered there (a client's marks never are).
+    ``chunks_refused``: why the startup gate refuses chunk policies, "" if served. An unmarked text
+    under a chunk policy is split at the documents discovered on ``boundaries_of(text)`` (it
+    returning None: nothing found; ``boundaries_of`` None: every offset is a boundary); those are
+    remembered in ``index`` under ``namespace`` (a client's marks never are).
 
     Example (a tokenizer of one token per character):
 
@@ -161,8 +142,7 @@ def plan_item(
         raise POLICY.error(f"{policy!r} is refused by this server: its startup correctness gate failed "
                            f"({chunks_refused}); 'full' and 'prefix' are served")
     knobs = {f.config_attr: f.validate(cp[f.name]) for f in REPAIR_KNOBS if f.name in cp}
-    # null is not "absent": like every field, a present one must be a valid value
-    spans = CHUNKS.validate(cp[CHUNKS.name], text=text) if CHUNKS.name in cp else None
+    spans = CHUNKS.validate(cp[CHUNKS.name], text=text) if CHUNKS.name in cp else None  # null is not "absent"
     if text is None:
         if policy == Policy.FULL:
             return None, dict(cp, **{PLAN_KEY: RequestPlan(policy, (), **knobs)})
@@ -177,8 +157,7 @@ def plan_item(
         return None
     segments = split_text(text, spans)
     if spans and not segments.query:
-        # SGLang needs at least one computed token for the first output's
-        # logits: a prompt ending in a chunk keeps that last chunk uncached.
+        # SGLang needs one computed token for the first logits: the last chunk stays uncached.
         spans = spans[:-1]
         segments = split_text(text, spans)
     try:
@@ -199,9 +178,7 @@ def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput,
                      requested_policy: Optional[str] = None) -> None:
     """Rewrite a ``GenerateReqInput`` in place: chunked items become input_ids + plan.
 
-    ``chunks_refused``: see :func:`plan_item`. ``requested_policy``: the request's
-    ``X-RelaxKV-Policy`` header (validated), the default of every item that names no policy.
-    Every request's batch shape is checked first, whatever its policy (:func:`_check_batch_shape`).
+    ``requested_policy``: the ``X-RelaxKV-Policy`` header (validated), the default of every item.
     """
     _check_batch_shape(obj)
     single, n = _batch_shape(obj)
@@ -258,9 +235,8 @@ def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput,
 
 
 def _check_batch_shape(obj: GenerateReqInput) -> None:
-    """A ``sampling_params`` list must hold exactly one object per prompt: a short list is an
-    IndexError (HTTP 500) in SGLang; a longer one has its tail ignored by SGLang, and would have it
-    skipped by the plugin's per-item checks (a bad ``custom_params`` there would be served)."""
+    """One ``sampling_params`` object per prompt: SGLang fails on a short list (500) and ignores a
+    long list's tail, which the per-item checks would then skip."""
     _, n = _batch_shape(obj)
     if isinstance(obj.sampling_params, list) and len(obj.sampling_params) != n:
         raise RequestError("sampling_params", f"a list needs one object per prompt ({n}), got {len(obj.sampling_params)}")
@@ -311,11 +287,8 @@ async def around_generate_request(
 
 
 def _shape_for_abort_task(obj: Any) -> None:
-    """A request refused here never reaches SGLang's ``normalize_batch_and_arguments``, which sets
-    ``is_single``; a streamed one still gets SGLang's abort task (``create_abort_task`` in
-    ``tokenizer_manager.py``), which reads it 2 s later, and its AttributeError made uvicorn drop
-    the client's keep-alive connection under its next request. Set it as the task needs it: the
-    task then finds no live request under the refused rid(s)."""
+    """Set ``is_single``, which SGLang's abort task (``create_abort_task``, ``tokenizer_manager.py``)
+    reads and a request refused before ``normalize_batch_and_arguments`` lacks (docs/reliability.md)."""
     if not hasattr(obj, "is_single"):
         obj.is_single = not isinstance(getattr(obj, "rid", None), list)
 

@@ -9,15 +9,10 @@ parts never are::
         {"type": "text", "text": "Question: ..."}  # not a document
     ]}
 
-Applied only under a chunk policy (body, header or server default, as in
-:mod:`.api`); a request that sets ``relaxkv_chunks`` itself is left alone. The hook renders the
-chat template again with a placeholder per document, puts the documents back and records their
-offsets; only if that text tokenizes to exactly the ids SGLang produced is the request rewritten
-to ``text`` + ``relaxkv_chunks`` for the native path (:mod:`.api`). Otherwise (tool calls, named
-conversation templates, multimodal, a template that alters the text) it is served unchanged and
-the reason logged. Without document parts, the rendered prompt's documents are discovered
-(:func:`~relaxkv_sglang.request.doc_index.discover_chunks`, each message a region; template markup is
-never a chunk). Details: ``docs/api.md``.
+Only under a chunk policy, and only if the re-rendered template (a placeholder per document)
+tokenizes to exactly SGLang's ids, is the request rewritten to ``text`` + ``relaxkv_chunks``
+(:mod:`.api`); otherwise it is served unchanged. Without document parts, documents are discovered
+in the rendered prompt. Details: ``docs/api.md``.
 
 SGLang file touched: ``sglang/srt/entrypoints/openai/serving_chat.py``
 (``OpenAIServingChat._convert_to_internal_request``, wrapped).
@@ -60,8 +55,7 @@ def document_parts(messages: Sequence[ChatCompletionMessageParam]) -> list[tuple
 
 
 def check_documents(messages: Sequence[ChatCompletionMessageParam]) -> None:
-    """Reject an empty document part (HTTP 400), as ``document("")`` and an empty
-    ``relaxkv_chunks`` pair are rejected: it would be a chunk of no text."""
+    """Reject an empty document part (HTTP 400): it would be a chunk of no text."""
     for mi, pi in document_parts(messages):
         if not getattr(messages[mi].content[pi], "text", None):
             raise RequestError(
@@ -144,14 +138,11 @@ def marked_prompt(
 
 
 def _native_lead(tokenizer: Any, text: str, stock_ids: list[int]) -> int:
-    """How many leading characters of the rendered ``text`` the native path drops (a BOS the
-    template rendered as text, which it adds itself), after checking that the rest tokenizes
-    as the native path will to SGLang's ``stock_ids``; raises _Skip when it does not."""
+    """How many leading characters (a BOS rendered as text) the native path drops, after checking
+    that the rest tokenizes to SGLang's ``stock_ids``; raises _Skip when it does not."""
     if tokenizer.encode(text, add_special_tokens=False) == stock_ids:
         specials = tokenizer.encode("", add_special_tokens=True)
         if specials and stock_ids[: len(specials)] == specials:
-            # The template rendered the tokenizer's own leading specials (a
-            # BOS) as text; the native path adds them to the prefix itself.
             lead = tokenizer.decode(specials)
             if not (text.startswith(lead)
                     and tokenizer.encode(text[len(lead):], add_special_tokens=True) == stock_ids):
@@ -163,9 +154,7 @@ def _native_lead(tokenizer: Any, text: str, stock_ids: list[int]) -> int:
 
 
 def message_regions(text: str, processed: Sequence[dict]) -> list[tuple[int, int]]:
-    """Where each message's text lies in the rendered ``text``, in order: every string content
-    or text part found at or after the previous one (as given, else stripped, as a template's
-    ``trim`` leaves it); a text the template altered otherwise is not a region."""
+    """Where each message's text parts lie in the rendered ``text``, in order (as given, else stripped)."""
     regions, pos = [], 0
     for msg in processed:
         content = msg.get("content")
@@ -184,8 +173,7 @@ def message_regions(text: str, processed: Sequence[dict]) -> list[tuple[int, int
 def discovered_prompt(
     serving: OpenAIServingChat, request: ChatCompletionRequest, stock_ids: list[int], namespace: str | None,
 ) -> tuple[str, list[int]]:
-    """The rendered prompt and the flat character offsets of the documents found in it (none: []);
-    raises _Skip."""
+    """The rendered prompt and the flat offsets of the documents found in it; raises _Skip."""
     rendered, processed = _render(serving, request, [m.model_dump() for m in request.messages])
     lead = _native_lead(serving.tokenizer_manager.tokenizer, rendered, stock_ids)
     text = rendered[lead:]
@@ -205,12 +193,8 @@ def discovered_prompt(
 
 def mark_documents(serving: OpenAIServingChat, request: ChatCompletionRequest, adapted: GenerateReqInput,
                    requested_policy: str | None = None) -> bool:
-    """Rewrite ``adapted`` (a ``GenerateReqInput``) to text + ``relaxkv_chunks``
-    when ``request`` reuses chunks and holds documents: text parts, or else documents found in its
-    text (module doc). Returns whether it did.
-
-    ``requested_policy``: the request's ``X-RelaxKV-Policy`` header, if any (validated).
-    """
+    """Rewrite ``adapted`` to text + ``relaxkv_chunks`` when ``request`` reuses chunks and holds
+    documents; whether it did. ``requested_policy``: the ``X-RelaxKV-Policy`` header (validated)."""
     if not chunk_tree_served(serving.tokenizer_manager.server_args):
         return False
     sp = adapted.sampling_params

@@ -1,34 +1,10 @@
 """Parallel-encoding joins matched by content: which branches a joined request starts with.
 
-SGLang's frontend joins forks with ids no server request carries
-(:mod:`.parallel_encoding`), so :class:`JoinRegistry` ties them by text:
-
-* every commit (a single-text ``/generate`` with ``max_new_tokens`` 0, not
-  streamed) is remembered, linked to the longest remembered commit that is a
-  proper prefix of it (its fork point; ``""`` when none is);
-* a join (the route) records a *pending join* of ``n`` branches, whose
-  candidate branches are the last :data:`RECENT_COMMITS` commits made before
-  it (the interpreter posts the join right after its branch commits);
-* while a join is pending, each request text ``T`` is tried as
-  ``P + b_0 + ... + b_{n-1} + rest`` where every ``P + b_i`` is one of the
-  join's candidates (branches in any order, one may repeat). ``P`` is the
-  recorded fork point, or, since the interpreter often has not written the
-  program's text yet when ``fork()`` decides whether to commit it, inferred
-  from two candidates (:func:`_fork_points`). The first text that matches
-  consumes the join, and ``T``'s prefix ``P + b_0 + ... + b_{n-1}`` becomes a
-  *joined prefix*, whose branch spans every later text starting with it gets.
-
-Bounded state (memory does not grow with traffic): at most
-:data:`MAX_COMMITS` commits / :data:`MAX_COMMIT_CHARS` characters (least
-recently used dropped first), :data:`MAX_PENDING` pending joins, each dropped
-after :data:`PENDING_TTL_S`, :data:`MAX_JOINED` joined prefixes /
-:data:`MAX_JOINED_CHARS` characters (LRU), :data:`MAX_MATCH_STEPS` branch
-comparisons per request. Matching is by content only, so concurrent programs
-cannot take each other's branches unless those have the same text, in which
-case marking them is the same thing. The state lives in one HTTP process: with
-``--tokenizer-worker-num`` > 1 the commits and the join of one program may
-reach different workers and are then not matched. Standard library only (and
-:func:`~relaxkv_sglang.request.segments.common_prefix_len`).
+SGLang's frontend joins forks with ids no server request carries (:mod:`.parallel_encoding`), so
+:class:`JoinRegistry` ties commits, pending joins and the joined request by text: a text
+``P + b_0 + ... + b_{n-1} + rest`` whose every ``P + b_i`` is a recent commit consumes the join
+(the rules: ``docs/api.md`` section 5). All state is bounded (the ``MAX_*`` constants, LRU) and
+lives in one HTTP process.
 """
 
 from __future__ import annotations
@@ -92,8 +68,6 @@ class JoinRegistry:
         self._joined: collections.OrderedDict[str, tuple[tuple[int, int], ...]] = collections.OrderedDict()
         self._joined_chars = 0
 
-    # ---------------------------------------------------------------- commits
-
     def commit(self, text: str) -> None:
         """Remember a committed text (a fork point or a branch)."""
         if not text or len(text) > self.max_commit_chars:
@@ -117,8 +91,6 @@ class JoinRegistry:
                 self._commit_chars -= len(old)
                 for join in self._pending:  # hold no text the LRU has dropped
                     join.candidates = [c for c in join.candidates if c[0] is not old and c[1] is not old]
-
-    # ------------------------------------------------------------------ joins
 
     def join(self, n_branches: int) -> None:
         """Record a pending join of ``n_branches`` branches (the route)."""
@@ -196,12 +168,9 @@ def _fork_points(
 ) -> Iterator[int]:
     """Lengths of the fork point ``P`` to try when ``first`` (= ``P + b_0``) starts ``text``.
 
-    The recorded fork point first. The interpreter commits it only when the
-    program's text is already written at ``fork()`` time (often it is still in
-    the worker's queue), so ``P`` is also inferred from a second branch ``D``:
-    ``P`` is a common prefix of ``first`` and ``D`` (at most their longest
-    one, which also holds any text every branch starts with) such that
-    ``text`` continues after ``first`` with ``D[len(P):]``.
+    The recorded fork point first; since the interpreter often commits none, ``P`` is also inferred
+    from a second branch ``D``: a common prefix of ``first`` and ``D`` after which ``text``
+    continues past ``first`` with ``D[len(P):]``.
     """
     if parent:
         yield len(parent)
@@ -245,11 +214,9 @@ def _match_join(text: str, join: _PendingJoin, budget: list[int]) -> list[tuple[
 def _match_branches(
     text: str, pos: int, branches: list[str], n: int, budget: list[int],
 ) -> Optional[list[tuple[int, int]]]:
-    """Spans of ``n`` consecutive branches in ``text`` from ``pos`` (depth-first,
-    most recent branch first), or None.
+    """Spans of ``n`` consecutive branches in ``text`` from ``pos`` (depth-first), or None.
 
-    Iterative (an explicit stack, not recursion): ``n`` comes from the client
-    and a deep join must not exhaust Python's recursion limit."""
+    Iterative: ``n`` comes from the client and must not exhaust Python's recursion limit."""
     if n == 0:
         return []
     spans: list[tuple[int, int]] = []  # the branches matched so far, one per level below the top

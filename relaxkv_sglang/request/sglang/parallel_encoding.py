@@ -1,40 +1,11 @@
 """SGLang's parallel encoding, served as chunk reuse.
 
-A frontend program ::
-
-    forks = s.fork(3)
-    forks += lambda i: contexts[i]
-    forks.join(mode="concate_and_append")
-    s += "Question: ..." + sgl.gen("answer")
-
-makes ``sgl.RuntimeEndpoint`` send, in order:
-
-1. ``POST /generate`` with the fork point's text ``P`` and ``max_new_tokens``
-   0 (when ``P`` is not empty): a *commit*;
-2. one commit per branch, text ``P + b_i``;
-3. ``POST /concate_and_append_request {"src_rids": [...], "dst_rid": ...}``
-   with the frontend's own session ids, which no server request ever carried
-   (stock SGLang 0.5.23 has no such route: 404);
-4. requests whose text is ``P + b_0 + b_1 + ... + b_{n-1} + more``.
-
-The ids cannot tie 3 to anything, so the HTTP process ties the branches to the
-joined request by content (:class:`~.join_registry.JoinRegistry`: commits, the
-route's pending joins, joined prefixes, bounded). Every ``/generate`` text that
-starts with a joined prefix (the matching request and every later one of the
-program: more ``gen`` calls, ``select``, later forks) gets each branch ``b_i``
-marked as a chunk in ``sampling_params.custom_params.relaxkv_chunks``. The
-native path (:mod:`relaxkv_sglang.request.sglang.api`) then serves the
-branches from the chunk tree.
-
-Policy: a request naming a chunk policy (``pic`` or a repair policy) keeps it;
-a request naming none gets the server default (``RELAXKV_DEFAULT_POLICY``)
-when that reuses chunks, else ``relaxkv_policy`` ``"pic"`` (the join asked
-for the branches to be reused). Not marked: requests that name ``"full"`` or
-``"prefix"``, and every request when the server default is ``"full"``.
-Explicit ``relaxkv_chunks`` are kept; a branch overlapping one of them is not
-added. On a server without ``--radix-cache-backend relaxkv`` the
-route still answers 200 and nothing is marked (the joined text is computed
-like any prompt, which is what the join means for the text).
+``forks.join(mode="concate_and_append")`` posts ``/concate_and_append_request`` with frontend ids
+no server request carried (stock SGLang: 404), so the branches are tied to the joined request by
+content (:class:`~.join_registry.JoinRegistry`) and each branch is marked in
+``custom_params.relaxkv_chunks`` for the native path (:mod:`.api`). Rules and policy:
+``docs/api.md`` section 5. Without ``--radix-cache-backend relaxkv`` the route answers 200 and
+marks nothing.
 
 SGLang files touched: ``sglang/srt/entrypoints/http_server.py``: the route is
 added to its FastAPI ``app``, and ``serve_generate_request`` (what ``POST
@@ -66,12 +37,8 @@ MAX_BRANCHES = CHUNKS.max_chunks  # a join's branches become chunks, and a reque
 REGISTRY = JoinRegistry()
 
 
-# ----------------------------------------------------------- request rewriting
-
-
 def _merge_chunks(existing: Any, extra: Iterable[tuple[int, int]]) -> Optional[list[int]]:
-    """``existing`` flat offsets plus the ``extra`` spans that overlap none of
-    them, sorted; None if ``existing`` is malformed (the native path reports it)."""
+    """``existing`` flat offsets plus the non-overlapping ``extra`` spans, sorted; None if malformed."""
     if existing is None:
         pairs: list[tuple[int, int]] = []
     elif isinstance(existing, (list, tuple)) and len(existing) % 2 == 0 and all(
@@ -91,10 +58,7 @@ def _merge_chunks(existing: Any, extra: Iterable[tuple[int, int]]) -> Optional[l
 def apply_to_request(
     obj: GenerateReqInput, registry: JoinRegistry = REGISTRY, default_policy: Optional[str] = None,
 ) -> bool:
-    """Record commits and mark joined branches in a ``GenerateReqInput`` (in place).
-
-    Returns whether ``obj.sampling_params`` was changed.
-    """
+    """Record commits and mark joined branches in a ``GenerateReqInput`` (in place); whether it changed."""
     texts = obj.text
     if texts is None:
         return False
@@ -157,9 +121,6 @@ async def around_serve_generate_request(
     return await original(obj, request, *args, **kwargs)
 
 
-# -------------------------------------------------------------------- the route
-
-
 async def concate_and_append_request(request: Request) -> ORJSONResponse:
     """``POST /concate_and_append_request {"src_rids": [str, ...], "dst_rid": str}``."""
     from fastapi.responses import ORJSONResponse
@@ -187,11 +148,7 @@ async def concate_and_append_request(request: Request) -> ORJSONResponse:
 
 
 def register_http_routes() -> None:
-    """Add :data:`ROUTE` to SGLang's FastAPI app (idempotent).
-
-    ``register()`` runs in every SGLang process; the app is only served by the
-    HTTP process (importing the module elsewhere costs ~0.15 s and serves nothing).
-    """
+    """Add :data:`ROUTE` to SGLang's FastAPI app (idempotent); only the HTTP process serves it."""
     from sglang.srt.entrypoints.http_server import app
 
     if any(getattr(route, "path", None) == ROUTE for route in app.router.routes):

@@ -1,10 +1,8 @@
 """A prefill-only request (``max_new_tokens`` 0) reports no output logprobs, whatever its batch.
 
-SGLang 0.5.23 samples a prefill batch unless every request in it is prefill-only, so such a
-request batched with a generating one gets one output logprob appended (of a token it never
-outputs), and alone gets none: its answer depended on the cache state, which changes batching
-(``tests/e2e/test_cache_invariant_regressions.py``). The hook drops the output entries SGLang just
-appended for a prefill-only request; its input logprobs are untouched.
+SGLang 0.5.23 appends an output logprob to a prefill-only request batched with a generating one,
+so its answer depended on batching; the hook drops those entries
+(``tests/e2e/test_cache_invariant_regressions.py``).
 
 SGLang file touched: ``sglang/srt/managers/scheduler_components/logprob_result_processor.py``
 (``SchedulerLogprobResultProcessor.add_logprob_return_values``, wrapped). Loaded into every server,

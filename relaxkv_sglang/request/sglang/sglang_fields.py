@@ -1,20 +1,8 @@
 """SGLang's own request fields whose bad values stop its scheduler: refused in the HTTP process.
 
-SGLang 0.5.23 validates most of its request surface itself, but a few values pass its checks and
-then raise inside the scheduler process, ending the server. :func:`check_sglang_fields` runs for
-every ``GenerateReqInput`` on every server (from the ``generate_request`` hook of :mod:`.api`,
-with the vocabulary size ``V``) and raises :class:`~relaxkv_sglang.request.schema.RequestError` naming the
-field (HTTP 400) for:
-
-* ``logprob_start_len`` below -1; ``top_logprobs_num`` above ``V``;
-* ``sampling_params.top_k`` above 2**31 - 1; ``input_ids`` outside ``[0, V)``;
-* ``positional_embed_overrides`` given at all (only the Engine API's objects are valid);
-* a ``stop_regex`` that does not compile (a compiling one that backtracks is bounded where it
-  runs, :mod:`relaxkv_sglang.request.sglang.stop_regex`).
-
-What SGLang does with each: the table in ``docs/reliability.md``. Values of the wrong JSON type
-are left to SGLang's parser (400). A per-prompt field is one value or one per prompt; an error in
-a batch names the item.
+A few values pass SGLang 0.5.23's own checks and then raise in the scheduler, ending the server;
+:func:`check_sglang_fields` (from :mod:`.api`'s hook, every server) refuses them with HTTP 400. What
+SGLang does with each: ``docs/reliability.md``. Wrong JSON types are left to SGLang's parser.
 """
 
 from __future__ import annotations
@@ -32,11 +20,10 @@ INT32_MAX = 2**31 - 1  # SGLang builds its per-batch top_k tensor as int32
 
 
 def check_sglang_fields(obj: Any, vocab_size: Optional[int] = None) -> None:
-    """Refuse what stops SGLang 0.5.23's scheduler (the list in the module docstring).
+    """Refuse what stops SGLang 0.5.23's scheduler; raises :class:`RequestError` naming the field.
 
-    ``obj`` is SGLang's ``GenerateReqInput`` as the HTTP server parsed it (before SGLang
-    normalizes it); ``vocab_size`` is the model's (``model_config.vocab_size``; None skips the
-    checks that need it). Raises :class:`RequestError` naming the field.
+    ``obj``: the ``GenerateReqInput`` before SGLang normalizes it; ``vocab_size`` None skips the
+    checks that need it.
 
     >>> from types import SimpleNamespace
     >>> check_sglang_fields(SimpleNamespace(input_ids=[1, 5], sampling_params={"stop_regex": "END"}), 100)
@@ -80,10 +67,8 @@ def _check_logprob_start_len(value: Any) -> None:
 
 
 def _check_top_logprobs_num(value: Any, vocab_size: int) -> None:
-    """At most the vocabulary: SGLang takes ``topk`` of that many logprobs per position, and above
-    the vocabulary ``torch.topk`` raises in the scheduler. Refused whatever ``return_logprob`` says
-    (SGLang ignores it then, but a value above the vocabulary means nothing). Negative values are
-    SGLang's "none" and pass."""
+    """At most the vocabulary (``torch.topk`` raises above it), whatever ``return_logprob`` says;
+    negative values are SGLang's "none"."""
     for i, item in enumerate(value if isinstance(value, list) else [value]):
         if _is_int(item) and item > vocab_size:
             raise RequestError("top_logprobs_num", f"must be at most the vocabulary size {vocab_size} (OpenAI: "
@@ -91,8 +76,7 @@ def _check_top_logprobs_num(value: Any, vocab_size: int) -> None:
 
 
 def _check_input_ids(value: Any, vocab_size: int) -> None:
-    """Every token id in ``[0, vocab_size)``: the embedding lookup of an id outside raises in the
-    scheduler. ``input_ids`` is one prompt (a list of ids) or a batch (a list of lists)."""
+    """Every token id in ``[0, vocab_size)`` (the embedding lookup raises otherwise); one prompt or a batch."""
     if not isinstance(value, list) or not value:
         return
     batch = isinstance(value[0], list)
@@ -108,8 +92,7 @@ def _check_input_ids(value: Any, vocab_size: int) -> None:
 
 
 def _check_positional_embed_overrides(value: Any) -> None:
-    """Only SGLang's ``PositionalEmbeds`` objects (tensors: the in-process Engine API); a JSON value
-    cannot express one, and the scheduler fails on the dict or list it gets."""
+    """Only SGLang's ``PositionalEmbeds`` objects (Engine API); JSON cannot express one."""
     if value is None:
         return
     from sglang.srt.managers.embed_types import PositionalEmbeds
@@ -123,18 +106,14 @@ def _check_positional_embed_overrides(value: Any) -> None:
 
 
 def _check_top_k(value: Any, where: str) -> None:
-    """-1 (all) or 1 .. 2**31 - 1 (SGLang itself refuses 0 and below -1): a larger top_k overflows
-    the int32 tensor SGLang builds for the batch, in the scheduler. Any top_k at or above the
-    vocabulary size already means "all tokens"."""
+    """At most 2**31 - 1: a larger top_k overflows SGLang's int32 batch tensor."""
     if _is_int(value) and value > INT32_MAX:
         raise RequestError("sampling_params.top_k", f"must be -1 (all tokens) or in [1, {INT32_MAX}]{where}, "
                                                     f"got {value}")
 
 
 def _check_stop_regex(value: Any, where: str) -> None:
-    """Each pattern must compile, with Python's ``re`` (SGLang parses it) and with ``regex`` (the
-    time-bounded matcher of :mod:`relaxkv_sglang.request.sglang.stop_regex` runs it): SGLang answers a pattern ``re`` refuses
-    with HTTP 500."""
+    """Each pattern must compile with ``re`` (else SGLang answers 500) and ``regex`` (:mod:`.stop_regex`)."""
     for pattern in value if isinstance(value, list) else [value]:
         if not isinstance(pattern, str):
             continue  # SGLang's parser refuses other types

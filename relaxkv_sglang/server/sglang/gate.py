@@ -1,20 +1,11 @@
 """The startup correctness gate on the loaded model, and its verdict in both processes.
 
-The maths (what is compared, the error measure, the tolerances) is :mod:`relaxkv_sglang.server.gate`;
-this module runs it on SGLang's objects. :func:`run_startup_gate` is called once by the tree
-cache's factory, after the model and KV pool exist and before anything is served. It takes ``4n``
-pool slots (``n`` ~30: ``core.gate.GATE_TEXT``) and runs the real layers with
-:class:`~relaxkv_sglang.repair.sglang.layer_loop.LayerLoop` for four cases: ``full`` (the text at
-``0..n-1``), ``moved`` (at ``p..p+n-1``, attending only to itself), ``rotated`` (``full`` copied by
-:class:`~relaxkv_sglang.cache.sglang.pool_kv.PoolKV` with K re-rotated by ``+p``; check ``rope_k``
-against ``moved``, plus a wrong rotation, :func:`control_rope`, that must fail) and ``pic`` (a
-one-chunk hit copied back with ``-p``, the rest run over it; checks ``pic_kv`` and ``pic_logits``
-against ``full``). Every slot is freed, nothing else written. The verdict (:func:`gate_state`) is
-logged, on ``/metrics`` (``relaxkv:gate_*``) and on ``/get_server_info`` under ``relaxkv.gate``;
-the HTTP process reads it in :mod:`relaxkv_sglang.server.sglang.gate_refusal`.
-
-For tests only, ``RELAXKV_TEST_ROPE_OVERRIDE`` (``server/settings.py``) makes the cache serve a rotation the model does not use
-(:func:`serving_rope`), so the gate must fail and chunk policies be refused.
+The maths is :mod:`relaxkv_sglang.server.gate`; :func:`run_startup_gate` runs it once from the tree
+cache's factory, before anything is served, on ``4n`` pool slots (all freed) with the real layers:
+``full`` (text at ``0..n-1``), ``moved`` (at ``p..p+n-1``), ``rotated`` (``full`` re-rotated by
+``+p``: ``rope_k``, plus the :func:`control_rope` control that must fail) and ``pic`` (one chunk
+copied back by ``-p``: ``pic_kv``, ``pic_logits``). The verdict is logged, on ``/metrics`` and on
+``/get_server_info`` (``relaxkv.gate``, read by :mod:`.gate_refusal`).
 
 SGLang files touched (none hooked): reads ``managers/tp_worker.py``'s ``TpModelWorker``
 (``model_runner.model``, ``tokenizer``), ``mem_cache/allocator/base.py`` (``alloc``/``free``)
@@ -65,16 +56,9 @@ def serving_rope(rope: RopeSpec, override: Optional[dict[str, Any]]) -> RopeSpec
 
 def run_startup_gate(worker: Any, cache: Any, context_len: int, *, tp_rank: int = 0,
                      enable_metrics: bool = False) -> GateResult:
-    """Run the gate once on the loaded model; keep, log and publish its verdict.
+    """Run the gate once on the loaded model; keep (on ``cache``), log (rank 0) and publish its verdict.
 
-    Args:
-        worker: SGLang's ``TpModelWorker`` (its ``model_runner.model`` and ``tokenizer``).
-        cache: the ``RelaxKVTreeCache`` just built (its allocator, KV pool and ``pool_kv``).
-        context_len: the model's context length.
-        tp_rank: this worker's tensor-parallel rank (rank 0 logs).
-        enable_metrics: put the verdict on /metrics.
-    Returns:
-        The verdict (also kept on ``cache``, see :func:`gate_state`).
+    ``worker``: SGLang's ``TpModelWorker``; ``cache``: the ``RelaxKVTreeCache`` just built.
     """
     causal_lm = getattr(getattr(worker, "model_runner", None), "model", None)
     start = time.perf_counter()
@@ -155,13 +139,8 @@ def control_rope(rope: RopeSpec) -> RopeSpec:
 
 
 def _rows(slots: torch.Tensor, offset: int, first: int, n: int, n_layers: int) -> LoopRows:
-    """The text's rows ``first..n-1`` at positions ``offset + i`` in ``slots``, scope ``offset``.
-
-    Args:
-        slots: int64 [n] the text's slots (slot of token i).
-        offset: position of token 0; positions below it map to slot 0 (SGLang's padding slot,
-            never read: the rows' scope starts at ``offset``).
-    """
+    """The text's rows ``first..n-1`` at positions ``offset + i`` in ``slots`` (int64 [n]), scope
+    ``offset``; positions below ``offset`` map to the never-read padding slot 0."""
     device = slots.device
     slot_of_pos = torch.zeros(offset + n, dtype=torch.int64, device=device)
     slot_of_pos[offset:] = slots

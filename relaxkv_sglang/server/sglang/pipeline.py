@@ -10,9 +10,8 @@
    by :func:`around_forward_batch_init_new`) -> the stage's :attr:`~.repair.RepairStage.outcomes`;
 5. :func:`~.finish.finish_forward`: misses published, reuse counted, ``meta_info.relaxkv``.
 
-Then the batch's admission pins are dropped, whatever happened. A request's own trouble never
-raises out of here (it is served as ``pic``); a broken invariant
-(:class:`~relaxkv_sglang.server.failures.InvariantError`) is logged in one line and left to SGLang.
+Then the batch's admission pins are dropped, whatever happened; only an
+:class:`~relaxkv_sglang.server.failures.InvariantError` raises out (logged).
 
 SGLang files touched (hooks registered in ``plugin.py``): ``managers/tp_worker.py``
 ``TpModelWorker.forward_batch_generation`` (around) and
@@ -48,8 +47,7 @@ def around_forward_batch_generation(original: Callable, worker: Any, batch: Opti
                      exc, len(batch.reqs) if batch is not None else 0)
         raise
     finally:
-        # the chunk pins taken at admission (admission.py): copied by the fold, or not
-        # needed (a mixed batch is not folded); on a failed forward too
+        # the pins taken at admission (admission.py), on a failed forward too
         if batch is not None:
             cache.admission_pins.unpin_all(batch.reqs)
 

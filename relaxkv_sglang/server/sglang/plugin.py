@@ -1,16 +1,8 @@
 """SGLang plugin entry point (group ``sglang.srt.plugins``, name ``relaxkv``).
 
-SGLang calls :func:`register` in the launching process and again in every scheduler process it
-spawns. It only registers things; the adapters live in the subpackages. Every SGLang function
-hooked is listed in :data:`HOOKS` with the parameters the hook relies on, so a release that
-changes one stops the server at startup naming it, instead of a hook misbehaving.
-
-Registered: attention backend ``relaxkv`` (``attention/sglang/attention_backend.py``), tree cache backend
-``relaxkv`` (``tree_cache.py``), and hooks: request preparation (``entrypoints/``), admission
-(``cache/sglang/admission.py``), the forward pipeline (``server/sglang/pipeline.py``: fold, repair,
-finish), the repair after SGLang's decoder stack (``repair/sglang/repair_stage.py``; one hook per class in
-:data:`MODEL_FORWARD_HOOKS`, from ``model/model_family.py``), reporting (``request/report.py``,
-``tree_cache.py``), the stop-regex time bound and prefill-only logprobs (``scheduler/``).
+SGLang calls :func:`register` in every process it starts; it registers the ``relaxkv`` attention
+and tree cache backends and the hooks of :data:`HOOKS`, each with the parameters it relies on, so a
+release that changes one stops the server at startup naming it.
 """
 
 from __future__ import annotations
@@ -24,9 +16,7 @@ from relaxkv_sglang.model.model_family import hooked_model_classes
 
 SGLANG_VERSION = "0.5.23"
 
-#: The repair after SGLang's decoder stack: ``<class>.forward`` of each decoder-stack class the
-#: model-family registry hooks (``model/model_family.py::hooked_model_classes`` says which families
-#: each serves) -> the model hook.
+#: ``<class>.forward`` of each decoder-stack class (``model/model_family.py``) -> the repair hook.
 MODEL_FORWARD_HOOKS = {
     f"{model_class}.forward": (
         "relaxkv_sglang.repair.sglang.repair_stage:around_model_forward", ("self", "input_ids", "positions", "forward_batch"))

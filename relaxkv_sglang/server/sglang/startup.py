@@ -1,15 +1,9 @@
 """The ``relaxkv`` tree cache backend: the factory SGLang calls, and how the worker finds it.
 
-Selected with ``--radix-cache-backend relaxkv``. :func:`make_tree_cache` (registered through
-``mem_cache/registry.py``) checks the server's flags, reads the model's RoPE, builds
-:class:`~relaxkv_sglang.cache.sglang.pool_kv.PoolKV`, the lower tiers if configured
-(:mod:`relaxkv_sglang.cache.sglang.tier_configs`) and the cache,
-:class:`~relaxkv_sglang.cache.sglang.tree_cache_class.RelaxKVTreeCache` (imported lazily,
-:func:`build_cache_class`, so this module imports without SGLang); then it runs the startup gate
-(:mod:`.gate`) and chooses the repair calibration (:mod:`.calibration`). ``/get_server_info``
-shows ``relaxkv.gate``, ``relaxkv.calibration`` and ``relaxkv.kv_identity``. The worker finds its
-cache through :func:`~relaxkv_sglang.cache.sglang.relaxkv_cache.worker_cache` (attached to
-``TreeCacheBuildContext.tp_worker``): no process-wide reference.
+Selected with ``--radix-cache-backend relaxkv``. :func:`make_tree_cache` checks the flags, builds
+the pool view, lower tiers and cache, then runs the startup gate (:mod:`.gate`) and loads the
+repair calibration. The worker finds its cache through
+:func:`~relaxkv_sglang.cache.sglang.relaxkv_cache.worker_cache`: no process-wide reference.
 
 SGLang files touched: ``mem_cache/registry.py`` (the backend), ``managers/scheduler.py``
 ``Scheduler.get_internal_state`` (around, for /get_server_info).
@@ -42,8 +36,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 def build_cache_class() -> type:
-    """The cache class (:class:`~relaxkv_sglang.cache.sglang.tree_cache_class.RelaxKVTreeCache`), imported on first use
-    (it imports SGLang)."""
+    """The cache class (``RelaxKVTreeCache``), imported on first use: it imports SGLang."""
     from relaxkv_sglang.cache.sglang.tree_cache_class import RelaxKVTreeCache
 
     return RelaxKVTreeCache
@@ -102,7 +95,6 @@ def make_tree_cache(ctx: "TreeCacheBuildContext") -> Any:
     cache.kv_identity = identity  # relaxkv.kv_identity on /get_server_info
     attach_worker_cache(ctx.tp_worker, cache)
     load_served_calibration(cache, server_args.model_path, hf_config, settings, log=ctx.tp_rank == 0)
-    # The correctness gate on the loaded model (server/sglang/gate.py): a failure refuses chunk policies.
     gate = run_startup_gate(ctx.tp_worker, cache, int(ctx.model_config.context_len), tp_rank=ctx.tp_rank,
                             enable_metrics=bool(server_args.enable_metrics))
     if ctx.tp_rank == 0:  # one line: the model's family, whether chunks are reused and whether it repairs

@@ -12,7 +12,7 @@ HAVE_CUDA   := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 INPUT_HASH  := $(shell cat $(REQS) | sha256sum | cut -c1-16)-cuda$(HAVE_CUDA)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-unit demo bench bench-quick gpu-bundle install-mooncake clean-venv
+.PHONY: install test test-long test-all test-unit demo bench bench-quick gpu-bundle install-mooncake clean-venv
 
 install:
 	@if [ -f $(STAMP) ] && [ "$$(cat $(STAMP))" = "$(INPUT_HASH)" ] && $(PY) -c "import relaxkv_sglang, relaxkv_patches" 2>/dev/null; then \
@@ -38,8 +38,15 @@ _install:
 	@echo "$(INPUT_HASH)" > $(STAMP)
 	@echo "make install: done"
 
+# `make test` leaves out the tests marked `long` (each over ~30 s); `make test-long` runs only
+# those; `make test-all` (what CI runs, .ci/run) runs both, one after the other.
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not long" $(PYTEST_ARGS)
+
+test-long: install
+	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
+
+test-all: test test-long
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)

@@ -25,6 +25,7 @@ from relaxkv_sglang.client import ServerClient
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.long
 def test_bench_serving_reports_the_hit_rate_bench_cache_hit_measures(relaxkv_server, tiny_model_path, tmp_path):
     args = argparse.Namespace(source="hotpotqa", pool=12, zipf=1.0, docs_per_request=3, topics=0, requests=16,
                               seed=3, max_new_tokens=2, anchor_ratio=None, pressure=False)

@@ -47,6 +47,7 @@ def _workload(seed: int = 0):
     return prompts
 
 
+@pytest.mark.long
 def test_concurrent_clients_match_sequential_and_return_every_slot(small_pool_server):
     url = small_pool_server.url
     prompts = _workload()

@@ -76,6 +76,7 @@ def _client_loop(url: str, prompts, outcomes: list, stop: threading.Event) -> No
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 def test_kill_mid_workload_then_restart_is_a_clean_empty_server(tmp_path, tiny_model_path):
     cache = tmp_path / "cache"  # the server's own RELAXKV_CACHE, holding a copy of the model
     model = cache / "models" / "tiny-llama"

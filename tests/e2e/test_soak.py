@@ -53,6 +53,7 @@ def _check(size: SoakSize, model_path: str) -> dict:
     return f
 
 
+@pytest.mark.long
 def test_soak_quick(tiny_model_path):
     _check(QUICK, tiny_model_path)
 

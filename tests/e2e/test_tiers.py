@@ -314,6 +314,7 @@ def test_warm_restart_after_kill_9_with_damaged_files(tiny_model_path, tmp_path,
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 def test_replicas_sharing_a_chunk_dir_under_concurrent_writes(tiny_model_path, tmp_path, tokenizer):
     """Two servers on one folder write at once (some documents on both: the same file from two
     processes), then each serves the other's documents from the folder with the output of

@@ -67,6 +67,7 @@ def _script(*args: str, env_extra: dict, timeout: int = 300) -> subprocess.Compl
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.long
 def test_gpu_check_script_dry_run_passes_end_to_end(bundle_dir, tmp_path):
     """The one command of docs/gpu.md, on a CPU: the bundle unpacked and checked as on the GPU
     machine, then every step of the quick check at small sizes (FlashInfer's torch model)."""
@@ -96,6 +97,7 @@ def test_gpu_check_script_says_how_to_get_a_missing_bundle(tmp_path):
     assert proc.returncode == 2 and "make gpu-bundle" in proc.stderr and "carry .gpu" in proc.stderr
 
 
+@pytest.mark.long  # builds the bundle (~90 s) with the dry run
 def test_an_incomplete_unpacked_bundle_is_named(bundle_dir, tmp_path, flashinfer_wheel):
     import tarfile
 

@@ -15,7 +15,8 @@ session's relaxkv server (tiny model), so that it stays fixed whatever the prope
   ``request/doc_index.py``);
 * a streamed request the plugin refuses (``request/sglang/api.py::around_generate_request`` raises before
   SGLang normalizes the request) made SGLang's abort task raise 2 s later, and uvicorn dropped the
-  keep-alive connection under the client's next request.
+  keep-alive connection under the client's next request;
+* a streamed chat lost the logprob of a token whose step had no text (``request/sglang/chat_stream_logprobs.py``).
 
 Each cache test compares the same request sent cold (after ``/flush_cache``) and under another
 history: equal output ids, output and input logprobs within :data:`LOGPROB_ABS`, and equal chunking.
@@ -24,6 +25,7 @@ Each runs in a namespace of its own (a fresh ``cache_salt``), so what other test
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -202,3 +204,28 @@ def test_a_prefill_only_item_reports_no_output_logprob_whatever_its_batch(url):
     assert alone["meta_info"]["output_token_logprobs"] == []
     assert batch[1]["meta_info"]["output_token_logprobs"] == [], batch[1]["meta_info"]["output_token_logprobs"]
     assert len(batch[0]["meta_info"]["output_token_logprobs"]) == len(batch[0]["output_ids"]) > 0
+
+
+def _chat_logprobs(choices: list[dict]) -> list[tuple[str, float]]:
+    return [(t["token"], t["logprob"]) for c in choices for t in ((c.get("logprobs") or {}).get("content") or [])]
+
+
+@pytest.mark.parametrize("story, n", [(0, 1), (9, 2)])
+def test_a_streamed_chat_keeps_the_logprob_of_a_token_with_no_text_of_its_own(url, story, n):
+    """A streamed chat's logprobs are the non-streamed answer's, token for token: SGLang 0.5.23
+    dropped those of a step whose text delta was empty (here the tiny model's incomplete UTF-8
+    characters, and story 9's ``<|endoftext|>``), which the property then had to leave out
+    (``request/sglang/chat_stream_logprobs.py``)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": f"Tell me story number {story} please."}],
+            "max_tokens": 24, "temperature": 0.0, "logprobs": True, "top_logprobs": 2, "n": n}
+    whole = post(url, "/v1/chat/completions", body)
+    with requests.post(url + "/v1/chat/completions", json=dict(body, stream=True), stream=True,
+                       timeout=TIMEOUT_S) as response:
+        events = [json.loads(line[len(b"data: "):]) for line in response.iter_lines()
+                  if line.startswith(b"data: ") and line != b"data: [DONE]"]
+    for index in range(n):
+        expected = _chat_logprobs([c for c in whole["choices"] if c["index"] == index])
+        streamed = _chat_logprobs([c for e in events for c in e.get("choices") or [] if c["index"] == index])
+        assert any("\ufffd" in token for token, _ in expected), "the case no longer has a token with no text"
+        assert [t for t, _ in streamed] == [t for t, _ in expected], (index, streamed, expected)
+        assert all(abs(a - b) <= LOGPROB_ABS for (_, a), (_, b) in zip(streamed, expected))

@@ -62,7 +62,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
-import functools
 import json
 import math
 import os
@@ -497,31 +496,7 @@ def _abort_codes(outputs: list[dict]) -> list[int]:
             if isinstance(o["finish"], dict) and o["finish"].get("type") == "abort"]
 
 
-# SGLang 0.5.23's streamed chat drops the logprobs of a step whose text delta is empty
-# (serving_chat.py: "an empty-delta step has no chunk to attach to"): a token that decodes to no
-# text of its own (an incomplete UTF-8 character the detokenizer holds back, or a special token it
-# skips) loses its entry when it is alone in its step, which depends on timing, not on the cache.
-# Those tokens are left out of the comparison of a streamed chat; every other entry is compared.
-# (Not fixed here: the closing note of issue 46.)
-_INCOMPLETE_CHAR = "\ufffd"
-
-
-@functools.cache
-def _special_tokens() -> frozenset:
-    """The tiny model's special added tokens (the detokenizer skips them: an empty delta)."""
-    from transformers import AutoTokenizer
-
-    from relaxkv_sglang import assets
-
-    tokenizer = AutoTokenizer.from_pretrained(str(assets.model_path("tiny-llama")))
-    return frozenset(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
-
-
-def _no_text_of_its_own(token: str) -> bool:
-    return _INCOMPLETE_CHAR in token or token in _special_tokens()
-
-
-def _openai_output(choices: list[dict], chat: bool, streamed: bool = False) -> dict:
+def _openai_output(choices: list[dict], chat: bool) -> dict:
     """One choice, from its whole answer or its stream's deltas in order."""
     text, lps, tops, finish, seen = "", [], [], None, None
     for c in choices:
@@ -529,8 +504,6 @@ def _openai_output(choices: list[dict], chat: bool, streamed: bool = False) -> d
         logprobs = c.get("logprobs") or {}
         if chat:
             for t in logprobs.get("content") or []:
-                if streamed and _no_text_of_its_own(t["token"]):
-                    continue
                 lps.append((t["logprob"], t["token"]))
                 tops.append([(x["logprob"], x["token"]) for x in t.get("top_logprobs") or []])
         else:
@@ -567,8 +540,7 @@ def read_answer(route: str, body: dict, response: requests.Response) -> Answer:
             for event in events:
                 for choice in event.get("choices") or []:
                     by_index[choice.get("index", 0)].append(choice)
-            outputs = [_openai_output(by_index[i], route == "/v1/chat/completions", streamed=True)
-                       for i in sorted(by_index)]
+            outputs = [_openai_output(by_index[i], route == "/v1/chat/completions") for i in sorted(by_index)]
         return Answer(max(codes), outputs, codes + _abort_codes(outputs))
     out = response.json()
     if route == "/generate":

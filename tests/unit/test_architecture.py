@@ -297,8 +297,8 @@ ADAPTER_MAY_IMPORT = {"request": set(), "cache": set(), "attention": set(), "mod
                       "repair": {"cache", "attention", "model"},
                       "server": {"request", "cache", "attention", "model", "repair"}}
 #: the HTTP process's adapter modules: they import no adapter module of the scheduler's
-HTTP_PROCESS = {f"{PACKAGE}.request.sglang.{m}" for m in ("api", "chat", "parallel_encoding", "join_registry",
-                                                         "sglang_fields")} | {f"{PACKAGE}.server.sglang.gate_refusal"}
+HTTP_PROCESS = {f"{PACKAGE}.request.sglang.{m}" for m in ("api", "chat", "chat_stream_logprobs", "parallel_encoding",
+                                                         "join_registry", "sglang_fields")} | {f"{PACKAGE}.server.sglang.gate_refusal"}
 #: modules above the adapters (they run the adapters outside SGLang, on a GPU)
 ABOVE_ADAPTERS = (f"{PACKAGE}.gpu_check",)
 #: modules that import SGLang besides the adapters: SGLang's frontend language, and the CPU shims

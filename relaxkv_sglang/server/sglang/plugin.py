@@ -47,6 +47,10 @@ HOOKS = {
         "relaxkv_sglang.request.report:around_is_request_level_key", ("self", "key")),
     "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request": (
         "relaxkv_sglang.request.sglang.chat:around_convert_to_internal_request", ("self", "request", "raw_request")),
+    "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._generate_stream_content": (
+        "relaxkv_sglang.request.sglang.chat_stream_logprobs:around_generate_stream_content",
+        ("self", "content", "index", "request", "created", "stream_offsets", "reasoning_parser_dict", "parser_dict",
+         "has_tool_calls", "choice_logprobs", "finish_reason_type")),
     "sglang.srt.entrypoints.http_server.serve_generate_request": (
         "relaxkv_sglang.request.sglang.parallel_encoding:around_serve_generate_request", ("obj", "request")),
     "sglang.srt.managers.scheduler_components.logprob_result_processor.SchedulerLogprobResultProcessor"

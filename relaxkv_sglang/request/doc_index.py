@@ -3,10 +3,15 @@
 :func:`discover_chunks` splits a prompt that marks no documents:
 
 1. **By structure** (always): :mod:`relaxkv_sglang.request.doc_blocks` names the blocks that are documents.
-2. **Token boundaries** (in the server): a span is moved inward to the nearest *boundaries* of the
-   prompt's own tokenization (:func:`token_boundaries`: offsets no token straddles), trimmed of
-   whitespace, and kept if still ``min_chunk_chars`` long; so a chunk tokenized alone has the tokens
-   the whole prompt has there (for tokenizers whose pieces do not depend on what precedes them).
+2. **Token boundaries** (in the server): a span is trimmed of whitespace, moved inward to the
+   nearest *boundaries* of the prompt's own tokenization (:func:`token_boundaries`: offsets no
+   token straddles), and kept if still ``min_chunk_chars`` long; so a chunk tokenized alone has the
+   tokens the whole prompt has there (for tokenizers whose pieces do not depend on what precedes
+   them). Where the first word's token takes the space before it (byte-level BPE's ``"ĠThe"``,
+   SentencePiece's ``"▁The"``: after ``"[3] "`` no boundary lies right before ``"The"``), the start
+   moves back instead, over the whitespace right before it (never past anything else, the end of a
+   known or earlier chunk or the start of the chunk's region) to the nearest boundary there: the
+   chunk starts with that space (``" The ..."``) and keeps its first word.
 3. **Seen before** (opt-in, ``RELAXKV_DISCOVERY_INDEX=1``): :class:`DocumentIndex` holds chunks
    discovered in earlier unmarked prompts, LRU-bounded, one namespace per tenant. A document ``D``
    is filed under one window ``D[a : a + W]``, ``a >= 1`` right after a boundary character
@@ -17,7 +22,8 @@
 
 Without the index a prompt's chunks are a function of the prompt and tokenizer alone (the same on
 every replica and restart); the index trades that for reuse where the block rules do not cut.
-Cost, linear in the prompt: the block rules, one ``bisect`` per chunk end; with the index one regex
+Cost, linear in the prompt: the block rules, one ``bisect`` per chunk end (and a look back over the
+whitespace before a chunk's start, each character at most once); with the index one regex
 pass and one dict lookup per boundary character, comparisons bounded by ``compare_factor`` times
 the prompt's length. Standard library only.
 """
@@ -241,17 +247,40 @@ def _longest_disjoint(hits: list[Span], regions: Optional[Sequence[Span]]) -> li
     return chosen
 
 
+def _back_over_space(text: str, start: int, floor: int, boundaries: Sequence[int]) -> Optional[int]:
+    """The nearest boundary before ``start`` that only whitespace separates from it, not before
+    ``floor``; None if there is none. Reads the whitespace run before ``start`` (down to ``floor``) once."""
+    w = start
+    while w > floor and text[w - 1].isspace():
+        w -= 1
+    i = bisect.bisect_left(boundaries, start) - 1
+    return boundaries[i] if i >= 0 and boundaries[i] >= w else None
+
+
 def _new_chunks(text: str, candidates: Sequence[Span], known: Sequence[Span],
-                boundaries: Optional[Sequence[int]], min_chars: int) -> list[Span]:
+                boundaries: Optional[Sequence[int]], min_chars: int,
+                regions: Optional[Sequence[Span]] = None) -> list[Span]:
     """The candidates less the ``known`` spans (both sorted and disjoint), trimmed, moved inward to
     the nearest ``boundaries`` (then trimmed of what whitespace still ends on a boundary), kept if
-    ``min_chars`` long. One pass over both lists: a known span is visited once per candidate it
-    overlaps, and two families of disjoint spans overlap at most ``len(a) + len(b)`` times."""
+    ``min_chars`` long. A start that is no boundary (the first word's token takes the space before
+    it) moves back over the whitespace right before it to the nearest boundary there, if any, instead
+    of past the word (module doc, step 2); never before the end of the last known span or candidate
+    piece before it, nor before the start of its region (``regions``: sorted and disjoint, each
+    candidate inside one; None: the whole text), so the chunks stay sorted, disjoint and inside.
+    One pass over the three lists: a known span is visited once per candidate it overlaps (two
+    families of disjoint spans overlap at most ``len(a) + len(b)`` times), and the whitespace looked
+    back over lies between a piece's floor and its start, apart for each piece."""
     out: list[Span] = []
-    k = 0
+    k = r = 0
+    floor = 0  # no chunk starts before it: the end of the last candidate piece or known span passed
     for cs, ce in candidates:
         while k < len(known) and known[k][1] <= cs:
             k += 1
+        floor = max(floor, known[k - 1][1] if k else 0)
+        if regions is not None:
+            while r < len(regions) and regions[r][1] <= cs:
+                r += 1
+            floor = max(floor, regions[r][0] if r < len(regions) and regions[r][0] <= cs else cs)
         pieces, pos, j = [], cs, k
         while j < len(known) and known[j][0] < ce:
             pieces.append((pos, max(pos, known[j][0])))
@@ -259,12 +288,19 @@ def _new_chunks(text: str, candidates: Sequence[Span], known: Sequence[Span],
             j += 1
         pieces.append((pos, ce))
         for s, e in pieces:
-            s, e = _inward(trim_span(text, s, e), boundaries)
+            floor = max(floor, s) if s > cs else floor  # a piece after a known span: not into it
+            ts, te = trim_span(text, s, e)
+            s, e = _inward((ts, te), boundaries)
+            if boundaries is not None and s != ts and ts < te:
+                back = _back_over_space(text, ts, floor, boundaries)
+                if back is not None:
+                    s, e = back, _inward((back, te), boundaries)[1]
             if e - s >= min_chars:
                 ts, te = trim_span(text, s, e)
                 s, e = (ts if _on(boundaries, ts) else s), (te if _on(boundaries, te) else e)
             if e - s >= min_chars:
                 out.append((s, e))
+        floor = max(floor, ce)
     return out
 
 
@@ -300,5 +336,5 @@ def discover_chunks(text: str, index: Optional[DocumentIndex], namespace: Option
     known = index.find(text, namespace, regions, boundaries) if index is not None else []
     candidates = candidate_spans(find_blocks(text, regions, min_chunk_chars=min_chunk_chars),
                                  min_chunk_chars=min_chunk_chars)
-    spans = known + _new_chunks(text, candidates, known, boundaries, min_chunk_chars)
+    spans = known + _new_chunks(text, candidates, known, boundaries, min_chunk_chars, regions)
     return sorted(spans)[:max_chunks]

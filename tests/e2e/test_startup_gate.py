@@ -107,3 +107,21 @@ def test_wrong_rotation_fails_the_gate_and_refuses_chunk_policies(wrong_rope_ser
     log = open(wrong_rope_server.log_path).read()
     lines = [line for line in log.splitlines() if "correctness gate FAILED" in line]
     assert len(lines) == 1 and "are refused with HTTP 400" in lines[0], lines
+
+
+@pytest.mark.parametrize("backends", [["--attention-backend", "relaxkv", "--radix-cache-backend", "relaxkv"],
+                                      ["--radix-cache-backend", "relaxkv"]], ids=["both", "tree_cache_only"])
+def test_deterministic_inference_is_refused_at_startup_saying_why(tiny_model_path, tmp_path, backends):
+    """``--enable-deterministic-inference`` with a relaxkv backend: the server stops before any
+    process starts, and its last line says why (``server/sglang/deterministic.py``), before SGLang's
+    own "only [...] attention backends are supported" (which names no reason, and which a GPU
+    server with SGLang's flashinfer attention and the relaxkv tree cache would pass)."""
+    from relaxkv_sglang.server.launch import ServerError, SGLangServer
+    from relaxkv_sglang.server.sglang.deterministic import REFUSAL
+
+    config = ServerConfig(model_path=tiny_model_path, relaxkv=False,
+                          extra_args=backends + ["--enable-deterministic-inference"],
+                          log_path=str(tmp_path / "server.log"), startup_timeout_s=SERVER_START_TIMEOUT_S)
+    with pytest.raises(ServerError) as refused:
+        SGLangServer(config).start()
+    assert REFUSAL in str(refused.value), str(refused.value)

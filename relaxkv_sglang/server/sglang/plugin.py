@@ -56,6 +56,8 @@ HOOKS = {
     "sglang.srt.managers.scheduler_components.logprob_result_processor.SchedulerLogprobResultProcessor"
     ".add_logprob_return_values": (
         "relaxkv_sglang.request.sglang.prefill_only:around_add_logprob_return_values", ("self", "i", "req")),
+    "sglang.srt.arg_groups.attention_hook.handle_deterministic_inference": (
+        "relaxkv_sglang.server.sglang.deterministic:around_handle_deterministic_inference", ("server_args",)),
     "sglang.srt.managers.schedule_batch.Req._check_str_based_finish": (
         "relaxkv_sglang.request.sglang.stop_regex:around_check_str_based_finish", ("self", "new_accepted_len")),
 }

@@ -129,6 +129,10 @@ def long_sampling_list(custom_params: dict) -> dict:
                                                 {"max_new_tokens": 2}]}
 
 
+# A json_schema of 100,000 enum values (1.39 M characters): xgrammar compiled it for about 32 s on the
+# 2-core test machine, blocking SGLang's grammar thread.
+ENUM_100K = {"type": "string", "enum": [f"value{i}" for i in range(100_000)]}
+
 UNICODE_TEXT = "Ünïcödé déjà vu, 日本語のテキスト. Question?"
 EMOJI_TEXT = "😀😀 rocket 🚀 Question?"
 G = "/generate"
@@ -290,6 +294,20 @@ HTTP_CASES = [
             dict(completion({"relaxkv_policy": "relaxkv", "relaxkv_chunks": [6, 27]}), regex="([")),
     BadCase("completions_reserved_key", COMPLETIONS, "custom_params._relaxkv_token_spans: is reserved",
             completion({"_relaxkv_token_spans": [0, 1]})),
+    # --- request bounds on SGLang's own fields (served slowly or blocking before; docs/reliability.md, "Request bounds")
+    BadCase("n_10000", G, "invalid sampling_params.n: must be at most 128 (OpenAI: `n`), got 10000",
+            {"text": TEXT, "sampling_params": {"max_new_tokens": 1, "n": 10_000}}),
+    BadCase("chat_n_10000", CHAT, "invalid sampling_params.n: must be at most 128", chat(n=10_000, max_tokens=1)),
+    BadCase("completions_n_10000", COMPLETIONS, "invalid sampling_params.n: must be at most 128",
+            {"model": "tiny", "prompt": TEXT, "max_tokens": 1, "n": 10_000}),
+    BadCase("min_new_tokens_1000000", G, "invalid sampling_params.min_new_tokens: must be at most the context "
+            "length 4096", {"text": TEXT, "sampling_params": {"max_new_tokens": None, "min_new_tokens": 10**6}}),
+    BadCase("chat_min_tokens_1000000", CHAT, "invalid sampling_params.min_new_tokens",
+            chat(min_tokens=10**6, max_tokens=None)),
+    BadCase("json_schema_enum_100k", G, "invalid sampling_params.json_schema: must be at most 65536 characters",
+            lambda: {"text": TEXT, "sampling_params": {"max_new_tokens": 2, "json_schema": json.dumps(ENUM_100K)}}),
+    BadCase("chat_response_format_enum_100k", CHAT, "invalid sampling_params.json_schema: must be at most 65536",
+            lambda: chat(response_format={"type": "json_schema", "json_schema": {"name": "e", "schema": ENUM_100K}})),
     # --- frontend: SGLang's parallel-encoding join route
     BadCase("join_src_rids_not_a_list", JOIN, "src_rids: must be a list of strings", {"src_rids": "a", "dst_rid": "b"}),
     BadCase("join_src_rids_numbers", JOIN, "src_rids: must be a list of strings", {"src_rids": [1, 2], "dst_rid": "b"}),

@@ -11,10 +11,12 @@ import types
 import pytest
 
 from relaxkv_sglang.request.schema import RequestError
-from relaxkv_sglang.request.sglang.sglang_fields import INT32_MAX, check_sglang_fields
+from relaxkv_sglang.request.sglang.sglang_fields import (GRAMMAR_FIELDS, INT32_MAX, MAX_GRAMMAR_CHARS, MAX_N,
+                                                         check_sglang_fields)
 from relaxkv_sglang.request.sglang.stop_regex import SEARCH_TIMEOUT_S, BoundedRe, StopRegexTimeout, around_check_str_based_finish
 
 VOCAB = 2048
+CONTEXT = 4096  # the server's context length
 
 
 def request(**fields) -> types.SimpleNamespace:
@@ -32,6 +34,11 @@ ACCEPTED = [
     dict(sampling_params=[{"top_k": 5}, {"stop_regex": ["a+", "[0-9]{2}"]}]),
     dict(sampling_params={"stop_regex": "(.+)+\\Z#"}),  # compiles; bounded where it runs
     dict(logprob_start_len=-1), dict(logprob_start_len=[0, 7]),
+    dict(sampling_params={"n": MAX_N}), dict(sampling_params=[{"n": 1}, {"n": MAX_N}]),
+    dict(sampling_params={"min_new_tokens": CONTEXT, "max_new_tokens": None}),
+    dict(sampling_params=[{"min_new_tokens": 0}, {"min_new_tokens": CONTEXT}]),
+    *(dict(sampling_params={field: "x" * MAX_GRAMMAR_CHARS}) for field in GRAMMAR_FIELDS),
+    dict(sampling_params={"json_schema": {"not": "a string"}}),  # SGLang's parser refuses other types
 ]
 
 REFUSED = [
@@ -53,18 +60,44 @@ REFUSED = [
     (dict(positional_embed_overrides=[[0, [0.1]]]), r"positional_embed_overrides: .* got list"),
     (dict(logprob_start_len=-2), r"^invalid logprob_start_len: must be -1 \(none\) or a token position >= 0, got -2$"),
     (dict(logprob_start_len=[0, -3]), r"\(item 1\), got -3"),
+    (dict(sampling_params={"n": MAX_N + 1}), r"^invalid sampling_params.n: must be at most 128 \(OpenAI: `n`\), "
+                                             r"got 129$"),
+    (dict(sampling_params=[{"n": 2}, {"n": 10_000}]), r"sampling_params.n: .* \(item 1\), got 10000$"),
+    (dict(sampling_params={"min_new_tokens": CONTEXT + 1}), r"^invalid sampling_params.min_new_tokens: must be at "
+                                                            r"most the context length 4096 \(OpenAI: `min_tokens`\), "
+                                                            r"got 4097$"),
+    (dict(sampling_params=[{}, {"min_new_tokens": 10**6}]), r"min_new_tokens: .* \(item 1\), got 1000000$"),
+    *((dict(sampling_params={field: "x" * (MAX_GRAMMAR_CHARS + 1)}),
+       rf"^invalid sampling_params.{field}: must be at most 65536 characters .*, got 65537$") for field in GRAMMAR_FIELDS),
+    (dict(sampling_params=[{"regex": "a"}, {"json_schema": "x" * 10**6}]),
+     r"sampling_params.json_schema: .* \(item 1\), got 1000000$"),
 ]
 
 
 @pytest.mark.parametrize("fields", ACCEPTED, ids=repr)
 def test_accepted(fields):
-    check_sglang_fields(request(**fields), VOCAB)
+    check_sglang_fields(request(**fields), VOCAB, CONTEXT)
 
 
 @pytest.mark.parametrize("fields,message", REFUSED, ids=lambda x: repr(x)[:60])
 def test_refused_naming_the_field(fields, message):
     with pytest.raises(RequestError, match=message):
-        check_sglang_fields(request(**fields), VOCAB)
+        check_sglang_fields(request(**fields), VOCAB, CONTEXT)
+
+
+def test_without_a_context_length_only_the_min_new_tokens_bound_is_skipped():
+    check_sglang_fields(request(sampling_params={"min_new_tokens": 10**6}), VOCAB)
+    with pytest.raises(RequestError, match="sampling_params.n"):
+        check_sglang_fields(request(sampling_params={"min_new_tokens": 10**6, "n": 10_000}), VOCAB)
+
+
+def test_a_100k_value_enum_is_refused_before_xgrammar_sees_it():
+    """The schema that blocked SGLang's grammar thread (about 32 s of compiling on the 2-core test machine)."""
+    import json
+
+    schema = json.dumps({"type": "string", "enum": [f"value{i}" for i in range(100_000)]})
+    with pytest.raises(RequestError, match=rf"sampling_params.json_schema: .*, got {len(schema)}$"):
+        check_sglang_fields(request(sampling_params={"json_schema": schema}), VOCAB, CONTEXT)
 
 
 def test_without_a_vocabulary_size_only_the_vocabulary_checks_are_skipped():

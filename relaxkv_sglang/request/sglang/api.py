@@ -275,11 +275,12 @@ async def around_generate_request(
 
     try:
         if isinstance(obj, GenerateReqInput):
-            check_sglang_fields(obj, getattr(getattr(tokenizer_manager, "model_config", None), "vocab_size", None))
+            check_sglang_fields(obj, getattr(getattr(tokenizer_manager, "model_config", None), "vocab_size", None),
+                                getattr(tokenizer_manager, "context_len", None))
         if isinstance(obj, GenerateReqInput) and chunk_tree_served(tokenizer_manager.server_args):
             requested = header_policy(getattr(request, "headers", None))
             prepare_generate(tokenizer_manager, obj, await chunk_refusal(tokenizer_manager), requested)
-    except RequestError:
+    except BaseException:  # any planning failure, not only a RequestError (a 400): SGLang's abort task runs on it
         _shape_for_abort_task(obj)
         raise
     async for out in original(tokenizer_manager, obj, request, *args, **kwargs):

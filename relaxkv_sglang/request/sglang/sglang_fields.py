@@ -1,8 +1,11 @@
-"""SGLang's own request fields whose bad values stop its scheduler: refused in the HTTP process.
+"""SGLang's own request fields whose bad values stop its scheduler or cost unbounded work: refused in the HTTP process.
 
 A few values pass SGLang 0.5.23's own checks and then raise in the scheduler, ending the server;
-:func:`check_sglang_fields` (from :mod:`.api`'s hook, every server) refuses them with HTTP 400. What
-SGLang does with each: ``docs/reliability.md``. Wrong JSON types are left to SGLang's parser.
+others are served but cost far more than any use needs (``n`` 10,000, ``min_new_tokens`` 10**6, a
+grammar whose compilation blocks SGLang's grammar thread for seconds). :func:`check_sglang_fields`
+(from :mod:`.api`'s hook, every server) refuses them with HTTP 400 naming the field. What SGLang does
+with each, and each bound: ``docs/reliability.md`` ("Request bounds"). Wrong JSON types are left to
+SGLang's parser.
 """
 
 from __future__ import annotations
@@ -14,16 +17,27 @@ import regex
 
 from relaxkv_sglang.request.schema import RequestError
 
-__all__ = ["INT32_MAX", "check_sglang_fields"]
+__all__ = ["GRAMMAR_FIELDS", "INT32_MAX", "MAX_GRAMMAR_CHARS", "MAX_N", "check_sglang_fields"]
 
 INT32_MAX = 2**31 - 1  # SGLang builds its per-batch top_k tensor as int32
+# OpenAI's own limit on `n`. SGLang copies the request n times (one scheduler request each) and
+# has no bound: n 10,000 of one token each did not answer within 60 s, the server busy meanwhile.
+MAX_N = 128
+# Grammar texts longer than this (characters) are refused: xgrammar's compile time grows faster than
+# the text (tiny model, 2 cores: a json_schema enum of 5,125 values, 65,525 characters, 0.08 s; 10,000
+# values, 128,900 characters, 0.72 s; 100,000 values, 1.39 M characters, 32 s), and SGLang compiles in
+# one grammar thread, so one such request stalls every constrained request behind it.
+MAX_GRAMMAR_CHARS = 65_536
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")  # SamplingParams' grammar fields
 
 
-def check_sglang_fields(obj: Any, vocab_size: Optional[int] = None) -> None:
-    """Refuse what stops SGLang 0.5.23's scheduler; raises :class:`RequestError` naming the field.
+def check_sglang_fields(obj: Any, vocab_size: Optional[int] = None, context_len: Optional[int] = None) -> None:
+    """Refuse what stops SGLang 0.5.23's scheduler or exceeds a request bound; raises
+    :class:`RequestError` naming the field.
 
-    ``obj``: the ``GenerateReqInput`` before SGLang normalizes it; ``vocab_size`` None skips the
-    checks that need it.
+    ``obj``: the ``GenerateReqInput`` before SGLang normalizes it (the OpenAI routes' requests
+    converted: ``n``, ``min_tokens``, ``response_format`` are in its ``sampling_params``);
+    ``vocab_size`` / ``context_len`` (the server's context length) None skip the checks that need them.
 
     >>> from types import SimpleNamespace
     >>> check_sglang_fields(SimpleNamespace(input_ids=[1, 5], sampling_params={"stop_regex": "END"}), 100)
@@ -44,6 +58,11 @@ def check_sglang_fields(obj: Any, vocab_size: Optional[int] = None) -> None:
             where = f" (item {i})" if isinstance(sampling_params, list) else ""
             _check_top_k(sp.get("top_k"), where)
             _check_stop_regex(sp.get("stop_regex"), where)
+            _check_n(sp.get("n"), where)
+            if context_len is not None:
+                _check_min_new_tokens(sp.get("min_new_tokens"), context_len, where)
+            for field in GRAMMAR_FIELDS:
+                _check_grammar(field, sp.get(field), where)
 
 
 def _where(value: Any, i: int) -> str:
@@ -123,3 +142,25 @@ def _check_stop_regex(value: Any, where: str) -> None:
         except (re.error, regex.error, RecursionError, OverflowError) as exc:
             raise RequestError("sampling_params.stop_regex", f"{pattern!r} is not a valid regular expression"
                                                              f"{where}: {exc}") from exc
+
+
+def _check_n(value: Any, where: str) -> None:
+    """At most :data:`MAX_N` (OpenAI's limit): SGLang copies the request ``n`` times, unbounded."""
+    if _is_int(value) and value > MAX_N:
+        raise RequestError("sampling_params.n", f"must be at most {MAX_N} (OpenAI: `n`){where}, got {value}")
+
+
+def _check_min_new_tokens(value: Any, context_len: int, where: str) -> None:
+    """At most the context length: SGLang checks it against ``max_new_tokens`` only when that is
+    given; with ``max_new_tokens`` null it ignores the stop conditions up to the context's end, so a
+    larger value cannot be met and only makes the request run to the context."""
+    if _is_int(value) and value > context_len:
+        raise RequestError("sampling_params.min_new_tokens", f"must be at most the context length {context_len} "
+                                                             f"(OpenAI: `min_tokens`){where}, got {value}")
+
+
+def _check_grammar(field: str, value: Any, where: str) -> None:
+    """A grammar text of at most :data:`MAX_GRAMMAR_CHARS` characters (xgrammar's compile time)."""
+    if isinstance(value, str) and len(value) > MAX_GRAMMAR_CHARS:
+        raise RequestError(f"sampling_params.{field}", f"must be at most {MAX_GRAMMAR_CHARS} characters (OpenAI: "
+                                                        f"`response_format`, tool schemas){where}, got {len(value)}")

@@ -79,6 +79,13 @@ def documents(n: int, seed: int) -> list[str]:
     return random.Random(seed).sample(essay_paragraphs(), n)
 
 
+def synthetic_documents(n: int, seed: int) -> list[str]:
+    """Paragraph-like documents never sent before (words of the essays, shuffled; ~100 tokens each)."""
+    rng = random.Random(seed)
+    words = " ".join(essay_paragraphs()).split()
+    return [f"Note {seed}-{i}: " + " ".join(rng.choices(words, k=70)) + "." for i in range(n)]
+
+
 def generate(url: str, prompt: MarkedPrompt | str, *, policy: str | None = None, max_new_tokens: int = 8,
              logprobs: bool = False, timeout: float = 120, **extra) -> dict:
     marked = isinstance(prompt, MarkedPrompt)

@@ -73,7 +73,8 @@ from typing import Any, Optional, Sequence
 
 import pytest
 import requests
-from rag_helpers import documents, flush, layout_prompt, mid_word_offset, part_token_ids, relaxkv_state
+from rag_helpers import (documents, flush, layout_prompt, mid_word_offset, part_token_ids, relaxkv_state,
+                         synthetic_documents)
 
 from relaxkv_sglang.repair.policies import CHUNK_POLICIES, SERVER_POLICIES
 from relaxkv_sglang.request.schema import POLICY_HEADER
@@ -715,3 +716,93 @@ def test_a_cache_changes_speed_never_answers(relaxkv_server, tokenizer):
           + ", ".join(f"{k} {n}" for k, n in sorted(KINDS.items())) + f"), {sum(SENT.values())} sent ("
           + ", ".join(f"{route} {cls}: {n}" for (route, cls), n in sorted(SENT.items()))
           + f") in {time.monotonic() - started:.0f} s")
+
+
+# ---------------------------------------------------------------------------------------------
+# Histories on a server with lower tiers: pool pressure and a restart from the disk folder
+
+TIER_REQUESTS_ENV = "RELAXKV_PROPERTY_TIER_REQUESTS"
+TIER_CASES = int(os.environ.get(TIER_REQUESTS_ENV, 6))
+TIER_INDEX_BASE = 1_000_000  # drawn requests of their own: index TIER_INDEX_BASE + i
+FILLER_DOCS = synthetic_documents(200, seed=43)  # ~20K tokens, none another request sends
+
+
+def tier_server_config(model_path: str, chunk_dir: str):
+    """The session relaxkv server's settings plus an 8 MiB host tier (LRU: every evicted chunk spills)
+    and a disk folder (write-through) that a restart finds again."""
+    from conftest import relaxkv_server_config
+
+    config = relaxkv_server_config(model_path)
+    config.env = {**config.env, "RELAXKV_HOST_CACHE_GB": str(8 / 1024), "RELAXKV_HOST_CACHE_POLICY": "lru",
+                  "RELAXKV_CHUNK_DIR": chunk_dir, "RELAXKV_DISK_CACHE_GB": "0.2"}
+    return config
+
+
+def pressure_calls(tokenizer, pool_tokens: int) -> list[Call]:
+    """Marked ``pic`` requests of other documents holding twice the pool's tokens: every chunk sent
+    before them leaves the pool (to the host tier, and from there to nothing or the disk folder)."""
+    calls, total, i = [], 0, 0
+    while total < 2 * pool_tokens:
+        group = [FILLER_DOCS[(i + k) % len(FILLER_DOCS)] for k in range(8)]
+        prompt = layout_prompt(f"Filler {i}.", group, "Q?", "blank")
+        total += len(tokenizer.encode(prompt.text))
+        calls.append(Call("/generate", {"text": prompt.text, "sampling_params": {
+            "max_new_tokens": 1, "temperature": 0.0,
+            "custom_params": {"relaxkv_policy": "pic", "relaxkv_chunks": prompt.offsets}}}))
+        i += 8
+    return calls
+
+
+def _compare(case: Case, index: int, answers: dict) -> None:
+    (first, reference), *others = answers.items()
+    for name, got in others:
+        for turn, (a, b) in enumerate(zip(reference, got)):
+            diffs = differences(a, b, case.sampled)
+            if diffs:
+                pytest.fail(report_failure(case, index, first, name, [f"(turn {turn + 1})"] + diffs, answers),
+                            pytrace=False)
+
+
+@pytest.mark.long
+def test_pool_pressure_and_a_restart_from_disk_change_no_answer(tiny_model_path, tokenizer, tmp_path):
+    """Drawn requests (:data:`TIER_CASES`, ``RELAXKV_PROPERTY_TIER_REQUESTS=N``; their own indices)
+    on a server with a host tier and a disk folder, each under three more histories than cold:
+    ``evicted`` (after a flush: the request, then other documents holding twice the pool, so its
+    chunks come back from the host tier or the disk folder, or are recomputed), and, once every
+    request was sent, ``restarted`` (a new server on the same folder: the first request of each
+    finds its chunks on disk). Every answer must equal the cold one, as in the property above."""
+    from relaxkv_sglang.server.launch import SGLangServer
+
+    config = tier_server_config(tiny_model_path, str(tmp_path / "chunks"))
+    cases = [(TIER_INDEX_BASE + i, draw_case(TIER_INDEX_BASE + i, tokenizer)) for i in range(TIER_CASES)]
+    answers: dict[int, dict] = {}
+    server = SGLangServer(config).start()
+    try:
+        sender, fillers = Sender(server), pressure_calls(tokenizer, config.max_total_tokens)
+        for index, case in cases:
+            answers[index] = {"cold": sender.under(case.calls, []),
+                              "evicted": sender.under(case.calls, case.calls + fillers)}
+            sender.check_health(case)
+            _compare(case, index, answers[index])
+        state = relaxkv_state(server.url)
+        assert state["chunk_evictions"] > 0 and state["tier_host_spills"] > 0, state
+        for _, case in cases:  # every request's chunks once more, so the folder holds them
+            sender.run(case.calls)
+        deadline = time.monotonic() + 60
+        while relaxkv_state(server.url).get("tier_disk_pending_writes", 0) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        server.stop()
+    with SGLangServer(config) as again:
+        sender = Sender(again)
+        for index, case in cases:
+            answers[index]["restarted"] = sender.run(case.calls)
+            _compare(case, index, answers[index])
+        state = relaxkv_state(again.url)
+        flush(again.url)
+        idle = relaxkv_state(again.url)
+        assert idle["chunk_tokens_held"] == 0 and idle["kv_available_tokens"] == idle["kv_total_tokens"]
+    loads = {k: v for k, v in state.items() if k.startswith("tier_") and k.endswith("_loads")}
+    print(f"\ntier histories: seed {SEED}, {len(cases)} drawn requests ("
+          + ", ".join(sorted(c.kind for _, c in cases)) + f"), loads after the restart {loads}")
+    assert state.get("tier_disk_loads", 0) > 0, loads

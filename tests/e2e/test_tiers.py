@@ -33,7 +33,7 @@ import time
 
 import pytest
 from conftest import STRICT_MEMORY_CHECK
-from rag_helpers import SERVER_START_TIMEOUT_S, documents, essay_paragraphs, generate, marked_prompt, relaxkv_state
+from rag_helpers import SERVER_START_TIMEOUT_S, documents, generate, marked_prompt, relaxkv_state, synthetic_documents
 
 from relaxkv_sglang.cache.tiers import DiskTier, ModelIdentity, chunk_key
 from relaxkv_sglang.server.cluster import Cluster
@@ -125,13 +125,6 @@ def _scheduler_rss(server: SGLangServer) -> int:
     return best
 
 
-def _synthetic_documents(n: int, seed: int) -> list[str]:
-    """Paragraph-like documents never sent before (words of the essays, shuffled)."""
-    rng = random.Random(seed)
-    words = " ".join(essay_paragraphs()).split()
-    return [f"Note {seed}-{i}: " + " ".join(rng.choices(words, k=70)) + "." for i in range(n)]
-
-
 @pytest.mark.e2e
 def test_spill_reload_isolation_and_host_memory_bound(tiny_model_path, tmp_path):
     docs = documents(16, seed=41)
@@ -179,7 +172,7 @@ def test_spill_reload_isolation_and_host_memory_bound(tiny_model_path, tmp_path)
         # Memory: push about 4x the host bound through it; the scheduler grows by at most 110% of it.
         bound = HOST_MB << 20
         rss0 = _scheduler_rss(server)
-        fresh = _synthetic_documents(160, seed=7)
+        fresh = synthetic_documents(160, seed=7)
         for i in range(0, len(fresh), 4):
             _ask(url, marked_prompt("Read these.", fresh[i: i + 4], "Q?"))
             if i % 40 == 0:  # re-use some, so the host tier serves and re-admits under pressure
@@ -209,7 +202,7 @@ def test_warm_restart_after_kill_9_with_damaged_files(tiny_model_path, tmp_path,
     stored = [marked_prompt("Answer from the documents.", docs[i: i + 3], f"Q{i}?") for i in range(0, 12, 3)]
     replays = [marked_prompt("A different system prompt.", docs[i: i + 3][::-1], f"Again {i}?")
                for i in range(0, 12, 3)]
-    flood = _synthetic_documents(120, seed=9)
+    flood = synthetic_documents(120, seed=9)
 
     server = SGLangServer(_config(tiny_model_path, chunk_dir)).start()
     try:
@@ -298,7 +291,7 @@ def test_warm_restart_after_kill_9_with_damaged_files(tiny_model_path, tmp_path,
 
         # encode: a corpus already stored is skipped; new documents are stored, then skipped on a rerun
         corpus = tmp_path / "corpus.jsonl"
-        new_docs = _synthetic_documents(5, seed=11)
+        new_docs = synthetic_documents(5, seed=11)
         corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:3] + new_docs))
         cmd = [sys.executable, "-m", "relaxkv_sglang", "encode", "--url", url, "--input", str(corpus),
                "--state", "none"]

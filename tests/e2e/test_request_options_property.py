@@ -40,9 +40,11 @@ stream's error events and abort reasons too), the server process lives after eve
 ``/health`` (a generation; it takes a second) after every drawn request, and at the end an idle
 flush returns the pool to full (every KV slot free, no chunk held).
 
-Not drawn: sampling at a temperature (not deterministic), a restart from the disk tier as a
-history, and ``--allow-auto-truncate`` (the session's server answers a prompt over its context
-length with a 400, compared like any answer; a server with the flag would cost another start).
+Not drawn here: sampling at a temperature (not deterministic), and ``--allow-auto-truncate`` (the
+session's server answers a prompt over its context length with a 400, compared like any answer; a
+server with the flag would cost another start). Pool pressure and a restart from the disk folder
+are histories of :func:`test_pool_pressure_and_a_restart_from_disk_change_no_answer` (marked
+``long``), on a server with lower tiers of its own.
 
 **Seed**: the date (UTC, ``YYYYMMDD``), so CI explores another part of the space each day;
 ``RELAXKV_PROPERTY_SEED=N`` replays a run, and ``RELAXKV_PROPERTY_CASE=i`` only its drawn request

@@ -333,8 +333,9 @@ HTTP_CASES = [
 # SGLang inputs that stop (or hang) SGLang 0.5.23's scheduler, on a stock server too: the server
 # process exits (or stops answering) and every request in flight fails (docs/reliability.md, "SGLang
 # inputs that stop its scheduler"). Each is refused with a 400 naming the field on every server the
-# plugin is loaded into (request/sglang/sglang_fields.py), except a stop regex that backtracks catastrophically
-# on the output, which is aborted with a 400 when its matching runs out of time (request/sglang/stop_regex.py).
+# plugin is loaded into (request/sglang/sglang_fields.py); a stop regex that backtracks catastrophically
+# in Python's re is matched by RE2 in linear time and served (STOP_REGEX_SERVED, request/sglang/stop_regex.py),
+# one with no linear-time matcher (a backreference, lookaround) is refused with a 400 naming the field.
 VOCAB = 2048  # the tiny model's vocabulary
 GREEDY_AS = {"regex": "a{40}", "max_new_tokens": 40}  # a grammar forcing an output of "a"s
 SCHEDULER_STOPPERS = [
@@ -367,12 +368,24 @@ SCHEDULER_STOPPERS = [
     BadCase("chat_input_ids_above_vocab", CHAT, "invalid input_ids: token id 2051", chat(input_ids=[1, VOCAB + 3])),
     BadCase("positional_embed_overrides_json", G, "invalid positional_embed_overrides: takes SGLang's PositionalEmbeds",
             gen(positional_embed_overrides={"embeds": [[0.1]], "positions": [0]})),
-    BadCase("stop_regex_catastrophic", G, "stop_regex '(a|aa)+$#': matching it on",
-            {"text": TEXT, "sampling_params": {**GREEDY_AS, "stop_regex": "(a|aa)+$#"}}),
-    BadCase("stop_regex_catastrophic_with_chunks_relaxkv", G, "stop_regex '(a|aa)+$#': matching it on",
-            aborted("relaxkv", {**GREEDY_AS, "stop_regex": ["x", "(a|aa)+$#"]})),
+    BadCase("stop_regex_backreference", G, "invalid sampling_params.stop_regex: '(a|aa)+\\\\1#' uses a construct "
+            "with no linear-time matcher: a backreference",
+            {"text": TEXT, "sampling_params": {**GREEDY_AS, "stop_regex": "(a|aa)+\\1#"}}),
+    BadCase("stop_regex_lookahead_with_chunks_relaxkv", G, "invalid sampling_params.stop_regex: '(?=a)x' uses a "
+            "construct with no linear-time matcher", aborted("relaxkv", {**GREEDY_AS, "stop_regex": ["x", "(?=a)x"]})),
     BadCase("stop_regex_not_compiling", G, "invalid sampling_params.stop_regex: '(' is not a valid regular expression",
             {"text": TEXT, "sampling_params": {"max_new_tokens": 2, "stop_regex": "("}}),
+]
+
+# Stop regexes that made Python's re backtrack exponentially on an output of "a"s (it hung the scheduler),
+# matched by RE2 in linear time: (name, body, the pattern that stops it or None): served with 200 on both
+# servers, the first two to the grammar's end (the pattern never matches), the third stopped by it.
+STOP_REGEX_SERVED = [
+    ("stop_regex_catastrophic", {"text": TEXT, "sampling_params": {**GREEDY_AS, "stop_regex": "(a|aa)+$#"}}, None),
+    ("stop_regex_catastrophic_with_chunks_relaxkv", aborted("relaxkv", {**GREEDY_AS, "stop_regex": ["x", "(a|aa)+$#"]}),
+     None),
+    ("stop_regex_catastrophic_stops", {"text": TEXT, "sampling_params": {**GREEDY_AS, "stop_regex": "(a|aa)+a{9}$"}},
+     "(a|aa)+a{9}$"),
 ]
 
 
@@ -408,7 +421,7 @@ def probe_output(relaxkv_server) -> list[int]:
 
 
 def test_case_names_are_unique():
-    names = [c.name for c in HTTP_CASES + SCHEDULER_STOPPERS] + [c[0] for c in CLIENT_CASES]
+    names = [c.name for c in HTTP_CASES + SCHEDULER_STOPPERS] + [c[0] for c in CLIENT_CASES + STOP_REGEX_SERVED]
     assert len(names) == len(set(names))
 
 
@@ -534,11 +547,34 @@ def test_what_stopped_sglangs_scheduler_gets_a_400_and_the_server_serves_on(requ
     TRIED.append(f"{which}:{case.name}")
 
 
+@pytest.mark.parametrize("name,body,stopped_by", STOP_REGEX_SERVED, ids=[c[0] for c in STOP_REGEX_SERVED])
+@pytest.mark.parametrize("which", ["relaxkv_server", "server"])
+def test_a_stop_regex_that_backtracked_is_served_and_the_server_serves_on(request, which, name, body, stopped_by):
+    """On both servers: 200 (no time bound, so no abort whatever the load), the output of "a"s stopped
+    only by a pattern that matches, then an ordinary request is served."""
+    srv = request.getfixturevalue(which)
+    response = requests.post(srv.url + G, json=body, timeout=60)
+    assert response.status_code == 200, f"{name}: HTTP {response.status_code}: {response.text[:300]}"
+    out = response.json()
+    reason, text = out["meta_info"]["finish_reason"], out["text"]
+    assert text and set(text) == {"a"}, f"{name}: {text!r}"
+    if stopped_by is None:
+        assert reason["type"] in ("length", "stop") and reason.get("matched") not in ("(a|aa)+$#", "x"), reason
+        assert len(text) == 40, f"{name}: {text!r}"
+    else:
+        assert reason == {"type": "stop", "matched": stopped_by}, reason
+        assert 10 <= len(text) < 40, f"{name}: {text!r}"
+    normal = requests.post(srv.url + G, json=NORMAL, timeout=60)
+    assert normal.status_code == 200 and normal.json()["meta_info"]["completion_tokens"] == 4, normal.text[:300]
+    assert srv.proc.poll() is None
+    TRIED.append(f"{which}:{name}")
+
+
 @pytest.mark.parametrize("which", ["relaxkv_server", "server"])
 def test_sglang_options_that_stopped_a_cpu_server_are_served(request, which):
     """A repetition penalty (its torch.compile'd scaling raised beside the CPU install's triton
-    stub) and a stop regex that makes Python's re backtrack exponentially but not the bounded
-    matcher: both served to their length, on both servers."""
+    stub) and a stop regex that makes Python's re backtrack exponentially but not RE2: both
+    served to their length, on both servers."""
     srv = request.getfixturevalue(which)
     for sampling in [{"repetition_penalty": 1.3}, {"stop_regex": "(.+)+\\Z#", "ignore_eos": True}]:
         body = {"text": TEXT, "sampling_params": {"max_new_tokens": 24, "temperature": 0, **sampling}}

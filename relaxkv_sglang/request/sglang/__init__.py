@@ -7,7 +7,7 @@ batch-dependent (:mod:`.stop_regex`, :mod:`.prefill_only`).
 
 SGLang files hooked: ``managers/tokenizer_manager.py`` (``generate_request``),
 ``managers/tokenizer_control_mixin.py`` (``flush_cache``), ``entrypoints/openai/serving_chat.py``
-(``_convert_to_internal_request``), ``entrypoints/http_server.py`` (``serve_generate_request``),
-``managers/schedule_batch.py`` (``Req._check_str_based_finish``),
+(``_convert_to_internal_request``, ``_generate_stream_content``), ``entrypoints/http_server.py``
+(``serve_generate_request``), ``managers/schedule_batch.py`` (its module global ``re``, rebound),
 ``managers/scheduler_components/logprob_result_processor.py`` (``add_logprob_return_values``).
 """

@@ -13,8 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
-import regex
-
+from relaxkv_sglang.request.linear_regex import Unsupported, compile_re2
 from relaxkv_sglang.request.schema import RequestError
 
 __all__ = ["GRAMMAR_FIELDS", "INT32_MAX", "MAX_GRAMMAR_CHARS", "MAX_N", "check_sglang_fields"]
@@ -132,16 +131,25 @@ def _check_top_k(value: Any, where: str) -> None:
 
 
 def _check_stop_regex(value: Any, where: str) -> None:
-    """Each pattern must compile with ``re`` (else SGLang answers 500) and ``regex`` (:mod:`.stop_regex`)."""
+    """Each pattern must compile with ``re`` (SGLang's semantics; else SGLang answers 500) and have a
+    linear-time matcher: the scheduler matches it with RE2 (:mod:`.stop_regex`), which has no
+    backreferences, lookaround, atomic groups, possessive quantifiers or conditionals."""
     for pattern in value if isinstance(value, list) else [value]:
         if not isinstance(pattern, str):
             continue  # SGLang's parser refuses other types
         try:
             re.compile(pattern)
-            regex.compile(pattern)
-        except (re.error, regex.error, RecursionError, OverflowError) as exc:
+        except (re.error, RecursionError, OverflowError) as exc:
             raise RequestError("sampling_params.stop_regex", f"{pattern!r} is not a valid regular expression"
                                                              f"{where}: {exc}") from exc
+        try:
+            compile_re2(pattern)
+        except (re.error, RecursionError) as exc:
+            raise RequestError("sampling_params.stop_regex", f"{pattern!r} is not a valid regular expression"
+                                                             f"{where}: {exc}") from exc
+        except Unsupported as exc:
+            raise RequestError("sampling_params.stop_regex", f"{pattern!r} uses a construct with no linear-time "
+                                                             f"matcher{where}: {exc}") from exc
 
 
 def _check_n(value: Any, where: str) -> None:

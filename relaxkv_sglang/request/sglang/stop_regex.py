@@ -1,39 +1,35 @@
-"""A time bound on SGLang's ``stop_regex`` matching, which otherwise can hang its scheduler.
+"""SGLang's ``stop_regex`` matching bounded by work: Google RE2 (linear time) instead of Python's ``re``.
 
-A catastrophically backtracking pattern (``(a|aa)+#`` on ``a``s) holds the scheduler's one thread
-until a restart (docs/reliability.md), so ``re`` inside ``schedule_batch.py`` is rebound to
-:class:`BoundedRe` (a time-bounded ``regex`` search); a timeout aborts that request with 400
-(:func:`around_check_str_based_finish`).
+Python's ``re`` backtracks: a pattern such as ``(a|aa)+#`` on an output of ``a``s takes exponential
+time and holds the scheduler's one thread until a restart (docs/reliability.md). Inside
+``schedule_batch.py`` its ``re`` is rebound to :class:`BoundedRe`, whose ``search`` runs the pattern
+with RE2 (:mod:`relaxkv_sglang.request.linear_regex`: the same pattern in RE2's syntax): at most
+O(pattern x text) work on the output tail SGLang searches, however the output goes, whatever the
+machine's load. No time bound: a search is never cut short, so its answer does not depend on the load.
 
-SGLang file touched: ``sglang/srt/managers/schedule_batch.py`` (its module global ``re``, and
-``Req._check_str_based_finish``, wrapped).
+A pattern with no linear-time matcher is refused with HTTP 400 before it runs
+(``sglang_fields._check_stop_regex``, every server). One that reaches the scheduler without passing
+that check (it cannot) is not matched with ``re``: :meth:`BoundedRe.search` raises ``re.error`` and
+SGLang's own handler aborts that request with 400 ``invalid stop_regex ...`` (if the same step ends it
+by EOS or length, it ends so).
+
+SGLang file touched: ``sglang/srt/managers/schedule_batch.py`` (its module global ``re``).
 """
 
 from __future__ import annotations
 
 import re
-from http import HTTPStatus
-from typing import Any, Callable
+from typing import Any
 
-import regex
+from relaxkv_sglang.request.linear_regex import Unsupported, compile_re2
 
-__all__ = ["SEARCH_TIMEOUT_S", "BoundedRe", "StopRegexTimeout", "install", "around_check_str_based_finish"]
+__all__ = ["BoundedRe", "install"]
 
-SEARCH_TIMEOUT_S = 0.1  # seconds, one stop-regex search on the output
 SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch"
 
 
-class StopRegexTimeout(Exception):
-    """A stop_regex search ran out of its time bound (not an ``re.error``, so SGLang's handler skips it)."""
-
-    def __init__(self, pattern: str, text_len: int) -> None:
-        super().__init__(f"stop_regex {pattern!r}: matching it on {text_len} characters of output took more than "
-                         f"{SEARCH_TIMEOUT_S} s (it backtracks catastrophically on this text); the request is aborted")
-        self.pattern = pattern
-
-
 class BoundedRe:
-    """The ``re`` module inside ``schedule_batch.py``, with a time-bounded ``search``."""
+    """The ``re`` module inside ``schedule_batch.py``, with an RE2 ``search``."""
 
     error = re.error
 
@@ -42,18 +38,22 @@ class BoundedRe:
 
     @staticmethod
     def search(pattern: str, string: str, flags: int = 0) -> Any:
-        """``re.search`` via ``regex`` (``VERSION0``) with :data:`SEARCH_TIMEOUT_S`; raises
-        :class:`StopRegexTimeout` or ``re.error``.
+        """``re.search`` by RE2 in linear time (the match's span as ``re`` gives it, for the whole
+        match); raises ``re.error`` for a pattern ``re`` or RE2 cannot compile.
 
-        >>> BoundedRe.search("[0-9]+", "answer: 42").group()
-        '42'
+        >>> BoundedRe.search("[0-9]+", "answer: 42").span()
+        (8, 10)
         """
+        if flags:
+            raise re.error("relaxkv-sglang: stop_regex matching takes no flags (SGLang passes none)")
         try:
-            return regex.search(pattern, string, flags | regex.VERSION0, timeout=SEARCH_TIMEOUT_S)
-        except TimeoutError as exc:
-            raise StopRegexTimeout(pattern, len(string)) from exc
-        except regex.error as exc:
-            raise re.error(str(exc)) from exc
+            compiled = compile_re2(pattern)
+        except Unsupported as exc:  # not refused by the HTTP check: SGLang aborts the request (400)
+            raise re.error(f"uses a construct with no linear-time matcher: {exc}") from None
+        try:
+            return compiled.search(string)
+        except UnicodeEncodeError:  # lone surrogates: not UTF-8; one U+FFFD each keeps the offsets
+            return compiled.search(re.sub("[\ud800-\udfff]", "\ufffd", string))
 
 
 def install() -> None:
@@ -68,18 +68,5 @@ def install() -> None:
     source = inspect.getsource(module)
     if current is not re or "re.search(stop_regex_str, tail_str)" not in source:
         raise SystemExit(f"relaxkv-sglang: {module.__file__} no longer matches stop_regex with re.search; the "
-                         "time bound of relaxkv_sglang/request/sglang/stop_regex.py was written for sglang 0.5.23")
+                         "RE2 matching of relaxkv_sglang/request/sglang/stop_regex.py was written for sglang 0.5.23")
     setattr(module, "re", BoundedRe())
-
-
-def around_check_str_based_finish(original: Callable[..., bool], req: Any, *args: Any, **kwargs: Any) -> bool:
-    """Hook on ``Req._check_str_based_finish``: a timed-out search aborts with 400; SGLang's own abort ends it."""
-    from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
-    try:
-        finished = original(req, *args, **kwargs)
-    except StopRegexTimeout as exc:
-        req.finished_reason = FINISH_ABORT(str(exc), HTTPStatus.BAD_REQUEST, "BadRequestError")
-        req.finished_len = None
-        return True
-    return finished or isinstance(req.finished_reason, FINISH_ABORT)

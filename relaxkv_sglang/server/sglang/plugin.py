@@ -58,8 +58,6 @@ HOOKS = {
         "relaxkv_sglang.request.sglang.prefill_only:around_add_logprob_return_values", ("self", "i", "req")),
     "sglang.srt.arg_groups.attention_hook.handle_deterministic_inference": (
         "relaxkv_sglang.server.sglang.deterministic:around_handle_deterministic_inference", ("server_args",)),
-    "sglang.srt.managers.schedule_batch.Req._check_str_based_finish": (
-        "relaxkv_sglang.request.sglang.stop_regex:around_check_str_based_finish", ("self", "new_accepted_len")),
 }
 
 
@@ -133,7 +131,7 @@ def register() -> None:
     _register_hooks()
     from relaxkv_sglang.request.sglang.stop_regex import install
 
-    install()  # stop_regex matching bounded in time (its scheduler otherwise hangs on a catastrophic pattern)
+    install()  # stop_regex matched with RE2, in linear time (re's backtracking can hang the scheduler)
     from relaxkv_sglang.request.sglang.parallel_encoding import register_http_routes
 
     register_http_routes()  # POST /concate_and_append_request on SGLang's FastAPI app

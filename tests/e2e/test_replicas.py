@@ -32,7 +32,8 @@ from relaxkv_sglang.client import ServerClient
 from relaxkv_sglang.server.cluster import replica_request_counts, router_installed
 from relaxkv_sglang.server.launch import free_port
 
-pytestmark = pytest.mark.skipif(not router_installed(), reason="smg (the gateway) not installed (make install)")
+pytestmark = [pytest.mark.skipif(not router_installed(), reason="smg (the gateway) not installed (make install)"),
+              pytest.mark.long]  # a gateway and two replicas: ~70 s in all
 
 POOL_TOKENS = 8192
 

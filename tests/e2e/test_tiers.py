@@ -126,6 +126,7 @@ def _scheduler_rss(server: SGLangServer) -> int:
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 def test_spill_reload_isolation_and_host_memory_bound(tiny_model_path, tmp_path):
     docs = documents(16, seed=41)
     groups = [docs[i: i + 4] for i in range(0, 16, 4)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
+import time
 
 from relaxkv_sglang import assets
 from relaxkv_sglang.client import ServerClient
@@ -109,3 +110,11 @@ def relaxkv_state(url: str) -> dict:
 
 def flush(url: str) -> None:
     ServerClient(url).flush()
+
+
+def wait_disk_writes(url: str, timeout: float = 60) -> None:
+    """Until the server's writes to its disk tier (write-through) are done."""
+    deadline = time.monotonic() + timeout
+    while relaxkv_state(url).get("tier_disk_pending_writes", 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert relaxkv_state(url).get("tier_disk_pending_writes", 0) == 0

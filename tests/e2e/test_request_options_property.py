@@ -76,7 +76,7 @@ from typing import Any, Optional, Sequence
 import pytest
 import requests
 from rag_helpers import (documents, flush, layout_prompt, mid_word_offset, part_token_ids, relaxkv_state,
-                         synthetic_documents)
+                         synthetic_documents, wait_disk_writes)
 
 from relaxkv_sglang.repair.policies import CHUNK_POLICIES, SERVER_POLICIES
 from relaxkv_sglang.request.schema import POLICY_HEADER
@@ -691,6 +691,11 @@ def check_case(sender: Sender, case: Case, index: int) -> None:
     """Send ``case`` under each of its histories; every answer must equal the first history's."""
     answers = {name: sender.under(case.calls, warmups) for name, warmups in case.histories}
     sender.check_health(case)
+    compare_answers(case, index, answers)
+
+
+def compare_answers(case: Case, index: int, answers: dict[str, list[Answer]]) -> None:
+    """Fail, naming the case, unless every history's answers equal the first history's."""
     (first, reference), *others = answers.items()
     for name, got in others:
         for turn, (a, b) in enumerate(zip(reference, got)):
@@ -755,16 +760,6 @@ def pressure_calls(tokenizer, pool_tokens: int) -> list[Call]:
     return calls
 
 
-def _compare(case: Case, index: int, answers: dict) -> None:
-    (first, reference), *others = answers.items()
-    for name, got in others:
-        for turn, (a, b) in enumerate(zip(reference, got)):
-            diffs = differences(a, b, case.sampled)
-            if diffs:
-                pytest.fail(report_failure(case, index, first, name, [f"(turn {turn + 1})"] + diffs, answers),
-                            pytrace=False)
-
-
 @pytest.mark.long
 def test_pool_pressure_and_a_restart_from_disk_change_no_answer(tiny_model_path, tokenizer, tmp_path):
     """Drawn requests (:data:`TIER_CASES`, ``RELAXKV_PROPERTY_TIER_REQUESTS=N``; their own indices)
@@ -785,21 +780,19 @@ def test_pool_pressure_and_a_restart_from_disk_change_no_answer(tiny_model_path,
             answers[index] = {"cold": sender.under(case.calls, []),
                               "evicted": sender.under(case.calls, case.calls + fillers)}
             sender.check_health(case)
-            _compare(case, index, answers[index])
+            compare_answers(case, index, answers[index])
         state = relaxkv_state(server.url)
         assert state["chunk_evictions"] > 0 and state["tier_host_spills"] > 0, state
         for _, case in cases:  # every request's chunks once more, so the folder holds them
             sender.run(case.calls)
-        deadline = time.monotonic() + 60
-        while relaxkv_state(server.url).get("tier_disk_pending_writes", 0) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_disk_writes(server.url)
     finally:
         server.stop()
     with SGLangServer(config) as again:
         sender = Sender(again)
         for index, case in cases:
             answers[index]["restarted"] = sender.run(case.calls)
-            _compare(case, index, answers[index])
+            compare_answers(case, index, answers[index])
         state = relaxkv_state(again.url)
         flush(again.url)
         idle = relaxkv_state(again.url)

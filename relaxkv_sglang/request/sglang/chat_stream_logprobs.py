@@ -39,8 +39,6 @@ async def around_generate_stream_content(original: Callable[..., AsyncIterator[s
     """Hook on ``OpenAIServingChat._generate_stream_content`` (an async generator, called with
     keyword arguments): logprobs of a step that emitted no chunk are held in ``stream_offsets``
     (the request's own dict, keyed by choice index there) and given to the choice's next step."""
-    from sglang.srt.entrypoints.openai.serving_chat import build_sse_content
-
     offsets, index = kwargs["stream_offsets"], kwargs["index"]
     key = (_PENDING, index)
     kwargs["choice_logprobs"] = merged_logprobs(offsets.pop(key, None), kwargs.get("choice_logprobs"))
@@ -54,6 +52,8 @@ async def around_generate_stream_content(original: Callable[..., AsyncIterator[s
     if kwargs.get("finish_reason_type") is None:
         offsets[key] = logprobs
         return
+    from sglang.srt.entrypoints.openai.serving_chat import build_sse_content  # only a finishing step needs it
+
     content, request = kwargs["content"], kwargs["request"]
     yield build_sse_content(chunk_id=content["meta_info"]["id"], created=kwargs["created"], model=request.model,
                             index=index, content="", logprobs=logprobs)

@@ -112,9 +112,9 @@ def flush(url: str) -> None:
     ServerClient(url).flush()
 
 
-def wait_disk_writes(url: str, timeout: float = 60) -> None:
-    """Until the server's writes to its disk tier (write-through) are done."""
+def wait_tier_writes(url: str, timeout: float = 60, tier: str = "disk") -> None:
+    """Until the server's writes to ``tier`` (a write-through tier: "disk", "hicache") are done."""
     deadline = time.monotonic() + timeout
-    while relaxkv_state(url).get("tier_disk_pending_writes", 0) and time.monotonic() < deadline:
+    while relaxkv_state(url).get(f"tier_{tier}_pending_writes", 0) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert relaxkv_state(url).get("tier_disk_pending_writes", 0) == 0
+    assert relaxkv_state(url).get(f"tier_{tier}_pending_writes", 0) == 0

@@ -28,9 +28,8 @@ import socket
 import pytest
 import torch
 from conftest import STRICT_MEMORY_CHECK
-from rag_helpers import SERVER_START_TIMEOUT_S, documents, flush, marked_prompt, relaxkv_state
+from rag_helpers import SERVER_START_TIMEOUT_S, documents, flush, marked_prompt, relaxkv_state, wait_tier_writes
 from test_tiers import _ask, _recompute, _reload_is_a_copy, _same_output
-from test_tiers import _wait_writes as wait_writes
 
 from relaxkv_sglang.cache.tiers import ChunkRecord, ValueLayout, chunk_key, encode_value
 from relaxkv_sglang.cache.tiers.paged import page_keys, split_pages, value_key
@@ -53,7 +52,7 @@ def _config(model: str, env: dict) -> ServerConfig:
 
 
 def _wait_writes(url: str, timeout: float = 60) -> None:
-    wait_writes(url, timeout, tier="hicache")
+    wait_tier_writes(url, timeout, tier="hicache")
 
 
 def _from_store(out: dict, n_chunks: int) -> None:

@@ -76,7 +76,7 @@ from typing import Any, Optional, Sequence
 import pytest
 import requests
 from rag_helpers import (documents, flush, layout_prompt, mid_word_offset, part_token_ids, relaxkv_state,
-                         synthetic_documents, wait_disk_writes)
+                         synthetic_documents, wait_tier_writes)
 
 from relaxkv_sglang.repair.policies import CHUNK_POLICIES, SERVER_POLICIES
 from relaxkv_sglang.request.schema import POLICY_HEADER
@@ -785,7 +785,7 @@ def test_pool_pressure_and_a_restart_from_disk_change_no_answer(tiny_model_path,
         assert state["chunk_evictions"] > 0 and state["tier_host_spills"] > 0, state
         for _, case in cases:  # every request's chunks once more, so the folder holds them
             sender.run(case.calls)
-        wait_disk_writes(server.url)
+        wait_tier_writes(server.url)
     finally:
         server.stop()
     with SGLangServer(config) as again:

@@ -34,7 +34,7 @@ import time
 import pytest
 from conftest import STRICT_MEMORY_CHECK
 from rag_helpers import (SERVER_START_TIMEOUT_S, documents, generate, marked_prompt, relaxkv_state, synthetic_documents,
-                         wait_disk_writes)
+                         wait_tier_writes)
 
 from relaxkv_sglang.cache.tiers import DiskTier, ModelIdentity, chunk_key
 from relaxkv_sglang.server.cluster import Cluster
@@ -203,7 +203,7 @@ def test_warm_restart_after_kill_9_with_damaged_files(tiny_model_path, tmp_path,
         url = server.url
         for p in stored:
             _ask(url, p)
-        wait_disk_writes(url)
+        wait_tier_writes(url)
         state = relaxkv_state(url)
         identity = state["tier_identity"]
         assert state["tier_disk_writes"] >= 12
@@ -278,7 +278,7 @@ def test_warm_restart_after_kill_9_with_damaged_files(tiny_model_path, tmp_path,
         assert hits == 12 - 3  # all but the three damaged ones, from the first request on
         assert disk_tokens > 0 and state["tier_disk_loads"] >= 9
         assert state["tier_disk_corrupt"] == 2 and state["tier_disk_foreign"] == 1
-        wait_disk_writes(url)
+        wait_tier_writes(url)
         # the damaged ones were removed and written again, whole, after being recomputed
         for f in (corrupt, foreign, torn):
             assert probe.get(f.stem) is not None
@@ -319,8 +319,8 @@ def test_replicas_sharing_a_chunk_dir_under_concurrent_writes(tiny_model_path, t
 
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(send, (a.url, b.url), (sets_a, sets_b)))
-        wait_disk_writes(a.url)
-        wait_disk_writes(b.url)
+        wait_tier_writes(a.url)
+        wait_tier_writes(b.url)
         identity = relaxkv_state(a.url)["tier_identity"]
         assert identity == relaxkv_state(b.url)["tier_identity"]
         keys = [chunk_key(identity, None, tokenizer.encode(d, add_special_tokens=False)) for d in docs]

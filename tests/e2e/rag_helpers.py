@@ -16,6 +16,9 @@ from relaxkv_sglang.request.segments import split_text, tokenize_parts
 # measured, close to the launcher's default of 300 s. A hang guard: a start that never ends still fails.
 SERVER_START_TIMEOUT_S = 900.0
 
+# The switch for the tests that need a Mooncake store (``make install-mooncake``): "1" runs them.
+MOONCAKE_TESTS_ENV = "RELAXKV_MOONCAKE_TESTS"
+
 
 @dataclasses.dataclass
 class MarkedPrompt:

@@ -641,13 +641,13 @@ def test_server_still_serves_the_same_and_leaks_nothing(relaxkv_server, probe_ou
 
 def test_zz_report_how_many_cases_were_tried(capsys):
     """Last in the file: print the count (shown by pytest -q without -s)."""
-    total = len(HTTP_CASES) + 2 * len(SCHEDULER_STOPPERS) + len(CLIENT_CASES)
+    total = len(HTTP_CASES) + 2 * len(SCHEDULER_STOPPERS) + len(CLIENT_CASES) + 2 * len(STOP_REGEX_SERVED)
     routes: dict[str, int] = {}
     for case in HTTP_CASES + SCHEDULER_STOPPERS:
         routes[case.route] = routes.get(case.route, 0) + 1
     by_route = ", ".join(f"{route} {n}" for route, n in routes.items())
     with capsys.disabled():
-        print(f"\nbad-input suite: {len(TRIED)} of {total} malformed requests tried and answered as expected "
+        print(f"\nbad-input suite: {len(TRIED)} of {total} requests tried and answered as expected "
               f"({by_route}, client-side {len(CLIENT_CASES)}; the {len(SCHEDULER_STOPPERS)} that stopped SGLang's "
-              f"scheduler on both servers)")
+              f"scheduler on both servers; the {len(STOP_REGEX_SERVED)} backtracking stop_regex served on both)")
     assert total >= 40

@@ -1,7 +1,8 @@
 """Every registered model family served by the real SGLang, end to end: one tiny random-weight
 model per family (``relaxkv_sglang/tiny_models.py``: Qwen3, Mistral, Llama 3.x with llama3 RoPE,
 Phi-3 with fused projections and partial rotary, Qwen3-MoE and Mixtral with routed experts), one
-server each, prestarted beside the session's others. A few requests per family:
+server each, prestarted beside the session's others (:data:`LONG_FAMILIES` in ``make test-long``
+only). A few requests per family:
 
 * the startup gate passed on the family's layers, and its negative control (keys re-rotated with
   twice the RoPE theta) told the wrong rotation by orders of magnitude: the gate would refuse it
@@ -50,8 +51,17 @@ def _prestart_name(model: str) -> str:
 PRESTART_SERVERS = {_prestart_name(m): start_server(family_server_config(m)) for m in TINY_MODELS}
 
 
-@pytest.fixture(scope="module", params=[pytest.param(m, id=m, marks=pytest.mark.prestart(_prestart_name(m)))
-                                        for m in TINY_MODELS])
+#: families tested only in ``make test-long``: each server start costs ~25 s of the 2-core machine, and these
+#: bring no attention or RoPE variant of their own (Mistral is Llama's attention with GQA; the routed-expert
+#: ones differ from Qwen3 and Mistral in the MLP only)
+LONG_FAMILIES = ("tiny-mistral", "tiny-qwen3-moe", "tiny-mixtral")
+
+
+def _family_marks(model: str) -> list:
+    return [pytest.mark.prestart(_prestart_name(model)), *([pytest.mark.long] if model in LONG_FAMILIES else [])]
+
+
+@pytest.fixture(scope="module", params=[pytest.param(m, id=m, marks=_family_marks(m)) for m in TINY_MODELS])
 def family(request, prestart, tiny_model_path):
     """(tiny model name, its server): pytest runs one family's tests after another, so one of these
     servers is held at a time (the others are starting, or stopped)."""

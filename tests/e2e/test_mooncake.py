@@ -28,7 +28,8 @@ import socket
 import pytest
 import torch
 from conftest import STRICT_MEMORY_CHECK
-from rag_helpers import SERVER_START_TIMEOUT_S, documents, flush, marked_prompt, relaxkv_state, wait_tier_writes
+from rag_helpers import (MOONCAKE_TESTS_ENV, SERVER_START_TIMEOUT_S, documents, flush, marked_prompt, relaxkv_state,
+                         wait_tier_writes)
 from test_tiers import _ask, _recompute, _reload_is_a_copy, _same_output
 
 from relaxkv_sglang.cache.tiers import ChunkRecord, ValueLayout, chunk_key, encode_value
@@ -37,7 +38,7 @@ from relaxkv_sglang.cache.tiers.value import value_info
 from relaxkv_sglang.server.cluster import Cluster
 from relaxkv_sglang.server.launch import SGLangServer, ServerConfig
 
-pytestmark = pytest.mark.skipif(os.environ.get("RELAXKV_MOONCAKE_TESTS") != "1",
+pytestmark = pytest.mark.skipif(os.environ.get(MOONCAKE_TESTS_ENV) != "1",
                                 reason="Mooncake tests run on demand: RELAXKV_MOONCAKE_TESTS=1 (make install-mooncake)")
 
 PAGE_KB = 16  # a document's chunk (~100 tokens of 1 KiB) spans several pages

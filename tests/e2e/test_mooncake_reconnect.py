@@ -22,13 +22,13 @@ import socket
 import time
 
 import pytest
-from rag_helpers import documents, flush, marked_prompt, relaxkv_state
+from rag_helpers import MOONCAKE_TESTS_ENV, documents, flush, marked_prompt, relaxkv_state
 from test_mooncake import PAGE_KB, _config, _from_store, _wait_writes
 from test_tiers import _ask, _recompute, _same_output
 
 from relaxkv_sglang.server.launch import SGLangServer
 
-pytestmark = pytest.mark.skipif(os.environ.get("RELAXKV_MOONCAKE_TESTS") != "1",
+pytestmark = pytest.mark.skipif(os.environ.get(MOONCAKE_TESTS_ENV) != "1",
                                 reason="Mooncake tests run on demand: RELAXKV_MOONCAKE_TESTS=1 (make install-mooncake)")
 
 CALL_TIMEOUT_S = 1.0  # RELAXKV_HICACHE_CALL_TIMEOUT_S

@@ -42,9 +42,10 @@ flush returns the pool to full (every KV slot free, no chunk held).
 
 Not drawn here: sampling at a temperature (not deterministic), and ``--allow-auto-truncate`` (the
 session's server answers a prompt over its context length with a 400, compared like any answer; a
-server with the flag would cost another start). Pool pressure and a restart from the disk folder
-are histories of :func:`test_pool_pressure_and_a_restart_from_disk_change_no_answer` (marked
-``long``), on a server with lower tiers of its own.
+server with the flag would cost another start). Pool pressure, a restart from the disk folder and
+(``RELAXKV_MOONCAKE_TESTS=1``) another server on a shared Mooncake store are histories of
+:func:`test_pool_pressure_a_restart_and_a_shared_store_change_no_answer` (marked ``long``), on
+servers with lower tiers of their own.
 
 **Seed**: the date (UTC, ``YYYYMMDD``), so CI explores another part of the space each day;
 ``RELAXKV_PROPERTY_SEED=N`` replays a run, and ``RELAXKV_PROPERTY_CASE=i`` only its drawn request
@@ -62,6 +63,7 @@ Every server bug this property found has its own example in
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -75,8 +77,8 @@ from typing import Any, Optional, Sequence
 
 import pytest
 import requests
-from rag_helpers import (documents, flush, layout_prompt, mid_word_offset, part_token_ids, relaxkv_state,
-                         synthetic_documents, wait_tier_writes)
+from rag_helpers import (MOONCAKE_TESTS_ENV, documents, flush, layout_prompt, mid_word_offset, part_token_ids,
+                         relaxkv_state, synthetic_documents, wait_tier_writes)
 
 from relaxkv_sglang.repair.policies import CHUNK_POLICIES, SERVER_POLICIES
 from relaxkv_sglang.request.schema import POLICY_HEADER
@@ -459,7 +461,7 @@ class Answer:
     """What a request got, reduced to what must not depend on the cache: the HTTP status and, per
     output (one per item and choice, in order), its text, ids, finish reason, logprob arrays
     (``(logprob, token)`` pairs), top-logprob arrays (per position, ``(logprob, token)`` lists) and
-    the chunks the plan looked up (``chunks_seen``)."""
+    the chunks the plan looked up (``chunks_seen``); and, not compared, where its chunks came from (``reuse``)."""
 
     status: int
     outputs: list[dict]
@@ -491,7 +493,12 @@ def _generate_output(item: dict) -> dict:
     return {"text": item.get("text"), "ids": item.get("output_ids"), "finish": _finish(meta.get("finish_reason")),
             "logprobs": {k: _pairs(meta[k]) for k in LOGPROB_KEYS if meta.get(k) is not None},
             "tops": {k: _tops(meta[k]) for k in TOP_KEYS if meta.get(k) is not None},
-            "chunks_seen": (meta.get("relaxkv") or {}).get("chunks_seen")}
+            "chunks_seen": (meta.get("relaxkv") or {}).get("chunks_seen"), "reuse": _reuse(meta.get("relaxkv"))}
+
+
+def _reuse(record: Optional[dict]) -> Optional[dict]:
+    """Where an output's chunks came from (``meta_info.relaxkv``), for a failure's report: never compared."""
+    return {k: v for k, v in record.items() if k.startswith("chunk") or k == "tokens_computed"} if record else None
 
 
 def _abort_codes(outputs: list[dict]) -> list[int]:
@@ -501,7 +508,7 @@ def _abort_codes(outputs: list[dict]) -> list[int]:
 
 def _openai_output(choices: list[dict], chat: bool) -> dict:
     """One choice, from its whole answer or its stream's deltas in order."""
-    text, lps, tops, finish, seen = "", [], [], None, None
+    text, lps, tops, finish, seen, reuse = "", [], [], None, None, None
     for c in choices:
         text += (c.get("message") or c.get("delta") or {}).get("content") or "" if chat else c.get("text") or ""
         logprobs = c.get("logprobs") or {}
@@ -514,9 +521,10 @@ def _openai_output(choices: list[dict], chat: bool) -> dict:
             tops += [None if top is None else [(lp, tok) for tok, lp in top.items()]
                      for top in logprobs.get("top_logprobs") or []]
         finish = c.get("finish_reason") or finish
-        seen = ((c.get("meta_info") or {}).get("relaxkv") or {}).get("chunks_seen", seen)
+        record = (c.get("meta_info") or {}).get("relaxkv") or {}
+        seen, reuse = record.get("chunks_seen", seen), _reuse(record) or reuse
     return {"text": text, "ids": None, "finish": finish, "logprobs": {"token_logprobs": lps},
-            "tops": {"top_logprobs": tops}, "chunks_seen": seen}
+            "tops": {"top_logprobs": tops}, "chunks_seen": seen, "reuse": reuse}
 
 
 def read_answer(route: str, body: dict, response: requests.Response) -> Answer:
@@ -703,6 +711,8 @@ def compare_answers(case: Case, index: int, answers: dict[str, list[Answer]]) ->
             if diffs:
                 if len(case.calls) > 1:
                     diffs.insert(0, f"(session turn {turn + 1})")
+                diffs.append(f"its chunks came from: {[o.get('reuse') for o in a.outputs]} vs "
+                             f"{[o.get('reuse') for o in b.outputs]}")
                 pytest.fail(report_failure(case, index, first, name, diffs, answers), pytrace=False)
 
 
@@ -715,10 +725,7 @@ def test_a_cache_changes_speed_never_answers(relaxkv_server, tokenizer):
         case = draw_case(index, tokenizer)
         KINDS[case.kind] += 1
         check_case(sender, case, index)
-    flush(relaxkv_server.url)
-    state = relaxkv_state(relaxkv_server.url)
-    assert state["chunk_tokens_held"] == 0
-    assert state["kv_available_tokens"] == state["kv_total_tokens"]
+    check_idle(relaxkv_server.url)
     print(f"request-options property: seed {SEED}, {len(indices)} drawn requests ("
           + ", ".join(f"{k} {n}" for k, n in sorted(KINDS.items())) + f"), {sum(SENT.values())} sent ("
           + ", ".join(f"{route} {cls}: {n}" for (route, cls), n in sorted(SENT.items()))
@@ -726,7 +733,8 @@ def test_a_cache_changes_speed_never_answers(relaxkv_server, tokenizer):
 
 
 # ---------------------------------------------------------------------------------------------
-# Histories on a server with lower tiers: pool pressure and a restart from the disk folder
+# Histories on servers with lower tiers: pool pressure, a restart from the disk folder, and
+# (RELAXKV_MOONCAKE_TESTS=1) another server reading a shared Mooncake store
 
 TIER_REQUESTS_ENV = "RELAXKV_PROPERTY_TIER_REQUESTS"
 TIER_CASES = int(os.environ.get(TIER_REQUESTS_ENV, 6))
@@ -734,14 +742,21 @@ TIER_INDEX_BASE = 1_000_000  # drawn requests of their own: index TIER_INDEX_BAS
 FILLER_DOCS = synthetic_documents(200, seed=43)  # ~20K tokens, none another request sends
 
 
-def tier_server_config(model_path: str, chunk_dir: str):
-    """The session relaxkv server's settings plus an 8 MiB host tier (LRU: every evicted chunk spills)
-    and a disk folder (write-through) that a restart finds again."""
+def tier_server_config(model_path: str, chunk_dir: str, store_env: dict[str, str]):
+    """The session relaxkv server's settings plus an 8 MiB host tier (LRU: every evicted chunk spills),
+    a disk folder (write-through) that a restart finds again, and ``store_env``'s HiCache tier (none if empty)."""
+    config = store_server_config(model_path, store_env)
+    config.env = {**config.env, "RELAXKV_HOST_CACHE_GB": str(8 / 1024), "RELAXKV_HOST_CACHE_POLICY": "lru",
+                  "RELAXKV_CHUNK_DIR": chunk_dir, "RELAXKV_DISK_CACHE_GB": "0.2"}
+    return config
+
+
+def store_server_config(model_path: str, store_env: dict[str, str]):
+    """The session relaxkv server's settings plus ``store_env`` (a HiCache tier's variables, or none)."""
     from conftest import relaxkv_server_config
 
     config = relaxkv_server_config(model_path)
-    config.env = {**config.env, "RELAXKV_HOST_CACHE_GB": str(8 / 1024), "RELAXKV_HOST_CACHE_POLICY": "lru",
-                  "RELAXKV_CHUNK_DIR": chunk_dir, "RELAXKV_DISK_CACHE_GB": "0.2"}
+    config.env = {**config.env, **store_env}
     return config
 
 
@@ -760,44 +775,68 @@ def pressure_calls(tokenizer, pool_tokens: int) -> list[Call]:
     return calls
 
 
+def check_idle(url: str) -> None:
+    """After a flush, every KV slot free and no chunk held."""
+    flush(url)
+    idle = relaxkv_state(url)
+    assert idle["chunk_tokens_held"] == 0 and idle["kv_available_tokens"] == idle["kv_total_tokens"], idle
+
+
+def _loads(state: dict) -> dict:
+    return {k: v for k, v in state.items() if k.startswith("tier_") and k.endswith("_loads")}
+
+
 @pytest.mark.long
-def test_pool_pressure_and_a_restart_from_disk_change_no_answer(tiny_model_path, tokenizer, tmp_path):
+def test_pool_pressure_a_restart_and_a_shared_store_change_no_answer(tiny_model_path, tokenizer, tmp_path):
     """Drawn requests (:data:`TIER_CASES`, ``RELAXKV_PROPERTY_TIER_REQUESTS=N``; their own indices)
-    on a server with a host tier and a disk folder, each under three more histories than cold:
+    on a server with a host tier and a disk folder, each under more histories than cold:
     ``evicted`` (after a flush: the request, then other documents holding twice the pool, so its
     chunks come back from the host tier or the disk folder, or are recomputed), and, once every
     request was sent, ``restarted`` (a new server on the same folder: the first request of each
-    finds its chunks on disk). Every answer must equal the cold one, as in the property above."""
+    finds its chunks on disk). With ``RELAXKV_MOONCAKE_TESTS=1`` (``make install-mooncake``) the
+    server also writes through to a Mooncake store, and ``other_server`` is a second server on that
+    store, its pool flushed before each request: its chunks come from the store. Every answer must
+    equal the cold one, as in the property above."""
     from relaxkv_sglang.server.launch import SGLangServer
 
-    config = tier_server_config(tiny_model_path, str(tmp_path / "chunks"))
     cases = [(TIER_INDEX_BASE + i, draw_case(TIER_INDEX_BASE + i, tokenizer)) for i in range(TIER_CASES)]
     answers: dict[int, dict] = {}
-    server = SGLangServer(config).start()
-    try:
-        sender, fillers = Sender(server), pressure_calls(tokenizer, config.max_total_tokens)
-        for index, case in cases:
-            answers[index] = {"cold": sender.under(case.calls, []),
-                              "evicted": sender.under(case.calls, case.calls + fillers)}
-            sender.check_health(case)
-            compare_answers(case, index, answers[index])
-        state = relaxkv_state(server.url)
-        assert state["chunk_evictions"] > 0 and state["tier_host_spills"] > 0, state
-        for _, case in cases:  # every request's chunks once more, so the folder holds them
-            sender.run(case.calls)
-        wait_tier_writes(server.url)
-    finally:
-        server.stop()
-    with SGLangServer(config) as again:
-        sender = Sender(again)
-        for index, case in cases:
-            answers[index]["restarted"] = sender.run(case.calls)
-            compare_answers(case, index, answers[index])
-        state = relaxkv_state(again.url)
-        flush(again.url)
-        idle = relaxkv_state(again.url)
-        assert idle["chunk_tokens_held"] == 0 and idle["kv_available_tokens"] == idle["kv_total_tokens"]
-    loads = {k: v for k, v in state.items() if k.startswith("tier_") and k.endswith("_loads")}
+    with contextlib.ExitStack() as stack:
+        store_env, other = {}, None
+        if os.environ.get(MOONCAKE_TESTS_ENV) == "1":
+            from relaxkv_sglang.mooncake_service import MooncakeService
+
+            store_env = stack.enter_context(MooncakeService(segment_mb=256)).env()
+            other = Sender(stack.enter_context(SGLangServer(store_server_config(tiny_model_path, store_env))))
+        config = tier_server_config(tiny_model_path, str(tmp_path / "chunks"), store_env)
+        with SGLangServer(config) as server:
+            sender, fillers = Sender(server), pressure_calls(tokenizer, config.max_total_tokens)
+            for index, case in cases:
+                answers[index] = {"cold": sender.under(case.calls, []),
+                                  "evicted": sender.under(case.calls, case.calls + fillers)}
+                sender.check_health(case)
+                if other is not None:
+                    wait_tier_writes(server.url, tier="hicache")
+                    answers[index]["other_server"] = other.under(case.calls, [])
+                compare_answers(case, index, answers[index])
+            state = relaxkv_state(server.url)
+            assert state["chunk_evictions"] > 0 and state["tier_host_spills"] > 0, state
+            for _, case in cases:  # every request's chunks once more, so the folder holds them
+                sender.run(case.calls)
+            wait_tier_writes(server.url)
+        with SGLangServer(config) as again:
+            sender = Sender(again)
+            for index, case in cases:
+                answers[index]["restarted"] = sender.run(case.calls)
+                compare_answers(case, index, answers[index])
+            state = relaxkv_state(again.url)
+            check_idle(again.url)
+        other_loads = {}
+        if other is not None:
+            other_loads = _loads(relaxkv_state(other.url))
+            check_idle(other.url)
     print(f"\ntier histories: seed {SEED}, {len(cases)} drawn requests ("
-          + ", ".join(sorted(c.kind for _, c in cases)) + f"), loads after the restart {loads}")
-    assert state.get("tier_disk_loads", 0) > 0, loads
+          + ", ".join(sorted(c.kind for _, c in cases)) + f"), loads after the restart {_loads(state)}"
+          + (f", the other server's loads {other_loads}" if other is not None else ""))
+    assert state.get("tier_disk_loads", 0) > 0, _loads(state)
+    assert other is None or other_loads.get("tier_hicache_loads", 0) > 0, other_loads

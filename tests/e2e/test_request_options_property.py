@@ -716,6 +716,13 @@ def compare_answers(case: Case, index: int, answers: dict[str, list[Answer]]) ->
                 pytest.fail(report_failure(case, index, first, name, diffs, answers), pytrace=False)
 
 
+def check_idle(url: str) -> None:
+    """After a flush, every KV slot free and no chunk held."""
+    flush(url)
+    idle = relaxkv_state(url)
+    assert idle["chunk_tokens_held"] == 0 and idle["kv_available_tokens"] == idle["kv_total_tokens"], idle
+
+
 def test_a_cache_changes_speed_never_answers(relaxkv_server, tokenizer):
     sender = Sender(relaxkv_server)
     started = time.monotonic()
@@ -775,13 +782,6 @@ def pressure_calls(tokenizer, pool_tokens: int) -> list[Call]:
     return calls
 
 
-def check_idle(url: str) -> None:
-    """After a flush, every KV slot free and no chunk held."""
-    flush(url)
-    idle = relaxkv_state(url)
-    assert idle["chunk_tokens_held"] == 0 and idle["kv_available_tokens"] == idle["kv_total_tokens"], idle
-
-
 def _loads(state: dict) -> dict:
     return {k: v for k, v in state.items() if k.startswith("tier_") and k.endswith("_loads")}
 
@@ -789,7 +789,8 @@ def _loads(state: dict) -> dict:
 @pytest.mark.long
 def test_pool_pressure_a_restart_and_a_shared_store_change_no_answer(tiny_model_path, tokenizer, tmp_path):
     """Drawn requests (:data:`TIER_CASES`, ``RELAXKV_PROPERTY_TIER_REQUESTS=N``; their own indices)
-    on a server with a host tier and a disk folder, each under more histories than cold:
+    on a server with a host tier and a disk folder, each first answered after a flush (``cold``: the
+    pool and the host tier empty, the write-through tiers keeping what earlier requests wrote), then
     ``evicted`` (after a flush: the request, then other documents holding twice the pool, so its
     chunks come back from the host tier or the disk folder, or are recomputed), and, once every
     request was sent, ``restarted`` (a new server on the same folder: the first request of each
@@ -835,8 +836,9 @@ def test_pool_pressure_a_restart_and_a_shared_store_change_no_answer(tiny_model_
         if other is not None:
             other_loads = _loads(relaxkv_state(other.url))
             check_idle(other.url)
+    kinds = collections.Counter(c.kind for _, c in cases)
     print(f"\ntier histories: seed {SEED}, {len(cases)} drawn requests ("
-          + ", ".join(sorted(c.kind for _, c in cases)) + f"), loads after the restart {_loads(state)}"
+          + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) + f"), loads after the restart {_loads(state)}"
           + (f", the other server's loads {other_loads}" if other is not None else ""))
     assert state.get("tier_disk_loads", 0) > 0, _loads(state)
     assert other is None or other_loads.get("tier_hicache_loads", 0) > 0, other_loads

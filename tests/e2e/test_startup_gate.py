@@ -109,6 +109,7 @@ def test_wrong_rotation_fails_the_gate_and_refuses_chunk_policies(wrong_rope_ser
     assert len(lines) == 1 and "are refused with HTTP 400" in lines[0], lines
 
 
+@pytest.mark.long  # two refused starts, ~15 s each: SGLang imports before it parses the flag
 @pytest.mark.parametrize("backends", [["--attention-backend", "relaxkv", "--radix-cache-backend", "relaxkv"],
                                       ["--radix-cache-backend", "relaxkv"]], ids=["both", "tree_cache_only"])
 def test_deterministic_inference_is_refused_at_startup_saying_why(tiny_model_path, tmp_path, backends):

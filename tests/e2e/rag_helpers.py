@@ -115,6 +115,14 @@ def flush(url: str) -> None:
     ServerClient(url).flush()
 
 
+def check_idle(url: str) -> dict:
+    """Flush the server's caches and check every KV slot is free and no chunk held; its state after."""
+    flush(url)
+    state = relaxkv_state(url)
+    assert state["chunk_tokens_held"] == 0 and state["kv_available_tokens"] == state["kv_total_tokens"], state
+    return state
+
+
 def wait_tier_writes(url: str, timeout: float = 60, tier: str = "disk") -> None:
     """Until the server's writes to ``tier`` (a write-through tier: "disk", "hicache") are done."""
     deadline = time.monotonic() + timeout

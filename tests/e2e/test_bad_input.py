@@ -30,7 +30,7 @@ from typing import Any, Callable
 import pytest
 import requests
 import sglang as sgl
-from rag_helpers import documents, flush, generate, marked_prompt, relaxkv_state
+from rag_helpers import check_idle, documents, flush, generate, marked_prompt, relaxkv_state
 
 from relaxkv_sglang.lang import RelaxKVEndpoint, document
 
@@ -540,9 +540,7 @@ def test_what_stopped_sglangs_scheduler_gets_a_400_and_the_server_serves_on(requ
     normal = requests.post(srv.url + G, json=NORMAL, timeout=60)
     assert normal.status_code == 200 and normal.json()["meta_info"]["completion_tokens"] == 4, normal.text[:300]
     if which == "relaxkv_server":
-        flush(srv.url)
-        state = relaxkv_state(srv.url)
-        assert state["kv_available_tokens"] == state["kv_total_tokens"] and state["chunk_tokens_held"] == 0, state
+        check_idle(srv.url)
     assert srv.proc.poll() is None
     TRIED.append(f"{which}:{case.name}")
 
@@ -631,10 +629,7 @@ def test_server_still_serves_the_same_and_leaks_nothing(relaxkv_server, probe_ou
     flush(relaxkv_server.url)  # the same (empty) cache state as the probe before the suite
     again = generate(relaxkv_server.url, prompt, policy="pic")
     assert again["output_ids"] == probe_output
-    flush(relaxkv_server.url)
-    state = relaxkv_state(relaxkv_server.url)
-    assert state["chunk_tokens_held"] == 0
-    assert state["kv_available_tokens"] == state["kv_total_tokens"]
+    check_idle(relaxkv_server.url)
     assert requests.get(relaxkv_server.url + "/health_generate", timeout=60).status_code == 200
     assert relaxkv_server.proc.poll() is None
 

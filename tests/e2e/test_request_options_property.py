@@ -77,8 +77,8 @@ from typing import Any, Optional, Sequence
 
 import pytest
 import requests
-from rag_helpers import (MOONCAKE_TESTS_ENV, documents, flush, layout_prompt, mid_word_offset, part_token_ids,
-                         relaxkv_state, synthetic_documents, wait_tier_writes)
+from rag_helpers import (MOONCAKE_TESTS_ENV, check_idle, documents, flush, layout_prompt, mid_word_offset,
+                         part_token_ids, relaxkv_state, synthetic_documents, wait_tier_writes)
 
 from relaxkv_sglang.repair.policies import CHUNK_POLICIES, SERVER_POLICIES
 from relaxkv_sglang.request.schema import POLICY_HEADER
@@ -714,13 +714,6 @@ def compare_answers(case: Case, index: int, answers: dict[str, list[Answer]]) ->
                 diffs.append(f"its chunks came from: {[o.get('reuse') for o in a.outputs]} vs "
                              f"{[o.get('reuse') for o in b.outputs]}")
                 pytest.fail(report_failure(case, index, first, name, diffs, answers), pytrace=False)
-
-
-def check_idle(url: str) -> None:
-    """After a flush, every KV slot free and no chunk held."""
-    flush(url)
-    idle = relaxkv_state(url)
-    assert idle["chunk_tokens_held"] == 0 and idle["kv_available_tokens"] == idle["kv_total_tokens"], idle
 
 
 def test_a_cache_changes_speed_never_answers(relaxkv_server, tokenizer):

@@ -52,7 +52,7 @@ import time
 
 from relaxkv_sglang import __version__, assets
 from relaxkv_sglang.request.schema import POLICY
-from relaxkv_sglang.server.launch import SGLangServer, ServerConfig, ServerError
+from relaxkv_sglang.server.launch import THREADS_BIND_ENV, SGLangServer, ServerConfig, ServerError
 from relaxkv_sglang.server.settings import CALIBRATION_ENV, DEFAULT_POLICY_ENV, ServerSettings, child_environment
 
 TIER_ENV = {"host_cache_gb": "RELAXKV_HOST_CACHE_GB", "chunk_dir": "RELAXKV_CHUNK_DIR",
@@ -241,6 +241,9 @@ def cmd_serve(args, extra: list[str]) -> int:
           f"with {config.model_path}, default policy {policy if config.relaxkv else 'none (--stock)'} "
           f"(log: {args.log or 'a temp file'})", file=sys.stderr, flush=True)
     server.start()
+    if server.threads_binding is not None:
+        print(f"tensor parallelism on the CPU: {THREADS_BIND_ENV}={server.threads_binding} (each rank's threads on "
+              f"its own cores; set {THREADS_BIND_ENV} yourself to choose)", file=sys.stderr, flush=True)
     print(f"ready: {server.url}  (log: {server.log_path}; Ctrl-C stops it)", flush=True)
     try:
         _wait_for_stop(lambda: server.proc.poll() is None)

@@ -41,6 +41,50 @@ RELAXKV_FLAGS = ["--attention-backend", "relaxkv", "--radix-cache-backend", "rel
 # idles, and with this set a leaked or double-freed slot stops the server
 # instead of logging a warning.
 STRICT_MEMORY_CHECK = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
+# SGLang's flags for the tensor-parallel size, and the variable binding each CPU rank's threads to its cores.
+TP_FLAGS = ("--tp-size", "--tensor-parallel-size")
+THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+def tp_size_of(args: list[str]) -> int:
+    """The tensor-parallel size SGLang's command line ``args`` asks for (1 when none)."""
+    size = 1
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in TP_FLAGS:
+            given = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                size = int(given)
+            except ValueError:
+                raise ServerError(f"{flag} {given!r}: not a whole number") from None
+    return size
+
+
+def cpu_threads_binding(tp_size: int, cpus: list[int], numa_nodes: int) -> str | None:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``tp_size`` CPU ranks: None where SGLang binds a rank per NUMA node
+    itself (``tp_size <= numa_nodes``), else ``cpus`` cut into ``tp_size`` contiguous groups (``"0|1"``, ``"0-7|8-15"``)."""
+    if tp_size <= max(numa_nodes, 1):
+        return None
+    if len(cpus) < tp_size:
+        raise ServerError(f"--tp-size {tp_size} on {len(cpus)} CPU cores: SGLang gives each CPU rank cores of its "
+                          f"own; use at most {len(cpus)} ranks, or set {THREADS_BIND_ENV} yourself")
+    per, extra = divmod(len(cpus), tp_size)
+    groups, start = [], 0
+    for rank in range(tp_size):
+        n = per + (rank < extra)
+        group = cpus[start:start + n]
+        start += n
+        groups.append(f"{group[0]}-{group[-1]}" if len(group) > 1 and group[-1] - group[0] == len(group) - 1
+                      else ",".join(map(str, group)))
+    return "|".join(groups)
+
+
+def machine_cpus() -> tuple[list[int], int]:
+    """(the CPU cores this process may run on, the machine's NUMA nodes: 1 where Linux does not say)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    nodes = pathlib.Path("/sys/devices/system/node")
+    n_nodes = len([p for p in nodes.glob("node[0-9]*")]) if nodes.is_dir() else 0
+    return cpus, max(n_nodes, 1)
 
 
 SGLANG_WORKER_PREFIX = "sglang::"  # SGLang names its worker processes so (sglang::scheduler, ...)
@@ -143,6 +187,7 @@ class SGLangServer:
         self.proc: subprocess.Popen | None = None
         self._log_file = None
         self.log_path: str | None = None
+        self.threads_binding: str | None = None  # SGLANG_CPU_OMP_THREADS_BIND as start() chose it
 
     @property
     def url(self) -> str:
@@ -154,7 +199,19 @@ class SGLangServer:
         env = child_environment(**cfg.env)
         if cfg.policy is not None:
             env[DEFAULT_POLICY_ENV] = cfg.policy
+        self.threads_binding = self._bind_cpu_ranks(env)
         return self._launch(env, "relaxkv-sglang-server-")
+
+    def _bind_cpu_ranks(self, env: dict) -> str | None:
+        """Set ``SGLANG_CPU_OMP_THREADS_BIND`` in ``env`` when SGLang needs it (CPU ranks beyond the NUMA nodes)
+        and it is not set; the binding chosen, or None."""
+        tp_size = tp_size_of(self.config.extra_args)
+        if self.config.device != "cpu" or tp_size == 1 or env.get(THREADS_BIND_ENV):
+            return None
+        binding = cpu_threads_binding(tp_size, *machine_cpus())
+        if binding is not None:
+            env[THREADS_BIND_ENV] = binding
+        return binding
 
     def _launch(self, env: dict, log_prefix: str) -> "SGLangServer":
         """Start ``config.command()`` on its port (0: a free one) with its log, and wait until ready.

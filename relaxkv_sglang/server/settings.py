@@ -16,6 +16,7 @@ changed after startup changes nothing, as for SGLang's own server arguments.
 | ``RELAXKV_DISCOVERY_INDEX`` | ``discovery_index`` | on/off (default off) |
 | ``RELAXKV_ADMISSION_HOLD`` | ``admission_hold`` | on/off (default on) |
 | ``RELAXKV_WEIGHTS_FINGERPRINT`` | ``weights_fingerprint`` | ``sampled`` (default) or ``full`` |
+| ``RELAXKV_TP_CHECK`` | ``tp_check`` | on/off (default off; the tests' servers: on): tensor-parallel ranks compare each forward's fold and repair schedule |
 | ``RELAXKV_TEST_ROPE_OVERRIDE`` | ``rope_override`` | tests only: a JSON object of ``RopeSpec`` fields |
 | ``RELAXKV_HOST_CACHE_*``, ``RELAXKV_CHUNK_DIR``, ``RELAXKV_DISK_CACHE_GB``, ``RELAXKV_HICACHE_*`` | ``environment`` | each lower tier parses its own (``cache/sglang/tier_configs.py``) |
 
@@ -45,6 +46,7 @@ CALIBRATION_ENV = "RELAXKV_CALIBRATION"
 DISCOVERY_INDEX_ENV = "RELAXKV_DISCOVERY_INDEX"
 ADMISSION_HOLD_ENV = "RELAXKV_ADMISSION_HOLD"
 FINGERPRINT_ENV = "RELAXKV_WEIGHTS_FINGERPRINT"
+TP_CHECK_ENV = "RELAXKV_TP_CHECK"
 ROPE_OVERRIDE_ENV = "RELAXKV_TEST_ROPE_OVERRIDE"
 CACHE_ROOT_ENV = "RELAXKV_CACHE"
 PREFIX = "RELAXKV_"
@@ -68,6 +70,7 @@ class ServerSettings:
         discovery_index: discovery also finds the chunks it discovered before.
         admission_hold: chunk hits are held for a request waiting on admission.
         weights_fingerprint: how the model identity hashes its weights.
+        tp_check: tensor-parallel ranks compare digests of their decisions (one small gather each).
         rope_override: tests only, fields replacing the served RoPE's (None: none).
         environment: every ``RELAXKV_*`` variable as set at startup (the lower tiers read theirs).
     """
@@ -79,6 +82,7 @@ class ServerSettings:
     discovery_index: bool = False
     admission_hold: bool = True
     weights_fingerprint: str = FINGERPRINT_MODES[0]
+    tp_check: bool = False
     rope_override: Optional[dict[str, Any]] = None
     environment: Mapping[str, str] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
 
@@ -93,6 +97,7 @@ class ServerSettings:
             discovery_index=_parsed(env, DISCOVERY_INDEX_ENV, False, _switch),
             admission_hold=_parsed(env, ADMISSION_HOLD_ENV, True, _switch),
             weights_fingerprint=_parsed(env, FINGERPRINT_ENV, FINGERPRINT_MODES[0], _fingerprint_mode),
+            tp_check=_parsed(env, TP_CHECK_ENV, False, _switch),
             rope_override=_parsed(env, ROPE_OVERRIDE_ENV, None, _json_object),
             environment=types.MappingProxyType({k: v for k, v in env.items() if k.startswith(PREFIX)}),
         )

@@ -180,7 +180,7 @@ def test_serve_waits_while_the_server_lives_then_stops_it_and_names_its_exit(mon
     polls, stopped = [], []
 
     class ExitingServer:  # the launcher's interface only: the process exits with code 7 at its third poll
-        url, log_path = "http://127.0.0.1:1", "log"
+        url, log_path, threads_binding = "http://127.0.0.1:1", "log", None
 
         def __init__(self, config):
             self.proc = self

@@ -30,11 +30,13 @@ from relaxkv_sglang.model.reference import (
 )
 from relaxkv_sglang.model.rope import RopeSpec, apply_rope
 from relaxkv_sglang.model.rope_config import rope_spec_from_hf_config
+from relaxkv_sglang.model.sglang import model_layers
 from relaxkv_sglang.model.sglang.model_layers import (
     ModelLayers,
     SGLangLayerOps,
     UnsupportedModelError,
     family_line,
+    leaves_sum_to_boundary,
     repair_support,
     supports_repair,
 )
@@ -407,7 +409,7 @@ def test_qwen3_norms_q_and_k_before_rope_so_a_re_rotated_k_is_exact():
         assert float((moved - norm_after_rope(pos + p)).abs().max()) > 1e-2, family
 
 
-def test_a_stack_without_a_config_is_told_by_its_class_and_the_startup_line_names_the_family():
+def test_a_stack_without_a_config_is_told_by_its_class_and_the_startup_line_names_the_family(monkeypatch):
     hf = hf_model("mixtral")
     w = from_hf_state_dict(hf.state_dict(), hf.config.to_dict())
     stack = sglang_model(w, ["MixtralForCausalLM"])
@@ -430,9 +432,19 @@ def test_a_stack_without_a_config_is_told_by_its_class_and_the_startup_line_name
                          ["Qwen3ForCausalLM"])
     qwen3.__class__ = wrapped
     assert family_line(SimpleNamespace(model=qwen3), True).endswith("model family qwen3: chunk reuse yes; repair yes")
-    # tensor parallelism: an o_proj sharded over ranks and summed by SGLang's layer boundary
+    # tensor parallelism: a row-parallel output left to SGLang's layer boundary is summed by the repair pass itself;
+    # a module of which that cannot be told (here the stand-in MLP, no row-parallel down_proj) is named
     o_proj = qwen3.layers[0].self_attn.o_proj
     o_proj.reduce_results, o_proj.input_size, o_proj.input_size_per_partition = False, 64, 32
-    assert "tensor parallelism" in repair_support(SimpleNamespace(model=qwen3))[1]
+    assert leaves_sum_to_boundary(o_proj) is True
+    assert repair_support(SimpleNamespace(model=qwen3))[1] == ""  # one rank: nothing to sum
+    monkeypatch.setattr(model_layers, "served_tensor_parallel", lambda: SimpleNamespace(size=2, rank=0))
+    reason = repair_support(SimpleNamespace(model=qwen3))[1]
+    assert reason.startswith("tensor parallelism: layer 0's mlp (_MLP) is not a row-parallel linear"), reason
+    for layer in qwen3.layers:
+        for row_parallel in (layer.self_attn.o_proj, layer.mlp):
+            row_parallel.reduce_results, row_parallel.input_size, row_parallel.input_size_per_partition = True, 64, 32
+    assert leaves_sum_to_boundary(qwen3.layers[1].mlp) is False  # summed inside: SGLang's boundary owes nothing
+    assert repair_support(SimpleNamespace(model=qwen3))[1] == ""
     o_proj.input_size_per_partition = 64  # one rank: SGLang's boundary has nothing to sum
     assert repair_support(SimpleNamespace(model=qwen3))[1] == ""

@@ -124,7 +124,7 @@ def test_a_request_whose_repair_cannot_be_planned_is_served_as_pic(monkeypatch):
     f = _request_fold("epic", [0, 1, 6, 7, 8, 9])
     r = RequestRows(f, f.keep, f.scope_start, to_repair=True, slots=torch.arange(10))
     stage = repair.RepairStage(_cache(), types.SimpleNamespace(repair_cost=None), None)
-    outcome = stage._plan(r, 2)
+    outcome = stage._plan(r, 2, None, None)
     assert outcome.not_repaired_reason == "its repair could not be planned (no anchors fit) (served as pic)"
     assert outcome.rows is None
 

@@ -123,6 +123,7 @@ def plugin_state(backend: Any, model_runner: Any, float_workspace: Optional[torc
     # for relaxkv_budget (decided once, read per repair)
     backend.repair_cost = RepairCost.from_hf_config(model_runner.model_config.hf_config.to_dict(),
                                                     str(model_runner.device).split(":")[0])
-    # the auto budget needs the whole vocabulary's LM head; a TP rank holds a shard (repair/sglang/budget.py)
-    whole_vocab = int(getattr(model_runner, "tp_size", 1) or 1) == 1
-    backend.lm_head = getattr(getattr(model_runner, "model", None), "lm_head", None) if whole_vocab else None
+    # the auto budget reads the query pass's answer: this rank's LM head (a shard of the vocabulary under tensor
+    # parallelism, gathered by the repair stage) and the vocabulary's size without SGLang's padding
+    backend.lm_head = getattr(getattr(model_runner, "model", None), "lm_head", None)
+    backend.vocab_size = int(model_runner.model_config.vocab_size)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from relaxkv_sglang.cache.tiers import TierName, split_hits
+from relaxkv_sglang.model.tensor_parallel import digest
 from relaxkv_sglang.request.plan import RequestPlan, request_plan
 
 if TYPE_CHECKING:
@@ -71,6 +72,13 @@ class Fold:
 
     source: Any  # the ScheduleBatch the scheduler built
     requests: tuple[RequestFold, ...]
+
+
+def fold_digests(fold: Fold) -> list[int]:
+    """Per request (batch order), a digest of what the fold decided (window, rows kept, scopes, hits): every
+    tensor-parallel rank's store must decide alike, or SGLang's own collectives would see other rows."""
+    return [digest(str(f.req.rid), f.window_start, f.window_len, f.keep, f.scope_start, f.hit_tokens, f.chunks_hit)
+            for f in fold.requests]
 
 
 def fold_batch(cache: "RelaxKVCache", batch: Any) -> Optional[Fold]:

@@ -6,6 +6,11 @@ self_attn.{qkv_proj, q_norm, k_norm (Qwen3, Qwen3-MoE), rotary_emb, o_proj, attn
 post_attention_layernorm, <mlp>}`` (``<mlp>``: ``mlp``, Mixtral's ``block_sparse_moe``; called as
 SGLang's layer calls it, so an MoE block routes each row itself), ``norm``, and
 ``config.architectures`` / ``config.model_type`` (or, without a config, the stack's class).
+
+Under tensor parallelism SGLang 0.5.23's layers leave the o_proj's and the MLP's partial sums to the
+layer boundary (``layers/layer_boundary/``; ``reduce_results=False`` on ``RowParallelLinear`` and
+``FusedMoE``), which the repair pass does not run: :class:`SGLangLayerOps` sums such an output over the
+TP group itself (:func:`leaves_sum_to_boundary`), the same sum whatever boundary strategy SGLang chose.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from typing import Any, Optional
 
 import torch
 
+from relaxkv_sglang.model.sglang.tensor_parallel import served_tensor_parallel
+from relaxkv_sglang.model.tensor_parallel import TensorParallel
 from relaxkv_sglang.model.model_family import (
     SGLANG_MODEL_MODULES,
     ModelFamily,
@@ -48,13 +55,15 @@ def family_of_model(model: torch.nn.Module) -> ModelFamily:
 class SGLangLayerOps:
     """:class:`~relaxkv_sglang.model.model_family.LayerOps` over ``model.layers[i]`` (``mlp_module``:
     ``ModelFamily.mlp_module``); n rows, H / Hkv = ``attn.tp_q_head_num`` / ``attn.tp_k_head_num`` (this rank's
-    heads), d = ``attn.head_dim``; the served dtype."""
+    heads), d = ``attn.head_dim``; the served dtype. ``ranks``: the TP group an o_proj or MLP output left
+    partial is summed over."""
 
-    def __init__(self, layer: torch.nn.Module, mlp_module: str = "mlp") -> None:
+    def __init__(self, layer: torch.nn.Module, mlp_module: str = "mlp", ranks: Optional[TensorParallel] = None) -> None:
         self.layer = layer
         self.attn = layer.self_attn
         self.radix = layer.self_attn.attn  # RadixAttention: this rank's head counts and sizes
         self.mlp_block = getattr(layer, mlp_module)
+        self.ranks = ranks
 
     def input_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> [n, hidden]."""
@@ -82,7 +91,7 @@ class SGLangLayerOps:
     def o_proj(self, attn_out: torch.Tensor) -> torch.Tensor:
         """attn_out [n, H, dv] -> [n, hidden]."""
         out, _ = self.attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
-        return out
+        return self._complete(out, self.attn.o_proj)
 
     def post_attention_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> [n, hidden]."""
@@ -90,15 +99,37 @@ class SGLangLayerOps:
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] -> [n, hidden] (an MoE block routes the rows itself)."""
-        return self.mlp_block(x)
+        return self._complete(self.mlp_block(x), self.mlp_block)
+
+    def _complete(self, out: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+        """``module``'s output, summed over the TP group when the module leaves that sum to the boundary."""
+        if self.ranks is None or self.ranks.size == 1 or not leaves_sum_to_boundary(module):
+            return out
+        return self.ranks.sum(out)
+
+
+def leaves_sum_to_boundary(module: torch.nn.Module) -> Optional[bool]:
+    """Whether a row-parallel output (an o_proj, a dense MLP by its ``down_proj``, a routed-experts MLP by its
+    ``experts``) is a partial sum SGLang's layer boundary completes; None: not a module this can tell."""
+    down = getattr(module, "down_proj", None)
+    if down is not None:
+        return leaves_sum_to_boundary(down)
+    experts = getattr(module, "experts", None)
+    if experts is not None and hasattr(experts, "moe_tp_size") and not hasattr(module, "shared_expert"):
+        split = int(experts.moe_tp_size) > 1 or int(getattr(experts, "moe_ep_size", 1)) > 1
+        return split and not experts.reduce_results
+    if hasattr(module, "reduce_results") and hasattr(module, "input_size_per_partition"):
+        return not module.reduce_results and module.input_size_per_partition != module.input_size
+    return None
 
 
 class ModelLayers:
     """A registered family's decoder stack (``causal_lm.model``: LlamaModel, Qwen2Model, Qwen3Model,
     Qwen2MoeModel, MixtralModel) as the layer loop calls it; UnsupportedModelError: no family, or a module missing."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, ranks: Optional[TensorParallel] = None) -> None:
         self.model = model
+        self.ranks = ranks if ranks is not None else served_tensor_parallel()
         self.family = family_of_model(model)
         for name in SGLANG_MODEL_MODULES:
             if not hasattr(model, name):
@@ -131,7 +162,7 @@ class ModelLayers:
         return finish_layer(self._ops(l), hidden, attn_out)
 
     def _ops(self, l: int) -> SGLangLayerOps:
-        return SGLangLayerOps(self.layer(l), self.family.mlp_module)
+        return SGLangLayerOps(self.layer(l), self.family.mlp_module, self.ranks)
 
     def attention_params(self, l: int) -> tuple[int, float]:
         """(KV-pool layer id, softmax scale) of layer l."""
@@ -152,8 +183,7 @@ def repair_support(causal_lm: torch.nn.Module) -> tuple[Optional[ModelFamily], s
     """(the model's registered family or None, why it is not repaired: "" when it is).
 
     Not repaired: a stack whose ``forward`` is not the hooked one, no family or a missing module, and under tensor
-    parallelism an o_proj summed by SGLang's layer boundary (``reduce_results=False``: Qwen2, Qwen3, the MoE
-    families), which the repair pass, calling the modules alone, would leave unsummed."""
+    parallelism an o_proj or MLP of which :func:`leaves_sum_to_boundary` cannot tell whether its output is whole."""
     inner = getattr(causal_lm, "model", None)
     if inner is None:
         return None, f"{type(causal_lm).__name__} holds no decoder stack (`.model`)"
@@ -164,16 +194,15 @@ def repair_support(causal_lm: torch.nn.Module) -> tuple[Optional[ModelFamily], s
     family = layers.family
     if getattr(type(inner).forward, "__wrapped__", None) is None:
         return family, f"{type(inner).__name__}.forward is not the hooked one (the {family.name} family's is)"
-    if _reduced_at_the_boundary(layers.layer(0).self_attn.o_proj):
-        return family, ("tensor parallelism: this model's o_proj leaves its all-reduce to SGLang's layer boundary, "
-                        "which the repair pass does not run")
+    if layers.ranks.size > 1:
+        for l in range(layers.n_layers):
+            layer = layers.layer(l)
+            for name, module in (("o_proj", layer.self_attn.o_proj), (family.mlp_module, getattr(layer, family.mlp_module))):
+                if leaves_sum_to_boundary(module) is None:
+                    return family, (f"tensor parallelism: layer {l}'s {name} ({type(module).__name__}) is not a "
+                                    "row-parallel linear or routed-experts block, so whether its output is summed "
+                                    "over the ranks cannot be told")
     return family, ""
-
-
-def _reduced_at_the_boundary(o_proj: Any) -> bool:
-    """Whether a row-parallel o_proj is sharded (its input split) and leaves the sum to SGLang's layer boundary."""
-    full, part = getattr(o_proj, "input_size", None), getattr(o_proj, "input_size_per_partition", None)
-    return getattr(o_proj, "reduce_results", True) is False and part is not None and part != full
 
 
 def supports_repair(causal_lm: torch.nn.Module) -> bool:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 if TYPE_CHECKING:
     import torch
 
+    from relaxkv_sglang.model.tensor_parallel import TensorParallel
     from relaxkv_sglang.repair.anchor_schedule import AnchorSchedule
 
 Span = tuple[int, int]
@@ -136,6 +137,8 @@ class MeasuredKV:
         k_new, v_new: [n, Hkv, d] their K (post-RoPE) and V recomputed at the layer.
         k_stale, v_stale: [n, Hkv, d] their cached K/V (re-rotated), as the layer holds them.
         rotate: RoPE re-rotation of post-RoPE keys by per-token position deltas.
+        ranks: the tensor-parallel group whose ranks each hold some of the KV heads (None: one rank, every
+            head here); a measure over heads sums its per-rank parts over it.
     """
 
     positions: "torch.Tensor"
@@ -145,6 +148,7 @@ class MeasuredKV:
     k_stale: "torch.Tensor"
     v_stale: "torch.Tensor"
     rotate: Rotate
+    ranks: Optional["TensorParallel"] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Optional
 from relaxkv_sglang.repair.policies.base import AnchorInputs, LayerEdit, LayerRead, MeasuredKV, OptionGroup, PolicySpec, top_tokens
 
 if TYPE_CHECKING:
-    import torch
-
+    from relaxkv_sglang.model.tensor_parallel import TensorParallel
     from relaxkv_sglang.repair.anchor_schedule import AnchorSchedule
 
 __all__ = ["CacheBlendOptions", "kv_deviation", "check_layer_deviation", "CheckLayerStep", "SPEC"]
@@ -40,20 +39,28 @@ class CacheBlendOptions:
 
 
 def kv_deviation(k_new: "torch.Tensor", v_new: "torch.Tensor", k_old: "torch.Tensor", v_old: "torch.Tensor",
-                 use_k: bool = False) -> "torch.Tensor":
+                 use_k: bool = False, ranks: Optional["TensorParallel"] = None) -> "torch.Tensor":
     """CacheBlend's per-token deviation between recomputed and cached KV at the check layer.
 
     Args:
-        k_new, k_old: [n, n_kv_heads, d] float (post-RoPE, same positions).
+        k_new, k_old: [n, n_kv_heads, d] float (post-RoPE, same positions): this rank's KV heads.
         v_new, v_old: [n, n_kv_heads, d] float.
         use_k: also add the L2 deviation of K.
+        ranks: the tensor-parallel group holding the other KV heads (None or one rank: these are all):
+            each rank's sums of squares are summed over it (one collective), then the root taken.
     Returns:
-        float32 [n]: ||v_new - v_old||_2 over heads and dims (+ the same for K).
+        float32 [n]: ||v_new - v_old||_2 over heads and dims (+ the same for K), the same on every rank.
     """
-    dev = (v_new.float() - v_old.float()).flatten(1).norm(dim=1)
-    if use_k:
-        dev = dev + (k_new.float() - k_old.float()).flatten(1).norm(dim=1)
-    return dev
+    if ranks is None or ranks.size == 1:
+        dev = (v_new.float() - v_old.float()).flatten(1).norm(dim=1)
+        if use_k:
+            dev = dev + (k_new.float() - k_old.float()).flatten(1).norm(dim=1)
+        return dev
+    import torch
+
+    pairs = [(v_new, v_old)] + ([(k_new, k_old)] if use_k else [])
+    squares = ranks.sum(torch.stack([(new.float() - old.float()).flatten(1).square().sum(dim=1) for new, old in pairs]))
+    return squares.sqrt().sum(dim=0)
 
 
 def check_layer_deviation(x: AnchorInputs, deviation: Optional["torch.Tensor"] = None) -> "list[torch.Tensor]":
@@ -104,7 +111,7 @@ class CheckLayerStep:
         plan = self.plan
         deviation = torch.zeros(plan.n_context)
         deviation[kv.positions.cpu()] = kv_deviation(kv.k_new, kv.v_new, kv.k_stale, kv.v_stale,
-                                                     plan.config.cacheblend.use_k).cpu()
+                                                     plan.config.cacheblend.use_k, kv.ranks).cpu()
         sets = check_layer_deviation(plan.anchor_inputs(), deviation)
         return LayerEdit(later_sets=sets[layer + 1:])
 

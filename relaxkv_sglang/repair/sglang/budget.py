@@ -2,8 +2,8 @@
 anchor ratio chosen from its query pass (:mod:`relaxkv_sglang.repair.auto_budget`).
 
 ``auto`` needs the query's stale attention, the budget model and, for a model that reads it, the query pass's
-answer (not measured under tensor parallelism: the vocabulary is sharded); without them the request keeps the
-anchor ratio it would have had and ``budget_choice.fallback`` says why.
+answer (under tensor parallelism, every rank's vocabulary shard gathered by the repair stage); without them the
+request keeps the anchor ratio it would have had and ``budget_choice.fallback`` says why.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def decide_budget(config: RepairConfig, plan: RequestPlan, served: ServedCalibra
     if model is None or signal is None or (model.reads_answer and signal.answer_entropy is None):
         why = (f"no budget model in {served.model or 'the model'}'s calibration" if model is None
                else f"policy {plan.policy} records no query scores" if signal is None
-               else "the query pass's answer was not measured (the LM head is split over tensor-parallel ranks)")
+               else "the query pass's answer was not measured (no LM head on the worker)")
         report["budget_choice"] = {"mode": AUTO, "quality": quality, "anchor_ratio": config.anchor_ratio,
                                    "fallback": f"{why}: the anchor ratio it would have had"}
         return BudgetDecision(dataclasses.replace(config, budget=None), report)

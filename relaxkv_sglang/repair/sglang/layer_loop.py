@@ -27,6 +27,7 @@ from relaxkv_sglang.attention.staging import HostStage, Staged
 from relaxkv_sglang.server.failures import InvariantError
 from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention, PreparedAnchors
 from relaxkv_sglang.model.sglang.model_layers import ModelLayers
+from relaxkv_sglang.model.tensor_parallel import ONE_RANK, check_same, digest
 from relaxkv_sglang.repair.sglang.shift_target import ShiftTarget
 
 if TYPE_CHECKING:
@@ -109,7 +110,7 @@ class _PassDecisions:
     step targets), made on the host and staged in one copy; rebuilt from the next layer when a step replans."""
 
     def __init__(self, requests: list[LoopRows], first: int, n_layers: int, device: torch.device,
-                 anchors: AnchorAttention, kv_dtype: torch.dtype, rope: Optional[RopeSpec]) -> None:
+                 anchors: AnchorAttention, kv_dtype: torch.dtype, rope: Optional[RopeSpec], digests: bool) -> None:
         stage = HostStage(device)
         self.slots = [stage.put(r.slots) for r in requests]
         for r in requests:
@@ -118,6 +119,7 @@ class _PassDecisions:
                             if r.anchor_schedule is not None and not r.anchor_schedule.ranks_pages_in_layer else None
                             for r in requests]
         self.layers: dict[int, _LayerStep] = {}
+        self.digests: dict[int, int] = {}  # per layer, what every rank must have decided alike (when checked)
         offsets = [0]
         for r in requests:
             offsets.append(offsets[-1] + r.n_rows)
@@ -133,7 +135,21 @@ class _PassDecisions:
             active = torch.cat([rows + off for rows, off in zip(layer_rows, offsets)])
             positions = torch.cat([r.positions[rows] for r, rows in zip(requests, layer_rows)])
             self.layers[l] = _LayerStep(steps, stage.put(active), stage.put(positions), stage.put(torch.cat(going_on)))
+            if digests:
+                self.digests[l] = _layer_digest(requests, l, layer_rows)
         stage.send()
+
+
+def _layer_digest(requests: list[LoopRows], l: int, layer_rows: list[torch.Tensor]) -> int:
+    """A digest of layer l's rows (positions, anchors, scopes) and anchor layouts, over the pass's requests."""
+    parts: list = [l]
+    for r, rows in zip(requests, layer_rows):
+        parts += [r.positions[rows], r.anchor[rows], r.scope[rows]]
+        plan = r.anchor_schedule
+        if plan is not None and l < len(plan.layouts):
+            layout = plan.layouts[l]
+            parts += [layout.q_pos, layout.row_indptr, layout.indptr, layout.indices, layout.page_size, layout.n_keys]
+    return digest(*parts)
 
 
 def _leaves_after(r: LoopRows, l: int, rows: torch.Tensor) -> torch.Tensor:
@@ -179,6 +195,7 @@ class LayerLoop:
         self.kv_pool = kv_pool
         self.anchor_attention = anchor_attention
         self.rope = rope  # the served RoPE: the stale shift compares K before it (repair/stale_shift.py)
+        self.ranks = getattr(layers, "ranks", ONE_RANK)  # layers of one rank's own (a test's, the GPU check's)
 
     def run(self, requests: list[LoopRows], input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids int64 [sum n_rows] (requests' rows in order, on the model's device) ->
@@ -227,7 +244,16 @@ class LayerLoop:
 
     def _plan(self, requests: list[LoopRows], first: int, device: torch.device,
               kv_dtype: Optional[torch.dtype]) -> _PassDecisions:
-        return _PassDecisions(requests, first, self.layers.n_layers, device, self.anchor_attention, kv_dtype, self.rope)
+        """The pass's decisions from layer ``first``; under tensor parallelism with checks on, compared across
+        ranks first (one gather: a disagreement raises naming the layer, before any collective of the pass)."""
+        ranks = self.ranks
+        checked = ranks.size > 1 and ranks.checks
+        decisions = _PassDecisions(requests, first, self.layers.n_layers, device, self.anchor_attention, kv_dtype,
+                                   self.rope, digests=checked)
+        layers = range(self.layers.n_layers)  # one entry per layer, so every rank gathers as many
+        check_same(ranks, [decisions.digests.get(l, 0) for l in layers], [f"layer {l}" for l in layers],
+                   "the repair pass's rows and anchors")
+        return decisions
 
     def _layer_step(self, r: LoopRows, l: int, s: _RequestStep, k_new: torch.Tensor, v_new: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -241,7 +267,7 @@ class LayerLoop:
         rotate = target.rotate_by if target is not None else self._rotate
         edit: LayerEdit = plan.layer_step.run(l, MeasuredKV(
             read.positions.get(), read.groups.get() if read.groups is not None else None, k_new.index_select(0, at),
-            v_new.index_select(0, at), k_cache[pool], v_cache[pool], rotate))
+            v_new.index_select(0, at), k_cache[pool], v_cache[pool], rotate, self.ranks))
         if edit.body_dv is not None or edit.body_dk is not None:
             if target is None:
                 raise InvariantError("relaxkv: a layer step returned a delta but declares no body")

@@ -26,6 +26,7 @@ from relaxkv_sglang.attention.sglang.context import forward_context
 from relaxkv_sglang.server.failures import InvariantError, served_as_pic
 from relaxkv_sglang.repair.sglang.layer_loop import LayerLoop, LoopRows
 from relaxkv_sglang.model.sglang.model_layers import ModelLayers
+from relaxkv_sglang.model.tensor_parallel import place_shard
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -71,10 +72,11 @@ class RepairStage:
         """hidden [n_rows, hidden] SGLang's final-normed output of the folded batch -> the same,
         the targets' glue and query rows replaced by the repair pass's."""
         layers = ModelLayers(model)
+        signals = self._decision_signals(hidden, layers)
         planned = []
         for i in self.setup.targets:
             r = self.setup.requests[i]
-            self.outcomes[i] = self._plan(r, layers.n_layers, self._answer_logits(hidden, i))
+            self.outcomes[i] = self._plan(r, layers.n_layers, *signals.get(i, (None, None)))
             if self.outcomes[i].rows is not None:
                 planned.append((i, r, self.outcomes[i].rows))
         if not planned:
@@ -90,22 +92,42 @@ class RepairStage:
             offset += rows.n_rows
         return hidden
 
+    def _decision_signals(self, hidden: torch.Tensor,
+                          layers: ModelLayers) -> dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """Per scored target: (float32 [n_layers, n_context] the query's attention mass over every head, float32
+        [vocab] the query pass's answer logits or None), each rank's share summed over the TP group in one
+        collective (``model/tensor_parallel.py``), so every rank plans from the same values."""
+        ranks = layers.ranks
+        scored = [i for i in self.setup.targets if self.setup.requests[i].scores is not None]
+        shares = [(self.setup.requests[i].scores.stacked(layers.n_layers), self._answer_logits(hidden, i))
+                  for i in scored]
+        if ranks.size > 1 and shares:
+            pieces = [t if j == 0 else place_shard(t, ranks)
+                      for share in shares for j, t in enumerate(share) if t is not None]
+            summed = ranks.sum(torch.cat([t.flatten() for t in pieces]).to(hidden.device)).cpu()
+            summed_pieces = iter(torch.split(summed, [t.numel() for t in pieces]))
+            shares = [(next(summed_pieces).view(scores.shape), next(summed_pieces) if logits is not None else None)
+                      for scores, logits in shares]
+        vocab = getattr(self.attn_backend, "vocab_size", None)
+        return {i: (scores, logits[:vocab] if logits is not None else None) for i, (scores, logits) in zip(scored, shares)}
+
     def _answer_logits(self, hidden: torch.Tensor, i: int) -> Optional[torch.Tensor]:
-        """float [vocab] the query pass's logits at request ``i``'s last row (one row through the LM head), for the
-        budget signal of every scored request (fixed-ratio runs fit calibrations); None without scores or LM head."""
+        """float32 [vocab shard] this rank's logits of the query pass at request ``i``'s last row (one row through
+        the LM head), for the budget signal of every scored request (fixed-ratio runs fit calibrations); None
+        without an LM head."""
         lm_head = getattr(self.attn_backend, "lm_head", None)
-        if lm_head is None or self.setup.requests[i].scores is None:
+        if lm_head is None:
             return None
         last = self.setup.row_starts[i] + self.setup.requests[i].n_rows - 1
-        weight = lm_head.weight  # [vocab, hidden]
+        weight = lm_head.weight  # [this rank's vocab shard, hidden]
         return torch.nn.functional.linear(hidden[last].to(weight.dtype), weight).float().cpu()
 
-    def _plan(self, r: "RequestRows", n_layers: int, answer_logits: Optional[torch.Tensor] = None) -> RepairOutcome:
+    def _plan(self, r: "RequestRows", n_layers: int, scores: Optional[torch.Tensor],
+              answer_logits: Optional[torch.Tensor]) -> RepairOutcome:
         """Publish the request's misses (final position-independent KV, before anchors overwrite it) and plan its
-        pass (``answer_logits`` float [vocab]: for an auto budget); served as pic when it cannot be planned."""
+        pass (``scores``, ``answer_logits``: :meth:`_decision_signals`); served as pic when it cannot be planned."""
         f = r.fold
         self.cache.publish_chunks(f.plan.namespace, f.misses, f.req_pool_idx)
-        scores = r.scores.stacked(n_layers) if r.scores is not None else None
         try:
             ids = _token_ids(f.req)
             served = served_settings(self.cache)

@@ -9,7 +9,8 @@ copied back by ``-p``: ``pic_kv``, ``pic_logits``). The verdict is logged, on ``
 
 SGLang files touched (none hooked): reads ``managers/tp_worker.py``'s ``TpModelWorker``
 (``model_runner.model``, ``tokenizer``), ``mem_cache/allocator/base.py`` (``alloc``/``free``)
-and ``mem_cache/memory_pool.py`` (K/V buffers).
+and ``mem_cache/memory_pool.py`` (K/V buffers). Under tensor parallelism every rank runs the gate on its
+own heads (the layer loop sums the row-parallel outputs over the ranks) and the ranks agree on one verdict.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from relaxkv_sglang.server import state
 from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention
 from relaxkv_sglang.repair.sglang.layer_loop import LayerLoop, LoopRows
 from relaxkv_sglang.model.sglang.model_layers import ModelLayers, UnsupportedModelError
+from relaxkv_sglang.model.sglang.tensor_parallel import served_tensor_parallel
 from relaxkv_sglang.cache.sglang.pool_kv import PoolKV
 
 logger = logging.getLogger(__name__)
@@ -67,13 +69,28 @@ def run_startup_gate(worker: Any, cache: Any, context_len: int, *, tp_rank: int 
     except Exception as exc:  # the gate must never stop the server; it refuses chunk policies instead
         logger.debug("relaxkv: correctness gate raised", exc_info=True)
         result = GateResult.failure(f"the gate could not run: {type(exc).__name__}: {exc}")
-    result = dataclasses.replace(result, seconds=round(time.perf_counter() - start, 3))
+    result = dataclasses.replace(_agreed(result), seconds=round(time.perf_counter() - start, 3))
     state.record(cache, state.CacheState).gate = result
     if tp_rank == 0:
         _log(result, type(causal_lm).__name__)
     if enable_metrics:
         _publish_metrics(result)
     return result
+
+
+def _agreed(result: GateResult) -> GateResult:
+    """The verdict every tensor-parallel rank serves: each rank checked its own heads and vocabulary shard, and
+    one rank's failure fails the gate on all of them (one sum over the ranks; none at tp 1)."""
+    ranks = served_tensor_parallel()
+    if ranks.size == 1:
+        return result
+    failed = torch.zeros(ranks.size)
+    failed[ranks.rank] = float(result.refuses_chunks)
+    failed_ranks = ranks.sum(failed).nonzero().flatten().tolist()
+    if not failed_ranks or result.refuses_chunks:
+        return result
+    return dataclasses.replace(result, status="failed",
+                               reason=f"tensor-parallel rank(s) {failed_ranks} failed the gate on their heads")
 
 
 def gate_state(cache: Any) -> Optional[dict]:

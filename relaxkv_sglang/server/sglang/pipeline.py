@@ -10,6 +10,9 @@
    by :func:`around_forward_batch_init_new`) -> the stage's :attr:`~.repair.RepairStage.outcomes`;
 5. :func:`~.finish.finish_forward`: misses published, reuse counted, ``meta_info.relaxkv``.
 
+Under tensor parallelism with ``RELAXKV_TP_CHECK`` on, the ranks compare their folds first (one gather):
+a store out of lockstep stops the server naming the request instead of hanging in SGLang's collectives.
+
 Then the batch's admission pins are dropped, whatever happened; only an
 :class:`~relaxkv_sglang.server.failures.InvariantError` raises out (logged).
 
@@ -26,7 +29,9 @@ from typing import Any, Callable, Optional
 from relaxkv_sglang.attention.sglang.context import ForwardContext, PendingForward, attached, pending_forward
 from relaxkv_sglang.server.failures import InvariantError
 from relaxkv_sglang.cache.sglang.finish import finish_forward
-from relaxkv_sglang.cache.sglang.fold import fold_batch
+from relaxkv_sglang.cache.sglang.fold import fold_batch, fold_digests
+from relaxkv_sglang.model.sglang.tensor_parallel import served_tensor_parallel
+from relaxkv_sglang.model.tensor_parallel import check_same
 from relaxkv_sglang.repair.sglang.query_pass import set_up_forward
 from relaxkv_sglang.repair.sglang.repair_stage import repair_stage
 from relaxkv_sglang.cache.sglang.relaxkv_cache import worker_cache
@@ -56,6 +61,8 @@ def _forward(original: Callable, cache: Any, worker: Any, batch: Optional[Any], 
     fold = fold_batch(cache, batch)
     if fold is None:
         return original(worker, batch, *args, **kwargs)
+    ranks = served_tensor_parallel()
+    check_same(ranks, fold_digests(fold), [f"request {f.req.rid}" for f in fold.requests], "the fold (chunk hits)")
     runner = worker.model_runner
     setup = set_up_forward(cache, runner, fold)
     stage = repair_stage(cache, runner.attn_backend, setup)

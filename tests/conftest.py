@@ -27,6 +27,7 @@ import torch
 
 from relaxkv_sglang import assets
 from relaxkv_sglang.server.launch import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
+from relaxkv_sglang.server.settings import TP_CHECK_ENV
 
 TINY_POOL_TOKENS = 8192
 PRESTART_AT_ONCE = 2  # launches in flight together: each keeps ~1 of 2 cores busy while it imports (measured
@@ -94,6 +95,19 @@ def relaxkv_server_config(model_path: str) -> ServerConfig:
                         env=STRICT_MEMORY_CHECK, extra_args=["--context-length", "4096", "--enable-metrics"])
 
 
+def tensor_parallel(config: ServerConfig, tp_size: int = 2) -> ServerConfig:
+    """``config`` over ``tp_size`` tensor-parallel ranks (one CPU core each: the launcher binds them), with the
+    ranks comparing each fold and repair schedule (``RELAXKV_TP_CHECK``: a disagreement stops the server)."""
+    config.extra_args = [*config.extra_args, "--tp-size", str(tp_size)]
+    config.env = {**config.env, TP_CHECK_ENV: "1"}
+    return config
+
+
+def relaxkv_tp2_server_config(model_path: str) -> ServerConfig:
+    """:func:`relaxkv_server_config` over two tensor-parallel ranks."""
+    return tensor_parallel(relaxkv_server_config(model_path))
+
+
 def start_server(config: Callable[[str], ServerConfig]) -> Callable[[str], SGLangServer]:
     """``start(model_path)`` for :data:`PRESTART_SERVERS`: an SGLang server from ``config(model_path)``,
     given the suite's start deadline (``rag_helpers.SERVER_START_TIMEOUT_S``: a hang guard sized for
@@ -108,7 +122,8 @@ def start_server(config: Callable[[str], ServerConfig]) -> Callable[[str], SGLan
     return start
 
 
-SESSION_SERVERS = {"server": start_server(stock_server_config), "relaxkv_server": start_server(relaxkv_server_config)}
+SESSION_SERVERS = {"server": start_server(stock_server_config), "relaxkv_server": start_server(relaxkv_server_config),
+                   "relaxkv_tp2_server": start_server(relaxkv_tp2_server_config)}
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -161,6 +176,14 @@ def server(tiny_model_path, prestart):
 def relaxkv_server(tiny_model_path, prestart):
     """SGLang with the plugin's chunk tree and attention backend, default policy ``prefix``."""
     with prestart.serving("relaxkv_server", lambda: SESSION_SERVERS["relaxkv_server"](tiny_model_path)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def relaxkv_tp2_server(tiny_model_path, prestart):
+    """:func:`relaxkv_server` over two tensor-parallel ranks (:func:`relaxkv_tp2_server_config`)."""
+    with prestart.serving("relaxkv_tp2_server",
+                          lambda: SESSION_SERVERS["relaxkv_tp2_server"](tiny_model_path)) as srv:
         yield srv
 
 

@@ -3,7 +3,8 @@
 Fields (documented in ``docs/api.md``): ``policy``, ``chunks_seen``, ``chunks_hit``,
 ``chunk_tokens_reused`` (and ``chunk_tokens_from_<tier>`` per lower
 :class:`~relaxkv_sglang.cache.tiers.TierName`), ``tokens_computed``, ``repaired``, ``prefills``,
-``repairs``; for a repaired request ``anchor_ratio``, ``anchors_per_layer``, ``context_ratio``,
+``repairs``; for a repaired request ``anchor_ratio``, ``anchors_per_layer``, ``anchors_by_layer`` (|A_l| per
+layer), ``anchor_set_digest`` (the anchor sets' positions, as 16 hex digits: equal for equal sets), ``context_ratio``,
 ``repair_kv_pairs``, ``repair_kv_pairs_executed`` and the budget's fields (``budget``,
 ``budget_choice``, ``budget_signal``: ``repair/sglang/budget.py``); otherwise, under a repair policy,
 ``not_repaired_reason``. Over several prefill steps (chunked prefill windows, a retraction)
@@ -20,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from relaxkv_sglang.cache.tiers import TierName
+from relaxkv_sglang.model.tensor_parallel import digest
 from relaxkv_sglang.request.plan import RECORD_KEY
 
 if TYPE_CHECKING:
@@ -65,11 +67,14 @@ def repair_record(rows: "LoopRows") -> dict:
     anchor executor counted as it ran (``rows.work``: no second pass over the layouts)."""
     plan, work = rows.anchor_schedule, rows.work
     n_layers = max(int(rows.exits.max()) if rows.n_rows else 0, 1)
-    anchor_layers = int(rows.exits[rows.anchor].sum())
+    anchor_exits = rows.exits[rows.anchor]
+    anchor_layers = int(anchor_exits.sum())
     n_eligible = plan.n_eligible
     return {
         "anchor_ratio": anchor_layers / (n_layers * n_eligible) if n_eligible else 0.0,
         "anchors_per_layer": anchor_layers / n_layers,
+        "anchors_by_layer": [int((anchor_exits > l).sum()) for l in range(n_layers)],
+        "anchor_set_digest": f"{digest(rows.positions[rows.anchor], anchor_exits):016x}",
         "context_ratio": work.visible / work.full if work.full else 1.0,
         "repair_kv_pairs": work.visible,
         "repair_kv_pairs_executed": work.executed,

@@ -62,10 +62,13 @@ def detach(obj: Any) -> None:
 @dataclasses.dataclass
 class CacheState:
     """The tree cache's: ``gate`` the startup gate's verdict (None before it ran), ``calibration``
-    the served calibration and budget settings (None before startup chose them)."""
+    the served calibration and budget settings (None before startup chose them), ``repair_stages`` and
+    ``repair_seconds`` the repair stages run and their wall time (collectives included)."""
 
     gate: Optional["GateResult"] = None
     calibration: Optional["ServedCalibration"] = None
+    repair_stages: int = 0
+    repair_seconds: float = 0.0
 
 
 @dataclasses.dataclass

@@ -14,6 +14,7 @@ the model-family registry hooks (``model/model_family.py::hooked_model_classes``
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -27,6 +28,7 @@ from relaxkv_sglang.server.failures import InvariantError, served_as_pic
 from relaxkv_sglang.repair.sglang.layer_loop import LayerLoop, LoopRows
 from relaxkv_sglang.model.sglang.model_layers import ModelLayers
 from relaxkv_sglang.model.tensor_parallel import place_shard
+from relaxkv_sglang.server import state
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -70,7 +72,16 @@ class RepairStage:
 
     def run(self, model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n_rows, hidden] SGLang's final-normed output of the folded batch -> the same,
-        the targets' glue and query rows replaced by the repair pass's."""
+        the targets' glue and query rows replaced by the repair pass's (its wall time counted on the cache)."""
+        start = time.perf_counter()
+        try:
+            return self._run(model, hidden)
+        finally:
+            timing = state.record(self.cache, state.CacheState)
+            timing.repair_stages += 1
+            timing.repair_seconds += time.perf_counter() - start
+
+    def _run(self, model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         layers = ModelLayers(model)
         signals = self._decision_signals(hidden, layers)
         planned = []

@@ -23,6 +23,9 @@ from relaxkv_sglang.cache.sglang.chunk_metrics import ChunkMetrics
 from relaxkv_sglang.server.sglang.gate import gate_state, run_startup_gate, serving_rope
 from relaxkv_sglang.cache.sglang.kv_identity import KVIdentity, kv_identity
 from relaxkv_sglang.model.sglang.model_layers import family_line, supports_repair
+from relaxkv_sglang.model.sglang.tensor_parallel import served_tensor_parallel
+from relaxkv_sglang.server.state import CacheState
+from relaxkv_sglang.server.state import record as state_record
 from relaxkv_sglang.request.plan import BACKEND_NAME
 from relaxkv_sglang.cache.sglang.pool_kv import PoolKV
 from relaxkv_sglang.cache.sglang.tier_configs import build_tiers, tier_configs_from_env
@@ -119,12 +122,22 @@ def around_get_internal_state(original: Any, scheduler: "Scheduler", recv_req: A
     cache = worker_cache(scheduler.tp_worker)
     if cache is not None:
         state = dict(cache.stats(), kv_total_tokens=int(scheduler.max_total_num_tokens), gate=gate_state(cache),
-                     calibration=calibration_state(cache))
+                     calibration=calibration_state(cache), **repair_timing(cache))
         identity = getattr(cache, "kv_identity", None)
         if identity is not None:
             state["kv_identity"] = identity.describe()
         output.internal_state["relaxkv"] = state
     return output
+
+
+def repair_timing(cache: Any) -> dict:
+    """The repair stages' count and wall time on this rank, and its tensor-parallel group with the collectives run."""
+    held = state_record(cache, CacheState, create=False)
+    ranks = served_tensor_parallel()
+    return {"repair_stages": held.repair_stages if held else 0,
+            "repair_seconds": round(held.repair_seconds, 6) if held else 0.0,
+            "tensor_parallel": {"size": ranks.size, "rank": ranks.rank, "checks": ranks.checks,
+                                "collectives": ranks.tally.to_json()}}
 
 
 def _is_neox_style(model: Any) -> bool:

@@ -1,0 +1,135 @@
+"""Repair under tensor parallelism: a TP=2 server (two CPU ranks over gloo, the ranks' decision checks on)
+answers every repair policy as a TP=1 server does, for every registered model family.
+
+For one prompt whose chunks an earlier request cached in another order, each repair policy's greedy tokens,
+its anchors per layer (``anchors_by_layer``, ``anchor_set_digest``: the same sets, not just as many) and the
+query pass's budget signal are equal on both servers, and its output logprobs agree within
+:data:`LOGPROB_TOL`; the repaired answer differs from ``pic``'s on the same server, so the test fails if the
+repair is off under TP (every policy once answered as ``pic`` there) or if the ranks chose different anchors
+(the row-parallel sums would then add rows of different tokens). tiny-llama runs in ``make test`` (its TP=1
+server is the session's ``relaxkv_server``); the other families, two server starts each, in ``make test-long``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import requests
+from conftest import relaxkv_server_config, start_server, tensor_parallel
+from rag_helpers import documents, flush, marked_prompt, relaxkv_state
+
+from relaxkv_sglang import assets
+from relaxkv_sglang.repair.policies import repair_policies
+from relaxkv_sglang.tiny_models import TINY_MODELS
+
+pytestmark = pytest.mark.e2e
+
+#: |TP=2 - TP=1| output logprob bound. The ranks' sums (SGLang's all-reduce of o_proj and MLP partials, the
+#: repair's own, the query scores') add float32 partial sums in another order than one rank's matmul does:
+#: measured on the tiny models at most 3e-5 over every family and policy (2026-12-07); 1e-4 leaves room and is
+#: still 30x below the smallest repaired-vs-pic difference the test requires (3e-3).
+LOGPROB_TOL = 1e-4
+REPAIR_VS_PIC = 3e-3
+ANCHOR_RATIO, CONTEXT_RATIO = 0.3, 0.25
+REPAIR_POLICIES = repair_policies(ablations=True)  # the ablations too: each its own anchors or context
+
+
+def family_config(model: str, tp_size: int):
+    """The family's tiny model on the plugin's server, over ``tp_size`` ranks (whatever path the prestart passes)."""
+    def config(_tiny_llama_path: str):
+        base = relaxkv_server_config(str(assets.model_path(model)))
+        base.max_total_tokens = 4096
+        base.extra_args = [a for a in base.extra_args if a != "--enable-metrics"]
+        return tensor_parallel(base, tp_size) if tp_size > 1 else base
+
+    return config
+
+
+def _name(model: str, tp_size: int) -> str:
+    return f"{model.replace('-', '_')}_tp{tp_size}_server"
+
+
+#: the other families' servers, TP=1 and TP=2 (tiny-llama's are the session's)
+PRESTART_SERVERS = {_name(m, tp): start_server(family_config(m, tp)) for m in TINY_MODELS for tp in (1, 2)}
+
+
+def _family_param(model: str):
+    return pytest.param(model, id=model, marks=[pytest.mark.long, pytest.mark.prestart(_name(model, 1)),
+                                                pytest.mark.prestart(_name(model, 2))])
+
+
+@pytest.fixture(scope="module", params=[pytest.param("tiny-llama", id="tiny-llama",
+                                                     marks=pytest.mark.prestart("relaxkv_tp2_server")),
+                                        *(_family_param(m) for m in TINY_MODELS)])
+def servers(request, prestart, tiny_model_path):
+    """(model, its TP=1 server, its TP=2 server)."""
+    model = request.param
+    if model == "tiny-llama":
+        yield model, request.getfixturevalue("relaxkv_server"), request.getfixturevalue("relaxkv_tp2_server")
+        return
+    one, two = _name(model, 1), _name(model, 2)
+    with prestart.serving(one, lambda: PRESTART_SERVERS[one](tiny_model_path)) as tp1, \
+            prestart.serving(two, lambda: PRESTART_SERVERS[two](tiny_model_path)) as tp2:
+        yield model, tp1, tp2
+
+
+def _generate(url: str, prompt, policy: str, max_new_tokens: int = 6) -> dict:
+    custom = {"relaxkv_chunks": prompt.offsets, "relaxkv_policy": policy}
+    if policy in REPAIR_POLICIES:
+        custom.update(relaxkv_anchor_ratio=ANCHOR_RATIO, relaxkv_context_ratio=CONTEXT_RATIO)
+    body = {"text": prompt.text, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "custom_params": custom}}
+    response = requests.post(url + "/generate", json=body, timeout=300)
+    assert response.status_code == 200, (policy, response.text)
+    out = response.json()
+    meta = out["meta_info"]
+    return {"ids": out["output_ids"], "logprobs": [lp for lp, _, _ in meta["output_token_logprobs"]],
+            "record": meta["relaxkv"]}
+
+
+def _numbers(value) -> list:
+    """A JSON value's numbers in order (a key or string as its hash, None as nan), to compare with a tolerance."""
+    if isinstance(value, dict):
+        return [x for key in sorted(value) for x in [hash(key), *_numbers(value[key])]]
+    if isinstance(value, list):
+        return [x for item in value for x in _numbers(item)]
+    return [float("nan") if value is None else hash(value) if isinstance(value, str) else float(value)]
+
+
+def _answers(url: str) -> dict[str, dict]:
+    """Every repair policy's answer (and pic's) on one prompt, its three chunks cached in another order first."""
+    flush(url)
+    docs = documents(3, seed=47)
+    _generate(url, marked_prompt("You are a helpful assistant.", docs[::-1], "Question: first?"), "pic", 1)
+    prompt = marked_prompt("Answer from the documents.", [docs[1], docs[2], docs[0]], "Question: which one?")
+    return {policy: _generate(url, prompt, policy) for policy in ("pic", *REPAIR_POLICIES)}
+
+
+def test_every_repair_policy_answers_as_on_one_rank(servers):
+    model, tp1, tp2 = servers
+    one, two = _answers(tp1.url), _answers(tp2.url)
+    assert one["pic"]["ids"] == two["pic"]["ids"]
+    worst = 0.0
+    for policy in REPAIR_POLICIES:
+        a, b = one[policy], two[policy]
+        ra, rb = a["record"], b["record"]
+        assert rb["repaired"] and rb["chunks_hit"] == 3 and rb["anchors_per_layer"] > 0, (model, policy, rb)
+        assert b["ids"] == a["ids"], (model, policy)
+        assert (rb["anchors_by_layer"], rb["anchor_set_digest"]) == (ra["anchors_by_layer"], ra["anchor_set_digest"])
+        assert _numbers(rb.get("budget_signal")) == pytest.approx(_numbers(ra.get("budget_signal")), rel=1e-4, abs=1e-5, nan_ok=True)
+        gap = max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"]))
+        assert gap <= LOGPROB_TOL, (model, policy, gap)
+        worst = max(worst, gap)
+        pic_gap = max(abs(x - y) for x, y in zip(b["logprobs"], two["pic"]["logprobs"]))
+        assert b["ids"] != two["pic"]["ids"] or pic_gap > REPAIR_VS_PIC, (model, policy, "answered as pic")
+    print(f"\n{model}: TP=2 vs TP=1 over {len(REPAIR_POLICIES)} repair policies: largest logprob gap {worst:.2g}")
+
+
+def test_the_tp2_server_repairs_with_agreeing_ranks(servers):
+    model, _, tp2 = servers
+    state = relaxkv_state(tp2.url)
+    assert state["gate"]["status"] == "passed", state["gate"]
+    tp = state["tensor_parallel"]
+    assert (tp["size"], tp["rank"], tp["checks"]) == (2, 0, True), tp
+    assert tp["collectives"]["calls"] > 0 and state["repair_stages"] > 0, state
+    lines = [line for line in open(tp2.log_path).read().splitlines() if "model family" in line]
+    assert len(lines) == 1 and lines[0].endswith("chunk reuse yes; repair yes"), lines

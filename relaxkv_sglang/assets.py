@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 from typing import Any
 
@@ -125,7 +126,8 @@ DATA_MEMBERS = {
     "squad": "long_context_eval/data/synthetic/json/squad.json",
     "essays": "long_context_eval/data/synthetic/json/PaulGrahamEssays.json",
 }
-TINY_FAMILY_MODELS = ("tiny-qwen3", "tiny-mistral", "tiny-llama3", "tiny-phi3", "tiny-qwen3-moe", "tiny-mixtral")
+TINY_FAMILY_MODELS = ("tiny-qwen3", "tiny-qwen2", "tiny-mistral", "tiny-llama3", "tiny-phi3", "tiny-qwen3-moe",
+                      "tiny-mixtral")
 MODELS = ("smollm2-135m", "tiny-llama", "qwen2.5-0.5b", *TINY_FAMILY_MODELS)
 # Models prepared only on demand (large; no test or default command needs them).
 OPTIONAL_MODELS = tuple(name for name, spec in GGUF_MODELS.items() if spec.optional)
@@ -268,6 +270,9 @@ def load_data(name: str) -> Any:
 # ---------------------------------------------------------------------- models
 
 
+_MODEL_BUILDS = threading.Lock()
+
+
 def model_path(name: str, *, verify: bool = True) -> pathlib.Path:
     """Folder of a prepared model (a name of :data:`MODELS`), building it if needed."""
     if name not in MODELS:
@@ -276,15 +281,20 @@ def model_path(name: str, *, verify: bool = True) -> pathlib.Path:
     if _is_intact(folder, f"model {name}"):
         return folder
     tokenizer_dir = model_path("tiny-llama") if name in TINY_FAMILY_MODELS else None  # their shared tokenizer
-    with _building(folder, f"model:{name}") as tmp:
-        if name in GGUF_MODELS:
-            _convert_gguf(GGUF_MODELS[name], tmp, verify=verify)
-        elif tokenizer_dir is not None:
-            from relaxkv_sglang.tiny_models import build_tiny_model
+    # one build at a time per process: transformers' lazy module is not thread-safe (the tests' server
+    # prestarts build models from two threads)
+    with _MODEL_BUILDS:
+        if _is_intact(folder, f"model {name}"):  # another thread built it meanwhile
+            return folder
+        with _building(folder, f"model:{name}") as tmp:
+            if name in GGUF_MODELS:
+                _convert_gguf(GGUF_MODELS[name], tmp, verify=verify)
+            elif tokenizer_dir is not None:
+                from relaxkv_sglang.tiny_models import build_tiny_model
 
-            build_tiny_model(name, tmp, tokenizer_dir)
-        else:
-            _build_tiny_llama(tmp)
+                build_tiny_model(name, tmp, tokenizer_dir)
+            else:
+                _build_tiny_llama(tmp)
     _log(f"model {name} ready: {folder} ({_folder_mb(folder):.0f} MB)")
     return folder
 

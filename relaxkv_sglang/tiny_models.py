@@ -40,6 +40,8 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "l
 TINY_MODELS: dict[str, TinyModel] = {m.name: m for m in (
     TinyModel("tiny-qwen3", "qwen3", "Qwen3 (dense): per-head q/k RMSNorm before RoPE",
               "Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1000000.0)),
+    TinyModel("tiny-qwen2", "qwen2", "Qwen2 / Qwen2.5: q/k/v projection biases, RoPE theta 1e6",
+              "Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1000000.0, use_sliding_window=False)),
     TinyModel("tiny-mistral", "mistral", "Mistral: GQA, RoPE theta 1e6, no sliding window (as v0.2 on)",
               "MistralConfig", "MistralForCausalLM", dict(head_dim=32, rope_theta=1000000.0, sliding_window=None)),
     TinyModel("tiny-llama3", "llama", "Llama 3.x: llama3 RoPE scaling (factor 8 beyond 1024 positions)",
@@ -80,7 +82,7 @@ def build_tiny_model(name: str, out: pathlib.Path, tokenizer_dir: pathlib.Path) 
     torch.manual_seed(0)
     model = getattr(transformers, spec.model_class)(config)
     with torch.no_grad():
-        for param in model.parameters():  # matrices and stacked experts; 1-d: the norms' weights
-            param.normal_(0.0, 0.08) if param.dim() >= 2 else param.normal_(1.0, 0.2)
+        for name, param in model.named_parameters():  # matrices, stacked experts, biases; else the norms' weights
+            param.normal_(0.0, 0.08) if param.dim() >= 2 or name.endswith(".bias") else param.normal_(1.0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

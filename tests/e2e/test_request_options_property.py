@@ -56,6 +56,9 @@ Bounded in ``make test`` (:data:`DEFAULT_CASES` drawn requests, about a minute);
 ``RELAXKV_PROPERTY_REQUESTS=1000 .venv/bin/python -m pytest -q -s
 tests/e2e/test_request_options_property.py`` (it prints the seed, how many requests it drew and
 sent, and how they were answered; ``RELAXKV_PROPERTY_KINDS=marked,session`` draws only those kinds).
+The same property runs on the session's server over two tensor-parallel ranks
+(:func:`test_a_cache_changes_speed_never_answers_under_tensor_parallelism`, marked ``long``; the ranks compare
+each fold and repair schedule, so ranks out of lockstep stop the server and fail it).
 Every server bug this property found has its own example in
 ``tests/e2e/test_cache_invariant_regressions.py``.
 """
@@ -717,16 +720,30 @@ def compare_answers(case: Case, index: int, answers: dict[str, list[Answer]]) ->
 
 
 def test_a_cache_changes_speed_never_answers(relaxkv_server, tokenizer):
-    sender = Sender(relaxkv_server)
+    check_property(relaxkv_server, tokenizer, "")
+
+
+@pytest.mark.long
+def test_a_cache_changes_speed_never_answers_under_tensor_parallelism(relaxkv_tp2_server, tokenizer):
+    """The same drawn requests and histories on two tensor-parallel ranks (ranks' decision checks on: a fold or
+    repair schedule that differs between them stops the server, which the property then reports)."""
+    check_property(relaxkv_tp2_server, tokenizer, " (TP=2)")
+
+
+def check_property(server, tokenizer, label: str) -> None:
+    """Every drawn request's histories on ``server`` (module doc); ``label`` names the server in the summary."""
+    sender = Sender(server)
     started = time.monotonic()
     indices = [int(os.environ[CASE_ENV])] if os.environ.get(CASE_ENV) else range(N_CASES)
-    print(f"\nrequest-options property: seed {SEED} ({SEED_ENV} replays it), {len(indices)} drawn requests")
+    print(f"\nrequest-options property{label}: seed {SEED} ({SEED_ENV} replays it), {len(indices)} drawn requests")
+    KINDS.clear()
+    SENT.clear()
     for index in indices:
         case = draw_case(index, tokenizer)
         KINDS[case.kind] += 1
         check_case(sender, case, index)
-    check_idle(relaxkv_server.url)
-    print(f"request-options property: seed {SEED}, {len(indices)} drawn requests ("
+    check_idle(server.url)
+    print(f"request-options property{label}: seed {SEED}, {len(indices)} drawn requests ("
           + ", ".join(f"{k} {n}" for k, n in sorted(KINDS.items())) + f"), {sum(SENT.values())} sent ("
           + ", ".join(f"{route} {cls}: {n}" for (route, cls), n in sorted(SENT.items()))
           + f") in {time.monotonic() - started:.0f} s")

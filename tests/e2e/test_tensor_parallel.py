@@ -133,3 +133,48 @@ def test_the_tp2_server_repairs_with_agreeing_ranks(servers):
     assert tp["collectives"]["calls"] > 0 and state["repair_stages"] > 0, state
     lines = [line for line in open(tp2.log_path).read().splitlines() if "model family" in line]
     assert len(lines) == 1 and lines[0].endswith("chunk reuse yes; repair yes"), lines
+
+
+# ---------------------------------------------------------------------------------------------
+# The chunk store in lockstep: every rank's store takes the same requests in the same order, so it hits,
+# evicts and holds alike; the ranks' fold check (on in these servers) stops the server at the first fold
+# that differs between them, naming the request
+
+LOCKSTEP_POOL_TOKENS = 4096  # 40 documents (~3,900 tokens) and 8 running requests do not fit: chunks are evicted
+LOCKSTEP_REQUESTS, LOCKSTEP_CLIENTS = 64, 8
+
+
+def lockstep_config(model_path: str):
+    config = relaxkv_server_config(model_path)
+    config.max_total_tokens = LOCKSTEP_POOL_TOKENS
+    config.extra_args = ["--context-length", "2048"]
+    return tensor_parallel(config)
+
+
+PRESTART_SERVERS["tp2_small_pool_server"] = start_server(lockstep_config)
+
+
+@pytest.mark.long
+@pytest.mark.prestart("tp2_small_pool_server")
+def test_the_ranks_stores_stay_in_lockstep_under_eviction_and_admission_holds(prestart, tiny_model_path):
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rag_helpers import check_idle
+
+    rng = random.Random(5)
+    pool = documents(40, seed=11)
+    prompts = [(marked_prompt(rng.choice(["Be brief.", "Use the documents."]), rng.sample(pool, 4), f"Q{i}: topic?"),
+                rng.choice(["pic", "relaxkv", "cacheblend"])) for i in range(LOCKSTEP_REQUESTS)]
+    with prestart.serving("tp2_small_pool_server", lambda: PRESTART_SERVERS["tp2_small_pool_server"](
+            tiny_model_path)) as server:
+        url = server.url
+        sequential = [_generate(url, p, policy, 3)["ids"] for p, policy in prompts]
+        flush(url)
+        with ThreadPoolExecutor(LOCKSTEP_CLIENTS) as clients:
+            concurrent = list(clients.map(lambda job: _generate(url, *job, 3)["ids"], prompts))
+        state = relaxkv_state(url)
+        assert state["chunk_evictions"] > 0 and state["admission_hold"], state
+        assert state["tensor_parallel"]["checks"] and state["tensor_parallel"]["collectives"]["calls"] > 0, state
+        assert concurrent == sequential  # the batches differ; each request's answer does not
+        check_idle(url)

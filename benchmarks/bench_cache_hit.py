@@ -94,7 +94,8 @@ def run(args: argparse.Namespace) -> dict:
     """Replay one trace under every policy against one server; rows with their hit rate lost, and the workload."""
     trace = make_trace(args)
     tokenizer = common.tokenizer(args)
-    with common.bench_client(args, BENCH) as client:
+    tp = ["--tp-size", str(args.tp_size)] if args.tp_size > 1 else []
+    with common.bench_client(args, BENCH, extra_args=tp) as client:
         rows = [replay(client, trace, policy, args.clients, args) for policy in args.policies]
     doc_tokens = document_tokens(trace, tokenizer)
     best = best_possible_pct(trace, doc_tokens, rows[0]["prompt_tokens"])
@@ -137,6 +138,12 @@ def print_table(result: dict) -> None:
     tables.print_text_table(columns, rows)
     print("lost = best possible - chunk hit rate; evictions = seen-before document tokens missed (at least); "
           "in flight = the rest")
+    for r in result["results"]:
+        if r.get("repair_stages"):
+            share = r["collective_share_of_repair"]
+            print(f"{r['policy']}: {r['repair_stages']} repair stages in {r['repair_seconds']:.2f} s on rank 0 "
+                  f"(TP={r['tp_size']}); the plugin's collectives {r['collective_calls']} calls, "
+                  f"{r['collective_seconds']:.3f} s" + (f" ({100 * share:.1f}% of the repair)" if share is not None else ""))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -144,6 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = common.bench_parser(BENCH, __doc__, quick_help="40 requests, 2 clients")
     add_trace_args(parser)
     parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--tp-size", type=int, default=1,
+                        help="tensor-parallel ranks of the started server (on a CPU, one core group each: the "
+                             "launcher sets SGLANG_CPU_OMP_THREADS_BIND)")
     parser.add_argument("--anchor-ratio", type=float, default=0.15)
     parser.add_argument("--pressure", action="store_true",
                         help="pool at 25%% of the working set, 16 clients: chunk hits concurrent vs sequential vs best")

@@ -219,6 +219,7 @@ def replay(client: ServerClient, trace: list[TraceRequest], policy: str, clients
                                           if "anchor_ratio" in rep),
         "chunk_evictions": after.get("chunk_evictions", 0) - before.get("chunk_evictions", 0),
         "chunk_evicted_tokens": after.get("chunk_evicted_tokens", 0) - before.get("chunk_evicted_tokens", 0),
+        **repair_time(before, after),
         "per_request": [{"prompt_tokens": r["meta_info"]["prompt_tokens"], "cached_tokens": r["meta_info"]["cached_tokens"],
                          "chunk_tokens_reused": common.relaxkv_report(r).get("chunk_tokens_reused", 0),
                          "sent_at": r["sent_at"], "first_token_at": r["first_token_at"],
@@ -226,6 +227,20 @@ def replay(client: ServerClient, trace: list[TraceRequest], policy: str, clients
         **({"results": results, "duplicates_before": before.get("chunk_duplicate_computes", 0)}
            if args.pressure else {}),
     }
+
+
+def repair_time(before: dict, after: dict) -> dict:
+    """Rank 0's repair stages between two server states: their count, wall seconds, and the plugin's collectives
+    in them (tensor parallelism: calls, seconds, and their share of the repair's time)."""
+    stages = after.get("repair_stages", 0) - before.get("repair_stages", 0)
+    seconds = after.get("repair_seconds", 0.0) - before.get("repair_seconds", 0.0)
+    tp_before, tp_after = before.get("tensor_parallel", {}), after.get("tensor_parallel", {})
+    calls = tp_after.get("collectives", {}).get("calls", 0) - tp_before.get("collectives", {}).get("calls", 0)
+    in_collectives = (tp_after.get("collectives", {}).get("seconds", 0.0)
+                      - tp_before.get("collectives", {}).get("seconds", 0.0))
+    return {"tp_size": tp_after.get("size", 1), "repair_stages": stages, "repair_seconds": seconds,
+            "collective_calls": calls, "collective_seconds": in_collectives,
+            "collective_share_of_repair": in_collectives / seconds if seconds > 0 else None}
 
 
 def document_tokens(trace: list[TraceRequest], tokenizer: Any) -> dict[int, int]:

@@ -101,3 +101,29 @@ def test_stop_waits_for_the_workers_not_the_launchers_drain_tick(tmp_path, worke
     took = time.monotonic() - start
     assert proc.proc.poll() is not None and not server._sglang_workers_running(proc.proc.pid)
     assert worker_exit_s <= took < worker_exit_s + 2.5  # waited for the worker, not for the 5-s tick
+
+
+def test_cpu_ranks_beyond_the_numa_nodes_get_core_groups_of_their_own():
+    assert server.tp_size_of(["--context-length", "4096", "--tp-size", "2"]) == 2
+    assert server.tp_size_of(["--tensor-parallel-size=4"]) == 4 and server.tp_size_of([]) == 1
+    with pytest.raises(server.ServerError, match="--tp-size 'two': not a whole number"):
+        server.tp_size_of(["--tp-size", "two"])
+    assert server.cpu_threads_binding(2, [0, 1], numa_nodes=1) == "0|1"
+    assert server.cpu_threads_binding(4, list(range(16)), numa_nodes=2) == "0-3|4-7|8-11|12-15"
+    assert server.cpu_threads_binding(3, [0, 1, 2, 3, 4, 5, 6, 7], numa_nodes=1) == "0-2|3-5|6-7"
+    assert server.cpu_threads_binding(2, [0, 2, 4, 6], numa_nodes=1) == "0,2|4,6"  # not contiguous: listed
+    assert server.cpu_threads_binding(2, list(range(8)), numa_nodes=2) is None  # SGLang binds a node per rank
+    with pytest.raises(server.ServerError, match="--tp-size 4 on 2 CPU cores"):
+        server.cpu_threads_binding(4, [0, 1], numa_nodes=1)
+
+
+def test_serve_sets_the_binding_only_where_sglang_needs_it(serve_launch, monkeypatch):
+    monkeypatch.setattr(server, "machine_cpus", lambda: ([0, 1], 1))
+    monkeypatch.delenv(server.THREADS_BIND_ENV, raising=False)
+    cmd, env = serve_launch("--tp-size", "2")
+    assert cmd[cmd.index("--tp-size") + 1] == "2" and env[server.THREADS_BIND_ENV] == "0|1"
+    _, env = serve_launch()
+    assert server.THREADS_BIND_ENV not in env
+    monkeypatch.setenv(server.THREADS_BIND_ENV, "1|0")  # the user's choice stays
+    _, env = serve_launch("--tp-size", "2")
+    assert env[server.THREADS_BIND_ENV] == "1|0"

@@ -83,7 +83,7 @@ import requests
 from rag_helpers import (MOONCAKE_TESTS_ENV, check_idle, documents, flush, layout_prompt, mid_word_offset,
                          part_token_ids, relaxkv_state, synthetic_documents, wait_tier_writes)
 
-from relaxkv_sglang.repair.policies import CHUNK_POLICIES, SERVER_POLICIES
+from relaxkv_sglang.repair.policies import CHUNK_POLICIES, REPAIR_POLICIES, SERVER_POLICIES
 from relaxkv_sglang.request.schema import POLICY_HEADER
 
 pytestmark = pytest.mark.e2e
@@ -500,8 +500,10 @@ def _generate_output(item: dict) -> dict:
 
 
 def _reuse(record: Optional[dict]) -> Optional[dict]:
-    """Where an output's chunks came from (``meta_info.relaxkv``), for a failure's report: never compared."""
-    return {k: v for k, v in record.items() if k.startswith("chunk") or k == "tokens_computed"} if record else None
+    """Where an output's chunks came from and whether it was repaired (``meta_info.relaxkv``), for the premises'
+    check and a failure's report: never compared."""
+    keep = ("tokens_computed", "repaired", "anchors_per_layer", "not_repaired_reason")
+    return {k: v for k, v in record.items() if k.startswith("chunk") or k in keep} if record else None
 
 
 def _abort_codes(outputs: list[dict]) -> list[int]:
@@ -699,10 +701,79 @@ def report_failure(case: Case, index: int, first: str, other: str, diffs: list[s
 
 
 def check_case(sender: Sender, case: Case, index: int) -> None:
-    """Send ``case`` under each of its histories; every answer must equal the first history's."""
+    """Send ``case`` under each of its histories; every answer must equal the first history's, and every
+    history must have done what it was built for (:func:`check_premises`)."""
     answers = {name: sender.under(case.calls, warmups) for name, warmups in case.histories}
     sender.check_health(case)
     compare_answers(case, index, answers)
+    check_premises(case, index, answers)
+
+
+#: histories built to reuse chunks: the request itself, a subset of its documents, or them in another order
+#: sent first in its namespace
+WARM_HISTORIES = ("warm", "some_warm", "other_order")
+#: counts over a run: (what, "expected" or "seen") -> cases; read by :func:`check_premise_counts`
+PREMISES: collections.Counter = collections.Counter()
+
+
+def _outputs(answers: list[Answer]) -> list[dict]:
+    return [o for a in answers if a.status == 200 for o in a.outputs]
+
+
+def check_premises(case: Case, index: int, answers: dict[str, list[Answer]]) -> None:
+    """Equal answers prove nothing if no history reused or repaired anything: a history built to reuse chunks
+    must report chunk hits (``meta_info.relaxkv.chunk_tokens_reused``) where its request looks chunks up and
+    asks no input logprobs (which keep chunks computed), and a repair policy's answer must report
+    ``repaired: true`` with anchors or say why not (``not_repaired_reason``). Fails naming the case and the
+    history; counts what it checked into :data:`PREMISES`."""
+    if case.sampled or case.policy not in CHUNK_POLICIES:
+        return
+    for name, got in answers.items():
+        outputs = _outputs(got)
+        looked_up = [o for o in outputs if (o.get("chunks_seen") or 0) > 0 and o.get("reuse")]
+        if not looked_up:
+            continue
+        if name in WARM_HISTORIES:
+            reused = any(o["reuse"].get("chunk_tokens_reused", 0) > 0 for o in looked_up)
+            PREMISES["warm history", "expected"] += 1
+            PREMISES["warm history", "seen"] += reused
+            if name == "warm" and not reused and not _asks_input_logprobs(case):
+                pytest.fail(f"drawn request {index} {case!r}: its '{name}' history reused no chunk "
+                            f"({[o['reuse'] for o in looked_up]}); seed {SEED}", pytrace=False)
+        if case.policy in REPAIR_POLICIES:
+            for o in looked_up:
+                record = o["reuse"]
+                PREMISES["repair", "expected"] += 1
+                PREMISES["repair", "seen"] += bool(record.get("repaired"))
+                if record.get("repaired") and not record.get("anchors_per_layer"):  # the default ratio is > 0
+                    pytest.fail(f"drawn request {index} {case!r}, history '{name}': repaired with no anchor: "
+                                f"{record}; seed {SEED}", pytrace=False)
+                if not record.get("repaired") and not record.get("not_repaired_reason"):
+                    pytest.fail(f"drawn request {index} {case!r}, history '{name}': not repaired, and no reason "
+                                f"given: {record}; seed {SEED}", pytrace=False)
+
+
+def _asks_input_logprobs(case: Case) -> bool:
+    text = json.dumps([c.body for c in case.calls])
+    return '"logprob_start_len"' in text or '"echo": true' in text
+
+
+#: the least share of warm histories that reused, and of repair-policy answers that were repaired, over a run:
+#: below it the cache or the repair is off more often than the drawn options explain
+#: (measured shares: docs/reliability.md, "The property's premises")
+PREMISE_FLOORS = {"warm history": 0.6, "repair": 0.5}
+
+
+def check_premise_counts() -> str:
+    """Fail unless each premise was met often enough over the run (:data:`PREMISE_FLOORS`); the summary's words."""
+    words = []
+    for what, floor in PREMISE_FLOORS.items():
+        expected, seen = PREMISES[what, "expected"], PREMISES[what, "seen"]
+        words.append(f"{what}s that {'reused' if what == 'warm history' else 'repaired'}: {seen} of {expected}")
+        assert expected == 0 or seen >= max(1, floor * expected), (
+            f"only {seen} of {expected} {what} answers {'reused a chunk' if what == 'warm history' else 'were repaired'}"
+            f" (floor {floor:.0%}): the cache or the repair is off; seed {SEED}")
+    return "; ".join(words)
 
 
 def compare_answers(case: Case, index: int, answers: dict[str, list[Answer]]) -> None:
@@ -738,11 +809,13 @@ def check_property(server, tokenizer, label: str) -> None:
     print(f"\nrequest-options property{label}: seed {SEED} ({SEED_ENV} replays it), {len(indices)} drawn requests")
     KINDS.clear()
     SENT.clear()
+    PREMISES.clear()
     for index in indices:
         case = draw_case(index, tokenizer)
         KINDS[case.kind] += 1
         check_case(sender, case, index)
     check_idle(server.url)
+    print(f"request-options property{label}: {check_premise_counts()}")
     print(f"request-options property{label}: seed {SEED}, {len(indices)} drawn requests ("
           + ", ".join(f"{k} {n}" for k, n in sorted(KINDS.items())) + f"), {sum(SENT.values())} sent ("
           + ", ".join(f"{route} {cls}: {n}" for (route, cls), n in sorted(SENT.items()))

@@ -35,7 +35,10 @@ request gets the same HTTP status, the same output text and ids, the same finish
 output, input and top logprobs within :data:`LOGPROB_ABS`, and the same chunking
 (``meta_info.relaxkv.chunks_seen``); of an item SGLang aborts (a stream's batch item with an
 invalid grammar), the finish reason only (the token of the stub SGLang runs to send the error
-varies with timing, under ``prefix`` too). Also, as before: every response is a 200 or a 4xx (a
+varies with timing, under ``prefix`` too). **Its premises** (:func:`check_premises`): a history built to
+reuse (``warm``, ``some_warm``, ``other_order``) reports chunk hits, always for ``warm`` unless the request asks
+input logprobs, and a repair policy's answer is repaired with anchors or says why not; the run's shares of
+both must clear :data:`PREMISE_FLOORS` (with chunk reuse switched off the property fails). Also, as before: every response is a 200 or a 4xx (a
 stream's error events and abort reasons too), the server process lives after every request and answers
 ``/health`` (a generation; it takes a second) after every drawn request, and at the end an idle
 flush returns the pool to full (every KV slot free, no chunk held).
@@ -735,16 +738,16 @@ def check_premises(case: Case, index: int, answers: dict[str, list[Answer]]) -> 
             continue
         if name in WARM_HISTORIES:
             reused = any(o["reuse"].get("chunk_tokens_reused", 0) > 0 for o in looked_up)
-            PREMISES["warm history", "expected"] += 1
-            PREMISES["warm history", "seen"] += reused
+            PREMISES["warm histories", "expected"] += 1
+            PREMISES["warm histories", "seen"] += reused
             if name == "warm" and not reused and not _asks_input_logprobs(case):
                 pytest.fail(f"drawn request {index} {case!r}: its '{name}' history reused no chunk "
                             f"({[o['reuse'] for o in looked_up]}); seed {SEED}", pytrace=False)
         if case.policy in REPAIR_POLICIES:
             for o in looked_up:
                 record = o["reuse"]
-                PREMISES["repair", "expected"] += 1
-                PREMISES["repair", "seen"] += bool(record.get("repaired"))
+                PREMISES["repairs", "expected"] += 1
+                PREMISES["repairs", "seen"] += bool(record.get("repaired"))
                 if record.get("repaired") and not record.get("anchors_per_layer"):  # the default ratio is > 0
                     pytest.fail(f"drawn request {index} {case!r}, history '{name}': repaired with no anchor: "
                                 f"{record}; seed {SEED}", pytrace=False)
@@ -759,9 +762,11 @@ def _asks_input_logprobs(case: Case) -> bool:
 
 
 #: the least share of warm histories that reused, and of repair-policy answers that were repaired, over a run:
-#: below it the cache or the repair is off more often than the drawn options explain
-#: (measured shares: docs/reliability.md, "The property's premises")
-PREMISE_FLOORS = {"warm history": 0.6, "repair": 0.5}
+#: measured 42 of 59 (71%) and 98 of 129 (76%) over 100 drawn requests (seed 20261207, on one rank and on two
+#: alike); the rest are drawn options that keep chunks computed or the repair off (input logprobs, a subset
+#: warm-up whose documents the request's discovery cuts otherwise). 40% keeps 16 drawn requests' counts (about
+#: 10 and 20) clear of chance, and a cache or repair that is off (0) fails it.
+PREMISE_FLOORS = {"warm histories": 0.4, "repairs": 0.4}
 
 
 def check_premise_counts() -> str:
@@ -769,25 +774,11 @@ def check_premise_counts() -> str:
     words = []
     for what, floor in PREMISE_FLOORS.items():
         expected, seen = PREMISES[what, "expected"], PREMISES[what, "seen"]
-        words.append(f"{what}s that {'reused' if what == 'warm history' else 'repaired'}: {seen} of {expected}")
+        done = "reused a chunk" if what == "warm histories" else "repaired"
+        words.append(f"{what} that {done}: {seen} of {expected}")
         assert expected == 0 or seen >= max(1, floor * expected), (
-            f"only {seen} of {expected} {what} answers {'reused a chunk' if what == 'warm history' else 'were repaired'}"
-            f" (floor {floor:.0%}): the cache or the repair is off; seed {SEED}")
+            f"only {seen} of {expected} {what} {done} (floor {floor:.0%}): the cache or the repair is off; seed {SEED}")
     return "; ".join(words)
-
-
-def compare_answers(case: Case, index: int, answers: dict[str, list[Answer]]) -> None:
-    """Fail, naming the case, unless every history's answers equal the first history's."""
-    (first, reference), *others = answers.items()
-    for name, got in others:
-        for turn, (a, b) in enumerate(zip(reference, got)):
-            diffs = differences(a, b, case.sampled)
-            if diffs:
-                if len(case.calls) > 1:
-                    diffs.insert(0, f"(session turn {turn + 1})")
-                diffs.append(f"its chunks came from: {[o.get('reuse') for o in a.outputs]} vs "
-                             f"{[o.get('reuse') for o in b.outputs]}")
-                pytest.fail(report_failure(case, index, first, name, diffs, answers), pytrace=False)
 
 
 def test_a_cache_changes_speed_never_answers(relaxkv_server, tokenizer):

@@ -781,6 +781,20 @@ def check_premise_counts() -> str:
     return "; ".join(words)
 
 
+def compare_answers(case: Case, index: int, answers: dict[str, list[Answer]]) -> None:
+    """Fail, naming the case, unless every history's answers equal the first history's."""
+    (first, reference), *others = answers.items()
+    for name, got in others:
+        for turn, (a, b) in enumerate(zip(reference, got)):
+            diffs = differences(a, b, case.sampled)
+            if diffs:
+                if len(case.calls) > 1:
+                    diffs.insert(0, f"(session turn {turn + 1})")
+                diffs.append(f"its chunks came from: {[o.get('reuse') for o in a.outputs]} vs "
+                             f"{[o.get('reuse') for o in b.outputs]}")
+                pytest.fail(report_failure(case, index, first, name, diffs, answers), pytrace=False)
+
+
 def test_a_cache_changes_speed_never_answers(relaxkv_server, tokenizer):
     check_property(relaxkv_server, tokenizer, "")
 

@@ -38,10 +38,10 @@ invalid grammar), the finish reason only (the token of the stub SGLang runs to s
 varies with timing, under ``prefix`` too). **Its premises** (:func:`check_premises`): a history built to
 reuse (``warm``, ``some_warm``, ``other_order``) reports chunk hits, always for ``warm`` unless the request asks
 input logprobs, and a repair policy's answer is repaired with anchors or says why not; the run's shares of
-both must clear :data:`PREMISE_FLOORS` (with chunk reuse switched off the property fails). Also, as before: every response is a 200 or a 4xx (a
-stream's error events and abort reasons too), the server process lives after every request and answers
-``/health`` (a generation; it takes a second) after every drawn request, and at the end an idle
-flush returns the pool to full (every KV slot free, no chunk held).
+both must clear :data:`PREMISE_FLOORS` (with chunk reuse switched off the property fails). Also, as before:
+every response is a 200 or a 4xx (a stream's error events and abort reasons too), the server process
+lives after every request and answers ``/health`` (a generation; it takes a second) after every drawn
+request, and at the end an idle flush returns the pool to full (every KV slot free, no chunk held).
 
 Not drawn here: sampling at a temperature (not deterministic), and ``--allow-auto-truncate`` (the
 session's server answers a prompt over its context length with a 400, compared like any answer; a
@@ -763,9 +763,9 @@ def _asks_input_logprobs(case: Case) -> bool:
 
 #: the least share of warm histories that reused, and of repair-policy answers that were repaired, over a run:
 #: measured 42 of 59 (71%) and 98 of 129 (76%) over 100 drawn requests (seed 20261207, on one rank and on two
-#: alike); the rest are drawn options that keep chunks computed or the repair off (input logprobs, a subset
-#: warm-up whose documents the request's discovery cuts otherwise). 40% keeps 16 drawn requests' counts (about
-#: 10 and 20) clear of chance, and a cache or repair that is off (0) fails it.
+#: alike); the rest were not classified one by one (drawn options such as input logprobs before the query keep
+#: chunks computed or the repair off). 40% keeps 16 drawn requests' counts (about 10 and 20) clear of chance, and
+#: a cache or repair that is off (0) fails it.
 PREMISE_FLOORS = {"warm histories": 0.4, "repairs": 0.4}
 
 

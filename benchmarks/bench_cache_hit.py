@@ -143,7 +143,8 @@ def print_table(result: dict) -> None:
             share = r["collective_share_of_repair"]
             print(f"{r['policy']}: {r['repair_stages']} repair stages in {r['repair_seconds']:.2f} s on rank 0 "
                   f"(TP={r['tp_size']}); the plugin's collectives {r['collective_calls']} calls, "
-                  f"{r['collective_seconds']:.3f} s" + (f" ({100 * share:.1f}% of the repair)" if share is not None else ""))
+                  f"{r['collective_seconds']:.3f} s"
+                  + (f" ({100 * share:.1f}% of the repair)" if share is not None else ""))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,7 +16,7 @@ changed after startup changes nothing, as for SGLang's own server arguments.
 | ``RELAXKV_DISCOVERY_INDEX`` | ``discovery_index`` | on/off (default off) |
 | ``RELAXKV_ADMISSION_HOLD`` | ``admission_hold`` | on/off (default on) |
 | ``RELAXKV_WEIGHTS_FINGERPRINT`` | ``weights_fingerprint`` | ``sampled`` (default) or ``full`` |
-| ``RELAXKV_TP_CHECK`` | ``tp_check`` | on/off (default off; the tests' servers: on): tensor-parallel ranks compare each forward's fold and repair schedule |
+| ``RELAXKV_TP_CHECK`` | ``tp_check`` | on/off (default off; the tests' TP servers: on): the ranks compare their decisions |
 | ``RELAXKV_TEST_ROPE_OVERRIDE`` | ``rope_override`` | tests only: a JSON object of ``RopeSpec`` fields |
 | ``RELAXKV_HOST_CACHE_*``, ``RELAXKV_CHUNK_DIR``, ``RELAXKV_DISK_CACHE_GB``, ``RELAXKV_HICACHE_*`` | ``environment`` | each lower tier parses its own (``cache/sglang/tier_configs.py``) |
 

@@ -733,7 +733,8 @@ def test_cuda_backend_shares_sglangs_flashinfer_workspace(flashinfer_model, monk
 
     monkeypatch.setattr(FlashInferAttnBackend, "__init__", sglang_init)
     monkeypatch.setattr(attention_paths.RepairCost, "from_hf_config", staticmethod(lambda config, device: None))
-    runner = types.SimpleNamespace(device="cpu", model=None, model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(to_dict=dict), vocab_size=32))
+    model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(to_dict=dict), vocab_size=32)
+    runner = types.SimpleNamespace(device="cpu", model=None, model_config=model_config)
     backend = attention_backend.build_cuda_backend_class()(runner)
     assert backend._scoped._ring.workspace is workspace
     assert backend.anchor_attention._float_workspace is workspace

@@ -1,4 +1,4 @@
-"""One of the test's tensor-parallel ranks, run as its own process (``tests/unit/test_tensor_parallel.py``):
+"""One of the test's tensor-parallel ranks, run as its own process (``tests/unit/test_rank_decisions.py``):
 ``python tests/unit/tp_ranks.py RANK SIZE INIT_FILE OUT_JSON`` writes what the rank decided as JSON."""
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def rank_main(rank: int, size: int, init_file: str) -> dict:
         alone = _anchors(mine)
         summed = ranks.sum(mine.clone())
         out = {"alone": _lists(alone), "summed_anchors": _lists(_anchors(summed)),
-               "every_head_anchors": _lists(_anchors(every_head)), "score_gap": float((summed - every_head).abs().max())}
+               "every_head_anchors": _lists(_anchors(every_head)),
+               "score_gap": float((summed - every_head).abs().max())}
         try:
             check_same(ranks, [digest(a) for a in alone], [f"layer {l}" for l in range(N_LAYERS)], "the anchors")
             out["disagreement"] = None

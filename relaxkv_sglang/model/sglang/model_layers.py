@@ -197,7 +197,8 @@ def repair_support(causal_lm: torch.nn.Module) -> tuple[Optional[ModelFamily], s
     if layers.ranks.size > 1:
         for l in range(layers.n_layers):
             layer = layers.layer(l)
-            for name, module in (("o_proj", layer.self_attn.o_proj), (family.mlp_module, getattr(layer, family.mlp_module))):
+            mlp = getattr(layer, family.mlp_module)
+            for name, module in (("o_proj", layer.self_attn.o_proj), (family.mlp_module, mlp)):
                 if leaves_sum_to_boundary(module) is None:
                     return family, (f"tensor parallelism: layer {l}'s {name} ({type(module).__name__}) is not a "
                                     "row-parallel linear or routed-experts block, so whether its output is summed "

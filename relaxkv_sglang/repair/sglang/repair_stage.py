@@ -120,7 +120,8 @@ class RepairStage:
             shares = [(next(summed_pieces).view(scores.shape), next(summed_pieces) if logits is not None else None)
                       for scores, logits in shares]
         vocab = getattr(self.attn_backend, "vocab_size", None)
-        return {i: (scores, logits[:vocab] if logits is not None else None) for i, (scores, logits) in zip(scored, shares)}
+        return {i: (scores, logits[:vocab] if logits is not None else None)
+                for i, (scores, logits) in zip(scored, shares)}
 
     def _answer_logits(self, hidden: torch.Tensor, i: int) -> Optional[torch.Tensor]:
         """float32 [vocab shard] this rank's logits of the query pass at request ``i``'s last row (one row through

@@ -15,7 +15,9 @@ Each answer's greedy output ids, output logprobs, ``meta_info.cached_tokens`` an
 ``golden/golden_tiny.json``: ids, counts and reports exactly, logprobs within ``LOGPROB_ABS``.
 The file was recorded on the code before the architecture refactor (issue 32) with
 ``RELAXKV_GOLDEN_RECORD=1 .venv/bin/python -m pytest -q tests/e2e/test_golden.py``; record it
-again only on purpose (a behaviour change), saying so in the commit.
+again only on purpose (a behaviour change), saying so in the commit. Fields added to the report since are
+added to the file from a run that matched every recorded value (``anchors_by_layer``, ``anchor_set_digest``:
+2026-12-07).
 
 Float results depend on the CPU's vector unit: the file keeps the recording machine's torch CPU
 capability and the tiny model's weight digest, and the test is skipped (saying both) on a machine

@@ -12,6 +12,8 @@ server is the session's ``relaxkv_server``); the other families, two server star
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import requests
 from conftest import relaxkv_server_config, start_server, tensor_parallel
@@ -44,32 +46,26 @@ def family_config(model: str, tp_size: int):
     return config
 
 
-def _name(model: str, tp_size: int) -> str:
-    return f"{model.replace('-', '_')}_tp{tp_size}_server"
-
-
-#: the other families' servers, TP=1 and TP=2 (tiny-llama's are the session's)
-PRESTART_SERVERS = {_name(m, tp): start_server(family_config(m, tp)) for m in TINY_MODELS for tp in (1, 2)}
-
-
-def _family_param(model: str):
-    return pytest.param(model, id=model, marks=[pytest.mark.long, pytest.mark.prestart(_name(model, 1)),
-                                                pytest.mark.prestart(_name(model, 2))])
-
-
 @pytest.fixture(scope="module", params=[pytest.param("tiny-llama", id="tiny-llama",
                                                      marks=pytest.mark.prestart("relaxkv_tp2_server")),
-                                        *(_family_param(m) for m in TINY_MODELS)])
-def servers(request, prestart, tiny_model_path):
-    """(model, its TP=1 server, its TP=2 server)."""
+                                        *(pytest.param(m, id=m, marks=pytest.mark.long) for m in TINY_MODELS)])
+def servers(request, tiny_model_path):
+    """(model, its TP=1 server, its TP=2 server). The other families' pairs start when their tests do, the two
+    side by side, not at the session's start: sixteen servers held at once would not fit the machine's memory."""
     model = request.param
     if model == "tiny-llama":
         yield model, request.getfixturevalue("relaxkv_server"), request.getfixturevalue("relaxkv_tp2_server")
         return
-    one, two = _name(model, 1), _name(model, 2)
-    with prestart.serving(one, lambda: PRESTART_SERVERS[one](tiny_model_path)) as tp1, \
-            prestart.serving(two, lambda: PRESTART_SERVERS[two](tiny_model_path)) as tp2:
-        yield model, tp1, tp2
+    with ThreadPoolExecutor(2) as starting:
+        pair = [starting.submit(start_server(family_config(model, tp)), tiny_model_path) for tp in (1, 2)]
+    started = [p.result() for p in pair if p.exception() is None]
+    try:
+        if len(started) < 2:
+            raise next(p.exception() for p in pair if p.exception() is not None)
+        yield model, started[0], started[1]
+    finally:
+        for server in started:
+            server.stop()
 
 
 def _generate(url: str, prompt, policy: str, max_new_tokens: int = 6) -> dict:
@@ -152,14 +148,9 @@ def lockstep_config(model_path: str):
     return tensor_parallel(config)
 
 
-PRESTART_SERVERS["tp2_small_pool_server"] = start_server(lockstep_config)
-
-
 @pytest.mark.long
-@pytest.mark.prestart("tp2_small_pool_server")
-def test_the_ranks_stores_stay_in_lockstep_under_eviction_and_admission_holds(prestart, tiny_model_path):
+def test_the_ranks_stores_stay_in_lockstep_under_eviction_and_admission_holds(tiny_model_path):
     import random
-    from concurrent.futures import ThreadPoolExecutor
 
     from rag_helpers import check_idle
 
@@ -167,8 +158,8 @@ def test_the_ranks_stores_stay_in_lockstep_under_eviction_and_admission_holds(pr
     pool = documents(40, seed=11)
     prompts = [(marked_prompt(rng.choice(["Be brief.", "Use the documents."]), rng.sample(pool, 4), f"Q{i}: topic?"),
                 rng.choice(["pic", "relaxkv", "cacheblend"])) for i in range(LOCKSTEP_REQUESTS)]
-    with prestart.serving("tp2_small_pool_server", lambda: PRESTART_SERVERS["tp2_small_pool_server"](
-            tiny_model_path)) as server:
+    server = start_server(lockstep_config)(tiny_model_path)
+    try:
         url = server.url
         sequential = [_generate(url, p, policy, 3)["ids"] for p, policy in prompts]
         flush(url)
@@ -179,3 +170,5 @@ def test_the_ranks_stores_stay_in_lockstep_under_eviction_and_admission_holds(pr
         assert state["tensor_parallel"]["checks"] and state["tensor_parallel"]["collectives"]["calls"] > 0, state
         assert concurrent == sequential  # the batches differ; each request's answer does not
         check_idle(url)
+    finally:
+        server.stop()

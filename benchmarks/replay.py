@@ -232,14 +232,13 @@ def replay(client: ServerClient, trace: list[TraceRequest], policy: str, clients
 def repair_time(before: dict, after: dict) -> dict:
     """Rank 0's repair stages between two server states: their count, wall seconds, and the plugin's collectives
     in them (tensor parallelism: calls, seconds, and their share of the repair's time)."""
+    collectives = [state.get("tensor_parallel", {}).get("collectives", {}) for state in (before, after)]
     stages = after.get("repair_stages", 0) - before.get("repair_stages", 0)
     seconds = after.get("repair_seconds", 0.0) - before.get("repair_seconds", 0.0)
-    tp_before, tp_after = before.get("tensor_parallel", {}), after.get("tensor_parallel", {})
-    calls = tp_after.get("collectives", {}).get("calls", 0) - tp_before.get("collectives", {}).get("calls", 0)
-    in_collectives = (tp_after.get("collectives", {}).get("seconds", 0.0)
-                      - tp_before.get("collectives", {}).get("seconds", 0.0))
-    return {"tp_size": tp_after.get("size", 1), "repair_stages": stages, "repair_seconds": seconds,
-            "collective_calls": calls, "collective_seconds": in_collectives,
+    calls = collectives[1].get("calls", 0) - collectives[0].get("calls", 0)
+    in_collectives = collectives[1].get("seconds", 0.0) - collectives[0].get("seconds", 0.0)
+    return {"tp_size": after.get("tensor_parallel", {}).get("size", 1), "repair_stages": stages,
+            "repair_seconds": seconds, "collective_calls": calls, "collective_seconds": in_collectives,
             "collective_share_of_repair": in_collectives / seconds if seconds > 0 else None}
 
 

@@ -30,8 +30,8 @@ import torch
 
 from relaxkv_sglang.server.failures import InvariantError
 
-__all__ = ["TensorParallel", "OneRank", "ONE_RANK", "CollectiveTally", "RankDisagreement", "digest", "check_same",
-           "place_shard"]
+__all__ = ["TensorParallel", "OneRank", "ONE_RANK", "TimedCollectives", "CollectiveTally", "RankDisagreement",
+           "digest", "check_same", "place_shard"]
 
 
 class RankDisagreement(InvariantError):

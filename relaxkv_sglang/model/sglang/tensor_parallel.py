@@ -21,6 +21,7 @@ from relaxkv_sglang.model.tensor_parallel import ONE_RANK, TensorParallel, Timed
 from relaxkv_sglang.server.failures import InvariantError
 from relaxkv_sglang.server.settings import server_settings
 
+
 class GroupCoordinatorRanks(TimedCollectives):
     """SGLang's ``GroupCoordinator`` (the TP group) as :class:`TensorParallel`; a tensor on another device than
     the group's (host-side scores, digests) makes the round trip, since NCCL takes device tensors only."""

@@ -715,6 +715,9 @@ def check_case(sender: Sender, case: Case, index: int) -> None:
 #: histories built to reuse chunks: the request itself, a subset of its documents, or them in another order
 #: sent first in its namespace
 WARM_HISTORIES = ("warm", "some_warm", "other_order")
+#: the tier histories (:func:`test_pool_pressure_a_restart_and_a_shared_store_change_no_answer`) and the lower
+#: tiers each was built to load chunks from (``meta_info.relaxkv.chunk_tokens_from_<tier>``)
+TIER_HISTORIES = {"evicted": ("host", "disk"), "restarted": ("disk",), "other_server": ("hicache",)}
 #: counts over a run: (what, "expected" or "seen") -> cases; read by :func:`check_premise_counts`
 PREMISES: collections.Counter = collections.Counter()
 
@@ -740,6 +743,11 @@ def check_premises(case: Case, index: int, answers: dict[str, list[Answer]]) -> 
             reused = any(o["reuse"].get("chunk_tokens_reused", 0) > 0 for o in looked_up)
             PREMISES["warm histories", "expected"] += 1
             PREMISES["warm histories", "seen"] += reused
+        if name in TIER_HISTORIES:
+            loaded = any(o["reuse"].get(f"chunk_tokens_from_{tier}", 0) > 0
+                         for o in looked_up for tier in TIER_HISTORIES[name])
+            PREMISES[f"'{name}' histories", "expected"] += 1
+            PREMISES[f"'{name}' histories", "seen"] += loaded
             if name == "warm" and not reused and not _asks_input_logprobs(case):
                 pytest.fail(f"drawn request {index} {case!r}: its '{name}' history reused no chunk "
                             f"({[o['reuse'] for o in looked_up]}); seed {SEED}", pytrace=False)
@@ -766,15 +774,20 @@ def _asks_input_logprobs(case: Case) -> bool:
 #: alike); the rest were not classified one by one (drawn options such as input logprobs before the query keep
 #: chunks computed or the repair off). 40% keeps 16 drawn requests' counts (about 10 and 20) clear of chance, and
 #: a cache or repair that is off (0) fails it.
-PREMISE_FLOORS = {"warm histories": 0.4, "repairs": 0.4}
+#: The tier histories' floors: TIER_FLOOR_NOTE.
+PREMISE_FLOORS = {"warm histories": 0.4, "repairs": 0.4,
+                  **{f"'{name}' histories": 0.4 for name in TIER_HISTORIES}}
 
 
 def check_premise_counts() -> str:
-    """Fail unless each premise was met often enough over the run (:data:`PREMISE_FLOORS`); the summary's words."""
+    """Fail unless each premise was met often enough over the run (:data:`PREMISE_FLOORS`); the summary's words.
+    A premise no history of the run was built for (none expected) is left out."""
     words = []
     for what, floor in PREMISE_FLOORS.items():
         expected, seen = PREMISES[what, "expected"], PREMISES[what, "seen"]
-        done = "reused a chunk" if what == "warm histories" else "repaired"
+        if not expected:
+            continue
+        done = {"warm histories": "reused a chunk", "repairs": "repaired"}.get(what, "loaded from their tier")
         words.append(f"{what} that {done}: {seen} of {expected}")
         assert expected == 0 or seen >= max(1, floor * expected), (
             f"only {seen} of {expected} {what} {done} (floor {floor:.0%}): the cache or the repair is off; seed {SEED}")
@@ -890,6 +903,7 @@ def test_pool_pressure_a_restart_and_a_shared_store_change_no_answer(tiny_model_
 
     cases = [(TIER_INDEX_BASE + i, draw_case(TIER_INDEX_BASE + i, tokenizer)) for i in range(TIER_CASES)]
     answers: dict[int, dict] = {}
+    PREMISES.clear()
     with contextlib.ExitStack() as stack:
         store_env, other = {}, None
         if os.environ.get(MOONCAKE_TESTS_ENV) == "1":
@@ -918,6 +932,7 @@ def test_pool_pressure_a_restart_and_a_shared_store_change_no_answer(tiny_model_
             for index, case in cases:
                 answers[index]["restarted"] = sender.run(case.calls)
                 compare_answers(case, index, answers[index])
+                check_premises(case, index, answers[index])
             state = relaxkv_state(again.url)
             check_idle(again.url)
         other_loads = {}
@@ -927,6 +942,7 @@ def test_pool_pressure_a_restart_and_a_shared_store_change_no_answer(tiny_model_
     kinds = collections.Counter(c.kind for _, c in cases)
     print(f"\ntier histories: seed {SEED}, {len(cases)} drawn requests ("
           + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) + f"), loads after the restart {_loads(state)}"
-          + (f", the other server's loads {other_loads}" if other is not None else ""))
+          + (f", the other server's loads {other_loads}" if other is not None else "")
+          + f"\ntier histories: {check_premise_counts()}")
     assert state.get("tier_disk_loads", 0) > 0, _loads(state)
     assert other is None or other_loads.get("tier_hicache_loads", 0) > 0, other_loads

@@ -257,6 +257,38 @@ def cmd_serve(args, extra: list[str]) -> int:
     return 0
 
 
+def cmd_gateway(args, extra: list[str]) -> int:
+    """``gateway``: the smg gateway with this project's routing in front of replicas already running (on this
+    host or others), until Ctrl-C or SIGTERM; flags after ``--`` go to smg. Run one on each of two hosts for
+    a gateway that survives its host (each keeps its own routing table: docs/scaling.md).
+
+        relaxkv-sglang gateway --host 10.0.0.4 --port 30000 --worker-urls http://10.0.0.2:30000 http://10.0.0.3:30000
+    """
+    from relaxkv_sglang.server.cluster import RouterConfig, RouterProcess
+
+    router = RouterProcess(RouterConfig(
+        worker_urls=args.worker_urls, routing=args.routing, host=args.host, port=args.port,
+        model_path=str(assets.resolve_model(args.model)), extra_args=extra, log_path=args.log,
+        startup_timeout_s=args.startup_timeout))
+    print(f"starting the smg gateway on {args.host}:{args.port} in front of {' '.join(args.worker_urls)} "
+          f"(routing {args.routing})", file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        router.start()
+        print(f"ready: {router.url}  (log: {router.log_path}; Ctrl-C stops it)", flush=True)
+        _wait_for_stop(lambda: router.proc.poll() is None)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        code = router.proc.poll() if router.proc is not None else None
+        router.stop()
+    if code not in (None, 0):
+        print(f"relaxkv-sglang: error: the gateway exited with code {code}: {router.last_error_line()}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_encode(args, extra) -> int:
     from relaxkv_sglang.encode import EncodeError, encode_corpus
 
@@ -315,6 +347,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the repair knobs' calibration file for the model (RELAXKV_CALIBRATION; default: the "
                         "repository's file for the model, if any; none: the code defaults)")
     s.set_defaults(func=cmd_serve)
+
+    g = sub.add_parser("gateway", help="the smg gateway with document routing in front of running replicas",
+                       description="Run the smg gateway in front of replicas started elsewhere (each host's "
+                                   "`serve --host ITS_ADDRESS`). Flags after -- go to smg.")
+    g.add_argument("--worker-urls", nargs="+", required=True, metavar="URL",
+                   help="the replicas, e.g. http://10.0.0.2:30000 http://10.0.0.3:30000")
+    g.add_argument("--host", default="127.0.0.1", help="the address to listen on (this host's)")
+    g.add_argument("--port", type=int, default=30000)
+    g.add_argument("--routing", default="document", choices=["document", "cache_aware", "round_robin"])
+    g.add_argument("--model", "--model-path", dest="model", default="smollm2-135m",
+                   help="the replicas' model (name or folder): the gateway reads its tokenizer from it")
+    g.add_argument("--log", default=None, help="gateway log file (default: a temp file)")
+    g.add_argument("--startup-timeout", type=float, default=120.0,
+                   help="seconds to wait until every replica is healthy")
+    g.set_defaults(func=cmd_gateway)
 
     e = sub.add_parser("encode", help="pre-encode a corpus into a running server's chunk store")
     e.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:30000")

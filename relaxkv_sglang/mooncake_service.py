@@ -1,9 +1,9 @@
-"""A Mooncake store on this machine, on loopback: ``mooncake_master`` and one memory-holding client.
+"""A Mooncake store: ``mooncake_master`` and one memory-holding client, on one host's address.
 
 For the tests and benchmarks that share chunks across servers through Mooncake (the HiCache tier,
 ``relaxkv_sglang/cache/sglang/hicache_tier.py``), and as the shape of a deployment:
 
-* ``mooncake_master --rpc_address 127.0.0.1 --rpc_port P``: the store's metadata (which client
+* ``mooncake_master --rpc_address HOST --rpc_port P``: the store's metadata (which client
   holds which object), its eviction (at 90% of the memory by default) and leases (an object
   read in the last ``LEASE_MS`` is not removed; 1 s here, 10 s by default);
 * ``mooncake_client --global_segment_size S``: a long-lived process that contributes ``S`` bytes
@@ -14,7 +14,8 @@ For the tests and benchmarks that share chunks across servers through Mooncake (
 The servers' HiCache tier is then ``RELAXKV_HICACHE_STORAGE_BACKEND=mooncake`` with
 :meth:`MooncakeService.extra_config` (:meth:`MooncakeService.env` gives both). Mooncake's
 transfer engine listens on every interface for its handshake (no flag binds it); everything
-named here is 127.0.0.1. Installed by ``make install-mooncake`` (``requirements/mooncake.txt``,
+named here is ``host`` (loopback by default; the multi-host tests give a host's address and run
+both on that host, :attr:`MooncakeService.launcher`). Installed by ``make install-mooncake`` (``requirements/mooncake.txt``,
 apt packages ``libibverbs1 libnuma1``).
 """
 
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 __all__ = ["MooncakeService", "mooncake_binary"]
 
@@ -51,29 +52,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
+def _own_address(host: str, port: int) -> str:
+    """This process's address on the route to ``host`` (a UDP ``connect`` sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return s.getsockname()[0]
+
+
+def _wait_port(host: str, port: int, proc: subprocess.Popen, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} at startup")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            with socket.create_connection((host, port), timeout=0.5):
                 return
         except OSError:
             time.sleep(0.1)
-    raise TimeoutError(f"{proc.args[0]} not listening on 127.0.0.1:{port} after {timeout_s} s")
+    raise TimeoutError(f"{proc.args[0]} not listening on {host}:{port} after {timeout_s} s")
 
 
 class MooncakeService:
-    """``mooncake_master`` and a segment-holding ``mooncake_client`` on loopback (module doc).
+    """``mooncake_master`` and a segment-holding ``mooncake_client`` on ``host`` (module doc).
 
     Use as a context manager; :meth:`stop` ends both process groups (each started in its own)."""
 
-    def __init__(self, segment_mb: int = 256, log_dir: Optional[str] = None) -> None:
-        """segment_mb: memory the holder contributes; log_dir: where the two logs go (a temp folder)."""
+    def __init__(self, segment_mb: int = 256, log_dir: Optional[str] = None, host: str = "127.0.0.1",
+                 launcher: Sequence[str] = (), rpc_port: int = 0, holder_port: int = 0) -> None:
+        """segment_mb: memory the holder contributes; log_dir: where the two logs go (a temp folder);
+        host: the address both bind and advertise; launcher: what runs a command on that host (e.g.
+        ``ip netns exec NS``; nothing: this machine); rpc_port, holder_port: 0 picks free ones here."""
         self.segment_mb = segment_mb
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="relaxkv-mooncake-")
-        self.rpc_port = 0
+        self.host = host
+        self.launcher = list(launcher)
+        self.rpc_port = rpc_port
+        self.holder_port = holder_port
         self.master: Optional[subprocess.Popen] = None
         self.holder: Optional[subprocess.Popen] = None
         self._client = None  # a store client of this process, for clear()
@@ -81,12 +95,14 @@ class MooncakeService:
     @property
     def address(self) -> str:
         """The master's RPC address."""
-        return f"127.0.0.1:{self.rpc_port}"
+        return f"{self.host}:{self.rpc_port}"
 
     def extra_config(self) -> dict:
-        """The servers' ``--hicache-storage-backend-extra-config`` for this store."""
+        """The servers' ``--hicache-storage-backend-extra-config`` for this store. No ``local_hostname``:
+        each server advertises its own host's address on the route to the master
+        (``cache/sglang/hicache_tier.py::with_local_hostname``)."""
         return {"master_server_address": self.address, "protocol": "tcp", "metadata_server": "P2PHANDSHAKE",
-                "local_hostname": "127.0.0.1", "global_segment_size": 0, "device_name": ""}
+                "global_segment_size": 0, "device_name": ""}
 
     def env(self, page_kb: int = 64) -> dict[str, str]:
         """A server's environment for the HiCache tier on this store."""
@@ -97,27 +113,33 @@ class MooncakeService:
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
         try:
-            return subprocess.Popen([mooncake_binary(name), *args], stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            return subprocess.Popen([*self.launcher, mooncake_binary(name), *args], stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             log.close()
 
+    def master_args(self) -> list[str]:
+        """``mooncake_master``'s arguments (ports picked the first time)."""
+        self.rpc_port = self.rpc_port or _free_port()
+        return [f"--rpc_address={self.host}", f"--rpc_port={self.rpc_port}", f"--metrics_host={self.host}",
+                f"--metrics_port={_free_port()}", f"--http_metadata_server_host={self.host}",
+                f"--http_metadata_server_port={_free_port()}", f"--default_kv_lease_ttl={LEASE_MS}"]
+
+    def holder_args(self) -> list[str]:
+        """``mooncake_client``'s arguments (the holder of the objects' memory)."""
+        self.holder_port = self.holder_port or _free_port()
+        return [f"--host={self.host}", f"--port={self.holder_port}", f"--global_segment_size={self.segment_mb}MB",
+                "--metadata_server=P2PHANDSHAKE", "--protocol=tcp", f"--master_server_address={self.address}"]
+
     def start_master(self) -> None:
         """Start (or restart) the master on its port (a free one the first time); empty of objects."""
-        self.rpc_port = self.rpc_port or _free_port()
-        self.master = self._spawn("mooncake_master", [
-            "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}", "--metrics_host=127.0.0.1",
-            f"--metrics_port={_free_port()}", "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={_free_port()}", f"--default_kv_lease_ttl={LEASE_MS}"])
-        _wait_port(self.rpc_port, self.master, 30)
+        self.master = self._spawn("mooncake_master", self.master_args())
+        _wait_port(self.host, self.rpc_port, self.master, 30)
 
     def start_holder(self) -> None:
-        """Start the client that holds the objects' memory (``segment_mb``)."""
-        port = _free_port()
-        self.holder = self._spawn("mooncake_client", [
-            "--host=127.0.0.1", f"--port={port}", f"--global_segment_size={self.segment_mb}MB",
-            "--metadata_server=P2PHANDSHAKE", "--protocol=tcp", f"--master_server_address={self.address}"])
-        _wait_port(port, self.holder, 30)
+        """Start (or restart) the client that holds the objects' memory (``segment_mb``)."""
+        self.holder = self._spawn("mooncake_client", self.holder_args())
+        _wait_port(self.host, self.holder_port, self.holder, 30)
 
     def start(self) -> "MooncakeService":
         """Master, then holder."""
@@ -149,7 +171,8 @@ class MooncakeService:
 
         if self._client is None:
             client = MooncakeDistributedStore()
-            if client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", self.address):
+            own = _own_address(self.host, self.rpc_port)
+            if client.setup(own, "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", self.address):
                 raise RuntimeError(f"cannot join the Mooncake store at {self.address}")
             self._client = client
         self._client.remove_all()

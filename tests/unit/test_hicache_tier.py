@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import socket
 import time
 
 import pytest
@@ -384,7 +385,7 @@ def test_hicache_env(tmp_path):
     extra = {"master_server_address": "127.0.0.1:50051", "protocol": "tcp"}
     c = hicache_config_from_env({"RELAXKV_HICACHE_STORAGE_BACKEND": "mooncake",
                               "RELAXKV_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG": json.dumps(extra)})
-    assert c.backend == "mooncake" and c.extra_config == extra
+    assert c.backend == "mooncake" and c.extra_config == {**extra, "local_hostname": "127.0.0.1"}
     assert c.page_bytes == 256 << 10 and c.connect_timeout_s == 30.0
     (tmp_path / "mc.toml").write_text('master_server_address = "127.0.0.1:1"\nprotocol = "tcp"\n')
     c = hicache_config_from_env({"RELAXKV_HICACHE_STORAGE_BACKEND": "mooncake", "RELAXKV_HICACHE_PAGE_KB": "64",
@@ -395,7 +396,31 @@ def test_hicache_env(tmp_path):
     assert hicache_config_from_env({}) is None
 
 
+def test_a_mooncake_client_advertises_its_own_hosts_address_on_the_route_to_the_master():
+    """SGLang's default ``localhost`` is unreachable from other hosts (SGLang #23457): the address the kernel
+    sends from to the master is advertised, unless the config or the environment names one."""
+    from relaxkv_sglang.cache.sglang.hicache_tier import with_local_hostname
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # this machine's address on its default route
+        s.connect(("192.0.2.77", 9))
+        outward = s.getsockname()[0]
+    assert outward != "127.0.0.1"
+    config = {"master_server_address": "192.0.2.77:50051"}
+    assert with_local_hostname("mooncake", config, {}) == {**config, "local_hostname": outward}
+    assert with_local_hostname("mooncake", {"master_server_address": "127.0.0.1:50051"}, {})["local_hostname"] \
+        == "127.0.0.1"
+    named = {**config, "local_hostname": "10.0.0.9"}
+    assert with_local_hostname("mooncake", named, {}) is named
+    assert with_local_hostname("mooncake", config, {"MOONCAKE_LOCAL_HOSTNAME": "10.0.0.8"}) is config
+    assert with_local_hostname("file", config, {}) is config
+    c = hicache_config_from_env({"RELAXKV_HICACHE_STORAGE_BACKEND": "mooncake",
+                                 "RELAXKV_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG": json.dumps(config)})
+    assert c.summary().endswith(f"this host advertised as {outward})")
+
+
 @pytest.mark.parametrize("env, message", [
+    ({"RELAXKV_HICACHE_STORAGE_BACKEND": "mooncake", "RELAXKV_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG":
+      '{"master_server_address": "50051"}'}, "master_server_address '50051': must be HOST:PORT"),
     ({"RELAXKV_HICACHE_STORAGE_BACKEND": "redis"}, "RELAXKV_HICACHE_STORAGE_BACKEND='redis': must be one of"),
     ({"RELAXKV_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG": "{not json"}, "RELAXKV_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG="),
     ({"RELAXKV_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG": "[1]"}, "not an object"),

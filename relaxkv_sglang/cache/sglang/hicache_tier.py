@@ -141,14 +141,55 @@ class HiCachePageStore(PageStore):
         return [bool(self.backend.set(k, buf[i])) for i, k in enumerate(keys)]
 
 
-def _probe_master(extra_config: dict, timeout_s: float) -> Optional[str]:
-    """Why a Mooncake master named in the config cannot be reached, or None (module doc)."""
+def _master_address(extra_config: dict) -> Optional[tuple[str, int]]:
+    """The Mooncake master's (host, port) from ``master_server_address``; None if not named.
+    Raises ``ValueError`` unless it is ``HOST:PORT`` (no host is never taken to mean this machine)."""
     address = extra_config.get("master_server_address")
     if not address:
         return None
     host, _, port = str(address).rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"master_server_address {address!r}: must be HOST:PORT")
+    return host, int(port)
+
+
+#: where SGLang's Mooncake store looks for the address to advertise, before the config's ``local_hostname``
+#: (``mem_cache/storage/mooncake_store/mooncake_store.py``, ``MooncakeStoreConfig._resolve_local_hostname``)
+LOCAL_HOSTNAME_ENVS = ("MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME")
+
+
+def with_local_hostname(backend: str, extra_config: dict, env: Mapping[str, str]) -> dict:
+    """``extra_config`` with the Mooncake client's ``local_hostname`` set to this host's address on the route
+    to the master, unless the environment or the config names one.
+
+    SGLang's own default is ``localhost``: a client on another host than its peers advertises an address they
+    cannot reach (SGLang #23457). The address is the one the kernel would send from to the master (a UDP
+    socket's ``connect``, which sends nothing), so a host with several interfaces advertises the one its
+    peers share with the master."""
+    if backend != "mooncake" or extra_config.get("local_hostname") or any(env.get(k) for k in LOCAL_HOSTNAME_ENVS):
+        return extra_config
+    master = _master_address(extra_config)
+    if master is None:
+        return extra_config
     try:
-        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(master[0]), master[1]))
+            own = s.getsockname()[0]
+    except OSError as exc:
+        raise ValueError(f"master_server_address {master[0]}:{master[1]}: no route to it to take this host's "
+                         f"address from ({exc}); set local_hostname in the config") from None
+    return {**extra_config, "local_hostname": own}
+
+
+def _probe_master(extra_config: dict, timeout_s: float) -> Optional[str]:
+    """Why a Mooncake master named in the config cannot be reached, or None (module doc)."""
+    master = _master_address(extra_config)
+    if master is None:
+        return None
+    host, port = master
+    address = f"{host}:{port}"
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
             return None
     except (OSError, ValueError) as exc:
         return f"master_server_address {address}: {exc}"
@@ -209,7 +250,8 @@ class HiCacheTierConfig(TierConfig):
             raise TierConfigError(f"{cls.BACKEND_ENV}={backend!r}: must be one of {', '.join(known_backends())}")
         raw = env.get(cls.EXTRA_ENV) or "{}"
         try:
-            extra = _extra_config(raw)
+            extra = with_local_hostname(backend, _extra_config(raw), env)
+            _master_address(extra)  # HOST:PORT, checked here rather than at the first connect
         except (OSError, ValueError) as exc:
             raise TierConfigError(f"{cls.EXTRA_ENV}={raw!r}: {exc}") from None
         page_kb = env_number(env, cls.PAGE_KB_ENV, 256.0, "KB")
@@ -226,7 +268,9 @@ class HiCacheTierConfig(TierConfig):
 
     def summary(self) -> str:
         """The startup line's phrase: the backend and its page size."""
-        return f"hicache {self.backend} ({self.page_bytes}-byte pages)"
+        advertised = self.extra_config.get("local_hostname")
+        return (f"hicache {self.backend} ({self.page_bytes}-byte pages"
+                + (f", this host advertised as {advertised})" if advertised else ")"))
 
     def build(self, ctx: TierContext) -> Optional[PagedTier]:
         """The tier, over a store that may be down now and reconnects (module doc); None without a backend."""

@@ -1,0 +1,322 @@
+"""Replicas, gateways and the Mooncake store on separate hosts (network namespaces: ``hosts.py``).
+
+On demand, as root, after ``make install-mooncake``: ``RELAXKV_MULTIHOST_TESTS=1 .venv/bin/python -m
+pytest -q tests/e2e/test_multihost.py`` (``make test-long`` runs it when the switch is set; about N
+minutes on the 2-core machine). The deployment is docs/scaling.md's "Several hosts", command for
+command: the store's host runs ``mooncake_master`` and ``mooncake_client`` on its address; each
+replica host runs ``relaxkv-sglang serve --host ITS_ADDRESS`` with the store's address in its
+environment; each gateway host runs ``relaxkv-sglang gateway --host ITS_ADDRESS --worker-urls ...``.
+Clients are in the root namespace and speak to a gateway only; what they read from the replicas
+themselves (``/get_server_info``, ``/metrics``) is observation. Each host's loopback is its own, so a
+process that looked for another host's service on ``127.0.0.1`` would find nothing there and the
+sharing checked below would fail.
+
+* documents computed on A are hits on B loaded from the store, with the output of computing them;
+  each replica advertises its own host's address to Mooncake (not SGLang's ``localhost``);
+* B's cable cut mid-workload: every request answered but those in flight on B, nothing wrong
+  served, the gateway routes around B; plugged back in, B serves again and loads from the store;
+* the store's cable cut, then its master and holder restarted: the replicas serve by computing,
+  and sharing resumes within :data:`STORE_RESUME_BOUND_S`;
+* two gateways on two hosts, one killed: a client that fails over keeps being served, and every
+  chunk it sent before is still a hit (its key may move to the other replica: then from the store).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+from conftest import STRICT_MEMORY_CHECK
+from hosts import HostNetwork, unavailable
+from rag_helpers import documents, generate, marked_prompt, relaxkv_state, synthetic_documents, wait_tier_writes
+from test_tiers import _recompute, _same_output
+
+from relaxkv_sglang.routing import routing_key_of_documents
+from relaxkv_sglang.server.cluster import replica_request_counts
+
+MULTIHOST_ENV = "RELAXKV_MULTIHOST_TESTS"
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
+    os.environ.get(MULTIHOST_ENV) != "1",
+    reason=f"multi-host tests run on demand: {MULTIHOST_ENV}=1 (root, iproute2, make install-mooncake)")]
+
+HOSTS = ["store", "a", "b", "gateway1", "gateway2"]
+SERVE_PORT = GATEWAY_PORT = 30000
+MASTER_PORT, HOLDER_PORT = 50051, 50052
+PAGE_KB = 16
+CALL_TIMEOUT_S, RECONNECT_MAX_S = 1.0, 2.0  # the replicas' store bounds (RELAXKV_HICACHE_*)
+# the longest a replica takes to use a store that came back: its backoff's longest wait, a probe's and a
+# connect's time, and a write's round trip, with room for a loaded 2-core machine
+STORE_RESUME_BOUND_S = 30.0
+START_TIMEOUT_S = 600.0
+CLI = os.path.join(os.path.dirname(sys.executable), "relaxkv-sglang")
+
+
+@dataclasses.dataclass
+class Deployment:
+    """Hosts and what runs on them; URLs as the root namespace's clients reach them."""
+
+    net: HostNetwork
+    store: object  # MooncakeService on the store's host
+    replicas: dict[str, str]  # host name -> URL
+    gateways: dict[str, str]  # host name -> URL
+    processes: dict[str, subprocess.Popen]
+    logs: dict[str, str]
+
+    @property
+    def gateway(self) -> str:
+        return self.gateways["gateway1"]
+
+    def served_by(self, before: list[int]) -> list[str]:
+        """The replica hosts whose request counts grew since ``before`` (:meth:`counts`)."""
+        return [name for name, b, a in zip(self.replicas, before, self.counts()) if a > b]
+
+    def counts(self) -> list[int]:
+        return replica_request_counts(list(self.replicas.values()))
+
+
+def _store_env(store) -> dict[str, str]:
+    return {**STRICT_MEMORY_CHECK, **store.env(page_kb=PAGE_KB),
+            "RELAXKV_HICACHE_CALL_TIMEOUT_S": str(CALL_TIMEOUT_S), "RELAXKV_HICACHE_RECONNECT_MAX_S": str(RECONNECT_MAX_S)}
+
+
+def serve_command(model: str, address: str, log: str) -> list[str]:
+    """A replica host's command (docs/scaling.md); the server's log at ``log``."""
+    return [CLI, "serve", "--model", model, "--host", address, "--port", str(SERVE_PORT), "--policy", "pic",
+            "--max-total-tokens", "4096", "--startup-timeout", str(START_TIMEOUT_S), "--log", log,
+            "--", "--context-length", "1024", "--enable-metrics", "--enable-cache-report"]
+
+
+def gateway_command(model: str, address: str, worker_urls: list[str]) -> list[str]:
+    """A gateway host's command (docs/scaling.md)."""
+    return [CLI, "gateway", "--model", model, "--host", address, "--port", str(GATEWAY_PORT),
+            "--worker-urls", *worker_urls]
+
+
+def _wait_ready(url: str, path: str, proc: subprocess.Popen, log: str, timeout_s: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode} at startup; log {log}:\n"
+                               + open(log, errors="replace").read()[-2000:])
+        try:
+            if requests.get(url + path, timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s (log {log})")
+
+
+def _end(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_model_path, tmp_path_factory):
+    why = unavailable()
+    if why:
+        pytest.skip(f"multi-host tests: {why}")
+    from relaxkv_sglang.mooncake_service import MooncakeService, mooncake_binary
+
+    try:
+        mooncake_binary("mooncake_master")
+    except FileNotFoundError as exc:
+        pytest.skip(f"multi-host tests: {exc}")
+    logs_dir = tmp_path_factory.mktemp("multihost")
+    with HostNetwork(HOSTS) as net:
+        store_host = net["store"]
+        store = MooncakeService(segment_mb=256, log_dir=str(logs_dir), host=store_host.address,
+                                launcher=store_host.command([]), rpc_port=MASTER_PORT, holder_port=HOLDER_PORT)
+        with store:
+            env = {**os.environ, **_store_env(store)}
+            processes, logs, replicas = {}, {}, {}
+            for name in ("a", "b"):
+                host = net[name]
+                logs[name] = str(logs_dir / f"{name}.log")
+                processes[name] = host.popen(serve_command(tiny_model_path, host.address, f"{logs[name]}.server"),
+                                             logs[name], env)
+                replicas[name] = f"http://{host.address}:{SERVE_PORT}"
+            for name, url in replicas.items():
+                _wait_ready(url, "/health_generate", processes[name], logs[name])
+            gateways = {}
+            for name in ("gateway1", "gateway2"):
+                host = net[name]
+                logs[name] = str(logs_dir / f"{name}.log")
+                processes[name] = host.popen(gateway_command(tiny_model_path, host.address, list(replicas.values())),
+                                             logs[name], dict(os.environ))
+                gateways[name] = f"http://{host.address}:{GATEWAY_PORT}"
+            for name in ("gateway1", "gateway2"):
+                _wait_ready(gateways[name], "/readiness", processes[name], logs[name])
+            try:
+                yield Deployment(net, store, replicas, gateways, processes, logs)
+            finally:
+                for proc in processes.values():
+                    _end(proc)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+def _ask(url: str, prompt, timeout: float = 120) -> dict:
+    return generate(url, prompt, policy="pic", max_new_tokens=6, logprobs=True, timeout=timeout)
+
+
+def _prompt_on_other_key(shared: list[str], key: str, pool: list[str], system: str, question: str):
+    """A prompt of ``shared`` plus one document of ``pool`` whose routing key is not ``key`` (a new key: the
+    gateway's next round-robin turn)."""
+    for extra in pool:
+        if routing_key_of_documents(shared + [extra]) != key:
+            return marked_prompt(system, shared[::-1] + [extra], question)
+    raise AssertionError("no document of the pool changes the key")
+
+
+def _advertised(log: str) -> str:
+    """The address a replica's startup line says it advertises to Mooncake."""
+    text = open(f"{log}.server", errors="replace").read()
+    marker = "this host advertised as "
+    assert marker in text, f"no advertised address in {log}"
+    return text.split(marker, 1)[1].split(")", 1)[0]
+
+
+# ---------------------------------------------------------------------------------------------- tests
+
+def test_documents_computed_on_one_host_are_hits_from_the_store_on_another(deployment):
+    net = deployment.net
+    for name in ("a", "b"):  # each replica advertises its own host's address, not localhost
+        assert _advertised(deployment.logs[name]) == net[name].address
+    docs = documents(8, seed=701)
+    first = marked_prompt("Answer from the documents.", docs[:4], "What do they share?")
+    before = deployment.counts()
+    _ask(deployment.gateway, first)
+    (computed_on,) = deployment.served_by(before)
+    wait_tier_writes(deployment.replicas[computed_on], tier="hicache")
+    other = _prompt_on_other_key(docs[:4], routing_key_of_documents(docs[:4]), docs[4:] + synthetic_documents(20, 702),
+                                 "Another system prompt.", "Which is first?")
+    before = deployment.counts()
+    out = _ask(deployment.gateway, other)
+    (loaded_on,) = deployment.served_by(before)
+    assert loaded_on != computed_on, "the gateway's next turn went to the same replica"
+    rec = out["meta_info"]["relaxkv"]
+    assert rec["chunks_hit"] == 4 and rec["chunk_tokens_from_hicache"] > 0, rec
+    assert relaxkv_state(deployment.replicas[loaded_on])["tier_hicache_loads"] >= 4
+    _same_output(out, _recompute(deployment.gateway, other))  # the same key: the same replica, computing
+
+
+class Workload:
+    """Client threads sending a fixed set of prompts through a gateway in turn, until stopped; each answer is
+    checked against the prompt's reference (greedy tokens); failures are kept with their time."""
+
+    def __init__(self, urls: list[str], prompts: list, references: list[dict], clients: int = 2):
+        self.urls, self.prompts, self.references = urls, prompts, references
+        self.answered = 0
+        self.failures: list[tuple[float, str]] = []
+        self.wrong: list[str] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
+
+    def _client(self, i: int) -> None:
+        n = i
+        while not self._stop.is_set():
+            k = n % len(self.prompts)
+            for url in self.urls:  # the first gateway, then the next if it cannot be reached
+                try:
+                    out = _ask(url, self.prompts[k], timeout=60)
+                except (requests.ConnectionError, requests.Timeout, RuntimeError) as exc:
+                    if isinstance(exc, requests.ConnectionError) and url != self.urls[-1]:
+                        continue
+                    with self._lock:
+                        self.failures.append((time.monotonic(), f"prompt {k} via {url}: {str(exc)[:200]}"))
+                    break
+                with self._lock:
+                    self.answered += 1
+                    if out["output_ids"] != self.references[k]["output_ids"]:
+                        self.wrong.append(f"prompt {k}: {out['output_ids']} != {self.references[k]['output_ids']}")
+                break
+            n += len(self._threads)
+
+    def __enter__(self) -> "Workload":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(180)
+
+
+def _healthy(gateway: str) -> list[str]:
+    workers = requests.get(gateway + "/workers", timeout=10).json()["workers"]
+    return [w["url"] for w in workers if w.get("is_healthy")]
+
+
+def _wait_until(predicate, timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout_s, f"{what}: not within {timeout_s:.0f} s"
+        time.sleep(0.5)
+    return time.monotonic() - start
+
+
+def _prompts(seed: int, n: int) -> list:
+    docs = synthetic_documents(4 * n, seed)
+    return [marked_prompt(f"System {seed}-{i}.", docs[4 * i:4 * i + 4], f"Question {i}?") for i in range(n)]
+
+
+def test_a_replica_host_cut_off_mid_workload_is_routed_around_and_serves_again(deployment):
+    gateway, b = deployment.gateway, deployment.net["b"]
+    prompts = _prompts(711, 6)
+    references = [_ask(gateway, p) for p in prompts]  # six keys: three on each replica
+    cut_at = restored_at = None
+    with Workload([gateway], prompts, references) as work:
+        time.sleep(5)
+        cut_at = time.monotonic()
+        b.cut()
+        try:
+            routed_around = _wait_until(lambda: deployment.replicas["b"] not in _healthy(gateway), 60,
+                                        "the gateway marking b unhealthy")
+            answered = work.answered
+            time.sleep(10)
+            assert work.answered > answered, "nothing answered while b was cut off"
+        finally:
+            b.restore()
+            restored_at = time.monotonic()
+        _wait_until(lambda: deployment.replicas["b"] in _healthy(gateway), 60, "the gateway taking b back")
+    print(f"\nb cut off: the gateway routed around it after {routed_around:.1f} s; {work.answered} answered, "
+          f"{len(work.failures)} failed: {work.failures}")
+    assert not work.wrong, work.wrong
+    late = [f for t, f in work.failures if not cut_at <= t <= restored_at + 60]
+    assert not late, late
+    assert len(work.failures) <= 2, work.failures  # at most the requests in flight on b (2 clients)
+    # b serves again, and loads what a computed from the store
+    docs = synthetic_documents(8, 712)
+    first = marked_prompt("After the cut.", docs[:4], "Q?")
+    before = deployment.counts()
+    _ask(gateway, first)
+    (computed_on,) = deployment.served_by(before)
+    wait_tier_writes(deployment.replicas[computed_on], tier="hicache")
+    loads_before = {n: relaxkv_state(u)["tier_hicache_loads"] for n, u in deployment.replicas.items()}
+    for extra in range(4, 8):  # new keys until one lands on the other replica
+        before = deployment.counts()
+        out = _ask(gateway, marked_prompt("Again.", docs[:4][::-1] + [docs[extra]], "Q?"))
+        if deployment.served_by(before) != [computed_on]:
+            break
+    (loaded_on,) = deployment.served_by(before)
+    assert loaded_on != computed_on and out["meta_info"]["relaxkv"]["chunk_tokens_from_hicache"] > 0, out["meta_info"]
+    assert relaxkv_state(deployment.replicas[loaded_on])["tier_hicache_loads"] > loads_before[loaded_on]

@@ -44,7 +44,7 @@ from relaxkv_sglang.routing import routing_key_of_documents
 from relaxkv_sglang.server.cluster import replica_request_counts
 
 MULTIHOST_ENV = "RELAXKV_MULTIHOST_TESTS"
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
+pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.skipif(
     os.environ.get(MULTIHOST_ENV) != "1",
     reason=f"multi-host tests run on demand: {MULTIHOST_ENV}=1 (root, iproute2, make install-mooncake)")]
 
@@ -176,15 +176,6 @@ def _ask(url: str, prompt, timeout: float = 120) -> dict:
     return generate(url, prompt, policy="pic", max_new_tokens=6, logprobs=True, timeout=timeout)
 
 
-def _prompt_on_other_key(shared: list[str], key: str, pool: list[str], system: str, question: str):
-    """A prompt of ``shared`` plus one document of ``pool`` whose routing key is not ``key`` (a new key: the
-    gateway's next round-robin turn)."""
-    for extra in pool:
-        if routing_key_of_documents(shared + [extra]) != key:
-            return marked_prompt(system, shared[::-1] + [extra], question)
-    raise AssertionError("no document of the pool changes the key")
-
-
 def _advertised(log: str) -> str:
     """The address a replica's startup line says it advertises to Mooncake."""
     text = open(f"{log}.server", errors="replace").read()
@@ -199,22 +190,8 @@ def test_documents_computed_on_one_host_are_hits_from_the_store_on_another(deplo
     net = deployment.net
     for name in ("a", "b"):  # each replica advertises its own host's address, not localhost
         assert _advertised(deployment.logs[name]) == net[name].address
-    docs = documents(8, seed=701)
-    first = marked_prompt("Answer from the documents.", docs[:4], "What do they share?")
-    before = deployment.counts()
-    _ask(deployment.gateway, first)
-    (computed_on,) = deployment.served_by(before)
-    wait_tier_writes(deployment.replicas[computed_on], tier="hicache")
-    other = _prompt_on_other_key(docs[:4], routing_key_of_documents(docs[:4]), docs[4:] + synthetic_documents(20, 702),
-                                 "Another system prompt.", "Which is first?")
-    before = deployment.counts()
-    out = _ask(deployment.gateway, other)
-    (loaded_on,) = deployment.served_by(before)
-    assert loaded_on != computed_on, "the gateway's next turn went to the same replica"
-    rec = out["meta_info"]["relaxkv"]
-    assert rec["chunks_hit"] == 4 and rec["chunk_tokens_from_hicache"] > 0, rec
-    assert relaxkv_state(deployment.replicas[loaded_on])["tier_hicache_loads"] >= 4
-    _same_output(out, _recompute(deployment.gateway, other))  # the same key: the same replica, computing
+    _loads_from_the_store_on_the_other_replica(deployment, documents(4, seed=701) + synthetic_documents(60, 702),
+                                               "Answer from the documents.")
 
 
 class Workload:
@@ -226,6 +203,8 @@ class Workload:
         self.answered = 0
         self.failures: list[tuple[float, str]] = []
         self.wrong: list[str] = []
+        self.partial_hits: list[tuple[float, int, int, int]] = []  # (time, prompt, chunks hit, chunks seen)
+        self.store_loads: list[float] = []  # times of answers with chunks loaded from the store
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
@@ -243,8 +222,13 @@ class Workload:
                     with self._lock:
                         self.failures.append((time.monotonic(), f"prompt {k} via {url}: {str(exc)[:200]}"))
                     break
+                rec = out["meta_info"]["relaxkv"]
                 with self._lock:
                     self.answered += 1
+                    if rec.get("chunk_tokens_from_hicache", 0) > 0:
+                        self.store_loads.append(time.monotonic())
+                    if rec["chunks_hit"] < rec["chunks_seen"]:
+                        self.partial_hits.append((time.monotonic(), k, rec["chunks_hit"], rec["chunks_seen"]))
                     if out["output_ids"] != self.references[k]["output_ids"]:
                         self.wrong.append(f"prompt {k}: {out['output_ids']} != {self.references[k]['output_ids']}")
                 break
@@ -304,19 +288,118 @@ def test_a_replica_host_cut_off_mid_workload_is_routed_around_and_serves_again(d
     late = [f for t, f in work.failures if not cut_at <= t <= restored_at + 60]
     assert not late, late
     assert len(work.failures) <= 2, work.failures  # at most the requests in flight on b (2 clients)
-    # b serves again, and loads what a computed from the store
-    docs = synthetic_documents(8, 712)
-    first = marked_prompt("After the cut.", docs[:4], "Q?")
+    # b serves again (once the gateway's health checks and circuit breaker let it), and loads what a computed
+    _loads_from_the_store_on_the_other_replica(deployment, synthetic_documents(64, 712), "After the cut.")
+
+
+def _loads_from_the_store_on_the_other_replica(deployment: Deployment, docs: list[str], system: str,
+                                               timeout_s: float = 120) -> float:
+    """Four of ``docs`` computed on one replica, then sent with one more of ``docs`` that makes a new key
+    until the gateway places one on the other replica: that one loads the four from the store, with the
+    output of computing them. The seconds it took."""
+    gateway = deployment.gateway
     before = deployment.counts()
-    _ask(gateway, first)
+    _ask(gateway, marked_prompt(system, docs[:4], "Q?"))
     (computed_on,) = deployment.served_by(before)
     wait_tier_writes(deployment.replicas[computed_on], tier="hicache")
-    loads_before = {n: relaxkv_state(u)["tier_hicache_loads"] for n, u in deployment.replicas.items()}
-    for extra in range(4, 8):  # new keys until one lands on the other replica
+    start, keys = time.monotonic(), {routing_key_of_documents(docs[:4])}
+    for extra in docs[4:]:
+        key = routing_key_of_documents(docs[:4] + [extra])  # the key is the documents' least hash: often the same
+        if key in keys:
+            continue
+        keys.add(key)
+        prompt = marked_prompt(system + " Again.", docs[:4][::-1] + [extra], "Q?")
         before = deployment.counts()
-        out = _ask(gateway, marked_prompt("Again.", docs[:4][::-1] + [docs[extra]], "Q?"))
+        out = _ask(gateway, prompt)
         if deployment.served_by(before) != [computed_on]:
             break
+        assert time.monotonic() - start < timeout_s, (f"no request placed off {computed_on} in {timeout_s:.0f} s "
+                                                      f"(the gateway's healthy workers: {_healthy(gateway)})")
+        time.sleep(2)
+    else:
+        raise AssertionError(f"every new key went to {computed_on}")
     (loaded_on,) = deployment.served_by(before)
-    assert loaded_on != computed_on and out["meta_info"]["relaxkv"]["chunk_tokens_from_hicache"] > 0, out["meta_info"]
-    assert relaxkv_state(deployment.replicas[loaded_on])["tier_hicache_loads"] > loads_before[loaded_on]
+    rec = out["meta_info"]["relaxkv"]
+    assert loaded_on != computed_on and rec["chunks_hit"] >= 4 and rec["chunk_tokens_from_hicache"] > 0, rec
+    _same_output(out, _recompute(gateway, prompt))
+    return time.monotonic() - start
+
+
+def _state(deployment: Deployment, key: str) -> dict[str, int]:
+    return {name: relaxkv_state(url).get(key, 0) for name, url in deployment.replicas.items()}
+
+
+def test_the_store_host_cut_off_then_its_master_restarted(deployment):
+    """The replicas serve by computing while the store is unreachable; master and holder restarted (empty) on
+    the same address, sharing resumes within :data:`STORE_RESUME_BOUND_S`."""
+    store_host, store = deployment.net["store"], deployment.store
+    lost_before = _state(deployment, "tier_hicache_store_lost")
+    store_host.cut()
+    try:
+        prompts = _prompts(721, 4)
+        for prompt in prompts:  # each computed (nothing is loaded), with the output of computing it
+            started = time.monotonic()
+            out = _ask(deployment.gateway, prompt)
+            took = time.monotonic() - started
+            assert out["meta_info"]["relaxkv"].get("chunk_tokens_from_hicache", 0) == 0
+            _same_output(out, _recompute(deployment.gateway, prompt))
+            assert took < 10 * CALL_TIMEOUT_S + 10, f"a request took {took:.1f} s with the store cut off"
+        store.stop()  # the store's host goes down while cut off: master and holder gone
+    finally:
+        store_host.restore()
+    lost = _state(deployment, "tier_hicache_store_lost")
+    assert any(lost[n] > lost_before[n] for n in lost), (lost_before, lost)
+    reconnects_before = _state(deployment, "tier_hicache_store_reconnects")
+    restarted = time.monotonic()
+    store.start()  # the same address and ports, no objects
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            _loads_from_the_store_on_the_other_replica(
+                deployment, synthetic_documents(64, 730 + attempt), f"After the store's restart, try {attempt}.",
+                timeout_s=30)
+            break
+        except AssertionError as exc:
+            tier = {n: {k: v for k, v in relaxkv_state(u).items() if k.startswith("tier_hicache")}
+                    for n, u in deployment.replicas.items()}
+            assert time.monotonic() - restarted < STORE_RESUME_BOUND_S, (
+                f"sharing did not resume within {STORE_RESUME_BOUND_S:.0f} s of the store's restart: "
+                f"{str(exc)[:600]}; the replicas' tier: {tier}")
+    resumed = time.monotonic() - restarted
+    reconnects = _state(deployment, "tier_hicache_store_reconnects")
+    assert any(reconnects[n] > reconnects_before[n] for n in reconnects), (reconnects_before, reconnects)
+    print(f"\nstore restarted: sharing resumed {resumed:.1f} s later ({attempt} tries)")
+
+
+def _listener_pid(host, port: int) -> int:
+    """The pid of the process listening on ``port`` on ``host`` (``ss -ltnp``)."""
+    out = host.run(["ss", "-Hltnp", f"sport = :{port}"]).stdout
+    assert "pid=" in out, out
+    return int(out.split("pid=", 1)[1].split(",", 1)[0])
+
+
+def test_two_gateways_one_killed_clients_fail_over_and_keep_their_chunks(deployment):
+    """A client given both gateways uses the second once the first is gone (its process killed). The second
+    keeps its own routing table, so a key may now go to the other replica: its chunks then come from the store,
+    and no chunk is computed again."""
+    prompts = _prompts(741, 6)
+    references = [_ask(deployment.gateway, p) for p in prompts]
+    for url in deployment.replicas.values():
+        wait_tier_writes(url, tier="hicache")
+    gateways = [deployment.gateways["gateway1"], deployment.gateways["gateway2"]]
+    with Workload(gateways, prompts, references) as work:
+        time.sleep(5)
+        killed_at = time.monotonic()
+        answered_before = work.answered
+        os.kill(_listener_pid(deployment.net["gateway1"], GATEWAY_PORT), signal.SIGKILL)
+        time.sleep(15)
+    after = [k for t, k, hit, seen in work.partial_hits if t > killed_at]
+    loads = sum(t > killed_at for t in work.store_loads)
+    print(f"\ngateway1 killed: {work.answered - answered_before} answered after the kill, {len(work.failures)} "
+          f"failed, {len(after)} with a chunk computed again, {loads} with chunks loaded from the store "
+          f"(keys the second gateway placed on the other replica)")
+    assert not work.wrong, work.wrong
+    assert len(work.failures) <= 2, work.failures  # at most the requests in flight on the killed gateway
+    assert not after, work.partial_hits
+    assert requests.get(deployment.gateways["gateway2"] + "/readiness", timeout=10).status_code == 200

@@ -31,7 +31,7 @@ import uuid
 
 import pytest
 import requests
-from rag_helpers import documents, essay_paragraphs, flush, marked_prompt, part_token_ids
+from rag_helpers import documents, essay_paragraphs, flush, marked_prompt, part_token_ids, relaxkv_state
 
 pytestmark = pytest.mark.e2e
 
@@ -96,8 +96,14 @@ def test_completions_echo_logprobs_are_the_same_cold_and_warm(url, policy):
     prompt = marked_prompt("Answer from the documents.", documents(2, seed=92), "Question: what?")
     body = {"model": "tiny", "prompt": prompt.text, "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 2,
             **fresh_namespace(), "custom_params": {"relaxkv_chunks": prompt.offsets, "relaxkv_policy": policy}}
+
+    def complete() -> tuple[dict, int]:
+        before = relaxkv_state(url)["chunk_hits"]  # completions return no meta_info: count on the server
+        return post(url, "/v1/completions", body)["choices"][0], relaxkv_state(url)["chunk_hits"] - before
+
     flush(url)
-    cold, warm = (post(url, "/v1/completions", body)["choices"][0] for _ in range(2))
+    (cold, cold_hits), (warm, warm_hits) = complete(), complete()
+    assert (cold_hits, warm_hits) == (0, 2)  # the warm request reused both documents
     assert warm["text"] == cold["text"]
     pairs = [list(zip(c["logprobs"]["token_logprobs"], c["logprobs"]["tokens"])) for c in (cold, warm)]
     assert len(pairs[0]) > 6  # the prompt's tokens are echoed with their logprobs

@@ -174,6 +174,8 @@ def test_the_ranks_stores_stay_in_lockstep_under_eviction_and_admission_holds(ti
             concurrent = list(clients.map(lambda job: _generate(url, *job, 3)["ids"], prompts))
         state = relaxkv_state(url)
         assert state["chunk_evictions"] > 0 and state["admission_hold"], state
+        print(f"\nlockstep: {state['chunk_hits']} chunk hits, {state['chunk_evictions']} evictions")
+        assert state["chunk_hits"] > 0, state  # documents recur: the ranks' stores had hits to fold alike
         assert state["tensor_parallel"]["checks"] and state["tensor_parallel"]["collectives"]["calls"] > 0, state
         assert concurrent == sequential  # the batches differ; each request's answer does not
         check_idle(url)

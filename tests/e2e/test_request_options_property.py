@@ -715,9 +715,12 @@ def check_case(sender: Sender, case: Case, index: int) -> None:
 #: histories built to reuse chunks: the request itself, a subset of its documents, or them in another order
 #: sent first in its namespace
 WARM_HISTORIES = ("warm", "some_warm", "other_order")
-#: the tier histories (:func:`test_pool_pressure_a_restart_and_a_shared_store_change_no_answer`) and the lower
-#: tiers each was built to load chunks from (``meta_info.relaxkv.chunk_tokens_from_<tier>``)
-TIER_HISTORIES = {"evicted": ("host", "disk"), "restarted": ("disk",), "other_server": ("hicache",)}
+#: the tier histories (:func:`test_pool_pressure_a_restart_and_a_shared_store_change_no_answer`) and the
+#: ``meta_info.relaxkv`` counts that show each reused what it was built for: ``evicted`` from the host tier or the
+#: folder, ``other_server`` from the store (its pool flushed before each request), ``restarted`` anything (its
+#: pool starts empty, so a chunk first comes from the folder; an earlier request of the run may have loaded it)
+TIER_HISTORIES = {"evicted": ("chunk_tokens_from_host", "chunk_tokens_from_disk"), "restarted": ("chunk_tokens_reused",),
+                  "other_server": ("chunk_tokens_from_hicache",)}
 #: counts over a run: (what, "expected" or "seen") -> cases; read by :func:`check_premise_counts`
 PREMISES: collections.Counter = collections.Counter()
 
@@ -744,8 +747,7 @@ def check_premises(case: Case, index: int, answers: dict[str, list[Answer]]) -> 
             PREMISES["warm histories", "expected"] += 1
             PREMISES["warm histories", "seen"] += reused
         if name in TIER_HISTORIES:
-            loaded = any(o["reuse"].get(f"chunk_tokens_from_{tier}", 0) > 0
-                         for o in looked_up for tier in TIER_HISTORIES[name])
+            loaded = any(o["reuse"].get(count, 0) > 0 for o in looked_up for count in TIER_HISTORIES[name])
             PREMISES[f"'{name}' histories", "expected"] += 1
             PREMISES[f"'{name}' histories", "seen"] += loaded
             if name == "warm" and not reused and not _asks_input_logprobs(case):
@@ -787,7 +789,7 @@ def check_premise_counts() -> str:
         expected, seen = PREMISES[what, "expected"], PREMISES[what, "seen"]
         if not expected:
             continue
-        done = {"warm histories": "reused a chunk", "repairs": "repaired"}.get(what, "loaded from their tier")
+        done = {"warm histories": "reused a chunk", "repairs": "repaired"}.get(what, "reused as built for")
         words.append(f"{what} that {done}: {seen} of {expected}")
         assert expected == 0 or seen >= max(1, floor * expected), (
             f"only {seen} of {expected} {what} {done} (floor {floor:.0%}): the cache or the repair is off; seed {SEED}")

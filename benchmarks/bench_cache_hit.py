@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replica-urls", nargs="+", default=None,
                         help="with --replicas: measure these running replicas (--enable-metrics --enable-cache-report) "
                              "instead of starting them")
+    parser.add_argument("--mooncake-master", default=None, metavar="HOST:PORT",
+                        help="with --replica-urls: the replicas' running Mooncake store (emptied before each run "
+                             "through its master), e.g. replicas on several hosts (docs/scaling.md)")
     parser.add_argument("--frameworks", action="store_true",
                         help="the trace unmarked in each RAG framework's prompt shape (LangChain, LlamaIndex chat "
                              "and completion, OpenAI SDK [n] list) vs content parts, server default policy pic")
@@ -203,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("shared_chunk_dir", "shared_mooncake"):
         if getattr(args, flag) and (args.replicas < 2 or args.replica_urls):
             common.fail(BENCH, f"--{flag.replace('_', '-')} needs --replicas N (N >= 2) started here, not --replica-urls")
+    if args.mooncake_master and not args.replica_urls:
+        common.fail(BENCH, "--mooncake-master needs --replica-urls (replicas already running on that store)")
     if args.replica_urls and args.replicas != len(args.replica_urls):
         args.replicas = len(args.replica_urls)
     if args.replicas > 1:

@@ -115,6 +115,11 @@ def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = No
 
         store = stack.enter_context(MooncakeService(segment_mb=1024))
         env = store.env(page_kb=64)
+    elif getattr(args, "mooncake_master", None):  # replicas started elsewhere on a running store: only emptied here
+        from relaxkv_sglang.mooncake_service import MooncakeService
+
+        host, _, port = args.mooncake_master.rpartition(":")
+        store = MooncakeService(host=host, rpc_port=int(port))
     frameworks = bool(getattr(args, "frameworks", False))
     base = common.ServerConfig(model_path=model, max_total_tokens=args.max_total_tokens,
                                policy="pic" if frameworks else "prefix", log_path=str(log), env=env)
@@ -174,7 +179,7 @@ def run_replicas(args: argparse.Namespace, trace: list[TraceRequest] | None = No
         row.pop("per_request")
     return {"workload": {**workload, "replicas": len(urls), "kv_pool_tokens": args.max_total_tokens,
                          "shared_chunk_dir": bool(args.shared_chunk_dir), "frameworks": frameworks,
-                         "shared_mooncake": bool(args.shared_mooncake)},
+                         "shared_mooncake": bool(args.shared_mooncake or getattr(args, "mooncake_master", None))},
             "results": rows}
 
 

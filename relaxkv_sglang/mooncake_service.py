@@ -15,8 +15,8 @@ The servers' HiCache tier is then ``RELAXKV_HICACHE_STORAGE_BACKEND=mooncake`` w
 :meth:`MooncakeService.extra_config` (:meth:`MooncakeService.env` gives both). Mooncake's
 transfer engine listens on every interface for its handshake (no flag binds it); everything
 named here is ``host`` (loopback by default; the multi-host tests give a host's address and run
-both on that host, :attr:`MooncakeService.launcher`). Installed by ``make install-mooncake`` (``requirements/mooncake.txt``,
-apt packages ``libibverbs1 libnuma1``).
+both on that host, :attr:`MooncakeService.launcher`). Installed by ``make install-mooncake``
+(``requirements/mooncake.txt``, apt packages ``libibverbs1 libnuma1``).
 """
 
 from __future__ import annotations

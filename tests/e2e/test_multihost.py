@@ -23,151 +23,32 @@ sharing checked below would fail.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import requests
-from conftest import STRICT_MEMORY_CHECK
-from hosts import HostNetwork, unavailable
+from multihost import CALL_TIMEOUT_S, GATEWAY_PORT, STORE_RESUME_BOUND_S, Deployment, deploy, why_not_here
 from rag_helpers import documents, generate, marked_prompt, relaxkv_state, synthetic_documents, wait_tier_writes
 from test_tiers import _recompute, _same_output
 
 from relaxkv_sglang.routing import routing_key_of_documents
-from relaxkv_sglang.server.cluster import replica_request_counts
 
 MULTIHOST_ENV = "RELAXKV_MULTIHOST_TESTS"
 pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.skipif(
     os.environ.get(MULTIHOST_ENV) != "1",
     reason=f"multi-host tests run on demand: {MULTIHOST_ENV}=1 (root, iproute2, make install-mooncake)")]
 
-HOSTS = ["store", "a", "b", "gateway1", "gateway2"]
-SERVE_PORT = GATEWAY_PORT = 30000
-MASTER_PORT, HOLDER_PORT = 50051, 50052
-PAGE_KB = 16
-CALL_TIMEOUT_S, RECONNECT_MAX_S = 1.0, 2.0  # the replicas' store bounds (RELAXKV_HICACHE_*)
-# the longest a replica takes to use a store that came back: its backoff's longest wait, a probe's and a
-# connect's time, and a write's round trip, with room for a loaded 2-core machine
-STORE_RESUME_BOUND_S = 30.0
-START_TIMEOUT_S = 600.0
-CLI = os.path.join(os.path.dirname(sys.executable), "relaxkv-sglang")
-
-
-@dataclasses.dataclass
-class Deployment:
-    """Hosts and what runs on them; URLs as the root namespace's clients reach them."""
-
-    net: HostNetwork
-    store: object  # MooncakeService on the store's host
-    replicas: dict[str, str]  # host name -> URL
-    gateways: dict[str, str]  # host name -> URL
-    processes: dict[str, subprocess.Popen]
-    logs: dict[str, str]
-
-    @property
-    def gateway(self) -> str:
-        return self.gateways["gateway1"]
-
-    def served_by(self, before: list[int]) -> list[str]:
-        """The replica hosts whose request counts grew since ``before`` (:meth:`counts`)."""
-        return [name for name, b, a in zip(self.replicas, before, self.counts()) if a > b]
-
-    def counts(self) -> list[int]:
-        return replica_request_counts(list(self.replicas.values()))
-
-
-def _store_env(store) -> dict[str, str]:
-    return {**STRICT_MEMORY_CHECK, **store.env(page_kb=PAGE_KB),
-            "RELAXKV_HICACHE_CALL_TIMEOUT_S": str(CALL_TIMEOUT_S), "RELAXKV_HICACHE_RECONNECT_MAX_S": str(RECONNECT_MAX_S)}
-
-
-def serve_command(model: str, address: str, log: str) -> list[str]:
-    """A replica host's command (docs/scaling.md); the server's log at ``log``."""
-    return [CLI, "serve", "--model", model, "--host", address, "--port", str(SERVE_PORT), "--policy", "pic",
-            "--max-total-tokens", "4096", "--startup-timeout", str(START_TIMEOUT_S), "--log", log,
-            "--", "--context-length", "1024", "--enable-metrics", "--enable-cache-report"]
-
-
-def gateway_command(model: str, address: str, worker_urls: list[str]) -> list[str]:
-    """A gateway host's command (docs/scaling.md)."""
-    return [CLI, "gateway", "--model", model, "--host", address, "--port", str(GATEWAY_PORT),
-            "--worker-urls", *worker_urls]
-
-
-def _wait_ready(url: str, path: str, proc: subprocess.Popen, log: str, timeout_s: float = START_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode} at startup; log {log}:\n"
-                               + open(log, errors="replace").read()[-2000:])
-        try:
-            if requests.get(url + path, timeout=5).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s (log {log})")
-
-
-def _end(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-
 
 @pytest.fixture(scope="module")
 def deployment(tiny_model_path, tmp_path_factory):
-    why = unavailable()
+    why = why_not_here()
     if why:
         pytest.skip(f"multi-host tests: {why}")
-    from relaxkv_sglang.mooncake_service import MooncakeService, mooncake_binary
-
-    try:
-        mooncake_binary("mooncake_master")
-    except FileNotFoundError as exc:
-        pytest.skip(f"multi-host tests: {exc}")
-    logs_dir = tmp_path_factory.mktemp("multihost")
-    with HostNetwork(HOSTS) as net:
-        store_host = net["store"]
-        store = MooncakeService(segment_mb=256, log_dir=str(logs_dir), host=store_host.address,
-                                launcher=store_host.command([]), rpc_port=MASTER_PORT, holder_port=HOLDER_PORT)
-        with store:
-            env = {**os.environ, **_store_env(store)}
-            processes, logs, replicas = {}, {}, {}
-            for name in ("a", "b"):
-                host = net[name]
-                logs[name] = str(logs_dir / f"{name}.log")
-                processes[name] = host.popen(serve_command(tiny_model_path, host.address, f"{logs[name]}.server"),
-                                             logs[name], env)
-                replicas[name] = f"http://{host.address}:{SERVE_PORT}"
-            for name, url in replicas.items():
-                _wait_ready(url, "/health_generate", processes[name], logs[name])
-            gateways = {}
-            for name in ("gateway1", "gateway2"):
-                host = net[name]
-                logs[name] = str(logs_dir / f"{name}.log")
-                processes[name] = host.popen(gateway_command(tiny_model_path, host.address, list(replicas.values())),
-                                             logs[name], dict(os.environ))
-                gateways[name] = f"http://{host.address}:{GATEWAY_PORT}"
-            for name in ("gateway1", "gateway2"):
-                _wait_ready(gateways[name], "/readiness", processes[name], logs[name])
-            try:
-                yield Deployment(net, store, replicas, gateways, processes, logs)
-            finally:
-                for proc in processes.values():
-                    _end(proc)
+    with deploy(tiny_model_path, str(tmp_path_factory.mktemp("multihost"))) as running:
+        yield running
 
 
 # ---------------------------------------------------------------------------------------------- helpers

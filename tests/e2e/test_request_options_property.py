@@ -719,8 +719,8 @@ WARM_HISTORIES = ("warm", "some_warm", "other_order")
 #: ``meta_info.relaxkv`` counts that show each reused what it was built for: ``evicted`` from the host tier or the
 #: folder, ``other_server`` from the store (its pool flushed before each request), ``restarted`` anything (its
 #: pool starts empty, so a chunk first comes from the folder; an earlier request of the run may have loaded it)
-TIER_HISTORIES = {"evicted": ("chunk_tokens_from_host", "chunk_tokens_from_disk"), "restarted": ("chunk_tokens_reused",),
-                  "other_server": ("chunk_tokens_from_hicache",)}
+TIER_HISTORIES = {"evicted": ("chunk_tokens_from_host", "chunk_tokens_from_disk"),
+                  "restarted": ("chunk_tokens_reused",), "other_server": ("chunk_tokens_from_hicache",)}
 #: counts over a run: (what, "expected" or "seen") -> cases; read by :func:`check_premise_counts`
 PREMISES: collections.Counter = collections.Counter()
 

@@ -264,8 +264,14 @@ def cmd_gateway(args, extra: list[str]) -> int:
 
         relaxkv-sglang gateway --host 10.0.0.4 --port 30000 --worker-urls http://10.0.0.2:30000 http://10.0.0.3:30000
     """
+    from urllib.parse import urlparse
+
     from relaxkv_sglang.server.cluster import RouterConfig, RouterProcess
 
+    for url in args.worker_urls:
+        parsed = urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname or not parsed.port:
+            raise ServerError(f"--worker-urls {url}: not a replica URL (http://HOST:PORT)")
     router = RouterProcess(RouterConfig(
         worker_urls=args.worker_urls, routing=args.routing, host=args.host, port=args.port,
         model_path=str(assets.resolve_model(args.model)), extra_args=extra, log_path=args.log,

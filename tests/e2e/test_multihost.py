@@ -1,8 +1,8 @@
 """Replicas, gateways and the Mooncake store on separate hosts (network namespaces: ``hosts.py``).
 
 On demand, as root, after ``make install-mooncake``: ``RELAXKV_MULTIHOST_TESTS=1 .venv/bin/python -m
-pytest -q tests/e2e/test_multihost.py`` (``make test-long`` runs it when the switch is set; about N
-minutes on the 2-core machine). The deployment is docs/scaling.md's "Several hosts", command for
+pytest -q -m long tests/e2e/test_multihost.py`` (``make test-long`` runs it when the switch is set; 1.5 to
+3 minutes on the 2-core machine). The deployment is docs/scaling.md's "Several hosts", command for
 command: the store's host runs ``mooncake_master`` and ``mooncake_client`` on its address; each
 replica host runs ``relaxkv-sglang serve --host ITS_ADDRESS`` with the store's address in its
 environment; each gateway host runs ``relaxkv-sglang gateway --host ITS_ADDRESS --worker-urls ...``.
@@ -23,23 +23,27 @@ sharing checked below would fail.
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 import signal
 import threading
 import time
 
 import pytest
 import requests
-from multihost import CALL_TIMEOUT_S, GATEWAY_PORT, STORE_RESUME_BOUND_S, Deployment, deploy, why_not_here
+from multihost import (CALL_TIMEOUT_S, GATEWAY_PORT, STORE_RESUME_BOUND_S, Deployment, deploy, gateway_command,
+                       serve_command, why_not_here)
 from rag_helpers import documents, generate, marked_prompt, relaxkv_state, synthetic_documents, wait_tier_writes
 from test_tiers import _recompute, _same_output
 
 from relaxkv_sglang.routing import routing_key_of_documents
 
 MULTIHOST_ENV = "RELAXKV_MULTIHOST_TESTS"
-pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.skipif(
+pytestmark = pytest.mark.e2e
+on_hosts = pytest.mark.skipif(
     os.environ.get(MULTIHOST_ENV) != "1",
-    reason=f"multi-host tests run on demand: {MULTIHOST_ENV}=1 (root, iproute2, make install-mooncake)")]
+    reason=f"multi-host tests run on demand: {MULTIHOST_ENV}=1 (root, iproute2, make install-mooncake)")
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +71,8 @@ def _advertised(log: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- tests
 
+@pytest.mark.long
+@on_hosts
 def test_documents_computed_on_one_host_are_hits_from_the_store_on_another(deployment):
     net = deployment.net
     for name in ("a", "b"):  # each replica advertises its own host's address, not localhost
@@ -144,6 +150,8 @@ def _prompts(seed: int, n: int) -> list:
     return [marked_prompt(f"System {seed}-{i}.", docs[4 * i:4 * i + 4], f"Question {i}?") for i in range(n)]
 
 
+@pytest.mark.long
+@on_hosts
 def test_a_replica_host_cut_off_mid_workload_is_routed_around_and_serves_again(deployment):
     gateway, b = deployment.gateway, deployment.net["b"]
     prompts = _prompts(711, 6)
@@ -210,6 +218,8 @@ def _state(deployment: Deployment, key: str) -> dict[str, int]:
     return {name: relaxkv_state(url).get(key, 0) for name, url in deployment.replicas.items()}
 
 
+@pytest.mark.long
+@on_hosts
 def test_the_store_host_cut_off_then_its_master_restarted(deployment):
     """The replicas serve by computing while the store is unreachable; master and holder restarted (empty) on
     the same address, sharing resumes within :data:`STORE_RESUME_BOUND_S`."""
@@ -260,6 +270,8 @@ def _listener_pid(host, port: int) -> int:
     return int(out.split("pid=", 1)[1].split(",", 1)[0])
 
 
+@pytest.mark.long
+@on_hosts
 def test_two_gateways_one_killed_clients_fail_over_and_keep_their_chunks(deployment):
     """A client given both gateways uses the second once the first is gone (its process killed). The second
     keeps its own routing table, so a key may now go to the other replica: its chunks then come from the store,
@@ -284,3 +296,23 @@ def test_two_gateways_one_killed_clients_fail_over_and_keep_their_chunks(deploym
     assert len(work.failures) <= 2, work.failures  # at most the requests in flight on the killed gateway
     assert not after, work.partial_hits
     assert requests.get(deployment.gateways["gateway2"] + "/readiness", timeout=10).status_code == 200
+
+
+def test_the_docs_recipe_is_what_the_deployment_runs():
+    """docs/scaling.md's "Several hosts" commands, rendered by the deployment's own functions for the docs'
+    addresses: the replica and gateway commands and the store's config exactly, the store's commands' flags
+    among those the deployment passes (it adds a metrics port and a 1 s object lease)."""
+    from relaxkv_sglang.mooncake_service import MooncakeService
+
+    text = pathlib.Path(__file__).resolve().parents[2].joinpath("docs", "scaling.md").read_text()
+    block = text.split("## Several hosts", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    lines = [line for line in block.splitlines() if line and not line.startswith("#")]
+    model, replicas = "smollm2-135m", ["http://10.0.0.2:30000", "http://10.0.0.3:30000"]
+    store = MooncakeService(host="10.0.0.5", rpc_port=50051, holder_port=50052, segment_mb=65536)
+    assert " ".join(serve_command(model, "10.0.0.2")) in lines
+    assert " ".join(gateway_command(model, "10.0.0.4", replicas)) in lines
+    assert "mooncake_client " + " ".join(store.holder_args()) in lines
+    (master,) = [line for line in lines if line.startswith("mooncake_master ")]
+    assert set(master.split()[1:]) <= set(store.master_args()), master
+    (config,) = [line for line in lines if "EXTRA_CONFIG=" in line]
+    assert json.loads(config.split("=", 1)[1].strip("'")) == store.extra_config()

@@ -351,3 +351,27 @@ def test_serve_replicas_refuses_a_busy_port_before_starting_anything(capsys):
         assert cli.main(["serve", "--replicas", "2", "--model", "tiny-llama", "--port", str(port)]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"relaxkv-sglang: error: port {port} on 127.0.0.1 is in use; pick another with --port")
+
+
+@pytest.mark.parametrize("url", ["10.0.0.2:30000", "http://10.0.0.2", "ftp://10.0.0.2:30000"])
+def test_gateway_refuses_a_worker_that_is_not_a_url_in_one_line(url, capsys):
+    from relaxkv_sglang import cli
+
+    assert cli.main(["gateway", "--model", "tiny-llama", "--worker-urls", "http://10.0.0.3:30000", url]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"relaxkv-sglang: error: --worker-urls {url}: not a replica URL (http://HOST:PORT)"]
+
+
+def test_gateway_refuses_a_busy_port(capsys):
+    import socket
+
+    from relaxkv_sglang import cli
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert cli.main(["gateway", "--model", "tiny-llama", "--port", str(port),
+                         "--worker-urls", "http://127.0.0.1:9"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"relaxkv-sglang: error: port {port} on 127.0.0.1 is in use; pick another with --port")

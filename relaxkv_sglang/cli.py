@@ -245,14 +245,18 @@ def cmd_serve(args, extra: list[str]) -> int:
         print(f"tensor parallelism on the CPU: {THREADS_BIND_ENV}={server.threads_binding} (each rank's threads on "
               f"its own cores; set {THREADS_BIND_ENV} yourself to choose)", file=sys.stderr, flush=True)
     print(f"ready: {server.url}  (log: {server.log_path}; Ctrl-C stops it)", flush=True)
+    return _until_stopped(server, "the server")
+
+
+def _until_stopped(process: SGLangServer, what: str) -> int:
+    """Wait until Ctrl-C, SIGTERM or ``process`` exits, stop it; 1 (with its last error line) if it had failed."""
     try:
-        _wait_for_stop(lambda: server.proc.poll() is None)
+        _wait_for_stop(lambda: process.proc.poll() is None)
     finally:
-        code = server.proc.poll()
-        server.stop()
+        code = process.proc.poll()
+        process.stop()
     if code not in (None, 0):
-        print(f"relaxkv-sglang: error: the server exited with code {code}: {server.last_error_line()}",
-              file=sys.stderr)
+        print(f"relaxkv-sglang: error: {what} exited with code {code}: {process.last_error_line()}", file=sys.stderr)
         return 1
     return 0
 
@@ -278,21 +282,14 @@ def cmd_gateway(args, extra: list[str]) -> int:
         startup_timeout_s=args.startup_timeout))
     print(f"starting the smg gateway on {args.host}:{args.port} in front of {' '.join(args.worker_urls)} "
           f"(routing {args.routing})", file=sys.stderr, flush=True)
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)  # during the start: stop what started
     try:
         router.start()
-        print(f"ready: {router.url}  (log: {router.log_path}; Ctrl-C stops it)", flush=True)
-        _wait_for_stop(lambda: router.proc.poll() is None)
     except KeyboardInterrupt:
-        pass
-    finally:
-        code = router.proc.poll() if router.proc is not None else None
         router.stop()
-    if code not in (None, 0):
-        print(f"relaxkv-sglang: error: the gateway exited with code {code}: {router.last_error_line()}",
-              file=sys.stderr)
-        return 1
-    return 0
+        return 0
+    print(f"ready: {router.url}  (log: {router.log_path}; Ctrl-C stops it)", flush=True)
+    return _until_stopped(router, "the gateway")
 
 
 def cmd_encode(args, extra) -> int:

@@ -23,15 +23,19 @@ sharing checked below would fail.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import requests
+from hosts import PREFIX, HostNetwork, unavailable
 from multihost import (CALL_TIMEOUT_S, GATEWAY_PORT, STORE_RESUME_BOUND_S, Deployment, deploy, gateway_command,
                        serve_command, why_not_here)
 from rag_helpers import documents, generate, marked_prompt, relaxkv_state, synthetic_documents, wait_tier_writes
@@ -316,3 +320,40 @@ def test_the_docs_recipe_is_what_the_deployment_runs():
     assert set(master.split()[1:]) <= set(store.master_args()), master
     (config,) = [line for line in lines if "EXTRA_CONFIG=" in line]
     assert json.loads(config.split("=", 1)[1].strip("'")) == store.extra_config()
+
+
+def _connects(host, address: str, port: int) -> bool:
+    """Whether a TCP connect from ``host`` to ``address:port`` succeeds within 2 s."""
+    code = f"import socket; socket.create_connection(({address!r}, {port}), timeout=2).close()"
+    return host.run([sys.executable, "-c", code], timeout_s=30).returncode == 0
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=f"network namespaces: {unavailable()}")
+def test_the_hosts_harness_isolates_cuts_and_cleans_up():
+    """Hosts reach each other on their addresses and only their own loopback; a cut host is unreachable until
+    restored; closing removes every namespace and interface, and a dead run's leftovers go at the next start."""
+    dead = 2 ** 22 + 12345  # above the default pid_max: never a live process
+    leftover_ns, leftover_link = f"{PREFIX}{dead}-x", f"{PREFIX}{dead}b0"
+    subprocess.run(["ip", "netns", "add", leftover_ns], check=True)
+    subprocess.run(["ip", "link", "add", leftover_link, "type", "veth", "peer", "name", f"{PREFIX}{dead}h0"], check=True)
+    with contextlib.ExitStack() as cleanup, HostNetwork(["one", "two"]) as net:
+        cleanup.callback(subprocess.run, ["ip", "netns", "del", leftover_ns], capture_output=True)
+        cleanup.callback(subprocess.run, ["ip", "link", "del", leftover_link], capture_output=True)
+        one, two = net["one"], net["two"]
+        assert leftover_ns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert subprocess.run(["ip", "link", "show", leftover_link], capture_output=True).returncode != 0
+        server = two.popen([sys.executable, "-c", "import socket, time; s = socket.socket(); "
+                            "s.bind(('0.0.0.0', 8123)); s.listen(); time.sleep(120)"], os.devnull)
+        deadline = time.monotonic() + 20
+        while not _connects(one, two.address, 8123):
+            assert time.monotonic() < deadline and server.poll() is None, "two's listener not reachable from one"
+        assert not _connects(one, "127.0.0.1", 8123)  # one's loopback is its own
+        two.cut()
+        assert not _connects(one, two.address, 8123)
+        two.restore()
+        assert _connects(one, two.address, 8123)
+        made = [one.namespace, two.namespace]
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    assert not any(ns in namespaces for ns in made) and f"{PREFIX}{os.getpid()}" not in links
+    assert server.poll() is not None

@@ -7,7 +7,7 @@ open group when ``(R + r_b) * |U ∪ P_b| <= R * |U| + r_b * |P_b| + GROUP_CALL_
 (in pages; ``R``, ``U``: the group's rows and page union; ``r_b``, ``P_b``: the block's), within
 ``GROUP_ROWS`` rows.  Work executed = ``sum over groups (rows x union keys)``
 (:func:`executed_kv_pairs`), counted in :class:`AttentionWork` as the executor runs.
-The attention itself is :mod:`.attention`'s (SDPA, or the masked einsum when the LSE is needed).
+The attention itself is :mod:`~relaxkv_sglang.attention.causal`'s (SDPA, or the masked einsum when the LSE is needed).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ names something ``*available*`` or calls ``find_spec``, e.g. ``if _CUTE_DSL_AVAI
 installed. An import is **guarded** when its failure cannot propagate: in a ``try:`` whose handlers
 catch ``ImportError`` (or ``ModuleNotFoundError``, ``Exception``, ``BaseException``, bare
 ``except``), or in ``with contextlib.suppress(...)`` of one of those. Guarded and availability-gated
-imports are not needed and not followed; :attr:`Report.optional` lists them.
+imports are not needed and not followed; :attr:`~relaxkv_sglang.gpu_check.import_needs.Report.optional` lists them.
 """
 
 from __future__ import annotations

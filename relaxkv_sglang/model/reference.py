@@ -11,10 +11,11 @@ the query: never stale, never an anchor. :func:`reference_prefill`:
 1. stale KV: the prefix by causal prefill (exact); each chunk alone at ``0..len-1``, its K
    re-rotated by the chunk's start; the glue over that stale context;
 2. query pass over the stale KV: ``pic``'s logits and s_l (the query's attention over the context);
-3. anchors and contexts from the server's planner (:func:`~.repair_plan.schedule_anchors`);
+3. anchors and contexts from the server's planner (:func:`~relaxkv_sglang.repair.anchor_schedule.schedule_anchors`);
 4. repair pass: at layer l only ``A_l``, the glue and the query are computed at their true
    positions and written over the stale K/V (after the policy's step, ``policies.base``, where it
-   has one: the stale shift); anchors attend to their layout (:func:`~.block_sparse.block_sparse_attention`), glue
+   has one: the stale shift); anchors attend to their layout
+   (:func:`~relaxkv_sglang.attention.block_sparse.block_sparse_attention`), glue
    and query densely and causally; then o_proj + MLP for those tokens.
 """
 
@@ -286,7 +287,8 @@ def reference_prefill(
 ) -> Result:
     """Prefill one request under ``policy`` and return the last token's logits and the KV.
 
-    The decisions come from :func:`.repair_plan.schedule_anchors`, the planner the server uses,
+    The decisions come from :func:`~relaxkv_sglang.repair.anchor_schedule.schedule_anchors`, the planner the server
+    uses,
     so the reference and the server differ only in how they execute.
 
     Args:

@@ -6,11 +6,11 @@ decoder layer's ops over them (:class:`~.model_family.LayerOps`), in float32 on 
 by the head counts), biases (Qwen2), per-head q/k norms (Qwen3, Qwen3-MoE), a SwiGLU MLP (Phi-3's
 fused ``gate_up_proj`` split in halves, gate first) or routed experts (Qwen3-MoE, Mixtral: the
 router [E, hidden] and each expert's gate/up/down stacked [E, ...]). The RoPE is the config's
-(``core.rope_config.rope_spec_from_hf_config``: default, linear, llama3, YaRN; partial rotary).
+(:func:`~relaxkv_sglang.model.rope_config.rope_spec_from_hf_config`: default, linear, llama3, YaRN; partial rotary).
 :class:`ReferenceLayerOps` computes each step in plain torch, independently of SGLang's kernels:
 it is what the server's repair pass is checked against.
 
-This module imports only torch and the project's core.
+This module imports only torch and the project's torch-only rooms.
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def from_hf_state_dict(
         sd: ``model.state_dict()`` (``model.layers.{i}...``, ``model.embed_tokens.weight``,
             ``model.norm.weight``, ``lm_head.weight`` unless embeddings are tied).
         config_dict: ``config.to_dict()``; RoPE from ``rope_parameters`` (transformers 5) or the
-            legacy ``rope_theta`` / ``rope_scaling`` (``core.rope_config.rope_spec_from_hf_config``).
+            legacy ``rope_theta`` / ``rope_scaling``
+            (:func:`~relaxkv_sglang.model.rope_config.rope_spec_from_hf_config`).
         dtype: dtype of the returned tensors.
     Raises:
         UnknownModelFamilyError: the config's architecture is not registered.

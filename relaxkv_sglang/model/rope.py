@@ -15,7 +15,7 @@ sequence length and "longrope" switches frequency sets with it; a key cached
 under one length would be wrong under another, so both are refused.  A spec is
 read from a HF config by :mod:`.rope_config`.
 
-This module imports only the standard library, torch and :mod:`.staging`.
+This module imports only the standard library, torch and :mod:`~relaxkv_sglang.attention.staging`.
 """
 
 from __future__ import annotations

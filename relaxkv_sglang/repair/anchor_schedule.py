@@ -1,7 +1,8 @@
 """The anchors' schedule: one request's decisions (anchors per layer, their contexts), made once.
 
 The planner turns what the query pass measured into an :class:`AnchorSchedule`; an executor (the
-torch reference in :mod:`.reference`, the server's ``repair/sglang/layer_loop.py``) only runs it, so both
+torch reference in :mod:`~relaxkv_sglang.model.reference`, the server's ``repair/sglang/layer_loop.py``) only runs
+it, so both
 make the same decisions from the same inputs.
 
 Inputs (absolute prompt positions, as in :mod:`.token_sets`): a repairing ``policy`` (its
@@ -12,7 +13,8 @@ sized from them.
 
 Decisions: targets ``A_0 ⊇ A_1 ⊇ ...`` (:func:`~.selection.select_anchors`, i.e. an exit layer
 ``e(t)`` per token) and each layer's context (:func:`relaxed_context`, a
-:class:`~.layout.RelaxedContextSpec`; the full causal prefix for the peers and ``relaxkv_fullctx``).
+:class:`~relaxkv_sglang.attention.layout.RelaxedContextSpec`; the full causal prefix for the peers and
+``relaxkv_fullctx``).
 A policy with a step inside the forward (:class:`~.policies.base.LayerStep`) gets it from
 :attr:`AnchorSchedule.layer_step`; one that decides mid-forward (CacheBlend) plans only the layers up
 to its step, which hands the rest to :meth:`AnchorSchedule.with_later_layers`.

@@ -11,7 +11,7 @@ costing ``pair_cost`` (:class:`RepairCost`): ``b = cost(A, R) / cost(all eligibl
 ``cost(A, R) = sum_l sum_{t in A_l} (1 + pair_cost * |R_l(t)|)``. :func:`split_budget` spends b on
 anchors at the configured context ratio first, then on context; the cost is estimated as if the
 anchors were a uniform sample of the eligible tokens, so the achieved cost is near b. b = 0 is
-``pic``; b = 1 full prefill. The planner that applies these: :mod:`.repair_plan`.
+``pic``; b = 1 full prefill. The planner that applies these: :mod:`~relaxkv_sglang.repair.anchor_schedule`.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def chunk_tree_served(server_args: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class RequestPlan:
-    """policy: one of core.policies.SERVER_POLICIES; chunk_spans: token spans [start, end) in
+    """policy: one of :data:`~relaxkv_sglang.repair.policies.SERVER_POLICIES`; chunk_spans: token spans [start, end) in
     prompt order; namespace: the tenant key chunks are stored under (set by the scheduler,
     :func:`request_namespace`); anchor_ratio,
     context_ratio and budget: the repair knobs the request gave (None: not given, so the served

@@ -69,7 +69,7 @@ class RequestError(ValueError):
 
 @functools.cache
 def _repair_defaults() -> dict[str, Any]:
-    """RepairConfig's field defaults (imported on first use: core.repair_config needs torch)."""
+    """RepairConfig's field defaults (imported on first use: repair.repair_config needs torch)."""
     from relaxkv_sglang.repair.repair_config import RepairConfig
 
     return {f.name: f.default for f in dataclasses.fields(RepairConfig)}

@@ -14,7 +14,8 @@ LSE of :mod:`relaxkv_sglang.attention.causal` (FlashInfer reports base 2).  The 
 harness (:mod:`.cuda_rules`) and the check's dry run feed it to :mod:`.flashinfer_attention` in
 place of FlashInfer (:func:`flashinfer_stand_in`: the wrapper's ``plan``/``run`` surface with
 FlashInfer's argument checks) and compare with the torch executors
-(``core.block_sparse.block_sparse_attention``, ``core.attention.scoped_causal_attention``).  Not on the serving path.
+(:func:`~relaxkv_sglang.attention.block_sparse.block_sparse_attention`,
+:func:`~relaxkv_sglang.attention.causal.scoped_causal_attention`).  Not on the serving path.
 """
 
 from __future__ import annotations

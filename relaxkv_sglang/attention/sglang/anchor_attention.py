@@ -1,5 +1,5 @@
 """The repair's anchors attend: the executor a worker keeps (:class:`AnchorAttention`) and one request's
-planned pass (:class:`PreparedAnchors`, run one layer at a time by :mod:`.layer_loop`)."""
+planned pass (:class:`PreparedAnchors`, run one layer at a time by :mod:`~relaxkv_sglang.repair.sglang.layer_loop`)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ SGLang files touched: ``sglang/srt/mem_cache/radix_cache.py`` (subclassed; ``evi
 ``evictable_leaves`` and ``eviction_strategy`` and evicts a leaf as ``RadixCache.evict`` does:
 ``free_segment``, ``_delete_leaf``, ``kv_events.record_remove``); ``on_release`` of
 ``mem_cache/base_prefix_cache.py`` overridden. This module imports SGLang: import it lazily
-(:func:`~.tree_cache.build_cache_class`).
+(:func:`~relaxkv_sglang.server.sglang.startup.build_cache_class`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ chunks, each ``key -> (row indices int64 [n], canonical_start)``. Admission (``p
 
 * ``lru``: every spilled chunk is admitted, evicting the least recently used;
 * ``tinylfu`` (default): a chunk that needs victims is admitted only if its estimated access
-  frequency (:class:`~.admission.FrequencySketch`, fed by every lookup the server makes) is
+  frequency (:class:`~relaxkv_sglang.cache.tiers.frequency_sketch.FrequencySketch`, fed by every lookup the server
+  makes) is
   higher than every victim's. An empty tier (or room left) admits anything.
 
 Every ``capacity / 16`` bytes stored the tier returns the C heap's free pages to the OS

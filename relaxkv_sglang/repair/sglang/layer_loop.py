@@ -2,7 +2,8 @@
 
 Each row runs layers ``[0, exit)``: per layer the active rows' K/V go into the pool, then an ordinary row attends
 causally from its scope start, an anchor through its layer's block-sparse layout
-(:class:`~.anchor_attention.AnchorAttention`). A policy's step (``AnchorSchedule.layer_step``) runs before a layer's
+(:class:`~relaxkv_sglang.attention.sglang.anchor_attention.AnchorAttention`). A policy's step
+(``AnchorSchedule.layer_step``) runs before a layer's
 writes; its delta lands on its body in the pool (:mod:`.shift_target`), its later layers' anchors replan the pass.
 
 Bookkeeping (:class:`LoopRows`) stays on the host and is staged in one

@@ -1,7 +1,9 @@
 """The rows one forward computes, and the repair's query pass among them (the forward's second stage).
 
-:func:`set_up_forward` turns a :class:`~.fold.Fold` into a :class:`ForwardSetup`. For a request the repair decides in
-this window the forward is its **query pass**: a scoring policy gets a :class:`~.context.QueryScores` recorder, and
+:func:`set_up_forward` turns a :class:`~relaxkv_sglang.cache.sglang.fold.Fold` into a :class:`ForwardSetup`. For a
+request the repair decides in
+this window the forward is its **query pass**: a scoring policy gets a
+:class:`~relaxkv_sglang.attention.sglang.context.QueryScores` recorder, and
 the query's rows from earlier windows join the batch (negative ``keep``, scope 0) so the query is whole. The folded
 batch is a shallow copy of the scheduled one, the pattern of SGLang's ``model_executor/encoder_swa_replay.py``.
 """

@@ -83,7 +83,8 @@ async def around_flush_cache(original: Callable[..., Any], tokenizer_manager: An
 
 
 class _Tenant:
-    """The two SGLang fields that name a request's chunk namespace (:func:`~.plan.request_namespace`)."""
+    """The two SGLang fields that name a request's chunk namespace
+    (:func:`~relaxkv_sglang.request.plan.request_namespace`)."""
 
     def __init__(self, extra_key: Optional[str], cache_salt: Optional[str]) -> None:
         self.extra_key, self.cache_salt = extra_key, cache_salt

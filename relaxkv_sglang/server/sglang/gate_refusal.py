@@ -3,7 +3,7 @@
 The gate runs in the scheduler (:mod:`relaxkv_sglang.server.sglang.gate`) and puts its verdict on
 ``/get_server_info`` under ``relaxkv.gate``; :func:`chunk_refusal` asks for it once, through
 SGLang's own ``TokenizerManager.get_internal_state``, and keeps the answer on the tokenizer
-manager, so a chunk policy is refused with a 400 naming the reason (:mod:`.api`).
+manager, so a chunk policy is refused with a 400 naming the reason (:mod:`~relaxkv_sglang.request.sglang.api`).
 """
 
 from __future__ import annotations

@@ -2,13 +2,18 @@
 
 :func:`around_forward_batch_generation` wraps ``TpModelWorker.forward_batch_generation``:
 
-1. :func:`~.fold.fold_batch` -> :class:`~.fold.Fold` (hits copied and dropped, misses scoped);
-2. :func:`~.query_pass.set_up_forward` -> :class:`~.query_pass.ForwardSetup` (every request's
-   rows; a request to repair gets its query pass);
-3. :func:`~.repair.repair_stage` -> :class:`~.repair.RepairStage` or None, run by the model hook;
-4. SGLang's forward under :func:`~.context.attached` (``ForwardBatch`` built from the folded batch
-   by :func:`around_forward_batch_init_new`) -> the stage's :attr:`~.repair.RepairStage.outcomes`;
-5. :func:`~.finish.finish_forward`: misses published, reuse counted, ``meta_info.relaxkv``.
+1. :func:`~relaxkv_sglang.cache.sglang.fold.fold_batch` -> :class:`~relaxkv_sglang.cache.sglang.fold.Fold`
+   (hits copied and dropped, misses scoped);
+2. :func:`~relaxkv_sglang.repair.sglang.query_pass.set_up_forward` ->
+   :class:`~relaxkv_sglang.repair.sglang.query_pass.ForwardSetup` (every request's rows; a request to repair
+   gets its query pass);
+3. :func:`~relaxkv_sglang.repair.sglang.repair_stage.repair_stage` ->
+   :class:`~relaxkv_sglang.repair.sglang.repair_stage.RepairStage` or None, run by the model hook;
+4. SGLang's forward under :func:`~relaxkv_sglang.attention.sglang.context.attached` (``ForwardBatch`` built
+   from the folded batch by :func:`around_forward_batch_init_new`) -> the stage's
+   :attr:`~relaxkv_sglang.repair.sglang.repair_stage.RepairStage.outcomes`;
+5. :func:`~relaxkv_sglang.cache.sglang.finish.finish_forward`: misses published, reuse counted,
+   ``meta_info.relaxkv``.
 
 Under tensor parallelism with ``RELAXKV_TP_CHECK`` on, the ranks compare their folds first (one gather):
 a store out of lockstep stops the server naming the request instead of hanging in SGLang's collectives.

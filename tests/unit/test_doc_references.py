@@ -1,0 +1,122 @@
+"""Every cross-reference in the package's docstrings and comments names something that exists.
+
+A Sphinx role (``:mod:``, ``:class:``, ``:func:``, ``:meth:``, ``:attr:``, ``:data:``, ``:exc:``) naming
+``relaxkv_sglang.…`` must resolve to a module, or a name a module binds (a definition, an assignment, an
+import, a class's method, field or ``self.`` attribute); a bare name must be bound in the module that
+names it; a relative one (``~.fold.Fold``) is read as Python reads a relative import from that module
+(after a move it would otherwise name nothing, silently). Read
+from the source (no import), so it runs in a second.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import dataclasses
+import pathlib
+import re
+from typing import Optional
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "relaxkv_sglang"
+ROLE = re.compile(r":(?:mod|class|func|meth|attr|data|exc|obj):`(?:[^`<]*<)?~?([.\w]+)>?`")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _bound(body: list[ast.stmt], into: dict[str, set[str]], prefix: str) -> None:
+    """Record the names ``body`` binds under ``prefix`` (classes recursively, with their ``self.`` attributes)."""
+    names = into.setdefault(prefix, set())
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            names.add(node.name)
+            _bound(node.body, into, f"{prefix}.{node.name}")
+            attrs = into[f"{prefix}.{node.name}"]
+            attrs.update(n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+                         and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.If, ast.Try)):
+            _bound(node.body + getattr(node, "orelse", []) + getattr(node, "finalbody", []), into, prefix)
+
+
+@dataclasses.dataclass
+class PackageIndex:
+    """What the package's source binds: ``scopes`` (module or class -> names), ``sources`` (module -> text)."""
+
+    scopes: dict[str, set[str]]
+    sources: dict[str, str]
+
+    @classmethod
+    def read(cls) -> "PackageIndex":
+        index = cls({}, {})
+        for path in sorted(PACKAGE.rglob("*.py")):
+            module = _module_name(path)
+            index.sources[module] = path.read_text()
+            _bound(ast.parse(index.sources[module]).body, index.scopes, module)
+        return index
+
+    def absolute(self, module: str, reference: str) -> str:
+        """``reference`` as Python would import it from ``module`` (``.x``: beside it; ``..x``: one package up)."""
+        if not reference.startswith("."):
+            return reference
+        dots = len(reference) - len(reference.lstrip("."))
+        package = module if self._is_package(module) else module.rsplit(".", 1)[0]
+        for _ in range(dots - 1):
+            package = package.rsplit(".", 1)[0]
+        return f"{package}.{reference[dots:]}"
+
+    def _is_package(self, module: str) -> bool:
+        return (PACKAGE.parent / module.replace(".", "/") / "__init__.py").is_file()
+
+    def unresolved(self, module: str, reference: str) -> Optional[str]:
+        """Why ``reference`` (as written in ``module``) names nothing, or None."""
+        if "." not in reference:
+            bound = set().union(*(names for scope, names in self.scopes.items()
+                                  if scope == module or scope.startswith(module + ".")))
+            return None if reference in bound or reference in dir(builtins) else "not bound in this module"
+        name = self.absolute(module, reference)
+        if not name.startswith("relaxkv_sglang."):
+            return None  # SGLang's, torch's, ...: not this package's to check
+        parts = name.split(".")
+        cut = next(cut for cut in range(len(parts), 0, -1) if ".".join(parts[:cut]) in self.sources)
+        scope = ".".join(parts[:cut])
+        for part in parts[cut:]:
+            if part not in self.scopes.get(scope, set()):
+                return f"{scope} binds no {part}" + (f" (read as {name})" if name != reference else "")
+            scope = f"{scope}.{part}"
+        return None
+
+    def stale(self, texts: Optional[dict[str, str]] = None) -> list[str]:
+        """Each reference in ``texts`` (module -> text; default: the package's source) that names nothing."""
+        return [f"{module}: {m.group(0)}: {why}" for module, text in (texts or self.sources).items()
+                for m in ROLE.finditer(text) if (why := self.unresolved(module, m.group(1)))]
+
+
+def test_every_reference_in_the_package_resolves():
+    stale = PackageIndex.read().stale()
+    assert not stale, "\n".join(stale)
+
+
+def test_the_reference_check_finds_what_it_looks_for():
+    index = PackageIndex.read()
+    module = "relaxkv_sglang.cache.sglang.fold"
+    for good in ("relaxkv_sglang.cache.sglang.fold.Fold", "relaxkv_sglang.repair.sglang.repair_stage.RepairStage.outcomes",
+                 "relaxkv_sglang.repair.policies.SERVER_POLICIES", "Fold", ".finish.finish_forward", "..tiers.TierName"):
+        assert index.unresolved(module, good) is None, good
+    assert index.unresolved(module, "relaxkv_sglang.cache.sglang.fold.NoSuch") == \
+        "relaxkv_sglang.cache.sglang.fold binds no NoSuch"
+    assert index.unresolved(module, "relaxkv_sglang.core.fold") == "relaxkv_sglang binds no core"
+    assert index.unresolved(module, ".query_pass") == \
+        "relaxkv_sglang.cache.sglang binds no query_pass (read as relaxkv_sglang.cache.sglang.query_pass)"
+    assert index.unresolved(module, "no_such_name") == "not bound in this module"
+    stale = index.stale({module: "See :class:`~.folds.Fold`, :func:`~relaxkv_sglang.x.y` and :class:`Fold`."})
+    assert len(stale) == 2, stale

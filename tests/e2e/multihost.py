@@ -82,17 +82,23 @@ def gateway_command(model: str, address: str, worker_urls: list[str]) -> list[st
             "--worker-urls", *worker_urls]
 
 
-#: what the deployment adds to :func:`serve_command` on this machine: a small pool, a patient start, the log
-SERVE_TEST_FLAGS = ["--max-total-tokens", "4096", "--startup-timeout", str(START_TIMEOUT_S)]
-SGLANG_TEST_FLAGS = ["--context-length", "1024"]
+@dataclasses.dataclass(frozen=True)
+class ReplicaSize:
+    """What the deployment adds to :func:`serve_command` on this machine: the pool and context in tokens."""
+
+    pool_tokens: int = 4096
+    context_length: int = 1024
 
 
-def _as_run_here(command: list[str], log: Optional[str] = None) -> list[str]:
-    """A docs command as the deployment runs it: this checkout's CLI; ``serve`` with the test's flags."""
+def _as_run_here(command: list[str], log: Optional[str] = None, size: ReplicaSize = ReplicaSize()) -> list[str]:
+    """A docs command as the deployment runs it: this checkout's CLI; ``serve`` with ``size``, a patient start
+    and its log at ``log``."""
     command = [CLI, *command[1:]]
     if command[1] == "serve":
         cut = command.index("--")
-        command = command[:cut] + SERVE_TEST_FLAGS + ["--log", log] + command[cut:] + SGLANG_TEST_FLAGS
+        command = (command[:cut] + ["--max-total-tokens", str(size.pool_tokens), "--startup-timeout",
+                                    str(START_TIMEOUT_S), "--log", log]
+                   + command[cut:] + ["--context-length", str(size.context_length)])
     return command
 
 
@@ -137,7 +143,8 @@ def why_not_here() -> Optional[str]:
 
 
 @contextlib.contextmanager
-def deploy(model: str, logs_dir: str, gateways: Sequence[str] = ("gateway1", "gateway2")) -> Iterator[Deployment]:
+def deploy(model: str, logs_dir: str, gateways: Sequence[str] = ("gateway1", "gateway2"),
+           size: ReplicaSize = ReplicaSize()) -> Iterator[Deployment]:
     """The store on its host, replicas on ``a`` and ``b``, a gateway on each of ``gateways``: docs/scaling.md's
     commands, each on its host; everything stopped and the hosts removed on exit."""
     from relaxkv_sglang.mooncake_service import MooncakeService
@@ -154,7 +161,7 @@ def deploy(model: str, logs_dir: str, gateways: Sequence[str] = ("gateway1", "ga
                 for name in ("a", "b"):
                     host = net[name]
                     logs[name] = os.path.join(logs_dir, f"{name}.log")
-                    command = _as_run_here(serve_command(model, host.address), f"{logs[name]}.server")
+                    command = _as_run_here(serve_command(model, host.address), f"{logs[name]}.server", size)
                     processes[name] = host.popen(command, logs[name], env)
                     replicas[name] = f"http://{host.address}:{SERVE_PORT}"
                 for name, url in replicas.items():
@@ -230,13 +237,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     model = str(assets.resolve_model(args.model))
     logs_dir = __import__("tempfile").mkdtemp(prefix="relaxkv-multihost-")
-    with deploy(model, logs_dir, gateways=()) as deployment:
+    with deploy(model, logs_dir, gateways=(), size=ReplicaSize(pool_tokens=8192, context_length=4096)) as deployment:
         timing = store_load_against_compute(deployment)
         print(json.dumps({"store_load_against_compute": timing}, indent=1), flush=True)
         a, b = deployment.replicas["a"], deployment.replicas["b"]
         bench = [sys.executable, "-m", "benchmarks.bench_cache_hit", "--replicas", "2", "--replica-urls", a, b,
                  "--mooncake-master", deployment.store.address, "--model", args.model, "--quick", "--topics", "10",
-                 "--max-total-tokens", "4096"]
+                 "--max-total-tokens", "8192"]
         print("multihost:", " ".join(bench), flush=True)
         return subprocess.run(bench).returncode
 

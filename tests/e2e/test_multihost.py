@@ -19,6 +19,9 @@ sharing checked below would fail.
   and sharing resumes within :data:`STORE_RESUME_BOUND_S`;
 * two gateways on two hosts, one killed: a client that fails over keeps being served, and every
   chunk it sent before is still a hit (its key may move to the other replica: then from the store).
+
+Without the switch, in ``make test``: docs/scaling.md's recipe is the deployment's commands, and the hosts
+harness itself (isolation, a cut, the cleanup) where this machine can make namespaces.
 """
 
 from __future__ import annotations

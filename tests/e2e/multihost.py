@@ -27,7 +27,7 @@ if __package__:  # run as python -m tests.e2e.multihost
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hosts import HostNetwork, unavailable  # noqa: E402
 
-from relaxkv_sglang.server.cluster import replica_request_counts  # noqa: E402
+from relaxkv_sglang.server.cluster import replica_request_counts, shared_cores_env  # noqa: E402
 from relaxkv_sglang.server.launch import STRICT_MEMORY_CHECK  # noqa: E402
 HOSTS = ["store", "a", "b", "gateway1", "gateway2"]
 SERVE_PORT = GATEWAY_PORT = 30000
@@ -156,7 +156,7 @@ def deploy(model: str, logs_dir: str, gateways: Sequence[str] = ("gateway1", "ga
         processes: dict[str, subprocess.Popen] = {}
         with store:
             try:
-                env = {**os.environ, **_store_env(store)}
+                env = {**os.environ, **shared_cores_env(_store_env(store))}  # the hosts share this machine's cores
                 logs, replicas = {}, {}
                 for name in ("a", "b"):
                     host = net[name]

@@ -326,6 +326,20 @@ def test_router_command_lines():
     assert configs[0].extra_args == ["--context-length", "64", "--enable-metrics", "--enable-cache-report"]
 
 
+def test_cpu_replicas_wait_passively_unless_told_otherwise(monkeypatch):
+    """Replicas sharing one machine's cores must not spin against each other (cluster.SHARED_CORES_ENV)."""
+    from relaxkv_sglang.server.cluster import replica_configs
+    from relaxkv_sglang.server.launch import ServerConfig
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert all(c.env["OMP_WAIT_POLICY"] == "PASSIVE" for c in replica_configs(ServerConfig(model_path="/m"), 2))
+    mine = replica_configs(ServerConfig(model_path="/m", env={"OMP_WAIT_POLICY": "ACTIVE"}), 2)
+    assert [c.env["OMP_WAIT_POLICY"] for c in mine] == ["ACTIVE", "ACTIVE"]
+    assert "OMP_WAIT_POLICY" not in replica_configs(ServerConfig(model_path="/m", device="cuda"), 2)[0].env
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's environment reaches the replicas as it is
+    assert "OMP_WAIT_POLICY" not in replica_configs(ServerConfig(model_path="/m"), 2)[0].env
+
+
 @pytest.mark.parametrize("argv, message", [
     (["serve", "--routing", "document"], "--routing needs --replicas N with N >= 2"),
     (["serve", "--replicas", "0"], "--replicas 0: must be >= 1"),

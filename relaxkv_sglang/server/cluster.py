@@ -15,7 +15,6 @@ sglang-router 0.3.2 could not promise this: its new keys went to the fewest requ
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 
@@ -189,7 +188,8 @@ SHARED_CORES_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 def shared_cores_env(env: dict[str, str]) -> dict[str, str]:
     """``env`` with :data:`SHARED_CORES_ENV` where neither it nor this process's environment sets the variable."""
-    return {**{k: v for k, v in SHARED_CORES_ENV.items() if k not in env and k not in os.environ}, **env}
+    inherited = child_environment()
+    return {**{k: v for k, v in SHARED_CORES_ENV.items() if k not in env and k not in inherited}, **env}
 
 
 def replica_configs(base: ServerConfig, replicas: int) -> list[ServerConfig]:

@@ -324,7 +324,8 @@ class HiCacheTierConfig(TierConfig):
         config = HiCacheStorageConfig(
             tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
             enable_storage_metrics=False, is_page_first_layout=True, model_name="relaxkv",
-            extra_config=with_local_hostname(self.backend, dict(self.extra_config), os.environ))
+            # no environment given: SGLang reads MOONCAKE_LOCAL_HOSTNAME / LOCAL_HOSTNAME before the config anyway
+            extra_config=with_local_hostname(self.backend, dict(self.extra_config), {}))
         backend = StorageBackendFactory.create_backend(self.backend, config, pool)
         backend.register_mem_pool_host(pool)
         backend.on_host_pools_registered()

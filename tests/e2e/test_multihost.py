@@ -338,7 +338,8 @@ def test_the_hosts_harness_isolates_cuts_and_cleans_up():
     dead = 2 ** 22 + 12345  # above the default pid_max: never a live process
     leftover_ns, leftover_link = f"{PREFIX}{dead}-x", f"{PREFIX}{dead}b0"
     subprocess.run(["ip", "netns", "add", leftover_ns], check=True)
-    subprocess.run(["ip", "link", "add", leftover_link, "type", "veth", "peer", "name", f"{PREFIX}{dead}h0"], check=True)
+    subprocess.run(["ip", "link", "add", leftover_link, "type", "veth", "peer", "name", f"{PREFIX}{dead}h0"],
+                   check=True)
     with contextlib.ExitStack() as cleanup, HostNetwork(["one", "two"]) as net:
         cleanup.callback(subprocess.run, ["ip", "netns", "del", leftover_ns], capture_output=True)
         cleanup.callback(subprocess.run, ["ip", "link", "del", leftover_link], capture_output=True)

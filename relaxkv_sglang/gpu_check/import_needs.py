@@ -59,13 +59,6 @@ class Closure:
     external: dict[str, ImportSite]
     skipped: dict[str, ImportSite]
 
-    def external_tops(self) -> dict[str, ImportSite]:
-        """``external`` by top-level name (``numpy.typing`` -> ``numpy``), first site each."""
-        tops: dict[str, ImportSite] = {}
-        for name, site in sorted(self.external.items()):
-            tops.setdefault(name.split(".")[0], site)
-        return tops
-
     def chain(self, site: ImportSite) -> list[str]:
         """How the walk reached ``site``: ``["flashinfer", "flashinfer/utils.py:27", ...]``
         (each link the import site that ran the next module)."""

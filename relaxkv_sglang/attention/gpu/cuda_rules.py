@@ -203,15 +203,6 @@ class CudaRules(TorchFunctionMode):
         with torch._C.DisableTorchFunction():
             return x.as_subclass(torch.Tensor).clone()
 
-    def put_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Every parameter and buffer of module on the stand-in device, in place, uncounted."""
-        for m in module.modules():
-            for store in (m._parameters, m._buffers):
-                for name, t in store.items():
-                    if t is not None:
-                        store[name] = self.put(t)
-        return module
-
     # --- the rules -----------------------------------------------------------------------------
 
     def _refuse(self, what: str) -> None:

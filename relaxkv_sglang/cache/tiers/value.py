@@ -89,11 +89,6 @@ class ValueLayout:
     def token_bytes(self) -> int:
         return token_bytes(self.token_shape, self.dtype)
 
-    @property
-    def max_value_bytes(self) -> int:
-        """An upper bound on a servable value's length: ``max_tokens`` tokens and a header."""
-        return PREFIX_BYTES + _MAX_HEADER_BYTES + self.max_tokens * self.token_bytes
-
 
 def encode_value(key: str, record: ChunkRecord, layout: ValueLayout) -> bytes:
     """The value's bytes for ``record`` stored under ``key`` (module doc)."""

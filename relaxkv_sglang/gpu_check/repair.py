@@ -227,7 +227,7 @@ class PreparedPass:
 
 
 def prepare_pass(w: LlamaWeights, case: RepairCase, stale_kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]],
-                 plan: AnchorSchedule, ids: torch.Tensor, slots: torch.Tensor, place: Placement, dtype: torch.dtype,
+                 schedule: AnchorSchedule, ids: torch.Tensor, slots: torch.Tensor, place: Placement, dtype: torch.dtype,
                  anchors: Optional[AnchorAttention] = None) -> PreparedPass:
     """The request's pass on ``place`` in ``dtype``: the weights, a pool holding the stale context
     at ``slots`` (``stale_kv``: per layer host (k, v) [n_context, Hkv, d]; None: random values made
@@ -254,14 +254,14 @@ def prepare_pass(w: LlamaWeights, case: RepairCase, stale_kv: Optional[list[tupl
         v_pool.append(v)
     pool = types.SimpleNamespace(get_key_buffer=lambda l: k_pool[l], get_value_buffer=lambda l: v_pool[l])
     wd = _on(w, place, dtype)
-    rows = repair_rows(n, plan, slots)
+    rows = repair_rows(n, schedule, slots)
     loop = LayerLoop(DeviceLayers(wd), pool, anchors if anchors is not None else place.anchors(),
                      rope=RopeSpec(head_dim=case.head_dim, base=w.rope_theta))
     input_ids = place.put(ids[rows.positions])
     return PreparedPass(loop, rows, input_ids, k_pool, v_pool, on_device, wd.lm_head, place)
 
 
-def repair_pass(w: LlamaWeights, case: RepairCase, stale: StaleContext, plan: AnchorSchedule, ids: torch.Tensor,
+def repair_pass(w: LlamaWeights, case: RepairCase, stale: StaleContext, schedule: AnchorSchedule, ids: torch.Tensor,
                 slots: torch.Tensor, place: Placement, dtype: torch.dtype,
                 warmup: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
     """One repair pass of the request on ``place`` in ``dtype``, after an untimed one if ``warmup``.
@@ -272,9 +272,9 @@ def repair_pass(w: LlamaWeights, case: RepairCase, stale: StaleContext, plan: An
     anchors = place.anchors()
     if warmup:  # its own pool: the compared pass starts from the stale context
         t0 = time.perf_counter()
-        prepare_pass(w, case, stale.kv, plan, ids, slots, place, dtype, anchors).run()
+        prepare_pass(w, case, stale.kv, schedule, ids, slots, place, dtype, anchors).run()
         warmup_s = time.perf_counter() - t0
-    prepared = prepare_pass(w, case, stale.kv, plan, ids, slots, place, dtype, anchors)
+    prepared = prepare_pass(w, case, stale.kv, schedule, ids, slots, place, dtype, anchors)
     out, ms = prepared.run()
     logits, k, v = prepared.results(out)
     return logits, k, v, ms, warmup_s

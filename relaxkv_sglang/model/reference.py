@@ -357,7 +357,7 @@ def reference_prefill(
     return Result(_logits(weights, h_last), kv_out, report, list(plan.anchor_sets), scores)
 
 
-def _repair_pass(w: LlamaWeights, input_ids: torch.Tensor, plan: AnchorSchedule,
+def _repair_pass(w: LlamaWeights, input_ids: torch.Tensor, schedule: AnchorSchedule,
                  stale_kv: list[tuple[torch.Tensor, torch.Tensor]], elig: torch.Tensor, fresh: torch.Tensor,
                  report: RepairReport) -> tuple[AnchorSchedule, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """Step 4 of the module doc over every layer (:func:`_repair_layer`), the anchors' residual rows
@@ -373,20 +373,21 @@ def _repair_pass(w: LlamaWeights, input_ids: torch.Tensor, plan: AnchorSchedule,
     h_cur = w.embed[input_ids[elig]].float()
     kv_out = []
     for l in range(w.n_layers):
-        anchors = plan.anchor_sets[l]
+        anchors = schedule.anchor_sets[l]
         # Nesting guarantees anchors ⊆ cur_tok; take their carried residual rows.
         rows = torch.searchsorted(cur_tok, anchors)
         if anchors.numel() and not bool((cur_tok[rows.clamp(max=cur_tok.numel() - 1)] == anchors).all()):
             raise AssertionError("anchor sets are not nested")
-        plan, kv, h, layout = _repair_layer(w, l, plan, h_cur[rows], h_q, fresh, stale_kv[l], input_ids.numel())
+        schedule, kv, h, layout = _repair_layer(w, l, schedule, h_cur[rows], h_q, fresh, stale_kv[l],
+                                                input_ids.numel())
         h_cur, h_q, cur_tok = h[:anchors.numel()], h[anchors.numel():], anchors
         kv_out.append(kv)
         report.repair_kv_pairs += layout.kv_pairs()
         report.full_kv_pairs += layout.full_kv_pairs()
-    return plan, kv_out, h_q[-1]
+    return schedule, kv_out, h_q[-1]
 
 
-def _repair_layer(w: LlamaWeights, l: int, plan: AnchorSchedule, h_a: torch.Tensor, h_q: torch.Tensor,
+def _repair_layer(w: LlamaWeights, l: int, schedule: AnchorSchedule, h_a: torch.Tensor, h_q: torch.Tensor,
                   fresh: torch.Tensor, stale: tuple[torch.Tensor, torch.Tensor], n: int,
                   ) -> tuple[AnchorSchedule, tuple[torch.Tensor, torch.Tensor], torch.Tensor, BlockSparseLayout]:
     """Layer l of the repair pass (module doc, step 4) over the anchors ``plan.anchor_sets[l]``
@@ -398,30 +399,31 @@ def _repair_layer(w: LlamaWeights, l: int, plan: AnchorSchedule, h_a: torch.Tens
         (the plan, changed at CacheBlend's check layer; (k [n, Hkv, d], v [same]) the layer's KV;
         [n_a + n_fresh, hidden] the rows' residual after the layer; the anchors' layout).
     """
-    anchors, n_ctx = plan.anchor_sets[l], stale[0].shape[0]
+    anchors, n_ctx = schedule.anchor_sets[l], stale[0].shape[0]
     n_a = anchors.numel()
     q, k, v = _project_qkv(w, w.layers[l], torch.cat([h_a, h_q]), torch.cat([anchors, fresh]))
     keys = torch.cat([stale[0], stale[0].new_zeros(n - n_ctx, *stale[0].shape[1:])])
     vals = torch.cat([stale[1], stale[1].new_zeros(n - n_ctx, *stale[1].shape[1:])])
-    edit = _layer_step(w, plan, l, k[:n_a], v[:n_a], keys, vals)  # reads the anchors' stale K/V before they are overwritten
+    # reads the anchors' stale K/V before they are overwritten
+    edit = _layer_step(w, schedule, l, k[:n_a], v[:n_a], keys, vals)
     keys[anchors], vals[anchors] = k[:n_a], v[:n_a]
     keys[fresh], vals[fresh] = k[n_a:], v[n_a:]
     if edit is not None and edit.later_sets is not None:
-        plan = plan.with_later_layers(edit.later_sets)
+        schedule = schedule.with_later_layers(edit.later_sets)
     K, V = keys[:n_ctx], vals[:n_ctx]  # the context: what anchors may attend to
-    layout = plan.layout_at(l, q[:n_a], K)
+    layout = schedule.layout_at(l, q[:n_a], K)
     o_a = block_sparse_attention(q[:n_a], K, V, layout)
     o_q = dense_causal_attention(q[n_a:], keys, vals, fresh, torch.arange(n))
     h = _finish_layer(w, w.layers[l], torch.cat([h_a, h_q]), torch.cat([o_a, o_q]))
-    return plan, (keys, vals), h, layout
+    return schedule, (keys, vals), h, layout
 
 
-def _layer_step(w: LlamaWeights, plan: AnchorSchedule, l: int, k_a: torch.Tensor, v_a: torch.Tensor,
+def _layer_step(w: LlamaWeights, schedule: AnchorSchedule, l: int, k_a: torch.Tensor, v_a: torch.Tensor,
                 keys: torch.Tensor, vals: torch.Tensor) -> Optional[LayerEdit]:
     """The policy's step at layer l (``policies.base``), if it reads there: its body's delta added
     in place to keys and vals [n, Hkv, d] (the stale KV, not yet overwritten by the layer's rows);
     k_a, v_a: [n_a, Hkv, d] the anchors' new K/V. Returns its edit (None: no step at l)."""
-    step = plan.layer_step
+    step = schedule.layer_step
     read = step.reads(l) if step is not None else None
     if read is None:
         return None
@@ -430,7 +432,7 @@ def _layer_step(w: LlamaWeights, plan: AnchorSchedule, l: int, k_a: torch.Tensor
     def rotate(k_post: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:  # re-rotation (no YaRN mscale)
         return apply_neox_rope(k_post, delta, inv_freq, w.rotary_dim)
 
-    at, pos = torch.searchsorted(plan.anchor_sets[l], read.positions), read.positions
+    at, pos = torch.searchsorted(schedule.anchor_sets[l], read.positions), read.positions
     edit = step.run(l, MeasuredKV(pos, read.groups, k_a[at], v_a[at], keys[pos], vals[pos], rotate))
     if edit.body_dk is None and edit.body_dv is None:
         return edit

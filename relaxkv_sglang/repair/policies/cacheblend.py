@@ -90,29 +90,29 @@ class CheckLayerStep:
     body = None
     body_groups = None
 
-    def __init__(self, plan: "AnchorSchedule") -> None:
-        self.plan = plan
-        self.check_layer = plan.config.cacheblend.check_layer
+    def __init__(self, schedule: "AnchorSchedule") -> None:
+        self.schedule = schedule
+        self.check_layer = schedule.config.cacheblend.check_layer
 
     @classmethod
-    def of(cls, plan: "AnchorSchedule") -> Optional["CheckLayerStep"]:
-        """The step of a plan whose later layers are still undecided."""
-        return cls(plan) if plan.decided_layers < plan.n_layers else None
+    def of(cls, schedule: "AnchorSchedule") -> Optional["CheckLayerStep"]:
+        """The step of a schedule whose later layers are still undecided."""
+        return cls(schedule) if schedule.decided_layers < schedule.n_layers else None
 
     def reads(self, layer: int) -> Optional[LayerRead]:
         """The check layer's anchors (every eligible token)."""
-        return LayerRead(self.plan.anchor_sets[layer]) if layer == self.check_layer else None
+        return LayerRead(self.schedule.anchor_sets[layer]) if layer == self.check_layer else None
 
     def run(self, layer: int, kv: MeasuredKV) -> LayerEdit:
-        """The later layers' sets from the measured deviation (read back to the host: the plan's
+        """The later layers' sets from the measured deviation (read back to the host: the schedule's
         decisions live there; once per request)."""
         import torch
 
-        plan = self.plan
-        deviation = torch.zeros(plan.n_context)
+        schedule = self.schedule
+        deviation = torch.zeros(schedule.n_context)
         deviation[kv.positions.cpu()] = kv_deviation(kv.k_new, kv.v_new, kv.k_stale, kv.v_stale,
-                                                     plan.config.cacheblend.use_k, kv.ranks).cpu()
-        sets = check_layer_deviation(plan.anchor_inputs(), deviation)
+                                                     schedule.config.cacheblend.use_k, kv.ranks).cpu()
+        sets = check_layer_deviation(schedule.anchor_inputs(), deviation)
         return LayerEdit(later_sets=sets[layer + 1:])
 
 

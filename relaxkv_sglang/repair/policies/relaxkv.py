@@ -107,27 +107,27 @@ class StaleShiftStep:
         body_groups: int64 [n_body] each body token's shift group, or None (one group).
     """
 
-    def __init__(self, plan: "AnchorSchedule", body: "torch.Tensor") -> None:
+    def __init__(self, schedule: "AnchorSchedule", body: "torch.Tensor") -> None:
         from relaxkv_sglang.repair.token_sets import chunk_ids
 
-        options = plan.config.relaxkv
+        options = schedule.config.relaxkv
         self.mode, self.scale, self.prior = options.stale_shift, options.stale_shift_scale, options.stale_shift_prior
-        self.n_groups = len(plan.chunk_spans) if options.stale_shift_group == "chunk" else 1
-        self.group_of = chunk_ids(plan.chunk_spans, plan.n_context).clamp(min=0) if self.n_groups > 1 else None
+        self.n_groups = len(schedule.chunk_spans) if options.stale_shift_group == "chunk" else 1
+        self.group_of = chunk_ids(schedule.chunk_spans, schedule.n_context).clamp(min=0) if self.n_groups > 1 else None
         self.body = body
         self.body_groups = self.group_of[body] if self.group_of is not None else None
         # The sets are nested, so S_l is the body tokens recomputed past l (no per-layer set search).
-        self._body_exits = plan.exit_layers()[body]
+        self._body_exits = schedule.exit_layers()[body]
 
     @classmethod
-    def of(cls, plan: "AnchorSchedule") -> Optional["StaleShiftStep"]:
-        """The step of a plan that shifts (None: the shift is off or nothing can be shifted)."""
+    def of(cls, schedule: "AnchorSchedule") -> Optional["StaleShiftStep"]:
+        """The step of a schedule that shifts (None: the shift is off or nothing can be shifted)."""
         from relaxkv_sglang.repair.stale_shift import shift_body
 
-        if plan.config.relaxkv.stale_shift == "none":
+        if schedule.config.relaxkv.stale_shift == "none":
             return None
-        body = shift_body(plan.chunk_spans, plan.n_context, plan.chunk_sinks)
-        return cls(plan, body) if body.numel() else None
+        body = shift_body(schedule.chunk_spans, schedule.n_context, schedule.chunk_sinks)
+        return cls(schedule, body) if body.numel() else None
 
     def shift_sets(self, layer: int) -> "tuple[torch.Tensor, torch.Tensor]":
         """(S_l, T_l): the anchors whose deviation is averaged and the tokens shifted, sorted."""

@@ -32,6 +32,8 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
+from relaxkv_sglang.server.launch import end_process_group
+
 __all__ = ["MooncakeService", "mooncake_binary"]
 
 LEASE_MS = 1000
@@ -50,13 +52,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _own_address(host: str, port: int) -> str:
-    """This process's address on the route to ``host`` (a UDP ``connect`` sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, port))
-        return s.getsockname()[0]
 
 
 def _wait_port(host: str, port: int, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -151,27 +146,15 @@ class MooncakeService:
             raise
         return self
 
-    @staticmethod
-    def _end(proc: Optional[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
     def clear(self) -> None:
         """Remove every object (twice, a lease apart: an object read just now is removed the second time)."""
         from mooncake.store import MooncakeDistributedStore
 
         if self._client is None:
             client = MooncakeDistributedStore()
-            own = _own_address(self.host, self.rpc_port)
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # this process's address towards the master
+                s.connect((self.host, self.rpc_port))
+                own = s.getsockname()[0]
             if client.setup(own, "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", self.address):
                 raise RuntimeError(f"cannot join the Mooncake store at {self.address}")
             self._client = client
@@ -181,12 +164,12 @@ class MooncakeService:
 
     def kill_master(self) -> None:
         """SIGKILL the master (a store that dies mid-run)."""
-        self._end(self.master, signal.SIGKILL)
+        end_process_group(self.master, signal.SIGKILL)
 
     def stop(self) -> None:
         """End the holder and the master."""
-        self._end(self.holder)
-        self._end(self.master)
+        end_process_group(self.holder)
+        end_process_group(self.master)
 
     def __enter__(self) -> "MooncakeService":
         return self.start()

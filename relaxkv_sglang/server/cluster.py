@@ -99,10 +99,11 @@ class RouterProcess(SGLangServer):
             time.sleep(0.5)
         raise ServerError(f"smg not ready after {cfg.startup_timeout_s:.0f} s (log: {self.log_path})")
 
-    def healthy_workers(self) -> list[str]:
-        """The worker URLs the gateway currently counts healthy (its ``/workers``)."""
-        workers = requests.get(self.url + "/workers", timeout=10).json()["workers"]
-        return [w["url"] for w in workers if w.get("is_healthy")]
+
+def healthy_workers(gateway_url: str) -> list[str]:
+    """The worker URLs an ``smg`` gateway currently counts healthy (its ``/workers``)."""
+    workers = requests.get(gateway_url + "/workers", timeout=10).json()["workers"]
+    return [w["url"] for w in workers if w.get("is_healthy")]
 
 
 class Cluster:

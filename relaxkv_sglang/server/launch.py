@@ -111,6 +111,22 @@ def _sglang_workers_running(group: int) -> bool:
     return False
 
 
+def end_process_group(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, wait_s: float = 10.0) -> None:
+    """Send ``sig`` to ``proc``'s process group (started with ``start_new_session``) and wait ``wait_s`` for it;
+    SIGKILL the group if it is still there. Nothing if it has already exited."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(wait_s)
+
+
 class ServerError(RuntimeError):
     """The server could not be started; the message is one line for the user."""
 

@@ -32,6 +32,12 @@ PREFIX = "rkv"  # of every namespace and interface the harness makes
 SUBNET_CHOICES = [ipaddress.ip_network(f"10.77.{i}.0/24") for i in range(16, 240)]
 
 
+def _name(suffix: str) -> str:
+    """This run's name for a namespace (``-host``) or an interface (``b0``: the bridge's end of host 0's cable,
+    ``h0``: the host's end, ``br``: the bridge)."""
+    return f"{PREFIX}{os.getpid()}{suffix}"
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     done = subprocess.run(["ip", *args], capture_output=True, text=True)
     if check and done.returncode != 0:
@@ -45,7 +51,7 @@ def unavailable() -> Optional[str]:
         return "network namespaces need root"
     if shutil.which("ip") is None:
         return "no `ip` (iproute2)"
-    probe = f"{PREFIX}{os.getpid()}-probe"
+    probe = _name("-probe")
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:
         return f"cannot create a network namespace: {made.stderr.strip()}"
@@ -98,8 +104,8 @@ class Host:
 
     def __init__(self, network: "HostNetwork", name: str, index: int, address: str):
         self.network, self.name, self.address = network, name, address
-        self.namespace = f"{PREFIX}{os.getpid()}-{name}"
-        self.link = f"{PREFIX}{os.getpid()}b{index}"  # the bridge's end of the host's cable
+        self.namespace = _name(f"-{name}")
+        self.link = _name(f"b{index}")  # the bridge's end of the host's cable
         self.processes: list[subprocess.Popen] = []
 
     def __repr__(self) -> str:
@@ -148,7 +154,7 @@ class HostNetwork:
             raise ValueError(f"host names must be distinct and at least one: {names}")
         self.names = list(names)
         self.subnet: Optional[ipaddress.IPv4Network] = None
-        self.bridge = f"{PREFIX}{os.getpid()}br"
+        self.bridge = _name("br")
         self.gateway_address: Optional[str] = None  # the bridge's address (the root namespace's)
         self.hosts: dict[str, Host] = {}
 
@@ -169,7 +175,7 @@ class HostNetwork:
             _ip("link", "set", self.bridge, "up")
             for i, name in enumerate(self.names):
                 host = Host(self, name, i, addresses[i + 1])
-                inner = f"{PREFIX}{os.getpid()}h{i}"
+                inner = _name(f"h{i}")
                 _ip("netns", "add", host.namespace)
                 _ip("link", "add", host.link, "type", "veth", "peer", "name", inner)
                 _ip("link", "set", inner, "netns", host.namespace)
@@ -198,8 +204,8 @@ class HostNetwork:
                         pass
                     proc.wait(30)
         for i, name in enumerate(self.names):
-            _ip("netns", "del", f"{PREFIX}{os.getpid()}-{name}", check=False)
-            _ip("link", "del", f"{PREFIX}{os.getpid()}b{i}", check=False)
+            _ip("netns", "del", _name(f"-{name}"), check=False)
+            _ip("link", "del", _name(f"b{i}"), check=False)
         _ip("link", "del", self.bridge, check=False)
         self.hosts.clear()
 

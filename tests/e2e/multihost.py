@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ if __package__:  # run as python -m tests.e2e.multihost
 from hosts import HostNetwork, unavailable  # noqa: E402
 
 from relaxkv_sglang.server.cluster import replica_request_counts, shared_cores_env  # noqa: E402
-from relaxkv_sglang.server.launch import STRICT_MEMORY_CHECK  # noqa: E402
+from relaxkv_sglang.server.launch import STRICT_MEMORY_CHECK, end_process_group  # noqa: E402
 HOSTS = ["store", "a", "b", "gateway1", "gateway2"]
 SERVE_PORT = GATEWAY_PORT = 30000
 MASTER_PORT, HOLDER_PORT = 50051, 50052
@@ -117,17 +116,6 @@ def _wait_ready(url: str, path: str, proc: subprocess.Popen, log: str, timeout_s
     raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s (log {log})")
 
 
-def _end(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-
-
 def why_not_here() -> Optional[str]:
     """Why this machine cannot run the deployment (one line), or None."""
     from relaxkv_sglang.mooncake_service import mooncake_binary
@@ -178,7 +166,7 @@ def deploy(model: str, logs_dir: str, gateways: Sequence[str] = ("gateway1", "ga
                 yield Deployment(net, store, replicas, urls, processes, logs)
             finally:
                 for proc in processes.values():
-                    _end(proc)
+                    end_process_group(proc, wait_s=60)  # serve stops its server first
 
 
 # ---------------------------------------------------------------------------------------------- figures

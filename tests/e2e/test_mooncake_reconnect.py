@@ -26,7 +26,7 @@ from rag_helpers import MOONCAKE_TESTS_ENV, documents, flush, marked_prompt, rel
 from test_mooncake import PAGE_KB, _config, _from_store, _wait_writes
 from test_tiers import _ask, _recompute, _same_output
 
-from relaxkv_sglang.server.launch import SGLangServer
+from relaxkv_sglang.server.launch import SGLangServer, end_process_group
 
 pytestmark = pytest.mark.skipif(os.environ.get(MOONCAKE_TESTS_ENV) != "1",
                                 reason="Mooncake tests run on demand: RELAXKV_MOONCAKE_TESTS=1 (make install-mooncake)")
@@ -104,7 +104,7 @@ def test_a_store_started_after_the_server_is_used_within_seconds(tiny_model_path
             print("with the master dead:", {k: v for k, v in state.items() if k.startswith("tier_hicache_store")})
 
             # master and holder again on the same address: used again
-            service._end(service.holder)
+            end_process_group(service.holder)
             service.start_master()
             service.start_holder()
             took = _wait_connected(server.url, USED_WITHIN_S)

@@ -45,6 +45,7 @@ from rag_helpers import documents, generate, marked_prompt, relaxkv_state, synth
 from test_tiers import _recompute, _same_output
 
 from relaxkv_sglang.routing import routing_key_of_documents
+from relaxkv_sglang.server.cluster import healthy_workers
 
 MULTIHOST_ENV = "RELAXKV_MULTIHOST_TESTS"
 pytestmark = pytest.mark.e2e
@@ -139,11 +140,6 @@ class Workload:
             t.join(180)
 
 
-def _healthy(gateway: str) -> list[str]:
-    workers = requests.get(gateway + "/workers", timeout=10).json()["workers"]
-    return [w["url"] for w in workers if w.get("is_healthy")]
-
-
 def _wait_until(predicate, timeout_s: float, what: str) -> float:
     start = time.monotonic()
     while not predicate():
@@ -169,7 +165,7 @@ def test_a_replica_host_cut_off_mid_workload_is_routed_around_and_serves_again(d
         cut_at = time.monotonic()
         b.cut()
         try:
-            routed_around = _wait_until(lambda: deployment.replicas["b"] not in _healthy(gateway), 60,
+            routed_around = _wait_until(lambda: deployment.replicas["b"] not in healthy_workers(gateway), 60,
                                         "the gateway marking b unhealthy")
             answered = work.answered
             time.sleep(10)
@@ -177,7 +173,7 @@ def test_a_replica_host_cut_off_mid_workload_is_routed_around_and_serves_again(d
         finally:
             b.restore()
             restored_at = time.monotonic()
-        _wait_until(lambda: deployment.replicas["b"] in _healthy(gateway), 60, "the gateway taking b back")
+        _wait_until(lambda: deployment.replicas["b"] in healthy_workers(gateway), 60, "the gateway taking b back")
     print(f"\nb cut off: the gateway routed around it after {routed_around:.1f} s; {work.answered} answered, "
           f"{len(work.failures)} failed: {work.failures}")
     assert not work.wrong, work.wrong
@@ -210,7 +206,7 @@ def _loads_from_the_store_on_the_other_replica(deployment: Deployment, docs: lis
         if deployment.served_by(before) != [computed_on]:
             break
         assert time.monotonic() - start < timeout_s, (f"no request placed off {computed_on} in {timeout_s:.0f} s "
-                                                      f"(the gateway's healthy workers: {_healthy(gateway)})")
+                                                      f"(the gateway's healthy workers: {healthy_workers(gateway)})")
         time.sleep(2)
     else:
         raise AssertionError(f"every new key went to {computed_on}")

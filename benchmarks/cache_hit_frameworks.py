@@ -116,9 +116,9 @@ def replay_shape(client, model: str, trace: list[TraceRequest], shape: str, args
     """Send the trace in one shape on a flushed cache under a fresh ``cache_salt``; the shape's sums.
 
     ``routed``: each request carries the routing key of the documents in its body, as
-    :func:`relaxkv_sglang.routing.add_routing_header` sets it on an unchanged framework's HTTP
+    :func:`relaxkv_sglang.request.routing.add_routing_header` sets it on an unchanged framework's HTTP
     client (the gateway's document routing)."""
-    from relaxkv_sglang.routing import ROUTING_HEADER, body_routing_key
+    from relaxkv_sglang.request.routing import ROUTING_HEADER, body_routing_key
 
     client.flush()
     salt = f"{shape}-{os.urandom(4).hex()}"

@@ -5,9 +5,9 @@ front (:class:`relaxkv_sglang.server.cluster.Cluster`). The same trace is replay
 (``--policies``) once against one replica alone (the single-server reference) and once through
 the gateway per ``--routings``: ``document`` (sticky routing keyed by the MinHash of each
 request's documents, which the client sends as ``x-smg-routing-key``, a new key placed by the
-gateway's round-robin turn; :mod:`relaxkv_sglang.routing`), ``document_split`` (the same with
+gateway's round-robin turn; :mod:`relaxkv_sglang.request.routing`), ``document_split`` (the same with
 the client spreading a hot key over several replicas:
-:class:`~relaxkv_sglang.routing.HotKeySplitter`, the load-aware fallback), ``cache_aware`` and
+:class:`~relaxkv_sglang.request.routing.HotKeySplitter`, the load-aware fallback), ``cache_aware`` and
 ``round_robin``, every replica flushed before each. Reported per routing: the hit rate, its
 share of the single-server one, and the requests each replica served, read from each replica's
 own ``/metrics`` (``sglang:num_requests_total``), not from the router.
@@ -23,7 +23,7 @@ emptied before each run): a chunk one replica computed is a disk hit on the othe
 With ``--frameworks`` the trace is sent unmarked, as unchanged RAG frameworks send it (the first
 of ``--shapes``, e.g. ``langchain-chat``: :mod:`benchmarks.cache_hit_frameworks`), the replicas
 serving ``pic`` by default; under ``document`` routing each request carries the key of the
-documents the server discovers in it (:func:`relaxkv_sglang.routing.add_routing_header`).
+documents the server discovers in it (:func:`relaxkv_sglang.request.routing.add_routing_header`).
 
     python -m benchmarks.bench_cache_hit --replicas 4 --shared-mooncake --frameworks --shapes langchain-chat \
         --model tiny-llama --quick --topics 10 --max-total-tokens 8192
@@ -41,7 +41,7 @@ import time
 from benchmarks import common, metrics, tables
 from benchmarks.replay import TraceRequest, make_trace, replay, trace_workload, trace_words
 from relaxkv_sglang.client import ServerClient
-from relaxkv_sglang.routing import HotKeySplitter
+from relaxkv_sglang.request.routing import HotKeySplitter
 
 BENCH = "bench_cache_hit"
 

@@ -7,7 +7,7 @@ a KV pool of ``--pool-tokens``; the router is a model of the ``smg`` gateway's p
 ``serve --replicas`` configures them (:data:`relaxkv_sglang.server.cluster.ROUTINGS`):
 
 * ``document``: sticky routing keyed by the MinHash of the request's documents
-  (:func:`relaxkv_sglang.routing.routing_key_of_documents`, the key the clients send): a key seen
+  (:func:`relaxkv_sglang.request.routing.routing_key_of_documents`, the key the clients send): a key seen
   before goes where it went first; a new key takes the next round-robin turn (``--assignment-mode
   delegate`` on ``round_robin``: the k-th new key to replica ``k mod N``).
 * ``cache_aware``: per replica, the set of prompt prefixes it was sent (the router's approximate
@@ -19,7 +19,7 @@ a KV pool of ``--pool-tokens``; the router is a model of the ``smg`` gateway's p
   characters). The chosen replica's tree gets the prompt. Defaults are the router's (0.3, 64, 1.5).
 * ``round_robin``: request ``i`` to replica ``i mod N``.
 * ``document_split``: ``document`` with the client-side load-aware fallback
-  :class:`relaxkv_sglang.routing.HotKeySplitter` (a key with a share ``p`` of the last 1000
+  :class:`relaxkv_sglang.request.routing.HotKeySplitter` (a key with a share ``p`` of the last 1000
   requests is spread over ``ceil(2 p N)`` sub-keys, each request to one at random).
 
 Time is the order of the trace with ``C`` clients: request ``i`` starts when request ``i - C`` has
@@ -64,7 +64,7 @@ import torch
 
 from benchmarks import common, tables
 from relaxkv_sglang.cache.chunk_store import ChunkStore
-from relaxkv_sglang.routing import HotKeySplitter, document_hash, routing_key_of_documents
+from relaxkv_sglang.request.routing import HotKeySplitter, document_hash, routing_key_of_documents
 
 BENCH = "simulate_cluster"
 ROUTINGS = ("document", "document_split", "cache_aware", "round_robin")

@@ -34,7 +34,7 @@ import threading
 import zipfile
 from typing import Any
 
-from relaxkv_sglang.server.settings import asset_cache_root as cache_root  # $RELAXKV_CACHE, else ~/.cache/relaxkv-sglang
+from relaxkv_sglang.runtime.settings import asset_cache_root as cache_root  # $RELAXKV_CACHE, else ~/.cache/relaxkv-sglang
 
 
 class AssetError(RuntimeError):

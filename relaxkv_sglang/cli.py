@@ -11,7 +11,7 @@
     relaxkv-sglang data hotpotqa|squad|essays
     relaxkv-sglang --version
 
-``serve``'s default policy is the plugin's (:attr:`relaxkv_sglang.server.settings.ServerSettings.default_policy`:
+``serve``'s default policy is the plugin's (:attr:`relaxkv_sglang.runtime.settings.ServerSettings.default_policy`:
 ``RELAXKV_DEFAULT_POLICY``, else ``prefix``), the same as a raw ``python -m
 sglang.launch_server`` with the plugin; ``--policy`` sets it for the one server.
 
@@ -23,7 +23,7 @@ sglang.launch_server`` with the plugin; ``--policy`` sets it for the one server.
 ``--port`` in front of them (:class:`relaxkv_sglang.server.cluster.Cluster`), prints the gateway's URL and
 stops all of them on Ctrl-C or SIGTERM. ``--routing document`` (default) is sticky routing keyed by
 ``x-smg-routing-key``, the MinHash of each request's documents that the project's clients send
-(:mod:`relaxkv_sglang.routing`), a new key placed by the gateway's round-robin turn (balanced by
+(:mod:`relaxkv_sglang.request.routing`), a new key placed by the gateway's round-robin turn (balanced by
 design: docs/scaling.md); ``cache_aware`` and ``round_robin`` are the gateway's own. Flags after a
 first ``--`` go to every replica's ``sglang.launch_server``, after a second ``--`` to ``smg``
 (e.g. ``-- -- --cache-threshold 0.5``).
@@ -53,7 +53,7 @@ import time
 from relaxkv_sglang import __version__, assets
 from relaxkv_sglang.request.schema import POLICY
 from relaxkv_sglang.server.launch import THREADS_BIND_ENV, SGLangServer, ServerConfig, ServerError
-from relaxkv_sglang.server.settings import CALIBRATION_ENV, DEFAULT_POLICY_ENV, ServerSettings, child_environment
+from relaxkv_sglang.runtime.settings import CALIBRATION_ENV, DEFAULT_POLICY_ENV, ServerSettings, child_environment
 
 TIER_ENV = {"host_cache_gb": "RELAXKV_HOST_CACHE_GB", "chunk_dir": "RELAXKV_CHUNK_DIR",
             "disk_cache_gb": "RELAXKV_DISK_CACHE_GB"}

@@ -5,7 +5,7 @@ to the server the same way any other client would: ``/generate``,
 ``/flush_cache`` and ``/get_server_info``.
 
 Every ``/generate`` with documents carries the header ``x-smg-routing-key``, the MinHash of its
-documents (:mod:`relaxkv_sglang.routing`), so behind the ``smg`` gateway's document routing
+documents (:mod:`relaxkv_sglang.request.routing`), so behind the ``smg`` gateway's document routing
 (``relaxkv-sglang serve --replicas N``) requests sharing their documents reach the same replica; a
 single server ignores it. The gateway forwards ``/generate`` with its ``custom_params``, so one
 client speaks to a server and to a cluster alike. ``routing=False``
@@ -20,7 +20,7 @@ from typing import Iterator
 
 import requests
 
-from relaxkv_sglang.routing import ROUTING_HEADER, HotKeySplitter, prompt_documents, routing_key_of_documents
+from relaxkv_sglang.request.routing import ROUTING_HEADER, HotKeySplitter, prompt_documents, routing_key_of_documents
 from relaxkv_sglang.request.schema import ANCHOR_RATIO, BUDGET, CHUNKS, CONTEXT_RATIO, POLICY, QUALITY
 
 

@@ -38,7 +38,7 @@ Consequences, by design:
   dropped from the text sent and marks nothing.
 
 Routing: a ``/generate`` whose text holds documents also carries the header
-``x-smg-routing-key``, the MinHash of its documents (:mod:`relaxkv_sglang.routing`; of all items'
+``x-smg-routing-key``, the MinHash of its documents (:mod:`relaxkv_sglang.request.routing`; of all items'
 documents for a batch), so behind the ``smg`` gateway's document routing programs sharing documents
 reach the replica that has their chunks (``routing=False`` sends none). The gateway takes one prompt
 per ``/generate`` (a list ``text``, as ``select`` sends, is its 422): run such programs against a
@@ -60,7 +60,7 @@ from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from sglang.utils import HttpResponse
 
 from relaxkv_sglang.repair.policies import Policy
-from relaxkv_sglang.routing import ROUTING_HEADER, routing_key, routing_key_of_documents
+from relaxkv_sglang.request.routing import ROUTING_HEADER, routing_key, routing_key_of_documents
 from relaxkv_sglang.request.schema import CHUNKS, POLICY
 
 __all__ = ["DOC_START", "DOC_END", "document", "strip_marks", "split_marks", "RelaxKVEndpoint"]
@@ -161,7 +161,7 @@ def mark_payload(data: dict, policy: Optional[str], custom_params: Optional[dict
 def payload_routing_key(data: dict) -> Optional[str]:
     """The routing key of a ``/generate`` body already passed through :func:`mark_payload`.
 
-    One text: :func:`relaxkv_sglang.routing.routing_key` of it and its ``relaxkv_chunks`` (its
+    One text: :func:`relaxkv_sglang.request.routing.routing_key` of it and its ``relaxkv_chunks`` (its
     paragraphs when unmarked). A batch: the MinHash of all items' documents together. None for
     ``input_ids`` requests and texts without documents.
     """

@@ -10,7 +10,7 @@ first-token KL ~0.03 on SmolLM2-135M and ~0.3 on Qwen2.5-0.5B? On the torch refe
   KV heads), and the norm ratio ``|v_stale(t)| / |v_full(t)|`` (a chunk computed alone makes its
   opening its attention sink; a sink's V is small).
 * **Chunk-opening sinks**: the query's attention mass on the chunks' opening tokens (summed over
-  them, averaged over layers; s_l of ``selection.query_attention_scores``) over the stale KV and
+  them, averaged over layers; s_l of ``attention.query_scores.query_attention_scores``) over the stale KV and
   over full prefill's KV.
 * **Exact-KV bounds** (first-token KL over the whole vocabulary, as ``scripts/ablate_repair.py``):
   ``pic`` (the stale KV), and the stale KV with full prefill's K/V at every layer for a token set:

@@ -36,7 +36,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import requests
 
-from relaxkv_sglang.routing import ROUTING_HEADER
+from relaxkv_sglang.request.routing import ROUTING_HEADER
 from relaxkv_sglang.server.cluster import RouterConfig, RouterProcess
 from relaxkv_sglang.server.launch import free_port
 

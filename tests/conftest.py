@@ -27,7 +27,7 @@ import torch
 
 from relaxkv_sglang import assets
 from relaxkv_sglang.server.launch import STRICT_MEMORY_CHECK, SGLangServer, ServerConfig
-from relaxkv_sglang.server.settings import TP_CHECK_ENV
+from relaxkv_sglang.runtime.settings import TP_CHECK_ENV
 
 TINY_POOL_TOKENS = 8192
 PRESTART_AT_ONCE = 2  # launches in flight together: each keeps ~1 of 2 cores busy while it imports (measured
@@ -242,7 +242,7 @@ def settings_env(monkeypatch):
     """``settings_env(NAME=value, ...)``: set (None: unset) ``RELAXKV_*`` variables and read this
     process's server settings again, as a server starting with them would; the settings are read
     afresh from the restored environment after the test."""
-    from relaxkv_sglang.server.settings import server_settings
+    from relaxkv_sglang.runtime.settings import server_settings
 
     def set_env(**env: Optional[str]) -> None:
         for name, value in env.items():

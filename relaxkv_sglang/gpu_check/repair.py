@@ -42,7 +42,7 @@ from relaxkv_sglang.repair.anchor_schedule import AnchorSchedule, schedule_ancho
 from relaxkv_sglang.model.rope import RopeSpec
 from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention
 from relaxkv_sglang.repair.sglang.layer_loop import LayerLoop
-from relaxkv_sglang.repair.sglang.repair_stage import repair_rows
+from relaxkv_sglang.forward.repair_stage import repair_rows
 
 TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1}  # max |err|; bfloat16 on a CPU: 0.031 (seed 0)
 TIMED_PLANS = ("relaxkv", "relaxkv_fullctx", "prophetkv")  # relaxed, dense context (same anchors), ProphetKV

@@ -36,7 +36,8 @@ from relaxkv_sglang.model.reference_model import LlamaWeights, ReferenceLayerOps
 from relaxkv_sglang.model.reference_model import rms_norm as _rms_norm
 from relaxkv_sglang.repair.repair_config import RepairConfig, RepairCost
 from relaxkv_sglang.repair.anchor_schedule import AnchorSchedule, schedule_anchors
-from relaxkv_sglang.repair.selection import eligible_tokens, query_attention_scores
+from relaxkv_sglang.attention.query_scores import query_attention_scores
+from relaxkv_sglang.repair.selection import eligible_tokens
 
 Span = tuple[int, int]
 
@@ -172,7 +173,7 @@ def _fresh_pass(w: "LlamaWeights", input_ids: torch.Tensor, rows: torch.Tensor,
         kv: per layer (k [n_buf, n_kv_heads, head_dim], v [same]) float32, modified in place.
         score_from: when given, the rows at positions ``>= score_from`` are the query and the
             pass records s_l, their attention mass on the keys ``[0, score_from)``
-            (``selection.query_attention_scores``; the buffers must end at the last row).
+            (``attention.query_scores.query_attention_scores``; the buffers must end at the last row).
     Returns:
         (final residual [n_rows, hidden], scores float32 [n_layers, score_from] or None).
     """

@@ -28,7 +28,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from relaxkv_sglang.server.failures import InvariantError
+from relaxkv_sglang.runtime.failures import InvariantError
 
 __all__ = ["TensorParallel", "OneRank", "ONE_RANK", "TimedCollectives", "CollectiveTally", "RankDisagreement",
            "digest", "check_same", "place_shard"]

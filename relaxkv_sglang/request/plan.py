@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from relaxkv_sglang.repair.policies import CHUNK_POLICIES, REPAIR_POLICIES
 from relaxkv_sglang.request.schema import PLAN_KEY, RECORD_KEY
-from relaxkv_sglang.server import state
+from relaxkv_sglang.runtime import records
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -113,8 +113,8 @@ class RequestState:
 
 def request_state(req: Req) -> RequestState:
     """The request's :class:`RequestState`, made on first use."""
-    held = state.record(req, RequestState, create=False)
-    return held if held is not None else state.attach(req, RequestState(_scheduled_plan(req)))
+    held = records.record(req, RequestState, create=False)
+    return held if held is not None else records.attach(req, RequestState(_scheduled_plan(req)))
 
 
 def request_plan(req: Req) -> RequestPlan | None:

@@ -153,7 +153,7 @@ class PolicyField(Field):
 
     @property
     def default(self) -> str:
-        """The server default policy when ``RELAXKV_DEFAULT_POLICY`` is not set (``server/settings.py``)."""
+        """The server default policy when ``RELAXKV_DEFAULT_POLICY`` is not set (``runtime/settings.py``)."""
         return DEFAULT_POLICY
 
     def validate(self, value: Any, *, text: Optional[str] = None) -> str:
@@ -216,7 +216,7 @@ class BudgetField(RatioField):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QualityField(Field):
     """``relaxkv_quality``: what an ``auto`` budget aims at, a level of :data:`QUALITY_LEVELS` or a
-    target mean KL (a number above 0); the server's default is ``RELAXKV_QUALITY`` (``server/settings.py``)."""
+    target mean KL (a number above 0); the server's default is ``RELAXKV_QUALITY`` (``runtime/settings.py``)."""
 
     type: str = "string or number"
 

@@ -4,7 +4,7 @@
 and one ``smg`` gateway (the Shepherd Model Gateway, sglang-router's successor, pinned in the
 requirements; its own process and process group) in front. Routing ``document`` keys every request
 by ``x-smg-routing-key``, the MinHash of its documents that the project's clients send
-(:mod:`relaxkv_sglang.routing`): a key seen before goes where it went first (sticky); a NEW key is
+(:mod:`relaxkv_sglang.request.routing`): a key seen before goes where it went first (sticky); a NEW key is
 placed by the gateway's ``round_robin`` turn (``--assignment-mode delegate``), and only new keys
 and keyless requests take a turn. So the k-th distinct key goes to replica k mod N: after K keys
 every replica holds floor(K/N) or ceil(K/N) of them, whatever the timing (docs/scaling.md).
@@ -20,9 +20,9 @@ import time
 
 import requests
 
-from relaxkv_sglang.routing import ROUTING_HEADER
+from relaxkv_sglang.request.routing import ROUTING_HEADER
 from relaxkv_sglang.server.launch import SGLangServer, ServerConfig, ServerError, free_port
-from relaxkv_sglang.server.settings import child_environment
+from relaxkv_sglang.runtime.settings import child_environment
 
 
 ROUTINGS: dict[str, list[str]] = {

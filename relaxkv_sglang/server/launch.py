@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 import requests
 
-from relaxkv_sglang.server.settings import DEFAULT_POLICY_ENV, child_environment
+from relaxkv_sglang.runtime.settings import DEFAULT_POLICY_ENV, child_environment
 
 CPU_DEFAULTS = {
     "--device": "cpu",

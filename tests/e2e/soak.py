@@ -153,7 +153,7 @@ class Probe:
 # anchors are chosen from that KV with fixed seeds. That holds wherever SGLang's
 # chunked prefill splits the prompt (a chunk is looked up in the window after it,
 # computed position-independently until then; the repair runs in the last window
-# over the whole prompt, cache/sglang/fold.py and repair/sglang/repair_stage.py), and the soak's server
+# over the whole prompt, forward/fold.py and forward/repair_stage.py), and the soak's server
 # splits prompts (server_config). What keeps it from being exact, and the probes avoid:
 # * a hit on a chunk cached at another position is re-rotated (fp rounding). The
 #   probe's documents appear in no other request, so its hits are always at

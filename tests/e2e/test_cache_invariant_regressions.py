@@ -6,7 +6,7 @@ session's relaxkv server (tiny model), so that it stays fixed whatever the prope
 
 * input logprobs inside chunks (``logprob_start_len`` 0 or inside a chunk; ``/v1/completions``
   with ``echo`` + ``logprobs``): a warm request recomputed the rows it read at full scope where a
-  cold one computed them at chunk scope, and generated other tokens (issue 46 item 1, ``cache/sglang/fold.py``);
+  cold one computed them at chunk scope, and generated other tokens (issue 46 item 1, ``forward/fold.py``);
 * session turns: the plan's spans were built on the new turn alone, so a turn whose documents
   were warm reused none of them and published history fragments as chunks (item 2, ``request/plan.py``);
 * discovery: an unmarked prompt's documents, once marked by a request of the same namespace, were

@@ -12,7 +12,7 @@ from rag_helpers import documents, flush, generate, marked_prompt
 from relaxkv_sglang.client import ServerClient
 from relaxkv_sglang.repair.auto_budget import RATIO_LADDER, BudgetModel
 from relaxkv_sglang.repair.calibration import FORMAT_VERSION, Calibration, model_fingerprint, save_calibration
-from relaxkv_sglang.server.settings import CALIBRATION_ENV, DEFAULT_BUDGET_ENV
+from relaxkv_sglang.runtime.settings import CALIBRATION_ENV, DEFAULT_BUDGET_ENV
 
 pytestmark = pytest.mark.e2e
 

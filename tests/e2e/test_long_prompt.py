@@ -2,7 +2,7 @@
 
 SGLang prefills such a prompt in several extend windows. The earlier windows fold hits and
 compute misses position-independently, as ``pic`` does; the window holding the prompt's last
-token repairs the whole prompt (``repair/sglang/repair_stage.py``). Two servers on the same model: one splits a
+token repairs the whole prompt (``forward/repair_stage.py``). Two servers on the same model: one splits a
 ~3.9K-token prompt into 1,024-token windows, the other (the session's ``relaxkv_server``)
 prefills it whole. Every policy must give the same greedy tokens and logprobs on both, and the
 split run must report ``repaired: true``.

@@ -44,7 +44,7 @@ from multihost import (CALL_TIMEOUT_S, GATEWAY_PORT, STORE_RESUME_BOUND_S, Deplo
 from rag_helpers import documents, generate, marked_prompt, relaxkv_state, synthetic_documents, wait_tier_writes
 from test_tiers import _recompute, _same_output
 
-from relaxkv_sglang.routing import routing_key_of_documents
+from relaxkv_sglang.request.routing import routing_key_of_documents
 from relaxkv_sglang.server.cluster import healthy_workers
 
 MULTIHOST_ENV = "RELAXKV_MULTIHOST_TESTS"

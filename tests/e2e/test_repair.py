@@ -104,7 +104,7 @@ def test_partial_repair_moves_toward_full(relaxkv_server, warm_prompt):
 
 
 # Cold chunks (no request has cached them): the request's misses run through SGLang's forward,
-# as pic's do, and that forward is the repair's query pass (repair/sglang/repair_stage.py). The repair it gets is
+# as pic's do, and that forward is the repair's query pass (forward/repair_stage.py). The repair it gets is
 # the one the same request gets on warm chunks, and the invariants hold as on warm chunks.
 
 @pytest.fixture(scope="module")

@@ -139,7 +139,7 @@ def test_document_routing_keeps_the_single_server_hit_rate(cluster, tmp_path, mo
     requests in flight) this trace split 28/12 or worse in about a third of the replays.
     """
     from benchmarks import cache_hit_replicas, common
-    from relaxkv_sglang.routing import routing_key_of_documents
+    from relaxkv_sglang.request.routing import routing_key_of_documents
 
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)  # the routers' logs
     trace = _balanced_trace()
@@ -189,7 +189,7 @@ def test_a_langchain_chat_request_is_routed_by_its_discovered_documents(cluster,
     from transformers import AutoTokenizer
 
     from benchmarks import rag_documents
-    from relaxkv_sglang.routing import ROUTING_HEADER, add_routing_header, routing_key_of_documents
+    from relaxkv_sglang.request.routing import ROUTING_HEADER, add_routing_header, routing_key_of_documents
     from relaxkv_sglang.server.cluster import replica_request_counts
 
     model = requests.get(cluster.url + "/v1/models", timeout=30).json()["data"][0]["id"]

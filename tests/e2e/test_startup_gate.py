@@ -17,7 +17,7 @@ from rag_helpers import SERVER_START_TIMEOUT_S, documents, flush, generate, mark
 
 from relaxkv_sglang.repair.policies import CHUNK_POLICIES
 from relaxkv_sglang.server.launch import STRICT_MEMORY_CHECK, ServerConfig
-from relaxkv_sglang.server.settings import ROPE_OVERRIDE_ENV
+from relaxkv_sglang.runtime.settings import ROPE_OVERRIDE_ENV
 
 pytestmark = pytest.mark.e2e
 

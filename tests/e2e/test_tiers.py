@@ -60,7 +60,7 @@ def _ask(url: str, prompt, salt: str | None = None) -> dict:
 
 
 # Output logprobs of a request with reused chunks against the same request computing them: a hit's K
-# is the stored K re-rotated from where it was computed (cache/sglang/fold.py), a miss's is computed where it
+# is the stored K re-rotated from where it was computed (forward/fold.py), a miss's is computed where it
 # sits, so the two differ by float32 rounding, not by what a tier did (a reload is a copy: see
 # _reload_is_a_copy). Measured on the tiny model: at most 3e-6 on the spill test's requests.
 RECOMPUTE_TOLERANCE = 1e-5

@@ -1,17 +1,18 @@
 """Architecture rules, read from the source (AST), never by importing it.
 
 * No import cycle among the project's modules (``relaxkv_sglang`` and ``relaxkv_patches``, the
-  packages of pyproject.toml): every import counts, at module level or inside a function,
-  except under ``if TYPE_CHECKING:``.
+  packages of pyproject.toml): every import counts, at module level or inside a function, and
+  under ``if TYPE_CHECKING:`` too (a cycle for the type checker is one for the reader).
 * No module rebinds module-level state at run time: no ``global`` statement in a function, no
   assignment to (or ``setattr``/``del`` of) an attribute of one of the project's modules, no
   in-place mutation of a module-level container from a function (a process-wide registry).
-* The code is grouped in rooms by subsystem (``request``, ``cache``, ``repair``, ``model``,
-  ``attention``, ``server``), each with its SGLang adapter in ``<room>/sglang/``. Only an adapter
-  imports SGLang at run time (besides ``lang.py``, over SGLang's frontend, and the CPU shims) and
-  only an adapter imports an adapter (besides ``gpu_check``, which runs them on a GPU). Adapters
-  import one way (:data:`ADAPTER_MAY_IMPORT`), and the HTTP process's modules
-  (:data:`HTTP_PROCESS`) import nothing of the scheduler's.
+* The code is grouped in rooms by subsystem, stacked in :data:`LAYERS` (``runtime`` at the bottom,
+  ``server`` at the top): a room imports only itself and the rooms below it, ``TYPE_CHECKING``
+  imports included. Each room's SGLang adapter is ``<room>/sglang/``; ``forward`` is SGLang's seam
+  as a whole (:data:`SEAM_ROOMS`). Only an adapter imports SGLang at run time (besides ``lang.py``,
+  over SGLang's frontend, and the CPU shims) and only an adapter imports an adapter (besides
+  ``gpu_check``, which runs them on a GPU). Adapters import one way (:data:`ADAPTER_MAY_IMPORT`),
+  and the HTTP process's modules (:data:`HTTP_PROCESS`) import nothing of the scheduler's.
 * No module over :data:`MAX_MODULE_LINES` lines outside ``benchmarks/``.
 * ``docs/architecture.md`` matches the tree: every ``.py`` file it names exists, and every package
   of ``relaxkv_sglang`` is named in it.
@@ -134,15 +135,16 @@ def _resolve_from(module: Module, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def imports_of(module: Module, modules: dict[str, Module]) -> list[tuple[str, int]]:
+def imports_of(module: Module, modules: dict[str, Module], type_checking: bool = True) -> list[tuple[str, int]]:
     """(project module imported, line) for every runtime import in ``module``.
 
     ``import a.b.c`` -> the longest of a.b.c, a.b, a that is a project module; ``from p import
     x`` -> ``p.x`` when that is a module, else ``p``; relative imports resolved against the
-    module's package; ``importlib.import_module("...")`` with a constant name counts too.
+    module's package; ``importlib.import_module("...")`` with a constant name counts too; imports
+    under ``if TYPE_CHECKING:`` unless ``type_checking`` is False.
     """
     found = []
-    for node in _walk_runtime(module.tree()):
+    for node in (ast.walk if type_checking else _walk_runtime)(module.tree()):
         targets: list[str] = []
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -265,13 +267,14 @@ def test_imports_are_read_in_every_form():
         "def f():\n"
         "    from relaxkv_sglang.request.segments import auto_chunk\n"  # inside a function
         "    import importlib\n"
-        "    return importlib.import_module('relaxkv_sglang.routing')\n")
+        "    return importlib.import_module('relaxkv_sglang.request.routing')\n")
     with _probe(src) as (module, modules):
-        found = imports_of(module, modules)
+        found = imports_of(module, modules, type_checking=False)
+        assert ("relaxkv_sglang.request.plan", 8) in imports_of(module, modules)  # the type checker's too
     assert sorted({m for m, _ in found}) == [
         "relaxkv_sglang.attention.causal", "relaxkv_sglang.attention.layout", "relaxkv_sglang.model.rope",
         "relaxkv_sglang.model.rope_config", "relaxkv_sglang.request.schema", "relaxkv_sglang.request.segments",
-        "relaxkv_sglang.routing"]
+        "relaxkv_sglang.request.routing"]
     assert ("relaxkv_sglang.request.segments", 12) in found
 
 
@@ -291,14 +294,19 @@ def test_cycle_finder_reports_a_cycle():
 
 PACKAGE = "relaxkv_sglang"
 ADAPTER = "sglang"  # each room's SGLang adapter: relaxkv_sglang.<room>.sglang
-#: room -> the rooms whose adapter its own adapter may import (the forward's stages reach the cache,
-#: the attention and the model, never the other way; the server wires them all)
+#: the rooms, bottom to top: a room imports only itself and the rooms below it
+LAYERS = ("runtime", "attention", "model", "repair", "request", "cache", "forward", "server")
+#: rooms that are SGLang's seam as a whole: every module an adapter
+SEAM_ROOMS = {"forward"}
+#: room -> the rooms whose adapter its own adapter may import (the forward reaches the cache, the
+#: attention, the model and the repair, never the other way; the server wires them all)
 ADAPTER_MAY_IMPORT = {"request": set(), "cache": set(), "attention": set(), "model": set(),
-                      "repair": {"cache", "attention", "model"},
-                      "server": {"request", "cache", "attention", "model", "repair"}}
+                      "repair": {"attention", "model"},
+                      "forward": {"cache", "attention", "model", "repair"},
+                      "server": {"request", "cache", "attention", "model", "repair", "forward"}}
 #: the HTTP process's adapter modules: they import no adapter module of the scheduler's
 HTTP_PROCESS = {f"{PACKAGE}.request.sglang.{m}" for m in ("api", "chat", "chat_stream_logprobs", "parallel_encoding",
-                                                         "join_registry", "sglang_fields")} | {f"{PACKAGE}.server.sglang.gate_refusal"}
+                                                         "join_registry", "sglang_fields", "gate_refusal")}
 #: modules above the adapters (they run the adapters outside SGLang, on a GPU)
 ABOVE_ADAPTERS = (f"{PACKAGE}.gpu_check",)
 #: modules that import SGLang besides the adapters: SGLang's frontend language, and the CPU shims
@@ -309,11 +317,18 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
+def room_of(name: str) -> Optional[str]:
+    """The room of :data:`LAYERS` holding module ``name``; None above them (top-level modules, gpu_check)."""
+    parts = name.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == PACKAGE and parts[1] in LAYERS else None
+
+
 def adapter_room(name: str) -> Optional[str]:
     """The room whose SGLang adapter holds module ``name``, None for a module outside every adapter."""
     parts = name.split(".")
-    if len(parts) >= 3 and parts[0] == PACKAGE and parts[1] in ADAPTER_MAY_IMPORT and parts[2] == ADAPTER:
-        return parts[1]
+    room = room_of(name)
+    if room in SEAM_ROOMS or (room in ADAPTER_MAY_IMPORT and len(parts) >= 3 and parts[2] == ADAPTER):
+        return room
     return None
 
 
@@ -321,12 +336,16 @@ def upward_imports(modules: dict[str, Module], graph: dict[str, dict[str, int]])
     """``path:line module -> imported`` for every import that runs against the rules (module doc)."""
     bad = []
     for name, deps in sorted(graph.items()):
-        here = adapter_room(name)
+        here, here_room = adapter_room(name), room_of(name)
         for dep, line in sorted(deps.items()):
+            where = f"{modules[name].rel}:{line} {name} -> {dep}"
+            there_room = room_of(dep)
+            if here_room is not None and (there_room is None or LAYERS.index(there_room) > LAYERS.index(here_room)):
+                bad.append(where + f" ({here_room} sits below {there_room or 'the top-level modules'})")
+                continue
             there = adapter_room(dep)
             if there is None:
                 continue
-            where = f"{modules[name].rel}:{line} {name} -> {dep}"
             if here is None:
                 if not _under(name, ABOVE_ADAPTERS):
                     bad.append(where + " (only an adapter imports an adapter)")
@@ -365,7 +384,7 @@ def test_only_the_adapters_import_sglang():
 
 def test_the_direction_check_finds_what_it_looks_for():
     cases = {  # (module, source) -> how many offenders
-        ("relaxkv_sglang.cache.sglang._probe_", "from relaxkv_sglang.repair.sglang import query_pass\n"): 1,
+        ("relaxkv_sglang.cache.sglang._probe_", "from relaxkv_sglang.forward import query_pass\n"): 1,
         ("relaxkv_sglang.request.sglang.api", "def f():\n    import relaxkv_sglang.cache.sglang.pins\n"): 1,
         ("relaxkv_sglang.request.sglang.api", "from relaxkv_sglang.server.sglang import gate_refusal\n"): 0,
         ("relaxkv_sglang.request.sglang._probe_", "from relaxkv_sglang.server.sglang import gate\n"): 1,

@@ -137,7 +137,7 @@ def test_serve_and_a_raw_launch_server_share_the_default_policy(monkeypatch, tmp
     """Without --policy, serve sets nothing: the server reads its settings as a raw
     launch_server with the plugin does, from the same environment."""
     from relaxkv_sglang.request import schema
-    from relaxkv_sglang.server.settings import DEFAULT_POLICY_ENV, ServerSettings
+    from relaxkv_sglang.runtime.settings import DEFAULT_POLICY_ENV, ServerSettings
 
     for env_value, expected in ((None, schema.POLICY.default), ("pic", "pic")):
         if env_value is None:

@@ -263,7 +263,7 @@ def test_replay_shape_routed_sends_the_discovered_documents_key():
 
     from benchmarks import cache_hit_frameworks
     from benchmarks.replay import TraceRequest
-    from relaxkv_sglang.routing import ROUTING_HEADER, routing_key_of_documents
+    from relaxkv_sglang.request.routing import ROUTING_HEADER, routing_key_of_documents
 
     docs = [f"The river town of Alder{i} grew around a mill built in {1700 + i}, and its stone bridge was rebuilt "
             "twice after the floods." for i in range(4)]

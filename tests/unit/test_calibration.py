@@ -10,7 +10,7 @@ import types
 import pytest
 
 from relaxkv_sglang import assets
-from relaxkv_sglang.server.settings import CALIBRATION_ENV, ServerSettings
+from relaxkv_sglang.runtime.settings import CALIBRATION_ENV, ServerSettings
 from relaxkv_sglang.repair.calibration import (CALIBRATION_DIR, FORMAT_VERSION, Calibration, CalibrationError,
                                              base_config, calibration_for_model, changed_knobs, config_fingerprint,
                                              find_calibration, load_calibration, model_fingerprint, rope_parameters,
@@ -145,14 +145,14 @@ def _rows(**ratios) -> types.SimpleNamespace:
 
 
 def test_repair_config_starts_from_the_calibrated_base_and_the_request_overrides():
-    from relaxkv_sglang.repair.sglang.repair_stage import request_repair_config
+    from relaxkv_sglang.forward.repair_stage import request_repair_config
 
     base = RepairConfig.from_knobs(context_ratio=0.25, stale_shift_scale=1.0, layer_value="uniform")
     config = request_repair_config(_rows(), base)
     assert config.context_ratio == 0.25 and config.relaxkv.stale_shift_scale == 1.0
     assert config.anchor_ratio == RepairConfig().anchor_ratio and config.budget is None
     config = request_repair_config(_rows(anchor_ratio=0.3, context_ratio=0.75, budget=0.2), base)
-    assert (config.anchor_ratio, config.context_ratio, config.budget) == (0.3, 0.75, None)  # budget: repair/sglang/budget.py
+    assert (config.anchor_ratio, config.context_ratio, config.budget) == (0.3, 0.75, None)  # budget: forward/budget.py
     assert config.relaxkv.layer_value == "uniform"  # what a request cannot set stays calibrated
     assert request_repair_config(_rows(), RepairConfig()) == RepairConfig()
 

@@ -28,11 +28,11 @@ from relaxkv_sglang.attention.staging import HostStage, to_device
 from relaxkv_sglang.attention.gpu.cuda_rules import CudaRuleError, CudaRules
 from relaxkv_sglang.attention.gpu.flashinfer_attention import FLASHINFER_VERSION
 from relaxkv_sglang.attention.gpu.torch_models import flashinfer_stand_in
-from relaxkv_sglang.server.failures import InvariantError
+from relaxkv_sglang.runtime.failures import InvariantError
 from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention
 from relaxkv_sglang.repair.sglang.layer_loop import LayerLoop
 from relaxkv_sglang.model.sglang.model_layers import ModelLayers
-from relaxkv_sglang.repair.sglang.repair_stage import repair_rows
+from relaxkv_sglang.forward.repair_stage import repair_rows
 
 CUDA = torch.device("cuda", 0)
 
@@ -232,9 +232,9 @@ def test_the_pass_bookkeeping_on_the_device_is_refused():
 
 
 def test_the_query_pass_records_scores_under_cuda_rules():
-    """The attention backend's share of a repair's query pass (attention/sglang/context.py::QueryScores): the
+    """The attention backend's share of a repair's query pass (forward/context.py::QueryScores): the
     query's rows are found on the host; the scores are computed where q and the pool are."""
-    from relaxkv_sglang.attention.sglang.context import QueryScores
+    from relaxkv_sglang.forward.context import QueryScores
 
     with CudaRules() as rules:
         scores = QueryScores(n_context=7, query_end=9, slots=rules.put(torch.arange(3, 13)))

@@ -108,13 +108,13 @@ def test_every_reference_in_the_package_resolves():
 
 def test_the_reference_check_finds_what_it_looks_for():
     index = PackageIndex.read()
-    module = "relaxkv_sglang.cache.sglang.fold"
-    for good in ("relaxkv_sglang.cache.sglang.fold.Fold",
-                 "relaxkv_sglang.repair.sglang.repair_stage.RepairStage.outcomes",
+    module = "relaxkv_sglang.forward.fold"
+    for good in ("relaxkv_sglang.forward.fold.Fold",
+                 "relaxkv_sglang.forward.repair_stage.RepairStage.outcomes",
                  "relaxkv_sglang.repair.policies.SERVER_POLICIES", "Fold", ".finish.finish_forward", "..tiers.TierName"):
         assert index.unresolved(module, good) is None, good
-    assert index.unresolved(module, "relaxkv_sglang.cache.sglang.fold.NoSuch") == \
-        "relaxkv_sglang.cache.sglang.fold binds no NoSuch"
+    assert index.unresolved(module, "relaxkv_sglang.forward.fold.NoSuch") == \
+        "relaxkv_sglang.forward.fold binds no NoSuch"
     assert index.unresolved(module, "relaxkv_sglang.core.fold") == "relaxkv_sglang binds no core"
     assert index.unresolved(module, ".query_pass") == \
         "relaxkv_sglang.cache.sglang binds no query_pass (read as relaxkv_sglang.cache.sglang.query_pass)"

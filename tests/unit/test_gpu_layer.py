@@ -492,7 +492,7 @@ def test_bundle_keeps_python_and_prefill_sources_only():
 
 def _rows(*specs):
     """ExtendRows from (req_pool_idx, positions, scopes), laid end to end."""
-    from relaxkv_sglang.attention.sglang.context import ExtendRows
+    from relaxkv_sglang.forward.context import ExtendRows
 
     rows, start = [], 0
     for rp, pos, scope in specs:
@@ -567,7 +567,7 @@ def test_cuda_backend_routes_only_folded_batches_to_the_plugin(monkeypatch):
     from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
     from relaxkv_sglang.attention.sglang.attention_backend import build_cuda_backend_class
-    from relaxkv_sglang.attention.sglang.context import attach_context
+    from relaxkv_sglang.forward.context import attach_context
 
     def context(rows, **kw):  # a fake fold decision: only what the backend reads
         return types.SimpleNamespace(extend_rows=rows, **kw)

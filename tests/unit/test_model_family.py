@@ -300,7 +300,7 @@ def test_hooks_hold_one_model_forward_per_hooked_class():
     from relaxkv_sglang.server.sglang.plugin import HOOKS, MODEL_FORWARD_HOOKS
 
     model_hooks = {target: entry for target, entry in HOOKS.items()
-                   if entry[0] == "relaxkv_sglang.repair.sglang.repair_stage:around_model_forward"}
+                   if entry[0] == "relaxkv_sglang.forward.repair_stage:around_model_forward"}
     assert model_hooks == MODEL_FORWARD_HOOKS
     assert sorted(model_hooks) == ["sglang.srt.models.llama.LlamaModel.forward",
                                    "sglang.srt.models.mixtral.MixtralModel.forward",

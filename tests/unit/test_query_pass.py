@@ -1,6 +1,6 @@
 """The repair's query pass inside SGLang's forward: the scores the attention backend records for a
-request, its set-up, and the repaired rows written over SGLang's output (attention/sglang/context.py,
-repair/sglang/query_pass.py, repair/sglang/repair_stage.py)."""
+request, its set-up, and the repaired rows written over SGLang's output (forward/context.py,
+forward/query_pass.py, forward/repair_stage.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import types
 import pytest
 import torch
 
-from relaxkv_sglang.repair.selection import query_attention_scores
-from relaxkv_sglang.attention.sglang.context import ExtendRows, QueryScores, record_query_scores
+from relaxkv_sglang.attention.query_scores import query_attention_scores
+from relaxkv_sglang.forward.context import ExtendRows, QueryScores, record_query_scores
 from relaxkv_sglang.repair.sglang.layer_loop import LoopRows
-from relaxkv_sglang.repair.sglang.repair_stage import _replace_rows
+from relaxkv_sglang.forward.repair_stage import _replace_rows
 
 H, HKV, D = 4, 2, 8
 
@@ -81,7 +81,7 @@ def test_a_repair_that_misses_the_last_row_is_refused():
 
 def _request_fold(policy: str, keep: list[int], n: int = 10) -> "RequestFold":
     """A request of 10 prompt tokens, one chunk at 2..6, query 6..9, window 0..n; ``keep``: its rows."""
-    from relaxkv_sglang.cache.sglang.fold import RequestFold
+    from relaxkv_sglang.forward.fold import RequestFold
     from relaxkv_sglang.request.plan import RequestPlan
 
     req = types.SimpleNamespace(origin_input_ids=list(range(10)), rid=f"req-{policy}", logprob_start_len=-1)
@@ -95,7 +95,7 @@ def _cache() -> types.SimpleNamespace:
 
 
 def test_a_request_whose_query_pass_would_miss_query_rows_is_served_as_pic(caplog):
-    from relaxkv_sglang.repair.sglang.query_pass import _set_up_request
+    from relaxkv_sglang.forward.query_pass import _set_up_request
 
     with caplog.at_level("WARNING"):
         broken = _set_up_request(_cache(), _request_fold("relaxkv", [0, 1, 6, 7, 8]), True)  # query row 9 missing
@@ -107,15 +107,15 @@ def test_a_request_whose_query_pass_would_miss_query_rows_is_served_as_pic(caplo
 
 
 def test_a_model_without_the_repair_pass_is_served_as_pic_before_the_forward():
-    from relaxkv_sglang.repair.sglang.query_pass import _set_up_request
+    from relaxkv_sglang.forward.query_pass import _set_up_request
 
     rows = _set_up_request(_cache(), _request_fold("relaxkv", [0, 1, 6, 7, 8, 9]), False)
     assert not rows.to_repair and rows.not_repaired_reason.startswith("the model's layer stack")
 
 
 def test_a_request_whose_repair_cannot_be_planned_is_served_as_pic(monkeypatch):
-    from relaxkv_sglang.repair.sglang import repair_stage as repair
-    from relaxkv_sglang.repair.sglang.query_pass import RequestRows
+    from relaxkv_sglang.forward import repair_stage as repair
+    from relaxkv_sglang.forward.query_pass import RequestRows
 
     def schedule_anchors(*args, **kwargs):
         raise ValueError("no anchors fit")
@@ -130,8 +130,8 @@ def test_a_request_whose_repair_cannot_be_planned_is_served_as_pic(monkeypatch):
 
 
 def test_a_broken_invariant_is_not_served_as_pic(monkeypatch):
-    from relaxkv_sglang.repair.sglang import query_pass
-    from relaxkv_sglang.server.failures import InvariantError
+    from relaxkv_sglang.forward import query_pass
+    from relaxkv_sglang.runtime.failures import InvariantError
 
     def broken(*args):
         raise InvariantError("relaxkv: the pool is inconsistent")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from relaxkv_sglang.request.report import merge_record
+from relaxkv_sglang.forward.report import merge_record
 
 
 def _step(prefills: int, repaired: bool, computed: int, **extra) -> dict:

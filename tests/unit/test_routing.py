@@ -1,4 +1,4 @@
-"""The document-affine routing key (relaxkv_sglang/routing.py): stability, the spans it hashes,
+"""The document-affine routing key (relaxkv_sglang/request/routing.py): stability, the spans it hashes,
 and MinHash's Jaccard property measured over seeds."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from benchmarks import prompt_formats
-from relaxkv_sglang import routing
+from relaxkv_sglang.request import routing
 from relaxkv_sglang.request.doc_index import discover_chunks
 
 DOCS = [f"Document {i}: " + " ".join(f"word{i}_{j}" for j in range(30)) for i in range(40)]
@@ -20,7 +20,7 @@ DOCS = [f"Document {i}: " + " ".join(f"word{i}_{j}" for j in range(30)) for i in
 
 def test_document_hash_is_stable_across_processes():
     # a fixed value: the same on every machine and process (no per-process str hash salt)
-    code = "from relaxkv_sglang import routing; print(routing.document_hash('héllo'), routing.routing_key_of_documents(['a', 'b']))"
+    code = "from relaxkv_sglang.request import routing; print(routing.document_hash('héllo'), routing.routing_key_of_documents(['a', 'b']))"
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env=dict(os.environ, PYTHONHASHSEED=str(seed))).stdout for seed in (1, 2)}
     assert len(outs) == 1

@@ -12,7 +12,7 @@ import types
 import pytest
 
 from relaxkv_sglang.request import schema
-from relaxkv_sglang.server import settings
+from relaxkv_sglang.runtime import settings
 from relaxkv_sglang.repair.policies import DEFAULT_POLICY, SERVER_POLICIES
 from relaxkv_sglang.repair.repair_config import RepairConfig
 from relaxkv_sglang.request.schema import (

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from relaxkv_sglang.repair.policies import Policy
+from relaxkv_sglang.attention.query_scores import query_attention_scores
 from relaxkv_sglang.repair.exit_layers import _hull_exit_allocation
 from relaxkv_sglang.repair.selection import (
     layer_weights,
@@ -14,7 +15,6 @@ from relaxkv_sglang.repair.selection import (
     chunk_ids,
     eligible_tokens,
     exits_to_anchor_sets,
-    query_attention_scores,
     relaxkv_exit_layers,
     select_anchors,
     shared_opening_sinks,

@@ -8,9 +8,9 @@ import pathlib
 
 import pytest
 
-from relaxkv_sglang.server import settings
+from relaxkv_sglang.runtime import settings
 from relaxkv_sglang.repair.policies import SERVER_POLICIES
-from relaxkv_sglang.server.settings import ServerSettings, server_settings
+from relaxkv_sglang.runtime.settings import ServerSettings, server_settings
 
 PACKAGE = pathlib.Path(settings.__file__).resolve().parents[1]  # relaxkv_sglang/
 
@@ -90,10 +90,10 @@ def _environment_reads(source: str, name: str) -> list[str]:
 
 
 def test_no_module_but_settings_reads_the_environment():
-    offenders = [hit for path in sorted(PACKAGE.rglob("*.py")) if path != PACKAGE / "server/settings.py"
+    offenders = [hit for path in sorted(PACKAGE.rglob("*.py")) if path != PACKAGE / "runtime/settings.py"
                  for hit in _environment_reads(path.read_text(), str(path.relative_to(PACKAGE.parent)))]
-    assert offenders == [], f"read the environment through relaxkv_sglang/server/settings.py: {offenders}"
-    assert _environment_reads((PACKAGE / "server/settings.py").read_text(), "server/settings.py")  # the scan sees reads
+    assert offenders == [], f"read the environment through relaxkv_sglang/runtime/settings.py: {offenders}"
+    assert _environment_reads((PACKAGE / "runtime/settings.py").read_text(), "runtime/settings.py")  # the scan sees reads
 
 
 def test_the_scan_finds_every_form_of_read():

@@ -152,7 +152,7 @@ def run_layer_loop(model, ids, plan, stale, slots, n_slots):
     from relaxkv_sglang.model.rope_config import rope_spec_from_hf_config
     from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention
     from relaxkv_sglang.repair.sglang.layer_loop import LayerLoop
-    from relaxkv_sglang.repair.sglang.repair_stage import repair_rows
+    from relaxkv_sglang.forward.repair_stage import repair_rows
 
     hf, w = model
     k_pool = [torch.zeros(n_slots, w.n_kv_heads, w.head_dim) for _ in range(w.n_layers)]
@@ -179,7 +179,7 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
     from relaxkv_sglang.model.reference import stale_context
     from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention
     from relaxkv_sglang.repair.sglang.layer_loop import LayerLoop
-    from relaxkv_sglang.repair.sglang.repair_stage import repair_rows
+    from relaxkv_sglang.forward.repair_stage import repair_rows
     from relaxkv_sglang.repair.sglang.shift_target import ShiftTarget
 
     _, w = model

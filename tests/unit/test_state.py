@@ -1,4 +1,4 @@
-"""server/state.py: one attribute per SGLang object, one kind of record on it."""
+"""runtime/records.py: one attribute per SGLang object, one kind of record on it."""
 
 import ast
 import pathlib
@@ -7,34 +7,34 @@ import types
 import pytest
 import torch
 
-from relaxkv_sglang.server import state
-from relaxkv_sglang.server.failures import InvariantError
+from relaxkv_sglang.runtime import records
+from relaxkv_sglang.runtime.failures import InvariantError
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "relaxkv_sglang"
 
 
 def test_record_made_once_and_kept():
     obj = types.SimpleNamespace()
-    assert state.record(obj, state.CacheState, create=False) is None
-    held = state.record(obj, state.CacheState)
+    assert records.record(obj, records.CacheState, create=False) is None
+    held = records.record(obj, records.CacheState)
     held.gate = "verdict"
-    assert state.record(obj, state.CacheState) is held and vars(obj) == {state.ATTR: held}
-    state.detach(obj)
-    assert state.record(obj, state.CacheState, create=False) is None
+    assert records.record(obj, records.CacheState) is held and vars(obj) == {records.ATTR: held}
+    records.detach(obj)
+    assert records.record(obj, records.CacheState, create=False) is None
 
 
 def test_an_object_holds_one_kind_of_record():
     obj = types.SimpleNamespace()
-    state.attach(obj, state.BatchState())
+    records.attach(obj, records.BatchState())
     with pytest.raises(InvariantError, match="SimpleNamespace holds a BatchState, not a CacheState"):
-        state.record(obj, state.CacheState)
+        records.record(obj, records.CacheState)
 
 
 def test_module_record_bypasses_its_attribute_machinery():
     module = torch.nn.Linear(2, 2)
-    state.attach(module, state.ReaderState("ctx"))
-    assert state.record(module, state.ReaderState).context == "ctx"
-    assert state.ATTR not in dict(module.named_children()) and len(list(module.parameters())) == 2
+    records.attach(module, records.ReaderState("ctx"))
+    assert records.record(module, records.ReaderState).context == "ctx"
+    assert records.ATTR not in dict(module.named_children()) and len(list(module.parameters())) == 2
 
 
 def _relaxkv_attribute_names(source: str) -> list[int]:
@@ -54,7 +54,7 @@ def _relaxkv_attribute_names(source: str) -> list[int]:
 def test_no_other_relaxkv_attribute_on_sglang_objects():
     found = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
              if path.name != "state.py" for line in _relaxkv_attribute_names(path.read_text())]
-    assert not found, f"state on an object outside server/state.py: {found}"
+    assert not found, f"state on an object outside runtime/records.py: {found}"
 
 
 def test_attribute_finder_sees_both_forms():

@@ -264,9 +264,9 @@ class TreeCacheMachine(RuleBasedStateMachine):
 
     def _forward(self, todo: list[Live]) -> None:
         """The project's fold_batch and set_up_forward, a fake forward of the kept rows, finish_forward."""
-        from relaxkv_sglang.cache.sglang.finish import finish_forward
-        from relaxkv_sglang.cache.sglang.fold import fold_batch
-        from relaxkv_sglang.repair.sglang.query_pass import set_up_forward
+        from relaxkv_sglang.forward.finish import finish_forward
+        from relaxkv_sglang.forward.fold import fold_batch
+        from relaxkv_sglang.forward.query_pass import set_up_forward
 
         if not todo:
             return

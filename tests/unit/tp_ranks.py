@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from relaxkv_sglang.model.tensor_parallel import RankDisagreement, TimedCollectives, check_same, digest, place_shard
 from relaxkv_sglang.repair.policies.cacheblend import kv_deviation
-from relaxkv_sglang.repair.selection import query_attention_scores, select_anchors
+from relaxkv_sglang.attention.query_scores import query_attention_scores
+from relaxkv_sglang.repair.selection import select_anchors
 
 N_LAYERS, N_CONTEXT, N_QUERY, HEADS, KV_HEADS, D = 3, 64, 5, 4, 2, 8
 SPANS = [(4, 30), (30, 60)]

@@ -10,8 +10,8 @@ import torch
 
 from relaxkv_sglang.repair.repair_config import RepairCost
 from relaxkv_sglang.attention.gpu.prefill_inputs import ScopedPrefillInputs, scoped_prefill_inputs
-from relaxkv_sglang.attention.sglang.context import ExtendRows, ForwardContext, forward_context
-from relaxkv_sglang.server.failures import InvariantError
+from relaxkv_sglang.forward.context import ExtendRows, ForwardContext, forward_context
+from relaxkv_sglang.runtime.failures import InvariantError
 from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention
 
 SGLANG, SCOPED = "sglang", "scoped"

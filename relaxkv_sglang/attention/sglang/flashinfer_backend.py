@@ -22,8 +22,8 @@ from relaxkv_sglang.attention.sglang.attention_paths import (
     plugin_state,
     scoped_inputs,
 )
-from relaxkv_sglang.attention.sglang.context import forward_context, record_query_scores
-from relaxkv_sglang.server.failures import InvariantError
+from relaxkv_sglang.forward.context import forward_context, record_query_scores
+from relaxkv_sglang.runtime.failures import InvariantError
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention

@@ -15,7 +15,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from relaxkv_sglang.attention.causal import scoped_causal_attention
 from relaxkv_sglang.attention.sglang.attention_paths import contiguous_rows, plugin_state
-from relaxkv_sglang.attention.sglang.context import ExtendRows, forward_context, record_query_scores
+from relaxkv_sglang.forward.context import ExtendRows, forward_context, record_query_scores
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention

@@ -3,7 +3,7 @@
 Before ``PrefillAdder`` checks a request against ``free + evictable_size()``, its chunk hits are
 pinned so no allocation evicts them; while others run, the check also runs under
 :meth:`~relaxkv_sglang.cache.sglang.pins.AdmissionHold.hold`. Pins are dropped after the fold
-(:mod:`relaxkv_sglang.server.sglang.pipeline`), on release and on a flush; docs/reliability.md.
+(:mod:`relaxkv_sglang.forward.pipeline`), on release and on a flush; docs/reliability.md.
 
 SGLang files touched (hooks registered in ``plugin.py``): ``managers/schedule_policy.py``
 ``PrefillAdder.add_one_req`` and ``PrefillAdder.add_chunked_req`` (around),

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from relaxkv_sglang.cache.tiers import ModelIdentity
-from relaxkv_sglang.server.settings import FINGERPRINT_MODES
+from relaxkv_sglang.runtime.settings import FINGERPRINT_MODES
 
 __all__ = ["KVIdentity", "TOKENIZER_FILES", "VOLATILE_CONFIG_KEYS", "kv_identity",
            "resolve_folder", "tokenizer_fingerprint", "weights_fingerprint"]

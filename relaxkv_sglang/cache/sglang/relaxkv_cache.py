@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol, Sequence
 
 import torch
 
-from relaxkv_sglang.server import state
+from relaxkv_sglang.runtime import records
 
 if TYPE_CHECKING:
     from relaxkv_sglang.cache.tiers import TierName
@@ -46,13 +46,13 @@ class RelaxKVCache(Protocol):
 
 def worker_cache(worker: Any) -> Optional[RelaxKVCache]:
     """The relaxkv tree cache of this scheduler's worker, or None if not selected."""
-    held = state.record(worker, state.WorkerState, create=False)
+    held = records.record(worker, records.WorkerState, create=False)
     return held.cache if held is not None else None
 
 
 def attach_worker_cache(worker: Any, cache: RelaxKVCache) -> None:
     """Make ``cache`` the one :func:`worker_cache` finds for ``worker`` (the factory's call)."""
-    state.record(worker, state.WorkerState).cache = cache
+    records.record(worker, records.WorkerState).cache = cache
 
 
 __all__ = ["RelaxKVCache", "worker_cache", "attach_worker_cache"]

@@ -96,7 +96,7 @@ class RelaxKVTreeCache(RadixCache):
         slots = allocator.alloc(n)
         return None if slots is None else slots.to(torch.int64)
 
-    # -------------------------------------------------- admission (cache/sglang/admission.py, server/sglang/pipeline.py)
+    # -------------------------------------------------- admission (cache/sglang/admission.py, forward/pipeline.py)
 
     @property
     def pins(self) -> dict[str, list[tuple[int, ChunkEntry]]]:

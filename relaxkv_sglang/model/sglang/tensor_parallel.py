@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from relaxkv_sglang.model.tensor_parallel import ONE_RANK, TensorParallel, TimedCollectives
-from relaxkv_sglang.server.failures import InvariantError
-from relaxkv_sglang.server.settings import server_settings
+from relaxkv_sglang.runtime.failures import InvariantError
+from relaxkv_sglang.runtime.settings import server_settings
 
 
 class GroupCoordinatorRanks(TimedCollectives):

@@ -25,7 +25,7 @@ from relaxkv_sglang.repair.policies.base import LayerEdit, MeasuredKV
 from relaxkv_sglang.repair.anchor_schedule import AnchorSchedule
 from relaxkv_sglang.model.rope import RopeSpec, rotate_keys
 from relaxkv_sglang.attention.staging import HostStage, Staged
-from relaxkv_sglang.server.failures import InvariantError
+from relaxkv_sglang.runtime.failures import InvariantError
 from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention, PreparedAnchors
 from relaxkv_sglang.model.sglang.model_layers import ModelLayers
 from relaxkv_sglang.model.tensor_parallel import ONE_RANK, check_same, digest

@@ -30,10 +30,10 @@ from relaxkv_sglang.request.schema import (
     header_policy,
     mentions_fields,
 )
-from relaxkv_sglang.server.settings import server_settings
-from relaxkv_sglang.server import state
+from relaxkv_sglang.runtime.settings import server_settings
+from relaxkv_sglang.runtime import records
 from relaxkv_sglang.request.plan import RequestPlan, chunk_tree_served, request_namespace
-from relaxkv_sglang.server.sglang.gate_refusal import chunk_refusal
+from relaxkv_sglang.request.sglang.gate_refusal import chunk_refusal
 from relaxkv_sglang.request.sglang.sglang_fields import check_sglang_fields
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def document_index(tokenizer_manager: Any) -> Optional[DocumentIndex]:
     ``RELAXKV_DISCOVERY_INDEX`` is set."""
     if not server_settings().discovery_index:
         return None
-    held = state.record(tokenizer_manager, state.TokenizerState)
+    held = records.record(tokenizer_manager, records.TokenizerState)
     if held.document_index is None:
         held.document_index = DocumentIndex()
     return held.document_index
@@ -75,7 +75,7 @@ def prompt_boundaries(tokenizer: Any, text: str) -> Optional[list[int]]:
 async def around_flush_cache(original: Callable[..., Any], tokenizer_manager: Any, *args: Any, **kwargs: Any) -> Any:
     """Hook on ``TokenizerControlMixin.flush_cache``: a successful flush also empties the discovery index."""
     result = await original(tokenizer_manager, *args, **kwargs)
-    held = state.record(tokenizer_manager, state.TokenizerState, create=False)
+    held = records.record(tokenizer_manager, records.TokenizerState, create=False)
     index = held.document_index if held is not None else None
     if index is not None and getattr(result, "success", False):
         index.clear()

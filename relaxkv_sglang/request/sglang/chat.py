@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from relaxkv_sglang.request.doc_index import discover_chunks
 from relaxkv_sglang.request.schema import CHUNKS, POLICY, RequestError, header_policy
-from relaxkv_sglang.server.settings import server_settings
+from relaxkv_sglang.runtime.settings import server_settings
 from relaxkv_sglang.request.sglang.api import document_index, item_namespace, prompt_boundaries
 from relaxkv_sglang.request.plan import chunk_tree_served
 

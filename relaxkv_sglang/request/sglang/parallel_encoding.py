@@ -20,7 +20,7 @@ from fastapi import Request
 
 from relaxkv_sglang.repair.policies import Policy
 from relaxkv_sglang.request.schema import CHUNKS, POLICY
-from relaxkv_sglang.server.settings import server_settings
+from relaxkv_sglang.runtime.settings import server_settings
 from relaxkv_sglang.request.sglang.join_registry import JoinRegistry
 from relaxkv_sglang.request.plan import chunk_tree_served
 

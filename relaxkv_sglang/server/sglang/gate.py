@@ -35,8 +35,8 @@ from relaxkv_sglang.server.gate import (
 )
 from relaxkv_sglang.repair.policies import CHUNK_POLICIES
 from relaxkv_sglang.model.rope import RopeSpec
-from relaxkv_sglang.server.settings import ROPE_OVERRIDE_ENV, server_settings
-from relaxkv_sglang.server import state
+from relaxkv_sglang.runtime.settings import ROPE_OVERRIDE_ENV, server_settings
+from relaxkv_sglang.runtime import records
 from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention
 from relaxkv_sglang.repair.sglang.layer_loop import LayerLoop, LoopRows
 from relaxkv_sglang.model.sglang.model_layers import ModelLayers, UnsupportedModelError
@@ -70,7 +70,7 @@ def run_startup_gate(worker: Any, cache: Any, context_len: int, *, tp_rank: int 
         logger.debug("relaxkv: correctness gate raised", exc_info=True)
         result = GateResult.failure(f"the gate could not run: {type(exc).__name__}: {exc}")
     result = dataclasses.replace(_agreed(result), seconds=round(time.perf_counter() - start, 3))
-    state.record(cache, state.CacheState).gate = result
+    records.record(cache, records.CacheState).gate = result
     if tp_rank == 0:
         _log(result, type(causal_lm).__name__)
     if enable_metrics:
@@ -95,7 +95,7 @@ def _agreed(result: GateResult) -> GateResult:
 
 def gate_state(cache: Any) -> Optional[dict]:
     """The verdict as /get_server_info shows it (``relaxkv.gate``), None before the gate ran."""
-    held = state.record(cache, state.CacheState, create=False)
+    held = records.record(cache, records.CacheState, create=False)
     return None if held is None or held.gate is None else held.gate.to_dict()
 
 

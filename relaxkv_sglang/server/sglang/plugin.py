@@ -19,7 +19,7 @@ SGLANG_VERSION = "0.5.23"
 #: ``<class>.forward`` of each decoder-stack class (``model/model_family.py``) -> the repair hook.
 MODEL_FORWARD_HOOKS = {
     f"{model_class}.forward": (
-        "relaxkv_sglang.repair.sglang.repair_stage:around_model_forward", ("self", "input_ids", "positions", "forward_batch"))
+        "relaxkv_sglang.forward.repair_stage:around_model_forward", ("self", "input_ids", "positions", "forward_batch"))
     for model_class in hooked_model_classes()
 }
 
@@ -30,9 +30,9 @@ HOOKS = {
     "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.flush_cache": (
         "relaxkv_sglang.request.sglang.api:around_flush_cache", ("self",)),
     "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation": (
-        "relaxkv_sglang.server.sglang.pipeline:around_forward_batch_generation", ("self", "batch")),
+        "relaxkv_sglang.forward.pipeline:around_forward_batch_generation", ("self", "batch")),
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (
-        "relaxkv_sglang.server.sglang.pipeline:around_forward_batch_init_new", ("cls", "batch", "model_runner")),
+        "relaxkv_sglang.forward.pipeline:around_forward_batch_init_new", ("cls", "batch", "model_runner")),
     **MODEL_FORWARD_HOOKS,
     "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill": (
         "relaxkv_sglang.cache.sglang.admission:around_get_new_batch_prefill", ("self", "running_batch")),
@@ -44,7 +44,7 @@ HOOKS = {
         "relaxkv_sglang.server.sglang.startup:around_get_internal_state", ("self", "recv_req")),
     "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
     ".is_request_level_customized_info_key": (
-        "relaxkv_sglang.request.report:around_is_request_level_key", ("self", "key")),
+        "relaxkv_sglang.forward.report:around_is_request_level_key", ("self", "key")),
     "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request": (
         "relaxkv_sglang.request.sglang.chat:around_convert_to_internal_request", ("self", "request", "raw_request")),
     "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._generate_stream_content": (
@@ -124,7 +124,7 @@ def _register_backends() -> None:
 def register() -> None:
     """Called by ``sglang.srt.plugins.load_plugins`` in each SGLang process."""
     _check_cpu_shims()
-    from relaxkv_sglang.server.settings import server_settings
+    from relaxkv_sglang.runtime.settings import server_settings
 
     server_settings()  # read once per process: a bad RELAXKV_* value stops the server here
     _register_backends()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from relaxkv_sglang.model.rope import UnsupportedRopeError
 from relaxkv_sglang.model.rope_config import rope_spec_from_hf_config
-from relaxkv_sglang.server.settings import ServerSettings, server_settings
+from relaxkv_sglang.runtime.settings import ServerSettings, server_settings
 from relaxkv_sglang.repair.sglang.served_calibration import calibration_state, load_served_calibration
 from relaxkv_sglang.cache.sglang.relaxkv_cache import attach_worker_cache, worker_cache
 from relaxkv_sglang.cache.sglang.chunk_metrics import ChunkMetrics
@@ -24,8 +24,8 @@ from relaxkv_sglang.server.sglang.gate import gate_state, run_startup_gate, serv
 from relaxkv_sglang.cache.sglang.kv_identity import KVIdentity, kv_identity
 from relaxkv_sglang.model.sglang.model_layers import family_line, supports_repair
 from relaxkv_sglang.model.sglang.tensor_parallel import served_tensor_parallel
-from relaxkv_sglang.server.state import CacheState
-from relaxkv_sglang.server.state import record as state_record
+from relaxkv_sglang.runtime.records import CacheState
+from relaxkv_sglang.runtime.records import record as state_record
 from relaxkv_sglang.request.plan import BACKEND_NAME
 from relaxkv_sglang.cache.sglang.pool_kv import PoolKV
 from relaxkv_sglang.cache.sglang.tier_configs import build_tiers, tier_configs_from_env

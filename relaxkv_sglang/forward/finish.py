@@ -1,7 +1,7 @@
-"""After the forward (the last stage, :mod:`relaxkv_sglang.server.sglang.pipeline`): misses published, reuse counted, reports.
+"""After the forward (the last stage, :mod:`relaxkv_sglang.forward.pipeline`): misses published, reuse counted, reports.
 
 Reused chunk tokens are added to SGLang's own accounting by source tier (``req.cached_tokens*``, the
-batch's prefill statistics); the ``meta_info.relaxkv`` record is :mod:`relaxkv_sglang.request.report`.
+batch's prefill statistics); the ``meta_info.relaxkv`` record is :mod:`relaxkv_sglang.forward.report`.
 """
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Mapping
 
 from relaxkv_sglang.cache.sglang.cache_source import SGLANG_CACHE_SOURCES, by_cache_source
-from relaxkv_sglang.request.report import merge_record, request_record
+from relaxkv_sglang.forward.report import merge_record, request_record
 
 if TYPE_CHECKING:
-    from relaxkv_sglang.repair.sglang.query_pass import ForwardSetup
-    from relaxkv_sglang.repair.sglang.repair_stage import RepairOutcome
+    from relaxkv_sglang.forward.query_pass import ForwardSetup
+    from relaxkv_sglang.forward.repair_stage import RepairOutcome
     from relaxkv_sglang.cache.sglang.relaxkv_cache import RelaxKVCache
 
 

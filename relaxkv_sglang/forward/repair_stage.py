@@ -22,18 +22,18 @@ import torch
 from relaxkv_sglang.repair.repair_config import RepairConfig
 from relaxkv_sglang.repair.anchor_schedule import AnchorSchedule, schedule_anchors
 from relaxkv_sglang.repair.sglang.served_calibration import served_settings
-from relaxkv_sglang.repair.sglang.budget import decide_budget
-from relaxkv_sglang.attention.sglang.context import forward_context
-from relaxkv_sglang.server.failures import InvariantError, served_as_pic
+from relaxkv_sglang.forward.budget import decide_budget
+from relaxkv_sglang.forward.context import forward_context
+from relaxkv_sglang.runtime.failures import InvariantError, served_as_pic
 from relaxkv_sglang.repair.sglang.layer_loop import LayerLoop, LoopRows
 from relaxkv_sglang.model.sglang.model_layers import ModelLayers
 from relaxkv_sglang.model.tensor_parallel import place_shard
-from relaxkv_sglang.server import state
+from relaxkv_sglang.runtime import records
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-    from relaxkv_sglang.repair.sglang.query_pass import ForwardSetup, RequestRows
+    from relaxkv_sglang.forward.query_pass import ForwardSetup, RequestRows
     from relaxkv_sglang.cache.sglang.relaxkv_cache import RelaxKVCache
 
 
@@ -77,7 +77,7 @@ class RepairStage:
         try:
             return self._run(model, hidden)
         finally:
-            timing = state.record(self.cache, state.CacheState)
+            timing = records.record(self.cache, records.CacheState)
             timing.repair_stages += 1
             timing.repair_seconds += time.perf_counter() - start
 

@@ -12,9 +12,9 @@ from typing import Any, Iterator, Optional, Protocol, Sequence
 import torch
 
 from relaxkv_sglang.attention.staging import to_device
-from relaxkv_sglang.repair.selection import query_attention_scores
-from relaxkv_sglang.server.failures import InvariantError
-from relaxkv_sglang.server import state
+from relaxkv_sglang.attention.query_scores import query_attention_scores
+from relaxkv_sglang.runtime.failures import InvariantError
+from relaxkv_sglang.runtime import records
 
 
 @dataclasses.dataclass
@@ -81,7 +81,7 @@ class Repair(Protocol):
 @dataclasses.dataclass
 class ForwardContext:
     """The fold's decision for one forward: ``positions`` int64 [n_rows] of the folded batch; ``repair`` run by the
-    model hook after SGLang's forward (:mod:`relaxkv_sglang.repair.sglang.repair_stage`), None if none is repaired."""
+    model hook after SGLang's forward (:mod:`relaxkv_sglang.forward.repair_stage`), None if none is repaired."""
 
     positions: torch.Tensor
     extend_rows: list[ExtendRows]
@@ -104,32 +104,32 @@ class PendingForward:
 @contextlib.contextmanager
 def attached(schedule_batch: Any, readers: Sequence[Any], pending: PendingForward) -> Iterator[None]:
     """For one forward: the folded batch on ``schedule_batch``, its context on each reader; removed afterwards."""
-    state.attach(schedule_batch, state.BatchState(pending))
+    records.attach(schedule_batch, records.BatchState(pending))
     for reader in readers:
         attach_context(reader, pending.context)
     try:
         yield
     finally:
-        state.detach(schedule_batch)
+        records.detach(schedule_batch)
         for reader in readers:
             attach_context(reader, None)
 
 
 def pending_forward(schedule_batch: Any) -> Optional[PendingForward]:
     """The folded batch attached to a ``ScheduleBatch``, if any."""
-    held = state.record(schedule_batch, state.BatchState, create=False)
+    held = records.record(schedule_batch, records.BatchState, create=False)
     return held.pending if held is not None else None
 
 
 def attach_context(reader: Any, context: Optional[ForwardContext]) -> None:
     """Attach (or, with None, remove) the fold's decision on a reader of one forward (:func:`attached`)."""
     if context is None:
-        state.detach(reader)
+        records.detach(reader)
     else:
-        state.attach(reader, state.ReaderState(context))
+        records.attach(reader, records.ReaderState(context))
 
 
 def forward_context(reader: Any) -> Optional[ForwardContext]:
     """The fold's decision for the forward running now on this object, if any."""
-    held = state.record(reader, state.ReaderState, create=False)
+    held = records.record(reader, records.ReaderState, create=False)
     return held.context if held is not None else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from relaxkv_sglang.server import state
+from relaxkv_sglang.runtime import records
 
 if TYPE_CHECKING:
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
@@ -22,7 +22,7 @@ async def chunk_refusal(tokenizer_manager: "TokenizerManager") -> str:
     Reads ``relaxkv.gate`` of every scheduler's internal state (one per data-parallel rank); any
     failed gate refuses. A state without a gate (the gate never ran) refuses nothing.
     """
-    held = state.record(tokenizer_manager, state.TokenizerState)
+    held = records.record(tokenizer_manager, records.TokenizerState)
     if held.gate_refusal is not None:
         return held.gate_refusal
     states = await tokenizer_manager.get_internal_state()

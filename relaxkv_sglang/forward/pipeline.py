@@ -2,24 +2,24 @@
 
 :func:`around_forward_batch_generation` wraps ``TpModelWorker.forward_batch_generation``:
 
-1. :func:`~relaxkv_sglang.cache.sglang.fold.fold_batch` -> :class:`~relaxkv_sglang.cache.sglang.fold.Fold`
+1. :func:`~relaxkv_sglang.forward.fold.fold_batch` -> :class:`~relaxkv_sglang.forward.fold.Fold`
    (hits copied and dropped, misses scoped);
-2. :func:`~relaxkv_sglang.repair.sglang.query_pass.set_up_forward` ->
-   :class:`~relaxkv_sglang.repair.sglang.query_pass.ForwardSetup` (every request's rows; a request to repair
+2. :func:`~relaxkv_sglang.forward.query_pass.set_up_forward` ->
+   :class:`~relaxkv_sglang.forward.query_pass.ForwardSetup` (every request's rows; a request to repair
    gets its query pass);
-3. :func:`~relaxkv_sglang.repair.sglang.repair_stage.repair_stage` ->
-   :class:`~relaxkv_sglang.repair.sglang.repair_stage.RepairStage` or None, run by the model hook;
-4. SGLang's forward under :func:`~relaxkv_sglang.attention.sglang.context.attached` (``ForwardBatch`` built
+3. :func:`~relaxkv_sglang.forward.repair_stage.repair_stage` ->
+   :class:`~relaxkv_sglang.forward.repair_stage.RepairStage` or None, run by the model hook;
+4. SGLang's forward under :func:`~relaxkv_sglang.forward.context.attached` (``ForwardBatch`` built
    from the folded batch by :func:`around_forward_batch_init_new`) -> the stage's
-   :attr:`~relaxkv_sglang.repair.sglang.repair_stage.RepairStage.outcomes`;
-5. :func:`~relaxkv_sglang.cache.sglang.finish.finish_forward`: misses published, reuse counted,
+   :attr:`~relaxkv_sglang.forward.repair_stage.RepairStage.outcomes`;
+5. :func:`~relaxkv_sglang.forward.finish.finish_forward`: misses published, reuse counted,
    ``meta_info.relaxkv``.
 
 Under tensor parallelism with ``RELAXKV_TP_CHECK`` on, the ranks compare their folds first (one gather):
 a store out of lockstep stops the server naming the request instead of hanging in SGLang's collectives.
 
 Then the batch's admission pins are dropped, whatever happened; only an
-:class:`~relaxkv_sglang.server.failures.InvariantError` raises out (logged).
+:class:`~relaxkv_sglang.runtime.failures.InvariantError` raises out (logged).
 
 SGLang files touched (hooks registered in ``plugin.py``): ``managers/tp_worker.py``
 ``TpModelWorker.forward_batch_generation`` (around) and
@@ -31,14 +31,14 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
-from relaxkv_sglang.attention.sglang.context import ForwardContext, PendingForward, attached, pending_forward
-from relaxkv_sglang.server.failures import InvariantError
-from relaxkv_sglang.cache.sglang.finish import finish_forward
-from relaxkv_sglang.cache.sglang.fold import fold_batch, fold_digests
+from relaxkv_sglang.forward.context import ForwardContext, PendingForward, attached, pending_forward
+from relaxkv_sglang.runtime.failures import InvariantError
+from relaxkv_sglang.forward.finish import finish_forward
+from relaxkv_sglang.forward.fold import fold_batch, fold_digests
 from relaxkv_sglang.model.sglang.tensor_parallel import served_tensor_parallel
 from relaxkv_sglang.model.tensor_parallel import check_same
-from relaxkv_sglang.repair.sglang.query_pass import set_up_forward
-from relaxkv_sglang.repair.sglang.repair_stage import repair_stage
+from relaxkv_sglang.forward.query_pass import set_up_forward
+from relaxkv_sglang.forward.repair_stage import repair_stage
 from relaxkv_sglang.cache.sglang.relaxkv_cache import worker_cache
 
 logger = logging.getLogger(__name__)

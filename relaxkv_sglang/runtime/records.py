@@ -21,13 +21,13 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
-from relaxkv_sglang.server.failures import InvariantError
+from relaxkv_sglang.runtime.failures import InvariantError
 
 if TYPE_CHECKING:
     from relaxkv_sglang.request.doc_index import DocumentIndex
     from relaxkv_sglang.server.gate import GateResult
     from relaxkv_sglang.repair.sglang.served_calibration import ServedCalibration
-    from relaxkv_sglang.attention.sglang.context import ForwardContext, PendingForward
+    from relaxkv_sglang.forward.context import ForwardContext, PendingForward
     from relaxkv_sglang.cache.sglang.relaxkv_cache import RelaxKVCache
 
 __all__ = ["ATTR", "record", "attach", "detach", "CacheState", "TokenizerState", "WorkerState", "BatchState",

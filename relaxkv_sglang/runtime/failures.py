@@ -6,7 +6,7 @@
   other requests are served as before.
 * A broken invariant of the plugin's own bookkeeping (:class:`InvariantError`), never one
   request's input, is the only error the forward's stages let out of the scheduler:
-  :mod:`relaxkv_sglang.server.sglang.pipeline` logs it in one line before SGLang stops the server.
+  :mod:`relaxkv_sglang.forward.pipeline` logs it in one line before SGLang stops the server.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Fields (documented in ``docs/api.md``): ``policy``, ``chunks_seen``, ``chunks_hi
 ``repairs``; for a repaired request ``anchor_ratio``, ``anchors_per_layer``, ``anchors_by_layer`` (|A_l| per
 layer), ``anchor_set_digest`` (the anchor sets' positions, as 16 hex digits: equal for equal sets), ``context_ratio``,
 ``repair_kv_pairs``, ``repair_kv_pairs_executed`` and the budget's fields (``budget``,
-``budget_choice``, ``budget_signal``: ``repair/sglang/budget.py``); otherwise, under a repair policy,
+``budget_choice``, ``budget_signal``: ``forward/budget.py``); otherwise, under a repair policy,
 ``not_repaired_reason``. Over several prefill steps (chunked prefill windows, a retraction)
 counters are summed and the repair fields are those of the step that completed the prompt.
 
@@ -26,8 +26,8 @@ from relaxkv_sglang.request.plan import RECORD_KEY
 
 if TYPE_CHECKING:
     from relaxkv_sglang.repair.sglang.layer_loop import LoopRows
-    from relaxkv_sglang.repair.sglang.query_pass import RequestRows
-    from relaxkv_sglang.repair.sglang.repair_stage import RepairOutcome
+    from relaxkv_sglang.forward.query_pass import RequestRows
+    from relaxkv_sglang.forward.repair_stage import RepairOutcome
 
 # The hit tokens of each lower tier, one field per tier name (the tiers' one vocabulary).
 _TIER_FIELDS = {tier: f"chunk_tokens_from_{tier.value}" for tier in TierName if tier != TierName.DEVICE}

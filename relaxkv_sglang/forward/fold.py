@@ -3,7 +3,7 @@
 Per chunk in the extend window: a **hit** is copied into the request's slots and its rows leave
 the batch; a **miss** keeps its rows, each attending only to its own chunk, and is published after
 the forward. Rows SGLang reads (the window's last, input logprobs) are always computed, a hit's at
-chunk scope, so logprobs never depend on the cache. :mod:`~relaxkv_sglang.repair.sglang.query_pass` turns the
+chunk scope, so logprobs never depend on the cache. :mod:`~relaxkv_sglang.forward.query_pass` turns the
 :class:`Fold` into rows.
 """
 

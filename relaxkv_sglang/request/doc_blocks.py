@@ -1,32 +1,21 @@
 """Where new documents lie in an unmarked prompt: the structures RAG frameworks write.
 
-Frameworks put retrieved documents between blank lines, ``---`` rule lines, ``[1]`` or
-``Document 2:`` markers, metadata lines (``file_path: ...``), markup tags, or one per line. This
-module cuts each *region* (a chat message's content; the whole text of a plain prompt; text outside
-every region is template markup) into *blocks*; :mod:`relaxkv_sglang.request.doc_index` takes some as chunks.
+Each *region* (a chat message's content; a plain prompt's whole text) is cut into *blocks*:
 
-1. **Lines.** A line is a separator if *blank*, a *rule* (3+ of one of ``- = * _ ~``), a *heading*
-   (``#``..``######`` then text), *metadata* (``key: value``, identifier key, at most
-   :data:`MAX_META_CHARS`) or a *tag line* (markup tags, optionally around a chat role word); else
-   text, less a leading *marker* (:data:`DOC_LABELS`: ``[3]``, ``Document 3:``, ``Source:`` ...) and
-   leading/trailing tags, each a separator piece of its own.
-2. **Blocks.** Consecutive text pieces form one block (trimmed); any separator ends it. Separators
-   are blocks of kind ``label`` (rules, headings, markers, tags), ``meta``, ``question`` or
-   ``markup`` (chat special tokens, role words); adjacent ones of one kind merge.
-3. **Finer cuts.** A text block whose every line ends a sentence and which has two lines of at least
-   ``min_chunk_chars`` is cut at every line; otherwise a *title line* (at most
-   :data:`MAX_TITLE_CHARS` and half the next line, not lower-case first, not ending a sentence or in
-   ``: , ;``, after a sentence end) starts a new block.
-4. **Candidates.** A text block of at least ``min_chunk_chars`` code points is a document, except the
-   last (the question) unless a :data:`QUESTION_KEYS` metadata line follows it, and the first unless
-   a label or metadata block directly precedes it. A document's span includes the metadata lines
-   directly before it; markers stay outside (their numbers change with the order).
+1. **Lines.** Separators: blank lines, rules (``---``), headings (``# x``), ``key: value`` metadata (at
+   most :data:`MAX_META_CHARS`), tag lines; and, on a text line, a leading *marker* (:data:`DOC_LABELS`:
+   ``[3]``, ``Document 3:``) and leading/trailing tags.
+2. **Blocks.** Consecutive text lines form one block; separators are ``label``, ``meta``, ``question``
+   or ``markup`` blocks (chat special tokens, role words), adjacent ones of one kind merged.
+3. **Finer cuts.** A block whose every line ends a sentence, two of them ``min_chunk_chars`` long, is cut
+   at every line; else a *title line* (short, after a sentence end, not one itself) starts a block.
+4. **Candidates.** A text block of ``min_chunk_chars`` code points is a document, but the last (the
+   question, unless a :data:`QUESTION_KEYS` line follows) and the first unless a label or metadata
+   precedes it; with the metadata lines just before it, without markers (numbers change with the order).
 
-Every rule looks at a line, its neighbours and its block only, so a document between the same
-structures yields the same block in every prompt; a false cut costs quality, never correctness.
-Linear in the text (it runs on the tokenizer manager's event loop): patterns anchored at a line's
-start with possessive runs, trailing tags read from the reversed line
-(docs/experiments/INDEX.md#discovery-linear-time). Standard library only.
+Every rule reads a line, its neighbours and its block only, so a document between the same structures
+yields the same block in every prompt; a false cut costs quality, never correctness. Linear in the text
+(it runs on the tokenizer manager's event loop; docs/experiments/INDEX.md#discovery-linear-time).
 """
 
 from __future__ import annotations
@@ -40,20 +29,17 @@ __all__ = ["Block", "BlockKind", "DOC_LABELS", "QUESTION_KEYS", "MAX_META_CHARS"
 
 BlockKind = Literal["text", "label", "meta", "question", "markup"]
 
-# Words that label a document at a line's start ("Document 2:", "Sources:", "Context: ...").
 DOC_LABELS = ("context", "contexts", "document", "documents", "doc", "docs", "source", "sources",
               "passage", "passages", "reference", "references", "excerpt", "excerpts", "snippet",
               "snippets", "chunk", "chunks", "evidence", "knowledge", "page_content", "content",
               "retrieved context", "retrieved documents")
-MAX_TITLE_CHARS = 48  # a title line is at most this long and at most half the next line's length
-QUESTION_KEYS = ("question", "query", "q", "input", "user question")  # metadata keys that hold the question
+MAX_TITLE_CHARS = 48
+QUESTION_KEYS = ("question", "query", "q", "input", "user question")
 MAX_META_CHARS = 160  # a "key: value" line longer than this is text (e.g. "Title: <a whole document>")
 _ROLES = r"(?:system|user|assistant|human|ai|model|developer|tool|bot)"
 _LABEL_ALT = "|".join(re.escape(w) for w in sorted(DOC_LABELS, key=len, reverse=True))
 
-# The line patterns are matched anchored (``match`` / ``fullmatch``), and a run that what follows it
-# cannot continue is possessive (``*+``, ``++``, ``{m,n}+``: no backtracking into it), so one
-# match costs O(line): a line of 100K spaces or tags fails at once instead of retrying every split.
+# Anchored patterns with possessive runs: one match costs O(line), never a retry of every split.
 _RULE = re.compile(r"[ \t]*+(?:-{3,}+|={3,}+|\*{3,}+|_{3,}+|~{3,}+)[ \t]*+")
 _HEADING = re.compile(r"[ \t]*+#{1,6}+[ \t]++\S.*")
 _META = re.compile(r"[ \t]*+[A-Za-z_][\w.\-]{0,40}+:(?:[ \t].*)?")
@@ -61,39 +47,32 @@ _QUESTION = re.compile(rf"[ \t]*+(?:{'|'.join(QUESTION_KEYS)})[ \t]*+:[ \t]*+\S.
 _TAG = r"<[^<>\n]{1,64}+>"
 _TAG_LINE = re.compile(rf"[ \t]*+(?:{_TAG}[ \t]*+)++(?:{_ROLES}[ \t]*+(?:{_TAG}[ \t]*+)*+)?", re.I)
 _LEAD_TAGS = re.compile(rf"[ \t]*+(?:{_TAG}[ \t]*+)++")
-# Trailing tags are matched on the reversed line, anchored at its start (``search`` for a
-# ``$``-anchored pattern retries every start position: quadratic on a long line of tags).
+# Matched on the reversed line, anchored (a ``$``-anchored ``search`` is quadratic on a line of tags).
 _TRAIL_TAGS_REVERSED = re.compile(r"[ \t]*+(?:>[^<>\n]{1,64}+<[ \t]*+)++")
 _NUMBER = r"(?:#?\d{1,4}|\[\d{1,4}\])"
 _MARKER = re.compile(  # "[3] ", "(3) ", "Document 3: ", "Document [3]. ", "Sources: "
     rf"[ \t]*+(?:[\[(]\d{{1,4}}[\])](?=\s|$)|(?:{_LABEL_ALT})[ \t]*+(?:{_NUMBER}[ \t]*+(?:[:.)\]\-]|$)|:))[ \t]*+",
     re.I)
-# Searched over a line (unanchored), but every start is a stop or a colon and runs from there to
-# the line's end: the runs after two starts do not overlap, so the search is linear.
+# Unanchored, but linear: every start is a stop and runs to the line's end (the runs do not overlap).
 _SENTENCE_END = re.compile(r"[.!?\u3002\uff01\uff1f][\"'\u201d\u2019)\]]*+\s*+$")
 _NOT_TITLE_END = re.compile(r"[:,;]\s*+$")
-_BLANK_LINES = re.compile(r"(?:[^\S\n]*+\n)++")  # whitespace-only lines, each with its newline
-# First characters (after spaces and tabs) that can start a pattern: the others are not tried.
+_BLANK_LINES = re.compile(r"(?:[^\S\n]*+\n)++")
 _RULE_CHARS = "-=*_~"
 _META_START = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz_")
-# ASCII characters no marker starts with (a marker opens with "[", "(" or a label's first letter,
-# in either case; a non-ASCII character is always tried, as re.I folds some onto ASCII letters)
+# ASCII that starts no marker (non-ASCII is always tried: re.I folds some onto ASCII letters)
 _NO_MARKER_START = frozenset(chr(i) for i in range(128)) - set("[(") - {
     x for w in DOC_LABELS for x in (w[0].lower(), w[0].upper())}
-_STOPS = frozenset(".!?\u3002\uff01\uff1f")  # a trimmed line ending in one ends a sentence
-_CLOSERS = frozenset("\"'\u201d\u2019)]")  # ... and one ending in one of these may (quotes after the stop)
-# Lines that may be separators or carry a marker or tags (a superset: each is then looked at on
-# its own): blank; opening (after spaces and tabs) with a rule, heading or tag character, a
-# bracket, a document label or an identifier and a colon; or ending in ">". Every alternative
-# starts at a line start and reads at most that line: one search costs O(text searched).
+_STOPS = frozenset(".!?\u3002\uff01\uff1f")
+_CLOSERS = frozenset("\"'\u201d\u2019)]")  # a line ending in one may end a sentence (quotes after the stop)
+# A superset of the lines that may be separators or carry a marker or tags (each is then looked at
+# alone); every alternative starts at a line start and reads that line only: linear.
 _MAYBE_SEPARATOR = re.compile(
     rf"^(?:[^\S\n]*+$|[ \t]*+(?:[-=*_~#<\[(]|(?:{_LABEL_ALT})|[A-Za-z_][\w.\-]{{0,40}}+:)|[^\n]*?>[ \t]*+$)",
     re.I | re.M)
 
 
 class Block(NamedTuple):
-    """A piece of a prompt: ``text[start:end]``, trimmed; ``kind`` "text", "label", "meta",
-    "question" or "markup". (A named tuple: one is made per separator line, cheaply.)"""
+    """``text[start:end]``, trimmed. A named tuple: one is made per separator line, cheaply."""
 
     start: int
     end: int
@@ -106,19 +85,14 @@ def _special_tag(piece: str) -> bool:
 
 
 def _trailing_tags(line: str) -> int:
-    """Where the markup tags (and the spaces around them) that end ``line`` start; ``len(line)``
-    if it does not end in a tag. One anchored match over the reversed line: linear."""
+    """Where the tags (and spaces) that end ``line`` start; ``len(line)`` if none."""
     m = _TRAIL_TAGS_REVERSED.match(line[::-1])
     return len(line) - m.end() if m is not None else len(line)
 
 
 def _line_pieces(text: str, s: int, e: int) -> Optional[list[tuple[int, int, str]]]:
-    """(start, end, kind) pieces of the line ``text[s:e]``; kind "text", "own" (text after a marker:
-    a block of its own), "label", "question", "markup" or "blank". Every piece but "text" and
-    "blank" is trimmed. None: the whole line is text (the common case; no list is built).
-
-    Each pattern is tried only when the line's first character after spaces and tabs (``c``) can
-    start it, so a line of prose costs two string methods and at most two anchored matches."""
+    """(start, end, kind) pieces of ``text[s:e]`` ("own": text after a marker, a block of its own); None:
+    all text (the common case). A pattern is tried only where the line's first character can start it."""
     line = text[s:e]
     body = line.lstrip(" \t")
     if not body.strip():
@@ -173,18 +147,13 @@ def trim_span(text: str, s: int, e: int) -> tuple[int, int]:
 
 
 def _region_blocks(text: str, start: int, end: int) -> list[Block]:
-    """Rules 1-2 over ``text[start:end]``.
-
-    Only the region's first line and the lines :data:`_MAYBE_SEPARATOR` finds are looked at one by
-    one (:func:`_line_pieces`); the text lines between them join the current text block at once.
-    Separator pieces of one kind with no text between them become one block (what rule 4 reads
-    of them, their kind and where the first starts, is the same)."""
+    """Rules 1-2 over ``text[start:end]``. Only the first line and those :data:`_MAYBE_SEPARATOR`
+    finds are read one by one; the text lines between join the current text block at once."""
     blocks: list[Block] = []
     run_start = run_end = -1  # the text block being built (run_start < 0: none)
     sep_kind, sep_start, sep_end = "", 0, 0  # the separator block being built ("": none)
 
     def close() -> None:
-        """End the current text block, if any (after the separator block before it)."""
         nonlocal run_start, sep_kind
         s, e = trim_span(text, run_start, run_end)
         if s < e:
@@ -250,8 +219,8 @@ def _region_blocks(text: str, start: int, end: int) -> list[Block]:
 
 
 def _finer(text: str, block: Block, min_chunk_chars: int) -> list[Block]:
-    """Rule 3: one document per line, or titled blocks. Per line only string methods and
-    comprehensions; offsets are computed for the lines a cut needs."""
+    """Rule 3. A title line: at most :data:`MAX_TITLE_CHARS` and half the next line, not lower-case first,
+    not ending a sentence or in ``: , ;``."""
     raw = text[block.start:block.end].split("\n")
     if len(raw) < 2:
         return [block]
@@ -267,7 +236,6 @@ def _finer(text: str, block: Block, min_chunk_chars: int) -> list[Block]:
         starts = list(_line_starts(raw, block.start))
 
     def span(i: int) -> tuple[int, int]:
-        """Line ``i``'s trimmed offsets."""
         s = starts[i] + len(raw[i]) - len(raw[i].lstrip())
         return s, s + len(kept[i])
 
@@ -292,17 +260,9 @@ def _line_starts(lines: list[str], start: int) -> Iterator[int]:
 
 def find_blocks(text: str, regions: Optional[Sequence[tuple[int, int]]] = None, *,
                 min_chunk_chars: int = 64) -> list[Block]:
-    """Rules 1-3: the prompt's blocks in order.
-
-    Args:
-        text: the prompt.
-        regions: sorted, non-overlapping ``(start, end)`` spans searched (a chat message's content
-            each); None: the whole text.
-        min_chunk_chars: shortest document, in code points (rule 3's thresholds).
-
-    Returns:
-        Blocks in text order, each inside one region.
-    """
+    """Rules 1-3: the blocks in text order, each inside one of ``regions`` (sorted, non-overlapping
+    ``(start, end)`` spans, a chat message's content each; None: the whole text). ``min_chunk_chars``:
+    the shortest document, in code points."""
     if min_chunk_chars < 1:
         raise ValueError(f"min_chunk_chars must be >= 1, got {min_chunk_chars}")
     out: list[Block] = []

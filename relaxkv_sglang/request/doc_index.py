@@ -1,31 +1,18 @@
 """Chunk discovery in unmarked prompts: new documents by their structure, at token boundaries.
 
-:func:`discover_chunks` splits a prompt that marks no documents:
-
 1. **By structure** (always): :mod:`relaxkv_sglang.request.doc_blocks` names the blocks that are documents.
-2. **Token boundaries** (in the server): a span is trimmed of whitespace, moved inward to the
-   nearest *boundaries* of the prompt's own tokenization (:func:`token_boundaries`: offsets no
-   token straddles), and kept if still ``min_chunk_chars`` long; so a chunk tokenized alone has the
-   tokens the whole prompt has there (for tokenizers whose pieces do not depend on what precedes
-   them). Where the first word's token takes the space before it (byte-level BPE's ``"ĠThe"``,
-   SentencePiece's ``"▁The"``: after ``"[3] "`` no boundary lies right before ``"The"``), the start
-   moves back instead, over the whitespace right before it (never past anything else, the end of a
-   known or earlier chunk or the start of the chunk's region) to the nearest boundary there: the
-   chunk starts with that space (``" The ..."``) and keeps its first word.
-3. **Seen before** (opt-in, ``RELAXKV_DISCOVERY_INDEX=1``): :class:`DocumentIndex` holds chunks
-   discovered in earlier unmarked prompts, LRU-bounded, one namespace per tenant. A document ``D``
-   is filed under one window ``D[a : a + W]``, ``a >= 1`` right after a boundary character
-   (:data:`BOUNDARY`). If ``D`` occurs in ``T`` at ``s``, ``T[s + a - 1]`` is a boundary character,
-   so visiting every position ``p`` right after one, looking ``T[p : p + W]`` up and checking
-   ``T[p - a : p - a + len(D)] == D`` on token boundaries finds it: a hit is always the stored text.
-   Overlapping hits: longest first; a block overlapping a hit keeps what is left (step 2).
+2. **Token boundaries** (in the server): a span is trimmed and moved inward to offsets no token of the
+   prompt's own tokenization straddles (:func:`token_boundaries`), so a chunk tokenized alone has the
+   prompt's tokens there (for tokenizers whose pieces do not depend on what precedes them). Where the
+   first word's token takes the space before it (``"ĠThe"``, ``"▁The"``), the start moves back over
+   that space instead, so the chunk keeps its first word.
+3. **Seen before** (opt-in, ``RELAXKV_DISCOVERY_INDEX=1``): :class:`DocumentIndex`. A document ``D`` is
+   filed under a window ``D[a : a + W]`` right after a :data:`BOUNDARY` character; if ``D`` occurs in
+   ``T`` at ``s``, ``T[s + a - 1]`` is one, so looking up ``T[p : p + W]`` after every such character
+   and comparing the text finds it. Overlapping hits: longest first; a block keeps what no hit covers.
 
-Without the index a prompt's chunks are a function of the prompt and tokenizer alone (the same on
-every replica and restart); the index trades that for reuse where the block rules do not cut.
-Cost, linear in the prompt: the block rules, one ``bisect`` per chunk end (and a look back over the
-whitespace before a chunk's start, each character at most once); with the index one regex
-pass and one dict lookup per boundary character, comparisons bounded by ``compare_factor`` times
-the prompt's length. Standard library only.
+Without the index a prompt's chunks depend on the prompt and tokenizer alone (the same on every replica
+and restart). Linear in the prompt (with the index, comparisons bounded by ``compare_factor`` times it).
 """
 
 from __future__ import annotations
@@ -47,15 +34,10 @@ BOUNDARY = re.compile(r"[\s.,;:!?)\]}>\u3001\u3002\uff0c\uff1b\uff1a\uff01\uff1f
 
 
 class DocumentIndex:
-    """Document texts discovered before, per namespace, found again by :meth:`find`. Thread-safe.
-
-    Bounded: at most ``max_docs`` documents and ``max_chars`` code points in all (least recently
-    used or found first out); at most ``max_per_key`` documents share one anchor window (the
-    oldest leaves), so one search costs at most that many comparisons per position. A document
-    is filed under the first of its anchor windows that no other document uses (documents that
-    open alike, e.g. under the same ``file_path: /data/folder/`` line, are filed apart), else
-    under the least used one.
-    """
+    """Documents discovered before, per namespace, found again by :meth:`find`. Thread-safe; LRU
+    within ``max_docs`` and ``max_chars``. At most ``max_per_key`` documents share an anchor window
+    (the comparisons per position); a document takes its first window no other uses (documents
+    opening alike, e.g. one ``file_path:`` line, are filed apart), else the least used one."""
 
     def __init__(self, *, max_docs: int = 8192, max_chars: int = 16_000_000, window: int = 24,
                  max_per_key: int = 8, min_doc_chars: int = 64, compare_factor: int = 16) -> None:
@@ -76,18 +58,17 @@ class DocumentIndex:
 
     @property
     def chars(self) -> int:
-        """Code points held."""
         return self._chars
 
     def clear(self) -> None:
-        """Forget every document of every namespace (the server's ``/flush_cache``)."""
+        """The server's ``/flush_cache``: every namespace."""
         with self._lock:
             self._docs.clear()
             self._keys.clear()
             self._chars = 0
 
     def remember(self, namespace: Optional[str], texts: Iterable[str]) -> None:
-        """File each text (a chunk just discovered) under ``namespace``; a known one becomes most recent."""
+        """File each chunk just discovered; a known one becomes most recent."""
         with self._lock:
             for doc in texts:
                 key = (namespace, doc)
@@ -111,8 +92,7 @@ class DocumentIndex:
                 self._shrink()
 
     def _anchor(self, doc: str, table: dict[str, list[tuple[str, int]]]) -> Optional[int]:
-        """The offset of the anchor window ``doc`` is filed under (class doc), None if it has none.
-        Reads each of ``doc``'s anchor windows at most once: O(len(doc))."""
+        """The offset of ``doc``'s anchor window (class doc), None if it has none."""
         w, best, best_size = self.window, None, 0
         for m in BOUNDARY.finditer(doc, 0, max(0, len(doc) - w)):
             a = m.end()
@@ -141,17 +121,10 @@ class DocumentIndex:
 
     def find(self, text: str, namespace: Optional[str], regions: Optional[Sequence[Span]] = None,
              boundaries: Optional[Sequence[int]] = None) -> list[Span]:
-        """Non-overlapping spans of ``text`` that are documents filed under ``namespace``, sorted.
-
-        ``regions``: sorted, non-overlapping spans a hit must lie inside one of (None: anywhere).
-        ``boundaries``: sorted character offsets a hit must start and end on (the prompt's token
-        boundaries, :func:`token_boundaries`; None: any offset).
-
-        Linear: a candidate whose document overlaps an earlier hit of the same document is not
-        compared (it would lose to it), and the characters compared are bounded by
-        ``compare_factor * len(text)`` (past that, the search stops where it is: a prompt built so
-        that windows match everywhere costs no more).
-        """
+        """Sorted, disjoint spans of ``text`` that are documents filed under ``namespace``, each inside
+        one of ``regions`` and on ``boundaries`` (:func:`token_boundaries`; None: anywhere). Linear: a
+        candidate overlapping an earlier hit of its document is skipped, and the search stops after
+        ``compare_factor * len(text)`` characters compared (a prompt matching everywhere costs no more)."""
         with self._lock:
             table = self._keys.get(namespace)
             if not table:
@@ -183,13 +156,9 @@ class DocumentIndex:
 
 
 def token_boundaries(token_spans: Iterable[tuple[int, int]], length: int) -> list[int]:
-    """The character offsets of a text (``length`` code points) that no token of its tokenization
-    straddles: 0, ``length``, and every token's start and end that lies inside no other token.
-
-    ``token_spans``: each token's ``(start, end)`` character span, in token order (a fast
-    tokenizer's offset mapping); empty spans (special tokens the tokenizer added) are skipped.
-    Returns them sorted. O(tokens) when the spans follow each other, as a tokenizer's do.
-    """
+    """The sorted offsets no token straddles: 0, ``length`` and every token end inside no other token.
+    ``token_spans``: a fast tokenizer's offset mapping, in token order (empty spans, added special
+    tokens, skipped). O(tokens) when the spans follow each other, as a tokenizer's do."""
     spans = [span for span in token_spans if span[0] < span[1]]
     flat = list(itertools.chain.from_iterable(spans))
     if (all(map(operator.le, flat, itertools.islice(flat, 1, None)))  # each token after the one before
@@ -208,7 +177,7 @@ def token_boundaries(token_spans: Iterable[tuple[int, int]], length: int) -> lis
 
 
 def _on(boundaries: Optional[Sequence[int]], offset: int) -> bool:
-    """Whether ``offset`` is one of the sorted ``boundaries`` (None: every offset is)."""
+    """None: every offset is."""
     if boundaries is None:
         return True
     i = bisect.bisect_left(boundaries, offset)
@@ -248,8 +217,7 @@ def _longest_disjoint(hits: list[Span], regions: Optional[Sequence[Span]]) -> li
 
 
 def _back_over_space(text: str, start: int, floor: int, boundaries: Sequence[int]) -> Optional[int]:
-    """The nearest boundary before ``start`` that only whitespace separates from it, not before
-    ``floor``; None if there is none. Reads the whitespace run before ``start`` (down to ``floor``) once."""
+    """The nearest boundary before ``start``, not before ``floor``, with only whitespace between; or None."""
     w = start
     while w > floor and text[w - 1].isspace():
         w -= 1
@@ -260,16 +228,10 @@ def _back_over_space(text: str, start: int, floor: int, boundaries: Sequence[int
 def _new_chunks(text: str, candidates: Sequence[Span], known: Sequence[Span],
                 boundaries: Optional[Sequence[int]], min_chars: int,
                 regions: Optional[Sequence[Span]] = None) -> list[Span]:
-    """The candidates less the ``known`` spans (both sorted and disjoint), trimmed, moved inward to
-    the nearest ``boundaries`` (then trimmed of what whitespace still ends on a boundary), kept if
-    ``min_chars`` long. A start that is no boundary (the first word's token takes the space before
-    it) moves back over the whitespace right before it to the nearest boundary there, if any, instead
-    of past the word (module doc, step 2); never before the end of the last known span or candidate
-    piece before it, nor before the start of its region (``regions``: sorted and disjoint, each
-    candidate inside one; None: the whole text), so the chunks stay sorted, disjoint and inside.
-    One pass over the three lists: a known span is visited once per candidate it overlaps (two
-    families of disjoint spans overlap at most ``len(a) + len(b)`` times), and the whitespace looked
-    back over lies between a piece's floor and its start, apart for each piece."""
+    """Step 2 (module doc): the candidates less the ``known`` spans (both sorted and disjoint), trimmed,
+    on ``boundaries``, kept if ``min_chars`` long; a start moved back never passes the last known span
+    or piece, nor its region's start, so the chunks stay sorted, disjoint and inside. One pass: two
+    families of disjoint spans overlap at most ``len(a) + len(b)`` times."""
     out: list[Span] = []
     k = r = 0
     floor = 0  # no chunk starts before it: the end of the last candidate piece or known span passed
@@ -307,24 +269,11 @@ def _new_chunks(text: str, candidates: Sequence[Span], known: Sequence[Span],
 def discover_chunks(text: str, index: Optional[DocumentIndex], namespace: Optional[str], *,
                     regions: Optional[Sequence[Span]] = None, boundaries: Optional[Sequence[int]] = None,
                     min_chunk_chars: int = 64, max_chunks: int = 1024) -> list[Span]:
-    """The chunks of an unmarked prompt: known documents, then new ones (module doc).
-
-    Args:
-        text: the prompt.
-        index: the documents discovered before (None, the server's default: only the block rules,
-            so the chunks are a function of the prompt alone).
-        namespace: the request's tenant namespace; only its documents are found.
-        regions: sorted, non-overlapping spans searched (a chat message's content each); None: all.
-        boundaries: sorted character offsets every chunk starts and ends on: the prompt's token
-            boundaries (:func:`token_boundaries` of its tokenization with the server's tokenizer);
-            None: any offset (a client without the tokenizer, e.g. the routing key).
-        min_chunk_chars: shortest new document, in code points.
-        max_chunks: most chunks returned (the first ones in the prompt).
-
-    Returns:
-        Sorted, non-overlapping, non-empty ``(start, end)`` spans, usable by ``split_text``.
-    
-    Example (two documents between blank lines; the system line and the question stay out):
+    """An unmarked prompt's chunks (module doc): sorted, disjoint, non-empty spans for ``split_text``,
+    the first ``max_chunks``. ``index`` None (the server's default): the block rules only.
+    ``regions``: sorted, disjoint spans searched (a chat message's content each). ``boundaries``:
+    :func:`token_boundaries` with the server's tokenizer; None: any offset (a client without the
+    tokenizer, e.g. the routing key). Two documents between blank lines; the question stays out:
 
     >>> text = ("Answer from the documents.\\n\\n"
     ...         "The first document is about the sea and the ships that sail on it every day.\\n\\n"

@@ -1,21 +1,13 @@
 """Python ``re`` patterns matched by Google RE2 (``google-re2``): linear time, no backtracking.
 
-Python's ``re`` backtracks, so a pattern such as ``(a|aa)+#`` takes exponential time on a text of
-``a``s; RE2 does at most O(pattern x text) work on any text. RE2 reads another syntax, so a pattern is
-not handed to it as written: Python's own parser (``re._parser``) parses it and :func:`to_re2` writes
-the same tree in RE2's syntax, with ``re``'s meaning of ``$``, ``\\Z``, ``^`` and ``.`` under their
-flags, Unicode ``\\d \\w \\s`` (read off ``re`` itself), ``(?x)``, ``{,n}``, octal, ``\\N{...}`` and
-other escapes. What has no linear-time matcher (backreferences, lookaround, atomic groups, possessive
-quantifiers, conditionals) or what RE2 refuses (a repetition over 1000, a program over
-:data:`MAX_MEM`) raises :class:`Unsupported`, naming it and RE2's error.
-
-Known differences from ``re``: ``\\b`` / ``\\B`` are ASCII word boundaries (Python's are Unicode unless
-``(?a)``: they differ next to a non-ASCII letter or digit); a ``$`` (without ``(?m)``) takes a final
-newline into the match, so a pattern that needs that newline again after the ``$`` (``$\\n``) does not
-match; and only the whole match's span is kept (groups are not captured).
-
-No SGLang here: the HTTP process (``request/sglang/sglang_fields.py``, the check) and the scheduler
-(``request/sglang/stop_regex.py``, the matching) both use it.
+``re`` backtracks (``(a|aa)+#`` is exponential on a text of ``a``s); RE2 does O(pattern x text) work.
+Python's own parser (``re._parser``) reads the pattern and :func:`to_re2` writes the tree in RE2's
+syntax, with ``re``'s meaning of ``$ \\Z ^ .`` under their flags and its Unicode ``\\d \\w \\s``.
+What has no linear-time matcher (backreferences, lookaround, atomic groups, possessive quantifiers,
+conditionals) or what RE2 refuses (a repetition over 1000, a program over :data:`MAX_MEM`) raises
+:class:`Unsupported`. Differences from ``re``: ``\\b`` / ``\\B`` are ASCII word boundaries; a ``$``
+without ``(?m)`` takes a final newline into the match (``$\\n`` does not match); groups are not captured.
+Used by the HTTP process (``sglang_fields.py``, the check) and the scheduler (``stop_regex.py``).
 """
 
 from __future__ import annotations
@@ -31,9 +23,8 @@ import re2
 
 __all__ = ["CACHE_SIZE", "MAX_MEM", "Unsupported", "compile_re2", "to_re2"]
 
-# Compiled patterns kept per process (SGLang: at most 32 patterns of at most 256 bytes a request); each
-# holds at most MAX_MEM (its program and its DFA cache; a search whose DFA runs out of memory goes on
-# in RE2's NFA, still linear), so the cache holds at most 512 MiB, in practice kilobytes.
+# Compiled patterns per process, each at most MAX_MEM (program and DFA cache; past it RE2's NFA, still
+# linear): at most 512 MiB, in practice kilobytes (SGLang: at most 32 patterns of 256 bytes a request).
 CACHE_SIZE = 128
 MAX_MEM = 4 << 20  # bytes, RE2's max_mem (its default is 8 MiB): a larger program is refused (`pattern too large`)
 MAX_CODEPOINT = sys.maxunicode
@@ -60,9 +51,8 @@ OPTIONS = _options()
 
 @functools.lru_cache(maxsize=None)
 def _positive_categories(ascii_only: bool) -> dict:
-    """The code points Python's ``re`` matches with ``\\d``, ``\\s``, ``\\w`` (under ``(?a)`` or not), as
-    ranges: read off ``re`` itself on every code point but the surrogates (never in UTF-8 text), once
-    per process (about 0.15 s)."""
+    """``re``'s ``\\d \\s \\w`` as ranges, read off ``re`` on every code point but the surrogates (never
+    in UTF-8 text), once per process (about 0.15 s)."""
     spans = [(0, 0x7F)] if ascii_only else [(0, 0xD7FF), (0xE000, MAX_CODEPOINT)]
     tables: dict = {C.CATEGORY_DIGIT: [], C.CATEGORY_SPACE: [], C.CATEGORY_WORD: []}
     for lo, hi in spans:

@@ -1,24 +1,12 @@
-"""How a prompt splits into prefix / chunks / glue / query, in text and in tokens.
+"""How a prompt splits into ``prefix chunk (glue chunk)* ... query``, in text and in tokens.
 
-A prompt is an ordered sequence of parts::
-
-    prefix  chunk (glue chunk)* ... query
-
-* ``prefix``: text before the first chunk (system prompt, template header).
-  Always present, possibly empty; the only part tokenized with special tokens.
-* ``chunk``: a document whose KV is cached and reused position-independently.
-* ``glue``: non-empty text between two chunks (separators, short paragraphs).
-  Prefilled normally with its request; never cached as a chunk.
-* ``query``: text after the last chunk (question + generation suffix).  Always
-  present, possibly empty.
-
-Concatenating all parts' text gives back the original text exactly.  Each part
-is tokenized on its own, so the same chunk text always yields the same token
-ids wherever it appears (the price: ids at part boundaries can differ from
-tokenizing the whole text at once; the full-prefill baseline must use the same
-``input_ids`` to be comparable).
-
-This module imports only the standard library (torch is not needed).
+``prefix`` (system prompt, template header) and ``query`` (question, generation suffix) are always
+present, maybe empty; only the prefix is tokenized with special tokens. A ``chunk`` is a document whose
+KV is cached and reused position-independently; ``glue``, non-empty text between two chunks, is
+prefilled with its request, never cached. The parts' texts concatenate to the prompt exactly. Each part
+is tokenized alone, so a chunk's text yields the same ids wherever it appears (ids at part boundaries
+may differ from the whole text's: the full-prefill baseline must use the same ``input_ids``).
+Standard library only.
 """
 
 from __future__ import annotations
@@ -44,12 +32,7 @@ PartKind = Literal["prefix", "chunk", "glue", "query"]
 
 
 class ChunkSpecError(ValueError):
-    """A client-supplied chunk specification is invalid (the server answers HTTP 400).
-
-    Attributes:
-        field: the request field at fault, e.g. ``"relaxkv_chunks"``.
-        message: what is wrong, naming the offending pair/index.
-    """
+    """The server answers HTTP 400; ``message`` names the offending pair."""
 
     def __init__(self, message: str, *, field: str = "relaxkv_chunks") -> None:
         super().__init__(f"invalid {field}: {message}")
@@ -69,28 +52,10 @@ def parse_chunk_offsets(
     field: str = "relaxkv_chunks",
     max_chunks: int = 1024,
 ) -> list[tuple[int, int]]:
-    """Validate a flat list of character offsets ``[s0, e0, s1, e1, ...]`` into chunk spans.
-
-    Offsets are Python ``str`` indices, i.e. Unicode code points (not bytes, not
-    UTF-16 units).  Each pair is a half-open span ``text[s:e]``.
-
-    Rules: a list (or tuple); even length; at most ``max_chunks`` pairs; every
-    value an ``int`` (``bool`` and ``float`` rejected, even ``3.0``);
-    ``0 <= s < e <= len(text)`` (no empty chunks); pairs sorted and
-    non-overlapping (``e_i <= s_{i+1}``; touching chunks are allowed).
-
-    Args:
-        text: the prompt the offsets index into.
-        offsets: the client's value (untrusted).
-        field: request field name used in errors.
-        max_chunks: largest number of pairs accepted.
-
-    Returns:
-        ``[(s0, e0), (s1, e1), ...]``; ``[]`` for an empty list.
-
-    Raises:
-        ChunkSpecError: on the first violation, naming the pair and the offsets' indices.
-    """
+    """The client's untrusted ``[s0, e0, s1, e1, ...]`` as spans ``text[s:e]``, in code points (not bytes
+    or UTF-16 units). A list or tuple of at most ``max_chunks`` pairs of ``int`` (``bool``, ``3.0``
+    rejected), ``0 <= s < e <= len(text)``, sorted, disjoint (touching allowed); else
+    :class:`ChunkSpecError` on the first violation."""
     if not isinstance(offsets, (list, tuple)):
         raise ChunkSpecError(
             "must be a list of integer character offsets [start0, end0, start1, end1, ...], "
@@ -102,7 +67,7 @@ def parse_chunk_offsets(
             f"must hold start/end pairs (an even number of offsets), got {len(offsets)} offsets",
             field=field,
         )
-    # Check the count before touching elements so a huge list is rejected cheaply.
+    # The count before the elements: a huge list is rejected cheaply.
     if len(offsets) // 2 > max_chunks:
         raise ChunkSpecError(
             f"at most {max_chunks} chunks allowed, got {len(offsets) // 2}", field=field
@@ -137,7 +102,7 @@ def parse_chunk_offsets(
 
 @dataclass(frozen=True)
 class Part:
-    """One piece of a prompt: ``kind`` is "prefix", "chunk", "glue" or "query"."""
+    """One piece of a prompt."""
 
     kind: PartKind
     text: str
@@ -145,34 +110,25 @@ class Part:
 
 @dataclass(frozen=True)
 class TextSegments:
-    """A prompt as ordered parts.
-
-    Invariants: ``parts[0]`` is the (possibly empty) prefix, ``parts[-1]`` the
-    (possibly empty) query, chunks and non-empty glue alternate in between
-    (adjacent chunks have no glue between them), and ``"".join(p.text for p in
-    parts)`` is the original text.
-    """
+    """Invariants: ``parts[0]`` the prefix, ``parts[-1]`` the query (both maybe empty), chunks and
+    non-empty glue in between (none between adjacent chunks); the texts join to the prompt."""
 
     parts: tuple[Part, ...]
 
     @property
     def prefix(self) -> str:
-        """Text before the first chunk."""
         return self.parts[0].text
 
     @property
     def query(self) -> str:
-        """Text after the last chunk."""
         return self.parts[-1].text
 
     @property
     def chunks(self) -> tuple[str, ...]:
-        """Chunk texts in prompt order."""
         return tuple(p.text for p in self.parts if p.kind == "chunk")
 
     @property
     def text(self) -> str:
-        """The original prompt (all parts concatenated)."""
         return "".join(p.text for p in self.parts)
 
 
@@ -187,20 +143,8 @@ def _check_spans(n: int, spans: Sequence[tuple[int, int]]) -> None:
 
 
 def split_text(text: str, spans: Sequence[tuple[int, int]]) -> TextSegments:
-    """Split ``text`` into prefix / chunk / glue / query parts.
-
-    Args:
-        text: the prompt.
-        spans: sorted, non-overlapping, non-empty ``(start, end)`` code-point
-            spans, e.g. from ``parse_chunk_offsets`` or ``auto_chunk``.
-
-    Returns:
-        The segments.  With no spans the whole text is the prefix and the query
-        is empty, so tokenizing it equals an ordinary ``encode(text, True)``.
-
-    Raises:
-        ValueError: spans that are empty, unsorted, overlapping or out of range.
-    """
+    """``spans``: sorted, disjoint, non-empty code-point spans (else ValueError). With none the whole
+    text is the prefix, so tokenizing it equals ``encode(text, True)``."""
     _check_spans(len(text), spans)
     if not spans:
         return TextSegments((Part("prefix", text), Part("query", "")))
@@ -213,43 +157,15 @@ def split_text(text: str, spans: Sequence[tuple[int, int]]) -> TextSegments:
     return TextSegments(tuple(parts))
 
 
-# A maximal whitespace run; it separates paragraphs when it holds >= 2 "\n".
-# Matching runs and counting newlines keeps this linear on adversarial input.
+# Paragraphs end at a run holding >= 2 "\n"; runs, not a newline pattern, keep this linear.
 _WS_RUN = re.compile(r"\s+")
 
 
 def auto_chunk(text: str, *, min_chunk_chars: int = 64) -> list[tuple[int, int]]:
-    """Content-defined chunking for prompts without explicit chunk marks.
-
-    Rule:
-
-    1. A *separator* is a maximal run of whitespace characters (``re`` ``\\s``,
-       Unicode) containing at least two ``"\\n"`` (i.e. a blank line; ``"\\r\\n\\r\\n"``
-       and lines holding only spaces count).
-    2. *Paragraphs* are the non-empty pieces of text between separators (an empty
-       piece before a leading / after a trailing separator is not a paragraph).
-       Because separators are maximal whitespace runs, every paragraph except
-       possibly the first and last starts and ends with non-whitespace.
-    3. The first paragraph is the prefix and the last is the query; they are
-       never chunks.  Each paragraph in between with at least ``min_chunk_chars``
-       code points becomes one chunk, spanning exactly the paragraph (no
-       surrounding whitespace).  Separators and shorter paragraphs become glue
-       (or fall into the prefix/query when before the first / after the last chunk).
-    4. Fewer than 3 paragraphs: no chunks, ``[]``.
-
-    So a paragraph appearing between blank lines in two prompts yields the same
-    chunk text in both, whatever precedes or follows it.  Documents not
-    separated by blank lines from the system prompt or the question (e.g. glued
-    to a chat-template header by a single newline) become part of the prefix or
-    query and are not cached.
-
-    Args:
-        text: the prompt.
-        min_chunk_chars: shortest paragraph (in code points) worth caching; >= 1.
-
-    Returns:
-        Sorted, non-overlapping ``(start, end)`` code-point spans, usable by ``split_text``.
-    """
+    """Spans for ``split_text``: paragraphs between blank lines (whitespace runs holding two ``"\\n"``),
+    each of ``min_chunk_chars`` code points, but the first (prefix) and the last (query). A paragraph
+    between blank lines yields the same chunk in every prompt; one glued to the template by a single
+    newline is not cached."""
     if min_chunk_chars < 1:
         raise ValueError(f"min_chunk_chars must be >= 1, got {min_chunk_chars}")
     paragraphs: list[tuple[int, int]] = []
@@ -269,19 +185,9 @@ def auto_chunk(text: str, *, min_chunk_chars: int = 64) -> list[tuple[int, int]]
 
 @dataclass
 class TokenLayout:
-    """A prompt's token ids and where each part lies in them.
-
-    Attributes:
-        input_ids: the whole prompt's token ids.
-        chunk_spans: ``[start, end)`` token index spans of each chunk in ``input_ids``,
-            in prompt order.
-        prefix_len: number of tokens before the first chunk (the prefix's tokens).
-        query_start: index of the first token after the last chunk (the query's
-            first token; equals ``len(input_ids)`` when the query is empty).  With
-            no chunks it equals ``prefix_len``.
-        part_spans: ``(kind, start, end)`` for every part, in order, covering
-            ``input_ids`` exactly (empty spans possible for empty prefix/query).
-    """
+    """A prompt's token ids and where each part lies in them: ``chunk_spans`` ``[start, end)`` per chunk;
+    ``query_start`` the first token after the last chunk (``prefix_len`` without chunks);
+    ``part_spans`` ``(kind, start, end)`` per part, covering ``input_ids`` exactly."""
 
     input_ids: list[int]
     chunk_spans: list[tuple[int, int]]
@@ -294,26 +200,9 @@ def tokenize_parts(
     parts: TextSegments | Iterable[Part],
     encode: Callable[[str, bool], list[int]],
 ) -> TokenLayout:
-    """Tokenize each part on its own and concatenate.
-
-    The prefix is encoded with ``add_special_tokens=True`` (so a tokenizer's BOS
-    is kept; an empty prefix still gets them, ``encode("", True)``); every
-    other part with ``False``.  The same chunk text therefore always yields the
-    same ids, which is what the chunk store keys on.
-
-    Args:
-        parts: a ``TextSegments`` or its parts; the first must be the only
-            "prefix" part and a "query" part, if any, must be last.
-        encode: ``encode(text, add_special_tokens) -> list[int]``, e.g.
-            ``lambda t, s: tokenizer.encode(t, add_special_tokens=s)``.
-
-    Returns:
-        The layout.
-
-    Raises:
-        ValueError: malformed part order, or a chunk that encodes to no tokens
-            (it could not be cached or located).
-    """
+    """Each part encoded alone (``encode(text, add_special_tokens)``; special tokens for the prefix only,
+    even empty) and concatenated, so a chunk's text always yields the ids the chunk store keys on.
+    ValueError: a malformed part order, or a chunk of no tokens (it could not be cached or located)."""
     plist = list(parts.parts if isinstance(parts, TextSegments) else parts)
     if not plist or plist[0].kind != "prefix":
         raise ValueError("parts must start with a 'prefix' part")
@@ -344,7 +233,6 @@ def tokenize_parts(
         elif p.kind == "query":
             query_start = start
     if query_start is None:
-        # No query part: "after the last chunk" is the end of the tokens after it.
         query_start = chunk_spans[-1][1] if chunk_spans else prefix_len
     return TokenLayout(
         input_ids=input_ids,
@@ -356,9 +244,7 @@ def tokenize_parts(
 
 
 def common_prefix_len(a: Sequence, b: Sequence) -> int:
-    """How many leading items ``a`` and ``b`` share (two texts, two token id lists).
-
-    A binary search over slice comparisons, so long texts compare at C speed.
+    """A binary search over slice comparisons, so long texts compare at C speed.
 
         >>> common_prefix_len("Sys A.", "Sys B."), common_prefix_len([1, 2, 3], [1, 2])
         (4, 2)

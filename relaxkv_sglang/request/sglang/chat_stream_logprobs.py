@@ -1,15 +1,12 @@
 """A streamed chat keeps every token's logprob: one whose step sends no chunk rides on the next.
 
-SGLang 0.5.23's streamed ``/v1/chat/completions`` attaches a step's logprobs to the chunk that step
-emits; on the plain path (no reasoning or tool-call parser) a step whose text delta is empty emits
-none, so the logprobs of a token that decodes to no text of its own (an incomplete UTF-8 character
-the detokenizer holds back, a special token it skips) are lost, depending on how tokens fall into
-steps (timing), not on the request. :func:`around_generate_stream_content` carries them to the
-next chunk of that choice; a finishing step that emits no chunk sends them in one chunk of empty
-content, so the stream's logprobs are the non-streamed answer's, token for token.
+SGLang 0.5.23's streamed chat attaches a step's logprobs to the chunk it emits; on the plain path a step
+with an empty text delta (a UTF-8 character held back, a skipped special token) emits none, so those
+logprobs were lost depending on timing. :func:`around_generate_stream_content` carries them to the
+choice's next chunk (a finishing step sends one chunk of empty content): the stream's logprobs are the
+non-streamed answer's, token for token.
 
-SGLang file touched: ``sglang/srt/entrypoints/openai/serving_chat.py``
-(``OpenAIServingChat._generate_stream_content``, wrapped).
+SGLang file touched: ``entrypoints/openai/serving_chat.py`` (``OpenAIServingChat._generate_stream_content``).
 """
 
 from __future__ import annotations
@@ -36,9 +33,7 @@ def merged_logprobs(pending: Optional[dict], step: Optional[dict]) -> Optional[d
 
 async def around_generate_stream_content(original: Callable[..., AsyncIterator[str]], serving: Any,
                                          *args: Any, **kwargs: Any) -> AsyncIterator[str]:
-    """Hook on ``OpenAIServingChat._generate_stream_content`` (an async generator, called with
-    keyword arguments): logprobs of a step that emitted no chunk are held in ``stream_offsets``
-    (the request's own dict, keyed by choice index there) and given to the choice's next step."""
+    """Hook: a step's logprobs without a chunk wait in ``stream_offsets`` (the request's own dict)."""
     offsets, index = kwargs["stream_offsets"], kwargs["index"]
     key = (_PENDING, index)
     kwargs["choice_logprobs"] = merged_logprobs(offsets.pop(key, None), kwargs.get("choice_logprobs"))

@@ -166,12 +166,9 @@ class JoinRegistry:
 def _fork_points(
     text: str, first: str, parent: str, candidates: list[str], n: int, budget: list[int],
 ) -> Iterator[int]:
-    """Lengths of the fork point ``P`` to try when ``first`` (= ``P + b_0``) starts ``text``.
-
-    The recorded fork point first; since the interpreter often commits none, ``P`` is also inferred
-    from a second branch ``D``: a common prefix of ``first`` and ``D`` after which ``text``
-    continues past ``first`` with ``D[len(P):]``.
-    """
+    """Lengths of the fork point ``P`` to try when ``first`` (= ``P + b_0``) starts ``text``: the recorded
+    one, then (the interpreter often commits none) a common prefix of ``first`` and a branch ``D`` after
+    which ``text`` continues past ``first`` with ``D[len(P):]``."""
     if parent:
         yield len(parent)
     if n < 2:
@@ -214,9 +211,7 @@ def _match_join(text: str, join: _PendingJoin, budget: list[int]) -> list[tuple[
 def _match_branches(
     text: str, pos: int, branches: list[str], n: int, budget: list[int],
 ) -> Optional[list[tuple[int, int]]]:
-    """Spans of ``n`` consecutive branches in ``text`` from ``pos`` (depth-first), or None.
-
-    Iterative: ``n`` comes from the client and must not exhaust Python's recursion limit."""
+    """Depth-first, iterative: ``n`` comes from the client and must not exhaust the recursion limit."""
     if n == 0:
         return []
     spans: list[tuple[int, int]] = []  # the branches matched so far, one per level below the top

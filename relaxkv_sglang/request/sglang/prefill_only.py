@@ -1,12 +1,10 @@
 """A prefill-only request (``max_new_tokens`` 0) reports no output logprobs, whatever its batch.
 
-SGLang 0.5.23 appends an output logprob to a prefill-only request batched with a generating one,
-so its answer depended on batching; the hook drops those entries
-(``tests/e2e/test_cache_invariant_regressions.py``).
+SGLang 0.5.23 appends an output logprob to one batched with a generating request; the hook drops it
+(``tests/e2e/test_cache_invariant_regressions.py``). Loaded into every server, stock SGLang included.
 
-SGLang file touched: ``sglang/srt/managers/scheduler_components/logprob_result_processor.py``
-(``SchedulerLogprobResultProcessor.add_logprob_return_values``, wrapped). Loaded into every server,
-stock SGLang included.
+SGLang file touched: ``managers/scheduler_components/logprob_result_processor.py``
+(``SchedulerLogprobResultProcessor.add_logprob_return_values``).
 """
 
 from __future__ import annotations

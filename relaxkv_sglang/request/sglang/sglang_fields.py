@@ -1,11 +1,9 @@
 """SGLang's own request fields whose bad values stop its scheduler or cost unbounded work: refused in the HTTP process.
 
-A few values pass SGLang 0.5.23's own checks and then raise in the scheduler, ending the server;
-others are served but cost far more than any use needs (``n`` 10,000, ``min_new_tokens`` 10**6, a
-grammar whose compilation blocks SGLang's grammar thread for seconds). :func:`check_sglang_fields`
-(from :mod:`.api`'s hook, every server) refuses them with HTTP 400 naming the field. What SGLang does
-with each, and each bound: ``docs/reliability.md`` ("Request bounds"). Wrong JSON types are left to
-SGLang's parser.
+Some values pass SGLang 0.5.23's checks and then raise in the scheduler, ending the server; others cost
+far more than any use needs. :func:`check_sglang_fields` (from :mod:`.api`'s hook, every server) refuses
+them with HTTP 400; each bound and why: ``docs/reliability.md`` ("Request bounds"). Wrong JSON types
+are left to SGLang's parser.
 """
 
 from __future__ import annotations
@@ -19,31 +17,22 @@ from relaxkv_sglang.request.schema import RequestError
 __all__ = ["GRAMMAR_FIELDS", "INT32_MAX", "MAX_GRAMMAR_CHARS", "MAX_N", "check_sglang_fields"]
 
 INT32_MAX = 2**31 - 1  # SGLang builds its per-batch top_k tensor as int32
-# OpenAI's own limit on `n`. SGLang copies the request n times (one scheduler request each) and
-# has no bound: n 10,000 of one token each did not answer within 60 s, the server busy meanwhile.
-MAX_N = 128
-# Grammar texts longer than this (characters) are refused: xgrammar's compile time grows faster than
-# the text (tiny model, 2 cores: a json_schema enum of 5,125 values, 65,525 characters, 0.08 s; 10,000
-# values, 128,900 characters, 0.72 s; 100,000 values, 1.39 M characters, 32 s), and SGLang compiles in
-# one grammar thread, so one such request stalls every constrained request behind it.
-MAX_GRAMMAR_CHARS = 65_536
+MAX_N = 128  # OpenAI's limit; SGLang copies the request n times, unbounded
+MAX_GRAMMAR_CHARS = 65_536  # xgrammar's compile time grows faster than the text, in SGLang's one grammar thread
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")  # SamplingParams' grammar fields
 
 
 def check_sglang_fields(obj: Any, vocab_size: Optional[int] = None, context_len: Optional[int] = None) -> None:
-    """Refuse what stops SGLang 0.5.23's scheduler or exceeds a request bound; raises
-    :class:`RequestError` naming the field.
-
-    ``obj``: the ``GenerateReqInput`` before SGLang normalizes it (the OpenAI routes' requests
-    converted: ``n``, ``min_tokens``, ``response_format`` are in its ``sampling_params``);
-    ``vocab_size`` / ``context_len`` (the server's context length) None skip the checks that need them.
+    """Raises :class:`RequestError`. ``obj``: the ``GenerateReqInput`` before SGLang normalizes it (an
+    OpenAI route's ``n``, ``min_tokens``, ``response_format`` in its ``sampling_params``); a None
+    ``vocab_size`` / ``context_len`` skips the checks that need it.
 
     >>> from types import SimpleNamespace
     >>> check_sglang_fields(SimpleNamespace(input_ids=[1, 5], sampling_params={"stop_regex": "END"}), 100)
     >>> check_sglang_fields(SimpleNamespace(input_ids=[1, 500]), vocab_size=100)
     Traceback (most recent call last):
     ...
-    relaxkv_sglang.request.schema.RequestError: invalid input_ids: token id 500 at position 1 is outside the vocabulary [0, 100)
+    relaxkv_sglang.request.schema.RequestError: invalid input_ids: token id 500 at position 1 is outside ... [0, 100)
     """
     _check_logprob_start_len(getattr(obj, "logprob_start_len", None))
     if vocab_size is not None:
@@ -65,7 +54,6 @@ def check_sglang_fields(obj: Any, vocab_size: Optional[int] = None, context_len:
 
 
 def _where(value: Any, i: int) -> str:
-    """`` (item i)`` when a per-prompt field was given as a list."""
     return f" (item {i})" if isinstance(value, list) else ""
 
 
@@ -74,8 +62,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _check_logprob_start_len(value: Any) -> None:
-    """-1 (no input logprobs) or a position >= 0; -2 and below fail an assertion in SGLang's logprob
-    processing under every policy (and on a stock server)."""
+    """-2 and below fail an assertion in SGLang's logprob processing (a stock server's too)."""
     for i, item in enumerate(value if isinstance(value, list) else [value]):
         if item is None:
             continue
@@ -85,8 +72,7 @@ def _check_logprob_start_len(value: Any) -> None:
 
 
 def _check_top_logprobs_num(value: Any, vocab_size: int) -> None:
-    """At most the vocabulary (``torch.topk`` raises above it), whatever ``return_logprob`` says;
-    negative values are SGLang's "none"."""
+    """``torch.topk`` raises above the vocabulary, whatever ``return_logprob`` says."""
     for i, item in enumerate(value if isinstance(value, list) else [value]):
         if _is_int(item) and item > vocab_size:
             raise RequestError("top_logprobs_num", f"must be at most the vocabulary size {vocab_size} (OpenAI: "
@@ -94,7 +80,7 @@ def _check_top_logprobs_num(value: Any, vocab_size: int) -> None:
 
 
 def _check_input_ids(value: Any, vocab_size: int) -> None:
-    """Every token id in ``[0, vocab_size)`` (the embedding lookup raises otherwise); one prompt or a batch."""
+    """The embedding lookup raises outside ``[0, vocab_size)``."""
     if not isinstance(value, list) or not value:
         return
     batch = isinstance(value[0], list)
@@ -110,7 +96,6 @@ def _check_input_ids(value: Any, vocab_size: int) -> None:
 
 
 def _check_positional_embed_overrides(value: Any) -> None:
-    """Only SGLang's ``PositionalEmbeds`` objects (Engine API); JSON cannot express one."""
     if value is None:
         return
     from sglang.srt.managers.embed_types import PositionalEmbeds
@@ -124,16 +109,13 @@ def _check_positional_embed_overrides(value: Any) -> None:
 
 
 def _check_top_k(value: Any, where: str) -> None:
-    """At most 2**31 - 1: a larger top_k overflows SGLang's int32 batch tensor."""
     if _is_int(value) and value > INT32_MAX:
         raise RequestError("sampling_params.top_k", f"must be -1 (all tokens) or in [1, {INT32_MAX}]{where}, "
                                                     f"got {value}")
 
 
 def _check_stop_regex(value: Any, where: str) -> None:
-    """Each pattern must compile with ``re`` (SGLang's semantics; else SGLang answers 500) and have a
-    linear-time matcher: the scheduler matches it with RE2 (:mod:`.stop_regex`), which has no
-    backreferences, lookaround, atomic groups, possessive quantifiers or conditionals."""
+    """It must compile with ``re`` (else SGLang answers 500) and with RE2 (:mod:`.stop_regex` matches with it)."""
     for pattern in value if isinstance(value, list) else [value]:
         if not isinstance(pattern, str):
             continue  # SGLang's parser refuses other types
@@ -153,22 +135,19 @@ def _check_stop_regex(value: Any, where: str) -> None:
 
 
 def _check_n(value: Any, where: str) -> None:
-    """At most :data:`MAX_N` (OpenAI's limit): SGLang copies the request ``n`` times, unbounded."""
     if _is_int(value) and value > MAX_N:
         raise RequestError("sampling_params.n", f"must be at most {MAX_N} (OpenAI: `n`){where}, got {value}")
 
 
 def _check_min_new_tokens(value: Any, context_len: int, where: str) -> None:
-    """At most the context length: SGLang checks it against ``max_new_tokens`` only when that is
-    given; with ``max_new_tokens`` null it ignores the stop conditions up to the context's end, so a
-    larger value cannot be met and only makes the request run to the context."""
+    """SGLang checks it against ``max_new_tokens`` only when given; above the context it cannot be met
+    and only makes the request run to the context's end."""
     if _is_int(value) and value > context_len:
         raise RequestError("sampling_params.min_new_tokens", f"must be at most the context length {context_len} "
                                                              f"(OpenAI: `min_tokens`){where}, got {value}")
 
 
 def _check_grammar(field: str, value: Any, where: str) -> None:
-    """A grammar text of at most :data:`MAX_GRAMMAR_CHARS` characters (xgrammar's compile time)."""
     if isinstance(value, str) and len(value) > MAX_GRAMMAR_CHARS:
         raise RequestError(f"sampling_params.{field}", f"must be at most {MAX_GRAMMAR_CHARS} characters (OpenAI: "
                                                         f"`response_format`, tool schemas){where}, got {len(value)}")

@@ -1,19 +1,13 @@
 """SGLang's ``stop_regex`` matching bounded by work: Google RE2 (linear time) instead of Python's ``re``.
 
-Python's ``re`` backtracks: a pattern such as ``(a|aa)+#`` on an output of ``a``s takes exponential
-time and holds the scheduler's one thread until a restart (docs/reliability.md). Inside
-``schedule_batch.py`` its ``re`` is rebound to :class:`BoundedRe`, whose ``search`` runs the pattern
-with RE2 (:mod:`relaxkv_sglang.request.linear_regex`: the same pattern in RE2's syntax): at most
-O(pattern x text) work on the output tail SGLang searches, however the output goes, whatever the
-machine's load. No time bound: a search is never cut short, so its answer does not depend on the load.
+``re`` backtracks: ``(a|aa)+#`` on an output of ``a``s holds the scheduler's one thread for ever
+(docs/reliability.md). :class:`BoundedRe`, bound as ``schedule_batch``'s ``re``, searches with RE2
+(:mod:`relaxkv_sglang.request.linear_regex`): O(pattern x text) on the tail SGLang searches, never cut
+short, so the answer does not depend on the load. A pattern without a linear-time matcher gets HTTP 400
+before it runs (``sglang_fields``); one that reached the scheduler anyway raises ``re.error``, which
+SGLang's handler turns into a 400 abort.
 
-A pattern with no linear-time matcher is refused with HTTP 400 before it runs
-(``sglang_fields._check_stop_regex``, every server). One that reaches the scheduler without passing
-that check (it cannot) is not matched with ``re``: :meth:`BoundedRe.search` raises ``re.error`` and
-SGLang's own handler aborts that request with 400 ``invalid stop_regex ...`` (if the same step ends it
-by EOS or length, it ends so).
-
-SGLang file touched: ``sglang/srt/managers/schedule_batch.py`` (its module global ``re``).
+SGLang file touched: ``managers/schedule_batch.py`` (its module global ``re``).
 """
 
 from __future__ import annotations
@@ -38,8 +32,7 @@ class BoundedRe:
 
     @staticmethod
     def search(pattern: str, string: str, flags: int = 0) -> Any:
-        """``re.search`` by RE2 in linear time (the match's span as ``re`` gives it, for the whole
-        match); raises ``re.error`` for a pattern ``re`` or RE2 cannot compile.
+        """The whole match's span as ``re`` gives it; ``re.error`` if ``re`` or RE2 cannot compile it.
 
         >>> BoundedRe.search("[0-9]+", "answer: 42").span()
         (8, 10)

@@ -1,13 +1,11 @@
-"""The CPU executor of a ``BlockSparseLayout`` (see layout.py): row blocks grouped, one call a group.
+"""The CPU executor of a :class:`~relaxkv_sglang.attention.layout.BlockSparseLayout`: row blocks grouped.
 
-A group of consecutive row blocks gathers the K/V of the *union* of its blocks' pages once and
-runs one fused attention call; each row is masked to its own block's pages and to causality
-(key position <= query position).  Grouping trades masked work for calls: block ``b`` joins the
-open group when ``(R + r_b) * |U ∪ P_b| <= R * |U| + r_b * |P_b| + GROUP_CALL_PAIRS / page_size``
-(in pages; ``R``, ``U``: the group's rows and page union; ``r_b``, ``P_b``: the block's), within
-``GROUP_ROWS`` rows.  Work executed = ``sum over groups (rows x union keys)``
-(:func:`executed_kv_pairs`), counted in :class:`AttentionWork` as the executor runs.
-The attention itself is :mod:`~relaxkv_sglang.attention.causal`'s (SDPA, or the masked einsum when the LSE is needed).
+A group of consecutive row blocks gathers the K/V of the *union* of its blocks' pages once and runs one
+fused attention call (:mod:`~relaxkv_sglang.attention.causal`'s SDPA, or its masked einsum when the LSE
+is needed), each row masked to its own block's pages and causality. Grouping trades masked work for
+calls: block ``b`` joins the open group when ``(R + r_b) * |U ∪ P_b| <= R * |U| + r_b * |P_b| +
+GROUP_CALL_PAIRS / page_size`` (in pages; ``R``, ``U``: the group's rows and page union; ``r_b``,
+``P_b``: the block's), within ``GROUP_ROWS`` rows. Work executed: ``sum(group rows x union keys)``.
 """
 
 from __future__ import annotations
@@ -32,23 +30,14 @@ __all__ = [
 
 @dataclass
 class AttentionWork:
-    """(row, key) pairs of the layouts an executor ran, summed over its calls.
-
-    Attributes:
-        visible: pairs the layouts let a row see (``BlockSparseLayout.kv_pairs``).
-        executed: pairs the executor computed, masked ones included (:func:`executed_kv_pairs`
-            for the CPU executor).
-        full: pairs the same rows would see with their full causal prefix
-            (``BlockSparseLayout.full_kv_pairs``).
-    The CPU executor counts as it runs, so a report needs no second pass over the layouts.
-    """
+    """(row, key) pairs counted as the executor runs (a report needs no second pass): ``visible``
+    (``kv_pairs``), ``executed`` (masked ones included), ``full`` (``full_kv_pairs``)."""
 
     visible: int = 0
     executed: int = 0
     full: int = 0
 
     def add(self, visible: int, executed: int, full: int) -> None:
-        """Count one call's pairs."""
         self.visible += visible
         self.executed += executed
         self.full += full
@@ -64,28 +53,10 @@ def block_sparse_attention(
     key_rows: Optional[torch.Tensor] = None,
     work: Optional[AttentionWork] = None,
 ):
-    """Execute a ``BlockSparseLayout`` (see layout.py): :class:`BlockSparseGroups`, planned and run
-    in one call (a caller running many layouts of one pass plans them together, on one stage).
-
-    The key pages a row block lists are expanded to token rows, K/V rows are gathered, and its
-    queries attend to them with the layout's intra-block causal rule (key position <= query
-    position; keys are stored in prompt order, so the key position is the row index).
-
-    Args:
-        q: [layout.n_rows, n_heads, d] queries of the layout's rows, in row order
-            (``layout.q_pos`` gives their positions).
-        k: [n_k >= layout.n_keys, n_kv_heads, d]; v: [n_k, n_kv_heads, dv] prompt-ordered KV.
-        layout: BlockSparseLayout (host tensors).
-        scale: softmax scale, default ``d ** -0.5``.
-        return_lse: also return the LSE (each row block its own call).
-        key_rows: int64 [>= layout.n_keys], the row of k/v holding the key at each prompt
-            position (e.g. a request's KV-pool slots), on k's device; default: position j is row j.
-        work: when given, the layout's pairs are added to it.
-    Returns:
-        out [n_rows, n_heads, dv], and lse float32 [n_rows, n_heads] if return_lse.
-        Work = ``layout.kv_pairs()`` visible pairs (+ the masked part of grouped pages).
-    
-    Example (a full causal layout equals dense causal attention on its rows):
+    """:class:`BlockSparseGroups` planned and run. q [layout.n_rows, H, d] in row order; k [n_k >= n_keys,
+    Hkv, d], v [n_k, Hkv, dv] in prompt order; a host layout; key_rows int64 [>= n_keys] on k's device,
+    each position's k/v row (pool slots; None: row j) -> out [n_rows, H, dv], lse float32 [n_rows, H]
+    with ``return_lse`` (one call per block). A full causal layout equals dense causal attention:
 
     >>> import torch
     >>> from relaxkv_sglang.attention.layout import RelaxedContextSpec, build_relaxed_layout
@@ -108,26 +79,13 @@ def block_sparse_attention(
     return plan.run(q, k, v, softmax_scale(q, scale), key_rows, work, return_lse)
 
 
-GROUP_ROWS = 128  # at most this many rows per fused call of the CPU executor (unless one block has more)
-# a fused call's fixed cost on a CPU, in (row, key) pairs of attention
-# (why 4096: docs/experiments/INDEX.md#group-call-pairs)
-GROUP_CALL_PAIRS = 4096
+GROUP_ROWS = 128  # rows per fused call (unless one block has more)
+GROUP_CALL_PAIRS = 4096  # a call's fixed cost on a CPU in (row, key) pairs (docs/experiments/INDEX.md#group-call-pairs)
 
 
 class BlockSparseGroups:
-    """A layout's execution decided on the host: groups of row blocks, each one fused call.
-
-    Consecutive row blocks are grouped (:func:`_block_groups`, by cost; ``per_block``: each block
-    alone, as the LSE needs); a group gathers the K/V of the *union* of its blocks' pages and each
-    row is masked to its own block's pages and causality. Each group's key positions and mask go
-    on ``stage`` (one copy for everything it carries), so :meth:`run` neither reads the device nor
-    copies to it. The work executed is ``sum(group rows x union keys)`` (:func:`executed_kv_pairs`).
-
-    Args:
-        layout: BlockSparseLayout (host tensors).
-        stage: where the index tensors go (its ``send`` before :meth:`run`).
-        per_block: one group per row block.
-    """
+    """A layout's groups (``per_block``: each alone, for the LSE) decided on the host; indices go on
+    ``stage`` (sent before :meth:`run`), so :meth:`run` neither reads the device nor copies to it."""
 
     def __init__(self, layout, stage: HostStage, per_block: bool = False) -> None:
         self.n_rows = layout.n_rows
@@ -147,7 +105,7 @@ class BlockSparseGroups:
             e0, e1 = indptr[b0], indptr[b1]
             if r1 == r0 or e1 == e0:
                 continue
-            union, page_of_entry = torch.unique(indices[e0:e1], return_inverse=True)  # sorted page ids
+            union, page_of_entry = torch.unique(indices[e0:e1], return_inverse=True)
             member = torch.zeros(b1 - b0, union.numel(), dtype=torch.bool)
             member[entry_block[e0:e1] - b0, page_of_entry] = True
             # Keys ascend with the sorted pages, so the ones past n_keys (the last page's tail) end the list.
@@ -168,9 +126,7 @@ class BlockSparseGroups:
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             key_rows: Optional[torch.Tensor] = None, work: Optional[AttentionWork] = None, return_lse: bool = False):
-        """q [n_rows, H, d] in row order; k/v [n_k, Hkv, d]; key_rows int64 [>= n_keys] on k's device
-        (None: position j is row j) -> out [n_rows, H, dv] (q's dtype; 0 for a row that sees no
-        key), and lse float32 [n_rows, H] with ``return_lse`` (-inf for such a row)."""
+        """As :func:`block_sparse_attention`; out in q's dtype, 0 (lse -inf) for a row that sees no key."""
         if q.shape[0] != self.n_rows:
             raise ValueError(f"q has {q.shape[0]} rows, the plan has {self.n_rows}")
         if work is not None:
@@ -192,10 +148,7 @@ class BlockSparseGroups:
 
 
 def _page_sets(layout, entry_block: torch.Tensor) -> list[int]:
-    """Each row block's key pages as a Python int bitset (bit p set: page p listed).
-
-    Built in one vectorised pass from 62-bit words, so grouping costs a few integer operations
-    per block however many pages a block lists."""
+    """Each row block's pages as an int bitset (62-bit words, one pass): grouping costs a few int ops."""
     n_blocks, word = layout.n_row_blocks, 62
     n_words = layout.n_pages // word + 1
     pages = layout.indices.long()
@@ -212,15 +165,8 @@ def _page_sets(layout, entry_block: torch.Tensor) -> list[int]:
 
 
 def _block_groups(layout, entry_block: Optional[torch.Tensor] = None) -> list[tuple[int, int]]:
-    """(first, end) row-block ranges, in order, that the CPU executor runs as one call each.
-
-    Greedy over the blocks in order: the next block joins the open group when executing it
-    there (every row of the group times the union of the group's pages) costs no more than a
-    call of its own (its rows times its pages, plus ``GROUP_CALL_PAIRS``), and the group stays
-    within ``GROUP_ROWS`` rows. Consecutive anchors share most pages (their own chunk, the
-    layer's ranking, the sink), so they group; a block that would widen the union a lot (an
-    anchor far later, whose many pages the earlier rows would compute masked) opens a new one.
-    Costs count whole pages (the last page's clipping is ignored)."""
+    """(first, end) row-block ranges, greedy (module doc), in whole pages. Consecutive anchors share most
+    pages (own chunk, ranking, sink), so they group; an anchor far later opens a new group."""
     n_blocks = layout.n_row_blocks
     if n_blocks == 0:
         return []
@@ -242,8 +188,7 @@ def _block_groups(layout, entry_block: Optional[torch.Tensor] = None) -> list[tu
 
 
 def executed_kv_pairs(layout) -> int:
-    """(row, key) pairs the CPU executor computes for ``layout`` (masked ones included):
-    each group of :func:`_block_groups` times the keys of the union of its blocks' pages."""
+    """Masked ones included: each group's rows times its page union's keys."""
     if layout.nnz == 0:
         return 0
     entry_block = layout.block_of_entry()

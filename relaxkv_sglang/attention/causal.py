@@ -1,15 +1,11 @@
 """Torch attention over gathered KV: dense, gathered and scoped causal (block-sparse: :mod:`.block_sparse`).
 
-This is the numerical reference every accelerated executor must match.  All
-functions take token-major tensors ``[tokens, heads, head_dim]`` (SGLang's layout), support
-GQA (query head ``h`` reads kv head ``h // (n_heads // n_kv_heads)``, as HF's ``repeat_kv``),
-compute the softmax in float32 and return outputs in the query dtype.  The LSE they return is
-the natural log of the softmax denominator, float32 ``[n_q, n_heads]``; ``-inf`` for a query
-that sees no key (its output is then 0).  Kernels that report log2 LSEs must be converted.
-
-Work scales with the gathered key set: the sparse functions index K/V rows first and then run
-dense attention on the small set; masks are applied only inside that set (causality on the
-diagonal, padding of ragged rows), never over the full sequence.
+The numerical reference every accelerated executor must match. Tensors are token-major ``[tokens,
+heads, head_dim]`` (SGLang's layout); GQA as HF's ``repeat_kv``; softmax in float32, outputs in the
+query dtype. An LSE is the natural log of the softmax denominator, float32 ``[n_q, n_heads]``, ``-inf``
+for a query that sees no key (output 0); kernels reporting log2 LSEs must convert. Sparse functions
+gather K/V rows first and mask only inside that set: work scales with the gathered keys.
+Every ``scale`` defaults to ``d ** -0.5``.
 """
 
 from __future__ import annotations
@@ -32,7 +28,7 @@ __all__ = [
 
 
 def _expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """[n, n_kv, d] -> [n, n_heads, d] by repeating each kv head over its query group."""
+    """[n, n_kv, d] -> [n, n_heads, d]."""
     n_kv = x.shape[1]
     if n_heads % n_kv:
         raise ValueError(f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv}")
@@ -40,7 +36,6 @@ def _expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def softmax_scale(q: torch.Tensor, scale: Optional[float]) -> float:
-    """The softmax scale: ``scale``, default ``d ** -0.5`` for q [..., d]."""
     return q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
@@ -51,16 +46,8 @@ def masked_attention(
     visible: Optional[torch.Tensor],
     scale: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batched attention under an explicit mask, with its LSE: what the other functions build on.
-
-    Args:
-        q: [B, n_q, H, d]; k: [B, n_k, H_kv, d]; v: [B, n_k, H_kv, dv].
-        visible: bool [B, n_q, n_k] or None (every key visible).
-        scale: softmax scale, default ``d ** -0.5``.
-    Returns:
-        out [B, n_q, H, dv] (q dtype; 0 for a query that sees no key) and lse float32
-        [B, n_q, H] (natural log, -inf for such a query).
-    """
+    """q [B, n_q, H, d], k [B, n_k, H_kv, d], v [B, n_k, H_kv, dv], visible bool [B, n_q, n_k] or None
+    -> out [B, n_q, H, dv], lse float32 [B, n_q, H]. What the other functions build on."""
     scale = softmax_scale(q, scale)
     H = q.shape[2]
     kf = _expand_kv(k.flatten(0, 1), H).unflatten(0, k.shape[:2]).float()  # [B, n_k, H, d]
@@ -69,7 +56,7 @@ def masked_attention(
     if visible is not None:
         logits = logits.masked_fill(~visible[:, None, :, :], float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # [B, H, n_q]
-    # A fully masked row has lse=-inf; exp(-inf - -inf) would be NaN, so zero it instead.
+    # A fully masked row: exp(-inf - -inf) would be NaN.
     probs = torch.exp(logits - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
     probs = torch.where(torch.isinf(lse)[..., None], torch.zeros_like(probs), probs)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
@@ -85,17 +72,8 @@ def dense_causal_attention(
     scale: Optional[float] = None,
     return_lse: bool = False,
 ):
-    """Dense attention with the causal rule ``k_pos <= q_pos``; the test reference.
-
-    Args:
-        q: [n_q, n_heads, d]; k: [n_k, n_kv_heads, d]; v: [n_k, n_kv_heads, dv].
-        q_pos: int64 [n_q] positions of the queries, default ``n_k - n_q + arange(n_q)``
-            (queries are the last n_q keys, as in prefill with a cached prefix).
-        k_pos: int64 [n_k] positions of the keys, default ``arange(n_k)``.
-        scale: softmax scale, default ``d ** -0.5``.
-    Returns:
-        out [n_q, n_heads, dv] (q dtype), and lse float32 [n_q, n_heads] if return_lse.
-    """
+    """``k_pos <= q_pos``, the test reference. q [n_q, H, d]; k, v [n_k, H_kv, d | dv]; q_pos int64 [n_q]
+    (default: the last n_q keys, prefill after a cached prefix); k_pos int64 [n_k] (default ``arange``)."""
     n_q, n_k = q.shape[0], k.shape[0]
     if k_pos is None:
         k_pos = torch.arange(n_k, device=q.device)
@@ -117,22 +95,9 @@ def gathered_attention(
     return_lse: bool = False,
     every_row_sees_a_key: Optional[bool] = None,
 ):
-    """All queries attend to one gathered key set, causally by position.
-
-    Args:
-        q: [n_q, n_heads, d] queries.
-        k: [n_k, n_kv_heads, d], v: [n_k, n_kv_heads, dv] the whole KV (e.g. a request's).
-        q_pos: int64 [n_q] query positions.
-        key_idx: int64 [n_sel] rows of k/v to gather (only these are read).
-        key_pos: int64 [n_sel] positions of the gathered keys, default ``key_idx`` (KV stored
-            in prompt order).
-        scale: softmax scale, default ``d ** -0.5``.
-        every_row_sees_a_key: whether every query sees at least one gathered key, when the caller
-            knows it on the host (None: read from the mask, a host sync on a GPU).
-    Returns:
-        out [n_q, n_heads, dv], and lse float32 [n_q, n_heads] if return_lse.
-        Cost is O(n_q * n_sel), independent of n_k.
-    """
+    """All queries attend causally to one gathered key set, O(n_q * n_sel): q [n_q, H, d]; k, v [n_k, H_kv,
+    d | dv] (a request's KV); q_pos int64 [n_q]; key_idx, key_pos (default ``key_idx``) int64 [n_sel];
+    ``every_row_sees_a_key`` known on the host (None: read from the mask, a host sync on a GPU)."""
     key_idx = key_idx.to(torch.long)
     key_pos = key_idx if key_pos is None else key_pos.to(torch.long)
     kg, vg = k.index_select(0, key_idx), v.index_select(0, key_idx)
@@ -140,25 +105,15 @@ def gathered_attention(
     if every_row_sees_a_key is None:
         every_row_sees_a_key = bool(visible.any(dim=1).all())
     if not return_lse and every_row_sees_a_key:
-        # The serving path: torch's fused SDPA kernel on the gathered set (the
-        # einsum path below materialises [H, n_q, n_sel] logits and is far slower).
+        # The serving path: fused SDPA (the einsum materialises [H, n_q, n_sel] logits, far slower).
         return sdpa_attention(q, kg, vg, visible, softmax_scale(q, scale))
     out, lse = masked_attention(q[None], kg[None], vg[None], visible[None], scale)
     return (out[0], lse[0]) if return_lse else out[0]
 
 
 class ScopedCausalGroups:
-    """:func:`scoped_causal_attention` decided on the host: rows sharing a scope start form a
-    group that gathers its key range once.
-
-    Decide once (``__init__``, host tensors), run at every layer (:meth:`run`): the groups' row
-    indices and positions travel on ``stage`` (one copy for everything the stage carries), each
-    group's key positions are made on the device, and no run reads the device back.
-
-    Args:
-        q_pos: int64 host [n] row positions; scope_start: int64 host [n] (scope_start <= q_pos).
-        stage: where the index tensors go (its ``send`` before the first :meth:`run`).
-    """
+    """:func:`scoped_causal_attention` decided once on the host, run at every layer: indices travel on
+    ``stage`` (sent before :meth:`run`), and no run reads the device back."""
 
     def __init__(self, q_pos: torch.Tensor, scope_start: torch.Tensor, stage: HostStage) -> None:
         self.n_rows = int(q_pos.shape[0])
@@ -170,8 +125,6 @@ class ScopedCausalGroups:
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_rows: torch.Tensor,
             scale: Optional[float] = None) -> torch.Tensor:
-        """q [n, n_heads, d]; k/v [n_k, n_kv_heads, d] (e.g. a KV pool); key_rows int [>= max(q_pos) + 1]
-        row of k/v holding the key at each position, on k's device -> [n, n_heads, dv] in q's dtype."""
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         for rows, pos, scope, end, sees_a_key in self.groups:
             at = rows.get()
@@ -190,30 +143,18 @@ def scoped_causal_attention(
     key_rows: torch.Tensor,
     scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """Each row attends causally to the keys from its scope start up to its own position.
-
-    Scope start 0 is the ordinary causal prefix; a chunk's first position makes
-    the chunk attend only to itself (position-independent computation). Rows
-    sharing a scope start gather their key range once (:class:`ScopedCausalGroups`, planned and
-    run in one call; a caller running the same rows at many layers keeps the plan).
-
-    Args:
-        q: [n, n_heads, d]; k/v: [n_k, n_kv_heads, d] (e.g. a KV pool).
-        q_pos: int64 [n] row positions; scope_start: int64 [n] (scope_start <= q_pos), on the
-            host (given on a device they are read back first: a host sync).
-        key_rows: int [>= max(q_pos) + 1] row of k/v holding the key at each position
-            (e.g. a request's ``req_to_token`` row), on k's device.
-        scale: softmax scale, default ``d ** -0.5``.
-    Returns:
-        [n, n_heads, dv] in q's dtype.
-    """
+    """Each row attends causally from its scope start (0: the causal prefix; its chunk's start: the chunk
+    alone). q [n, H, d]; k, v [n_k, H_kv, d] (a KV pool); q_pos, scope_start int64 [n] on the host (else
+    a host sync); key_rows int [>= max(q_pos) + 1] on k's device, the k/v row of each position (a
+    ``req_to_token`` row) -> [n, H, dv] in q's dtype. :class:`ScopedCausalGroups` planned and run."""
     stage = HostStage(q.device)
     plan = ScopedCausalGroups(q_pos.cpu(), scope_start.cpu(), stage)
     stage.send()
     return plan.run(q, k, v, key_rows, scale)
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                   scale: float) -> torch.Tensor:
     """q [n_q, H, d], k/v [n_k, H_kv, d], visible bool [n_q, n_k] (every row sees a key) -> [n_q, H, dv]."""
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype),

@@ -1,30 +1,15 @@
 """Relaxed recomputation context of the anchors as a block-sparse (BSR) layout, in plain torch.
 
-Coordinates: key j is the context token at prompt position j; page i holds tokens
-``[i*page_size, (i+1)*page_size)`` (aligned to the prompt, the last one clipped to ``n_keys``).
-
-Layout (:class:`BlockSparseLayout`): rows are one layer's anchors sorted by position (``q_pos``);
-row blocks are runs of rows sharing one key-page list (:func:`build_relaxed_layout` makes one per
-(page, chunk) of the anchors); ``indptr`` int32 [n_row_blocks+1] / ``indices`` int32 [nnz] list each
-block's key pages ascending (CSR over pages). Row at position t sees key j iff ``page(j)`` is listed
-for its block **and** ``j <= t`` (in relaxed layouts only the block's own, diagonal page is cut).
-
-Relaxed context of anchor t at layer l, in pages (the request-level knobs: :class:`RelaxedContextSpec`):
-
-* mandatory: the sink (pages of the first ``sink_tokens`` prompt tokens) and t's own chunk up to t,
-  pages ``page(chunk_start) .. page(t)``;
-* then other pages by ``sum of s_l`` over their tokens (ties: earlier first) until the budget;
-* budget: ``ceil(context_ratio * (page(t) + 1))`` pages, mandatory pages included (kept even when
-  they alone exceed it); with ``own_chunk_in_budget=False``, ``ceil(context_ratio * page(chunk_start))``
-  with the own chunk on top. ``context_ratio = 1``: the full causal prefix. Page sets are nested
-  in ``context_ratio``; the achieved ratio is ``kv_pairs() / full_kv_pairs()`` in tokens;
-* ``row_page_scores`` (``context_rank="keys"``): the same budget per row block, ranked by its own
-  anchors' queries against per-page key bounds (:func:`key_bound_page_scores`, Quest's bound);
-* ``mode='random'``: the same mandatory pages and page count, the rest in a seeded random order;
-  ``mode='full'``: every causal page.
-
-Executor: :func:`relaxkv_sglang.attention.block_sparse.block_sparse_attention`. Why the default ratio and
-own-chunk rule: docs/experiments/INDEX.md#context-ratio.
+Key j is the context token at prompt position j; page i holds ``[i*page_size, (i+1)*page_size)``
+(aligned to the prompt). A :class:`BlockSparseLayout`'s rows are one layer's anchors by position; a row
+block (one per (page, chunk) of the anchors) lists its key pages ascending (CSR over pages). A row at t
+sees key j iff ``page(j)`` is listed for its block and ``j <= t``. Anchor t's relaxed context at layer l
+(:class:`RelaxedContextSpec`): the sink (the first ``sink_tokens``) and t's own chunk up to t, then other
+pages by ``sum of s_l`` (ties: earlier first; per row block with ``row_page_scores``, Quest's key bound;
+seeded random with ``mode='random'``) up to ``ceil(context_ratio * (page(t) + 1))`` pages, mandatory
+ones included (``own_chunk_in_budget=False``: ``ceil(context_ratio * page(chunk_start))`` plus the own
+chunk). Page sets are nested in ``context_ratio``; ``mode='full'``: every causal page. Why the default
+ratio and own-chunk rule: docs/experiments/INDEX.md#context-ratio.
 """
 
 from __future__ import annotations
@@ -53,17 +38,9 @@ def _n_pages(n_keys: int, page_size: int) -> int:
 
 @dataclass
 class BlockSparseLayout:
-    """Block-sparse attention pattern of a set of query rows over prompt-ordered keys.
-
-    Attributes:
-        q_pos: int64 [n_rows] position of each query row, ascending within each row block.
-        row_indptr: int32 [n_row_blocks + 1]; rows of block b are ``row_indptr[b]:row_indptr[b+1]``.
-        indptr: int32 [n_row_blocks + 1]; pages of block b are ``indices[indptr[b]:indptr[b+1]]``.
-        indices: int32 [nnz] key page ids, ascending within each block.
-        page_size: tokens per page.
-        n_keys: keys live in ``[0, n_keys)``.
-    Rule: row at position t sees key j iff page(j) is listed for its block and j <= t.
-    """
+    """Query rows over prompt-ordered keys ``[0, n_keys)`` (module doc). q_pos int64 [n_rows], ascending
+    within a block; row_indptr, indptr int32 [n_row_blocks + 1] (a block's rows; its entries of
+    ``indices``); indices int32 [nnz] page ids, ascending within a block."""
 
     q_pos: torch.Tensor
     row_indptr: torch.Tensor
@@ -89,28 +66,22 @@ class BlockSparseLayout:
         return int(self.indices.numel())
 
     def block_pages(self, b: int) -> torch.Tensor:
-        """int64 [n_pages_b] page ids of row block b."""
+        """int64 [n_pages_b]."""
         return self.indices[int(self.indptr[b]):int(self.indptr[b + 1])].long()
 
     def block_key_index(self, b: int) -> torch.Tensor:
-        """int64 [n_keys_b] ascending key tokens covered by the pages of row block b."""
+        """int64 [n_keys_b] ascending keys on block b's pages."""
         pages = self.block_pages(b)
         tok = (pages[:, None] * self.page_size + torch.arange(self.page_size)[None, :]).flatten()
         return tok[tok < self.n_keys]
 
     def block_of_entry(self) -> torch.Tensor:
-        """int64 [nnz] the row block of each entry of ``indices``."""
+        """int64 [nnz]."""
         indptr = self.indptr.long()
         return torch.repeat_interleave(torch.arange(self.n_row_blocks), indptr[1:] - indptr[:-1])
 
     def kv_pairs(self) -> int:
-        """Work: number of (row, key) pairs attended, after the causal rule.
-
-        A row at position t gets every key of its block's listed pages before ``page(t)`` and,
-        when ``page(t)`` is listed, the keys ``page(t) * page_size .. t`` of it (pages after it give
-        nothing). Counted with one search per row in the blocks' page lists laid end to end (pages
-        ascend within a block, so ``block * n_pages + page`` ascends overall), O(nnz + rows log nnz).
-        """
+        """One search per row in the page lists end to end, O(nnz + rows log nnz)."""
         if self.n_rows == 0 or self.nnz == 0:
             return 0
         ps, P = self.page_size, self.n_pages
@@ -129,16 +100,15 @@ class BlockSparseLayout:
         return int(full.sum() + ((t - row_page * ps + 1) * on_diagonal).sum())
 
     def full_kv_pairs(self) -> int:
-        """Pairs the same rows would attend with the full causal prefix: sum of min(t+1, n_keys)."""
         return int((self.q_pos + 1).clamp(max=self.n_keys).sum())
 
     def context_ratio(self) -> float:
-        """Achieved context ratio in tokens (1.0 for an empty layout)."""
+        """In tokens (1.0 for an empty layout)."""
         full = self.full_kv_pairs()
         return self.kv_pairs() / full if full else 1.0
 
     def to_dense_mask(self) -> torch.Tensor:
-        """bool [n_rows, n_keys]: the visible pairs.  For tests and debugging only."""
+        """bool [n_rows, n_keys], for tests."""
         mask = torch.zeros(self.n_rows, self.n_keys, dtype=torch.bool)
         keys_all = torch.arange(self.n_keys)
         for b in range(self.n_row_blocks):
@@ -156,16 +126,11 @@ class BlockSparseLayout:
         page_size: int,
         n_keys: int,
     ) -> "BlockSparseLayout":
-        """Build from a boolean page mask.
-
-        Args:
-            q_pos: int64 [n_rows]; row_indptr: int [n_row_blocks + 1];
-            page_mask: bool [n_row_blocks, n_pages], block b lists page c iff page_mask[b, c].
-        """
+        """page_mask bool [n_row_blocks, n_pages]."""
         counts = page_mask.sum(dim=1)
         indptr = torch.zeros(page_mask.shape[0] + 1, dtype=torch.int32)
         indptr[1:] = counts.cumsum(0).to(torch.int32)
-        # nonzero() walks row-major, so pages come out ascending within each block.
+        # Row-major: ascending within each block.
         indices = page_mask.nonzero()[:, 1].to(torch.int32)
         return BlockSparseLayout(
             q_pos=q_pos.to(torch.long),
@@ -178,13 +143,7 @@ class BlockSparseLayout:
 
 
 def page_scores(scores: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Query relevance of each page: the sum of s_l over its tokens.
-
-    Args:
-        scores: float [n_keys] s_l(t) of one layer (or [n_layers, n_keys]).
-    Returns:
-        float32 [ceil(n_keys / page_size)] (or [n_layers, ...]).
-    """
+    """float [n_layers?, n_keys] s_l -> float32 [n_layers?, n_pages], its sum over each page."""
     n = scores.shape[-1]
     pad = _n_pages(n, page_size) * page_size - n
     padded = torch.nn.functional.pad(scores.float(), (0, pad))
@@ -193,21 +152,8 @@ def page_scores(scores: torch.Tensor, page_size: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class RelaxedContextSpec:
-    """One request's relaxed context, described once (module doc): what every layer's layout shares.
-
-    Attributes:
-        chunk_spans: sorted ``(start, end)`` chunk spans inside ``[0, n_context)``; a token outside
-            every chunk has no own-chunk pages beyond its diagonal page.
-        n_context: context tokens (= ``n_keys`` of the layouts); anchors are ``< n_context``.
-        context_ratio: fraction of each anchor's causal prefix, in pages, in [0, 1].
-        page_size: tokens per page (aligned to the prompt).
-        sink_tokens: the first tokens of the prompt, always attended.
-        mode: 'topk' (query-relevant pages), 'random' (seeded random pages, same count),
-            'full' (every causal page; ``context_ratio`` is then unused).
-        own_chunk_in_budget: True: the budget is a fraction of the whole causal prefix, own chunk
-            included; False: of the pages before the anchor's own chunk, the own chunk on top.
-    Per-call inputs (anchors, scores, a random generator, per-row page scores) stay arguments.
-    """
+    """What every layer's layout of a request shares (module doc). ``chunk_spans``: sorted, in
+    ``[0, n_context)``; a token outside them has only its diagonal page as own chunk."""
 
     chunk_spans: tuple[Span, ...]
     n_context: int
@@ -232,20 +178,10 @@ def build_relaxed_layout(
     generator: Optional[torch.Generator] = None,
     row_page_scores: Optional[torch.Tensor] = None,
 ) -> BlockSparseLayout:
-    """The relaxed context R_l(t) of every anchor of one layer, as a BSR layout (module doc).
-
-    Args:
-        anchors: int64 [n_anchors] sorted anchor tokens of layer l, all < ``context.n_context``.
-        scores: float [n_context] s_l (query relevance); may be None for mode 'full'/'random'.
-        context: the request's relaxed context (:class:`RelaxedContextSpec`).
-        generator: torch.Generator for mode 'random'.
-        row_page_scores: float [n_anchors, n_pages] or None: each anchor's own relevance of
-            each page (e.g. :func:`key_bound_page_scores`); mode 'topk' then ranks pages per row
-            block by the sum over its rows instead of by the shared ``scores``.
-    Returns:
-        BlockSparseLayout whose rows are ``anchors`` in order.
-
-    Example (two chunks after a 4-token prefix, pages of 8, half of each anchor's prefix):
+    """One layer's relaxed context (module doc); rows: ``anchors``, int64 [n_anchors] sorted, < n_context.
+    scores float [n_context] s_l (None for 'full'/'random'); row_page_scores float [n_anchors, n_pages]
+    (:func:`key_bound_page_scores`): 'topk' then ranks per row block by their sum. Two chunks after a
+    4-token prefix, pages of 8, half of each anchor's prefix:
 
     >>> import torch
     >>> context = RelaxedContextSpec([(4, 40), (40, 64)], n_context=64, context_ratio=0.5, page_size=8)
@@ -266,18 +202,9 @@ def build_relaxed_layouts(
     generator: Optional[torch.Generator] = None,
     row_page_scores: Optional[torch.Tensor] = None,
 ) -> list[BlockSparseLayout]:
-    """:func:`build_relaxed_layout` for several layers at once (a request's plan): the same
-    layouts from one pass of tensor operations instead of one pass per layer.
-
-    Args:
-        anchor_sets: n_sets int64 tensors, each sorted, all < ``context.n_context``.
-        scores: float [n_sets, >= n_context] each set's s_l, or None (modes 'full'/'random').
-        context: the request's relaxed context, shared by every set.
-        generator: draws one page order per set that has anchors, in set order (mode 'random').
-        row_page_scores: only with a single set (see :func:`build_relaxed_layout`).
-    Returns:
-        one BlockSparseLayout per set.
-    """
+    """:func:`build_relaxed_layout` for many layers in one pass of tensor operations. scores float
+    [n_sets, >= n_context]; ``generator`` draws one order per set with anchors, in set order;
+    ``row_page_scores`` only with one set."""
     chunk_spans, n_context, context_ratio = context.chunk_spans, context.n_context, context.context_ratio
     page_size, sink_tokens, mode = context.page_size, context.sink_tokens, context.mode
     own_chunk_in_budget = context.own_chunk_in_budget
@@ -286,7 +213,8 @@ def build_relaxed_layouts(
     n_sets = len(anchor_sets)
     sets = [a.to(torch.long) for a in anchor_sets]
     anchors = torch.cat(sets) if sets else torch.zeros(0, dtype=torch.long)
-    set_of_row = torch.repeat_interleave(torch.arange(n_sets), torch.tensor([a.numel() for a in sets], dtype=torch.long))
+    set_of_row = torch.repeat_interleave(torch.arange(n_sets),
+                                         torch.tensor([a.numel() for a in sets], dtype=torch.long))
     same_set = set_of_row[1:] == set_of_row[:-1]
     if anchors.numel() and (bool(((anchors[1:] <= anchors[:-1]) & same_set).any()) or int(anchors.max()) >= n_context):
         raise ValueError("anchors must be strictly increasing and < n_context")
@@ -296,7 +224,6 @@ def build_relaxed_layouts(
     for i, (s, e) in enumerate(chunk_spans):
         chunk_of[s:e] = i
         chunk_start[s:e] = s
-    # Row blocks: runs of one set's anchors sharing (page, chunk).
     page, chunk = anchors // page_size, chunk_of[anchors]
     new = torch.ones(anchors.numel(), dtype=torch.bool)
     new[1:] = (page[1:] != page[:-1]) | (chunk[1:] != chunk[:-1]) | ~same_set
@@ -318,8 +245,7 @@ def build_relaxed_layouts(
             budget = torch.ceil(context_ratio * own_first.double() - 1e-9).long()
             extra = (budget - (mandatory & (cols < own_first[:, None])).sum(dim=1)).clamp(min=0)
         cand = causal & ~mandatory
-        # Each block keeps its `extra` best-ranked candidates.  A ranking shared across blocks
-        # and ratios (query scores, the seeded random order) makes the sets nested in the ratio.
+        # A ranking shared across blocks and ratios makes the page sets nested in the ratio.
         if mode == "topk" and row_page_scores is not None:
             block_scores = _block_sums(row_page_scores.float(), row_indptr)
         elif mode == "topk":
@@ -343,7 +269,7 @@ def build_relaxed_layouts(
 
 
 def _block_sums(row_values: torch.Tensor, row_indptr: torch.Tensor) -> torch.Tensor:
-    """float [n_rows, P] -> [n_row_blocks, P]: the sum over each row block's rows."""
+    """float [n_rows, P] -> [n_row_blocks, P]."""
     block_of_row = torch.repeat_interleave(torch.arange(row_indptr.numel() - 1), row_indptr.diff().long())
     out = row_values.new_zeros(row_indptr.numel() - 1, row_values.shape[1])
     return out.index_add_(0, block_of_row, row_values)
@@ -359,25 +285,11 @@ def _take_per_block(cand: torch.Tensor, extra: torch.Tensor, block_scores: torch
 
 def key_bound_page_scores(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, n_keys: int, page_size: int,
                           scale: Optional[float] = None, exact: bool = False) -> torch.Tensor:
-    """Each query row's relevance of each key page from per-page key bounds (Quest-style).
-
-    For page p with element-wise key minimum ``m_p`` and maximum ``M_p`` (per kv head), the
-    largest logit any key of p can give query ``q`` is bounded by
-    ``u_p = sum_d max(q_d m_{p,d}, q_d M_{p,d})``.  Per head the bounds become a softmax over
-    pages up to the row's own (so heads with large logits do not drown the others) and the heads
-    are summed.  ``exact=True`` (the oracle, for ablations: it costs dense attention) gives instead
-    each page's true attention mass over the row's causal keys.
-
-    Args:
-        q: [n_rows, n_heads, d] the rows' queries at this layer.
-        q_pos: int64 [n_rows] the rows' positions (a row ranks pages up to its own).
-        k: [>= n_keys, n_kv_heads, d] keys in prompt order (row j = position j).
-        n_keys: keys ``[0, n_keys)`` are paged.
-        page_size: tokens per page.
-        scale: softmax scale, default ``d ** -0.5``.
-    Returns:
-        float32 [n_rows, ceil(n_keys / page_size)], each row summing to n_heads.
-    """
+    """Each row's relevance of each page, Quest-style: a page's logit bound ``sum_d max(q_d m_{p,d},
+    q_d M_{p,d})`` (its keys' element-wise min and max), softmaxed per head over the pages up to the
+    row's own (so heads with large logits do not drown the others), summed over heads. ``exact``: the
+    true attention mass instead (an ablation oracle, dense cost). q [n_rows, H, d]; q_pos int64
+    [n_rows]; k [>= n_keys, H_kv, d] in prompt order -> float32 [n_rows, n_pages], rows summing to H."""
     n_rows, H, d = q.shape
     P = _n_pages(n_keys, page_size)
     s = d ** -0.5 if scale is None else float(scale)
@@ -407,8 +319,5 @@ def full_causal_layout(
     n_context: int,
     page_size: int = 16,
 ) -> BlockSparseLayout:
-    """Layout of the full causal prefix for every anchor (the peers' context).
-
-    Args: as :class:`RelaxedContextSpec`.  Returns: BlockSparseLayout.
-    """
+    """The full causal prefix of every anchor (the peers' context)."""
     return build_relaxed_layout(anchors, None, RelaxedContextSpec(chunk_spans, n_context, 1.0, page_size, mode="full"))

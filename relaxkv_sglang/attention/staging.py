@@ -1,18 +1,10 @@
 """Host tensors bound for a device: one non-blocking copy, decided once and sent once.
 
-A GPU pass that decides on the host (the repair's rows, layouts and scopes) needs index tensors on
-the device. Copying each from pageable memory synchronizes the stream (a host sync); pinning each
-costs a page-locked allocation. :class:`HostStage` follows plan/run: every tensor the pass will
-need is :meth:`~HostStage.put` while the pass is planned, :meth:`~HostStage.send` packs them into
-one pinned buffer (each at an 8-byte-aligned offset) and copies it to the device in one
-non-blocking copy, and each handle's :meth:`~Staged.get` is then a view of the device copy. On a
-CPU nothing is copied: the handles give the host tensors back.
-
-:func:`to_device` is the single-tensor form (through pinned memory, non-blocking), for what is
-decided once per pass outside a stage (RoPE's frequencies); :func:`pinned_host` puts host
-tensors that a device call copies itself (FlashInfer's ``plan`` arguments) in one page-locked buffer.
-
-Torch only.
+A GPU pass decided on the host (the repair's rows, layouts, scopes) needs index tensors on the device;
+copying each from pageable memory is a host sync, pinning each a page-locked allocation. So every tensor
+is :meth:`~HostStage.put` while the pass is planned and :meth:`~HostStage.send` packs them into one pinned
+buffer (8-byte-aligned) copied in one non-blocking copy; each :meth:`~Staged.get` is a view of the
+device copy.
 """
 
 from __future__ import annotations
@@ -27,8 +19,7 @@ _ALIGN = 8  # bytes: every staged tensor starts at a multiple (int64's alignment
 
 
 def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on ``device``; on CUDA through pinned memory without blocking (a plain
-    copy from pageable memory synchronizes the stream: a host sync)."""
+    """On CUDA through pinned memory, non-blocking (RoPE's frequencies)."""
     device = torch.device(device)
     if device.type == "cuda" and x.device.type == "cpu":
         return x.pin_memory().to(device, non_blocking=True)
@@ -36,9 +27,8 @@ def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 
 def pinned_host(tensors: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
-    """Host tensors a device call reads on the host and copies itself (FlashInfer's ``plan``
-    indptrs), in one page-locked buffer when ``device`` is CUDA (one allocation, copies that do not
-    block); as they are otherwise. All of one dtype; returns views, in order."""
+    """Tensors a device call copies itself (FlashInfer's ``plan`` arguments), all of one dtype: views of
+    one page-locked buffer on CUDA (as they are otherwise)."""
     if torch.device(device).type != "cuda" or not tensors:
         return list(tensors)
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=True)
@@ -52,8 +42,7 @@ def pinned_host(tensors: list[torch.Tensor], device: torch.device | str) -> list
 
 
 class Staged:
-    """One tensor put on a :class:`HostStage`: ``get()`` is it on the stage's device (after
-    ``send``), ``host`` the tensor as put."""
+    """``get()``: on the stage's device after ``send``; ``host``: as put."""
 
     __slots__ = ("host", "_stage", "_offset")
 
@@ -61,17 +50,11 @@ class Staged:
         self.host, self._stage, self._offset = host, stage, offset
 
     def get(self) -> torch.Tensor:
-        """The tensor on the device (dtype and shape as put)."""
         return self._stage._view(self)
 
 
 class HostStage:
-    """Host tensors for one device, sent in one copy (module doc).
-
-    Args:
-        device: where the tensors go.
-    
-    Example (on a CPU nothing is copied; on CUDA ``get`` is a view of the one device copy):
+    """Host tensors for one device, sent in one copy (module doc); on a CPU nothing is copied:
 
     >>> import torch
     >>> stage = HostStage("cpu")
@@ -89,11 +72,10 @@ class HostStage:
 
     @property
     def copies(self) -> bool:
-        """Whether put tensors travel (the device is not the host)."""
         return self.device.type != "cpu"
 
     def put(self, x: torch.Tensor) -> Staged:
-        """Stage a host tensor (any dtype, any shape; made contiguous). Before :meth:`send`."""
+        """Any dtype and shape, before :meth:`send`."""
         if self._buffer is not None:
             raise RuntimeError("HostStage.put after send")
         if x.device.type != "cpu":
@@ -106,13 +88,11 @@ class HostStage:
         return item
 
     def send(self) -> None:
-        """Pack every put tensor into one pinned buffer and copy it to the device, non-blocking."""
         if self._buffer is not None:
             raise RuntimeError("HostStage.send twice")
         if not self.copies:
             self._buffer = torch.empty(0, dtype=torch.uint8)
             return
-        # page-locked only for CUDA (the copy must not block); elsewhere (``meta``) a plain buffer
         pinned = torch.empty(max(self._size, _ALIGN), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         for item in self._items:
             n = item.host.numel() * item.host.element_size()

@@ -2,17 +2,13 @@
 
 A segment (the causal rule: :mod:`.prefill_inputs`) is a row block of a
 :class:`~relaxkv_sglang.attention.layout.BlockSparseLayout`, queries padded to ``t_lo .. t_hi`` (at most
-``page_size``; padding rows zero and dropped), keys the block's listed keys ``j <= t_hi``. Exact when
-every position in ``(t_lo, t_hi]`` is listed and the first anchor sees a key (always for relaxed and
-full layouts); any other block is split into one segment per row, and a row that sees no key gets
-none (output 0, as in the torch executor).
-
-Work: each block's keys are read once for all its anchors, straight from the pool slots.
-:func:`anchor_prefill_inputs` builds every layer's host metadata (``qo_indptr``/``kv_indptr``,
-compact key runs) in one vectorised pass from the planner's CPU layouts (rows -> listed keys ->
-segments -> key runs); :meth:`AnchorLayerInputs.kv_indices` expands a layer's runs on the pool's
-device (``repeat_interleave`` with the size known on the host: no device-to-host copy). Figures:
-docs/experiments/INDEX.md#gpu-anchor-inputs.
+``page_size``; padding rows dropped), keys the block's listed keys ``j <= t_hi``. Exact when every
+position in ``(t_lo, t_hi]`` is listed and the first anchor sees a key (always for relaxed and full
+layouts); any other block is split into one segment per row, and a row that sees no key gets none
+(output 0, as in the torch executor). Each block's keys are read once for all its anchors, from the
+pool slots. The host metadata of every layer is built in one vectorised pass from the planner's CPU
+layouts; :meth:`AnchorLayerInputs.kv_indices` expands a layer's key runs on the device with the size
+known on the host (no device-to-host copy). Figures: docs/experiments/INDEX.md#gpu-anchor-inputs.
 """
 
 from __future__ import annotations
@@ -33,17 +29,10 @@ __all__ = ["AnchorLayerInputs", "anchor_prefill_inputs"]
 
 @dataclass
 class AnchorLayerInputs:
-    """One layer's anchors as one paged-prefill call (module doc).
-
-    Attributes:
-        qo_indptr: int32 [n_seg + 1] host: the call's query offsets (padded queries included).
-        kv_indptr: int32 [n_seg + 1] host: the call's key offsets.
-        run_start: int32 [n_runs] (int64 past 2**31) first key position of each run of listed keys.
-        run_len: same dtype [n_runs] its length; the runs laid end to end are the call's keys.
-        row_to_qo: int64 [n_rows] the call's query that computes each layout row, -1 for a row
-            that sees no key (its output is 0).
-        n_rows: rows of the layout (the anchors of the layer).
-    """
+    """One layer's anchors as one paged-prefill call. qo_indptr, kv_indptr int32 [n_seg + 1] host (padded
+    queries included); run_start, run_len int32 [n_runs] (int64 past 2**31): the runs of listed key
+    positions, end to end the call's keys; row_to_qo int64 [n_rows]: each layout row's query, -1 for a
+    row that sees no key (output 0)."""
 
     qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor
@@ -58,29 +47,25 @@ class AnchorLayerInputs:
 
     @property
     def n_qo(self) -> int:
-        """Queries of the call (rows plus padding)."""
         return int(self.qo_indptr[-1])
 
     @property
     def n_kv(self) -> int:
-        """Keys the call reads (``kv_indptr[-1]``)."""
         return int(self.kv_indptr[-1])
 
     @property
     def last_page_len(self) -> torch.Tensor:
-        """int32 [n_seg] host: FlashInfer reads ``clamp(pages - 1, 0) + last_page_len`` keys, so a
-        segment listing no key says 0 (or it reads one past its end: ``torch_models.keys_read``)."""
+        """int32 [n_seg] host; 0 for a segment of no key (else FlashInfer reads one: ``torch_models.keys_read``)."""
         return last_page_lens(self.kv_indptr)
 
     @property
     def executed_pairs(self) -> int:
-        """(query, key) pairs of the call: each segment's queries (padding included) times its keys."""
+        """Padding included."""
         return int((self.qo_indptr.diff().long() * self.kv_indptr.diff().long()).sum())
 
     def kv_positions(self, device: Optional[torch.device] = None, run_start: Optional[torch.Tensor] = None,
                      run_len: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """int64 [n_kv] the call's keys as prompt positions, expanded on ``device``; ``run_start`` /
-        ``run_len``: the runs already there (staged), else copied from the host."""
+        """int64 [n_kv] prompt positions on ``device``; ``run_start`` / ``run_len``: staged runs, else copied."""
         device = self.run_start.device if device is None else device
         run_start = to_device(self.run_start, device) if run_start is None else run_start
         run_len = to_device(self.run_len, device) if run_len is None else run_len
@@ -88,33 +73,19 @@ class AnchorLayerInputs:
 
     def kv_indices(self, key_rows: torch.Tensor, run_start: Optional[torch.Tensor] = None,
                    run_len: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """int32 [n_kv] the call's keys as KV-pool slots (``key_rows[position]``), on key_rows' device
-        (``run_start`` / ``run_len`` as for :meth:`kv_positions`)."""
+        """int32 [n_kv] KV-pool slots ``key_rows[position]``, on key_rows' device."""
         return key_rows[self.kv_positions(key_rows.device, run_start, run_len)].to(torch.int32)
 
 
 def anchor_prefill_inputs(layouts: Sequence[BlockSparseLayout]) -> list[AnchorLayerInputs]:
-    """Every layer's anchors of one request as paged-prefill calls, in one vectorised pass.
-
-    Args:
-        layouts: per layer, the anchors' layout (same ``page_size``; CPU tensors).
-    Returns:
-        per layer, :class:`AnchorLayerInputs` (module doc for the segments).
-    """
+    """One request's CPU layouts (one ``page_size``), one call per layer, in one vectorised pass."""
     with single_threaded():
         return _anchor_prefill_inputs(layouts)
 
 
 @dataclass
 class _AnchorRows:
-    """All layers' layout rows of one request, laid end to end (row blocks in layer order).
-
-    Attributes:
-        q_pos: int64 [R] each row's position.
-        rows_per_block: int64 [B] rows of each row block.
-        layer_of_block: int64 [B] the layer of each block.
-        rows_per_layer: [L] rows of each layer's layout.
-    """
+    """All layers' rows end to end: q_pos int64 [R]; rows_per_block, layer_of_block int64 [B]."""
 
     q_pos: torch.Tensor
     rows_per_block: torch.Tensor
@@ -123,7 +94,7 @@ class _AnchorRows:
 
     @classmethod
     def of(cls, layouts: Sequence[BlockSparseLayout]) -> "_AnchorRows":
-        device = layouts[0].q_pos.device  # the planner's layouts are on the CPU: no device reads
+        device = layouts[0].q_pos.device
         layer_of_block = torch.repeat_interleave(
             torch.arange(len(layouts), device=device),
             torch.tensor([lay.n_row_blocks for lay in layouts], device=device))
@@ -142,18 +113,9 @@ class _AnchorRows:
 
 @dataclass
 class _ListedKeys:
-    """All blocks' listed pages as ascending keys ``block * n_pages + page``, with their key counts.
-
-    Attributes:
-        page_size, n_pages: the layouts' page size and their largest page count (at least 1).
-        key: [E] (int32, int64 when wide) ascending block * n_pages + page.
-        pages: int32 [E] the page of each entry.
-        entries_per_block: int64 [B].
-        first_entry: int64 [B] each block's first entry.
-        page_start: [E] (key's dtype) first key position of each entry's page.
-        entry_len: [E] (key's dtype) keys of the page below the layer's key count.
-        cum_len: int64 [E + 1] prefix sums of entry_len.
-    """
+    """All blocks' listed pages: ``key`` [E] = ``block * n_pages + page`` ascending (int32; int64 when wide);
+    pages int32 [E]; entries_per_block, first_entry int64 [B]; page_start, entry_len [E] in key's dtype
+    (a page's first position and its keys); cum_len int64 [E + 1]."""
 
     page_size: int
     n_pages: int
@@ -170,7 +132,6 @@ class _ListedKeys:
         ps = layouts[0].page_size
         n_pages = max(max(lay.n_pages for lay in layouts), 1)
         device = rows.q_pos.device
-        # Concatenated in the layouts' own dtypes; the per-entry arrays stay int32 (the largest).
         entries_per_block = torch.cat([lay.indptr.diff() for lay in layouts])
         pages = torch.cat([lay.indices for lay in layouts]).int()
         n_blocks, n_entries = rows.n_blocks, int(pages.numel())
@@ -202,15 +163,15 @@ class _ListedKeys:
         return int(self.key.numel())
 
     def seen_upto(self, block: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """int64 [n]: keys j <= t listed for ``block`` (elementwise; consecutive equal (block, page)
-        searched once)."""
+        """int64 [n]: keys j <= t listed for ``block``, elementwise."""
         n_entries, ps, n_pages = self.n_entries, self.page_size, self.n_pages
         if n_entries == 0:
             return torch.zeros_like(t)
         page = (t // ps).clamp(max=n_pages - 1)
         target = block * n_pages + page
         uniq, inverse = torch.unique_consecutive(target, return_inverse=True)
-        at = torch.searchsorted(self.key, uniq.to(self.key.dtype)).index_select(0, inverse)  # first listed page >= page(t)
+        # the first listed page >= page(t)
+        at = torch.searchsorted(self.key, uniq.to(self.key.dtype)).index_select(0, inverse)
         count = self.cum_len.index_select(0, at) - self.cum_len.index_select(0, self.first_entry.index_select(0, block))
         at_c = at.clamp(max=n_entries - 1)
         on_page = (at < n_entries) & (self.key.index_select(0, at_c) == target)
@@ -220,18 +181,8 @@ class _ListedKeys:
 
 @dataclass
 class _Segments:
-    """The call's segments (module doc), all layers together, and where each row's query lands.
-
-    Attributes:
-        block: int64 [S] the row block of each segment.
-        layer: int64 [S] its layer.
-        qo_len: int64 [S] its queries (t_hi - t_lo + 1, padding included).
-        kv_len: int64 [S] its keys (the listed keys <= t_hi).
-        hi: int64 [S] the position of its last query.
-        whole_block: bool [B] a block that is one segment.
-        block_hi: int64 [B] the position of each block's last row.
-        row_to_qo: int64 [R] each row's query in its layer's call, -1 for a row that sees no key.
-    """
+    """All layers' segments. block, layer, qo_len (padding included), kv_len, hi (last query's position)
+    int64 [S]; whole_block bool [B], block_hi int64 [B]; row_to_qo int64 [R] (-1: sees no key)."""
 
     block: torch.Tensor
     layer: torch.Tensor
@@ -255,8 +206,7 @@ class _Segments:
         is_first[first_row[has_rows]] = True
         seen = keys.seen_upto(block_of_row, q_pos)  # [R] keys each row sees
 
-        # One segment per block when its rows are strictly increasing, the first sees a key and
-        # every position between its first and last row is listed (module doc).
+        # One segment per block when its rows rise, the first sees a key and all between are listed.
         not_rising = torch.zeros(n_rows, dtype=torch.bool, device=device)
         if n_rows > 1:
             not_rising[1:] = q_pos[1:] <= q_pos[:-1]
@@ -274,7 +224,7 @@ class _Segments:
         row_whole = whole.index_select(0, block_of_row)
         kept = row_whole | (seen > 0)
         starts_seg = kept & (is_first | ~row_whole)
-        seg_row = starts_seg.nonzero().squeeze(1)  # first row of each segment
+        seg_row = starts_seg.nonzero().squeeze(1)
         seg_block = block_of_row.index_select(0, seg_row)
         seg_end_row = torch.where(whole.index_select(0, seg_block), last_row.index_select(0, seg_block), seg_row)
         seg_lo = q_pos.index_select(0, seg_row)
@@ -288,30 +238,28 @@ class _Segments:
 
 def _row_to_qo(q_pos: torch.Tensor, kept: torch.Tensor, starts_seg: torch.Tensor, seg_lo: torch.Tensor,
                seg_qo: torch.Tensor, seg_layer: torch.Tensor, n_layers: int) -> torch.Tensor:
-    """int64 [R]: each kept row's query in its layer's call (its segment's first query +
-    (t - t_lo)), -1 for the others. ``kept``/``starts_seg`` bool [R]; ``seg_*`` int64 [S]."""
+    """int64 [R]: a kept row's query in its layer's call, -1 for the others. kept, starts_seg bool [R]."""
     seg_of_row = torch.cumsum(starts_seg.long(), 0) - 1
     layer_qo = torch.zeros(n_layers, dtype=torch.long, device=q_pos.device).index_add_(0, seg_layer, seg_qo)
     qo_local = exclusive_cumsum(seg_qo) - exclusive_cumsum(layer_qo).index_select(0, seg_layer)
     seg_c = seg_of_row.clamp(min=0)
-    row_to_qo = qo_local.index_select(0, seg_c) + q_pos - seg_lo.index_select(0, seg_c) if seg_lo.numel() else seg_of_row
+    row_to_qo = (qo_local.index_select(0, seg_c) + q_pos - seg_lo.index_select(0, seg_c) if seg_lo.numel()
+                 else seg_of_row)
     return torch.where(kept, row_to_qo, torch.full_like(row_to_qo, -1))
 
 
 def _key_runs(layouts: Sequence[BlockSparseLayout], keys: _ListedKeys,
               segs: _Segments) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """(run_start, run_len, runs per layer): each segment takes its block's listed pages, clipped
-    to positions <= its last query. Runs in ``keys.key``'s dtype."""
+    """Each segment's block's listed pages clipped to its last query, in ``keys.key``'s dtype."""
     first_entry, entries_per_block = keys.first_entry, keys.entries_per_block
     page_start, entry_len = keys.page_start, keys.entry_len
     last_entry = (first_entry + entries_per_block - 1).clamp(min=0)
     with_entries = entries_per_block > 0
     t_hi = segs.block_hi
-    one_to_one = bool((segs.whole_block | ~with_entries).all())  # every block one segment (or nothing listed)
+    one_to_one = bool((segs.whole_block | ~with_entries).all())
     if one_to_one and keys.n_entries and bool((keys.pages.index_select(0, last_entry[with_entries])
                                                <= t_hi[with_entries] // keys.page_size).all()):
-        # The usual case (relaxed and full layouts): runs are the listed pages in place, only
-        # each block's last page (its diagonal page) clipped at t_hi.
+        # Relaxed and full layouts: the listed pages in place, only the diagonal page clipped.
         run_start, run_len = page_start, entry_len.clone()
         le = last_entry[with_entries]
         run_len[le] = torch.minimum(entry_len[le].long(),
@@ -331,7 +279,6 @@ def _key_runs(layouts: Sequence[BlockSparseLayout], keys: _ListedKeys,
 
 
 def _anchor_prefill_inputs(layouts: Sequence[BlockSparseLayout]) -> list[AnchorLayerInputs]:
-    """rows -> listed keys -> segments -> key runs -> one :class:`AnchorLayerInputs` per layer."""
     if not layouts:
         return []
     if any(lay.page_size != layouts[0].page_size for lay in layouts):

@@ -1,31 +1,22 @@
 """A stand-in CUDA device on the CPU that keeps CUDA's rules: the GPU path checked where CI runs.
 
-Inside ``with CudaRules() as rules:`` a tensor made on ``torch.device("cuda")`` (a factory's
-``device=``, ``.to("cuda")``, an op over such tensors) is a CPU tensor marked as on the device: it
-reports ``device == cuda:0`` and ``is_cuda``, computes with the CPU's values (so results can be
-compared), and every torch call is checked against what CUDA would refuse or synchronize on
-(a :class:`~torch.overrides.TorchFunctionMode`). Raised as :class:`CudaRuleError`:
+Inside ``with CudaRules() as rules:`` a tensor made on ``torch.device("cuda")`` is a CPU tensor marked
+as on the device (``device == cuda:0``, ``is_cuda``; the CPU's values, so results compare), and every
+torch call is checked (a :class:`~torch.overrides.TorchFunctionMode`). Raised as :class:`CudaRuleError`:
 
-* **mixed devices**: an op over device and host tensors (a 0-dim host tensor as an operand is
-  allowed, as CUDA allows it; as an index it is not), including a device tensor indexed by a
-  host index or a Python list (CUDA copies the index over, blocking);
-* **a blocking host-to-device copy**: ``.to(cuda)``, ``.cuda()`` or ``copy_`` without
-  ``non_blocking``, or from pageable (not pinned) memory, ``torch.tensor(data, device=cuda)``;
-* **a read of the device on the host**: ``.item()``, ``.tolist()``, ``bool()``/``int()``/
-  ``float()``, ``.numpy()``, ``.cpu()``/``.to("cpu")``, a ``copy_`` into a host tensor,
-  ``nonzero``, ``unique``, ``equal``, ``masked_select``, a boolean-mask index, ``repeat_interleave``
-  without ``output_size``, printing. Within ``rules.host_reads_allowed()`` (a documented
-  exception, e.g. CacheBlend's check layer) they are counted instead.
+* **mixed devices**: an op over device and host tensors (a 0-dim host operand is allowed, as in CUDA;
+  a host index or a Python list indexing a device tensor is not: CUDA copies it, blocking);
+* **a blocking host-to-device copy**: ``.to(cuda)``, ``.cuda()``, ``copy_`` without ``non_blocking`` or
+  from pageable memory, ``torch.tensor(data, device=cuda)``;
+* **a read of the device on the host**: ``.item()``, ``.tolist()``, ``bool()``/``int()``/``float()``,
+  ``.numpy()``, ``.cpu()``, a ``copy_`` into a host tensor, ``nonzero``, ``unique``, ``equal``,
+  ``masked_select``, a boolean-mask index, ``repeat_interleave`` without ``output_size``, printing;
+  counted instead within ``rules.host_reads_allowed()`` (a documented exception: CacheBlend's check layer).
 
-Counted (:class:`Traffic`): host-to-device copies and bytes, pinned allocations, device reads, and
-host waits on the stand-in ``torch.cuda.Event`` (whose ``query()`` says the device is behind, so
-every wait a real device could need is taken), each under ``rules.layer`` (set by the caller: the
-layer being run, None outside layers).
-
-A device kernel (FlashInfer's call, modelled in torch) is :func:`device_kernel`: it runs on the
-stand-in's values unchecked, as a kernel runs on the device.
-
-Not modelled: streams, memory limits, kernels' own launch rules. Torch only; no SGLang.
+Counted (:class:`Traffic`, under ``rules.layer``): host-to-device copies and bytes, pinned allocations,
+device reads, host waits on the stand-in ``torch.cuda.Event`` (always behind, so every wait a real
+device could need is taken). :func:`device_kernel` (FlashInfer's call, modelled in torch) runs
+unchecked, as a kernel on the device. Not modelled: streams, memory limits, kernels' launch rules.
 """
 
 from __future__ import annotations
@@ -49,7 +40,7 @@ class CudaRuleError(RuntimeError):
 
 
 class _DeviceTensor(torch.Tensor):
-    """A CPU tensor the harness treats as on the stand-in device (a marker: no behaviour of its own)."""
+    """A marker: no behaviour of its own."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -133,8 +124,7 @@ def _is_cuda_device(d: Any) -> bool:
 
 
 class _Event:
-    """``torch.cuda.Event`` on the stand-in device: the device is always behind, so every
-    ``synchronize`` a real run might need is taken, and counted as a host wait."""
+    """Always behind: every ``synchronize`` a real run might need is taken, and counted."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.recorded = False
@@ -152,12 +142,7 @@ class _Event:
 
 
 class CudaRules(TorchFunctionMode):
-    """The stand-in device and its rules (module doc).
-
-    Attributes:
-        layer: the layer being run (set by the caller; counts go under it).
-        traffic: what crossed, per layer.
-    """
+    """The stand-in device and its rules (module doc); ``layer``: set by the caller, counts go under it."""
 
     def __init__(self) -> None:
         super().__init__()

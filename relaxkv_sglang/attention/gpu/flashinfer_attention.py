@@ -1,25 +1,14 @@
 """The plugin's attention on a GPU through FlashInfer's paged prefill: the thin layer.
 
-Every decision is made in torch and shared with the CPU path (the core's layouts, the fold's
-``ExtendRows``); :mod:`.anchor_inputs` and :mod:`.prefill_inputs` turn them into segments of one
-``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` call (page size 1 over SGLang's KV pool, no
-gather; ``causal=True``, ``backend="fa2"`` as SGLang's FlashInfer backend). This module plans and runs:
-
-* :class:`FlashInferAnchorAttention` (the repair's anchors): every layer's host metadata built once
-  per request and pass, then per layer one ``plan`` (host indptrs; keys expanded on the device) and
-  one ``run``;
-* :class:`FlashInferScopedPrefill` (an extend batch the fold changed): one ``plan`` per forward, one
-  ``run`` per layer.
-
-No host syncs of our own: indptrs are computed on the host in one page-locked buffer per forward;
-device indices arrive on the pass's stage (:mod:`relaxkv_sglang.attention.staging`). ``plan`` copies its
-schedule asynchronously from the wrapper's pinned buffer, so wrappers form a ring of ``RING_SIZE``
-(8 MiB device + 8 MiB pinned each) and a wrapper's next plan waits on the CUDA event its previous
-plan recorded (a host wait, counted ``host_waits``). The float workspace is SGLang's on a server
-(``WORKSPACE_BYTES`` allocated here otherwise).
-
-Pinned to flashinfer-python 0.7.2 (sglang 0.5.23's); another version is refused at construction.
-Torch model of the call: :func:`~.torch_models.paged_prefill_attention`.
+Every decision is made in torch and shared with the CPU path; :mod:`.anchor_inputs` and
+:mod:`.prefill_inputs` turn it into one ``BatchPrefillWithPagedKVCacheWrapper`` call (page size 1 over
+SGLang's KV pool, no gather; ``causal=True``, ``backend="fa2"`` as SGLang's FlashInfer backend).
+No host syncs of our own: indptrs in one page-locked buffer, device indices on the pass's stage.
+``plan`` copies its schedule asynchronously from the wrapper's pinned buffer, so wrappers form a ring
+(8 MiB device + 8 MiB pinned each) and a plan waits on the event its wrapper's previous plan recorded
+(counted ``host_waits``). The float workspace is SGLang's on a server (nothing its KV pool sizing did
+not count). Pinned to flashinfer-python 0.7.2 (sglang 0.5.23's); torch model of the call:
+:func:`~.torch_models.paged_prefill_attention`.
 """
 
 from __future__ import annotations
@@ -36,13 +25,12 @@ from relaxkv_sglang.attention.gpu.prefill_inputs import ScopedPrefillInputs
 
 FLASHINFER_VERSION = "0.7.2"
 WORKSPACE_BYTES = 128 * 1024 * 1024
-RING_SIZE = 4  # wrappers per executor (module doc)
+RING_SIZE = 4
 
 __all__ = ["FLASHINFER_VERSION", "FlashInferAnchorAttention", "FlashInferScopedPrefill", "import_flashinfer"]
 
 
 def import_flashinfer():
-    """The pinned ``flashinfer`` module, or a RuntimeError saying what is wrong."""
     try:
         import flashinfer
     except ImportError as exc:
@@ -55,9 +43,7 @@ def import_flashinfer():
 
 
 class _PagedPrefillCall:
-    """One FlashInfer paged-prefill wrapper (NHD, page size 1, causal) and its current plan.
-
-    ``new_event``: makes the event recorded after each plan (CUDA); None on other devices."""
+    """One wrapper (NHD, page size 1, causal) and its plan; ``new_event`` None off CUDA."""
 
     def __init__(self, flashinfer: Any, float_workspace: torch.Tensor,
                  new_event: Optional[Callable[[], Any]] = None) -> None:
@@ -71,13 +57,10 @@ class _PagedPrefillCall:
     def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, last_page_len: torch.Tensor,
              kv_indices: torch.Tensor, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
              kv_dtype: torch.dtype, scale: float) -> None:
-        """qo_indptr/kv_indptr: int32 host [n_seg + 1]; last_page_len: int32 host [n_seg] (page-locked
-        on CUDA: FlashInfer copies them itself, without blocking); kv_indices: int32 [n_kv] pool
-        slots on the device; dtype/kv_dtype: of q and of the KV pool."""
+        """qo_indptr, kv_indptr int32 host [n_seg + 1], last_page_len int32 host [n_seg] (page-locked on
+        CUDA: FlashInfer copies them without blocking); kv_indices int32 [n_kv] pool slots on the device."""
         if self.staged is not None:
-            # FlashInfer writes its schedule into the wrapper's page-locked buffer and copies it to
-            # the device asynchronously: the previous plan's copy must have run first. (The device
-            # buffer it lands in is safe by stream order: this plan's copy follows the last run.)
+            # The previous plan's copy from the pinned buffer must have run (the device side: stream order).
             if not self.staged.query():
                 self.staged.synchronize()  # a host wait: the CPU is a ring's worth of plans ahead
                 self.host_waits += 1
@@ -92,31 +75,28 @@ class _PagedPrefillCall:
             self.staged.record()
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """q [n_qo, H, d]; k_cache/v_cache [n_slots, Hkv, d] (the layer's pool) -> [n_qo, H, dv]."""
+        """q [n_qo, H, d]; k_cache, v_cache [n_slots, Hkv, d] (the layer's pool) -> [n_qo, H, dv]."""
         if q.shape[0] != self.n_qo:
             raise ValueError(f"q has {q.shape[0]} rows, the plan has {self.n_qo}")
-        # [n_slots, page_size=1, Hkv, d]: the pool as FlashInfer's NHD paged cache.
         return self.wrapper.run(q, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)))
 
 
 class _WrapperRing:
-    """At most ``size`` paged-prefill wrappers sharing one float workspace, used in turn (module doc)."""
+    """At most ``size`` wrappers sharing one float workspace, used in turn (module doc)."""
 
     def __init__(self, device: torch.device | str, workspace_bytes: int, size: int = RING_SIZE,
                  float_workspace: Optional[torch.Tensor] = None) -> None:
         self.flashinfer = import_flashinfer()
         self.device = torch.device(device)
-        # SGLang's own when given (module doc: nothing the KV pool's sizing did not count)
         self.workspace = (float_workspace if float_workspace is not None
                           else torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device))
         self.size = size
         self.calls: list[_PagedPrefillCall] = []
         self.turn = 0
-        # the event recorded after each plan: CUDA's on a CUDA pool (nothing runs ahead elsewhere)
-        self.new_event: Optional[Callable[[], Any]] = (lambda: torch.cuda.Event()) if self.device.type == "cuda" else None
+        self.new_event: Optional[Callable[[], Any]] = ((lambda: torch.cuda.Event()) if self.device.type == "cuda"
+                                                       else None)
 
     def next_call(self) -> _PagedPrefillCall:
-        """The next wrapper of the ring (its plan waits for its previous plan's staged copy)."""
         i = self.turn % self.size
         self.turn += 1
         if i == len(self.calls):
@@ -125,7 +105,6 @@ class _WrapperRing:
 
     @property
     def host_waits(self) -> int:
-        """Plans that waited on the host for their wrapper's previous staged copy."""
         return sum(c.host_waits for c in self.calls)
 
 
@@ -144,8 +123,7 @@ class _AnchorLayer:
 
 
 class AnchorPassMetadata:
-    """One request's anchors in one pass: every layer's host metadata, built once, in one
-    page-locked buffer; the device's indices on ``stage``."""
+    """One request's pass: every layer's host metadata in one page-locked buffer; device indices on ``stage``."""
 
     def __init__(self, layouts: Sequence[BlockSparseLayout], stage: HostStage) -> None:
         self.layouts = list(layouts)
@@ -153,19 +131,14 @@ class AnchorPassMetadata:
         host = pinned_host([t for i in inputs for t in (i.qo_indptr, i.kv_indptr, i.last_page_len)], stage.device)
         self.layers = []
         for j, i in enumerate(inputs):
-            kept = (i.row_to_qo >= 0).nonzero().squeeze(1)  # host
+            kept = (i.row_to_qo >= 0).nonzero().squeeze(1)
             self.layers.append(_AnchorLayer(i, *host[3 * j:3 * j + 3], stage.put(kept), stage.put(i.row_to_qo[kept]),
                                             stage.put(i.run_start), stage.put(i.run_len)))
 
 
 class FlashInferAnchorAttention:
-    """Executes the anchors' layouts of a repair pass with FlashInfer (module doc).
-
-    Args:
-        device: the CUDA device of the KV pool.
-        workspace_bytes: the float workspace shared by the wrappers, allocated here when
-            ``float_workspace`` (e.g. SGLang's FlashInfer backend's) is not given.
-    """
+    """A repair pass's anchor layouts: host metadata once per request and pass, one plan and run per layer;
+    ``workspace_bytes`` allocated without ``float_workspace``."""
 
     def __init__(self, device: torch.device | str, workspace_bytes: int = WORKSPACE_BYTES,
                  float_workspace: Optional[torch.Tensor] = None) -> None:
@@ -174,12 +147,11 @@ class FlashInferAnchorAttention:
 
     @property
     def host_waits(self) -> int:
-        """Plans that waited on the host for a wrapper of the ring (module doc)."""
         return self._ring.host_waits
 
-    def pass_metadata(self, layouts: Sequence[BlockSparseLayout], stage: Optional[HostStage] = None) -> AnchorPassMetadata:
-        """Every layer's metadata of one request, in one vectorised pass; its device indices on
-        ``stage`` (the caller sends it before the first run; None: a stage of its own, sent here)."""
+    def pass_metadata(self, layouts: Sequence[BlockSparseLayout],
+                      stage: Optional[HostStage] = None) -> AnchorPassMetadata:
+        """``stage``: the caller sends it before the first run (None: one of its own, sent here)."""
         if stage is not None:
             return AnchorPassMetadata(layouts, stage)
         stage = HostStage(self.device)
@@ -189,18 +161,8 @@ class FlashInferAnchorAttention:
 
     def run(self, plan: AnchorPassMetadata, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, key_rows: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attend one layer's anchors: one plan + one run of a paged prefill.
-
-        Args:
-            plan: from :meth:`pass_metadata`.
-            layer: index into ``plan.layouts``.
-            q: [n_rows, H, d] the anchors' queries, in layout row order.
-            k_cache, v_cache: [n_slots, Hkv, d] the layer's KV pool.
-            key_rows: int64 [>= n_keys] pool slot of each key position (on the pool's device).
-            scale: softmax scale.
-        Returns:
-            [n_rows, H, dv] in q's dtype (0 for a row that sees no key).
-        """
+        """q [n_rows, H, d] in layout row order; k_cache, v_cache [n_slots, Hkv, d]; key_rows int64
+        [>= n_keys] pool slots on the pool's device -> [n_rows, H, dv] in q's dtype (0: sees no key)."""
         entry = plan.layers[layer]
         inputs = entry.inputs
         if q.shape[0] != inputs.n_rows:
@@ -209,7 +171,7 @@ class FlashInferAnchorAttention:
         if inputs.n_segments == 0:
             return out
         call = self._ring.next_call()
-        kv_indices = inputs.kv_indices(key_rows, entry.run_start.get(), entry.run_len.get())  # staged runs
+        kv_indices = inputs.kv_indices(key_rows, entry.run_start.get(), entry.run_len.get())
         call.plan(entry.qo_indptr, entry.kv_indptr, entry.last_page_len, kv_indices,
                   num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[1], head_dim=q.shape[2], dtype=q.dtype,
                   kv_dtype=k_cache.dtype, scale=scale)
@@ -221,14 +183,7 @@ class FlashInferAnchorAttention:
 
 
 class FlashInferScopedPrefill:
-    """An extend batch's chunk-scoped rows through one FlashInfer paged prefill (module doc).
-
-    :meth:`plan` once per forward, :meth:`run` at every layer.
-
-    Args:
-        device: the CUDA device of the KV pool.
-        workspace_bytes, float_workspace: as :class:`FlashInferAnchorAttention`'s.
-    """
+    """An extend batch's chunk-scoped rows: :meth:`plan` once per forward, :meth:`run` at every layer."""
 
     def __init__(self, device: torch.device | str, workspace_bytes: int = WORKSPACE_BYTES,
                  float_workspace: Optional[torch.Tensor] = None) -> None:
@@ -237,10 +192,8 @@ class FlashInferScopedPrefill:
 
     def plan(self, inputs: ScopedPrefillInputs, req_to_token: torch.Tensor, *, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype, scale: float) -> None:
-        """Plan the batch: inputs from :func:`~.prefill_inputs.scoped_prefill_inputs`, keys read
-        through SGLang's ``req_to_token`` [n_req_slots, max_context] (on the device). One staged
-        copy and one page-locked buffer per forward."""
-        # Two wrappers alternate per forward; each plan waits for its wrapper's last staged copy.
+        """``inputs``: :func:`~.prefill_inputs.scoped_prefill_inputs`; keys through SGLang's ``req_to_token``
+        [n_req_slots, max_context] on the device."""
         self._call = self._ring.next_call()
         qo_indptr, kv_indptr, last_page_len = pinned_host([inputs.qo_indptr, inputs.kv_indptr, inputs.last_page_len],
                                                           req_to_token.device)
@@ -249,7 +202,7 @@ class FlashInferScopedPrefill:
                         kv_dtype=kv_dtype, scale=scale)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """q [n_rows, H, d] the batch's rows in batch order -> [n_rows, H, dv]."""
+        """q [n_rows, H, d] in batch order -> [n_rows, H, dv]."""
         if self._call is None:
             raise RuntimeError("FlashInferScopedPrefill.run before plan")
         return self._call.run(q, k_cache, v_cache)

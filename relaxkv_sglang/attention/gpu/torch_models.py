@@ -1,21 +1,14 @@
 """Torch model of the one FlashInfer 0.7.2 call the GPU path makes, for checks on a CPU.
 
-:func:`paged_prefill_attention` is ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` with page
-size 1 (SGLang's KV pool: page ``i`` is pool slot ``i``), same argument convention as its
-``plan`` + ``run``: request ``r`` has the queries ``qo_indptr[r]:qo_indptr[r+1]`` and the keys
-``kv_indices[kv_indptr[r]:kv_indptr[r+1]]``; with ``causal=True`` query ``i`` of a request with
-``qo_len`` queries and ``kv_len`` keys sees keys ``0 .. i + kv_len - qo_len`` (FlashInfer's
-bottom-right alignment, ``include/flashinfer/attention/prefill.cuh``).  FlashInfer does not read
-``kv_len`` from the indptr: it reads ``clamp(n_pages - 1, 0) * page_size + last_page_len`` keys
-(:func:`keys_read`), so a segment listing no page still reads ``last_page_len`` keys past its end;
-given ``last_page_len``, the model applies that rule and refuses a call that would read a key its
-segment does not list.  It returns the natural-log
-LSE of :mod:`relaxkv_sglang.attention.causal` (FlashInfer reports base 2).  The tests, the CUDA-rules
-harness (:mod:`.cuda_rules`) and the check's dry run feed it to :mod:`.flashinfer_attention` in
-place of FlashInfer (:func:`flashinfer_stand_in`: the wrapper's ``plan``/``run`` surface with
-FlashInfer's argument checks) and compare with the torch executors
-(:func:`~relaxkv_sglang.attention.block_sparse.block_sparse_attention`,
-:func:`~relaxkv_sglang.attention.causal.scoped_causal_attention`).  Not on the serving path.
+:func:`paged_prefill_attention` is ``BatchPrefillWithPagedKVCacheWrapper`` with page size 1 (page ``i``
+is pool slot ``i``), with its ``plan`` + ``run`` convention: request ``r`` has the queries
+``qo_indptr[r]:qo_indptr[r+1]`` and keys ``kv_indices[kv_indptr[r]:kv_indptr[r+1]]``; causal is
+bottom-right aligned (``include/flashinfer/attention/prefill.cuh``). FlashInfer reads
+``clamp(n_pages - 1, 0) * page_size + last_page_len`` keys, not the indptr's (:func:`keys_read`), so a
+segment listing no page still reads past its end; the model applies that rule and refuses such a call.
+Its LSE is natural-log (FlashInfer's base 2). The tests, :mod:`.cuda_rules` and the check's dry run put
+it in FlashInfer's place (:func:`flashinfer_stand_in`, with FlashInfer's argument checks) and compare
+with the torch executors. Not on the serving path.
 """
 
 from __future__ import annotations
@@ -33,14 +26,8 @@ __all__ = ["keys_read", "paged_prefill_attention", "paged_prefill_mask", "PagedP
 
 
 def keys_read(kv_indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int = 1) -> torch.Tensor:
-    """int64 [n_seg] the keys FlashInfer reads per segment: ``clamp(n_pages - 1, 0) * page_size +
-    last_page_len``; ValueError when that is more than the segment's pages hold (it would read
-    keys of the next segment, or past the list).
-
-    Args:
-        kv_indptr: int [n_seg + 1] page offsets (page size 1: key offsets).
-        last_page_len: int [n_seg] keys in each segment's last page, as passed to ``plan``.
-    """
+    """int64 [n_seg] from kv_indptr int [n_seg + 1] and last_page_len int [n_seg]; ValueError past the
+    segment's pages (it would read the next segment's keys)."""
     pages = kv_indptr.long().diff()
     n = (pages - 1).clamp(min=0) * page_size + last_page_len.long()
     over = (n > pages * page_size).nonzero().flatten()
@@ -52,10 +39,7 @@ def keys_read(kv_indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: i
 
 def paged_prefill_mask(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                        n_slots: int, causal: bool = True) -> torch.Tensor:
-    """bool [n_q, n_slots]: which pool slot each query of the call reads (for tests).
-
-    Args: as :func:`paged_prefill_attention` (``n_slots``: pool size).
-    """
+    """bool [n_q, n_slots]: the slots each query reads (for tests)."""
     qo_indptr, kv_indptr, kv_indices = qo_indptr.long(), kv_indptr.long(), kv_indices.long()
     n_q = int(qo_indptr[-1])
     mask = torch.zeros(n_q, n_slots, dtype=torch.bool)
@@ -82,20 +66,9 @@ def paged_prefill_attention(
     return_lse: bool = False,
     last_page_len: Optional[torch.Tensor] = None,
 ):
-    """Torch model of FlashInfer's batch prefill over a page-size-1 paged KV cache.
-
-    Args:
-        q: [n_q, n_heads, d] (``n_q = qo_indptr[-1]``); k_cache/v_cache: [n_slots, n_kv_heads, d|dv].
-        qo_indptr, kv_indptr: int [n_req + 1]; kv_indices: int [kv_indptr[-1]] pool slots.
-        causal: FlashInfer's bottom-right causal rule (module doc); else every listed key.
-        scale: softmax scale, default ``d ** -0.5``.
-        last_page_len: int [n_req], as passed to FlashInfer's ``plan``: the keys read follow its
-            rule (:func:`keys_read`); None: every listed key.
-    Returns:
-        out [n_q, n_heads, dv] (0 for a query that sees no key), and lse float32 [n_q, n_heads]
-        (natural log, -inf for such a query) if return_lse.  Cost: requests padded to the
-        longest query and key lists.
-    """
+    """q [n_q, H, d]; k_cache, v_cache [n_slots, H_kv, d | dv]; qo_indptr, kv_indptr int [n_req + 1];
+    kv_indices int [kv_indptr[-1]]; last_page_len int [n_req] (None: every listed key) -> out [n_q, H,
+    dv] (0: sees no key), lse float32 [n_q, H] (-inf). Requests padded to the longest lists."""
     qo_indptr, kv_indptr, kv_indices = qo_indptr.long(), kv_indptr.long(), kv_indices.long()
     n_req = qo_indptr.numel() - 1
     qo_len = qo_indptr.diff()
@@ -125,10 +98,8 @@ def paged_prefill_attention(
 
 
 class PagedPrefillWrapperModel:
-    """``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` (page size 1, causal, NHD, fa2) as
-    :func:`paged_prefill_attention`: ``plan`` checks what FlashInfer's scheduler needs (host int32
-    indptrs and last-page lengths, int32 slot indices on the pool's device), ``run`` checks the
-    planned shapes. ``created`` and ``plans`` count wrappers and their plans."""
+    """The wrapper (page size 1, causal, NHD, fa2) as :func:`paged_prefill_attention`, with FlashInfer's
+    checks: host int32 indptrs at ``plan``, the planned shapes at ``run``."""
 
     created = 0
 
@@ -143,7 +114,6 @@ class PagedPrefillWrapperModel:
              *, causal, q_data_type, kv_data_type, sm_scale=None, o_data_type=None) -> None:
         if page_size != 1 or not causal:
             raise ValueError("the plugin plans page size 1, causal")
-        # FlashInfer's scheduler reads these on the host: they must already be host tensors.
         for x in (qo_indptr, kv_indptr, last_page_len):
             if x.device.type != "cpu" or x.dtype != torch.int32:
                 raise ValueError(f"indptr / last_page_len must be host int32, got {x.device} {x.dtype}")
@@ -161,18 +131,15 @@ class PagedPrefillWrapperModel:
         qo_indptr, kv_indptr, kv_indices, scale, last_page_len = self.args
         if k_cache.dim() != 4 or k_cache.shape[1] != 1 or q.shape[0] != int(qo_indptr[-1]):
             raise ValueError("run: an NHD page-size-1 cache and the planned queries")
-        # FlashInfer runs the kernel its plan chose: the tensors must have the planned shapes.
         if not (q.shape[1], k_cache.shape[2], q.shape[2]) == self.heads == (q.shape[1], v_cache.shape[2],
                                                                             k_cache.shape[3]):
             raise ValueError(f"run: heads {tuple(q.shape[1:])} / {tuple(k_cache.shape[2:])}, planned {self.heads}")
-        # A kernel on the device: the harness (cuda_rules) runs it on the stand-in's values unchecked.
         return device_kernel(paged_prefill_attention)(q, k_cache[:, 0], v_cache[:, 0], qo_indptr, kv_indptr, kv_indices,
                                                       scale=scale, last_page_len=last_page_len)
 
 
 def flashinfer_stand_in(version: str) -> types.ModuleType:
-    """A ``flashinfer`` module whose paged-prefill wrapper is :class:`PagedPrefillWrapperModel`
-    (put it in ``sys.modules["flashinfer"]``); ``version``: the one the plugin pins."""
+    """For ``sys.modules["flashinfer"]``."""
     module = types.ModuleType("flashinfer")
     module.__version__ = version
     module.BatchPrefillWithPagedKVCacheWrapper = PagedPrefillWrapperModel

@@ -3,7 +3,7 @@
 The tuning tool behind the defaults of ``repair/repair_config.py::RepairConfig`` (the server runs the
 same planner and the prompt is split into the same parts, glue between chunks included, so a
 knob's effect here is its effect there). No server: the model runs in
-``model/reference.py`` (float32, CPU), the stale KV and the query pass once per example, then one
+``repair/reference.py`` (float32, CPU), the stale KV and the query pass once per example, then one
 repair pass per variant. Development data only (HotpotQA dev from ``--offset``, synthetic
 ``--seed``; see ``quality_tasks.QUALITY_SPLITS``); final figures come from ``bench_quality`` on the
 test split.
@@ -42,7 +42,7 @@ import torch
 from benchmarks import metrics, prompt_formats, quality_tasks
 from relaxkv_sglang import assets
 from relaxkv_sglang.repair.calibration import Calibration, CalibrationError, calibration_for_model
-from relaxkv_sglang.model.reference import StaleContext, from_hf_state_dict, reference_prefill, stale_context
+from relaxkv_sglang.repair.reference import StaleContext, from_hf_state_dict, reference_prefill, stale_context
 from relaxkv_sglang.repair.repair_config import RepairConfig, knob_defaults
 
 

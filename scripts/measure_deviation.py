@@ -2,7 +2,7 @@
 
 The diagnosis behind a model's calibration (issue 35, item 2): why does the same repair leave
 first-token KL ~0.03 on SmolLM2-135M and ~0.3 on Qwen2.5-0.5B? On the torch reference
-(``model/reference.py``, float32), per (example, format) of the development split:
+(``repair/reference.py``, float32), per (example, format) of the development split:
 
 * **Deviation profile**: per layer l and token group g of the chunks (each chunk's ``opening``
   token, its tokens ``1-3``, the ``body`` from offset 4), the mean relative error of the stale K
@@ -40,7 +40,7 @@ import sys
 import torch
 
 from benchmarks import quality_tasks
-from relaxkv_sglang.model.reference import query_over, reference_prefill, stale_context
+from relaxkv_sglang.repair.reference import query_over, reference_prefill, stale_context
 from relaxkv_sglang.repair.token_sets import chunk_offsets, eligible_tokens, shared_runs
 from scripts.ablate_repair import add_case_arguments, dev_split_error, kl_full_vocab, load_reference, request_tokens
 

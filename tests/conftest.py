@@ -198,7 +198,7 @@ def tokenizer(tiny_model_path):
 def reference_weights(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
-    from relaxkv_sglang.model.reference import from_hf_state_dict
+    from relaxkv_sglang.repair.reference import from_hf_state_dict
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     return from_hf_state_dict(model.state_dict(), model.config.to_dict())

@@ -1,7 +1,7 @@
 """The device check of the plugin's repair pass: the layer loop on a GPU against the same loop on the CPU.
 
 The server's executor (:class:`~relaxkv_sglang.repair.sglang.layer_loop.LayerLoop`: anchors, glue and query,
-stale shift) runs over stand-in decoder layers (:class:`~relaxkv_sglang.model.reference.ReferenceLayerOps`
+stale shift) runs over stand-in decoder layers (:class:`~relaxkv_sglang.repair.reference.ReferenceLayerOps`
 on random SmolLM2-shaped weights) and a KV pool holding one request's stale context at scattered
 slots: 10 chunks, 15% anchors, 25% context, the torch planner's ``relaxkv`` plan.
 
@@ -35,7 +35,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 import torch
 
 from relaxkv_sglang.model.model_family import finish_layer, project_qkv
-from relaxkv_sglang.model.reference import LlamaWeights, ReferenceLayerOps, StaleContext, apply_neox_rope, stale_context
+from relaxkv_sglang.repair.reference import LlamaWeights, ReferenceLayerOps, StaleContext, apply_neox_rope, stale_context
 from relaxkv_sglang.model.reference_model import rms_norm
 from relaxkv_sglang.repair.repair_config import RepairConfig
 from relaxkv_sglang.repair.anchor_schedule import AnchorSchedule, schedule_anchors

@@ -1,7 +1,7 @@
 """The anchors' schedule: one request's decisions (anchors per layer, their contexts), made once.
 
 The planner turns what the query pass measured into an :class:`AnchorSchedule`; an executor (the
-torch reference in :mod:`~relaxkv_sglang.model.reference`, the server's ``repair/sglang/layer_loop.py``) only runs
+torch reference in :mod:`~relaxkv_sglang.repair.reference`, the server's ``repair/sglang/layer_loop.py``) only runs
 it, so both
 make the same decisions from the same inputs.
 

@@ -31,7 +31,7 @@ def test_full_policy_equals_stock_sglang(server, relaxkv_server, tokenizer):
 
 
 def test_pic_all_misses_equals_independent_chunk_reference(relaxkv_server, tokenizer, reference_weights):
-    from relaxkv_sglang.model.reference import reference_prefill
+    from relaxkv_sglang.repair.reference import reference_prefill
 
     prompt = marked_prompt("", documents(3, seed=2), "Question: summarize.", glue=False)
     assert prompt.offsets[0] == 0  # empty prefix

@@ -11,7 +11,7 @@ only). A few requests per family:
 * anchor ratio 1 with full context equals ``full`` (tokens, logprobs within 1e-4) and 0 anchors
   equal ``pic`` (1e-5), on chunks cached by an earlier request in another order;
 * the served ``full`` and ``relaxkv`` logprobs equal the torch reference's over the checkpoint's
-  weights (``model/reference.py``): SGLang serves the family as its HF definition says, and the
+  weights (``repair/reference.py``): SGLang serves the family as its HF definition says, and the
   repair plans and computes as the reference does;
 * a frontend program (``document()``) and a chat request (documents as text parts) are repaired.
 """
@@ -118,7 +118,7 @@ def test_full_repair_is_full_and_zero_anchors_are_pic(family):
 def _reference(model: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from relaxkv_sglang.model.reference import from_hf_state_dict
+    from relaxkv_sglang.repair.reference import from_hf_state_dict
 
     path = assets.model_path(model)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -129,7 +129,7 @@ def _reference(model: str):
 
 
 def test_served_full_and_repair_match_the_torch_reference(family):
-    from relaxkv_sglang.model.reference import reference_prefill, stale_context
+    from relaxkv_sglang.repair.reference import reference_prefill, stale_context
     from relaxkv_sglang.repair.repair_config import RepairConfig
 
     model, url = family[0], family[1].url

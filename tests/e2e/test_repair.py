@@ -152,7 +152,7 @@ def test_cold_full_repair_is_full_prefill_and_zero_anchors_are_pic(relaxkv_serve
 
 
 def _reference_logprobs(weights, tokenizer, prompt, policy, anchor, context):
-    from relaxkv_sglang.model.reference import reference_prefill
+    from relaxkv_sglang.repair.reference import reference_prefill
     from relaxkv_sglang.repair.repair_config import RepairConfig
 
     layout = part_token_ids(tokenizer, prompt)
@@ -167,7 +167,7 @@ def _reference_logprobs(weights, tokenizer, prompt, policy, anchor, context):
 ])
 def test_server_repair_matches_the_torch_reference(relaxkv_server, tokenizer, reference_weights, policy, anchor, context,
                                                    cached):
-    """The server's repair (folded batch, own layer loop, pool slots) equals core.reference on the same tokens,
+    """The server's repair (folded batch, own layer loop, pool slots) equals repair.reference on the same tokens,
     on chunks cached by an earlier request and on cold chunks computed by the request itself."""
     flush(relaxkv_server.url)
     docs = documents(3, seed=33)

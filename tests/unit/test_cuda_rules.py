@@ -20,7 +20,7 @@ import pytest
 import torch
 from test_model_family import hf_model, sglang_model
 
-from relaxkv_sglang.model.reference import from_hf_state_dict, stale_context
+from relaxkv_sglang.repair.reference import from_hf_state_dict, stale_context
 from relaxkv_sglang.repair.repair_config import RepairConfig
 from relaxkv_sglang.repair.anchor_schedule import schedule_anchors
 from relaxkv_sglang.model.rope_config import rope_spec_from_hf_config

@@ -10,7 +10,7 @@ MODULES = [
     "relaxkv_sglang.attention.block_sparse",     # block_sparse_attention
     "relaxkv_sglang.request.doc_index",        # discover_chunks
     "relaxkv_sglang.attention.layout",           # build_relaxed_layout
-    "relaxkv_sglang.model.reference",        # reference_prefill
+    "relaxkv_sglang.repair.reference",        # reference_prefill
     "relaxkv_sglang.repair.anchor_schedule",      # schedule_anchors
     "relaxkv_sglang.model.rope",             # rotate_keys
     "relaxkv_sglang.repair.selection",        # select_anchors

@@ -20,7 +20,7 @@ from relaxkv_sglang.server.gate import (
     relative_error,
     tolerance_for,
 )
-from relaxkv_sglang.model.reference import _causal_prefill, from_hf_state_dict
+from relaxkv_sglang.repair.reference import _causal_prefill, from_hf_state_dict
 from relaxkv_sglang.model.rope import RopeSpec, rotate_keys
 from relaxkv_sglang.model.rope_config import rope_spec_from_hf_config
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from benchmarks import quality_tasks
-from relaxkv_sglang.model.reference import query_over, reference_prefill, stale_context
+from relaxkv_sglang.repair.reference import query_over, reference_prefill, stale_context
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from relaxkv_sglang.model.model_family import (
     hooked_model_classes,
     project_qkv,
 )
-from relaxkv_sglang.model.reference import (
+from relaxkv_sglang.repair.reference import (
     ReferenceLayerOps,
     apply_neox_rope,
     _causal_prefill,

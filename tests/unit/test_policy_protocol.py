@@ -11,8 +11,8 @@ import torch
 
 from relaxkv_sglang.repair.policies import REGISTERED, policy_spec, registry
 from relaxkv_sglang.repair.policies.base import (AnchorInputs, LayerEdit, LayerRead, MeasuredKV, PolicySpec,
-                                               top_tokens)
-from relaxkv_sglang.model.reference import reference_prefill, stale_context
+                                               ScheduleView, top_tokens)
+from relaxkv_sglang.repair.reference import reference_prefill, stale_context
 from relaxkv_sglang.repair.repair_config import RepairConfig
 from relaxkv_sglang.repair.anchor_schedule import schedule_anchors
 
@@ -28,7 +28,7 @@ def first_layers(x: AnchorInputs) -> list[torch.Tensor]:
 
 
 class HalfwayStep:
-    def __init__(self, plan):
+    def __init__(self, plan: ScheduleView):
         self.plan = plan
         self.body = plan.anchor_sets[0]  # every eligible token
         self.body_groups = None

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from relaxkv_sglang.repair.repair_config import RepairConfig
-from relaxkv_sglang.model.reference import (
+from relaxkv_sglang.repair.reference import (
     apply_neox_rope,
     build_stale_kv,
     from_hf_state_dict,

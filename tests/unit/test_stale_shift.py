@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from relaxkv_sglang.repair.policies import policy_spec, repair_policies
-from relaxkv_sglang.model.reference import apply_neox_rope, build_stale_kv, reference_prefill
+from relaxkv_sglang.repair.reference import apply_neox_rope, build_stale_kv, reference_prefill
 from relaxkv_sglang.repair.repair_config import RepairConfig
 from relaxkv_sglang.repair.anchor_schedule import schedule_anchors
 from relaxkv_sglang.repair.stale_shift import shift_sets, stale_shift
@@ -127,7 +127,7 @@ class _RefLayers:
     def __init__(self, w):
         from types import SimpleNamespace
 
-        from relaxkv_sglang.model import reference as R
+        from relaxkv_sglang.repair import reference as R
 
         self.w, self.R = w, R
         self.model = SimpleNamespace(embed_tokens=lambda i: w.embed[i].float(),
@@ -176,7 +176,7 @@ def test_layer_loop_shifts_as_the_reference_does(model, ids, mode, slot_layout, 
     added over the body's whole span, sinks and glue included, as they are rows of every layer
     (sinks capped: some are not, and the runs are used); per chunk: each chunk's own shift, over
     its runs or by the index add."""
-    from relaxkv_sglang.model.reference import stale_context
+    from relaxkv_sglang.repair.reference import stale_context
     from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention
     from relaxkv_sglang.repair.sglang.layer_loop import LayerLoop
     from relaxkv_sglang.forward.repair_stage import repair_rows

@@ -27,7 +27,7 @@ def test_a_tiny_model_builds_offline_as_its_family(name, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from relaxkv_sglang.model.reference import from_hf_state_dict
+    from relaxkv_sglang.repair.reference import from_hf_state_dict
 
     tokenizer_dir = assets.model_path("tiny-llama")
     build_tiny_model(name, tmp_path, tokenizer_dir)

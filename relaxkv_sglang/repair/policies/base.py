@@ -5,8 +5,8 @@ and the executors.
 A policy's anchor rule maps an :class:`AnchorInputs` to nested sets ``A_0 ⊇ A_1 ⊇ ...`` (a token
 recomputed at layer ``l`` needs its input hidden state, which exists only if it was recomputed
 at layer ``l-1``). A policy that decides or corrects something during the forward gives a
-``layer_step`` factory: the planner's :class:`~relaxkv_sglang.repair.anchor_schedule.AnchorSchedule` makes
-one step per request, and each executor (the torch reference, the server's layer loop) calls it
+``layer_step`` factory: the planner makes one step per request from its schedule, seen as a
+:class:`ScheduleView`, and each executor (the torch reference, the server's layer loop) calls it
 at the layers it reads, between the layer's QKV projection and its K/V writes:
 
 1. ``reads(l)``, on the host when the pass is planned: the anchors of layer ``l`` whose recomputed
@@ -28,12 +28,11 @@ if TYPE_CHECKING:
     import torch
 
     from relaxkv_sglang.model.tensor_parallel import TensorParallel
-    from relaxkv_sglang.repair.anchor_schedule import AnchorSchedule
 
 Span = tuple[int, int]
 
-__all__ = ["CONTEXTS", "ROLES", "check_choice", "check_unit", "OptionGroup", "AnchorInputs", "AnchorRule",
-           "LayerRead", "MeasuredKV", "LayerEdit", "LayerStep", "PolicySpec", "same_every_layer", "top_tokens"]
+__all__ = ["CONTEXTS", "ROLES", "check_choice", "check_unit", "OptionGroup", "AnchorInputs", "AnchorRule", "LayerRead",
+           "MeasuredKV", "LayerEdit", "LayerStep", "ScheduleView", "PolicySpec", "same_every_layer", "top_tokens"]
 
 # The anchors' context (layout.build_relaxed_layouts' modes): the whole causal prefix, the
 # query-relevant pages (relaxed), or random pages of the same budget.
@@ -185,6 +184,40 @@ class LayerStep(Protocol):
         """The step at ``layer``, from what :meth:`reads` asked for."""
 
 
+class ScheduleView(Protocol):
+    """One request's schedule as a step reads it (the planner's ``AnchorSchedule``, read-only).
+
+    Attributes:
+        config: the request's ``RepairConfig``; a step reads its own option group (``config.relaxkv``).
+        n_layers: layers of the model; n_context: context tokens.
+        chunk_spans: the reused chunks, sorted.
+        chunk_sinks: int64 [n_chunks] each chunk's sink tokens.
+        anchor_sets: per decided layer, int64 sorted anchors (nested).
+        decided_layers: ``len(anchor_sets)``, below ``n_layers`` while a mid-forward step has yet to decide.
+    """
+
+    @property
+    def config(self) -> Any: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_context(self) -> int: ...
+    @property
+    def chunk_spans(self) -> Sequence[Span]: ...
+    @property
+    def chunk_sinks(self) -> "torch.Tensor": ...
+    @property
+    def anchor_sets(self) -> Sequence["torch.Tensor"]: ...
+    @property
+    def decided_layers(self) -> int: ...
+
+    def exit_layers(self) -> "torch.Tensor":
+        """int64 [n_context]: e(t), the layers ``[0, e(t))`` token t is recomputed at (0: never)."""
+
+    def anchor_inputs(self) -> AnchorInputs:
+        """What the policy's anchor rule read for this request."""
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicySpec:
     """What one policy does, declared.
@@ -200,7 +233,7 @@ class PolicySpec:
         needs_query_scores: its targets (or context) come from the query pass's s_l.
         context: the anchors' context, one of :data:`CONTEXTS`.
         options: its own knobs, or None.
-        layer_step: AnchorSchedule -> its :class:`LayerStep` for that request (None: no step there),
+        layer_step: :class:`ScheduleView` -> its :class:`LayerStep` for that request (None: no step there),
             or None.
         decides_mid_forward: its step decides later layers' anchors (the rule plans only the
             layers before).
@@ -216,7 +249,7 @@ class PolicySpec:
     needs_query_scores: bool = False
     context: str = "full"
     options: Optional[OptionGroup] = None
-    layer_step: Optional[Callable[["AnchorSchedule"], Optional[LayerStep]]] = None
+    layer_step: Optional[Callable[[ScheduleView], Optional[LayerStep]]] = None
     decides_mid_forward: bool = False
 
     def __post_init__(self) -> None:

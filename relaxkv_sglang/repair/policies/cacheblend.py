@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Optional
 
-from relaxkv_sglang.repair.policies.base import AnchorInputs, LayerEdit, LayerRead, MeasuredKV, OptionGroup, PolicySpec, top_tokens
+from relaxkv_sglang.repair.policies.base import (AnchorInputs, LayerEdit, LayerRead, MeasuredKV, OptionGroup,
+                                                 PolicySpec, ScheduleView, top_tokens)
 
 if TYPE_CHECKING:
     from relaxkv_sglang.model.tensor_parallel import TensorParallel
-    from relaxkv_sglang.repair.anchor_schedule import AnchorSchedule
 
 __all__ = ["CacheBlendOptions", "kv_deviation", "check_layer_deviation", "CheckLayerStep", "SPEC"]
 
@@ -90,12 +90,12 @@ class CheckLayerStep:
     body = None
     body_groups = None
 
-    def __init__(self, schedule: "AnchorSchedule") -> None:
+    def __init__(self, schedule: ScheduleView) -> None:
         self.schedule = schedule
         self.check_layer = schedule.config.cacheblend.check_layer
 
     @classmethod
-    def of(cls, schedule: "AnchorSchedule") -> Optional["CheckLayerStep"]:
+    def of(cls, schedule: ScheduleView) -> Optional["CheckLayerStep"]:
         """The step of a schedule whose later layers are still undecided."""
         return cls(schedule) if schedule.decided_layers < schedule.n_layers else None
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Optional
 
-from relaxkv_sglang.repair.policies.base import AnchorInputs, LayerEdit, LayerRead, MeasuredKV, OptionGroup, PolicySpec, check_choice, check_unit
+from relaxkv_sglang.repair.policies.base import (AnchorInputs, LayerEdit, LayerRead, MeasuredKV, OptionGroup,
+                                                 PolicySpec, ScheduleView, check_choice, check_unit)
 
 if TYPE_CHECKING:
     import torch
 
-    from relaxkv_sglang.repair.anchor_schedule import AnchorSchedule
 
 __all__ = ["LAYER_VALUES", "SINK_ORDERS", "CHUNK_SINK_RULES", "CONTEXT_RANKS", "STALE_SHIFTS", "STALE_SHIFT_GROUPS",
            "RelaxKVOptions", "exit_layer_sets", "StaleShiftStep", "SPECS"]
@@ -107,7 +107,7 @@ class StaleShiftStep:
         body_groups: int64 [n_body] each body token's shift group, or None (one group).
     """
 
-    def __init__(self, schedule: "AnchorSchedule", body: "torch.Tensor") -> None:
+    def __init__(self, schedule: ScheduleView, body: "torch.Tensor") -> None:
         from relaxkv_sglang.repair.token_sets import chunk_ids
 
         options = schedule.config.relaxkv
@@ -120,7 +120,7 @@ class StaleShiftStep:
         self._body_exits = schedule.exit_layers()[body]
 
     @classmethod
-    def of(cls, schedule: "AnchorSchedule") -> Optional["StaleShiftStep"]:
+    def of(cls, schedule: ScheduleView) -> Optional["StaleShiftStep"]:
         """The step of a schedule that shifts (None: the shift is off or nothing can be shifted)."""
         from relaxkv_sglang.repair.stale_shift import shift_body
 

@@ -1,8 +1,8 @@
 """Layer-by-layer reference executor for one request of a registered model family, every policy.
 
-The model is a registered family's decoder layer (:mod:`.model_family`), run over plain weight
-tensors (:mod:`.reference_model`) in float32 on the CPU, written for clarity: the numerical
-reference the SGLang integration is checked against.
+The model is a registered family's decoder layer (:mod:`~relaxkv_sglang.model.model_family`), run
+over plain weight tensors (:mod:`~relaxkv_sglang.model.reference_model`) in float32 on the CPU,
+written for clarity: the numerical reference the SGLang integration is checked against.
 
 Request: ``input_ids = [prefix][chunk_1](glue)[chunk_2]...[chunk_n][query]``; ``chunk_spans`` sorted,
 the last ending at ``query_start``. Glue (tokens between chunks) is computed with the request like

@@ -1,33 +1,21 @@
 """Model families the repair serves, and their decoder layer's order of operations, written once.
 
-Every family here has the Llama decoder layer (its MLP dense or routed experts). With ``h`` the residual stream [n, hidden] of n
-tokens at positions ``p`` (int64 [n]), H query heads and Hkv key/value heads of size d, and
-``RMSNorm(x) = x / sqrt(mean(x^2) + eps)`` over the last dim:
+Every family has the Llama decoder layer. With ``h`` the residual stream [n, hidden] at positions ``p``
+(int64 [n]), H query and Hkv key/value heads of size d, ``RMSNorm(x) = x / sqrt(mean(x^2) + eps)``:
 
-1. ``x = RMSNorm(h) * w_in``                          (input norm)
-2. ``q = x W_q^T (+ b_q)``, ``k = x W_k^T (+ b_k)``, ``v = x W_v^T (+ b_v)``, split per head:
-   q [n, H, d], k and v [n, Hkv, d]                  (q/k/v projection; biases: :attr:`ModelFamily.qkv_bias`)
-3. ``q = RMSNorm_d(q) * w_qn``, ``k = RMSNorm_d(k) * w_kn`` over each head's d dims, before
-   RoPE, only where the family says so              (:attr:`ModelFamily.qk_norm`, Qwen3, Qwen3-MoE)
-4. ``q, k = RoPE(q, p), RoPE(k, p)``                (neox pairing: dim i with i + rotary_dim/2; the
-   config's RoPE: partial rotary (Phi-3), llama3 or YaRN scaling)
-5. ``a = attention(q, k, v)`` [n, H, dv]             (the caller's: it decides which keys a row sees)
-6. ``h = h + a W_o^T``                               (o_proj, residual)
-7. ``h = h + MLP(y)``, ``y = RMSNorm(h) * w_post``  (MLP, residual), where MLP is
-   - ``swiglu``: ``W_down (silu(W_gate y) * W_up y)``;
-   - ``moe`` (Qwen3-MoE, Mixtral): routed SwiGLU experts (:class:`MoESpec`): per token, router
-     logits ``y W_r^T`` [E], softmax in float32, the top-k experts, their weights renormalized to
-     sum 1 where the model says so, ``sum_k w_k SwiGLU_{e_k}(y)``.
+1. ``x = RMSNorm(h) * w_in``
+2. ``q, k, v = x W_{q,k,v}^T (+ b)`` per head: q [n, H, d], k and v [n, Hkv, d] (:attr:`ModelFamily.qkv_bias`)
+3. ``q, k = RMSNorm_d(q) * w_qn, RMSNorm_d(k) * w_kn`` per head, only if :attr:`ModelFamily.qk_norm` (Qwen3)
+4. ``q, k = RoPE(q, p), RoPE(k, p)`` (neox pairing; partial rotary, llama3 or YaRN scaling: the config's)
+5. ``a = attention(q, k, v)`` [n, H, dv] (the caller's: it decides which keys a row sees)
+6. ``h = h + a W_o^T``
+7. ``h = h + MLP(RMSNorm(h) * w_post)``; ``swiglu``: ``W_down (silu(W_gate y) * W_up y)``; ``moe``
+   (:class:`MoESpec`): router logits ``y W_r^T`` [E], softmax in float32, top-k experts (weights
+   renormalized where the model says so), ``sum_k w_k SwiGLU_{e_k}(y)``.
 
-Steps 1-4 are :func:`project_qkv`, 6-7 :func:`finish_layer`, over :class:`LayerOps` (one decoder
-layer's pieces), supplied by the torch reference (:mod:`.reference_model`) and the server's repair
-pass (``model/sglang/model_layers.py``); the order above is nowhere else.
-
-:data:`FAMILIES` is what the plugin serves: per family the HF ``architectures`` / ``model_type``,
-the SGLang decoder-stack class the repair hooks (``server/sglang/plugin.py::HOOKS`` is generated from it), its
-module names and checkpoint weights. A model outside it is served ``full`` and ``prefix`` only.
-Adding a family with this layer is one :class:`ModelFamily` entry. Standard library and torch only
-(SGLang classes are named as strings).
+Steps 1-4 are :func:`project_qkv`, 6-7 :func:`finish_layer`, over :class:`LayerOps` from the torch
+reference and the server's repair pass: the order is nowhere else. A model outside :data:`FAMILIES` is
+served ``full`` and ``prefix`` only; SGLang classes are named as strings.
 """
 
 from __future__ import annotations
@@ -54,11 +42,10 @@ __all__ = [
 
 
 class UnknownModelFamilyError(ValueError):
-    """The model's config names no registered family (the message names what it does say)."""
+    """The config names no registered family (the message says what it names)."""
 
 
-#: SGLang module paths under every decoder layer of these families (``layers[i].<path>``); the
-#: MLP's own name is the family's (:attr:`ModelFamily.mlp_module`).
+#: SGLang module paths under every decoder layer (``layers[i].<path>``), the MLP's apart.
 _SGLANG_LAYER_MODULES: tuple[str, ...] = (
     "input_layernorm", "self_attn.qkv_proj", "self_attn.rotary_emb", "self_attn.o_proj", "self_attn.attn",
     "self_attn.q_size", "self_attn.kv_size", "post_attention_layernorm",
@@ -66,8 +53,7 @@ _SGLANG_LAYER_MODULES: tuple[str, ...] = (
 #: ... and on the decoder stack itself.
 SGLANG_MODEL_MODULES: tuple[str, ...] = ("embed_tokens", "layers", "norm")
 
-#: HF checkpoint weights of every decoder layer (``model.layers.{i}.<key>``), by the reference's name,
-#: outside the MLP.
+#: HF checkpoint weights of every decoder layer (``model.layers.{i}.<key>``) by the reference's name.
 _HF_ATTN_WEIGHTS: dict[str, str] = {
     "attn_norm": "input_layernorm.weight",
     "o": "self_attn.o_proj.weight",
@@ -81,21 +67,11 @@ _HF_QK_NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm
 
 @dataclass(frozen=True)
 class MoESpec:
-    """A routed-experts MLP (module doc, step 7's ``moe``) as the HF config and checkpoint describe it.
-
-    Attributes:
-        n_experts_keys: config keys holding the expert count E (the first present counts).
-        width_key: config key of one expert's intermediate size.
-        top_k_key: config key of the experts each token is routed to.
-        renormalize: the top-k weights are renormalized to sum 1: True, or the config key saying
-            whether (its absence: False, HF's default).
-        router: the router's weight under the MLP module (``<mlp>.<router>.weight``, [E, hidden]).
-        experts: each expert's gate, up and down weight names (``<mlp>.experts.{e}.<name>.weight``),
-            as checkpoints hold them (and SGLang loads them).
-        stacked_module: the MLP's name in a transformers 5 model in memory, whose state dict holds
-            the experts stacked: ``<m>.experts.gate_up_proj`` [E, 2 inter, hidden] (gate rows first)
-            and ``<m>.experts.down_proj`` [E, hidden, inter], the router as ``<m>.<router>.weight``.
-    """
+    """Step 7's ``moe`` as the HF config (``*_key``) and checkpoint name it. ``renormalize``: True, or the
+    config key saying whether (absent: False, HF's default); ``router``: ``<mlp>.<router>.weight`` [E,
+    hidden]; ``experts``: ``<mlp>.experts.{e}.<gate|up|down>.weight``; ``stacked_module``: the MLP in a
+    transformers 5 model in memory, whose experts are stacked, ``gate_up_proj`` [E, 2 inter, hidden]
+    (gate rows first) and ``down_proj`` [E, hidden, inter]."""
 
     n_experts_keys: tuple[str, ...]
     width_key: str
@@ -106,23 +82,20 @@ class MoESpec:
     stacked_module: str = "mlp"
 
     def n_experts(self, config: Mapping[str, Any]) -> int:
-        """E, from the first of :attr:`n_experts_keys` the config holds (KeyError: none)."""
+        """E, from the first of :attr:`n_experts_keys` the config holds."""
         for key in self.n_experts_keys:
             if config.get(key):
                 return int(config[key])
         raise KeyError(f"the config holds none of {self.n_experts_keys} (the expert count)")
 
     def routing(self, config: Mapping[str, Any]) -> tuple[int, bool]:
-        """(top-k, renormalize) of a model with this HF config dict."""
         renorm = self.renormalize if isinstance(self.renormalize, bool) else bool(config.get(self.renormalize, False))
         return int(config[self.top_k_key]), renorm
 
     def hf_weights(self, mlp: str, config: Mapping[str, Any],
                    stacked: bool = False) -> dict[str, str | tuple[str, ...]]:
-        """The reference's MLP weights -> HF keys under ``model.layers.{i}.``: ``router``, and the
-        experts' ``experts_gate``/``experts_up``/``experts_down`` as one key per expert (stacked by
-        the reader); with ``stacked``, a transformers 5 state dict's ``experts_gate_up`` and
-        ``experts_down`` (:attr:`stacked_module`)."""
+        """The reference's MLP weights -> HF keys under ``model.layers.{i}.``, one per expert (the reader
+        stacks them); ``stacked``: a transformers 5 state dict's (:attr:`stacked_module`)."""
         if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
             raise ValueError("an MoE with dense layers (mlp_only_layers, decoder_sparse_step): SGLang 0.5.23 "
                              "serves every Qwen3-MoE layer as sparse, so the reference does not model them")
@@ -132,36 +105,20 @@ class MoESpec:
                     "experts_down": f"{m}.experts.down_proj"}
         weights: dict[str, str | tuple[str, ...]] = {"router": f"{mlp}.{self.router}.weight"}
         for part, name in zip(("gate", "up", "down"), self.experts):
-            weights[f"experts_{part}"] = tuple(f"{mlp}.experts.{e}.{name}.weight" for e in range(self.n_experts(config)))
+            weights[f"experts_{part}"] = tuple(f"{mlp}.experts.{e}.{name}.weight"
+                                               for e in range(self.n_experts(config)))
         return weights
 
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """One family of decoder-only models and what its decoder layer is (module doc, steps 1-7).
-
-    Attributes:
-        name: the family's name (``"llama"``).
-        architectures: HF ``config.architectures`` names it covers (a checkpoint's config.json).
-        model_types: HF ``config.model_type`` values it covers, for a config without
-            ``architectures`` (one built in code).
-        causal_lm_class: the SGLang class serving those architectures (dotted path).
-        model_class: the SGLang decoder stack that class holds as ``.model``, whose ``forward`` the
-            repair hooks (dotted path; it defines ``forward`` itself, so the hook reaches it).
-        qkv_bias: the q/k/v projections always carry biases (Qwen2); otherwise only when the
-            config's ``attention_bias`` says so (:meth:`has_qkv_bias`).
-        qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3), step 3.
-        mlp: ``"swiglu"`` or ``"moe"`` (step 7), the latter described by :attr:`moe`.
-        mlp_module: the MLP's module name in the layer, SGLang's and the HF checkpoint's
-            (``"mlp"``; Mixtral: ``"block_sparse_moe"``); the repair pass calls it as SGLang's
-            layer does, ``mlp(y)``.
-        moe: the routed experts of an ``"moe"`` MLP.
-        fused_hf_weights: HF checkpoints hold q/k/v as one ``qkv_proj`` and gate/up as one
-            ``gate_up_proj`` (Phi-3); SGLang fuses them either way.
-        rope: the RoPE pairing (``"neox"``: dim i with i + rotary_dim/2; partial rotary and the
-            scaled types are the config's, ``model/rope.py``).
-        norm: ``"rms"``: RMSNorm with a weight and no bias, for every norm of the layer.
-    """
+    """One family of decoder-only models (module doc). ``model_types``: for a config without
+    ``architectures`` (built in code). ``model_class``: the SGLang decoder stack (``<causal_lm>.model``)
+    whose own ``forward`` the repair hooks. ``qkv_bias``: always (Qwen2), else as the config's
+    ``attention_bias``. ``mlp_module``: SGLang's and the checkpoint's name (Mixtral:
+    ``block_sparse_moe``), called as SGLang's layer does. ``fused_hf_weights``: checkpoints hold
+    ``qkv_proj`` and ``gate_up_proj`` (Phi-3; SGLang fuses either way). ``rope`` ``"neox"``: dim i with
+    i + rotary_dim/2. ``norm`` ``"rms"``: with a weight, no bias."""
 
     name: str
     architectures: tuple[str, ...]
@@ -186,27 +143,20 @@ class ModelFamily:
 
     @property
     def hooked_forward(self) -> str:
-        """The SGLang function the repair's model hook wraps (``<model_class>.forward``)."""
         return f"{self.model_class}.forward"
 
     @property
     def sglang_layer_modules(self) -> tuple[str, ...]:
-        """Dotted attribute paths every SGLang decoder layer of this family has (the repair pass
-        calls them; step 3's norms included when the family has them)."""
         norms = ("self_attn.q_norm", "self_attn.k_norm") if self.qk_norm else ()
         return _SGLANG_LAYER_MODULES + (self.mlp_module,) + norms
 
     def has_qkv_bias(self, config: Mapping[str, Any]) -> bool:
-        """Whether a checkpoint with this HF config dict has q/k/v biases."""
         return self.qkv_bias or bool(config.get("attention_bias", False))
 
     def hf_layer_weights(self, config: Mapping[str, Any],
                          stacked_experts: bool = False) -> dict[str, str | tuple[str, ...]]:
-        """The weights every decoder layer of a HF checkpoint with this config dict holds: the torch
-        reference's name (``LlamaWeights.layers``) -> the key under ``model.layers.{i}.`` (a tuple:
-        one key per expert, stacked). Fused checkpoints give ``qkv`` and ``gate_up``, and an MoE
-        in memory (``stacked_experts``, :meth:`MoESpec.hf_weights`) ``experts_gate_up``, which the
-        reference splits."""
+        """The reference's name (``LlamaWeights.layers``) -> the key under ``model.layers.{i}.`` (a tuple: one
+        per expert). Fused ``qkv``, ``gate_up`` and ``experts_gate_up`` the reference splits."""
         weights: dict[str, str | tuple[str, ...]] = dict(_HF_ATTN_WEIGHTS)
         weights.update(_HF_QKV_FUSED if self.fused_hf_weights else _HF_QKV)
         if self.has_qkv_bias(config):
@@ -227,11 +177,8 @@ _LLAMA = "sglang.srt.models.llama"
 _QWEN2 = "sglang.srt.models.qwen2"
 _QWEN3 = "sglang.srt.models.qwen3"
 
-#: The registered families. Mistral's and Phi-3's SGLang classes are LlamaForCausalLMs, so
-#: LlamaModel's hooked forward serves them too (Llama 3.x is the llama family: its llama3 RoPE is
-#: the config's); Qwen3Model subclasses Qwen2Model but defines its own forward, hooked apart;
-#: Qwen3MoeModel runs Qwen2MoeModel's forward (hooked there: a Qwen2-MoE model, not registered, is
-#: served as pic), MixtralModel its own.
+#: ``server/sglang/plugin.py::HOOKS`` is generated from it. Mistral and Phi-3 run LlamaModel's forward;
+#: Qwen3Model defines its own; Qwen3MoeModel runs Qwen2MoeModel's (an unregistered Qwen2-MoE: pic).
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("llama", ("LlamaForCausalLM",), ("llama",), f"{_LLAMA}.LlamaForCausalLM", f"{_LLAMA}.LlamaModel"),
     ModelFamily("mistral", ("MistralForCausalLM",), ("mistral",), "sglang.srt.models.mistral.MistralForCausalLM",
@@ -242,7 +189,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 qkv_bias=True),
     ModelFamily("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), f"{_QWEN3}.Qwen3ForCausalLM", f"{_QWEN3}.Qwen3Model",
                 qk_norm=True),
-    ModelFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "sglang.srt.models.qwen3_moe.Qwen3MoeForCausalLM",
+    ModelFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",),
+                "sglang.srt.models.qwen3_moe.Qwen3MoeForCausalLM",
                 "sglang.srt.models.qwen2_moe.Qwen2MoeModel", qk_norm=True, mlp="moe",
                 moe=MoESpec(("num_experts", "num_local_experts"), "moe_intermediate_size",
                             renormalize="norm_topk_prob")),
@@ -253,15 +201,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
 
 
 def family_for_config(config: Mapping[str, Any]) -> ModelFamily:
-    """The family of a model from its HF config dict (``config.to_dict()`` or config.json).
-
-    Its ``architectures`` decide (the first registered one); a config without them (built in code)
-    is looked up by ``model_type``.
-
-    Raises:
-        UnknownModelFamilyError: naming the config's architectures (or model type) and the
-            registered ones.
-    """
+    """From a HF config dict: the first registered of its ``architectures``, else its ``model_type``."""
     architectures = list(config.get("architectures") or ())
     model_type: Optional[str] = config.get("model_type")
     for arch in architectures:
@@ -278,8 +218,7 @@ def family_for_config(config: Mapping[str, Any]) -> ModelFamily:
 
 
 def hooked_model_classes() -> dict[str, list[str]]:
-    """Each hooked SGLang decoder stack (dotted class path) -> the families whose models it serves,
-    in registry order (one hook per class)."""
+    """Each hooked SGLang decoder stack -> its families, in registry order (one hook per class)."""
     hooked: dict[str, list[str]] = {}
     for family in FAMILIES:
         hooked.setdefault(family.model_class, []).append(family.name)
@@ -287,15 +226,12 @@ def hooked_model_classes() -> dict[str, list[str]]:
 
 
 def families_of_model_class(class_path: str) -> list[ModelFamily]:
-    """The families whose hooked decoder stack is the SGLang class at ``class_path`` (dotted), in
-    registry order: how a stack without a ``config`` (MixtralModel) is told apart."""
+    """How a stack without a ``config`` (MixtralModel) is told apart."""
     return [family for family in FAMILIES if family.model_class == class_path]
 
 
 def mlp_width(config: Mapping[str, Any]) -> int:
-    """The intermediate size one token's MLP computes (for the repair's cost model): a dense
-    layer's ``intermediate_size``; an MoE family's top-k times one expert's (any model outside
-    the registry: ``intermediate_size``)."""
+    """One token's MLP intermediate size, for the repair's cost model (an MoE: top-k times one expert's)."""
     try:
         moe = family_for_config(config).moe
     except UnknownModelFamilyError:
@@ -309,11 +245,10 @@ def mlp_width(config: Mapping[str, Any]) -> int:
 
 
 class LayerOps(Protocol):
-    """One decoder layer's pieces (module doc's steps), over some weights. n rows; H, Hkv, d as in
-    the module doc; dtypes are the executor's (float32 in the reference, the served dtype in SGLang)."""
+    """One decoder layer's pieces (module doc's steps); dtypes the executor's (float32 in the reference)."""
 
     def input_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Step 1: hidden [n, hidden] -> [n, hidden]."""
+        """Step 1: [n, hidden] -> [n, hidden]."""
         ...
 
     def qkv_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -321,7 +256,7 @@ class LayerOps(Protocol):
         ...
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 3: q [n, H, d], k [n, Hkv, d] -> the same shapes, each head RMS-normed over d."""
+        """Step 3: q [n, H, d], k [n, Hkv, d] -> the same shapes."""
         ...
 
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,11 +268,11 @@ class LayerOps(Protocol):
         ...
 
     def post_attention_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Step 7's norm: hidden [n, hidden] -> [n, hidden]."""
+        """Step 7's norm: [n, hidden] -> [n, hidden]."""
         ...
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """Step 7's MLP: x [n, hidden] -> [n, hidden]."""
+        """Step 7's MLP: [n, hidden] -> [n, hidden]."""
         ...
 
 
@@ -353,7 +288,6 @@ def project_qkv(ops: LayerOps, family: ModelFamily, hidden: torch.Tensor,
 
 
 def finish_layer(ops: LayerOps, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-    """Steps 6-7: hidden [n, hidden] (the layer's input) and attn_out [n, H, dv] -> the layer's
-    output [n, hidden]: residual + o_proj, then residual + MLP."""
+    """Steps 6-7: hidden [n, hidden] (the layer's input), attn_out [n, H, dv] -> [n, hidden]."""
     hidden = hidden + ops.o_proj(attn_out)
     return hidden + ops.mlp(ops.post_attention_norm(hidden))

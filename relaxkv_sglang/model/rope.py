@@ -1,21 +1,12 @@
 """RoPE for position-independent KV reuse: apply, and re-rotate cached keys.
 
-A chunk's keys are cached *after* RoPE, at canonical positions (normally
-0..n-1).  Reusing the chunk at another offset needs the keys as if they had
-been computed there.  RoPE is a per-pair 2-D rotation by angle ``p * f_i``, so
-rotations compose: ``R(p_new) = R(p_new - p_old) @ R(p_old)``.  Rotating a
-cached key by ``delta = p_new - p_old`` therefore gives the key at ``p_new``.
-
-Supported variants (what the models we serve use): default RoPE, linear
-position interpolation, Llama-3 frequency scaling, YaRN; neox (half-split) and
-GPT-J (interleaved) pairing; partial rotary dims.  All of these only change the
-per-pair frequencies ``f_i`` (or, for YaRN, multiply cos/sin by a constant), so
-delta rotation is exact.  "dynamic" NTK scaling changes the frequencies with the
-sequence length and "longrope" switches frequency sets with it; a key cached
-under one length would be wrong under another, so both are refused.  A spec is
-read from a HF config by :mod:`.rope_config`.
-
-This module imports only the standard library, torch and :mod:`~relaxkv_sglang.attention.staging`.
+A chunk's keys are cached after RoPE at canonical positions (normally 0..n-1). RoPE is a per-pair 2-D
+rotation by ``p * f_i``, so rotations compose, ``R(p_new) = R(p_new - p_old) @ R(p_old)``: rotating a
+cached key by the delta gives the key at ``p_new``. Every supported variant (default, linear, Llama-3
+scaling, YaRN; neox and GPT-J pairing; partial rotary) only changes the frequencies ``f_i`` (YaRN also
+scales cos/sin by a constant), so delta rotation is exact. "dynamic" NTK and "longrope" change the
+frequencies with the sequence length (a key cached under one length would be wrong under another), so
+both are refused. :mod:`.rope_config` reads a spec from a HF config.
 """
 
 from __future__ import annotations
@@ -43,33 +34,15 @@ SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 
 
 class UnsupportedRopeError(ValueError):
-    """Raised for a RoPE configuration whose cached keys cannot be re-rotated exactly."""
+    """Cached keys under this RoPE cannot be re-rotated exactly."""
 
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """Everything needed to compute RoPE angles for one attention layer.
-
-    Attributes:
-        head_dim: size of one attention head.
-        rotary_dim: number of leading dims of each head that rotate (partial
-            rotary); the rest pass through unchanged.  ``None`` means head_dim.
-            Must be even.
-        base: RoPE theta.
-        is_neox_style: True pairs dim ``i`` with ``i + rotary_dim/2`` (HF
-            ``rotate_half``, Llama/Qwen/Mistral); False pairs ``2i`` with
-            ``2i+1`` (GPT-J / Meta's original interleaved layout).
-        scaling_type: one of ``SUPPORTED_ROPE_TYPES``.
-        factor: scaling factor for "linear", "llama3" and "yarn" (1.0 for "default").
-        original_max_position_embeddings: pretraining context length; required by
-            "llama3" and "yarn".
-        low_freq_factor, high_freq_factor: "llama3" parameters.
-        beta_fast, beta_slow: "yarn" correction-range parameters.
-        yarn_attention_factor: explicit YaRN attention factor (``attention_factor``
-            in HF); ``None`` derives it from ``factor`` (and the mscale fields).
-        yarn_mscale, yarn_mscale_all_dim: DeepSeek-style YaRN mscale parameters.
-        yarn_truncate: whether YaRN's correction range is rounded to whole dims.
-    """
+    """One attention layer's RoPE, HF's fields. ``rotary_dim``: the leading dims that rotate (even;
+    None: head_dim). ``is_neox_style``: dim ``i`` with ``i + rotary_dim/2`` (HF ``rotate_half``), else
+    ``2i`` with ``2i+1`` (GPT-J). ``yarn_attention_factor``: HF's ``attention_factor`` (None: from
+    ``factor`` and the mscale fields). ``yarn_truncate``: the correction range rounded to whole dims."""
 
     head_dim: int
     rotary_dim: int | None = None
@@ -112,19 +85,12 @@ class RopeSpec:
             raise ValueError("llama3 RoPE needs high_freq_factor != low_freq_factor")
 
     def inv_freq(self) -> torch.Tensor:
-        """Per-pair inverse frequencies.
-
-        Returns:
-            float32 CPU tensor ``[rotary_dim // 2]``; pair ``i`` rotates by
-            ``position * inv_freq[i]`` radians.  Computed with the same fp32
-            operations as HF transformers, so values match it bit for bit.  A
-            fresh copy: the caller may modify it.
-        """
+        """float32 CPU ``[rotary_dim // 2]`` radians per position, HF's fp32 operations (bit for bit); a copy."""
         return _inv_freq_cached(self, "cpu").clone()
 
     @property
     def attention_scaling(self) -> float:
-        """Constant multiplied into cos and sin (YaRN's mscale; 1.0 for every other type)."""
+        """YaRN's mscale (1.0 for every other type), multiplied into cos and sin."""
         if self.scaling_type != "yarn":
             return 1.0
         if self.yarn_attention_factor is not None:
@@ -145,7 +111,6 @@ class RopeSpec:
 
 
 def _compute_inv_freq(spec: RopeSpec) -> torch.Tensor:
-    """fp32 [rotary_dim // 2] inverse frequencies, written to mirror HF's arithmetic exactly."""
     dim = spec.rotary_dim
     base = spec.base
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim
@@ -193,10 +158,8 @@ def _compute_inv_freq(spec: RopeSpec) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _inv_freq_cached(spec: RopeSpec, device: str) -> torch.Tensor:
-    """Cached fp32 [rotary_dim // 2] inv_freq on ``device``; callers must not modify it.
-
-    Computed on the host (the values SGLang's and HF's RoPE use, bit for bit) and copied once per
-    (spec, device), without blocking (a GPU pass that builds a rotation never waits for it)."""
+    """Not to be modified. Computed on the host (SGLang's and HF's values, bit for bit), copied once per
+    device without blocking (a GPU pass building a rotation never waits)."""
     return to_device(_compute_inv_freq(spec), device)
 
 
@@ -207,22 +170,9 @@ def rope_cos_sin(
     with_attention_scaling: bool = True,
     device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the RoPE angles ``positions * inv_freq``.
-
-    The angle is formed in fp32 exactly as HF and SGLang form it
-    (``position.float() * inv_freq``), so a key rotated from canonical position 0
-    by ``delta = p`` gets bit-identical angles to one computed directly at ``p``.
-
-    Args:
-        positions: int64 (any int dtype) tensor ``[n]`` (negative allowed) or a
-            Python int (treated as ``[1]``).
-        spec: the RoPE spec.
-        with_attention_scaling: multiply by ``spec.attention_scaling`` (YaRN).
-        device: where to compute; defaults to ``positions``' device (CPU for an int).
-
-    Returns:
-        ``(cos, sin)``, each float32 ``[n, rotary_dim // 2]`` (one column per pair).
-    """
+    """positions int ``[n]`` (negative allowed) or an int -> cos, sin float32 ``[n, rotary_dim // 2]``. The
+    angle is formed in fp32 as HF and SGLang form it, so a key rotated from 0 by ``p`` gets bit-identical
+    angles to one computed at ``p``. ``device``: default ``positions``' (CPU for an int)."""
     if isinstance(positions, bool):
         raise TypeError("positions must be an int or an integer tensor, got bool")
     if isinstance(positions, int):
@@ -246,8 +196,7 @@ def rope_cos_sin(
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
-    """Rotate fp32 ``x [n or 1, h, head_dim]`` by fp32 ``cos/sin [n or 1, rotary_dim // 2]``
-    (a side of 1 broadcasts); new tensor."""
+    """fp32 ``x [n or 1, h, head_dim]`` by fp32 ``cos/sin [n or 1, rotary_dim // 2]``, broadcast."""
     r = spec.rotary_dim
     c, s = cos[:, None, :], sin[:, None, :]
     if spec.is_neox_style:
@@ -274,21 +223,9 @@ def _check_heads(x: torch.Tensor, spec: RopeSpec, name: str) -> None:
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
-    """Apply RoPE at absolute ``positions``, as HF transformers does for ``spec``'s config.
-
-    YaRN's attention scaling is multiplied into cos/sin (so the rotary dims of
-    the result are scaled by it; pass-through dims are not), as in HF.
-
-    Args:
-        x: float32/bf16/fp16 ``[n_tokens, n_heads, head_dim]`` (queries or keys, pre-RoPE).
-        positions: int64 ``[n_tokens]``.
-        spec: the RoPE spec.
-
-    Returns:
-        A new tensor, ``x``'s dtype and shape.  Computed in fp32 (HF computes
-        half-precision inputs in their own dtype, so bf16/fp16 results can differ
-        from HF's by rounding only).
-    """
+    """As HF does: x float ``[n_tokens, n_heads, head_dim]`` pre-RoPE, positions int64 ``[n_tokens]`` ->
+    x's dtype and shape, with YaRN's scaling on the rotary dims. In fp32 (HF computes bf16/fp16 in
+    their own dtype: they differ from HF's by rounding only)."""
     _check_heads(x, spec, "x")
     if not isinstance(positions, torch.Tensor) or positions.shape != (x.shape[0],):
         raise ValueError(f"positions must be a tensor of shape [{x.shape[0]}]")
@@ -297,27 +234,10 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torc
 
 
 def rotate_keys(k: torch.Tensor, delta: int | torch.Tensor, spec: RopeSpec) -> torch.Tensor:
-    """Re-rotate post-RoPE keys by ``delta`` positions: ``apply_rope(k, p) -> apply_rope(k, p + delta)``.
-
-    The YaRN attention scaling is deliberately NOT applied: the cached keys
-    already carry it once from ``apply_rope``, and it is a constant factor that
-    commutes with the rotation, so ``rotate_keys(apply_rope(k, p), d, spec) ==
-    apply_rope(k, p + d, spec)`` holds for YaRN as for every supported type (up
-    to fp rounding).  Applying it again would scale the keys twice.
-
-    Args:
-        k: float32/bf16/fp16 ``[n_tokens, n_kv_heads, head_dim]`` post-RoPE keys.
-            Not modified.  With ``n_tokens == 1`` and a tensor ``delta [n]`` the one
-            key is rotated by each of the n deltas (result ``[n, n_kv_heads, head_dim]``)
-            without materialising n copies first.
-        delta: Python int (same shift for all tokens) or int64 ``[n_tokens]``
-            (per-token shift); negative values rotate backwards.
-        spec: the RoPE spec the keys were produced with.
-
-    Returns:
-        A new tensor, ``k``'s dtype and shape, computed in fp32.
-    
-    Example (a chunk's keys computed at 0..4, moved to 100..104):
+    """``apply_rope(k, p) -> apply_rope(k, p + delta)``, in fp32, without YaRN's scaling (the cached keys
+    carry it once and it commutes with the rotation). k float ``[n_tokens, n_kv_heads, head_dim]``
+    post-RoPE; delta an int or int64 ``[n_tokens]`` (negative: backwards); one key and ``delta [n]`` give
+    ``[n, n_kv_heads, head_dim]`` without n copies first. A chunk's keys at 0..4 moved to 100..104:
 
     >>> import torch
     >>> spec = RopeSpec(head_dim=8)
@@ -337,22 +257,10 @@ def rotate_keys(k: torch.Tensor, delta: int | torch.Tensor, spec: RopeSpec) -> t
 
 
 class RotationTable:
-    """``R(p)`` for a fixed set of positions, computed once and applied to many keys.
-
-    Per head dimension, ``R(p) x = C(p) * x + S(p) * swap(x)``: ``swap`` exchanges the members of
-    each rotated pair (the halves for neox, neighbours for GPT-J), ``C`` is the pair angle's
-    cosine, ``S`` its sine with the sign of the member (``-sin`` on the first, ``+sin`` on the
-    second), and the dims past ``rotary_dim`` have ``C = 1, S = 0``. The angles are
-    :func:`rotate_keys`' (no YaRN attention scaling), so ``table.rotate(k)`` equals
-    ``rotate_keys(k, positions, spec)`` up to fp rounding, in two fused passes instead of
-    :func:`_rotate`'s six plus a concatenation: for a shift re-rotated at every layer
-    (``stale_shift``), the table is built once per request.
-
-    Args:
-        positions: int64 [n] rotation of each row (negative allowed).
-        spec: the RoPE spec the keys were produced with.
-        device: where the table lives; defaults to ``positions``' device.
-    """
+    """``R(p)`` for positions int64 [n], built once (per request, for ``stale_shift``'s every layer).
+    Per dim ``R(p) x = C(p) * x + S(p) * swap(x)``: ``swap`` exchanges each pair's members, ``C`` the
+    cosine, ``S`` the sine signed by member (``-sin``, ``+sin``), ``C = 1, S = 0`` past ``rotary_dim``.
+    Equals :func:`rotate_keys` up to rounding, in two fused passes instead of six and a concatenation."""
 
     def __init__(self, positions: torch.Tensor, spec: RopeSpec, device: torch.device | str | None = None) -> None:
         cos, sin = rope_cos_sin(positions, spec, with_attention_scaling=False, device=device)
@@ -372,18 +280,16 @@ class RotationTable:
         self._cos, self._sin, self._swap = c[:, None, :], s[:, None, :], swap
 
     def rotate(self, k: torch.Tensor, rows: torch.Tensor | None = None, inverse: bool = False) -> torch.Tensor:
-        """float ``k [n or 1, n_heads, head_dim]`` -> float32 ``[n, n_heads, head_dim]``: row i (or
-        the one row) rotated by the table's i-th position (``rows`` int64 [n]: by the table's
-        ``rows[i]``-th), or by its negative with ``inverse`` (``R(-p) = C - S swap``)."""
+        """float ``k [n or 1, n_heads, head_dim]`` -> float32 ``[n, n_heads, head_dim]``, row i by position i
+        (``rows`` int64 [n]: ``rows[i]``), by ``R(-p) = C - S swap`` with ``inverse``."""
         _check_heads(k, self.spec, "k")
         kf = k.float()
         cos, sin = (self._cos, self._sin) if rows is None else (self._cos[rows], self._sin[rows])
         return torch.addcmul(cos * kf, sin, kf[..., self._swap], value=-1.0 if inverse else 1.0)
 
     def add_rotated_(self, target: torch.Tensor, k: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """``target[i] += R(p_{start+i}) k`` in place, for one float32 ``k [n_heads, head_dim]`` and
-        ``target`` float32 ``[m, n_heads, head_dim]`` (a view, e.g. a run of KV-pool slots), in two
-        fused passes over ``target`` and no temporary of its size. Returns ``target``."""
+        """``target[i] += R(p_{start+i}) k`` for k float32 ``[n_heads, head_dim]``, target float32 ``[m,
+        n_heads, head_dim]`` (a view of pool slots): two fused passes, no temporary of its size."""
         _check_heads(k[None], self.spec, "k")
         rows = slice(start, start + target.shape[0])
         return target.addcmul_(self._cos[rows], k).addcmul_(self._sin[rows], k[..., self._swap])

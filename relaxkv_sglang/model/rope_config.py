@@ -1,14 +1,7 @@
-"""A :class:`~.rope.RopeSpec` from a HuggingFace ``config.json``.
-
-HF configs come in two shapes: transformers <5 (``rope_theta`` at the top level, a
-``rope_scaling`` dict keyed ``type`` or ``rope_type``) and transformers 5 (a
-``rope_parameters`` dict holding ``rope_type``, ``rope_theta``, ...).  Both are read;
-``rope_parameters`` wins where both exist.  Types whose cached keys cannot be
-re-rotated exactly (dynamic NTK, longrope, mrope, per-layer-type dicts) raise
-:class:`~.rope.UnsupportedRopeError` naming the type.
-
-This module imports only the standard library and :mod:`.rope`.
-"""
+"""A :class:`~.rope.RopeSpec` from a HuggingFace ``config.json``, in either shape: transformers <5
+(top-level ``rope_theta``, a ``rope_scaling`` dict keyed ``type`` or ``rope_type``) or 5 (a
+``rope_parameters`` dict), the latter winning. Types whose cached keys cannot be re-rotated exactly
+(dynamic NTK, longrope, mrope, per-layer-type dicts) raise :class:`~.rope.UnsupportedRopeError`."""
 
 from __future__ import annotations
 
@@ -26,32 +19,8 @@ def _as_int(value: Any, what: str) -> int:
 
 
 def rope_spec_from_hf_config(cfg: Mapping[str, Any], *, is_neox_style: bool = True) -> RopeSpec:
-    """Build a ``RopeSpec`` from a HF ``config.json`` dict.
-
-    Reads ``head_dim`` (or ``hidden_size // num_attention_heads``), ``rope_theta``
-    (default 10000.0, HF's Llama/Qwen2 default), ``partial_rotary_factor`` and the
-    scaling dict.  Both config shapes are accepted: transformers <5
-    (``rope_theta`` top level, ``rope_scaling`` dict with ``type`` or
-    ``rope_type``) and transformers 5 (``rope_parameters`` dict holding
-    ``rope_type``, ``rope_theta``, ...); ``rope_parameters`` wins when both exist.
-
-    Supported: Llama (default, "linear", "llama3"), Qwen2/2.5/3 (default, "yarn"),
-    Mistral (default).  ``is_neox_style`` is not in HF configs; all of these
-    models use the neox layout, hence the default.
-
-    Args:
-        cfg: the parsed config.json.
-        is_neox_style: pair layout, see ``RopeSpec``.
-
-    Returns:
-        The spec.
-
-    Raises:
-        UnsupportedRopeError: "dynamic", "longrope", multimodal mrope
-            (``mrope_section``), per-layer-type rope dicts, or any unknown type;
-            the message names the type and the supported list.
-        ValueError: missing or malformed sizes.
-    """
+    """``rope_theta`` defaults to 10000.0 (HF's Llama/Qwen2 default). ``is_neox_style`` is in no HF config:
+    every served model uses neox. ValueError: missing or malformed sizes."""
     model_type = cfg.get("model_type", "unknown")
     scaling = _rope_dict(cfg, model_type)
     rope_type = _rope_type(scaling, model_type)

@@ -1,22 +1,19 @@
 """Tensor-parallel ranks as the repair sees them: one sum, one exchange of digests, nothing else.
 
-Under tensor parallelism each rank holds H / tp query heads (and their KV heads) and a slice of every
-row-parallel projection's input. What the repair decides on must be the same on every rank, or the ranks
-run different rows and their collectives no longer match:
+Each rank holds H / tp query heads (and their KV heads) and a slice of every row-parallel projection's
+input. What the repair decides on must be the same on every rank, or the ranks run different rows and
+their collectives no longer match:
 
-* the query's attention mass ``s_l(t)`` is a sum over heads: each rank's partial sum, summed over ranks;
-* CacheBlend's K/V deviation is a norm over KV heads: each rank's sum of squares, summed, then the root
-  (a model with fewer KV heads than ranks replicates them: every head counted equally often, so the
-  order of tokens, which is all the policy reads, is unchanged);
-* the ``auto`` budget's answer reads the whole vocabulary: each rank's shard of the LM head's logits,
-  placed at its offset in zeros and summed (the same values as SGLang's all-gather; ``x + 0`` is exact);
-* a row-parallel o_proj or MLP that leaves its partial sum to SGLang's layer boundary: summed by the
-  repair pass itself (:mod:`relaxkv_sglang.model.sglang.model_layers`).
+* the query's attention mass ``s_l(t)``, a sum over heads: partial sums, summed over ranks;
+* CacheBlend's K/V deviation, a norm over KV heads: sums of squares, summed, then the root (KV heads
+  replicated over ranks are each counted equally often, so the tokens' order, all the policy reads, holds);
+* the ``auto`` budget's answer over the whole vocabulary: each rank's logit shard placed at its offset
+  in zeros and summed (an all-gather's values; ``x + 0`` is exact);
+* a row-parallel o_proj or MLP leaving its partial sum to SGLang's layer boundary: summed by the repair
+  pass itself (:mod:`relaxkv_sglang.model.sglang.model_layers`).
 
-:class:`TensorParallel` is the protocol; :data:`ONE_RANK` needs no collective (tp 1, the torch reference);
-the server's is SGLang's TP group coordinator (``model/sglang/tensor_parallel.py``). :func:`check_same`
-turns a disagreement into :class:`RankDisagreement` on every rank at once, naming what differs, instead
-of a hang in the next collective. Torch and the standard library only.
+:data:`ONE_RANK`: tp 1 and the torch reference. :func:`check_same` turns a disagreement into
+:class:`RankDisagreement` on every rank at once, naming what differs, instead of a hang in the next collective.
 """
 
 from __future__ import annotations
@@ -51,15 +48,8 @@ class CollectiveTally:
 
 
 class TensorParallel(Protocol):
-    """The ranks of one tensor-parallel group, as the repair uses them.
-
-    Attributes:
-        size: ranks in the group (1: no collective is ever run).
-        rank: this rank's index.
-        checks: whether :func:`check_same` compares decisions across ranks (a setting: one small
-            gather per checked decision).
-        tally: the collectives run so far.
-    """
+    """One tensor-parallel group (``size`` 1: no collective ever runs). ``checks``: whether
+    :func:`check_same` compares decisions (a setting: one small gather per checked decision)."""
 
     size: int
     rank: int

@@ -2,15 +2,13 @@
 :mod:`relaxkv_sglang.model.model_family`.
 
 SGLang modules used (names from the family): ``embed_tokens``, ``layers[i].{input_layernorm,
-self_attn.{qkv_proj, q_norm, k_norm (Qwen3, Qwen3-MoE), rotary_emb, o_proj, attn},
-post_attention_layernorm, <mlp>}`` (``<mlp>``: ``mlp``, Mixtral's ``block_sparse_moe``; called as
-SGLang's layer calls it, so an MoE block routes each row itself), ``norm``, and
+self_attn.{qkv_proj, q_norm, k_norm, rotary_emb, o_proj, attn}, post_attention_layernorm, <mlp>}`` (the
+MLP called as SGLang's layer calls it: an MoE block routes each row itself), ``norm``, and
 ``config.architectures`` / ``config.model_type`` (or, without a config, the stack's class).
 
-Under tensor parallelism SGLang 0.5.23's layers leave the o_proj's and the MLP's partial sums to the
-layer boundary (``layers/layer_boundary/``; ``reduce_results=False`` on ``RowParallelLinear`` and
-``FusedMoE``), which the repair pass does not run: :class:`SGLangLayerOps` sums such an output over the
-TP group itself (:func:`leaves_sum_to_boundary`), the same sum whatever boundary strategy SGLang chose.
+Under tensor parallelism SGLang 0.5.23's layers leave the o_proj's and the MLP's partial sums to the layer
+boundary (``layers/layer_boundary/``; ``reduce_results=False``), which the repair pass does not run:
+:class:`SGLangLayerOps` sums such an output over the TP group itself, whatever boundary strategy SGLang chose.
 """
 
 from __future__ import annotations
@@ -216,7 +214,8 @@ def family_line(causal_lm: Optional[torch.nn.Module], chunk_reuse: bool) -> str:
     if causal_lm is None:
         return "relaxkv: no model on the worker: no chunk reuse, no repair"
     family, reason = repair_support(causal_lm)
-    reuse = "chunk reuse yes" if chunk_reuse else "chunk reuse no (the startup gate failed: chunk policies get HTTP 400)"
+    reuse = ("chunk reuse yes" if chunk_reuse
+             else "chunk reuse no (the startup gate failed: chunk policies get HTTP 400)")
     if not reason:
         repair = "repair yes"
     elif chunk_reuse:

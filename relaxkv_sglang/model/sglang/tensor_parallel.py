@@ -1,9 +1,7 @@
 """The served model's tensor-parallel ranks: SGLang's TP group coordinator behind
-:class:`~relaxkv_sglang.model.tensor_parallel.TensorParallel`.
-
-Every collective goes through the coordinator SGLang's own layers use (gloo or its shared-memory
-all-reduce on a CPU, NCCL or the custom all-reduce on GPUs), so the repair's collectives run on the same
-path and in the same per-rank order as SGLang's. ``tp_size == 1``: :data:`ONE_RANK`, no collective.
+:class:`~relaxkv_sglang.model.tensor_parallel.TensorParallel`, the one SGLang's own layers use (gloo or
+shared memory on a CPU, NCCL or the custom all-reduce on GPUs): the repair's collectives run on the same
+path and in the same per-rank order as SGLang's.
 
 SGLang files touched (read, none hooked): ``distributed/parallel_state.py`` (``get_tp_group``;
 ``GroupCoordinator.all_reduce``, ``all_gather``, ``world_size``, ``rank_in_group``) and

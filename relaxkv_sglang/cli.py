@@ -51,7 +51,7 @@ import sys
 import time
 
 from relaxkv_sglang import __version__, assets
-from relaxkv_sglang.request.schema import POLICY
+from relaxkv_sglang.request.schema import POLICY, check_default_policy
 from relaxkv_sglang.server.launch import THREADS_BIND_ENV, SGLangServer, ServerConfig, ServerError
 from relaxkv_sglang.runtime.settings import CALIBRATION_ENV, DEFAULT_POLICY_ENV, ServerSettings, child_environment
 
@@ -114,7 +114,9 @@ def serve_policy(args) -> str:
     if args.policy is not None:
         return args.policy
     try:
-        return ServerSettings.from_env(child_environment()).default_policy  # what the launched server reads
+        settings = ServerSettings.from_env(child_environment())  # what the launched server reads
+        check_default_policy(settings)
+        return settings.default_policy
     except SystemExit as exc:  # a bad RELAXKV_DEFAULT_POLICY
         raise ServerError(str(exc).removeprefix("relaxkv-sglang: ")) from None
 

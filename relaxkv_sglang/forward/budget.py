@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 
 from relaxkv_sglang.repair.auto_budget import budget_signal
-from relaxkv_sglang.repair.quality import AUTO
+from relaxkv_sglang.runtime.quality import AUTO
 from relaxkv_sglang.repair.repair_config import RepairConfig
 from relaxkv_sglang.repair.sglang.served_calibration import ServedCalibration
 from relaxkv_sglang.request.plan import RequestPlan

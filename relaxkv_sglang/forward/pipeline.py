@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
+from relaxkv_sglang.attention.extend_rows import FoldedRows
 from relaxkv_sglang.forward.context import ForwardContext, PendingForward, attached, pending_forward
 from relaxkv_sglang.runtime.failures import InvariantError
 from relaxkv_sglang.forward.finish import finish_forward
@@ -39,6 +40,7 @@ from relaxkv_sglang.model.sglang.tensor_parallel import served_tensor_parallel
 from relaxkv_sglang.model.tensor_parallel import check_same
 from relaxkv_sglang.forward.query_pass import set_up_forward
 from relaxkv_sglang.forward.repair_stage import repair_stage
+from relaxkv_sglang.repair.sglang.services import repair_services
 from relaxkv_sglang.cache.sglang.relaxkv_cache import worker_cache
 
 logger = logging.getLogger(__name__)
@@ -71,20 +73,13 @@ def _forward(original: Callable, cache: Any, worker: Any, batch: Optional[Any], 
         check_same(ranks, fold_digests(fold), [f"request {f.req.rid}" for f in fold.requests], "the fold (chunk hits)")
     runner = worker.model_runner
     setup = set_up_forward(cache, runner, fold)
-    stage = repair_stage(cache, runner.attn_backend, setup)
-    context = ForwardContext(setup.positions, list(setup.extend_rows), stage)
-    with attached(batch, _context_readers(worker), PendingForward(setup.batch, context)):
+    stage = repair_stage(cache, repair_services(worker), setup)
+    context = ForwardContext(setup.positions, FoldedRows(list(setup.extend_rows), repairs=stage is not None), stage)
+    # the decoder stack, whose ``forward`` the repair hook wraps
+    with attached(batch, runner.attn_backend, getattr(runner.model, "model", None), PendingForward(setup.batch, context)):
         result = original(worker, batch, *args, **kwargs)
     finish_forward(cache, setup, stage.outcomes if stage is not None else {})
     return result
-
-
-def _context_readers(worker: Any) -> list[Any]:
-    """The objects that read the context during the forward: the attention backend, and the
-    decoder stack whose ``forward`` the repair hook wraps."""
-    runner = worker.model_runner
-    inner = getattr(runner.model, "model", None)
-    return [runner.attn_backend] + ([inner] if inner is not None else [])
 
 
 def around_forward_batch_init_new(original: Callable, cls: type, batch: Any, model_runner: Any,

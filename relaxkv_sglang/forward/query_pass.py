@@ -3,7 +3,7 @@
 :func:`set_up_forward` turns a :class:`~relaxkv_sglang.forward.fold.Fold` into a :class:`ForwardSetup`. For a
 request the repair decides in
 this window the forward is its **query pass**: a scoring policy gets a
-:class:`~relaxkv_sglang.forward.context.QueryScores` recorder, and
+:class:`~relaxkv_sglang.attention.extend_rows.QueryScores` recorder, and
 the query's rows from earlier windows join the batch (negative ``keep``, scope 0) so the query is whole. The folded
 batch is a shallow copy of the scheduled one, the pattern of SGLang's ``model_executor/encoder_swa_replay.py``.
 """
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from relaxkv_sglang.repair.policies import Policy
-from relaxkv_sglang.forward.context import ExtendRows, QueryScores
+from relaxkv_sglang.attention.extend_rows import ExtendRows, QueryScores
 from relaxkv_sglang.runtime.failures import InvariantError, served_as_pic
 from relaxkv_sglang.model.sglang.model_layers import supports_repair
 

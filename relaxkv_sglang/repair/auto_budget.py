@@ -43,7 +43,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from relaxkv_sglang.repair.quality import AUTO, QUALITY_LEVELS
+from relaxkv_sglang.runtime.quality import AUTO, QUALITY_LEVELS
 from relaxkv_sglang.repair.token_sets import check_spans, eligible_tokens, shared_runs
 
 Span = tuple[int, int]

@@ -25,8 +25,9 @@ import functools
 from typing import Any, Mapping, Optional
 
 from relaxkv_sglang.repair.policies import CHUNK_POLICIES, DEFAULT_POLICY, SERVER_POLICIES
-from relaxkv_sglang.repair.quality import AUTO as AUTO_BUDGET
-from relaxkv_sglang.repair.quality import DEFAULT_QUALITY, QUALITY_LEVELS, parse_quality
+from relaxkv_sglang.runtime.settings import DEFAULT_POLICY_ENV, ServerSettings, bad_variable
+from relaxkv_sglang.runtime.quality import AUTO as AUTO_BUDGET
+from relaxkv_sglang.runtime.quality import DEFAULT_QUALITY, QUALITY_LEVELS, parse_quality
 from relaxkv_sglang.request.segments import ChunkSpecError, parse_chunk_offsets
 
 __all__ = [
@@ -181,6 +182,14 @@ class QualityField(Field):
             return parse_quality(value)
         except ValueError as exc:
             raise self.error(str(exc)) from None
+
+
+
+def check_default_policy(settings: ServerSettings) -> None:
+    """SystemExit, one line naming ``RELAXKV_DEFAULT_POLICY``, unless the server's default policy is served
+    (the plugin's ``register``, at startup)."""
+    if settings.default_policy not in SERVER_POLICIES:
+        raise bad_variable(DEFAULT_POLICY_ENV, settings.default_policy, f"not one of {', '.join(SERVER_POLICIES)}")
 
 
 CHUNKS = ChunksField(

@@ -9,7 +9,7 @@ changed after startup changes nothing, as for SGLang's own server arguments.
 
 | variable | field | values |
 |---|---|---|
-| ``RELAXKV_DEFAULT_POLICY`` | ``default_policy`` | a served policy (default ``prefix``) |
+| ``RELAXKV_DEFAULT_POLICY`` | ``default_policy`` | a served policy (default ``prefix``; checked against the policy registry at startup, ``request/schema.py::check_default_policy``) |
 | ``RELAXKV_DEFAULT_BUDGET`` | ``default_budget`` | ``auto`` or a share in [0, 1]; unset: none |
 | ``RELAXKV_QUALITY`` | ``quality`` | ``low``, ``medium`` (default), ``high`` or a target KL > 0 |
 | ``RELAXKV_CALIBRATION`` | ``calibration`` | a calibration file, or ``none``; unset: the shipped one |
@@ -36,8 +36,7 @@ import pathlib
 import types
 from typing import Any, Mapping, Optional
 
-from relaxkv_sglang.repair.quality import AUTO, DEFAULT_QUALITY, parse_quality
-from relaxkv_sglang.request.schema import BUDGET, POLICY
+from relaxkv_sglang.runtime.quality import AUTO, DEFAULT_QUALITY, parse_quality
 
 DEFAULT_POLICY_ENV = "RELAXKV_DEFAULT_POLICY"
 DEFAULT_BUDGET_ENV = "RELAXKV_DEFAULT_BUDGET"
@@ -54,7 +53,7 @@ PREFIX = "RELAXKV_"
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 FINGERPRINT_MODES = ("sampled", "full")
 
-__all__ = ["ServerSettings", "server_settings", "child_environment", "asset_cache_root"]
+__all__ = ["ServerSettings", "server_settings", "child_environment", "asset_cache_root", "bad_variable"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +74,7 @@ class ServerSettings:
         environment: every ``RELAXKV_*`` variable as set at startup (the lower tiers read theirs).
     """
 
-    default_policy: str = POLICY.default
+    default_policy: str = "prefix"
     default_budget: float | str | None = None
     quality: str | float = DEFAULT_QUALITY
     calibration: Optional[str] = None
@@ -90,7 +89,7 @@ class ServerSettings:
     def from_env(cls, env: Mapping[str, str]) -> "ServerSettings":
         """The settings ``env`` gives; ``SystemExit`` with one line naming the first bad variable."""
         return cls(
-            default_policy=_parsed(env, DEFAULT_POLICY_ENV, POLICY.default, _policy),
+            default_policy=env.get(DEFAULT_POLICY_ENV, "").strip() or cls.default_policy,
             default_budget=_parsed(env, DEFAULT_BUDGET_ENV, None, _budget),
             quality=_parsed(env, QUALITY_ENV, DEFAULT_QUALITY, parse_quality),
             calibration=env.get(CALIBRATION_ENV) or None,
@@ -130,17 +129,21 @@ def _parsed(env: Mapping[str, str], name: str, default: Any, parse: Any) -> Any:
     try:
         return parse(raw)
     except ValueError as exc:
-        raise SystemExit(f"relaxkv-sglang: {name}={raw!r}: {exc}") from None
+        raise bad_variable(name, raw, str(exc)) from None
 
 
-def _policy(raw: str) -> str:
-    if not POLICY.is_valid(raw):
-        raise ValueError(f"not one of {', '.join(POLICY.choices)}")
-    return raw
+def bad_variable(name: str, raw: str, reason: str) -> SystemExit:
+    """What stops the process for variable ``name`` set to ``raw``: one line saying why."""
+    return SystemExit(f"relaxkv-sglang: {name}={raw!r}: {reason}")
 
 
 def _budget(raw: str) -> float | str:
-    return BUDGET.validate(raw if raw == AUTO else float(raw))
+    if raw == AUTO:
+        return AUTO
+    share = float(raw)
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"must be {AUTO!r} or a share in [0, 1] (as relaxkv_budget), got {share}")
+    return share
 
 
 def _switch(raw: str) -> bool:

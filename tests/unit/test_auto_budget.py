@@ -11,7 +11,7 @@ import torch
 from relaxkv_sglang.repair.auto_budget import (ANSWER_TOP, RATIO_LADDER, BudgetModel, BudgetSignal, PromptCurve,
                                              answer_uncertainty, budget_signal, calibrate_prices, choose_ratios,
                                              fit_budget_model, price_curve)
-from relaxkv_sglang.repair.quality import parse_quality
+from relaxkv_sglang.runtime.quality import parse_quality
 
 SPANS = [(4, 20), (20, 36), (36, 52)]
 N_CONTEXT = 52

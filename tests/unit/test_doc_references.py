@@ -111,13 +111,13 @@ def test_the_reference_check_finds_what_it_looks_for():
     module = "relaxkv_sglang.forward.fold"
     for good in ("relaxkv_sglang.forward.fold.Fold",
                  "relaxkv_sglang.forward.repair_stage.RepairStage.outcomes",
-                 "relaxkv_sglang.repair.policies.SERVER_POLICIES", "Fold", ".finish.finish_forward", "..tiers.TierName"):
+                 "relaxkv_sglang.repair.policies.SERVER_POLICIES", "Fold", ".finish.finish_forward", "..cache.tiers.TierName"):
         assert index.unresolved(module, good) is None, good
     assert index.unresolved(module, "relaxkv_sglang.forward.fold.NoSuch") == \
         "relaxkv_sglang.forward.fold binds no NoSuch"
     assert index.unresolved(module, "relaxkv_sglang.core.fold") == "relaxkv_sglang binds no core"
-    assert index.unresolved(module, ".query_pass") == \
-        "relaxkv_sglang.cache.sglang binds no query_pass (read as relaxkv_sglang.cache.sglang.query_pass)"
+    assert index.unresolved(module, ".layer_loop") == \
+        "relaxkv_sglang.forward binds no layer_loop (read as relaxkv_sglang.forward.layer_loop)"
     assert index.unresolved(module, "no_such_name") == "not bound in this module"
     stale = index.stale({module: "See :class:`~.folds.Fold`, :func:`~relaxkv_sglang.x.y` and :class:`Fold`."})
     assert len(stale) == 2, stale

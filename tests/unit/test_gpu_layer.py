@@ -15,6 +15,7 @@ planned call of a pass) is checked against ``block_sparse_attention`` and
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import sys
 import types
@@ -492,7 +493,7 @@ def test_bundle_keeps_python_and_prefill_sources_only():
 
 def _rows(*specs):
     """ExtendRows from (req_pool_idx, positions, scopes), laid end to end."""
-    from relaxkv_sglang.forward.context import ExtendRows
+    from relaxkv_sglang.attention.extend_rows import ExtendRows
 
     rows, start = [], 0
     for rp, pos, scope in specs:
@@ -507,10 +508,12 @@ def test_attention_path_table():
     def never():
         raise AssertionError("rows inspected")
 
-    folded = types.SimpleNamespace(extend_rows=_rows((0, [5, 6, 7], [5, 5, 5])))
-    scores = types.SimpleNamespace(extend_rows=folded.extend_rows, records_scores=True)
+    from relaxkv_sglang.attention.extend_rows import FoldedRows
+
+    folded = FoldedRows(_rows((0, [5, 6, 7], [5, 5, 5])))
+    scores = FoldedRows(_scored(folded.extend_rows))
     cases = [
-        # (is_extend, context, ordinary rows?, path)
+        # (is_extend, folded rows, ordinary rows?, path)
         (False, None, never, SGLANG),       # decode / idle, and every decode CUDA-graph capture
         (False, folded, never, SGLANG),     # a decode step never takes the plugin's path
         (True, None, never, SGLANG),        # ordinary prefill; prefill CUDA-graph capture
@@ -518,8 +521,15 @@ def test_attention_path_table():
         (True, folded, lambda: True, SGLANG),   # a fold that changed nothing
         (True, folded, lambda: False, SCOPED),  # misses scoped to their chunk, hits dropped
     ]
-    for is_extend, context, ordinary, want in cases:
-        assert attention_path(is_extend, context, ordinary) == want, (is_extend, context is not None, want)
+    for is_extend, rows, ordinary, want in cases:
+        assert attention_path(is_extend, rows, ordinary) == want, (is_extend, rows is not None, want)
+
+
+def _scored(rows):
+    """``rows`` with a scores recorder each (a repair's query pass)."""
+    from relaxkv_sglang.attention.extend_rows import QueryScores
+
+    return [dataclasses.replace(r, scores=QueryScores(0, 1, torch.zeros(1, dtype=torch.int64))) for r in rows]
 
 
 def test_rows_are_contiguous_tails():
@@ -567,10 +577,13 @@ def test_cuda_backend_routes_only_folded_batches_to_the_plugin(monkeypatch):
     from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
     from relaxkv_sglang.attention.sglang.attention_backend import build_cuda_backend_class
-    from relaxkv_sglang.forward.context import attach_context
+    from relaxkv_sglang.attention.extend_rows import FoldedRows
+    from relaxkv_sglang.runtime import records
 
-    def context(rows, **kw):  # a fake fold decision: only what the backend reads
-        return types.SimpleNamespace(extend_rows=rows, **kw)
+    def attach_context(backend, rows):  # what the forward attaches for one forward (forward/context.py)
+        records.detach(backend, FoldedRows)
+        if rows is not None:
+            records.attach(backend, rows)
 
     flashinfer_model.__wrapped__(monkeypatch)
 
@@ -607,20 +620,20 @@ def test_cuda_backend_routes_only_folded_batches_to_the_plugin(monkeypatch):
             assert backend.forward_extend(q, q, q, layers[0], fb) is q and calls[-1] == ("extend", fb)
     # A fold that left every tail as it was: still SGLang's.
     fb = batch(True, [4, 0], [3, 2])
-    attach_context(backend, context(_rows((0, [4, 5, 6], [0, 0, 0]), (1, [0, 1], [0, 0]))))
+    attach_context(backend, FoldedRows(_rows((0, [4, 5, 6], [0, 0, 0]), (1, [0, 1], [0, 0]))))
     calls.clear()
     backend.init_forward_metadata(fb)
     assert calls == [("plan", fb)] and backend.can_run_prefill_cuda_graph(fb)
     # The same rows carrying a repair that records no scores (epic, cacheblend): SGLang's kernels,
     # but never its prefill graph, whose replay would bypass the model hook that runs the repair.
-    attach_context(backend, context(_rows((0, [4, 5, 6], [0, 0, 0]), (1, [0, 1], [0, 0])), repair=object()))
+    attach_context(backend, FoldedRows(_rows((0, [4, 5, 6], [0, 0, 0]), (1, [0, 1], [0, 0])), repairs=True))
     calls.clear()
     backend.init_forward_metadata(fb)
     assert calls == [("plan", fb)] and not backend.can_run_prefill_cuda_graph(fb)
     # A repair's query pass (records the query's scores) over ordinary tails: the plugin's path,
     # so no SGLang planning and no graph.
     fb = batch(True, [0], [6])
-    attach_context(backend, context(_rows((0, list(range(6)), [0] * 6)), records_scores=True))
+    attach_context(backend, FoldedRows(_scored(_rows((0, list(range(6)), [0] * 6)))))
     calls.clear()
     backend.init_forward_metadata(fb)
     assert calls == [] and backend.forward_metadata is None and not backend.can_run_prefill_cuda_graph(fb)
@@ -629,7 +642,7 @@ def test_cuda_backend_routes_only_folded_batches_to_the_plugin(monkeypatch):
     rows = _rows((0, [10, 11, 12, 13, 20, 21, 22], [10, 10, 10, 10, 0, 0, 0]), (1, [3, 4, 5], [0, 0, 0]))
     fb = batch(True, [10, 3], [12, 3])
     fb.out_cache_loc = torch.cat([req_to_token[0, rows[0].positions], req_to_token[1, rows[1].positions]])
-    attach_context(backend, context(rows))
+    attach_context(backend, FoldedRows(rows))
     calls.clear()
     backend.init_forward_metadata(fb)
     assert calls == [] and not backend.can_run_prefill_cuda_graph(fb)
@@ -678,8 +691,9 @@ def test_a_segment_without_keys_is_planned_to_read_none(flashinfer_model):
 def test_graph_replay_only_for_sglang_batches_without_a_repair():
     from relaxkv_sglang.attention.sglang.attention_paths import SCOPED, SGLANG, may_replay_graph
 
-    plain = types.SimpleNamespace(repair=None)
-    repaired = types.SimpleNamespace(repair=object())
+    from relaxkv_sglang.attention.extend_rows import FoldedRows
+
+    plain, repaired = FoldedRows([]), FoldedRows([], repairs=True)
     assert may_replay_graph(SGLANG, None) and may_replay_graph(SGLANG, plain)
     assert not may_replay_graph(SGLANG, repaired)  # replay would skip the model hook
     assert not may_replay_graph(SCOPED, plain) and not may_replay_graph(SCOPED, repaired)
@@ -724,7 +738,7 @@ def test_cuda_backend_shares_sglangs_flashinfer_workspace(flashinfer_model, monk
     SGLang's backend holds anyway), none of their own."""
     from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
-    from relaxkv_sglang.attention.sglang import attention_backend, attention_paths
+    from relaxkv_sglang.attention.sglang import attention_backend
 
     workspace = torch.empty(64, dtype=torch.uint8)
 
@@ -732,7 +746,6 @@ def test_cuda_backend_shares_sglangs_flashinfer_workspace(flashinfer_model, monk
         self.workspace_buffer = workspace
 
     monkeypatch.setattr(FlashInferAttnBackend, "__init__", sglang_init)
-    monkeypatch.setattr(attention_paths.RepairCost, "from_hf_config", staticmethod(lambda config, device: None))
     model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(to_dict=dict), vocab_size=32)
     runner = types.SimpleNamespace(device="cpu", model=None, model_config=model_config)
     backend = attention_backend.build_cuda_backend_class()(runner)

@@ -9,7 +9,8 @@ import pathlib
 import pytest
 
 from relaxkv_sglang.runtime import settings
-from relaxkv_sglang.repair.policies import SERVER_POLICIES
+from relaxkv_sglang.repair.policies import DEFAULT_POLICY, SERVER_POLICIES
+from relaxkv_sglang.request.schema import check_default_policy
 from relaxkv_sglang.runtime.settings import ServerSettings, server_settings
 
 PACKAGE = pathlib.Path(settings.__file__).resolve().parents[1]  # relaxkv_sglang/
@@ -19,6 +20,7 @@ def test_unset_variables_give_the_defaults():
     s = ServerSettings.from_env({"PATH": "/bin"})
     assert s == ServerSettings()
     assert (s.default_policy, s.default_budget, s.quality, s.calibration) == ("prefix", None, "medium", None)
+    assert s.default_policy == DEFAULT_POLICY  # the registry's default, though settings sit below it
     assert (s.discovery_index, s.admission_hold, s.weights_fingerprint, s.rope_override) == (False, True, "sampled", None)
     assert dict(s.environment) == {}
 
@@ -35,11 +37,13 @@ def test_each_variable_sets_its_field():
     assert dict(s.environment) == {k: v for k, v in env.items() if k.startswith("RELAXKV_")}  # HOME is not ours
     assert ServerSettings.from_env({"RELAXKV_DEFAULT_BUDGET": "auto"}).default_budget == "auto"
     for policy in SERVER_POLICIES:
-        assert ServerSettings.from_env({"RELAXKV_DEFAULT_POLICY": policy}).default_policy == policy
+        served = ServerSettings.from_env({"RELAXKV_DEFAULT_POLICY": policy})
+        assert served.default_policy == policy
+        check_default_policy(served)
 
 
 @pytest.mark.parametrize("name, value, says", [
-    ("RELAXKV_DEFAULT_POLICY", "bogus", "not one of full, prefix"),
+    ("RELAXKV_DEFAULT_POLICY", "bogus", "not one of full, prefix"),  # checked at startup against the registry
     ("RELAXKV_DEFAULT_BUDGET", "lots", "could not convert"),
     ("RELAXKV_DEFAULT_BUDGET", "1.5", "relaxkv_budget"),
     ("RELAXKV_QUALITY", "best", "best"),
@@ -51,7 +55,7 @@ def test_each_variable_sets_its_field():
 ])
 def test_a_bad_value_is_one_line_naming_the_variable(name, value, says):
     with pytest.raises(SystemExit) as exc:
-        ServerSettings.from_env({name: value})
+        check_default_policy(ServerSettings.from_env({name: value}))
     line = str(exc.value)
     assert line.startswith(f"relaxkv-sglang: {name}={value!r}: ") and says in line and "\n" not in line
 

@@ -8,11 +8,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from relaxkv_sglang.repair.repair_config import RepairCost
+from relaxkv_sglang.attention.extend_rows import ExtendRows, FoldedRows
 from relaxkv_sglang.attention.gpu.prefill_inputs import ScopedPrefillInputs, scoped_prefill_inputs
-from relaxkv_sglang.forward.context import ExtendRows, ForwardContext, forward_context
+from relaxkv_sglang.runtime import records
 from relaxkv_sglang.runtime.failures import InvariantError
-from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention
 
 SGLANG, SCOPED = "sglang", "scoped"
 
@@ -50,21 +49,26 @@ def rows_are_contiguous_tails(rows: Sequence[ExtendRows], prefix_lens: Sequence[
     return True
 
 
-def attention_path(is_extend: bool, context: Optional[ForwardContext], ordinary_rows: Callable[[], bool]) -> str:
-    """``"scoped"`` for an extend whose ``context`` records scores or whose rows are not ``ordinary_rows()``
-    (evaluated last); else ``"sglang"``. ``context`` is None for SGLang's own batches (every decode and capture)."""
-    if context is None or not is_extend:
+def folded_rows(backend: Any) -> Optional[FoldedRows]:
+    """The rows of the folded forward running now on ``backend``; None for SGLang's own batches."""
+    return records.record(backend, FoldedRows, create=False)
+
+
+def attention_path(is_extend: bool, rows: Optional[FoldedRows], ordinary_rows: Callable[[], bool]) -> str:
+    """``"scoped"`` for an extend whose ``rows`` record scores or are not ``ordinary_rows()`` (evaluated last);
+    else ``"sglang"``. ``rows`` is None for SGLang's own batches (every decode and capture)."""
+    if rows is None or not is_extend:
         return SGLANG
-    if getattr(context, "records_scores", False):
+    if rows.records_scores:
         return SCOPED
     return SGLANG if ordinary_rows() else SCOPED
 
 
-def may_replay_graph(path: str, context: Optional[ForwardContext]) -> bool:
+def may_replay_graph(path: str, rows: Optional[FoldedRows]) -> bool:
     """Only SGLang's own batches without a repair may replay SGLang's prefill CUDA graph: the replay swaps the
     decoder stack's ``forward`` for the captured body (an instance attribute shadowing the plugin's class-level
     model hook), so a repair would silently not run."""
-    return path == SGLANG and getattr(context, "repair", None) is None
+    return path == SGLANG and not (rows is not None and rows.repairs)
 
 
 def unsupported_settings(model: Any) -> list[str]:
@@ -97,10 +101,10 @@ def check_attention_settings(model: Any) -> None:
 
 def batch_path(backend: Any, forward_batch: "ForwardBatch") -> str:
     """:func:`attention_path` of a live ``ForwardBatch`` on the backend it runs on."""
-    context = forward_context(backend)
+    rows = folded_rows(backend)
     return attention_path(
-        forward_batch.forward_mode.is_extend(), context,
-        lambda: rows_are_contiguous_tails(context.extend_rows, forward_batch.extend_prefix_lens_cpu,
+        forward_batch.forward_mode.is_extend(), rows,
+        lambda: rows_are_contiguous_tails(rows.extend_rows, forward_batch.extend_prefix_lens_cpu,
                                           forward_batch.extend_seq_lens_cpu))
 
 
@@ -113,17 +117,3 @@ def scoped_inputs(rows: Sequence[ExtendRows]) -> ScopedPrefillInputs:
         start += r.n_rows
     req = torch.cat([torch.full((r.n_rows,), r.req_pool_idx, dtype=torch.int64) for r in rows])
     return scoped_prefill_inputs(req, torch.cat([r.positions for r in rows]), torch.cat([r.scope_start for r in rows]))
-
-
-def plugin_state(backend: Any, model_runner: Any, float_workspace: Optional[torch.Tensor] = None) -> None:
-    """What both classes carry for the rest of the plugin, after :func:`check_attention_settings`;
-    ``float_workspace``: FlashInfer's, shared by the repair's anchors."""
-    check_attention_settings(getattr(model_runner, "model", None))
-    backend.anchor_attention = AnchorAttention(float_workspace)  # the repair pass's anchors (layer_loop)
-    # for relaxkv_budget (decided once, read per repair)
-    backend.repair_cost = RepairCost.from_hf_config(model_runner.model_config.hf_config.to_dict(),
-                                                    str(model_runner.device).split(":")[0])
-    # the auto budget reads the query pass's answer: this rank's LM head (a shard of the vocabulary under tensor
-    # parallelism, gathered by the repair stage) and the vocabulary's size without SGLang's padding
-    backend.lm_head = getattr(getattr(model_runner, "model", None), "lm_head", None)
-    backend.vocab_size = int(model_runner.model_config.vocab_size)

@@ -18,11 +18,13 @@ from relaxkv_sglang.attention.sglang.attention_paths import (
     SCOPED,
     SGLANG,
     batch_path,
+    check_attention_settings,
+    folded_rows,
     may_replay_graph,
-    plugin_state,
     scoped_inputs,
 )
-from relaxkv_sglang.forward.context import forward_context, record_query_scores
+from relaxkv_sglang.attention.extend_rows import record_query_scores
+from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention
 from relaxkv_sglang.runtime.failures import InvariantError
 
 if TYPE_CHECKING:
@@ -35,17 +37,18 @@ class RelaxKVFlashInferBackend(FlashInferAttnBackend):
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__(model_runner)
+        check_attention_settings(getattr(model_runner, "model", None))
         # SGLang's FlashInfer float workspace, shared (stream-ordered runs): the plugin allocates none
-        plugin_state(self, model_runner, self.workspace_buffer)
+        self.anchor_attention = AnchorAttention(self.workspace_buffer)  # the repair's anchors (RepairServices)
         self._scoped = FlashInferScopedPrefill(model_runner.device, float_workspace=self.workspace_buffer)
         self._scoped_batch: Any = None
         self._path: tuple[Any, Any, str] = (None, None, SGLANG)
 
     def path(self, forward_batch: "ForwardBatch") -> str:
-        """:func:`batch_path`, computed once per (batch, context)."""
-        context = forward_context(self)
-        if self._path[0] is not forward_batch or self._path[1] is not context:
-            self._path = (forward_batch, context, batch_path(self, forward_batch))
+        """:func:`batch_path`, computed once per (batch, folded rows)."""
+        rows = folded_rows(self)
+        if self._path[0] is not forward_batch or self._path[1] is not rows:
+            self._path = (forward_batch, rows, batch_path(self, forward_batch))
         return self._path[2]
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
@@ -58,7 +61,7 @@ class RelaxKVFlashInferBackend(FlashInferAttnBackend):
 
     def can_run_prefill_cuda_graph(self, forward_batch: "ForwardBatch") -> bool:
         """:func:`may_replay_graph`: SGLang's own batches without a repair."""
-        return may_replay_graph(self.path(forward_batch), forward_context(self))
+        return may_replay_graph(self.path(forward_batch), folded_rows(self))
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
                        forward_batch: "ForwardBatch", save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
@@ -75,11 +78,11 @@ class RelaxKVFlashInferBackend(FlashInferAttnBackend):
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         if self._scoped_batch is not forward_batch:  # once per forward: the segments are per batch
-            self._scoped.plan(scoped_inputs(forward_context(self).extend_rows), self.req_to_token_pool.req_to_token,
+            self._scoped.plan(scoped_inputs(folded_rows(self).extend_rows), self.req_to_token_pool.req_to_token,
                               num_qo_heads=layer.tp_q_head_num, num_kv_heads=k_cache.shape[1],
                               head_dim=layer.qk_head_dim, dtype=q_.dtype, kv_dtype=k_cache.dtype,
                               scale=layer.scaling)
             self._scoped_batch = forward_batch
         o = self._scoped.run(q_, k_cache, v_cache)
-        record_query_scores(forward_context(self).extend_rows, q_, k_cache, layer.scaling)  # a repair's query pass
+        record_query_scores(folded_rows(self).extend_rows, q_, k_cache, layer.scaling)  # a repair's query pass
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)

@@ -14,8 +14,9 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from relaxkv_sglang.attention.causal import scoped_causal_attention
-from relaxkv_sglang.attention.sglang.attention_paths import contiguous_rows, plugin_state
-from relaxkv_sglang.forward.context import ExtendRows, forward_context, record_query_scores
+from relaxkv_sglang.attention.extend_rows import ExtendRows, record_query_scores
+from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention
+from relaxkv_sglang.attention.sglang.attention_paths import check_attention_settings, contiguous_rows, folded_rows
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -29,14 +30,15 @@ class RelaxKVAttnBackend(TorchNativeAttnBackend):
         super().__init__(model_runner)
         self._rows_batch: Any = None
         self._rows: list[ExtendRows] = []
-        plugin_state(self, model_runner)
+        check_attention_settings(getattr(model_runner, "model", None))
+        self.anchor_attention = AnchorAttention()  # the repair's anchors (RepairServices)
 
     def extend_rows(self, forward_batch: "ForwardBatch") -> list[ExtendRows]:
         """The batch's rows (the fold's, or each request's tail), read once per batch at the first layer: SGLang
         plans the backend in ``ForwardBatch.init_new``, before the fold's context is attached."""
         if self._rows_batch is not forward_batch:
-            context = forward_context(self)
-            self._rows = context.extend_rows if context is not None else contiguous_rows(forward_batch)
+            folded = folded_rows(self)
+            self._rows = folded.extend_rows if folded is not None else contiguous_rows(forward_batch)
             self._rows_batch = forward_batch
         return self._rows
 

@@ -9,7 +9,7 @@ writes; its delta lands on its body in the pool (:mod:`.shift_target`), its late
 Bookkeeping (:class:`LoopRows`) stays on the host and is staged in one
 :class:`~relaxkv_sglang.attention.staging.HostStage` copy; the device is read back only by a step that needs it
 (CacheBlend's deviation) and the ``layout_at`` ablation (``tests/unit/test_cuda_rules.py`` checks this).
-Called by :class:`~.repair_stage.RepairStage`.
+Called by :class:`~relaxkv_sglang.forward.repair_stage.RepairStage`.
 """
 
 from __future__ import annotations

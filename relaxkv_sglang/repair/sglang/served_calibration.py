@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from relaxkv_sglang.repair.calibration import DEFAULTS_NOTE, Calibration, CalibrationError, served_calibration
 from relaxkv_sglang.repair.auto_budget import BudgetModel
-from relaxkv_sglang.repair.quality import AUTO, DEFAULT_QUALITY
+from relaxkv_sglang.runtime.quality import AUTO, DEFAULT_QUALITY
 from relaxkv_sglang.repair.repair_config import RepairConfig
 from relaxkv_sglang.runtime.settings import CALIBRATION_ENV, DEFAULT_BUDGET_ENV, ServerSettings
 from relaxkv_sglang.runtime import records
@@ -70,7 +70,7 @@ def load_served_calibration(cache: Any, model_path: str, hf_config: dict, settin
         raise SystemExit(f"relaxkv-sglang: {DEFAULT_BUDGET_ENV}=auto needs a budget model in {served.model}'s "
                          f"calibration (python -m scripts.calibrate --budget ...); "
                          f"{'it has none' if calibration else 'there is no calibration'}")
-    records.record(cache, records.CacheState).calibration = served
+    records.attach(cache, served)
     if log:
         logger.info(served.line())
     return served
@@ -94,5 +94,4 @@ def calibration_state(cache: Any) -> Optional[dict]:
 
 
 def _served(cache: Any) -> Optional[ServedCalibration]:
-    held = records.record(cache, records.CacheState, create=False)
-    return held.calibration if held is not None else None
+    return records.record(cache, ServedCalibration, create=False)

@@ -53,10 +53,8 @@ def document_index(tokenizer_manager: Any) -> Optional[DocumentIndex]:
     ``RELAXKV_DISCOVERY_INDEX`` is set."""
     if not server_settings().discovery_index:
         return None
-    held = records.record(tokenizer_manager, records.TokenizerState)
-    if held.document_index is None:
-        held.document_index = DocumentIndex()
-    return held.document_index
+    held = records.record(tokenizer_manager, DocumentIndex, create=False)
+    return held if held is not None else records.attach(tokenizer_manager, DocumentIndex())
 
 
 def prompt_boundaries(tokenizer: Any, text: str) -> Optional[list[int]]:
@@ -75,8 +73,7 @@ def prompt_boundaries(tokenizer: Any, text: str) -> Optional[list[int]]:
 async def around_flush_cache(original: Callable[..., Any], tokenizer_manager: Any, *args: Any, **kwargs: Any) -> Any:
     """Hook on ``TokenizerControlMixin.flush_cache``: a successful flush also empties the discovery index."""
     result = await original(tokenizer_manager, *args, **kwargs)
-    held = records.record(tokenizer_manager, records.TokenizerState, create=False)
-    index = held.document_index if held is not None else None
+    index = records.record(tokenizer_manager, DocumentIndex, create=False)
     if index is not None and getattr(result, "success", False):
         index.clear()
     return result

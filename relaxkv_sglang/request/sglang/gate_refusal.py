@@ -8,12 +8,20 @@ manager, so a chunk policy is refused with a 400 naming the reason (:mod:`~relax
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import TYPE_CHECKING, Optional
 
 from relaxkv_sglang.runtime import records
 
 if TYPE_CHECKING:
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+
+@dataclasses.dataclass
+class GateRefusal:
+    """The ``TokenizerManager``'s record: why chunk policies are refused, "" when served (None: not asked yet)."""
+
+    reason: Optional[str] = None
 
 
 async def chunk_refusal(tokenizer_manager: "TokenizerManager") -> str:
@@ -22,9 +30,9 @@ async def chunk_refusal(tokenizer_manager: "TokenizerManager") -> str:
     Reads ``relaxkv.gate`` of every scheduler's internal state (one per data-parallel rank); any
     failed gate refuses. A state without a gate (the gate never ran) refuses nothing.
     """
-    held = records.record(tokenizer_manager, records.TokenizerState)
-    if held.gate_refusal is not None:
-        return held.gate_refusal
+    held = records.record(tokenizer_manager, GateRefusal)
+    if held.reason is not None:
+        return held.reason
     states = await tokenizer_manager.get_internal_state()
     reasons = []
     for internal in states:
@@ -32,5 +40,5 @@ async def chunk_refusal(tokenizer_manager: "TokenizerManager") -> str:
         if gate.get("status") == "failed":
             reasons.append(gate.get("reason") or "the gate failed")
     refusal = "; ".join(dict.fromkeys(reasons))
-    held.gate_refusal = refusal
+    held.reason = refusal
     return refusal

@@ -5,7 +5,7 @@ cache's factory, before anything is served, on ``4n`` pool slots (all freed) wit
 ``full`` (text at ``0..n-1``), ``moved`` (at ``p..p+n-1``), ``rotated`` (``full`` re-rotated by
 ``+p``: ``rope_k``, plus the :func:`control_rope` control that must fail) and ``pic`` (one chunk
 copied back by ``-p``: ``pic_kv``, ``pic_logits``). The verdict is logged, on ``/metrics`` and on
-``/get_server_info`` (``relaxkv.gate``, read by :mod:`.gate_refusal`).
+``/get_server_info`` (``relaxkv.gate``, read by :mod:`relaxkv_sglang.request.sglang.gate_refusal`).
 
 SGLang files touched (none hooked): reads ``managers/tp_worker.py``'s ``TpModelWorker``
 (``model_runner.model``, ``tokenizer``), ``mem_cache/allocator/base.py`` (``alloc``/``free``)
@@ -70,7 +70,7 @@ def run_startup_gate(worker: Any, cache: Any, context_len: int, *, tp_rank: int 
         logger.debug("relaxkv: correctness gate raised", exc_info=True)
         result = GateResult.failure(f"the gate could not run: {type(exc).__name__}: {exc}")
     result = dataclasses.replace(_agreed(result), seconds=round(time.perf_counter() - start, 3))
-    records.record(cache, records.CacheState).gate = result
+    records.attach(cache, result)
     if tp_rank == 0:
         _log(result, type(causal_lm).__name__)
     if enable_metrics:
@@ -95,8 +95,8 @@ def _agreed(result: GateResult) -> GateResult:
 
 def gate_state(cache: Any) -> Optional[dict]:
     """The verdict as /get_server_info shows it (``relaxkv.gate``), None before the gate ran."""
-    held = records.record(cache, records.CacheState, create=False)
-    return None if held is None or held.gate is None else held.gate.to_dict()
+    held = records.record(cache, GateResult, create=False)
+    return None if held is None else held.to_dict()
 
 
 def _run_checks(causal_lm: Optional[torch.nn.Module], cache: Any, context_len: int, tokenizer: Any) -> GateResult:

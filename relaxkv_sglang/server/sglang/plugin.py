@@ -124,9 +124,10 @@ def _register_backends() -> None:
 def register() -> None:
     """Called by ``sglang.srt.plugins.load_plugins`` in each SGLang process."""
     _check_cpu_shims()
+    from relaxkv_sglang.request.schema import check_default_policy
     from relaxkv_sglang.runtime.settings import server_settings
 
-    server_settings()  # read once per process: a bad RELAXKV_* value stops the server here
+    check_default_policy(server_settings())  # read once per process: a bad RELAXKV_* value stops the server here
     _register_backends()
     _register_hooks()
     from relaxkv_sglang.request.sglang.stop_regex import install

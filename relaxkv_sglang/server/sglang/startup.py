@@ -24,8 +24,9 @@ from relaxkv_sglang.server.sglang.gate import gate_state, run_startup_gate, serv
 from relaxkv_sglang.cache.sglang.kv_identity import KVIdentity, kv_identity
 from relaxkv_sglang.model.sglang.model_layers import family_line, supports_repair
 from relaxkv_sglang.model.sglang.tensor_parallel import served_tensor_parallel
-from relaxkv_sglang.runtime.records import CacheState
-from relaxkv_sglang.runtime.records import record as state_record
+from relaxkv_sglang.forward.repair_stage import RepairTiming
+from relaxkv_sglang.repair.sglang.services import RepairServices, attach_repair_services
+from relaxkv_sglang.runtime import records
 from relaxkv_sglang.request.plan import BACKEND_NAME
 from relaxkv_sglang.cache.sglang.pool_kv import PoolKV
 from relaxkv_sglang.cache.sglang.tier_configs import build_tiers, tier_configs_from_env
@@ -97,6 +98,7 @@ def make_tree_cache(ctx: "TreeCacheBuildContext") -> Any:
     cache = build_cache_class()(ctx.params, pool_kv, metrics, tiers, admission_hold=settings.admission_hold)
     cache.kv_identity = identity  # relaxkv.kv_identity on /get_server_info
     attach_worker_cache(ctx.tp_worker, cache)
+    attach_repair_services(ctx.tp_worker, RepairServices.of_worker(ctx.tp_worker, pool_kv.kv_pool, rope))
     load_served_calibration(cache, server_args.model_path, hf_config, settings, log=ctx.tp_rank == 0)
     gate = run_startup_gate(ctx.tp_worker, cache, int(ctx.model_config.context_len), tp_rank=ctx.tp_rank,
                             enable_metrics=bool(server_args.enable_metrics))
@@ -132,10 +134,9 @@ def around_get_internal_state(original: Any, scheduler: "Scheduler", recv_req: A
 
 def repair_timing(cache: Any) -> dict:
     """The repair stages' count and wall time on this rank, and its tensor-parallel group with the collectives run."""
-    held = state_record(cache, CacheState, create=False)
+    held = records.record(cache, RepairTiming, create=False) or RepairTiming()
     ranks = served_tensor_parallel()
-    return {"repair_stages": held.repair_stages if held else 0,
-            "repair_seconds": round(held.repair_seconds, 6) if held else 0.0,
+    return {"repair_stages": held.stages, "repair_seconds": round(held.seconds, 6),
             "tensor_parallel": {"size": ranks.size, "rank": ranks.rank, "checks": ranks.checks,
                                 "collectives": ranks.tally.to_json()}}
 

@@ -1,8 +1,9 @@
-"""The quality an ``auto`` repair budget aims at (:mod:`.auto_budget`), as clients and operators say it.
+"""The quality an ``auto`` repair budget aims at (:mod:`relaxkv_sglang.repair.auto_budget`), as clients and operators say it.
 
 A setting is a level of :data:`QUALITY_LEVELS` (each a price in the model's calibration) or a
 number: a target mean first-token KL against full prefill. Standard library only: the wire schema
-(``relaxkv_sglang/request/schema.py``), imported by light clients, checks requests with it.
+(``relaxkv_sglang/request/schema.py``), imported by light clients, checks requests with it, and
+the server's ``RELAXKV_QUALITY``/``RELAXKV_DEFAULT_BUDGET`` (:mod:`.settings`).
 """
 
 from __future__ import annotations

@@ -1,33 +1,23 @@
 """Build ``.gpu/``: what the GPU check carries to a machine that cannot reach a package index.
 
-The lent GPU machine has CUDA, nvcc and PyTorch (with torch's own dependencies) but no
-FlashInfer, and takes at most 64 MiB of files per call. FlashInfer 0.7.2's wheel alone is 65 MB,
-almost all of it kernel sources for other features, so the bundle keeps the Python package whole
-and, of its JIT sources (``flashinfer/data``), only what the prefill kernels compile from:
-FlashInfer's headers, CUTLASS, CCCL and spdlog headers, and the prefill sources of ``csrc``.
-Beside it travel, as wheels for CPython 3.12 on manylinux x86_64, what ``import flashinfer`` and
-its JIT need that the image lacks (:data:`CARRIED_WHEELS`: tvm-ffi, numpy, packaging, tqdm,
-nvidia-ml-py, requests with urllib3, idna, certifi and charset-normalizer, and ninja, the build
-program the JIT runs), a set checked against FlashInfer's imports (``gpu_check/import_needs.py``). Every
-wheel is pinned by sha256 (the same download-and-verify as the model and data assets).
+The lent GPU machine has CUDA, nvcc and PyTorch but no FlashInfer, and takes at most 64 MiB of files per
+call; FlashInfer 0.7.2's wheel alone is 65 MB, mostly kernel sources for other features. So the bundle
+keeps the Python package whole and, of its JIT sources (``flashinfer/data``), what the prefill kernels
+compile from (FlashInfer's, CUTLASS, CCCL and spdlog headers, the prefill sources of ``csrc``), beside
+the CPython 3.12 manylinux x86_64 wheels ``import flashinfer`` and its JIT need that the image lacks
+(:data:`CARRIED_WHEELS`, ninja included), each pinned by sha256.
 
     python -m relaxkv_sglang.gpu_check.bundle                  # or: make gpu-bundle (builds, then verifies)
     python -m relaxkv_sglang.gpu_check.bundle --verify SITE    # an unpacked bundle (scripts/gpu_check.sh)
 
-writes ``.gpu/flashinfer-0.7.2-prefill.tar.xz`` and the wheels ``.gpu/*.whl`` (32.6 MiB in all);
-``scripts/gpu_check.sh`` unpacks them on the GPU machine (docs/gpu.md).
+writes ``.gpu/flashinfer-0.7.2-prefill.tar.xz`` and ``.gpu/*.whl`` (32.6 MiB in all; docs/gpu.md).
 
-**What the import needs** (:func:`wheel_import_report`): every module outside FlashInfer that
-``import flashinfer`` or the fa2 prefill's JIT modules import unguarded at import time, found by
-walking their imports (``gpu_check/import_needs.py``), through the carried packages' own imports too,
-must be the standard library's, in the image (``import_needs.IMAGE_MODULES``) or carried; the
-``ninja`` program must be carried. The optional stacks (CuTe DSL ``cutlass``, cuDNN's ``cudnn``,
-cuda-python's ``cuda``) are imported only guarded or behind FlashInfer's availability tests, and
-are not carried.
-
-**What the JIT needs** (:func:`~.jit_needs.jit_needs`): the files FlashInfer's JIT reads to
-compile the fa2 batch paged prefill, derived from its own JIT code (``gpu_check/jit_needs.py``); the
-bundle must keep every one (:func:`kept`, :func:`check_wheels`, :func:`verify_site`).
+**What the import needs** (:func:`wheel_import_report`): every module ``import flashinfer`` or the fa2
+prefill's JIT modules import unguarded, through the carried packages' imports too
+(:mod:`.import_needs`), is the standard library's, the image's (``import_needs.IMAGE_MODULES``) or
+carried. The optional stacks (CuTe DSL, cuDNN, cuda-python) are imported only guarded, not carried.
+**What the JIT needs** (:func:`~.jit_needs.jit_needs`): the files its JIT reads to compile the fa2 batch
+paged prefill, every one kept (:func:`kept`, :func:`check_wheels`, :func:`verify_site`).
 """
 
 from __future__ import annotations
@@ -86,7 +76,8 @@ CARRIED_WHEELS = (
                   "1324c476b4811eff41a8bc2122cd0bbd4d9c7234c725446d99ab1612b3a7fdd2", 0.1),
     # requests imports it guarded (without it: a RequestsDependencyWarning); a requirement of requests
     _device_wheel("charset-normalizer", "3.5.3",
-                  "charset_normalizer-3.5.3-cp312-cp312-manylinux1_x86_64.manylinux_2_28_x86_64.manylinux_2_5_x86_64.whl",
+                  "charset_normalizer-3.5.3-cp312-cp312-manylinux1_x86_64.manylinux_2_28_x86_64."
+                  "manylinux_2_5_x86_64.whl",
                   "e5e4785d8a0adeadfbdf75f4efc357911842674651cbafd7e97f69b11ec3cbc6", 0.3),
     # the `ninja` program flashinfer/jit/cpp_ext.py runs from PATH (installed as bin/ninja)
     _device_wheel("ninja", "1.13.2", "ninja-1.13.2-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
@@ -276,7 +267,8 @@ def check_wheels(flashinfer: pathlib.Path, tvm_ffi: pathlib.Path, carried: Optio
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m relaxkv_sglang.gpu_check.bundle", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m relaxkv_sglang.gpu_check.bundle",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--verify", metavar="SITE", type=pathlib.Path,
                         help="check an unpacked bundle instead of building one (uses the cached wheel if present)")
     parser.add_argument("--install", metavar=("SITE", "WHEEL"), nargs="+", type=pathlib.Path,

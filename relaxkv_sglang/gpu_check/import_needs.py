@@ -1,26 +1,16 @@
 """Which modules outside FlashInfer ``import flashinfer`` needs, read from the sources (``ast``).
 
 The lent GPU machine has no package index: every module FlashInfer imports must be in its image
-(:data:`IMAGE_MODULES`: the standard library, torch and torch's own dependencies) or travel in
-the bundle (``gpu_check/bundle.py``). :func:`report` walks the import graph from ``flashinfer`` and the
-modules the plugin's fa2 paged prefill runs through (:data:`ROOTS`), into every package the
-walked files hold (the bundle's wheels too: what ``requests`` imports counts), and names each
-module it needs that is neither in the image nor among the walked packages.
+(:data:`IMAGE_MODULES`) or travel in the bundle. :func:`report` walks the import graph from :data:`ROOTS`
+into every package the walked files hold (the bundle's wheels too) and names each module needed that is
+neither in the image nor walked. What runs at import (guards, availability tests): :mod:`.import_sites`.
 
-What runs at import (guards, availability tests, platform branches): :mod:`.import_sites`.
-
-**The graph** (:func:`closure`): importing ``a.b.c`` runs ``a``, ``a.b`` and ``a.b.c``;
-``from .x import y`` runs ``x`` and, when ``x/y.py`` or ``x/y/__init__.py`` exists, ``x.y``;
-relative imports resolve against the importing module's package. A module whose file the walk
-holds is followed; any other is recorded with its first import site and the chain that reached it.
-
-**Not seen**: an import inside a function that a module-level statement calls, ``__import__`` or
-``importlib`` with a computed name, and compiled modules' imports (numpy's C core imports only
-numpy and the standard library).
-
-FlashInfer's JIT also runs a program: ``ninja``, by name from ``PATH``
-(``flashinfer/jit/cpp_ext.py::run_ninja``); the ``ninja`` wheel installs it as ``bin/ninja``
-(:data:`PROGRAMS`).
+**The graph** (:func:`closure`): importing ``a.b.c`` runs ``a``, ``a.b`` and ``a.b.c``; ``from .x import
+y`` runs ``x`` and, if it is a module, ``x.y``. A module whose file the walk holds is followed; any
+other is recorded with its first import site and chain. **Not seen**: an import inside a function a
+module-level statement calls, ``__import__`` or ``importlib`` with a computed name, compiled modules'
+imports (numpy's C core imports only numpy and the standard library). The JIT also runs ``ninja`` from
+``PATH`` (``flashinfer/jit/cpp_ext.py::run_ninja``; :data:`PROGRAMS`).
 """
 
 from __future__ import annotations
@@ -32,17 +22,14 @@ from typing import Callable, Iterable, Optional
 
 from relaxkv_sglang.gpu_check.import_sites import ImportSite, module_imports
 
-# What the GPU image is assumed to hold besides the standard library: torch (2.11.0+cu130) and the
-# modules of torch's own dependencies (filelock, jinja2 + markupsafe, typing-extensions,
-# sympy + mpmath, networkx, fsspec, triton, and the nvidia-* CUDA libraries, all under ``nvidia``).
-# Nothing else: numpy, packaging, requests, tqdm, ninja are not torch's dependencies.
+# Besides the standard library: torch (2.11.0+cu130) and its own dependencies' modules; not numpy,
+# packaging, requests, tqdm or ninja.
 IMAGE_MODULES = frozenset({"torch", "torchgen", "functorch", "filelock", "jinja2", "markupsafe",
                            "typing_extensions", "sympy", "mpmath", "networkx", "fsspec", "triton", "nvidia"})
 # Modules Python 3.12 (the GPU machine's) no longer has, whatever this Python's list says.
 REMOVED_IN_PY312 = frozenset({"distutils", "imp", "asynchat", "asyncore", "smtpd"})
-# What the check imports and compiles through: the package (as the plugin's import_flashinfer does)
-# and the modules of the fa2 batch paged prefill's plan, run and JIT build (roots in their own
-# right, so that a change to flashinfer/__init__.py cannot hide them).
+# The package and the fa2 paged prefill's plan, run and JIT modules (roots themselves, so that a change
+# to flashinfer/__init__.py cannot hide them).
 ROOTS = ("flashinfer", "flashinfer.prefill", "flashinfer.jit.core", "flashinfer.jit.cpp_ext",
          "flashinfer.jit.env", "flashinfer.jit.attention.modules")
 # Programs FlashInfer's JIT runs by name from PATH, and the wheel member that provides each.
@@ -51,17 +38,15 @@ PROGRAMS = {"ninja": "ninja-*.data/scripts/ninja"}
 
 @dataclasses.dataclass
 class Closure:
-    """The walk's result: the walked modules that run (``internal``: dotted name -> the site that
-    first ran it, None for a root), and the imports of modules the walk does not hold: those
-    ``follow`` accepts (``external``) and the rest (``skipped``), each name to its first site."""
+    """``internal``: each module run -> the site that first ran it (None: a root); imports of modules
+    outside the walk, ``external`` (``follow`` accepts them) or ``skipped``, -> their first site."""
 
     internal: dict[str, Optional[ImportSite]]
     external: dict[str, ImportSite]
     skipped: dict[str, ImportSite]
 
     def chain(self, site: ImportSite) -> list[str]:
-        """How the walk reached ``site``: ``["flashinfer", "flashinfer/utils.py:27", ...]``
-        (each link the import site that ran the next module)."""
+        """How the walk reached ``site``: ``["flashinfer", "flashinfer/utils.py:27", ...]``."""
         links = [_link(site)]
         module = path_module(site.path)
         seen = set()
@@ -93,16 +78,14 @@ def _module_file(name: str, files: set[str]) -> Optional[tuple[str, bool]]:
 
 
 def needed(site: ImportSite) -> bool:
-    """Follow an import that can fail the import: neither guarded nor availability-gated."""
+    """An import that can fail the import: neither guarded nor availability-gated."""
     return not site.guarded and not site.gated
 
 
 def closure(roots: Iterable[str], files: set[str], read: Callable[[str], str],
             follow: Callable[[ImportSite], bool] = needed, preloaded: Iterable[str] = ()) -> Closure:
-    """Walk the imports from ``roots`` (dotted module names) over ``files`` (paths relative to the
-    folder the packages sit in, as on ``sys.path``; ``read``: path -> text), through the import
-    sites ``follow`` accepts; ``preloaded``: modules already imported (not run again).
-    Module doc: the graph."""
+    """The graph (module doc) from ``roots`` over ``files`` (relative to a ``sys.path`` folder) through the
+    sites ``follow`` accepts; ``preloaded``: modules already imported (not run again)."""
     result = Closure({}, {}, {})
     done = set(preloaded)
     todo = collections.deque((root, None) for root in roots)  # breadth first: the chains are shortest
@@ -139,21 +122,16 @@ def closure(roots: Iterable[str], files: set[str], read: Callable[[str], str],
 
 
 def is_stdlib(name: str) -> bool:
-    """Whether ``name`` is Python 3.12's standard library (judged by this Python's list, less
-    :data:`REMOVED_IN_PY312`)."""
+    """Python 3.12's (this Python's list, less :data:`REMOVED_IN_PY312`)."""
     top = name.split(".")[0]
     return (top in sys.stdlib_module_names or top == "__future__") and top not in REMOVED_IN_PY312
 
 
 @dataclasses.dataclass
 class Report:
-    """What ``import flashinfer`` needs outside the walked files.
-
-    ``needed``: top-level module -> the chain to its first import that can fail (``[root, site,
-    ...]``); ``uncovered``: those neither in the image nor walked (the import fails there);
-    ``optional``: top-level modules imported only guarded or availability-gated, -> one site;
-    ``walked``: the top-level packages the walk held (FlashInfer and what the bundle carries);
-    ``modules``: how many modules the walk read."""
+    """What ``import flashinfer`` needs outside the walked files. ``needed``: top-level module -> the chain
+    to its first import that can fail; ``uncovered``: neither in the image nor walked (the import fails
+    there); ``optional``: imported only guarded, -> one site; ``walked``: the packages the walk held."""
 
     needed: dict[str, list[str]]
     uncovered: list[str]
@@ -173,8 +151,7 @@ class Report:
 
 def report(files: set[str], read: Callable[[str], str], roots: Iterable[str] = ROOTS,
            image: Iterable[str] = IMAGE_MODULES) -> Report:
-    """Walk ``roots`` over ``files`` (module doc) and judge each module needed outside them
-    against the standard library and ``image``."""
+    """Each module needed outside ``files`` judged against the standard library and ``image``."""
     graph = closure(roots, files, read)
     walked = sorted({f.split("/")[0].split(".")[0] for f in files if f.endswith(".py")})
     needed: dict[str, list[str]] = {}

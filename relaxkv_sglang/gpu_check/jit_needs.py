@@ -1,20 +1,13 @@
 """What FlashInfer's JIT reads to compile the paged prefill, derived from its own JIT code (``ast``).
 
-The bundle (``gpu_check/bundle.py``) keeps these files of FlashInfer's wheel and checks an unpacked
-bundle against them.
-
-**What the JIT needs** (:func:`jit_needs`), derived from FlashInfer's own JIT code in the bundle,
-not listed by hand: the batch paged prefill module the plugin plans (``backend="fa2"``,
-``flashinfer.jit.attention.modules.gen_customize_batch_prefill_module``) reads the ``csrc`` files
-its fa2 branch names (templates, host sources, the paged header), and nvcc compiles them with the
-include directories of ``flashinfer.jit.cpp_ext`` (``get_cccl_includes``,
-``get_system_includes``), whose paths ``flashinfer.jit.env`` defines. The needed files are those
-sources and every header they reach through ``#include`` (resolved as nvcc does: the including
-file's folder for quoted includes, then the include directories in order) that the wheel holds.
-An include found nowhere in the wheel is CUDA's, the C++ library's or tvm-ffi's (``tvm/ffi/``,
-``dlpack/``: checked in the tvm-ffi wheel). Reading every ``#include``, including those under an
-``#if``, over-approximates: a file kept that one configuration does not read costs bytes, never
-a failed compile.
+The bundle (:mod:`.bundle`) keeps these files of the wheel and checks an unpacked bundle against them.
+Not listed by hand: the fa2 batch paged prefill the plugin plans
+(``flashinfer.jit.attention.modules.gen_customize_batch_prefill_module``) reads the ``csrc`` files its
+fa2 branch names, and nvcc compiles them with the include directories of ``flashinfer.jit.cpp_ext``,
+whose paths ``flashinfer.jit.env`` defines. Needed: those sources and every header of the wheel they
+reach through ``#include`` (resolved as nvcc does); one found nowhere in the wheel is CUDA's, the C++
+library's or tvm-ffi's (checked in its wheel). Reading every ``#include``, those under an ``#if`` too,
+over-approximates: a file kept that a configuration does not read costs bytes, never a failed compile.
 """
 
 from __future__ import annotations
@@ -41,8 +34,7 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.MULTILINE)
 
 
 class BundleError(RuntimeError):
-    """The bundle lacks what the GPU check needs, or FlashInfer's JIT code is not as expected;
-    the message is one line."""
+    """The bundle lacks what the GPU check needs, or FlashInfer's JIT code is not as expected."""
 
 
 def _path_expr(node: ast.AST) -> Optional[str]:
@@ -114,16 +106,8 @@ def prefill_sources(modules_source: str, csrc_files: Iterable[str]) -> list[str]
 
 def include_closure(sources: Iterable[str], files: set[str], include_dirs: list[str],
                     read) -> tuple[set[str], set[str]]:
-    """Every file of ``files`` reached from ``sources`` through ``#include``.
-
-    Args:
-        sources: wheel paths of the sources compiled or rendered.
-        files: the wheel paths that exist (where includes resolve).
-        include_dirs: wheel paths searched in order after a quoted include's own folder.
-        read: wheel path -> its text.
-    Returns:
-        (reached files, the include names that resolved nowhere in ``files``).
-    """
+    """(files of ``files`` reached from ``sources`` through ``#include``, include names resolved nowhere);
+    ``include_dirs`` searched in order after a quoted include's own folder."""
     reached: set[str] = set()
     unresolved: set[str] = set()
     todo = list(sources)
@@ -154,8 +138,7 @@ class JitNeeds:
 
 
 def jit_needs(files: set[str], read) -> JitNeeds:
-    """What FlashInfer's JIT reads to compile the fa2 batch paged prefill (module doc), from the
-    JIT code among ``files`` (wheel paths; ``read``: path -> text)."""
+    """From the JIT code among ``files`` (wheel paths; ``read``: path -> text)."""
     for path in (JIT_ENV, JIT_CPP_EXT, JIT_MODULES):
         if path not in files:
             raise BundleError(f"{path} is missing (FlashInfer's JIT code)")

@@ -1,37 +1,22 @@
 """The four CPU shims SGLang 0.5.23 needs on a machine without CUDA.
 
-=====================  ==========================================================
-shim                   what it works around
-=====================  ==========================================================
-``triton_stub``        ``sglang/srt/utils/common.py`` imports ``triton`` at module
-                       level; triton (~1 GB, GPU only) is not installed on the CPU
-                       stack. A stub package whose kernels can be *defined* (the
-                       decorators pass functions through) but never launched.
-``torchvision_ops``    PyPI's torchvision 0.28.0 is a CUDA build; beside CPU torch
-                       its ``_C`` extension cannot load, and
-                       ``torchvision/_meta_registrations.py`` then fails with
-                       "operator torchvision::nms does not exist". We define the
-                       two op schemas it registers fake kernels for.
-``rotary_is_cpu``      ``sglang/srt/layers/rotary_embedding/base.py`` imports
-                       ``vllm._custom_ops`` in ``RotaryEmbedding.__init__`` unless
-                       its module flag ``_is_cpu`` is true (true only with the
-                       sgl-kernel CPU engine, which PyPI lacks). We set the flag,
-                       so the native torch RoPE path is used.
-``compile_eager``      with the triton stub, every ``@torch.compile`` function
-                       of SGLang raises on its first call (inductor looks up
-                       ``triton.backends``) inside the scheduler, which ends
-                       the server: a request with ``repetition_penalty`` != 1
-                       killed it (``sampling/penaltylib/repetition_penalty.py``).
-                       Once ``sglang/srt/utils/common.py`` is imported we set
-                       ``torch._dynamo.config.disable``: compiled functions run
-                       eagerly (same results).
-=====================  ==========================================================
+* ``triton_stub``: ``sglang/srt/utils/common.py`` imports ``triton`` at module level; triton (~1 GB, GPU
+  only) is not on the CPU stack. A stub package whose kernels can be *defined* (the decorators pass
+  functions through) but never launched.
+* ``torchvision_ops``: PyPI's torchvision 0.28.0 is a CUDA build; beside CPU torch its ``_C`` cannot
+  load and ``torchvision/_meta_registrations.py`` fails ("operator torchvision::nms does not exist"):
+  the two op schemas it registers fake kernels for are defined here.
+* ``rotary_is_cpu``: ``sglang/srt/layers/rotary_embedding/base.py`` imports ``vllm._custom_ops`` in
+  ``RotaryEmbedding.__init__`` unless its module flag ``_is_cpu`` is true (only with the sgl-kernel CPU
+  engine, which PyPI lacks): set, so the native torch RoPE runs.
+* ``compile_eager``: beside the triton stub every ``@torch.compile`` function raises on its first call
+  (inductor looks up ``triton.backends``), which ended the server (``repetition_penalty`` != 1,
+  ``sampling/penaltylib/repetition_penalty.py``): once ``sglang/srt/utils/common.py`` is imported,
+  ``torch._dynamo.config.disable`` runs them eagerly (same results).
 
-Each shim checks the text it relies on before acting and raises
-:class:`ShimError` naming the file when a release has moved it, instead of
-letting the server fail later in an obscure way. Activations are recorded in
-:func:`activated` and, when ``RELAXKV_SHIM_REPORT`` names a file, appended to it
-as JSON lines (pid, shim) so tests can see which process each shim reached.
+Each shim checks the text it relies on first and raises :class:`ShimError` naming the file when a
+release has moved it. Activations are recorded in :func:`activated` and, when ``RELAXKV_SHIM_REPORT``
+names a file, appended to it as JSON lines (pid, shim), so tests see which process each shim reached.
 """
 
 from __future__ import annotations
@@ -55,7 +40,6 @@ class ShimError(ImportError):
 
 
 def activated() -> list[str]:
-    """Names of the shims that acted in this process, in order."""
     return list(hook_finder().acted)
 
 
@@ -94,11 +78,7 @@ class _StubClass:
 
 
 class _TritonStubModule(types.ModuleType):
-    """A module whose unknown attributes are child stub modules.
-
-    Calling it acts as a pass-through decorator (``@triton.jit``,
-    ``@triton.autotune(...)``), so kernels can be defined but never launched.
-    """
+    """Unknown attributes are child stubs; calling it is a pass-through decorator (``@triton.jit``)."""
 
     def __getattr__(self, attr: str):
         if attr.startswith("__"):
@@ -156,7 +136,6 @@ COMPILE_EAGER_MODULE = "sglang.srt.utils.common"  # imports triton; imported by 
 
 
 def _compile_eager(module) -> None:
-    """``torch.compile`` cannot work beside the triton stub: run compiled functions eagerly."""
     _require_text(module, ["import triton"], "compile_eager")
     import torch
 

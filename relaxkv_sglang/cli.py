@@ -11,34 +11,15 @@
     relaxkv-sglang data hotpotqa|squad|essays
     relaxkv-sglang --version
 
-``serve``'s default policy is the plugin's (:attr:`relaxkv_sglang.runtime.settings.ServerSettings.default_policy`:
-``RELAXKV_DEFAULT_POLICY``, else ``prefix``), the same as a raw ``python -m
-sglang.launch_server`` with the plugin; ``--policy`` sets it for the one server.
-
 ``serve`` takes SGLang's names for what it wraps (``--model-path``, ``--host``, ``--port``,
-``--max-total-tokens``, ``--device``) and hands every flag it does not know to
-``sglang.launch_server`` unchanged, as it does the flags after ``--``.
-
-``serve --replicas N`` (N >= 2) starts N plugin servers on free ports and one ``smg`` gateway on
-``--port`` in front of them (:class:`relaxkv_sglang.server.cluster.Cluster`), prints the gateway's URL and
-stops all of them on Ctrl-C or SIGTERM. ``--routing document`` (default) is sticky routing keyed by
-``x-smg-routing-key``, the MinHash of each request's documents that the project's clients send
-(:mod:`relaxkv_sglang.request.routing`), a new key placed by the gateway's round-robin turn (balanced by
-design: docs/scaling.md); ``cache_aware`` and ``round_robin`` are the gateway's own. Flags after a
-first ``--`` go to every replica's ``sglang.launch_server``, after a second ``--`` to ``smg``
-(e.g. ``-- -- --cache-threshold 0.5``).
-
-``serve --host-cache-gb G --chunk-dir DIR --disk-cache-gb G`` adds the chunk store's lower tiers
-(a bounded host-memory tier and a bounded disk folder, :mod:`relaxkv_sglang.cache.sglang.tier_configs`); they
-reach the server as ``RELAXKV_HOST_CACHE_GB``, ``RELAXKV_CHUNK_DIR`` and ``RELAXKV_DISK_CACHE_GB``,
-the variables a raw ``launch_server`` reads. ``serve --calibration FILE`` serves the model with
-that repair calibration (``RELAXKV_CALIBRATION``, :mod:`relaxkv_sglang.repair.calibration`; ``none``:
-the code defaults; without it the server uses the repository's calibration for the model, if
-any). ``encode`` pre-encodes a corpus into a running server's chunk store
-(:mod:`relaxkv_sglang.encode`).
-
-Every failure the user can fix ends in one line, ``relaxkv-sglang: error: ...``,
-and a non-zero exit.
+``--max-total-tokens``, ``--device``), hands every other flag and those after ``--`` to
+``sglang.launch_server`` unchanged, and passes its own as the variables a raw ``launch_server`` reads
+(``RELAXKV_DEFAULT_POLICY``, ``RELAXKV_HOST_CACHE_GB``, ``RELAXKV_CHUNK_DIR``, ``RELAXKV_DISK_CACHE_GB``,
+``RELAXKV_CALIBRATION``): without them it serves as a raw server with the plugin would. ``serve
+--replicas N`` starts N servers and one ``smg`` gateway on ``--port`` in front
+(:class:`relaxkv_sglang.server.cluster.Cluster`; flags after a second ``--`` go to ``smg``) and stops all
+of them on Ctrl-C or SIGTERM. Every failure the user can fix ends in one line, ``relaxkv-sglang: error:
+...``, and a non-zero exit.
 """
 
 from __future__ import annotations
@@ -81,9 +62,8 @@ def tier_env(args) -> dict[str, str]:
 
 
 def calibration_env(args, model_path: str) -> dict[str, str]:
-    """``RELAXKV_CALIBRATION`` for ``--calibration FILE|none`` (nothing without it: the server then
-    finds the repository's calibration for the model itself). The file is read and matched against
-    the model folder here, so a wrong one stops before SGLang's minutes of startup."""
+    """Read and matched against the model folder here: a wrong file stops before SGLang's minutes of
+    startup (without the flag the server finds the repository's calibration itself)."""
     if args.calibration is None:
         return {}
     from relaxkv_sglang.repair.calibration import NO_CALIBRATION, CalibrationError, calibration_for_model
@@ -105,16 +85,12 @@ def serve_env(args, model_path: str) -> dict[str, str]:
 
 
 def serve_policy(args) -> str:
-    """The server default policy ``serve`` runs with: ``--policy``, else the plugin's default.
-
-    Without ``--policy`` nothing is set: the server process reads ``RELAXKV_DEFAULT_POLICY``
-    itself, exactly as a raw ``launch_server`` does. It is read here too, only to name it and to
-    stop on a bad value before SGLang starts.
-    """
+    """``--policy``, else the plugin's default, which the server reads itself as a raw ``launch_server``
+    does; read here only to name it and to stop on a bad value before SGLang starts."""
     if args.policy is not None:
         return args.policy
     try:
-        settings = ServerSettings.from_env(child_environment())  # what the launched server reads
+        settings = ServerSettings.from_env(child_environment())
         check_default_policy(settings)
         return settings.default_policy
     except SystemExit as exc:  # a bad RELAXKV_DEFAULT_POLICY
@@ -132,7 +108,6 @@ def _policy_help() -> str:
 
 
 def _wait_for_stop(alive) -> None:
-    """Sleep until SIGTERM, Ctrl-C or ``alive()`` turns false."""
     stop = {"now": False}
 
     def _stop(*_):
@@ -268,7 +243,8 @@ def cmd_gateway(args, extra: list[str]) -> int:
     host or others), until Ctrl-C or SIGTERM; flags after ``--`` go to smg. Run one on each of two hosts for
     a gateway that survives its host (each keeps its own routing table: docs/scaling.md).
 
-        relaxkv-sglang gateway --host 10.0.0.4 --port 30000 --worker-urls http://10.0.0.2:30000 http://10.0.0.3:30000
+        relaxkv-sglang gateway --host 10.0.0.4 --port 30000 \\
+            --worker-urls http://10.0.0.2:30000 http://10.0.0.3:30000
     """
     from urllib.parse import urlparse
 

@@ -27,7 +27,7 @@ from relaxkv_sglang.request.schema import ANCHOR_RATIO, BUDGET, CHUNKS, CONTEXT_
 def custom_params(policy: str | None = None, offsets: list[int] | None = None, *, anchor_ratio: float | None = None,
                   context_ratio: float | None = None, budget: float | str | None = None,
                   quality: float | str | None = None) -> dict:
-    """The request's relaxkv fields as ``custom_params`` carries them (``request/schema.py``), the unset ones left out."""
+    """The request's relaxkv fields as ``custom_params`` carries them (``request/schema.py``), unset ones out."""
     fields = ((POLICY, policy), (CHUNKS, offsets), (ANCHOR_RATIO, anchor_ratio), (CONTEXT_RATIO, context_ratio),
               (BUDGET, budget), (QUALITY, quality))
     return {field.name: value for field, value in fields if value is not None}
@@ -50,8 +50,9 @@ class ServerClient:
         """POST /generate, greedy; ``client_latency_s`` is added to the response. ``budget`` may be
         ``"auto"`` (then ``quality``: a level or a target KL)."""
         body = self._body(text, offsets, policy, max_new_tokens=max_new_tokens, anchor_ratio=anchor_ratio,
-                          context_ratio=context_ratio, budget=budget, quality=quality, stop=stop, top_logprobs=top_logprobs,
-                          token_ids_logprob=token_ids_logprob, return_logprob=return_logprob, **extra)
+                          context_ratio=context_ratio, budget=budget, quality=quality, stop=stop,
+                          top_logprobs=top_logprobs, token_ids_logprob=token_ids_logprob,
+                          return_logprob=return_logprob, **extra)
         out, elapsed = self._post_json("/generate", body, text, offsets)
         out["client_latency_s"] = elapsed
         return out

@@ -1,6 +1,4 @@
-"""Marking documents in SGLang frontend programs (``@sgl.function``).
-
-Usage::
+"""Marking documents in SGLang frontend programs (``@sgl.function``)::
 
     import sglang as sgl
     from relaxkv_sglang.lang import RelaxKVEndpoint, document
@@ -14,35 +12,16 @@ Usage::
 
     sgl.set_default_backend(RelaxKVEndpoint("http://127.0.0.1:30000", policy="pic"))
     state = rag.run(docs=[...], question="...")
-    state.get_meta_info("answer")["cached_tokens"]
 
-How it works: :func:`document` returns the text between two Unicode
-*noncharacters* (U+FDD0 before, U+FDD1 after; code points the Unicode
-standard reserves for a program's internal use, never assigned to a
-character). The marks travel inside the program's text through everything the
-interpreter does with it (``fork``, ``join``, roles, ``select``,
-``run_batch``'s prefix tracing). :class:`RelaxKVEndpoint` removes them from
-every ``/generate`` request it sends and turns each marked span into a
-``relaxkv_chunks`` offset pair of the text actually sent, together with its
-``relaxkv_policy``.
-
-Consequences, by design:
-
-* ``state.text()`` and variables captured with ``var_scope`` keep the marks;
-  :func:`strip_marks` removes them.
-* Only :class:`RelaxKVEndpoint` understands the marks. A plain
-  ``sgl.RuntimeEndpoint`` (or another backend) would send them to the model as
-  text, so do not mix ``document()`` with other backends. Programs without
-  ``document()`` run on either endpoint exactly as before.
-* A malformed mark (a lone U+FDD0 / U+FDD1, e.g. in generated text) is
-  dropped from the text sent and marks nothing.
-
-Routing: a ``/generate`` whose text holds documents also carries the header
-``x-smg-routing-key``, the MinHash of its documents (:mod:`relaxkv_sglang.request.routing`; of all items'
-documents for a batch), so behind the ``smg`` gateway's document routing programs sharing documents
-reach the replica that has their chunks (``routing=False`` sends none). The gateway takes one prompt
-per ``/generate`` (a list ``text``, as ``select`` sends, is its 422): run such programs against a
-replica.
+:func:`document` puts the text between two Unicode *noncharacters* (U+FDD0, U+FDD1: reserved for a
+program's internal use, never a character), which travel through everything the interpreter does with
+text (``fork``, ``join``, roles, ``select``, ``run_batch``'s prefix tracing); :class:`RelaxKVEndpoint`
+removes them from every ``/generate`` it sends and turns each marked span into a ``relaxkv_chunks`` pair
+of the text sent. So ``state.text()`` keeps the marks (:func:`strip_marks`); another backend would send
+them to the model as text (do not mix ``document()`` with it); a lone mark is dropped and marks nothing.
+A ``/generate`` with documents also carries ``x-smg-routing-key`` (:mod:`relaxkv_sglang.request.routing`),
+so behind the ``smg`` gateway programs sharing documents reach the replica holding their chunks; the
+gateway takes one prompt per ``/generate`` (a list ``text``, ``select``'s, is its 422: use a replica).
 """
 
 from __future__ import annotations
@@ -71,14 +50,8 @@ _MARKS = str.maketrans("", "", DOC_START + DOC_END)
 
 
 def document(text: str) -> str:
-    """``text`` marked as one document chunk, for ``s += document(text)``.
-
-    The result is a ``str`` and can be concatenated like one (``document(d) +
-    "\\n"``, inside ``sgl.user(...)``). Raises ``TypeError`` for a non-string
-    (which also ends ``run_batch``'s prefix tracing at this point, as SGLang
-    expects) and ``ValueError`` for an empty text or one that already holds a
-    mark.
-    """
+    """``text`` marked as one document chunk: a ``str``. ``TypeError`` for a non-string (which also ends
+    ``run_batch``'s prefix tracing here, as SGLang expects), ``ValueError`` for an empty or marked text."""
     if not isinstance(text, str):
         raise TypeError(f"document() takes a str, got {type(text).__name__}")
     if not text:
@@ -89,14 +62,13 @@ def document(text: str) -> str:
 
 
 def strip_marks(text: str) -> str:
-    """``text`` without document marks (e.g. ``strip_marks(state.text())``)."""
+    """E.g. ``strip_marks(state.text())``."""
     return text.translate(_MARKS)
 
 
 def split_marks(text: str) -> tuple[str, list[tuple[int, int]]]:
-    """``(text without marks, [(start, end), ...])``: the documents' spans in
-    the returned text, in order. Lone or nested marks are dropped and mark
-    nothing; an empty document marks nothing."""
+    """``(text without marks, the documents' spans in it)``; lone or nested marks and empty documents
+    mark nothing."""
     if DOC_START not in text and DOC_END not in text:
         return text, []
     out: list[str] = []
@@ -121,14 +93,8 @@ def split_marks(text: str) -> tuple[str, list[tuple[int, int]]]:
 
 
 def mark_payload(data: dict, policy: Optional[str], custom_params: Optional[dict] = None) -> dict:
-    """A ``/generate`` JSON body with marks turned into ``relaxkv_chunks``.
-
-    ``text`` may be one string or a batch (``select`` sends one per choice);
-    for a batch, ``sampling_params`` becomes one dict per item so each item
-    carries its own offsets. ``policy`` and ``custom_params`` are added to
-    every text item (without overriding what the body already has). Requests
-    by ``input_ids`` are left as they are.
-    """
+    """Marks turned into ``relaxkv_chunks``; a batch ``text`` (``select``'s) gets one ``sampling_params``
+    per item. ``policy`` and ``custom_params`` are added to every text item without overriding the body's."""
     texts = data.get("text")
     if texts is None:
         return data
@@ -159,12 +125,8 @@ def mark_payload(data: dict, policy: Optional[str], custom_params: Optional[dict
 
 
 def payload_routing_key(data: dict) -> Optional[str]:
-    """The routing key of a ``/generate`` body already passed through :func:`mark_payload`.
-
-    One text: :func:`relaxkv_sglang.request.routing.routing_key` of it and its ``relaxkv_chunks`` (its
-    paragraphs when unmarked). A batch: the MinHash of all items' documents together. None for
-    ``input_ids`` requests and texts without documents.
-    """
+    """Of a body :func:`mark_payload` made; a batch: the MinHash of all items' documents. None without
+    documents (``input_ids`` requests included)."""
     texts = data.get("text")
     if texts is None:
         return None
@@ -208,17 +170,15 @@ def _rebind(fn: types.FunctionType, namespace: dict) -> types.FunctionType:
     return new
 
 
-# RuntimeEndpoint methods that post to the server (every one that sends text
-# among them). Each runs unchanged, except that its `http_request` is
-# :meth:`RelaxKVEndpoint._http_request`.
+# RuntimeEndpoint methods that post to the server (every one that sends text), run with their
+# `http_request` as :meth:`RelaxKVEndpoint._http_request`.
 _POSTING_METHODS = tuple(
     name
     for name, fn in vars(RuntimeEndpoint).items()
     if isinstance(fn, types.FunctionType) and name != "__init__" and fn.__closure__ is None
     and "http_request" in fn.__code__.co_names
 )
-# A release that adds a `/generate` call elsewhere (or renames these) must be
-# looked at: fail at import rather than send unmarked text silently.
+# A release that adds a `/generate` call elsewhere must be looked at: fail at import, not send marks.
 _EXPECTED = {"cache_prefix", "commit_lazy_operations", "fill_image", "generate", "generate_stream",
              "_generate_http_request", "concatenate_and_append"}
 if not _EXPECTED <= set(_POSTING_METHODS):
@@ -229,26 +189,11 @@ if not _EXPECTED <= set(_POSTING_METHODS):
 
 
 class RelaxKVEndpoint(RuntimeEndpoint):
-    """``sgl.RuntimeEndpoint`` that sends :func:`document` marks as ``relaxkv_chunks``.
-
-    Args:
-        base_url: the server, e.g. ``"http://127.0.0.1:30000"``.
-        policy: ``relaxkv_policy`` sent with every text request (``"pic"``:
-            reuse chunks; a repair policy; ``"prefix"``; ``"full"``), or None
-            to send none (the server default, ``RELAXKV_DEFAULT_POLICY``, applies).
-        custom_params: more ``custom_params`` entries for every text request,
-            e.g. ``{"relaxkv_anchor_ratio": 0.2}``.
-        api_key, verify, chat_template_name: as for ``RuntimeEndpoint``.
-        routing: send ``x-smg-routing-key`` (module doc) with each ``/generate`` that has documents.
-
-    Every request the stock endpoint makes goes out the same, except that a
-    ``/generate`` body with ``text`` has its marks removed and gets
-    ``sampling_params.custom_params`` = ``{"relaxkv_chunks": [...],
-    "relaxkv_policy": policy, **custom_params}`` (``relaxkv_chunks`` only when
-    the text holds documents). That covers ``gen`` (also streamed), ``select`` (one item per
-    choice), ``fork``/``join`` commits, images and ``run_batch``'s prefix
-    caching.
-    """
+    """``sgl.RuntimeEndpoint`` sending :func:`document` marks as ``relaxkv_chunks``: every request goes out
+    as the stock one's, but a ``/generate`` with ``text`` (``gen``, ``select``, ``fork``/``join`` commits,
+    ``run_batch``'s prefix caching) loses its marks and gets ``custom_params`` ``{"relaxkv_chunks": [...],
+    "relaxkv_policy": policy, **custom_params}``. ``policy`` None: the server default applies.
+    ``routing``: send ``x-smg-routing-key`` (module doc)."""
 
     def __init__(
         self,
@@ -263,7 +208,7 @@ class RelaxKVEndpoint(RuntimeEndpoint):
         if policy is not None and not POLICY.is_valid(policy):
             raise ValueError(f"policy must be one of {', '.join(POLICY.choices)} or None, got {policy!r}")
         self.policy = policy
-        self.routing = routing  # send the document routing key (x-smg-routing-key)
+        self.routing = routing
         if custom_params is not None and not isinstance(custom_params, dict):
             raise TypeError(f"custom_params must be a dict or None, got {type(custom_params).__name__}")
         self.custom_params = dict(custom_params or {})

@@ -1,11 +1,13 @@
 """Share of docstring and comment lines among non-blank lines, per folder.
 
-    python scripts/doc_share.py                        # every room's SGLang adapter, and all of them
-    python scripts/doc_share.py relaxkv_sglang/repair  # any folders
+    python scripts/doc_share.py                        # every room of relaxkv_sglang, the top-level modules,
+                                                       # the adapters together and the package
+    python scripts/doc_share.py relaxkv_sglang/repair  # any folders or files
 
-A docstring line is a line of a module, class or function docstring; a comment
-line is a line holding a ``#`` comment (code with a trailing comment counts as
-a comment line too). Also prints the module docstrings longer than 25 lines.
+A room is a top-level subpackage of relaxkv_sglang (its adapter, ``<room>/sglang/``, included).
+A docstring line is a line of a module, class or function docstring; a comment line is a line
+holding a ``#`` comment (code with a trailing comment counts as a comment line too). Also prints
+the module docstrings longer than 25 lines.
 """
 
 import ast
@@ -13,6 +15,8 @@ import io
 import sys
 import tokenize
 from pathlib import Path
+
+PACKAGE = Path("relaxkv_sglang")
 
 
 def _counts(path: Path) -> tuple[int, int, int]:
@@ -38,7 +42,11 @@ def _counts(path: Path) -> tuple[int, int, int]:
     return len(non_blank), len(doc_lines & non_blank), module_doc
 
 
-def _report(name: str, paths: list[Path]) -> None:
+def _python_files(path: Path) -> list[Path]:
+    return [path] if path.is_file() else sorted(path.rglob("*.py"))
+
+
+def _report(name: str, paths: list[Path], long_docs_listed: bool = True) -> None:
     total = doc = 0
     long_docs = []
     for path in paths:
@@ -49,18 +57,22 @@ def _report(name: str, paths: list[Path]) -> None:
             long_docs.append(f"{path}:{m}")
     share = doc / total if total else 0.0
     print(f"{name}: {doc}/{total} non-blank lines are docstring or comment = {share:.1%}")
-    for item in long_docs:
+    for item in long_docs if long_docs_listed else []:
         print(f"  module docstring over 25 lines: {item}")
 
 
 def main(folders: list[str]) -> None:
-    adapters = not folders
-    if adapters:
-        folders = [str(p) for p in sorted(Path("relaxkv_sglang").glob("*/sglang"))]
-    for folder in folders:
-        _report(folder, sorted(Path(folder).rglob("*.py")))
-    if adapters:
-        _report("the adapters together", sorted(p for f in folders for p in Path(f).rglob("*.py")))
+    if folders:
+        for folder in folders:
+            _report(folder, _python_files(Path(folder)))
+        return
+    rooms = sorted(p for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    for room in rooms:
+        _report(str(room), _python_files(room))
+    _report("the top-level modules", sorted(PACKAGE.glob("*.py")))
+    _report("the adapters together", sorted(p for room in rooms for p in _python_files(room / "sglang")
+                                            if (room / "sglang").is_dir()), long_docs_listed=False)
+    _report("the package", _python_files(PACKAGE), long_docs_listed=False)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ DOC_LABELS = ("context", "contexts", "document", "documents", "doc", "docs", "so
               "retrieved context", "retrieved documents")
 MAX_TITLE_CHARS = 48
 QUESTION_KEYS = ("question", "query", "q", "input", "user question")
-MAX_META_CHARS = 160  # a "key: value" line longer than this is text (e.g. "Title: <a whole document>")
+MAX_META_CHARS = 160  # longer "key: value" lines are text ("Title: <a whole document>")
 _ROLES = r"(?:system|user|assistant|human|ai|model|developer|tool|bot)"
 _LABEL_ALT = "|".join(re.escape(w) for w in sorted(DOC_LABELS, key=len, reverse=True))
 
@@ -64,8 +64,7 @@ _NO_MARKER_START = frozenset(chr(i) for i in range(128)) - set("[(") - {
     x for w in DOC_LABELS for x in (w[0].lower(), w[0].upper())}
 _STOPS = frozenset(".!?\u3002\uff01\uff1f")
 _CLOSERS = frozenset("\"'\u201d\u2019)]")  # a line ending in one may end a sentence (quotes after the stop)
-# A superset of the lines that may be separators or carry a marker or tags (each is then looked at
-# alone); every alternative starts at a line start and reads that line only: linear.
+# A superset of the lines that may be separators or carry a marker or tags; each alternative reads one line.
 _MAYBE_SEPARATOR = re.compile(
     rf"^(?:[^\S\n]*+$|[ \t]*+(?:[-=*_~#<\[(]|(?:{_LABEL_ALT})|[A-Za-z_][\w.\-]{{0,40}}+:)|[^\n]*?>[ \t]*+$)",
     re.I | re.M)
@@ -107,7 +106,7 @@ def _line_pieces(text: str, s: int, e: int) -> Optional[list[tuple[int, int, str
     if (kind is None and marker is None and len(line) <= MAX_META_CHARS and c in _META_START
             and _META.fullmatch(line)):
         kind = "question" if _QUESTION.fullmatch(line) else "meta"
-    if kind is not None:  # the whole line, trimmed
+    if kind is not None:
         trimmed_start = s + len(line) - len(line.lstrip())
         return [(trimmed_start, s + len(line.rstrip()), kind)]
     lead = marker or (_LEAD_TAGS.match(line) if c == "<" else None)
@@ -177,7 +176,7 @@ def _region_blocks(text: str, start: int, end: int) -> list[Block]:
         nl = text.find("\n", line_start, end)
         line_end = end if nl < 0 else nl
         pieces = _line_pieces(text, line_start, line_end)
-        if pieces is None:  # a text line after all
+        if pieces is None:
             if run_start < 0:
                 run_start = line_start
             run_end = line_end
@@ -192,7 +191,7 @@ def _region_blocks(text: str, start: int, end: int) -> list[Block]:
                 continue
             if run_start >= 0:
                 close()
-            if kind == "own":  # a block of its own, trimmed already
+            if kind == "own":
                 if s >= e:
                     continue
                 if sep_kind:
@@ -254,15 +253,13 @@ def _finer(text: str, block: Block, min_chunk_chars: int) -> list[Block]:
 
 
 def _line_starts(lines: list[str], start: int) -> Iterator[int]:
-    """Where each of ``lines`` (a text split at newlines, beginning at ``start``) begins."""
     return itertools.accumulate((len(line) + 1 for line in lines[:-1]), initial=start)
 
 
 def find_blocks(text: str, regions: Optional[Sequence[tuple[int, int]]] = None, *,
                 min_chunk_chars: int = 64) -> list[Block]:
-    """Rules 1-3: the blocks in text order, each inside one of ``regions`` (sorted, non-overlapping
-    ``(start, end)`` spans, a chat message's content each; None: the whole text). ``min_chunk_chars``:
-    the shortest document, in code points."""
+    """Rules 1-3, in text order; ``regions``: sorted, disjoint spans (a chat message's content each; None:
+    the whole text)."""
     if min_chunk_chars < 1:
         raise ValueError(f"min_chunk_chars must be >= 1, got {min_chunk_chars}")
     out: list[Block] = []

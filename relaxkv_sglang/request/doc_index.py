@@ -92,7 +92,6 @@ class DocumentIndex:
                 self._shrink()
 
     def _anchor(self, doc: str, table: dict[str, list[tuple[str, int]]]) -> Optional[int]:
-        """The offset of ``doc``'s anchor window (class doc), None if it has none."""
         w, best, best_size = self.window, None, 0
         for m in BOUNDARY.finditer(doc, 0, max(0, len(doc) - w)):
             a = m.end()
@@ -121,10 +120,8 @@ class DocumentIndex:
 
     def find(self, text: str, namespace: Optional[str], regions: Optional[Sequence[Span]] = None,
              boundaries: Optional[Sequence[int]] = None) -> list[Span]:
-        """Sorted, disjoint spans of ``text`` that are documents filed under ``namespace``, each inside
-        one of ``regions`` and on ``boundaries`` (:func:`token_boundaries`; None: anywhere). Linear: a
-        candidate overlapping an earlier hit of its document is skipped, and the search stops after
-        ``compare_factor * len(text)`` characters compared (a prompt matching everywhere costs no more)."""
+        """Sorted, disjoint hits inside ``regions``, on ``boundaries``. Linear: a candidate overlapping an earlier
+        hit of its document is skipped, and the search stops after ``compare_factor * len(text)`` characters."""
         with self._lock:
             table = self._keys.get(namespace)
             if not table:
@@ -269,11 +266,9 @@ def _new_chunks(text: str, candidates: Sequence[Span], known: Sequence[Span],
 def discover_chunks(text: str, index: Optional[DocumentIndex], namespace: Optional[str], *,
                     regions: Optional[Sequence[Span]] = None, boundaries: Optional[Sequence[int]] = None,
                     min_chunk_chars: int = 64, max_chunks: int = 1024) -> list[Span]:
-    """An unmarked prompt's chunks (module doc): sorted, disjoint, non-empty spans for ``split_text``,
-    the first ``max_chunks``. ``index`` None (the server's default): the block rules only.
-    ``regions``: sorted, disjoint spans searched (a chat message's content each). ``boundaries``:
-    :func:`token_boundaries` with the server's tokenizer; None: any offset (a client without the
-    tokenizer, e.g. the routing key). Two documents between blank lines; the question stays out:
+    """An unmarked prompt's chunks (module doc), the first ``max_chunks``, for ``split_text``. ``index``
+    None (the server's default): the block rules only. ``boundaries`` None: a client without the
+    tokenizer (the routing key). Two documents between blank lines; the question stays out:
 
     >>> text = ("Answer from the documents.\\n\\n"
     ...         "The first document is about the sea and the ships that sail on it every day.\\n\\n"

@@ -28,7 +28,6 @@ __all__ = ["CACHE_SIZE", "MAX_MEM", "Unsupported", "compile_re2", "to_re2"]
 CACHE_SIZE = 128
 MAX_MEM = 4 << 20  # bytes, RE2's max_mem (its default is 8 MiB): a larger program is refused (`pattern too large`)
 MAX_CODEPOINT = sys.maxunicode
-# Constructs with no linear-time matcher, by Python's parser's opcode.
 UNSUPPORTED = {C.GROUPREF: "a backreference", C.GROUPREF_EXISTS: "a conditional group (?(...)...)",
                C.ASSERT: "a lookahead or lookbehind", C.ASSERT_NOT: "a negative lookahead or lookbehind",
                C.ATOMIC_GROUP: "an atomic group (?>...)", C.POSSESSIVE_REPEAT: "a possessive quantifier"}

@@ -38,11 +38,11 @@ __all__ = [
     "POLICY_HEADER", "header_policy",
 ]
 
-USER_PREFIX = "relaxkv_"  # every user-facing field; another key under it is a typo (an error)
+USER_PREFIX = "relaxkv_"
 RESERVED_PREFIX = "_relaxkv_"  # the server's internal keys, present and future: clients may not send them
-PLAN_KEY = RESERVED_PREFIX + "plan"  # the validated plan the HTTP side hands the scheduler
+PLAN_KEY = RESERVED_PREFIX + "plan"
 RECORD_KEY = "relaxkv"  # meta_info key of the per-request report (SGLang carries it as customized_info)
-POLICY_HEADER = "X-RelaxKV-Policy"  # a request's default policy (HTTP header names are case-insensitive)
+POLICY_HEADER = "X-RelaxKV-Policy"  # case-insensitive, as every HTTP header name
 
 
 class RequestError(ValueError):

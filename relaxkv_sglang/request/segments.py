@@ -102,8 +102,6 @@ def parse_chunk_offsets(
 
 @dataclass(frozen=True)
 class Part:
-    """One piece of a prompt."""
-
     kind: PartKind
     text: str
 

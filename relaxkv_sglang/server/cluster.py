@@ -1,14 +1,9 @@
-"""Replicas behind a gateway: N plugin servers and one ``smg`` router in front.
+"""N plugin servers and one ``smg`` gateway (its own process group) in front.
 
-``relaxkv-sglang serve --replicas N``, the multi-replica benchmark and its test: N plugin servers
-and one ``smg`` gateway (the Shepherd Model Gateway, sglang-router's successor, pinned in the
-requirements; its own process and process group) in front. Routing ``document`` keys every request
-by ``x-smg-routing-key``, the MinHash of its documents that the project's clients send
-(:mod:`relaxkv_sglang.request.routing`): a key seen before goes where it went first (sticky); a NEW key is
-placed by the gateway's ``round_robin`` turn (``--assignment-mode delegate``), and only new keys
-and keyless requests take a turn. So the k-th distinct key goes to replica k mod N: after K keys
-every replica holds floor(K/N) or ceil(K/N) of them, whatever the timing (docs/scaling.md).
-sglang-router 0.3.2 could not promise this: its new keys went to the fewest requests *in flight*.
+Routing ``document`` keys every request by ``x-smg-routing-key``, the MinHash of its documents that the
+project's clients send (:mod:`relaxkv_sglang.request.routing`): a key seen before goes where it went first; a
+new key (or a keyless request) takes the gateway's ``round_robin`` turn (``--assignment-mode delegate``), so
+after K keys every replica holds floor(K/N) or ceil(K/N) of them, whatever the timing (docs/scaling.md).
 ``cache_aware`` and ``round_robin`` are the gateway's own policies, for comparison.
 """
 
@@ -38,11 +33,8 @@ ROUTER_DEFAULTS = ["--health-check-interval-secs", "5", "--health-failure-thresh
 
 @dataclasses.dataclass
 class RouterConfig:
-    """One ``smg`` gateway process in front of ``worker_urls``.
-
-    ``extra_args`` go to ``python -m smg.launch_router`` last (so they override the routing flags
-    and :data:`ROUTER_DEFAULTS`); the Prometheus port is a free one unless given.
-    """
+    """One ``smg`` gateway process; ``extra_args`` go last (they override the routing flags and
+    :data:`ROUTER_DEFAULTS`); the Prometheus port is a free one unless given."""
 
     worker_urls: list[str]
     routing: str = "document"
@@ -107,11 +99,8 @@ def healthy_workers(gateway_url: str) -> list[str]:
 
 
 class Cluster:
-    """N :class:`SGLangServer` replicas (started in parallel) and one :class:`RouterProcess` in front.
-
-    Use as a context manager; :meth:`stop` stops the router first, then every replica, each by its
-    process group, so nothing outlives it.
-    """
+    """N :class:`SGLangServer` replicas (started in parallel) and one :class:`RouterProcess`; :meth:`stop`
+    stops the router first, then every replica, each by its process group, so nothing outlives it."""
 
     def __init__(self, replicas: list[ServerConfig], router: RouterConfig | None):
         self.servers = [SGLangServer(c) for c in replicas]
@@ -180,10 +169,8 @@ class Cluster:
         self.stop()
 
 
-#: OpenMP's wait policy for CPU servers that share one machine's cores. By default an OpenMP thread spins
-#: after each parallel region; two replicas on the same cores then spin against each other's forward passes
-#: (measured on the 2-core machine, two replicas behind smg, two streaming clients: p90 1.34 s and 4.2 req/s
-#: spinning, 0.10 s and 26.5 req/s passive; one client alone the same either way).
+#: OpenMP's wait policy for CPU replicas sharing one machine's cores: a spinning OpenMP thread (the default,
+#: after each parallel region) spins against the other replicas' forward passes.
 SHARED_CORES_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
@@ -194,10 +181,9 @@ def shared_cores_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def replica_configs(base: ServerConfig, replicas: int) -> list[ServerConfig]:
-    """``replicas`` copies of ``base`` on distinct free ports (``base.port`` ignored), each with
-    ``--enable-metrics`` (per-replica request counts on ``/metrics``), ``--enable-cache-report``
-    (``cached_tokens`` in the OpenAI routes' usage, for OpenAI clients through the gateway), its
-    own log beside ``base``'s and, on the CPU, :func:`shared_cores_env` (they share this machine's cores)."""
+    """Copies of ``base`` on free ports, each with ``--enable-metrics`` (per-replica request counts),
+    ``--enable-cache-report`` (``cached_tokens`` in the OpenAI routes' usage, through the gateway), its own log
+    beside ``base``'s and, on the CPU, :func:`shared_cores_env`."""
     configs = []
     for i in range(replicas):
         extra = list(base.extra_args) + [f for f in ("--enable-metrics", "--enable-cache-report")

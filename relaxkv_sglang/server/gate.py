@@ -1,30 +1,18 @@
 """The startup correctness gate: what is compared, how errors are measured, and the tolerances.
 
-Chunk reuse rests on one identity: a text computed alone at positions ``p..p+n-1`` has, at every
-layer ``l``, the keys of the same text computed at ``0..n-1`` rotated by ``p``, and the same values,
+Chunk reuse rests on ``K_l(p) = R(p)·K_l(0)``, ``V_l(p) = V_l(0)`` at every layer ``l`` for a text computed
+alone at ``p..p+n-1`` (RoPE scores depend only on position differences). The cache applies ``R(Δ)`` itself
+(:func:`relaxkv_sglang.model.rope.rotate_keys`); if that is not the model's rotation, every chunk policy
+garbles its output. Checked on the loaded model: ``rope_k``: ``R(p)·K_l(0)`` against ``K_l(p)`` and ``V_l(0)``
+against ``V_l(p)``, every layer; ``pic_kv`` / ``pic_logits``: a one-chunk ``pic`` request (cached at ``p``,
+copied back to 0 with ``R(-p)``, the query run over it) against ``full``: equal KV and logits.
 
-    K_l(p) = R(p) · K_l(0),    V_l(p) = V_l(0)
-
-(RoPE scores depend only on position differences). The cache applies ``R(Δ)`` itself
-(:func:`relaxkv_sglang.model.rope.rotate_keys` with the ``RopeSpec`` built from the config); if that
-is not the rotation the model's layers apply, every chunk policy garbles its output. The gate
-checks, on the loaded model:
-
-(a) ``rope_k``: ``R(p)·K_l(0)`` against ``K_l(p)`` and ``V_l(0)`` against ``V_l(p)``, every layer;
-(b) ``pic_kv`` / ``pic_logits``: a one-chunk ``pic`` request (the chunk cached at ``p``, copied back
-    to 0 with ``R(-p)``, the query run over it) against ``full``: equal KV and logits.
-
-Error of ``x`` (actual) against ``y`` (expected), both [n, h, d] (logits [n, 1, vocab]):
-
-    err = max_{t,h} ‖x_{t,h} − y_{t,h}‖₂ / rms_{t,h} ‖y_{t,h}‖₂
-
-max over layers (and K, V). Tolerance (:func:`tolerance_for`): only rounding differs (the pool's
-storage, the model's cos/sin table, the angle ``p·f``), each at the level of the unit roundoff
-``u`` (fp32 2⁻²⁴, fp16 2⁻¹¹, bf16 2⁻⁸) carried through the layers: ``64·u`` for half dtypes,
-``2e-3`` for fp32. A wrong rotation by ``δ`` contributes ``2·sin(δ/2)`` of a pair's norm: order 1
-at the largest ``p`` the model allows (up to 4096). Negative control (``control``): ``rope_k`` with
-twice the served theta must fail, else the gate refuses (:func:`judge`).
-Measured errors behind the tolerances: docs/experiments/INDEX.md#gate-tolerances.
+Error of ``x`` against ``y``, both [n, h, d] (logits [n, 1, vocab]): ``max_{t,h} ‖x_{t,h} − y_{t,h}‖₂ /
+rms_{t,h} ‖y_{t,h}‖₂``, max over layers (and K, V). Tolerance: only rounding differs (the pool's storage, the
+cos/sin table, the angle ``p·f``), each at the unit roundoff ``u`` (fp32 2⁻²⁴, fp16 2⁻¹¹, bf16 2⁻⁸) carried
+through the layers: ``64·u`` for half dtypes, ``2e-3`` for fp32. A wrong rotation by ``δ`` contributes
+``2·sin(δ/2)`` of a pair's norm: order 1 at ``p`` up to 4096. Negative control: ``rope_k`` with twice the
+served theta must fail, else the gate refuses (:func:`judge`). Measured: docs/experiments/INDEX.md#gate-tolerances.
 """
 
 from __future__ import annotations
@@ -61,15 +49,9 @@ _MAX_OFFSET = 4096
 
 
 def tolerance_for(dtype: torch.dtype) -> float:
-    """The largest relative error (module doc's measure) a check may show in ``dtype``.
-
-    Args:
-        dtype: the KV pool's dtype: float32, float16 or bfloat16. Another (an fp8 KV cache)
-            gets 2× the bf16 tolerance (0.5): not measured, and too loose to catch more than a
-            grossly wrong rotation.
-    Returns:
-        The tolerance, a float: 2e-3 (fp32), 0.03125 (fp16), 0.25 (bf16).
-    """
+    """The largest relative error a check may show in the KV pool's ``dtype``: 2e-3 (fp32), 0.03125 (fp16),
+    0.25 (bf16); another (an fp8 KV cache) 0.5: not measured, and too loose to catch more than a grossly
+    wrong rotation."""
     if dtype == torch.float32:
         return _FP32_TOLERANCE
     u = _UNIT_ROUNDOFF.get(dtype)
@@ -79,16 +61,7 @@ def tolerance_for(dtype: torch.dtype) -> float:
 
 
 def gate_offset(context_len: int, n_tokens: int) -> int:
-    """The position ``p`` the text is moved to: as far as the context allows, at most 4096.
-
-    Args:
-        context_len: the model's context length (positions ``0..context_len-1`` exist).
-        n_tokens: the text's length.
-    Returns:
-        ``min(4096, context_len - n_tokens)``, at least 1.
-    Raises:
-        ValueError: the context is too short to hold the text twice (``p < 1``).
-    """
+    """The position ``p`` the text is moved to: ``min(4096, context_len - n_tokens)``; ValueError under 1."""
     p = min(_MAX_OFFSET, context_len - n_tokens)
     if p < 1:
         raise ValueError(f"context length {context_len} leaves no room to move a {n_tokens}-token text")
@@ -96,15 +69,8 @@ def gate_offset(context_len: int, n_tokens: int) -> int:
 
 
 def gate_token_ids(encoded: Optional[Sequence[int]], vocab_size: int, n_tokens: int = 32) -> list[int]:
-    """The gate's token ids: the tokenized :data:`GATE_TEXT`, or a fixed pseudo-random sequence.
-
-    Args:
-        encoded: the text's ids from the server's tokenizer (None: none available).
-        vocab_size: the model's vocabulary size.
-        n_tokens: length when no tokenizer is available.
-    Returns:
-        At least 8 ids, each in ``[0, vocab_size)``.
-    """
+    """The tokenized :data:`GATE_TEXT` (``encoded``, None without a tokenizer), or a fixed pseudo-random
+    sequence of ``n_tokens``: at least 8 ids, each in ``[0, vocab_size)``."""
     ids = [int(t) for t in encoded or () if 0 <= int(t) < vocab_size]
     if len(ids) >= 8:
         return ids
@@ -112,15 +78,9 @@ def gate_token_ids(encoded: Optional[Sequence[int]], vocab_size: int, n_tokens: 
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``max_{t,h} ‖actual − expected‖₂ / rms_{t,h} ‖expected‖₂`` (module doc).
-
-    Args:
-        actual, expected: ``[n, h, d]`` (or ``[n, d]``, read as one head), any float dtype;
-            computed in fp32.
-    Returns:
-        The error, a float >= 0 (``inf`` if ``expected`` is all zero and ``actual`` is not;
-        ``nan`` if either holds a nan).
-    """
+    """``max_{t,h} ‖actual − expected‖₂ / rms_{t,h} ‖expected‖₂``; both ``[n, h, d]`` (or ``[n, d]``: one
+    head), any float dtype, computed in fp32. ``inf`` if only ``expected`` is all zero; ``nan`` if either
+    holds a nan."""
     if actual.shape != expected.shape:
         raise ValueError(f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}")
     x, y = actual.float(), expected.float()
@@ -137,14 +97,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class CheckResult:
-    """One check's outcome.
-
-    Attributes:
-        name: one of :data:`CHECKS`.
-        max_error: the largest relative error over layers (and K/V).
-        tolerance: the bound it is held to.
-        worst: where the largest error is (e.g. ``"layer 3 K"``).
-    """
+    """One of :data:`CHECKS`: its largest error over layers (and K/V), and where (e.g. ``"layer 3 K"``)."""
 
     name: str
     max_error: float
@@ -165,16 +118,8 @@ class CheckResult:
 
 def compare_layers(name: str, actual: Sequence[tuple[str, torch.Tensor]],
                    expected: Sequence[torch.Tensor], tolerance: float) -> CheckResult:
-    """The worst :func:`relative_error` over pairs of tensors (e.g. every layer's K and V).
-
-    Args:
-        name: the check's name.
-        actual: ``(label, tensor)`` pairs, e.g. ``("layer 3 K", k)``, each ``[n, h, d]``.
-        expected: the tensors they must equal, same order and shapes.
-        tolerance: see :func:`tolerance_for`.
-    Returns:
-        The check's result; ``worst`` is the label of the largest error.
-    """
+    """The worst :func:`relative_error` of ``(label, tensor)`` pairs (each ``[n, h, d]``, e.g. every layer's K
+    and V) against ``expected`` (same order and shapes); ``worst`` is its label."""
     if len(actual) != len(expected) or not actual:
         raise ValueError(f"{name}: {len(actual)} tensors to compare with {len(expected)}")
     worst, label = -1.0, ""
@@ -189,20 +134,9 @@ def compare_layers(name: str, actual: Sequence[tuple[str, torch.Tensor]],
 
 @dataclasses.dataclass(frozen=True)
 class GateResult:
-    """The gate's verdict for one model.
-
-    Attributes:
-        status: ``"passed"``, ``"failed"`` (a check out of tolerance, or the gate could not run)
-            or ``"skipped"`` (turned off by the operator).
-        checks: the checks that ran.
-        reason: why it failed (empty when passed).
-        offset: the position ``p`` the text was moved to.
-        n_tokens: the text's length.
-        dtype: the KV pool's dtype, as a string.
-        seconds: the gate's wall time.
-        control: the negative control (module doc): ``rope_k`` under a wrong rotation, which must
-            fail (None: it did not run).
-    """
+    """The gate's verdict for one model: ``status`` ``"passed"``, ``"failed"`` (a check out of tolerance, or
+    the gate could not run) or ``"skipped"`` (turned off); ``offset`` the ``p`` the text was moved to;
+    ``control`` ``rope_k`` under a wrong rotation, which must fail (None: it did not run)."""
 
     status: str
     checks: tuple[CheckResult, ...] = ()
@@ -244,18 +178,8 @@ class GateResult:
 
 def judge(checks: Sequence[CheckResult], *, offset: int, n_tokens: int, dtype: str,
           control: Optional[CheckResult] = None) -> GateResult:
-    """The verdict over the checks: passed when every one is within tolerance and the control
-    (when it ran) is not.
-
-    Args:
-        checks: the results, in :data:`CHECKS` order.
-        offset, n_tokens, dtype: recorded in the result.
-        control: the negative control (module doc), or None.
-    Returns:
-        ``passed``, or ``failed`` with ``reason`` naming every failed check (its error, tolerance
-        and where), e.g. ``"keys re-rotated by the plugin's RoPE (...) do not match the model's own
-        RoPE: rope_k FAILED: error 1.5 at layer 1 K (tolerance 0.002); ..."``.
-    """
+    """``passed`` when every check is within tolerance and the control (when it ran) is not, else ``failed``
+    with ``reason`` naming every failed check (its error, tolerance and where)."""
     failed = [c for c in checks if not c.passed]
     reason = "; ".join(c.describe() for c in failed)
     if any(c.name == "rope_k" for c in failed):

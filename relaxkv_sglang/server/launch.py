@@ -1,12 +1,7 @@
-"""Start, wait for and stop a real SGLang server process.
-
-Used by ``relaxkv-sglang serve``, ``make demo``, the benchmarks and the
-end-to-end test fixture, so every caller launches SGLang the same way: in its
-own process group (so stopping it also stops the scheduler and detokenizer
-children), on a port checked to be free, with the log in a file, ready only
-once ``/health_generate`` has generated a token.  Replicas behind a gateway:
-:mod:`relaxkv_sglang.server.cluster`.
-"""
+"""Start, wait for and stop a real SGLang server process, the same way for every caller (``serve``, the
+demo, the benchmarks, the e2e fixture): in its own process group (stopping it stops the scheduler and
+detokenizer children too), on a port checked to be free, with the log in a file, ready only once
+``/health_generate`` has generated a token."""
 
 from __future__ import annotations
 
@@ -31,17 +26,12 @@ CPU_DEFAULTS = {
     "--attention-backend": "torch_native",
     "--dtype": "float32",
 }
-# SGLang's scheduler polls in a busy loop when idle unless told to sleep; on a
-# shared CPU machine that steals a core from the clients it serves.
+# SGLang's idle scheduler polls in a busy loop unless told to sleep: a core stolen from the clients.
 CPU_FLAGS = ["--sleep-on-idle"]
-# The plugin's cache and attention backend; the overlap scheduler is off because
-# chunk reuse folds the batch right before its forward pass.
+# The overlap scheduler is off: chunk reuse folds the batch right before its forward pass.
 RELAXKV_FLAGS = ["--attention-backend", "relaxkv", "--radix-cache-backend", "relaxkv", "--disable-overlap-schedule"]
-# Environment for tests: SGLang checks its KV accounting whenever the scheduler
-# idles, and with this set a leaked or double-freed slot stops the server
-# instead of logging a warning.
+# For tests: a leaked or double-freed KV slot found when the scheduler idles stops the server, not a warning.
 STRICT_MEMORY_CHECK = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
-# SGLang's flags for the tensor-parallel size, and the variable binding each CPU rank's threads to its cores.
 TP_FLAGS = ("--tp-size", "--tensor-parallel-size")
 THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 
@@ -112,8 +102,7 @@ def _sglang_workers_running(group: int) -> bool:
 
 
 def end_process_group(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, wait_s: float = 10.0) -> None:
-    """Send ``sig`` to ``proc``'s process group (started with ``start_new_session``) and wait ``wait_s`` for it;
-    SIGKILL the group if it is still there. Nothing if it has already exited."""
+    """``sig`` to ``proc``'s process group, then SIGKILL if it is still there after ``wait_s``."""
     if proc is None or proc.poll() is not None:
         return
     try:
@@ -231,12 +220,9 @@ class SGLangServer:
         return binding
 
     def _launch(self, env: dict, log_prefix: str) -> "SGLangServer":
-        """Start ``config.command()`` on its port (0: a free one) with its log, and wait until ready.
-
-        A port picked here can be taken by another process before the server binds it (a
-        sibling replica's internal ports, an outgoing connection's ephemeral port); then the
-        server is stopped and started again on another free port, up to :data:`PORT_ATTEMPTS`
-        times. A port the caller chose is never swapped: that is a clear error instead."""
+        """Start ``config.command()`` and wait until ready. A port picked here can be taken before the server
+        binds it (a sibling replica's internal ports, an ephemeral port): then it starts again on another, up
+        to :data:`PORT_ATTEMPTS` times. A port the caller chose is never swapped."""
         cfg = self.config
         picked = cfg.port == 0
         if not picked and port_in_use(cfg.host, cfg.port):
@@ -309,12 +295,8 @@ class SGLangServer:
         return lines[-1].strip()[-300:] if lines else "empty log"
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM the process group; once SGLang's workers have exited, end the launcher too.
-
-        The scheduler and detokenizer exit on the signal itself. SGLang's launcher process only
-        acts on it at its drain watchdog's next tick (every 5 s) and then finds its workers gone,
-        so it is killed as soon as they are rather than waited for; after ``timeout_s`` the whole
-        group is killed."""
+        """SIGTERM the process group, then SIGKILL the launcher as soon as SGLang's workers have exited: it
+        only acts on the signal at its drain watchdog's next tick (every 5 s). After ``timeout_s``, SIGKILL."""
         if self.proc is not None and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -350,11 +332,8 @@ class SGLangServer:
 @contextlib.contextmanager
 def running_server(url: str | None,
                    make_config: Callable[[], ServerConfig]) -> Iterator[tuple[str, SGLangServer | None]]:
-    """``(url, None)`` for a server already running at ``url``, else ``(its url, the server)``.
-
-    Without ``url`` a server is started from ``make_config()`` (called only
-    then) and stopped on exit: how the demo and the benchmarks get theirs.
-    """
+    """``(url, None)`` for a server already running at ``url``, else one started from ``make_config()`` (called
+    only then) and stopped on exit: ``(its url, the server)``."""
     if url:
         yield url.rstrip("/"), None
         return

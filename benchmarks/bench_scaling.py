@@ -29,7 +29,8 @@ import torch
 
 from benchmarks import common, tables
 from relaxkv_sglang.attention.block_sparse import block_sparse_attention
-from relaxkv_sglang.cache.chunk_store import ChunkStore
+from relaxkv_sglang.cache.chunk_key import ChunkKey
+from relaxkv_sglang.cache.pool_index import PoolChunkIndex
 from relaxkv_sglang.attention.layout import RelaxedContextSpec, build_relaxed_layout, full_causal_layout
 from relaxkv_sglang.model.rope import RopeSpec, rotate_keys
 from relaxkv_sglang.repair.selection import select_anchors
@@ -57,10 +58,10 @@ def measure(n_tokens: int, n_chunks: int, repeats: int) -> dict:
     n_context = spans[-1][1]
     ids = torch.randint(0, 49152, (n_context,), generator=g)
 
-    store = ChunkStore(free_slots=lambda slots: None)
+    store = PoolChunkIndex(free_slots=lambda slots: None)
     for s, e in spans:
-        store.insert(None, ids[s:e].tolist(), torch.arange(s, e))
-    lookup = _median_time(lambda: [store.lookup(None, ids[s:e].tolist()) for s, e in spans], repeats)
+        store.insert(ChunkKey(None, ids[s:e].tolist()), torch.arange(s, e))
+    lookup = _median_time(lambda: [store.lookup(ChunkKey(None, ids[s:e].tolist())) for s, e in spans], repeats)
 
     k = torch.randn(n_context, KV_HEADS, HEAD_DIM, generator=g)
     rotation = _median_time(lambda: [rotate_keys(k, 1000, ROPE) for _ in range(LAYERS)], repeats)

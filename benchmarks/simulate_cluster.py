@@ -1,7 +1,7 @@
 """Simulate N replicas behind a router: chunk hit rate and load imbalance per routing policy, no model.
 
 A trace-driven simulation of the cluster of ``relaxkv-sglang serve --replicas N``: each replica is
-the project's REAL chunk store (:class:`relaxkv_sglang.cache.chunk_store.ChunkStore`, through its
+the project's REAL chunk index (:class:`relaxkv_sglang.cache.pool_index.PoolChunkIndex`, through its
 public API only: ``lookup`` / ``lock`` / ``unlock`` / ``insert`` / ``evict`` / ``total_tokens``) with
 a KV pool of ``--pool-tokens``; the router is a model of the ``smg`` gateway's policies as
 ``serve --replicas`` configures them (:data:`relaxkv_sglang.server.cluster.ROUTINGS`):
@@ -27,7 +27,7 @@ finished (at most ``C`` in flight, as ``C`` client threads replaying in order). 
 request is routed, looks its documents up in its replica's store and locks the hits (the server
 locks hits from admission to the forward); when it finishes it unlocks them, inserts its misses
 (a miss computed by two requests in flight at once is inserted twice: the second insert is
-``ChunkStore``'s duplicate) and the store evicts, in its own order, down to the pool minus the
+``PoolChunkIndex``'s duplicate) and the store evicts, in its own order, down to the pool minus the
 prompt tokens of the replica's requests still in flight (their private copies). The radix prefix
 before the first document (the system prompt) is a hit once the replica has served it.
 
@@ -63,7 +63,8 @@ from typing import Sequence
 import torch
 
 from benchmarks import common, tables
-from relaxkv_sglang.cache.chunk_store import ChunkStore
+from relaxkv_sglang.cache.chunk_key import ChunkKey
+from relaxkv_sglang.cache.pool_index import PoolChunkIndex
 from relaxkv_sglang.request.routing import HotKeySplitter, document_hash, routing_key_of_documents
 
 BENCH = "simulate_cluster"
@@ -173,22 +174,22 @@ def _parts_after_prefix(text: str, offsets: Sequence[int]) -> list[str]:
 
 
 class Replica:
-    """One server: a :class:`ChunkStore` over a KV pool, the system prompts its radix tree holds,
+    """One server: a :class:`PoolChunkIndex` over a KV pool, the system prompts its radix tree holds,
     and what it has in flight."""
 
     def __init__(self, pool_tokens: int, trace: Trace):
         self.pool_tokens = pool_tokens
         self.trace = trace
-        self.store = ChunkStore(free_slots=lambda slots: None)
+        self.store = PoolChunkIndex(free_slots=lambda slots: None)
         self.systems: set[int] = set()
         self.inflight_tokens = 0
         self.load = 0  # requests in flight (the router's load)
         self.served = 0
 
-    def tokens(self, doc: int) -> tuple[int, ...]:
-        """The token ids that key document ``doc`` (distinct per document, its real length)."""
+    def key(self, doc: int) -> ChunkKey:
+        """Document ``doc``'s key: token ids distinct per document, its real length."""
         n = self.trace.doc_tokens[doc]
-        return tuple(range(doc << 20, (doc << 20) + n))
+        return ChunkKey(None, tuple(range(doc << 20, (doc << 20) + n)))
 
     def start(self, req: SimRequest) -> tuple[int, list, list[int]]:
         """Admit ``req``: ``(cached tokens, locked hit entries, missed documents)``."""
@@ -198,7 +199,7 @@ class Replica:
         cached = req.prefix_tokens if req.system in self.systems else 0
         hits, misses = [], []
         for d in req.docs:
-            entry = self.store.lookup(None, self.tokens(d))
+            entry = self.store.lookup(self.key(d))
             if entry is None:
                 misses.append(d)
             else:
@@ -215,8 +216,8 @@ class Replica:
         for entry in hits:
             self.store.unlock(entry)
         for d in misses:
-            ids = self.tokens(d)
-            self.store.insert(None, ids, torch.arange(len(ids), dtype=torch.int64))
+            key = self.key(d)
+            self.store.insert(key, torch.arange(len(key.tokens), dtype=torch.int64))
         room = max(0, self.pool_tokens - self.inflight_tokens)
         if self.store.total_tokens() > room:
             self.store.evict(self.store.total_tokens() - room)

@@ -24,7 +24,7 @@ def finish_forward(cache: "RelaxKVCache", setup: "ForwardSetup", outcomes: Mappi
     for i, r in enumerate(setup.requests):
         f = r.fold
         if f.misses and i not in outcomes:
-            cache.publish_chunks(f.plan.namespace, f.misses, f.req_pool_idx)
+            cache.publish_chunks(f.misses, f.req_pool_idx)
         sources = by_cache_source(f.hit_sources())
         if f.hit_tokens and not getattr(f.req, "retracted_stain", False):
             # Added to SGLang's radix-match counts; as in SGLang only the first prefill counts (a

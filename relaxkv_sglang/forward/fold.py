@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from relaxkv_sglang.cache.chunk_key import ChunkKey
 from relaxkv_sglang.cache.tiers import TierName, split_hits
 from relaxkv_sglang.model.tensor_parallel import digest
 from relaxkv_sglang.request.plan import RequestPlan, request_plan
@@ -21,8 +22,8 @@ from relaxkv_sglang.request.plan import RequestPlan, request_plan
 if TYPE_CHECKING:
     from relaxkv_sglang.cache.sglang.relaxkv_cache import RelaxKVCache
 
-# A miss chunk to publish once computed: (token ids, start position, end position).
-MissChunk = tuple[tuple[int, ...], int, int]
+# A miss chunk to publish once computed: (its key, start position, end position).
+MissChunk = tuple[ChunkKey, int, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +126,8 @@ def _fold_request(cache: "RelaxKVCache", req: Any, rp: int, pre: int, n: int,
                 scope[lo:hi] = cs  # computed position-independently until then
             continue
         chunks_seen += 1
-        tokens = req.origin_input_ids[cs:ce]
-        tier = cache.reuse.reuse(plan.namespace, tokens, row[cs:ce].to(torch.int64), cs)
+        key = ChunkKey(plan.namespace, req.origin_input_ids[cs:ce])
+        tier = cache.reuse.reuse(key, row[cs:ce].to(torch.int64), cs)
         scope[lo:hi] = cs  # a hit row computed after all (input logprobs, below) keeps its chunk scope
         if tier:
             keep[lo:hi] = False  # rows of earlier windows: their KV is overwritten by the copy
@@ -135,7 +136,7 @@ def _fold_request(cache: "RelaxKVCache", req: Any, rp: int, pre: int, n: int,
             if tier != TierName.DEVICE:  # loaded from a lower tier (tree_cache: lower tiers)
                 tier_tokens[tier] = tier_tokens.get(tier, 0) + hi - lo
         else:
-            misses.append((tuple(tokens), cs, ce))
+            misses.append((key, cs, ce))
     # Rows SGLang reads (last row, input logprobs) are computed; a hit row among them at its chunk
     # scope over the reused KV, the same computation cold and warm.
     must = n - 1 if logprob_start is None else min(logprob_start, n - 1)

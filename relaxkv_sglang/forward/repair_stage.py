@@ -139,7 +139,7 @@ class RepairStage:
         """Publish the request's misses (final position-independent KV, before anchors overwrite it) and plan its
         pass (``scores``, ``answer_logits``: :meth:`_decision_signals`); served as pic when it cannot be planned."""
         f = r.fold
-        self.cache.publish_chunks(f.plan.namespace, f.misses, f.req_pool_idx)
+        self.cache.publish_chunks(f.misses, f.req_pool_idx)
         try:
             ids = _token_ids(f.req)
             served = served_settings(self.cache)

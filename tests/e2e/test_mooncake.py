@@ -32,7 +32,8 @@ from rag_helpers import (MOONCAKE_TESTS_ENV, SERVER_START_TIMEOUT_S, documents, 
                          wait_tier_writes)
 from test_tiers import _ask, _recompute, _reload_is_a_copy, _same_output
 
-from relaxkv_sglang.cache.tiers import ChunkRecord, ValueLayout, chunk_key, encode_value
+from relaxkv_sglang.cache.chunk_key import ChunkKey
+from relaxkv_sglang.cache.tiers import ChunkRecord, ValueLayout, encode_value
 from relaxkv_sglang.cache.tiers.paged import page_keys, split_pages, value_key
 from relaxkv_sglang.cache.tiers.value import value_info
 from relaxkv_sglang.server.cluster import Cluster
@@ -188,7 +189,7 @@ def test_mooncake_faults_store_down_bad_values_and_master_killed(tiny_model_path
         identity = relaxkv_state(up.url)["tier_identity"]
         layout = ValueLayout.of(identity, TOKEN_SHAPE, torch.float32, page_bytes=PAGE_KB << 10)
         bad = docs[2:5]
-        keys = [chunk_key(identity, None, tokenizer.encode(d, add_special_tokens=False)) for d in bad]
+        keys = [ChunkKey(None, tokenizer.encode(d, add_special_tokens=False)).content_key(identity) for d in bad]
         n = [len(tokenizer.encode(d, add_special_tokens=False)) for d in bad]
         flipped = bytearray(encode_value(keys[0], ChunkRecord(torch.zeros(n[0], *TOKEN_SHAPE)), layout))
         flipped[-1] ^= 0x40

@@ -36,7 +36,8 @@ from conftest import STRICT_MEMORY_CHECK
 from rag_helpers import (SERVER_START_TIMEOUT_S, documents, generate, marked_prompt, relaxkv_state, synthetic_documents,
                          wait_tier_writes)
 
-from relaxkv_sglang.cache.tiers import DiskTier, ModelIdentity, chunk_key
+from relaxkv_sglang.cache.chunk_key import ChunkKey
+from relaxkv_sglang.cache.tiers import DiskTier, ModelIdentity
 from relaxkv_sglang.server.cluster import Cluster
 from relaxkv_sglang.server.launch import SGLangServer, ServerConfig
 
@@ -242,8 +243,9 @@ def test_warm_restart_after_kill_9_with_damaged_files(tiny_model_path, tmp_path,
     doc_files = [f for f in files if probe.get(f.stem) is not None]
     assert len(doc_files) == len(files)  # every file the killed server left is whole
     # one damaged document in each of three replays
-    corrupt, foreign, torn = (by_stem[chunk_key(identity, None, tokenizer.encode(docs[i], add_special_tokens=False))]
-                              for i in (0, 4, 8))
+    corrupt, foreign, torn = (
+        by_stem[ChunkKey(None, tokenizer.encode(docs[i], add_special_tokens=False)).content_key(identity)]
+        for i in (0, 4, 8))
     data = bytearray(corrupt.read_bytes())
     data[-5] ^= 0xFF
     corrupt.write_bytes(bytes(data))
@@ -323,7 +325,7 @@ def test_replicas_sharing_a_chunk_dir_under_concurrent_writes(tiny_model_path, t
         wait_tier_writes(b.url)
         identity = relaxkv_state(a.url)["tier_identity"]
         assert identity == relaxkv_state(b.url)["tier_identity"]
-        keys = [chunk_key(identity, None, tokenizer.encode(d, add_special_tokens=False)) for d in docs]
+        keys = [ChunkKey(None, tokenizer.encode(d, add_special_tokens=False)).content_key(identity) for d in docs]
         files = {f.stem: f for f in _kv_files(chunk_dir)}
         assert sorted(files) == sorted(keys)  # one whole file per document, no temp file left
         assert not list(chunk_dir.rglob(".tmp.*"))

@@ -13,13 +13,18 @@ import sys
 import textwrap
 import time
 
+import types
+
 import pytest
 import torch
 
+from relaxkv_sglang.cache.chunk_key import ChunkKey
+from relaxkv_sglang.cache.sglang.tier_configs import build_tiers
 from relaxkv_sglang.cache.tiers import (
     AsyncWriter, ChunkRecord, DiskTier, DiskTierConfig, FrequencySketch, HostTier, HostTierConfig, ModelIdentity,
-    TieredChunkStore, TierName, chunk_key, disk as disk_module, simulate_tier,
+    TieredChunkStore, TierName, disk as disk_module, simulate_tier,
 )
+from relaxkv_sglang.cache.tiers.value import DEFAULT_MAX_TOKENS
 
 SHAPE = (2, 2, 2, 4)  # layers, K/V, kv heads, head dim
 TOKEN_BYTES = 2 * 2 * 2 * 4 * 4
@@ -32,8 +37,17 @@ def record(seed: int, n: int, start: int = 0) -> ChunkRecord:
     return ChunkRecord(torch.randn((n, *SHAPE), generator=g), start)
 
 
+def chunk(i: int, ns: str | None = None) -> ChunkKey:
+    return ChunkKey(ns, (i, i + 1, i + 2))
+
+
 def key(i: int, ns: str | None = None) -> str:
-    return chunk_key(IDENT, ns, [i, i + 1, i + 2])
+    """The content key a tier stores ``chunk(i, ns)`` under."""
+    return chunk(i, ns).content_key(IDENT.digest)
+
+
+def content_key(identity: ModelIdentity, ns: str | None, tokens) -> str:
+    return ChunkKey(ns, tokens).content_key(identity.digest)
 
 
 def disk(tmp_path, capacity=1 << 20, identity=IDENT, **kw) -> DiskTier:
@@ -43,29 +57,35 @@ def disk(tmp_path, capacity=1 << 20, identity=IDENT, **kw) -> DiskTier:
 def tiered(host_bytes: int = 0, disk_dir: str | None = None, disk_bytes: int = 0, **kw) -> TieredChunkStore:
     """The store the server builds from its configuration: a host tier above a disk tier."""
     configs = [HostTierConfig(host_bytes), DiskTierConfig(disk_dir, disk_bytes)]
-    return TieredChunkStore.from_configs(configs, IDENT, SHAPE, torch.float32, **kw)
+    pool_kv = types.SimpleNamespace(token_shape=SHAPE, dtype=torch.float32)
+    return build_tiers(configs, pool_kv, IDENT, DEFAULT_MAX_TOKENS, **kw)
 
 
 # ---------------------------------------------------------------- keys
 
 
 def test_chunk_key_covers_identity_namespace_and_tokens():
-    base = chunk_key(IDENT, None, [1, 2, 3])
-    assert base == chunk_key(IDENT.digest, None, (1, 2, 3))  # deterministic, identity or its digest
+    base = content_key(IDENT, None, [1, 2, 3])
+    assert base == ChunkKey(None, torch.tensor([1, 2, 3])).content_key(IDENT.digest)  # deterministic
     assert len(base) == 64 and int(base, 16) >= 0
+    # what is on disk and in Mooncake stays readable: the content key's bytes never change
+    assert IDENT.digest == "25627f1388b7566a83eadeccbdd83183"
+    assert base == "0ea423b1944c7fcadeec773e7de5f232a140ac8a3fb57d06470884b1fda29482"
+    tenant = content_key(IDENT, "tenant-a", [1, 2, 3])
+    assert tenant == "c9465de9cfa72eddf9f2f03817636f7563a3bf13f68e995f466af8b660fd5ad1"
     others = {
-        chunk_key(IDENT, "", [1, 2, 3]),  # "" is not the default namespace
-        chunk_key(IDENT, "tenant-a", [1, 2, 3]),
-        chunk_key(IDENT, None, [1, 2, 4]),
-        chunk_key(IDENT, None, [1, 2]),
-        chunk_key(OTHER, None, [1, 2, 3]),
-        chunk_key(ModelIdentity("tiny@cfg1", "tok2", "torch.float32", IDENT.kv_layout), None, [1, 2, 3]),
-        chunk_key(ModelIdentity("tiny@cfg1", "tok1", "torch.bfloat16", IDENT.kv_layout), None, [1, 2, 3]),
-        chunk_key(ModelIdentity("tiny@cfg1", "tok1", "torch.float32", "L2 H2 D4 rope500000"), None, [1, 2, 3]),
+        content_key(IDENT, "", [1, 2, 3]),  # "" is not the default namespace
+        content_key(IDENT, "tenant-a", [1, 2, 3]),
+        content_key(IDENT, None, [1, 2, 4]),
+        content_key(IDENT, None, [1, 2]),
+        content_key(OTHER, None, [1, 2, 3]),
+        content_key(ModelIdentity("tiny@cfg1", "tok2", "torch.float32", IDENT.kv_layout), None, [1, 2, 3]),
+        content_key(ModelIdentity("tiny@cfg1", "tok1", "torch.bfloat16", IDENT.kv_layout), None, [1, 2, 3]),
+        content_key(ModelIdentity("tiny@cfg1", "tok1", "torch.float32", "L2 H2 D4 rope500000"), None, [1, 2, 3]),
     }
     assert base not in others and len(others) == 8
     # token boundaries are unambiguous (length-prefixed 64-bit ids)
-    assert chunk_key(IDENT, None, [256]) != chunk_key(IDENT, None, [0, 1])
+    assert content_key(IDENT, None, [256]) != content_key(IDENT, None, [0, 1])
 
 
 # ---------------------------------------------------------------- host tier
@@ -210,10 +230,10 @@ def test_damaged_file_is_a_miss_removed_and_counted(tmp_path, damage):
 
 def test_foreign_model_file_is_a_miss_removed_and_counted(tmp_path):
     theirs = disk(tmp_path / "a", identity=OTHER)
-    other_key = chunk_key(OTHER, None, [1, 2, 3])
+    other_key = content_key(OTHER, None, [1, 2, 3])
     theirs.set(other_key, record(1, 5))
     ours = disk(tmp_path / "b")
-    mine = chunk_key(IDENT, None, [1, 2, 3])
+    mine = content_key(IDENT, None, [1, 2, 3])
     dst = pathlib.Path(ours.path(mine))
     dst.parent.mkdir(parents=True, exist_ok=True)
     dst.write_bytes(pathlib.Path(theirs.path(other_key)).read_bytes())  # renamed into our key
@@ -361,7 +381,7 @@ def test_async_writer_drains_and_drops_when_full(tmp_path):
 def test_tiered_store_spill_publish_load_and_isolation(tmp_path):
     t = tiered(host_bytes=8 * TOKEN_BYTES, disk_dir=str(tmp_path / "d"),
                          disk_bytes=1 << 20)
-    ka, kb = t.key("tenant-a", [1, 2, 3]), t.key("tenant-b", [1, 2, 3])
+    ka, kb = ChunkKey("tenant-a", (1, 2, 3)), ChunkKey("tenant-b", (1, 2, 3))
     assert ka != kb
     r = record(1, 3, start=4)
     assert t.publish_wanted(ka) and t.publish(ka, r)
@@ -370,7 +390,7 @@ def test_tiered_store_spill_publish_load_and_isolation(tmp_path):
     got, tier = t.get(ka)
     assert tier == "disk" and torch.equal(got.kv, r.kv) and got.canonical_start == 4
     assert t.get(kb) == (None, None)  # another namespace never loads it
-    assert t.spill_wanted(ka, 3) == "host" and t.spill(ka, got, "host")
+    assert t.spill_wanted(ka) == "host" and t.spill(ka, got, "host")
     got, tier = t.get(ka)
     assert tier == "host" and torch.equal(got.kv, r.kv)
     t.clear_exclusive()
@@ -385,24 +405,24 @@ def test_tiered_store_spill_publish_load_and_isolation(tmp_path):
 def test_tiered_store_without_host_spills_to_disk(tmp_path):
     t = tiered(disk_dir=str(tmp_path / "d"), disk_bytes=1 << 20,
                          async_writes=False)
-    k = t.key(None, [4, 5])
-    assert t.names == [TierName.DISK] and t.spill_wanted(k, 2) == "disk"
+    k = ChunkKey(None, (4, 5))
+    assert t.names == [TierName.DISK] and t.spill_wanted(k) == "disk"
     assert t.spill(k, record(4, 2), "disk")
-    assert t.spill_wanted(k, 2) is None
+    assert t.spill_wanted(k) is None
     assert torch.equal(t.get(k)[0].kv, record(4, 2).kv)
 
 
 def test_prefetch_stages_disk_reads_for_a_later_get(tmp_path):
     t = tiered(host_bytes=8 * TOKEN_BYTES, disk_dir=str(tmp_path / "d"),
                          disk_bytes=1 << 20, async_writes=False, max_staged_bytes=2 * 4 * TOKEN_BYTES)
-    keys = [key(i) for i in range(4)]
+    keys = [chunk(i) for i in range(4)]
     for i, k in enumerate(keys):
         t.publish(k, record(i, 4))
     # Queued under the stage lock: the prefetch thread can read but not stage until all are
     # queued. Otherwise it may stage two records while prefetch() is still looping, and then
     # prefetch() sees the stage full and queues fewer than 4 (thread scheduling).
     with t.stage.lock:
-        assert t.prefetch(keys + [key(99)]) == 4  # key(99) is on no tier
+        assert t.prefetch(keys + [chunk(99)]) == 4  # chunk(99) is on no tier
     deadline = time.monotonic() + 60
     while (t.stage.inflight or t.stage.q.qsize()) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -472,15 +492,15 @@ def test_a_tier_added_to_the_list_is_used_by_its_role(tmp_path):
     remote = DictTier()
     t = TieredChunkStore([host, disk(tmp_path), remote], IDENT, async_writes=False)
     assert t.names == ["host", "disk", "device"] and t.can_prefetch
-    k = key(1)
+    k = chunk(1)
     assert t.publish_wanted(k) and t.publish(k, record(1, 3))
-    assert k in remote.data and not t.publish_wanted(k)
-    t.tier(TierName.DISK).delete(k)
+    assert key(1) in remote.data and not t.publish_wanted(k)
+    t.tier(TierName.DISK).delete(key(1))
     got, tier = t.get(k)
     assert tier is remote.name and torch.equal(got.kv, record(1, 3).kv)
-    assert t.spill_wanted(k, 3) == "host" and t.spill(k, got, "host") and t.where(k) == "host"
+    assert t.spill_wanted(k) == "host" and t.spill(k, got, "host") and t.where(k) == "host"
     t.taken(k, "host")  # loaded into the pool: the exclusive host tier gives its copy up
-    assert not host.exists(k) and k in remote.data  # the write-through copy stays
+    assert not host.exists(key(1)) and key(1) in remote.data  # the write-through copy stays
     s = t.stats()
     assert s["tier_device_publishes"] == 1 and s["tier_device_loads"] == 1 and s["tier_device_entries"] == 1
     assert "tier_device_prefetched" not in s and s["tier_host_spills"] == 1

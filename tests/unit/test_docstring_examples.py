@@ -16,6 +16,7 @@ MODULES = [
     "relaxkv_sglang.repair.selection",        # select_anchors
     "relaxkv_sglang.request.segments",         # common_prefix_len
     "relaxkv_sglang.attention.staging",          # HostStage
+    "relaxkv_sglang.cache.chunk_key",        # ChunkKey
     "relaxkv_sglang.cache.tiers.store",      # TieredChunkStore
     "relaxkv_sglang.request.sglang.api",   # plan_item
     "relaxkv_sglang.request.sglang.sglang_fields",  # check_sglang_fields

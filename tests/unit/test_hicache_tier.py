@@ -23,9 +23,10 @@ import time
 import pytest
 import torch
 
+from relaxkv_sglang.cache.chunk_key import ChunkKey
 from relaxkv_sglang.cache.tiers import (
     ChunkRecord, Damaged, ModelIdentity, PagedTier, PageStore, TierContext, TieredChunkStore, TierName, ValueLayout,
-    chunk_key, decode_value, encode_value,
+    decode_value, encode_value,
 )
 from relaxkv_sglang.cache.tiers.paged import SLOTS, page_keys, value_key
 from relaxkv_sglang.cache.tiers.value import value_info
@@ -48,8 +49,13 @@ def record(seed: int, n: int, start: int = 0) -> ChunkRecord:
     return ChunkRecord(torch.randn((n, *SHAPE), generator=g), start)
 
 
+def chunk(i: int, ns: str | None = None) -> ChunkKey:
+    return ChunkKey(ns, (i, i + 1, i + 2))
+
+
 def key(i: int, ns: str | None = None) -> str:
-    return chunk_key(IDENT, ns, [i, i + 1, i + 2])
+    """The content key a tier stores ``chunk(i, ns)`` under."""
+    return chunk(i, ns).content_key(IDENT.digest)
 
 
 class DictPages(PageStore):
@@ -290,8 +296,8 @@ def test_a_slow_store_is_out_of_service():
 def test_the_tiered_store_uses_it_by_its_role():
     t = TieredChunkStore([PagedTier(DictPages(), LAYOUT)], IDENT, async_writes=False)
     assert t.names == ["hicache"] and t.can_prefetch
-    assert t.publish_wanted(key(1)) and t.publish(key(1), record(1, 4)) and not t.publish_wanted(key(1))
-    got, name = t.get(key(1))
+    assert t.publish_wanted(chunk(1)) and t.publish(chunk(1), record(1, 4)) and not t.publish_wanted(chunk(1))
+    got, name = t.get(chunk(1))
     assert name == "hicache" and torch.equal(got.kv, record(1, 4).kv)
     stats = t.stats()
     assert stats["tier_hicache_loads"] == 1 and stats["tier_hicache_writes"] == 1

@@ -34,7 +34,7 @@ def test_requests_in_flight_do_not_see_each_others_chunks():
     assert out["duplicate_inserts"] == 1
 
 
-def test_a_small_pool_evicts_with_the_chunk_store():
+def test_a_small_pool_evicts_with_the_pool_chunk_index():
     trace = _trace([(0, (d,)) for d in range(10)] * 2)  # 10 documents twice, in the same order
     roomy = sc.simulate(trace, 1, "round_robin", pool_tokens=10_000, clients=1)
     tight = sc.simulate(trace, 1, "round_robin", pool_tokens=500, clients=1)  # 4 documents fit

@@ -1,5 +1,5 @@
-"""The lower tiers' configuration (serve flags, RELAXKV_* variables), the chunk
-store's eviction callback and ``relaxkv-sglang encode``'s input handling."""
+"""The lower tiers' configuration (serve flags, RELAXKV_* variables), the pool's chunk
+index's eviction callback and ``relaxkv-sglang encode``'s input handling."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from relaxkv_sglang import cli
-from relaxkv_sglang.cache.chunk_store import ChunkStore
+from relaxkv_sglang.cache.chunk_key import ChunkKey
+from relaxkv_sglang.cache.pool_index import PoolChunkIndex
 from relaxkv_sglang.encode import EncodeError, encode_corpus, read_corpus
 from relaxkv_sglang.cache.tiers import GB, DiskTierConfig, HostTierConfig, ModelIdentity, Tier, TierConfig, TierName
 from relaxkv_sglang.cache.tiers.tier import TierRole
@@ -120,17 +121,17 @@ def test_bad_serve_tier_flags_are_one_line(monkeypatch, tmp_path, capsys, args, 
     assert err[-1] == f"relaxkv-sglang: error: {message}"
 
 
-def test_chunk_store_on_evict_sees_the_entry_before_its_slots_are_freed():
+def test_pool_index_on_evict_sees_the_entry_before_its_slots_are_freed():
     events = []
-    store = ChunkStore(lambda slots: events.append(("free", slots.tolist())),
-                       on_evict=lambda e: events.append(("spill", e.token_ids, e.slots.tolist())))
-    store.insert(None, [1, 2], torch.tensor([0, 1]))
-    store.insert(None, [3], torch.tensor([2]))
+    store = PoolChunkIndex(lambda slots: events.append(("free", slots.tolist())),
+                           on_evict=lambda e: events.append(("spill", e.key.tokens, e.slots.tolist())))
+    store.insert(ChunkKey(None, [1, 2]), torch.tensor([0, 1]))
+    store.insert(ChunkKey(None, [3]), torch.tensor([2]))
     assert store.evict(1) == 2
     assert events == [("spill", (1, 2), [0, 1]), ("free", [0, 1])]
     store.reset()  # a flush drops without spilling
     assert events[-1] == ("free", [2]) and len(events) == 3
-    assert store.insert(None, [4], torch.tensor([5])).origin is None
+    assert store.insert(ChunkKey(None, [4]), torch.tensor([5])).origin is None
 
 
 def test_encode_reads_jsonl_and_plain_text(tmp_path):

@@ -12,9 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from relaxkv_sglang.cache.chunk_store import ChunkStore
+from relaxkv_sglang.cache.chunk_key import ChunkKey
+from relaxkv_sglang.cache.pool_index import PoolChunkIndex
 from relaxkv_sglang.model.rope import RopeSpec, rotate_keys
 from relaxkv_sglang.cache.tiers import DiskTierConfig, HostTierConfig, ModelIdentity, TieredChunkStore, TierName
+from relaxkv_sglang.cache.tiers.value import DEFAULT_MAX_TOKENS
+from relaxkv_sglang.cache.sglang.tier_configs import build_tiers
 from relaxkv_sglang.request.schema import PLAN_KEY
 from relaxkv_sglang.cache.sglang.chunk_reuse import ChunkReuse
 from relaxkv_sglang.cache.sglang.eviction import EvictionOrder
@@ -111,32 +114,34 @@ def _reuse(tiers: TieredChunkStore | None = None):
     pool, slots = _Pool(), _Slots()
     kv = PoolKV(pool, ROPE)
     movement = TierMovement(tiers, kv) if tiers is not None else None
-    chunks = ChunkStore(free_slots=slots.free, on_evict=movement.spill if movement is not None else None)
+    chunks = PoolChunkIndex(free_slots=slots.free, on_evict=movement.spill if movement is not None else None)
     return pool, slots, chunks, ChunkReuse(chunks, kv, movement)
 
 
 def _tiers(tmp_path, host_tokens: int = 16) -> TieredChunkStore:
     token_bytes = 2 * 2 * 2 * 4 * 4  # layers, K/V, heads, dim, float32
     kv = PoolKV(_Pool(), ROPE)
-    return TieredChunkStore.from_configs(
-        [HostTierConfig(host_tokens * token_bytes), DiskTierConfig(str(tmp_path), 1 << 20)],
-        ModelIdentity("m", "t", "float32", kv.layout()), kv.token_shape, kv.dtype, async_writes=False)
+    return build_tiers([HostTierConfig(host_tokens * token_bytes), DiskTierConfig(str(tmp_path), 1 << 20)], kv,
+                       ModelIdentity("m", "t", "float32", kv.layout()), DEFAULT_MAX_TOKENS, async_writes=False)
+
+
+K789 = ChunkKey(None, (7, 8, 9))
 
 
 def test_publish_then_reuse_moves_the_chunk_to_its_new_position():
     pool, slots, chunks, reuse = _reuse()
     src, dst = slots.alloc(3), slots.alloc(3)
-    assert reuse.publish(None, (7, 8, 9), src, 4, slots.alloc)
-    entry = chunks.peek(None, (7, 8, 9))
+    assert reuse.publish(K789, src, 4, slots.alloc)
+    entry = chunks.peek(K789)
     assert entry.canonical_start == 4 and not torch.equal(entry.slots, src)
-    assert reuse.reuse(None, (7, 8, 9), dst, 10) == TierName.DEVICE
+    assert reuse.reuse(K789, dst, 10) == TierName.DEVICE
     torch.testing.assert_close(pool.k[0][dst], rotate_keys(pool.k[0][src], 6, ROPE))
     assert entry.lock_ref == 0  # locked only while read
-    assert reuse.reuse(None, (1, 2), dst[:2], 0) is None  # a miss
+    assert reuse.reuse(ChunkKey(None, (1, 2)), dst[:2], 0) is None  # a miss
     # a second publish of a held chunk is a duplicate compute, not a second copy
-    assert not reuse.publish(None, (7, 8, 9), src, 4, slots.alloc)
+    assert not reuse.publish(K789, src, 4, slots.alloc)
     assert (reuse.duplicate_computes, reuse.duplicate_compute_tokens) == (1, 3)
-    assert not reuse.publish(None, (5,), src[:1], 0, lambda n: None)  # no room: not stored
+    assert not reuse.publish(ChunkKey(None, (5,)), src[:1], 0, lambda n: None)  # no room: not stored
 
 
 def test_an_evicted_chunk_spills_and_comes_back_from_its_tier(tmp_path):
@@ -144,19 +149,18 @@ def test_an_evicted_chunk_spills_and_comes_back_from_its_tier(tmp_path):
     pool, slots, chunks, reuse = _reuse(tiers)
     try:
         src = slots.alloc(3)
-        reuse.publish(None, (7, 8, 9), src, 0, slots.alloc)  # written through to disk too
+        reuse.publish(K789, src, 0, slots.alloc)  # written through to disk too
         assert chunks.evict(3) == 3  # spilled to the host tier
-        key = reuse.movement.key(None, (7, 8, 9))
-        assert tiers.where(key) == TierName.HOST
+        assert tiers.where(K789) == TierName.HOST
         dst = slots.alloc(3)
-        assert reuse.reuse(None, (7, 8, 9), dst, 2) == TierName.HOST  # a pool miss from the tier
+        assert reuse.reuse(K789, dst, 2) == TierName.HOST  # a pool miss from the tier
         torch.testing.assert_close(pool.k[1][dst], rotate_keys(pool.k[1][src], 2, ROPE))
         # at admission a lower-tier hit is loaded into the pool, origin named until its first hit
-        entry = reuse.movement.load(chunks, None, (7, 8, 9), slots.alloc)
-        assert entry is not None and entry.origin == TierName.HOST and chunks.peek(None, (7, 8, 9)) is entry
-        assert reuse.reuse(None, (7, 8, 9), dst, 0) == TierName.HOST
-        assert reuse.reuse(None, (7, 8, 9), dst, 0) == TierName.DEVICE
-        assert reuse.movement.load(chunks, None, (1,), slots.alloc) is None  # no tier holds it
+        entry = reuse.movement.load(chunks, K789, slots.alloc)
+        assert entry is not None and entry.origin == TierName.HOST and chunks.peek(K789) is entry
+        assert reuse.reuse(K789, dst, 0) == TierName.HOST
+        assert reuse.reuse(K789, dst, 0) == TierName.DEVICE
+        assert reuse.movement.load(chunks, ChunkKey(None, (1,)), slots.alloc) is None  # no tier holds it
         assert reuse.movement.stats()["tier_errors"] == 0
     finally:
         tiers.close()
@@ -166,9 +170,9 @@ def test_a_load_without_room_is_counted(tmp_path):
     tiers = _tiers(tmp_path)
     _, slots, chunks, reuse = _reuse(tiers)
     try:
-        reuse.publish(None, (7, 8), slots.alloc(2), 0, slots.alloc)
+        reuse.publish(ChunkKey(None, (7, 8)), slots.alloc(2), 0, slots.alloc)
         chunks.evict(2)
-        assert reuse.movement.load(chunks, None, (7, 8), lambda n: None) is None
+        assert reuse.movement.load(chunks, ChunkKey(None, (7, 8)), lambda n: None) is None
         assert reuse.movement.load_no_room == 1
     finally:
         tiers.close()
@@ -177,16 +181,16 @@ def test_a_load_without_room_is_counted(tmp_path):
 # ------------------------------------------------------------------ AdmissionPins, AdmissionHold
 
 
-def _store_with(*docs: tuple[int, ...]):
+def _index_with(*docs: tuple[int, ...]):
     slots = _Slots()
-    chunks = ChunkStore(free_slots=slots.free)
+    chunks = PoolChunkIndex(free_slots=slots.free)
     for doc in docs:
-        chunks.insert(None, doc, slots.alloc(len(doc)))
+        chunks.insert(ChunkKey(None, doc), slots.alloc(len(doc)))
     return chunks
 
 
 def test_pins_lock_the_held_chunks_of_the_window_and_trim_to_it():
-    chunks = _store_with((10, 11), (20, 21, 22))
+    chunks = _index_with((10, 11), (20, 21, 22))
     pins = AdmissionPins(chunks)
     req = _req("a", [1, 10, 11, 20, 21, 22, 10, 11, 5], [1, 3, 3, 6, 6, 8])
     assert pins.pin(req) == 5  # (10, 11) twice counted once
@@ -199,11 +203,11 @@ def test_pins_lock_the_held_chunks_of_the_window_and_trim_to_it():
 
 
 def test_pins_skip_settled_chunks_load_missing_ones_and_flush_counts():
-    chunks = _store_with((10, 11))
+    chunks = _index_with((10, 11))
     loaded = []
 
-    def load(namespace, tokens):
-        loaded.append(tokens)
+    def load(key):
+        loaded.append(key.tokens)
         return None
 
     pins = AdmissionPins(chunks)
@@ -215,7 +219,7 @@ def test_pins_skip_settled_chunks_load_missing_ones_and_flush_counts():
 
 
 def test_the_hold_locks_queued_chunks_and_reserves_the_learned_share():
-    chunks = _store_with((10, 11), (20, 21, 22))
+    chunks = _index_with((10, 11), (20, 21, 22))
     hold = AdmissionHold(chunks)
     queued = _req("q", [10, 11, 5], [0, 2])
     hold.begin([queued])
@@ -235,7 +239,7 @@ class _Leaf:
         self.last_access_time = t
 
 
-def _drain(order: EvictionOrder, chunks: ChunkStore) -> list:
+def _drain(order: EvictionOrder, chunks: PoolChunkIndex) -> list:
     out = []
     while (victim := order.next()) is not None:
         if isinstance(victim, _Leaf):
@@ -249,9 +253,9 @@ def _drain(order: EvictionOrder, chunks: ChunkStore) -> list:
 def test_one_order_by_last_use_leaf_first_on_ties():
     clock = iter([1.0, 3.0, 5.0]).__next__
     slots = _Slots()
-    chunks = ChunkStore(free_slots=slots.free, clock=clock)
+    chunks = PoolChunkIndex(free_slots=slots.free, clock=clock)
     for doc in ((1,), (2,), (3,)):
-        chunks.insert(None, doc, slots.alloc(1))
+        chunks.insert(ChunkKey(None, doc), slots.alloc(1))
     leaves = [_Leaf(t) for t in (4.0, 0.5, 3.0)]
     order = EvictionOrder(leaves, lambda leaf: leaf.last_access_time, chunks)
     assert _drain(order, chunks) == [("leaf", 0.5), ("chunk", 1.0), ("leaf", 3.0), ("chunk", 3.0),
@@ -261,8 +265,8 @@ def test_one_order_by_last_use_leaf_first_on_ties():
 def test_a_parent_pushed_mid_eviction_takes_its_place_and_the_strategy_picks_the_leaf():
     counter = itertools.count(20)
     slots = _Slots()
-    chunks = ChunkStore(free_slots=slots.free, clock=lambda: float(next(counter)))
-    chunks.insert(None, (1,), slots.alloc(1))  # last use 20
+    chunks = PoolChunkIndex(free_slots=slots.free, clock=lambda: float(next(counter)))
+    chunks.insert(ChunkKey(None, (1,)), slots.alloc(1))  # last use 20
     # a strategy other than LRU picks the leaf (here: the most recent first); the merge with
     # the chunks still compares last use
     order = EvictionOrder([_Leaf(5.0), _Leaf(12.0)], lambda leaf: -leaf.last_access_time, chunks)

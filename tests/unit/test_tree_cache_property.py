@@ -41,6 +41,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
+from relaxkv_sglang.cache.chunk_key import ChunkKey
 from relaxkv_sglang.model.rope import RopeSpec, rotate_keys
 from relaxkv_sglang.cache.tiers import TierName
 from relaxkv_sglang.request.schema import PLAN_KEY
@@ -148,7 +149,7 @@ class TreeCacheMachine(RuleBasedStateMachine):
 
     def _held(self, ns, tokens) -> bool:
         """Whether a chunk lookup of these tokens hits now."""
-        return self.cache.chunks.peek(ns, tokens) is not None
+        return self.cache.chunks.peek(ChunkKey(ns, tokens)) is not None
 
     def _spy_chunk_allocations(self) -> None:
         """Wrap alloc_chunk_slots: it may give up only when nothing more can be freed."""
@@ -210,10 +211,11 @@ class TreeCacheMachine(RuleBasedStateMachine):
         return slots
 
     def _chunk_keys(self):
+        """(extra_key, chunk key) of every document chunk in every namespace."""
         for extra in EXTRA_KEYS:
             ns = request_namespace(SimpleNamespace(extra_key=extra, cache_salt=None))
             for doc in DOCS:
-                yield extra, ns, doc
+                yield extra, ChunkKey(ns, doc)
 
     def _radix_nodes(self):
         """(node, extra_key, tokens on the path before it) for every radix node but the root."""
@@ -371,7 +373,7 @@ class TreeCacheMachine(RuleBasedStateMachine):
             plan = request_plan(req)
             if plan is not None and plan.reuses_chunks:
                 for cs, ce in plan.chunk_spans:
-                    e = self.cache.chunks.peek(plan.namespace, req.origin_input_ids[cs:ce])
+                    e = self.cache.chunks.peek(ChunkKey(plan.namespace, req.origin_input_ids[cs:ce]))
                     if e is not None:
                         need[id(e)] = e
         before = self.cache.evictable_size()
@@ -383,7 +385,7 @@ class TreeCacheMachine(RuleBasedStateMachine):
             newly_locked = sum(e.num_tokens for e in need.values() if e.lock_ref == 1)
             assert self.cache.evictable_size() == before - newly_locked - reserve
             self.cache.evict(self.sg.EvictParams(num_tokens=POOL))  # as if admission allocated everything
-            assert all(self.cache.chunks.peek(e.namespace, e.token_ids) is e for e in need.values())
+            assert all(self.cache.chunks.peek(e.key) is e for e in need.values())
         assert self.cache.admission_reserve == 0
         self.cache.hold.end()
         # Released as the most recently used: the held chunks are evicted last
@@ -431,8 +433,8 @@ class TreeCacheMachine(RuleBasedStateMachine):
         protected = self.cache.protected_size()
         # Candidates before: evictable radix leaves and unlocked chunks, with their last use.
         leaves = [(node, node.last_access_time) for node in self.cache.evictable_leaves]
-        chunks = [(e, e.last_access) for _, ns, doc in self._chunk_keys()
-                  if (e := self.cache.chunks.peek(ns, doc)) is not None and e.lock_ref == 0]
+        chunks = [(e, e.last_access) for _, key in self._chunk_keys()
+                  if (e := self.cache.chunks.peek(key)) is not None and e.lock_ref == 0]
         freed = self.cache.evict(sg.EvictParams(num_tokens=n)).num_tokens_evicted
         assert freed >= min(n, before)
         assert self.allocator.available_size() == available + freed
@@ -443,7 +445,7 @@ class TreeCacheMachine(RuleBasedStateMachine):
         for node, t in leaves:
             (kept if node.parent.children.get(node.key.child_key(1)) is node else gone).append(t)
         for e, t in chunks:
-            (kept if self.cache.chunks.peek(e.namespace, e.token_ids) is e else gone).append(t)
+            (kept if self.cache.chunks.peek(e.key) is e else gone).append(t)
         assert not gone or not kept or max(gone) <= min(kept)
         assert radix_before <= before
 
@@ -452,12 +454,12 @@ class TreeCacheMachine(RuleBasedStateMachine):
     def pin(self, data):
         """Look a held chunk up and keep it locked across steps (the fold's own locks
         last only for its copy; misses are looked up by every forward)."""
-        held = [(ns, doc) for _, ns, doc in self._chunk_keys() if self.cache.chunks.peek(ns, doc) is not None]
-        ns, doc = held[data.draw(st.integers(0, len(held) - 1), label="chunk")]
-        entry = self.cache.chunks.lookup(ns, doc)
+        held = [key for _, key in self._chunk_keys() if self.cache.chunks.peek(key) is not None]
+        key = held[data.draw(st.integers(0, len(held) - 1), label="chunk")]
+        entry = self.cache.chunks.lookup(key)
         self.lookups += 1
         self.hits += 1
-        assert entry is not None and entry.token_ids == doc
+        assert entry is not None and entry.key == key
         self.cache.chunks.lock(entry)
         self.pins.append(entry)
 
@@ -501,8 +503,8 @@ class TreeCacheMachine(RuleBasedStateMachine):
     def _ownership(self) -> torch.Tensor:
         """How many owners each slot 0..POOL has (tree, live request or free list)."""
         parts = [node.value for node, _, _ in self._radix_nodes()]
-        parts += [self.cache.chunks.peek(ns, doc).slots for _, ns, doc in self._chunk_keys()
-                  if self.cache.chunks.peek(ns, doc) is not None]
+        parts += [self.cache.chunks.peek(key).slots for _, key in self._chunk_keys()
+                  if self.cache.chunks.peek(key) is not None]
         parts += [self._row(x.req)[x.req.kv.cache_protected_len : x.req.kv.kv_allocated_len] for x in self.live]
         parts.append(self.allocator.get_all_free_pages())
         return torch.bincount(torch.cat([p.to(torch.int64) for p in parts]), minlength=POOL + 1)
@@ -538,18 +540,19 @@ class TreeCacheMachine(RuleBasedStateMachine):
                 evictable += len(node.value)
         assert self.sg.RadixCache.evictable_size(self.cache) == evictable
         assert self.cache.protected_size() == protected
-        chunk_evictable = sum(e.num_tokens for _, ns, doc in self._chunk_keys()
-                              if (e := self.cache.chunks.peek(ns, doc)) is not None and e.lock_ref == 0)
+        chunk_evictable = sum(e.num_tokens for _, key in self._chunk_keys()
+                              if (e := self.cache.chunks.peek(key)) is not None and e.lock_ref == 0)
         assert self.cache.evictable_size() == evictable + chunk_evictable
         assert self.cache.total_size() == evictable + protected + self.cache.chunks.total_tokens()
 
     @invariant()
     def chunks_hold_their_kv_and_pins_survive(self):
         held = 0
-        for extra, ns, doc in self._chunk_keys():
-            entry = self.cache.chunks.peek(ns, doc)
+        for extra, key in self._chunk_keys():
+            entry = self.cache.chunks.peek(key)
             if entry is None:
                 continue
+            doc = key.tokens
             held += entry.num_tokens
             assert [self.contents.get(v) for v in self._v(entry.slots)] == [
                 (extra, doc[: i + 1]) for i in range(len(doc))
@@ -560,11 +563,11 @@ class TreeCacheMachine(RuleBasedStateMachine):
             assert entry.lock_ref == sum(p is entry for p in self.pins) + admitted
         assert held == self.cache.chunks.total_tokens()
         for entry in self.pins + [p for pins in self.cache.pins.values() for _, p in pins]:
-            assert self.cache.chunks.peek(entry.namespace, entry.token_ids) is entry
+            assert self.cache.chunks.peek(entry.key) is entry
         # Only admitted, not yet forwarded requests hold pins.
         assert set(self.cache.pins) <= {x.req.rid for x in self.live if not x.forwarded}
         assert self.cache.chunks.stats().locked_entries == sum(
-            1 for _, ns, doc in self._chunk_keys() if (e := self.cache.chunks.peek(ns, doc)) is not None and e.lock_ref)
+            1 for _, key in self._chunk_keys() if (e := self.cache.chunks.peek(key)) is not None and e.lock_ref)
 
     @invariant()
     def locked_prefixes_stay_in_the_tree(self):
@@ -617,18 +620,19 @@ class TieredTreeCacheMachine(TreeCacheMachine):
     def _build_cache(self, cls, params, pool_kv):
         import tempfile
 
-        from relaxkv_sglang.cache.tiers import DiskTierConfig, HostTierConfig, ModelIdentity, TieredChunkStore
+        from relaxkv_sglang.cache.sglang.tier_configs import build_tiers
+        from relaxkv_sglang.cache.tiers import DiskTierConfig, HostTierConfig, ModelIdentity
+        from relaxkv_sglang.cache.tiers.value import DEFAULT_MAX_TOKENS
         self.tmp = tempfile.TemporaryDirectory(prefix="relaxkv-tiers-")
         host_tokens = self.draw_host_tokens if hasattr(self, "draw_host_tokens") else 6
         token_bytes = 1 * 2 * 1 * 2 * 4
-        self.tiers = TieredChunkStore.from_configs(
-            [HostTierConfig(host_tokens * token_bytes), DiskTierConfig(self.tmp.name, 1 << 20)],
-            ModelIdentity("m", "t", "float32", pool_kv.layout()), pool_kv.token_shape, pool_kv.dtype,
-            async_writes=False)
+        self.tiers = build_tiers(
+            [HostTierConfig(host_tokens * token_bytes), DiskTierConfig(self.tmp.name, 1 << 20)], pool_kv,
+            ModelIdentity("m", "t", "float32", pool_kv.layout()), DEFAULT_MAX_TOKENS, async_writes=False)
         return cls(params, pool_kv, None, self.tiers)
 
     def _held(self, ns, tokens) -> bool:
-        return super()._held(ns, tokens) or self.tiers.where(self.tiers.key(ns, tokens)) is not None
+        return super()._held(ns, tokens) or self.tiers.where(ChunkKey(ns, tokens)) is not None
 
     @invariant()
     def chunk_counters_add_up(self):

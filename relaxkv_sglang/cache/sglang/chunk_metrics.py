@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from relaxkv_sglang.cache.chunk_store import ChunkStoreStats
+from relaxkv_sglang.cache.pool_index import PoolChunkIndexStats
 from relaxkv_sglang.cache.tiers import LOWER_TIERS
 
 class ChunkMetrics:
@@ -38,7 +38,7 @@ class ChunkMetrics:
         gauge = self._gauge(name, doc, labelnames=list(self.labels), multiprocess_mode="mostrecent")
         return gauge.labels(**self.labels) if self.labels else gauge
 
-    def publish(self, stats: ChunkStoreStats, tier_stats: Optional[dict] = None) -> None:
+    def publish(self, stats: PoolChunkIndexStats, tier_stats: Optional[dict] = None) -> None:
         """Advance the counters by the cumulative totals' growth since the last call; set the gauges."""
         for name, counter in self.counters.items():
             value = getattr(stats, name)

@@ -5,11 +5,12 @@ KV goes through :class:`~.pool_kv.PoolKV`, tier crossings through :class:`~.tier
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-from relaxkv_sglang.cache.chunk_store import ChunkStore
+from relaxkv_sglang.cache.chunk_key import ChunkKey
+from relaxkv_sglang.cache.pool_index import PoolChunkIndex
 from relaxkv_sglang.cache.tiers import TierName
 from relaxkv_sglang.cache.sglang.pool_kv import PoolKV
 from relaxkv_sglang.cache.sglang.tier_movement import NoTierMovement, SlotAllocator, TierMovement
@@ -18,23 +19,22 @@ from relaxkv_sglang.cache.sglang.tier_movement import NoTierMovement, SlotAlloca
 class ChunkReuse:
     """A chunk's KV into a request (reuse) and out of one (publish), module doc."""
 
-    def __init__(self, chunks: ChunkStore, pool_kv: PoolKV,
+    def __init__(self, chunks: PoolChunkIndex, pool_kv: PoolKV,
                  movement: "TierMovement | NoTierMovement | None" = None) -> None:
-        """chunks: the pool's chunk store; pool_kv: the pool's KV; movement: the lower tiers (None: none)."""
+        """chunks: the pool's chunk index; pool_kv: the pool's KV; movement: the lower tiers (None: none)."""
         self.chunks = chunks
         self.pool_kv = pool_kv
         self.movement = movement if movement is not None else NoTierMovement()
         self.duplicate_computes = 0  # miss chunks computed while another copy was already stored
         self.duplicate_compute_tokens = 0
 
-    def reuse(self, namespace: Optional[str], tokens: Sequence[int], dst: torch.Tensor,
-              position: int) -> Optional[TierName]:
-        """Copy a cached chunk (pool first, then lower tiers) into ``dst`` (int64 [len(tokens)]), K
+    def reuse(self, key: ChunkKey, dst: torch.Tensor, position: int) -> Optional[TierName]:
+        """Copy a cached chunk (pool first, then lower tiers) into ``dst`` (int64 [len(key.tokens)]), K
         re-rotated to ``position``; the tier it came from (``DEVICE``, or where it was loaded from), None on a miss."""
-        key = self.movement.seen(namespace, tokens)
-        entry = self.chunks.lookup(namespace, tokens)
+        self.movement.seen(key)
+        entry = self.chunks.lookup(key)
         if entry is None:
-            return self.movement.reuse_into(key, dst, position) if key is not None else None
+            return self.movement.reuse_into(key, dst, position)
         self.chunks.lock(entry)  # nothing may evict it while it is read
         try:
             self.pool_kv.copy(entry.slots, dst, position - entry.canonical_start)
@@ -43,18 +43,18 @@ class ChunkReuse:
         origin, entry.origin = entry.origin, None
         return origin or TierName.DEVICE
 
-    def publish(self, namespace: Optional[str], tokens: Sequence[int], src: torch.Tensor, position: int,
-                alloc: SlotAllocator) -> bool:
-        """Copy a chunk computed at ``position`` in slots ``src`` (int64 [len(tokens)]) into slots from
+    def publish(self, key: ChunkKey, src: torch.Tensor, position: int, alloc: SlotAllocator) -> bool:
+        """Copy a chunk computed at ``position`` in slots ``src`` (int64 [len(key.tokens)]) into slots from
         ``alloc``; False if already held (counted as a duplicate compute) or no room."""
-        if self.chunks.peek(namespace, tokens) is not None:
+        n = len(key.tokens)
+        if self.chunks.peek(key) is not None:
             self.duplicate_computes += 1
-            self.duplicate_compute_tokens += len(tokens)
+            self.duplicate_compute_tokens += n
             return False
-        slots = alloc(len(tokens))
+        slots = alloc(n)
         if slots is not None:
             self.pool_kv.copy(src, slots, 0)
-            self.chunks.insert(namespace, tokens, slots, canonical_start=position)
+            self.chunks.insert(key, slots, canonical_start=position)
         # kept for restarts even when the pool had no room
-        self.movement.write_through(namespace, tokens, src, position)
+        self.movement.write_through(key, src, position)
         return slots is not None

@@ -1,6 +1,6 @@
-"""One eviction order over the radix tree's leaves and the chunk store's entries.
+"""One eviction order over the radix tree's leaves and the pool's chunk index's entries.
 
-Each victim is the older by last use of the strategy's next leaf and the store's LRU entry (leaf
+Each victim is the older by last use of the strategy's next leaf and the index's LRU entry (leaf
 first on a tie); both use ``time.monotonic``, so this is one LRU order over both trees.
 """
 
@@ -10,15 +10,15 @@ import heapq
 import itertools
 from typing import Any, Callable, Iterable, Optional, Union
 
-from relaxkv_sglang.cache.chunk_store import ChunkEntry, ChunkStore
+from relaxkv_sglang.cache.pool_index import ChunkEntry, PoolChunkIndex
 
 
 class EvictionOrder:
     """The next victim of one eviction, radix leaf or chunk (module doc)."""
 
-    def __init__(self, leaves: Iterable[Any], priority: Callable[[Any], Any], chunks: ChunkStore) -> None:
+    def __init__(self, leaves: Iterable[Any], priority: Callable[[Any], Any], chunks: PoolChunkIndex) -> None:
         """leaves: the evictable radix leaves; priority: the radix strategy's rank of a leaf
-        (lowest first); chunks: the chunk store (its unlocked entries, oldest first)."""
+        (lowest first); chunks: the pool's chunk index (its unlocked entries, oldest first)."""
         self.priority = priority
         self.chunks = chunks
         self._seq = itertools.count()  # ties in priority keep insertion order (nodes need not compare)
@@ -31,7 +31,7 @@ class EvictionOrder:
 
     def next(self) -> Optional[Union[Any, ChunkEntry]]:
         """The next victim: a radix leaf (taken off the heap) or the oldest unlocked chunk
-        (the caller evicts it from the store); None when neither tree has one."""
+        (the caller evicts it from the index); None when neither tree has one."""
         entry = self.chunks.oldest()
         if not self._heap:
             return entry

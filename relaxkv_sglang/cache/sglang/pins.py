@@ -1,7 +1,7 @@
 """Admission pins and the admission hold: chunk hits kept in the pool from admission to the fold.
 
 Both change what ``PrefillAdder`` sees as evictable (hooks: :mod:`.admission`). The hold also takes the
-store's learned share of the pool off ``evictable_size``, so a request that fits only by evicting queued
+chunk index's learned share of the pool off ``evictable_size``, so a request that fits only by evicting queued
 requests' chunks waits (``RELAXKV_ADMISSION_HOLD=0``: off; docs/reliability.md, "Chunk hits under
 memory pressure"). ``stats()["chunk_locked_entries"]`` is 0 whenever no admitted request waits.
 """
@@ -9,16 +9,17 @@ memory pressure"). ``stats()["chunk_locked_entries"]`` is 0 whenever no admitted
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional
 
-from relaxkv_sglang.cache.chunk_store import ChunkEntry, ChunkStore
+from relaxkv_sglang.cache.chunk_key import ChunkKey
+from relaxkv_sglang.cache.pool_index import ChunkEntry, PoolChunkIndex
 from relaxkv_sglang.request.plan import request_plan, request_state
 
 # Queued requests (in queue order) whose chunks the admission hold protects.
 HOLD_QUEUE_DEPTH = 256
 
-# Loads a chunk the pool lacks from a lower tier: (namespace, tokens) -> its entry, or None.
-ChunkLoader = Callable[[Optional[str], Sequence[int]], Optional[ChunkEntry]]
+# Loads a chunk the pool lacks from a lower tier: its key -> its entry, or None.
+ChunkLoader = Callable[[ChunkKey], Optional[ChunkEntry]]
 
 
 def chunk_keys(req: Any, plan: Any) -> list[tuple[int, int, tuple[int, ...]]]:
@@ -30,21 +31,21 @@ def chunk_keys(req: Any, plan: Any) -> list[tuple[int, int, tuple[int, ...]]]:
     return state.chunk_keys
 
 
-def requests_chunks(reqs: Iterable[Any]) -> Iterator[tuple[Optional[str], tuple[int, ...]]]:
-    """(namespace, token ids) of every chunk of the requests that reuse chunks, in order."""
+def requests_chunks(reqs: Iterable[Any]) -> Iterator[ChunkKey]:
+    """The key of every chunk of the requests that reuse chunks, in order."""
     for req in reqs:
         plan = request_plan(req)
         if plan is None or not plan.reuses_chunks:
             continue
         for _cs, _ce, tokens in chunk_keys(req, plan):
-            yield plan.namespace, tokens
+            yield ChunkKey(plan.namespace, tokens)
 
 
 class AdmissionPins:
     """Chunk entries locked for admitted requests until their fold (module doc)."""
 
-    def __init__(self, chunks: ChunkStore) -> None:
-        """chunks: the pool's chunk store."""
+    def __init__(self, chunks: PoolChunkIndex) -> None:
+        """chunks: the pool's chunk index."""
         self.chunks = chunks
         self.by_request: dict[str, list[tuple[int, ChunkEntry]]] = {}  # rid -> [(chunk end, entry)]
         self.dropped_at_reset = 0  # requests whose pins a flush found (a leak: flushes happen when idle)
@@ -61,9 +62,10 @@ class AdmissionPins:
         for _cs, ce, tokens in chunk_keys(req, plan):
             if ce < start:  # settled by an earlier window (fold.settles_in_window)
                 continue
-            entry = self.chunks.peek(plan.namespace, tokens)
+            key = ChunkKey(plan.namespace, tokens)
+            entry = self.chunks.peek(key)
             if entry is None and load is not None:
-                entry = load(plan.namespace, tokens)
+                entry = load(key)
             if entry is not None:
                 self.chunks.lock(entry)
                 pins.append((ce, entry))
@@ -111,13 +113,13 @@ class AdmissionPins:
 class AdmissionHold:
     """The chunks queued requests need, held out of the adder's budget for one check (module doc)."""
 
-    def __init__(self, chunks: ChunkStore, enabled: bool = True) -> None:
-        """chunks: the pool's chunk store; enabled: False with ``RELAXKV_ADMISSION_HOLD=0``."""
+    def __init__(self, chunks: PoolChunkIndex, enabled: bool = True) -> None:
+        """chunks: the pool's chunk index; enabled: False with ``RELAXKV_ADMISSION_HOLD=0``."""
         self.chunks = chunks
         self.enabled = enabled
         self.queue: Optional[list] = None  # the waiting queue, during an admission round
         self.hot: Optional[list[ChunkEntry]] = None  # entries queued requests need, once per round
-        self.reserve = 0  # tokens admission leaves to the chunk store, during one admission check
+        self.reserve = 0  # tokens admission leaves to the pool's chunk index, during one admission check
 
     def begin(self, waiting_queue: list, chunked_req: Any = None) -> None:
         """An admission round starts over ``waiting_queue`` (and the chunked request, first)."""
@@ -132,8 +134,8 @@ class AdmissionHold:
         """Stored chunks the first HOLD_QUEUE_DEPTH queued requests need, each once."""
         if self.hot is None:
             seen: dict[int, ChunkEntry] = {}
-            for namespace, tokens in requests_chunks((self.queue or ())[:HOLD_QUEUE_DEPTH]):
-                entry = self.chunks.peek(namespace, tokens)
+            for key in requests_chunks((self.queue or ())[:HOLD_QUEUE_DEPTH]):
+                entry = self.chunks.peek(key)
                 if entry is not None:
                     seen.setdefault(id(entry), entry)
             self.hot = list(seen.values())
@@ -141,12 +143,12 @@ class AdmissionHold:
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[int]:
-        """For one admission check: lock the queued requests' chunks and reserve the store's
+        """For one admission check: lock the queued requests' chunks and reserve the index's
         learned share (less what is locked); yields the tokens held back (locked + reserved)."""
         if not self.enabled:
             yield 0
             return
-        held = [e for e in self._hot_entries() if self.chunks.peek(e.namespace, e.token_ids) is e]
+        held = [e for e in self._hot_entries() if self.chunks.peek(e.key) is e]
         for entry in held:
             self.chunks.lock(entry)
         try:

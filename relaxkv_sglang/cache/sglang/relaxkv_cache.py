@@ -13,6 +13,7 @@ import torch
 from relaxkv_sglang.runtime import records
 
 if TYPE_CHECKING:
+    from relaxkv_sglang.cache.chunk_key import ChunkKey
     from relaxkv_sglang.cache.tiers import TierName
     from relaxkv_sglang.cache.sglang.chunk_reuse import ChunkReuse
     from relaxkv_sglang.cache.sglang.pins import AdmissionHold, AdmissionPins
@@ -30,9 +31,8 @@ class RelaxKVCache(Protocol):
     def req_to_token(self) -> torch.Tensor:
         """int32 [max_requests, max_context] each request's KV slot per position."""
 
-    def publish_chunks(self, namespace: Optional[str], chunks: Sequence[tuple[Sequence[int], int, int]],
-                       req_pool_idx: int) -> None:
-        """Publish a request's miss chunks, (token ids, start, end) of its ``req_to_token`` row."""
+    def publish_chunks(self, chunks: Sequence[tuple["ChunkKey", int, int]], req_pool_idx: int) -> None:
+        """Publish a request's miss chunks, (key, start, end) of its ``req_to_token`` row."""
 
     def pin_request(self, req: Any) -> int:
         """Lock the request's chunk hits until its fold (a lower tier's hit loaded first); tokens pinned."""

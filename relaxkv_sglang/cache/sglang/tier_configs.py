@@ -1,4 +1,5 @@
-"""The server's lower chunk tiers: which the environment asks for, and building them for the pool.
+"""The server's lower chunk tiers: which the environment asks for, and building them for the pool
+(:func:`build_tiers`, the one way to build them).
 
 Each tier's configuration class reads its own variables (``from_env``); a new tier is its module plus
 one entry in :data:`TIER_CONFIGS`.
@@ -8,7 +9,7 @@ SGLang objects read: none (the factory, ``server/sglang/startup.py``, passes the
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from relaxkv_sglang.cache.tiers import (
     DiskTierConfig, HostTierConfig, ModelIdentity, TierConfig, TierConfigError, TierContext, TieredChunkStore,
@@ -30,8 +31,9 @@ def tier_configs_from_env(env: Mapping[str, str], kinds: Sequence[type[TierConfi
 
 
 def build_tiers(configs: Sequence[TierConfig], pool_kv: PoolKV, identity: ModelIdentity,
-                max_tokens: int) -> TieredChunkStore:
-    """The lower tiers for this pool's KV layout, in ``configs``' order; ``max_tokens``: the most
-    tokens a stored value may hold (the context length)."""
+                max_tokens: int, **options: Any) -> TieredChunkStore:
+    """The lower tiers for this pool's KV layout (``pool_kv``: anything with its ``token_shape`` and
+    ``dtype``), in ``configs``' order; ``max_tokens``: the most tokens a stored value may hold (the
+    context length); ``options``: as for :class:`~relaxkv_sglang.cache.tiers.TieredChunkStore`."""
     ctx = TierContext(identity, tuple(pool_kv.token_shape), pool_kv.dtype, max_tokens=max_tokens)
-    return TieredChunkStore([tier for c in configs if (tier := c.build(ctx)) is not None], identity)
+    return TieredChunkStore([tier for c in configs if (tier := c.build(ctx)) is not None], identity, **options)

@@ -1,17 +1,19 @@
 """Chunk KV moving between the KV pool and the lower tiers: spill, load, write-through, prefetch.
 
 A lower tier never fails a request: an exception is logged and counted (``tier_errors``) and the
-chunk is a miss. Keys are content addresses over the model identity, namespace and tokens.
+chunk is a miss. Chunks are named by their :class:`~relaxkv_sglang.cache.chunk_key.ChunkKey`; the
+tiered store asks its tiers under the content key.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from relaxkv_sglang.cache.chunk_store import ChunkEntry, ChunkStore
+from relaxkv_sglang.cache.chunk_key import ChunkKey
+from relaxkv_sglang.cache.pool_index import ChunkEntry, PoolChunkIndex
 from relaxkv_sglang.cache.tiers import TieredChunkStore, TierName
 from relaxkv_sglang.cache.sglang.pins import requests_chunks
 from relaxkv_sglang.request.plan import request_state
@@ -34,39 +36,30 @@ class TierMovement:
         self.errors = 0  # spills / loads / writes that raised (logged; the chunk is then a miss)
         self.wrong_size = 0  # records whose token count is not the chunk's (never written into the pool)
 
-    def key(self, namespace: Optional[str], tokens: Sequence[int]) -> str:
-        """The chunk's content address in every tier."""
-        return self.tiers.key(namespace, tokens)
-
-    def seen(self, namespace: Optional[str], tokens: Sequence[int]) -> str:
-        """A chunk lookup happened: the admission sketch counts it; returns its key."""
-        key = self.tiers.key(namespace, tokens)
+    def seen(self, key: ChunkKey) -> None:
+        """A chunk lookup happened: the admission sketch counts it."""
         self.tiers.record_access(key)
-        return key
 
     def spill(self, entry: ChunkEntry) -> None:
-        """``ChunkStore`` evicts ``entry``: keep its KV in a lower tier (while its slots hold it)."""
+        """The pool's index evicts ``entry``: keep its KV in a lower tier (while its slots hold it)."""
         try:
-            key = self.tiers.key(entry.namespace, entry.token_ids)
-            tier = self.tiers.spill_wanted(key, entry.num_tokens)
+            tier = self.tiers.spill_wanted(entry.key)
             if tier is not None:
-                self.tiers.spill(key, self.pool_kv.read(entry.slots, entry.canonical_start), tier)
+                self.tiers.spill(entry.key, self.pool_kv.read(entry.slots, entry.canonical_start), tier)
         except Exception:  # noqa: BLE001 - eviction must go on; the chunk is just gone
             logger.exception("relaxkv: spilling an evicted chunk failed")
             self.errors += 1
 
-    def load(self, chunks: ChunkStore, namespace: Optional[str], tokens: Sequence[int],
-             alloc: SlotAllocator) -> Optional[ChunkEntry]:
+    def load(self, chunks: PoolChunkIndex, key: ChunkKey, alloc: SlotAllocator) -> Optional[ChunkEntry]:
         """A chunk loaded from the fastest lower tier holding it into slots from ``alloc`` and inserted
         into ``chunks`` (unlocked, ``origin`` its tier until its first hit); None if absent, damaged or no room."""
-        key = self.tiers.key(namespace, tokens)
         if self.tiers.where(key) is None:
             return None
         try:
             record, tier = self.tiers.get(key)
-            if record is None or not self._fits(record, len(tokens)):  # damaged: counted by the tier
+            if record is None or not self._fits(record, len(key.tokens)):  # damaged: counted by the tier
                 return None
-            slots = alloc(len(tokens))
+            slots = alloc(len(key.tokens))
             if slots is None:
                 self.load_no_room += 1
                 return None
@@ -75,7 +68,7 @@ class TierMovement:
             logger.exception("relaxkv: loading a chunk from a lower tier failed; computing it")
             self.errors += 1
             return None
-        entry = chunks.insert(namespace, tokens, slots, canonical_start=record.canonical_start)
+        entry = chunks.insert(key, slots, canonical_start=record.canonical_start)
         entry.origin = tier
         self.tiers.taken(key, tier)  # an exclusive tier gives its copy up
         return entry
@@ -90,7 +83,7 @@ class TierMovement:
                        record.n_tokens, n_tokens)
         return False
 
-    def reuse_into(self, key: str, dst: torch.Tensor, position: int) -> Optional[TierName]:
+    def reuse_into(self, key: ChunkKey, dst: torch.Tensor, position: int) -> Optional[TierName]:
         """A pool miss served from a lower tier into ``dst`` (int64 [n]), K re-rotated to
         ``position``; the tier it came from, None on a miss."""
         try:
@@ -104,11 +97,9 @@ class TierMovement:
             return None
         return tier
 
-    def write_through(self, namespace: Optional[str], tokens: Sequence[int], src: torch.Tensor,
-                      position: int) -> None:
+    def write_through(self, key: ChunkKey, src: torch.Tensor, position: int) -> None:
         """A chunk computed here at ``position`` in slots ``src`` (int64 [n]) to the
         write-through tiers, if they lack it."""
-        key = self.tiers.key(namespace, tokens)
         if not self.tiers.publish_wanted(key):
             return
         try:
@@ -117,7 +108,7 @@ class TierMovement:
             logger.exception("relaxkv: writing a chunk to disk failed")
             self.errors += 1
 
-    def prefetch(self, chunks: ChunkStore, waiting: Iterable[Any]) -> None:
+    def prefetch(self, chunks: PoolChunkIndex, waiting: Iterable[Any]) -> None:
         """Start the reads of the chunks the pool lacks of each newly queued request in ``waiting``
         (SGLang ``Req``s, once per request)."""
         if not self.tiers.can_prefetch:
@@ -128,8 +119,7 @@ class TierMovement:
             if state.prefetched:
                 continue
             state.prefetched = True
-            keys += [self.tiers.key(namespace, tokens) for namespace, tokens in requests_chunks([req])
-                     if chunks.peek(namespace, tokens) is None]
+            keys += [key for key in requests_chunks([req]) if chunks.peek(key) is None]
         if keys:
             self.tiers.prefetch(keys)
 
@@ -156,23 +146,24 @@ class TierMovement:
 class NoTierMovement:
     """:class:`TierMovement` for a cache without lower tiers: nothing moves, nothing is counted."""
 
-    def seen(self, namespace: Optional[str], tokens: Sequence[int]) -> None:
-        """No tier to look in: no key."""
-        return None
+    def seen(self, key: ChunkKey) -> None:
+        """No tier counts lookups."""
 
     def spill(self, entry: ChunkEntry) -> None:
         """No tier to keep an evicted chunk."""
 
-    def load(self, chunks: ChunkStore, namespace: Optional[str], tokens: Sequence[int],
-             alloc: SlotAllocator) -> Optional[ChunkEntry]:
+    def load(self, chunks: PoolChunkIndex, key: ChunkKey, alloc: SlotAllocator) -> Optional[ChunkEntry]:
         """No tier to load from."""
         return None
 
-    def write_through(self, namespace: Optional[str], tokens: Sequence[int], src: torch.Tensor,
-                      position: int) -> None:
+    def reuse_into(self, key: ChunkKey, dst: torch.Tensor, position: int) -> None:
+        """No tier to serve a pool miss."""
+        return None
+
+    def write_through(self, key: ChunkKey, src: torch.Tensor, position: int) -> None:
         """No tier to write to."""
 
-    def prefetch(self, chunks: ChunkStore, waiting: Iterable[Any]) -> None:
+    def prefetch(self, chunks: PoolChunkIndex, waiting: Iterable[Any]) -> None:
         """No tier to read ahead from."""
 
     def clear(self) -> None:

@@ -1,9 +1,10 @@
-"""``RelaxKVTreeCache``: SGLang's radix tree plus the chunk store, with one memory account.
+"""``RelaxKVTreeCache``: SGLang's radix tree plus the pool's chunk index, with one memory account.
 
-The radix tree serves exact prefixes; the :class:`~relaxkv_sglang.cache.chunk_store.ChunkStore` holds
-each document chunk's KV once, keyed by token ids and tenant namespace. ``match_prefix`` stops a
-chunk-reusing request before its first chunk (``full``: nothing), so a policy means the same whatever
-is cached; the size and eviction overrides cover both trees, so free + evictable sees every chunk slot.
+The radix tree serves exact prefixes; the :class:`~relaxkv_sglang.cache.pool_index.PoolChunkIndex` holds
+each document chunk's KV once, keyed by :class:`~relaxkv_sglang.cache.chunk_key.ChunkKey` (token ids and
+tenant namespace). ``match_prefix`` stops a chunk-reusing request before its first chunk (``full``:
+nothing), so a policy means the same whatever is cached; the size and eviction overrides cover both
+trees, so free + evictable sees every chunk slot.
 
 SGLang files touched: ``sglang/srt/mem_cache/radix_cache.py`` (subclassed; ``evict`` reads its
 ``evictable_leaves`` and ``eviction_strategy`` and evicts a leaf as ``RadixCache.evict`` does:
@@ -23,7 +24,8 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
-from relaxkv_sglang.cache.chunk_store import ChunkEntry, ChunkStore
+from relaxkv_sglang.cache.chunk_key import ChunkKey
+from relaxkv_sglang.cache.pool_index import ChunkEntry, PoolChunkIndex
 from relaxkv_sglang.cache.tiers import TieredChunkStore, TierName
 from relaxkv_sglang.cache.sglang.chunk_metrics import ChunkMetrics
 from relaxkv_sglang.cache.sglang.chunk_reuse import ChunkReuse
@@ -40,21 +42,21 @@ logger = logging.getLogger(__name__)
 
 
 class RelaxKVTreeCache(RadixCache):
-    """SGLang's radix tree plus the chunk store, with one memory account (module doc)."""
+    """SGLang's radix tree plus the pool's chunk index, with one memory account (module doc)."""
 
     def __init__(self, params: Any, pool_kv: PoolKV, metrics: Optional[ChunkMetrics] = None,
                  tiers: Optional[TieredChunkStore] = None, admission_hold: bool = True) -> None:
         """params: SGLang's ``CacheInitParams``; admission_hold: ``RELAXKV_ADMISSION_HOLD``."""
-        self.chunks: Optional[ChunkStore] = None  # reset() runs in RadixCache.__init__, before it exists
+        self.chunks: Optional[PoolChunkIndex] = None  # reset() runs in RadixCache.__init__, before it exists
         self.pool_kv = pool_kv
         self.movement = TierMovement(tiers, pool_kv) if tiers is not None and tiers.enabled else NoTierMovement()
         self.metrics = metrics
         super().__init__(params)
         # time.monotonic: the clock of TreeNode.last_access_time, so one LRU order spans both trees.
-        # ghost_capacity: the store learns what it is worth, up to the whole pool (admission hold).
-        chunks = ChunkStore(free_slots=self.token_to_kv_pool_allocator.free, clock=time.monotonic,
-                            ghost_capacity=int(self.token_to_kv_pool_allocator.size),
-                            on_evict=self.movement.spill)
+        # ghost_capacity: the index learns what it is worth, up to the whole pool (admission hold).
+        chunks = PoolChunkIndex(free_slots=self.token_to_kv_pool_allocator.free, clock=time.monotonic,
+                                ghost_capacity=int(self.token_to_kv_pool_allocator.size),
+                                on_evict=self.movement.spill)
         self.reuse = ChunkReuse(chunks, pool_kv, self.movement)
         self.admission_pins = AdmissionPins(chunks)
         self.hold = AdmissionHold(chunks, enabled=admission_hold)
@@ -67,17 +69,15 @@ class RelaxKVTreeCache(RadixCache):
         """int32 [max_requests, max_context] each request's KV slot per position."""
         return self.req_to_token_pool.req_to_token
 
-    def publish_chunk(self, namespace: Optional[str], tokens: Sequence[int], src: torch.Tensor,
-                      position: int) -> bool:
+    def publish_chunk(self, key: ChunkKey, src: torch.Tensor, position: int) -> bool:
         """See :meth:`relaxkv_sglang.cache.sglang.chunk_reuse.ChunkReuse.publish` (slots from :meth:`alloc_chunk_slots`)."""
-        return self.reuse.publish(namespace, tokens, src, position, self.alloc_chunk_slots)
+        return self.reuse.publish(key, src, position, self.alloc_chunk_slots)
 
-    def publish_chunks(self, namespace: Optional[str], chunks: Sequence[tuple[Sequence[int], int, int]],
-                       req_pool_idx: int) -> None:
-        """Publish a request's computed miss chunks, (token ids, start, end) of its ``req_to_token`` row."""
+    def publish_chunks(self, chunks: Sequence[tuple[ChunkKey, int, int]], req_pool_idx: int) -> None:
+        """Publish a request's computed miss chunks, (key, start, end) of its ``req_to_token`` row."""
         row = self.req_to_token[req_pool_idx]
-        for tokens, start, end in chunks:
-            self.publish_chunk(namespace, tokens, row[start:end].to(torch.int64), start)
+        for key, start, end in chunks:
+            self.publish_chunk(key, row[start:end].to(torch.int64), start)
 
     def alloc_chunk_slots(self, n: int, chunks_only: bool = False) -> Optional[torch.Tensor]:
         """n free KV slots (int64 [n]) for a new chunk, evicting if needed; None if none.
@@ -105,18 +105,17 @@ class RelaxKVTreeCache(RadixCache):
 
     @property
     def admission_reserve(self) -> int:
-        """Tokens admission leaves to the chunk store, during one admission check."""
+        """Tokens admission leaves to the pool's chunk index, during one admission check."""
         return self.hold.reserve
 
     def pin_request(self, req: Any) -> int:
         """See :meth:`relaxkv_sglang.cache.sglang.pins.AdmissionPins.pin`; a chunk only a lower tier holds is loaded first."""
         return self.admission_pins.pin(req, self._load)
 
-    def _load(self, namespace: Optional[str], tokens: Sequence[int]) -> Optional[ChunkEntry]:
+    def _load(self, key: ChunkKey) -> Optional[ChunkEntry]:
         """A lower-tier hit into the pool; only chunks are evicted for it (the request's radix
         prefix is not locked yet)."""
-        return self.movement.load(self.chunks, namespace, tokens,
-                                  lambda n: self.alloc_chunk_slots(n, chunks_only=True))
+        return self.movement.load(self.chunks, key, lambda n: self.alloc_chunk_slots(n, chunks_only=True))
 
     def begin_admission(self, waiting_queue: list, chunked_req: Any = None) -> None:
         """An admission round starts: the hold learns the queue; the reads of its chunks the
@@ -156,7 +155,7 @@ class RelaxKVTreeCache(RadixCache):
 
     def reset(self) -> None:
         """Empty both trees (SGLang's /flush_cache)."""
-        # Chunks first: ChunkStore.reset refuses (changing nothing) while an entry is locked,
+        # Chunks first: PoolChunkIndex.reset refuses (changing nothing) while an entry is locked,
         # and the radix tree must then stay intact too, or its slots would belong to nobody.
         if self.chunks is not None:
             if self.pins:  # SGLang flushes only when idle, so no request is left to copy them
@@ -189,7 +188,7 @@ class RelaxKVTreeCache(RadixCache):
         return super().checkpoint(req, up_to=up_to)
 
     def evictable_size(self) -> int:
-        """Evictable tokens of both trees (less the chunk store's reserve during an admission check)."""
+        """Evictable tokens of both trees (less the chunk index's reserve during an admission check)."""
         chunks = self.chunks.evictable_tokens() - self.hold.reserve if self.chunks is not None else 0
         return super().evictable_size() + chunks
 

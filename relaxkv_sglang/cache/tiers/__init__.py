@@ -1,8 +1,9 @@
-"""Lower tiers of the chunk store: chunk KV off the device, in an ordered list of tiers.
+"""Lower tiers of the chunk cache: chunk KV off the device, in an ordered list of tiers.
 
-The device tier is :class:`~relaxkv_sglang.cache.chunk_store.ChunkStore` (chunk KV in KV-pool
-slots). Below it, :class:`TieredChunkStore` holds a list of tiers, fastest first, each used by
-its declared role (:class:`TierRole`: exclusive, write-through, prefetchable), never by name::
+The device tier is the KV pool, its chunks indexed by
+:class:`~relaxkv_sglang.cache.pool_index.PoolChunkIndex`. Below it, :class:`TieredChunkStore`
+holds a list of tiers, fastest first, each used by its declared role (:class:`TierRole`:
+exclusive, write-through, prefetchable), never by name::
 
     device pool  --evict: spill-->  host tier (HostTier, exclusive)  --evict-->  gone
          |  ^                            |                            (the disk copy stays)
@@ -16,7 +17,7 @@ One module per concept:
 
 ============  =================================================================================
 names         :class:`TierName` (device / host / disk / hicache), the one vocabulary of where KV lives
-keys          :class:`ModelIdentity`, :func:`chunk_key` (content addresses)
+keys          :class:`ModelIdentity` (salts :meth:`~relaxkv_sglang.cache.chunk_key.ChunkKey.content_key`)
 record        :class:`ChunkRecord` (``[n_tokens, layers, 2, kv_heads, head_dim]`` on the CPU)
 storage       :class:`ChunkStorage`, the HiCache-shaped storage interface
 tier          :class:`Tier` (a storage with a name and a role), :class:`TierConfig`
@@ -42,7 +43,7 @@ from relaxkv_sglang.cache.tiers.frequency_sketch import FrequencySketch
 from relaxkv_sglang.cache.tiers.disk import DiskTier, DiskTierConfig
 from relaxkv_sglang.cache.tiers.env import TierConfigError, env_number
 from relaxkv_sglang.cache.tiers.host import HostTier, HostTierConfig
-from relaxkv_sglang.cache.tiers.keys import FORMAT_VERSION, ModelIdentity, chunk_key
+from relaxkv_sglang.cache.tiers.keys import FORMAT_VERSION, ModelIdentity
 from relaxkv_sglang.cache.tiers.memory import release_free_heap
 from relaxkv_sglang.cache.tiers.names import LOWER_TIERS, TierName, split_hits
 from relaxkv_sglang.cache.tiers.paged import PagedTier, PageStore
@@ -60,5 +61,5 @@ __all__ = [
     "FORMAT_VERSION", "GB", "LOWER_TIERS", "AsyncWriter", "ChunkRecord", "ChunkStorage", "Damaged", "DiskTier",
     "DiskTierConfig", "FrequencySketch", "HostTier", "HostTierConfig", "ModelIdentity", "PageStore", "PagedTier",
     "PrefetchStage", "ReconnectingPageStore", "StoreUnavailable", "Tier", "TierConfig", "TierConfigError", "TierContext", "TierName", "TierRole", "TieredChunkStore",
-    "ValueLayout", "chunk_key", "decode_value", "encode_value", "env_number", "release_free_heap", "simulate_tier", "split_hits",
+    "ValueLayout", "decode_value", "encode_value", "env_number", "release_free_heap", "simulate_tier", "split_hits",
 ]

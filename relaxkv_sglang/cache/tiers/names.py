@@ -1,7 +1,7 @@
 """The one vocabulary of where chunk KV lives: the device pool and the lower tiers.
 
 Every part that names a tier uses :class:`TierName`: a chunk entry's origin
-(:attr:`~relaxkv_sglang.cache.chunk_store.ChunkEntry.origin`), the tiered store's tiers and
+(:attr:`~relaxkv_sglang.cache.pool_index.ChunkEntry.origin`), the tiered store's tiers and
 counters (``tier_<name>_*``), the fold's per-window hit split and the request report
 (``chunk_tokens_from_<name>``). SGLang has its own names for the same places
 (``cache_source`` = device / host / storage); they are mapped once, at the SGLang boundary
@@ -22,7 +22,7 @@ __all__ = ["TierName", "LOWER_TIERS", "split_hits"]
 class TierName(enum.StrEnum):
     """Where a chunk's KV is held, fastest first (the declaration order is the lookup order)."""
 
-    DEVICE = "device"  # the KV pool (ChunkStore)
+    DEVICE = "device"  # the KV pool (PoolChunkIndex)
     HOST = "host"      # host memory (HostTier)
     DISK = "disk"      # a local folder (DiskTier)
     HICACHE = "hicache"  # a HiCache storage backend of SGLang's, e.g. Mooncake (PagedTier over cache/sglang/hicache_tier.py)

@@ -1,6 +1,7 @@
 """The storage interface every lower tier implements, shaped like SGLang HiCache's backends.
 
-``batch_exists`` / ``batch_get`` / ``batch_set`` over lists of string keys (:mod:`.keys`),
+``batch_exists`` / ``batch_get`` / ``batch_set`` over lists of string keys (a chunk's content key,
+:meth:`~relaxkv_sglang.cache.chunk_key.ChunkKey.content_key`),
 host-memory records (:class:`~.record.ChunkRecord`) in and out, plus ``delete`` and ``stats``
 (the shape of ``hicache_storage.HiCacheStorage``). Unlike HiCache's prefix-chained page keys,
 each key names one whole chunk and ``batch_exists`` answers per key (no prefix rule). A

@@ -1,9 +1,11 @@
 """The lower tiers together, for the server: an ordered list of tiers, each used by its role.
 
 ``TieredChunkStore(tiers, identity)`` takes the tiers fastest first (:mod:`.tier`); nothing in it
-names a tier. What the server asks of it:
+names a tier. The server names chunks by their :class:`~relaxkv_sglang.cache.chunk_key.ChunkKey`;
+each call asks the tiers under the chunk's content key, salted with ``identity``. What the server
+asks of it:
 
-* ``key`` (the content key, :mod:`.keys`) and ``record_access`` (every lookup, for admission);
+* ``record_access`` (every lookup, for admission);
 * ``get``: the record from the first tier holding it (a staged prefetch first), and that tier's
   name (:class:`~.names.TierName`, the chunk entry's ``origin``); ``where``: that tier, as a hint;
 * ``spill_wanted`` / ``spill``: a chunk the pool evicts goes to the first exclusive tier whose
@@ -23,13 +25,12 @@ from __future__ import annotations
 import time
 from typing import Iterable, Optional, Sequence
 
-import torch
-
-from relaxkv_sglang.cache.tiers.keys import ModelIdentity, chunk_key
+from relaxkv_sglang.cache.chunk_key import ChunkKey
+from relaxkv_sglang.cache.tiers.keys import ModelIdentity
 from relaxkv_sglang.cache.tiers.names import TierName
 from relaxkv_sglang.cache.tiers.prefetch import PrefetchStage
 from relaxkv_sglang.cache.tiers.record import ChunkRecord
-from relaxkv_sglang.cache.tiers.tier import Tier, TierConfig, TierContext
+from relaxkv_sglang.cache.tiers.tier import Tier
 from relaxkv_sglang.cache.tiers.writer import AsyncWriter
 
 __all__ = ["TieredChunkStore"]
@@ -53,13 +54,14 @@ class TieredChunkStore:
     Example (one host tier; a chunk evicted from the device spills there and loads back):
 
     >>> import torch
+    >>> from relaxkv_sglang.cache.chunk_key import ChunkKey
     >>> from relaxkv_sglang.cache.tiers import ChunkRecord, HostTier, ModelIdentity
     >>> identity = ModelIdentity(model="m", tokenizer="t", kv_dtype="float32", kv_layout="2x1x4")
     >>> store = TieredChunkStore([HostTier(1 << 20, (2, 2, 1, 4), torch.float32)], identity,
     ...                          async_writes=False)
-    >>> key = store.key(None, [11, 12, 13])  # content address of the chunk's tokens
+    >>> key = ChunkKey(None, (11, 12, 13))  # the default namespace's chunk of three tokens
     >>> record = ChunkRecord(torch.randn(3, 2, 2, 1, 4))  # [n_tokens, layers, 2, kv_heads, head_dim]
-    >>> where = store.spill_wanted(key, record.n_tokens)
+    >>> where = store.spill_wanted(key)
     >>> str(where), store.spill(key, record, where)
     ('host', True)
     >>> loaded, tier = store.get(key)
@@ -87,14 +89,6 @@ class TieredChunkStore:
         self.stage = PrefetchStage(max_staged_bytes, self._count_prefetch)
         self.counters = {t.name: _store_counters(t) for t in tiers}
 
-    @classmethod
-    def from_configs(cls, configs: Iterable[TierConfig], identity: ModelIdentity, token_shape: Sequence[int],
-                     dtype: torch.dtype, **kwargs) -> "TieredChunkStore":
-        """The store of the tiers ``configs`` ask for (in their order); ``kwargs`` as for the constructor."""
-        ctx = TierContext(identity, tuple(int(s) for s in token_shape), dtype)
-        built = (config.build(ctx) for config in configs)
-        return cls([tier for tier in built if tier is not None], identity, **kwargs)
-
     @property
     def enabled(self) -> bool:
         return bool(self.tiers)
@@ -113,35 +107,38 @@ class TieredChunkStore:
         """Some tier is prefetchable."""
         return any(t.role.prefetchable for t in self.tiers.values())
 
-    def key(self, namespace: str | None, token_ids: Sequence[int]) -> str:
-        return chunk_key(self.digest, namespace, token_ids)
-
-    def record_access(self, key: str) -> None:
+    def record_access(self, key: ChunkKey) -> None:
+        """One lookup of the chunk by the server (the tiers' admission frequencies)."""
+        content = key.content_key(self.digest)
         for tier in self.tiers.values():
-            tier.record_access(key)
+            tier.record_access(content)
 
-    def where(self, key: str) -> Optional[TierName]:
-        """The first tier holding ``key``, or None (a hint; ``get`` verifies)."""
+    def where(self, key: ChunkKey) -> Optional[TierName]:
+        """The first tier holding the chunk, or None (a hint; ``get`` verifies)."""
+        return self._where(key.content_key(self.digest))
+
+    def _where(self, content: str) -> Optional[TierName]:
         for name, tier in self.tiers.items():
-            if tier.exists(key):
+            if tier.exists(content):
                 return name
         return None
 
     # ------------------------------------------------------------------ loads
 
-    def get(self, key: str) -> tuple[Optional[ChunkRecord], Optional[TierName]]:
-        """The record from the first tier holding it (verified), and that tier's name.
+    def get(self, key: ChunkKey) -> tuple[Optional[ChunkRecord], Optional[TierName]]:
+        """The chunk's record from the first tier holding it (verified), and that tier's name.
 
         A record a prefetch already read is taken from the stage (its read time is counted in
         ``load_seconds`` as the prefetch measured it)."""
-        read = self.stage.take(key)
+        content = key.content_key(self.digest)
+        read = self.stage.take(content)
         if read is not None:
             self.counters[read.tier]["prefetch_used"] += 1
             self._count_load(read.tier, read.record, read.seconds)
             return read.record, read.tier
         for name, tier in self.tiers.items():
             t0 = time.perf_counter()
-            record = tier.get(key)
+            record = tier.get(content)
             if record is not None:
                 self._count_load(name, record, time.perf_counter() - t0)
                 return record, name
@@ -154,27 +151,28 @@ class TieredChunkStore:
         c["loaded_bytes"] += record.nbytes
         c["load_seconds"] += seconds
 
-    def taken(self, key: str, name: str) -> None:
+    def taken(self, key: ChunkKey, name: str) -> None:
         """A chunk loaded from ``name`` is now in the pool: an exclusive tier gives up its copy (it
         spills back, through admission, when the pool evicts it)."""
         tier = self.tiers.get(name)
         if tier is not None and tier.role.exclusive:
-            tier.delete(key)
+            tier.delete(key.content_key(self.digest))
 
-    def prefetch(self, keys: Iterable[str]) -> int:
-        """Start reading (and verifying) ``keys`` from prefetchable tiers on a background thread,
-        for a later :meth:`get`: only keys whose first holding tier is prefetchable and that are
-        not staged already. Returns how many were queued."""
+    def prefetch(self, keys: Iterable[ChunkKey]) -> int:
+        """Start reading (and verifying) the chunks ``keys`` from prefetchable tiers on a background
+        thread, for a later :meth:`get`: only chunks whose first holding tier is prefetchable and that
+        are not staged already. Returns how many were queued."""
         if not self.can_prefetch:
             return 0
         queued = 0
         for key in keys:
-            if not self.stage.wants(key):
+            content = key.content_key(self.digest)
+            if not self.stage.wants(content):
                 continue
-            name = self.where(key)
+            name = self._where(content)
             if name is None or not self.tiers[name].role.prefetchable:
                 continue
-            self.stage.queue(key, self.tiers[name])
+            self.stage.queue(content, self.tiers[name])
             queued += 1
         return queued
 
@@ -186,53 +184,55 @@ class TieredChunkStore:
 
     # ------------------------------------------------------------------ spills and publishes
 
-    def spill_wanted(self, key: str, n_tokens: int) -> Optional[TierName]:
+    def spill_wanted(self, key: ChunkKey) -> Optional[TierName]:
         """Where a chunk evicted from the device would go (module doc), or None."""
+        content, n_tokens = key.content_key(self.digest), len(key.tokens)
         for name, tier in self.tiers.items():
             if tier.role.exclusive:
-                if tier.would_admit(key, n_tokens):
+                if tier.would_admit(content, n_tokens):
                     return name
                 self.counters[name]["spill_rejected"] += 1
                 tier.count_refused()
-            elif tier.role.write_through and not self._holds(name, key):
+            elif tier.role.write_through and not self._holds(name, content):
                 return name
         return None
 
-    def spill(self, key: str, record: ChunkRecord, name: str) -> bool:
+    def spill(self, key: ChunkKey, record: ChunkRecord, name: str) -> bool:
         """Store a chunk evicted from the device in tier ``name`` (from :meth:`spill_wanted`)."""
-        tier, c = self.tiers[name], self.counters[name]
+        content, tier, c = key.content_key(self.digest), self.tiers[name], self.counters[name]
         if tier.role.exclusive:
-            ok = tier.set(key, record)
+            ok = tier.set(content, record)
             if ok:
                 c["spills"] += 1
                 c["spilled_bytes"] += record.nbytes
             return ok
         c["spills"] += 1
-        return self._write(name, key, record)
+        return self._write(name, content, record)
 
-    def publish_wanted(self, key: str) -> bool:
+    def publish_wanted(self, key: ChunkKey) -> bool:
         """Whether a newly computed chunk should be written through (some write-through tier lacks it)."""
-        return any(t.role.write_through and not self._holds(n, key) for n, t in self.tiers.items())
+        content = key.content_key(self.digest)
+        return any(t.role.write_through and not self._holds(n, content) for n, t in self.tiers.items())
 
-    def publish(self, key: str, record: ChunkRecord) -> bool:
+    def publish(self, key: ChunkKey, record: ChunkRecord) -> bool:
         """Write a newly computed chunk to every write-through tier; True if every write was taken."""
-        ok = True
+        content, ok = key.content_key(self.digest), True
         for name, tier in self.tiers.items():
             if tier.role.write_through:
                 self.counters[name]["publishes"] += 1
-                ok = self._write(name, key, record) and ok
+                ok = self._write(name, content, record) and ok
         return ok
 
-    def _holds(self, name: TierName, key: str) -> bool:
-        """Tier ``name`` holds ``key``, or its writer has it queued."""
+    def _holds(self, name: TierName, content: str) -> bool:
+        """Tier ``name`` holds the content key, or its writer has it queued."""
         writer = self.writers.get(name)
-        return (writer is not None and writer.is_pending(key)) or self.tiers[name].exists(key)
+        return (writer is not None and writer.is_pending(content)) or self.tiers[name].exists(content)
 
-    def _write(self, name: TierName, key: str, record: ChunkRecord) -> bool:
+    def _write(self, name: TierName, content: str, record: ChunkRecord) -> bool:
         writer = self.writers.get(name)
         if writer is None:
-            return self.tiers[name].set(key, record)
-        ok = writer.submit(key, record)
+            return self.tiers[name].set(content, record)
+        ok = writer.submit(content, record)
         if not ok:
             self.counters[name]["publish_dropped"] += 1
         return ok

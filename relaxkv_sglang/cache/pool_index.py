@@ -1,9 +1,9 @@
-"""Host-side bookkeeping of the position-independent chunk cache.
+"""The KV pool's index of cached chunks: which pool slots hold which chunk's KV.
 
 A cached chunk's KV lives in KV-pool slots (one int slot per token, shared by all layers). The
-store maps ``(namespace, token ids)`` to an entry holding those slots, counts the requests using it
-(locks) and evicts unlocked entries least recently used first. It never touches KV tensors; slots
-leave only through the ``free_slots`` callback, exactly once each.
+index maps a :class:`~relaxkv_sglang.cache.chunk_key.ChunkKey` to an entry holding those slots,
+counts the requests using it (locks) and evicts unlocked entries least recently used first. It
+never touches KV tensors; slots leave only through the ``free_slots`` callback, exactly once each.
 
 Not thread-safe (SGLang's scheduler thread drives it). Per request: ``peek``/``lookup`` -> ``lock``
 (or compute + ``insert`` + ``lock``) ... ``unlock``; lock right away, since an unlocked entry may
@@ -11,7 +11,7 @@ go at the next ``evict``. Recency is read off the clock given at construction (t
 ``time.monotonic``, the clock of SGLang's radix nodes), so an owner can evict across both in one
 LRU order.
 
-Target size (``target_tokens``, ARC's ghost-list signal): with ``ghost_capacity > 0`` the store
+Target size (``target_tokens``, ARC's ghost-list signal): with ``ghost_capacity > 0`` the index
 remembers the keys of recently evicted entries (up to that many tokens). A miss on one of them
 raises the target by its tokens; a key forgotten without such a miss lowers it; the target stays
 in ``[0, ghost_capacity]``.
@@ -23,15 +23,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
+from relaxkv_sglang.cache.chunk_key import ChunkKey
 from relaxkv_sglang.cache.tiers.names import TierName
 
-__all__ = ["ChunkEntry", "ChunkStoreStats", "ChunkStore"]
-
-ChunkKey = tuple[str | None, tuple[int, ...]]
+__all__ = ["ChunkEntry", "PoolChunkIndexStats", "PoolChunkIndex"]
 
 
 @dataclass(eq=False)  # identity semantics: entries hold tensors and are mutable
@@ -39,25 +38,22 @@ class ChunkEntry:
     """One cached chunk.
 
     Attributes:
-        namespace: tenant salt / SGLang ``extra_key``; ``None`` is the shared
-            default namespace.  Entries never match across namespaces.
-        token_ids: the chunk's token ids (the key together with ``namespace``).
+        key: the chunk's namespace and token ids; entries never match across namespaces.
         slots: int64 ``[n_tokens]`` KV-pool slot indices, slot ``i`` holding
             token ``i``'s canonical K/V in every layer.
         canonical_start: position the chunk's K was rotated at (normally 0);
             reuse at position ``p`` needs a rotation by ``p - canonical_start``.
         lock_ref: number of holders currently using the entry; > 0 means it
             cannot be evicted.
-        last_access: store clock value of the last lookup hit / insert / unlock
-            (non-decreasing across entries; see ``ChunkStore(clock=...)``).
+        last_access: index clock value of the last lookup hit / insert / unlock
+            (non-decreasing across entries; see ``PoolChunkIndex(clock=...)``).
         hits: number of lookups that returned this entry.
         origin: where the entry's KV came from when it was not computed here: a lower
             tier's name (:class:`~relaxkv_sglang.cache.tiers.TierName`) until its first
             hit reports it (the owner clears it); None otherwise.
     """
 
-    namespace: str | None
-    token_ids: tuple[int, ...]
+    key: ChunkKey
     slots: torch.Tensor
     canonical_start: int = 0
     lock_ref: int = 0
@@ -68,17 +64,12 @@ class ChunkEntry:
     @property
     def num_tokens(self) -> int:
         """Number of tokens (and slots) in the chunk."""
-        return len(self.token_ids)
-
-    @property
-    def key(self) -> ChunkKey:
-        """``(namespace, token_ids)``."""
-        return (self.namespace, self.token_ids)
+        return len(self.key.tokens)
 
 
 @dataclass(frozen=True)
-class ChunkStoreStats:
-    """Snapshot of a store's counters.
+class PoolChunkIndexStats:
+    """Snapshot of an index's counters.
 
     Cumulative since construction (``reset`` does not clear them): ``lookups``,
     ``hits``, ``misses`` (``hits + misses == lookups``), ``hit_tokens`` /
@@ -122,16 +113,8 @@ class ChunkStoreStats:
         return self.hit_tokens / total if total else 0.0
 
 
-def _as_token_tuple(token_ids: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
-    if isinstance(token_ids, tuple) and all(type(t) is int for t in token_ids):
-        return token_ids
-    if isinstance(token_ids, torch.Tensor):
-        return tuple(token_ids.reshape(-1).tolist())
-    return tuple(int(t) for t in token_ids)
-
-
-class ChunkStore:
-    """Map ``(namespace, token_ids)`` to cached chunk slots, with locks and LRU eviction.
+class PoolChunkIndex:
+    """Map a chunk's key to the pool slots holding its KV, with locks and LRU eviction.
 
     Every operation is O(1) apart from hashing the token tuple (O(chunk
     length)) and the per-entry work of ``evict``/``reset``: unlocked entries
@@ -141,11 +124,11 @@ class ChunkStore:
     def __init__(self, free_slots: Callable[[torch.Tensor], None],
                  clock: Callable[[], float] | None = None, ghost_capacity: int = 0,
                  on_evict: Callable[[ChunkEntry], None] | None = None) -> None:
-        """Create an empty store.
+        """Create an empty index.
 
         Args:
             free_slots: called with an entry's int64 ``[n_tokens]`` slots when
-                they leave the store (eviction, reset, duplicate insert); it
+                they leave the index (eviction, reset, duplicate insert); it
                 must return them to the KV allocator.
             clock: the time source of ``last_access`` (e.g. ``time.monotonic``);
                 readings are made non-decreasing.  None: a counter (1, 2, ...).
@@ -189,36 +172,19 @@ class ChunkStore:
         if entry.lock_ref == 0:
             self._lru.move_to_end(entry.key)
 
-    @staticmethod
-    def _key(namespace: str | None, token_ids: Sequence[int] | torch.Tensor) -> ChunkKey:
-        if namespace is not None and not isinstance(namespace, str):
-            raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")
-        return (namespace, _as_token_tuple(token_ids))
+    def peek(self, key: ChunkKey) -> ChunkEntry | None:
+        """Return the entry for ``key``, or None, without counting or touching the LRU."""
+        return self._entries.get(key)
 
-    def peek(self, namespace: str | None, token_ids: Sequence[int] | torch.Tensor) -> ChunkEntry | None:
-        """Return the entry for the key, or None, without counting or touching the LRU.
-
-        Args:
-            namespace: tenant namespace (None: default).
-            token_ids: the chunk's token ids (sequence of ints or an int tensor ``[n]``).
-        """
-        return self._entries.get(self._key(namespace, token_ids))
-
-    def lookup(self, namespace: str | None, token_ids: Sequence[int] | torch.Tensor) -> ChunkEntry | None:
-        """Return the entry for the key, or None; counts a hit or a miss and marks the entry recently used.
-
-        Args:
-            namespace: tenant namespace (None: default).
-            token_ids: the chunk's token ids (sequence of ints or an int tensor ``[n]``).
-        """
-        key = self._key(namespace, token_ids)
+    def lookup(self, key: ChunkKey) -> ChunkEntry | None:
+        """Return the entry for ``key``, or None; counts a hit or a miss and marks the entry recently used."""
         entry = self._entries.get(key)
         self._lookups += 1
         if entry is None:
             self._misses += 1
-            self._miss_tokens += len(key[1])
+            self._miss_tokens += len(key.tokens)
             n = self._ghosts.pop(key, None)
-            if n is not None:  # a hit this store lost to an eviction: it is worth more memory
+            if n is not None:  # a hit this index lost to an eviction: it is worth more memory
                 self._ghost_tokens -= n
                 self._ghost_hits += 1
                 self._ghost_hit_tokens += n
@@ -230,16 +196,10 @@ class ChunkStore:
         self._touch(entry)
         return entry
 
-    def insert(
-        self,
-        namespace: str | None,
-        token_ids: Sequence[int] | torch.Tensor,
-        slots: torch.Tensor,
-        canonical_start: int = 0,
-    ) -> ChunkEntry:
+    def insert(self, key: ChunkKey, slots: torch.Tensor, canonical_start: int = 0) -> ChunkEntry:
         """Add a chunk whose canonical KV the caller has written into ``slots``.
 
-        The store takes ownership of ``slots``.  If the key already exists
+        The index takes ownership of ``slots``.  If the key already exists
         (e.g. two requests computed the same chunk concurrently), the NEW slots
         are freed at once through the callback and the existing entry is
         returned (and marked recently used); compare the returned entry's
@@ -247,9 +207,8 @@ class ChunkStore:
         before anything can call ``evict``.
 
         Args:
-            namespace: tenant namespace (None: default).
-            token_ids: the chunk's token ids, non-empty.
-            slots: int64 ``[len(token_ids)]`` KV-pool slot indices.
+            key: the chunk, non-empty.
+            slots: int64 ``[len(key.tokens)]`` KV-pool slot indices.
             canonical_start: position the chunk's K was rotated at (>= 0).
 
         Returns:
@@ -258,8 +217,7 @@ class ChunkStore:
         Raises:
             ValueError / TypeError: empty chunk, wrong slots dtype/shape, bad canonical_start.
         """
-        key = self._key(namespace, token_ids)
-        n = len(key[1])
+        n = len(key.tokens)
         if n == 0:
             raise ValueError("cannot insert an empty chunk")
         if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64:
@@ -277,13 +235,7 @@ class ChunkStore:
         n_ghost = self._ghosts.pop(key, None)
         if n_ghost is not None:
             self._ghost_tokens -= n_ghost
-        entry = ChunkEntry(
-            namespace=key[0],
-            token_ids=key[1],
-            slots=slots,
-            canonical_start=canonical_start,
-            last_access=self._tick(),
-        )
+        entry = ChunkEntry(key=key, slots=slots, canonical_start=canonical_start, last_access=self._tick())
         self._entries[key] = entry
         self._lru[key] = entry
         self._total_tokens += n
@@ -292,13 +244,13 @@ class ChunkStore:
 
     def _check_member(self, entry: ChunkEntry) -> None:
         if self._entries.get(entry.key) is not entry:
-            raise ValueError("entry is not in this store (evicted, reset or from another store)")
+            raise ValueError("entry is not in this index (evicted, reset or from another index)")
 
     def lock(self, entry: ChunkEntry) -> None:
         """Take one reference on ``entry``; a locked entry is never evicted.
 
         Raises:
-            ValueError: the entry is no longer in the store.
+            ValueError: the entry is no longer in the index.
         """
         self._check_member(entry)
         if entry.lock_ref == 0:
@@ -310,7 +262,7 @@ class ChunkStore:
         """Drop one reference; at zero the entry becomes evictable as the most recently used.
 
         Raises:
-            ValueError: ``lock_ref`` is already 0, or the entry is not in the store.
+            ValueError: ``lock_ref`` is already 0, or the entry is not in the index.
         """
         self._check_member(entry)
         if entry.lock_ref <= 0:
@@ -365,7 +317,7 @@ class ChunkStore:
             self._target = max(0, self._target - n)
 
     def target_tokens(self) -> int:
-        """Tokens the store has learned it is worth (module doc); 0 without ghosts."""
+        """Tokens the index has learned it is worth (module doc); 0 without ghosts."""
         return self._target
 
     def oldest(self) -> ChunkEntry | None:
@@ -385,27 +337,27 @@ class ChunkStore:
         return self._total_tokens
 
     def reset(self) -> None:
-        """Free every entry's slots and empty the store (e.g. on a cache flush).
+        """Free every entry's slots and empty the index (e.g. on a cache flush).
 
         Requires that no entry is locked: a locked entry's slots are in use by a
         running request, and freeing them would let the allocator hand them out
         twice.  Counters in ``stats()`` are cumulative and kept.
 
         Raises:
-            RuntimeError: some entry is locked; the store is left unchanged.
+            RuntimeError: some entry is locked; the index is left unchanged.
         """
         if self._locked_tokens or len(self._lru) != len(self._entries):
             locked = len(self._entries) - len(self._lru)
-            raise RuntimeError(f"cannot reset the chunk store: {locked} entries are locked")
+            raise RuntimeError(f"cannot reset the pool's chunk index: {locked} entries are locked")
         for entry in list(self._entries.values()):
             self._drop(entry)
         self._ghosts.clear()
         self._ghost_tokens = 0
         self._target = 0
 
-    def stats(self) -> ChunkStoreStats:
-        """Snapshot of the counters (see ``ChunkStoreStats``)."""
-        return ChunkStoreStats(
+    def stats(self) -> PoolChunkIndexStats:
+        """Snapshot of the counters (see :class:`PoolChunkIndexStats`)."""
+        return PoolChunkIndexStats(
             lookups=self._lookups,
             hits=self._hits,
             misses=self._misses,

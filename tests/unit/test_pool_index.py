@@ -1,4 +1,4 @@
-"""Unit tests for relaxkv_sglang.cache.chunk_store."""
+"""Unit tests for relaxkv_sglang.cache.pool_index (and the key it maps, relaxkv_sglang.cache.chunk_key)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relaxkv_sglang.cache.chunk_store import ChunkEntry, ChunkStore, ChunkStoreStats
+from relaxkv_sglang.cache.chunk_key import ChunkKey as K
+from relaxkv_sglang.cache.pool_index import ChunkEntry, PoolChunkIndex, PoolChunkIndexStats
 
 
 class FakeAllocator:
@@ -46,11 +47,11 @@ def alloc():
 
 @pytest.fixture
 def store(alloc):
-    return ChunkStore(alloc.free_slots)
+    return PoolChunkIndex(alloc.free_slots)
 
 
 def _ins(store, alloc, ns, toks, canonical_start=0):
-    return store.insert(ns, toks, alloc.alloc(len(toks)), canonical_start)
+    return store.insert(K(ns, toks), alloc.alloc(len(toks)), canonical_start)
 
 
 # ---------------------------------------------------------------- basics
@@ -59,13 +60,13 @@ def _ins(store, alloc, ns, toks, canonical_start=0):
 def test_insert_lookup_peek(store, alloc):
     e = _ins(store, alloc, None, [5, 6, 7])
     assert isinstance(e, ChunkEntry)
-    assert e.token_ids == (5, 6, 7) and e.namespace is None and e.canonical_start == 0
+    assert e.key == K(None, (5, 6, 7)) and e.key.tokens == (5, 6, 7) and e.canonical_start == 0
     assert e.slots.tolist() == [0, 1, 2] and e.lock_ref == 0 and e.hits == 0
-    assert store.peek(None, (5, 6, 7)) is e
+    assert store.peek(K(None, (5, 6, 7))) is e
     assert store.stats().lookups == 0  # peek does not count
-    assert store.lookup(None, [5, 6, 7]) is e
-    assert store.lookup(None, torch.tensor([5, 6, 7])) is e  # tensor keys work too
-    assert store.lookup(None, [5, 6]) is None
+    assert store.lookup(K(None, [5, 6, 7])) is e
+    assert store.lookup(K(None, torch.tensor([5, 6, 7]))) is e  # tensor keys work too
+    assert store.lookup(K(None, [5, 6])) is None
     assert e.hits == 2
     st_ = store.stats()
     assert (st_.lookups, st_.hits, st_.misses, st_.hit_tokens, st_.miss_tokens) == (3, 2, 1, 6, 2)
@@ -79,15 +80,15 @@ def test_namespaces_never_share(store, alloc):
     a = _ins(store, alloc, None, [1, 2])
     b = _ins(store, alloc, "tenant", [1, 2])
     assert a is not b
-    assert store.lookup("tenant", [1, 2]) is b
-    assert store.lookup("other", [1, 2]) is None
+    assert store.lookup(K("tenant", [1, 2])) is b
+    assert store.lookup(K("other", [1, 2])) is None
     assert store.total_tokens() == 4
 
 
 def test_duplicate_insert_frees_new_slots(store, alloc):
     e = _ins(store, alloc, None, [1, 2, 3])
     new_slots = alloc.alloc(3)
-    got = store.insert(None, [1, 2, 3], new_slots)
+    got = store.insert(K(None, [1, 2, 3]), new_slots)
     assert got is e
     assert not torch.equal(got.slots, new_slots)
     assert all(alloc.freed_count[s] == 1 for s in new_slots.tolist())
@@ -98,21 +99,21 @@ def test_duplicate_insert_frees_new_slots(store, alloc):
 
 def test_insert_validation(store, alloc):
     with pytest.raises(ValueError):
-        store.insert(None, [], torch.zeros(0, dtype=torch.int64))
+        store.insert(K(None, []), torch.zeros(0, dtype=torch.int64))
     with pytest.raises(TypeError):
-        store.insert(None, [1, 2], torch.zeros(2, dtype=torch.int32))
+        store.insert(K(None, [1, 2]), torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError):
-        store.insert(None, [1, 2], torch.zeros(3, dtype=torch.int64))
+        store.insert(K(None, [1, 2]), torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError):
-        store.insert(None, [1, 2], torch.zeros(2, dtype=torch.int64), canonical_start=-1)
+        store.insert(K(None, [1, 2]), torch.zeros(2, dtype=torch.int64), canonical_start=-1)
     with pytest.raises(TypeError):
-        store.lookup(3, [1, 2])  # type: ignore[arg-type]
+        K(3, [1, 2])  # type: ignore[arg-type]
     assert len(store) == 0 and alloc.free_calls == 0
 
 
 def test_canonical_start_kept(store, alloc):
     e = _ins(store, alloc, None, [9], canonical_start=17)
-    assert store.peek(None, [9]).canonical_start == 17 and e.canonical_start == 17
+    assert store.peek(K(None, [9])).canonical_start == 17 and e.canonical_start == 17
 
 
 # ---------------------------------------------------------------- locks and eviction
@@ -122,15 +123,15 @@ def test_lru_eviction_order_and_locks(store, alloc):
     a = _ins(store, alloc, None, [1] * 4)
     b = _ins(store, alloc, None, [2] * 3)
     c = _ins(store, alloc, None, [3] * 5)
-    store.lookup(None, [1] * 4)  # a is now most recent: order b, c, a
+    store.lookup(K(None, [1] * 4))  # a is now most recent: order b, c, a
     store.lock(c)
     assert store.locked_tokens() == 5 and store.evictable_tokens() == 7
     freed = store.evict(1)
     assert freed == 3  # whole entry b
-    assert store.peek(None, [2] * 3) is None and store.peek(None, [1] * 4) is a
+    assert store.peek(K(None, [2] * 3)) is None and store.peek(K(None, [1] * 4)) is a
     # c is locked, so only a can go, and the request for 100 stops when nothing is left.
     assert store.evict(100) == 4
-    assert store.peek(None, [3] * 5) is c
+    assert store.peek(K(None, [3] * 5)) is c
     assert store.evict(100) == 0
     store.unlock(c)
     assert store.evictable_tokens() == 5 and store.locked_tokens() == 0
@@ -168,7 +169,7 @@ def test_unlock_makes_entry_most_recent(store, alloc):
     store.lock(a)
     store.unlock(a)  # a just finished a request: b is now the LRU one
     assert store.evict(1) == 1
-    assert store.peek(None, [2]) is None and store.peek(None, [1]) is a
+    assert store.peek(K(None, [2])) is None and store.peek(K(None, [1])) is a
     assert b.last_access < a.last_access
 
 
@@ -195,56 +196,56 @@ def test_locked_entries_counted_and_oldest_is_next_victim(store, alloc):
 
 def test_clock_is_injected_and_never_goes_back(alloc):
     readings = iter([10.0, 12.5, 11.0, 20.0])
-    store = ChunkStore(alloc.free_slots, clock=lambda: next(readings))
-    a = store.insert(None, [1], alloc.alloc(1))
-    b = store.insert(None, [2], alloc.alloc(1))
+    store = PoolChunkIndex(alloc.free_slots, clock=lambda: next(readings))
+    a = store.insert(K(None, [1]), alloc.alloc(1))
+    b = store.insert(K(None, [2]), alloc.alloc(1))
     assert (a.last_access, b.last_access) == (10.0, 12.5)
-    store.lookup(None, [1])  # the clock read 11.0: kept at 12.5, and a is now the most recent
+    store.lookup(K(None, [1]))  # the clock read 11.0: kept at 12.5, and a is now the most recent
     assert a.last_access == 12.5 and store.oldest() is b
-    store.lookup(None, [2])
+    store.lookup(K(None, [2]))
     assert b.last_access == 20.0 and store.oldest() is a
 
 
 def test_target_learns_from_lost_hits_and_forgotten_ghosts(alloc):
-    store = ChunkStore(alloc.free_slots, ghost_capacity=6)
-    store.insert(None, [1, 1, 1], alloc.alloc(3))
-    store.insert(None, [2, 2], alloc.alloc(2))
+    store = PoolChunkIndex(alloc.free_slots, ghost_capacity=6)
+    store.insert(K(None, [1, 1, 1]), alloc.alloc(3))
+    store.insert(K(None, [2, 2]), alloc.alloc(2))
     assert store.evict(5) == 5  # both become ghosts (5 tokens remembered)
-    assert store.lookup(None, [1, 1, 1]) is None  # a hit lost to eviction
-    assert store.lookup(None, [1, 1, 1]) is None  # counted once: the ghost is consumed
+    assert store.lookup(K(None, [1, 1, 1])) is None  # a hit lost to eviction
+    assert store.lookup(K(None, [1, 1, 1])) is None  # counted once: the ghost is consumed
     s = store.stats()
     assert (s.ghost_hits, s.ghost_hit_tokens, s.target_tokens, s.ghost_expired_tokens) == (1, 3, 3, 0)
-    assert store.lookup(None, [9]) is None and store.stats().ghost_hits == 1  # never stored: no ghost
+    assert store.lookup(K(None, [9])) is None and store.stats().ghost_hits == 1  # never stored: no ghost
     for t in (3, 4, 5):  # three more evicted 2-token chunks: [2, 2] is forgotten unused
-        store.insert(None, [t, t], alloc.alloc(2))
+        store.insert(K(None, [t, t]), alloc.alloc(2))
         store.evict(2)
     s = store.stats()
     assert (s.ghost_expired_tokens, s.target_tokens) == (2, 1)
-    assert store.lookup(None, [2, 2]) is None and store.stats().ghost_hits == 1
-    store.insert(None, [4, 4], alloc.alloc(2))  # re-inserted: no longer a ghost
-    assert store.lookup(None, [4, 4]) is not None
+    assert store.lookup(K(None, [2, 2])) is None and store.stats().ghost_hits == 1
+    store.insert(K(None, [4, 4]), alloc.alloc(2))  # re-inserted: no longer a ghost
+    assert store.lookup(K(None, [4, 4])) is not None
     store.reset()
     assert store.stats().target_tokens == 0
-    assert store.lookup(None, [5, 5]) is None and store.stats().ghost_hits == 1  # reset forgets the ghosts
+    assert store.lookup(K(None, [5, 5])) is None and store.stats().ghost_hits == 1  # reset forgets the ghosts
 
 
 def test_target_is_bounded_by_the_ghost_capacity(alloc):
-    store = ChunkStore(alloc.free_slots, ghost_capacity=4)
+    store = PoolChunkIndex(alloc.free_slots, ghost_capacity=4)
     for t in range(6):
-        store.insert(None, [t, t], alloc.alloc(2))
+        store.insert(K(None, [t, t]), alloc.alloc(2))
     store.evict(100)  # six 2-token ghosts, only the last two (4 tokens) kept
-    assert [store.lookup(None, [t, t]) for t in range(6)] == [None] * 6
+    assert [store.lookup(K(None, [t, t])) for t in range(6)] == [None] * 6
     s = store.stats()
     assert (s.ghost_hits, s.ghost_expired_tokens, s.target_tokens) == (2, 8, 4)
     for t in (6, 7, 8):
-        store.insert(None, [t, t], alloc.alloc(2))
+        store.insert(K(None, [t, t]), alloc.alloc(2))
         store.evict(2)
-        store.lookup(None, [t, t])
+        store.lookup(K(None, [t, t]))
     assert store.stats().target_tokens == 4  # never above the capacity
-    plain = ChunkStore(alloc.free_slots)  # ghost_capacity 0: learns nothing
-    plain.insert(None, [7], alloc.alloc(1))
+    plain = PoolChunkIndex(alloc.free_slots)  # ghost_capacity 0: learns nothing
+    plain.insert(K(None, [7]), alloc.alloc(1))
     plain.evict(1)
-    assert plain.lookup(None, [7]) is None and plain.stats().ghost_hits == plain.stats().target_tokens == 0
+    assert plain.lookup(K(None, [7])) is None and plain.stats().ghost_hits == plain.stats().target_tokens == 0
 
 
 def test_reset(store, alloc):
@@ -255,7 +256,7 @@ def test_reset(store, alloc):
         store.reset()
     assert store.total_tokens() == 3 and alloc.free_calls == 0  # unchanged
     store.unlock(a)
-    store.lookup(None, [1, 2])
+    store.lookup(K(None, [1, 2]))
     store.reset()
     assert len(store) == 0 and store.total_tokens() == 0 and alloc.out == set()
     s = store.stats()
@@ -269,11 +270,11 @@ def test_free_callback_failure_keeps_entry(alloc):
         calls.append(slots)
         raise RuntimeError("allocator busy")
 
-    store = ChunkStore(failing)
-    e = store.insert(None, [1, 2], alloc.alloc(2))
+    store = PoolChunkIndex(failing)
+    e = store.insert(K(None, [1, 2]), alloc.alloc(2))
     with pytest.raises(RuntimeError):
         store.evict(1)
-    assert store.peek(None, [1, 2]) is e and store.total_tokens() == 2 and len(calls) == 1
+    assert store.peek(K(None, [1, 2])) is e and store.total_tokens() == 2 and len(calls) == 1
 
 
 def test_entries_compare_by_identity(store, alloc):
@@ -284,7 +285,7 @@ def test_entries_compare_by_identity(store, alloc):
 
 # ---------------------------------------------------------------- property test against a model
 
-KEYS = [(ns, toks) for ns in (None, "t1") for toks in ((1,), (1, 2), (2, 1), (3, 3, 3), (4,) * 7)]
+KEYS = [K(ns, toks) for ns in (None, "t1") for toks in ((1,), (1, 2), (2, 1), (3, 3, 3), (4,) * 7)]
 
 op_strategy = st.one_of(
     st.tuples(st.just("insert"), st.sampled_from(KEYS), st.integers(0, 3)),
@@ -298,9 +299,9 @@ op_strategy = st.one_of(
 
 @settings(max_examples=250, deadline=None)
 @given(st.lists(op_strategy, max_size=60))
-def test_store_matches_model(ops):
+def test_index_matches_model(ops):
     alloc = FakeAllocator()
-    store = ChunkStore(alloc.free_slots)
+    store = PoolChunkIndex(alloc.free_slots)
     handed_in: set[int] = set()
     # Model: key -> [n_tokens, lock_ref]; lru holds unlocked keys, least recent first.
     model: dict = {}
@@ -315,19 +316,19 @@ def test_store_matches_model(ops):
         kind = op[0]
         if kind == "insert":
             key, cstart = op[1], op[2]
-            slots = alloc.alloc(len(key[1]))
+            slots = alloc.alloc(len(key.tokens))
             handed_in.update(slots.tolist())
-            e = store.insert(key[0], key[1], slots, cstart)
+            e = store.insert(key, slots, cstart)
             if key in model:
                 touch(key)
                 assert not torch.equal(e.slots, slots)
             else:
-                model[key] = [len(key[1]), 0]
+                model[key] = [len(key.tokens), 0]
                 lru[key] = None
                 assert e.slots is slots and e.canonical_start == cstart
         elif kind == "lookup":
             key = op[1]
-            e = store.lookup(*key)
+            e = store.lookup(key)
             lookups += 1
             if key in model:
                 hits += 1
@@ -337,7 +338,7 @@ def test_store_matches_model(ops):
                 assert e is None
         elif kind == "lock":
             key = op[1]
-            e = store.peek(*key)
+            e = store.peek(key)
             assert (e is not None) == (key in model)
             if e is not None:
                 store.lock(e)
@@ -346,7 +347,7 @@ def test_store_matches_model(ops):
                 model[key][1] += 1
         elif kind == "unlock":
             key = op[1]
-            e = store.peek(*key)
+            e = store.peek(key)
             if e is None:
                 continue
             if model[key][1] == 0:
@@ -377,7 +378,7 @@ def test_store_matches_model(ops):
                 assert alloc.out == set()
 
         # Invariants after every operation.
-        entries = [store.peek(*k) for k in KEYS]
+        entries = [store.peek(k) for k in KEYS]
         held = [e for e in entries if e is not None]
         assert {e.key for e in held} == set(model)
         assert all(e.lock_ref == model[e.key][1] for e in held)
@@ -388,7 +389,7 @@ def test_store_matches_model(ops):
         assert all(alloc.freed_count[s] == 1 for s in freed)  # freed exactly once
         assert all(alloc.freed_count[s] == 0 for s in held_slots)
         s = store.stats()
-        assert isinstance(s, ChunkStoreStats)
+        assert isinstance(s, PoolChunkIndexStats)
         assert s.hits + s.misses == s.lookups == lookups and s.hits == hits
         assert s.tokens_held == store.total_tokens() == sum(v[0] for v in model.values())
         assert store.locked_tokens() == sum(v[0] for v in model.values() if v[1] > 0)
@@ -399,7 +400,7 @@ def test_store_matches_model(ops):
     # Releasing every lock then resetting gives every slot back.
     for k, (n, refs) in list(model.items()):
         for _ in range(refs):
-            store.unlock(store.peek(*k))
+            store.unlock(store.peek(k))
     store.reset()
     assert alloc.out == set()
     assert all(alloc.freed_count[s] == 1 for s in handed_in)

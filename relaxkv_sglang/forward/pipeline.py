@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
+from relaxkv_sglang.runtime.hooks import Hook
 from relaxkv_sglang.attention.extend_rows import FoldedRows
 from relaxkv_sglang.forward.context import ForwardContext, PendingForward, attached, pending_forward
 from relaxkv_sglang.runtime.failures import InvariantError
@@ -92,3 +93,12 @@ def around_forward_batch_init_new(original: Callable, cls: type, batch: Any, mod
     positions = pending.context.positions
     forward_batch.positions = positions.to(forward_batch.positions.dtype).to(forward_batch.positions.device)
     return forward_batch
+
+
+#: the SGLang functions this module wraps (registered by ``server/sglang/plugin.py``)
+HOOKS = (
+    Hook("sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation",
+         around_forward_batch_generation, ("self", "batch")),
+    Hook("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
+         around_forward_batch_init_new, ("cls", "batch", "model_runner")),
+)

@@ -2,7 +2,7 @@
 
 The query pass (:mod:`.query_pass`) records a scoring policy's ``s_l``; then :class:`RepairStage`, run by the model
 hook after the decoder stack, publishes the misses, plans the anchors
-(:func:`~relaxkv_sglang.repair.anchor_schedule.schedule_anchors`) and runs :class:`~.layer_loop.LayerLoop`, whose glue
+(:func:`~relaxkv_sglang.repair.anchor_schedule.schedule_anchors`) and runs :class:`~relaxkv_sglang.repair.sglang.layer_loop.LayerLoop`, whose glue
 and query rows replace SGLang's. It runs in the window holding the prompt's last token, over the whole prompt, so a
 cold request equals its warm one whatever the windows; an unplannable request is served as ``pic``.
 
@@ -23,9 +23,11 @@ from relaxkv_sglang.repair.repair_config import RepairConfig
 from relaxkv_sglang.repair.anchor_schedule import AnchorSchedule, schedule_anchors
 from relaxkv_sglang.repair.sglang.served_calibration import served_settings
 from relaxkv_sglang.forward.budget import decide_budget
-from relaxkv_sglang.forward.context import forward_context
+from relaxkv_sglang.model.model_family import hooked_model_classes
+from relaxkv_sglang.runtime.hooks import Hook
 from relaxkv_sglang.runtime.failures import InvariantError, served_as_pic
 from relaxkv_sglang.repair.sglang.layer_loop import LayerLoop, LoopRows
+from relaxkv_sglang.repair.sglang.services import RepairServices
 from relaxkv_sglang.model.sglang.model_layers import ModelLayers
 from relaxkv_sglang.model.tensor_parallel import place_shard
 from relaxkv_sglang.runtime import records
@@ -47,13 +49,26 @@ class RepairOutcome:
     budget_report: dict = dataclasses.field(default_factory=dict)
 
 
-def repair_stage(cache: "RelaxKVCache", attn_backend: Any, setup: "ForwardSetup") -> Optional["RepairStage"]:
+@dataclasses.dataclass
+class RepairTiming:
+    """The tree cache's record: the repair stages run on this rank and their wall time (collectives included)."""
+
+    stages: int = 0
+    seconds: float = 0.0
+
+
+def repair_stage(cache: "RelaxKVCache", services: Optional[RepairServices],
+                 setup: "ForwardSetup") -> Optional["RepairStage"]:
     """The batch's repair, when some request is to be repaired in this forward (else None)."""
-    return RepairStage(cache, attn_backend, setup) if setup.targets else None
+    if not setup.targets:
+        return None
+    if services is None:
+        raise InvariantError("relaxkv: a request is to be repaired but startup built no repair services")
+    return RepairStage(cache, services, setup)
 
 
 def request_repair_config(r: "RequestRows", base: RepairConfig) -> RepairConfig:
-    """``base`` (the served calibration's, :func:`~.served_calibration.repair_base`) with the request's ratios."""
+    """``base`` (the served calibration's, :func:`~relaxkv_sglang.repair.sglang.served_calibration.repair_base`) with the request's ratios."""
     plan = r.fold.plan
     given = {"anchor_ratio": plan.anchor_ratio, "context_ratio": plan.context_ratio}
     return dataclasses.replace(base, **{knob: value for knob, value in given.items() if value is not None})
@@ -61,12 +76,12 @@ def request_repair_config(r: "RequestRows", base: RepairConfig) -> RepairConfig:
 
 class RepairStage:
     """The batch's repair of ``setup``'s targets (:mod:`.query_pass`), run by the model hook after SGLang's forward;
-    ``attn_backend``: the worker's ``relaxkv`` backend (anchor executor, cost model). ``outcomes`` (batch index ->
+    ``services``: the worker's (anchor executor, cost model, LM head, pool). ``outcomes`` (batch index ->
     :class:`RepairOutcome`) outlives :meth:`run` because SGLang's forward returns only hidden states."""
 
-    def __init__(self, cache: "RelaxKVCache", attn_backend: Any, setup: "ForwardSetup") -> None:
+    def __init__(self, cache: "RelaxKVCache", services: RepairServices, setup: "ForwardSetup") -> None:
         self.cache = cache
-        self.attn_backend = attn_backend
+        self.services = services
         self.setup = setup
         self.outcomes: dict[int, RepairOutcome] = {}
 
@@ -77,9 +92,9 @@ class RepairStage:
         try:
             return self._run(model, hidden)
         finally:
-            timing = records.record(self.cache, records.CacheState)
-            timing.repair_stages += 1
-            timing.repair_seconds += time.perf_counter() - start
+            timing = records.record(self.cache, RepairTiming)
+            timing.stages += 1
+            timing.seconds += time.perf_counter() - start
 
     def _run(self, model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         layers = ModelLayers(model)
@@ -93,8 +108,7 @@ class RepairStage:
         if not planned:
             return hidden
         ids = torch.cat([_token_ids(r.fold.req)[rows.positions] for _, r, rows in planned])
-        loop = LayerLoop(layers, self.cache.pool_kv.kv_pool, self.attn_backend.anchor_attention,
-                         rope=getattr(getattr(self.cache, "pool_kv", None), "rope", None))
+        loop = LayerLoop(layers, self.services.kv_pool, self.services.anchor_attention, rope=self.services.rope)
         with torch.no_grad():
             repaired = loop.run([rows for _, _, rows in planned], ids.to(hidden.device))
         offset = 0
@@ -119,7 +133,7 @@ class RepairStage:
             summed_pieces = iter(torch.split(summed, [t.numel() for t in pieces]))
             shares = [(next(summed_pieces).view(scores.shape), next(summed_pieces) if logits is not None else None)
                       for scores, logits in shares]
-        vocab = getattr(self.attn_backend, "vocab_size", None)
+        vocab = self.services.vocab_size
         return {i: (scores, logits[:vocab] if logits is not None else None)
                 for i, (scores, logits) in zip(scored, shares)}
 
@@ -127,7 +141,7 @@ class RepairStage:
         """float32 [vocab shard] this rank's logits of the query pass at request ``i``'s last row (one row through
         the LM head), for the budget signal of every scored request (fixed-ratio runs fit calibrations); None
         without an LM head."""
-        lm_head = getattr(self.attn_backend, "lm_head", None)
+        lm_head = self.services.lm_head
         if lm_head is None:
             return None
         last = self.setup.row_starts[i] + self.setup.requests[i].n_rows - 1
@@ -145,7 +159,7 @@ class RepairStage:
             served = served_settings(self.cache)
             budget = decide_budget(request_repair_config(r, served.base), f.plan, served, scores, ids, answer_logits)
             anchor_schedule = schedule_anchors(f.plan.policy, scores, list(f.plan.chunk_spans), f.plan.query_start, n_layers,
-                                       budget.config, self.attn_backend.repair_cost, input_ids=ids)
+                                       budget.config, self.services.cost, input_ids=ids)
             # the pass's bookkeeping lives on the host (layer_loop): the slots are read back once
             return RepairOutcome(repair_rows(f.window_end, anchor_schedule, r.slots.cpu()), budget_report=budget.report)
         except InvariantError:
@@ -198,10 +212,15 @@ def around_model_forward(original: Callable, model: torch.nn.Module, input_ids: 
     """Hook on each registered family's decoder-stack ``forward``: SGLang's forward (a repair's query pass), then
     :class:`RepairStage`, which replaces the repaired requests' glue and query rows of the output."""
     hidden = original(model, input_ids, positions, forward_batch, *args, **kwargs)
-    context = forward_context(model)
-    if context is None or context.repair is None or not forward_batch.forward_mode.is_extend():
+    stage = records.record(model, RepairStage, create=False)
+    if stage is None or not forward_batch.forward_mode.is_extend():
         return hidden
     if not isinstance(hidden, torch.Tensor):
         raise InvariantError("relaxkv: a repair needs the decoder stack's hidden states alone "
                            "(no auxiliary hidden states, no pipeline stages)")
-    return context.repair.run(model, hidden)
+    return stage.run(model, hidden)
+
+
+#: the decoder-stack ``forward`` of each class the model-family registry hooks (registered by ``server/sglang/plugin.py``)
+HOOKS = tuple(Hook(f"{model_class}.forward", around_model_forward, ("self", "input_ids", "positions", "forward_batch"))
+              for model_class in hooked_model_classes())

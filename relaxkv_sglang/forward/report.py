@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from relaxkv_sglang.runtime.hooks import Hook
 from relaxkv_sglang.cache.tiers import TierName
 from relaxkv_sglang.model.tensor_parallel import digest
 from relaxkv_sglang.request.plan import RECORD_KEY
@@ -101,3 +102,11 @@ def merge_record(req: Any, step: dict) -> None:
 def around_is_request_level_key(original: Callable, streamer: Any, key: str) -> bool:
     """Hook on ``SchedulerOutputStreamer.is_request_level_customized_info_key``."""
     return key == RECORD_KEY or original(streamer, key)
+
+
+#: the SGLang functions this module wraps (registered by ``server/sglang/plugin.py``)
+HOOKS = (
+    Hook("sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
+         ".is_request_level_customized_info_key",
+         around_is_request_level_key, ("self", "key")),
+)

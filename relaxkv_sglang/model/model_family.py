@@ -177,7 +177,7 @@ _LLAMA = "sglang.srt.models.llama"
 _QWEN2 = "sglang.srt.models.qwen2"
 _QWEN3 = "sglang.srt.models.qwen3"
 
-#: ``server/sglang/plugin.py::HOOKS`` is generated from it. Mistral and Phi-3 run LlamaModel's forward;
+#: ``forward/repair_stage.py::HOOKS`` is generated from it. Mistral and Phi-3 run LlamaModel's forward;
 #: Qwen3Model defines its own; Qwen3MoeModel runs Qwen2MoeModel's (an unregistered Qwen2-MoE: pic).
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("llama", ("LlamaForCausalLM",), ("llama",), f"{_LLAMA}.LlamaForCausalLM", f"{_LLAMA}.LlamaModel"),

@@ -234,7 +234,7 @@ def test_the_pass_bookkeeping_on_the_device_is_refused():
 def test_the_query_pass_records_scores_under_cuda_rules():
     """The attention backend's share of a repair's query pass (forward/context.py::QueryScores): the
     query's rows are found on the host; the scores are computed where q and the pool are."""
-    from relaxkv_sglang.forward.context import QueryScores
+    from relaxkv_sglang.attention.extend_rows import QueryScores
 
     with CudaRules() as rules:
         scores = QueryScores(n_context=7, query_end=9, slots=rules.put(torch.arange(3, 13)))

@@ -297,18 +297,18 @@ def test_the_server_refuses_a_model_of_no_family_or_missing_a_module_its_family_
 
 
 def test_hooks_hold_one_model_forward_per_hooked_class():
-    from relaxkv_sglang.server.sglang.plugin import HOOKS, MODEL_FORWARD_HOOKS
+    from relaxkv_sglang.forward import repair_stage
+    from relaxkv_sglang.server.sglang.plugin import hooks
 
-    model_hooks = {target: entry for target, entry in HOOKS.items()
-                   if entry[0] == "relaxkv_sglang.forward.repair_stage:around_model_forward"}
-    assert model_hooks == MODEL_FORWARD_HOOKS
+    model_hooks = {hook.target: hook for hook in hooks() if hook.around is repair_stage.around_model_forward}
+    assert set(model_hooks.values()) == set(repair_stage.HOOKS)
     assert sorted(model_hooks) == ["sglang.srt.models.llama.LlamaModel.forward",
                                    "sglang.srt.models.mixtral.MixtralModel.forward",
                                    "sglang.srt.models.qwen2.Qwen2Model.forward",
                                    "sglang.srt.models.qwen2_moe.Qwen2MoeModel.forward",
                                    "sglang.srt.models.qwen3.Qwen3Model.forward"]
     assert {family.hooked_forward for family in FAMILIES} == set(model_hooks)
-    assert all(params == ("self", "input_ids", "positions", "forward_batch") for _, params in model_hooks.values())
+    assert all(hook.params == ("self", "input_ids", "positions", "forward_batch") for hook in model_hooks.values())
     assert hooked_model_classes() == {"sglang.srt.models.llama.LlamaModel": ["llama", "mistral", "phi3"],
                                       "sglang.srt.models.qwen2.Qwen2Model": ["qwen2"],
                                       "sglang.srt.models.qwen3.Qwen3Model": ["qwen3"],

@@ -159,9 +159,9 @@ for name in json.loads(sys.argv[1]):
     except Exception as exc:
         out["errors"][name] = f"{type(exc).__name__}: {exc}"
 import importlib.metadata as md, pkgutil
-from relaxkv_sglang.server.sglang.plugin import HOOKS
-for target, (hook, _params) in HOOKS.items():
-    pkgutil.resolve_name(hook)  # every hook the plugin registers exists in the installed package
+from relaxkv_sglang.server.sglang.plugin import hooks
+for hook in hooks():  # every hook the plugin registers wraps an SGLang function of the installed release
+    pkgutil.resolve_name(hook.target.rpartition(".")[0])
 (ep,) = [e for e in md.entry_points(group="sglang.srt.plugins") if e.name == "relaxkv"]
 out["plugin"] = sys.modules[ep.load().__module__].__file__
 out["version"] = md.version("relaxkv-sglang")

@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable
 
+from relaxkv_sglang.runtime.hooks import Hook
+
 
 def _relaxkv_cache(tree_cache: Any) -> Any:
     """The tree cache if it is the plugin's (it pins), else None."""
@@ -76,3 +78,14 @@ def _check_pinned(cache: Any, adder: Any, req: Any, check: Callable[[], Any]) ->
     else:
         cache.admission_pins.unpin(req)
     return result
+
+
+#: the SGLang functions this module wraps (registered by ``server/sglang/plugin.py``)
+HOOKS = (
+    Hook("sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill",
+         around_get_new_batch_prefill, ("self", "running_batch")),
+    Hook("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
+         around_add_one_req, ("self", "req")),
+    Hook("sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req",
+         around_add_chunked_req, ("self", "req")),
+)

@@ -6,6 +6,7 @@ no module holds a process-wide reference. Imports no SGLang at run time.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol, Sequence
 
 import torch
@@ -44,15 +45,22 @@ class RelaxKVCache(Protocol):
         """Push the chunk counters to /metrics."""
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkerCache:
+    """A scheduler worker's record: its relaxkv tree cache."""
+
+    cache: RelaxKVCache
+
+
 def worker_cache(worker: Any) -> Optional[RelaxKVCache]:
     """The relaxkv tree cache of this scheduler's worker, or None if not selected."""
-    held = records.record(worker, records.WorkerState, create=False)
+    held = records.record(worker, WorkerCache, create=False)
     return held.cache if held is not None else None
 
 
 def attach_worker_cache(worker: Any, cache: RelaxKVCache) -> None:
     """Make ``cache`` the one :func:`worker_cache` finds for ``worker`` (the factory's call)."""
-    records.record(worker, records.WorkerState).cache = cache
+    records.attach(worker, WorkerCache(cache))
 
 
 __all__ = ["RelaxKVCache", "worker_cache", "attach_worker_cache"]

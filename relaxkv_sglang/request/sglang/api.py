@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Sequence
 
+from relaxkv_sglang.runtime.hooks import Hook
 from relaxkv_sglang.repair.policies import CHUNK_POLICIES, Policy
 from relaxkv_sglang.request.doc_index import DocumentIndex, discover_chunks, token_boundaries
 from relaxkv_sglang.request.segments import split_text, tokenize_parts
@@ -300,3 +301,12 @@ def _one_record(out: Any) -> Any:
         if isinstance(records, list):
             meta[RECORD_KEY] = records[-1] if records else None
     return out
+
+
+#: the SGLang functions this module wraps (registered by ``server/sglang/plugin.py``)
+HOOKS = (
+    Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+         around_generate_request, ("self", "obj", "request")),
+    Hook("sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.flush_cache",
+         around_flush_cache, ("self",)),
+)

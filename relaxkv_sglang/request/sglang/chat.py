@@ -24,6 +24,7 @@ import logging
 import re
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from relaxkv_sglang.runtime.hooks import Hook
 from relaxkv_sglang.request.doc_index import discover_chunks
 from relaxkv_sglang.request.schema import CHUNKS, POLICY, RequestError, header_policy
 from relaxkv_sglang.runtime.settings import server_settings
@@ -244,3 +245,11 @@ def around_convert_to_internal_request(
     adapted, _ = result
     mark_documents(serving, request, adapted, header_policy(getattr(raw_request, "headers", None)))
     return result
+
+
+#: the SGLang functions this module wraps (registered by ``server/sglang/plugin.py``)
+HOOKS = (
+    Hook("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
+         "._convert_to_internal_request",
+         around_convert_to_internal_request, ("self", "request", "raw_request")),
+)

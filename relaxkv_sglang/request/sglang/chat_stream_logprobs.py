@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Callable, Optional
 
+from relaxkv_sglang.runtime.hooks import Hook
+
 __all__ = ["around_generate_stream_content", "merged_logprobs"]
 
 _PENDING = "relaxkv_pending_logprobs"  # key prefix in the request's stream_offsets dict (module doc)
@@ -52,3 +54,13 @@ async def around_generate_stream_content(original: Callable[..., AsyncIterator[s
     content, request = kwargs["content"], kwargs["request"]
     yield build_sse_content(chunk_id=content["meta_info"]["id"], created=kwargs["created"], model=request.model,
                             index=index, content="", logprobs=logprobs)
+
+
+#: the SGLang functions this module wraps (registered by ``server/sglang/plugin.py``)
+HOOKS = (
+    Hook("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
+         "._generate_stream_content",
+         around_generate_stream_content, ("self", "content", "index", "request", "created", "stream_offsets",
+                                          "reasoning_parser_dict", "parser_dict", "has_tool_calls", "choice_logprobs",
+                                          "finish_reason_type")),
+)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Optional
 
 from fastapi import Request
 
+from relaxkv_sglang.runtime.hooks import Hook
 from relaxkv_sglang.repair.policies import Policy
 from relaxkv_sglang.request.schema import CHUNKS, POLICY
 from relaxkv_sglang.runtime.settings import server_settings
@@ -154,3 +155,10 @@ def register_http_routes() -> None:
     if any(getattr(route, "path", None) == ROUTE for route in app.router.routes):
         return
     app.add_api_route(ROUTE, concate_and_append_request, methods=["POST"])
+
+
+#: the SGLang functions this module wraps (registered by ``server/sglang/plugin.py``)
+HOOKS = (
+    Hook("sglang.srt.entrypoints.http_server.serve_generate_request",
+         around_serve_generate_request, ("obj", "request")),
+)

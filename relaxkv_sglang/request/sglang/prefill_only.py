@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from relaxkv_sglang.runtime.hooks import Hook
+
 __all__ = ["around_add_logprob_return_values"]
 
 # The per-request lists add_logprob_return_values appends one output position to.
@@ -29,3 +31,11 @@ def around_add_logprob_return_values(original: Callable[..., Any], processor: An
     for name, n in lengths.items():
         del getattr(logprob, name)[n:]
     return result
+
+
+#: the SGLang functions this module wraps (registered by ``server/sglang/plugin.py``)
+HOOKS = (
+    Hook("sglang.srt.managers.scheduler_components.logprob_result_processor.SchedulerLogprobResultProcessor"
+         ".add_logprob_return_values",
+         around_add_logprob_return_values, ("self", "i", "req")),
+)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from relaxkv_sglang.runtime.hooks import Hook
 from relaxkv_sglang.request.plan import BACKEND_NAME
 
 __all__ = ["REFUSAL", "around_handle_deterministic_inference", "refusal"]
@@ -48,3 +49,10 @@ def around_handle_deterministic_inference(original: Callable[..., Any], server_a
     if why:
         raise SystemExit(why)
     return original(server_args, *args, **kwargs)
+
+
+#: the SGLang functions this module wraps (registered by ``server/sglang/plugin.py``)
+HOOKS = (
+    Hook("sglang.srt.arg_groups.attention_hook.handle_deterministic_inference",
+         around_handle_deterministic_inference, ("server_args",)),
+)

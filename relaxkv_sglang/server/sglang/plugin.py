@@ -1,7 +1,7 @@
 """SGLang plugin entry point (group ``sglang.srt.plugins``, name ``relaxkv``).
 
 SGLang calls :func:`register` in every process it starts; it registers the ``relaxkv`` attention
-and tree cache backends and the hooks of :data:`HOOKS`, each with the parameters it relies on, so a
+and tree cache backends and the hooks of :func:`hooks`, each with the parameters it relies on, so a
 release that changes one stops the server at startup naming it.
 """
 
@@ -12,53 +12,22 @@ import os
 import pkgutil
 import sys
 
-from relaxkv_sglang.model.model_family import hooked_model_classes
+from relaxkv_sglang.runtime.hooks import Hook
 
 SGLANG_VERSION = "0.5.23"
 
-#: ``<class>.forward`` of each decoder-stack class (``model/model_family.py``) -> the repair hook.
-MODEL_FORWARD_HOOKS = {
-    f"{model_class}.forward": (
-        "relaxkv_sglang.forward.repair_stage:around_model_forward", ("self", "input_ids", "positions", "forward_batch"))
-    for model_class in hooked_model_classes()
-}
 
-# target -> (hook "module:function", parameters the hook relies on)
-HOOKS = {
-    "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request": (
-        "relaxkv_sglang.request.sglang.api:around_generate_request", ("self", "obj", "request")),
-    "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.flush_cache": (
-        "relaxkv_sglang.request.sglang.api:around_flush_cache", ("self",)),
-    "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation": (
-        "relaxkv_sglang.forward.pipeline:around_forward_batch_generation", ("self", "batch")),
-    "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (
-        "relaxkv_sglang.forward.pipeline:around_forward_batch_init_new", ("cls", "batch", "model_runner")),
-    **MODEL_FORWARD_HOOKS,
-    "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill": (
-        "relaxkv_sglang.cache.sglang.admission:around_get_new_batch_prefill", ("self", "running_batch")),
-    "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req": (
-        "relaxkv_sglang.cache.sglang.admission:around_add_one_req", ("self", "req")),
-    "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req": (
-        "relaxkv_sglang.cache.sglang.admission:around_add_chunked_req", ("self", "req")),
-    "sglang.srt.managers.scheduler.Scheduler.get_internal_state": (
-        "relaxkv_sglang.server.sglang.startup:around_get_internal_state", ("self", "recv_req")),
-    "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
-    ".is_request_level_customized_info_key": (
-        "relaxkv_sglang.forward.report:around_is_request_level_key", ("self", "key")),
-    "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request": (
-        "relaxkv_sglang.request.sglang.chat:around_convert_to_internal_request", ("self", "request", "raw_request")),
-    "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._generate_stream_content": (
-        "relaxkv_sglang.request.sglang.chat_stream_logprobs:around_generate_stream_content",
-        ("self", "content", "index", "request", "created", "stream_offsets", "reasoning_parser_dict", "parser_dict",
-         "has_tool_calls", "choice_logprobs", "finish_reason_type")),
-    "sglang.srt.entrypoints.http_server.serve_generate_request": (
-        "relaxkv_sglang.request.sglang.parallel_encoding:around_serve_generate_request", ("obj", "request")),
-    "sglang.srt.managers.scheduler_components.logprob_result_processor.SchedulerLogprobResultProcessor"
-    ".add_logprob_return_values": (
-        "relaxkv_sglang.request.sglang.prefill_only:around_add_logprob_return_values", ("self", "i", "req")),
-    "sglang.srt.arg_groups.attention_hook.handle_deterministic_inference": (
-        "relaxkv_sglang.server.sglang.deterministic:around_handle_deterministic_inference", ("server_args",)),
-}
+def hooks() -> tuple[Hook, ...]:
+    """Every hook the plugin registers, each declared by the adapter module holding its wrapper (imported here,
+    after the CPU shims are armed)."""
+    from relaxkv_sglang.cache.sglang import admission
+    from relaxkv_sglang.forward import pipeline, repair_stage, report
+    from relaxkv_sglang.request.sglang import api, chat, chat_stream_logprobs, parallel_encoding, prefill_only
+    from relaxkv_sglang.server.sglang import deterministic, startup
+
+    return (*api.HOOKS, *chat.HOOKS, *chat_stream_logprobs.HOOKS, *parallel_encoding.HOOKS, *admission.HOOKS,
+            *pipeline.HOOKS, *repair_stage.HOOKS, *prefill_only.HOOKS, *report.HOOKS, *startup.HOOKS,
+            *deterministic.HOOKS)
 
 
 def announce(message: str) -> None:
@@ -99,9 +68,9 @@ def _check_target(target: str, params: tuple[str, ...]) -> None:
 def _register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for target, (hook_path, params) in HOOKS.items():
-        _check_target(target, params)
-        HookRegistry.register(target, pkgutil.resolve_name(hook_path), HookType.AROUND)
+    for hook in hooks():
+        _check_target(hook.target, hook.params)
+        HookRegistry.register(hook.target, hook.around, HookType.AROUND)
 
 
 def _register_backends() -> None:

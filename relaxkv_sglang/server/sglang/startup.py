@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Optional
 
+from relaxkv_sglang.runtime.hooks import Hook
 from relaxkv_sglang.model.rope import UnsupportedRopeError
 from relaxkv_sglang.model.rope_config import rope_spec_from_hf_config
 from relaxkv_sglang.runtime.settings import ServerSettings, server_settings
@@ -147,3 +148,10 @@ def _is_neox_style(model: Any) -> bool:
         if hasattr(module, "is_neox_style") and hasattr(module, "cos_sin_cache"):
             return bool(module.is_neox_style)
     return True
+
+
+#: the SGLang functions this module wraps (registered by ``server/sglang/plugin.py``)
+HOOKS = (
+    Hook("sglang.srt.managers.scheduler.Scheduler.get_internal_state",
+         around_get_internal_state, ("self", "recv_req")),
+)

@@ -6,25 +6,27 @@ batch's prefill statistics); the ``meta_info.relaxkv`` record is :mod:`relaxkv_s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Optional
 
 from relaxkv_sglang.cache.sglang.cache_source import SGLANG_CACHE_SOURCES, by_cache_source
+from relaxkv_sglang.forward.fold import publish_misses
 from relaxkv_sglang.forward.report import merge_record, request_record
 
 if TYPE_CHECKING:
     from relaxkv_sglang.forward.query_pass import ForwardSetup
-    from relaxkv_sglang.forward.repair_stage import RepairOutcome
+    from relaxkv_sglang.forward.repair_stage import RepairStage
     from relaxkv_sglang.cache.sglang.relaxkv_cache import RelaxKVCache
 
 
-def finish_forward(cache: "RelaxKVCache", setup: "ForwardSetup", outcomes: Mapping[int, "RepairOutcome"]) -> None:
-    """Publish miss chunks, count reuse, attach reports; ``outcomes``: batch index -> what the repair
-    did (a request it ran for published its own misses before the anchors overwrote them)."""
+def finish_forward(cache: "RelaxKVCache", setup: "ForwardSetup", stage: Optional["RepairStage"]) -> None:
+    """Publish miss chunks (unless the repair ``stage`` did), count reuse, attach reports (``stage.outcomes``:
+    what the repair did per batch index)."""
+    if stage is None or not stage.published:
+        publish_misses(cache, (r.fold for r in setup.requests))
+    outcomes = stage.outcomes if stage is not None else {}
     totals = dict.fromkeys(SGLANG_CACHE_SOURCES, 0)
     for i, r in enumerate(setup.requests):
         f = r.fold
-        if f.misses and i not in outcomes:
-            cache.publish_chunks(f.misses, f.req_pool_idx)
         sources = by_cache_source(f.hit_sources())
         if f.hit_tokens and not getattr(f.req, "retracted_stain", False):
             # Added to SGLang's radix-match counts; as in SGLang only the first prefill counts (a

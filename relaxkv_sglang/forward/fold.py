@@ -10,7 +10,7 @@ chunk scope, so logprobs never depend on the cache. :mod:`~relaxkv_sglang.forwar
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 
@@ -97,6 +97,15 @@ def fold_batch(cache: "RelaxKVCache", batch: Any) -> Optional[Fold]:
         for i, req in enumerate(batch.reqs)
     ]
     return Fold(batch, tuple(requests))
+
+
+def publish_misses(cache: "RelaxKVCache", folds: Iterable[RequestFold]) -> None:
+    """Publish every request's miss chunks into slots the cache owns: the one place misses are published, once per
+    forward, after SGLang's layers computed them (position-independent, final) and before a repair's anchors
+    overwrite them (by the repair stage when one runs, else after the forward)."""
+    for f in folds:
+        if f.misses:
+            cache.publish_chunks(f.misses, f.req_pool_idx)
 
 
 def settles_in_window(chunk_end: int, window_start: int, window_end: int, prompt_len: int) -> bool:

@@ -79,7 +79,7 @@ def _forward(original: Callable, cache: Any, worker: Any, batch: Optional[Any], 
     # the decoder stack, whose ``forward`` the repair hook wraps
     with attached(batch, runner.attn_backend, getattr(runner.model, "model", None), PendingForward(setup.batch, context)):
         result = original(worker, batch, *args, **kwargs)
-    finish_forward(cache, setup, stage.outcomes if stage is not None else {})
+    finish_forward(cache, setup, stage)
     return result
 
 

@@ -23,6 +23,7 @@ from relaxkv_sglang.repair.repair_config import RepairConfig
 from relaxkv_sglang.repair.anchor_schedule import AnchorSchedule, schedule_anchors
 from relaxkv_sglang.repair.sglang.served_calibration import served_settings
 from relaxkv_sglang.forward.budget import decide_budget
+from relaxkv_sglang.forward.fold import publish_misses
 from relaxkv_sglang.model.model_family import hooked_model_classes
 from relaxkv_sglang.runtime.hooks import Hook
 from relaxkv_sglang.runtime.failures import InvariantError, served_as_pic
@@ -84,6 +85,7 @@ class RepairStage:
         self.services = services
         self.setup = setup
         self.outcomes: dict[int, RepairOutcome] = {}
+        self.published = False  # the batch's misses (fold.publish_misses), before the anchors overwrite them
 
     def run(self, model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n_rows, hidden] SGLang's final-normed output of the folded batch -> the same,
@@ -97,6 +99,8 @@ class RepairStage:
             timing.seconds += time.perf_counter() - start
 
     def _run(self, model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        publish_misses(self.cache, (r.fold for r in self.setup.requests))
+        self.published = True
         layers = ModelLayers(model)
         signals = self._decision_signals(hidden, layers)
         planned = []
@@ -150,10 +154,9 @@ class RepairStage:
 
     def _plan(self, r: "RequestRows", n_layers: int, scores: Optional[torch.Tensor],
               answer_logits: Optional[torch.Tensor]) -> RepairOutcome:
-        """Publish the request's misses (final position-independent KV, before anchors overwrite it) and plan its
-        pass (``scores``, ``answer_logits``: :meth:`_decision_signals`); served as pic when it cannot be planned."""
+        """Plan the request's pass (``scores``, ``answer_logits``: :meth:`_decision_signals`); served as pic when
+        it cannot be planned."""
         f = r.fold
-        self.cache.publish_chunks(f.misses, f.req_pool_idx)
         try:
             ids = _token_ids(f.req)
             served = served_settings(self.cache)

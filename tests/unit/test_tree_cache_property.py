@@ -329,7 +329,7 @@ class TreeCacheMachine(RuleBasedStateMachine):
             for j, s in zip(keep.tolist(), scope.tolist()):
                 self._compute_row(row, tokens, ns, r.prefix_len + j, s)
         if fold is not None:
-            finish_forward(self.cache, setup, {})
+            finish_forward(self.cache, setup, None)
         self.cache.admission_pins.unpin_all(reqs)  # the forward hook's finally
         assert not any(r.rid in self.cache.pins for r in reqs)
         if fold is not None:

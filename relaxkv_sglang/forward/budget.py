@@ -37,13 +37,8 @@ def request_budget(plan: RequestPlan, served: ServedCalibration) -> float | str 
 
 def decide_budget(config: RepairConfig, plan: RequestPlan, served: ServedCalibration, scores: Optional[torch.Tensor],
                   input_ids: torch.Tensor, answer_logits: Optional[torch.Tensor] = None) -> BudgetDecision:
-    """The request's budget applied to ``config`` (the request's knobs over the calibration's).
-
-    Args:
-        scores: float [n_layers, n_context] the query's stale attention, or None (not recorded).
-        input_ids: int64 [>= n_context] the prompt.
-        answer_logits: float [vocab] the query pass's logits at the last row (None: not measured).
-    """
+    """The request's budget applied to ``config``; ``scores`` float [n_layers, n_context] the query's stale
+    attention (None: not recorded), ``input_ids`` int64 [>= n_context], ``answer_logits`` float [vocab] (or None)."""
     budget = request_budget(plan, served)
     signal = (budget_signal(scores, plan.chunk_spans, plan.query_start, input_ids, answer_logits)
               if scores is not None else None)

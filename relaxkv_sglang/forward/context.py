@@ -1,7 +1,6 @@
-"""What one folded forward carries to SGLang's forward: the folded batch and its rows' positions (read by the
-``ForwardBatch.init_new`` hook), the rows the attention backend reads, the repair the decoder stack's hook runs.
-
-:func:`attached` holds each on the object that reads it, for the duration of one forward only."""
+"""What one folded forward carries into SGLang's forward, each held by :func:`attached` on the object that
+reads it for that forward only: the folded batch (``ForwardBatch.init_new``), the rows (the attention
+backend), the repair (the decoder stack)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""After the forward (the last stage, :mod:`relaxkv_sglang.forward.pipeline`): misses published, reuse counted, reports.
-
-Reused chunk tokens are added to SGLang's own accounting by source tier (``req.cached_tokens*``, the
-batch's prefill statistics); the ``meta_info.relaxkv`` record is :mod:`relaxkv_sglang.forward.report`.
-"""
+"""The forward's last stage: misses published (unless the repair stage did), reused chunk tokens added to
+SGLang's own accounting by source tier (``req.cached_tokens*``, the batch's prefill statistics), reports."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """The forward's first stage: chunk reuse folded into SGLang's extend batch.
 
-Per chunk in the extend window: a **hit** is copied into the request's slots and its rows leave
-the batch; a **miss** keeps its rows, each attending only to its own chunk, and is published after
-the forward. Rows SGLang reads (the window's last, input logprobs) are always computed, a hit's at
-chunk scope, so logprobs never depend on the cache. :mod:`~relaxkv_sglang.forward.query_pass` turns the
-:class:`Fold` into rows.
+Per chunk in the extend window: a **hit** is copied into the request's slots and its rows leave the batch; a
+**miss** keeps its rows, each attending only to its own chunk, and is published once computed. Rows SGLang
+reads (the window's last, input logprobs) are always computed, a hit's at chunk scope, so logprobs never
+depend on the cache.
 """
 
 from __future__ import annotations
@@ -28,15 +27,9 @@ MissChunk = tuple[ChunkKey, int, int]
 
 @dataclasses.dataclass(frozen=True)
 class RequestFold:
-    """What the fold decided for one request of the batch.
-
-    Attributes:
-        window_start: first position of this extend window (SGLang's prefix length).
-        keep: int64 [n_kept] window offsets of the tokens left to compute, ascending.
-        scope_start: int64 [n_kept] first key position each kept token may attend to.
-        plan: None for a plain request in a folded batch.
-        tier_tokens: hit tokens of chunks loaded from a lower tier, per tier (the rest: the pool).
-    """
+    """What the fold decided for one request: ``keep`` int64 [n_kept] the window offsets left to compute
+    (ascending), ``scope_start`` int64 [n_kept] the first key position each may attend to; ``window_start``:
+    SGLang's prefix length; ``plan`` None for a plain request; ``tier_tokens``: hit tokens per lower tier."""
 
     req: Any
     req_pool_idx: int
@@ -59,8 +52,7 @@ class RequestFold:
 
     @property
     def completes_prompt(self) -> bool:
-        """This window holds the prompt's last token, so it decides the repair (also a retracted
-        request's prefill again, whose window runs on over its generated tokens)."""
+        """This window holds the prompt's last token (a retracted request's runs on): it decides the repair."""
         return self.window_start < len(self.req.origin_input_ids) <= self.window_end
 
     def hit_sources(self) -> dict[TierName, int]:
@@ -100,9 +92,8 @@ def fold_batch(cache: "RelaxKVCache", batch: Any) -> Optional[Fold]:
 
 
 def publish_misses(cache: "RelaxKVCache", folds: Iterable[RequestFold]) -> None:
-    """Publish every request's miss chunks into slots the cache owns: the one place misses are published, once per
-    forward, after SGLang's layers computed them (position-independent, final) and before a repair's anchors
-    overwrite them (by the repair stage when one runs, else after the forward)."""
+    """Publish the requests' miss chunks into slots the cache owns: once per forward, after SGLang's layers computed
+    them and before a repair's anchors overwrite them (so by the repair stage when one runs, else by finish)."""
     for f in folds:
         if f.misses:
             cache.publish_chunks(f.misses, f.req_pool_idx)

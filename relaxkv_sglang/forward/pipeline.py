@@ -1,29 +1,10 @@
-"""The scheduler-side pipeline of one forward pass: one-way stages, each taking the last one's value.
+"""The hook on ``TpModelWorker.forward_batch_generation`` (``managers/tp_worker.py``): the forward's stages in
+order (:mod:`relaxkv_sglang.forward`), each taking the last one's value; and on ``ForwardBatch.init_new``
+(``model_executor/forward_batch_info.py``): the ``ForwardBatch`` built from the folded batch.
 
-:func:`around_forward_batch_generation` wraps ``TpModelWorker.forward_batch_generation``:
-
-1. :func:`~relaxkv_sglang.forward.fold.fold_batch` -> :class:`~relaxkv_sglang.forward.fold.Fold`
-   (hits copied and dropped, misses scoped);
-2. :func:`~relaxkv_sglang.forward.query_pass.set_up_forward` ->
-   :class:`~relaxkv_sglang.forward.query_pass.ForwardSetup` (every request's rows; a request to repair
-   gets its query pass);
-3. :func:`~relaxkv_sglang.forward.repair_stage.repair_stage` ->
-   :class:`~relaxkv_sglang.forward.repair_stage.RepairStage` or None, run by the model hook;
-4. SGLang's forward under :func:`~relaxkv_sglang.forward.context.attached` (``ForwardBatch`` built
-   from the folded batch by :func:`around_forward_batch_init_new`) -> the stage's
-   :attr:`~relaxkv_sglang.forward.repair_stage.RepairStage.outcomes`;
-5. :func:`~relaxkv_sglang.forward.finish.finish_forward`: misses published, reuse counted,
-   ``meta_info.relaxkv``.
-
-Under tensor parallelism with ``RELAXKV_TP_CHECK`` on, the ranks compare their folds first (one gather):
-a store out of lockstep stops the server naming the request instead of hanging in SGLang's collectives.
-
-Then the batch's admission pins are dropped, whatever happened; only an
-:class:`~relaxkv_sglang.runtime.failures.InvariantError` raises out (logged).
-
-SGLang files touched (hooks registered in ``plugin.py``): ``managers/tp_worker.py``
-``TpModelWorker.forward_batch_generation`` (around) and
-``model_executor/forward_batch_info.py`` ``ForwardBatch.init_new`` (around).
+With ``RELAXKV_TP_CHECK`` the ranks compare their folds first (one gather): a store out of lockstep stops the
+server naming the request instead of hanging in SGLang's collectives. The batch's admission pins are dropped
+whatever happens; only an :class:`~relaxkv_sglang.runtime.failures.InvariantError` raises out (logged).
 """
 
 from __future__ import annotations
@@ -76,8 +57,8 @@ def _forward(original: Callable, cache: Any, worker: Any, batch: Optional[Any], 
     setup = set_up_forward(cache, runner, fold)
     stage = repair_stage(cache, repair_services(worker), setup)
     context = ForwardContext(setup.positions, FoldedRows(list(setup.extend_rows), repairs=stage is not None), stage)
-    # the decoder stack, whose ``forward`` the repair hook wraps
-    with attached(batch, runner.attn_backend, getattr(runner.model, "model", None), PendingForward(setup.batch, context)):
+    decoder_stack = getattr(runner.model, "model", None)  # whose ``forward`` the repair hook wraps
+    with attached(batch, runner.attn_backend, decoder_stack, PendingForward(setup.batch, context)):
         result = original(worker, batch, *args, **kwargs)
     finish_forward(cache, setup, stage)
     return result

@@ -1,11 +1,9 @@
-"""The rows one forward computes, and the repair's query pass among them (the forward's second stage).
+"""The forward's second stage: the rows one forward computes, and the repair's query pass among them.
 
-:func:`set_up_forward` turns a :class:`~relaxkv_sglang.forward.fold.Fold` into a :class:`ForwardSetup`. For a
-request the repair decides in
-this window the forward is its **query pass**: a scoring policy gets a
-:class:`~relaxkv_sglang.attention.extend_rows.QueryScores` recorder, and
-the query's rows from earlier windows join the batch (negative ``keep``, scope 0) so the query is whole. The folded
-batch is a shallow copy of the scheduled one, the pattern of SGLang's ``model_executor/encoder_swa_replay.py``.
+For a request the repair decides in this window the forward is its **query pass**: a scoring policy gets a
+:class:`~relaxkv_sglang.attention.extend_rows.QueryScores` recorder, and the query's rows from earlier windows
+join the batch (negative ``keep``, scope 0) so the query is whole. The folded batch is a shallow copy of the
+scheduled one, the pattern of SGLang's ``model_executor/encoder_swa_replay.py``.
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ class RequestRows:
 
     @property
     def positions(self) -> torch.Tensor:
-        """int64 [n_rows] absolute positions of the rows."""
+        """int64 [n_rows]."""
         return self.keep + self.fold.window_start
 
     @property
@@ -109,8 +107,7 @@ def not_repaired_reason(f: "RequestFold", model_supports_repair: bool) -> Option
 
 
 def _set_up_request(cache: "RelaxKVCache", f: "RequestFold", model_supports_repair: bool) -> RequestRows:
-    """The rows of a request the repair decides in this window: its query pass, or else the fold's
-    rows and why it is not repaired (a failure of its own is served as pic, module doc)."""
+    """Its query pass, or else the fold's rows and why it is not repaired (its own failure: served as pic)."""
     reason = not_repaired_reason(f, model_supports_repair)
     if reason is not None:
         return RequestRows(f, f.keep, f.scope_start, not_repaired_reason=reason)
@@ -124,8 +121,7 @@ def _set_up_request(cache: "RelaxKVCache", f: "RequestFold", model_supports_repa
 
 
 def _query_pass_rows(cache: "RelaxKVCache", f: "RequestFold") -> RequestRows:
-    """The fold's rows, plus, for a policy that scores, the recorder and the query's rows of earlier
-    windows. Raises ``ValueError`` when the pass would not hold the whole query."""
+    """The fold's rows, plus, for a scoring policy, the recorder and the query's rows of earlier windows."""
     slots = cache.req_to_token[f.req_pool_idx, : f.window_end].to(torch.int64)
     query_start, query_end = f.plan.query_start, len(f.req.origin_input_ids)
     if not Policy(f.plan.policy).needs_query_scores:

@@ -1,14 +1,12 @@
-"""Cache repair inside SGLang's prefill: SGLang's forward is the query pass, then the anchors.
+"""The forward's third stage: :class:`RepairStage`, run by the decoder stack's hook after SGLang's layers (whose
+forward was the repair's query pass), plans each target's anchors
+(:func:`~relaxkv_sglang.repair.anchor_schedule.schedule_anchors`) and runs the repair pass
+(:class:`~relaxkv_sglang.repair.sglang.layer_loop.LayerLoop`), whose glue and query rows replace SGLang's. It runs
+in the window holding the prompt's last token, over the whole prompt, so a cold request equals its warm one
+whatever the windows; an unplannable request is served as ``pic``.
 
-The query pass (:mod:`.query_pass`) records a scoring policy's ``s_l``; then :class:`RepairStage`, run by the model
-hook after the decoder stack, publishes the misses, plans the anchors
-(:func:`~relaxkv_sglang.repair.anchor_schedule.schedule_anchors`) and runs :class:`~relaxkv_sglang.repair.sglang.layer_loop.LayerLoop`, whose glue
-and query rows replace SGLang's. It runs in the window holding the prompt's last token, over the whole prompt, so a
-cold request equals its warm one whatever the windows; an unplannable request is served as ``pic``.
-
-SGLang files touched (hooks registered in ``plugin.py``): the ``forward`` of each decoder-stack class
-the model-family registry hooks (``model/model_family.py::hooked_model_classes``: ``LlamaModel``,
-``Qwen2Model``, ``Qwen3Model``, ``Qwen2MoeModel``, ``MixtralModel``; around).
+SGLang files touched: the ``forward`` of each decoder-stack class the model-family registry hooks
+(``model/model_family.py::hooked_model_classes``).
 """
 
 from __future__ import annotations
@@ -42,8 +40,7 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class RepairOutcome:
-    """What the repair did for one request: its pass's ``rows`` (None: served as pic, ``not_repaired_reason``
-    says why) and the budget's report fields (:mod:`.budget`)."""
+    """What the repair did for one request: its pass's ``rows`` (None: served as pic) and the budget's fields."""
 
     rows: Optional[LoopRows]
     not_repaired_reason: Optional[str] = None
@@ -69,16 +66,15 @@ def repair_stage(cache: "RelaxKVCache", services: Optional[RepairServices],
 
 
 def request_repair_config(r: "RequestRows", base: RepairConfig) -> RepairConfig:
-    """``base`` (the served calibration's, :func:`~relaxkv_sglang.repair.sglang.served_calibration.repair_base`) with the request's ratios."""
+    """``base`` (the served calibration's) with the request's own ratios."""
     plan = r.fold.plan
     given = {"anchor_ratio": plan.anchor_ratio, "context_ratio": plan.context_ratio}
     return dataclasses.replace(base, **{knob: value for knob, value in given.items() if value is not None})
 
 
 class RepairStage:
-    """The batch's repair of ``setup``'s targets (:mod:`.query_pass`), run by the model hook after SGLang's forward;
-    ``services``: the worker's (anchor executor, cost model, LM head, pool). ``outcomes`` (batch index ->
-    :class:`RepairOutcome`) outlives :meth:`run` because SGLang's forward returns only hidden states."""
+    """The batch's repair of ``setup``'s targets; ``outcomes`` (batch index -> :class:`RepairOutcome`) outlives
+    :meth:`run` because SGLang's forward returns only hidden states."""
 
     def __init__(self, cache: "RelaxKVCache", services: RepairServices, setup: "ForwardSetup") -> None:
         self.cache = cache
@@ -123,9 +119,8 @@ class RepairStage:
 
     def _decision_signals(self, hidden: torch.Tensor,
                           layers: ModelLayers) -> dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]]:
-        """Per scored target: (float32 [n_layers, n_context] the query's attention mass over every head, float32
-        [vocab] the query pass's answer logits or None), each rank's share summed over the TP group in one
-        collective (``model/tensor_parallel.py``), so every rank plans from the same values."""
+        """Per scored target: (float32 [n_layers, n_context] the query's attention mass, float32 [vocab] the answer
+        logits or None), the ranks' shares summed in one collective so every rank plans from the same values."""
         ranks = layers.ranks
         scored = [i for i in self.setup.targets if self.setup.requests[i].scores is not None]
         shares = [(self.setup.requests[i].scores.stacked(layers.n_layers), self._answer_logits(hidden, i))
@@ -142,9 +137,8 @@ class RepairStage:
                 for i, (scores, logits) in zip(scored, shares)}
 
     def _answer_logits(self, hidden: torch.Tensor, i: int) -> Optional[torch.Tensor]:
-        """float32 [vocab shard] this rank's logits of the query pass at request ``i``'s last row (one row through
-        the LM head), for the budget signal of every scored request (fixed-ratio runs fit calibrations); None
-        without an LM head."""
+        """float32 [vocab shard] this rank's query-pass logits at request ``i``'s last row (None: no LM head): the
+        budget signal, computed for every scored request (fixed-ratio runs fit calibrations)."""
         lm_head = self.services.lm_head
         if lm_head is None:
             return None
@@ -161,8 +155,8 @@ class RepairStage:
             ids = _token_ids(f.req)
             served = served_settings(self.cache)
             budget = decide_budget(request_repair_config(r, served.base), f.plan, served, scores, ids, answer_logits)
-            anchor_schedule = schedule_anchors(f.plan.policy, scores, list(f.plan.chunk_spans), f.plan.query_start, n_layers,
-                                       budget.config, self.services.cost, input_ids=ids)
+            anchor_schedule = schedule_anchors(f.plan.policy, scores, list(f.plan.chunk_spans), f.plan.query_start,
+                                               n_layers, budget.config, self.services.cost, input_ids=ids)
             # the pass's bookkeeping lives on the host (layer_loop): the slots are read back once
             return RepairOutcome(repair_rows(f.window_end, anchor_schedule, r.slots.cpu()), budget_report=budget.report)
         except InvariantError:
@@ -185,8 +179,7 @@ def _replace_rows(hidden: torch.Tensor, start: int, batch_positions: torch.Tenso
 
 
 def _token_ids(req: Any) -> torch.Tensor:
-    """int64 [prompt + generated tokens] the request's token ids (a retracted request's prefill
-    again covers its generated tokens too)."""
+    """int64 [prompt + generated tokens] (a retracted request's prefill again covers its generated tokens)."""
     ids = getattr(req, "full_untruncated_fill_ids", None)
     return torch.tensor(ids if ids is not None and len(ids) else req.origin_input_ids, dtype=torch.int64)
 
@@ -224,6 +217,6 @@ def around_model_forward(original: Callable, model: torch.nn.Module, input_ids: 
     return stage.run(model, hidden)
 
 
-#: the decoder-stack ``forward`` of each class the model-family registry hooks (registered by ``server/sglang/plugin.py``)
+#: the decoder-stack ``forward`` of each class the model-family registry hooks
 HOOKS = tuple(Hook(f"{model_class}.forward", around_model_forward, ("self", "input_ids", "positions", "forward_batch"))
               for model_class in hooked_model_classes())

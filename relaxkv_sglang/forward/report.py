@@ -1,19 +1,9 @@
-"""The per-request report, ``meta_info.relaxkv``: what the fold and the repair did.
+"""The per-request report, ``meta_info.relaxkv`` (its fields: ``docs/api.md``): what the fold and the repair
+did. Over several prefill steps (chunked prefill windows, a retraction) counters are summed and the repair
+fields are those of the step that completed the prompt.
 
-Fields (documented in ``docs/api.md``): ``policy``, ``chunks_seen``, ``chunks_hit``,
-``chunk_tokens_reused`` (and ``chunk_tokens_from_<tier>`` per lower
-:class:`~relaxkv_sglang.cache.tiers.TierName`), ``tokens_computed``, ``repaired``, ``prefills``,
-``repairs``; for a repaired request ``anchor_ratio``, ``anchors_per_layer``, ``anchors_by_layer`` (|A_l| per
-layer), ``anchor_set_digest`` (the anchor sets' positions, as 16 hex digits: equal for equal sets), ``context_ratio``,
-``repair_kv_pairs``, ``repair_kv_pairs_executed`` and the budget's fields (``budget``,
-``budget_choice``, ``budget_signal``: ``forward/budget.py``); otherwise, under a repair policy,
-``not_repaired_reason``. Over several prefill steps (chunked prefill windows, a retraction)
-counters are summed and the repair fields are those of the step that completed the prompt.
-
-SGLang carries ``req.customized_info`` to the HTTP process; the key is declared request-level
-(:func:`around_is_request_level_key`), so the record is sent once, not sliced per output token.
-SGLang file touched: ``managers/scheduler_components/output_streamer.py``
-``SchedulerOutputStreamer.is_request_level_customized_info_key`` (around).
+SGLang carries ``req.customized_info`` to the HTTP process; the key is declared request-level (hook on
+``managers/scheduler_components/output_streamer.py``), so the record is sent once, not per output token.
 """
 
 from __future__ import annotations
@@ -30,16 +20,13 @@ if TYPE_CHECKING:
     from relaxkv_sglang.forward.query_pass import RequestRows
     from relaxkv_sglang.forward.repair_stage import RepairOutcome
 
-# The hit tokens of each lower tier, one field per tier name (the tiers' one vocabulary).
 _TIER_FIELDS = {tier: f"chunk_tokens_from_{tier.value}" for tier in TierName if tier != TierName.DEVICE}
-# Counters summed over the prefill steps of one request (chunked prefill, retraction).
-_ADDITIVE = ("chunks_seen", "chunks_hit", "chunk_tokens_reused", *_TIER_FIELDS.values(), "tokens_computed", "prefills",
+_SUMMED_OVER_PREFILLS = ("chunks_seen", "chunks_hit", "chunk_tokens_reused", *_TIER_FIELDS.values(), "tokens_computed", "prefills",
              "repairs")
 
 
 def request_record(r: "RequestRows", outcome: Optional["RepairOutcome"]) -> dict:
-    """This prefill step's report for one request: its rows in the forward, and what the repair
-    did for it (None: the repair did not run for it)."""
+    """This prefill step's report for one request (``outcome`` None: the repair did not run for it)."""
     f = r.fold
     repair = outcome.rows if outcome is not None else None
     sources = f.hit_sources()
@@ -88,7 +75,7 @@ def merge_record(req: Any, step: dict) -> None:
     old = info.get(RECORD_KEY, [None])[-1]
     if old is not None:
         decided = step["prefills"] > 0
-        summed = [key for key in _ADDITIVE if key in step or key in old]
+        summed = [key for key in _SUMMED_OVER_PREFILLS if key in step or key in old]
         for key in summed:
             step[key] = step.get(key, 0) + old.get(key, 0)
         if not decided:

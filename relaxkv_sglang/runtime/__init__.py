@@ -1,2 +1,1 @@
-"""The bottom layer under every room: records on SGLang's objects (:mod:`.records`), failures
-(:mod:`.failures`), the ``RELAXKV_*`` settings (:mod:`.settings`). Standard library only."""
+"""The bottom layer under every room (standard library only): records, hooks, failures, settings."""

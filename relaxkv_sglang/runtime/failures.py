@@ -1,13 +1,6 @@
-"""What a failure inside the forward does: one request's is served as ``pic``; the plugin's stops.
-
-* A request whose repair cannot be carried out (its query pass cannot be set up, its plan cannot
-  be made) is served as ``pic``, the rows SGLang's forward computed, with a
-  ``not_repaired_reason`` naming the failure, logged once (:func:`served_as_pic`); the batch's
-  other requests are served as before.
-* A broken invariant of the plugin's own bookkeeping (:class:`InvariantError`), never one
-  request's input, is the only error the forward's stages let out of the scheduler:
-  :mod:`relaxkv_sglang.forward.pipeline` logs it in one line before SGLang stops the server.
-"""
+"""A failure inside the forward: one request's is served as ``pic`` with a ``not_repaired_reason``
+(:func:`served_as_pic`), the batch's others as before; a broken invariant of the plugin's own
+bookkeeping (:class:`InvariantError`, never one request's input) stops the server."""
 
 from __future__ import annotations
 
@@ -22,9 +15,7 @@ class InvariantError(RuntimeError):
 
 
 def served_as_pic(req: Any, failure: str) -> str:
-    """The ``not_repaired_reason`` of a request whose repair cannot be carried out, logged once (a
-    request's repair is decided once per prefill of its prompt). ``req``: SGLang's ``Req``;
-    ``failure``: what went wrong."""
+    """The ``not_repaired_reason`` of SGLang's ``req`` whose repair cannot be carried out, logged once."""
     reason = f"{failure} (served as pic)"
     logger.warning("relaxkv: request %s not repaired: %s", getattr(req, "rid", "?"), reason)
     return reason

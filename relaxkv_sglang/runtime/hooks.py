@@ -1,5 +1,4 @@
-"""A hook: an SGLang function the plugin wraps, declared by the adapter module that holds the wrapper
-(its ``HOOKS``), so "who calls this" is answered where the wrapper is; the plugin registers them all."""
+"""An SGLang function the plugin wraps, declared in the ``HOOKS`` of the adapter module holding the wrapper."""
 
 from __future__ import annotations
 

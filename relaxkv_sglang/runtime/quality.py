@@ -1,10 +1,5 @@
-"""The quality an ``auto`` repair budget aims at (:mod:`relaxkv_sglang.repair.auto_budget`), as clients and operators say it.
-
-A setting is a level of :data:`QUALITY_LEVELS` (each a price in the model's calibration) or a
-number: a target mean first-token KL against full prefill. Standard library only: the wire schema
-(``relaxkv_sglang/request/schema.py``), imported by light clients, checks requests with it, and
-the server's ``RELAXKV_QUALITY``/``RELAXKV_DEFAULT_BUDGET`` (:mod:`.settings`).
-"""
+"""What an ``auto`` repair budget aims at (:mod:`relaxkv_sglang.repair.auto_budget`): a level of
+:data:`QUALITY_LEVELS` (a price in the model's calibration) or a target mean first-token KL vs full prefill."""
 
 from __future__ import annotations
 
@@ -18,8 +13,7 @@ DEFAULT_QUALITY = "medium"
 
 
 def parse_quality(value: Any) -> str | float:
-    """A level name (any case, returned lower-cased) or a target KL: a finite number above 0, or
-    its decimal string. ValueError (one line) otherwise.
+    """A level name (any case; lower-cased) or a target KL (a finite number above 0, or its string); else ValueError.
 
     >>> parse_quality("High"), parse_quality(0.05), parse_quality("0.1")
     ('high', 0.05, 0.1)

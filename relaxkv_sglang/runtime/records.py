@@ -1,21 +1,6 @@
-"""The plugin's records on SGLang's objects: one attribute, :data:`ATTR`, on each object it touches,
-holding one typed record per kind. Each kind is declared beside the code that owns it:
-
-=====================================  =================================================  ==============
-object                                 record                                             kind's home
-=====================================  =================================================  ==============
-the plugin's tree cache                the gate's verdict, the served calibration,        ``GateResult``, ``ServedCalibration``,
-                                       the repair stages' timing                          ``RepairTiming``
-SGLang's ``TokenizerManager``          the gate refusal, the discovery index              ``GateRefusal``, ``DocumentIndex``
-SGLang's ``TpModelWorker``             its tree cache, the repair's services              ``WorkerCache``, ``RepairServices``
-SGLang's ``ScheduleBatch``             the folded batch of the running forward            ``PendingForward``
-the attention backend                  the rows of the running forward                    ``FoldedRows``
-a decoder stack                        the repair run after SGLang's layers               ``RepairStage``
-SGLang's ``Req``                       the request's plan and chunk bookkeeping           ``RequestState``
-=====================================  =================================================  ==============
-
-A record sits in the object's ``__dict__`` (an ``nn.Module``'s too, so its ``__getattr__`` is not involved).
-"""
+"""The plugin's records on SGLang's objects (the tree cache, ``TokenizerManager``, ``TpModelWorker``, a
+``ScheduleBatch``, ``Req``, the attention backend, a decoder stack): one attribute, :data:`ATTR`, in the
+object's ``__dict__`` (an ``nn.Module``'s too), holding one record per kind, each declared by its owner."""
 
 from __future__ import annotations
 

@@ -1,30 +1,6 @@
-"""The server's settings: every ``RELAXKV_*`` variable the plugin reads, parsed once per process.
-
-SGLang loads the plugin in each of its processes (the HTTP one and every scheduler);
-``server/sglang/plugin.py::register`` calls :func:`server_settings` there, so a bad value stops the process
-at startup with one line naming the variable, and every later reader (a request's default policy,
-the discovery index, the calibration, the tiers) gets the same parsed object. No other module of
-the package reads ``os.environ`` (``tests/unit/test_settings.py`` checks the source): a variable
-changed after startup changes nothing, as for SGLang's own server arguments.
-
-| variable | field | values |
-|---|---|---|
-| ``RELAXKV_DEFAULT_POLICY`` | ``default_policy`` | a served policy (default ``prefix``; checked against the policy registry at startup, ``request/schema.py::check_default_policy``) |
-| ``RELAXKV_DEFAULT_BUDGET`` | ``default_budget`` | ``auto`` or a share in [0, 1]; unset: none |
-| ``RELAXKV_QUALITY`` | ``quality`` | ``low``, ``medium`` (default), ``high`` or a target KL > 0 |
-| ``RELAXKV_CALIBRATION`` | ``calibration`` | a calibration file, or ``none``; unset: the shipped one |
-| ``RELAXKV_DISCOVERY_INDEX`` | ``discovery_index`` | on/off (default off) |
-| ``RELAXKV_ADMISSION_HOLD`` | ``admission_hold`` | on/off (default on) |
-| ``RELAXKV_WEIGHTS_FINGERPRINT`` | ``weights_fingerprint`` | ``sampled`` (default) or ``full`` |
-| ``RELAXKV_TP_CHECK`` | ``tp_check`` | on/off (default off; the tests' TP servers: on): the ranks compare their decisions |
-| ``RELAXKV_TEST_ROPE_OVERRIDE`` | ``rope_override`` | tests only: a JSON object of ``RopeSpec`` fields |
-| ``RELAXKV_HOST_CACHE_*``, ``RELAXKV_CHUNK_DIR``, ``RELAXKV_DISK_CACHE_GB``, ``RELAXKV_HICACHE_*`` | ``environment`` | each lower tier parses its own (``cache/sglang/tier_configs.py``) |
-
-On/off: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` (any case); anything else stops
-the process. The launchers (``server/launch.py``, ``server/cluster.py``) hand the environment on to their child
-processes through :func:`child_environment`; the offline tools find their cache through
-:func:`asset_cache_root`.
-"""
+"""Every ``RELAXKV_*`` variable the plugin reads (table: ``docs/api.md``, server settings), parsed once per
+process at startup, so a bad value stops it with one line naming the variable. No other module reads
+``os.environ`` (``tests/unit/test_settings.py``): a variable changed after startup changes nothing."""
 
 from __future__ import annotations
 
@@ -58,21 +34,7 @@ __all__ = ["ServerSettings", "server_settings", "child_environment", "asset_cach
 
 @dataclasses.dataclass(frozen=True)
 class ServerSettings:
-    """The parsed settings (module doc: the variable behind each field).
-
-    Attributes:
-        default_policy: the policy of a request that names none.
-        default_budget: a repair request's budget when it gives no ratio nor budget (None: none).
-        quality: what an ``auto`` budget aims at unless the request says.
-        calibration: the calibration file to serve, ``"none"`` for the code defaults, None: the
-            one shipped for the served model.
-        discovery_index: discovery also finds the chunks it discovered before.
-        admission_hold: chunk hits are held for a request waiting on admission.
-        weights_fingerprint: how the model identity hashes its weights.
-        tp_check: tensor-parallel ranks compare digests of their decisions (one small gather each).
-        rope_override: tests only, fields replacing the served RoPE's (None: none).
-        environment: every ``RELAXKV_*`` variable as set at startup (the lower tiers read theirs).
-    """
+    """The parsed settings (module doc: the variable behind each field)."""
 
     default_policy: str = "prefix"
     default_budget: float | str | None = None
@@ -104,8 +66,7 @@ class ServerSettings:
 
 @functools.cache
 def server_settings() -> ServerSettings:
-    """This process's settings, read from its environment on the first call (the plugin's
-    ``register``, at startup) and the same object after."""
+    """This process's settings, read on the first call (the plugin's ``register``) and the same object after."""
     return ServerSettings.from_env(os.environ)
 
 
@@ -121,8 +82,7 @@ def asset_cache_root() -> pathlib.Path:
 
 
 def _parsed(env: Mapping[str, str], name: str, default: Any, parse: Any) -> Any:
-    """``parse(value)`` of variable ``name`` (``default`` when unset or blank); a ValueError from
-    ``parse`` stops the process with one line."""
+    """``parse(value)`` of variable ``name`` (``default`` when unset or blank); stops on a ValueError."""
     raw = env.get(name, "").strip()
     if not raw:
         return default

@@ -103,3 +103,17 @@ def test_no_module_but_settings_reads_the_environment():
 def test_the_scan_finds_every_form_of_read():
     source = "import os\nfrom os import getenv\nx = os.environ.get('A')\ny = os.getenv('B')\nz = os.path.join('a')\n"
     assert sorted(_environment_reads(source, "m.py")) == ["m.py:2", "m.py:3", "m.py:4"]
+
+
+def test_the_api_doc_lists_every_setting():
+    """docs/api.md's table of the RELAXKV_* variables names every field and the variable behind it."""
+    import dataclasses
+    import re
+
+    doc = (PACKAGE.parent / "docs" / "api.md").read_text()
+    table = doc[doc.index("## Server settings"):].split("\n## ")[0]
+    rows = re.findall(r"^\| (.+?) \| `(\w+)` \|", table, flags=re.M)
+    assert {field for _, field in rows} == {f.name for f in dataclasses.fields(ServerSettings)}
+    named = {re.sub(r"`", "", variable) for variable, field in rows if field != "environment"}
+    assert named == {value for name, value in vars(settings).items()
+                     if name.endswith("_ENV") and name != "CACHE_ROOT_ENV"}

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
 from relaxkv_sglang.attention.extend_rows import FoldedRows
 from relaxkv_sglang.forward.repair_stage import RepairStage
 from relaxkv_sglang.runtime import records
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,12 +34,12 @@ class PendingForward:
     """The ``ScheduleBatch``'s record while its forward runs: the folded batch (a shallow copy with fewer rows)
     ``ForwardBatch.init_new`` builds from, and its context."""
 
-    batch: Any
+    batch: "ScheduleBatch"
     context: ForwardContext
 
 
 @contextlib.contextmanager
-def attached(schedule_batch: Any, attn_backend: Any, decoder_stack: Optional[torch.nn.Module],
+def attached(schedule_batch: "ScheduleBatch", attn_backend: "AttentionBackend", decoder_stack: Optional[torch.nn.Module],
              pending: PendingForward) -> Iterator[None]:
     """For one forward: the folded batch on ``schedule_batch``, its rows on ``attn_backend``, its repair on
     ``decoder_stack`` (the module whose ``forward`` the repair hook wraps); removed afterwards."""
@@ -51,6 +55,6 @@ def attached(schedule_batch: Any, attn_backend: Any, decoder_stack: Optional[tor
             records.detach(obj, type(held))
 
 
-def pending_forward(schedule_batch: Any) -> Optional[PendingForward]:
+def pending_forward(schedule_batch: "ScheduleBatch") -> Optional[PendingForward]:
     """The folded batch attached to a ``ScheduleBatch``, if any."""
     return records.record(schedule_batch, PendingForward, create=False)

@@ -9,7 +9,7 @@ depend on the cache.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
@@ -19,6 +19,8 @@ from relaxkv_sglang.model.tensor_parallel import digest
 from relaxkv_sglang.request.plan import RequestPlan, request_plan
 
 if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+
     from relaxkv_sglang.cache.sglang.relaxkv_cache import RelaxKVCache
 
 # A miss chunk to publish once computed: (its key, start position, end position).
@@ -31,7 +33,7 @@ class RequestFold:
     (ascending), ``scope_start`` int64 [n_kept] the first key position each may attend to; ``window_start``:
     SGLang's prefix length; ``plan`` None for a plain request; ``tier_tokens``: hit tokens per lower tier."""
 
-    req: Any
+    req: "Req"
     req_pool_idx: int
     window_start: int
     window_len: int
@@ -64,7 +66,7 @@ class RequestFold:
 class Fold:
     """A batch's fold: the scheduled batch and, per request in batch order, what the fold decided."""
 
-    source: Any  # the ScheduleBatch the scheduler built
+    source: "ScheduleBatch"  # the batch the scheduler built
     requests: tuple[RequestFold, ...]
 
 
@@ -75,7 +77,7 @@ def fold_digests(fold: Fold) -> list[int]:
             for f in fold.requests]
 
 
-def fold_batch(cache: "RelaxKVCache", batch: Any) -> Optional[Fold]:
+def fold_batch(cache: "RelaxKVCache", batch: Optional["ScheduleBatch"]) -> Optional[Fold]:
     """Decide, copy reused KV; None if the batch is not an extend or no request has a plan."""
     if batch is None or not batch.forward_mode.is_extend() or batch.forward_mode.is_mixed():
         return None
@@ -106,7 +108,7 @@ def settles_in_window(chunk_end: int, window_start: int, window_end: int, prompt
             or (chunk_end == prompt_len and window_start < chunk_end <= window_end))
 
 
-def _fold_request(cache: "RelaxKVCache", req: Any, rp: int, pre: int, n: int,
+def _fold_request(cache: "RelaxKVCache", req: "Req", rp: int, pre: int, n: int,
                   logprob_start: Optional[int]) -> RequestFold:
     plan = request_plan(req)
     if plan is None or not plan.reuses_chunks:

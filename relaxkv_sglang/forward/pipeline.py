@@ -10,7 +10,7 @@ whatever happens; only an :class:`~relaxkv_sglang.runtime.failures.InvariantErro
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from relaxkv_sglang.runtime.hooks import Hook
 from relaxkv_sglang.attention.extend_rows import FoldedRows
@@ -25,10 +25,18 @@ from relaxkv_sglang.forward.repair_stage import repair_stage
 from relaxkv_sglang.repair.sglang.services import repair_services
 from relaxkv_sglang.cache.sglang.relaxkv_cache import worker_cache
 
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.tp_worker import TpModelWorker
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    from relaxkv_sglang.cache.sglang.relaxkv_cache import RelaxKVCache
+
 logger = logging.getLogger(__name__)
 
 
-def around_forward_batch_generation(original: Callable, worker: Any, batch: Optional[Any] = None,
+def around_forward_batch_generation(original: Callable, worker: "TpModelWorker", batch: Optional["ScheduleBatch"] = None,
                                     *args: Any, **kwargs: Any) -> Any:
     """Hook on ``TpModelWorker.forward_batch_generation``: fold, repair, forward, finish."""
     cache = worker_cache(worker)
@@ -46,7 +54,8 @@ def around_forward_batch_generation(original: Callable, worker: Any, batch: Opti
             cache.admission_pins.unpin_all(batch.reqs)
 
 
-def _forward(original: Callable, cache: Any, worker: Any, batch: Optional[Any], *args: Any, **kwargs: Any) -> Any:
+def _forward(original: Callable, cache: "RelaxKVCache", worker: "TpModelWorker", batch: Optional["ScheduleBatch"],
+             *args: Any, **kwargs: Any) -> Any:
     fold = fold_batch(cache, batch)
     if fold is None:
         return original(worker, batch, *args, **kwargs)
@@ -64,7 +73,8 @@ def _forward(original: Callable, cache: Any, worker: Any, batch: Optional[Any], 
     return result
 
 
-def around_forward_batch_init_new(original: Callable, cls: type, batch: Any, model_runner: Any,
+def around_forward_batch_init_new(original: Callable, cls: type["ForwardBatch"], batch: "ScheduleBatch",
+                                  model_runner: "ModelRunner",
                                   *args: Any, **kwargs: Any) -> Any:
     """Hook on the classmethod ``ForwardBatch.init_new``: build it from the folded batch."""
     pending = pending_forward(batch)

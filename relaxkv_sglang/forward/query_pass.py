@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from copy import copy
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -21,6 +21,7 @@ from relaxkv_sglang.runtime.failures import InvariantError, served_as_pic
 from relaxkv_sglang.model.sglang.model_layers import supports_repair
 
 if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     from relaxkv_sglang.forward.fold import Fold, RequestFold
@@ -59,11 +60,11 @@ class ForwardSetup:
     folded batch and attention-backend rows; ``targets``: the batch indices the repair runs for; ``batch``:
     ``source`` (the scheduled ScheduleBatch) or its folded copy; ``positions`` int64 [n_rows] of every row."""
 
-    source: Any
+    source: "ScheduleBatch"
     requests: tuple[RequestRows, ...]
     row_starts: tuple[int, ...]
     targets: tuple[int, ...]
-    batch: Any
+    batch: "ScheduleBatch"
     positions: torch.Tensor
     extend_rows: tuple[ExtendRows, ...]
 
@@ -140,7 +141,7 @@ def _check_whole_query(rows: torch.Tensor, query_start: int, query_end: int) -> 
         raise ValueError(f"the pass would hold {held} of the query's rows {query_start}..{query_end - 1}")
 
 
-def _batch_of(batch: Any, requests: list[RequestRows]) -> Any:
+def _batch_of(batch: "ScheduleBatch", requests: list[RequestRows]) -> "ScheduleBatch":
     """The scheduled batch when every request keeps exactly its window's rows, else its folded copy."""
     # keep is ascending and distinct: n rows from offset 0 to n - 1 are the window itself.
     unchanged = all(r.n_rows == n and (n == 0 or (int(r.keep[0]) == 0 and int(r.keep[-1]) == n - 1))
@@ -148,7 +149,7 @@ def _batch_of(batch: Any, requests: list[RequestRows]) -> Any:
     return batch if unchanged else _folded_copy(batch, requests)
 
 
-def _folded_copy(batch: Any, requests: list[RequestRows]) -> Any:
+def _folded_copy(batch: "ScheduleBatch", requests: list[RequestRows]) -> "ScheduleBatch":
     """A shallow copy of the ScheduleBatch holding only the kept rows; query rows of earlier windows (negative
     ``keep``) take their ids from the request and slots from ``RequestRows.slots``, appended after the batch's."""
     if getattr(batch, "global_num_tokens", None) is not None:

@@ -32,6 +32,7 @@ from relaxkv_sglang.model.tensor_parallel import place_shard
 from relaxkv_sglang.runtime import records
 
 if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
     from relaxkv_sglang.forward.query_pass import ForwardSetup, RequestRows
@@ -178,7 +179,7 @@ def _replace_rows(hidden: torch.Tensor, start: int, batch_positions: torch.Tenso
     hidden[(start + idx[present]).to(hidden.device)] = repaired[fresh[present].to(repaired.device)].to(hidden.dtype)
 
 
-def _token_ids(req: Any) -> torch.Tensor:
+def _token_ids(req: "Req") -> torch.Tensor:
     """int64 [prompt + generated tokens] (a retracted request's prefill again covers its generated tokens)."""
     ids = getattr(req, "full_untruncated_fill_ids", None)
     return torch.tensor(ids if ids is not None and len(ids) else req.origin_input_ids, dtype=torch.int64)

@@ -8,7 +8,7 @@ SGLang carries ``req.customized_info`` to the HTTP process; the key is declared 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from relaxkv_sglang.runtime.hooks import Hook
 from relaxkv_sglang.cache.tiers import TierName
@@ -16,6 +16,9 @@ from relaxkv_sglang.model.tensor_parallel import digest
 from relaxkv_sglang.request.plan import RECORD_KEY
 
 if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+
     from relaxkv_sglang.repair.sglang.layer_loop import LoopRows
     from relaxkv_sglang.forward.query_pass import RequestRows
     from relaxkv_sglang.forward.repair_stage import RepairOutcome
@@ -69,7 +72,7 @@ def repair_record(rows: "LoopRows") -> dict:
     }
 
 
-def merge_record(req: Any, step: dict) -> None:
+def merge_record(req: "Req", step: dict) -> None:
     """Merge this prefill step's report into the request's ``meta_info.relaxkv``."""
     info = req.customized_info if req.customized_info is not None else {}
     old = info.get(RECORD_KEY, [None])[-1]
@@ -86,7 +89,7 @@ def merge_record(req: Any, step: dict) -> None:
     req.customized_info = info
 
 
-def around_is_request_level_key(original: Callable, streamer: Any, key: str) -> bool:
+def around_is_request_level_key(original: Callable, streamer: "SchedulerOutputStreamer", key: str) -> bool:
     """Hook on ``SchedulerOutputStreamer.is_request_level_customized_info_key``."""
     return key == RECORD_KEY or original(streamer, key)
 

@@ -121,3 +121,53 @@ def test_the_reference_check_finds_what_it_looks_for():
     assert index.unresolved(module, "no_such_name") == "not bound in this module"
     stale = index.stale({module: "See :class:`~.folds.Fold`, :func:`~relaxkv_sglang.x.y` and :class:`Fold`."})
     assert len(stale) == 2, stale
+
+
+ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
+PATH_REFERENCE = re.compile(r"`((?:relaxkv_sglang/)?[\w/]+)\.py::([\w.]+)`")  # `cache/pool_index.py::PoolChunkIndex`
+DOTTED_REFERENCE = re.compile(r"`((?:[a-z_]\w*\.)+[A-Za-z_]\w*)`")  # `fold.publish_misses`, `repair.reference.X`
+NOT_THE_PACKAGES = ("sglang", "relaxkv")  # SGLang's modules; the fields of meta_info.relaxkv and /get_server_info
+
+
+def architecture_doc_stale(index: PackageIndex, text: str) -> list[str]:
+    """Each reference of docs/architecture.md to the package that names nothing: ``path.py::Name`` under
+    relaxkv_sglang/, and a dotted name whose first part is a room or a module's own name (``fold.Fold``).
+    Dotted names of anything else (``meta_info.relaxkv``, ``req.cached_tokens``) and file names are not checked
+    here (the architecture test checks the files)."""
+    by_basename: dict[str, list[str]] = {}
+    for module in index.sources:
+        by_basename.setdefault(module.rsplit(".", 1)[-1], []).append(module)
+    stale = []
+    for m in PATH_REFERENCE.finditer(text):
+        module = "relaxkv_sglang." + m.group(1).removeprefix("relaxkv_sglang/").replace("/", ".")
+        if module not in index.sources:
+            continue  # a test, a benchmark or a script: the architecture test checks the file exists
+        if why := index.unresolved(module, f"{module}.{m.group(2)}"):
+            stale.append(f"{m.group(0)}: {why}")
+    for m in DOTTED_REFERENCE.finditer(text):
+        first, _, rest = m.group(1).partition(".")
+        if rest.rsplit(".", 1)[-1] == "py" or first in NOT_THE_PACKAGES:
+            continue
+        if f"relaxkv_sglang.{first}" in index.sources:
+            candidates = [f"relaxkv_sglang.{m.group(1)}"]
+        else:
+            candidates = [f"{module}.{rest}" for module in by_basename.get(first, [])]
+        whys = [index.unresolved("relaxkv_sglang", name) for name in candidates]
+        if candidates and all(whys):
+            stale.append(f"{m.group(0)}: {whys[0]}")
+    return stale
+
+
+def test_every_reference_in_the_architecture_doc_resolves():
+    stale = architecture_doc_stale(PackageIndex.read(), ARCHITECTURE_DOC.read_text())
+    assert not stale, "docs/architecture.md names what the package does not hold:\n" + "\n".join(stale)
+
+
+def test_the_architecture_doc_check_finds_what_it_looks_for():
+    index = PackageIndex.read()
+    text = ("`forward/fold.py::publish_misses` `fold.publish_misses` `repair.anchor_schedule.schedule_anchors` "
+            "`meta_info.relaxkv` `tests/unit/test_x.py::T` `forward/fold.py::NoSuch` `fold.no_such` `repair.nope.X`")
+    assert architecture_doc_stale(index, text) == [
+        "`forward/fold.py::NoSuch`: relaxkv_sglang.forward.fold binds no NoSuch",
+        "`fold.no_such`: relaxkv_sglang.forward.fold binds no no_such",
+        "`repair.nope.X`: relaxkv_sglang.repair binds no nope"]

@@ -1,29 +1,7 @@
-"""The anchors' schedule: one request's decisions (anchors per layer, their contexts), made once.
-
-The planner turns what the query pass measured into an :class:`AnchorSchedule`; an executor (the
-torch reference in :mod:`~relaxkv_sglang.repair.reference`, the server's ``repair/sglang/layer_loop.py``) only runs
-it, so both
-make the same decisions from the same inputs.
-
-Inputs (absolute prompt positions, as in :mod:`.token_sets`): a repairing ``policy`` (its
-:class:`~.policies.PolicySpec`); ``scores`` float [n_layers, n_context], the query's stale
-attention s_l (or None); ``chunk_spans`` sorted inside ``[0, n_context)``; a
-:class:`~.repair_config.RepairConfig`; the prompt's ids when the chunk sinks or the markup are
-sized from them.
-
-Decisions: targets ``A_0 ⊇ A_1 ⊇ ...`` (:func:`~.selection.select_anchors`, i.e. an exit layer
-``e(t)`` per token) and each layer's context (:func:`relaxed_context`, a
-:class:`~relaxkv_sglang.attention.layout.RelaxedContextSpec`; the full causal prefix for the peers and
-``relaxkv_fullctx``).
-A policy with a step inside the forward (:class:`~.policies.base.LayerStep`) gets it from
-:attr:`AnchorSchedule.layer_step`; one that decides mid-forward (CacheBlend) plans only the layers up
-to its step, which hands the rest to :meth:`AnchorSchedule.with_later_layers`.
-
-The knobs, the cost model and the joint budget's split: :mod:`.repair_config`.
-
-Randomness: targets from ``RepairConfig.seed``, contexts from ``seed + 1``. Why these defaults:
-docs/experiments/INDEX.md#anchor-ratio, #context-ratio, #attention-overhead.
-"""
+"""The anchors' schedule: one request's decisions (anchors per layer, their contexts), made once by the planner; an
+executor (the torch reference, the server's layer loop) only runs it. A policy that decides mid-forward (CacheBlend)
+plans the layers up to its step, which hands the rest to :meth:`AnchorSchedule.with_later_layers`. Targets draw from
+``RepairConfig.seed``, contexts from ``seed + 1``. Why: docs/experiments/INDEX.md#anchor-ratio."""
 
 from __future__ import annotations
 
@@ -33,8 +11,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from relaxkv_sglang.attention.layout import (BlockSparseLayout, RelaxedContextSpec, build_relaxed_layout, build_relaxed_layouts,
-                     key_bound_page_scores)
+from relaxkv_sglang.attention.layout import (BlockSparseLayout, RelaxedContextSpec, build_relaxed_layout,
+                                             build_relaxed_layouts, key_bound_page_scores)
 from relaxkv_sglang.repair.policies import Policy, PolicySpec, policy_spec
 from relaxkv_sglang.repair.policies.base import AnchorInputs, LayerStep
 from relaxkv_sglang.repair.repair_config import RepairConfig, RepairCost, split_budget
@@ -48,20 +26,8 @@ __all__ = ["AnchorSchedule", "schedule_anchors", "anchor_layouts", "relaxed_cont
 
 @dataclasses.dataclass
 class AnchorSchedule:
-    """One request's repair decisions.
-
-    Attributes:
-        spec: the repair policy's spec (``policies.policy_spec``).
-        chunk_spans: the reused chunks.
-        n_context: context tokens (the query starts here).
-        n_layers: layers of the model.
-        config: the knobs it was planned with.
-        scores: float [n_layers, n_context] s_l, or None.
-        anchor_sets: per planned layer, int64 [|A_l|] sorted anchors (nested). A policy that
-            decides mid-forward holds only the layers up to its step until :meth:`with_later_layers`.
-        layouts: per planned layer, the anchors' layout (rows = ``anchor_sets[l]``).
-        chunk_sinks: int64 [n_chunks] each chunk's sink tokens (``RelaxKVOptions.chunk_sink_rule``).
-    """
+    """One request's repair decisions: ``scores`` float [n_layers, n_context] s_l, or None; ``anchor_sets`` per planned
+    layer int64 [|A_l|] sorted, nested, ``layouts`` their layouts; ``chunk_sinks`` int64 [n_chunks]."""
 
     spec: PolicySpec
     chunk_spans: tuple[Span, ...]
@@ -79,17 +45,14 @@ class AnchorSchedule:
 
     @property
     def decided_layers(self) -> int:
-        """Layers whose anchors are decided (``n_layers`` but for a mid-forward policy before its step)."""
         return len(self.anchor_sets)
 
     @functools.cached_property
     def layer_step(self) -> Optional[LayerStep]:
-        """The policy's step inside the forward for this request (``PolicySpec.layer_step``), or None."""
         make = self.spec.layer_step
         return make(self) if make is not None else None
 
     def exit_layers(self) -> torch.Tensor:
-        """int64 [n_context]: e(t), the layers ``[0, e(t))`` token t is recomputed at (0: never)."""
         exits = torch.zeros(self.n_context, dtype=torch.int64)
         for l, anchors in enumerate(self.anchor_sets):
             exits[anchors] = l + 1
@@ -100,7 +63,6 @@ class AnchorSchedule:
 
     @functools.cached_property
     def context(self) -> RelaxedContextSpec:
-        """The anchors' relaxed context (:func:`relaxed_context` of the plan's policy and config)."""
         return relaxed_context(self.spec, self.chunk_spans, self.n_context, self.config)
 
     @property
@@ -109,20 +71,9 @@ class AnchorSchedule:
         return self.config.relaxkv.context_rank != "query" and self.spec.context == "topk"
 
     def layout_at(self, layer: int, q_anchors: torch.Tensor, keys: torch.Tensor) -> BlockSparseLayout:
-        """The anchors' layout at ``layer``, once their queries exist.
-
-        With ``config.relaxkv.context_rank == "query"`` (or a policy whose context is not ranked) it is the
-        planned ``layouts[layer]``; otherwise the same budget per row block filled with the pages
-        the anchors' own queries rank highest (``layout.key_bound_page_scores``).
-
-        Args:
-            layer: the layer.
-            q_anchors: [|A_l|, n_heads, d] the anchors' queries at this layer, rows in anchor order.
-            keys: [n_context, n_kv_heads, d] the context's keys at this layer in prompt order,
-                anchors' recomputed keys included.
-        Returns:
-            BlockSparseLayout whose rows are ``anchor_sets[layer]``.
-        """
+        """The anchors' layout at ``layer`` once their queries exist: the planned one, or (``context_rank`` not
+        ``query``) the same budget per row block filled with the pages the anchors' own queries rank highest.
+        ``q_anchors`` [|A_l|, n_heads, d] in anchor order; ``keys`` [n_context, n_kv_heads, d] in prompt order."""
         planned = self.layouts[layer]
         if not self.ranks_pages_in_layer or planned.n_rows == 0:
             return planned
@@ -140,8 +91,7 @@ class AnchorSchedule:
                             options=self.config.options_of(self.spec), chunk_sink_tokens=self.chunk_sinks)
 
     def with_later_layers(self, later_sets: Sequence[torch.Tensor]) -> "AnchorSchedule":
-        """The plan once a mid-forward step has decided the layers after :attr:`decided_layers` - 1
-        (``later_sets``: theirs, nested); the decided layers unchanged."""
+        """The plan once a mid-forward step has decided the layers after :attr:`decided_layers` - 1."""
         done = self.decided_layers
         if done + len(later_sets) != self.n_layers:
             raise ValueError(f"{self.spec.name}: {len(later_sets)} later sets for layers {done}..{self.n_layers - 1}")
@@ -159,31 +109,14 @@ def schedule_anchors(
     cost: Optional[RepairCost] = None,
     input_ids: Optional[torch.Tensor] = None,
 ) -> AnchorSchedule:
-    """Targets and contexts of one request (module doc).
+    """Targets and contexts of one request: ``scores`` float [n_layers, n_context] s_l; ``cost`` with a budget;
+    ``input_ids`` int64 [>= n_context] with ``shared`` sinks or markup. Example (relaxkv, two chunks, 4 layers):
 
-    Args:
-        policy: a repairing Policy, its value, or a spec.
-        scores: float [n_layers, n_context] s_l, required when ``policy.needs_query_scores``.
-        chunk_spans: the reused chunks inside ``[0, n_context)``.
-        n_context: context tokens.
-        n_layers: layers of the model.
-        config: the knobs.
-        cost: the model's cost model; needed when ``config.budget`` is set.
-        input_ids: int64 [>= n_context] the prompt; needed when ``config.relaxkv.chunk_sink_rule`` is
-            ``shared`` or ``config.relaxkv.markup_share`` is above 0.
-    Returns:
-        AnchorSchedule; with a budget, its ``config`` holds the split's anchor and context ratios.
-    
-    Example (relaxkv over two chunks, 4 layers, 25% anchors, half-prefix contexts):
-
-    >>> import torch
     >>> scores = torch.rand(4, 64, generator=torch.Generator().manual_seed(0))
     >>> plan = schedule_anchors("relaxkv", scores, [(8, 40), (40, 64)], 64, 4,
     ...                     RepairConfig(anchor_ratio=0.25, context_ratio=0.5, page_size=8))
-    >>> sum(len(a) for a in plan.anchor_sets), plan.achieved_anchor_ratio()  # 25% of 4 x 56 token-layers
-    (56, 0.25)
-    >>> all(l.n_rows == len(a) for l, a in zip(plan.layouts, plan.anchor_sets))
-    True
+    >>> plan.achieved_anchor_ratio(), all(l.n_rows == len(a) for l, a in zip(plan.layouts, plan.anchor_sets))
+    (0.25, True)
     """
     spec = policy_spec(policy)
     spans = tuple((int(s), int(e)) for s, e in chunk_spans)
@@ -213,8 +146,7 @@ def sinks_per_chunk(config: RepairConfig, chunk_spans: Sequence[Span],
 
 def template_markup(config: RepairConfig, chunk_spans: Sequence[Span], n_context: int,
                 input_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """bool [n_context] the template markup every chunk repeats, or None when
-    ``config.relaxkv.markup_share`` is 0 (``exit_layers`` module doc)."""
+    """bool [n_context] the markup every chunk repeats, or None when ``markup_share`` is 0."""
     if config.relaxkv.markup_share <= 0:
         return None
     if input_ids is None:
@@ -224,8 +156,7 @@ def template_markup(config: RepairConfig, chunk_spans: Sequence[Span], n_context
 
 def relaxed_context(policy: Policy | PolicySpec, chunk_spans: Sequence[Span], n_context: int,
                     config: RepairConfig) -> RelaxedContextSpec:
-    """The anchors' context of ``policy`` under ``config``: relaxed for relaxkv (and its random
-    ablation), the full causal prefix for the others (ratio 1)."""
+    """The anchors' context: relaxed for a ``topk`` or ``random`` context, else the full causal prefix (ratio 1)."""
     mode = policy_spec(policy).context
     return RelaxedContextSpec(chunk_spans, n_context, config.context_ratio if mode != "full" else 1.0,
                               config.page_size, config.sink_tokens, mode, config.relaxkv.own_chunk_in_budget)
@@ -238,16 +169,7 @@ def anchor_layouts(
     seed: int,
     first_layer: int = 0,
 ) -> list[BlockSparseLayout]:
-    """Each layer's anchors' layout in ``context`` (:func:`relaxed_context`).
-
-    Args:
-        context: the request's anchor context.
-        anchor_sets: the sets of layers ``first_layer, first_layer + 1, ...``.
-        scores: float [n_layers, n_context] or None (needed by the 'topk' context).
-        seed: ``RepairConfig.seed``; mode 'random' draws its page orders from ``seed + 1``.
-    Returns:
-        one layout per set.
-    """
+    """The layouts of the sets of layers ``first_layer, ...``; ``scores`` float [n_layers, n_context] or None."""
     context_rng = torch.Generator().manual_seed(seed + 1)
     topk = scores is not None and context.mode == "topk"
     layer_scores = scores[first_layer:first_layer + len(anchor_sets)] if topk else None

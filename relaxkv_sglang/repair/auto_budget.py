@@ -1,38 +1,15 @@
-"""A per-request repair budget (``relaxkv_budget: "auto"``): the anchor ratio chosen from what the
-query pass measured, at a price the operator's ``quality`` sets.
+"""A per-request repair budget (``relaxkv_budget: "auto"``): the anchor ratio chosen from what the query pass measured,
+at a price the operator's ``quality`` sets.
 
-**Signal** (:func:`budget_signal`, from the query pass's stale attention ``s_l`` [L, n_context],
-the chunks and the prompt). With ``p_l(t) = s_l(t) / sum_{u < n_context} s_l(u)`` and ``E`` the
-eligible (reusable) tokens:
-
-* ``chunk_share = mean_l sum_{t in E} p_l(t)``: how much the query reads the stale chunks (the rest
-  goes to the exact prefix: system prompt, sinks);
-* ``uncovered(r) = mean_l (1 - top_{ceil(r|E|)}(p_l|E) / sum_E p_l)``, per ratio of the
-  :data:`RATIO_LADDER`: the chunks' attention mass the ``r|E|`` most-read tokens leave unrepaired;
-* ``markup_lift`` / ``opening_lift``: the share of chunk mass on the markup every chunk repeats
-  (``token_sets.shared_runs``) and on each chunk's first :data:`OPENING_TOKENS`, over their share
-  of chunk tokens (1: read like any other token; 0: none there);
-* ``n_chunks``, ``n_eligible``;
-* the query pass's own answer (its next-token distribution over stale KV, ``pic``'s answer):
-  ``answer_entropy`` (nats), ``answer_top1`` (the top token's probability) and
-  ``answer_tail = 1 - `` the top :data:`ANSWER_TOP` tokens' mass. An uncertain answer moves more
-  when the context is repaired (on SmolLM2's development split, the tail's correlation with log KL
-  at 15% is the strongest of the signals).
-
-**Model** (:class:`BudgetModel`, fitted per model on the development split by
-``scripts/calibrate.py --budget``): ``log KL(r) ~= theta . phi(signal, r)``, features ``phi`` named
-in :data:`FEATURES`, least squares (:func:`fit_budget_model`) over (prompt, ratio) pairs of the
-measured first-token KL against full prefill.
-
-**Choice** (:meth:`BudgetModel.choose`): the ladder ratio minimizing ``KL^(r) + price * r``. One
-price for all requests spends anchors where the predicted KL falls most per anchor, so it
-minimizes the mean KL over the traffic for its mean cost (a Lagrangian relaxation of "least
-mean cost at a mean KL"); a hard request (large predicted KL) gets more anchors, an easy one
-fewer. ``quality`` (``low``/``medium``/``high``, or a target mean KL) picks the price from the
-calibration's table of (price, mean KL on the development split) (:meth:`BudgetModel.price_for`).
-
-Why these values (ladder, levels, SmolLM2's features): docs/experiments/INDEX.md#auto-budget.
-Standard library and torch only.
+**Signal** (:func:`budget_signal`): from the stale attention, how much the query reads the chunks, how much of that
+the ``r|E|`` most-read eligible tokens leave unrepaired per :data:`RATIO_LADDER` ratio r, how much more than their
+share it reads the markup every chunk repeats and the chunks' openings; how unsure ``pic``'s answer is. **Model**
+(:class:`BudgetModel`, fitted per model on the development split by ``scripts/calibrate.py --budget``): ``log KL(r)
+~= theta . phi(signal, r)``, least squares against the measured first-token KL. **Choice**: the ladder ratio
+minimizing ``KL^(r) + price * r``: one price for all requests spends anchors where the predicted KL falls most per
+anchor, so it minimizes the mean KL for its mean cost (a Lagrangian relaxation). ``quality`` (a level, or a target
+mean KL) picks the price from the calibration's (price, development mean KL) table. Why these values:
+docs/experiments/INDEX.md#auto-budget.
 """
 
 from __future__ import annotations
@@ -61,18 +38,7 @@ KL_FLOOR = 1e-3  # log KL is fitted on max(KL, floor): below it, differences are
 
 @dataclasses.dataclass(frozen=True)
 class BudgetSignal:
-    """What the query pass says about a request's need for repair (module doc).
-
-    Attributes:
-        n_chunks: reused chunks.
-        n_eligible: reusable tokens (``E``).
-        chunk_share: the query's attention share on ``E``, mean over layers.
-        uncovered: per :data:`RATIO_LADDER` ratio, the share of ``E``'s mass outside its top tokens.
-        markup_lift: markup's mass share over its token share (0: no markup).
-        opening_lift: the chunk openings' mass share over their token share.
-        answer_entropy, answer_top1, answer_tail: the query pass's answer (module doc); None when
-            it was not measured.
-    """
+    """What the query pass says about a request's need for repair (module doc)."""
 
     n_chunks: int
     n_eligible: int
@@ -135,18 +101,8 @@ def answer_uncertainty(logits: torch.Tensor) -> tuple[float, float, float]:
 def budget_signal(scores: torch.Tensor, chunk_spans: Sequence[Span], n_context: int,
                   input_ids: Optional[torch.Tensor] = None,
                   answer_logits: Optional[torch.Tensor] = None) -> BudgetSignal:
-    """The request's :class:`BudgetSignal` (module doc).
-
-    Args:
-        scores: float [n_layers, n_context] the query's stale attention mass ``s_l``.
-        chunk_spans: the reused chunks inside ``[0, n_context)``.
-        n_context: context tokens.
-        input_ids: int64 [>= n_context] the prompt (None: no markup is looked for).
-        answer_logits: float [vocab] the query pass's logits at the prompt's last token (None: the
-            answer fields are None).
-    Returns:
-        BudgetSignal; with no eligible token, shares 0 and every ``uncovered`` 0.
-    """
+    """``scores`` float [n_layers, n_context] ``s_l``; ``input_ids`` int64 [>= n_context] (None: no markup);
+    ``answer_logits`` float [vocab] at the prompt's last token (None: no answer fields)."""
     spans = check_spans(chunk_spans, n_context)
     elig = eligible_tokens(spans, n_context)
     n_elig = int(elig.numel())
@@ -163,15 +119,13 @@ def budget_signal(scores: torch.Tensor, chunk_spans: Sequence[Span], n_context: 
     openings = torch.zeros(n_context, dtype=torch.bool)
     for start, end in spans:
         openings[start:min(start + OPENING_TOKENS, end)] = True
-    markup = shared_runs(input_ids, spans, n_context) if input_ids is not None else torch.zeros(n_context, dtype=torch.bool)
+    markup = (shared_runs(input_ids, spans, n_context) if input_ids is not None
+              else torch.zeros(n_context, dtype=torch.bool))
     return BudgetSignal(len(spans), n_elig, float((elig_mass / total).mean()), uncovered,
                         _lift(mass, elig_mass, markup[elig]), _lift(mass, elig_mass, openings[elig]), *answer)
 
 
-# --------------------------------------------------------------------------------- the model
-
-# Feature name -> phi(signal, ratio). The model file names its features, so a file fitted with
-# another set stays readable as long as each name is here.
+# phi(signal, ratio) by name: a model file names its features, readable while each name is here.
 FEATURES: dict[str, Callable[[BudgetSignal, float], float]] = {
     "one": lambda s, r: 1.0,
     "log_ratio": lambda s, r: math.log(r),
@@ -194,15 +148,7 @@ ANSWER_FEATURES = frozenset(f for f in FEATURES if "answer" in f)
 
 @dataclasses.dataclass(frozen=True)
 class BudgetChoice:
-    """One request's budget decision, as ``meta_info.relaxkv.budget_choice`` reports it (the signal
-    it was chosen from is reported beside it, ``budget_signal``).
-
-    Attributes:
-        anchor_ratio: the chosen ratio (one of the ladder's).
-        predicted_kl: the model's KL at that ratio.
-        quality: the setting it served (a level, or a target KL).
-        price: the KL one unit of anchor ratio was worth.
-    """
+    """One request's budget decision; ``price``: the KL one unit of anchor ratio was worth."""
 
     anchor_ratio: float
     predicted_kl: float
@@ -216,16 +162,8 @@ class BudgetChoice:
 
 @dataclasses.dataclass(frozen=True)
 class BudgetModel:
-    """A model's fitted budget predictor and its price table (module doc).
-
-    Attributes:
-        features: names in :data:`FEATURES`.
-        coefficients: theta, one per feature.
-        ladder: the ratios chosen among.
-        prices: quality level -> price.
-        price_curve: ``[(price, mean KL on the development split), ...]`` by increasing price,
-            for a numeric quality: the largest price whose mean KL is at most the target.
-    """
+    """A model's fitted budget predictor (theta per feature) and its prices: per quality level, and ``price_curve``
+    ``[(price, development mean KL), ...]`` by increasing price for a numeric quality."""
 
     features: tuple[str, ...]
     coefficients: tuple[float, ...]
@@ -304,15 +242,7 @@ def _answer(value: Optional[float]) -> float:
 
 def fit_budget_model(samples: Sequence[tuple[BudgetSignal, float, float]], features: Sequence[str],
                      ridge: float = 1e-3) -> BudgetModel:
-    """theta by ridge least squares of ``log max(KL, KL_FLOOR)`` on ``phi(signal, ratio)``.
-
-    Args:
-        samples: (signal, ratio, measured KL) per prompt and ratio.
-        features: names in :data:`FEATURES`.
-        ridge: the penalty on every coefficient but ``one``'s.
-    Returns:
-        BudgetModel without prices (:func:`choose_ratios` and the calibration set them).
-    """
+    """theta: ridge least squares (not on ``one``) of ``log max(KL, KL_FLOOR)`` on ``phi(signal, ratio)``; no prices."""
     if len(samples) < len(features):
         raise ValueError(f"{len(samples)} samples cannot fit {len(features)} features")
     x = torch.tensor([[FEATURES[f](s, r) for f in features] for s, r, _ in samples], dtype=torch.float64)
@@ -324,14 +254,10 @@ def fit_budget_model(samples: Sequence[tuple[BudgetSignal, float, float]], featu
 
 
 def choose_ratios(model: BudgetModel, signals: Sequence[BudgetSignal], price: float) -> list[float]:
-    """The ratio :meth:`BudgetModel.choose_at_price` picks for each signal."""
     return [model.choose_at_price(s, price).anchor_ratio for s in signals]
 
 
-# --------------------------------------------------------------------------------- prices
-
-# Each quality level aims at the mean KL a fixed anchor ratio reaches on the development split:
-# medium spends like the 15% default is asked to perform, low like 8%, high like 30%.
+# Each quality level aims at the development mean KL of a fixed anchor ratio (medium: the 15% default).
 LEVEL_REFERENCE_RATIOS: dict[str, float] = {"low": 0.08, "medium": 0.15, "high": 0.30}
 PRICE_GRID: tuple[float, ...] = tuple(round(10 ** (k / 32), 6) for k in range(-128, 65))  # 1e-4 .. 100
 
@@ -358,14 +284,7 @@ def price_curve(model: BudgetModel, prompts: Sequence[PromptCurve],
 
 def calibrate_prices(model: BudgetModel, prompts: Sequence[PromptCurve],
                      targets: Mapping[str, float]) -> BudgetModel:
-    """The model with a price per level (the largest whose mean KL over ``prompts`` is at most the
-    level's target; else the price of the least KL) and the price curve for numeric qualities.
-
-    Args:
-        model: a fitted model (:func:`fit_budget_model`).
-        prompts: the development prompts' curves.
-        targets: level -> target mean KL (:data:`LEVEL_REFERENCE_RATIOS` gives the usual ones).
-    """
+    """``model`` priced: per level the largest price whose mean KL over ``prompts`` meets ``targets[level]``."""
     curve = price_curve(model, prompts)
     least = min(curve, key=lambda c: (c[1], -c[0]))[0]
     prices = {level: max((p for p, kl, _ in curve if kl <= target), default=least)

@@ -1,9 +1,7 @@
 """Per-model calibration of the repair knobs: one versioned JSON file per model, found by its config.
 
-The repair defaults (``repair_config.RepairConfig``, ``policies.RelaxKVOptions``) were tuned on
-SmolLM2-135M; a model may carry a :class:`Calibration`, the knobs whose best on its development
-split (``python -m scripts.calibrate``) differs from them. File format (:data:`FORMAT_VERSION` 2),
-``relaxkv_sglang/calibrations/<model-name>.json``::
+The knobs whose best on a model's development split (``python -m scripts.calibrate``) differs from the defaults
+(tuned on SmolLM2-135M). Format (:data:`FORMAT_VERSION` 2), ``relaxkv_sglang/calibrations/<model>.json``::
 
     {"version": 2, "model": "qwen2.5-0.5b",
      "fingerprint": {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 24, ...,
@@ -12,20 +10,9 @@ split (``python -m scripts.calibrate``) differs from them. File format (:data:`F
      "evidence": {"command": "...", "date": "...", "git_commit": "...", "steps": [...]},
      "budget_model": {"features": [...], "coefficients": [...], "prices": {"medium": 0.4, ...}, ...}}
 
-* ``fingerprint``: :data:`FINGERPRINT_KEYS` of the HF config (:func:`config_fingerprint`; ``rope``
-  in one form whether the config writes ``rope_parameters`` or ``rope_theta``/``rope_scaling``). A
-  file applies only to a model with the same fingerprint (:func:`find_calibration`);
-* ``knobs``: flat knob names (``repair_config.knob_defaults``) -> values, validated by
-  ``RepairConfig.from_knobs``; per-request knobs are never calibrated (:data:`PER_REQUEST_KNOBS`);
-* ``evidence``: free JSON;
-* ``budget_model`` (optional): the ``auto`` budget's predictor and prices
-  (:class:`~.auto_budget.BudgetModel`, fitted by ``scripts/calibrate.py --budget`` with its own
-  evidence inside); without it an ``auto`` budget falls back to the anchor ratio's default.
-
-:func:`served_calibration`: ``RELAXKV_CALIBRATION`` (a file, or ``none``), else the repository's
-file with the served model's fingerprint, else the defaults. A malformed file, wrong version,
-unknown knob or another model's fingerprint raise :class:`CalibrationError`. Standard library and
-``repair_config`` only.
+A file applies only to a model with its ``fingerprint`` (:func:`config_fingerprint`); ``knobs`` are flat knob names,
+never per-request ones (:data:`PER_REQUEST_KNOBS`); without ``budget_model`` an ``auto`` budget falls back to the
+anchor ratio's default. Which file is served: docs/api.md#repair-calibration-per-model-knob-defaults.
 """
 
 from __future__ import annotations
@@ -74,10 +61,8 @@ def config_fingerprint(hf_config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def rope_parameters(hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The config's RoPE parameters in one form: ``rope_parameters`` as newer transformers write it,
-    else ``rope_scaling`` with ``rope_theta``; the legacy ``type`` key folded into ``rope_type``
-    (SGLang's loaded config carries both, the folder's ``config.json`` one), ``rope_type``
-    ``default`` when unsaid."""
+    """The config's RoPE parameters in one form: ``rope_parameters``, else ``rope_scaling`` with ``rope_theta``; the
+    legacy ``type`` key folded into ``rope_type`` (SGLang's loaded config has both, a ``config.json`` one)."""
     params = hf_config.get("rope_parameters")
     if isinstance(params, Mapping):
         params = dict(params)
@@ -91,7 +76,6 @@ def rope_parameters(hf_config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _model_config(model_dir: str | os.PathLike) -> dict[str, Any]:
-    """A model folder's ``config.json``."""
     path = pathlib.Path(model_dir) / "config.json"
     try:
         return json.loads(path.read_text())
@@ -100,7 +84,6 @@ def _model_config(model_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def model_fingerprint(model_dir: str | os.PathLike) -> dict[str, Any]:
-    """The fingerprint of a model folder's ``config.json``."""
     return config_fingerprint(_model_config(model_dir))
 
 
@@ -123,18 +106,8 @@ def _check_knob(name: str, value: Any, defaults: Mapping[str, Any]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """One model's calibrated repair knobs (module doc). Treat the dicts as read-only.
-
-    Attributes:
-        model: the model's name (the file's name without ``.json``).
-        fingerprint: :func:`config_fingerprint` of the model it was measured on.
-        knobs: flat knob name -> value, only those that differ from the code defaults.
-        evidence: how they were measured (free JSON).
-        version: the file format's version (:data:`FORMAT_VERSION`).
-        path: the file it was read from (None: not read from a file).
-        budget_model: the ``auto`` budget's model (None: not calibrated).
-        budget_evidence: how it was fitted (free JSON).
-    """
+    """One model's calibrated repair knobs (module doc); treat the dicts as read-only. ``knobs``: only those
+    that differ from the code defaults; ``path``: None when not read from a file."""
 
     model: str
     fingerprint: dict[str, Any]
@@ -159,11 +132,9 @@ class Calibration:
             raise CalibrationError(f"knobs: {exc}") from None
 
     def base_config(self) -> RepairConfig:
-        """The RepairConfig every repair of this model starts from: the defaults with the knobs applied."""
         return RepairConfig.from_knobs(**self.knobs)
 
     def matches(self, fingerprint: Mapping[str, Any]) -> bool:
-        """Whether a model with ``fingerprint`` (:func:`config_fingerprint`) is the one calibrated."""
         return dict(fingerprint) == dict(self.fingerprint)
 
     def describe(self) -> str:
@@ -172,7 +143,6 @@ class Calibration:
         return f"{self.path or self.model} (knobs: {knobs})"
 
     def to_json(self) -> dict[str, Any]:
-        """The file's content."""
         data = {"version": self.version, "model": self.model, "fingerprint": dict(self.fingerprint),
                 "knobs": dict(sorted(self.knobs.items())), "evidence": dict(self.evidence)}
         if self.budget_model is not None:
@@ -180,8 +150,7 @@ class Calibration:
         return data
 
     def state(self) -> dict[str, Any]:
-        """What a client sees of it (the server's info route): file, model, version, knobs, and the
-        auto budget's prices (None: no budget model)."""
+        """What a client sees of it (the server's info route); ``budget_prices`` None without a budget model."""
         prices = dict(self.budget_model.prices) if self.budget_model is not None else None
         return {"file": self.path, "model": self.model, "version": self.version, "knobs": dict(self.knobs),
                 "budget_prices": prices}
@@ -222,7 +191,6 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
 
 
 def save_calibration(calibration: Calibration, path: str | os.PathLike) -> pathlib.Path:
-    """Write ``calibration`` to ``path`` (folders made); returns the path."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(calibration.to_json(), indent=1) + "\n")
@@ -230,14 +198,12 @@ def save_calibration(calibration: Calibration, path: str | os.PathLike) -> pathl
 
 
 def calibration_path(model: str, directory: str | os.PathLike = CALIBRATION_DIR) -> pathlib.Path:
-    """Where the repository keeps ``model``'s calibration."""
     return pathlib.Path(directory) / f"{model}.json"
 
 
 def find_calibration(fingerprint: Mapping[str, Any],
                      directory: str | os.PathLike = CALIBRATION_DIR) -> Optional[Calibration]:
-    """The file of ``directory`` whose fingerprint is ``fingerprint``, or None. Every file there is
-    read, so a broken one is found whichever model is served; two matching files are an error."""
+    """The file of ``directory`` with ``fingerprint``, or None; every file is read, so a broken one is found anyway."""
     found = [c for c in (load_calibration(p) for p in sorted(pathlib.Path(directory).glob("*.json")))
              if c.matches(fingerprint)]
     if len(found) > 1:
@@ -247,8 +213,8 @@ def find_calibration(fingerprint: Mapping[str, Any],
 
 def served_calibration(hf_config: Mapping[str, Any], override: Optional[str] = None,
                        directory: str | os.PathLike = CALIBRATION_DIR) -> Optional[Calibration]:
-    """The calibration of the model with ``hf_config`` (module doc): ``override`` (a path, or
-    ``none``: the defaults), else the repository's. CalibrationError for a file of another model."""
+    """``override`` (a path, or ``none``: the defaults), else the repository's file for ``hf_config``'s model;
+    CalibrationError for another model's file."""
     fingerprint = config_fingerprint(hf_config)
     if override is not None and override.strip().lower() == NO_CALIBRATION:
         return None
@@ -268,5 +234,4 @@ def calibration_for_model(model_dir: str | os.PathLike, override: Optional[str] 
 
 
 def base_config(calibration: Optional[Calibration]) -> RepairConfig:
-    """The RepairConfig repairs start from: the calibration's, or the code defaults without one."""
     return calibration.base_config() if calibration is not None else RepairConfig()

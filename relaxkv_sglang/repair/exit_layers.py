@@ -1,32 +1,12 @@
-"""RelaxKV's targets: an exit layer per token from the query's per-layer attention.
+"""RelaxKV's targets: an exit layer ``e(t)`` per token (``t ∈ A_l <=> l < e(t)``) from the query's attention.
 
-Nesting: a token recomputed at layer ``l`` needs its input hidden state at ``l``, which exists only
-if it was recomputed at ``l-1``; so every anchor rule returns ``A_0 ⊇ A_1 ⊇ ...``, i.e. an exit
-layer ``e(t)`` in ``0..n_layers`` per token with ``t ∈ A_l <=> l < e(t)``. A token costs ``e(t)``
-token-layers, and the budget ``B = round(r * n_layers * n_eligible)`` is a sum of exit layers.
-
-Exit-layer rule (:func:`relaxkv_exit_layers`): recomputing ``t`` at ``l`` is worth
-``u_l(t) = w_l s_l(t) / sum_eligible s_l`` (the query's attention mass, normalised per layer, times
-the layer value ``w_l``); keeping ``t`` until ``e`` is worth ``C_t(e) = sum_{l<e} u_l(t)``. Maximise
-``sum_t C_t(e(t))`` subject to ``sum_t e(t) = B``: take each token's upper concave hull of
-``(e, C_t(e))`` and spend the budget on whole hull segments by decreasing slope (the LP optimum up
-to the one segment that does not fit; its remainder goes to the single extension with the largest
-real gain). The budget is met exactly: mean_l |A_l| is within ``0.5 / n_layers`` of ``r * n_eligible``.
-
-Layer value (:func:`layer_weights`): ``uniform`` ``w_l = 1``; ``skip0`` 1 but ``w_0 = 0``;
-``depth`` ``w_l = l / (L - 1)``; ``ramp`` ``w_l = min(1, l / R)``, ``R = max(1, round(L / 8))``.
-Every rule but ``uniform`` has ``w_0 = 0``: a chunk token's layer-0 K/V are exact once re-rotated.
-
-Before the hull allocation, as far as the budget allows, every layer goes to
-* the chunk sinks: the first ``chunk_sink_tokens`` of each eligible chunk (a chunk computed alone
-  makes them its attention sink), at most ``chunk_sink_share`` of the budget, in
-  ``chunk_sink_order`` (``offset``: every chunk's first token, then every second, ...; ``score``:
-  summed layer value); the count may differ per chunk (int64 [n_chunks]);
-* then the template markup (``markup``, bool [n_context]: runs every chunk repeats), query-ranked,
-  at most ``markup_share`` of the budget.
-
-Why these defaults: docs/experiments/INDEX.md#exit-layers.
-"""
+Recomputing ``t`` at ``l`` is worth ``u_l(t) = w_l s_l(t) / sum_eligible s_l``; keeping it until ``e`` is worth
+``C_t(e) = sum_{l<e} u_l(t)``. Maximise ``sum_t C_t(e(t))`` subject to ``sum_t e(t) = round(r * n_layers *
+n_eligible)``: spend the budget on whole segments of each token's upper concave hull of ``(e, C_t(e))`` by decreasing
+slope (the LP optimum up to the one segment that does not fit; its remainder goes to the extension with the largest
+real gain). First, every layer goes to the chunk sinks (the first ``chunk_sink_tokens`` of each eligible chunk: a
+chunk computed alone makes them its attention sink), at most ``chunk_sink_share`` of the budget, then to the markup
+every chunk repeats, at most ``markup_share`` (why: docs/experiments/INDEX.md#exit-layers)."""
 
 from __future__ import annotations
 
@@ -43,14 +23,7 @@ __all__ = ["layer_weights", "relaxkv_exit_layers", "exits_to_anchor_sets"]
 
 
 def _hull_exit_allocation(util: torch.Tensor, budget: int) -> torch.Tensor:
-    """Exit layers for sum_t C_t(e_t) under sum_t e_t == budget: hull greedy (module doc).
-
-    Args:
-        util: float [n_tok, L] non-negative value of keeping token t at layer l.
-        budget: total token-layers to hand out, 0 <= budget <= n_tok * L.
-    Returns:
-        int64 [n_tok] exit layers in 0..L.
-    """
+    """Exit layers (int64 [n_tok], in 0..L) from ``util`` float [n_tok, L] >= 0 (module doc)."""
     n_tok, L = util.shape
     exits = torch.zeros(n_tok, dtype=torch.long)
     if budget <= 0 or n_tok == 0:
@@ -83,15 +56,12 @@ def _hull_exit_allocation(util: torch.Tensor, budget: int) -> torch.Tensor:
     # Stable sort keeps each token's own segments in hull order even on equal slopes.
     order = torch.sort(slope, descending=True, stable=True).indices
     tok, length = tok[order], length[order]
-    # Whole segments while they fit: a prefix of the slope order, hence a prefix of every
-    # token's own hull (nesting-consistent).
+    # Whole segments while they fit: a prefix of every token's own hull (nesting-consistent).
     fits = length.cumsum(0) <= budget
     exits.index_add_(0, tok[fits], length[fits])
     rest = budget - int(exits.sum())
     if rest > 0:
-        # The first segment that does not fit would be cut, and a cut hull segment can be
-        # worth nothing (value may sit at its far end).  Spend the remainder where it gains
-        # most in real value instead; the cut token itself is always a candidate.
+        # A cut hull segment can be worth nothing (its value may sit at its far end); the cut token is a candidate.
         room = exits + rest <= L
         gain = cum[rows, (exits + rest).clamp(max=L)] - cum[rows, exits]
         gain = torch.where(room, gain, torch.full_like(gain, -math.inf))
@@ -100,16 +70,8 @@ def _hull_exit_allocation(util: torch.Tensor, budget: int) -> torch.Tensor:
 
 
 def layer_weights(n_layers: int, rule: str) -> torch.Tensor:
-    """Weight w_l of correcting a token's KV at layer l (module doc: "Layer value").
-
-    Args:
-        n_layers: L.
-        rule: ``uniform`` (w_l = 1), ``skip0`` (w_0 = 0, else 1), ``depth`` (w_l = l / (L - 1)) or
-            ``ramp`` (w_l = min(1, l / R), R = max(1, round(L / 8)): the measured deviation's shape,
-            growing over the first layers and flat after).
-    Returns:
-        float64 [L].
-    """
+    """float64 [L] w_l: ``uniform`` 1; ``skip0`` 1 but w_0 = 0; ``depth`` l / (L - 1); ``ramp`` min(1, l / R), R =
+    max(1, round(L / 8)) (the measured deviation's shape). w_0 = 0: layer-0 K/V are exact once re-rotated."""
     if rule not in ("uniform", "skip0", "depth", "ramp"):  # policies.relaxkv.LAYER_VALUES, checked equal
         raise ValueError(f"unknown layer value rule {rule!r}")
     w = torch.ones(n_layers, dtype=torch.float64)
@@ -133,26 +95,10 @@ def relaxkv_exit_layers(
     markup: torch.Tensor | None = None,
     markup_share: float = 0.0,
 ) -> torch.Tensor:
-    """RelaxKV exit layer of every context token (module doc: "RelaxKV exit-layer rule").
-
-    Args:
-        scores: float [n_layers, n_context], s_l(t) from ``query_attention_scores``.
-        chunk_spans: chunk spans inside the context.
-        anchor_ratio: r in [0, 1]; sum of exit layers == round(r * n_layers * n_eligible).
-        chunk_sink_tokens: first tokens of each eligible chunk that get every layer first: one
-            count, or int64 [n_chunks] one per chunk (``shared_opening_sinks``).
-        layer_value: the rule of :func:`layer_weights`.
-        chunk_sink_share: the largest share of the budget those sinks take (the rest of them
-            compete in the hull allocation like any token).
-        chunk_sink_order: which sinks first when they do not all fit: ``offset`` (EPIC order:
-            every chunk's first token, then every chunk's second, ...) or ``score`` (their
-            value summed over layers, highest first).
-        markup: bool [n_context] the template markup every chunk repeats, or None (module doc,
-            "Template markup").
-        markup_share: the largest share of the budget the markup takes every layer, after the sinks.
-    Returns:
-        int64 [n_context]; 0 for non-eligible tokens.
-    """
+    """int64 [n_context] the exit layer of every context token; ``scores`` float [n_layers, n_context] s_l(t);
+    ``chunk_sink_tokens`` one count or int64 [n_chunks]; sinks beyond ``chunk_sink_share`` compete in the hull;
+    ``chunk_sink_order`` ``offset`` (EPIC's: every chunk's first token, then every second, ...) or ``score``;
+    ``markup`` bool [n_context] or None."""
     if chunk_sink_order not in ("offset", "score"):  # policies.relaxkv.SINK_ORDERS, checked equal
         raise ValueError(f"unknown chunk_sink_order {chunk_sink_order!r}")
     L, n_context = scores.shape
@@ -191,12 +137,6 @@ def relaxkv_exit_layers(
 
 
 def exits_to_anchor_sets(exits: torch.Tensor, n_layers: int) -> list[torch.Tensor]:
-    """Nested anchor sets from exit layers.
-
-    Args:
-        exits: int64 [n_context], token t is an anchor at layers 0..exits[t]-1.
-    Returns:
-        n_layers int64 tensors, sorted token indices, A_0 ⊇ A_1 ⊇ ...
-    """
+    """n_layers int64 sorted sets A_0 ⊇ A_1 ⊇ ... from ``exits`` int64 [n_context]."""
     return [(exits > l).nonzero().squeeze(1) for l in range(n_layers)]
 

@@ -1,22 +1,11 @@
-"""Layer-by-layer reference executor for one request of a registered model family, every policy.
+"""Layer-by-layer reference executor for one request of a registered model family, every policy: the numerical reference
+(float32, CPU) the SGLang integration is checked against.
 
-The model is a registered family's decoder layer (:mod:`~relaxkv_sglang.model.model_family`), run
-over plain weight tensors (:mod:`~relaxkv_sglang.model.reference_model`) in float32 on the CPU,
-written for clarity: the numerical reference the SGLang integration is checked against.
-
-Request: ``input_ids = [prefix][chunk_1](glue)[chunk_2]...[chunk_n][query]``; ``chunk_spans`` sorted,
-the last ending at ``query_start``. Glue (tokens between chunks) is computed with the request like
-the query: never stale, never an anchor. :func:`reference_prefill`:
-
-1. stale KV: the prefix by causal prefill (exact); each chunk alone at ``0..len-1``, its K
-   re-rotated by the chunk's start; the glue over that stale context;
-2. query pass over the stale KV: ``pic``'s logits and s_l (the query's attention over the context);
-3. anchors and contexts from the server's planner (:func:`~relaxkv_sglang.repair.anchor_schedule.schedule_anchors`);
-4. repair pass: at layer l only ``A_l``, the glue and the query are computed at their true
-   positions and written over the stale K/V (after the policy's step, ``policies.base``, where it
-   has one: the stale shift); anchors attend to their layout
-   (:func:`~relaxkv_sglang.attention.block_sparse.block_sparse_attention`), glue
-   and query densely and causally; then o_proj + MLP for those tokens.
+Request: ``[prefix][chunk_1](glue)[chunk_2]...[chunk_n][query]``; the glue is computed with the request like the
+query: never stale, never an anchor. :func:`reference_prefill`: (1) stale KV: each chunk alone at ``0..len-1``, its K
+re-rotated by its start; (2) the query over it: ``pic``'s logits and s_l; (3) the server's planner; (4) repair: at
+layer l only ``A_l``, the glue and the query are computed at their positions and written over the stale K/V (after
+the policy's step, if any).
 """
 
 from __future__ import annotations
@@ -57,9 +46,6 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------------------- model pieces
-
-
 def _project_qkv(w: LlamaWeights, layer: dict, h: torch.Tensor,
                  pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [n, hidden] residual stream -> q [n, H, hd], k/v [n, Hkv, hd], RoPE'd at pos."""
@@ -77,10 +63,7 @@ def _logits(w: LlamaWeights, h_last: torch.Tensor) -> torch.Tensor:
 
 
 def _causal_prefill(w: LlamaWeights, ids: torch.Tensor, pos: torch.Tensor):
-    """Ordinary causal prefill of ``ids`` at positions ``pos``.
-
-    Returns (kv: list of (k [n, Hkv, hd], v [n, Hkv, hd]) per layer, final residual [n, hidden]).
-    """
+    """(per layer (k [n, Hkv, hd], v [n, Hkv, hd]), final residual [n, hidden]) of ``ids`` at ``pos``."""
     h = w.embed[ids].float()
     kv = []
     for layer in w.layers:
@@ -90,20 +73,9 @@ def _causal_prefill(w: LlamaWeights, ids: torch.Tensor, pos: torch.Tensor):
     return kv, h
 
 
-# ----------------------------------------------------------------------------- request
-
-
 @dataclass
 class RepairReport:
-    """What one request's repair did.
-
-    anchor_ratio: achieved mean over layers of |A_l| / n_eligible (selection.py).
-    context_ratio: achieved repair_kv_pairs / full_kv_pairs (1.0 when nothing is repaired).
-    repair_kv_pairs: (anchor, key) pairs attended by the repair, summed over layers.
-    full_kv_pairs: the same anchors with the full causal prefix.
-    query_kv_pairs: (query token, key) pairs attended by the query tokens, summed over layers.
-    recomputed_token_layers: sum over layers of |A_l|.
-    """
+    """What one request's repair did: ``context_ratio`` repair_kv_pairs / full_kv_pairs (same anchors, full prefix)."""
 
     policy: str
     n_context: int
@@ -119,15 +91,8 @@ class RepairReport:
 
 @dataclass
 class Result:
-    """Output of ``reference_prefill``.
-
-    last_logits: float32 [vocab] logits of the last prompt token.
-    kv: per layer (k [n_tokens, n_kv_heads, head_dim] post-RoPE, v [same]) float32, the KV
-        the request decodes from (repaired context + query).
-    report: RepairReport.
-    anchors: per layer int64 sorted anchor tokens (empty for full/pic).
-    scores: float32 [n_layers, n_context] query scores s_l, or None if not computed.
-    """
+    """``last_logits`` float32 [vocab]; ``kv`` per layer (k [n_tokens, n_kv_heads, head_dim] post-RoPE, v [same])
+    float32; ``anchors`` per layer int64 sorted; ``scores`` float32 [n_layers, n_context] s_l, or None."""
 
     last_logits: torch.Tensor
     kv: list[tuple[torch.Tensor, torch.Tensor]]
@@ -151,8 +116,7 @@ def _check_request(input_ids: torch.Tensor, chunk_spans: Sequence[Span], query_s
 
 
 def glue_tokens(chunk_spans: Sequence[Span], query_start: int) -> torch.Tensor:
-    """int64 [n_glue] sorted positions between the first chunk's start and ``query_start`` that no
-    chunk covers (the separators between chunks)."""
+    """int64 [n_glue] sorted positions after the first chunk's start that no chunk covers."""
     if not chunk_spans:
         return torch.zeros(0, dtype=torch.long)
     covered = torch.zeros(query_start, dtype=torch.bool)
@@ -164,19 +128,9 @@ def glue_tokens(chunk_spans: Sequence[Span], query_start: int) -> torch.Tensor:
 
 def _fresh_pass(w: "LlamaWeights", input_ids: torch.Tensor, rows: torch.Tensor,
                 kv: list[tuple[torch.Tensor, torch.Tensor]], score_from: Optional[int] = None):
-    """Compute the tokens at positions ``rows`` layer by layer over ``kv``, writing their own K/V
-    into it (in place) before each layer's attention; dense causal by position.
-
-    Args:
-        input_ids: int64 [n_tokens].
-        rows: int64 [n_rows] sorted positions, each < the buffers' length.
-        kv: per layer (k [n_buf, n_kv_heads, head_dim], v [same]) float32, modified in place.
-        score_from: when given, the rows at positions ``>= score_from`` are the query and the
-            pass records s_l, their attention mass on the keys ``[0, score_from)``
-            (``attention.query_scores.query_attention_scores``; the buffers must end at the last row).
-    Returns:
-        (final residual [n_rows, hidden], scores float32 [n_layers, score_from] or None).
-    """
+    """The tokens at ``rows`` (int64 [n_rows] sorted), dense causal, each layer's K/V written into ``kv`` (per layer (k
+    [n_buf, n_kv_heads, head_dim], v [same]) float32) first: (residual [n_rows, hidden], with ``score_from`` s_l
+    float32 [n_layers, score_from] of the rows from there on)."""
     h = w.embed[input_ids[rows]].float()
     scores = []
     for l, layer in enumerate(w.layers):
@@ -195,20 +149,7 @@ def build_stale_kv(
     chunk_spans: Sequence[Span],
     query_start: int,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Position-independent KV of the context, as reused from a chunk cache.
-
-    The prefix ``[0, chunk_spans[0][0])`` is prefilled causally (exact).  Each chunk is
-    prefilled alone at positions ``0..len-1`` and its K re-rotated by the chunk's start.  Glue
-    between chunks is computed over that stale context, as its request computes it.
-
-    Args:
-        weights: model.
-        input_ids: int64 [n_tokens].
-        chunk_spans: sorted chunk spans ending at ``query_start`` (glue between them).
-        query_start: first query token.
-    Returns:
-        per layer (k [query_start, n_kv_heads, head_dim], v [same]) float32.
-    """
+    """Step 1's position-independent KV: per layer (k [query_start, n_kv_heads, head_dim], v [same]) float32."""
     spans = _check_request(input_ids, chunk_spans, query_start)
     prefix_len = spans[0][0] if spans else query_start
     pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
@@ -233,15 +174,8 @@ def build_stale_kv(
 
 def query_over(w: LlamaWeights, input_ids: torch.Tensor, query_start: int,
                context_kv: Sequence[tuple[torch.Tensor, torch.Tensor]]):
-    """The query tokens ``[query_start, n)`` over a given context KV (the stale one for ``pic``; the
-    measurement script also runs it over full prefill's KV and over partly exact KV).
-
-    Args:
-        context_kv: per layer (k [query_start, n_kv_heads, head_dim], v [same]) float32, not modified.
-    Returns:
-        (logits float32 [vocab], per layer the context KV followed by the query's own,
-        scores float32 [n_layers, query_start]: the query's attention mass s_l).
-    """
+    """The query over ``context_kv`` (per layer (k [query_start, n_kv_heads, head_dim], v [same]) float32): (logits
+    float32 [vocab], per layer the context KV then the query's, s_l float32 [n_layers, query_start])."""
     n_q = input_ids.numel() - query_start
     kv = [(torch.cat([k, k.new_zeros(n_q, *k.shape[1:])]), torch.cat([v, v.new_zeros(n_q, *v.shape[1:])]))
           for k, v in context_kv]
@@ -251,13 +185,8 @@ def query_over(w: LlamaWeights, input_ids: torch.Tensor, query_start: int,
 
 @dataclass
 class StaleContext:
-    """What every chunk-reusing policy starts from, computed once per request.
-
-    kv: per layer (k [query_start, n_kv_heads, head_dim], v [same]) float32, ``build_stale_kv``.
-    pic_logits: float32 [vocab], the last token's logits over the stale KV (``pic``).
-    query_kv: per layer the stale KV followed by the query's own (``pic``'s decode KV).
-    scores: float32 [n_layers, query_start] the query scores s_l.
-    """
+    """What every chunk-reusing policy starts from: ``pic_logits`` float32 [vocab], ``query_kv`` (``kv`` then the
+    query's own), ``scores`` float32 [n_layers, query_start] s_l."""
 
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     pic_logits: torch.Tensor
@@ -267,10 +196,7 @@ class StaleContext:
 
 def stale_context(weights: LlamaWeights, input_ids: torch.Tensor, chunk_spans: Sequence[Span],
                   query_start: int) -> StaleContext:
-    """The stale KV and the query pass over it (logits and scores) for one request.
-
-    Args: as :func:`reference_prefill`.  Returns: StaleContext.
-    """
+    """The stale KV and the query pass over it; arguments as :func:`reference_prefill`."""
     input_ids = input_ids.to(torch.long).flatten()
     stale = build_stale_kv(weights, input_ids, chunk_spans, query_start)
     logits, q_kv, scores = query_over(weights, input_ids, query_start, stale)
@@ -286,46 +212,24 @@ def reference_prefill(
     config: RepairConfig = RepairConfig(),
     stale: Optional[StaleContext] = None,
 ) -> Result:
-    """Prefill one request under ``policy`` and return the last token's logits and the KV.
+    """Prefill one request under ``policy``, decided by the server's planner
+    (:func:`~relaxkv_sglang.repair.anchor_schedule.schedule_anchors`), so the reference and the server differ only in
+    how they execute. ``input_ids`` int64 [n_tokens]; ``stale``: this request's :func:`stale_context`, to compare
+    policies without recomputing it. Example (a 2-layer random model; with every token an anchor at every layer and
+    full context, the repair equals full prefill; ``pic`` does not):
 
-    The decisions come from :func:`~relaxkv_sglang.repair.anchor_schedule.schedule_anchors`, the planner the server
-    uses,
-    so the reference and the server differ only in how they execute.
-
-    Args:
-        weights: model.
-        input_ids: int64 [n_tokens] = prefix + chunks (glue between them) + query.
-        chunk_spans: sorted chunk spans ``[(start, end), ...]`` ending at ``query_start``.
-        query_start: index of the first query token (>= 1 query token required).
-        policy: Policy, its value or a spec (full, pic, or a repair policy; ``random`` included).
-        config: the repair's knobs (ignored by full/pic).
-        stale: this request's :func:`stale_context`, to compare several policies or knobs
-            without recomputing it (computed here when None).
-    Returns:
-        Result.
-    
-    Example (a 2-layer random model; with every token an anchor at every layer and full context,
-    the repair equals full prefill; ``pic`` does not):
-
-    >>> import torch
-    >>> from relaxkv_sglang.model.reference_model import LlamaWeights
     >>> g = torch.Generator().manual_seed(0)
     >>> def rand(*shape): return torch.randn(*shape, generator=g) * 0.3
-    >>> def layer(): return dict(attn_norm=torch.ones(16), q=rand(16, 16), k=rand(8, 16), v=rand(8, 16),
-    ...                          o=rand(16, 16), mlp_norm=torch.ones(16), gate=rand(32, 16),
-    ...                          up=rand(32, 16), down=rand(16, 32))
+    >>> def layer(): return dict(attn_norm=torch.ones(16), q=rand(16, 16), k=rand(8, 16), v=rand(8, 16), o=rand(16, 16),
+    ...                          mlp_norm=torch.ones(16), gate=rand(32, 16), up=rand(32, 16), down=rand(16, 32))
     >>> weights = LlamaWeights(embed=rand(50, 16), layers=[layer(), layer()], norm=torch.ones(16),
     ...                        lm_head=rand(50, 16), n_heads=2, n_kv_heads=1, head_dim=8)
-    >>> ids = torch.randint(0, 50, (40,), generator=g)
-    >>> spans = [(4, 20), (20, 36)]  # prefix 0..3, two chunks, query 36..39
-    >>> full = reference_prefill(weights, ids, spans, 36, "full")
-    >>> repaired = reference_prefill(weights, ids, spans, 36, "relaxkv",
-    ...                              RepairConfig(anchor_ratio=1.0, context_ratio=1.0, page_size=4))
-    >>> pic = reference_prefill(weights, ids, spans, 36, "pic")
-    >>> torch.allclose(repaired.last_logits, full.last_logits, atol=1e-4)
-    True
-    >>> torch.allclose(pic.last_logits, full.last_logits, atol=1e-4)
-    False
+    >>> ids, spans = torch.randint(0, 50, (40,), generator=g), [(4, 20), (20, 36)]  # prefix 0..3, query 36..39
+    >>> full, pic = (reference_prefill(weights, ids, spans, 36, policy).last_logits for policy in ("full", "pic"))
+    >>> config = RepairConfig(anchor_ratio=1.0, context_ratio=1.0, page_size=4)
+    >>> repaired = reference_prefill(weights, ids, spans, 36, "relaxkv", config).last_logits
+    >>> torch.allclose(repaired, full, atol=1e-4), torch.allclose(pic, full, atol=1e-4)
+    (True, False)
     """
     spec = policy_spec(policy)
     input_ids = input_ids.to(torch.long).flatten()
@@ -348,7 +252,7 @@ def reference_prefill(
     scores = stale.scores if spec.needs_query_scores else None
     w = weights
     cost = RepairCost.from_dims(w.embed.shape[1], w.mlp_width, w.n_heads, w.n_kv_heads, w.head_dim,
-                                device_type="cpu")  # the reference runs on a CPU
+                                device_type="cpu")
     plan = schedule_anchors(spec, scores, spans, query_start, L, config, cost, input_ids=input_ids)
     plan, kv_out, h_last = _repair_pass(weights, input_ids, plan, stale.kv, elig, fresh, report)
     report.anchors_per_layer = [int(a.numel()) for a in plan.anchor_sets]
@@ -361,15 +265,9 @@ def reference_prefill(
 def _repair_pass(w: LlamaWeights, input_ids: torch.Tensor, schedule: AnchorSchedule,
                  stale_kv: list[tuple[torch.Tensor, torch.Tensor]], elig: torch.Tensor, fresh: torch.Tensor,
                  report: RepairReport) -> tuple[AnchorSchedule, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """Step 4 of the module doc over every layer (:func:`_repair_layer`), the anchors' residual rows
-    carried from layer to layer (``elig``, int64 [n_eligible], before layer 0); fresh: int64
-    [n_fresh] the glue and query positions; the attended pairs are added to ``report``.
-
-    Returns:
-        (the plan, CacheBlend's as decided at its check layer; per layer (k [n, Hkv, d], v [same])
-        float32; the last token's residual [hidden]).
-    """
-    h_q = w.embed[input_ids[fresh]].float()  # glue and query rows
+    """Step 4 over every layer (``elig`` int64 [n_eligible]; ``fresh`` int64 [n_fresh] the glue and query): (the plan,
+    as decided at a check layer; per layer (k [n, Hkv, d], v [same]) float32; the last token's residual [hidden])."""
+    h_q = w.embed[input_ids[fresh]].float()
     cur_tok = elig  # tokens whose residual stream we carry (A_{l-1}; all eligible before layer 0)
     h_cur = w.embed[input_ids[elig]].float()
     kv_out = []
@@ -391,15 +289,8 @@ def _repair_pass(w: LlamaWeights, input_ids: torch.Tensor, schedule: AnchorSched
 def _repair_layer(w: LlamaWeights, l: int, schedule: AnchorSchedule, h_a: torch.Tensor, h_q: torch.Tensor,
                   fresh: torch.Tensor, stale: tuple[torch.Tensor, torch.Tensor], n: int,
                   ) -> tuple[AnchorSchedule, tuple[torch.Tensor, torch.Tensor], torch.Tensor, BlockSparseLayout]:
-    """Layer l of the repair pass (module doc, step 4) over the anchors ``plan.anchor_sets[l]``
-    (residual rows h_a [n_a, hidden]) and the glue and query (h_q [n_fresh, hidden] at positions
-    fresh, int64 [n_fresh]); stale: (k [n_context, Hkv, d], v [same]) the layer's stale KV; n: the
-    request's tokens.
-
-    Returns:
-        (the plan, changed at CacheBlend's check layer; (k [n, Hkv, d], v [same]) the layer's KV;
-        [n_a + n_fresh, hidden] the rows' residual after the layer; the anchors' layout).
-    """
+    """Step 4 at layer l (``h_a`` [n_a, hidden], ``h_q`` [n_fresh, hidden], ``stale`` (k [n_context, Hkv, d], v
+    [same])): (the plan, the layer's (k [n, Hkv, d], v [same]), residual [n_a + n_fresh, hidden], the layout)."""
     anchors, n_ctx = schedule.anchor_sets[l], stale[0].shape[0]
     n_a = anchors.numel()
     q, k, v = _project_qkv(w, w.layers[l], torch.cat([h_a, h_q]), torch.cat([anchors, fresh]))
@@ -421,9 +312,8 @@ def _repair_layer(w: LlamaWeights, l: int, schedule: AnchorSchedule, h_a: torch.
 
 def _layer_step(w: LlamaWeights, schedule: AnchorSchedule, l: int, k_a: torch.Tensor, v_a: torch.Tensor,
                 keys: torch.Tensor, vals: torch.Tensor) -> Optional[LayerEdit]:
-    """The policy's step at layer l (``policies.base``), if it reads there: its body's delta added
-    in place to keys and vals [n, Hkv, d] (the stale KV, not yet overwritten by the layer's rows);
-    k_a, v_a: [n_a, Hkv, d] the anchors' new K/V. Returns its edit (None: no step at l)."""
+    """The policy's step at layer l, if it reads there: its delta added in place to keys and vals [n, Hkv, d] (not yet
+    overwritten by the layer's rows); k_a, v_a [n_a, Hkv, d] the anchors' new K/V."""
     step = schedule.layer_step
     read = step.reads(l) if step is not None else None
     if read is None:

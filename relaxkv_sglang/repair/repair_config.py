@@ -1,18 +1,8 @@
 """What a repair is asked to do and what it costs: :class:`RepairConfig`, :class:`RepairCost`, the budget split.
 
-The knobs every repairing policy shares live in :class:`RepairConfig`, each policy's own in its
-options object (``PolicySpec.options``: ``config.relaxkv``, ``config.cacheblend``, one per option
-group of the registry); :meth:`RepairConfig.from_knobs` routes flat knob names (the ablation
-script's, a calibration's) to their owner.
-
-Joint budget (``RepairConfig.budget`` = b): cost as a fraction of recomputing every eligible token
-at every layer with its full causal context, in token-layers of linear work, an attention pair
-costing ``pair_cost`` (:class:`RepairCost`): ``b = cost(A, R) / cost(all eligible, full prefix)`` with
-``cost(A, R) = sum_l sum_{t in A_l} (1 + pair_cost * |R_l(t)|)``. :func:`split_budget` spends b on
-anchors at the configured context ratio first, then on context; the cost is estimated as if the
-anchors were a uniform sample of the eligible tokens, so the achieved cost is near b. b = 0 is
-``pic``; b = 1 full prefill. The planner that applies these: :mod:`~relaxkv_sglang.repair.anchor_schedule`.
-"""
+Joint budget (``RepairConfig.budget``): a fraction of the cost of recomputing every eligible token at every layer
+with its full causal context, ``sum_l sum_{t in A_l} (1 + pair_cost * |R_l(t)|)`` token-layers. :func:`split_budget`
+estimates it as if the anchors were a uniform sample of the eligible tokens, so the achieved cost is near it."""
 
 from __future__ import annotations
 
@@ -32,23 +22,10 @@ __all__ = ["RepairConfig", "knob_defaults", "RepairCost", "ATTENTION_OVERHEAD", 
 
 @dataclasses.dataclass(frozen=True)
 class RepairConfig:
-    """The knobs of a repair, for the server and the torch reference alike: those every repair
-    policy shares, then each policy's own options.
-
-    Attributes:
-        anchor_ratio: r, mean over layers of |A_l| / n_eligible (see token_sets.py).
-        context_ratio: relaxed-context budget, a fraction of each anchor's causal prefix in
-            pages (policies whose context is ``topk`` or ``random``; the others attend to their
-            full prefix).
-        page_size: key page of the layouts, in tokens.
-        sink_tokens: first prompt tokens every anchor attends to.
-        seed: seeds the random control and the random-context ablation.
-        budget: None, or the repair's cost as a fraction of full recomputation of the chunks;
-            then :func:`split_budget` sets ``anchor_ratio`` and ``context_ratio`` (module doc).
-        options: one options object per option group of the registry (``policies.OPTION_GROUPS``,
-            in its order), each read as an attribute by its group's name (``config.relaxkv``);
-            :meth:`with_options` replaces some.
-    """
+    """The knobs of a repair, for the server and the torch reference alike: those every repair policy shares, then one
+    options object per option group (``config.relaxkv``). ``anchor_ratio``: mean over layers of |A_l| / n_eligible;
+    ``context_ratio``: a share of each anchor's causal prefix in pages (contexts ``topk``, ``random``); ``page_size``
+    in tokens; ``sink_tokens``: the first prompt tokens every anchor attends to."""
 
     anchor_ratio: float = 0.15
     context_ratio: float = 0.5
@@ -76,7 +53,6 @@ class RepairConfig:
         return self.options[index]
 
     def with_options(self, **groups: Any) -> "RepairConfig":
-        """This config with some options objects replaced, by group name (``relaxkv=...``)."""
         unknown = set(groups) - set(_GROUP_INDEX)
         if unknown:
             raise TypeError(f"unknown option group {sorted(unknown)[0]!r}; groups: {', '.join(_GROUP_INDEX)}")
@@ -85,8 +61,7 @@ class RepairConfig:
 
     @classmethod
     def from_knobs(cls, **knobs: Any) -> "RepairConfig":
-        """A config from flat knob names (:func:`knob_defaults`), each routed to its owner: the
-        names ``scripts/ablate_repair.py`` variants and the tests use. TypeError for an unknown one."""
+        """A config from flat knob names (:func:`knob_defaults`), each routed to its owner (TypeError if unknown)."""
         owned: dict[str, dict[str, Any]] = {group.name: {} for group in OPTION_GROUPS}
         shared = {}
         for name, value in knobs.items():
@@ -98,7 +73,6 @@ class RepairConfig:
         return cls(**shared, options=options)
 
     def options_of(self, policy: Policy | str | PolicySpec) -> Optional[Any]:
-        """The options object of ``policy`` (``PolicySpec.options``), or None when it has none."""
         group = policy_spec(policy).options
         return getattr(self, group.name) if group else None
 
@@ -116,36 +90,28 @@ def knob_defaults() -> dict[str, Any]:
     return {**shared, **{name: getattr(getattr(config, owner), attr) for name, (owner, attr) in _KNOB_OWNERS.items()}}
 
 
-# Measured cost of an attention pair over its multiply-add share, per device type (GPU: not
-# measured, 1.0). The fit: docs/experiments/INDEX.md#attention-overhead.
+# An attention pair's measured cost over its multiply-add share (GPU: not measured, 1.0):
+# docs/experiments/INDEX.md#attention-overhead.
 ATTENTION_OVERHEAD = {"cpu": 3.0}
 
 
 @dataclasses.dataclass(frozen=True)
 class RepairCost:
-    """The repair's cost model: work in token-layers of linear work (one token's QKV, output and
-    MLP projections at one layer); one (query, key) attention pair costs ``pair_cost`` of them.
-
-    From the model's dimensions (:meth:`from_hf_config`), the ratio of their multiply-adds
-    (SmolLM2-135M: 3.3e-4), times the device's measured attention overhead
-    (:data:`ATTENTION_OVERHEAD`): attention runs further below peak than the projections do.
-    """
+    """Work in token-layers (one token's QKV, output and MLP projections at one layer); an attention pair costs
+    ``pair_cost``: their multiply-adds' ratio (SmolLM2-135M: 3.3e-4) times :data:`ATTENTION_OVERHEAD`."""
 
     pair_cost: float
 
     @classmethod
     def from_dims(cls, hidden: int, intermediate: int, n_heads: int, n_kv_heads: int, head_dim: int,
                   device_type: Optional[str] = None) -> "RepairCost":
-        """From a Llama-style layer's dimensions (multiply-adds of a token-layer and of a pair) and
-        the device type (``"cpu"``, ``"cuda"``; None: multiply-adds only)."""
+        """From a Llama-style layer's dimensions and the device type (None: multiply-adds only)."""
         linear = hidden * (2 * n_heads * head_dim + 2 * n_kv_heads * head_dim) + 3 * hidden * intermediate
         attention = 2 * n_heads * head_dim  # q.k and p.v per pair
         return cls(attention / linear * ATTENTION_OVERHEAD.get(device_type, 1.0))
 
     @classmethod
     def from_hf_config(cls, config: dict, device_type: Optional[str] = None) -> "RepairCost":
-        """From a HF config dict (hidden_size, the MLP's width per token: ``model_family.mlp_width``,
-        num_attention_heads, num_key_value_heads, head_dim) and the device type (as :meth:`from_dims`)."""
         hidden, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         return cls.from_dims(hidden, mlp_width(config), n_heads,
                              int(config.get("num_key_value_heads") or n_heads),
@@ -158,11 +124,8 @@ class RepairCost:
 
 def split_budget(budget: float, policy: Policy | PolicySpec, chunk_spans: Sequence[Span], n_context: int,
                  config: RepairConfig, cost: RepairCost) -> tuple[float, float]:
-    """``(anchor_ratio, context_ratio)`` that spend ``budget`` (module doc: "Joint budget").
-
-    Policies with a full context spend it all on anchors (ratio = budget); relaxed-context
-    policies on anchors at ``config.context_ratio`` first, then on context.
-    """
+    """``(anchor_ratio, context_ratio)`` that spend ``budget`` (module doc): all on anchors for a full context;
+    else on anchors at ``config.context_ratio`` first, then on context."""
     elig = eligible_tokens(chunk_spans, n_context)
     if elig.numel() == 0 or policy_spec(policy).context == "full":
         return budget, 1.0
@@ -171,8 +134,7 @@ def split_budget(budget: float, policy: Policy | PolicySpec, chunk_spans: Sequen
     before, sink = t + 1 - own, float(min(config.sink_tokens, n_context))
 
     def per_anchor(context_ratio: float) -> float:
-        """Mean cost of an anchor-layer: its relaxed context as layout.py budgets it, page
-        rounding left out (own chunk plus a share of what is before it)."""
+        """Mean cost of an anchor-layer: its relaxed context as layout.py budgets it, page rounding left out."""
         if config.relaxkv.own_chunk_in_budget:
             keys = torch.clamp(context_ratio * (t + 1), min=own + sink)
         else:

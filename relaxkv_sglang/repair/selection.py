@@ -1,11 +1,5 @@
-"""Repair targets: every policy's per-layer anchor sets (the query's scores: ``attention/query_scores.py``).
-
-The token vocabulary (context, chunk spans, eligible tokens, anchor ratio) is in
-:mod:`.token_sets`; RelaxKV's exit-layer rule, layer values and chunk sinks in :mod:`.exit_layers`.
-A policy's rule is in its module (:mod:`.policies`); :func:`select_anchors` checks the inputs once,
-builds an :class:`~.policies.base.AnchorInputs` and calls it. Every rule returns nested sets
-``A_0 ⊇ A_1 ⊇ ...`` (:mod:`.policies.base`).
-"""
+"""Repair targets: :func:`select_anchors` checks the inputs once, builds an :class:`~.policies.base.AnchorInputs` and
+calls the policy's rule (in its module of :mod:`.policies`)."""
 
 from __future__ import annotations
 
@@ -16,8 +10,8 @@ import torch
 from relaxkv_sglang.repair.exit_layers import exits_to_anchor_sets, layer_weights, relaxkv_exit_layers
 from relaxkv_sglang.repair.policies import Policy, PolicySpec, policy_spec
 from relaxkv_sglang.repair.policies.base import AnchorInputs
-from relaxkv_sglang.repair.token_sets import (anchor_budget, chunk_ids, chunk_offsets, eligible_tokens, shared_opening_sinks,
-                         sinks_of_tokens)
+from relaxkv_sglang.repair.token_sets import (anchor_budget, chunk_ids, chunk_offsets, eligible_tokens,
+                                              shared_opening_sinks, sinks_of_tokens)
 
 Span = tuple[int, int]
 
@@ -36,12 +30,6 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------------------- scores
-
-
-# ----------------------------------------------------------------------------- rules
-
-
 def select_anchors(
     policy: Policy | str | PolicySpec,
     scores: Optional[torch.Tensor],
@@ -55,30 +43,12 @@ def select_anchors(
     chunk_sink_tokens: int | torch.Tensor = 4,
     markup: Optional[torch.Tensor] = None,
 ) -> list[torch.Tensor]:
-    """Anchor set of every layer for one request: its spec's ``anchor_rule``.
+    """The anchor sets of one request (its spec's ``anchor_rule``), int64 sorted, nested: one per layer, or (a policy
+    that decides mid-forward) the layers up to its step. ``scores`` float [n_layers, n_context] s_l, required by
+    policies that need query scores (else ``n_layers``); ``anchor_ratio`` met within one token per layer
+    (CacheBlend's check layers recompute every eligible token); ``chunk_sink_tokens`` one count or int64 [n_chunks];
+    ``markup`` bool [n_context]. Example (relaxkv, 25% of two 16-token chunks' token-layers, 4 layers):
 
-    Args:
-        policy: a ``Policy``, its string value, or a ``PolicySpec``.
-        scores: float [n_layers, n_context] query scores s_l; required by the policies whose spec
-            ``needs_query_scores``, ignored otherwise.
-        chunk_spans: chunk spans (see module doc); anchors come only from eligible tokens.
-        n_context: number of context tokens.
-        anchor_ratio: r in [0, 1] (module doc): met within one token per layer; CacheBlend's layers
-            0..check_layer recompute every eligible token (its mean ratio is higher than r).
-        rng: generator for the ``random`` policy.
-        n_layers: needed when ``scores`` is None.
-        options: the policy's options object (``PolicySpec.options``; None: its defaults).
-        chunk_sink_tokens: relaxkv's favoured first tokens of each chunk (one count, or int64 [n_chunks]).
-        markup: bool [n_context] the template markup every chunk repeats (relaxkv's ``markup_share``).
-
-    Returns:
-        int64 tensors of sorted token indices, nested (A_0 ⊇ A_1 ⊇ ...): one per layer, or (a policy
-        that decides mid-forward) the layers up to its step.
-        full: every eligible token; pic: empty sets.
-
-    Example (relaxkv, 25% of two 16-token chunks' token-layers, 4 layers):
-
-    >>> import torch
     >>> scores = torch.rand(4, 40, generator=torch.Generator().manual_seed(0))
     >>> sets = select_anchors("relaxkv", scores, [(4, 20), (20, 36)], 40, 0.25)
     >>> sum(len(a) for a in sets) == round(0.25 * 4 * 32)  # the budget, met exactly

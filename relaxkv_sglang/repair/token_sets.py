@@ -1,19 +1,6 @@
-"""Token sets of one request: chunk indices, eligible (repairable) tokens, chunk sinks, budgets.
-
-Vocabulary (token indices are absolute prompt positions):
-
-* ``n_context``: tokens before ``query_start`` (prefix + chunks).
-* ``chunk_spans``: ``[(start, end), ...]`` half-open spans of the reused chunks, sorted and
-  non-overlapping, inside ``[0, n_context)``.
-* *eligible* tokens: tokens of chunks that do **not** start at position 0.  Prefix tokens are
-  exact and never anchors; a chunk that starts at position 0 was computed alone at positions
-  ``0..len-1``, which is exactly what full prefill computes for it, so its cached KV is exact
-  too and recomputing it would waste budget.
-* anchor ratio ``r = mean over layers of |A_l| / n_eligible``.  The denominator is the number
-  of repairable (eligible) tokens, not all context tokens: the exact prefix can never be
-  repaired, so counting it would make ``r = 1`` unreachable.  With no prefix and no chunk at
-  position 0 the two definitions coincide.
-"""
+"""Token sets of one request (absolute prompt positions): chunk indices, eligible tokens, chunk sinks, budgets.
+*Eligible* tokens: those of chunks not starting at 0 (prefix tokens are exact; a chunk at 0 was computed alone at
+``0..len-1``, as full prefill does); ``r = mean_l |A_l| / n_eligible`` counts only them, so ``r = 1`` is reachable."""
 
 from __future__ import annotations
 
@@ -40,10 +27,7 @@ def check_spans(chunk_spans: Sequence[Span], n_context: int) -> list[Span]:
 
 
 def chunk_ids(chunk_spans: Sequence[Span], n_context: int) -> torch.Tensor:
-    """Chunk index of every context token.
-
-    Returns: int64 [n_context], -1 for tokens outside every chunk (the prefix).
-    """
+    """int64 [n_context]: the chunk index of every context token, -1 outside every chunk (the prefix)."""
     ids = torch.full((n_context,), -1, dtype=torch.long)
     for i, (s, e) in enumerate(check_spans(chunk_spans, n_context)):
         ids[s:e] = i
@@ -51,10 +35,7 @@ def chunk_ids(chunk_spans: Sequence[Span], n_context: int) -> torch.Tensor:
 
 
 def eligible_tokens(chunk_spans: Sequence[Span], n_context: int) -> torch.Tensor:
-    """Tokens that may be repaired: chunk tokens, except a chunk starting at position 0.
-
-    Returns: int64 [n_eligible], sorted.
-    """
+    """int64 [n_eligible] sorted: the chunk tokens, except a chunk starting at position 0."""
     parts = [
         torch.arange(s, e) for s, e in check_spans(chunk_spans, n_context) if s > 0
     ]
@@ -70,16 +51,8 @@ def chunk_offsets(chunk_spans: Sequence[Span], elig: torch.Tensor, n_context: in
 
 
 def shared_opening_sinks(input_ids: torch.Tensor, chunk_spans: Sequence[Span], max_sinks: int) -> torch.Tensor:
-    """Sinks per chunk from its opening (``exit_layers`` module doc): 1 + the longest opening it
-    shares with another chunk of the request, at most ``max_sinks``.
-
-    Args:
-        input_ids: int64 [n_tokens] the request's prompt.
-        chunk_spans: the chunks inside it.
-        max_sinks: the cap (``RelaxKVOptions.chunk_sink_tokens``).
-    Returns:
-        int64 [n_chunks]; 0 everywhere when ``max_sinks`` is 0.
-    """
+    """int64 [n_chunks] sinks per chunk: 1 + the longest opening it shares with another chunk of the prompt
+    (``input_ids`` int64 [n_tokens]), at most ``max_sinks`` (0 everywhere when it is 0)."""
     n = len(chunk_spans)
     if n == 0 or max_sinks <= 0:
         return torch.zeros(n, dtype=torch.long)
@@ -95,20 +68,8 @@ def shared_opening_sinks(input_ids: torch.Tensor, chunk_spans: Sequence[Span], m
 
 
 def shared_runs(input_ids: torch.Tensor, chunk_spans: Sequence[Span], n_context: int, run: int = 3) -> torch.Tensor:
-    """The tokens of the template markup every chunk of the request repeats: each token inside some
-    ``run`` consecutive token ids that occur in every chunk (``</source><document_content>`` when a
-    framework wraps each document in tags). Computed alone, each copy of the markup gets the same
-    stale K/V, so the query meets the same wrong structure once per chunk (``exit_layers`` module doc,
-    "Template markup"; ``scripts/measure_deviation.py`` measures it).
-
-    Args:
-        input_ids: int64 [>= n_context] the request's prompt.
-        chunk_spans: the chunks inside it.
-        n_context: the context length.
-        run: how many consecutive ids make a repeated run.
-    Returns:
-        bool [n_context]; all False with fewer than two chunks or no run shared by all.
-    """
+    """bool [n_context]: the markup every chunk repeats (tokens inside some ``run`` consecutive ids found in every
+    chunk); computed alone, each copy gets the same stale K/V."""
     spans = check_spans(chunk_spans, n_context)
     marked = torch.zeros(n_context, dtype=torch.bool)
     if len(spans) < 2 or run < 1:
@@ -124,8 +85,7 @@ def shared_runs(input_ids: torch.Tensor, chunk_spans: Sequence[Span], n_context:
 
 
 def sinks_of_tokens(chunk_sink_tokens: int | torch.Tensor, cid: torch.Tensor) -> torch.Tensor | int:
-    """The sink count that applies to each token of chunk index ``cid`` (int64 [n]): the one count,
-    or the per-chunk counts (int64 [n_chunks]) read at ``cid``."""
+    """Each token's sink count (``cid`` int64 [n] its chunk): the one count, or int64 [n_chunks] read at ``cid``."""
     if isinstance(chunk_sink_tokens, torch.Tensor):
         return chunk_sink_tokens.to(torch.long)[cid]
     return chunk_sink_tokens

@@ -1,12 +1,6 @@
-"""The policy registry: every way a request can be prefilled, one module each, one line here.
-
-A policy is a module of this package holding its :class:`~.base.PolicySpec` (what it reuses,
-whether it repairs, what it needs, its anchor rule, its anchors' context, its options and its
-optional step inside the forward: :class:`~.base.LayerStep`). :data:`REGISTERED` lists them; the
-server, the benchmarks and the tests read the registry, so adding a policy is its module plus
-its line in :data:`REGISTERED` (``tests/unit/test_selection.py`` adds one with a mid-forward step).
-
-Checked against the registry by ``tests/unit/test_selection.py``:
+"""The policy registry: every way a request can be prefilled, one module each (its :class:`~.base.PolicySpec`), one
+line in :data:`REGISTERED`; the server, the benchmarks and the tests read it (``tests/unit/test_selection.py``
+checks this table against it):
 
 ===============  ======  =============  =======  ============  ============  ========  ========
 policy           served  reuses chunks  repairs  query scores  forward step  context   role
@@ -22,9 +16,6 @@ relaxkv_fullctx  yes     yes            yes      yes           step          ful
 relaxkv_randctx  yes     yes            yes      yes           step          random    ablation
 random           no      yes            yes      no            no            full      control
 ===============  ======  =============  =======  ============  ============  ========  ========
-
-``prefix`` is SGLang's radix cache; ``random`` runs in the torch reference only. Knobs every
-repair shares are in ``repair_config.RepairConfig``; a policy's own in its options object.
 """
 
 from __future__ import annotations
@@ -74,32 +65,26 @@ class _PolicyName(str, enum.Enum):
 
     @property
     def spec(self) -> PolicySpec:
-        """Its entry in :data:`POLICY_SPECS`."""
         return POLICY_SPECS[self.value]
 
     @property
     def served(self) -> bool:
-        """Whether the server accepts it as a request's policy."""
         return self.spec.served
 
     @property
     def reuses_chunks(self) -> bool:
-        """Chunk KV comes from the position-independent chunk tree."""
         return self.spec.reuses_chunks
 
     @property
     def repairs(self) -> bool:
-        """Reused chunk tokens are selectively recomputed (anchors)."""
         return self.spec.repairs
 
     @property
     def needs_query_scores(self) -> bool:
-        """True when targets (or context) are chosen from the stale query pass s_l."""
         return self.spec.needs_query_scores
 
     @property
     def context_mode(self) -> str:
-        """Context of the anchors: 'full' (causal prefix), 'topk' (relaxed) or 'random'."""
         return self.spec.context
 
 
@@ -115,7 +100,6 @@ def policy_spec(policy: "Policy | str | PolicySpec") -> PolicySpec:
 
 
 def served_policies() -> tuple[str, ...]:
-    """The values the server accepts, in registry order."""
     return tuple(name for name, s in POLICY_SPECS.items() if s.served)
 
 
@@ -125,8 +109,7 @@ def chunk_policies() -> tuple[str, ...]:
 
 
 def repair_policies(ablations: bool = True) -> tuple[str, ...]:
-    """Served policies that repair, in registry order; without ``ablations`` only the peers and
-    the method (what a benchmark compares)."""
+    """Served policies that repair, in registry order; without ``ablations``, what a benchmark compares."""
     return tuple(name for name, s in POLICY_SPECS.items()
                  if s.served and s.repairs and (ablations or s.role != "ablation"))
 
@@ -134,6 +117,5 @@ def repair_policies(ablations: bool = True) -> tuple[str, ...]:
 SERVER_POLICIES: tuple[str, ...] = served_policies()
 CHUNK_POLICIES: frozenset[str] = frozenset(chunk_policies())
 REPAIR_POLICIES: tuple[str, ...] = repair_policies()
-# What a request without a policy gets: SGLang's own behaviour, so installing the plugin
-# changes nothing until a request (or RELAXKV_DEFAULT_POLICY) asks for chunk reuse.
+# SGLang's own behaviour: the plugin changes nothing until a request (or RELAXKV_DEFAULT_POLICY) asks for reuse.
 DEFAULT_POLICY = Policy.PREFIX.value

@@ -1,10 +1,5 @@
-"""``cacheblend`` (CacheBlend): every eligible token recomputed at layers ``0..check_layer``; the
-K/V deviation measured there (recomputed vs cached) picks the top-r tokens of every later layer,
-full causal context.
-
-The later layers are decided in the forward: the anchor rule plans the check layers only, and the
-policy's :class:`CheckLayerStep` reads the check layer's K/V and returns the rest.
-"""
+"""``cacheblend`` (CacheBlend): every eligible token recomputed at layers ``0..check_layer``; the K/V deviation measured
+there picks the top-r tokens of every later layer (full causal context), in the forward (:class:`CheckLayerStep`)."""
 
 from __future__ import annotations
 
@@ -22,13 +17,8 @@ __all__ = ["CacheBlendOptions", "kv_deviation", "check_layer_deviation", "CheckL
 
 @dataclasses.dataclass(frozen=True)
 class CacheBlendOptions:
-    """CacheBlend's own knobs.
-
-    Attributes:
-        check_layer: layers ``0..check_layer`` recompute every eligible token; the deviation measured
-            at ``check_layer`` chooses the later layers' tokens.
-        use_k: the deviation also counts K (else V only).
-    """
+    """CacheBlend's own knobs: layers ``0..check_layer`` recompute every eligible token, and the deviation measured
+    at ``check_layer`` chooses the later layers' tokens; ``use_k``: it also counts K (else V only)."""
 
     check_layer: int = 1
     use_k: bool = False
@@ -40,17 +30,9 @@ class CacheBlendOptions:
 
 def kv_deviation(k_new: "torch.Tensor", v_new: "torch.Tensor", k_old: "torch.Tensor", v_old: "torch.Tensor",
                  use_k: bool = False, ranks: Optional["TensorParallel"] = None) -> "torch.Tensor":
-    """CacheBlend's per-token deviation between recomputed and cached KV at the check layer.
-
-    Args:
-        k_new, k_old: [n, n_kv_heads, d] float (post-RoPE, same positions): this rank's KV heads.
-        v_new, v_old: [n, n_kv_heads, d] float.
-        use_k: also add the L2 deviation of K.
-        ranks: the tensor-parallel group holding the other KV heads (None or one rank: these are all):
-            each rank's sums of squares are summed over it (one collective), then the root taken.
-    Returns:
-        float32 [n]: ||v_new - v_old||_2 over heads and dims (+ the same for K), the same on every rank.
-    """
+    """float32 [n]: ||v_new - v_old||_2 over heads and dims (+ the same for K with ``use_k``), the same on every
+    rank. K/V [n, n_kv_heads, d] float (K post-RoPE, same positions), this rank's heads; with ``ranks`` (the
+    tensor-parallel group) each rank's sums of squares are summed over it (one collective), then rooted."""
     if ranks is None or ranks.size == 1:
         dev = (v_new.float() - v_old.float()).flatten(1).norm(dim=1)
         if use_k:
@@ -64,9 +46,8 @@ def kv_deviation(k_new: "torch.Tensor", v_new: "torch.Tensor", k_old: "torch.Ten
 
 
 def check_layer_deviation(x: AnchorInputs, deviation: Optional["torch.Tensor"] = None) -> "list[torch.Tensor]":
-    """Every eligible token at layers 0..check_layer; with the deviation (float [n_context], or
-    [n_eligible] aligned with ``x.eligible``) measured there, the top tokens by it at the later
-    layers (without it, only the check layers: the step decides the rest)."""
+    """Every eligible token at layers 0..check_layer; with the ``deviation`` (float [n_context], or [n_eligible])
+    measured there, the top tokens by it at the later layers."""
     import torch
 
     check_layer = (x.options or CacheBlendOptions()).check_layer
@@ -104,8 +85,7 @@ class CheckLayerStep:
         return LayerRead(self.schedule.anchor_sets[layer]) if layer == self.check_layer else None
 
     def run(self, layer: int, kv: MeasuredKV) -> LayerEdit:
-        """The later layers' sets from the measured deviation (read back to the host: the schedule's
-        decisions live there; once per request)."""
+        """Later layers' sets from the deviation, read back (once per request) to the host, where plans live."""
         import torch
 
         schedule = self.schedule

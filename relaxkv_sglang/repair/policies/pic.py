@@ -1,5 +1,4 @@
-"""``pic``: the chunks' independent KV, re-rotated to their positions, nothing recomputed (naive
-position-independent reuse)."""
+"""``pic``: the chunks' independent KV, re-rotated to their positions, nothing recomputed (naive reuse)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ if TYPE_CHECKING:
 
 
 def no_anchors(x: AnchorInputs) -> "list[torch.Tensor]":
-    """Nothing is recomputed."""
     import torch
 
     return [torch.zeros(0, dtype=torch.long) for _ in range(x.n_layers)]

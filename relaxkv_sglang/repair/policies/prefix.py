@@ -1,5 +1,4 @@
-"""``prefix``: SGLang's radix cache, exact prefix reuse only (the default: installing the plugin
-changes nothing until a request asks for chunk reuse)."""
+"""``prefix``: SGLang's radix cache, exact prefix reuse only (the default: the plugin changes nothing)."""
 
 from __future__ import annotations
 

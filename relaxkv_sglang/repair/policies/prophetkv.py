@@ -1,5 +1,4 @@
-"""``prophetkv`` (ProphetKV): the tokens the query attends to most, averaged over layers,
-recomputed at every layer with their full causal context."""
+"""``prophetkv`` (ProphetKV): the tokens the query attends to most over layers, at every layer, full context."""
 
 from __future__ import annotations
 

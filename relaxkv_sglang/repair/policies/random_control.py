@@ -1,5 +1,4 @@
-"""``random``: uniformly random targets, the control every selection rule must beat (torch
-reference only, not served)."""
+"""``random``: uniformly random targets, the control every rule must beat (torch reference only)."""
 
 from __future__ import annotations
 

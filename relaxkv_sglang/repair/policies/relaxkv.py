@@ -1,11 +1,7 @@
-"""``relaxkv`` (the method) and its two context ablations: per-layer nested targets from the query's
-stale attention s_l (``exit_layers``), each anchor attending to a relaxed, query-relevant part of
-its prefix (``layout``), and the stale shift: the anchors' mean K/V deviation added to the
-non-anchors' stale K/V at every layer (``stale_shift``, through :class:`StaleShiftStep`).
-
-The ablations keep the targets, the knobs and the shift and change the context only: the full
-causal prefix (``relaxkv_fullctx``) or random pages of the same budget (``relaxkv_randctx``).
-"""
+"""``relaxkv`` (the method): per-layer nested targets from the query's stale attention s_l (``exit_layers``), each
+anchor attending to a relaxed, query-relevant part of its prefix (``layout``), and the stale shift (``stale_shift``,
+through :class:`StaleShiftStep`). Its two ablations change the context only: the full causal prefix
+(``relaxkv_fullctx``) or random pages of the same budget (``relaxkv_randctx``)."""
 
 from __future__ import annotations
 
@@ -33,32 +29,11 @@ STALE_SHIFT_GROUPS = ("request", "chunk")
 
 @dataclasses.dataclass(frozen=True)
 class RelaxKVOptions:
-    """The relaxkv policies' own knobs. Why each default: docs/experiments/INDEX.md (tuned with
-    ``scripts/ablate_repair.py``).
-
-    Attributes:
-        chunk_sink_tokens: first tokens of each chunk favoured as targets (with
-            ``chunk_sink_rule="shared"``, the most per chunk; ``exit_layers`` module doc).
-        chunk_sink_rule: ``fixed`` (every chunk ``chunk_sink_tokens``) or ``shared`` (per chunk,
-            1 + the opening it shares with another chunk of the request, capped at
-            ``chunk_sink_tokens``: ``token_sets.shared_opening_sinks``; an ablation).
-        chunk_sink_share: the largest share of the budget those sinks take first (an ablation below 1).
-        chunk_sink_order: which sinks first when they do not all fit (``offset`` or ``score``, an
-            ablation; ``exit_layers.relaxkv_exit_layers``).
-        markup_share: the largest share of the budget the template markup every chunk repeats
-            (``token_sets.shared_runs``) takes at every layer, after the chunk sinks; 0: off; an ablation.
-        layer_value: how correcting a token at each layer is valued (``exit_layers.layer_weights``).
-        context_rank: how the other pages of an anchor's context are ranked: ``query`` (s_l, one
-            ranking per layer), ``keys`` (per row block, the anchors' own queries against per-page
-            key bounds, decided in the layer) or ``oracle`` (their true attention mass: an ablation).
-        own_chunk_in_budget: whether the relaxed context budget counts the anchor's own chunk.
-        stale_shift: ``none``, ``v`` (V shifted by the layer's anchors' mean deviation) or ``kv``
-            (K too, compared before RoPE).
-        stale_shift_scale: the fraction of that mean deviation added, in [0, 1].
-        stale_shift_group: whose anchors a token's shift is the mean deviation of: ``request`` or
-            ``chunk`` (its own chunk's anchors, shrunk toward the request's mean).
-        stale_shift_prior: with ``chunk``, the weight of the request's mean in each chunk's, in anchors.
-    """
+    """The relaxkv policies' own knobs (why each default: docs/experiments/INDEX.md). Sinks, markup, layer value:
+    ``exit_layers``; ``shared`` sinks: per chunk, 1 + the opening it shares with another chunk, capped;
+    ``context_rank``: how an anchor's other context pages are ranked: ``query`` (s_l, per layer), ``keys`` (per row
+    block, the anchors' own queries against per-page key bounds) or ``oracle`` (true attention mass);
+    ``stale_shift*``: ``stale_shift``."""
 
     chunk_sink_tokens: int = 4
     chunk_sink_rule: str = "fixed"
@@ -88,7 +63,6 @@ class RelaxKVOptions:
 
 
 def exit_layer_sets(x: AnchorInputs) -> "list[torch.Tensor]":
-    """Nested sets from each token's exit layer (``exit_layers.relaxkv_exit_layers``)."""
     from relaxkv_sglang.repair.exit_layers import exits_to_anchor_sets, relaxkv_exit_layers
 
     o = x.options or RelaxKVOptions()
@@ -98,14 +72,8 @@ def exit_layer_sets(x: AnchorInputs) -> "list[torch.Tensor]":
 
 
 class StaleShiftStep:
-    """The stale shift of one request (``stale_shift`` module doc): at layer l it reads S_l (the
-    body's anchors) and adds their mean deviation to the whole body; the layer's writes then
-    replace it on the anchors, which leaves exactly T_l shifted.
-
-    Attributes:
-        body: int64 [n_body] the chunk tokens outside their chunk's sinks (``stale_shift.shift_body``).
-        body_groups: int64 [n_body] each body token's shift group, or None (one group).
-    """
+    """The stale shift of one request: at layer l it reads S_l (the anchors of ``body``, int64 [n_body]; ``body_groups``
+    int64 [n_body] or None) and adds their mean deviation to the whole body."""
 
     def __init__(self, schedule: ScheduleView, body: "torch.Tensor") -> None:
         from relaxkv_sglang.repair.token_sets import chunk_ids
@@ -142,7 +110,6 @@ class StaleShiftStep:
         return LayerRead(sources, self.group_of[sources] if self.group_of is not None else None)
 
     def run(self, layer: int, kv: MeasuredKV) -> LayerEdit:
-        """The layer's delta per group (``stale_shift.shift_deltas``)."""
         from relaxkv_sglang.repair.stale_shift import shift_deltas
 
         dk, dv = shift_deltas(self.mode, kv.positions, kv.k_new, kv.v_new, kv.k_stale, kv.v_stale, kv.rotate,

@@ -1,2 +1,1 @@
-"""The repair pass over SGLang's modules: the layer loop, where the stale shift lands, the served
-calibration. Run by :mod:`relaxkv_sglang.forward.repair_stage`."""
+"""The repair pass over SGLang's modules, where the stale shift lands, the served calibration."""

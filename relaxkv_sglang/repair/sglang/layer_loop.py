@@ -2,14 +2,10 @@
 
 Each row runs layers ``[0, exit)``: per layer the active rows' K/V go into the pool, then an ordinary row attends
 causally from its scope start, an anchor through its layer's block-sparse layout
-(:class:`~relaxkv_sglang.attention.sglang.anchor_attention.AnchorAttention`). A policy's step
-(``AnchorSchedule.layer_step``) runs before a layer's
+(:class:`~relaxkv_sglang.attention.sglang.anchor_attention.AnchorAttention`). A policy's step runs before a layer's
 writes; its delta lands on its body in the pool (:mod:`.shift_target`), its later layers' anchors replan the pass.
-
-Bookkeeping (:class:`LoopRows`) stays on the host and is staged in one
-:class:`~relaxkv_sglang.attention.staging.HostStage` copy; the device is read back only by a step that needs it
-(CacheBlend's deviation) and the ``layout_at`` ablation (``tests/unit/test_cuda_rules.py`` checks this).
-Called by :class:`~relaxkv_sglang.forward.repair_stage.RepairStage`.
+Bookkeeping stays on the host, staged in one copy; the device is read back only by a step that needs it (CacheBlend's
+deviation) and the ``layout_at`` ablation (``tests/unit/test_cuda_rules.py`` checks this).
 """
 
 from __future__ import annotations
@@ -37,18 +33,10 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass
 class LoopRows:
-    """One request's rows in a pass of the layer loop; every tensor on the host (:class:`LayerLoop` stages them).
-
-    Attributes:
-        slots: int64 [>= max position + 1] KV-pool slot of every position (its ``req_to_token`` row, read once).
-        positions: int64 [n] position of each row, ascending.
-        exits: int64 [n] a row takes part in layers ``[0, exits[i])``.
-        scope: int64 [n] first key position a non-anchor row attends to (0: its causal prefix; or a chunk's start).
-        anchor: bool [n] repair targets, attending through ``anchor_schedule.layouts``.
-        anchor_schedule: the planner's decisions (None: no anchors in this pass).
-        shift_target: where the step's body lies in the pool, built when the pass is (re)planned.
-        work: the (row, key) pairs of the anchor layouts executed (the report's).
-    """
+    """One request's rows in a pass, on the host: ``slots`` int64 [>= max position + 1] the KV-pool slot of every
+    position (its ``req_to_token`` row); ``positions`` (ascending), ``exits`` (a row takes part in layers ``[0,
+    exits[i])``) and ``scope`` (the first key a non-anchor row attends to) int64 [n]; ``anchor`` bool [n]; ``work``
+    the (row, key) pairs of the anchor layouts executed."""
 
     slots: torch.Tensor
     positions: torch.Tensor
@@ -78,9 +66,8 @@ class _StepRead:
 
 @dataclasses.dataclass
 class _RequestStep:
-    """One request's rows at one layer, decided on the host: ``rows`` int64 host [n] (indices into its
-    ``LoopRows``), their pool slots ``written`` (staged), the ``plain`` rows (causal from their scope, staged, and
-    the plan), the ``anchors`` (staged; host positions checked against the layout) and the step's ``read``."""
+    """One request's rows at one layer, decided on the host: ``rows`` int64 host [n] (into its ``LoopRows``), their pool
+    slots ``written``, the ``plain`` rows (causal from their scope) and the ``anchors``, staged."""
 
     rows: torch.Tensor
     written: Staged
@@ -96,9 +83,8 @@ class _RequestStep:
 
 @dataclasses.dataclass
 class _LayerStep:
-    """Every request's rows at one layer: ``active`` int64 [sum n] the rows of the pass taking
-    part, ``positions`` int64 [sum n] theirs, ``going_on`` int64 [m] those (among the active) whose
-    hidden state feeds a later layer."""
+    """Every request's rows at one layer: ``active`` and ``positions`` int64 [sum n], ``going_on`` int64 [m] the active
+    rows whose hidden state feeds a later layer."""
 
     requests: list[_RequestStep]
     active: Staged
@@ -107,8 +93,7 @@ class _LayerStep:
 
 
 class _PassDecisions:
-    """A pass's decisions from layer ``first`` on (rows, scopes, anchors, step reads, executor plans, pool slots,
-    step targets), made on the host and staged in one copy; rebuilt from the next layer when a step replans."""
+    """A pass's decisions from layer ``first`` on, made on the host, staged in one copy; rebuilt if a step replans."""
 
     def __init__(self, requests: list[LoopRows], first: int, n_layers: int, device: torch.device,
                  anchors: AnchorAttention, kv_dtype: torch.dtype, rope: Optional[RopeSpec], digests: bool) -> None:
@@ -315,7 +300,8 @@ def _check_on_host(r: LoopRows) -> None:
     """The pass's bookkeeping stays on the host: a device tensor here would make every layer read it back."""
     for name in ("slots", "positions", "exits", "scope", "anchor"):
         if getattr(r, name).device.type != "cpu":
-            raise InvariantError(f"relaxkv: the repair pass's {name} must be a host tensor, got {getattr(r, name).device}")
+            raise InvariantError(f"relaxkv: the repair pass's {name} must be a host tensor, "
+                                 f"got {getattr(r, name).device}")
 
 
 def _prepare_step_target(r: LoopRows, stage: HostStage, rope: Optional[RopeSpec]) -> None:

@@ -1,7 +1,4 @@
-"""The served model's repair calibration in the scheduler: chosen once at startup, read by every repair.
-
-The ``auto`` budget's server settings (``RELAXKV_DEFAULT_BUDGET``, ``RELAXKV_QUALITY``) are read at the same startup.
-"""
+"""The served model's repair calibration and ``auto`` budget settings in the scheduler: chosen once at startup."""
 
 from __future__ import annotations
 
@@ -22,9 +19,8 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class ServedCalibration:
-    """The calibration a server runs with: ``model`` the served model's name (its path's last part),
-    ``calibration`` None for the code defaults, ``base`` what every repair starts from, ``default_budget``
-    (``"auto"``, a cost share, None) and ``quality`` (an auto budget's aim) from the server settings."""
+    """The calibration a server runs with (``calibration`` None: the code defaults; ``base``: what every repair starts
+    from) and its ``default_budget`` (``"auto"``, a cost share, None) and ``quality``."""
 
     model: str
     calibration: Optional[Calibration]

@@ -1,6 +1,5 @@
 """What the repair stage uses of the served model, its pool and its attention backend: built once at startup
-(``server/sglang/startup.py``) and kept on the worker, so the stage reads typed fields, not attributes on
-SGLang's objects."""
+(``server/sglang/startup.py``), so the stage reads typed fields, not attributes on SGLang's objects."""
 
 from __future__ import annotations
 
@@ -21,11 +20,9 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class RepairServices:
-    """``anchor_attention``: the attention backend's anchor executor (it shares the backend's FlashInfer
-    workspace); ``cost``: ``relaxkv_budget``'s cost model for this model and device; ``lm_head``: this rank's LM
-    head (a vocabulary shard under tensor parallelism; the auto budget reads the query pass's answer through it),
-    ``vocab_size`` the vocabulary without SGLang's padding; ``kv_pool``: SGLang's KV pool; ``rope`` the served
-    RoPE (the stale shift compares K before it)."""
+    """``anchor_attention``: the attention backend's anchor executor (it shares its FlashInfer workspace); ``lm_head``:
+    this rank's (a vocabulary shard under tensor parallelism), through which the auto budget reads ``pic``'s answer;
+    ``vocab_size`` without SGLang's padding; ``rope`` the served RoPE (the stale shift compares K before it)."""
 
     anchor_attention: AnchorAttention
     cost: RepairCost

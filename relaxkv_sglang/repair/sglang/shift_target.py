@@ -1,8 +1,5 @@
-"""Where one request's stale shift lands in the KV pool, built once per repair pass.
-
-The stale shift (:mod:`relaxkv_sglang.repair.stale_shift`) adds V += dv, K += R(t) dk (dk before RoPE) to the
-non-anchor chunk tokens (the body) before each layer's attention; :mod:`.layer_loop` calls :class:`ShiftTarget`.
-"""
+"""Where one request's stale shift (:mod:`relaxkv_sglang.repair.stale_shift`: V += dv, K += R(t) dk, dk before RoPE)
+lands in the KV pool, built once per repair pass."""
 
 from __future__ import annotations
 
@@ -18,17 +15,10 @@ class ShiftTarget:
     """The pool slots of one request's shift body (chunk tokens less each chunk's sinks), and R(t) over its span.
 
     While the positions the span leaves out are rows of the pass (layer < ``span_until``: their writes replace what
-    lands on them) and its slots are consecutive, a float32 pool takes the span as two in-place adds; past that, one
-    add per run of consecutive slots (at most ``MAX_RUNS``, each inside one group); else, or for a lower-precision
-    pool, an index add of the materialised delta (rounded once, as the reference does). Grouped: no span add.
-
-    Args:
-        slots: int64 host [>= max position + 1] the request's KV-pool slot of every position.
-        body: int64 host [n_body >= 1] positions of the shift body, ascending.
-        row_positions, row_exits: int64 host [n_rows] the pass's rows, ascending, and the layer each leaves at.
-        stage: the pass's (its device is the KV pool's; default: the host, nothing staged).
-        groups: int64 host [n_body] each body token's shift group (``StaleShiftStep.body_groups``), None: one.
-    """
+    lands on them) and its slots are consecutive, a float32 pool takes the span as two in-place adds; else one add
+    per run of consecutive slots (at most ``MAX_RUNS``); else, or for a lower-precision pool, an index add of the
+    materialised delta (rounded once, as the reference does). ``slots`` int64 host [>= max position + 1]; ``body``
+    int64 host [n_body >= 1] ascending; ``row_*`` int64 host [n_rows]; ``groups`` int64 host [n_body] or None."""
 
     MAX_RUNS = 64
 
@@ -99,8 +89,8 @@ class ShiftTarget:
                     v_cache[slot:slot + n].add_(dv[group])
                 return
         if dk is not None:
-            _add_rows(k_cache, self.slots, self.rotation.rotate(dk[self.groups] if self.grouped else dk[self.group0][None],
-                                                                 rows=self.rows))
+            _add_rows(k_cache, self.slots,
+                      self.rotation.rotate(dk[self.groups] if self.grouped else dk[self.group0][None], rows=self.rows))
         # Materialised: index_add_ from an expanded view is slower.
         delta_v = dv[self.groups] if self.grouped else dv[self.group0].expand(self.slots.shape[0], -1, -1)
         _add_rows(v_cache, self.slots, delta_v.contiguous())

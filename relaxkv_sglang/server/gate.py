@@ -49,9 +49,8 @@ _MAX_OFFSET = 4096
 
 
 def tolerance_for(dtype: torch.dtype) -> float:
-    """The largest relative error a check may show in the KV pool's ``dtype``: 2e-3 (fp32), 0.03125 (fp16),
-    0.25 (bf16); another (an fp8 KV cache) 0.5: not measured, and too loose to catch more than a grossly
-    wrong rotation."""
+    """The largest relative error a check may show in the KV pool's ``dtype``: 2e-3 (fp32), 0.03125 (fp16), 0.25 (bf16);
+    another (an fp8 KV cache) 0.5: not measured, and too loose to catch more than a grossly wrong rotation."""
     if dtype == torch.float32:
         return _FP32_TOLERANCE
     u = _UNIT_ROUNDOFF.get(dtype)
@@ -78,9 +77,8 @@ def gate_token_ids(encoded: Optional[Sequence[int]], vocab_size: int, n_tokens: 
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``max_{t,h} ‖actual − expected‖₂ / rms_{t,h} ‖expected‖₂``; both ``[n, h, d]`` (or ``[n, d]``: one
-    head), any float dtype, computed in fp32. ``inf`` if only ``expected`` is all zero; ``nan`` if either
-    holds a nan."""
+    """``max_{t,h} ‖actual − expected‖₂ / rms_{t,h} ‖expected‖₂``; both ``[n, h, d]`` (or ``[n, d]``: one head), any
+    float dtype, computed in fp32. ``inf`` if only ``expected`` is all zero; ``nan`` if either holds a nan."""
     if actual.shape != expected.shape:
         raise ValueError(f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}")
     x, y = actual.float(), expected.float()

@@ -51,9 +51,8 @@ def tp_size_of(args: list[str]) -> int:
 
 
 def cpu_threads_binding(tp_size: int, cpus: list[int], numa_nodes: int) -> str | None:
-    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``tp_size`` CPU ranks: None where SGLang binds a rank per NUMA node
-    itself (``tp_size <= numa_nodes``), else ``cpus`` cut into ``tp_size`` contiguous groups (``"0|1"``,
-    ``"0-7|8-15"``)."""
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``tp_size`` CPU ranks: None where SGLang binds a rank per NUMA node itself
+    (``tp_size <= numa_nodes``), else ``cpus`` cut into ``tp_size`` contiguous groups (``"0|1"``, ``"0-7|8-15"``)."""
     if tp_size <= max(numa_nodes, 1):
         return None
     if len(cpus) < tp_size:

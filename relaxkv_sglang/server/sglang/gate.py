@@ -58,10 +58,8 @@ def serving_rope(rope: RopeSpec, override: Optional[dict[str, Any]]) -> RopeSpec
 
 def run_startup_gate(worker: Any, cache: Any, context_len: int, *, tp_rank: int = 0,
                      enable_metrics: bool = False) -> GateResult:
-    """Run the gate once on the loaded model; keep (on ``cache``), log (rank 0) and publish its verdict.
-
-    ``worker``: SGLang's ``TpModelWorker``; ``cache``: the ``RelaxKVTreeCache`` just built.
-    """
+    """Run the gate once on the loaded model (``worker``: SGLang's ``TpModelWorker``); keep its verdict on ``cache``
+    (the ``RelaxKVTreeCache`` just built), log it (rank 0) and publish it."""
     causal_lm = getattr(getattr(worker, "model_runner", None), "model", None)
     start = time.perf_counter()
     try:

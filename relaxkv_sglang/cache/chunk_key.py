@@ -1,12 +1,9 @@
 """The key of a cached chunk, from the KV pool's index down to every lower tier.
 
-:class:`ChunkKey` is a chunk's tenant namespace and token ids. A lower tier stores a chunk under
-its content key, derived here and only here (:meth:`ChunkKey.content_key`):
-``sha256("relaxkv-chunk-v1" || identity || namespace || token ids)``, hex (64 chars), where
-``identity`` is the model identity's digest (:class:`~relaxkv_sglang.cache.tiers.keys.ModelIdentity`).
-Two servers share a content key exactly when they would compute the same KV for the same tokens in
-the same namespace. The namespace ``None`` (the shared default) and ``""`` are distinct.
-
+A lower tier stores a chunk under its content key, derived only here (:meth:`ChunkKey.content_key`):
+``sha256("relaxkv-chunk-v1" || identity || namespace || token ids)``, 64 hex chars, ``identity`` the
+model identity's digest (:class:`~relaxkv_sglang.cache.tiers.keys.ModelIdentity`): two servers share
+a content key exactly when they would compute the same KV for the same tokens in the same namespace.
 Standard library only.
 """
 
@@ -24,11 +21,8 @@ __all__ = ["ChunkKey"]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChunkKey:
-    """A chunk's namespace and token ids; equal keys name the same chunk (module doc).
-
-    Attributes:
-        namespace: tenant salt / SGLang ``extra_key``; None is the shared default namespace.
-        tokens: the token ids; any int sequence (or int tensor) given is stored as a tuple of ints.
+    """A chunk's ``namespace`` (tenant salt, SGLang's ``extra_key``; None, the shared default, is not
+    ``""``) and token ids (any int sequence or tensor, stored as a tuple of ints).
 
     >>> key = ChunkKey(None, [11, 12, 13])
     >>> key == ChunkKey(None, (11, 12, 13)) != ChunkKey("", (11, 12, 13))

@@ -1,22 +1,16 @@
 """The KV pool's index of cached chunks: which pool slots hold which chunk's KV.
 
-A cached chunk's KV lives in KV-pool slots (one int slot per token, shared by all layers). The
-index maps a :class:`~relaxkv_sglang.cache.chunk_key.ChunkKey` to an entry holding those slots,
-counts the requests using it (locks) and evicts unlocked entries least recently used first. It
-never touches KV tensors; slots leave only through the ``free_slots`` callback, exactly once each.
+A :class:`~relaxkv_sglang.cache.chunk_key.ChunkKey` maps to the chunk's KV-pool slots (one per token,
+shared by all layers), locked by the requests using it; unlocked entries are evicted least recently used
+first. Slots leave only through the ``free_slots`` callback, exactly once each; no KV tensor is touched.
 
 Not thread-safe (SGLang's scheduler thread drives it). Per request: ``peek``/``lookup`` -> ``lock``
-(or compute + ``insert`` + ``lock``) ... ``unlock``; lock right away, since an unlocked entry may
-go at the next ``evict``. Recency is read off the clock given at construction (the server passes
-``time.monotonic``, the clock of SGLang's radix nodes), so an owner can evict across both in one
-LRU order.
+(or compute + ``insert`` + ``lock``) ... ``unlock``, locking at once (an unlocked entry may go at the next
+``evict``). The server's clock, ``time.monotonic``, is that of SGLang's radix nodes: one LRU order spans both.
 
-Target size (``target_tokens``, ARC's ghost-list signal): with ``ghost_capacity > 0`` the index
-remembers the keys of recently evicted entries (up to that many tokens). A miss on one of them
-raises the target by its tokens; a key forgotten without such a miss lowers it; the target stays
-in ``[0, ghost_capacity]``.
-
-Standard library and torch only.
+Target size (``target_tokens``, ARC's ghost-list signal): with ``ghost_capacity > 0`` evicted keys are
+remembered (up to that many tokens); a miss on one raises the target by its tokens, one forgotten
+without a miss lowers it, within ``[0, ghost_capacity]``. Standard library and torch only.
 """
 
 from __future__ import annotations
@@ -35,23 +29,10 @@ __all__ = ["ChunkEntry", "PoolChunkIndexStats", "PoolChunkIndex"]
 
 @dataclass(eq=False)  # identity semantics: entries hold tensors and are mutable
 class ChunkEntry:
-    """One cached chunk.
-
-    Attributes:
-        key: the chunk's namespace and token ids; entries never match across namespaces.
-        slots: int64 ``[n_tokens]`` KV-pool slot indices, slot ``i`` holding
-            token ``i``'s canonical K/V in every layer.
-        canonical_start: position the chunk's K was rotated at (normally 0);
-            reuse at position ``p`` needs a rotation by ``p - canonical_start``.
-        lock_ref: number of holders currently using the entry; > 0 means it
-            cannot be evicted.
-        last_access: index clock value of the last lookup hit / insert / unlock
-            (non-decreasing across entries; see ``PoolChunkIndex(clock=...)``).
-        hits: number of lookups that returned this entry.
-        origin: where the entry's KV came from when it was not computed here: a lower
-            tier's name (:class:`~relaxkv_sglang.cache.tiers.TierName`) until its first
-            hit reports it (the owner clears it); None otherwise.
-    """
+    """One cached chunk: ``slots`` int64 ``[n_tokens]``, slot ``i`` holding token ``i``'s canonical K/V in
+    every layer, K rotated at ``canonical_start`` (reuse at ``p`` rotates by ``p - canonical_start``);
+    ``last_access``: the index clock at the last hit, insert or unlock; ``origin``: the lower tier
+    (:class:`~relaxkv_sglang.cache.tiers.TierName`) its KV was loaded from, until its first hit reports it."""
 
     key: ChunkKey
     slots: torch.Tensor
@@ -63,25 +44,14 @@ class ChunkEntry:
 
     @property
     def num_tokens(self) -> int:
-        """Number of tokens (and slots) in the chunk."""
         return len(self.key.tokens)
 
 
 @dataclass(frozen=True)
 class PoolChunkIndexStats:
-    """Snapshot of an index's counters.
-
-    Cumulative since construction (``reset`` does not clear them): ``lookups``,
-    ``hits``, ``misses`` (``hits + misses == lookups``), ``hit_tokens`` /
-    ``miss_tokens`` (tokens of the looked-up chunks), ``inserts`` (new entries),
-    ``duplicate_inserts`` (inserts of an existing key, whose slots were freed),
-    ``evictions`` (entries evicted by ``evict``) and ``evicted_tokens``,
-    ``ghost_hits`` / ``ghost_hit_tokens`` (misses on recently evicted keys),
-    ``ghost_expired_tokens`` (evicted keys forgotten without such a miss).
-    Current state: ``entries``, ``tokens_held``, ``locked_tokens``,
-    ``locked_entries`` (entries with ``lock_ref > 0``; 0 on an idle server),
-    ``target_tokens`` (the learned size, see the module doc).
-    """
+    """An index's counters, cumulative (``reset`` keeps them) but for the current ``entries``, ``tokens_held``,
+    ``locked_tokens``, ``locked_entries`` (0 on an idle server) and ``target_tokens``. ``duplicate_inserts``:
+    of a held key, their slots freed; ``ghost_hits``: misses on recently evicted keys."""
 
     lookups: int
     hits: int
@@ -103,41 +73,24 @@ class PoolChunkIndexStats:
 
     @property
     def hit_rate(self) -> float:
-        """Fraction of lookups that hit (0.0 with no lookups)."""
         return self.hits / self.lookups if self.lookups else 0.0
 
     @property
     def token_hit_rate(self) -> float:
-        """Fraction of looked-up chunk tokens that hit (0.0 with no lookups)."""
         total = self.hit_tokens + self.miss_tokens
         return self.hit_tokens / total if total else 0.0
 
 
 class PoolChunkIndex:
-    """Map a chunk's key to the pool slots holding its KV, with locks and LRU eviction.
-
-    Every operation is O(1) apart from hashing the token tuple (O(chunk
-    length)) and the per-entry work of ``evict``/``reset``: unlocked entries
-    sit in an ``OrderedDict`` in LRU order, locked ones are taken out of it.
-    """
+    """A chunk's key to the pool slots holding its KV, with locks and LRU eviction; O(1) but for hashing the
+    tokens and ``evict``/``reset``'s per-entry work (unlocked entries in an LRU ``OrderedDict``)."""
 
     def __init__(self, free_slots: Callable[[torch.Tensor], None],
                  clock: Callable[[], float] | None = None, ghost_capacity: int = 0,
                  on_evict: Callable[[ChunkEntry], None] | None = None) -> None:
-        """Create an empty index.
-
-        Args:
-            free_slots: called with an entry's int64 ``[n_tokens]`` slots when
-                they leave the index (eviction, reset, duplicate insert); it
-                must return them to the KV allocator.
-            clock: the time source of ``last_access`` (e.g. ``time.monotonic``);
-                readings are made non-decreasing.  None: a counter (1, 2, ...).
-            ghost_capacity: tokens of evicted keys remembered, and the most
-                ``target_tokens`` can reach; 0 (default) learns no target.
-            on_evict: called with each entry ``evict`` takes, before its slots are freed
-                (while they still hold its KV), e.g. to spill it to a lower tier; not
-                called by ``reset`` or a duplicate insert.  Exceptions propagate.
-        """
+        """``free_slots`` returns an entry's int64 ``[n_tokens]`` slots to the KV allocator. ``clock``: of
+        ``last_access``, made non-decreasing (None: a counter). ``ghost_capacity``: the most ``target_tokens``
+        reaches (0: none). ``on_evict``: given each entry ``evict`` takes while its slots hold its KV (a spill)."""
         self._free_slots = free_slots
         self._on_evict = on_evict
         self._clock_fn = clock
@@ -157,7 +110,6 @@ class PoolChunkIndex:
         self._target = 0
 
     def __len__(self) -> int:
-        """Number of entries."""
         return len(self._entries)
 
     def _tick(self) -> float:
@@ -197,26 +149,9 @@ class PoolChunkIndex:
         return entry
 
     def insert(self, key: ChunkKey, slots: torch.Tensor, canonical_start: int = 0) -> ChunkEntry:
-        """Add a chunk whose canonical KV the caller has written into ``slots``.
-
-        The index takes ownership of ``slots``.  If the key already exists
-        (e.g. two requests computed the same chunk concurrently), the NEW slots
-        are freed at once through the callback and the existing entry is
-        returned (and marked recently used); compare the returned entry's
-        ``slots`` with yours to tell.  The returned entry is unlocked: lock it
-        before anything can call ``evict``.
-
-        Args:
-            key: the chunk, non-empty.
-            slots: int64 ``[len(key.tokens)]`` KV-pool slot indices.
-            canonical_start: position the chunk's K was rotated at (>= 0).
-
-        Returns:
-            The entry now stored under the key.
-
-        Raises:
-            ValueError / TypeError: empty chunk, wrong slots dtype/shape, bad canonical_start.
-        """
+        """Add a chunk whose canonical KV the caller wrote into ``slots`` (int64 ``[len(key.tokens)]``, the
+        index's now); a key already held (computed twice at once) keeps its entry, the NEW slots freed at
+        once. The entry returned is unlocked: lock it before anything can call ``evict``."""
         n = len(key.tokens)
         if n == 0:
             raise ValueError("cannot insert an empty chunk")
@@ -247,11 +182,7 @@ class PoolChunkIndex:
             raise ValueError("entry is not in this index (evicted, reset or from another index)")
 
     def lock(self, entry: ChunkEntry) -> None:
-        """Take one reference on ``entry``; a locked entry is never evicted.
-
-        Raises:
-            ValueError: the entry is no longer in the index.
-        """
+        """Take one reference on ``entry`` (ValueError if it left the index); a locked entry is never evicted."""
         self._check_member(entry)
         if entry.lock_ref == 0:
             del self._lru[entry.key]
@@ -259,11 +190,7 @@ class PoolChunkIndex:
         entry.lock_ref += 1
 
     def unlock(self, entry: ChunkEntry) -> None:
-        """Drop one reference; at zero the entry becomes evictable as the most recently used.
-
-        Raises:
-            ValueError: ``lock_ref`` is already 0, or the entry is not in the index.
-        """
+        """Drop one reference (ValueError if none is held); at zero the entry is evictable, most recently used."""
         self._check_member(entry)
         if entry.lock_ref <= 0:
             raise ValueError("unlock of an entry that is not locked (lock_ref would go negative)")
@@ -281,17 +208,8 @@ class PoolChunkIndex:
         self._total_tokens -= entry.num_tokens
 
     def evict(self, num_tokens: int) -> int:
-        """Evict least-recently-used unlocked entries until ``num_tokens`` slots are freed.
-
-        Stops early when nothing evictable is left.  Whole entries are evicted,
-        so more than ``num_tokens`` may be freed.
-
-        Args:
-            num_tokens: slots wanted back; <= 0 evicts nothing.
-
-        Returns:
-            Number of slots freed (through the callback).
-        """
+        """Evict least recently used unlocked entries, whole, until ``num_tokens`` slots are freed or none is
+        left; the slots freed (may exceed ``num_tokens``)."""
         freed = 0
         while freed < num_tokens and self._lru:
             entry = next(iter(self._lru.values()))
@@ -325,27 +243,17 @@ class PoolChunkIndex:
         return next(iter(self._lru.values()), None)
 
     def evictable_tokens(self) -> int:
-        """Slots held by unlocked entries."""
         return self._total_tokens - self._locked_tokens
 
     def locked_tokens(self) -> int:
-        """Slots held by locked entries."""
         return self._locked_tokens
 
     def total_tokens(self) -> int:
-        """Slots held by all entries."""
         return self._total_tokens
 
     def reset(self) -> None:
-        """Free every entry's slots and empty the index (e.g. on a cache flush).
-
-        Requires that no entry is locked: a locked entry's slots are in use by a
-        running request, and freeing them would let the allocator hand them out
-        twice.  Counters in ``stats()`` are cumulative and kept.
-
-        Raises:
-            RuntimeError: some entry is locked; the index is left unchanged.
-        """
+        """Free every entry's slots and empty the index (a flush); RuntimeError, changing nothing, while an
+        entry is locked (its slots are a running request's: the allocator would hand them out twice)."""
         if self._locked_tokens or len(self._lru) != len(self._entries):
             locked = len(self._entries) - len(self._lru)
             raise RuntimeError(f"cannot reset the pool's chunk index: {locked} entries are locked")
@@ -356,7 +264,6 @@ class PoolChunkIndex:
         self._target = 0
 
     def stats(self) -> PoolChunkIndexStats:
-        """Snapshot of the counters (see :class:`PoolChunkIndexStats`)."""
         return PoolChunkIndexStats(
             lookups=self._lookups,
             hits=self._hits,

@@ -5,29 +5,36 @@ pinned so no allocation evicts them; while others run, the check also runs under
 :meth:`~relaxkv_sglang.cache.sglang.pins.AdmissionHold.hold`. Pins are dropped after the fold
 (:mod:`relaxkv_sglang.forward.pipeline`), on release and on a flush; docs/reliability.md.
 
-SGLang files touched (hooks registered in ``plugin.py``): ``managers/schedule_policy.py``
-``PrefillAdder.add_one_req`` and ``PrefillAdder.add_chunked_req`` (around),
-``managers/scheduler.py`` ``Scheduler.get_new_batch_prefill`` (around).
+SGLang functions wrapped (:data:`HOOKS`): ``managers/schedule_policy.py`` ``PrefillAdder.add_one_req``
+and ``PrefillAdder.add_chunked_req``, ``managers/scheduler.py`` ``Scheduler.get_new_batch_prefill``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from relaxkv_sglang.runtime.hooks import Hook
 
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 
-def _relaxkv_cache(tree_cache: Any) -> Any:
+    from relaxkv_sglang.cache.sglang.relaxkv_cache import RelaxKVCache
+
+
+def _relaxkv_cache(tree_cache: BasePrefixCache) -> Optional[RelaxKVCache]:
     """The tree cache if it is the plugin's (it pins), else None."""
     return tree_cache if hasattr(tree_cache, "pin_request") else None
 
 
-def _admitted(adder: Any, req: Any) -> bool:
+def _admitted(adder: PrefillAdder, req: Req) -> bool:
     return any(r is req for r in adder.can_run_list)
 
 
-def around_get_new_batch_prefill(original: Callable, scheduler: Any, running_batch: Any,
+def around_get_new_batch_prefill(original: Callable, scheduler: Scheduler, running_batch: ScheduleBatch,
                                  *args: Any, **kwargs: Any) -> Any:
     """Hook on ``Scheduler.get_new_batch_prefill``: one admission round."""
     cache = _relaxkv_cache(scheduler.tree_cache)
@@ -40,7 +47,7 @@ def around_get_new_batch_prefill(original: Callable, scheduler: Any, running_bat
         cache.hold.end()
 
 
-def around_add_one_req(original: Callable, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+def around_add_one_req(original: Callable, adder: PrefillAdder, req: Req, *args: Any, **kwargs: Any) -> Any:
     """Hook on ``PrefillAdder.add_one_req``: pin the request's hits, check it under the hold."""
     cache = _relaxkv_cache(adder.tree_cache)
     if cache is None:
@@ -57,7 +64,7 @@ def around_add_one_req(original: Callable, adder: Any, req: Any, *args: Any, **k
     return _check_pinned(cache, adder, req, check)
 
 
-def around_add_chunked_req(original: Callable, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+def around_add_chunked_req(original: Callable, adder: PrefillAdder, req: Req, *args: Any, **kwargs: Any) -> Any:
     """Hook on ``PrefillAdder.add_chunked_req``: the next window pins its hits."""
     cache = _relaxkv_cache(adder.tree_cache)
     if cache is None:
@@ -65,7 +72,7 @@ def around_add_chunked_req(original: Callable, adder: Any, req: Any, *args: Any,
     return _check_pinned(cache, adder, req, lambda: original(adder, req, *args, **kwargs))
 
 
-def _check_pinned(cache: Any, adder: Any, req: Any, check: Callable[[], Any]) -> Any:
+def _check_pinned(cache: RelaxKVCache, adder: PrefillAdder, req: Req, check: Callable[[], Any]) -> Any:
     """Pin ``req``'s hits, run the adder's ``check``; keep the admitted window's pins, else drop them."""
     cache.pin_request(req)
     try:

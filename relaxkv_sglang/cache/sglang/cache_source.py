@@ -1,7 +1,5 @@
-"""The tier vocabulary at the SGLang boundary: our tier names in SGLang's ``cache_source`` names.
-
-The one place mapping :class:`~relaxkv_sglang.cache.tiers.TierName` onto SGLang's ``device`` /
-``host`` / ``storage`` (``Req.cached_tokens_<source>``); any tier below host memory is ``storage``.
+"""The one place mapping :class:`~relaxkv_sglang.cache.tiers.TierName` onto SGLang's ``cache_source``
+(``device`` / ``host`` / ``storage``, ``Req.cached_tokens_<source>``); any tier below host memory is ``storage``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Chunk-tree and lower-tier counters on SGLang's /metrics (``--enable-metrics``).
-
-Series are ``relaxkv:chunk_<name>`` and ``relaxkv:tier_<tier>_<name>``.
-"""
+"""Chunk-tree and lower-tier counters on SGLang's /metrics (``--enable-metrics``): ``relaxkv:chunk_<name>``
+and ``relaxkv:tier_<tier>_<name>``."""
 
 from __future__ import annotations
 
@@ -22,7 +20,8 @@ class ChunkMetrics:
 
         self.labels = dict(labels or {})
         self._counter, self._gauge = Counter, Gauge
-        self.counters = {name: self._new_counter(f"relaxkv:chunk_{name}", f"Chunk tree {name.replace('_', ' ')} since start.")
+        self.counters = {name: self._new_counter(f"relaxkv:chunk_{name}",
+                                                 f"Chunk tree {name.replace('_', ' ')} since start.")
                          for name in self.COUNTERS}
         self.gauges = {name: self._new_gauge(f"relaxkv:chunk_{name}", doc) for name, doc in self.GAUGES.items()}
         self.last = dict.fromkeys(self.COUNTERS, 0)
@@ -67,7 +66,7 @@ class ChunkMetrics:
             self.tier_last[name] = value
 
 
-# Lower-tier counters on /metrics (relaxkv:tier_<tier>_<name>), and gauges (current occupancy).
+# Lower-tier counters, and gauges (current occupancy).
 TIER_METRICS = {f"tier_{tier}_{name}" for tier in LOWER_TIERS for name in (
     "hits", "misses", "loads", "loaded_tokens", "loaded_bytes", "load_seconds", "spills", "spilled_bytes",
     "rejected", "evictions", "evicted_bytes", "writes", "written_bytes", "write_errors", "corrupt", "foreign",

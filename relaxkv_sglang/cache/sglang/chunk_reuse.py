@@ -1,7 +1,4 @@
-"""Chunk reuse and publish: the two operations the fold asks of the cache.
-
-KV goes through :class:`~.pool_kv.PoolKV`, tier crossings through :class:`~.tier_movement.TierMovement`.
-"""
+"""Chunk reuse and publish: the two operations the fold asks of the cache."""
 
 from __future__ import annotations
 
@@ -17,11 +14,11 @@ from relaxkv_sglang.cache.sglang.tier_movement import NoTierMovement, SlotAlloca
 
 
 class ChunkReuse:
-    """A chunk's KV into a request (reuse) and out of one (publish), module doc."""
+    """A chunk's KV into a request (reuse) and out of one (publish)."""
 
     def __init__(self, chunks: PoolChunkIndex, pool_kv: PoolKV,
                  movement: "TierMovement | NoTierMovement | None" = None) -> None:
-        """chunks: the pool's chunk index; pool_kv: the pool's KV; movement: the lower tiers (None: none)."""
+        """``movement``: the lower tiers (None: none)."""
         self.chunks = chunks
         self.pool_kv = pool_kv
         self.movement = movement if movement is not None else NoTierMovement()

@@ -8,28 +8,30 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
 
 from relaxkv_sglang.cache.pool_index import ChunkEntry, PoolChunkIndex
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.radix_cache import TreeNode
 
 
 class EvictionOrder:
     """The next victim of one eviction, radix leaf or chunk (module doc)."""
 
-    def __init__(self, leaves: Iterable[Any], priority: Callable[[Any], Any], chunks: PoolChunkIndex) -> None:
-        """leaves: the evictable radix leaves; priority: the radix strategy's rank of a leaf
-        (lowest first); chunks: the pool's chunk index (its unlocked entries, oldest first)."""
+    def __init__(self, leaves: Iterable[TreeNode], priority: Callable[[TreeNode], Any], chunks: PoolChunkIndex) -> None:
+        """``priority``: the radix eviction strategy's rank of a leaf (any comparable), lowest first."""
         self.priority = priority
         self.chunks = chunks
         self._seq = itertools.count()  # ties in priority keep insertion order (nodes need not compare)
         self._heap = [(priority(leaf), next(self._seq), leaf) for leaf in leaves]
         heapq.heapify(self._heap)
 
-    def push_leaf(self, leaf: Any) -> None:
+    def push_leaf(self, leaf: TreeNode) -> None:
         """A node became an evictable leaf (its last child was evicted)."""
         heapq.heappush(self._heap, (self.priority(leaf), next(self._seq), leaf))
 
-    def next(self) -> Optional[Union[Any, ChunkEntry]]:
+    def next(self) -> Optional[Union[TreeNode, ChunkEntry]]:
         """The next victim: a radix leaf (taken off the heap) or the oldest unlocked chunk
         (the caller evicts it from the index); None when neither tree has one."""
         entry = self.chunks.oldest()

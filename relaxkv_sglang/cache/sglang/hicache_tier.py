@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import threading
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -24,6 +24,9 @@ from relaxkv_sglang.cache.tiers import (
     PagedTier, PageStore, TierConfig, TierConfigError, TierContext, ValueLayout, env_number,
 )
 from relaxkv_sglang.cache.tiers.reconnect import ReconnectingPageStore
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ class StagingPool:
     dtype = torch.uint8
 
     def __init__(self, pages: int, page_bytes: int) -> None:
-        """pages: buffers in the pool; page_bytes: bytes per page (even: a K half and a V half)."""
+        """``page_bytes`` is even: a K half and a V half."""
         if page_bytes % 2:
             raise ValueError(f"page_bytes must be even, got {page_bytes}")
         self.kv_buffer = torch.zeros(pages, page_bytes, dtype=torch.uint8)
@@ -79,11 +82,8 @@ class StagingPool:
 
 
 class HiCachePageStore(PageStore):
-    """Pages in one SGLang HiCache storage backend (module doc)."""
-
-    def __init__(self, backend: Any, name: str, zero_copy: bool, pool: StagingPool) -> None:
-        """backend: a built ``HiCacheStorage``; name: its factory name; zero_copy: SGLang's v1 calls;
-        pool: the staging pool the backend registered."""
+    def __init__(self, backend: HiCacheStorage, name: str, zero_copy: bool, pool: StagingPool) -> None:
+        """``zero_copy``: SGLang's v1 calls; ``pool``: the staging pool the backend registered."""
         self.backend, self.name, self.zero_copy, self.pool = backend, name, zero_copy, pool
         self.page_bytes = pool.page_bytes
         self.lock = threading.Lock()
@@ -142,8 +142,8 @@ class HiCachePageStore(PageStore):
 
 
 def _master_address(extra_config: dict) -> Optional[tuple[str, int]]:
-    """The Mooncake master's (host, port) from ``master_server_address``; None if not named.
-    Raises ``ValueError`` unless it is ``HOST:PORT`` (no host is never taken to mean this machine)."""
+    """The Mooncake master's (host, port), None if not named; ValueError unless ``HOST:PORT`` (no host
+    is never taken to mean this machine)."""
     address = extra_config.get("master_server_address")
     if not address:
         return None
@@ -160,12 +160,9 @@ LOCAL_HOSTNAME_ENVS = ("MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME")
 
 def with_local_hostname(backend: str, extra_config: dict, env: Mapping[str, str]) -> dict:
     """``extra_config`` with the Mooncake client's ``local_hostname`` set to this host's address on the route
-    to the master, unless the environment or the config names one.
-
-    SGLang's own default is ``localhost``: a client on another host than its peers advertises an address they
-    cannot reach (SGLang #23457). The address is the one the kernel would send from to the master (a UDP
-    socket's ``connect``, which sends nothing), so a host with several interfaces advertises the one its
-    peers share with the master."""
+    to the master, unless the environment or the config names one: SGLang's default, ``localhost``, is an
+    address peers on other hosts cannot reach (SGLang #23457). A UDP ``connect`` (it sends nothing) picks
+    the interface the kernel would send from, the one the peers share with the master."""
     if backend != "mooncake" or extra_config.get("local_hostname") or any(env.get(k) for k in LOCAL_HOSTNAME_ENVS):
         return extra_config
     master = _master_address(extra_config)
@@ -241,8 +238,7 @@ class HiCacheTierConfig(TierConfig):
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Optional["HiCacheTierConfig"]:
-        """The ``*_ENV`` variables, named and read as SGLang's ``--hicache-storage-backend[-extra-config]``;
-        ``..._CALL_TIMEOUT_S``: the longest wait on one store call; ``..._RECONNECT_MAX_S``: the longest backoff."""
+        """The ``*_ENV`` variables (docs/api.md), read as SGLang reads ``--hicache-storage-backend[-extra-config]``."""
         backend = env.get(cls.BACKEND_ENV) or None
         if backend is None:
             return None

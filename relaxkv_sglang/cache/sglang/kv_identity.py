@@ -16,12 +16,15 @@ import json
 import os
 import re
 import struct
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from relaxkv_sglang.cache.tiers import ModelIdentity
 from relaxkv_sglang.runtime.settings import FINGERPRINT_MODES
+
+if TYPE_CHECKING:
+    from sglang.srt.server_args import ServerArgs
 
 __all__ = ["KVIdentity", "TOKENIZER_FILES", "VOLATILE_CONFIG_KEYS", "kv_identity",
            "resolve_folder", "tokenizer_fingerprint", "weights_fingerprint"]
@@ -72,8 +75,7 @@ class KVIdentity:
 
 
 def resolve_folder(path: Optional[str], revision: Optional[str]) -> Optional[str]:
-    """``path`` if it is a folder, else its snapshot in the local Hugging Face cache (no download),
-    else None."""
+    """``path`` if it is a folder, else its snapshot in the local Hugging Face cache (no download), else None."""
     if not path:
         return None
     if os.path.isdir(path):
@@ -171,7 +173,7 @@ def tokenizer_fingerprint(folder: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _without_volatile(value: Any) -> Any:
+def _without_volatile(value: Any) -> Any:  # a JSON value
     if isinstance(value, dict):
         return {k: _without_volatile(v) for k, v in value.items() if k not in VOLATILE_CONFIG_KEYS}
     if isinstance(value, (list, tuple)):
@@ -185,14 +187,14 @@ def config_fingerprint(hf_config: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _dtype_name(dtype: Any) -> str:
+def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def kv_identity(server_args: Any, hf_config: dict, *, model_dtype: Any, kv_pool_dtype: torch.dtype, layout: str,
-                weights: Optional[str] = None, fingerprint_mode: str = FINGERPRINT_MODES[0]) -> KVIdentity:
-    """The identity of a server, from SGLang's ``ServerArgs`` and ``hf_config.to_dict()``; ``layout``:
-    layers, heads, head dim, RoPE, page size and TP rank; ``weights``: the fingerprint if known."""
+def kv_identity(server_args: ServerArgs, hf_config: dict, *, model_dtype: torch.dtype, kv_pool_dtype: torch.dtype,
+                layout: str, weights: Optional[str] = None, fingerprint_mode: str = FINGERPRINT_MODES[0]) -> KVIdentity:
+    """The identity of a server; ``hf_config``: ``hf_config.to_dict()``; ``layout``: layers, heads, head dim,
+    RoPE, page size and TP rank; ``weights``: the fingerprint if known."""
     model_path = str(server_args.model_path)
     revision = getattr(server_args, "revision", None)
     folder = resolve_folder(model_path, revision)

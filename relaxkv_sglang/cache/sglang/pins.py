@@ -1,19 +1,24 @@
 """Admission pins and the admission hold: chunk hits kept in the pool from admission to the fold.
 
 Both change what ``PrefillAdder`` sees as evictable (hooks: :mod:`.admission`). The hold also takes the
-chunk index's learned share of the pool off ``evictable_size``, so a request that fits only by evicting queued
-requests' chunks waits (``RELAXKV_ADMISSION_HOLD=0``: off; docs/reliability.md, "Chunk hits under
-memory pressure"). ``stats()["chunk_locked_entries"]`` is 0 whenever no admitted request waits.
+chunk index's learned share of the pool off ``evictable_size``, so a request that fits only by evicting
+queued requests' chunks waits (docs/reliability.md, "Chunk hits under memory pressure").
+``stats()["chunk_locked_entries"]`` is 0 whenever no admitted request waits.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 from relaxkv_sglang.cache.chunk_key import ChunkKey
 from relaxkv_sglang.cache.pool_index import ChunkEntry, PoolChunkIndex
 from relaxkv_sglang.request.plan import request_plan, request_state
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
+    from relaxkv_sglang.request.plan import RequestPlan
 
 # Queued requests (in queue order) whose chunks the admission hold protects.
 HOLD_QUEUE_DEPTH = 256
@@ -22,7 +27,7 @@ HOLD_QUEUE_DEPTH = 256
 ChunkLoader = Callable[[ChunkKey], Optional[ChunkEntry]]
 
 
-def chunk_keys(req: Any, plan: Any) -> list[tuple[int, int, tuple[int, ...]]]:
+def chunk_keys(req: Req, plan: RequestPlan) -> list[tuple[int, int, tuple[int, ...]]]:
     """(start, end, token ids) of each chunk of the request, computed once per request."""
     state = request_state(req)
     if state.chunk_keys is None:
@@ -31,7 +36,7 @@ def chunk_keys(req: Any, plan: Any) -> list[tuple[int, int, tuple[int, ...]]]:
     return state.chunk_keys
 
 
-def requests_chunks(reqs: Iterable[Any]) -> Iterator[ChunkKey]:
+def requests_chunks(reqs: Iterable[Req]) -> Iterator[ChunkKey]:
     """The key of every chunk of the requests that reuse chunks, in order."""
     for req in reqs:
         plan = request_plan(req)
@@ -45,12 +50,12 @@ class AdmissionPins:
     """Chunk entries locked for admitted requests until their fold (module doc)."""
 
     def __init__(self, chunks: PoolChunkIndex) -> None:
-        """chunks: the pool's chunk index."""
+        """``chunks``: the pool's chunk index."""
         self.chunks = chunks
         self.by_request: dict[str, list[tuple[int, ChunkEntry]]] = {}  # rid -> [(chunk end, entry)]
         self.dropped_at_reset = 0  # requests whose pins a flush found (a leak: flushes happen when idle)
 
-    def pin(self, req: Any, load: Optional[ChunkLoader] = None) -> int:
+    def pin(self, req: Req, load: Optional[ChunkLoader] = None) -> int:
         """Lock every held (or ``load``ed) chunk of ``req`` after its matched prefix, replacing earlier
         pins; the pool tokens pinned (a chunk held twice is locked twice, counted once)."""
         self.unpin(req)
@@ -73,7 +78,7 @@ class AdmissionPins:
             self.by_request[req.rid] = pins
         return sum(e.num_tokens for e in {id(e): e for _, e in pins}.values())
 
-    def trim(self, req: Any, end: int) -> None:
+    def trim(self, req: Req, end: int) -> None:
         """Keep only the pins of chunks that end by ``end`` (the admitted window's end)."""
         pins = self.by_request.get(req.rid)
         if not pins:
@@ -89,12 +94,12 @@ class AdmissionPins:
         else:
             del self.by_request[req.rid]
 
-    def unpin(self, req: Any) -> None:
+    def unpin(self, req: Req) -> None:
         """Drop the request's pins (copied, not admitted, finished, aborted)."""
         for _, entry in self.by_request.pop(req.rid, ()):
             self.chunks.unlock(entry)
 
-    def unpin_all(self, reqs: Iterable[Any]) -> None:
+    def unpin_all(self, reqs: Iterable[Req]) -> None:
         """Drop the pins of a batch's requests (after its forward)."""
         if self.by_request:
             for req in reqs:
@@ -114,14 +119,14 @@ class AdmissionHold:
     """The chunks queued requests need, held out of the adder's budget for one check (module doc)."""
 
     def __init__(self, chunks: PoolChunkIndex, enabled: bool = True) -> None:
-        """chunks: the pool's chunk index; enabled: False with ``RELAXKV_ADMISSION_HOLD=0``."""
+        """``enabled``: False with ``RELAXKV_ADMISSION_HOLD=0``."""
         self.chunks = chunks
         self.enabled = enabled
-        self.queue: Optional[list] = None  # the waiting queue, during an admission round
+        self.queue: Optional[list[Req]] = None  # the waiting queue, during an admission round
         self.hot: Optional[list[ChunkEntry]] = None  # entries queued requests need, once per round
         self.reserve = 0  # tokens admission leaves to the pool's chunk index, during one admission check
 
-    def begin(self, waiting_queue: list, chunked_req: Any = None) -> None:
+    def begin(self, waiting_queue: list[Req], chunked_req: Optional[Req] = None) -> None:
         """An admission round starts over ``waiting_queue`` (and the chunked request, first)."""
         self.queue = ([chunked_req] if chunked_req is not None else []) + list(waiting_queue)
         self.hot = None

@@ -2,26 +2,26 @@
 
 Per layer the pool holds ``[slots, kv_heads, head_dim]`` K and V buffers. A move by ``delta`` positions
 re-rotates K (RoPE composes: K at ``p + delta`` is K at ``p`` rotated by ``delta``); V is copied as is.
-
-SGLang objects read: the KV pool (``get_key_buffer`` / ``get_value_buffer``, ``start_layer``,
-``layer_num``); any object with these works (the unit tests use a stand-in).
+SGLang's pool (``mem_cache/memory_pool.py``) is read through ``get_key_buffer`` / ``get_value_buffer``,
+``start_layer`` and ``layer_num`` only (the unit tests pass a stand-in).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from relaxkv_sglang.model.rope import RopeSpec, rotate_keys
 from relaxkv_sglang.cache.tiers import ChunkRecord
 
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import KVCache
+
 
 class PoolKV:
-    """Chunk KV in one KV pool, every layer, K re-rotated on a move (module doc)."""
-
-    def __init__(self, kv_pool: Any, rope: RopeSpec) -> None:
-        """kv_pool: SGLang's ``KVCache`` (or a stand-in); rope: the rotation K is stored with."""
+    def __init__(self, kv_pool: KVCache, rope: RopeSpec) -> None:
+        """``rope``: the rotation K is stored with."""
         self.kv_pool = kv_pool
         self.rope = rope
         self.layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)

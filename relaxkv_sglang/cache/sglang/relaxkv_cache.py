@@ -1,19 +1,22 @@
 """What the forward stages and admission call on the relaxkv tree cache, and how a worker finds it.
 
-Implemented by :class:`~.tree_cache_class.RelaxKVTreeCache`; the factory attaches it to the worker, so
-no module holds a process-wide reference. Imports no SGLang at run time.
+Implemented by :class:`~.tree_cache_class.RelaxKVTreeCache`; attached to the worker, so no module holds
+a process-wide reference. Imports no SGLang at run time.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Protocol, Sequence
 
 import torch
 
 from relaxkv_sglang.runtime import records
 
 if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.tp_worker import TpModelWorker
+
     from relaxkv_sglang.cache.chunk_key import ChunkKey
     from relaxkv_sglang.cache.tiers import TierName
     from relaxkv_sglang.cache.sglang.chunk_reuse import ChunkReuse
@@ -35,10 +38,10 @@ class RelaxKVCache(Protocol):
     def publish_chunks(self, chunks: Sequence[tuple["ChunkKey", int, int]], req_pool_idx: int) -> None:
         """Publish a request's miss chunks, (key, start, end) of its ``req_to_token`` row."""
 
-    def pin_request(self, req: Any) -> int:
+    def pin_request(self, req: Req) -> int:
         """Lock the request's chunk hits until its fold (a lower tier's hit loaded first); tokens pinned."""
 
-    def begin_admission(self, waiting_queue: list, chunked_req: Any = None) -> None:
+    def begin_admission(self, waiting_queue: list[Req], chunked_req: Optional[Req] = None) -> None:
         """An admission round starts (the hold learns the queue; lower-tier reads start)."""
 
     def update_metrics(self) -> None:
@@ -52,13 +55,13 @@ class WorkerCache:
     cache: RelaxKVCache
 
 
-def worker_cache(worker: Any) -> Optional[RelaxKVCache]:
+def worker_cache(worker: TpModelWorker) -> Optional[RelaxKVCache]:
     """The relaxkv tree cache of this scheduler's worker, or None if not selected."""
     held = records.record(worker, WorkerCache, create=False)
     return held.cache if held is not None else None
 
 
-def attach_worker_cache(worker: Any, cache: RelaxKVCache) -> None:
+def attach_worker_cache(worker: TpModelWorker, cache: RelaxKVCache) -> None:
     """Make ``cache`` the one :func:`worker_cache` finds for ``worker`` (the factory's call)."""
     records.attach(worker, WorkerCache(cache))
 

@@ -1,10 +1,5 @@
 """The server's lower chunk tiers: which the environment asks for, and building them for the pool
-(:func:`build_tiers`, the one way to build them).
-
-Each tier's configuration class reads its own variables (``from_env``); a new tier is its module plus
-one entry in :data:`TIER_CONFIGS`.
-
-SGLang objects read: none (the factory, ``server/sglang/startup.py``, passes the pool and the context length).
+(:func:`build_tiers`, the one way). A new tier is its module plus one entry in :data:`TIER_CONFIGS`.
 """
 
 from __future__ import annotations
@@ -21,9 +16,10 @@ from relaxkv_sglang.cache.sglang.pool_kv import PoolKV
 TIER_CONFIGS: tuple[type[TierConfig], ...] = (HostTierConfig, DiskTierConfig, HiCacheTierConfig)
 
 
-def tier_configs_from_env(env: Mapping[str, str], kinds: Sequence[type[TierConfig]] = TIER_CONFIGS) -> list[TierConfig]:
-    """The tiers ``env`` asks for (the server's: ``ServerSettings.environment``), fastest first
-    (empty: none); SystemExit with one line if a variable is malformed."""
+def tier_configs_from_env(env: Mapping[str, str],
+                          kinds: Sequence[type[TierConfig]] = TIER_CONFIGS) -> list[TierConfig]:
+    """The tiers ``env`` (``ServerSettings.environment``) asks for, fastest first; SystemExit with one line
+    if a variable is malformed."""
     try:
         return [config for kind in kinds if (config := kind.from_env(env)) is not None]
     except TierConfigError as exc:
@@ -32,8 +28,7 @@ def tier_configs_from_env(env: Mapping[str, str], kinds: Sequence[type[TierConfi
 
 def build_tiers(configs: Sequence[TierConfig], pool_kv: PoolKV, identity: ModelIdentity,
                 max_tokens: int, **options: Any) -> TieredChunkStore:
-    """The lower tiers for this pool's KV layout (``pool_kv``: anything with its ``token_shape`` and
-    ``dtype``), in ``configs``' order; ``max_tokens``: the most tokens a stored value may hold (the
-    context length); ``options``: as for :class:`~relaxkv_sglang.cache.tiers.TieredChunkStore`."""
+    """The lower tiers for this pool's KV layout, in ``configs``' order; ``max_tokens``: the most a stored
+    value may hold (the context length); ``options``: :class:`~relaxkv_sglang.cache.tiers.TieredChunkStore`'s."""
     ctx = TierContext(identity, tuple(pool_kv.token_shape), pool_kv.dtype, max_tokens=max_tokens)
     return TieredChunkStore([tier for c in configs if (tier := c.build(ctx)) is not None], identity, **options)

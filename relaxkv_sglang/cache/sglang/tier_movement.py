@@ -1,14 +1,13 @@
 """Chunk KV moving between the KV pool and the lower tiers: spill, load, write-through, prefetch.
 
 A lower tier never fails a request: an exception is logged and counted (``tier_errors``) and the
-chunk is a miss. Chunks are named by their :class:`~relaxkv_sglang.cache.chunk_key.ChunkKey`; the
-tiered store asks its tiers under the content key.
+chunk is a miss.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 import torch
 
@@ -19,6 +18,11 @@ from relaxkv_sglang.cache.sglang.pins import requests_chunks
 from relaxkv_sglang.request.plan import request_state
 from relaxkv_sglang.cache.sglang.pool_kv import PoolKV
 
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
+    from relaxkv_sglang.cache.tiers import ChunkRecord
+
 logger = logging.getLogger(__name__)
 
 # Allocates n pool slots for a chunk (int64 [n]), evicting what it may; None if no room.
@@ -26,10 +30,7 @@ SlotAllocator = Callable[[int], Optional[torch.Tensor]]
 
 
 class TierMovement:
-    """Every move of chunk KV between the pool and the lower tiers (module doc)."""
-
     def __init__(self, tiers: TieredChunkStore, pool_kv: PoolKV) -> None:
-        """tiers: the enabled lower tiers; pool_kv: the pool's KV accessor."""
         self.tiers = tiers
         self.pool_kv = pool_kv
         self.load_no_room = 0  # lower-tier hits not loaded at admission: no free slots
@@ -37,7 +38,7 @@ class TierMovement:
         self.wrong_size = 0  # records whose token count is not the chunk's (never written into the pool)
 
     def seen(self, key: ChunkKey) -> None:
-        """A chunk lookup happened: the admission sketch counts it."""
+        """A chunk lookup happened: the tiers' admission counts it."""
         self.tiers.record_access(key)
 
     def spill(self, entry: ChunkEntry) -> None:
@@ -73,9 +74,8 @@ class TierMovement:
         self.tiers.taken(key, tier)  # an exclusive tier gives its copy up
         return entry
 
-    def _fits(self, record: Any, n_tokens: int) -> bool:
-        """Whether a loaded record holds the chunk's ``n_tokens`` tokens (else a counted miss: a value
-        whose own checks pass but that was stored under another chunk's key)."""
+    def _fits(self, record: ChunkRecord, n_tokens: int) -> bool:
+        """Whether a loaded record holds ``n_tokens`` (else a counted miss: a value under another chunk's key)."""
         if record.n_tokens == n_tokens:
             return True
         self.wrong_size += 1
@@ -84,8 +84,7 @@ class TierMovement:
         return False
 
     def reuse_into(self, key: ChunkKey, dst: torch.Tensor, position: int) -> Optional[TierName]:
-        """A pool miss served from a lower tier into ``dst`` (int64 [n]), K re-rotated to
-        ``position``; the tier it came from, None on a miss."""
+        """A pool miss from a lower tier into ``dst`` (int64 [n]), K re-rotated to ``position``; its tier or None."""
         try:
             record, tier = self.tiers.get(key)
             if record is None or not self._fits(record, len(dst)):
@@ -98,8 +97,7 @@ class TierMovement:
         return tier
 
     def write_through(self, key: ChunkKey, src: torch.Tensor, position: int) -> None:
-        """A chunk computed here at ``position`` in slots ``src`` (int64 [n]) to the
-        write-through tiers, if they lack it."""
+        """A chunk computed at ``position`` in slots ``src`` (int64 [n]) to the write-through tiers lacking it."""
         if not self.tiers.publish_wanted(key):
             return
         try:
@@ -108,9 +106,8 @@ class TierMovement:
             logger.exception("relaxkv: writing a chunk to disk failed")
             self.errors += 1
 
-    def prefetch(self, chunks: PoolChunkIndex, waiting: Iterable[Any]) -> None:
-        """Start the reads of the chunks the pool lacks of each newly queued request in ``waiting``
-        (SGLang ``Req``s, once per request)."""
+    def prefetch(self, chunks: PoolChunkIndex, waiting: Iterable[Req]) -> None:
+        """Start the reads of the chunks the pool lacks of each newly queued request (once per request)."""
         if not self.tiers.can_prefetch:
             return
         keys = []
@@ -124,8 +121,7 @@ class TierMovement:
             self.tiers.prefetch(keys)
 
     def clear(self) -> None:
-        """A flush: the exclusive tiers and staged reads go; write-through tiers stay (what a
-        restart serves)."""
+        """A flush: the exclusive tiers and staged reads go; write-through tiers stay (what a restart serves)."""
         self.tiers.clear_exclusive()
         self.tiers.clear_staged()
 
@@ -163,7 +159,7 @@ class NoTierMovement:
     def write_through(self, key: ChunkKey, src: torch.Tensor, position: int) -> None:
         """No tier to write to."""
 
-    def prefetch(self, chunks: PoolChunkIndex, waiting: Iterable[Any]) -> None:
+    def prefetch(self, chunks: PoolChunkIndex, waiting: Iterable[Req]) -> None:
         """No tier to read ahead from."""
 
     def clear(self) -> None:

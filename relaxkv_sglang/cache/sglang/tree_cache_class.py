@@ -1,16 +1,14 @@
 """``RelaxKVTreeCache``: SGLang's radix tree plus the pool's chunk index, with one memory account.
 
 The radix tree serves exact prefixes; the :class:`~relaxkv_sglang.cache.pool_index.PoolChunkIndex` holds
-each document chunk's KV once, keyed by :class:`~relaxkv_sglang.cache.chunk_key.ChunkKey` (token ids and
-tenant namespace). ``match_prefix`` stops a chunk-reusing request before its first chunk (``full``:
-nothing), so a policy means the same whatever is cached; the size and eviction overrides cover both
-trees, so free + evictable sees every chunk slot.
+each document chunk's KV once. ``match_prefix`` stops a chunk-reusing request before its first chunk
+(``full``: nothing), so a policy means the same whatever is cached; the size and eviction overrides
+cover both trees, so free + evictable sees every chunk slot.
 
-SGLang files touched: ``sglang/srt/mem_cache/radix_cache.py`` (subclassed; ``evict`` reads its
-``evictable_leaves`` and ``eviction_strategy`` and evicts a leaf as ``RadixCache.evict`` does:
-``free_segment``, ``_delete_leaf``, ``kv_events.record_remove``); ``on_release`` of
-``mem_cache/base_prefix_cache.py`` overridden. This module imports SGLang: import it lazily
-(:func:`~relaxkv_sglang.server.sglang.startup.build_cache_class`).
+SGLang files touched: ``mem_cache/radix_cache.py`` (subclassed; ``evict`` reads its ``evictable_leaves``
+and ``eviction_strategy`` and evicts a leaf as ``RadixCache.evict`` does: ``free_segment``,
+``_delete_leaf``, ``kv_events.record_remove``); ``on_release`` of ``mem_cache/base_prefix_cache.py``
+overridden. Imports SGLang: import it lazily (:func:`~relaxkv_sglang.server.sglang.startup.build_cache_class`).
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
@@ -36,17 +34,18 @@ from relaxkv_sglang.cache.sglang.pool_kv import PoolKV
 from relaxkv_sglang.cache.sglang.tier_movement import NoTierMovement, TierMovement
 
 if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import TreeNode
 
 logger = logging.getLogger(__name__)
 
 
 class RelaxKVTreeCache(RadixCache):
-    """SGLang's radix tree plus the pool's chunk index, with one memory account (module doc)."""
-
-    def __init__(self, params: Any, pool_kv: PoolKV, metrics: Optional[ChunkMetrics] = None,
+    def __init__(self, params: CacheInitParams, pool_kv: PoolKV, metrics: Optional[ChunkMetrics] = None,
                  tiers: Optional[TieredChunkStore] = None, admission_hold: bool = True) -> None:
-        """params: SGLang's ``CacheInitParams``; admission_hold: ``RELAXKV_ADMISSION_HOLD``."""
+        """``admission_hold``: ``RELAXKV_ADMISSION_HOLD``."""
         self.chunks: Optional[PoolChunkIndex] = None  # reset() runs in RadixCache.__init__, before it exists
         self.pool_kv = pool_kv
         self.movement = TierMovement(tiers, pool_kv) if tiers is not None and tiers.enabled else NoTierMovement()
@@ -70,7 +69,7 @@ class RelaxKVTreeCache(RadixCache):
         return self.req_to_token_pool.req_to_token
 
     def publish_chunk(self, key: ChunkKey, src: torch.Tensor, position: int) -> bool:
-        """See :meth:`relaxkv_sglang.cache.sglang.chunk_reuse.ChunkReuse.publish` (slots from :meth:`alloc_chunk_slots`)."""
+        """:meth:`~.chunk_reuse.ChunkReuse.publish`, slots from :meth:`alloc_chunk_slots`."""
         return self.reuse.publish(key, src, position, self.alloc_chunk_slots)
 
     def publish_chunks(self, chunks: Sequence[tuple[ChunkKey, int, int]], req_pool_idx: int) -> None:
@@ -80,10 +79,8 @@ class RelaxKVTreeCache(RadixCache):
             self.publish_chunk(key, row[start:end].to(torch.int64), start)
 
     def alloc_chunk_slots(self, n: int, chunks_only: bool = False) -> Optional[torch.Tensor]:
-        """n free KV slots (int64 [n]) for a new chunk, evicting if needed; None if none.
-
-        ``chunks_only``: evict only unpinned chunks, never radix leaves (at admission, where
-        a request's matched prefix is not locked yet)."""
+        """n free KV slots (int64 [n]) for a new chunk, evicting if needed; None if none. ``chunks_only``:
+        evict only unpinned chunks, never radix leaves (at admission: the matched prefix is not locked yet)."""
         allocator = self.token_to_kv_pool_allocator
         if allocator.available_size() < n:
             if chunks_only:
@@ -108,22 +105,19 @@ class RelaxKVTreeCache(RadixCache):
         """Tokens admission leaves to the pool's chunk index, during one admission check."""
         return self.hold.reserve
 
-    def pin_request(self, req: Any) -> int:
-        """See :meth:`relaxkv_sglang.cache.sglang.pins.AdmissionPins.pin`; a chunk only a lower tier holds is loaded first."""
+    def pin_request(self, req: Req) -> int:
+        """:meth:`~.pins.AdmissionPins.pin`; a chunk only a lower tier holds is loaded first."""
         return self.admission_pins.pin(req, self._load)
 
     def _load(self, key: ChunkKey) -> Optional[ChunkEntry]:
-        """A lower-tier hit into the pool; only chunks are evicted for it (the request's radix
-        prefix is not locked yet)."""
+        """A lower-tier hit into the pool; only chunks are evicted for it."""
         return self.movement.load(self.chunks, key, lambda n: self.alloc_chunk_slots(n, chunks_only=True))
 
-    def begin_admission(self, waiting_queue: list, chunked_req: Any = None) -> None:
-        """An admission round starts: the hold learns the queue; the reads of its chunks the
-        pool lacks start in the background (:meth:`relaxkv_sglang.cache.sglang.tier_movement.TierMovement.prefetch`)."""
+    def begin_admission(self, waiting_queue: list[Req], chunked_req: Optional[Req] = None) -> None:
+        """An admission round starts: the hold learns the queue; the reads of its chunks the pool lacks
+        start in the background (:meth:`~.tier_movement.TierMovement.prefetch`)."""
         self.hold.begin(waiting_queue, chunked_req)
         self.movement.prefetch(self.chunks, waiting_queue[:HOLD_QUEUE_DEPTH])
-
-    # -------------------------------------------------- counters
 
     def update_metrics(self) -> None:
         """Push the chunk counters to /metrics (when ``--enable-metrics``)."""
@@ -165,7 +159,7 @@ class RelaxKVTreeCache(RadixCache):
             self.movement.clear()
         super().reset()
 
-    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+    def on_release(self, req: Req, *, checkpointed: bool) -> None:
         """A request's row was freed (finished, aborted, retracted): drop its chunk pins."""
         self.admission_pins.unpin(req)
         super().on_release(req, checkpointed=checkpointed)
@@ -180,7 +174,7 @@ class RelaxKVTreeCache(RadixCache):
             params = dataclasses.replace(params, key=params.key[: plan.exact_len])
         return super().match_prefix(params)
 
-    def checkpoint(self, req: Any, *, up_to: int) -> Any:
+    def checkpoint(self, req: Req, *, up_to: int) -> None:
         """Publish at most the request's exact prefix to the radix tree."""
         plan = request_plan(req)
         if plan is not None and plan.reuses_chunks:
@@ -193,8 +187,7 @@ class RelaxKVTreeCache(RadixCache):
         return super().evictable_size() + chunks
 
     def evict(self, params: EvictParams) -> EvictResult:
-        """Evict at least ``params.num_tokens`` (if held) in one LRU order over radix leaves and
-        unlocked chunks (:class:`~relaxkv_sglang.cache.sglang.eviction.EvictionOrder`)."""
+        """Evict at least ``params.num_tokens`` (if held), radix leaves and unlocked chunks in one LRU order."""
         if self.chunks is None:
             return super().evict(params)
         start = time.perf_counter()
@@ -214,7 +207,7 @@ class RelaxKVTreeCache(RadixCache):
             self.update_metrics()
         return EvictResult(num_tokens_evicted=radix_freed + chunk_freed)
 
-    def _evict_leaf(self, leaf: Any, order: EvictionOrder) -> int:
+    def _evict_leaf(self, leaf: TreeNode, order: EvictionOrder) -> int:
         """Evict one radix leaf as ``RadixCache.evict`` does; its parent may become a victim."""
         self.token_to_kv_pool_allocator.free_segment(leaf.value, start_pos=0)
         freed = len(leaf.value)

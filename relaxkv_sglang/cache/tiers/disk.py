@@ -1,23 +1,12 @@
 """The disk tier: one fsynced, checksummed file per chunk in a bounded folder, shared by processes.
 
-File ``DIR/<key[:2]>/<key>.kv``: the chunk's self-describing value (:mod:`.value`: magic, header
-with key, identity, sizes, layout, dtype and a crc32 of the payload, then the payload).
-
-Written to ``DIR/<key[:2]>/.tmp.<key>.<pid>.<random>``, flushed, ``fsync``-ed, renamed over the
-final name (atomic on POSIX) and the folder ``fsync``-ed: a reader sees a whole file or none,
-whatever process wrote it and whenever it died. A load checks magic, header, key, identity,
-sizes and the crc32; any mismatch is a miss, counted (``corrupt`` / ``foreign``) and the file
-removed: never served. The bound (``capacity_bytes``) is kept by evicting the least recently
-used files (a load touches the file's mtime, so every process sharing the folder sees the
-order); a record larger than the bound is refused (``rejected``). Several processes may share
-one folder: writes are atomic renames of private temp files, a file being deleted by one
-process stays readable to another that has it open, each process re-scans the folder when its
-own view says it is full (at most every ``rescan_s``), and temp files of dead writers are
-removed at startup. The bound holds per process view; with N writers it may be exceeded by
-what the others wrote since the last scan.
-
-Role: write-through and prefetchable (:mod:`.tier`): every computed chunk is written here, a
-load keeps the file, and reads can be started ahead on a thread.
+``DIR/<key[:2]>/<key>.kv`` holds the chunk's value (:mod:`.value`), written to a private temp file
+``.tmp.<key>.<pid>.<random>`` beside it, fsynced, renamed over the final name and the folder fsynced:
+a reader sees a whole file or none, whoever wrote it and whenever it died. A damaged or foreign file
+is a counted miss, removed. The bound evicts least recently used files (a load touches the mtime, so
+every process sees the order); a process re-scans the folder when its own view is full (at most every
+``rescan_s``), so with N writers the bound may be exceeded by what the others wrote since. Temp files
+of dead writers go at startup. docs/reliability.md, "Lower tiers: faults and restarts".
 """
 
 from __future__ import annotations
@@ -66,23 +55,14 @@ class _suppress_missing:
 
 
 class DiskTier(Tier):
-    """Bounded local-disk tier: one fsynced, checksummed file per chunk (module doc)."""
-
     name = TierName.DISK
     role = TierRole(write_through=True, prefetchable=True)
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, identity: ModelIdentity | str,
                  token_shape: Sequence[int], dtype: torch.dtype, rescan_s: float = 5.0,
                  stale_tmp_s: float = 600.0) -> None:
-        """
-        Args:
-            root: the folder (created if missing).
-            capacity_bytes: the bound on the folder's ``.kv`` files (all of them, whatever model).
-            identity: this server's model identity (or its digest); files of another are foreign.
-            token_shape, dtype: one token's KV shape and dtype (a file that differs is foreign).
-            rescan_s: least interval between re-scans of the folder when this process sees it full.
-            stale_tmp_s: temp files older than this are removed at startup even if their pid lives.
-        """
+        """``capacity_bytes`` bounds the folder's ``.kv`` files, whatever their model; ``stale_tmp_s``: older
+        temp files are removed at startup even if their pid lives."""
         self.root = os.fspath(root)
         os.makedirs(self.root, exist_ok=True)
         self.capacity_bytes = int(capacity_bytes)
@@ -102,7 +82,6 @@ class DiskTier(Tier):
                              stale_tmp_removed=0)
         self.scan(startup=True)
 
-    # ------------------------------------------------------------------ paths and scans
 
     def path(self, key: str) -> str:
         return os.path.join(self.root, key[:2], key + _SUFFIX)
@@ -153,7 +132,6 @@ class DiskTier(Tier):
     def describe(self) -> dict:
         return {"dir": self.root}
 
-    # ------------------------------------------------------------------ the interface
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         out = []
@@ -286,12 +264,7 @@ class DiskTier(Tier):
 
 @dataclasses.dataclass(frozen=True)
 class DiskTierConfig(TierConfig):
-    """The disk tier asked for (``RELAXKV_CHUNK_DIR``, ``RELAXKV_DISK_CACHE_GB``).
-
-    Attributes:
-        root: the folder; None: no disk tier.
-        capacity_bytes: the bound on the folder's files.
-    """
+    """The disk tier asked for; ``root`` None: none."""
 
     root: Optional[str] = None
     capacity_bytes: int = 0
@@ -321,7 +294,6 @@ class DiskTierConfig(TierConfig):
         return cls(root, int(gb * GB))
 
     def summary(self) -> str:
-        """The startup line's phrase: the folder and its bound."""
         return f"disk {self.root} ({self.capacity_bytes} bytes)"
 
     def build(self, ctx: TierContext) -> Optional[DiskTier]:

@@ -1,8 +1,5 @@
-"""Reading a tier's configuration from environment variables: numbers with their unit, one error line.
-
-Each tier's :class:`~.tier.TierConfig` parses its own variables (``from_env``); a malformed value
-is a :class:`TierConfigError` naming the variable, its value and what it must be (the server turns
-it into one line at startup).
+"""Reading a tier's configuration from environment variables: a malformed value is a
+:class:`TierConfigError` naming the variable, its value and what it must be (one line at startup).
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ __all__ = ["TierConfigError", "env_number"]
 
 
 class TierConfigError(ValueError):
-    """A tier variable with a value the tier cannot take (the message names the variable)."""
+    """A tier variable with a value the tier cannot take."""
 
 
 def env_number(env: Mapping[str, str], name: str, default: float, unit: str) -> float:

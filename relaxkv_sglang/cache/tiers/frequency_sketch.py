@@ -1,12 +1,9 @@
-"""Admission's frequencies: approximate access counts of chunk keys (TinyLFU's sketch).
+"""Admission's frequencies: approximate access counts of chunk keys (TinyLFU, Einziger et al. 2017).
 
-:class:`FrequencySketch` is a count-min sketch: 4 rows of 4-bit counters (saturating at 15),
-each key hashed to one counter per row, its estimate the minimum of its counters, so it never
-under-counts since the last halving. Every ``sample_size`` increments (default ``10 * width``)
-every counter is halved, so old popularity fades (TinyLFU, Einziger et al. 2017). The host tier
-admits a chunk that needs victims only if its estimate beats every victim's
-(:meth:`~.host.HostTier.would_admit`): a flood of one-shot keys (frequency 1) cannot push out
-chunks used twice or more.
+A key's estimate is the least of its counters, one per row, so it never under-counts since the last
+halving; halving every ``sample_size`` increments lets old popularity fade. The host tier admits a
+chunk needing victims only if its estimate beats every victim's (:meth:`~.host.HostTier.would_admit`):
+a flood of one-shot keys cannot push out chunks used twice or more.
 """
 
 from __future__ import annotations
@@ -25,17 +22,13 @@ def _key_hash(key: str) -> int:
 
 
 class FrequencySketch:
-    """Approximate access counts (count-min sketch, 4 rows of 4-bit counters, periodic halving)."""
+    """A count-min sketch: ``ROWS`` rows of 4-bit counters, saturating at ``MAX``."""
 
     ROWS = 4
     MAX = 15
 
     def __init__(self, width: int = 4096, sample_size: int | None = None) -> None:
-        """
-        Args:
-            width: counters per row (rounded up to a power of two, at least 16).
-            sample_size: increments between halvings (default ``10 * width``).
-        """
+        """``width``: counters per row, rounded up to a power of two >= 16."""
         w = 1
         while w < max(16, width):
             w <<= 1

@@ -1,20 +1,11 @@
 """The host-memory tier: a bounded, pre-allocated buffer of token rows, LRU, TinyLFU admission.
 
-One ``uint8 [capacity_tokens, token_bytes]`` buffer, allocated once and never touched until
-written (so resident memory never exceeds the bound), a free list of its rows, and an LRU of
-chunks, each ``key -> (row indices int64 [n], canonical_start)``. Admission (``policy``):
-
-* ``lru``: every spilled chunk is admitted, evicting the least recently used;
-* ``tinylfu`` (default): a chunk that needs victims is admitted only if its estimated access
-  frequency (:class:`~relaxkv_sglang.cache.tiers.frequency_sketch.FrequencySketch`, fed by every lookup the server
-  makes) is
-  higher than every victim's. An empty tier (or room left) admits anything.
-
-Every ``capacity / 16`` bytes stored the tier returns the C heap's free pages to the OS
-(:func:`~.memory.release_free_heap`), so transient per-chunk buffers do not stay resident.
-
-Role: exclusive (:mod:`.tier`): it takes the pool's evictions and gives a chunk up when the
-pool loads it back.
+One ``uint8 [capacity_tokens, token_bytes]`` buffer allocated once and untouched until written (so
+resident memory never exceeds the bound), a free list of its rows and an LRU of chunks,
+``key -> (row indices int64 [n], canonical_start)``. Admission ``tinylfu`` (default) takes a chunk that
+needs victims only if its estimated frequency (:class:`~.frequency_sketch.FrequencySketch`, fed by every
+lookup) beats every victim's; ``lru`` takes every chunk. Every ``capacity / 16`` bytes stored, the C
+heap's free pages go back to the OS (:func:`~.memory.release_free_heap`).
 """
 
 from __future__ import annotations
@@ -37,22 +28,14 @@ __all__ = ["HostTier", "HostTierConfig"]
 
 
 class HostTier(Tier):
-    """Bounded host-memory tier (module doc): one pre-allocated buffer, LRU, TinyLFU admission."""
-
     name = TierName.HOST
     role = TierRole(exclusive=True)
     POLICIES = ("tinylfu", "lru")
 
     def __init__(self, capacity_bytes: int, token_shape: Sequence[int], dtype: torch.dtype,
                  policy: str = "tinylfu", sketch: FrequencySketch | None = None) -> None:
-        """
-        Args:
-            capacity_bytes: the bound (rounded down to whole token rows).
-            token_shape: one token's KV shape, ``(layers, 2, kv_heads, head_dim)``.
-            dtype: the KV dtype.
-            policy: ``tinylfu`` or ``lru`` (admission, module doc).
-            sketch: shared frequency sketch (default: a new one).
-        """
+        """``capacity_bytes`` is rounded down to whole token rows of ``token_shape``
+        ``(layers, 2, kv_heads, head_dim)``."""
         if policy not in self.POLICIES:
             raise ValueError(f"host tier policy must be one of {self.POLICIES}, got {policy!r}")
         self.token_shape = tuple(int(s) for s in token_shape)
@@ -80,7 +63,6 @@ class HostTier(Tier):
         return (self.capacity_tokens - self.n_free) * self.token_bytes
 
     def record_access(self, key: str) -> None:
-        """Count one access of ``key`` (every lookup, any tier) for admission."""
         self.sketch.increment(key)
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
@@ -112,7 +94,6 @@ class HostTier(Tier):
         return victims
 
     def would_admit(self, key: str, n_tokens: int) -> bool:
-        """Whether ``set`` would store a chunk of ``n_tokens`` under ``key`` now."""
         if key in self.entries:
             return True
         if n_tokens > self.capacity_tokens or n_tokens <= 0:
@@ -140,7 +121,7 @@ class HostTier(Tier):
             self._remove(victim, evicted=True)
         rows = self.free[self.n_free - n: self.n_free].clone()
         self.n_free -= n
-        self.buffer.index_copy_(0, rows, rows_in)  # 10x faster than buffer[rows] = ... on fresh pages
+        self.buffer.index_copy_(0, rows, rows_in)  # faster than buffer[rows] = ... on fresh pages
         self.entries[key] = (rows, int(record.canonical_start))
         self.counters["sets"] += 1
         self.counters["set_bytes"] += n * self.token_bytes
@@ -166,7 +147,6 @@ class HostTier(Tier):
         return self._remove(key)
 
     def clear(self) -> None:
-        """Drop every entry (counters kept)."""
         for key in list(self.entries):
             self._remove(key)
 
@@ -177,12 +157,7 @@ class HostTier(Tier):
 
 @dataclasses.dataclass(frozen=True)
 class HostTierConfig(TierConfig):
-    """The host tier asked for (``RELAXKV_HOST_CACHE_GB``, ``RELAXKV_HOST_CACHE_POLICY``).
-
-    Attributes:
-        capacity_bytes: the bound; 0 (or less than one token row): no host tier.
-        policy: admission, one of :attr:`HostTier.POLICIES`.
-    """
+    """The host tier asked for; ``capacity_bytes`` 0 (or less than one token row): none."""
 
     capacity_bytes: int = 0
     policy: str = "tinylfu"
@@ -200,7 +175,6 @@ class HostTierConfig(TierConfig):
         return cls(int(gb * GB), policy) if gb > 0 else None
 
     def summary(self) -> str:
-        """The startup line's phrase: the bound and the admission policy."""
         return f"host {self.capacity_bytes} bytes ({self.policy})"
 
     def build(self, ctx: TierContext) -> Optional[HostTier]:

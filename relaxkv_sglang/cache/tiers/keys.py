@@ -1,12 +1,8 @@
 """The model identity: what two servers must share to share a chunk's KV.
 
-:class:`ModelIdentity`'s digest salts every content key
-(:meth:`~relaxkv_sglang.cache.chunk_key.ChunkKey.content_key`): what determines the KV bytes and
-nothing else (the server fills it, ``cache/sglang/kv_identity.py``: the weights' fingerprint,
-config, dtype and quantization; the tokenizer's contents; the KV dtype; the layout: layers, KV
-heads, head dim, the RoPE the canonical K is rotated with, TP rank) and the value format version.
-Another model, quantization, dtype or layout never names the same entry, and the same model at
-another path does.
+Its digest salts every content key (:meth:`~relaxkv_sglang.cache.chunk_key.ChunkKey.content_key`) with
+what determines the KV bytes and nothing else (filled by ``cache/sglang/kv_identity.py``) and the value
+format version: the same model at another path shares entries, another quantization or layout never.
 """
 
 from __future__ import annotations
@@ -22,14 +18,9 @@ FORMAT_VERSION = 2  # 2: the header names its page size (cache/tiers/value.py)
 
 @dataclasses.dataclass(frozen=True)
 class ModelIdentity:
-    """What must match for two servers to share chunk KV.
-
-    Attributes:
-        model: the model's identity (weights' fingerprint, config hash, dtype, quantization, revision).
-        tokenizer: a hash of the tokenizer's files.
-        kv_dtype: the KV cache dtype (``--kv-cache-dtype`` and the pool's dtype), e.g. ``"auto/float32"``.
-        kv_layout: layers, KV heads, head dim and the RoPE canonical K is rotated with.
-    """
+    """``model``: weights' fingerprint, config hash, dtype, quantization, revision; ``kv_dtype``:
+    ``--kv-cache-dtype`` and the pool's, e.g. ``"auto/float32"``; ``kv_layout``: layers, KV heads,
+    head dim and the RoPE canonical K is rotated with."""
 
     model: str
     tokenizer: str

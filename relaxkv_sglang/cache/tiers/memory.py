@@ -1,9 +1,7 @@
 """Returning the C heap's free pages to the OS, so a host tier's process stays near its bound.
 
-The per-chunk buffers a server makes while spilling come, once glibc has raised its mmap
-threshold, from heaps whose free holes stay resident. The host tier calls
-:func:`release_free_heap` after every ``capacity / 16`` bytes (at least 8 MiB) it stores. Not
-glibc: nothing is done. The growth it prevents: docs/experiments/INDEX.md#host-heap-trim.
+Once glibc has raised its mmap threshold, the per-chunk buffers of spills come from heaps whose free
+holes stay resident (docs/experiments/INDEX.md#host-heap-trim). Not glibc: nothing is done.
 """
 
 from __future__ import annotations

@@ -1,31 +1,22 @@
 """A tier over a store of fixed-size pages: how chunk values live in a HiCache storage backend.
 
-HiCache backends (Mooncake, 3FS, NIXL, a folder, ...) store *pages*: one object of a fixed size per
-key. A chunk's value (:mod:`.value`: a header with key, identity, sizes, layout, dtype, page size and
-a crc32, then the KV) is laid over ``ceil(len(value) / P)`` pages of ``P = page_bytes``, the last
-zero-padded::
+HiCache backends (Mooncake, 3FS, NIXL, a folder, ...) store one object of a fixed size per key. A
+chunk's value (:mod:`.value`) is laid over ``ceil(len(value) / P)`` pages of ``P = page_bytes``, the
+last zero-padded::
 
     page 0 under  V = <key>-p<P>[-r<s>]      value[0 : P]      (the header and the start of the KV)
     page i under  V.<tag>.<i>               value[i*P : (i+1)*P],   i = 1 .. n-1
     tag = the header's crc32 of the KV, 8 hex chars; s = the slot (below), absent for slot 0
 
-Servers with other page sizes never read each other's pages. Pages 1..n-1 are written first, page 0
-last (page 0 present = complete when written); two writers with different KV bytes have different
-tags, so a header is never combined with another writer's KV. A load checks page 0's header alone
-(:func:`~.value.check_header`, at most ``max_tokens``) before reading the rest in one batch and
-checking the whole value (:func:`~.value.decode_value`); ``incomplete``, ``corrupt`` or ``foreign``
-is a counted, logged miss, never served.
+Page 0 is written last (present = complete when written); writers of different KV bytes have
+different tags, so a header never meets another writer's KV. A load checks page 0's header alone
+(:func:`~.value.check_header`) before asking for the rest in one batch; ``incomplete``, ``corrupt`` or
+``foreign`` is a counted, logged miss.
 
-**Slots.** HiCache has no delete and a backend may keep a damaged key, so a chunk has ``SLOTS``
-places (``r<s>``); a value found damaged in slot ``s`` sends this server's lookups and writes to
-``s + 1``. With every slot damaged the chunk is absent (``bad_keys``) for ``bad_ttl_s``.
-
-**The store failing.** A call that raises or takes over ``slow_s`` counts ``errors`` and takes the
-tier out of service for ``backoff_s`` (lookups miss as ``unavailable``, writes dropped). A store that
-handles its own failures (:class:`~.reconnect.ReconnectingPageStore`) raises
-:class:`~.storage.StoreUnavailable` instead: a miss counted ``unavailable``.
-
-Role: write-through and prefetchable, like the disk tier (:mod:`.tier`).
+HiCache has no delete and a backend may keep a damaged key, so a chunk has ``SLOTS`` places: damage
+in slot ``s`` sends this server to ``s + 1``, all damaged makes the chunk absent for ``bad_ttl_s``. A
+store call raising or slower than ``slow_s`` takes the tier out of service for ``backoff_s``
+(docs/reliability.md, "Lower tiers: faults and restarts").
 """
 
 from __future__ import annotations
@@ -57,10 +48,8 @@ _T = TypeVar("_T")
 
 
 class PageStore(ABC):
-    """Pages of ``page_bytes`` bytes by string key (a HiCache backend, or a dict in tests).
-
-    Methods may raise when the store itself fails; a key that is absent or unreadable is
-    ``False`` / ``None`` in the answer."""
+    """Pages of ``page_bytes`` bytes by string key (a HiCache backend, or a dict in tests): methods raise
+    when the store fails; an absent or unreadable key is ``False`` / ``None`` in the answer."""
 
     page_bytes: int
 
@@ -70,53 +59,39 @@ class PageStore(ABC):
 
     @abstractmethod
     def get(self, keys: Sequence[str]) -> list[Optional[bytes]]:
-        """Each page's ``page_bytes`` bytes, or None."""
+        """Each page's bytes, or None."""
 
     @abstractmethod
     def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> list[bool]:
-        """Store each page (``page_bytes`` bytes); False where it was not stored."""
+        """Store each page; False where it was not stored."""
 
     def describe(self) -> dict:
-        """What to report beside the tier's counters (e.g. the backend's name)."""
         return {}
 
 
 def value_key(key: str, page_bytes: int, slot: int = 0) -> str:
-    """The store key of page 0 of chunk ``key``'s value in pages of ``page_bytes``, in ``slot`` (module doc)."""
+    """The store key of page 0 of chunk ``key``'s value (module doc)."""
     return f"{key}-p{page_bytes}" if slot == 0 else f"{key}-p{page_bytes}-r{slot}"
 
 
 def page_keys(head_key: str, crc: int, n_pages: int) -> list[str]:
-    """The store keys of a value's pages 1..n-1 (``head_key``: page 0's, :func:`value_key`), tagged
-    by its KV's crc32 (module doc)."""
+    """The store keys of a value's pages 1..n-1 (module doc)."""
     return [f"{head_key}.{crc:08x}.{i}" for i in range(1, n_pages)]
 
 
 def split_pages(value: bytes, page_bytes: int) -> list[bytes]:
-    """``value`` in pages of ``page_bytes``, the last zero-padded."""
     pages = [value[i: i + page_bytes] for i in range(0, len(value), page_bytes)]
     pages[-1] = pages[-1].ljust(page_bytes, b"\0")
     return pages
 
 
 class PagedTier(Tier):
-    """Chunk values over a :class:`PageStore` (module doc)."""
-
     name = TierName.HICACHE
     role = TierRole(write_through=True, prefetchable=True)
 
     def __init__(self, store: PageStore, layout: ValueLayout, *, slow_s: float = 2.0, backoff_s: float = 10.0,
                  bad_ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
-        """
-        Args:
-            store: the pages.
-            layout: this server's identity, KV layout and bound on a value's tokens (values that
-                differ are foreign); its page size is taken from the store.
-            slow_s: a store call slower than this takes the tier out of service.
-            backoff_s: how long it stays out before the store is asked again.
-            bad_ttl_s: how long a chunk whose every slot was found damaged stays absent here.
-            clock: monotonic seconds (tests pass their own).
-        """
+        """``layout``: this server's (its page size taken from the store); the times: module doc."""
         if store.page_bytes < PREFIX_BYTES + 1024:
             raise ValueError(f"page_bytes {store.page_bytes} cannot hold a value's header")
         self.store = store
@@ -130,7 +105,6 @@ class PagedTier(Tier):
                              rejected=0, write_errors=0, corrupt=0, foreign=0, incomplete=0, errors=0,
                              unavailable=0, rewrites=0)
 
-    # ------------------------------------------------------------------ the store, guarded
 
     def _count(self, name: str, n: int = 1) -> None:
         with self.lock:
@@ -170,7 +144,6 @@ class PagedTier(Tier):
         logger.warning("relaxkv: the %s tier's store failed (%s); lookups are misses for %.0f s",
                        self.name, why, self.backoff_s)
 
-    # ------------------------------------------------------------------ slots and damaged values
 
     def _slot(self, key: str) -> int:
         """The slot this server reads and writes ``key`` in; ``SLOTS`` when every one is damaged."""
@@ -202,7 +175,6 @@ class PagedTier(Tier):
                            "(%d so far)%s", kind, self.name, why, self._value_key(key, slot), seen,
                            f"; slot {slot + 1} next" if slot + 1 < SLOTS else "; the chunk is absent here for a while")
 
-    # ------------------------------------------------------------------ the interface
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         asked = {k: self._value_key(k, slot) for k in keys if (slot := self._slot(k)) < SLOTS}

@@ -1,13 +1,8 @@
-"""Reads of prefetchable tiers started ahead of the load, on a background thread.
+"""Reads of prefetchable tiers started ahead of the load, on a background thread, so they overlap the
+running batch (:meth:`~.store.TieredChunkStore.prefetch`, each admission round).
 
-At each admission round the server hands over the keys of chunks that queued requests will
-need and the pool lacks (:meth:`~.store.TieredChunkStore.prefetch`); one thread reads (and
-verifies) them from their tier and stages the records here until the load takes them
-(:meth:`PrefetchStage.take`), so the read overlaps the running batch. The stage is bounded in
-bytes (``max_bytes``): past it the oldest staged record is dropped (counted, read again at the
-load). A load of a key whose read is under way waits for it (at most ``wait_s``) rather than
-reading it twice. Each staged record keeps the time its read took, counted in the tier's
-``load_seconds`` when it is used.
+Past ``max_bytes`` the oldest staged record is dropped (counted, read again at the load); a load of a
+key being read waits for it. A staged read's time is counted in ``load_seconds`` when it is used.
 """
 
 from __future__ import annotations
@@ -37,14 +32,8 @@ class StagedRead:
 
 
 class PrefetchStage:
-    """The staged reads and the thread that makes them (module doc)."""
-
     def __init__(self, max_bytes: int, count: CountEvent) -> None:
-        """
-        Args:
-            max_bytes: the bound on the staged records' bytes.
-            count: called with (tier name, ``"prefetched"`` / ``"prefetch_dropped"``) under the lock.
-        """
+        """``count`` is called under the lock."""
         self.staged: OrderedDict[str, StagedRead] = OrderedDict()
         self.staged_bytes = 0
         self.max_bytes = max_bytes
@@ -105,7 +94,6 @@ class PrefetchStage:
             return read
 
     def bytes_from(self, tier: str) -> int:
-        """Bytes staged from ``tier``."""
         with self.lock:
             return sum(r.record.nbytes for r in self.staged.values() if r.tier == tier)
 

@@ -1,21 +1,12 @@
 """A page store that may be down: calls bounded in time, reconnected with backoff when it is lost.
 
 A network store (a HiCache backend such as Mooncake) can be down at start, die mid-run or stall a
-call, and the scheduler thread waits for each lookup. :class:`ReconnectingPageStore` wraps the store
-a ``connect`` callable builds in two states:
-
-* **up**: each call (``exists`` / ``get`` / ``put``) runs on a worker thread, waited at most
-  ``call_timeout_s``; a call that raises or overruns makes it **down** (``store_lost``; overrun
-  also ``store_timeouts``) and raises :class:`~.storage.StoreUnavailable` (the overrunning call
-  finishes unwaited on its worker).
-* **down**: every call raises :class:`~.storage.StoreUnavailable` at once (the tier answers a miss,
-  writes are dropped). One thread (``relaxkv-store-reconnect``) calls ``connect`` after
-  ``backoff_min_s``, doubling the wait after each failure up to ``backoff_max_s``
-  (``store_reconnect_attempts``); the first store built makes it **up** (``store_reconnects``).
-
-No caller waits longer than ``call_timeout_s`` per call. One log line per change of state;
-``store_connected`` and the counters are in :meth:`describe`. Why a bound is needed:
-docs/experiments/INDEX.md#store-call-timeout. Standard library only.
+call, and the scheduler thread waits for each lookup (docs/experiments/INDEX.md#store-call-timeout).
+Up, each call runs on a worker thread, waited at most ``call_timeout_s``; one that raises or overruns
+makes the store down (the overrunning call finishes unwaited). Down, every call raises
+:class:`~.storage.StoreUnavailable` at once while one thread calls ``connect``, after ``backoff_min_s``
+and then doubling up to ``backoff_max_s``; the first store built makes it up. One log line per change
+of state. Standard library only.
 """
 
 from __future__ import annotations
@@ -37,24 +28,13 @@ CALL_WORKERS = 4  # the scheduler, the writer and the prefetch threads, and one 
 
 
 class ReconnectingPageStore(PageStore):
-    """A :class:`~.paged.PageStore` built by ``connect``, bounded and reconnected (module doc)."""
-
     def __init__(self, connect: Callable[[], PageStore], page_bytes: int, *, name: str = "store",
-                 info: Optional[dict] = None, store: Optional[PageStore] = None, why_down: str = "not connected", call_timeout_s: float = 2.0,
+                 info: Optional[dict] = None, store: Optional[PageStore] = None, why_down: str = "not connected",
+                 call_timeout_s: float = 2.0,
                  backoff_min_s: float = 1.0, backoff_max_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """
-        Args:
-            connect: builds a connected store (raises when it cannot); called on the reconnect thread.
-            page_bytes: the pages' size (every store ``connect`` builds has it).
-            name: what log lines call the store ("the <name> is unavailable ...").
-            info: what :meth:`describe` reports while the store is down (e.g. the backend's name).
-            store: the store connected already, or None (down: reconnecting starts now).
-            why_down: with ``store`` None, why it is down (logged once).
-            call_timeout_s: the longest a caller waits on one call.
-            backoff_min_s, backoff_max_s: the first wait before reconnecting and the longest one.
-            clock: monotonic seconds (the time a reconnect took, for its log line).
-        """
+        """``connect`` builds a connected store or raises; ``info``: what :meth:`describe` reports while down;
+        ``store``: connected already, or None (down: reconnecting starts now, ``why_down`` logged)."""
         if not (call_timeout_s > 0 and 0 < backoff_min_s <= backoff_max_s):
             raise ValueError("need call_timeout_s > 0 and 0 < backoff_min_s <= backoff_max_s")
         self.connect, self.page_bytes, self.name, self.info = connect, page_bytes, name, dict(info or {})
@@ -75,7 +55,6 @@ class ReconnectingPageStore(PageStore):
                            "%g to %g s", name, why_down, backoff_min_s, backoff_max_s)
             self._start_reconnecting()
 
-    # ------------------------------------------------------------------ the page store
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return self._call("exists", keys)
@@ -106,7 +85,6 @@ class ReconnectingPageStore(PageStore):
         if workers is not None:
             workers.shutdown(wait=False)
 
-    # ------------------------------------------------------------------ the state machine
 
     def _call(self, method: str, *args):
         """``inner.method(*args)`` on a worker, waited for at most ``call_timeout_s`` (module doc)."""

@@ -1,8 +1,6 @@
 """One chunk's KV off the device: the record every tier stores and returns.
 
-``kv`` is ``[n_tokens, layers, 2, kv_heads, head_dim]`` (token-major, K then V, K rotated to
-``canonical_start``), on the CPU, one row of ``token_bytes`` bytes per token:
-``nbytes = n_tokens * token_bytes``, ``token_bytes = layers * 2 * kv_heads * head_dim * itemsize``.
+One row of ``token_bytes = layers * 2 * kv_heads * head_dim * itemsize`` bytes per token.
 """
 
 from __future__ import annotations
@@ -24,12 +22,8 @@ def token_bytes(token_shape: Sequence[int], dtype: torch.dtype) -> int:
 
 @dataclasses.dataclass
 class ChunkRecord:
-    """One chunk's KV in host memory.
-
-    Attributes:
-        kv: ``[n_tokens, layers, 2, kv_heads, head_dim]`` on the CPU (K rotated to ``canonical_start``).
-        canonical_start: the position the chunk's K was rotated at.
-    """
+    """``kv``: ``[n_tokens, layers, 2, kv_heads, head_dim]`` (K then V) on the CPU, K rotated to
+    ``canonical_start``."""
 
     kv: torch.Tensor
     canonical_start: int = 0

@@ -1,8 +1,4 @@
-"""Admission policies compared offline: a key trace replayed through a host tier.
-
-``simulate_tier`` is what the admission's unit test measures (100 Zipf-popular documents and 3
-one-shot keys per request, a tier of 40: warm-document hit rate LRU vs TinyLFU).
-"""
+"""Admission policies compared offline (the admission's unit test): a key trace replayed through a host tier."""
 
 from __future__ import annotations
 
@@ -17,11 +13,8 @@ __all__ = ["simulate_tier"]
 
 
 def simulate_tier(trace: Iterable[str], capacity: int, policy: str, sizes: Callable[[str], int] | None = None) -> dict:
-    """Replay a key trace through a :class:`HostTier` of ``capacity`` tokens: a miss stores the key.
-
-    Every access is counted in the sketch first (as the server counts every lookup).
-    ``sizes(key)`` is a key's tokens (default 1). Returns hits, misses and the hit rate.
-    """
+    """Replay ``trace`` through a :class:`HostTier` of ``capacity`` tokens, each access counted in the
+    sketch first as the server counts lookups; a miss stores the key (``sizes(key)`` tokens, default 1)."""
     tier = HostTier(capacity * 4, (1,), torch.float32, policy)  # one float32 per token
     hits = misses = 0
     for key in trace:

@@ -1,12 +1,8 @@
-"""The storage interface every lower tier implements, shaped like SGLang HiCache's backends.
+"""The storage interface every lower tier implements, shaped like SGLang's ``hicache_storage.HiCacheStorage``.
 
-``batch_exists`` / ``batch_get`` / ``batch_set`` over lists of string keys (a chunk's content key,
-:meth:`~relaxkv_sglang.cache.chunk_key.ChunkKey.content_key`),
-host-memory records (:class:`~.record.ChunkRecord`) in and out, plus ``delete`` and ``stats``
-(the shape of ``hicache_storage.HiCacheStorage``). Unlike HiCache's prefix-chained page keys,
-each key names one whole chunk and ``batch_exists`` answers per key (no prefix rule). A
-distributed backend (Mooncake store, 3FS, Redis/Valkey) implements the same five methods; what
-it needs is in ``docs/api.md`` (lower tiers).
+Keys are content keys (:meth:`~relaxkv_sglang.cache.chunk_key.ChunkKey.content_key`); unlike HiCache's
+prefix-chained page keys, each names one whole chunk and ``batch_exists`` answers per key (no prefix
+rule). What a distributed backend needs: ``docs/api.md`` (lower tiers).
 """
 
 from __future__ import annotations
@@ -20,13 +16,12 @@ __all__ = ["ChunkStorage", "StoreUnavailable"]
 
 
 class StoreUnavailable(Exception):
-    """A store is down (not connected yet, lost, or a call past its time bound) and reconnects on its
-    own (:class:`~.reconnect.ReconnectingPageStore`): the caller answers a miss, counted
-    ``unavailable``, without asking it."""
+    """A store is down and reconnects on its own (:class:`~.reconnect.ReconnectingPageStore`): the
+    caller answers a miss, counted ``unavailable``."""
 
 
 class ChunkStorage(ABC):
-    """Batch get/set/exists of chunk records by key (HiCache's storage backend shape, module doc)."""
+    """Chunk records by content key, in batches (module doc)."""
 
     @abstractmethod
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
@@ -38,11 +33,11 @@ class ChunkStorage(ABC):
 
     @abstractmethod
     def batch_set(self, keys: Sequence[str], records: Sequence[ChunkRecord]) -> list[bool]:
-        """Store each record; False where it was not stored (refused, no room, error)."""
+        """Store each record; False where it was not (refused, no room, error)."""
 
     @abstractmethod
     def delete(self, key: str) -> bool:
-        """Remove a key; True if it was there."""
+        """True if it was there."""
 
     @abstractmethod
     def stats(self) -> dict:

@@ -1,23 +1,11 @@
-"""The lower tiers together, for the server: an ordered list of tiers, each used by its role.
+"""The lower tiers together, for the server: an ordered list of tiers, fastest first, each used by its
+role (:mod:`.tier`); nothing here names a tier.
 
-``TieredChunkStore(tiers, identity)`` takes the tiers fastest first (:mod:`.tier`); nothing in it
-names a tier. The server names chunks by their :class:`~relaxkv_sglang.cache.chunk_key.ChunkKey`;
-each call asks the tiers under the chunk's content key, salted with ``identity``. What the server
-asks of it:
-
-* ``record_access`` (every lookup, for admission);
-* ``get``: the record from the first tier holding it (a staged prefetch first), and that tier's
-  name (:class:`~.names.TierName`, the chunk entry's ``origin``); ``where``: that tier, as a hint;
-* ``spill_wanted`` / ``spill``: a chunk the pool evicts goes to the first exclusive tier whose
-  admission takes it (asked before its KV leaves the pool), else to the first write-through
-  tier that lacks it; ``taken``: a chunk loaded back into the pool leaves an exclusive tier;
-* ``publish_wanted`` / ``publish``: a newly computed chunk goes to every write-through tier,
-  on that tier's :class:`~.writer.AsyncWriter` (bounded; dropped and counted when full);
-* ``prefetch``: reads of chunks queued requests will need, from prefetchable tiers, staged
-  (:class:`~.prefetch.PrefetchStage`);
-* ``stats``: flat counters ``tier_<name>_<counter>``: each tier's own, and the store's per tier
-  (loads for all; spills for exclusive and write-through tiers; publishes for write-through
-  ones; prefetches for prefetchable ones).
+The server names chunks by :class:`~relaxkv_sglang.cache.chunk_key.ChunkKey`; the tiers are asked
+under its content key, salted with the model identity. A chunk the pool evicts goes to the first
+exclusive tier whose admission takes it (asked before its KV leaves the pool), else to the first
+write-through tier lacking it. ``stats``: flat counters ``tier_<name>_<counter>``, each tier's own
+and the store's, by the tier's role.
 """
 
 from __future__ import annotations
@@ -49,9 +37,7 @@ def _store_counters(tier: Tier) -> dict:
 
 
 class TieredChunkStore:
-    """The lower tiers, fastest first, for the server (module doc).
-
-    Example (one host tier; a chunk evicted from the device spills there and loads back):
+    """The lower tiers, for the server: a chunk evicted from the device spills to a host tier and loads back:
 
     >>> import torch
     >>> from relaxkv_sglang.cache.chunk_key import ChunkKey
@@ -72,13 +58,7 @@ class TieredChunkStore:
 
     def __init__(self, tiers: Sequence[Tier], identity: ModelIdentity, *, async_writes: bool = True,
                  max_staged_bytes: int = 256 << 20) -> None:
-        """
-        Args:
-            tiers: the tiers, fastest first, names distinct.
-            identity: the model identity chunk keys are salted with.
-            async_writes: write-through writes on a background thread (False: on the caller's).
-            max_staged_bytes: the bound on prefetched records waiting for their load.
-        """
+        """``async_writes`` False: write-through on the caller's thread; ``max_staged_bytes``: prefetch's bound."""
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be distinct, got {names}")
@@ -95,20 +75,17 @@ class TieredChunkStore:
 
     @property
     def names(self) -> list[TierName]:
-        """The tiers' names, fastest first."""
         return list(self.tiers)
 
     def tier(self, name: str) -> Optional[Tier]:
-        """The tier named ``name``, or None."""
         return self.tiers.get(name)
 
     @property
     def can_prefetch(self) -> bool:
-        """Some tier is prefetchable."""
         return any(t.role.prefetchable for t in self.tiers.values())
 
     def record_access(self, key: ChunkKey) -> None:
-        """One lookup of the chunk by the server (the tiers' admission frequencies)."""
+        """One lookup of the chunk by the server (admission's frequencies)."""
         content = key.content_key(self.digest)
         for tier in self.tiers.values():
             tier.record_access(content)
@@ -123,13 +100,9 @@ class TieredChunkStore:
                 return name
         return None
 
-    # ------------------------------------------------------------------ loads
 
     def get(self, key: ChunkKey) -> tuple[Optional[ChunkRecord], Optional[TierName]]:
-        """The chunk's record from the first tier holding it (verified), and that tier's name.
-
-        A record a prefetch already read is taken from the stage (its read time is counted in
-        ``load_seconds`` as the prefetch measured it)."""
+        """The chunk's record from the first tier holding it (a staged prefetch first), verified, and its tier."""
         content = key.content_key(self.digest)
         read = self.stage.take(content)
         if read is not None:
@@ -152,16 +125,13 @@ class TieredChunkStore:
         c["load_seconds"] += seconds
 
     def taken(self, key: ChunkKey, name: str) -> None:
-        """A chunk loaded from ``name`` is now in the pool: an exclusive tier gives up its copy (it
-        spills back, through admission, when the pool evicts it)."""
+        """A chunk loaded from ``name`` is now in the pool: an exclusive tier gives up its copy."""
         tier = self.tiers.get(name)
         if tier is not None and tier.role.exclusive:
             tier.delete(key.content_key(self.digest))
 
     def prefetch(self, keys: Iterable[ChunkKey]) -> int:
-        """Start reading (and verifying) the chunks ``keys`` from prefetchable tiers on a background
-        thread, for a later :meth:`get`: only chunks whose first holding tier is prefetchable and that
-        are not staged already. Returns how many were queued."""
+        """Start reading, for a later :meth:`get`, the chunks first held by a prefetchable tier; how many."""
         if not self.can_prefetch:
             return 0
         queued = 0
@@ -182,7 +152,6 @@ class TieredChunkStore:
     def clear_staged(self) -> None:
         self.stage.clear()
 
-    # ------------------------------------------------------------------ spills and publishes
 
     def spill_wanted(self, key: ChunkKey) -> Optional[TierName]:
         """Where a chunk evicted from the device would go (module doc), or None."""
@@ -224,7 +193,7 @@ class TieredChunkStore:
         return ok
 
     def _holds(self, name: TierName, content: str) -> bool:
-        """Tier ``name`` holds the content key, or its writer has it queued."""
+        """Held, or queued by the tier's writer."""
         writer = self.writers.get(name)
         return (writer is not None and writer.is_pending(content)) or self.tiers[name].exists(content)
 
@@ -237,7 +206,6 @@ class TieredChunkStore:
             self.counters[name]["publish_dropped"] += 1
         return ok
 
-    # ------------------------------------------------------------------ upkeep and counters
 
     def clear_exclusive(self) -> None:
         """Empty the exclusive tiers (a cache flush; the write-through tiers are what a restart serves)."""

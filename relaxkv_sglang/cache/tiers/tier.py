@@ -1,20 +1,12 @@
-"""A tier of the tiered store: a storage with a name and a declared role.
+"""A tier of the tiered store: a storage with a name and a declared role, which the store acts on:
 
-:class:`~.store.TieredChunkStore` takes an ordered list of tiers (fastest first) and treats
-each by its :class:`TierRole`, never by its name:
-
-* ``exclusive``: a chunk lives in the device pool or in this tier, not both. Chunks the pool
-  evicts spill here through the tier's admission (:meth:`Tier.would_admit`); a chunk loaded
-  from it back into the pool leaves it (:meth:`~.store.TieredChunkStore.taken`), so pool and
-  tier together hold more than either. Volatile: a cache flush clears it. (The host tier.)
-* ``write_through``: every newly computed chunk is written here on publish, asynchronously
-  (:class:`~.writer.AsyncWriter`), and a loaded chunk keeps its copy; an evicted chunk spills
-  here only if the tier lacks it. Survives a flush and a restart. (The disk tier.)
-* ``prefetchable``: reading is slow enough to start it ahead of the load on a background thread
-  (:class:`~.prefetch.PrefetchStage`), for chunks of requests still queued. (The disk tier.)
-
-Adding a tier is one :class:`Tier` subclass (its ``name``, ``role`` and the five storage methods)
-and its :class:`TierConfig` (what the server's configuration gives it; ``build`` makes the tier).
+* ``exclusive`` (host): a chunk is in the pool or in this tier, not both, so together they hold more
+  than either: the pool's evictions spill here through the tier's admission (:meth:`Tier.would_admit`),
+  a chunk loaded back leaves it (:meth:`~.store.TieredChunkStore.taken`); a flush clears it.
+* ``write_through`` (disk, hicache): every computed chunk is written here on publish, in the background
+  (:class:`~.writer.AsyncWriter`); a load keeps the copy; it survives a flush and a restart.
+* ``prefetchable`` (disk, hicache): reads slow enough to start ahead of the load, for queued requests
+  (:class:`~.prefetch.PrefetchStage`).
 """
 
 from __future__ import annotations
@@ -35,21 +27,13 @@ __all__ = ["TierRole", "Tier", "TierContext", "TierConfig"]
 
 @dataclasses.dataclass(frozen=True)
 class TierRole:
-    """How the tiered store uses a tier (module doc)."""
-
     exclusive: bool = False
     write_through: bool = False
     prefetchable: bool = False
 
 
 class Tier(ChunkStorage):
-    """A storage the tiered store holds in its list: its name, its role and the hooks the store calls.
-
-    Attributes:
-        name: the tier's name in the one vocabulary (reports, counters, ``ChunkEntry.origin``).
-        role: how the store uses it (module doc).
-        counters: cumulative counters, reported as ``tier_<name>_<counter>``.
-    """
+    """A storage with its name and role; ``counters`` (cumulative) are reported as ``tier_<name>_<counter>``."""
 
     name: ClassVar[TierName]
     role: ClassVar[TierRole]
@@ -77,14 +61,8 @@ class Tier(ChunkStorage):
 
 @dataclasses.dataclass(frozen=True)
 class TierContext:
-    """What every tier of one server shares: the model identity and one token's KV shape.
-
-    Attributes:
-        identity: the model identity chunk keys and stored entries are salted with.
-        token_shape: one token's KV shape, ``(layers, 2, kv_heads, head_dim)``.
-        dtype: the KV dtype.
-        max_tokens: the most tokens a stored value may hold (a stored header claiming more is damaged).
-    """
+    """What every tier of one server shares: ``token_shape`` ``(layers, 2, kv_heads, head_dim)``, one token's
+    KV; ``max_tokens``: the most a stored value may hold (a header claiming more is damaged)."""
 
     identity: ModelIdentity
     token_shape: Sequence[int]
@@ -93,15 +71,12 @@ class TierContext:
 
 
 class TierConfig(ABC):
-    """One tier's configuration (a frozen dataclass in the tier's module): ``from_env`` reads it,
-    ``build`` makes the tier. A server's tiers are the table ``cache/sglang/tier_configs.py::TIER_CONFIGS``:
-    a new tier is its module plus one entry there."""
+    """One tier's configuration, an entry of ``cache/sglang/tier_configs.py::TIER_CONFIGS``."""
 
     @classmethod
     @abstractmethod
     def from_env(cls, env: Mapping[str, str]) -> Optional["TierConfig"]:
-        """The tier the environment asks for, None when it asks for none; :class:`~.env.TierConfigError`
-        (naming the variable) for a malformed value."""
+        """The tier ``env`` asks for, or None; :class:`~.env.TierConfigError` for a malformed value."""
 
     @abstractmethod
     def build(self, ctx: TierContext) -> Optional[Tier]:

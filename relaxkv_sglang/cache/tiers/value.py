@@ -9,17 +9,11 @@ One format for every tier that stores bytes (a disk file, a HiCache storage back
     payload: the record's KV, [n_tokens, layers, 2, kv_heads, head_dim] in the tier's dtype,
              token-major (n_tokens * token_bytes bytes)
 
-``len(value) = 12 + header length + n_tokens * token_bytes``. The header alone is checked first
-(:func:`check_header`, which a paged tier runs on page 0 before it asks for any other page): the
-key, identity, token shape, dtype, page size and format version (else ``foreign``: another model,
-layout, page size or key), then the sizes (else ``corrupt``): ``0 < n_tokens <=
-layout.max_tokens``, ``token_bytes`` the layout's and ``payload_bytes = n_tokens * token_bytes``.
-So a header's length is never trusted: the largest value a server will read is ``max_tokens``
-tokens of its own layout (the server passes its context length: no chunk is longer), whatever a
-header claims. A load (:func:`decode_value`) then checks the payload's length against the header
-(``corrupt``) and its crc32 (``corrupt``). Any failure raises :class:`Damaged` with its kind; the
-tier counts it as a miss and never serves the bytes. Bytes after the value (padding up to a page)
-are ignored: :func:`value_info` reads the length (and the payload's crc32) from the first bytes.
+``len(value) = 12 + header length + n_tokens * token_bytes``; bytes after it (a page's padding) are
+ignored. The header is checked alone first (:func:`check_header`, a paged tier's page 0): another key,
+identity, layout, page size or format is ``foreign``, sizes other than ``0 < n_tokens <= max_tokens`` of
+the layout's ``token_bytes`` ``corrupt``; so a server reads at most ``max_tokens`` (its context length)
+of its own layout, whatever a header claims. Then the payload's length and crc32 (``corrupt``).
 """
 
 from __future__ import annotations
@@ -54,18 +48,9 @@ class Damaged(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class ValueLayout:
-    """What a server expects of every value it loads: its model identity, one token's KV, the
-    page size it stores values in and the most tokens a value may hold.
-
-    Attributes:
-        identity: the model identity's digest (a value of another is foreign).
-        token_shape: one token's KV shape, ``(layers, 2, kv_heads, head_dim)``.
-        dtype: the KV dtype.
-        page_bytes: the page size of a paged tier (:mod:`.paged`), 0 for a file; a value written
-            for another page size is foreign.
-        max_tokens: the most tokens a value may hold (a header claiming more is ``corrupt``,
-            before any of its bytes past the header are read).
-    """
+    """What a server expects of every value it loads: ``identity`` (the model identity's digest),
+    ``token_shape`` ``(layers, 2, kv_heads, head_dim)``, ``page_bytes`` (a paged tier's page size, 0 for a
+    file) and ``max_tokens`` (the most a value may hold)."""
 
     identity: str
     token_shape: tuple[int, ...]
@@ -125,8 +110,7 @@ def _header(data: bytes | memoryview) -> tuple[dict, int]:
 
 
 def value_info(head: bytes | memoryview) -> tuple[int, int]:
-    """The whole value's length and its payload's crc32, read from its first bytes (at least the
-    header); :class:`Damaged` if they are not a value's start."""
+    """The whole value's length and its payload's crc32, from its first bytes (the header at least)."""
     header, start = _header(head)
     n, crc = header.get("payload_bytes"), header.get("crc32")
     if not isinstance(n, int) or n < 0 or not isinstance(crc, int):
@@ -135,9 +119,8 @@ def value_info(head: bytes | memoryview) -> tuple[int, int]:
 
 
 def check_header(key: str, head: bytes | memoryview, layout: ValueLayout) -> tuple[int, int]:
-    """The whole value's length and its payload's crc32, once its header (in ``head``, the first
-    bytes of the value) names ``key``, this layout and sizes within it (module doc);
-    :class:`Damaged` (``foreign`` or ``corrupt``) otherwise. Reads nothing past the header."""
+    """:func:`value_info`, once the header in ``head`` names ``key``, this layout and sizes within it
+    (module doc); reads nothing past the header."""
     header, start = _header(head)
     if (header.get("identity") != layout.identity or header.get("key") != key
             or header.get("token_shape") != list(layout.token_shape) or header.get("dtype") != layout.dtype_name
@@ -152,7 +135,7 @@ def check_header(key: str, head: bytes | memoryview, layout: ValueLayout) -> tup
 
 
 def decode_value(key: str, data: bytes | memoryview, layout: ValueLayout) -> ChunkRecord:
-    """The record in ``data`` (exactly one value), checked (module doc); :class:`Damaged` if not servable."""
+    """The record in ``data`` (exactly one value), checked (module doc)."""
     length, crc = check_header(key, data, layout)
     header, start = _header(data)
     if len(data) != length:

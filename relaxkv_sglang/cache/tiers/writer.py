@@ -1,9 +1,8 @@
 """Writes to a slow tier on one background thread, so the scheduler thread never waits on fsync.
 
-The queue is bounded in bytes (``max_queued_bytes``): a write that does not fit is dropped and
-counted (``dropped``), so memory stays bounded under a burst of publishes; a key already queued
-is not queued twice. A write that raises is counted by its storage
-(:meth:`~.storage.ChunkStorage.count_write_error`) and never takes the server down.
+The queue is bounded in bytes, so memory stays bounded under a burst of publishes: a write that does
+not fit is dropped and counted. A write that raises is counted by its storage
+(:meth:`~.storage.ChunkStorage.count_write_error`), never taking the server down.
 """
 
 from __future__ import annotations
@@ -18,14 +17,7 @@ __all__ = ["AsyncWriter"]
 
 
 class AsyncWriter:
-    """Writes to one storage on one background thread; a bounded queue (bytes) so memory stays bounded."""
-
     def __init__(self, storage: ChunkStorage, max_queued_bytes: int = 256 << 20) -> None:
-        """
-        Args:
-            storage: where the records go (the disk tier).
-            max_queued_bytes: the bound on the records queued and not yet written.
-        """
         self.storage = storage
         self.max_queued_bytes = int(max_queued_bytes)
         self.queued_bytes = 0

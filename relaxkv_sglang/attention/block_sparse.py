@@ -74,9 +74,9 @@ def block_sparse_attention(
     if q.shape[0] != layout.n_rows:
         raise ValueError(f"q has {q.shape[0]} rows, layout has {layout.n_rows}")
     stage = HostStage(q.device)
-    plan = BlockSparseGroups(layout, stage, per_block=return_lse)
+    groups = BlockSparseGroups(layout, stage, per_block=return_lse)
     stage.send()
-    return plan.run(q, k, v, softmax_scale(q, scale), key_rows, work, return_lse)
+    return groups.run(q, k, v, softmax_scale(q, scale), key_rows, work, return_lse)
 
 
 GROUP_ROWS = 128  # rows per fused call (unless one block has more)
@@ -128,7 +128,7 @@ class BlockSparseGroups:
             key_rows: Optional[torch.Tensor] = None, work: Optional[AttentionWork] = None, return_lse: bool = False):
         """As :func:`block_sparse_attention`; out in q's dtype, 0 (lse -inf) for a row that sees no key."""
         if q.shape[0] != self.n_rows:
-            raise ValueError(f"q has {q.shape[0]} rows, the plan has {self.n_rows}")
+            raise ValueError(f"q has {q.shape[0]} rows, the groups hold {self.n_rows}")
         if work is not None:
             work.visible += self.visible_pairs
             work.executed += self.executed_pairs

@@ -148,9 +148,9 @@ def scoped_causal_attention(
     a host sync); key_rows int [>= max(q_pos) + 1] on k's device, the k/v row of each position (a
     ``req_to_token`` row) -> [n, H, dv] in q's dtype. :class:`ScopedCausalGroups` planned and run."""
     stage = HostStage(q.device)
-    plan = ScopedCausalGroups(q_pos.cpu(), scope_start.cpu(), stage)
+    groups = ScopedCausalGroups(q_pos.cpu(), scope_start.cpu(), stage)
     stage.send()
-    return plan.run(q, k, v, key_rows, scale)
+    return groups.run(q, k, v, key_rows, scale)
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,

@@ -56,11 +56,11 @@ def request_record(r: "RequestRows", outcome: Optional["RepairOutcome"]) -> dict
 def repair_record(rows: "LoopRows") -> dict:
     """The repair fields of the report, from the repair pass's rows, its plan and the pairs its
     anchor executor counted as it ran (``rows.work``: no second pass over the layouts)."""
-    plan, work = rows.anchor_schedule, rows.work
+    schedule, work = rows.anchor_schedule, rows.work
     n_layers = max(int(rows.exits.max()) if rows.n_rows else 0, 1)
     anchor_exits = rows.exits[rows.anchor]
     anchor_layers = int(anchor_exits.sum())
-    n_eligible = plan.n_eligible
+    n_eligible = schedule.n_eligible
     return {
         "anchor_ratio": anchor_layers / (n_layers * n_eligible) if n_eligible else 0.0,
         "anchors_per_layer": anchor_layers / n_layers,

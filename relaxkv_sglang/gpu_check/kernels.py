@@ -169,17 +169,17 @@ def run_anchors(case: Case, where: Placement | torch.device | str, flashinfer, r
     errs, times, finite = [], [], True
     for lay in (layout, full):
         t0 = time.perf_counter()
-        plan = attn.pass_metadata([lay])
+        metadata = attn.pass_metadata([lay])
         host_ms = (time.perf_counter() - t0) * 1e3
 
         def call():
-            return attn.run(plan, 0, q, k_cache, v_cache, key_rows, scale)
+            return attn.run(metadata, 0, q, k_cache, v_cache, key_rows, scale)
 
         out = call()
         ref = block_sparse_attention(q.float(), k_cache.float(), v_cache.float(), lay, scale=scale, key_rows=key_rows)
         errs.append(_max_err(place, out, ref))
         finite = finite and _finite(place, out)
-        times.append((timer(call, repeats), host_ms, plan.layers[0].inputs.n_kv))
+        times.append((timer(call, repeats), host_ms, metadata.layers[0].inputs.n_kv))
     dense_ms = _dense_prefill_ms(flashinfer, place, case, key_rows, n, n, k_cache, v_cache, repeats, timer)
     ok = max(errs) <= TOLERANCE and finite
     return {**asdict(case), "rows": layout.n_rows, "kv_pairs": layout.kv_pairs(), "full_kv_pairs": full.kv_pairs(),

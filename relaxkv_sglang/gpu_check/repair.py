@@ -290,9 +290,9 @@ def request(case: RepairCase, seed: int):
     ids = torch.randint(0, case.vocab, (n,), generator=g)
     spans = _spans(case, case.n_context)
     stale = stale_context(w, ids, spans, case.n_context)
-    plan = schedule_anchors("relaxkv", stale.scores, spans, case.n_context, case.n_layers, _config())
+    schedule = schedule_anchors("relaxkv", stale.scores, spans, case.n_context, case.n_layers, _config())
     slots = torch.randperm(2 * n, generator=g)[:n]
-    return w, ids, stale, plan, slots
+    return w, ids, stale, schedule, slots
 
 
 def error_line(exc: BaseException) -> str:
@@ -320,8 +320,8 @@ def run_repair(place: Placement | torch.device | str, seed: int = 0, case: Repai
     base = {"kind": "repair", "n_context": case.n_context, "n_layers": case.n_layers}
     t0 = time.perf_counter()
     try:
-        w, ids, stale, plan, slots = request(case, seed)
-        ref_logits, ref_k, ref_v, cpu_ms, _ = repair_pass(w, case, stale, plan, ids, slots, CPU, torch.float32)
+        w, ids, stale, schedule, slots = request(case, seed)
+        ref_logits, ref_k, ref_v, cpu_ms, _ = repair_pass(w, case, stale, schedule, ids, slots, CPU, torch.float32)
         reference_error = None
     except Exception as exc:  # noqa: BLE001 (the row says what broke)
         traceback.print_exc()
@@ -337,12 +337,12 @@ def run_repair(place: Placement | torch.device | str, seed: int = 0, case: Repai
             continue
         t1 = time.perf_counter()
         try:
-            logits, k, v, ms, warmup_s = repair_pass(w, case, stale, plan, ids, slots, place, dtype, warmup=True)
+            logits, k, v, ms, warmup_s = repair_pass(w, case, stale, schedule, ids, slots, place, dtype, warmup=True)
             err = max((logits - ref_logits).abs().max().item(), (k - ref_k).abs().max().item(),
                       (v - ref_v).abs().max().item())
             ok = err <= TOLERANCE[name] and bool(torch.isfinite(logits).all())
             row.update(status="passed" if ok else "failed", ok=ok, max_abs_err=err, ms=ms, warmup_s=warmup_s,
-                       cpu_float32_ms=cpu_ms, anchor_layers=int(sum(layout.n_rows for layout in plan.layouts)))
+                       cpu_float32_ms=cpu_ms, anchor_layers=int(sum(layout.n_rows for layout in schedule.layouts)))
             if not ok:
                 row["error"] = f"max |err| {err:.3g} > {TOLERANCE[name]}"
         except Exception as exc:  # noqa: BLE001 (the next dtype still runs)
@@ -362,9 +362,9 @@ def timing_request(case: RepairCase, seed: int, policy: str):
     n = case.n_context + case.query
     ids = torch.randint(0, case.vocab, (n,), generator=g)
     scores = torch.rand(case.n_layers, case.n_context, generator=g) ** 4
-    plan = schedule_anchors(policy, scores, _spans(case, case.n_context), case.n_context, case.n_layers, _config())
+    schedule = schedule_anchors(policy, scores, _spans(case, case.n_context), case.n_context, case.n_layers, _config())
     slots = torch.randperm(2 * n, generator=g)[:n]
-    return w, ids, plan, slots
+    return w, ids, schedule, slots
 
 
 def time_repair(place: Placement, case: RepairCase, seed: int = 0, repeats: int = 5,
@@ -378,15 +378,15 @@ def time_repair(place: Placement, case: RepairCase, seed: int = 0, repeats: int 
     anchors = place.anchors()
     warmup_s = 0.0
     for policy in plans:
-        w, ids, plan, slots = timing_request(case, seed, policy)
-        prepared = prepare_pass(w, case, None, plan, ids, slots, place, dtype, anchors)
+        w, ids, schedule, slots = timing_request(case, seed, policy)
+        prepared = prepare_pass(w, case, None, schedule, ids, slots, place, dtype, anchors)
         t0 = time.perf_counter()
         prepared.run()  # untimed: JIT or lazy init, if not done yet
         warmup_s += time.perf_counter() - t0
         times = [prepared.run()[1] for _ in range(repeats)]
         row[f"{policy}_ms"] = statistics.median(times)
-        row[f"{policy}_pairs"] = int(sum(layout.kv_pairs() for layout in plan.layouts))
-        row[f"{policy}_anchor_layers"] = int(sum(layout.n_rows for layout in plan.layouts))
+        row[f"{policy}_pairs"] = int(sum(layout.kv_pairs() for layout in schedule.layouts))
+        row[f"{policy}_anchor_layers"] = int(sum(layout.n_rows for layout in schedule.layouts))
     row["warmup_s"] = warmup_s
     if "relaxkv_ms" in row:
         for other, key in (("relaxkv_fullctx", "dense_over_relaxkv"), ("prophetkv", "prophetkv_over_relaxkv")):

@@ -178,11 +178,11 @@ def _timing_line(r: dict) -> str:
     return "  ".join(parts)
 
 
-def run_checks(place: Placement, flashinfer_or_error: Any, plan: RunScope, steps: Steps, rows: list[dict],
+def run_checks(place: Placement, flashinfer_or_error: Any, scope: RunScope, steps: Steps, rows: list[dict],
                seed: int, timer: Callable) -> None:
     """The steps after FlashInfer's import (module doc), appending result rows to ``rows``."""
     def repair() -> None:
-        got = run_repair(place, seed, plan.repair, log=lambda line: print(f"  {line}", flush=True))
+        got = run_repair(place, seed, scope.repair, log=lambda line: print(f"  {line}", flush=True))
         rows.extend(got)
         for r in got:
             if "ms" in r:
@@ -193,9 +193,9 @@ def run_checks(place: Placement, flashinfer_or_error: Any, plan: RunScope, steps
         if off:
             raise StepFailed("; ".join(off))
 
-    steps.run("repair", plan.estimates["repair"], repair)
+    steps.run("repair", scope.estimates["repair"], repair)
     if isinstance(flashinfer_or_error, str):
-        for name in ["cases"] * bool(plan.cases) + [f"repair timing {n}" for n in plan.timing]:
+        for name in ["cases"] * bool(scope.cases) + [f"repair timing {n}" for n in scope.timing]:
             steps.rows.append({"step": name, "status": "not run", "error": flashinfer_or_error})
             print(f"gpu_check: step {name}: not run ({flashinfer_or_error})", flush=True)
         return
@@ -205,10 +205,10 @@ def run_checks(place: Placement, flashinfer_or_error: Any, plan: RunScope, steps
         print(f"{'kind':<8}{'shape':<13}{'tokens':>7}{'page':>5}{'ctx':>6}{'rows':>7}{'max err':>10}{'keys read':>11}"
               f"{'ms':>9}{'full ms':>9}{'dense ms':>9}{'vs dense':>9}  ok", flush=True)
         off = 0
-        for i, case in enumerate(plan.cases):
+        for i, case in enumerate(scope.cases):
             run = run_anchors if case.kind == "anchors" else run_scoped
             try:
-                r = run(case, place, flashinfer, plan.repeats, seed + i, timer)
+                r = run(case, place, flashinfer, scope.repeats, seed + i, timer)
                 print(_case_line(r), flush=True)
             except Exception as exc:  # noqa: BLE001 (the other cases still run)
                 traceback.print_exc()
@@ -217,18 +217,18 @@ def run_checks(place: Placement, flashinfer_or_error: Any, plan: RunScope, steps
             rows.append(r)
             off += not r["ok"]
         if off:
-            raise StepFailed(f"{off} of {len(plan.cases)} cases off or raised")
+            raise StepFailed(f"{off} of {len(scope.cases)} cases off or raised")
 
-    if plan.cases:
-        steps.run("cases", plan.estimates["cases"], cases)
-    for n in plan.timing:
+    if scope.cases:
+        steps.run("cases", scope.estimates["cases"], cases)
+    for n in scope.timing:
         def timing(n: int = n) -> None:
-            r = time_repair(place, replace(plan.repair, n_context=n, n_layers=plan.timing_layers), seed,
-                            plan.timing_repeats)
+            r = time_repair(place, replace(scope.repair, n_context=n, n_layers=scope.timing_layers), seed,
+                            scope.timing_repeats)
             rows.append(r)
             print(_timing_line(r), flush=True)
 
-        steps.run(f"repair timing {n}", plan.estimates[f"repair timing {n}"], timing)
+        steps.run(f"repair timing {n}", scope.estimates[f"repair timing {n}"], timing)
 
 
 def main(argv=None) -> int:
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("relaxkv gpu check: no CUDA device; this check runs only on a GPU (or use --dry-run)", file=sys.stderr)
         return 2
-    plan = run_scope(args.quick, args.dry_run, args.repair_only, args.repeats)
+    scope = run_scope(args.quick, args.dry_run, args.repair_only, args.repeats)
     budget = args.budget_s if args.budget_s is not None else (480.0 if args.quick else 1e9)
     rows: list[dict] = []
     result: dict = {"dry_run": args.dry_run, "quick": args.quick, "torch": torch.__version__,
@@ -272,8 +272,8 @@ def main(argv=None) -> int:
 
     steps = Steps(budget, write)
     result["steps"] = steps.rows
-    total = sum(plan.estimates.values())
-    print(f"gpu_check: {'dry run, ' if args.dry_run else ''}steps {', '.join(plan.estimates)}; "
+    total = sum(scope.estimates.values())
+    print(f"gpu_check: {'dry run, ' if args.dry_run else ''}steps {', '.join(scope.estimates)}; "
           f"estimated {total:.0f} s in all ({'this CPU' if args.dry_run else 'H200, unmeasured'}), "
           f"budget {budget:.0f} s", flush=True)
     with contextlib.ExitStack() as stack:
@@ -286,12 +286,12 @@ def main(argv=None) -> int:
             result["device"] = torch.cuda.get_device_name(place.device)
         from relaxkv_sglang.attention.gpu.flashinfer_attention import import_flashinfer
 
-        flashinfer = steps.run("flashinfer", plan.estimates["flashinfer"], import_flashinfer)
+        flashinfer = steps.run("flashinfer", scope.estimates["flashinfer"], import_flashinfer)
         if flashinfer is None:
             flashinfer = f"flashinfer: {steps.rows[-1].get('error', 'not imported')}"
         else:
             result["flashinfer"] = getattr(flashinfer, "__version__", "?")
-        run_checks(place, flashinfer, plan, steps, rows, args.seed, timer)
+        run_checks(place, flashinfer, scope, steps, rows, args.seed, timer)
     write()
     passed = sum(s["status"] == "passed" for s in steps.rows)
     print(f"gpu_check: {passed}/{len(steps.rows)} steps passed "

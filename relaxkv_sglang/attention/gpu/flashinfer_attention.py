@@ -155,15 +155,15 @@ class FlashInferAnchorAttention:
         if stage is not None:
             return AnchorPassMetadata(layouts, stage)
         stage = HostStage(self.device)
-        plan = AnchorPassMetadata(layouts, stage)
+        metadata = AnchorPassMetadata(layouts, stage)
         stage.send()
-        return plan
+        return metadata
 
-    def run(self, plan: AnchorPassMetadata, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
+    def run(self, metadata: AnchorPassMetadata, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, key_rows: torch.Tensor, scale: float) -> torch.Tensor:
         """q [n_rows, H, d] in layout row order; k_cache, v_cache [n_slots, Hkv, d]; key_rows int64
         [>= n_keys] pool slots on the pool's device -> [n_rows, H, dv] in q's dtype (0: sees no key)."""
-        entry = plan.layers[layer]
+        entry = metadata.layers[layer]
         inputs = entry.inputs
         if q.shape[0] != inputs.n_rows:
             raise ValueError(f"q has {q.shape[0]} rows, layer {layer}'s layout has {inputs.n_rows}")

@@ -84,14 +84,14 @@ class AnchorSchedule:
         return build_relaxed_layout(self.anchor_sets[layer], None, self.context, row_page_scores=row_scores)
 
     def anchor_inputs(self) -> AnchorInputs:
-        """What the policy's anchor rule read for this plan (its step decides more from it)."""
+        """What the policy's anchor rule read for this schedule (its step decides more from it)."""
         elig = eligible_tokens(self.chunk_spans, self.n_context)
         return AnchorInputs(self.scores, self.chunk_spans, self.n_context, self.n_layers, self.config.anchor_ratio,
                             elig, anchor_budget(self.config.anchor_ratio, elig.numel()),
                             options=self.config.options_of(self.spec), chunk_sink_tokens=self.chunk_sinks)
 
     def with_later_layers(self, later_sets: Sequence[torch.Tensor]) -> "AnchorSchedule":
-        """The plan once a mid-forward step has decided the layers after :attr:`decided_layers` - 1."""
+        """The schedule once a mid-forward step has decided the layers after :attr:`decided_layers` - 1."""
         done = self.decided_layers
         if done + len(later_sets) != self.n_layers:
             raise ValueError(f"{self.spec.name}: {len(later_sets)} later sets for layers {done}..{self.n_layers - 1}")
@@ -113,9 +113,9 @@ def schedule_anchors(
     ``input_ids`` int64 [>= n_context] with ``shared`` sinks or markup. Example (relaxkv, two chunks, 4 layers):
 
     >>> scores = torch.rand(4, 64, generator=torch.Generator().manual_seed(0))
-    >>> plan = schedule_anchors("relaxkv", scores, [(8, 40), (40, 64)], 64, 4,
-    ...                     RepairConfig(anchor_ratio=0.25, context_ratio=0.5, page_size=8))
-    >>> plan.achieved_anchor_ratio(), all(l.n_rows == len(a) for l, a in zip(plan.layouts, plan.anchor_sets))
+    >>> s = schedule_anchors("relaxkv", scores, [(8, 40), (40, 64)], 64, 4,
+    ...                      RepairConfig(anchor_ratio=0.25, context_ratio=0.5, page_size=8))
+    >>> s.achieved_anchor_ratio(), all(l.n_rows == len(a) for l, a in zip(s.layouts, s.anchor_sets))
     (0.25, True)
     """
     spec = policy_spec(policy)

@@ -253,19 +253,19 @@ def reference_prefill(
     w = weights
     cost = RepairCost.from_dims(w.embed.shape[1], w.mlp_width, w.n_heads, w.n_kv_heads, w.head_dim,
                                 device_type="cpu")
-    plan = schedule_anchors(spec, scores, spans, query_start, L, config, cost, input_ids=input_ids)
-    plan, kv_out, h_last = _repair_pass(weights, input_ids, plan, stale.kv, elig, fresh, report)
-    report.anchors_per_layer = [int(a.numel()) for a in plan.anchor_sets]
+    schedule = schedule_anchors(spec, scores, spans, query_start, L, config, cost, input_ids=input_ids)
+    schedule, kv_out, h_last = _repair_pass(weights, input_ids, schedule, stale.kv, elig, fresh, report)
+    report.anchors_per_layer = [int(a.numel()) for a in schedule.anchor_sets]
     report.recomputed_token_layers = sum(report.anchors_per_layer)
-    report.anchor_ratio = plan.achieved_anchor_ratio()
+    report.anchor_ratio = schedule.achieved_anchor_ratio()
     report.context_ratio = report.repair_kv_pairs / report.full_kv_pairs if report.full_kv_pairs else 1.0
-    return Result(_logits(weights, h_last), kv_out, report, list(plan.anchor_sets), scores)
+    return Result(_logits(weights, h_last), kv_out, report, list(schedule.anchor_sets), scores)
 
 
 def _repair_pass(w: LlamaWeights, input_ids: torch.Tensor, schedule: AnchorSchedule,
                  stale_kv: list[tuple[torch.Tensor, torch.Tensor]], elig: torch.Tensor, fresh: torch.Tensor,
                  report: RepairReport) -> tuple[AnchorSchedule, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """Step 4 over every layer (``elig`` int64 [n_eligible]; ``fresh`` int64 [n_fresh] the glue and query): (the plan,
+    """Step 4 over every layer (``elig`` int64 [n_eligible]; ``fresh`` int64 [n_fresh] the glue and query): (the schedule,
     as decided at a check layer; per layer (k [n, Hkv, d], v [same]) float32; the last token's residual [hidden])."""
     h_q = w.embed[input_ids[fresh]].float()
     cur_tok = elig  # tokens whose residual stream we carry (A_{l-1}; all eligible before layer 0)
@@ -290,7 +290,7 @@ def _repair_layer(w: LlamaWeights, l: int, schedule: AnchorSchedule, h_a: torch.
                   fresh: torch.Tensor, stale: tuple[torch.Tensor, torch.Tensor], n: int,
                   ) -> tuple[AnchorSchedule, tuple[torch.Tensor, torch.Tensor], torch.Tensor, BlockSparseLayout]:
     """Step 4 at layer l (``h_a`` [n_a, hidden], ``h_q`` [n_fresh, hidden], ``stale`` (k [n_context, Hkv, d], v
-    [same])): (the plan, the layer's (k [n, Hkv, d], v [same]), residual [n_a + n_fresh, hidden], the layout)."""
+    [same])): (the schedule, the layer's (k [n, Hkv, d], v [same]), residual [n_a + n_fresh, hidden], the layout)."""
     anchors, n_ctx = schedule.anchor_sets[l], stale[0].shape[0]
     n_a = anchors.numel()
     q, k, v = _project_qkv(w, w.layers[l], torch.cat([h_a, h_q]), torch.cat([anchors, fresh]))

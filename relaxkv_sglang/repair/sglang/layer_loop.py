@@ -131,9 +131,9 @@ def _layer_digest(requests: list[LoopRows], l: int, layer_rows: list[torch.Tenso
     parts: list = [l]
     for r, rows in zip(requests, layer_rows):
         parts += [r.positions[rows], r.anchor[rows], r.scope[rows]]
-        plan = r.anchor_schedule
-        if plan is not None and l < len(plan.layouts):
-            layout = plan.layouts[l]
+        schedule = r.anchor_schedule
+        if schedule is not None and l < len(schedule.layouts):
+            layout = schedule.layouts[l]
             parts += [layout.q_pos, layout.row_indptr, layout.indptr, layout.indices, layout.page_size, layout.n_keys]
     return digest(*parts)
 
@@ -142,9 +142,9 @@ def _leaves_after(r: LoopRows, l: int, rows: torch.Tensor) -> torch.Tensor:
     """bool [n]: which rows (host int64 [n]) are anchors at their last layer l, whose hidden state feeds nothing;
     not at a plan's last decided layer, since an anchor a step keeps past it needs that hidden state."""
     leaves = r.anchor[rows] & (r.exits[rows] <= l + 1)
-    plan = r.anchor_schedule
-    if plan is not None and plan.decided_layers < plan.n_layers:
-        leaves &= r.exits[rows] < plan.decided_layers
+    schedule = r.anchor_schedule
+    if schedule is not None and schedule.decided_layers < schedule.n_layers:
+        leaves &= r.exits[rows] < schedule.decided_layers
     return leaves
 
 
@@ -191,10 +191,10 @@ class LayerLoop:
         model = self.layers.model
         n_layers = self.layers.n_layers
         kv_dtype = self.kv_pool.get_key_buffer(self.layers.attention_params(0)[0]).dtype if n_layers else None
-        plan = self._plan(requests, 0, input_ids.device, kv_dtype)
+        decisions = self._decide(requests, 0, input_ids.device, kv_dtype)
         hidden = model.embed_tokens(input_ids)
         for l in range(n_layers):
-            step = plan.layers.get(l)
+            step = decisions.layers.get(l)
             if step is None:
                 break
             active = step.active.get()
@@ -218,18 +218,18 @@ class LayerLoop:
                 start += s.n
             for i, (r, s, (s0, s1)) in enumerate(zip(requests, step.requests, spans)):
                 if s1 > s0:
-                    out[s0:s1] = self._attend(r, l, s, plan.slots[i].get(), plan.anchor_runs[i], q[s0:s1], k_cache,
-                                              v_cache, scale)
+                    out[s0:s1] = self._attend(r, l, s, decisions.slots[i].get(), decisions.anchor_runs[i], q[s0:s1],
+                                              k_cache, v_cache, scale)
             # An anchor's hidden state after its last layer feeds nothing: o_proj and the MLP skip it.
             going_on = step.going_on.get()
             hidden[active.index_select(0, going_on)] = self.layers.finish(l, h.index_select(0, going_on),
                                                                          out.index_select(0, going_on))
             if replanned:
-                plan = self._plan(requests, l + 1, input_ids.device, kv_dtype)
+                decisions = self._decide(requests, l + 1, input_ids.device, kv_dtype)
         return model.norm(hidden)
 
-    def _plan(self, requests: list[LoopRows], first: int, device: torch.device,
-              kv_dtype: Optional[torch.dtype]) -> _PassDecisions:
+    def _decide(self, requests: list[LoopRows], first: int, device: torch.device,
+                kv_dtype: Optional[torch.dtype]) -> _PassDecisions:
         """The pass's decisions from layer ``first``; under tensor parallelism with checks on, compared across
         ranks first (one gather: a disagreement raises naming the layer, before any collective of the pass)."""
         ranks = self.ranks
@@ -248,10 +248,10 @@ class LayerLoop:
         read = s.read
         if read is None:
             return False
-        plan, target = r.anchor_schedule, r.shift_target
+        schedule, target = r.anchor_schedule, r.shift_target
         at, pool = read.at.get(), read.pool.get()
         rotate = target.rotate_by if target is not None else self._rotate
-        edit: LayerEdit = plan.layer_step.run(l, MeasuredKV(
+        edit: LayerEdit = schedule.layer_step.run(l, MeasuredKV(
             read.positions.get(), read.groups.get() if read.groups is not None else None, k_new.index_select(0, at),
             v_new.index_select(0, at), k_cache[pool], v_cache[pool], rotate, self.ranks))
         if edit.body_dv is not None or edit.body_dk is not None:
@@ -261,7 +261,7 @@ class LayerLoop:
             target.add(l, k_cache, v_cache, edit.body_dk, dv)
         if edit.later_sets is None:
             return False
-        r.anchor_schedule = plan.with_later_layers(edit.later_sets)
+        r.anchor_schedule = schedule.with_later_layers(edit.later_sets)
         r.exits[r.anchor] = r.anchor_schedule.exit_layers()[r.positions[r.anchor]]
         r.shift_target = None  # the new plan's step, if any, has its own body
         return True
@@ -281,12 +281,12 @@ class LayerLoop:
             out[at] = scoped.run(q.index_select(0, at), k_cache, v_cache, slots, scale)
         if s.anchors is not None:
             at, anchor_pos = s.anchors[0].get(), s.anchors[1]
-            plan = r.anchor_schedule
+            schedule = r.anchor_schedule
             q_anchors = q.index_select(0, at)
-            if plan.ranks_pages_in_layer:  # the ablation: the layer's queries rank the pages (reads the device)
-                layout = plan.layout_at(l, q_anchors, k_cache[slots[:plan.n_context]])
+            if schedule.ranks_pages_in_layer:  # the ablation: the layer's queries rank the pages (reads the device)
+                layout = schedule.layout_at(l, q_anchors, k_cache[slots[:schedule.n_context]])
             else:
-                layout = plan.layouts[l]
+                layout = schedule.layouts[l]
             if not torch.equal(layout.q_pos, anchor_pos):
                 raise InvariantError("relaxkv: layout rows do not match the layer's anchors")
             if anchors is None:
@@ -306,8 +306,8 @@ def _check_on_host(r: LoopRows) -> None:
 
 def _prepare_step_target(r: LoopRows, stage: HostStage, rope: Optional[RopeSpec]) -> None:
     """Build where the plan's step's body lies in the pool, once per plan (its device indices on stage)."""
-    plan = r.anchor_schedule
-    step = plan.layer_step if plan is not None else None
+    schedule = r.anchor_schedule
+    step = schedule.layer_step if schedule is not None else None
     if r.shift_target is not None or step is None or step.body is None or step.body.numel() == 0:
         return
     if rope is None:

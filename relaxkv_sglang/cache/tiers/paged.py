@@ -189,31 +189,33 @@ class PagedTier(Tier):
         asked = [self._value_key(k, slot) for k, slot in slots.items()]
         got = self._call("get", lambda: self.store.get(asked), [None] * len(asked)) if asked else []
         heads = dict(zip(slots, got))
-        plans: dict[str, tuple[int, list[str]] | Damaged] = {}
+        page_lists: dict[str, tuple[int, list[str]] | Damaged] = {}
         for key, head in heads.items():
             if head is None:
                 continue
             try:  # the header alone, before any other page is asked for (module doc)
                 length, crc = check_header(key, head, self.layout)
             except Damaged as exc:
-                plans[key] = exc
+                page_lists[key] = exc
                 continue
-            plans[key] = (length, page_keys(self._value_key(key, slots[key]), crc, -(-length // self.store.page_bytes)))
-        wanted = [k for plan in plans.values() if not isinstance(plan, Damaged) for k in plan[1]]
+            n_pages = -(-length // self.store.page_bytes)
+            page_lists[key] = (length, page_keys(self._value_key(key, slots[key]), crc, n_pages))
+        wanted = [k for listed in page_lists.values() if not isinstance(listed, Damaged) for k in listed[1]]
         got = self._call("get", lambda: self.store.get(wanted), [None] * len(wanted)) if wanted else []
         pages = dict(zip(wanted, got))
-        return [self._assemble(k, slots.get(k, SLOTS), heads.get(k), plans.get(k), pages) for k in keys]
+        return [self._assemble(k, slots.get(k, SLOTS), heads.get(k), page_lists.get(k), pages) for k in keys]
 
-    def _assemble(self, key: str, slot: int, head: Optional[bytes], plan: tuple[int, list[str]] | Damaged | None,
+    def _assemble(self, key: str, slot: int, head: Optional[bytes],
+                  page_list: tuple[int, list[str]] | Damaged | None,
                   pages: dict[str, Optional[bytes]]) -> Optional[ChunkRecord]:
         """One key's record from its pages, checked; None (counted) if absent, incomplete or damaged."""
-        if head is None or plan is None:
+        if head is None or page_list is None:
             self._count("misses")
             return None
-        if isinstance(plan, Damaged):
-            self._mark_bad(key, slot, plan.kind, str(plan))
+        if isinstance(page_list, Damaged):
+            self._mark_bad(key, slot, page_list.kind, str(page_list))
             return None
-        length, tail = plan
+        length, tail = page_list
         rest = [pages.get(k) for k in tail]
         if any(p is None for p in rest):
             self._mark_bad(key, slot, "incomplete", f"{sum(p is None for p in rest)} of {len(rest) + 1} pages missing")

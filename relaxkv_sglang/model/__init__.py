@@ -1,3 +1,2 @@
-"""The served model's maths: the family registry and one decoder layer's ops
-(:mod:`.model_family`), RoPE (:mod:`.rope`, :mod:`.rope_config`) and the torch reference's weights
-and ops (:mod:`.reference_model`). No SGLang (its adapter, the family over SGLang's modules: :mod:`.sglang`)."""
+"""The served model's maths (:mod:`.model_family`, :mod:`.rope`, :mod:`.rope_config`, :mod:`.reference_model`),
+no SGLang; its adapter, the family over SGLang's modules: :mod:`.sglang`."""

@@ -67,11 +67,10 @@ _HF_QK_NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm
 
 @dataclass(frozen=True)
 class MoESpec:
-    """Step 7's ``moe`` as the HF config (``*_key``) and checkpoint name it. ``renormalize``: True, or the
-    config key saying whether (absent: False, HF's default); ``router``: ``<mlp>.<router>.weight`` [E,
-    hidden]; ``experts``: ``<mlp>.experts.{e}.<gate|up|down>.weight``; ``stacked_module``: the MLP in a
-    transformers 5 model in memory, whose experts are stacked, ``gate_up_proj`` [E, 2 inter, hidden]
-    (gate rows first) and ``down_proj`` [E, hidden, inter]."""
+    """Step 7's ``moe`` as the HF config (``*_key``) and checkpoint name it. ``renormalize``: True, or the config
+    key saying whether (absent: False, as HF); ``router``: ``<mlp>.<router>.weight`` [E, hidden]; ``experts``:
+    ``<mlp>.experts.{e}.<gate|up|down>.weight``; ``stacked_module``: a transformers 5 model's MLP in memory, its
+    experts stacked: ``gate_up_proj`` [E, 2 inter, hidden] (gate rows first), ``down_proj`` [E, hidden, inter]."""
 
     n_experts_keys: tuple[str, ...]
     width_key: str
@@ -112,13 +111,11 @@ class MoESpec:
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """One family of decoder-only models (module doc). ``model_types``: for a config without
-    ``architectures`` (built in code). ``model_class``: the SGLang decoder stack (``<causal_lm>.model``)
-    whose own ``forward`` the repair hooks. ``qkv_bias``: always (Qwen2), else as the config's
-    ``attention_bias``. ``mlp_module``: SGLang's and the checkpoint's name (Mixtral:
-    ``block_sparse_moe``), called as SGLang's layer does. ``fused_hf_weights``: checkpoints hold
-    ``qkv_proj`` and ``gate_up_proj`` (Phi-3; SGLang fuses either way). ``rope`` ``"neox"``: dim i with
-    i + rotary_dim/2. ``norm`` ``"rms"``: with a weight, no bias."""
+    """One family of decoder-only models (module doc). ``model_types``: for a config without ``architectures``
+    (built in code). ``model_class``: the SGLang decoder stack (``<causal_lm>.model``) whose own ``forward``
+    the repair hooks. ``qkv_bias``: always (Qwen2), else as the config's ``attention_bias``. ``mlp_module``:
+    SGLang's and the checkpoint's name (Mixtral: ``block_sparse_moe``). ``fused_hf_weights``: checkpoints
+    hold ``qkv_proj`` and ``gate_up_proj`` (Phi-3; SGLang fuses either way)."""
 
     name: str
     architectures: tuple[str, ...]
@@ -241,38 +238,31 @@ def mlp_width(config: Mapping[str, Any]) -> int:
     return moe.routing(config)[0] * int(config[moe.width_key])
 
 
-# ----------------------------------------------------------------------------- the layer
-
 
 class LayerOps(Protocol):
-    """One decoder layer's pieces (module doc's steps); dtypes the executor's (float32 in the reference)."""
+    """One decoder layer's pieces, with the module doc's shapes: steps 1 ``input_norm``, 2 ``qkv_proj`` (biases
+    included), 3 ``qk_norm``, 4 ``rope``, 6 ``o_proj`` (a [n, H, dv] -> [n, hidden]), 7 ``post_attention_norm``
+    and ``mlp``; dtypes the executor's (float32 in the reference)."""
 
     def input_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Step 1: [n, hidden] -> [n, hidden]."""
         ...
 
     def qkv_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Step 2: x [n, hidden] -> q [n, H, d], k [n, Hkv, d], v [n, Hkv, d] (biases included)."""
         ...
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 3: q [n, H, d], k [n, Hkv, d] -> the same shapes."""
         ...
 
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 4: positions int64 [n], q [n, H, d], k [n, Hkv, d] -> q, k rotated, same shapes."""
         ...
 
     def o_proj(self, attn_out: torch.Tensor) -> torch.Tensor:
-        """Step 6's projection: attn_out [n, H, dv] -> [n, hidden]."""
         ...
 
     def post_attention_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Step 7's norm: [n, hidden] -> [n, hidden]."""
         ...
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """Step 7's MLP: [n, hidden] -> [n, hidden]."""
         ...
 
 

@@ -1,17 +1,6 @@
 """The torch reference's model: a registered family's weights read from a HF checkpoint, and one
-decoder layer's ops over them (:class:`~.model_family.LayerOps`), in float32 on the CPU.
-
-:func:`from_hf_state_dict` reads what the family's layer holds
-(:meth:`~.model_family.ModelFamily.hf_layer_weights`): q/k/v (Phi-3's fused ``qkv_proj`` split
-by the head counts), biases (Qwen2), per-head q/k norms (Qwen3, Qwen3-MoE), a SwiGLU MLP (Phi-3's
-fused ``gate_up_proj`` split in halves, gate first) or routed experts (Qwen3-MoE, Mixtral: the
-router [E, hidden] and each expert's gate/up/down stacked [E, ...]). The RoPE is the config's
-(:func:`~relaxkv_sglang.model.rope_config.rope_spec_from_hf_config`: default, linear, llama3, YaRN; partial rotary).
-:class:`ReferenceLayerOps` computes each step in plain torch, independently of SGLang's kernels:
-it is what the server's repair pass is checked against.
-
-This module imports only torch and the project's torch-only rooms.
-"""
+decoder layer's ops over them (:class:`~.model_family.LayerOps`), float32 on the CPU, in plain torch
+independent of SGLang's kernels: what the server's repair pass is checked against. No SGLang import."""
 
 from __future__ import annotations
 
@@ -35,26 +24,15 @@ __all__ = [
 
 @dataclass
 class LlamaWeights:
-    """Plain-tensor weights of a registered family's decoder (float32 unless built otherwise).
+    """A registered family's decoder weights, float32 unless built otherwise (H, Hkv heads of size d).
 
-    Attributes:
-        embed: [vocab, hidden].
-        layers: per layer a dict: ``attn_norm`` [hidden], ``q`` [n_heads*head_dim, hidden],
-            ``k``/``v`` [n_kv_heads*head_dim, hidden], ``o`` [hidden, n_heads*head_dim],
-            ``mlp_norm`` [hidden]; a SwiGLU MLP's ``gate``/``up`` [inter, hidden], ``down``
-            [hidden, inter], or an MoE's ``router`` [E, hidden], ``experts_gate``/``experts_up``
-            [E, inter, hidden], ``experts_down`` [E, hidden, inter];
-            ``q_bias``/``k_bias``/``v_bias`` and ``q_norm``/``k_norm`` [head_dim] where the family's
-            layer has them (:meth:`~.model_family.ModelFamily.hf_layer_weights`).
-        norm: [hidden] final RMSNorm weight.
-        lm_head: [vocab, hidden].
-        n_heads, n_kv_heads, head_dim, rope_theta, rms_eps: config.
-        rotary_dim: leading dims of each head that RoPE rotates (default head_dim).
-        inv_freq: optional float32 [rotary_dim/2] override (e.g. llama3-scaled frequencies).
-        attention_scaling: multiplier on cos/sin (YaRN's mscale; 1.0 otherwise).
-        family: the model family (:mod:`.model_family`): whether its layer norms q and k, its MLP.
-        top_k, renormalize: an MoE's routing (experts per token; top-k weights renormalized).
-    """
+    ``layers[i]``: ``attn_norm``, ``mlp_norm`` [hidden]; ``q`` [H*d, hidden], ``k``/``v`` [Hkv*d, hidden],
+    ``o`` [hidden, H*d]; a SwiGLU's ``gate``/``up`` [inter, hidden] and ``down`` [hidden, inter], or an MoE's
+    ``router`` [E, hidden], ``experts_gate``/``experts_up`` [E, inter, hidden], ``experts_down`` [E, hidden,
+    inter]; where the family's layer has them (:meth:`~.model_family.ModelFamily.hf_layer_weights`) the
+    biases of ``q``/``k``/``v`` and ``q_norm``/``k_norm`` [d]. ``embed``, ``lm_head``: [vocab, hidden];
+    ``norm``: [hidden]. ``rotary_dim``: the rotated leading dims (None: d); ``inv_freq``: float32
+    [rotary_dim/2] (llama3's, YaRN's); ``attention_scaling``: on cos/sin (YaRN's mscale)."""
 
     embed: torch.Tensor
     layers: list[dict[str, torch.Tensor]]
@@ -101,21 +79,10 @@ def from_hf_state_dict(
     config_dict: Mapping[str, Any],
     dtype: torch.dtype = torch.float32,
 ) -> LlamaWeights:
-    """Build ``LlamaWeights`` from a HF state dict and config dict of a registered model family
-    (:func:`~.model_family.family_for_config`).
-
-    Args:
-        sd: ``model.state_dict()`` (``model.layers.{i}...``, ``model.embed_tokens.weight``,
-            ``model.norm.weight``, ``lm_head.weight`` unless embeddings are tied).
-        config_dict: ``config.to_dict()``; RoPE from ``rope_parameters`` (transformers 5) or the
-            legacy ``rope_theta`` / ``rope_scaling``
-            (:func:`~relaxkv_sglang.model.rope_config.rope_spec_from_hf_config`).
-        dtype: dtype of the returned tensors.
-    Raises:
-        UnknownModelFamilyError: the config's architecture is not registered.
-        UnsupportedRopeError: a RoPE whose keys cannot be re-rotated (dynamic, longrope, ...).
-        KeyError: a weight the family's layer has is missing from ``sd``.
-    """
+    """A registered family's (:func:`~.model_family.family_for_config`) ``model.state_dict()``
+    (``lm_head.weight`` absent: tied embeddings) and ``config.to_dict()`` (RoPE:
+    :func:`~relaxkv_sglang.model.rope_config.rope_spec_from_hf_config`). KeyError: a weight the family's
+    layer has is missing from ``sd``."""
     cfg = dict(config_dict)
     family = family_for_config(cfg)
     n_heads = int(cfg["num_attention_heads"])
@@ -182,18 +149,10 @@ def apply_neox_rope(
     rotary_dim: Optional[int] = None,
     scaling: float = 1.0,
 ) -> torch.Tensor:
-    """Neox-style RoPE (rotate halves of the first ``rotary_dim`` dims) at positions ``pos``.
-
-    Args:
-        x: [n or 1, heads, head_dim] float (one row is rotated to each of the n positions).
-        pos: int64 [n] (or a delta, to re-rotate an already rotated K: rotations compose).
-        inv_freq: float32 [rotary_dim/2].
-        rotary_dim: rotated leading dims, default head_dim.
-        scaling: cos/sin multiplier (YaRN mscale).  Use 1.0 for a delta re-rotation, or the
-            multiplier would be applied twice.
-    Returns:
-        [n, heads, head_dim] float32.
-    """
+    """Neox RoPE (halves of the first ``rotary_dim`` dims, None: all): x float [n or 1, heads, head_dim] (one
+    row: rotated to each position), pos int64 [n] (or a delta: rotations compose), inv_freq float32
+    [rotary_dim/2] -> float32 [n, heads, head_dim]. ``scaling`` (YaRN's mscale) multiplies cos/sin: 1.0 for a
+    delta, or it would be applied twice."""
     r = x.shape[-1] if rotary_dim is None else rotary_dim
     ang = pos.float()[:, None] * inv_freq.float()[None, :]  # [n, r/2]
     cos, sin = (ang.cos() * scaling)[:, None, :], (ang.sin() * scaling)[:, None, :]
@@ -211,15 +170,8 @@ def _swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.T
 
 def routed_experts(x: torch.Tensor, router: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                    top_k: int, renormalize: bool) -> torch.Tensor:
-    """The MoE MLP (``model_family`` step 7's ``moe``), token by token: softmax of the router
-    logits in float32, the top-k experts, their weights renormalized to sum 1 if asked, the
-    weighted sum of those experts' SwiGLU outputs.
-
-    Args:
-        x: [n, hidden]. router: [E, hidden]. gate, up: [E, inter, hidden]. down: [E, hidden, inter].
-    Returns:
-        [n, hidden] float32.
-    """
+    """``model_family`` step 7's ``moe``, token by token (router softmax in float32): x [n, hidden], router
+    [E, hidden], gate/up [E, inter, hidden], down [E, hidden, inter] -> float32 [n, hidden]."""
     x = x.float()
     probs = torch.nn.functional.linear(x, router.float()).softmax(dim=-1)  # [n, E]
     weights, experts = probs.topk(top_k, dim=-1)  # [n, k]
@@ -234,15 +186,8 @@ def routed_experts(x: torch.Tensor, router: torch.Tensor, gate: torch.Tensor, up
 
 @dataclass(frozen=True)
 class ReferenceLayerOps:
-    """:class:`~.model_family.LayerOps` over one layer of plain weights, each method with the shapes
-    that protocol documents (H = ``w.n_heads``, Hkv = ``w.n_kv_heads``, d = ``w.head_dim``), float32
-    results; q/k/v take the biases the layer holds (the family's, :func:`from_hf_state_dict`); the
-    MLP is the family's (SwiGLU or routed experts).
-
-    Attributes:
-        w: the model (its config: heads, eps, RoPE, routing).
-        layer: one of ``w.layers`` (the weight names of :class:`LlamaWeights`).
-    """
+    """:class:`~.model_family.LayerOps` over ``layer``, one of ``w.layers`` (H = ``w.n_heads``, Hkv =
+    ``w.n_kv_heads``, d = ``w.head_dim``), float32 results."""
 
     w: LlamaWeights
     layer: dict[str, torch.Tensor]

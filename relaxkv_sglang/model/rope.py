@@ -134,7 +134,6 @@ def _compute_inv_freq(spec: RopeSpec) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
-    # yarn
     factor = spec.factor
     pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
     inv_extra = 1.0 / pos_freqs
@@ -251,7 +250,7 @@ def rotate_keys(k: torch.Tensor, delta: int | torch.Tensor, spec: RopeSpec) -> t
     if isinstance(delta, torch.Tensor) and delta.dim() == 1 and delta.shape[0] != k.shape[0] and k.shape[0] != 1:
         raise ValueError(f"delta must be an int or a tensor of shape [{k.shape[0]}], got {tuple(delta.shape)}")
     if isinstance(delta, int) and not isinstance(delta, bool) and delta == 0:
-        return k.clone()  # identity rotation; skip the arithmetic
+        return k.clone()
     cos, sin = rope_cos_sin(delta, spec, with_attention_scaling=False, device=k.device)
     return _rotate(k.float(), cos, sin, spec).to(k.dtype)
 

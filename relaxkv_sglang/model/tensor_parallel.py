@@ -1,19 +1,9 @@
 """Tensor-parallel ranks as the repair sees them: one sum, one exchange of digests, nothing else.
 
-Each rank holds H / tp query heads (and their KV heads) and a slice of every row-parallel projection's
-input. What the repair decides on must be the same on every rank, or the ranks run different rows and
-their collectives no longer match:
-
-* the query's attention mass ``s_l(t)``, a sum over heads: partial sums, summed over ranks;
-* CacheBlend's K/V deviation, a norm over KV heads: sums of squares, summed, then the root (KV heads
-  replicated over ranks are each counted equally often, so the tokens' order, all the policy reads, holds);
-* the ``auto`` budget's answer over the whole vocabulary: each rank's logit shard placed at its offset
-  in zeros and summed (an all-gather's values; ``x + 0`` is exact);
-* a row-parallel o_proj or MLP leaving its partial sum to SGLang's layer boundary: summed by the repair
-  pass itself (:mod:`relaxkv_sglang.model.sglang.model_layers`).
-
-:data:`ONE_RANK`: tp 1 and the torch reference. :func:`check_same` turns a disagreement into
-:class:`RankDisagreement` on every rank at once, naming what differs, instead of a hang in the next collective.
+What the repair decides on must be the same on every rank, or the ranks run different rows and their
+collectives no longer match; a rank holds H / tp heads, so its share of a decision is summed (what, and why
+that is exact: docs/install.md, "Tensor parallelism"). :data:`ONE_RANK`: tp 1 and the torch reference.
+:func:`check_same`: a disagreement raises :class:`RankDisagreement` on every rank, not a hang in a collective.
 """
 
 from __future__ import annotations
@@ -126,8 +116,7 @@ def digest(*parts: torch.Tensor | int | float | str) -> int:
 
 def check_same(ranks: TensorParallel, digests: Sequence[int], labels: Sequence[str], what: str) -> None:
     """Raise :class:`RankDisagreement` on every rank when some rank's ``digests`` differ (one gather of
-    ``len(digests)`` int64); ``labels[i]`` names entry i (e.g. ``"layer 3"``), ``what`` the decision.
-    Nothing runs unless ``ranks.checks`` and ``ranks.size > 1``."""
+    ``len(digests)`` int64, if ``ranks.checks``); ``labels[i]`` names entry i (e.g. ``"layer 3"``)."""
     if ranks.size == 1 or not ranks.checks or not digests:
         return
     mine = torch.tensor(list(digests), dtype=torch.int64)

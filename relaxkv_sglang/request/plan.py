@@ -1,26 +1,20 @@
 """A request's reuse plan, as the scheduler process sees it.
 
 The HTTP side (:mod:`relaxkv_sglang.request.sglang.api`) validates a request's fields once into a
-:class:`RequestPlan` (policy, the chunks' token spans, the repair knobs) and hands it to the
-scheduler under ``sampling_params.custom_params[PLAN_KEY]`` (:data:`relaxkv_sglang.request.schema.PLAN_KEY`;
-SGLang pickles ``custom_params`` to the scheduler). The scheduler adds only what SGLang decides
-there, the tenant namespace and a session's history, and keeps the result in a
-:class:`RequestState` on the request (:func:`request_state`: the plan, chunk keys, whether prefetch
-started).
+:class:`RequestPlan`, which SGLang pickles to the scheduler in ``sampling_params.custom_params``
+(:data:`relaxkv_sglang.request.schema.PLAN_KEY`). The scheduler adds only what SGLang decides there (the
+tenant namespace, a session's history) and keeps it in the request's :class:`RequestState`.
 
-A request SGLang aborts before its prefill (``Req.set_finish_with_abort``) runs one prefill of a
-one-token stub whose spans point past it: :func:`request_plan` gives it no plan, so everything
-treats it as SGLang does without the plugin. A session turn (``session_params``,
-``sglang/srt/session/session_controller.py``) is served after its session's history: the plan
-records the planned prompt's length (:attr:`RequestPlan.prompt_len`) and :func:`_scheduled_plan`
-shifts the spans by what was prepended (the chunks never hold position 0, so a
-stripped BOS does not matter).
-"""
+A request SGLang aborts before its prefill (``Req.set_finish_with_abort``) runs one prefill of a one-token
+stub whose spans point past it: :func:`request_plan` gives it no plan, so it is served as without the plugin.
+A session turn (``session_params``, ``sglang/srt/session/session_controller.py``) is served after its
+session's history: :func:`_scheduled_plan` shifts the spans by what was prepended (the chunks never hold
+position 0, so a stripped BOS does not matter)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from relaxkv_sglang.repair.policies import CHUNK_POLICIES, REPAIR_POLICIES
 from relaxkv_sglang.request.schema import PLAN_KEY, RECORD_KEY
@@ -28,32 +22,26 @@ from relaxkv_sglang.runtime import records
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.server_args import ServerArgs
 
 __all__ = ["BACKEND_NAME", "RECORD_KEY", "RequestPlan", "RequestState", "chunk_tree_served", "fits_prompt",
            "request_namespace", "request_plan", "request_state"]
 
-# The name the plugin registers its tree cache and attention backend under.
-BACKEND_NAME = "relaxkv"
+BACKEND_NAME = "relaxkv"  # the plugin's tree cache and attention backend
 
 
-def chunk_tree_served(server_args: Any) -> bool:
-    """Whether the server runs the plugin's chunk tree (else the plugin leaves requests alone).
-
-    ``server_args`` is SGLang's ``ServerArgs`` (or None).
-    """
+def chunk_tree_served(server_args: Optional[ServerArgs]) -> bool:
+    """Whether the server runs the plugin's chunk tree (else the plugin leaves requests alone)."""
     return getattr(server_args, "radix_cache_backend", None) == BACKEND_NAME
 
 
 @dataclasses.dataclass(frozen=True)
 class RequestPlan:
-    """policy: one of :data:`~relaxkv_sglang.repair.policies.SERVER_POLICIES`; chunk_spans: token spans [start, end) in
-    prompt order; namespace: the tenant key chunks are stored under (set by the scheduler,
-    :func:`request_namespace`); anchor_ratio,
-    context_ratio and budget: the repair knobs the request gave (None: not given, so the served
-    model's calibrated value or RepairConfig's default applies, ``repair.request_repair_config``; a
-    budget, when set, decides the two ratios; ``"auto"``: the anchor ratio is chosen from the query
-    pass, ``repair/auto_budget.py``); quality: what an auto budget aims at (None: the server's);
-    prompt_len: the length of the prompt the spans index (None: no prompt was planned)."""
+    """``policy``: one of :data:`~relaxkv_sglang.repair.policies.SERVER_POLICIES`; ``chunk_spans``: token spans
+    [start, end) in prompt order; ``namespace``: :func:`request_namespace`, set by the scheduler; the repair knobs
+    as the request gave them, None where not (then the served model's calibrated value or RepairConfig's default,
+    ``repair.request_repair_config``; a ``budget`` decides both ratios, ``"auto"`` from the query pass:
+    ``repair/auto_budget.py``; ``quality``: what it aims at); ``prompt_len``: the planned prompt's length."""
 
     policy: str
     chunk_spans: tuple[tuple[int, int], ...]
@@ -86,11 +74,8 @@ class RequestPlan:
 
 
 def request_namespace(req: Req) -> str | None:
-    """Chunks are shared only between requests with the same extra_key and cache_salt.
-
-    The key is unambiguous (extra_key's length first): both are client strings,
-    and with a bare separator an extra_key ending in it and a salt starting with
-    it would name the same namespace as another pair."""
+    """Chunks are shared only between requests with the same extra_key and cache_salt (client strings: with a
+    bare separator and no length first, two pairs could name one namespace)."""
     extra = getattr(req, "extra_key", None) or ""
     salt = getattr(req, "cache_salt", None) or ""
     return f"{len(extra)}:{extra}\x1f{salt}" if (extra or salt) else None
@@ -98,13 +83,9 @@ def request_namespace(req: Req) -> str | None:
 
 @dataclasses.dataclass
 class RequestState:
-    """The plugin's state of one SGLang request in the scheduler (module doc).
-
-    Attributes:
-        plan: the plan the HTTP side made, as scheduled (None: a plain request).
-        chunk_keys: (start, end, token ids) of each chunk, once asked (:func:`~relaxkv_sglang.cache.sglang.pins.chunk_keys`).
-        prefetched: the reads of its chunks the pool lacks were started (:mod:`relaxkv_sglang.cache.sglang.tier_movement`).
-    """
+    """The plugin's state of one SGLang request in the scheduler: the plan as scheduled (None: a plain request),
+    each chunk's (start, end, token ids) once asked (:func:`~relaxkv_sglang.cache.sglang.pins.chunk_keys`), whether
+    the reads of its chunks the pool lacks were started (:mod:`relaxkv_sglang.cache.sglang.tier_movement`)."""
 
     plan: Optional[RequestPlan]
     chunk_keys: Optional[list[tuple[int, int, tuple[int, ...]]]] = None
@@ -131,15 +112,13 @@ def fits_prompt(plan: RequestPlan, req: Req) -> bool:
 
 
 def _scheduled_plan(req: Req) -> Optional[RequestPlan]:
-    """The HTTP side's plan in the request's ``custom_params`` with its namespace, and its spans
-    shifted past what SGLang prepended (None: it has none; a value not made by the HTTP side, as
-    from a client that bypassed it, is not a plan)."""
+    """The HTTP side's plan in the request's ``custom_params`` with its namespace, its spans shifted past what
+    SGLang prepended (a shorter prompt, an abort stub, keeps them); None: no plan (a value not made by the HTTP
+    side, as from a client that bypassed it, is not one)."""
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
     plan = params.get(PLAN_KEY)
     if not isinstance(plan, RequestPlan):
         return None
-    # what SGLang prepended to the planned prompt (a session's history, module doc); a shorter
-    # prompt (an abort stub) keeps the spans, which then do not fit it
     shift = max(len(req.origin_input_ids) - plan.prompt_len, 0) if plan.prompt_len is not None else 0
     spans = tuple((s + shift, e + shift) for s, e in plan.chunk_spans)
     return dataclasses.replace(plan, chunk_spans=spans, namespace=request_namespace(req))

@@ -2,14 +2,9 @@
 
 Behind the ``smg`` gateway (``serve --replicas``) a request carrying ``x-smg-routing-key`` goes to the
 replica its key was first assigned to (:data:`relaxkv_sglang.server.cluster.ROUTINGS`), so requests
-sharing documents share a replica and a document's chunks are computed once per cluster.
-
-A request ``A`` gets ``min_{d in A} g_s(h(d))``: ``h`` BLAKE2b-64 (stable across processes, unlike
-``hash()``), ``g_s`` a seeded hash; ``P[key(A) = key(B)]`` is the Jaccard similarity of the document
-sets, and every request under a key finds the document it names cached (docs/scaling.md, "What a
-client sends"). The documents are the spans the server chunks, found without its index (a client has
-none). No documents, no key: the router assigns by load. Standard library only (clients import it).
-"""
+sharing documents share a replica (the key, and why: docs/scaling.md, "What a client sends"). The
+documents are the spans the server chunks, found without its index (a client has none); no documents, no
+key: the router assigns by load. Standard library only (clients import it)."""
 
 from __future__ import annotations
 
@@ -31,7 +26,7 @@ _DOC_PERSON = b"relaxkv-doc"  # BLAKE2b personalization: these hashes never equa
 
 
 def document_hash(text: str) -> int:
-    """``h(d)`` of a chunk's text exactly as sent, in ``[0, 2**64)``."""
+    """``h(d)`` of a chunk's text exactly as sent, in ``[0, 2**64)``; unlike ``hash()``, the same in every process."""
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8, person=_DOC_PERSON).digest(), "big")
 
 

@@ -1,14 +1,10 @@
 """The served model's decoder layers as the repair pass calls them: SGLang's modules as the ops of
 :mod:`relaxkv_sglang.model.model_family`.
 
-SGLang modules used (names from the family): ``embed_tokens``, ``layers[i].{input_layernorm,
-self_attn.{qkv_proj, q_norm, k_norm, rotary_emb, o_proj, attn}, post_attention_layernorm, <mlp>}`` (the
-MLP called as SGLang's layer calls it: an MoE block routes each row itself), ``norm``, and
-``config.architectures`` / ``config.model_type`` (or, without a config, the stack's class).
-
-Under tensor parallelism SGLang 0.5.23's layers leave the o_proj's and the MLP's partial sums to the layer
-boundary (``layers/layer_boundary/``; ``reduce_results=False``), which the repair pass does not run:
-:class:`SGLangLayerOps` sums such an output over the TP group itself, whatever boundary strategy SGLang chose.
+SGLang modules used: the family's (:attr:`~relaxkv_sglang.model.model_family.ModelFamily.sglang_layer_modules`,
+the MLP called as SGLang's layer calls it: an MoE block routes each row itself) and ``config.architectures`` /
+``config.model_type``. Under tensor parallelism SGLang 0.5.23's layers leave the o_proj's and the MLP's partial
+sums to the layer boundary (``layers/layer_boundary/``), which the repair pass does not run: it sums them itself.
 """
 
 from __future__ import annotations
@@ -51,10 +47,9 @@ def family_of_model(model: torch.nn.Module) -> ModelFamily:
 
 
 class SGLangLayerOps:
-    """:class:`~relaxkv_sglang.model.model_family.LayerOps` over ``model.layers[i]`` (``mlp_module``:
-    ``ModelFamily.mlp_module``); n rows, H / Hkv = ``attn.tp_q_head_num`` / ``attn.tp_k_head_num`` (this rank's
-    heads), d = ``attn.head_dim``; the served dtype. ``ranks``: the TP group an o_proj or MLP output left
-    partial is summed over."""
+    """:class:`~relaxkv_sglang.model.model_family.LayerOps` over ``model.layers[i]``, in the served dtype: H / Hkv
+    = ``attn.tp_q_head_num`` / ``attn.tp_k_head_num`` (this rank's heads), d = ``attn.head_dim``. ``ranks``: the
+    TP group an o_proj or MLP output left partial is summed over."""
 
     def __init__(self, layer: torch.nn.Module, mlp_module: str = "mlp", ranks: Optional[TensorParallel] = None) -> None:
         self.layer = layer
@@ -122,8 +117,7 @@ def leaves_sum_to_boundary(module: torch.nn.Module) -> Optional[bool]:
 
 
 class ModelLayers:
-    """A registered family's decoder stack (``causal_lm.model``: LlamaModel, Qwen2Model, Qwen3Model,
-    Qwen2MoeModel, MixtralModel) as the layer loop calls it; UnsupportedModelError: no family, or a module missing."""
+    """A registered family's decoder stack as the layer loop calls it (UnsupportedModelError: a module missing)."""
 
     def __init__(self, model: torch.nn.Module, ranks: Optional[TensorParallel] = None) -> None:
         self.model = model
@@ -178,10 +172,9 @@ def _has_path(obj: Any, path: str) -> bool:
 
 
 def repair_support(causal_lm: torch.nn.Module) -> tuple[Optional[ModelFamily], str]:
-    """(the model's registered family or None, why it is not repaired: "" when it is).
-
-    Not repaired: a stack whose ``forward`` is not the hooked one, no family or a missing module, and under tensor
-    parallelism an o_proj or MLP of which :func:`leaves_sum_to_boundary` cannot tell whether its output is whole."""
+    """(the model's registered family or None, why it is not repaired: "" when it is). Not repaired: a stack whose
+    ``forward`` is not the hooked one, no family or a missing module, and under tensor parallelism an o_proj or
+    MLP of which :func:`leaves_sum_to_boundary` cannot tell whether its output is whole."""
     inner = getattr(causal_lm, "model", None)
     if inner is None:
         return None, f"{type(causal_lm).__name__} holds no decoder stack (`.model`)"

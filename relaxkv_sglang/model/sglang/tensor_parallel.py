@@ -1,7 +1,6 @@
-"""The served model's tensor-parallel ranks: SGLang's TP group coordinator behind
-:class:`~relaxkv_sglang.model.tensor_parallel.TensorParallel`, the one SGLang's own layers use (gloo or
-shared memory on a CPU, NCCL or the custom all-reduce on GPUs): the repair's collectives run on the same
-path and in the same per-rank order as SGLang's.
+"""The served model's tensor-parallel ranks: SGLang's TP group coordinator, the one its own layers use, behind
+:class:`~relaxkv_sglang.model.tensor_parallel.TensorParallel`: the repair's collectives run on the same path
+and in the same per-rank order as SGLang's.
 
 SGLang files touched (read, none hooked): ``distributed/parallel_state.py`` (``get_tp_group``;
 ``GroupCoordinator.all_reduce``, ``all_gather``, ``world_size``, ``rank_in_group``) and

@@ -1,15 +1,11 @@
-"""Request fields of the native API, validated and tokenized in the HTTP process.
-
-Fields: ``sampling_params.custom_params`` (:mod:`relaxkv_sglang.request.schema`, ``docs/api.md``).
-Each part (prefix, chunk, glue, query) is tokenized on its own, so a document always gets the same
-ids; the request reaches the scheduler as ``input_ids`` plus its
-:class:`~relaxkv_sglang.request.plan.RequestPlan`. Invalid input raises
+"""Request fields of the native API (``sampling_params.custom_params``: :mod:`relaxkv_sglang.request.schema`,
+``docs/api.md``), validated and tokenized in the HTTP process. Each part (prefix, chunk, glue, query) is
+tokenized on its own, so a document always gets the same ids; the request reaches the scheduler as
+``input_ids`` and its :class:`~relaxkv_sglang.request.plan.RequestPlan`. Invalid input raises
 :class:`~relaxkv_sglang.request.schema.RequestError` (HTTP 400).
 
-SGLang files touched: ``sglang/srt/managers/tokenizer_manager.py``
-(``TokenizerManager.generate_request``, wrapped) and ``sglang/srt/managers/tokenizer_control_mixin.py``
-(``TokenizerControlMixin.flush_cache``, wrapped: the discovery index is emptied with the cache).
-"""
+SGLang files touched (wrapped): ``managers/tokenizer_manager.py`` (``TokenizerManager.generate_request``),
+``managers/tokenizer_control_mixin.py`` (``TokenizerControlMixin.flush_cache``: the discovery index too)."""
 
 from __future__ import annotations
 
@@ -81,8 +77,7 @@ async def around_flush_cache(original: Callable[..., Any], tokenizer_manager: An
 
 
 class _Tenant:
-    """The two SGLang fields that name a request's chunk namespace
-    (:func:`~relaxkv_sglang.request.plan.request_namespace`)."""
+    """The two SGLang fields naming a request's chunk namespace (:func:`request_namespace`)."""
 
     def __init__(self, extra_key: Optional[str], cache_salt: Optional[str]) -> None:
         self.extra_key, self.cache_salt = extra_key, cache_salt
@@ -175,10 +170,8 @@ def plan_item(
 
 def prepare_generate(tokenizer_manager: TokenizerManager, obj: GenerateReqInput, chunks_refused: str = "",
                      requested_policy: Optional[str] = None) -> None:
-    """Rewrite a ``GenerateReqInput`` in place: chunked items become input_ids + plan.
-
-    ``requested_policy``: the ``X-RelaxKV-Policy`` header (validated), the default of every item.
-    """
+    """Rewrite ``obj`` in place: chunked items become input_ids + plan. ``requested_policy``: the
+    ``X-RelaxKV-Policy`` header (validated), the default of every item."""
     _check_batch_shape(obj)
     single, n = _batch_shape(obj)
     sps = obj.sampling_params
@@ -238,7 +231,8 @@ def _check_batch_shape(obj: GenerateReqInput) -> None:
     long list's tail, which the per-item checks would then skip."""
     _, n = _batch_shape(obj)
     if isinstance(obj.sampling_params, list) and len(obj.sampling_params) != n:
-        raise RequestError("sampling_params", f"a list needs one object per prompt ({n}), got {len(obj.sampling_params)}")
+        raise RequestError("sampling_params",
+                           f"a list needs one object per prompt ({n}), got {len(obj.sampling_params)}")
 
 
 def _batch_shape(obj: GenerateReqInput) -> tuple[bool, int]:

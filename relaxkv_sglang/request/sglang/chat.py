@@ -14,9 +14,7 @@ tokenizes to exactly SGLang's ids, is the request rewritten to ``text`` + ``rela
 (:mod:`.api`); otherwise it is served unchanged. Without document parts, documents are discovered
 in the rendered prompt. Details: ``docs/api.md``.
 
-SGLang file touched: ``sglang/srt/entrypoints/openai/serving_chat.py``
-(``OpenAIServingChat._convert_to_internal_request``, wrapped).
-"""
+SGLang file touched: ``entrypoints/openai/serving_chat.py`` (``OpenAIServingChat._convert_to_internal_request``)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
 """A streamed chat keeps every token's logprob: one whose step sends no chunk rides on the next.
 
-SGLang 0.5.23's streamed chat attaches a step's logprobs to the chunk it emits; on the plain path a step
-with an empty text delta (a UTF-8 character held back, a skipped special token) emits none, so those
-logprobs were lost depending on timing. :func:`around_generate_stream_content` carries them to the
-choice's next chunk (a finishing step sends one chunk of empty content): the stream's logprobs are the
+SGLang 0.5.23's streamed chat attaches a step's logprobs to the chunk it emits, and a step with an empty text
+delta (a UTF-8 character held back, a skipped special token; which steps depends on timing) emits none. Carried
+to the choice's next chunk (a finishing step sends one of empty content), the stream's logprobs are the
 non-streamed answer's, token for token.
 
-SGLang file touched: ``entrypoints/openai/serving_chat.py`` (``OpenAIServingChat._generate_stream_content``).
-"""
+SGLang file touched: ``entrypoints/openai/serving_chat.py`` (``OpenAIServingChat._generate_stream_content``)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The startup gate's verdict in the HTTP process: whether chunk policies are refused, and why.
-
-The gate runs in the scheduler (:mod:`relaxkv_sglang.server.sglang.gate`) and puts its verdict on
-``/get_server_info`` under ``relaxkv.gate``; :func:`chunk_refusal` asks for it once, through
-SGLang's own ``TokenizerManager.get_internal_state``, and keeps the answer on the tokenizer
-manager, so a chunk policy is refused with a 400 naming the reason (:mod:`~relaxkv_sglang.request.sglang.api`).
-"""
+"""The startup gate's verdict in the HTTP process: whether chunk policies are refused, and why. The gate runs
+in the scheduler (:mod:`relaxkv_sglang.server.sglang.gate`), so its verdict is asked for once through SGLang's
+``TokenizerManager.get_internal_state`` and kept; a chunk policy is refused with a 400 naming the reason."""
 
 from __future__ import annotations
 
@@ -25,11 +21,8 @@ class GateRefusal:
 
 
 async def chunk_refusal(tokenizer_manager: "TokenizerManager") -> str:
-    """Why chunk policies are refused ("" when served), asked of the scheduler once and kept.
-
-    Reads ``relaxkv.gate`` of every scheduler's internal state (one per data-parallel rank); any
-    failed gate refuses. A state without a gate (the gate never ran) refuses nothing.
-    """
+    """Why chunk policies are refused ("" when served): ``relaxkv.gate`` of every scheduler's internal state (one
+    per data-parallel rank); any failed gate refuses, a state without one (the gate never ran) nothing."""
     held = records.record(tokenizer_manager, GateRefusal)
     if held.reason is not None:
         return held.reason

@@ -4,8 +4,7 @@ SGLang's frontend joins forks with ids no server request carries (:mod:`.paralle
 :class:`JoinRegistry` ties commits, pending joins and the joined request by text: a text
 ``P + b_0 + ... + b_{n-1} + rest`` whose every ``P + b_i`` is a recent commit consumes the join
 (the rules: ``docs/api.md`` section 5). All state is bounded (the ``MAX_*`` constants, LRU) and
-lives in one HTTP process.
-"""
+lives in one HTTP process."""
 
 from __future__ import annotations
 

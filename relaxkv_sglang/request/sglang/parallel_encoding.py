@@ -7,10 +7,8 @@ content (:class:`~.join_registry.JoinRegistry`) and each branch is marked in
 ``docs/api.md`` section 5. Without ``--radix-cache-backend relaxkv`` the route answers 200 and
 marks nothing.
 
-SGLang files touched: ``sglang/srt/entrypoints/http_server.py``: the route is
-added to its FastAPI ``app``, and ``serve_generate_request`` (what ``POST
-/generate`` calls after its contract check) is wrapped (hook in ``plugin.py``).
-"""
+SGLang file touched: ``entrypoints/http_server.py``: the route added to its FastAPI ``app``;
+``serve_generate_request`` (``POST /generate`` after its contract check) wrapped."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ SGLang 0.5.23 appends an output logprob to one batched with a generating request
 (``tests/e2e/test_cache_invariant_regressions.py``). Loaded into every server, stock SGLang included.
 
 SGLang file touched: ``managers/scheduler_components/logprob_result_processor.py``
-(``SchedulerLogprobResultProcessor.add_logprob_return_values``).
-"""
+(``SchedulerLogprobResultProcessor.add_logprob_return_values``)."""
 
 from __future__ import annotations
 

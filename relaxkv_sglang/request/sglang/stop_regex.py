@@ -1,14 +1,10 @@
-"""SGLang's ``stop_regex`` matching bounded by work: Google RE2 (linear time) instead of Python's ``re``.
+"""SGLang's ``stop_regex`` matching bounded by work: Google RE2 (linear time) instead of Python's ``re``,
+whose backtracking can hold the scheduler's one thread for ever (docs/reliability.md). :class:`BoundedRe`,
+bound as ``schedule_batch``'s ``re``, searches with RE2 (:mod:`relaxkv_sglang.request.linear_regex`), never
+cut short, so the answer does not depend on the load. A pattern without a linear-time matcher gets HTTP 400
+before it runs (``sglang_fields``); one that reached the scheduler anyway raises ``re.error`` (a 400 abort).
 
-``re`` backtracks: ``(a|aa)+#`` on an output of ``a``s holds the scheduler's one thread for ever
-(docs/reliability.md). :class:`BoundedRe`, bound as ``schedule_batch``'s ``re``, searches with RE2
-(:mod:`relaxkv_sglang.request.linear_regex`): O(pattern x text) on the tail SGLang searches, never cut
-short, so the answer does not depend on the load. A pattern without a linear-time matcher gets HTTP 400
-before it runs (``sglang_fields``); one that reached the scheduler anyway raises ``re.error``, which
-SGLang's handler turns into a 400 abort.
-
-SGLang file touched: ``managers/schedule_batch.py`` (its module global ``re``).
-"""
+SGLang file touched: ``managers/schedule_batch.py`` (its module global ``re``)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -42,11 +42,11 @@ class RepairServices:
                    kv_pool=kv_pool, rope=rope)
 
 
-def attach_repair_services(worker: Any, services: RepairServices) -> None:
+def attach_repair_services(worker: "TpModelWorker", services: RepairServices) -> None:
     """Keep ``services`` on ``worker`` (the tree cache factory's call), for :func:`repair_services`."""
     records.attach(worker, services)
 
 
-def repair_services(worker: Any) -> Optional[RepairServices]:
+def repair_services(worker: "TpModelWorker") -> Optional[RepairServices]:
     """The repair's services of this scheduler's worker (None before startup built them)."""
     return records.record(worker, RepairServices, create=False)

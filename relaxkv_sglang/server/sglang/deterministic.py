@@ -14,10 +14,13 @@ wrapped; it runs while SGLang resolves the server's arguments, before any proces
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from relaxkv_sglang.runtime.hooks import Hook
 from relaxkv_sglang.request.plan import BACKEND_NAME
+
+if TYPE_CHECKING:
+    from sglang.srt.server_args import ServerArgs
 
 __all__ = ["REFUSAL", "around_handle_deterministic_inference", "refusal"]
 
@@ -26,7 +29,7 @@ REFUSAL = ("relaxkv-sglang: --enable-deterministic-inference is refused with the
            "equal; drop the flag, or serve without --attention-backend/--radix-cache-backend relaxkv")
 
 
-def refusal(server_args: Any) -> str:
+def refusal(server_args: "ServerArgs") -> str:
     """:data:`REFUSAL` if ``server_args`` (SGLang's ``ServerArgs``) asks for determinism with a
     relaxkv backend, else "".
 
@@ -42,7 +45,7 @@ def refusal(server_args: Any) -> str:
     return REFUSAL if BACKEND_NAME in backends else ""
 
 
-def around_handle_deterministic_inference(original: Callable[..., Any], server_args: Any, *args: Any,
+def around_handle_deterministic_inference(original: Callable[..., Any], server_args: "ServerArgs", *args: Any,
                                           **kwargs: Any) -> Any:
     """Hook on ``handle_deterministic_inference``: stop with :data:`REFUSAL` before SGLang's own check."""
     why = refusal(server_args)

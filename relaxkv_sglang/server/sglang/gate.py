@@ -19,7 +19,7 @@ import dataclasses
 import json
 import logging
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -43,6 +43,11 @@ from relaxkv_sglang.model.sglang.model_layers import ModelLayers, UnsupportedMod
 from relaxkv_sglang.model.sglang.tensor_parallel import served_tensor_parallel
 from relaxkv_sglang.cache.sglang.pool_kv import PoolKV
 
+if TYPE_CHECKING:
+    from sglang.srt.managers.tp_worker import TpModelWorker
+
+    from relaxkv_sglang.cache.sglang.tree_cache_class import RelaxKVTreeCache
+
 logger = logging.getLogger(__name__)
 
 
@@ -56,7 +61,7 @@ def serving_rope(rope: RopeSpec, override: Optional[dict[str, Any]]) -> RopeSpec
     return dataclasses.replace(rope, **override)
 
 
-def run_startup_gate(worker: Any, cache: Any, context_len: int, *, tp_rank: int = 0,
+def run_startup_gate(worker: "TpModelWorker", cache: "RelaxKVTreeCache", context_len: int, *, tp_rank: int = 0,
                      enable_metrics: bool = False) -> GateResult:
     """Run the gate once on the loaded model (``worker``: SGLang's ``TpModelWorker``); keep its verdict on ``cache``
     (the ``RelaxKVTreeCache`` just built), log it (rank 0) and publish it."""
@@ -91,13 +96,13 @@ def _agreed(result: GateResult) -> GateResult:
                                reason=f"tensor-parallel rank(s) {failed_ranks} failed the gate on their heads")
 
 
-def gate_state(cache: Any) -> Optional[dict]:
+def gate_state(cache: "RelaxKVTreeCache") -> Optional[dict]:
     """The verdict as /get_server_info shows it (``relaxkv.gate``), None before the gate ran."""
     held = records.record(cache, GateResult, create=False)
     return None if held is None else held.to_dict()
 
 
-def _run_checks(causal_lm: Optional[torch.nn.Module], cache: Any, context_len: int, tokenizer: Any) -> GateResult:
+def _run_checks(causal_lm: Optional[torch.nn.Module], cache: "RelaxKVTreeCache", context_len: int, tokenizer: Any) -> GateResult:
     """The three checks (module doc); slots taken from the allocator and always given back."""
     if causal_lm is None or not hasattr(causal_lm, "model"):
         return GateResult.failure("the gate found no model on the worker")
@@ -167,7 +172,7 @@ def _rows(slots: torch.Tensor, offset: int, first: int, n: int, n_layers: int) -
                     anchor=torch.zeros(m, dtype=torch.bool, device=device))
 
 
-def _compare_kv(name: str, cache: Any, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> CheckResult:
+def _compare_kv(name: str, cache: "RelaxKVTreeCache", actual: torch.Tensor, expected: torch.Tensor, tol: float) -> CheckResult:
     """Every layer's K and V in slots ``actual`` against ``expected`` (int64 [n] each)."""
     pool = cache.pool_kv.kv_pool
     got, want = [], []

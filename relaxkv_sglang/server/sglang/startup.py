@@ -12,7 +12,9 @@ SGLang files touched: ``mem_cache/registry.py`` (the backend), ``managers/schedu
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
 
 from relaxkv_sglang.runtime.hooks import Hook
 from relaxkv_sglang.model.rope import UnsupportedRopeError
@@ -33,9 +35,12 @@ from relaxkv_sglang.cache.sglang.pool_kv import PoolKV
 from relaxkv_sglang.cache.sglang.tier_configs import build_tiers, tier_configs_from_env
 
 if TYPE_CHECKING:
+    from sglang.srt.managers.io_struct import GetInternalStateReq
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+    from sglang.srt.server_args import ServerArgs
 
+    from relaxkv_sglang.cache.sglang.tree_cache_class import RelaxKVTreeCache
     from relaxkv_sglang.cache.tiers import TieredChunkStore
 
 logger = logging.getLogger(__name__)
@@ -110,7 +115,7 @@ def make_tree_cache(ctx: "TreeCacheBuildContext") -> Any:
     return cache
 
 
-def served_model_name(server_args: Any) -> str:
+def served_model_name(server_args: "ServerArgs") -> str:
     """The ``model_name`` label SGLang's own ``sglang:*`` series carry: the served model name,
     which sglang 0.5.23 keeps in its runtime context (not on ``ServerArgs``), else the model path."""
     from sglang.srt.runtime_context import get_serving
@@ -119,7 +124,8 @@ def served_model_name(server_args: Any) -> str:
     return str(name or server_args.model_path)
 
 
-def around_get_internal_state(original: Any, scheduler: "Scheduler", recv_req: Any) -> Any:
+def around_get_internal_state(original: Callable[..., Any], scheduler: "Scheduler",
+                              recv_req: "GetInternalStateReq") -> Any:
     """Hook on ``Scheduler.get_internal_state``: add ``relaxkv`` to /get_server_info."""
     output = original(scheduler, recv_req)
     cache = worker_cache(scheduler.tp_worker)
@@ -133,7 +139,7 @@ def around_get_internal_state(original: Any, scheduler: "Scheduler", recv_req: A
     return output
 
 
-def repair_timing(cache: Any) -> dict:
+def repair_timing(cache: "RelaxKVTreeCache") -> dict:
     """The repair stages' count and wall time on this rank, and its tensor-parallel group with the collectives run."""
     held = records.record(cache, RepairTiming, create=False) or RepairTiming()
     ranks = served_tensor_parallel()
@@ -142,7 +148,7 @@ def repair_timing(cache: Any) -> dict:
                                 "collectives": ranks.tally.to_json()}}
 
 
-def _is_neox_style(model: Any) -> bool:
+def _is_neox_style(model: Optional[torch.nn.Module]) -> bool:
     """Llama/Qwen/Mistral in SGLang use the neox rotation; read it off the model if exposed."""
     for module in (model.modules() if model is not None else ()):
         if hasattr(module, "is_neox_style") and hasattr(module, "cos_sin_cache"):

@@ -3,13 +3,16 @@ planned pass (:class:`PreparedAnchors`, run one layer at a time by :mod:`~relaxk
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from relaxkv_sglang.attention.block_sparse import AttentionWork, BlockSparseGroups
 from relaxkv_sglang.attention.layout import BlockSparseLayout
 from relaxkv_sglang.attention.staging import HostStage
+
+if TYPE_CHECKING:
+    from relaxkv_sglang.attention.gpu.flashinfer_attention import AnchorPassMetadata, FlashInferAnchorAttention
 
 
 class AnchorAttention:
@@ -19,7 +22,7 @@ class AnchorAttention:
     compares them. ``float_workspace``: FlashInfer's, shared (the CUDA backend hands SGLang's)."""
 
     def __init__(self, float_workspace: Optional[torch.Tensor] = None) -> None:
-        self._flashinfer: Any = None  # FlashInferAnchorAttention, built once a GPU pool is seen and kept
+        self._flashinfer: Optional[FlashInferAnchorAttention] = None  # built once a GPU pool is seen, kept
         self._float_workspace = float_workspace
 
     @staticmethod
@@ -34,7 +37,8 @@ class AnchorAttention:
                 from relaxkv_sglang.attention.gpu.flashinfer_attention import FlashInferAnchorAttention
 
                 self._flashinfer = FlashInferAnchorAttention(stage.device, float_workspace=self._float_workspace)
-            return PreparedAnchors(flashinfer=self._flashinfer, flashinfer_metadata=self._flashinfer.pass_metadata(layouts, stage))
+            return PreparedAnchors(flashinfer=self._flashinfer,
+                                   flashinfer_metadata=self._flashinfer.pass_metadata(layouts, stage))
         return PreparedAnchors(torch_groups=[BlockSparseGroups(layout, stage) for layout in layouts])
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BlockSparseLayout,
@@ -50,17 +54,20 @@ class AnchorAttention:
 class PreparedAnchors:
     """One request's anchors in one pass (:meth:`AnchorAttention.plan`): torch's plan per layer, or FlashInfer's."""
 
-    def __init__(self, torch_groups: Optional[list[BlockSparseGroups]] = None, flashinfer: Any = None,
-                 flashinfer_metadata: Any = None) -> None:
+    def __init__(self, torch_groups: Optional[list[BlockSparseGroups]] = None,
+                 flashinfer: Optional[FlashInferAnchorAttention] = None,
+                 flashinfer_metadata: Optional[AnchorPassMetadata] = None) -> None:
         self.torch_groups, self.flashinfer, self.flashinfer_metadata = torch_groups, flashinfer, flashinfer_metadata
 
     def run(self, l: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_rows: torch.Tensor,
             scale: float, work: Optional[AttentionWork] = None) -> torch.Tensor:
-        """Layer l: q [n_rows, H, d] in layout row order, pools [pool_size, Hkv, d], key_rows int64 -> [n_rows, H, dv];
-        pairs added to ``work`` (FlashInfer's executed: each segment's padded queries times its keys)."""
+        """Layer l: q [n_rows, H, d] in layout row order, pools [pool_size, Hkv, d], key_rows int64 ->
+        [n_rows, H, dv]; pairs added to ``work`` (FlashInfer's executed: each segment's padded queries times
+        its keys)."""
         if self.torch_groups is not None:
             return self.torch_groups[l].run(q, k_cache, v_cache, scale, key_rows, work)
         if work is not None:
             layout = self.flashinfer_metadata.layouts[l]
-            work.add(layout.kv_pairs(), self.flashinfer_metadata.layers[l].inputs.executed_pairs, layout.full_kv_pairs())
+            work.add(layout.kv_pairs(), self.flashinfer_metadata.layers[l].inputs.executed_pairs,
+                     layout.full_kv_pairs())
         return self.flashinfer.run(self.flashinfer_metadata, l, q, k_cache, v_cache, key_rows, scale)

@@ -5,14 +5,18 @@ only some rows, each at its own position, and a chunk-cache miss's row sees keys
 chunk's first position; 0 for an ordinary row) on. :func:`~.attention_paths.attention_path` picks ``"sglang"``
 (decode, idle, an unchanged extend, every CUDA-graph capture or replay) or ``"scoped"`` (a folded batch, or one
 recording the repair's query scores). The classes (:mod:`.torch_native_backend`, :mod:`.flashinfer_backend`) are
-imported on first use; this module imports no SGLang."""
+imported on first use; this module imports no SGLang at run time."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+    from sglang.srt.model_executor.model_runner import ModelRunner
 
 
-def create_backend(model_runner: Any) -> Any:
+def create_backend(model_runner: ModelRunner) -> AttentionBackend:
     """The ``relaxkv`` backend for a model runner: FlashInfer-composed on CUDA, torch elsewhere."""
     if str(model_runner.device).split(":")[0] == "cuda":
         return build_cuda_backend_class()(model_runner)

@@ -4,7 +4,7 @@ The decisions of the backend :mod:`.attention_backend` describes, and what both 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
@@ -16,7 +16,7 @@ from relaxkv_sglang.runtime.failures import InvariantError
 SGLANG, SCOPED = "sglang", "scoped"
 
 if TYPE_CHECKING:
-    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -49,7 +49,7 @@ def rows_are_contiguous_tails(rows: Sequence[ExtendRows], prefix_lens: Sequence[
     return True
 
 
-def folded_rows(backend: Any) -> Optional[FoldedRows]:
+def folded_rows(backend: AttentionBackend) -> Optional[FoldedRows]:
     """The rows of the folded forward running now on ``backend``; None for SGLang's own batches."""
     return records.record(backend, FoldedRows, create=False)
 
@@ -71,7 +71,7 @@ def may_replay_graph(path: str, rows: Optional[FoldedRows]) -> bool:
     return path == SGLANG and not (rows is not None and rows.repairs)
 
 
-def unsupported_settings(model: Any) -> list[str]:
+def unsupported_settings(model: Optional[torch.nn.Module]) -> list[str]:
     """Per ``RadixAttention`` layer of ``model``, what the plugin's attention does not apply: a sliding window,
     a logit soft cap, K/V scales (FP8). Empty when every layer is plain causal."""
     found = []
@@ -90,7 +90,7 @@ def unsupported_settings(model: Any) -> list[str]:
     return found
 
 
-def check_attention_settings(model: Any) -> None:
+def check_attention_settings(model: Optional[torch.nn.Module]) -> None:
     """Refuse, in one line, a model with :func:`unsupported_settings`: the plugin would silently drop them."""
     found = unsupported_settings(model)
     if found:
@@ -99,7 +99,7 @@ def check_attention_settings(model: Any) -> None:
                            "serve this model with another --attention-backend and without the relaxkv tree cache")
 
 
-def batch_path(backend: Any, forward_batch: "ForwardBatch") -> str:
+def batch_path(backend: AttentionBackend, forward_batch: "ForwardBatch") -> str:
     """:func:`attention_path` of a live ``ForwardBatch`` on the backend it runs on."""
     rows = folded_rows(backend)
     return attention_path(

@@ -7,7 +7,7 @@ constructor, workspace, decode, extend and CUDA-graph hooks reused).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
@@ -30,19 +30,22 @@ from relaxkv_sglang.runtime.failures import InvariantError
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    from relaxkv_sglang.attention.extend_rows import FoldedRows
 
 
 class RelaxKVFlashInferBackend(FlashInferAttnBackend):
     """SGLang's FlashInfer backend; batches the fold changed take the plugin's path."""
 
-    def __init__(self, model_runner: Any) -> None:
+    def __init__(self, model_runner: ModelRunner) -> None:
         super().__init__(model_runner)
         check_attention_settings(getattr(model_runner, "model", None))
         # SGLang's FlashInfer float workspace, shared (stream-ordered runs): the plugin allocates none
         self.anchor_attention = AnchorAttention(self.workspace_buffer)  # the repair's anchors (RepairServices)
         self._scoped = FlashInferScopedPrefill(model_runner.device, float_workspace=self.workspace_buffer)
-        self._scoped_batch: Any = None
-        self._path: tuple[Any, Any, str] = (None, None, SGLANG)
+        self._scoped_batch: Optional[ForwardBatch] = None
+        self._path: tuple[Optional[ForwardBatch], Optional[FoldedRows], str] = (None, None, SGLANG)
 
     def path(self, forward_batch: "ForwardBatch") -> str:
         """:func:`batch_path`, computed once per (batch, folded rows)."""

@@ -7,7 +7,7 @@ constructor and decode reused).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -21,14 +21,15 @@ from relaxkv_sglang.attention.sglang.attention_paths import check_attention_sett
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
 
 
 class RelaxKVAttnBackend(TorchNativeAttnBackend):
     """``torch_native`` with extend rows at explicit positions and scopes (module doc)."""
 
-    def __init__(self, model_runner: Any) -> None:
+    def __init__(self, model_runner: ModelRunner) -> None:
         super().__init__(model_runner)
-        self._rows_batch: Any = None
+        self._rows_batch: Optional[ForwardBatch] = None
         self._rows: list[ExtendRows] = []
         check_attention_settings(getattr(model_runner, "model", None))
         self.anchor_attention = AnchorAttention()  # the repair's anchors (RepairServices)

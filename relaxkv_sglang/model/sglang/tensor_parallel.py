@@ -10,7 +10,7 @@ SGLang files touched (read, none hooked): ``distributed/parallel_state.py`` (``g
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,12 +18,15 @@ from relaxkv_sglang.model.tensor_parallel import ONE_RANK, TensorParallel, Timed
 from relaxkv_sglang.runtime.failures import InvariantError
 from relaxkv_sglang.runtime.settings import server_settings
 
+if TYPE_CHECKING:
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+
 
 class GroupCoordinatorRanks(TimedCollectives):
     """SGLang's ``GroupCoordinator`` (the TP group) as :class:`TensorParallel`; a tensor on another device than
     the group's (host-side scores, digests) makes the round trip, since NCCL takes device tensors only."""
 
-    def __init__(self, group: Any, checks: bool) -> None:
+    def __init__(self, group: GroupCoordinator, checks: bool) -> None:
         super().__init__(int(group.world_size), int(group.rank_in_group), checks)
         self.group = group
         self.device = torch.device(getattr(group, "device", "cpu"))
@@ -56,6 +59,6 @@ def served_tensor_parallel() -> TensorParallel:
 
 
 @functools.cache
-def _ranks_of(group: Any) -> GroupCoordinatorRanks:
+def _ranks_of(group: GroupCoordinator) -> GroupCoordinatorRanks:
     """One wrapper per coordinator, so its tally counts every collective of the process."""
     return GroupCoordinatorRanks(group, checks=server_settings().tp_check)

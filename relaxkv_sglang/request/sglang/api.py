@@ -10,7 +10,7 @@ SGLang files touched (wrapped): ``managers/tokenizer_manager.py`` (``TokenizerMa
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from relaxkv_sglang.runtime.hooks import Hook
 from relaxkv_sglang.repair.policies import CHUNK_POLICIES, Policy
@@ -34,8 +34,10 @@ from relaxkv_sglang.request.sglang.gate_refusal import chunk_refusal
 from relaxkv_sglang.request.sglang.sglang_fields import check_sglang_fields
 
 if TYPE_CHECKING:
-    from sglang.srt.managers.io_struct import GenerateReqInput
+    from fastapi import Request
+    from sglang.srt.managers.io_struct import EmbeddingReqInput, GenerateReqInput
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["RequestError", "check_sglang_fields", "document_index", "item_namespace",
            "plan_item", "prepare_generate", "prompt_boundaries", "around_generate_request", "around_flush_cache"]
@@ -45,7 +47,7 @@ logger = logging.getLogger(__name__)
 Encode = Callable[[str, bool], list[int]]  # (text, add_special_tokens) -> token ids
 # text -> the sorted character offsets of its token boundaries, or None if the tokenizer cannot tell
 Boundaries = Callable[[str], Optional[Sequence[int]]]
-def document_index(tokenizer_manager: Any) -> Optional[DocumentIndex]:
+def document_index(tokenizer_manager: TokenizerManager) -> Optional[DocumentIndex]:
     """The HTTP process's :class:`DocumentIndex` (kept on the ``TokenizerManager``); None unless
     ``RELAXKV_DISCOVERY_INDEX`` is set."""
     if not server_settings().discovery_index:
@@ -54,7 +56,7 @@ def document_index(tokenizer_manager: Any) -> Optional[DocumentIndex]:
     return held if held is not None else records.attach(tokenizer_manager, DocumentIndex())
 
 
-def prompt_boundaries(tokenizer: Any, text: str) -> Optional[list[int]]:
+def prompt_boundaries(tokenizer: PreTrainedTokenizerBase, text: str) -> Optional[list[int]]:
     """The token boundaries of ``text`` under the server's ``tokenizer`` (its offset mapping); None
     when it gives no offsets (a slow tokenizer)."""
     try:
@@ -67,7 +69,8 @@ def prompt_boundaries(tokenizer: Any, text: str) -> Optional[list[int]]:
     return token_boundaries(spans, len(text))
 
 
-async def around_flush_cache(original: Callable[..., Any], tokenizer_manager: Any, *args: Any, **kwargs: Any) -> Any:
+async def around_flush_cache(original: Callable[..., Any], tokenizer_manager: TokenizerManager, *args: Any,
+                             **kwargs: Any) -> Any:
     """Hook on ``TokenizerControlMixin.flush_cache``: a successful flush also empties the discovery index."""
     result = await original(tokenizer_manager, *args, **kwargs)
     index = records.record(tokenizer_manager, DocumentIndex, create=False)
@@ -83,7 +86,7 @@ class _Tenant:
         self.extra_key, self.cache_salt = extra_key, cache_salt
 
 
-def item_namespace(obj: Any, i: int = 0) -> Optional[str]:
+def item_namespace(obj: GenerateReqInput, i: int = 0) -> Optional[str]:
     """The chunk namespace of item ``i`` of a ``GenerateReqInput``, as the scheduler will name it."""
 
     def value(name: str) -> Optional[str]:
@@ -260,8 +263,8 @@ def _is_batch_ids(input_ids: Any) -> bool:
 
 
 async def around_generate_request(
-    original: Callable[..., AsyncIterator[Any]], tokenizer_manager: TokenizerManager, obj: Any,
-    request: Any = None, *args: Any, **kwargs: Any,
+    original: Callable[..., AsyncIterator[Any]], tokenizer_manager: TokenizerManager,
+    obj: Union[GenerateReqInput, EmbeddingReqInput], request: Optional[Request] = None, *args: Any, **kwargs: Any,
 ) -> AsyncIterator[Any]:
     """Hook on ``TokenizerManager.generate_request`` (an async generator)."""
     from sglang.srt.managers.io_struct import GenerateReqInput
@@ -280,7 +283,7 @@ async def around_generate_request(
         yield _one_record(out)
 
 
-def _shape_for_abort_task(obj: Any) -> None:
+def _shape_for_abort_task(obj: Union[GenerateReqInput, EmbeddingReqInput]) -> None:
     """Set ``is_single``, which SGLang's abort task (``create_abort_task``, ``tokenizer_manager.py``)
     reads and a request refused before ``normalize_batch_and_arguments`` lacks (docs/reliability.md)."""
     if not hasattr(obj, "is_single"):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from relaxkv_sglang.runtime.hooks import Hook
 from relaxkv_sglang.request.doc_index import discover_chunks
@@ -30,9 +30,11 @@ from relaxkv_sglang.request.sglang.api import document_index, item_namespace, pr
 from relaxkv_sglang.request.plan import chunk_tree_served
 
 if TYPE_CHECKING:
+    from fastapi import Request
     from sglang.srt.entrypoints.openai.protocol import ChatCompletionMessageParam, ChatCompletionRequest
     from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
     from sglang.srt.managers.io_struct import GenerateReqInput
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +138,7 @@ def marked_prompt(
     return text[lead:], [o - lead for o in offsets]
 
 
-def _native_lead(tokenizer: Any, text: str, stock_ids: list[int]) -> int:
+def _native_lead(tokenizer: PreTrainedTokenizerBase, text: str, stock_ids: list[int]) -> int:
     """How many leading characters (a BOS rendered as text) the native path drops, after checking
     that the rest tokenizes to SGLang's ``stock_ids``; raises _Skip when it does not."""
     if tokenizer.encode(text, add_special_tokens=False) == stock_ids:
@@ -236,7 +238,7 @@ def mark_documents(serving: OpenAIServingChat, request: ChatCompletionRequest, a
 
 def around_convert_to_internal_request(
     original: Callable[..., Any], serving: OpenAIServingChat, request: ChatCompletionRequest,
-    raw_request: Any = None, *args: Any, **kwargs: Any,
+    raw_request: Optional[Request] = None, *args: Any, **kwargs: Any,
 ) -> Any:
     """Hook on ``OpenAIServingChat._convert_to_internal_request``."""
     result = original(serving, request, raw_request, *args, **kwargs)

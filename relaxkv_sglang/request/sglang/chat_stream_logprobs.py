@@ -9,9 +9,12 @@ SGLang file touched: ``entrypoints/openai/serving_chat.py`` (``OpenAIServingChat
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
 
 from relaxkv_sglang.runtime.hooks import Hook
+
+if TYPE_CHECKING:
+    from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 
 __all__ = ["around_generate_stream_content", "merged_logprobs"]
 
@@ -31,7 +34,7 @@ def merged_logprobs(pending: Optional[dict], step: Optional[dict]) -> Optional[d
     return dict(step, content=list(pending.get("content") or []) + list(step.get("content") or []))
 
 
-async def around_generate_stream_content(original: Callable[..., AsyncIterator[str]], serving: Any,
+async def around_generate_stream_content(original: Callable[..., AsyncIterator[str]], serving: OpenAIServingChat,
                                          *args: Any, **kwargs: Any) -> AsyncIterator[str]:
     """Hook: a step's logprobs without a chunk wait in ``stream_offsets`` (the request's own dict)."""
     offsets, index = kwargs["stream_offsets"], kwargs["index"]

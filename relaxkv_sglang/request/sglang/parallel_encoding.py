@@ -110,7 +110,8 @@ def _relaxkv_served() -> bool:
 
 
 async def around_serve_generate_request(
-    original: Callable[..., Awaitable[Any]], obj: Any, request: Any = None, *args: Any, **kwargs: Any,
+    original: Callable[..., Awaitable[Any]], obj: GenerateReqInput, request: Optional[Request] = None, *args: Any,
+    **kwargs: Any,
 ) -> Any:
     """Hook on ``http_server.serve_generate_request`` (``POST /generate``)."""
     from sglang.srt.managers.io_struct import GenerateReqInput

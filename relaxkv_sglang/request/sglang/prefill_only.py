@@ -8,9 +8,13 @@ SGLang file touched: ``managers/scheduler_components/logprob_result_processor.py
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from relaxkv_sglang.runtime.hooks import Hook
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler_components.logprob_result_processor import SchedulerLogprobResultProcessor
 
 __all__ = ["around_add_logprob_return_values"]
 
@@ -19,8 +23,8 @@ _OUTPUT_LISTS = ("output_token_logprobs_val", "output_token_logprobs_idx", "outp
                  "output_top_logprobs_idx", "output_token_ids_logprobs_val", "output_token_ids_logprobs_idx")
 
 
-def around_add_logprob_return_values(original: Callable[..., Any], processor: Any, i: int, req: Any,
-                                     *args: Any, **kwargs: Any) -> Any:
+def around_add_logprob_return_values(original: Callable[..., Any], processor: SchedulerLogprobResultProcessor, i: int,
+                                     req: Req, *args: Any, **kwargs: Any) -> Any:
     """Hook: SGLang's own bookkeeping, less the output entries of a prefill-only request."""
     if not req.is_prefill_only:
         return original(processor, i, req, *args, **kwargs)

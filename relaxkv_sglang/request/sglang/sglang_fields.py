@@ -9,10 +9,13 @@ are left to SGLang's parser.
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from relaxkv_sglang.request.linear_regex import Unsupported, compile_re2
 from relaxkv_sglang.request.schema import RequestError
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.io_struct import GenerateReqInput
 
 __all__ = ["GRAMMAR_FIELDS", "INT32_MAX", "MAX_GRAMMAR_CHARS", "MAX_N", "check_sglang_fields"]
 
@@ -22,10 +25,10 @@ MAX_GRAMMAR_CHARS = 65_536  # xgrammar's compile time grows faster than the text
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")  # SamplingParams' grammar fields
 
 
-def check_sglang_fields(obj: Any, vocab_size: Optional[int] = None, context_len: Optional[int] = None) -> None:
-    """Raises :class:`RequestError`. ``obj``: the ``GenerateReqInput`` before SGLang normalizes it (an
-    OpenAI route's ``n``, ``min_tokens``, ``response_format`` in its ``sampling_params``); a None
-    ``vocab_size`` / ``context_len`` skips the checks that need it.
+def check_sglang_fields(obj: GenerateReqInput, vocab_size: Optional[int] = None,
+                        context_len: Optional[int] = None) -> None:
+    """Raises :class:`RequestError`. ``obj`` before SGLang normalizes it (an OpenAI route's ``n``, ``min_tokens``,
+    ``response_format`` in its ``sampling_params``); a None ``vocab_size`` / ``context_len`` skips their checks.
 
     >>> from types import SimpleNamespace
     >>> check_sglang_fields(SimpleNamespace(input_ids=[1, 5], sampling_params={"stop_regex": "END"}), 100)

@@ -39,8 +39,8 @@ class PendingForward:
 
 
 @contextlib.contextmanager
-def attached(schedule_batch: "ScheduleBatch", attn_backend: "AttentionBackend", decoder_stack: Optional[torch.nn.Module],
-             pending: PendingForward) -> Iterator[None]:
+def attached(schedule_batch: "ScheduleBatch", attn_backend: "AttentionBackend",
+             decoder_stack: Optional[torch.nn.Module], pending: PendingForward) -> Iterator[None]:
     """For one forward: the folded batch on ``schedule_batch``, its rows on ``attn_backend``, its repair on
     ``decoder_stack`` (the module whose ``forward`` the repair hook wraps); removed afterwards."""
     readers = [(schedule_batch, pending), (attn_backend, pending.context.rows)]

@@ -12,18 +12,18 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from relaxkv_sglang.runtime.hooks import Hook
 from relaxkv_sglang.attention.extend_rows import FoldedRows
+from relaxkv_sglang.cache.sglang.relaxkv_cache import worker_cache
 from relaxkv_sglang.forward.context import ForwardContext, PendingForward, attached, pending_forward
-from relaxkv_sglang.runtime.failures import InvariantError
 from relaxkv_sglang.forward.finish import finish_forward
 from relaxkv_sglang.forward.fold import fold_batch, fold_digests
-from relaxkv_sglang.model.sglang.tensor_parallel import served_tensor_parallel
-from relaxkv_sglang.model.tensor_parallel import check_same
 from relaxkv_sglang.forward.query_pass import set_up_forward
 from relaxkv_sglang.forward.repair_stage import repair_stage
+from relaxkv_sglang.model.sglang.tensor_parallel import served_tensor_parallel
+from relaxkv_sglang.model.tensor_parallel import check_same
 from relaxkv_sglang.repair.sglang.services import repair_services
-from relaxkv_sglang.cache.sglang.relaxkv_cache import worker_cache
+from relaxkv_sglang.runtime.failures import InvariantError
+from relaxkv_sglang.runtime.hooks import Hook
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def around_forward_batch_generation(original: Callable, worker: "TpModelWorker", batch: Optional["ScheduleBatch"] = None,
-                                    *args: Any, **kwargs: Any) -> Any:
+def around_forward_batch_generation(original: Callable, worker: "TpModelWorker",
+                                    batch: Optional["ScheduleBatch"] = None, *args: Any, **kwargs: Any) -> Any:
     """Hook on ``TpModelWorker.forward_batch_generation``: fold, repair, forward, finish."""
     cache = worker_cache(worker)
     if cache is None:

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from relaxkv_sglang.forward.repair_stage import RepairOutcome
 
 _TIER_FIELDS = {tier: f"chunk_tokens_from_{tier.value}" for tier in TierName if tier != TierName.DEVICE}
-_SUMMED_OVER_PREFILLS = ("chunks_seen", "chunks_hit", "chunk_tokens_reused", *_TIER_FIELDS.values(), "tokens_computed", "prefills",
-             "repairs")
+_SUMMED_OVER_PREFILLS = ("chunks_seen", "chunks_hit", "chunk_tokens_reused", *_TIER_FIELDS.values(), "tokens_computed",
+                         "prefills", "repairs")
 
 
 def request_record(r: "RequestRows", outcome: Optional["RepairOutcome"]) -> dict:

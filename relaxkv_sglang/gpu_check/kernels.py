@@ -1,6 +1,7 @@
 """The plugin's FlashInfer calls against the torch reference on one device, and their cost.
 
-* **anchors** (:func:`run_anchors`, :class:`~relaxkv_sglang.attention.gpu.flashinfer_attention.FlashInferAnchorAttention`,
+* **anchors** (:func:`run_anchors`,
+  :class:`~relaxkv_sglang.attention.gpu.flashinfer_attention.FlashInferAnchorAttention`,
   bfloat16): a ``relaxkv`` layer's anchors and layout, KV at scattered pool slots, against
   :func:`~relaxkv_sglang.attention.block_sparse.block_sparse_attention`; timed against full causal context
   and a dense prefill of the prompt (SGLang's ordinary extend);

@@ -265,8 +265,9 @@ def reference_prefill(
 def _repair_pass(w: LlamaWeights, input_ids: torch.Tensor, schedule: AnchorSchedule,
                  stale_kv: list[tuple[torch.Tensor, torch.Tensor]], elig: torch.Tensor, fresh: torch.Tensor,
                  report: RepairReport) -> tuple[AnchorSchedule, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """Step 4 over every layer (``elig`` int64 [n_eligible]; ``fresh`` int64 [n_fresh] the glue and query): (the schedule,
-    as decided at a check layer; per layer (k [n, Hkv, d], v [same]) float32; the last token's residual [hidden])."""
+    """Step 4 over every layer (``elig`` int64 [n_eligible]; ``fresh`` int64 [n_fresh] the glue and query): (the
+    schedule as decided at a check layer; per layer (k [n, Hkv, d], v [same]) float32; the last token's residual
+    [hidden])."""
     h_q = w.embed[input_ids[fresh]].float()
     cur_tok = elig  # tokens whose residual stream we carry (A_{l-1}; all eligible before layer 0)
     h_cur = w.embed[input_ids[elig]].float()

@@ -13,7 +13,8 @@
   over SGLang's frontend, and the CPU shims) and only an adapter imports an adapter (besides
   ``gpu_check``, which runs them on a GPU). Adapters import one way (:data:`ADAPTER_MAY_IMPORT`),
   and the HTTP process's modules (:data:`HTTP_PROCESS`) import nothing of the scheduler's.
-* No module over :data:`MAX_MODULE_LINES` lines outside ``benchmarks/``.
+* No module over :data:`MAX_MODULE_LINES` lines outside ``benchmarks/``, no line over :data:`MAX_LINE_CHARS`
+  characters.
 * ``docs/architecture.md`` matches the tree: every ``.py`` file it names exists, and every package
   of ``relaxkv_sglang`` is named in it.
 * ``relaxkv_sglang/<room>/sglang/**.py``: every parameter is annotated (``self``/``cls`` excepted,
@@ -430,6 +431,19 @@ def long_modules() -> list[str]:
 
 def test_no_module_over_the_line_limit():
     assert not long_modules(), f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(long_modules())
+
+
+MAX_LINE_CHARS = 120
+
+
+def long_lines() -> list[str]:
+    """``path:line`` of every line of a project module over :data:`MAX_LINE_CHARS` characters."""
+    return [f"{m.rel}:{i}" for m in project_modules().values()
+            for i, line in enumerate(m.path.read_text().splitlines(), 1) if len(line) > MAX_LINE_CHARS]
+
+
+def test_no_line_over_the_width():
+    assert not long_lines(), f"lines over {MAX_LINE_CHARS} characters:\n" + "\n".join(long_lines())
 
 
 # --- docs/architecture.md names the tree ---------------------------------------------------------

@@ -102,7 +102,8 @@ def gate_state(cache: "RelaxKVTreeCache") -> Optional[dict]:
     return None if held is None else held.to_dict()
 
 
-def _run_checks(causal_lm: Optional[torch.nn.Module], cache: "RelaxKVTreeCache", context_len: int, tokenizer: Any) -> GateResult:
+def _run_checks(causal_lm: Optional[torch.nn.Module], cache: "RelaxKVTreeCache", context_len: int,
+                tokenizer: Any) -> GateResult:
     """The three checks (module doc); slots taken from the allocator and always given back."""
     if causal_lm is None or not hasattr(causal_lm, "model"):
         return GateResult.failure("the gate found no model on the worker")
@@ -172,7 +173,8 @@ def _rows(slots: torch.Tensor, offset: int, first: int, n: int, n_layers: int) -
                     anchor=torch.zeros(m, dtype=torch.bool, device=device))
 
 
-def _compare_kv(name: str, cache: "RelaxKVTreeCache", actual: torch.Tensor, expected: torch.Tensor, tol: float) -> CheckResult:
+def _compare_kv(name: str, cache: "RelaxKVTreeCache", actual: torch.Tensor, expected: torch.Tensor,
+                tol: float) -> CheckResult:
     """Every layer's K and V in slots ``actual`` against ``expected`` (int64 [n] each)."""
     pool = cache.pool_kv.kv_pool
     got, want = [], []

@@ -22,6 +22,7 @@ interface this run made, also when a test fails (a context manager). Needs root 
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import os
 import re
 import shutil
@@ -32,10 +33,13 @@ PREFIX = "rkv"  # of every namespace and interface the harness makes
 SUBNET_CHOICES = [ipaddress.ip_network(f"10.77.{i}.0/24") for i in range(16, 240)]
 
 
-def _name(suffix: str) -> str:
+_NETWORKS = itertools.count()  # a process may hold several networks (a deployment, the harness's own test)
+
+
+def _name(suffix: str, network: str = "") -> str:
     """This run's name for a namespace (``-host``) or an interface (``b0``: the bridge's end of host 0's cable,
-    ``h0``: the host's end, ``br``: the bridge)."""
-    return f"{PREFIX}{os.getpid()}{suffix}"
+    ``h0``: the host's end, ``br``: the bridge) of ``network`` (its tag; at most 15 characters in all)."""
+    return f"{PREFIX}{os.getpid()}{network}{suffix}"
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -68,13 +72,13 @@ def remove_leftovers() -> list[str]:
     removed = []
     for line in _ip("netns", "list").stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
-        owner = re.match(rf"{PREFIX}(\d+)-", name)
+        owner = re.match(rf"{PREFIX}(\d+)\D", name)
         if owner and not _alive(int(owner.group(1))):
             _ip("netns", "del", name, check=False)
             removed.append(name)
     for line in _ip("-o", "link", "show").stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0]
-        owner = re.match(rf"{PREFIX}(\d+)[a-z]", name)
+        owner = re.match(rf"{PREFIX}(\d+)\D", name)
         if owner and not _alive(int(owner.group(1))):
             _ip("link", "del", name, check=False)
             removed.append(name)
@@ -104,8 +108,8 @@ class Host:
 
     def __init__(self, network: "HostNetwork", name: str, index: int, address: str):
         self.network, self.name, self.address = network, name, address
-        self.namespace = _name(f"-{name}")
-        self.link = _name(f"b{index}")  # the bridge's end of the host's cable
+        self.namespace = _name(f"-{name}", network.tag)
+        self.link = _name(f"b{index}", network.tag)  # the bridge's end of the host's cable
         self.processes: list[subprocess.Popen] = []
 
     def __repr__(self) -> str:
@@ -154,7 +158,9 @@ class HostNetwork:
             raise ValueError(f"host names must be distinct and at least one: {names}")
         self.names = list(names)
         self.subnet: Optional[ipaddress.IPv4Network] = None
-        self.bridge = _name("br")
+        self.tag = f"n{next(_NETWORKS)}"
+        self.prefix = _name("", self.tag)  # of every name this network makes
+        self.bridge = _name("br", self.tag)
         self.gateway_address: Optional[str] = None  # the bridge's address (the root namespace's)
         self.hosts: dict[str, Host] = {}
 
@@ -175,7 +181,7 @@ class HostNetwork:
             _ip("link", "set", self.bridge, "up")
             for i, name in enumerate(self.names):
                 host = Host(self, name, i, addresses[i + 1])
-                inner = _name(f"h{i}")
+                inner = _name(f"h{i}", self.tag)
                 _ip("netns", "add", host.namespace)
                 _ip("link", "add", host.link, "type", "veth", "peer", "name", inner)
                 _ip("link", "set", inner, "netns", host.namespace)
@@ -204,8 +210,8 @@ class HostNetwork:
                         pass
                     proc.wait(30)
         for i, name in enumerate(self.names):
-            _ip("netns", "del", _name(f"-{name}"), check=False)
-            _ip("link", "del", _name(f"b{i}"), check=False)
+            _ip("netns", "del", _name(f"-{name}", self.tag), check=False)
+            _ip("link", "del", _name(f"b{i}", self.tag), check=False)
         _ip("link", "del", self.bridge, check=False)
         self.hosts.clear()
 

@@ -355,5 +355,5 @@ def test_the_hosts_harness_isolates_cuts_and_cleans_up():
         made = [one.namespace, two.namespace]
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-    assert not any(ns in namespaces for ns in made) and f"{PREFIX}{os.getpid()}" not in links
+    assert not any(ns in namespaces for ns in made) and net.prefix not in links
     assert server.poll() is not None

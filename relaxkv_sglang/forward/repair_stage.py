@@ -19,7 +19,6 @@ import torch
 
 from relaxkv_sglang.repair.repair_config import RepairConfig
 from relaxkv_sglang.repair.anchor_schedule import AnchorSchedule, schedule_anchors
-from relaxkv_sglang.repair.sglang.served_calibration import served_settings
 from relaxkv_sglang.forward.budget import decide_budget
 from relaxkv_sglang.forward.fold import publish_misses
 from relaxkv_sglang.model.model_family import hooked_model_classes
@@ -154,7 +153,7 @@ class RepairStage:
         f = r.fold
         try:
             ids = _token_ids(f.req)
-            served = served_settings(self.cache)
+            served = self.services.calibration
             budget = decide_budget(request_repair_config(r, served.base), f.plan, served, scores, ids, answer_logits)
             anchor_schedule = schedule_anchors(f.plan.policy, scores, list(f.plan.chunk_spans), f.plan.query_start,
                                                n_layers, budget.config, self.services.cost, input_ids=ids)

@@ -162,27 +162,25 @@ def _settings(**env: str) -> ServerSettings:
 
 
 def test_the_server_loads_logs_and_shows_its_calibration(tmp_path, caplog):
-    from relaxkv_sglang.repair.sglang.served_calibration import calibration_state, load_served_calibration, repair_base
+    from relaxkv_sglang.repair.sglang.served_calibration import load_served_calibration
 
-    cache = types.SimpleNamespace()
-    assert repair_base(cache) == RepairConfig() and calibration_state(cache) is None
     with caplog.at_level(logging.INFO, logger="relaxkv_sglang.repair.sglang.served_calibration"):
-        load_served_calibration(cache, "/models/tiny-llama/", HF_CONFIG, _settings())
+        served = load_served_calibration("/models/tiny-llama/", HF_CONFIG, _settings())
     assert "relaxkv: no calibration for tiny-llama; repair knobs are the defaults (tuned on SmolLM2-135M)" in caplog.text
-    assert calibration_state(cache)["file"] is None and calibration_state(cache)["knobs"] == {}
+    assert served.base == RepairConfig() and served.state()["file"] is None and served.state()["knobs"] == {}
 
     path = save_calibration(_calibration(context_ratio=0.25), tmp_path / "tiny.json")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="relaxkv_sglang.repair.sglang.served_calibration"):
-        load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG, _settings(RELAXKV_CALIBRATION=str(path)))
+        served = load_served_calibration("/models/tiny-llama", HF_CONFIG, _settings(RELAXKV_CALIBRATION=str(path)))
     assert f"relaxkv: calibration {path} (knobs: context_ratio=0.25); no auto budget model" in caplog.text
-    assert repair_base(cache).context_ratio == 0.25
-    assert calibration_state(cache) == {"file": str(path), "model": "tiny-llama", "version": FORMAT_VERSION,
-                                        "knobs": {"context_ratio": 0.25}, "budget_prices": None,
-                                        "default_budget": None, "quality": "medium"}
+    assert served.base.context_ratio == 0.25
+    assert served.state() == {"file": str(path), "model": "tiny-llama", "version": FORMAT_VERSION,
+                              "knobs": {"context_ratio": 0.25}, "budget_prices": None,
+                              "default_budget": None, "quality": "medium"}
 
     with pytest.raises(SystemExit, match="relaxkv-sglang: calibration .* is for model tiny"):
-        load_served_calibration(cache, "/models/big", {**HF_CONFIG, "num_hidden_layers": 24},
+        load_served_calibration("/models/big", {**HF_CONFIG, "num_hidden_layers": 24},
                                 _settings(RELAXKV_CALIBRATION=str(path)))
 
 
@@ -225,7 +223,7 @@ def test_the_repository_files_load_and_match_their_prepared_models():
 
 def test_a_budget_model_travels_in_the_calibration_file_and_sets_the_server_budget(tmp_path, caplog):
     from relaxkv_sglang.repair.auto_budget import BudgetModel
-    from relaxkv_sglang.repair.sglang.served_calibration import calibration_state, load_served_calibration, served_settings
+    from relaxkv_sglang.repair.sglang.served_calibration import load_served_calibration
 
     model = BudgetModel(("one", "log_ratio"), (-5.0, -1.0), prices={"low": 1.0, "medium": 0.3, "high": 0.05})
     with_budget = dataclasses.replace(_calibration(context_ratio=0.25), budget_model=model,
@@ -235,14 +233,12 @@ def test_a_budget_model_travels_in_the_calibration_file_and_sets_the_server_budg
     assert loaded.budget_model == model and loaded.budget_evidence == {"prompts": 96}
     assert json.loads(path.read_text())["budget_model"]["evidence"] == {"prompts": 96}
 
-    cache = types.SimpleNamespace()
     auto = _settings(RELAXKV_CALIBRATION=str(path), RELAXKV_DEFAULT_BUDGET="auto", RELAXKV_QUALITY="High")
     with caplog.at_level(logging.INFO, logger="relaxkv_sglang.repair.sglang.served_calibration"):
-        load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG, auto)
+        served = load_served_calibration("/models/tiny-llama", HF_CONFIG, auto)
     assert "auto budget calibrated; default budget auto, quality high" in caplog.text
-    served = served_settings(cache)
     assert (served.default_budget, served.quality, served.budget_model) == ("auto", "high", model)
-    assert calibration_state(cache)["budget_prices"] == {"low": 1.0, "medium": 0.3, "high": 0.05}
+    assert served.state()["budget_prices"] == {"low": 1.0, "medium": 0.3, "high": 0.05}
 
     broken = json.loads(path.read_text())
     broken["budget_model"]["features"] = ["one", "moon_phase"]
@@ -252,7 +248,7 @@ def test_a_budget_model_travels_in_the_calibration_file_and_sets_the_server_budg
 
     plain = save_calibration(_calibration(), tmp_path / "plain.json")
     with pytest.raises(SystemExit, match="RELAXKV_DEFAULT_BUDGET=auto needs a budget model"):
-        load_served_calibration(cache, "/models/tiny-llama", HF_CONFIG,
+        load_served_calibration("/models/tiny-llama", HF_CONFIG,
                                 _settings(RELAXKV_CALIBRATION=str(plain), RELAXKV_DEFAULT_BUDGET="auto"))
     with pytest.raises(SystemExit, match="RELAXKV_DEFAULT_BUDGET='lots'"):
         _settings(RELAXKV_DEFAULT_BUDGET="lots")

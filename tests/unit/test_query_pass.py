@@ -116,6 +116,8 @@ def test_a_model_without_the_repair_pass_is_served_as_pic_before_the_forward():
 def test_a_request_whose_repair_cannot_be_planned_is_served_as_pic(monkeypatch):
     from relaxkv_sglang.forward import repair_stage as repair
     from relaxkv_sglang.forward.query_pass import RequestRows
+    from relaxkv_sglang.repair.repair_config import RepairConfig
+    from relaxkv_sglang.repair.sglang.served_calibration import ServedCalibration
     from relaxkv_sglang.repair.sglang.services import RepairServices
 
     def schedule_anchors(*args, **kwargs):
@@ -124,7 +126,8 @@ def test_a_request_whose_repair_cannot_be_planned_is_served_as_pic(monkeypatch):
     monkeypatch.setattr(repair, "schedule_anchors", schedule_anchors)
     f = _request_fold("epic", [0, 1, 6, 7, 8, 9])
     r = RequestRows(f, f.keep, f.scope_start, to_repair=True, slots=torch.arange(10))
-    services = RepairServices(anchor_attention=None, cost=None, lm_head=None, vocab_size=32, kv_pool=None, rope=None)
+    services = RepairServices(anchor_attention=None, cost=None, lm_head=None, vocab_size=32, kv_pool=None, rope=None,
+                              calibration=ServedCalibration("tiny", None, RepairConfig()))
     stage = repair.RepairStage(_cache(), services, None)
     outcome = stage._plan(r, 2, None, None)
     assert outcome.not_repaired_reason == "its repair could not be planned (no anchors fit) (served as pic)"

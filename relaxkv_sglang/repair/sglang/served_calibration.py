@@ -1,21 +1,18 @@
-"""The served model's repair calibration and ``auto`` budget settings in the scheduler: chosen once at startup."""
+"""The served model's repair calibration and ``auto`` budget settings in the scheduler: chosen once at startup and
+handed to the repair stage in its services (:mod:`.services`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import pathlib
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from relaxkv_sglang.repair.calibration import DEFAULTS_NOTE, Calibration, CalibrationError, served_calibration
 from relaxkv_sglang.repair.auto_budget import BudgetModel
 from relaxkv_sglang.runtime.quality import AUTO, DEFAULT_QUALITY
 from relaxkv_sglang.repair.repair_config import RepairConfig
 from relaxkv_sglang.runtime.settings import CALIBRATION_ENV, DEFAULT_BUDGET_ENV, ServerSettings
-from relaxkv_sglang.runtime import records
-
-if TYPE_CHECKING:
-    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +51,10 @@ class ServedCalibration:
         return {**self.calibration.state(), "model": self.model, **budget}
 
 
-def load_served_calibration(cache: "BasePrefixCache", model_path: str, hf_config: dict, settings: ServerSettings, *,
+def load_served_calibration(model_path: str, hf_config: dict, settings: ServerSettings, *,
                             log: bool = True) -> ServedCalibration:
     """Choose the calibration (``RELAXKV_CALIBRATION``, else the repository's file for the model's fingerprint, else
-    none), keep it on ``cache``, log it (``log``: this rank); SystemExit with one line for an unusable file."""
+    none) and log it (``log``: this rank); SystemExit with one line for an unusable file."""
     try:
         calibration = served_calibration(hf_config, settings.calibration)
     except CalibrationError as exc:
@@ -69,28 +66,6 @@ def load_served_calibration(cache: "BasePrefixCache", model_path: str, hf_config
         raise SystemExit(f"relaxkv-sglang: {DEFAULT_BUDGET_ENV}=auto needs a budget model in {served.model}'s "
                          f"calibration (python -m scripts.calibrate --budget ...); "
                          f"{'it has none' if calibration else 'there is no calibration'}")
-    records.attach(cache, served)
     if log:
         logger.info(served.line())
     return served
-
-
-def served_settings(cache: "BasePrefixCache") -> ServedCalibration:
-    """The served calibration and budget settings (before startup chose them: the defaults)."""
-    served = _served(cache)
-    return served if served is not None else ServedCalibration("", None, RepairConfig())
-
-
-def repair_base(cache: "BasePrefixCache") -> RepairConfig:
-    """The RepairConfig the server's repairs start from (the defaults before a calibration is loaded)."""
-    return served_settings(cache).base
-
-
-def calibration_state(cache: "BasePrefixCache") -> Optional[dict]:
-    """What /get_server_info shows (None before the calibration was chosen)."""
-    served = _served(cache)
-    return None if served is None else served.state()
-
-
-def _served(cache: "BasePrefixCache") -> Optional[ServedCalibration]:
-    return records.record(cache, ServedCalibration, create=False)

@@ -11,6 +11,7 @@ import torch
 from relaxkv_sglang.attention.sglang.anchor_attention import AnchorAttention
 from relaxkv_sglang.model.rope import RopeSpec
 from relaxkv_sglang.repair.repair_config import RepairCost
+from relaxkv_sglang.repair.sglang.served_calibration import ServedCalibration
 from relaxkv_sglang.runtime import records
 
 if TYPE_CHECKING:
@@ -22,7 +23,8 @@ if TYPE_CHECKING:
 class RepairServices:
     """``anchor_attention``: the attention backend's anchor executor (it shares its FlashInfer workspace); ``lm_head``:
     this rank's (a vocabulary shard under tensor parallelism), through which the auto budget reads ``pic``'s answer;
-    ``vocab_size`` without SGLang's padding; ``rope`` the served RoPE (the stale shift compares K before it)."""
+    ``vocab_size`` without SGLang's padding; ``rope`` the served RoPE (the stale shift compares K before it);
+    ``calibration``: every repair's base config and the server's budget settings."""
 
     anchor_attention: AnchorAttention
     cost: RepairCost
@@ -30,16 +32,18 @@ class RepairServices:
     vocab_size: int
     kv_pool: "KVCache"
     rope: Optional[RopeSpec]
+    calibration: ServedCalibration
 
     @classmethod
-    def of_worker(cls, worker: "TpModelWorker", kv_pool: "KVCache", rope: Optional[RopeSpec]) -> "RepairServices":
+    def of_worker(cls, worker: "TpModelWorker", kv_pool: "KVCache", rope: Optional[RopeSpec],
+                  calibration: ServedCalibration) -> "RepairServices":
         """The services of ``worker``'s model runner (its ``relaxkv`` attention backend built the anchor executor)."""
         runner = worker.model_runner
         return cls(anchor_attention=runner.attn_backend.anchor_attention,
                    cost=RepairCost.from_hf_config(runner.model_config.hf_config.to_dict(),
                                                   str(runner.device).split(":")[0]),
                    lm_head=getattr(runner.model, "lm_head", None), vocab_size=int(runner.model_config.vocab_size),
-                   kv_pool=kv_pool, rope=rope)
+                   kv_pool=kv_pool, rope=rope, calibration=calibration)
 
 
 def attach_repair_services(worker: "TpModelWorker", services: RepairServices) -> None:

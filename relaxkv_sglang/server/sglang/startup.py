@@ -20,7 +20,7 @@ from relaxkv_sglang.runtime.hooks import Hook
 from relaxkv_sglang.model.rope import UnsupportedRopeError
 from relaxkv_sglang.model.rope_config import rope_spec_from_hf_config
 from relaxkv_sglang.runtime.settings import ServerSettings, server_settings
-from relaxkv_sglang.repair.sglang.served_calibration import calibration_state, load_served_calibration
+from relaxkv_sglang.repair.sglang.served_calibration import load_served_calibration
 from relaxkv_sglang.cache.sglang.relaxkv_cache import attach_worker_cache, worker_cache
 from relaxkv_sglang.cache.sglang.chunk_metrics import ChunkMetrics
 from relaxkv_sglang.server.sglang.gate import gate_state, run_startup_gate, serving_rope
@@ -28,7 +28,7 @@ from relaxkv_sglang.cache.sglang.kv_identity import KVIdentity, kv_identity
 from relaxkv_sglang.model.sglang.model_layers import family_line, supports_repair
 from relaxkv_sglang.model.sglang.tensor_parallel import served_tensor_parallel
 from relaxkv_sglang.forward.repair_stage import RepairTiming
-from relaxkv_sglang.repair.sglang.services import RepairServices, attach_repair_services
+from relaxkv_sglang.repair.sglang.services import RepairServices, attach_repair_services, repair_services
 from relaxkv_sglang.runtime import records
 from relaxkv_sglang.request.plan import BACKEND_NAME
 from relaxkv_sglang.cache.sglang.pool_kv import PoolKV
@@ -104,8 +104,8 @@ def make_tree_cache(ctx: "TreeCacheBuildContext") -> Any:
     cache = build_cache_class()(ctx.params, pool_kv, metrics, tiers, admission_hold=settings.admission_hold)
     cache.kv_identity = identity  # relaxkv.kv_identity on /get_server_info
     attach_worker_cache(ctx.tp_worker, cache)
-    attach_repair_services(ctx.tp_worker, RepairServices.of_worker(ctx.tp_worker, pool_kv.kv_pool, rope))
-    load_served_calibration(cache, server_args.model_path, hf_config, settings, log=ctx.tp_rank == 0)
+    served = load_served_calibration(server_args.model_path, hf_config, settings, log=ctx.tp_rank == 0)
+    attach_repair_services(ctx.tp_worker, RepairServices.of_worker(ctx.tp_worker, pool_kv.kv_pool, rope, served))
     gate = run_startup_gate(ctx.tp_worker, cache, int(ctx.model_config.context_len), tp_rank=ctx.tp_rank,
                             enable_metrics=bool(server_args.enable_metrics))
     if ctx.tp_rank == 0:  # one line: the model's family, whether chunks are reused and whether it repairs
@@ -130,8 +130,10 @@ def around_get_internal_state(original: Callable[..., Any], scheduler: "Schedule
     output = original(scheduler, recv_req)
     cache = worker_cache(scheduler.tp_worker)
     if cache is not None:
+        services = repair_services(scheduler.tp_worker)
         state = dict(cache.stats(), kv_total_tokens=int(scheduler.max_total_num_tokens), gate=gate_state(cache),
-                     calibration=calibration_state(cache), **repair_timing(cache))
+                     calibration=services.calibration.state() if services is not None else None,
+                     **repair_timing(cache))
         identity = getattr(cache, "kv_identity", None)
         if identity is not None:
             state["kv_identity"] = identity.describe()

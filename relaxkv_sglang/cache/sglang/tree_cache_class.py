@@ -39,15 +39,19 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import TreeNode
 
+    from relaxkv_sglang.cache.sglang.kv_identity import KVIdentity
+
 logger = logging.getLogger(__name__)
 
 
 class RelaxKVTreeCache(RadixCache):
     def __init__(self, params: CacheInitParams, pool_kv: PoolKV, metrics: Optional[ChunkMetrics] = None,
-                 tiers: Optional[TieredChunkStore] = None, admission_hold: bool = True) -> None:
-        """``admission_hold``: ``RELAXKV_ADMISSION_HOLD``."""
+                 tiers: Optional[TieredChunkStore] = None, admission_hold: bool = True,
+                 kv_identity: Optional[KVIdentity] = None) -> None:
+        """``admission_hold``: ``RELAXKV_ADMISSION_HOLD``; ``kv_identity``: shown on /get_server_info."""
         self.chunks: Optional[PoolChunkIndex] = None  # reset() runs in RadixCache.__init__, before it exists
         self.pool_kv = pool_kv
+        self.kv_identity = kv_identity
         self.movement = TierMovement(tiers, pool_kv) if tiers is not None and tiers.enabled else NoTierMovement()
         self.metrics = metrics
         super().__init__(params)

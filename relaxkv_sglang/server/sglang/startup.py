@@ -101,8 +101,8 @@ def make_tree_cache(ctx: "TreeCacheBuildContext") -> Any:
     metrics = ChunkMetrics({"model_name": served_model_name(server_args)}) if server_args.enable_metrics else None
     identity = _kv_identity(ctx, pool_kv, hf_config, settings.weights_fingerprint)
     tiers = _build_tiers(ctx, pool_kv, identity, settings)
-    cache = build_cache_class()(ctx.params, pool_kv, metrics, tiers, admission_hold=settings.admission_hold)
-    cache.kv_identity = identity  # relaxkv.kv_identity on /get_server_info
+    cache = build_cache_class()(ctx.params, pool_kv, metrics, tiers, admission_hold=settings.admission_hold,
+                                kv_identity=identity)
     attach_worker_cache(ctx.tp_worker, cache)
     served = load_served_calibration(server_args.model_path, hf_config, settings, log=ctx.tp_rank == 0)
     attach_repair_services(ctx.tp_worker, RepairServices.of_worker(ctx.tp_worker, pool_kv.kv_pool, rope, served))
@@ -134,9 +134,8 @@ def around_get_internal_state(original: Callable[..., Any], scheduler: "Schedule
         state = dict(cache.stats(), kv_total_tokens=int(scheduler.max_total_num_tokens), gate=gate_state(cache),
                      calibration=services.calibration.state() if services is not None else None,
                      **repair_timing(cache))
-        identity = getattr(cache, "kv_identity", None)
-        if identity is not None:
-            state["kv_identity"] = identity.describe()
+        if cache.kv_identity is not None:
+            state["kv_identity"] = cache.kv_identity.describe()
         output.internal_state["relaxkv"] = state
     return output
 

@@ -81,15 +81,11 @@ def request_namespace(req: Req) -> str | None:
     return f"{len(extra)}:{extra}\x1f{salt}" if (extra or salt) else None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RequestState:
-    """The plugin's state of one SGLang request in the scheduler: the plan as scheduled (None: a plain request),
-    each chunk's (start, end, token ids) once asked (:func:`~relaxkv_sglang.cache.sglang.pins.chunk_keys`), whether
-    the reads of its chunks the pool lacks were started (:mod:`relaxkv_sglang.cache.sglang.tier_movement`)."""
+    """A ``Req``'s record in the scheduler: its plan as scheduled (None: a plain request)."""
 
     plan: Optional[RequestPlan]
-    chunk_keys: Optional[list[tuple[int, int, tuple[int, ...]]]] = None
-    prefetched: bool = False
 
 
 def request_state(req: Req) -> RequestState:

@@ -9,11 +9,13 @@ queued requests' chunks waits (docs/reliability.md, "Chunk hits under memory pre
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 from relaxkv_sglang.cache.chunk_key import ChunkKey
 from relaxkv_sglang.cache.pool_index import ChunkEntry, PoolChunkIndex
-from relaxkv_sglang.request.plan import request_plan, request_state
+from relaxkv_sglang.request.plan import request_plan
+from relaxkv_sglang.runtime import records
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -27,13 +29,21 @@ HOLD_QUEUE_DEPTH = 256
 ChunkLoader = Callable[[ChunkKey], Optional[ChunkEntry]]
 
 
-def chunk_keys(req: Req, plan: RequestPlan) -> list[tuple[int, int, tuple[int, ...]]]:
-    """(start, end, token ids) of each chunk of the request, computed once per request."""
-    state = request_state(req)
-    if state.chunk_keys is None:
+@dataclasses.dataclass(frozen=True)
+class RequestChunks:
+    """A ``Req``'s record: (start, end, key) of each of its chunks, made once (admission asks every round)."""
+
+    chunks: tuple[tuple[int, int, ChunkKey], ...]
+
+
+def chunk_keys(req: "Req", plan: "RequestPlan") -> tuple[tuple[int, int, ChunkKey], ...]:
+    """(start, end, key) of each chunk of the request, computed once per request."""
+    held = records.record(req, RequestChunks, create=False)
+    if held is None:
         ids = req.origin_input_ids
-        state.chunk_keys = [(cs, ce, tuple(ids[cs:ce])) for cs, ce in plan.chunk_spans]
-    return state.chunk_keys
+        held = records.attach(req, RequestChunks(tuple((cs, ce, ChunkKey(plan.namespace, ids[cs:ce]))
+                                                        for cs, ce in plan.chunk_spans)))
+    return held.chunks
 
 
 def requests_chunks(reqs: Iterable[Req]) -> Iterator[ChunkKey]:
@@ -42,8 +52,8 @@ def requests_chunks(reqs: Iterable[Req]) -> Iterator[ChunkKey]:
         plan = request_plan(req)
         if plan is None or not plan.reuses_chunks:
             continue
-        for _cs, _ce, tokens in chunk_keys(req, plan):
-            yield ChunkKey(plan.namespace, tokens)
+        for _cs, _ce, key in chunk_keys(req, plan):
+            yield key
 
 
 class AdmissionPins:
@@ -64,10 +74,9 @@ class AdmissionPins:
             return 0
         start = req.prefix_len
         pins = []
-        for _cs, ce, tokens in chunk_keys(req, plan):
+        for _cs, ce, key in chunk_keys(req, plan):
             if ce < start:  # settled by an earlier window (fold.settles_in_window)
                 continue
-            key = ChunkKey(plan.namespace, tokens)
             entry = self.chunks.peek(key)
             if entry is None and load is not None:
                 entry = load(key)

@@ -15,7 +15,7 @@ from relaxkv_sglang.cache.chunk_key import ChunkKey
 from relaxkv_sglang.cache.pool_index import ChunkEntry, PoolChunkIndex
 from relaxkv_sglang.cache.tiers import TieredChunkStore, TierName
 from relaxkv_sglang.cache.sglang.pins import requests_chunks
-from relaxkv_sglang.request.plan import request_state
+from relaxkv_sglang.runtime import records
 from relaxkv_sglang.cache.sglang.pool_kv import PoolKV
 
 if TYPE_CHECKING:
@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 # Allocates n pool slots for a chunk (int64 [n]), evicting what it may; None if no room.
 SlotAllocator = Callable[[int], Optional[torch.Tensor]]
+
+
+class PrefetchStarted:
+    """A ``Req``'s record: the reads of its chunks the pool lacks were started (once per request)."""
 
 
 class TierMovement:
@@ -112,10 +116,9 @@ class TierMovement:
             return
         keys = []
         for req in waiting:
-            state = request_state(req)
-            if state.prefetched:
+            if records.record(req, PrefetchStarted, create=False) is not None:
                 continue
-            state.prefetched = True
+            records.attach(req, PrefetchStarted())
             keys += [key for key in requests_chunks([req]) if chunks.peek(key) is None]
         if keys:
             self.tiers.prefetch(keys)

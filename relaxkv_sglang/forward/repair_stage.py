@@ -17,18 +17,18 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from relaxkv_sglang.repair.repair_config import RepairConfig
-from relaxkv_sglang.repair.anchor_schedule import AnchorSchedule, schedule_anchors
 from relaxkv_sglang.forward.budget import decide_budget
 from relaxkv_sglang.forward.fold import publish_misses
 from relaxkv_sglang.model.model_family import hooked_model_classes
-from relaxkv_sglang.runtime.hooks import Hook
-from relaxkv_sglang.runtime.failures import InvariantError, served_as_pic
-from relaxkv_sglang.repair.sglang.layer_loop import LayerLoop, LoopRows
-from relaxkv_sglang.repair.sglang.services import RepairServices
 from relaxkv_sglang.model.sglang.model_layers import ModelLayers
 from relaxkv_sglang.model.tensor_parallel import place_shard
+from relaxkv_sglang.repair.anchor_schedule import AnchorSchedule, schedule_anchors
+from relaxkv_sglang.repair.repair_config import RepairConfig
+from relaxkv_sglang.repair.sglang.layer_loop import LayerLoop, LoopRows
+from relaxkv_sglang.repair.sglang.services import RepairServices
 from relaxkv_sglang.runtime import records
+from relaxkv_sglang.runtime.failures import InvariantError, served_as_pic
+from relaxkv_sglang.runtime.hooks import Hook
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req

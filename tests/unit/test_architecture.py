@@ -137,7 +137,7 @@ def _resolve_from(module: Module, node: ast.ImportFrom) -> str:
 
 
 def imports_of(module: Module, modules: dict[str, Module], type_checking: bool = True) -> list[tuple[str, int]]:
-    """(project module imported, line) for every runtime import in ``module``.
+    """(project module imported, line) for every import in ``module``.
 
     ``import a.b.c`` -> the longest of a.b.c, a.b, a that is a project module; ``from p import
     x`` -> ``p.x`` when that is a module, else ``p``; relative imports resolved against the
@@ -342,11 +342,11 @@ def upward_imports(modules: dict[str, Module], graph: dict[str, dict[str, int]])
         here, here_room = adapter_room(name), room_of(name)
         for dep, line in sorted(deps.items()):
             where = f"{modules[name].rel}:{line} {name} -> {dep}"
-            there_room = room_of(dep)
-            below = there_room is not None and LAYERS.index(there_room) <= LAYERS.index(here_room or LAYERS[-1])
-            if here_room is not None and not (below or _under(dep, PLATFORM)):
-                bad.append(where + f" ({here_room} sits below {there_room or 'the top-level modules'})")
-                continue
+            if here_room is not None and not _under(dep, PLATFORM):
+                there_room = room_of(dep)
+                if there_room is None or LAYERS.index(there_room) > LAYERS.index(here_room):
+                    bad.append(where + f" ({here_room} sits below {there_room or 'the top-level modules'})")
+                    continue
             there = adapter_room(dep)
             if there is None:
                 continue

@@ -20,22 +20,15 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass(frozen=True)
-class ForwardContext:
-    """The fold's decision for one forward: ``positions`` int64 [n_rows] of the folded batch, the ``rows`` the
-    attention backend reads, the ``repair`` run after SGLang's layers (None if no request is repaired)."""
+class PendingForward:
+    """The ``ScheduleBatch``'s record while its forward runs: the folded batch (a shallow copy with fewer rows) and
+    its ``positions`` int64 [n_rows] that ``ForwardBatch.init_new`` builds from, the ``rows`` the attention backend
+    reads, the ``repair`` run after SGLang's layers (None if no request is repaired)."""
 
+    batch: "ScheduleBatch"
     positions: torch.Tensor
     rows: FoldedRows
     repair: Optional[RepairStage] = None
-
-
-@dataclasses.dataclass(frozen=True)
-class PendingForward:
-    """The ``ScheduleBatch``'s record while its forward runs: the folded batch (a shallow copy with fewer rows)
-    ``ForwardBatch.init_new`` builds from, and its context."""
-
-    batch: "ScheduleBatch"
-    context: ForwardContext
 
 
 @contextlib.contextmanager
@@ -43,9 +36,9 @@ def attached(schedule_batch: "ScheduleBatch", attn_backend: "AttentionBackend",
              decoder_stack: Optional[torch.nn.Module], pending: PendingForward) -> Iterator[None]:
     """For one forward: the folded batch on ``schedule_batch``, its rows on ``attn_backend``, its repair on
     ``decoder_stack`` (the module whose ``forward`` the repair hook wraps); removed afterwards."""
-    readers = [(schedule_batch, pending), (attn_backend, pending.context.rows)]
-    if decoder_stack is not None and pending.context.repair is not None:
-        readers.append((decoder_stack, pending.context.repair))
+    readers = [(schedule_batch, pending), (attn_backend, pending.rows)]
+    if decoder_stack is not None and pending.repair is not None:
+        readers.append((decoder_stack, pending.repair))
     for obj, held in readers:
         records.attach(obj, held)
     try:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from relaxkv_sglang.attention.extend_rows import FoldedRows
 from relaxkv_sglang.cache.sglang.relaxkv_cache import worker_cache
-from relaxkv_sglang.forward.context import ForwardContext, PendingForward, attached, pending_forward
+from relaxkv_sglang.forward.context import PendingForward, attached, pending_forward
 from relaxkv_sglang.forward.finish import finish_forward
 from relaxkv_sglang.forward.fold import fold_batch, fold_digests
 from relaxkv_sglang.forward.query_pass import set_up_forward
@@ -65,24 +65,23 @@ def _forward(original: Callable, cache: "RelaxKVCache", worker: "TpModelWorker",
     runner = worker.model_runner
     setup = set_up_forward(cache, runner, fold)
     stage = repair_stage(cache, repair_services(worker), setup)
-    context = ForwardContext(setup.positions, FoldedRows(list(setup.extend_rows), repairs=stage is not None), stage)
+    rows = FoldedRows(list(setup.extend_rows), repairs=stage is not None)
+    pending = PendingForward(setup.batch, setup.positions, rows, stage)
     decoder_stack = getattr(runner.model, "model", None)  # whose ``forward`` the repair hook wraps
-    with attached(batch, runner.attn_backend, decoder_stack, PendingForward(setup.batch, context)):
+    with attached(batch, runner.attn_backend, decoder_stack, pending):
         result = original(worker, batch, *args, **kwargs)
     finish_forward(cache, setup, stage)
     return result
 
 
 def around_forward_batch_init_new(original: Callable, cls: type["ForwardBatch"], batch: "ScheduleBatch",
-                                  model_runner: "ModelRunner",
-                                  *args: Any, **kwargs: Any) -> Any:
+                                  model_runner: "ModelRunner", *args: Any, **kwargs: Any) -> Any:
     """Hook on the classmethod ``ForwardBatch.init_new``: build it from the folded batch."""
     pending = pending_forward(batch)
     if pending is None:
         return original(cls, batch, model_runner, *args, **kwargs)
     forward_batch = original(cls, pending.batch, model_runner, *args, **kwargs)
-    positions = pending.context.positions
-    forward_batch.positions = positions.to(forward_batch.positions.dtype).to(forward_batch.positions.device)
+    forward_batch.positions = pending.positions.to(forward_batch.positions.dtype).to(forward_batch.positions.device)
     return forward_batch
 
 
